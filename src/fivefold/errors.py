@@ -1,0 +1,36 @@
+"""User-facing errors: each message names the field at fault and the fix.
+
+`assert` is for internal invariants only; anything a user can cause raises one of these, and the
+CLI prints the message as one paragraph instead of a traceback.
+"""
+
+
+class FivefoldError(Exception):
+    """Base of every error meant to be read by a user."""
+
+
+class ConfigError(FivefoldError):
+    """A bad model, cluster or plan setting; carries every problem found at once."""
+
+    def __init__(self, problems: list[str] | str):
+        self.problems = [problems] if isinstance(problems, str) else list(problems)
+        super().__init__(self._render())
+
+    def _render(self) -> str:
+        if len(self.problems) == 1:
+            return self.problems[0]
+        lines = [f"{len(self.problems)} problems in the configuration:"]
+        lines += [f"  - {p}" for p in self.problems]
+        return "\n".join(lines)
+
+
+class DataError(FivefoldError):
+    """A missing, empty or malformed data file or tokenizer."""
+
+
+class CheckpointError(FivefoldError):
+    """A missing, partial, corrupt or incompatible checkpoint."""
+
+
+class TrainingError(FivefoldError):
+    """A run that cannot continue (non-finite loss, a stuck rank)."""
