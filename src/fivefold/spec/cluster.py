@@ -1,0 +1,87 @@
+"""`ClusterSpec`: the machines a plan runs on, and the link hierarchy between its GPUs.
+
+Bandwidths are bytes/s per GPU as the vendor quotes them; latencies in seconds. Ranks are placed
+node-major: ranks [k*gpus_per_node, (k+1)*gpus_per_node) share node k and its NVLink domain.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+
+from fivefold.spec.hardware import GPUSpec, gpu
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    name: str = "dgx-h100"
+    gpu: str = "h100-sxm"
+    nodes: int = 1
+    gpus_per_node: int = 8
+    intra_node_bw: float = 900e9  # bytes/s per GPU (NVLink)
+    inter_node_bw: float = 50e9  # bytes/s per GPU (InfiniBand: one 400 Gb/s NIC per GPU)
+    intra_node_latency_s: float = 1e-6
+    inter_node_latency_s: float = 5e-6
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def device(self) -> GPUSpec:
+        return gpu(self.gpu)
+
+    def with_(self, **changes) -> ClusterSpec:
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def problems(self) -> list[str]:
+        out = []
+        for f in ("nodes", "gpus_per_node"):
+            if getattr(self, f) < 1:
+                out.append(f"cluster.{f} = {getattr(self, f)}: must be at least 1.")
+        for f in ("intra_node_bw", "inter_node_bw"):
+            if getattr(self, f) <= 0:
+                out.append(f"cluster.{f} = {getattr(self, f)}: must be a positive bytes/s figure.")
+        for f in ("intra_node_latency_s", "inter_node_latency_s"):
+            if getattr(self, f) < 0:
+                out.append(f"cluster.{f} = {getattr(self, f)}: must be >= 0 seconds.")
+        try:
+            self.device
+        except Exception as err:  # ConfigError from the catalog, with the list of names
+            out.append(str(err))
+        return out
+
+
+def _dgx(name: str, gpu_name: str, nvlink: float, ib: float):
+    def make(gpus: int = 8, **overrides) -> ClusterSpec:
+        nodes = max(1, -(-gpus // 8))
+        per_node = min(gpus, 8)
+        return ClusterSpec(name, gpu_name, nodes, per_node, nvlink, ib, **overrides)
+
+    return make
+
+
+CLUSTER_PRESETS = {
+    # DGX A100: NVLink3 600 GB/s per GPU; 8x HDR 200 Gb/s = 25 GB/s per GPU.
+    "dgx-a100": _dgx("dgx-a100", "a100-80gb", 600e9, 25e9),
+    # DGX H100: NVLink4 900 GB/s per GPU; 8x NDR 400 Gb/s = 50 GB/s per GPU.
+    "dgx-h100": _dgx("dgx-h100", "h100-sxm", 900e9, 50e9),
+    "dgx-h200": _dgx("dgx-h200", "h200", 900e9, 50e9),
+    "hgx-h800": _dgx("hgx-h800", "h800", 400e9, 50e9),
+    "dgx-b200": _dgx("dgx-b200", "b200", 1800e9, 50e9),
+}
+
+
+def cluster_preset(name: str, gpus: int = 8) -> ClusterSpec:
+    from fivefold.errors import ConfigError
+
+    if name not in CLUSTER_PRESETS:
+        raise ConfigError(
+            f"cluster = {name!r} is not a preset; choose one of {', '.join(CLUSTER_PRESETS)} "
+            "or describe it with --gpu, --gpus-per-node, --nvlink-gbps and --ib-gbps."
+        )
+    if gpus < 1:
+        raise ConfigError(f"--gpus = {gpus}: must be at least 1.")
+    return CLUSTER_PRESETS[name](gpus)

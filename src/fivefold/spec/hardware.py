@@ -1,0 +1,100 @@
+"""The accelerator catalog: memory, dense peak FLOP/s per dtype, HBM bandwidth, with sources.
+
+Peaks are *dense* (no 2:4 sparsity) tensor-core figures from the vendor datasheets cited in
+`source`. `hbm_bytes` is the nominal capacity (80 GB parts carry 80 GiB of HBM; the CUDA context
+and allocator reserve are separate terms in the planner). Link figures are the vendor's per-GPU
+NVLink bandwidth (both directions added, as marketed) and are only defaults for `ClusterSpec`.
+An unknown device is an error that says so, never a guessed peak.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fivefold.errors import ConfigError
+
+GiB = 2**30
+TERA = 1e12
+
+
+@dataclass(frozen=True)
+class GPUSpec:
+    name: str
+    hbm_bytes: int
+    peak_flops: dict[str, float]  # dtype -> dense FLOP/s
+    hbm_bw_bytes_per_s: float
+    nvlink_bw_bytes_per_s: float
+    source: str = field(compare=False, default="")
+
+    def peak(self, dtype: str) -> float:
+        """Dense peak FLOP/s for `dtype` ("bf16", "fp16", "fp8", "tf32", "fp32")."""
+        if dtype not in self.peak_flops:
+            raise ConfigError(
+                f"unknown peak: {self.name} has no published dense {dtype} peak in the catalog "
+                f"(known: {', '.join(sorted(self.peak_flops))})."
+            )
+        return self.peak_flops[dtype]
+
+
+def _flops(bf16: float, fp8: float | None, tf32: float, fp32: float) -> dict[str, float]:
+    out = {"bf16": bf16 * TERA, "fp16": bf16 * TERA, "tf32": tf32 * TERA, "fp32": fp32 * TERA}
+    if fp8 is not None:
+        out["fp8"] = fp8 * TERA
+    return out
+
+
+_A100_SRC = "NVIDIA A100 Tensor Core GPU datasheet (2021), SXM column, dense figures"
+_H100_SRC = "NVIDIA H100 Tensor Core GPU datasheet (2023), H100 SXM column, dense (half of sparse)"
+GPUS: dict[str, GPUSpec] = {
+    g.name: g
+    for g in (
+        GPUSpec("a100-40gb", 40 * GiB, _flops(312, None, 156, 19.5), 1.555e12, 600e9, _A100_SRC),
+        GPUSpec("a100-80gb", 80 * GiB, _flops(312, None, 156, 19.5), 2.039e12, 600e9, _A100_SRC),
+        GPUSpec("h100-sxm", 80 * GiB, _flops(989.4, 1978.9, 494.7, 66.9), 3.35e12, 900e9, _H100_SRC),
+        GPUSpec(
+            "h200",
+            141 * 10**9,
+            _flops(989.4, 1978.9, 494.7, 66.9),
+            4.8e12,
+            900e9,
+            "NVIDIA H200 Tensor Core GPU datasheet (2024), SXM column, dense",
+        ),
+        GPUSpec(
+            "h800",
+            80 * GiB,
+            _flops(989.4, 1978.9, 494.7, 66.9),
+            3.35e12,
+            400e9,
+            "NVIDIA H800 SXM5 product brief (2023): H100 compute, NVLink limited to 400 GB/s",
+        ),
+        GPUSpec(
+            "b200",
+            180 * 10**9,
+            _flops(2250, 4500, 1100, 75),
+            7.7e12,
+            1800e9,
+            "NVIDIA DGX B200 datasheet (2024): 72 PFLOPS fp8 / 36 PFLOPS bf16 dense per 8 GPUs, "
+            "1,440 GB HBM3e per 8 GPUs, NVLink 5 1.8 TB/s",
+        ),
+        GPUSpec(
+            "cpu",
+            0,
+            {},
+            0.0,
+            0.0,
+            "no catalog peak: training on CPU measures a matmul peak at start-up and labels MFU "
+            "as relative to that measurement",
+        ),
+    )
+}
+GPU_ALIASES = {"a100": "a100-80gb", "h100": "h100-sxm", "h100-80gb": "h100-sxm"}
+
+
+def gpu(name: str) -> GPUSpec:
+    key = GPU_ALIASES.get(name.lower(), name.lower())
+    if key not in GPUS:
+        raise ConfigError(
+            f"cluster.gpu = {name!r} is not in the catalog; choose one of "
+            f"{', '.join(sorted(GPUS))} (or an alias: {', '.join(sorted(GPU_ALIASES))})."
+        )
+    return GPUS[key]

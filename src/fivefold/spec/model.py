@@ -1,0 +1,224 @@
+"""`ModelSpec`: what is trained, and the exact parameter and FLOP counts it implies.
+
+Everything here is pure Python (no torch) so the planner can call it millions of times.
+Conventions:
+- Llama-style blocks: pre-norm RMSNorm (one weight vector each, no biases), attention with
+  `heads` query heads and `kv_heads` key/value heads of `head_dim` each, then an MLP that is
+  SwiGLU (three `hidden x ffn` matrices) or GELU (two matrices; biases are not counted).
+- A MoE layer replaces the MLP by `experts` routed SwiGLU experts of width `expert_ffn`, of which
+  `top_k` run per token, plus `shared_experts` always-on experts of the same width and a linear
+  router `hidden x experts`. The first `dense_layers` layers keep the dense MLP.
+- FLOPs count one multiply-add as 2 FLOPs. Attention scores are counted causally: a token at
+  position t attends to t+1 keys, so a sequence of length s costs s(s+1)/2 score pairs per head
+  (we use s/2 pairs per token, the large-s value used by Megatron and the seeds, divided by two).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields, replace
+
+MLP_KINDS = ("swiglu", "gelu")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A decoder-only transformer. Sizes are counts (not bytes); `seq_len` is in tokens."""
+
+    name: str = "custom"
+    layers: int = 2
+    hidden: int = 64
+    heads: int = 4
+    kv_heads: int = 0  # 0 means "same as heads" (multi-head attention)
+    ffn: int = 172
+    vocab: int = 4096
+    seq_len: int = 128
+    mlp: str = "swiglu"
+    tied_embeddings: bool = False
+    head_dim: int = 0  # 0 means hidden // heads
+    norm_eps: float = 1e-5
+    rope_theta: float = 500_000.0
+    experts: int = 0  # routed experts per MoE layer; 0 = dense model
+    top_k: int = 0
+    expert_ffn: int = 0
+    shared_experts: int = 0
+    dense_layers: int = 0  # leading layers that keep the dense MLP in a MoE model
+    router_aux_loss_coef: float = 0.01
+    notes: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        if self.kv_heads == 0:
+            object.__setattr__(self, "kv_heads", self.heads)
+        if self.head_dim == 0 and self.heads > 0:
+            object.__setattr__(self, "head_dim", self.hidden // self.heads)
+
+    # ---- shape helpers -------------------------------------------------------------------
+    @property
+    def is_moe(self) -> bool:
+        return self.experts > 0
+
+    @property
+    def moe_layers(self) -> int:
+        return self.layers - self.dense_layers if self.is_moe else 0
+
+    @property
+    def q_width(self) -> int:
+        """Width of the concatenated query heads: heads * head_dim."""
+        return self.heads * self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        """Width of the concatenated key (or value) heads: kv_heads * head_dim."""
+        return self.kv_heads * self.head_dim
+
+    def with_(self, **changes) -> ModelSpec:
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data.pop("notes")
+        return data
+
+    # ---- validation ------------------------------------------------------------------------
+    def problems(self) -> list[str]:
+        """Every inconsistency, each as a sentence naming the field and the fix."""
+        out: list[str] = []
+        for f in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq_len", "head_dim"):
+            if getattr(self, f) <= 0:
+                out.append(f"model.{f} = {getattr(self, f)}: must be a positive integer.")
+        if out:
+            return out
+        if self.mlp not in MLP_KINDS:
+            out.append(f"model.mlp = {self.mlp!r}: choose one of {', '.join(MLP_KINDS)}.")
+        if self.heads % self.kv_heads:
+            out.append(
+                f"model.kv_heads = {self.kv_heads} must divide model.heads = {self.heads} "
+                "(grouped-query attention shares each key/value head among whole query groups)."
+            )
+        if self.norm_eps <= 0:
+            out.append(f"model.norm_eps = {self.norm_eps}: must be positive, e.g. 1e-5.")
+        if self.is_moe:
+            if not 1 <= self.top_k <= self.experts:
+                out.append(
+                    f"model.top_k = {self.top_k}: a MoE model needs 1 <= top_k <= experts "
+                    f"(= {self.experts})."
+                )
+            if self.expert_ffn <= 0:
+                out.append("model.expert_ffn must be positive when model.experts > 0.")
+            if not 0 <= self.dense_layers < self.layers:
+                out.append(
+                    f"model.dense_layers = {self.dense_layers}: must be in [0, layers) so at "
+                    "least one layer is MoE."
+                )
+        elif self.top_k or self.shared_experts or self.dense_layers:
+            out.append(
+                "model.top_k / shared_experts / dense_layers are MoE settings: set model.experts "
+                "> 0 or leave them at 0."
+            )
+        if self.shared_experts < 0:
+            out.append("model.shared_experts must be >= 0.")
+        return out
+
+
+# ---- parameter counts ------------------------------------------------------------------------
+def attention_params(m: ModelSpec) -> int:
+    """Q, K, V and output projections of one layer (no biases)."""
+    return m.hidden * (m.q_width + 2 * m.kv_width) + m.q_width * m.hidden
+
+
+def dense_mlp_params(m: ModelSpec) -> int:
+    matrices = 3 if m.mlp == "swiglu" else 2
+    return matrices * m.hidden * m.ffn
+
+
+def expert_params(m: ModelSpec) -> int:
+    """One SwiGLU expert of width expert_ffn."""
+    return 3 * m.hidden * m.expert_ffn
+
+
+def moe_mlp_params(m: ModelSpec, active_only: bool = False) -> int:
+    routed = m.top_k if active_only else m.experts
+    router = m.hidden * m.experts
+    return (routed + m.shared_experts) * expert_params(m) + router
+
+
+def layer_params(m: ModelSpec, moe: bool, active_only: bool = False) -> int:
+    norms = 2 * m.hidden
+    mlp = moe_mlp_params(m, active_only) if moe else dense_mlp_params(m)
+    return attention_params(m) + mlp + norms
+
+
+def embedding_params(m: ModelSpec) -> int:
+    return m.vocab * m.hidden
+
+
+def head_params(m: ModelSpec) -> int:
+    """LM head (0 when tied to the embedding) plus the final norm."""
+    return (0 if m.tied_embeddings else m.vocab * m.hidden) + m.hidden
+
+
+def param_count(m: ModelSpec, active_only: bool = False) -> int:
+    """Exact parameter count; `active_only` counts only top_k routed experts per MoE layer."""
+    dense = m.layers - m.moe_layers
+    body = dense * layer_params(m, moe=False)
+    body += m.moe_layers * layer_params(m, moe=True, active_only=active_only)
+    return embedding_params(m) + body + head_params(m)
+
+
+# ---- FLOPs -------------------------------------------------------------------------------------
+RECOMPUTE_POLICIES = ("none", "selective", "full")
+
+
+def attention_score_flops_per_token(m: ModelSpec, seq_len: int, causal: bool = True) -> float:
+    """Forward FLOPs per token of one layer's QK^T and softmax(.)V (scores, not projections).
+
+    Each query meets `seq_len/2` keys on average when causal (`seq_len` when not); each pair costs
+    2 FLOPs per head_dim element for QK^T and 2 for AV.
+    """
+    keys = seq_len / 2 if causal else seq_len
+    return 4.0 * m.heads * m.head_dim * keys
+
+
+def layer_matmul_flops_per_token(m: ModelSpec, moe: bool) -> float:
+    """Forward FLOPs per token of one layer's weight matmuls (active experts only)."""
+    weights = attention_params(m)
+    weights += moe_mlp_params(m, active_only=True) if moe else dense_mlp_params(m)
+    return 2.0 * weights
+
+
+def head_flops_per_token(m: ModelSpec) -> float:
+    """Forward FLOPs per token of the LM head projection (the embedding lookup is free)."""
+    return 2.0 * m.vocab * m.hidden
+
+
+def forward_flops_per_token(m: ModelSpec, seq_len: int | None = None, causal: bool = True) -> float:
+    """Model forward FLOPs per token at sequence length `seq_len` (default: m.seq_len)."""
+    s = seq_len or m.seq_len
+    dense = m.layers - m.moe_layers
+    total = dense * layer_matmul_flops_per_token(m, moe=False)
+    total += m.moe_layers * layer_matmul_flops_per_token(m, moe=True)
+    total += m.layers * attention_score_flops_per_token(m, s, causal)
+    return total + head_flops_per_token(m)
+
+
+def training_flops_per_token(
+    m: ModelSpec, seq_len: int | None = None, recompute: str = "none", causal: bool = True
+) -> float:
+    """FLOPs per trained token: forward + backward (2x forward) + what recompute repeats.
+
+    recompute="none" gives model FLOPs (the MFU numerator). "full" re-runs every layer's forward
+    (not the head); "selective" re-runs only the attention scores (Korthikanti et al. 2022).
+    """
+    if recompute not in RECOMPUTE_POLICIES:
+        raise ValueError(f"recompute must be one of {RECOMPUTE_POLICIES}, got {recompute!r}")
+    s = seq_len or m.seq_len
+    fwd = forward_flops_per_token(m, s, causal)
+    extra = 0.0
+    if recompute == "full":
+        extra = fwd - head_flops_per_token(m)
+    elif recompute == "selective":
+        extra = m.layers * attention_score_flops_per_token(m, s, causal)
+    return 3.0 * fwd + extra
+
+
+def model_spec_fields() -> dict[str, type]:
+    return {f.name: f.type for f in fields(ModelSpec) if f.name != "notes"}

@@ -1,0 +1,242 @@
+"""`ParallelPlan`: how a model is split over the GPUs of a cluster, and its validation.
+
+Degrees multiply to the world size: pp * dp_replicate * dp_shard * cp * tp. The mesh order, outer
+to inner, is pp, dp_replicate, dp_shard, cp, tp (TP innermost so it stays inside a node). ZeRO
+shards over the dp_shard axis; dp_replicate > 1 with dp_shard > 1 and zero = 3 is HSDP. EP borrows
+its ranks from dp_shard * cp. Batch sizes are in sequences: global batch = micro_batch * dp *
+grad_accum, and with pipelining the grad_accum micro-batches are the pipeline's micro-batches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+
+from fivefold.errors import ConfigError
+from fivefold.spec.cluster import ClusterSpec
+from fivefold.spec.model import RECOMPUTE_POLICIES, ModelSpec
+from fivefold.spec.precision import RECIPES
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zbv", "dualpipev")
+CP_KINDS = ("ring", "allgather", "ulysses")
+TWO_STAGES_PER_RANK = ("zbv", "dualpipev")  # V-shaped schedules: exactly 2 chunks per rank
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    tp: int = 1
+    sp: bool = True  # sequence parallel in the TP group (ignored when tp == 1)
+    pp: int = 1
+    vpp: int = 1  # model chunks (virtual stages) per pipeline rank
+    schedule: str = "1f1b"
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    zero: int = 0
+    cp: int = 1
+    cp_kind: str = "ring"
+    ep: int = 1
+    micro_batch: int = 1  # sequences per micro-batch per data-parallel rank
+    grad_accum: int = 1  # micro-batches per optimizer step (the pipeline's micro-batch count)
+    recompute: str = "none"
+    precision: str = "bf16-mixed"
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.cp * self.tp
+
+    @property
+    def global_batch(self) -> int:
+        """Sequences per optimizer step."""
+        return self.micro_batch * self.dp * self.grad_accum
+
+    @property
+    def virtual_stages(self) -> int:
+        return self.pp * self.vpp
+
+    def with_(self, **changes) -> ParallelPlan:
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def describe(self) -> str:
+        parts = [f"TP{self.tp}" + ("+SP" if self.sp and self.tp > 1 else "")]
+        pp = f"PP{self.pp}"
+        if self.pp > 1:
+            pp += f" {self.schedule}" + (f" v={self.vpp}" if self.vpp > 1 else "")
+        parts.append(pp)
+        dp = f"DP{self.dp}"
+        if self.dp_replicate > 1 and self.dp_shard > 1:
+            dp = f"HSDP{self.dp_replicate}x{self.dp_shard}"
+        parts.append(dp + (f" ZeRO-{self.zero}" if self.zero else ""))
+        if self.cp > 1:
+            parts.append(f"CP{self.cp} {self.cp_kind}")
+        if self.ep > 1:
+            parts.append(f"EP{self.ep}")
+        parts.append(f"mbs {self.micro_batch} x accum {self.grad_accum}")
+        parts.append(f"recompute {self.recompute}, {self.precision}")
+        return ", ".join(parts)
+
+    # ---- validation ------------------------------------------------------------------------
+    def problems(
+        self, model: ModelSpec | None = None, cluster: ClusterSpec | None = None
+    ) -> list[str]:
+        """Every reason this plan cannot run, each naming the field and the fix."""
+        out = self._own_problems()
+        if out:
+            return out
+        if cluster is not None:
+            out += self._cluster_problems(cluster)
+        if model is not None:
+            out += self._model_problems(model)
+        return out
+
+    def validate(self, model: ModelSpec | None = None, cluster: ClusterSpec | None = None) -> None:
+        """Raise one `ConfigError` listing every problem of this plan, the model and the cluster."""
+        problems = []
+        if model is not None:
+            problems += model.problems()
+        if cluster is not None:
+            problems += cluster.problems()
+        if not problems:
+            problems = self.problems(model, cluster)
+        if problems:
+            raise ConfigError(problems)
+
+    def _own_problems(self) -> list[str]:
+        out = []
+        for f in ("tp", "pp", "vpp", "dp_replicate", "dp_shard", "cp", "ep", "micro_batch",
+                  "grad_accum"):
+            value = getattr(self, f)
+            if not isinstance(value, int) or value < 1:
+                out.append(f"plan.{f} = {value!r}: must be a whole number >= 1.")
+        if self.zero not in (0, 1, 2, 3):
+            out.append(f"plan.zero = {self.zero!r}: ZeRO stage must be 0, 1, 2 or 3.")
+        if self.schedule not in SCHEDULES:
+            out.append(f"plan.schedule = {self.schedule!r}: choose one of {', '.join(SCHEDULES)}.")
+        if self.cp_kind not in CP_KINDS:
+            out.append(f"plan.cp_kind = {self.cp_kind!r}: choose one of {', '.join(CP_KINDS)}.")
+        if self.recompute not in RECOMPUTE_POLICIES:
+            out.append(
+                f"plan.recompute = {self.recompute!r}: choose one of {', '.join(RECOMPUTE_POLICIES)}."
+            )
+        if self.precision not in RECIPES:
+            out.append(f"plan.precision = {self.precision!r}: choose one of {', '.join(RECIPES)}.")
+        if out:
+            return out
+        if self.zero == 0 and self.dp_shard > 1:
+            out.append(
+                f"plan.dp_shard = {self.dp_shard} with plan.zero = 0: stage 0 shards nothing; "
+                "use dp_replicate for plain data parallelism or set zero to 1, 2 or 3."
+            )
+        if self.dp_replicate > 1 and self.dp_shard > 1 and self.zero != 3:
+            out.append(
+                f"plan.dp_replicate = {self.dp_replicate} x dp_shard = {self.dp_shard} is HSDP, "
+                f"which needs plan.zero = 3 (got {self.zero}); or put all DP ranks in one axis."
+            )
+        if self.pp == 1 and self.vpp > 1:
+            out.append(f"plan.vpp = {self.vpp} needs plan.pp > 1: virtual stages split a pipeline.")
+        if self.pp > 1:
+            out += self._schedule_problems()
+        if self.ep > 1 and (self.dp_shard * self.cp) % self.ep:
+            out.append(
+                f"plan.ep = {self.ep} must divide dp_shard * cp = {self.dp_shard * self.cp}: "
+                "expert parallelism borrows its ranks from the sharded data-parallel and context "
+                "axes. Raise dp_shard (with zero >= 1) or cp, or lower ep."
+            )
+        return out
+
+    def _schedule_problems(self) -> list[str]:
+        out = []
+        m = self.grad_accum
+        if self.schedule in ("gpipe", "1f1b") and self.vpp != 1:
+            out.append(
+                f"plan.schedule = {self.schedule!r} runs one stage per rank: set plan.vpp = 1, or "
+                "use 'interleaved-1f1b' for vpp > 1."
+            )
+        if self.schedule == "interleaved-1f1b":
+            if self.vpp < 2:
+                out.append("plan.schedule = 'interleaved-1f1b' needs plan.vpp >= 2.")
+            if m % self.pp:
+                out.append(
+                    f"plan.grad_accum = {m} (micro-batches) must be a multiple of plan.pp = "
+                    f"{self.pp} for the interleaved 1F1B schedule."
+                )
+        if self.schedule in TWO_STAGES_PER_RANK:
+            if self.vpp != 2:
+                out.append(
+                    f"plan.schedule = {self.schedule!r} is V-shaped with exactly two stages per "
+                    f"rank: set plan.vpp = 2 (got {self.vpp})."
+                )
+            if m < 2 * self.pp:
+                out.append(
+                    f"plan.grad_accum = {m}: {self.schedule} needs at least as many micro-batches "
+                    f"as stages (2 * pp = {2 * self.pp})."
+                )
+        return out
+
+    def _cluster_problems(self, cluster: ClusterSpec) -> list[str]:
+        out = []
+        if self.world_size != cluster.world_size:
+            out.append(
+                f"plan degrees multiply to pp {self.pp} x dp_replicate {self.dp_replicate} x "
+                f"dp_shard {self.dp_shard} x cp {self.cp} x tp {self.tp} = {self.world_size}, "
+                f"but the cluster has {cluster.world_size} GPUs ({cluster.nodes} nodes x "
+                f"{cluster.gpus_per_node}); change a degree so the product equals "
+                f"{cluster.world_size}."
+            )
+        if self.tp > cluster.gpus_per_node or cluster.gpus_per_node % self.tp:
+            out.append(
+                f"plan.tp = {self.tp} must divide the {cluster.gpus_per_node} GPUs of a node: "
+                "tensor parallelism is on the critical path and must stay on NVLink."
+            )
+        return out
+
+    def _model_problems(self, m: ModelSpec) -> list[str]:
+        out = []
+        if m.heads % self.tp:
+            out.append(
+                f"plan.tp = {self.tp} must divide model.heads = {m.heads}: each TP rank holds "
+                "whole attention heads."
+            )
+        if self.tp > m.kv_heads and self.tp % m.kv_heads:
+            out.append(
+                f"plan.tp = {self.tp} exceeds model.kv_heads = {m.kv_heads} but is not a multiple "
+                "of it, so key/value heads cannot be replicated evenly; pick tp dividing or a "
+                "multiple of kv_heads."
+            )
+        elif self.tp <= m.kv_heads and m.kv_heads % self.tp:
+            out.append(f"plan.tp = {self.tp} must divide model.kv_heads = {m.kv_heads}.")
+        if m.ffn % self.tp:
+            out.append(f"plan.tp = {self.tp} must divide model.ffn = {m.ffn} (the MLP width).")
+        if m.is_moe and m.expert_ffn % self.tp:
+            out.append(f"plan.tp = {self.tp} must divide model.expert_ffn = {m.expert_ffn}.")
+        if self.virtual_stages > m.layers:
+            out.append(
+                f"plan.pp * vpp = {self.virtual_stages} pipeline stages exceed model.layers = "
+                f"{m.layers}: every stage needs at least one layer."
+            )
+        if self.cp > 1 and m.seq_len % (2 * self.cp):
+            out.append(
+                f"model.seq_len = {m.seq_len} must be divisible by 2 * plan.cp = {2 * self.cp}: "
+                "load-balanced context parallelism gives each rank a head and a tail chunk."
+            )
+        if self.sp and self.tp > 1 and (m.seq_len // self.cp) % self.tp:
+            out.append(
+                f"model.seq_len / cp = {m.seq_len // self.cp} must be divisible by plan.tp = "
+                f"{self.tp} for sequence parallelism; change seq_len or set plan.sp = false."
+            )
+        if self.ep > 1:
+            if not m.is_moe:
+                out.append(
+                    f"plan.ep = {self.ep} needs a MoE model (model.experts > 0); set ep = 1."
+                )
+            elif m.experts % self.ep:
+                out.append(
+                    f"plan.ep = {self.ep} must divide model.experts = {m.experts} so each rank "
+                    "holds the same number of experts."
+                )
+        return out

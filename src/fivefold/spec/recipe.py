@@ -1,0 +1,240 @@
+"""TOML recipes: `[model]`, `[cluster]`, `[plan]` and free sections (`[train]`, `[data]`, ...).
+
+A recipe may name presets (`[model] preset = "small"`, `[cluster] preset = "dgx-h100"` with
+`gpus = 64`) and override any field. Command-line overrides are `section.field=value` with the
+value parsed as a TOML literal (`plan.tp=2`, `train.lr=3e-4`, `model.mlp=gelu`); a bare word
+that is not a TOML literal is taken as a string. Every problem is reported at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from fivefold.errors import ConfigError
+from fivefold.spec.cluster import CLUSTER_PRESETS, ClusterSpec, cluster_preset
+from fivefold.spec.model import ModelSpec
+from fivefold.spec.plan import ParallelPlan
+from fivefold.spec.presets import MODEL_PRESETS
+
+T = TypeVar("T")
+_CORE_SECTIONS = ("model", "cluster", "plan")
+
+
+@dataclass
+class Recipe:
+    model: ModelSpec
+    cluster: ClusterSpec
+    plan: ParallelPlan
+    sections: dict[str, dict[str, Any]] = field(default_factory=dict)  # train, data, ...
+
+    def section(self, name: str) -> dict[str, Any]:
+        return dict(self.sections.get(name, {}))
+
+
+def parse_overrides(items: list[str]) -> dict[str, dict[str, Any]]:
+    """`["plan.tp=2", "train.lr=1e-3"]` -> `{"plan": {"tp": 2}, "train": {"lr": 0.001}}`."""
+    out: dict[str, dict[str, Any]] = {}
+    bad = []
+    for item in items:
+        key, sep, raw = item.partition("=")
+        section, dot, name = key.strip().partition(".")
+        if not sep or not dot or not section or not name:
+            bad.append(
+                f"override {item!r}: write it as section.field=value, e.g. plan.tp=2 or "
+                "train.steps=100."
+            )
+            continue
+        out.setdefault(section, {})[name] = _literal(raw.strip())
+    if bad:
+        raise ConfigError(bad)
+    return out
+
+
+def _literal(raw: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"recipe file {str(p)!r} does not exist; check the path (see configs/).")
+    try:
+        return tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"recipe file {str(p)!r} is not valid TOML: {err}.") from None
+
+
+def merge(base: dict[str, dict], extra: dict[str, dict]) -> dict[str, dict]:
+    out = {k: dict(v) for k, v in base.items()}
+    for section, values in extra.items():
+        out.setdefault(section, {}).update(values)
+    return out
+
+
+def build(cls: type[T], values: dict[str, Any], section: str, problems: list[str]) -> T | None:
+    """Build dataclass `cls` from `values`, appending unknown-field and type problems."""
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls) if f.init and f.name != "notes"}
+    kwargs = {}
+    for key, value in values.items():
+        if key not in known:
+            problems.append(
+                f"{section}.{key} is not a setting; known {section} fields: "
+                f"{', '.join(sorted(known))}."
+            )
+            continue
+        coerced = _coerce(value, hints[key])
+        if coerced is _BAD:
+            problems.append(
+                f"{section}.{key} = {value!r}: expected {_type_name(hints[key])}."
+            )
+            continue
+        kwargs[key] = coerced
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as err:
+        problems.append(f"[{section}]: {err}")
+        return None
+
+
+_BAD = object()
+
+
+def _coerce(value: Any, hint: Any) -> Any:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        for arg in typing.get_args(hint):
+            if arg is type(None) and value is None:
+                return None
+            out = _coerce(value, arg)
+            if out is not _BAD:
+                return out
+        return _BAD
+    if hint is bool:
+        return value if isinstance(value, bool) else _BAD
+    if hint is int:
+        return value if isinstance(value, int) and not isinstance(value, bool) else _BAD
+    if hint is float:
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+        return float(value) if ok else _BAD
+    if hint is str:
+        return value if isinstance(value, str) else _BAD
+    if origin is list:
+        return list(value) if isinstance(value, list) else _BAD
+    if origin is dict:
+        return dict(value) if isinstance(value, dict) else _BAD
+    return value
+
+
+def _type_name(hint: Any) -> str:
+    return {int: "a whole number", float: "a number", bool: "true or false", str: "a string"}.get(
+        hint, str(hint)
+    )
+
+
+def _model_from(values: dict[str, Any], problems: list[str]) -> ModelSpec | None:
+    values = dict(values)
+    preset = values.pop("preset", None)
+    if preset is not None:
+        if preset not in MODEL_PRESETS:
+            problems.append(
+                f"model.preset = {preset!r} is unknown; choose one of {', '.join(MODEL_PRESETS)}."
+            )
+            return None
+        base = MODEL_PRESETS[preset].to_dict()
+        # A preset's derived defaults (kv heads, head_dim) follow a changed hidden/heads.
+        if "heads" in values or "hidden" in values:
+            base.pop("head_dim")
+        base.update(values)
+        values = base
+    return build(ModelSpec, values, "model", problems)
+
+
+def _cluster_from(values: dict[str, Any], problems: list[str]) -> ClusterSpec | None:
+    values = dict(values)
+    preset = values.pop("preset", None)
+    gpus = values.pop("gpus", None)
+    if preset is not None:
+        if preset not in CLUSTER_PRESETS:
+            problems.append(
+                f"cluster.preset = {preset!r} is unknown; choose one of "
+                f"{', '.join(CLUSTER_PRESETS)}."
+            )
+            return None
+        base = cluster_preset(preset, gpus or 8).to_dict()
+        base.update(values)
+        values = base
+    elif gpus is not None:
+        values.setdefault("nodes", 1)
+        values.setdefault("gpus_per_node", gpus)
+    return build(ClusterSpec, values, "cluster", problems)
+
+
+def recipe_from_dict(data: dict[str, dict[str, Any]], default_world: int | None = None) -> Recipe:
+    """Build and validate a recipe; raises one ConfigError listing every problem."""
+    problems: list[str] = []
+    for name, section in data.items():
+        if not isinstance(section, dict):
+            problems.append(f"{name} = {section!r}: expected a [{name}] table of settings.")
+    if problems:
+        raise ConfigError(problems)
+    model = _model_from(data.get("model", {}), problems)
+    cluster_values = data.get("cluster", {})
+    if not cluster_values:
+        cluster_values = {"name": "local-cpu", "gpu": "cpu", "gpus": default_world or 1}
+    cluster = _cluster_from(cluster_values, problems)
+    plan = build(ParallelPlan, data.get("plan", {}), "plan", problems)
+    model_ok = model is not None and not model.problems()
+    cluster_ok = cluster is not None and not cluster.problems()
+    problems += model.problems() if model is not None else []
+    problems += cluster.problems() if cluster is not None else []
+    if plan is not None:
+        problems += plan.problems(model if model_ok else None, cluster if cluster_ok else None)
+    if problems:
+        raise ConfigError(problems)
+    rest = {k: v for k, v in data.items() if k not in _CORE_SECTIONS}
+    return Recipe(model, cluster, plan, rest)  # type: ignore[arg-type]
+
+
+def load_recipe(
+    path: str | Path | None, overrides: list[str] | None = None, default_world: int | None = None
+) -> Recipe:
+    """Read a TOML recipe (or start empty), apply `section.field=value` overrides, validate."""
+    data = read_toml(path) if path else {}
+    data = merge(data, parse_overrides(overrides or []))
+    return recipe_from_dict(data, default_world)
+
+
+def dump_recipe(recipe: Recipe, header: str = "") -> str:
+    """The recipe as TOML text that `load_recipe` reads back to an equal recipe."""
+    lines = [f"# {line}" for line in header.splitlines()]
+    sections = {
+        "model": recipe.model.to_dict(),
+        "cluster": recipe.cluster.to_dict(),
+        "plan": recipe.plan.to_dict(),
+        **recipe.sections,
+    }
+    for name, values in sections.items():
+        lines.append(f"\n[{name}]")
+        lines += [f"{key} = {_toml_value(value)}" for key, value in values.items()]
+    return "\n".join(lines).lstrip("\n") + "\n"
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {value!r} to TOML")
