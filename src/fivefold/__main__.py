@@ -1,0 +1,5 @@
+import sys
+
+from fivefold.cli.main import main
+
+sys.exit(main())
