@@ -50,7 +50,7 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
             experts=4, top_k=2, expert_ffn=64, shared_experts=1,
         ),
         ModelSpec("small", 6, 256, 8, kv_heads=4, ffn=688, vocab=4096, seq_len=256,
-                  rope_theta=10_000.0, tied_embeddings=True),
+                  rope_theta=10_000.0),
     )
 }
 
