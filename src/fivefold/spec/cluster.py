@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
+from fivefold.errors import ConfigError
 from fivefold.spec.hardware import GPUSpec, gpu
 
 
@@ -48,8 +49,8 @@ class ClusterSpec:
             if getattr(self, f) < 0:
                 out.append(f"cluster.{f} = {getattr(self, f)}: must be >= 0 seconds.")
         try:
-            self.device
-        except Exception as err:  # ConfigError from the catalog, with the list of names
+            gpu(self.gpu)
+        except ConfigError as err:
             out.append(str(err))
         return out
 
@@ -75,8 +76,6 @@ CLUSTER_PRESETS = {
 
 
 def cluster_preset(name: str, gpus: int = 8) -> ClusterSpec:
-    from fivefold.errors import ConfigError
-
     if name not in CLUSTER_PRESETS:
         raise ConfigError(
             f"cluster = {name!r} is not a preset; choose one of {', '.join(CLUSTER_PRESETS)} "

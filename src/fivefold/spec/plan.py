@@ -108,8 +108,17 @@ class ParallelPlan:
 
     def _own_problems(self) -> list[str]:
         out = []
-        for f in ("tp", "pp", "vpp", "dp_replicate", "dp_shard", "cp", "ep", "micro_batch",
-                  "grad_accum"):
+        for f in (
+            "tp",
+            "pp",
+            "vpp",
+            "dp_replicate",
+            "dp_shard",
+            "cp",
+            "ep",
+            "micro_batch",
+            "grad_accum",
+        ):
             value = getattr(self, f)
             if not isinstance(value, int) or value < 1:
                 out.append(f"plan.{f} = {value!r}: must be a whole number >= 1.")
@@ -121,7 +130,8 @@ class ParallelPlan:
             out.append(f"plan.cp_kind = {self.cp_kind!r}: choose one of {', '.join(CP_KINDS)}.")
         if self.recompute not in RECOMPUTE_POLICIES:
             out.append(
-                f"plan.recompute = {self.recompute!r}: choose one of {', '.join(RECOMPUTE_POLICIES)}."
+                f"plan.recompute = {self.recompute!r}: choose one of "
+                f"{', '.join(RECOMPUTE_POLICIES)}."
             )
         if self.precision not in RECIPES:
             out.append(f"plan.precision = {self.precision!r}: choose one of {', '.join(RECIPES)}.")

@@ -93,9 +93,7 @@ def build(cls: type[T], values: dict[str, Any], section: str, problems: list[str
             continue
         coerced = _coerce(value, hints[key])
         if coerced is _BAD:
-            problems.append(
-                f"{section}.{key} = {value!r}: expected {_type_name(hints[key])}."
-            )
+            problems.append(f"{section}.{key} = {value!r}: expected {_type_name(hints[key])}.")
             continue
         kwargs[key] = coerced
     try:

@@ -1,0 +1,106 @@
+"""Parameter and FLOP counts against published and hand-derived values; recipe round trip."""
+
+import pytest
+
+from fivefold.errors import ConfigError
+from fivefold.spec import (
+    MODEL_PRESETS,
+    ParallelPlan,
+    dump_recipe,
+    load_recipe,
+    model_preset,
+    param_count,
+    training_flops_per_token,
+)
+from fivefold.spec.model import forward_flops_per_token
+from fivefold.spec.recipe import read_toml, recipe_from_dict
+
+
+@pytest.mark.parametrize(
+    ("name", "published", "tolerance"),
+    [
+        ("llama3-8b", 8.03e9, 0.005e9),  # Meta: 8.03B
+        ("llama3-70b", 70.6e9, 0.1e9),  # Meta: 70.6B
+        ("llama3-405b", 405.9e9, 0.1e9),  # Meta: 405.9B (406B)
+        ("mixtral-8x7b", 46.7e9, 0.1e9),  # Mistral: 46.7B total
+        ("deepseek-v3", 671e9, 0.5e9),  # DeepSeek: 671B (without the MTP module)
+        ("gpt3-175b", 175e9, 0.5e9),  # Brown et al. 2020: 175B
+    ],
+)
+def test_published_parameter_counts(name, published, tolerance):
+    assert abs(param_count(model_preset(name)) - published) <= tolerance
+
+
+def test_llama3_8b_exact_count_by_hand():
+    # embedding + head: 2 * 128256 * 4096; per layer q,o 4096^2 each, k,v 4096*1024 each,
+    # SwiGLU 3 * 4096 * 14336, two norms 2 * 4096; final norm 4096.
+    per_layer = 2 * 4096**2 + 2 * 4096 * 1024 + 3 * 4096 * 14336 + 2 * 4096
+    expected = 2 * 128256 * 4096 + 32 * per_layer + 4096
+    assert expected == 8_030_261_248
+    assert param_count(model_preset("llama3-8b")) == expected
+
+
+def test_active_parameters_of_moe():
+    mixtral = model_preset("mixtral-8x7b")
+    assert abs(param_count(mixtral, active_only=True) - 12.9e9) < 0.05e9  # Mistral: 12.9B active
+    deepseek = model_preset("deepseek-v3")
+    assert abs(param_count(deepseek, active_only=True) - 37e9) < 1e9  # DeepSeek: 37B active
+
+
+def test_llama3_8b_flops_by_hand():
+    m = model_preset("llama3-8b")
+    s = 8192
+    matmul_per_layer = 2 * (2 * 4096**2 + 2 * 4096 * 1024 + 3 * 4096 * 14336)
+    causal_scores_per_layer = 4 * 32 * 128 * (s / 2)  # QK^T and AV, s/2 keys on average
+    head = 2 * 128256 * 4096
+    forward = 32 * (matmul_per_layer + causal_scores_per_layer) + head
+    assert forward_flops_per_token(m, s) == pytest.approx(forward, rel=1e-12)
+    assert training_flops_per_token(m, s) == pytest.approx(3 * forward, rel=1e-12)
+    full = 3 * forward + 32 * (matmul_per_layer + causal_scores_per_layer)
+    assert training_flops_per_token(m, s, "full") == pytest.approx(full, rel=1e-12)
+    selective = 3 * forward + 32 * causal_scores_per_layer
+    assert training_flops_per_token(m, s, "selective") == pytest.approx(selective, rel=1e-12)
+    # Close to the 6N rule plus attention: 6 * 8.03e9 = 48.2e9 per token.
+    assert 48e9 < training_flops_per_token(m, s) < 52e9
+
+
+def test_non_causal_attention_counts_twice_the_scores():
+    m = model_preset("tiny")
+    delta = forward_flops_per_token(m, causal=False) - forward_flops_per_token(m)
+    assert delta == pytest.approx(m.layers * 4 * m.heads * m.head_dim * m.seq_len / 2)
+
+
+def test_every_preset_is_valid():
+    for spec in MODEL_PRESETS.values():
+        assert spec.problems() == [], spec.name
+
+
+def test_recipe_round_trip(tmp_path):
+    recipe = load_recipe(
+        None,
+        ["model.preset=small", "plan.tp=2", "plan.zero=1", "plan.dp_shard=2", "train.steps=7"],
+        default_world=4,
+    )
+    path = tmp_path / "r.toml"
+    path.write_text(dump_recipe(recipe, header="written by a test"))
+    again = recipe_from_dict(read_toml(path))
+    assert again.model == recipe.model
+    assert again.plan == recipe.plan
+    assert again.cluster == recipe.cluster
+    assert again.section("train") == {"steps": 7}
+    assert again.plan.world_size == 4
+
+
+def test_validation_reports_every_problem_at_once():
+    with pytest.raises(ConfigError) as err:
+        load_recipe(None, ["model.preset=small", "plan.zero=7", "plan.schedule=zigzag"])
+    assert len(err.value.problems) == 2
+    assert "plan.zero = 7" in str(err.value)
+    assert "plan.schedule = 'zigzag'" in str(err.value)
+
+
+def test_plan_world_size_mismatch_names_the_numbers():
+    plan = ParallelPlan(tp=2, pp=2, dp_replicate=2)
+    recipe = load_recipe(None, ["model.preset=small", "plan.dp_replicate=4"], default_world=4)
+    problems = plan.problems(recipe.model, recipe.cluster)
+    assert any("= 8, but the cluster has 4 GPUs" in p for p in problems)
