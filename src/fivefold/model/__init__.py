@@ -1,1 +1,57 @@
-"""fivefold.model"""
+"""fivefold.model: the Llama-style decoder (RMSNorm, RoPE, GQA, SwiGLU/GELU, optional MoE).
+
+model = build_model(spec)                     # meta device, no memory
+model.to_empty(device="cpu"); model.init_weights(seed=0)
+logits = model(tokens, positions=None, doc_ids=None)   # [B, T] -> fp32 [B, T, V]
+loss = cross_entropy_loss(logits, labels) + model.aux_loss()
+"""
+
+from fivefold.model.attention import (
+    Attention,
+    AttentionContext,
+    AttentionCore,
+    attention_mask,
+    repeat_kv,
+)
+from fivefold.model.feed_forward import FeedForward
+from fivefold.model.init import canonical_fqn, init_module_weights, param_seed
+from fivefold.model.loss import IGNORE_INDEX, cross_entropy_loss
+from fivefold.model.moe import (
+    GroupedExperts,
+    LocalDispatcher,
+    MoE,
+    Routing,
+    TokenDispatcher,
+    load_balancing_loss,
+    route,
+)
+from fivefold.model.norms import RMSNorm
+from fivefold.model.rope import apply_rope, rope_cos_sin
+from fivefold.model.transformer import Transformer, TransformerBlock, build_model
+
+__all__ = [
+    "IGNORE_INDEX",
+    "Attention",
+    "AttentionContext",
+    "AttentionCore",
+    "FeedForward",
+    "GroupedExperts",
+    "LocalDispatcher",
+    "MoE",
+    "RMSNorm",
+    "Routing",
+    "TokenDispatcher",
+    "Transformer",
+    "TransformerBlock",
+    "apply_rope",
+    "attention_mask",
+    "build_model",
+    "canonical_fqn",
+    "cross_entropy_loss",
+    "init_module_weights",
+    "load_balancing_loss",
+    "param_seed",
+    "repeat_kv",
+    "rope_cos_sin",
+    "route",
+]

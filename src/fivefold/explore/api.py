@@ -1,0 +1,351 @@
+"""The explorer's JSON API: parse and check a request, call the planner, shape the answer.
+
+Every request body is a JSON object using the spec's own field names (the same names as a TOML
+recipe): {"model": {...}, "cluster": {...}, "plan": {...}, "global_batch": sequences}. `model`
+and `cluster` may name a preset (`{"preset": "llama3-8b", "seq_len": 8192}`) and override any
+field. Bandwidths are bytes/s, as in `ClusterSpec`. When `global_batch` is given, the number of
+micro-batches per step (`plan.grad_accum`) is derived from it, as `fivefold plan estimate
+--global-batch` does: grad_accum = global_batch / (micro_batch * dp).
+
+Every mistake becomes an `ApiError` carrying one sentence per problem (naming the field and the
+fix); the server turns it into a 400 answer that the page shows. The numbers come from
+`fivefold.planner` and are passed through unchanged: the page displays `estimate().to_json()`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from fivefold.errors import ConfigError
+from fivefold.explore.rank_grid import rank_grid
+from fivefold.spec.cluster import CLUSTER_PRESETS, ClusterSpec
+from fivefold.spec.hardware import GPU_ALIASES, GPUS, GiB
+from fivefold.spec.model import RECOMPUTE_POLICIES, ModelSpec, param_count
+from fivefold.spec.plan import CP_KINDS, SCHEDULES, ParallelPlan
+from fivefold.spec.precision import RECIPES
+from fivefold.spec.presets import MODEL_PRESETS
+from fivefold.spec.recipe import Recipe, dump_recipe, recipe_from_dict
+
+# What the explorer accepts: generous for real clusters, small enough that one request stays
+# interactive (the pipeline timeline has 3 * pp * vpp * grad_accum events to draw).
+LIMITS: dict[str, int] = {
+    "world_size": 32768,
+    "grad_accum": 1024,
+    "micro_batch": 1024,
+    "virtual_stages": 512,
+    "seq_len": 4 * 1024 * 1024,
+    "layers": 1024,
+    "global_batch": 1 << 24,
+    "top": 20,
+}
+SEARCH_LIMIT_WORLD = 32768
+LAYOUT_KEYS = ("model", "cluster", "plan", "global_batch")
+SEARCH_KEYS = ("model", "cluster", "global_batch", "global_batch_tokens", "headroom", "top")
+
+
+class ApiError(Exception):
+    """A request the explorer cannot answer; `problems` are sentences for the page."""
+
+    def __init__(self, problems: list[str] | str, status: int = 400):
+        self.problems = [problems] if isinstance(problems, str) else list(problems)
+        self.status = status
+        super().__init__("; ".join(self.problems))
+
+
+@dataclass(frozen=True)
+class Layout:
+    model: ModelSpec
+    cluster: ClusterSpec
+    plan: ParallelPlan
+
+    @property
+    def recipe(self) -> Recipe:
+        return Recipe(self.model, self.cluster, self.plan)
+
+
+# ---- request checking --------------------------------------------------------------------------
+def _require_object(body: Any, keys: tuple[str, ...]) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise ApiError("the request body must be a JSON object such as {\"model\": {...}}.")
+    unknown = sorted(set(body) - set(keys))
+    if unknown:
+        raise ApiError(
+            f"unknown request field(s) {', '.join(map(repr, unknown))}; "
+            f"known fields: {', '.join(keys)}."
+        )
+    return body
+
+
+def _section(body: dict[str, Any], name: str, problems: list[str]) -> dict[str, Any]:
+    """A `model` / `cluster` / `plan` table whose values are plain scalars."""
+    value = body.get(name, {})
+    if not isinstance(value, dict):
+        problems.append(f"{name} = {value!r}: expected an object of {name} settings.")
+        return {}
+    out = {}
+    for key, item in value.items():
+        if isinstance(item, bool | int | str) or (isinstance(item, float) and math.isfinite(item)):
+            out[key] = item
+        else:
+            problems.append(f"{name}.{key} = {item!r}: expected a number, true/false or a text.")
+    for key in ("preset",):
+        if key in out and not isinstance(out[key], str):
+            problems.append(f"{name}.{key} = {out[key]!r}: expected a preset name (text).")
+            out.pop(key)
+    return out
+
+
+def _whole(value: Any, field: str, low: int, high: int, problems: list[str]) -> int | None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        problems.append(f"{field} = {value!r}: expected a whole number.")
+        return None
+    if not low <= value <= high:
+        problems.append(f"{field} = {value}: must be between {low} and {high:,}.")
+        return None
+    return value
+
+
+def _derive_grad_accum(
+    plan_values: dict[str, Any], global_batch: Any, problems: list[str]
+) -> None:
+    """Set plan.grad_accum = global_batch / (micro_batch * dp), or say why it cannot be."""
+    batch = _whole(global_batch, "global_batch", 1, LIMITS["global_batch"], problems)
+    if batch is None:
+        return
+    if "grad_accum" in plan_values:
+        problems.append(
+            "give either global_batch (sequences per step) or plan.grad_accum, not both: "
+            "the number of micro-batches follows from the global batch."
+        )
+        return
+    degrees = [plan_values.get(k, 1) for k in ("micro_batch", "dp_replicate", "dp_shard")]
+    if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in degrees):
+        return  # the plan's own checks name the bad degree
+    per_micro_step = degrees[0] * degrees[1] * degrees[2]
+    if batch % per_micro_step:
+        low = max(per_micro_step, batch // per_micro_step * per_micro_step)
+        problems.append(
+            f"global_batch = {batch} sequences is not a multiple of micro_batch x dp = "
+            f"{degrees[0]} x {degrees[1] * degrees[2]} = {per_micro_step}; choose a multiple "
+            f"such as {low} or {low + per_micro_step}, or change the micro-batch or DP degree."
+        )
+        return
+    plan_values["grad_accum"] = batch // per_micro_step
+
+
+def _limit_problems(layout: Layout) -> list[str]:
+    m, c, p = layout.model, layout.cluster, layout.plan
+    checks = [
+        ("cluster size (nodes x gpus_per_node)", c.world_size, LIMITS["world_size"]),
+        ("plan.grad_accum (micro-batches per step)", p.grad_accum, LIMITS["grad_accum"]),
+        ("plan.micro_batch", p.micro_batch, LIMITS["micro_batch"]),
+        ("plan.pp * plan.vpp (virtual stages)", p.virtual_stages, LIMITS["virtual_stages"]),
+        ("model.seq_len", m.seq_len, LIMITS["seq_len"]),
+        ("model.layers", m.layers, LIMITS["layers"]),
+    ]
+    return [
+        f"{name} = {value:,} is more than the explorer draws (at most {high:,}); "
+        "use `fivefold plan estimate` for larger layouts."
+        for name, value, high in checks
+        if value > high
+    ]
+
+
+def parse_layout(body: Any) -> Layout:
+    """Check a request and build its model, cluster and plan, or raise one `ApiError`."""
+    body = _require_object(body, LAYOUT_KEYS)
+    problems: list[str] = []
+    model = _section(body, "model", problems)
+    cluster = _section(body, "cluster", problems)
+    plan = _section(body, "plan", problems)
+    if not cluster:
+        problems.append(
+            "cluster is missing: give a preset ({\"preset\": \"dgx-h100\", \"gpus\": 16}) or "
+            "gpu, nodes and gpus_per_node."
+        )
+    if "global_batch" in body:
+        _derive_grad_accum(plan, body["global_batch"], problems)
+    if problems:
+        raise ApiError(problems)
+    try:
+        recipe = recipe_from_dict({"model": model, "cluster": cluster, "plan": plan})
+    except ConfigError as err:
+        raise ApiError(err.problems) from None
+    layout = Layout(recipe.model, recipe.cluster, recipe.plan)
+    too_big = _limit_problems(layout)
+    if too_big:
+        raise ApiError(too_big)
+    return layout
+
+
+# ---- answers -------------------------------------------------------------------------------------
+def json_safe(value: Any) -> Any:
+    """`value` with non-finite floats replaced by None (JSON has no inf or NaN)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(v) for v in value]
+    return value
+
+
+def _estimate_json(layout: Layout) -> dict[str, Any]:
+    from fivefold.planner.estimate import estimate
+
+    try:
+        return estimate(layout.model, layout.cluster, layout.plan).to_json()
+    except ConfigError as err:
+        raise ApiError(err.problems) from None
+
+
+def layout_summary(layout: Layout) -> dict[str, Any]:
+    """Facts about the layout that the page prints beside the planner's figures."""
+    m, p = layout.model, layout.plan
+    return {
+        "describe": p.describe(),
+        "world_size": p.world_size,
+        "dp": p.dp,
+        "grad_accum": p.grad_accum,
+        "global_batch": p.global_batch,
+        "tokens_per_step": p.global_batch * m.seq_len,
+        "params": param_count(m),
+        "active_params": param_count(m, active_only=True),
+    }
+
+
+def estimate_view(body: Any) -> dict[str, Any]:
+    """POST /api/estimate: the planner's estimate of one layout, plus its rank grid."""
+    layout = parse_layout(body)
+    return json_safe(
+        {
+            "ok": True,
+            "estimate": _estimate_json(layout),
+            "layout": layout_summary(layout),
+            "ranks": rank_grid(layout.plan, layout.cluster),
+            "model": layout.model.to_dict(),
+            "cluster": layout.cluster.to_dict(),
+            "plan": layout.plan.to_dict(),
+        }
+    )
+
+
+def recipe_filename(layout: Layout) -> str:
+    p = layout.plan
+    parts = [layout.model.name, f"{layout.cluster.world_size}gpu", f"tp{p.tp}", f"pp{p.pp}"]
+    parts += [f"dp{p.dp}"] + ([f"cp{p.cp}"] if p.cp > 1 else []) + ([f"ep{p.ep}"] if p.ep > 1 else [])
+    safe = "".join(ch if ch.isalnum() or ch in "-_." else "-" for ch in "-".join(parts))
+    return safe + ".toml"
+
+
+def recipe_view(body: Any) -> dict[str, Any]:
+    """POST /api/recipe: the current layout as a TOML recipe for `fivefold train`."""
+    layout = parse_layout(body)
+    header = (
+        f"fivefold recipe exported by `fivefold explore`: {layout.plan.describe()}\n"
+        f"Train it with: fivefold train {recipe_filename(layout)}"
+    )
+    return {"ok": True, "toml": dump_recipe(layout.recipe, header), "filename": recipe_filename(layout)}
+
+
+def _parse_search(body: Any) -> tuple[ModelSpec, ClusterSpec, dict[str, Any]]:
+    body = _require_object(body, SEARCH_KEYS)
+    problems: list[str] = []
+    model = _section(body, "model", problems)
+    cluster = _section(body, "cluster", problems)
+    kwargs: dict[str, Any] = {}
+    if "global_batch" in body:
+        kwargs["global_batch"] = _whole(
+            body["global_batch"], "global_batch", 1, LIMITS["global_batch"], problems
+        )
+    if "global_batch_tokens" in body:
+        kwargs["global_batch_tokens"] = _whole(
+            body["global_batch_tokens"], "global_batch_tokens", 1, 1 << 40, problems
+        )
+    if len(kwargs) != 1:
+        problems.append(
+            "give the target batch as exactly one of global_batch (sequences per step) or "
+            "global_batch_tokens."
+        )
+    headroom = body.get("headroom", 0.10)
+    if isinstance(headroom, bool) or not isinstance(headroom, int | float):
+        problems.append(f"headroom = {headroom!r}: expected a fraction such as 0.1.")
+    elif not 0.0 <= headroom < 0.9:
+        problems.append(f"headroom = {headroom}: must be a fraction in [0, 0.9), e.g. 0.1.")
+    else:
+        kwargs["headroom"] = float(headroom)
+    top = _whole(body.get("top", 5), "top", 1, LIMITS["top"], problems)
+    kwargs["top"] = top
+    if not cluster:
+        problems.append("cluster is missing: give a preset or gpu, nodes and gpus_per_node.")
+    if problems:
+        raise ApiError(problems)
+    try:
+        recipe = recipe_from_dict({"model": model, "cluster": cluster})
+    except ConfigError as err:
+        raise ApiError(err.problems) from None
+    if recipe.cluster.world_size > SEARCH_LIMIT_WORLD:
+        raise ApiError(
+            f"cluster size {recipe.cluster.world_size:,} GPUs is more than the explorer searches "
+            f"(at most {SEARCH_LIMIT_WORLD:,}); use `fivefold plan`."
+        )
+    return recipe.model, recipe.cluster, kwargs
+
+
+def search_view(body: Any) -> dict[str, Any]:
+    """POST /api/search: the best layouts for a model, cluster and batch target, explained."""
+    from fivefold.planner.search import search
+
+    model, cluster, kwargs = _parse_search(body)
+    started = time.perf_counter()
+    try:
+        result = search(model, cluster, **kwargs)
+    except ConfigError as err:
+        raise ApiError(err.problems) from None
+    elapsed_s = time.perf_counter() - started
+    best = result.best
+    return json_safe(
+        {
+            "ok": True,
+            "best": None if best is None else best.to_json(),
+            "alternatives": [alt.to_json() for alt in result.alternatives],
+            "rejected": [
+                {"plan": plan.to_dict(), "describe": plan.describe(), "reason": reason}
+                for plan, reason in result.rejected
+            ],
+            "explanation": list(result.explanation),
+            "evaluated": result.evaluated,
+            "search_time_s": elapsed_s,
+        }
+    )
+
+
+# ---- reference data for the controls -------------------------------------------------------------
+def presets_view() -> dict[str, Any]:
+    """GET /api/presets: every choice the controls offer, straight from the spec."""
+    return json_safe(
+        {
+            "models": {
+                name: {**m.to_dict(), "params": param_count(m), "notes": m.notes}
+                for name, m in MODEL_PRESETS.items()
+            },
+            "clusters": {name: make(8).to_dict() for name, make in CLUSTER_PRESETS.items()},
+            "gpus": {
+                name: {
+                    "hbm_gib": g.hbm_bytes / GiB,
+                    "peak_tflops": {k: v / 1e12 for k, v in g.peak_flops.items()},
+                    "source": g.source,
+                }
+                for name, g in GPUS.items()
+            },
+            "gpu_aliases": dict(GPU_ALIASES),
+            "schedules": list(SCHEDULES),
+            "cp_kinds": list(CP_KINDS),
+            "recompute": list(RECOMPUTE_POLICIES),
+            "precisions": {name: r.description for name, r in RECIPES.items()},
+            "limits": dict(LIMITS),
+        }
+    )

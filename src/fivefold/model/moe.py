@@ -1,0 +1,164 @@
+"""Mixture-of-experts feed-forward: top-k softmax router, grouped SwiGLU experts, dropless.
+
+Flow of one MoE layer (N = B * T tokens, K = top_k, E = experts):
+  router logits [N, E] -> softmax (fp32) -> top-k -> gates renormalised over the K choices
+  dispatcher.dispatch: token copies sorted by expert -> [N*K, D] + tokens_per_expert [E_local]
+  experts: one SwiGLU per expert over its contiguous group
+  dispatcher.combine: back to token order, weighted by the gates, summed over the K copies
+  + shared expert(s) on every token.
+The dispatcher is a plain object with two methods so expert parallelism can swap in an
+all-to-all version; torch has no dropless token dispatcher that runs on CPU, hence this one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fivefold.model.feed_forward import FeedForward
+
+
+@dataclass
+class Routing:
+    """The router's decision for N tokens.
+
+    expert_indices: LongTensor [N, K], the chosen experts of each token (global expert ids).
+    gates:          [N, K] weights of those experts (sum to 1 per token), differentiable.
+    probs:          fp32 [N, E] softmax over all experts (for the load-balancing loss).
+    num_experts:    E, the global number of routed experts.
+    """
+
+    expert_indices: torch.Tensor
+    gates: torch.Tensor
+    probs: torch.Tensor
+    num_experts: int
+
+
+def route(router_logits: torch.Tensor, top_k: int) -> Routing:
+    """Softmax over experts (fp32), keep the top-k, renormalise their gates; logits [N, E]."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    top_probs, expert_indices = torch.topk(probs, top_k, dim=-1)
+    gates = top_probs / top_probs.sum(dim=-1, keepdim=True)
+    return Routing(expert_indices, gates, probs, router_logits.shape[-1])
+
+
+def load_balancing_loss(routing: Routing) -> torch.Tensor:
+    """E * sum_e f_e * P_e (Switch Transformer, generalised to top-k); 1.0 when perfectly balanced.
+
+    f_e: fraction of the N*K token-to-expert assignments that went to expert e (no gradient);
+    P_e: mean router probability of expert e over the N tokens (carries the gradient).
+    """
+    num_experts = routing.num_experts
+    counts = torch.bincount(routing.expert_indices.flatten(), minlength=num_experts)
+    fraction = counts.to(routing.probs.dtype) / routing.expert_indices.numel()
+    mean_prob = routing.probs.mean(dim=0)
+    return num_experts * torch.sum(fraction * mean_prob)
+
+
+class TokenDispatcher(Protocol):
+    """Moves token copies to their experts and back. `handle` is opaque to the caller."""
+
+    def dispatch(
+        self, tokens: torch.Tensor, routing: Routing
+    ) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """tokens [N, D] -> (grouped [M, D] sorted by local expert, tokens_per_expert [E_local],
+        handle)."""
+        ...
+
+    def combine(self, expert_out: torch.Tensor, handle: Any) -> torch.Tensor:
+        """expert_out [M, D] (same order as grouped) -> [N, D], gate-weighted sum per token."""
+        ...
+
+
+@dataclass
+class _LocalHandle:
+    inverse: torch.Tensor  # [N*K] grouped row holding slot (token * K + k)
+    gates: torch.Tensor  # [N, K]
+
+
+class LocalDispatcher:
+    """All experts on this rank: a stable sort of the N*K token copies by expert id."""
+
+    def dispatch(
+        self, tokens: torch.Tensor, routing: Routing
+    ) -> tuple[torch.Tensor, torch.Tensor, _LocalHandle]:
+        top_k = routing.expert_indices.shape[1]
+        flat_experts = routing.expert_indices.flatten()  # [N*K], slot = token * K + k
+        order = torch.argsort(flat_experts, stable=True)
+        grouped = tokens[order // top_k]  # [N*K, D]
+        tokens_per_expert = torch.bincount(flat_experts, minlength=routing.num_experts)
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        return grouped, tokens_per_expert, _LocalHandle(inverse, routing.gates)
+
+    def combine(self, expert_out: torch.Tensor, handle: _LocalHandle) -> torch.Tensor:
+        num_tokens, top_k = handle.gates.shape
+        slots = expert_out[handle.inverse].view(num_tokens, top_k, -1)  # back to slot order
+        weighted = slots * handle.gates.unsqueeze(-1).to(slots.dtype)
+        return weighted.sum(dim=1)
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts stored as stacked weights: w1, w3 [E, F, D] and w2 [E, D, F].
+
+    forward(x [M, D] grouped by expert, tokens_per_expert [E]) -> [M, D]. The number of experts
+    is read from w1's first dimension, so expert parallelism can keep a slice of them per rank.
+    """
+
+    def __init__(self, num_experts: int, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden, dim))
+
+    def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        counts = tokens_per_expert.tolist()
+        if len(counts) != self.w1.shape[0]:
+            raise ValueError(f"got counts for {len(counts)} experts, have {self.w1.shape[0]}")
+        outputs = []
+        for expert, group in enumerate(torch.split(x, counts, dim=0)):
+            hidden = F.silu(group @ self.w1[expert].T) * (group @ self.w3[expert].T)
+            outputs.append(hidden @ self.w2[expert].T)
+        return torch.cat(outputs, dim=0)
+
+
+class MoE(nn.Module):
+    """x [B, T, D] -> [B, T, D]; after each forward `aux_loss` holds coef * load-balancing loss."""
+
+    def __init__(
+        self,
+        dim: int,
+        num_experts: int,
+        top_k: int,
+        expert_hidden: int,
+        shared_experts: int = 0,
+        aux_loss_coef: float = 0.01,
+    ) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.aux_loss_coef = aux_loss_coef
+        self.router = nn.Linear(dim, num_experts, bias=False)
+        self.experts = GroupedExperts(num_experts, dim, expert_hidden)
+        # S shared SwiGLU experts of width F sum to one SwiGLU of width S * F.
+        self.shared_expert = (
+            FeedForward(dim, shared_experts * expert_hidden) if shared_experts > 0 else None
+        )
+        self.dispatcher: TokenDispatcher = LocalDispatcher()
+        self.aux_loss: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, dim = x.shape
+        tokens = x.reshape(batch * seq, dim)
+        routing = route(self.router(tokens), self.top_k)
+        self.aux_loss = self.aux_loss_coef * load_balancing_loss(routing)
+        grouped, tokens_per_expert, handle = self.dispatcher.dispatch(tokens, routing)
+        routed = self.dispatcher.combine(self.experts(grouped, tokens_per_expert), handle)
+        out = routed.to(x.dtype)
+        if self.shared_expert is not None:
+            out = out + self.shared_expert(tokens)
+        return out.view(batch, seq, dim)

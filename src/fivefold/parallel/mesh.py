@@ -1,0 +1,155 @@
+"""`ParallelDims`: the five parallel degrees of a plan, checked against the world size, and the
+one `DeviceMesh` they describe.
+
+Mesh axes, outer to inner: pp, dp_replicate, dp_shard, cp, tp (TP innermost, so a TP group is a
+run of consecutive ranks and stays inside a node). Rank r has coordinates in that row-major
+order. From the 5-D mesh we derive the flattened groups the runtime needs:
+
+- ``dp``          = dp_replicate x dp_shard: the data-parallel coordinate used to slice the batch;
+- ``dp_shard_cp`` = dp_shard x cp: the axis FSDP shards over (CP ranks hold the same weights, so
+                    their gradients are reduced together with the sharded data-parallel ones);
+- ``dp_cp``       = dp_replicate x dp_shard x cp: every rank holding a replica (or shard) of the
+                    same dense weights; plain DDP (ZeRO-0) all-reduces over it, the loss sums over it;
+- ``ep``          = the inner ``ep`` ranks of dp_shard x cp; ``dp_shard_mod_ep`` is the outer rest.
+                    Expert weights are split over ``ep`` and data-parallel over dp_replicate x
+                    dp_shard_mod_ep.
+
+Only `build_meshes` touches torch; the rest is pure Python so it can be tested and used to print
+layouts without a process group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from fivefold.errors import ConfigError
+from fivefold.spec.plan import ParallelPlan
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Degrees of the five mesh axes plus the expert-parallel degree carved out of dp_shard x cp."""
+
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    tp: int = 1
+    ep: int = 1
+
+    @classmethod
+    def from_plan(cls, plan: ParallelPlan, world_size: int) -> ParallelDims:
+        """The plan's degrees; `ConfigError` naming the numbers when they do not fit `world_size`."""
+        dims = cls(plan.pp, plan.dp_replicate, plan.dp_shard, plan.cp, plan.tp, plan.ep)
+        dims.check(world_size)
+        return dims
+
+    @property
+    def shape(self) -> tuple[int, int, int, int, int]:
+        return (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
+
+    @property
+    def world_size(self) -> int:
+        out = 1
+        for size in self.shape:
+            out *= size
+        return out
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: how many slices the global batch is cut into."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def dp_cp(self) -> int:
+        """Ranks that hold the same dense weights (and reduce their gradients together)."""
+        return self.dp * self.cp
+
+    def check(self, world_size: int) -> None:
+        problems = []
+        for axis, size in zip(AXES + ("ep",), self.shape + (self.ep,), strict=True):
+            if not isinstance(size, int) or size < 1:
+                problems.append(f"plan.{axis} = {size!r}: must be a whole number >= 1.")
+        if problems:
+            raise ConfigError(problems)
+        if self.world_size != world_size:
+            raise ConfigError(
+                f"the plan needs pp {self.pp} x dp_replicate {self.dp_replicate} x dp_shard "
+                f"{self.dp_shard} x cp {self.cp} x tp {self.tp} = {self.world_size} processes, "
+                f"but {world_size} were started; start {self.world_size} processes "
+                f"(`fivefold train --nproc {self.world_size}`) or change the plan's degrees so "
+                f"they multiply to {world_size}."
+            )
+        if (self.dp_shard * self.cp) % self.ep:
+            raise ConfigError(
+                f"plan.ep = {self.ep} must divide dp_shard * cp = {self.dp_shard * self.cp}: expert "
+                "parallelism borrows its ranks from the sharded data-parallel and context axes."
+            )
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """Row-major coordinates of `rank` on the five axes (pp outermost, tp innermost)."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} outside a world of {self.world_size}")
+        out: dict[str, int] = {}
+        rest = rank
+        for axis, size in zip(reversed(AXES), reversed(self.shape), strict=True):
+            out[axis] = rest % size
+            rest //= size
+        return {axis: out[axis] for axis in AXES}
+
+    def dp_rank(self, rank: int) -> int:
+        """Data-parallel index of `rank` (dp_replicate outer, dp_shard inner)."""
+        c = self.coordinates(rank)
+        return c["dp_replicate"] * self.dp_shard + c["dp_shard"]
+
+    def describe(self) -> str:
+        parts = [f"{axis}={size}" for axis, size in zip(AXES, self.shape, strict=True)]
+        if self.ep > 1:
+            parts.append(f"ep={self.ep}")
+        return "mesh " + " x ".join(parts) + f" ({self.world_size} ranks)"
+
+    def build_meshes(self, device_type: str) -> Meshes:
+        """Create the 5-D mesh and its flattened views; collective: every rank must call it."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        world = init_device_mesh(device_type, self.shape, mesh_dim_names=AXES)
+        dp = world["dp_replicate", "dp_shard"]._flatten("dp")
+        dp_shard_cp = world["dp_shard", "cp"]._flatten("dp_shard_cp")
+        dp_cp = world["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+        expert = None
+        if self.ep > 1:
+            outer = self.dp_shard * self.cp // self.ep
+            expert = dp_shard_cp._unflatten(0, (outer, self.ep), ("dp_shard_mod_ep", "ep"))
+        return Meshes(self, world, dp, dp_shard_cp, dp_cp, expert)
+
+
+@dataclass
+class Meshes:
+    """The world mesh and the views the runtime communicates over (see the module docstring)."""
+
+    dims: ParallelDims
+    world: DeviceMesh
+    dp: DeviceMesh
+    dp_shard_cp: DeviceMesh
+    dp_cp: DeviceMesh
+    expert: DeviceMesh | None  # 2-D (dp_shard_mod_ep, ep) when ep > 1
+
+    def __getitem__(self, axis: str) -> DeviceMesh:
+        if axis in AXES:
+            return self.world[axis]
+        if axis in ("dp", "dp_shard_cp", "dp_cp"):
+            return getattr(self, axis)
+        if axis in ("ep", "dp_shard_mod_ep"):
+            if self.expert is None:
+                raise KeyError(f"no {axis!r} mesh: plan.ep is 1")
+            return self.expert[axis]
+        raise KeyError(axis)
+
+    def local_rank(self, axis: str) -> int:
+        return self[axis].get_local_rank()

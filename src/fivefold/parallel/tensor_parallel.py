@@ -1,0 +1,180 @@
+"""Tensor parallelism (Megatron-style) with sequence parallelism, on DTensor parallel styles.
+
+Per block, with tp ranks in the TP group:
+- attention: `wq`, `wk`, `wv` column-parallel (each rank holds whole heads: H/tp query heads),
+  `wo` row-parallel. When tp exceeds the key/value heads, `wk`/`wv` are sharded over a 2-D view
+  of the TP group (kv_heads x tp/kv_heads): each group of tp/kv_heads ranks holds one whole kv
+  head, the one its query heads read, so no rank computes a head it does not use; the gradient
+  of that replicated head is summed over its group (`ReplicatedKVColwise`).
+- MLP: `w1`, `w3` column-parallel, `w2` row-parallel.
+- sequence parallel (plan.sp): the residual stream between blocks is split along the sequence
+  (each rank holds T/tp tokens), the RMSNorms run on that shard (`SequenceParallel`), and the
+  attention / MLP inputs are all-gathered (`PrepareModuleInput`); the row-parallel outputs are
+  reduce-scattered back to sequence shards.
+- vocab-parallel embedding (row-wise over the vocabulary) and LM head (column-wise over the
+  vocabulary) whose logits stay sharded for `loss_parallel` (cross entropy without gathering
+  the logits).
+
+Only torch's styles are used, plus one small style for replicated kv heads (torch has none).
+MoE layers are not tensor-parallel here: use expert parallelism for them.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+from torch.distributed.tensor.parallel.style import ParallelStyle
+
+from fivefold.errors import ConfigError
+from fivefold.spec.model import ModelSpec
+
+
+class ReplicatedKVColwise(ParallelStyle):
+    """Column-parallel key/value projection when tp > kv_heads (kv heads replicated).
+
+    The weight [Hkv * Dh, D] is placed on a 2-D view (kv, rep) of the TP mesh as
+    [Shard(0), Replicate()]: TP rank r holds kv head r // (tp / Hkv), which is the head read by
+    its query heads [r * Hq/tp, (r+1) * Hq/tp). Forward: input [B, T, D] (replicated) ->
+    local output [B, T, Dh]. Backward: the output gradient is a partial sum over the `rep` ranks
+    of a head (each saw only its own query heads), so the weight gradient is summed over them.
+    """
+
+    def __init__(self, kv_mesh: DeviceMesh):
+        super().__init__()
+        self.kv_mesh = kv_mesh
+        self.src_data_rank = None
+
+    def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        for param_name, param in list(module.named_parameters(recurse=False)):
+            placed = distribute_tensor(
+                param, self.kv_mesh, [Shard(0), Replicate()], src_data_rank=None
+            )
+            module.register_parameter(
+                param_name, nn.Parameter(placed, requires_grad=param.requires_grad)
+            )
+
+    def _prepare_input(self, module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+        x = inputs[0]
+        if isinstance(x, DTensor):
+            if any(not isinstance(p, Replicate) for p in x.placements):
+                x = x.redistribute(placements=[Replicate()] * x.device_mesh.ndim)
+            x = x.to_local()
+        placed = DTensor.from_local(x, self.kv_mesh, [Replicate(), Replicate()], run_check=False)
+        return (placed, *inputs[1:])
+
+    def _prepare_output(self, module: nn.Module, output: DTensor, mesh: DeviceMesh):
+        return output.to_local(grad_placements=[Shard(output.ndim - 1), Partial()])
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        self._partition("", module, device_mesh)
+        module.register_forward_pre_hook(
+            lambda mod, inputs: self._prepare_input(mod, inputs, device_mesh)
+        )
+        module.register_forward_hook(
+            lambda mod, inputs, output: self._prepare_output(mod, output, device_mesh)
+        )
+        return module
+
+
+def check_tensor_parallel(spec: ModelSpec, tp: int) -> None:
+    """`ConfigError` for model/plan combinations this TP implementation does not run."""
+    if tp == 1:
+        return
+    problems = []
+    if spec.is_moe:
+        problems.append(
+            f"plan.tp = {tp} with a MoE model (model.experts = {spec.experts}): MoE layers are not "
+            "tensor-parallel here; shard experts with plan.ep instead and keep tp = 1."
+        )
+    if spec.heads % tp:
+        problems.append(f"plan.tp = {tp} must divide model.heads = {spec.heads}.")
+    if tp > spec.kv_heads and tp % spec.kv_heads:
+        problems.append(f"plan.tp = {tp} must be a multiple of model.kv_heads = {spec.kv_heads}.")
+    if tp <= spec.kv_heads and spec.kv_heads % tp:
+        problems.append(f"plan.tp = {tp} must divide model.kv_heads = {spec.kv_heads}.")
+    if problems:
+        raise ConfigError(problems)
+
+
+def kv_mesh_for(tp_mesh: DeviceMesh, kv_heads: int) -> DeviceMesh | None:
+    """The (kv, rep) view of the TP mesh when tp > kv_heads, else None."""
+    tp = tp_mesh.size()
+    if tp <= kv_heads:
+        return None
+    return tp_mesh._unflatten(0, (kv_heads, tp // kv_heads), ("tp_kv", "tp_kv_rep"))
+
+
+def _block_plan(block: nn.Module, sp: bool, kv_mesh: DeviceMesh | None) -> dict[str, ParallelStyle]:
+    seq = Shard(1) if sp else Replicate()
+    kv_style = ReplicatedKVColwise(kv_mesh) if kv_mesh is not None else ColwiseParallel()
+    plan: dict[str, ParallelStyle] = {
+        "attention": PrepareModuleInput(
+            input_layouts=(seq, None, None),
+            desired_input_layouts=(Replicate(), None, None),
+        ),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": kv_style,
+        "attention.wv": kv_style,
+        "attention.wo": RowwiseParallel(output_layouts=seq),
+        "feed_forward": PrepareModuleInput(
+            input_layouts=(seq,), desired_input_layouts=(Replicate(),)
+        ),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=seq),
+    }
+    if block.feed_forward.w3 is not None:
+        plan["feed_forward.w3"] = ColwiseParallel()
+    if sp:
+        plan["attention_norm"] = SequenceParallel()
+        plan["ffn_norm"] = SequenceParallel()
+    return plan
+
+
+def apply_tensor_parallel(
+    model: nn.Module, tp_mesh: DeviceMesh, spec: ModelSpec, sequence_parallel: bool
+) -> None:
+    """Shard `model` (a Transformer or a pipeline chunk of one) over `tp_mesh` in place.
+
+    Parameters must still be on the meta device or hold their full values (each rank then keeps
+    its slice without communication). The LM head's output is a vocab-sharded DTensor: compute
+    the loss inside `torch.distributed.tensor.parallel.loss_parallel()`.
+    """
+    check_tensor_parallel(spec, tp_mesh.size())
+    sp = sequence_parallel
+    seq = Shard(1) if sp else Replicate()
+    top: dict[str, ParallelStyle] = {}
+    if model.tok_embeddings is not None:
+        top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+    if model.norm is not None and sp:
+        top["norm"] = SequenceParallel()
+    if model.output is not None:
+        top["output"] = ColwiseParallel(
+            input_layouts=seq, output_layouts=Shard(-1), use_local_output=False
+        )
+    parallelize = partial(parallelize_module, device_mesh=tp_mesh, src_data_rank=None)
+    if top:
+        parallelize(model, parallelize_plan=top)
+    kv_mesh = kv_mesh_for(tp_mesh, spec.kv_heads)
+    for block in model.layers.values():
+        parallelize(block, parallelize_plan=_block_plan(block, sp, kv_mesh))
+
+
+def sequence_shard_len(seq_len: int, tp: int, sequence_parallel: bool) -> int:
+    """Tokens per rank in the residual stream between blocks (what pipeline stages exchange)."""
+    return seq_len // tp if sequence_parallel and tp > 1 else seq_len
+
+
+def is_vocab_sharded(logits: torch.Tensor) -> bool:
+    """True for the LM head's DTensor output under TP (the loss must use loss_parallel)."""
+    return isinstance(logits, DTensor)

@@ -1,0 +1,202 @@
+"""The `[train]` and `[data]` sections of a recipe as typed, validated dataclasses.
+
+`TrainConfig` holds the optimizer, schedule, logging and checkpoint settings; `DataConfig` says
+where the tokens come from (the embedded corpus by default). Both are built with
+`fivefold.spec.recipe.build`, so unknown fields and wrong types are reported like any other
+recipe problem, and every cross-field check runs at load time: one `ConfigError` lists them all.
+
+Batch sizes are in sequences. `train.global_batch` is optional: when given it must equal
+`plan.micro_batch * dp * plan.grad_accum`, the batch the plan actually runs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fivefold.errors import ConfigError
+from fivefold.spec.recipe import Recipe, build
+
+LR_SCHEDULES = ("cosine", "linear", "constant")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass
+class TrainConfig:
+    """Settings of one training run (`[train]` in a recipe). Times in seconds."""
+
+    name: str = "run"  # the run is written to <runs_dir>/<name>/ unless run_dir is set
+    runs_dir: str = "runs"
+    run_dir: str = ""  # explicit run directory; overrides runs_dir/name
+    steps: int = 100  # optimizer steps
+    lr: float = 3e-4  # peak learning rate
+    min_lr: float = 3e-5  # floor the schedule decays to
+    warmup_steps: int = 10  # linear warmup from lr/warmup_steps to lr
+    lr_schedule: str = "cosine"  # after warmup: cosine | linear | constant
+    weight_decay: float = 0.1  # decoupled (AdamW); matrices only, not norms
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # max global L2 norm; 0 disables clipping (the norm is still logged)
+    global_batch: int = 0  # sequences per step; 0 = the plan's micro_batch * dp * grad_accum
+    seed: int = 0  # weights, data order and every torch random stream
+    device: str = "auto"  # auto = cuda when available, else cpu
+    log_every: int = 1  # console/TensorBoard every N steps (JSONL gets every step)
+    eval_every: int = 0  # held-out loss every N steps; 0 = never
+    eval_batches: int = 4  # held-out micro-batches per evaluation
+    ckpt_every: int = 0  # checkpoint every N steps; 0 = only at the end (if save_final)
+    save_final: bool = True  # checkpoint after the last step
+    keep_checkpoints: int = 2  # newest checkpoints kept; 0 keeps all
+    resume: bool = False  # continue from the newest checkpoint in <run_dir>/ckpt if one exists
+    tensorboard: bool = True  # also write TensorBoard events when tensorboard is installed
+    progress: bool = True  # rich progress bar on the console
+    max_time_s: float = 0.0  # stop (and checkpoint) after this much wall time; 0 = no limit
+    memory_step: int = 2  # CPU: the step whose peak memory is measured by tracking allocations
+
+    @property
+    def beta1(self) -> float:
+        return float(self.betas[0])
+
+    @property
+    def beta2(self) -> float:
+        return float(self.betas[1])
+
+    def path(self) -> Path:
+        """The run directory: `run_dir` if set, else `runs_dir/name`."""
+        return Path(self.run_dir) if self.run_dir else Path(self.runs_dir) / self.name
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def problems(self) -> list[str]:
+        """Every inconsistency, each naming the field and the fix."""
+        out: list[str] = []
+        if self.steps < 1:
+            out.append(f"train.steps = {self.steps}: must be at least 1.")
+        if not self.lr > 0 or not math.isfinite(self.lr):
+            out.append(f"train.lr = {self.lr}: the learning rate must be a positive number, e.g. 3e-4.")
+        if self.min_lr < 0 or self.min_lr > self.lr:
+            out.append(
+                f"train.min_lr = {self.min_lr}: must be between 0 and train.lr = {self.lr}."
+            )
+        if self.warmup_steps < 0:
+            out.append(f"train.warmup_steps = {self.warmup_steps}: must be >= 0.")
+        elif self.steps >= 1 and self.warmup_steps > self.steps:
+            out.append(
+                f"train.warmup_steps = {self.warmup_steps} exceeds train.steps = {self.steps}: "
+                "the learning rate would never reach its peak; lower warmup_steps."
+            )
+        if self.lr_schedule not in LR_SCHEDULES:
+            out.append(
+                f"train.lr_schedule = {self.lr_schedule!r}: choose one of {', '.join(LR_SCHEDULES)}."
+            )
+        if self.weight_decay < 0:
+            out.append(f"train.weight_decay = {self.weight_decay}: must be >= 0.")
+        out += self._beta_problems()
+        if self.eps <= 0:
+            out.append(f"train.eps = {self.eps}: must be positive, e.g. 1e-8.")
+        if self.grad_clip < 0:
+            out.append(
+                f"train.grad_clip = {self.grad_clip}: must be >= 0 (0 disables clipping)."
+            )
+        if self.global_batch < 0:
+            out.append(f"train.global_batch = {self.global_batch}: must be >= 1 (or 0 for the plan's).")
+        if self.device not in DEVICES:
+            out.append(f"train.device = {self.device!r}: choose one of {', '.join(DEVICES)}.")
+        for name in ("log_every", "eval_batches", "memory_step"):
+            if getattr(self, name) < 1:
+                out.append(f"train.{name} = {getattr(self, name)}: must be at least 1.")
+        for name in ("eval_every", "ckpt_every", "keep_checkpoints"):
+            if getattr(self, name) < 0:
+                out.append(f"train.{name} = {getattr(self, name)}: must be >= 0 (0 turns it off).")
+        if self.max_time_s < 0:
+            out.append(f"train.max_time_s = {self.max_time_s}: must be >= 0 (0 = no limit).")
+        if not self.name or "/" in self.name or self.name in (".", ".."):
+            out.append(
+                f"train.name = {self.name!r}: must be a plain directory name such as 'small-cpu'."
+            )
+        return out
+
+    def _beta_problems(self) -> list[str]:
+        ok = len(self.betas) == 2 and all(
+            isinstance(b, int | float) and not isinstance(b, bool) for b in self.betas
+        )
+        if not ok or not all(0 <= b < 1 for b in self.betas):
+            return [
+                f"train.betas = {self.betas!r}: write two numbers in [0, 1), e.g. [0.9, 0.95]."
+            ]
+        return []
+
+
+@dataclass
+class DataConfig:
+    """Where the tokens come from (`[data]` in a recipe)."""
+
+    shards: str = ""  # a directory written by prepare_shards; "" = the embedded corpus
+    inputs: list[str] = field(default_factory=list)  # .txt/.jsonl files to tokenize into shards
+    tokenizer: str = ""  # a tokenizer.json; "" = the default tokenizer of the embedded corpus
+    cache_dir: str = ""  # where shards of data.inputs are cached; "" = the fivefold cache
+    val_fraction: float = 0.02  # the corpus tail held out for evaluation; 0 = none
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.shards and self.inputs:
+            out.append(
+                "data.shards and data.inputs are both set: give prepared shards or raw inputs, "
+                "not both."
+            )
+        if not 0 <= self.val_fraction < 1:
+            out.append(
+                f"data.val_fraction = {self.val_fraction}: must be in [0, 1), e.g. 0.02."
+            )
+        return out
+
+
+@dataclass
+class RunConfig:
+    """A recipe with its train and data sections parsed: everything a run needs."""
+
+    recipe: Recipe
+    train: TrainConfig
+    data: DataConfig
+
+    @property
+    def global_batch(self) -> int:
+        return self.recipe.plan.global_batch
+
+
+def parse_train_config(recipe: Recipe) -> RunConfig:
+    """Build and cross-check `[train]` and `[data]`; one ConfigError lists every problem."""
+    problems: list[str] = []
+    train = build(TrainConfig, recipe.section("train"), "train", problems)
+    data = build(DataConfig, recipe.section("data"), "data", problems)
+    if train is not None:
+        problems += train.problems()
+        if train.global_batch and train.global_batch != recipe.plan.global_batch:
+            plan = recipe.plan
+            per_step = plan.micro_batch * plan.dp
+            fix = (
+                f"set plan.grad_accum = {train.global_batch // per_step}"
+                if train.global_batch % per_step == 0
+                else f"make it a multiple of micro_batch * dp = {per_step}"
+            )
+            problems.append(
+                f"train.global_batch = {train.global_batch} does not match the plan's "
+                f"micro_batch {plan.micro_batch} x dp {plan.dp} x grad_accum {plan.grad_accum} "
+                f"= {plan.global_batch} sequences; {fix}, or drop train.global_batch."
+            )
+        if train.eval_every and data is not None and data.val_fraction == 0:
+            problems.append(
+                f"train.eval_every = {train.eval_every} needs held-out data: set "
+                "data.val_fraction (e.g. 0.02) or train.eval_every = 0."
+            )
+    if data is not None:
+        problems += data.problems()
+    if problems:
+        raise ConfigError(problems)
+    assert train is not None and data is not None
+    return RunConfig(recipe, train, data)

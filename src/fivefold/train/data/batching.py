@@ -1,0 +1,117 @@
+"""Cutting the global order into per-rank micro-batches of tensors.
+
+A step consumes `global_batch` consecutive samples of the sampler's global order. Data-parallel
+rank `r` of `d` takes the `r`-th contiguous slice of `global_batch / d` samples and cuts it into
+`grad_accum = global_batch / (micro_batch * d)` micro-batches of `micro_batch` samples.
+
+The iterator is lazy: it advances the sampler only when a step's batches are requested, so the
+sampler's state saved after training step `k` is exactly `k * global_batch` samples consumed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from fivefold.errors import ConfigError
+from fivefold.train.data.packing import PackedSequences
+from fivefold.train.data.sampler import GlobalSampler
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass
+class Batch:
+    """One micro-batch; every field a LongTensor `[B, T]` except `sample_ids` `[B]`.
+
+    `labels` are the next tokens of the stream (the end-of-document token separates documents),
+    `positions` restart at 0 at each document start, `doc_ids` number the documents within each
+    row, `sample_ids` are the samples' indices in their split (for checks and debugging).
+    """
+
+    tokens: torch.Tensor
+    labels: torch.Tensor
+    positions: torch.Tensor
+    doc_ids: torch.Tensor
+    sample_ids: torch.Tensor | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return self.tokens.numel()
+
+    def to(self, device) -> Batch:
+        def move(t):
+            return None if t is None else t.to(device, non_blocking=True)
+
+        return Batch(*(move(t) for t in (self.tokens, self.labels, self.positions,
+                                         self.doc_ids, self.sample_ids)))
+
+
+def collate(seqs: PackedSequences, sample_ids: np.ndarray) -> Batch:
+    """Stack samples `sample_ids` of `seqs` into a `Batch` of `len(sample_ids)` rows."""
+    import torch
+
+    samples = [seqs[int(i)] for i in sample_ids]
+    windows = np.stack([s.tokens for s in samples])  # [B, T+1]
+    doc_ids = np.stack([s.doc_ids for s in samples])
+    positions = np.stack([s.positions for s in samples])
+    return Batch(
+        tokens=torch.from_numpy(windows[:, :-1].copy()),
+        labels=torch.from_numpy(windows[:, 1:].copy()),
+        positions=torch.from_numpy(positions[:, :-1].copy()),
+        doc_ids=torch.from_numpy(doc_ids[:, :-1].copy()),
+        sample_ids=torch.from_numpy(np.asarray(sample_ids, dtype=np.int64)),
+    )
+
+
+def grad_accum_steps(global_batch: int, micro_batch: int, dp_size: int) -> int:
+    """`global_batch / (micro_batch * dp_size)`; ConfigError unless it divides exactly."""
+    problems = []
+    if micro_batch < 1:
+        problems.append(f"plan.micro_batch = {micro_batch} must be at least 1.")
+    if dp_size < 1:
+        problems.append(f"the data-parallel size {dp_size} must be at least 1.")
+    if not problems and (global_batch < 1 or global_batch % (micro_batch * dp_size)):
+        problems.append(
+            f"the global batch of {global_batch} samples is not a positive multiple of "
+            f"plan.micro_batch ({micro_batch}) x data-parallel size ({dp_size}); set "
+            "plan.grad_accum (or the global batch) so that global = micro_batch x grad_accum x dp."
+        )
+    if problems:
+        raise ConfigError(problems)
+    return global_batch // (micro_batch * dp_size)
+
+
+def rank_slice(step_samples: np.ndarray, dp_rank: int, dp_size: int) -> np.ndarray:
+    """Data-parallel rank `dp_rank`'s contiguous share of one step's global samples."""
+    per_rank = len(step_samples) // dp_size
+    return step_samples[dp_rank * per_rank : (dp_rank + 1) * per_rank]
+
+
+def batch_iterator(
+    seqs: PackedSequences,
+    sampler: GlobalSampler,
+    global_batch: int,
+    micro_batch: int,
+    dp_rank: int = 0,
+    dp_size: int = 1,
+    steps: int | None = None,
+) -> Iterator[list[Batch]]:
+    """Yield, per optimizer step, this rank's `grad_accum` micro-batches (forever, or `steps`)."""
+    accum = grad_accum_steps(global_batch, micro_batch, dp_size)
+    if not 0 <= dp_rank < dp_size:
+        raise ConfigError(f"data-parallel rank {dp_rank} is outside [0, {dp_size}).")
+    if sampler.num_samples != len(seqs):
+        raise ConfigError(
+            f"the sampler covers {sampler.num_samples} samples but the {seqs.split} split has "
+            f"{len(seqs)}; build it as GlobalSampler(len(seqs))."
+        )
+    step = 0
+    while steps is None or step < steps:
+        mine = rank_slice(sampler.take(global_batch), dp_rank, dp_size)
+        yield [collate(seqs, mine[m * micro_batch : (m + 1) * micro_batch]) for m in range(accum)]
+        step += 1

@@ -1,0 +1,401 @@
+"""Token shards: documents tokenised once into flat memory-mapped arrays, boundaries kept.
+
+A shard directory holds
+
+- `manifest.json`: format version, token dtype, vocabulary size, end-of-document id, the
+  tokenizer's hash, token and document counts, the inputs (path, size, SHA-256) and per shard its
+  file names, counts and a BLAKE2b checksum of the token file;
+- `shard-NNNNN.tokens.bin`: the token stream, little-endian uint16 (uint32 when the vocabulary
+  exceeds 65,536): every document's tokens followed by the end-of-document token;
+- `shard-NNNNN.offsets.bin`: little-endian int64 document start offsets into that shard's stream,
+  `num_documents + 1` entries from 0 to the shard's token count.
+
+Documents never straddle shards. The stream of the whole directory is the shards' streams one
+after the other; `TokenShards` reads any range of it without loading the files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from fivefold.errors import DataError
+from fivefold.train.data.cache import cache_dir, cache_lock
+from fivefold.train.data.corpus import embedded_corpus_files, file_sha256, files_digest
+from fivefold.train.data.documents import check_inputs, read_documents
+from fivefold.train.data.tokenizer import TextTokenizer
+
+FORMAT_NAME = "fivefold-token-shards"
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+DEFAULT_SHARD_TOKENS = 1 << 28  # 512 MiB of uint16 per shard file
+OFFSET_DTYPE = np.dtype("<i8")
+_ENCODE_BATCH_CHARS = 1 << 22
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """uint16 while every id fits, else uint32 (little-endian)."""
+    return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
+
+
+def _fix_hint(directory: Path) -> str:
+    return f"re-create it with `fivefold data prepare INPUTS... --out {directory} --force`"
+
+
+@dataclass
+class _ShardWriter:
+    """Appends tokenised documents to shard files, starting a new file past `shard_tokens`."""
+
+    directory: Path
+    dtype: np.dtype
+    shard_tokens: int
+    shards: list[dict] = field(default_factory=list)
+    _file: object = None
+    _hasher: object = None
+    _offsets: list[int] = field(default_factory=list)
+
+    def add(self, ids: list[int], eod_id: int) -> None:
+        length = len(ids) + 1
+        if self._file is not None and self._offsets[-1] + length > self.shard_tokens:
+            self._close_shard()
+        if self._file is None:
+            self._open_shard()
+        data = np.asarray([*ids, eod_id], dtype=self.dtype).tobytes()
+        self._file.write(data)
+        self._hasher.update(data)
+        self._offsets.append(self._offsets[-1] + length)
+
+    def close(self) -> list[dict]:
+        if self._file is not None:
+            self._close_shard()
+        return self.shards
+
+    def _open_shard(self) -> None:
+        stem = f"shard-{len(self.shards):05d}"
+        self._stem = stem
+        self._file = (self.directory / f"{stem}.tokens.bin").open("wb")
+        self._hasher = hashlib.blake2b(digest_size=16)
+        self._offsets = [0]
+
+    def _close_shard(self) -> None:
+        self._file.close()
+        offsets_name = f"{self._stem}.offsets.bin"
+        np.asarray(self._offsets, dtype=OFFSET_DTYPE).tofile(self.directory / offsets_name)
+        self.shards.append(
+            {
+                "tokens": f"{self._stem}.tokens.bin",
+                "offsets": offsets_name,
+                "num_tokens": self._offsets[-1],
+                "num_documents": len(self._offsets) - 1,
+                "tokens_blake2b": self._hasher.hexdigest(),
+            }
+        )
+        self._file = None
+
+
+def prepare_shards(
+    inputs: list[Path],
+    out_dir: Path,
+    tokenizer: TextTokenizer,
+    *,
+    shard_tokens: int = DEFAULT_SHARD_TOKENS,
+    overwrite: bool = False,
+) -> Path:
+    """Tokenise the documents of `inputs` (.txt / .jsonl, optionally .gz) into `out_dir`.
+
+    Each document becomes its tokens followed by `tokenizer.eod_id`. The directory appears
+    atomically: either the complete shard set or nothing. Returns `out_dir`.
+    """
+    inputs = check_inputs(inputs)
+    out_dir = Path(out_dir)
+    _check_destination(out_dir, overwrite)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    try:
+        manifest = _write_shards(inputs, staging, tokenizer, shard_tokens)
+        (staging / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.rename(staging, out_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out_dir
+
+
+def _check_destination(out_dir: Path, overwrite: bool) -> None:
+    if out_dir.exists() and not out_dir.is_dir():
+        raise DataError(f"output {str(out_dir)!r} is a file; choose a directory for --out.")
+    if not out_dir.is_dir() or not any(out_dir.iterdir()):
+        return
+    if not (out_dir / MANIFEST_NAME).is_file():
+        raise DataError(
+            f"output directory {str(out_dir)!r} is not empty and holds no shards; choose a new "
+            "or empty directory for --out."
+        )
+    if not overwrite:
+        raise DataError(
+            f"output directory {str(out_dir)!r} already holds shards; pass --force to replace "
+            "them or choose another --out."
+        )
+
+
+def _write_shards(
+    inputs: list[Path], directory: Path, tokenizer: TextTokenizer, shard_tokens: int
+) -> dict:
+    started = time.perf_counter()
+    writer = _ShardWriter(directory, token_dtype(tokenizer.vocab_size), shard_tokens)
+    input_records = []
+    for path in inputs:
+        num_documents = 0
+        batch: list[str] = []
+        batch_chars = 0
+        for doc in read_documents(path):
+            batch.append(doc)
+            batch_chars += len(doc)
+            num_documents += 1
+            if batch_chars >= _ENCODE_BATCH_CHARS:
+                _encode_into(writer, tokenizer, batch)
+                batch, batch_chars = [], 0
+        _encode_into(writer, tokenizer, batch)
+        input_records.append(
+            {
+                "path": str(path),
+                "bytes": path.stat().st_size,
+                "sha256": file_sha256(path),
+                "num_documents": num_documents,
+            }
+        )
+    shards = writer.close()
+    return {
+        "format": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        "token_dtype": writer.dtype.name,
+        "vocab_size": tokenizer.vocab_size,
+        "eod_id": tokenizer.eod_id,
+        "tokenizer_hash": tokenizer.hash,
+        "tokenizer_path": str(tokenizer.path) if tokenizer.path else None,
+        "num_tokens": sum(s["num_tokens"] for s in shards),
+        "num_documents": sum(s["num_documents"] for s in shards),
+        "prepare_time_s": round(time.perf_counter() - started, 3),
+        "inputs": input_records,
+        "shards": shards,
+    }
+
+
+def _encode_into(writer: _ShardWriter, tokenizer: TextTokenizer, texts: list[str]) -> None:
+    for ids in tokenizer.encode_batch(texts) if texts else []:
+        writer.add(ids, tokenizer.eod_id)
+
+
+class TokenShards:
+    """Read-only view of a shard directory as one token stream with document boundaries.
+
+    Validates on open: the manifest parses and has this format, every file exists with the size
+    the manifest implies, offsets run from 0 to the shard's token count without empty documents,
+    and (with `verify=True`) the token files match their checksums. With `tokenizer`, the shards
+    must have been made by that exact tokenizer; with `max_vocab`, their vocabulary must fit.
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        tokenizer: TextTokenizer | None = None,
+        max_vocab: int | None = None,
+        verify: bool = True,
+    ):
+        self.path = Path(path)
+        self.manifest = _read_manifest(self.path)
+        self.vocab_size: int = self.manifest["vocab_size"]
+        self.eod_id: int = self.manifest["eod_id"]
+        self.tokenizer_hash: str = self.manifest["tokenizer_hash"]
+        self.num_tokens: int = self.manifest["num_tokens"]
+        self.num_documents: int = self.manifest["num_documents"]
+        dtype = np.dtype(self.manifest["token_dtype"]).newbyteorder("<")
+        self._tokens = [self._open_tokens(s, dtype, verify) for s in self.manifest["shards"]]
+        local_offsets = [self._open_offsets(s) for s in self.manifest["shards"]]
+        sizes = [len(t) for t in self._tokens]
+        self.shard_starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)  # [S+1]
+        # Global document start offsets into the whole stream, [num_documents + 1].
+        self.doc_starts = np.concatenate(
+            [off[:-1] + base for off, base in zip(local_offsets, self.shard_starts, strict=False)]
+            + [np.asarray([self.shard_starts[-1]], dtype=np.int64)]
+        ).astype(np.int64)
+        self._check_totals()
+        if tokenizer is not None:
+            self.check_tokenizer(tokenizer)
+        if max_vocab is not None:
+            self.check_fits(max_vocab)
+
+    def tokens(self, start: int, stop: int) -> np.ndarray:
+        """Tokens `[start, stop)` of the stream as int64, read from the memory maps."""
+        if not 0 <= start <= stop <= self.num_tokens:
+            raise IndexError(f"token range [{start}, {stop}) outside [0, {self.num_tokens})")
+        first = int(np.searchsorted(self.shard_starts, start, side="right")) - 1
+        pieces, position = [], start
+        for shard in range(max(first, 0), len(self._tokens)):
+            if position >= stop:
+                break
+            base = int(self.shard_starts[shard])
+            end = min(stop, int(self.shard_starts[shard + 1]))
+            pieces.append(self._tokens[shard][position - base : end - base])
+            position = end
+        if not pieces:
+            return np.zeros(0, dtype=np.int64)
+        return np.concatenate(pieces).astype(np.int64)
+
+    def document(self, index: int) -> np.ndarray:
+        """The tokens of document `index`, ending with the end-of-document token."""
+        return self.tokens(int(self.doc_starts[index]), int(self.doc_starts[index + 1]))
+
+    def document_of(self, positions: np.ndarray) -> np.ndarray:
+        """Index of the document holding each stream position (int64, same shape)."""
+        return np.searchsorted(self.doc_starts, positions, side="right").astype(np.int64) - 1
+
+    def check_tokenizer(self, tokenizer: TextTokenizer) -> None:
+        if tokenizer.hash != self.tokenizer_hash:
+            made_with = self.manifest.get("tokenizer_path") or "another tokenizer"
+            raise DataError(
+                f"shards in {str(self.path)!r} were made with {made_with} (hash "
+                f"{self.tokenizer_hash[:12]}) but the tokenizer in use has hash "
+                f"{tokenizer.hash[:12]}; use the same tokenizer, or {_fix_hint(self.path)} "
+                "--tokenizer PATH`."
+            )
+
+    def check_fits(self, model_vocab: int, field: str = "model.vocab") -> None:
+        if self.vocab_size > model_vocab:
+            raise DataError(
+                f"shards in {str(self.path)!r} use a {self.vocab_size}-token vocabulary but "
+                f"{field} = {model_vocab}; set {field} >= {self.vocab_size} or prepare the data "
+                f"with a tokenizer of at most {model_vocab} tokens."
+            )
+
+    def __repr__(self) -> str:
+        return (
+            f"TokenShards({str(self.path)!r}, tokens={self.num_tokens}, "
+            f"documents={self.num_documents}, vocab={self.vocab_size})"
+        )
+
+    def _file(self, name: str) -> Path:
+        path = self.path / name
+        if not path.is_file():
+            raise DataError(f"shard file {str(path)!r} is missing; {_fix_hint(self.path)}.")
+        return path
+
+    def _open_tokens(self, shard: dict, dtype: np.dtype, verify: bool) -> np.ndarray:
+        path = self._file(shard["tokens"])
+        _check_size(path, shard["num_tokens"] * dtype.itemsize, self.path)
+        if verify and _blake2b(path) != shard["tokens_blake2b"]:
+            raise DataError(
+                f"shard file {str(path)!r} does not match its checksum in the manifest (it was "
+                f"modified or damaged); {_fix_hint(self.path)}."
+            )
+        if shard["num_tokens"] == 0:
+            return np.zeros(0, dtype=dtype)
+        return np.memmap(path, dtype=dtype, mode="r", shape=(shard["num_tokens"],))
+
+    def _open_offsets(self, shard: dict) -> np.ndarray:
+        path = self._file(shard["offsets"])
+        count = shard["num_documents"] + 1
+        _check_size(path, count * OFFSET_DTYPE.itemsize, self.path)
+        offsets = np.fromfile(path, dtype=OFFSET_DTYPE).astype(np.int64)
+        if offsets[0] != 0 or offsets[-1] != shard["num_tokens"] or np.any(np.diff(offsets) < 1):
+            raise DataError(
+                f"shard file {str(path)!r} holds invalid document offsets (they must rise from 0 "
+                f"to {shard['num_tokens']}); {_fix_hint(self.path)}."
+            )
+        return offsets
+
+    def _check_totals(self) -> None:
+        if self.shard_starts[-1] != self.num_tokens or len(self.doc_starts) != (
+            self.num_documents + 1
+        ):
+            raise DataError(
+                f"manifest {str(self.path / MANIFEST_NAME)!r} disagrees with its shards "
+                f"(token or document counts); {_fix_hint(self.path)}."
+            )
+        if self.num_tokens == 0:
+            raise DataError(f"shard directory {str(self.path)!r} holds no tokens; "
+                            f"{_fix_hint(self.path)} with non-empty inputs.")
+
+
+_MANIFEST_KEYS = ("token_dtype", "vocab_size", "eod_id", "tokenizer_hash", "num_tokens",
+                  "num_documents", "shards")
+
+
+def _read_manifest(directory: Path) -> dict:
+    if not directory.is_dir():
+        raise DataError(
+            f"shard directory {str(directory)!r} does not exist; create it with "
+            f"`fivefold data prepare INPUTS... --out {directory}`."
+        )
+    path = directory / MANIFEST_NAME
+    if not path.is_file():
+        raise DataError(
+            f"{str(path)!r} is missing, so {str(directory)!r} is not a shard directory; "
+            f"create it with `fivefold data prepare INPUTS... --out {directory}`."
+        )
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise DataError(f"manifest {str(path)!r} is not valid JSON ({err}); "
+                        f"{_fix_hint(directory)}.") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
+        raise DataError(f"{str(path)!r} is not a fivefold shard manifest; "
+                        f"{_fix_hint(directory)}.")
+    if manifest.get("version") != FORMAT_VERSION:
+        raise DataError(
+            f"manifest {str(path)!r} has format version {manifest.get('version')}, this fivefold "
+            f"reads version {FORMAT_VERSION}; {_fix_hint(directory)}."
+        )
+    missing = [k for k in _MANIFEST_KEYS if k not in manifest]
+    if missing:
+        raise DataError(f"manifest {str(path)!r} lacks {', '.join(missing)}; "
+                        f"{_fix_hint(directory)}.")
+    return manifest
+
+
+def _check_size(path: Path, expected_bytes: int, directory: Path) -> None:
+    actual = path.stat().st_size
+    if actual != expected_bytes:
+        raise DataError(
+            f"shard file {str(path)!r} has {actual} bytes but the manifest implies "
+            f"{expected_bytes} (truncated or corrupt); {_fix_hint(directory)}."
+        )
+
+
+def _blake2b(path: Path) -> str:
+    digest = hashlib.blake2b(digest_size=16)
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def default_shards(tokenizer: TextTokenizer) -> Path:
+    """The embedded corpus prepared with `tokenizer`, built into the cache on first use."""
+    key = f"{files_digest(embedded_corpus_files())[:12]}-{tokenizer.hash[:12]}"
+    out_dir = cache_dir() / "shards" / f"embedded-{key}"
+    with cache_lock(out_dir.name):
+        if _is_valid(out_dir, tokenizer):
+            return out_dir
+        prepare_shards(embedded_corpus_files(), out_dir, tokenizer, overwrite=True)
+    return out_dir
+
+
+def _is_valid(directory: Path, tokenizer: TextTokenizer) -> bool:
+    if not (directory / MANIFEST_NAME).is_file():
+        return False
+    try:
+        TokenShards(directory, tokenizer=tokenizer)
+    except DataError:
+        return False
+    return True

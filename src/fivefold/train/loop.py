@@ -1,0 +1,407 @@
+"""The training loop: data -> runtime step -> NaN guard -> clip -> AdamW -> LR schedule -> metrics.
+
+`train(run)` is the same for every layout: the Runtime (`make_runtime`) owns the model and the
+parallelism; this loop owns the optimizer, schedule, data order, checkpoints and metrics. Rank 0
+prints and writes files; every rank checkpoints its own state.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+
+from fivefold.errors import FivefoldError, TrainingError
+from fivefold.spec.model import param_count, training_flops_per_token
+from fivefold.spec.recipe import dump_recipe
+from fivefold.train import checkpoint as ckpt
+from fivefold.train.config import RunConfig
+from fivefold.train.inputs import TrainData, load_train_data
+from fivefold.train.memory import PeakReading, track_cpu_peak
+from fivefold.train.metrics import (
+    GiB,
+    ConsoleReporter,
+    JsonlWriter,
+    StepMetrics,
+    TensorBoardWriter,
+    ThroughputMeter,
+    format_mfu,
+    format_tokens_per_s,
+    utilization,
+)
+from fivefold.train.optim import build_optimizer
+from fivefold.train.peak import DevicePeak, device_peak
+from fivefold.train.runtime import Runtime, make_runtime
+from fivefold.train.schedule import build_scheduler
+
+
+@dataclass
+class TrainSummary:
+    """What a run did. Losses in nats/token; rates over the steps after the first."""
+
+    run_dir: str
+    start_step: int
+    end_step: int
+    losses: list[float]  # one per step of this invocation
+    tokens_per_s: float
+    mfu: float | None
+    peak_label: str
+    peak_memory_bytes: int
+    wall_s: float
+    stop_reason: str  # "completed" | "max_time_s"
+    last_checkpoint: str | None
+    eval_losses: dict[int, float] = field(default_factory=dict)
+    prediction: dict[str, Any] | None = None
+
+    @property
+    def first_loss(self) -> float:
+        return self.losses[0]
+
+    @property
+    def last_loss(self) -> float:
+        return self.losses[-1]
+
+    def tail_loss(self, steps: int = 10) -> float:
+        """Mean loss of the last `steps` steps (less noisy than the last one)."""
+        tail = self.losses[-steps:]
+        return sum(tail) / len(tail)
+
+
+class Trainer:
+    def __init__(self, run: RunConfig, runtime: Runtime, console: Console | None = None):
+        self.run = run
+        self.cfg = run.train
+        self.recipe = run.recipe
+        self.runtime = runtime
+        self.console = console or Console(stderr=False, quiet=not runtime.is_main)
+        self.run_dir = self.cfg.path()
+        self.data: TrainData = load_train_data(run, runtime.dp_rank, runtime.dp_size)
+        self.optimizer = build_optimizer(runtime.model_parts, self.cfg)
+        self.scheduler = build_scheduler(self.optimizer, self.cfg)
+        self.step = 0
+        self.last_checkpoint: Path | None = None
+        self.peak: DevicePeak = device_peak(runtime.device, self._compute_dtype())
+        self.tokens_per_step = run.global_batch * self.recipe.model.seq_len
+        seq = self.recipe.model.seq_len
+        self.model_flops_per_token = training_flops_per_token(self.recipe.model, seq)
+        self.hardware_flops_per_token = training_flops_per_token(
+            self.recipe.model, seq, self.recipe.plan.recompute
+        )
+        self.cpu_peak = PeakReading()
+
+    def _compute_dtype(self) -> str:
+        precision = getattr(self.runtime, "precision", None)
+        if precision is not None:
+            return precision.compute_dtype
+        from fivefold.spec.precision import recipe
+
+        return recipe(self.recipe.plan.precision).compute_dtype
+
+    # ---- set-up ---------------------------------------------------------------------------
+    def prepare_run_dir(self) -> None:
+        """Resume from the newest checkpoint if asked; otherwise clear the run's old state."""
+        existing = ckpt.latest_checkpoint(self.run_dir)
+        if self.cfg.resume and existing is not None:
+            self._restore(existing)
+        elif self.runtime.is_main:
+            if self.cfg.resume:
+                self.console.print(f"resume: no checkpoint in {self.run_dir}/ckpt; starting at step 0")
+            elif existing is not None:
+                self.console.print(
+                    f"note: replacing the earlier run in {self.run_dir} (use --resume to continue it)"
+                )
+                shutil.rmtree(ckpt.checkpoint_root(self.run_dir), ignore_errors=True)
+        if self.runtime.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            header = "Recipe of this run, as resolved (presets expanded, overrides applied)."
+            (self.run_dir / "recipe.toml").write_text(dump_recipe(self.recipe, header))
+
+    def _restore(self, directory: Path) -> None:
+        state = ckpt.load_checkpoint(directory, self._rank(), self.runtime.device)
+        ckpt.check_compatible(state, self.recipe.model.to_dict(), directory)
+        for part, weights in zip(self.runtime.model_parts, state.model, strict=True):
+            part.load_state_dict(weights)
+        self.optimizer.load_state_dict(state.optimizer)
+        self.scheduler.load_state_dict(state.scheduler)
+        self.data.sampler.load_state_dict(state.sampler)
+        ckpt.restore_rng(state.rng)
+        self.step = state.step
+        self.last_checkpoint = directory
+        self.console.print(f"resumed from {directory} (step {state.step})")
+
+    def _rank(self) -> int:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            return torch.distributed.get_rank()
+        return 0
+
+    # ---- checkpoints ----------------------------------------------------------------------
+    def save(self, extra: dict[str, Any]) -> Path:
+        state = ckpt.TrainState(
+            step=self.step,
+            model=[part.state_dict() for part in self.runtime.model_parts],
+            optimizer=self.optimizer.state_dict(),
+            scheduler=self.scheduler.state_dict(),
+            sampler=self.data.sampler.state_dict(),
+            rng=ckpt.capture_rng(),
+            model_spec=self.recipe.model.to_dict(),
+            plan=self.recipe.plan.to_dict(),
+            extra=extra,
+        )
+        self.last_checkpoint = ckpt.save_checkpoint(
+            self.run_dir, state, self._rank(), self.runtime.world_size, self.cfg.keep_checkpoints
+        )
+        return self.last_checkpoint
+
+    # ---- one step -------------------------------------------------------------------------
+    def _guard(self, loss: float, grad_norm: float | None, lr: float) -> None:
+        """Stop with a TrainingError naming the step and the way out when a value is not finite."""
+        if math.isfinite(loss) and (grad_norm is None or math.isfinite(grad_norm)):
+            return
+        what = f"the loss is {loss}" if not math.isfinite(loss) else f"the gradient norm is {grad_norm}"
+        where = (
+            f"the last good checkpoint is {self.last_checkpoint} (continue from it with --resume)"
+            if self.last_checkpoint is not None
+            else "no checkpoint was saved before it (set train.ckpt_every to keep some)"
+        )
+        clip = (
+            f"train.grad_clip is {self.cfg.grad_clip}"
+            if self.cfg.grad_clip > 0
+            else "enable clipping with train.grad_clip = 1.0"
+        )
+        raise TrainingError(
+            f"step {self.step + 1}: {what}, so training stopped before the optimizer step; "
+            f"{where}. Try a lower learning rate (train.lr = {self.cfg.lr:g}, this step used "
+            f"{lr:.3g}), a longer train.warmup_steps, or {clip}; plan.precision = 'fp32' rules "
+            "out bf16 overflow."
+        )
+
+    def train_one_step(self, micro_batches: list) -> tuple[float, float, float]:
+        """Forward/backward, guard, clip, optimizer and schedule; returns (loss, aux, grad norm)."""
+        lr = self.optimizer.param_groups[0]["lr"]
+        result = self.runtime.train_step(micro_batches)
+        self._guard(result.loss, None, lr)
+        grad_norm = self.runtime.clip_grad_norm(self.cfg.grad_clip)
+        self._guard(result.loss, grad_norm, lr)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.step += 1
+        return result.loss, result.aux_loss, grad_norm
+
+    # ---- the loop -------------------------------------------------------------------------
+    def fit(self) -> TrainSummary:
+        start_step = self.step
+        main = self.runtime.is_main
+        jsonl = JsonlWriter(self.run_dir / "metrics.jsonl", truncate=start_step == 0) if main else None
+        board = TensorBoardWriter(self.run_dir / "tb") if main and self.cfg.tensorboard else None
+        reporter = ConsoleReporter(
+            self.console, self.cfg.steps, start_step, self.cfg.log_every,
+            self.cfg.progress and main,
+        )
+        meter = ThroughputMeter()
+        losses: list[float] = []
+        evals: dict[int, float] = {}
+        stop_reason = "completed"
+        started = time.perf_counter()
+        batches = self.data.batches(self.run.recipe.plan.micro_batch)
+        try:
+            while self.step < self.cfg.steps:
+                index = self.step - start_step  # 0-based within this invocation
+                measure = self.runtime.device.type == "cpu" and index == min(
+                    self.cfg.memory_step - 1, self.cfg.steps - start_step - 1
+                )
+                tick = time.perf_counter()
+                micro_batches = next(batches)
+                lr = self.optimizer.param_groups[0]["lr"]
+                if measure:
+                    with track_cpu_peak(self.runtime.model_parts, self.optimizer) as self.cpu_peak:
+                        loss, aux, grad_norm = self.train_one_step(micro_batches)
+                else:
+                    loss, aux, grad_norm = self.train_one_step(micro_batches)
+                if self.runtime.device.type == "cuda":
+                    torch.cuda.synchronize(self.runtime.device)
+                step_s = time.perf_counter() - tick
+                if index > 0 and not measure:
+                    meter.add(self.tokens_per_step, step_s)
+                losses.append(loss)
+                eval_loss = self._maybe_eval()
+                if eval_loss is not None:
+                    evals[self.step] = eval_loss
+                metrics = self._metrics(loss, aux, grad_norm, lr, step_s, started, eval_loss)
+                if jsonl is not None:
+                    jsonl.write(metrics.to_json())
+                if board is not None and self.step % self.cfg.log_every == 0:
+                    board.write(metrics)
+                reporter.update(metrics)
+                if self.cfg.ckpt_every and self.step % self.cfg.ckpt_every == 0:
+                    self.save({"loss": loss})
+                if self.cfg.max_time_s and time.perf_counter() - started > self.cfg.max_time_s:
+                    stop_reason = "max_time_s"
+                    break
+            if self.cfg.save_final and losses and (
+                self.last_checkpoint is None or ckpt.step_dir(self.run_dir, self.step) != self.last_checkpoint
+            ):
+                self.save({"loss": losses[-1]})
+        finally:
+            reporter.stop()
+            if jsonl is not None:
+                jsonl.close()
+            if board is not None:
+                board.close()
+        if not losses:
+            raise TrainingError(
+                f"nothing to do: the run in {self.run_dir} is already at step {self.step} of "
+                f"train.steps = {self.cfg.steps}; raise train.steps to continue it."
+            )
+        rate = meter.tokens_per_s if meter.steps else self.tokens_per_step / max(step_s, 1e-9)
+        return TrainSummary(
+            run_dir=str(self.run_dir),
+            start_step=start_step,
+            end_step=self.step,
+            losses=losses,
+            tokens_per_s=rate,
+            mfu=utilization(rate, self.model_flops_per_token, self.peak.flops_per_s,
+                            self.runtime.world_size),
+            peak_label=self.peak.label,
+            peak_memory_bytes=self._peak_memory(),
+            wall_s=time.perf_counter() - started,
+            stop_reason=stop_reason,
+            last_checkpoint=str(self.last_checkpoint) if self.last_checkpoint else None,
+            eval_losses=evals,
+        )
+
+    def _peak_memory(self) -> int:
+        return self.runtime.peak_memory_bytes() or self.cpu_peak.peak_bytes
+
+    def _maybe_eval(self) -> float | None:
+        every = self.cfg.eval_every
+        if not every or (self.step % every and self.step != self.cfg.steps):
+            return None
+        evaluate = getattr(self.runtime, "eval_loss", None)
+        if evaluate is None:
+            return None
+        return evaluate(self.data.eval_batches(self.cfg.eval_batches, self.recipe.plan.micro_batch))
+
+    def _metrics(self, loss, aux, grad_norm, lr, step_s, started, eval_loss) -> StepMetrics:
+        rate = self.tokens_per_step / step_s if step_s > 0 else 0.0
+        devices = self.runtime.world_size
+        return StepMetrics(
+            step=self.step,
+            loss=loss,
+            aux_loss=aux,
+            grad_norm=grad_norm,
+            lr=lr,
+            tokens=self.tokens_per_step,
+            step_time_s=step_s,
+            tokens_per_s=rate,
+            mfu=utilization(rate, self.model_flops_per_token, self.peak.flops_per_s, devices),
+            hfu=utilization(rate, self.hardware_flops_per_token, self.peak.flops_per_s, devices),
+            peak_memory_bytes=self._peak_memory(),
+            elapsed_s=time.perf_counter() - started,
+            eval_loss=eval_loss,
+        )
+
+
+# ---- console header and footer ------------------------------------------------------------------
+def planner_prediction(run: RunConfig) -> tuple[dict[str, Any] | None, str]:
+    """The planner's estimate for this recipe, or (None, why not). Never raises."""
+    try:
+        from fivefold.planner.estimate import estimate
+    except ImportError:
+        return None, "planner not available"
+    recipe = run.recipe
+    try:
+        return estimate(recipe.model, recipe.cluster, recipe.plan).to_json(), ""
+    except FivefoldError as err:
+        return None, str(err).splitlines()[0]
+    except Exception as err:  # the planner must never stop a training run
+        return None, f"{type(err).__name__}: {err}"
+
+
+def print_header(trainer: Trainer, prediction: dict[str, Any] | None, why_not: str) -> None:
+    out, recipe, run = trainer.console, trainer.recipe, trainer.run
+    model, plan = recipe.model, recipe.plan
+    total, active = param_count(model), param_count(model, active_only=True)
+    params = f"{total / 1e6:.2f}M params" + (f" ({active / 1e6:.2f}M active)" if model.is_moe else "")
+    out.print(
+        f"[bold]fivefold train[/bold] {trainer.run_dir}: model {model.name} ({params}, "
+        f"{model.layers} layers, hidden {model.hidden}, seq {model.seq_len}, vocab {model.vocab})"
+    )
+    threads = f", {torch.get_num_threads()} threads" if trainer.runtime.device.type == "cpu" else ""
+    precision = getattr(trainer.runtime, "precision", None)
+    out.print(
+        f"layout: {plan.describe()} on {trainer.runtime.world_size} process(es), device "
+        f"{trainer.runtime.device}{threads}; precision "
+        f"{precision.describe() if precision else plan.precision}"
+    )
+    out.print(
+        f"batch: {run.global_batch} sequences x {model.seq_len} tokens = "
+        f"{trainer.tokens_per_step:,} tokens/step; {trainer.cfg.steps} steps, lr "
+        f"{trainer.cfg.lr:g} (warmup {trainer.cfg.warmup_steps}, {trainer.cfg.lr_schedule} to "
+        f"{trainer.cfg.min_lr:g}); data: {trainer.data.describe()}"
+    )
+    out.print(f"MFU against: {trainer.peak.label}")
+    if prediction is not None:
+        mem = prediction.get("memory_gib", {}).get("total")
+        out.print(
+            f"planner predicts: step {prediction.get('step_time_s', float('nan')):.3f} s, "
+            f"{format_tokens_per_s(prediction.get('tokens_per_s', 0.0))} tok/s, MFU "
+            f"{format_mfu(prediction.get('mfu'))}, memory {mem:.2f} GiB"
+            if mem is not None
+            else f"planner predicts: {prediction}"
+        )
+    else:
+        out.print(f"[dim]planner: no prediction ({why_not})[/dim]")
+
+
+def print_footer(trainer: Trainer, s: TrainSummary) -> None:
+    out = trainer.console
+    stopped = "" if s.stop_reason == "completed" else f" (stopped: {s.stop_reason})"
+    out.print(
+        f"[bold]done[/bold]: steps {s.start_step} -> {s.end_step} in {s.wall_s:.1f} s{stopped}; "
+        f"loss {s.first_loss:.3f} -> {s.last_loss:.3f} (mean of last 10: {s.tail_loss():.3f})"
+    )
+    mem = f"{s.peak_memory_bytes / GiB:.3f} GiB" if s.peak_memory_bytes else "not measured"
+    out.print(
+        f"throughput {format_tokens_per_s(s.tokens_per_s)} tokens/s, MFU {format_mfu(s.mfu)} "
+        f"(vs {s.peak_label}); peak memory {mem}"
+    )
+    if s.prediction is not None and s.end_step > s.start_step:
+        measured_step_s = trainer.tokens_per_step / s.tokens_per_s if s.tokens_per_s else float("nan")
+        out.print(
+            f"planner vs measured: step {s.prediction.get('step_time_s', float('nan')):.3f} s vs "
+            f"{measured_step_s:.3f} s"
+        )
+    if s.last_checkpoint:
+        out.print(f"checkpoint: {s.last_checkpoint}")
+    out.print(f"metrics: {Path(s.run_dir) / 'metrics.jsonl'}")
+
+
+def train(
+    run: RunConfig, runtime: Runtime | None = None, console: Console | None = None
+) -> TrainSummary:
+    """Train `run` to `train.steps` (resuming if asked); returns the summary. Rank 0 prints."""
+    runtime = runtime or make_runtime(run.recipe)
+    try:
+        trainer = Trainer(run, runtime, console)
+        trainer.prepare_run_dir()
+        prediction, why_not = planner_prediction(run) if runtime.is_main else (None, "")
+        if runtime.is_main:
+            print_header(trainer, prediction, why_not)
+        summary = trainer.fit()
+        summary.prediction = prediction
+        if runtime.is_main:
+            print_footer(trainer, summary)
+            payload = asdict(summary)
+            payload["eval_losses"] = {str(k): v for k, v in summary.eval_losses.items()}
+            (trainer.run_dir / "summary.json").write_text(json.dumps(payload, indent=2) + "\n")
+        return summary
+    finally:
+        runtime.close()

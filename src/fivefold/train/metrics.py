@@ -1,0 +1,168 @@
+"""Per-step metrics and where they go: a rich console (progress bar), JSONL, TensorBoard.
+
+MFU = achieved model FLOP/s / (peak FLOP/s x devices), where model FLOPs per token are
+`fivefold.spec.model.training_flops_per_token` (forward + backward, causal attention, no
+recompute). HFU counts the recomputed forward work as well. The peak comes from
+`fivefold.train.peak` and its label travels with every printed MFU (on CPU it is a measured
+matmul peak, not a datasheet figure).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+GiB = 2**30
+
+
+@dataclass
+class StepMetrics:
+    """One optimizer step. Loss in nats per token; times in seconds; memory in bytes."""
+
+    step: int  # 1-based: the number of optimizer steps completed
+    loss: float
+    grad_norm: float  # global L2 norm before clipping
+    lr: float  # the rate this step used
+    tokens: int  # tokens in the global batch
+    step_time_s: float
+    tokens_per_s: float
+    mfu: float | None  # fraction of the peak; None when the peak is unknown
+    hfu: float | None
+    peak_memory_bytes: int
+    elapsed_s: float
+    aux_loss: float = 0.0
+    eval_loss: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+def utilization(
+    tokens_per_s: float, flops_per_token: float, peak_flops_per_s: float | None, devices: int
+) -> float | None:
+    """Achieved FLOP/s over the devices' combined peak, or None when the peak is unknown."""
+    if not peak_flops_per_s or peak_flops_per_s <= 0 or devices < 1:
+        return None
+    return tokens_per_s * flops_per_token / (peak_flops_per_s * devices)
+
+
+@dataclass
+class ThroughputMeter:
+    """Tokens and seconds summed over the steps that count (warm-up and measured steps do not)."""
+
+    tokens: int = 0
+    seconds: float = 0.0
+    steps: int = 0
+    losses: list[float] = field(default_factory=list)
+
+    def add(self, tokens: int, seconds: float) -> None:
+        self.tokens += tokens
+        self.seconds += seconds
+        self.steps += 1
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def format_mfu(mfu: float | None) -> str:
+    return "n/a" if mfu is None else f"{100 * mfu:.1f}%"
+
+
+def format_tokens_per_s(rate: float) -> str:
+    return f"{rate / 1e6:.2f}M" if rate >= 1e6 else f"{rate / 1e3:.1f}k" if rate >= 1e3 else f"{rate:.0f}"
+
+
+class JsonlWriter:
+    """Appends one JSON object per line and flushes, so a crash loses at most the last step."""
+
+    def __init__(self, path: Path, truncate: bool):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self._file = path.open("w" if truncate else "a", encoding="utf-8")
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class TensorBoardWriter:
+    """Scalars under `train/` when tensorboard is installed; otherwise `available` is False."""
+
+    def __init__(self, log_dir: Path):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            self._writer = None
+            return
+        self._writer = SummaryWriter(log_dir=str(log_dir))
+
+    @property
+    def available(self) -> bool:
+        return self._writer is not None
+
+    def write(self, m: StepMetrics) -> None:
+        if self._writer is None:
+            return
+        for key, value in m.to_json().items():
+            if key != "step" and isinstance(value, int | float) and math.isfinite(value):
+                self._writer.add_scalar(f"train/{key}", value, m.step)
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+
+
+class ConsoleReporter:
+    """A rich progress bar with loss, lr, tokens/s and MFU (on a terminal), and a log line every
+    `log_every` steps (always), printed above the bar."""
+
+    def __init__(self, console: Console, total_steps: int, start_step: int, log_every: int,
+                 progress: bool):
+        self.console = console
+        self.log_every = log_every
+        self._progress: Progress | None = None
+        if progress and console.is_terminal:
+            self._progress = Progress(
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[status]}"),
+                TimeRemainingColumn(),
+                console=console,
+                transient=True,
+            )
+            self._task = self._progress.add_task(
+                "train", total=total_steps, completed=start_step, status=""
+            )
+            self._progress.start()
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        self.console.print(*args, **kwargs)
+
+    def update(self, m: StepMetrics) -> None:
+        status = (
+            f"loss {m.loss:.3f}  lr {m.lr:.2e}  {format_tokens_per_s(m.tokens_per_s)} tok/s  "
+            f"MFU {format_mfu(m.mfu)}"
+        )
+        if self._progress is not None:
+            self._progress.update(self._task, completed=m.step, status=status)
+        if m.step % self.log_every == 0 or m.eval_loss is not None:
+            line = f"step {m.step:>6}  {status}  |g| {m.grad_norm:.3f}"
+            if m.eval_loss is not None:
+                line += f"  eval {m.eval_loss:.3f}"
+            self.console.print(line, highlight=False)
+
+    def stop(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None

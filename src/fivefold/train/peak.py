@@ -1,0 +1,99 @@
+"""The peak FLOP/s an MFU figure is measured against.
+
+CUDA devices are looked up by name in the catalog `fivefold.spec.hardware.GPUS` (dense vendor
+figures, each with its datasheet as source); a device the catalog does not know gets "unknown
+peak" and no MFU, never a guess. A CPU has no catalog figure, so we measure one: the best of a
+few square matmuls in the compute dtype, with the threads torch uses. MFU on CPU is therefore
+"relative to the measured matmul peak" and labelled so wherever it is printed.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass
+
+import torch
+
+from fivefold.spec.hardware import GPUS
+
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+# Substrings of torch.cuda.get_device_name() -> catalog key. Order matters: first match wins.
+# PCIe and NVL variants have lower peaks than the SXM parts in the catalog, so they stay unknown.
+_CUDA_NAME_PATTERNS: tuple[tuple[tuple[str, ...], tuple[str, ...], str], ...] = (
+    # (all of these, none of these, catalog key)
+    (("H100",), ("PCIE", "NVL"), "h100-sxm"),
+    (("H200",), ("NVL",), "h200"),
+    (("H800",), ("PCIE", "NVL"), "h800"),
+    (("B200",), (), "b200"),
+    (("A100", "80GB"), ("PCIE",), "a100-80gb"),
+    (("A100", "40GB"), ("PCIE",), "a100-40gb"),
+)
+
+
+@dataclass(frozen=True)
+class DevicePeak:
+    """A dense peak in FLOP/s (None when unknown) and how it was obtained."""
+
+    flops_per_s: float | None
+    dtype: str  # "fp32" | "bf16" | ...
+    label: str  # printed next to MFU, e.g. "h100-sxm dense bf16 peak"
+    source: str  # datasheet citation or measurement description
+
+    @property
+    def known(self) -> bool:
+        return self.flops_per_s is not None and self.flops_per_s > 0
+
+
+def catalog_key_for_cuda(device_name: str) -> str | None:
+    """Catalog key for a CUDA device name such as 'NVIDIA H100 80GB HBM3', or None."""
+    upper = device_name.upper()
+    for needed, excluded, key in _CUDA_NAME_PATTERNS:
+        if all(s in upper for s in needed) and not any(s in upper for s in excluded):
+            return key
+    return None
+
+
+def cuda_peak(device_name: str, dtype: str) -> DevicePeak:
+    key = catalog_key_for_cuda(device_name)
+    if key is None or dtype not in GPUS[key].peak_flops:
+        return DevicePeak(None, dtype, f"unknown peak ({device_name})", "not in the GPU catalog")
+    spec = GPUS[key]
+    return DevicePeak(spec.peak_flops[dtype], dtype, f"{key} dense {dtype} peak", spec.source)
+
+
+@functools.lru_cache(maxsize=8)
+def measure_matmul_flops(dtype: str = "fp32", size: int = 1024, repeats: int = 5) -> float:
+    """Best FLOP/s of `repeats` (size x size) @ (size x size) matmuls on the CPU (2*size^3 each)."""
+    torch_dtype = TORCH_DTYPES[dtype]
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(size, size, generator=gen).to(torch_dtype)
+    b = torch.randn(size, size, generator=gen).to(torch_dtype)
+    torch.mm(a, b)  # warm-up: thread pool, packing buffers
+    best_s = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        best_s = min(best_s, time.perf_counter() - start)
+    return 2.0 * size**3 / best_s
+
+
+def cpu_peak(dtype: str) -> DevicePeak:
+    flops = measure_matmul_flops(dtype)
+    threads = torch.get_num_threads()
+    return DevicePeak(
+        flops,
+        dtype,
+        f"measured CPU {dtype} matmul peak ({flops / 1e9:.0f} GFLOP/s, {threads} threads)",
+        "best of 5 1024^3 torch.mm calls at start-up",
+    )
+
+
+def device_peak(device: torch.device, dtype: str) -> DevicePeak:
+    """The dense peak of `device` for compute dtype `dtype` ("fp32", "bf16", ...)."""
+    if device.type == "cuda":
+        return cuda_peak(torch.cuda.get_device_name(device), dtype)
+    if device.type == "cpu" and dtype in TORCH_DTYPES:
+        return cpu_peak(dtype)
+    return DevicePeak(None, dtype, f"unknown peak ({device.type})", "no measurement")

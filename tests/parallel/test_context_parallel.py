@@ -1,0 +1,196 @@
+"""Context parallelism (ring, all-gather, Ulysses) against the single-process attention core.
+
+One group of 4 gloo ranks runs every case (cp = 2 on two pairs of ranks, cp = 4 on all) and
+reports the max absolute deviation of the output and of dq, dk, dv from the model's own
+`AttentionCore` run on the full sequence; then a whole tiny model with CP swapped in is compared
+on logits and parameter gradients.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from _ranks import run_ranks
+
+from fivefold.model import AttentionContext, AttentionCore, build_model, cross_entropy_loss
+from fivefold.parallel.context_parallel import (
+    apply_context_parallel,
+    load_balanced_indices,
+    shard_batch_for_cp,
+    shard_sequence_for_cp,
+    unshard_sequence_for_cp,
+)
+from fivefold.spec.model import ModelSpec
+
+WORLD = 4
+TOL = 2e-5  # fp32; the measured deviations are ~1e-7
+B, HQ, HKV, T, DH = 2, 4, 2, 32, 8
+KIND_CASES = [
+    ("ring", "math"),
+    ("ring", "fused"),
+    ("allgather", None),
+    ("ulysses", None),
+]
+
+
+@dataclasses.dataclass
+class _Batch:
+    tokens: torch.Tensor
+    labels: torch.Tensor
+    positions: torch.Tensor
+    doc_ids: torch.Tensor
+
+
+def packed_doc_ids(batch: int, seq: int, generator: torch.Generator) -> torch.Tensor:
+    """Doc ids of packed documents with random boundaries ([B, T], non-decreasing per row)."""
+    starts = (torch.rand(batch, seq, generator=generator) < 0.15).long()
+    starts[:, 0] = 0
+    return starts.cumsum(1)
+
+
+def positions_from_docs(doc_ids: torch.Tensor) -> torch.Tensor:
+    """RoPE positions restarting at every document start."""
+    index = torch.arange(doc_ids.shape[1]).expand_as(doc_ids)
+    is_start = torch.ones_like(doc_ids, dtype=torch.bool)
+    is_start[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    start_index = torch.where(is_start, index, torch.zeros_like(index)).cummax(1).values
+    return index - start_index
+
+
+def _attention_case(
+    group, cp_rank, cp_size, kind, kernel, with_docs, dtype=torch.float32
+) -> float:
+    """Max |deviation| of out, dq, dk, dv from the fp32 single-process core (inputs in dtype)."""
+    g = torch.Generator().manual_seed(1234)
+    q, k, v = (
+        torch.randn(B, heads, T, DH, generator=g).to(dtype).float().requires_grad_()
+        for heads in (HQ, HKV, HKV)
+    )
+    dout = torch.randn(B, HQ, T, DH, generator=g)
+    docs = packed_doc_ids(B, T, g) if with_docs else None
+    ref = AttentionCore()(q, k, v, AttentionContext(positions=torch.zeros(B, T), doc_ids=docs))
+    ref.backward(dout)
+
+    def shard(x):
+        return shard_sequence_for_cp(x.detach(), cp_rank, cp_size, dim=2)
+
+    lq, lk, lv = (shard(x).to(dtype).requires_grad_() for x in (q, k, v))
+    local_docs = None if docs is None else shard_sequence_for_cp(docs, cp_rank, cp_size, dim=1)
+    from fivefold.parallel.context_parallel import ContextParallelAttentionCore
+
+    core = ContextParallelAttentionCore(group, kind, kernel=kernel or "auto")
+    out = core(lq, lk, lv, AttentionContext(positions=torch.zeros(B, T // cp_size), doc_ids=local_docs))
+    out.backward(shard(dout).to(dtype))
+    pairs = [(out, ref), (lq.grad, q.grad), (lk.grad, k.grad), (lv.grad, v.grad)]
+    return max((a.float() - shard(b)).abs().max().item() for a, b in pairs)
+
+
+TINY = ModelSpec(name="tiny-cp", layers=2, hidden=32, heads=4, kv_heads=2, ffn=64, vocab=97, seq_len=T)
+
+
+def _model_case(group, cp_rank, cp_size, kind) -> float:
+    """Max deviation of local logits and of CP-summed parameter grads from the full model."""
+    import torch.distributed as dist
+
+    g = torch.Generator().manual_seed(7)
+    tokens = torch.randint(0, TINY.vocab, (B, T + 1), generator=g)
+    docs = packed_doc_ids(B, T, g)
+    batch = _Batch(tokens[:, :-1], tokens[:, 1:], positions_from_docs(docs), docs)
+
+    ref = build_model(TINY)
+    ref.to_empty(device="cpu")
+    ref.init_weights(seed=0)
+    ref_logits = ref(batch.tokens, batch.positions, batch.doc_ids)
+    cross_entropy_loss(ref_logits, batch.labels).backward()
+
+    model = build_model(TINY)
+    apply_context_parallel(model, group, kind)
+    model.to_empty(device="cpu")
+    model.init_weights(seed=0)
+    local = shard_batch_for_cp(batch, cp_rank, cp_size)
+    logits = model(local.tokens, local.positions, local.doc_ids)
+    loss = cross_entropy_loss(logits, local.labels, reduction="sum") / batch.labels.numel()
+    loss.backward()
+    deviation = (logits - shard_sequence_for_cp(ref_logits.detach(), cp_rank, cp_size)).abs().max()
+    for (name, p), (ref_name, ref_p) in zip(
+        model.named_parameters(), ref.named_parameters(), strict=True
+    ):
+        assert name == ref_name
+        grad = p.grad.clone()
+        dist.all_reduce(grad, group=group)
+        deviation = torch.maximum(deviation, (grad - ref_p.grad).abs().max())
+    return deviation.item()
+
+
+def _cp_worker(rank: int, world_size: int) -> dict:
+    import torch.distributed as dist
+
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    groups = {2: pairs[rank // 2], 4: dist.group.WORLD}
+    results = {}
+    for cp_size, group in groups.items():
+        cp_rank = dist.get_rank(group)
+        for kind, kernel in KIND_CASES:
+            for with_docs in (False, True):
+                key = f"attn-{kind}-{kernel}-cp{cp_size}-docs{int(with_docs)}"
+                results[key] = _attention_case(group, cp_rank, cp_size, kind, kernel, with_docs)
+        results[f"attn-ring-bf16-cp{cp_size}"] = _attention_case(
+            group, cp_rank, cp_size, "ring", "fused", True, torch.bfloat16
+        )
+        for kind in ("ring", "allgather", "ulysses"):
+            if kind == "ulysses" and TINY.heads % cp_size:
+                continue
+            results[f"model-{kind}-cp{cp_size}"] = _model_case(group, cp_rank, cp_size, kind)
+    return results
+
+
+@pytest.fixture(scope="module")
+def deviations() -> dict:
+    per_rank = run_ranks(_cp_worker, WORLD, timeout_s=240)
+    return {key: max(r[key] for r in per_rank) for key in per_rank[0]}
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("with_docs", [False, True])
+@pytest.mark.parametrize(("kind", "kernel"), KIND_CASES)
+def test_attention_forward_backward_matches_full_sdpa(deviations, kind, kernel, cp, with_docs):
+    deviation = deviations[f"attn-{kind}-{kernel}-cp{cp}-docs{int(with_docs)}"]
+    assert deviation < TOL, f"{kind}/{kernel} cp={cp}: max |dev| {deviation:.3g}"
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ring_attention_bf16_stays_close_to_fp32_reference(deviations, cp):
+    deviation = deviations[f"attn-ring-bf16-cp{cp}"]
+    assert deviation < 5e-2, f"bf16 ring cp={cp}: max |dev| {deviation:.3g}"
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("kind", ["ring", "allgather", "ulysses"])
+def test_model_with_context_parallel_matches_single_process(deviations, kind, cp):
+    deviation = deviations[f"model-{kind}-cp{cp}"]
+    assert deviation < TOL, f"model {kind} cp={cp}: max |dev| {deviation:.3g}"
+
+
+def test_load_balanced_layout_covers_sequence_with_equal_causal_work():
+    cp, seq = 4, 32
+    shares = [load_balanced_indices(seq, r, cp) for r in range(cp)]
+    assert torch.equal(torch.sort(torch.cat(shares)).values, torch.arange(seq))
+    # causal work of a rank = sum over its queries of (index + 1) keys; equal for every rank
+    work = [int((s + 1).sum()) for s in shares]
+    assert work == [work[0]] * cp and work[0] == seq * (seq + 1) // 2 // cp
+    assert shares[1].tolist() == [4, 5, 6, 7, 24, 25, 26, 27]
+
+
+def test_shard_batch_round_trips():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 100, (2, 16), generator=g)
+    docs = packed_doc_ids(2, 16, g)
+    batch = _Batch(x, x + 1, positions_from_docs(docs), docs)
+    shards = [shard_batch_for_cp(batch, r, 2) for r in range(2)]
+    for field in ("tokens", "labels", "positions", "doc_ids"):
+        rebuilt = unshard_sequence_for_cp([getattr(s, field) for s in shards])
+        assert torch.equal(rebuilt, getattr(batch, field))
+    assert shards[0].tokens.shape == (2, 8)
+    assert torch.equal(shards[1].positions[:, :4], batch.positions[:, 4:8])
