@@ -28,6 +28,7 @@ from fivefold.train.data import (
     read_documents,
     train_tokenizer,
 )
+from fivefold.train.data.sampler import splitmix64
 
 CORPUS = embedded_corpus_files()
 PERSUASION = next(p for p in CORPUS if "persuasion" in p.name)
@@ -48,6 +49,12 @@ class CharTokenizer:
 def write_jsonl(path: Path, texts: list[str]) -> Path:
     path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     return path
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path_factory, monkeypatch):
+    """Keep every test away from the user's ~/.cache/fivefold."""
+    monkeypatch.setenv("FIVEFOLD_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +97,10 @@ def test_tokenizer_training_is_deterministic_across_processes(small_tokenizer, t
     )
     other = subprocess.run(
         [sys.executable, "-c", code, str(PERSUASION)],
-        capture_output=True, text=True, check=True, env={"RAYON_NUM_THREADS": "1", "PATH": ""},
+        capture_output=True,
+        text=True,
+        check=True,
+        env={"RAYON_NUM_THREADS": "1", "PATH": ""},
     )
     assert other.stdout.strip() == small_tokenizer.hash
     assert train_tokenizer([PERSUASION], vocab_size=500).hash != small_tokenizer.hash
@@ -105,7 +115,7 @@ def test_saved_tokenizer_loads_identically_and_checks_model_vocab(small_tokenize
 
 
 def test_default_tokenizer_and_shards_are_built_once_and_cached(tmp_path, monkeypatch):
-    monkeypatch.setenv("FIVEFOLD_CACHE", str(tmp_path))
+    monkeypatch.setenv("FIVEFOLD_CACHE", str(tmp_path))  # a fresh cache: trains from scratch
     tok = default_tokenizer(max_vocab=4096)
     assert (tok.vocab_size, tok.eod_id) == (4096, 0)
     assert tok.path.parent == tmp_path / "tokenizers"
@@ -120,8 +130,12 @@ def test_default_tokenizer_and_shards_are_built_once_and_cached(tmp_path, monkey
     assert 900_000 < shards.num_tokens < 1_100_000
     first = next(read_documents(CORPUS[0]))
     assert first.startswith("EMMA")
-    assert shards.document(0).tolist() == tok.encode(first) + [tok.eod_id]
+    assert shards.document(0).tolist() == [*tok.encode(first), tok.eod_id]
     assert default_shards(tok) == shards.path  # second call reuses the cache
+
+    train, val = PackedSequences(shards, 256), PackedSequences(shards, 256, split="val")
+    assert len(train) + len(val) == (shards.num_tokens - 1) // 256
+    assert len(val) == round((shards.num_tokens - 1) // 256 * 0.02)
 
 
 # --- documents and shards ----------------------------------------------------------------------
@@ -138,14 +152,14 @@ def test_shard_round_trip_keeps_every_document(small_tokenizer, tmp_path):
     out = prepare_shards([jsonl, text], tmp_path / "shards", small_tokenizer, shard_tokens=16)
 
     shards = TokenShards(out, tokenizer=small_tokenizer, max_vocab=512)
-    expected = [small_tokenizer.encode(d) + [small_tokenizer.eod_id] for d in docs_a + docs_b]
+    expected = [[*small_tokenizer.encode(d), small_tokenizer.eod_id] for d in docs_a + docs_b]
     assert shards.num_documents == 4
     assert shards.num_tokens == sum(map(len, expected))
     assert len(shards.manifest["shards"]) > 1  # documents were spread over several files
     assert shards.manifest["token_dtype"] == "uint16"
     for i, ids in enumerate(expected):
         assert shards.document(i).tolist() == ids
-    assert shards.tokens(0, shards.num_tokens).tolist() == sum(expected, [])
+    assert shards.tokens(0, shards.num_tokens).tolist() == [t for ids in expected for t in ids]
     assert shards.doc_starts.tolist() == np.cumsum([0] + [len(e) for e in expected]).tolist()
     assert small_tokenizer.decode(shards.document(1)[:-1]) == docs_a[1]
 
@@ -183,8 +197,9 @@ def test_packing_restarts_positions_and_doc_ids_at_document_boundaries(char_shar
 
 def test_packing_on_real_text_changes_doc_ids_exactly_after_each_eod(small_tokenizer, tmp_path):
     docs = [" ".join(["word"] * n) for n in (3, 40, 7, 1, 25, 60, 2)]
-    out = prepare_shards([write_jsonl(tmp_path / "d.jsonl", docs)], tmp_path / "s",
-                         small_tokenizer, shard_tokens=30)
+    out = prepare_shards(
+        [write_jsonl(tmp_path / "d.jsonl", docs)], tmp_path / "s", small_tokenizer, shard_tokens=30
+    )
     seqs = PackedSequences(TokenShards(out), seq_len=16, val_fraction=0.0)
     eod = small_tokenizer.eod_id
     for i in range(len(seqs)):
@@ -213,6 +228,18 @@ def test_validation_split_is_the_last_two_percent(char_shards, small_tokenizer, 
 # --- sampler and batching ----------------------------------------------------------------------
 
 
+def test_splitmix64_matches_the_published_reference_outputs():
+    # Vigna's splitmix64.c: state 0 gives 0xE220A8397B1DCDAF first; state 1234567 gives the
+    # sequence below (each call adds the golden gamma to the state before mixing).
+    assert int(splitmix64(np.uint64(0))) == 0xE220A8397B1DCDAF
+    states = np.uint64(1234567) + np.arange(3, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    assert splitmix64(states).tolist() == [
+        6457827717110365317,
+        3203168211198807973,
+        9817491932198370423,
+    ]
+
+
 def test_sampler_is_deterministic_and_each_epoch_is_a_permutation():
     a, b = GlobalSampler(50, seed=3), GlobalSampler(50, seed=3)
     order = a.take(120)
@@ -233,14 +260,24 @@ def test_dp_ranks_partition_each_global_batch(char_shards, small_tokenizer, tmp_
     for dp_size, micro in ((1, 4), (2, 2), (4, 1), (4, 4)):
         per_rank = []
         for rank in range(dp_size):
-            steps_of_rank = list(batch_iterator(seqs, GlobalSampler(len(seqs), seed=7),
-                                                global_batch, micro, rank, dp_size, steps=steps))
+            steps_of_rank = list(
+                batch_iterator(
+                    seqs,
+                    GlobalSampler(len(seqs), seed=7),
+                    global_batch,
+                    micro,
+                    rank,
+                    dp_size,
+                    steps=steps,
+                )
+            )
             assert [len(mbs) for mbs in steps_of_rank] == [global_batch // (micro * dp_size)] * 3
             assert all(b.tokens.shape == (micro, 32) for mbs in steps_of_rank for b in mbs)
-            per_rank.append([torch.cat([b.sample_ids for b in mbs]).tolist()
-                             for mbs in steps_of_rank])
+            per_rank.append(
+                [torch.cat([b.sample_ids for b in mbs]).tolist() for mbs in steps_of_rank]
+            )
         for step in range(steps):
-            joined = sum((per_rank[r][step] for r in range(dp_size)), [])
+            joined = [i for r in range(dp_size) for i in per_rank[r][step]]
             assert joined == reference[step].tolist()  # ranks in order = the global slice
             assert len(set(joined)) == global_batch  # no overlap
 
@@ -250,10 +287,14 @@ def _run(seqs, sampler, steps, dp_size, global_batch=8, micro=1):
     states = [GlobalSampler(len(seqs), seed=sampler.seed) for _ in range(dp_size)]
     for s in states:
         s.load_state_dict(sampler.state_dict())
-    iters = [batch_iterator(seqs, states[r], global_batch, micro, r, dp_size, steps=steps)
-             for r in range(dp_size)]
-    out = [torch.cat([b.tokens for rank_step in step for b in rank_step])
-           for step in zip(*iters, strict=True)]
+    iters = [
+        batch_iterator(seqs, states[r], global_batch, micro, r, dp_size, steps=steps)
+        for r in range(dp_size)
+    ]
+    out = [
+        torch.cat([b.tokens for rank_step in step for b in rank_step])
+        for step in zip(*iters, strict=True)
+    ]
     sampler.load_state_dict(states[0].state_dict())
     return out
 
@@ -279,8 +320,11 @@ def test_resume_and_dp_change_continue_the_exact_global_sequence(small_tokenizer
 
 def test_batch_geometry_errors_are_config_errors(char_shards):
     seqs = PackedSequences(char_shards, seq_len=4, val_fraction=0.0)
-    with pytest.raises(ConfigError, match=r"global batch of 6 .* micro_batch \(2\) x "
-                       r"data-parallel size \(2\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"global batch of 6 .* plan.micro_batch \(2\) x "
+        r"data-parallel size \(2\)",
+    ):
         next(batch_iterator(seqs, GlobalSampler(len(seqs)), 6, 2, 0, 2))
     with pytest.raises(ConfigError, match="sampler covers 3 samples"):
         next(batch_iterator(seqs, GlobalSampler(3), 2, 1))
@@ -305,10 +349,16 @@ def test_bad_inputs_are_data_errors_naming_the_file(small_tokenizer, tmp_path):
     not_json.write_text("{oops\n")
     with pytest.raises(DataError, match=r"broken.jsonl' line 1 is not valid JSON"):
         train_tokenizer([not_json], 300)
-    with pytest.raises(DataError, match="vocab size 100 is too small.*at least 257"):
+    with pytest.raises(DataError, match=r"vocab size 100 is too small.*at least 257"):
         train_tokenizer([PERSUASION], vocab_size=100)
-    with pytest.raises(DataError, match="unsupported type"):
-        prepare_shards([tmp_path / "x.csv"], tmp_path / "o4", small_tokenizer)
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("café".encode("latin-1"))
+    with pytest.raises(DataError, match=r"latin1.txt' is not UTF-8 text"):
+        prepare_shards([latin1], tmp_path / "o5", small_tokenizer)
+    table = tmp_path / "x.csv"
+    table.write_text("text\nhello\n")
+    with pytest.raises(DataError, match=r"x.csv' has an unsupported type.*\.jsonl"):
+        prepare_shards([table], tmp_path / "o4", small_tokenizer)
     assert not any(p.name.startswith((".o", "o")) for p in tmp_path.iterdir())  # nothing left
 
 
@@ -318,9 +368,9 @@ def test_damaged_or_mismatched_shards_are_data_errors(small_tokenizer, tmp_path)
     with pytest.raises(DataError, match="already holds shards; pass --force"):
         prepare_shards([docs], out, small_tokenizer)
     other = train_tokenizer([PERSUASION], vocab_size=300)
-    with pytest.raises(DataError, match="were made with .* but the tokenizer in use"):
+    with pytest.raises(DataError, match=r"were made with .* but the tokenizer in use"):
         TokenShards(out, tokenizer=other)
-    with pytest.raises(DataError, match="512-token vocabulary but model.vocab = 300"):
+    with pytest.raises(DataError, match=r"512-token vocabulary but model\.vocab = 300"):
         TokenShards(out, max_vocab=300)
 
     tokens_file = out / "shard-00000.tokens.bin"
@@ -345,12 +395,16 @@ def test_damaged_or_mismatched_shards_are_data_errors(small_tokenizer, tmp_path)
 def test_cli_prepare_tokenizer_and_errors(small_tokenizer, tmp_path, capsys):
     docs = write_jsonl(tmp_path / "d.jsonl", ["alpha beta", "gamma"])
     tok_path = tmp_path / "t.json"
-    assert cli_main(["data", "tokenizer", str(PERSUASION), "--out", str(tok_path),
-                     "--vocab", "300"]) == 0
+    assert (
+        cli_main(["data", "tokenizer", str(PERSUASION), "--out", str(tok_path), "--vocab", "300"])
+        == 0
+    )
     assert load_tokenizer(tok_path).vocab_size == 300
     out = tmp_path / "shards"
-    assert cli_main(["data", "prepare", str(docs), "--out", str(out),
-                     "--tokenizer", str(tok_path)]) == 0
+    assert (
+        cli_main(["data", "prepare", str(docs), "--out", str(out), "--tokenizer", str(tok_path)])
+        == 0
+    )
     assert "prepared 2 documents" in capsys.readouterr().out
     assert TokenShards(out, tokenizer=load_tokenizer(tok_path)).num_documents == 2
     assert cli_main(["data", "info", str(out)]) == 0
@@ -358,6 +412,5 @@ def test_cli_prepare_tokenizer_and_errors(small_tokenizer, tmp_path, capsys):
 
     assert cli_main(["data", "prepare", str(tmp_path / "gone.jsonl"), "--out", str(out)]) == 2
     assert "gone.jsonl' does not exist" in capsys.readouterr().err
-    assert cli_main(["data", "tokenizer", str(docs), "--out", str(tok_path),
-                     "--vocab", "10"]) == 2
+    assert cli_main(["data", "tokenizer", str(docs), "--out", str(tok_path), "--vocab", "10"]) == 2
     assert "too small" in capsys.readouterr().err

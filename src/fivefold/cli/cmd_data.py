@@ -1,8 +1,8 @@
 """`fivefold data`: train a tokenizer and turn text into token shards.
 
-    fivefold data tokenizer INPUTS... --out PATH [--vocab N]
-    fivefold data prepare INPUTS... --out DIR [--tokenizer PATH] [--force]
-    fivefold data info DIR
+fivefold data tokenizer INPUTS... --out PATH [--vocab N]
+fivefold data prepare INPUTS... --out DIR [--tokenizer PATH] [--force]
+fivefold data info DIR
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 _INPUTS_HELP = (
     "text files: .txt (one document per file, or documents separated by lines that read "
-    "<|endoftext|>) or .jsonl (one JSON object per line with the document in its \"text\" field); "
+    '<|endoftext|>) or .jsonl (one JSON object per line with the document in its "text" field); '
     "either may be gzipped (.txt.gz, .jsonl.gz)"
 )
 
@@ -38,11 +38,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "deterministic: the same inputs and --vocab give the same file.",
     )
     tok.add_argument("inputs", nargs="+", type=Path, metavar="INPUTS", help=_INPUTS_HELP)
-    tok.add_argument("--out", required=True, type=Path, metavar="PATH",
-                     help="where to write the tokenizer JSON")
-    tok.add_argument("--vocab", type=int, default=4096, metavar="N",
-                     help="vocabulary size, at most the model's vocab (default: 4096, the "
-                     "tiny/small presets' vocab; at least 257)")
+    tok.add_argument(
+        "--out", required=True, type=Path, metavar="PATH", help="where to write the tokenizer JSON"
+    )
+    tok.add_argument(
+        "--vocab",
+        type=int,
+        default=4096,
+        metavar="N",
+        help="vocabulary size, at most the model's vocab (default: 4096, the "
+        "tiny/small presets' vocab; at least 257)",
+    )
     tok.set_defaults(handler=_tokenizer)
 
     prep = commands.add_parser(
@@ -54,15 +60,28 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "model's vocabulary when training opens them.",
     )
     prep.add_argument("inputs", nargs="+", type=Path, metavar="INPUTS", help=_INPUTS_HELP)
-    prep.add_argument("--out", required=True, type=Path, metavar="DIR",
-                      help="output shard directory (created; must be new or empty)")
-    prep.add_argument("--tokenizer", type=Path, metavar="PATH",
-                      help="tokenizer JSON from `fivefold data tokenizer` (default: the "
-                      "4096-token tokenizer trained on the embedded corpus)")
-    prep.add_argument("--force", action="store_true",
-                      help="replace the shards already in DIR")
-    prep.add_argument("--shard-tokens", type=int, default=1 << 28, metavar="N",
-                      help="start a new shard file after N tokens (default: 2^28)")
+    prep.add_argument(
+        "--out",
+        required=True,
+        type=Path,
+        metavar="DIR",
+        help="output shard directory (created; must be new or empty)",
+    )
+    prep.add_argument(
+        "--tokenizer",
+        type=Path,
+        metavar="PATH",
+        help="tokenizer JSON from `fivefold data tokenizer` (default: the "
+        "4096-token tokenizer trained on the embedded corpus)",
+    )
+    prep.add_argument("--force", action="store_true", help="replace the shards already in DIR")
+    prep.add_argument(
+        "--shard-tokens",
+        type=int,
+        default=1 << 28,
+        metavar="N",
+        help="start a new shard file after N tokens (default: 2^28)",
+    )
     prep.set_defaults(handler=_prepare)
 
     info = commands.add_parser(
@@ -94,13 +113,16 @@ def _prepare(args: argparse.Namespace) -> int:
         load_tokenizer,
         prepare_shards,
     )
+    from fivefold.train.data.documents import check_inputs
 
     if args.shard_tokens < 1:
         raise DataError(f"--shard-tokens {args.shard_tokens} must be at least 1.")
+    check_inputs(args.inputs)  # fail fast, before training the default tokenizer
     tok = load_tokenizer(args.tokenizer) if args.tokenizer else default_tokenizer()
     started = time.perf_counter()
-    out = prepare_shards(args.inputs, args.out, tok, shard_tokens=args.shard_tokens,
-                         overwrite=args.force)
+    out = prepare_shards(
+        args.inputs, args.out, tok, shard_tokens=args.shard_tokens, overwrite=args.force
+    )
     elapsed = time.perf_counter() - started
     shards = TokenShards(out, tokenizer=tok)
     print(
@@ -119,10 +141,14 @@ def _info(args: argparse.Namespace) -> int:
     manifest = shards.manifest
     print(f"{args.directory}: verified")
     print(f"  tokens     {shards.num_tokens} ({manifest['token_dtype']})")
-    print(f"  documents  {shards.num_documents} (tokens each: min {lengths.min()}, "
-          f"median {int(sorted(lengths)[len(lengths) // 2])}, max {lengths.max()})")
+    print(
+        f"  documents  {shards.num_documents} (tokens each: min {lengths.min()}, "
+        f"median {int(sorted(lengths)[len(lengths) // 2])}, max {lengths.max()})"
+    )
     print(f"  vocab      {shards.vocab_size} (end-of-document id {shards.eod_id})")
     print(f"  tokenizer  {manifest.get('tokenizer_path') or '?'} ({shards.tokenizer_hash[:12]})")
-    print(f"  shards     {len(manifest['shards'])}; inputs: "
-          + ", ".join(i["path"] for i in manifest["inputs"]))
+    print(
+        f"  shards     {len(manifest['shards'])}; inputs: "
+        + ", ".join(i["path"] for i in manifest["inputs"])
+    )
     return 0

@@ -62,4 +62,3 @@ def run_explore(args: argparse.Namespace) -> int:
     finally:
         server.server_close()
     return 0
-

@@ -27,7 +27,13 @@ from fivefold.spec.model import RECOMPUTE_POLICIES, ModelSpec, param_count
 from fivefold.spec.plan import CP_KINDS, SCHEDULES, ParallelPlan
 from fivefold.spec.precision import RECIPES
 from fivefold.spec.presets import MODEL_PRESETS
-from fivefold.spec.recipe import Recipe, dump_recipe, recipe_from_dict
+from fivefold.spec.recipe import (
+    Recipe,
+    cluster_from_dict,
+    dump_recipe,
+    model_from_dict,
+    recipe_from_dict,
+)
 
 # What the explorer accepts: generous for real clusters, small enough that one request stays
 # interactive (the pipeline timeline has 3 * pp * vpp * grad_accum events to draw).
@@ -69,7 +75,7 @@ class Layout:
 # ---- request checking --------------------------------------------------------------------------
 def _require_object(body: Any, keys: tuple[str, ...]) -> dict[str, Any]:
     if not isinstance(body, dict):
-        raise ApiError("the request body must be a JSON object such as {\"model\": {...}}.")
+        raise ApiError('the request body must be a JSON object such as {"model": {...}}.')
     unknown = sorted(set(body) - set(keys))
     if unknown:
         raise ApiError(
@@ -108,9 +114,7 @@ def _whole(value: Any, field: str, low: int, high: int, problems: list[str]) -> 
     return value
 
 
-def _derive_grad_accum(
-    plan_values: dict[str, Any], global_batch: Any, problems: list[str]
-) -> None:
+def _derive_grad_accum(plan_values: dict[str, Any], global_batch: Any, problems: list[str]) -> None:
     """Set plan.grad_accum = global_batch / (micro_batch * dp), or say why it cannot be."""
     batch = _whole(global_batch, "global_batch", 1, LIMITS["global_batch"], problems)
     if batch is None:
@@ -163,7 +167,7 @@ def parse_layout(body: Any) -> Layout:
     plan = _section(body, "plan", problems)
     if not cluster:
         problems.append(
-            "cluster is missing: give a preset ({\"preset\": \"dgx-h100\", \"gpus\": 16}) or "
+            'cluster is missing: give a preset ({"preset": "dgx-h100", "gpus": 16}) or '
             "gpu, nodes and gpus_per_node."
         )
     if "global_batch" in body:
@@ -236,7 +240,9 @@ def estimate_view(body: Any) -> dict[str, Any]:
 def recipe_filename(layout: Layout) -> str:
     p = layout.plan
     parts = [layout.model.name, f"{layout.cluster.world_size}gpu", f"tp{p.tp}", f"pp{p.pp}"]
-    parts += [f"dp{p.dp}"] + ([f"cp{p.cp}"] if p.cp > 1 else []) + ([f"ep{p.ep}"] if p.ep > 1 else [])
+    parts += (
+        [f"dp{p.dp}"] + ([f"cp{p.cp}"] if p.cp > 1 else []) + ([f"ep{p.ep}"] if p.ep > 1 else [])
+    )
     safe = "".join(ch if ch.isalnum() or ch in "-_." else "-" for ch in "-".join(parts))
     return safe + ".toml"
 
@@ -248,7 +254,11 @@ def recipe_view(body: Any) -> dict[str, Any]:
         f"fivefold recipe exported by `fivefold explore`: {layout.plan.describe()}\n"
         f"Train it with: fivefold train {recipe_filename(layout)}"
     )
-    return {"ok": True, "toml": dump_recipe(layout.recipe, header), "filename": recipe_filename(layout)}
+    return {
+        "ok": True,
+        "toml": dump_recipe(layout.recipe, header),
+        "filename": recipe_filename(layout),
+    }
 
 
 def _parse_search(body: Any) -> tuple[ModelSpec, ClusterSpec, dict[str, Any]]:
@@ -283,16 +293,22 @@ def _parse_search(body: Any) -> tuple[ModelSpec, ClusterSpec, dict[str, Any]]:
         problems.append("cluster is missing: give a preset or gpu, nodes and gpus_per_node.")
     if problems:
         raise ApiError(problems)
-    try:
-        recipe = recipe_from_dict({"model": model, "cluster": cluster})
-    except ConfigError as err:
-        raise ApiError(err.problems) from None
-    if recipe.cluster.world_size > SEARCH_LIMIT_WORLD:
+    problems = []
+    built = []
+    for build, values in ((model_from_dict, model), (cluster_from_dict, cluster)):
+        try:
+            built.append(build(values))
+        except ConfigError as err:
+            problems += err.problems
+    if problems:
+        raise ApiError(problems)
+    spec_model, spec_cluster = built
+    if spec_cluster.world_size > SEARCH_LIMIT_WORLD:
         raise ApiError(
-            f"cluster size {recipe.cluster.world_size:,} GPUs is more than the explorer searches "
+            f"cluster size {spec_cluster.world_size:,} GPUs is more than the explorer searches "
             f"(at most {SEARCH_LIMIT_WORLD:,}); use `fivefold plan`."
         )
-    return recipe.model, recipe.cluster, kwargs
+    return spec_model, spec_cluster, kwargs
 
 
 def search_view(body: Any) -> dict[str, Any]:

@@ -70,7 +70,7 @@ class ExploreHandler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
 
     # ---- plumbing ------------------------------------------------------------------------------
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (stdlib signature)
+    def log_message(self, format: str, *args: Any) -> None:
         if self.server.verbose:
             super().log_message(format, *args)
 

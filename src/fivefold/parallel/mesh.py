@@ -10,9 +10,10 @@ order. From the 5-D mesh we derive the flattened groups the runtime needs:
                     their gradients are reduced together with the sharded data-parallel ones);
 - ``dp_cp``       = dp_replicate x dp_shard x cp: every rank holding a replica (or shard) of the
                     same dense weights; plain DDP (ZeRO-0) all-reduces over it, the loss sums over it;
-- ``ep``          = the inner ``ep`` ranks of dp_shard x cp; ``dp_shard_mod_ep`` is the outer rest.
-                    Expert weights are split over ``ep`` and data-parallel over dp_replicate x
-                    dp_shard_mod_ep.
+- ``expert``      = dp_cp unflattened to (edp_replicate, edp_shard, ep): ``ep`` is the inner
+                    ``ep`` ranks of dp_shard x cp, ``edp_shard`` the outer rest of it and
+                    ``edp_replicate`` = dp_replicate. Expert weights are split over ``ep`` and
+                    data-parallel over edp_replicate x edp_shard.
 
 Only `build_meshes` touches torch; the rest is pure Python so it can be tested and used to print
 layouts without a process group.
@@ -125,7 +126,9 @@ class ParallelDims:
         expert = None
         if self.ep > 1:
             outer = self.dp_shard * self.cp // self.ep
-            expert = dp_shard_cp._unflatten(0, (outer, self.ep), ("dp_shard_mod_ep", "ep"))
+            expert = dp_cp._unflatten(
+                0, (self.dp_replicate, outer, self.ep), ("edp_replicate", "edp_shard", "ep")
+            )
         return Meshes(self, world, dp, dp_shard_cp, dp_cp, expert)
 
 
@@ -138,14 +141,14 @@ class Meshes:
     dp: DeviceMesh
     dp_shard_cp: DeviceMesh
     dp_cp: DeviceMesh
-    expert: DeviceMesh | None  # 2-D (dp_shard_mod_ep, ep) when ep > 1
+    expert: DeviceMesh | None  # 3-D (edp_replicate, edp_shard, ep) when ep > 1
 
     def __getitem__(self, axis: str) -> DeviceMesh:
         if axis in AXES:
             return self.world[axis]
         if axis in ("dp", "dp_shard_cp", "dp_cp"):
             return getattr(self, axis)
-        if axis in ("ep", "dp_shard_mod_ep"):
+        if axis in ("ep", "edp_shard", "edp_replicate"):
             if self.expert is None:
                 raise KeyError(f"no {axis!r} mesh: plan.ep is 1")
             return self.expert[axis]

@@ -491,10 +491,10 @@ def simulate(schedule: Schedule, costs: StageCosts) -> Simulation:
 
 
 def _extrapolation_microbatches(schedule: Schedule) -> int:
-    """The shorter run: a multiple of pp, at least 2*pp, with both runs within the action limit."""
+    """The shorter run: a multiple of pp, at least 4*pp, both runs within the limit if possible."""
     per_microbatch = _action_count(schedule) // schedule.microbatches
     budget = EXACT_ACTION_LIMIT // (2 * per_microbatch)
-    return schedule.pp * max(2, budget // schedule.pp - 1)
+    return schedule.pp * max(4, budget // schedule.pp - 1)
 
 
 def _action_count(schedule: Schedule) -> int:
@@ -549,7 +549,9 @@ def _run(schedule: Schedule, costs: StageCosts) -> tuple[list[float], list[float
     if schedule.split_backward:
         backward = costs.backward_input_s
     else:
-        backward = tuple(b + w for b, w in zip(costs.backward_input_s, costs.backward_weight_s))
+        backward = tuple(
+            b + w for b, w in zip(costs.backward_input_s, costs.backward_weight_s, strict=True)
+        )
     duration = (*costs.forward_s, *backward, *costs.backward_weight_s)
     assert len(duration) == 3 * chunks
     p2p = costs.p2p_s

@@ -2,6 +2,16 @@
 
 Bandwidths are bytes/s per GPU as the vendor quotes them; latencies in seconds. Ranks are placed
 node-major: ranks [k*gpus_per_node, (k+1)*gpus_per_node) share node k and its NVLink domain.
+
+- `intra_node_bw` is the marketed NVLink figure per GPU, both directions added (A100 600 GB/s =
+  12 NVLink3 links x 25 GB/s x 2 directions); a ring collective moves data one way, so the planner
+  uses half of it (`fivefold.planner.comm`).
+- `inter_node_bw` is the line rate of the GPU's own NIC in one direction (DGX A100: one HDR
+  200 Gb/s NIC per GPU = 25 GB/s; DGX H100: one NDR 400 Gb/s NIC per GPU = 50 GB/s).
+- Latencies are the per-message start-up cost (alpha) of one hop: about 1 us over NVLink and
+  5 us over InfiniBand (NCCL's small-message latencies; order of magnitude only).
+Presets exist for any GPU count: up to one node it is a single partial node, beyond that the
+count must fill whole 8-GPU nodes.
 """
 
 from __future__ import annotations
@@ -55,11 +65,20 @@ class ClusterSpec:
         return out
 
 
-def _dgx(name: str, gpu_name: str, nvlink: float, ib: float):
-    def make(gpus: int = 8, **overrides) -> ClusterSpec:
-        nodes = max(1, -(-gpus // 8))
-        per_node = min(gpus, 8)
-        return ClusterSpec(name, gpu_name, nodes, per_node, nvlink, ib, **overrides)
+def _dgx(name: str, gpu_name: str, nvlink: float, ib: float, per_node: int = 8):
+    def make(gpus: int = per_node, **overrides) -> ClusterSpec:
+        from fivefold.errors import ConfigError
+
+        if not isinstance(gpus, int) or gpus < 1:
+            raise ConfigError(f"--gpus = {gpus!r}: must be a whole number >= 1.")
+        if gpus > per_node and gpus % per_node:
+            raise ConfigError(
+                f"--gpus = {gpus} does not fill whole {name} nodes of {per_node} GPUs; use a "
+                f"multiple of {per_node} (e.g. {gpus // per_node * per_node} or "
+                f"{(gpus // per_node + 1) * per_node}) or at most {per_node}."
+            )
+        nodes = max(1, gpus // per_node)
+        return ClusterSpec(name, gpu_name, nodes, min(gpus, per_node), nvlink, ib, **overrides)
 
     return make
 
@@ -81,6 +100,4 @@ def cluster_preset(name: str, gpus: int = 8) -> ClusterSpec:
             f"cluster = {name!r} is not a preset; choose one of {', '.join(CLUSTER_PRESETS)} "
             "or describe it with --gpu, --gpus-per-node, --nvlink-gbps and --ib-gbps."
         )
-    if gpus < 1:
-        raise ConfigError(f"--gpus = {gpus}: must be at least 1.")
     return CLUSTER_PRESETS[name](gpus)

@@ -4,7 +4,9 @@ Peaks are *dense* (no 2:4 sparsity) tensor-core figures from the vendor datashee
 `source`. `hbm_bytes` is the nominal capacity (80 GB parts carry 80 GiB of HBM; the CUDA context
 and allocator reserve are separate terms in the planner). Link figures are the vendor's per-GPU
 NVLink bandwidth (both directions added, as marketed) and are only defaults for `ClusterSpec`.
-An unknown device is an error that says so, never a guessed peak.
+`arch` names the micro-architecture whose calibrated GEMM efficiency the planner uses
+(`fivefold.planner.calibration`). An unknown device is an error that says so, never a guessed
+peak.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ class GPUSpec:
     hbm_bw_bytes_per_s: float
     nvlink_bw_bytes_per_s: float
     source: str = field(compare=False, default="")
+    arch: str = ""  # "ampere" | "hopper" | "blackwell" | "" (no accelerator)
 
     def peak(self, dtype: str) -> float:
         """Dense peak FLOP/s for `dtype` ("bf16", "fp16", "fp8", "tf32", "fp32")."""
@@ -48,10 +51,13 @@ _H100_SRC = "NVIDIA H100 Tensor Core GPU datasheet (2023), H100 SXM column, dens
 GPUS: dict[str, GPUSpec] = {
     g.name: g
     for g in (
-        GPUSpec("a100-40gb", 40 * GiB, _flops(312, None, 156, 19.5), 1.555e12, 600e9, _A100_SRC),
-        GPUSpec("a100-80gb", 80 * GiB, _flops(312, None, 156, 19.5), 2.039e12, 600e9, _A100_SRC),
+        GPUSpec("a100-40gb", 40 * GiB, _flops(312, None, 156, 19.5), 1.555e12, 600e9, _A100_SRC,
+                "ampere"),
+        GPUSpec("a100-80gb", 80 * GiB, _flops(312, None, 156, 19.5), 2.039e12, 600e9, _A100_SRC,
+                "ampere"),
         GPUSpec(
-            "h100-sxm", 80 * GiB, _flops(989.4, 1978.9, 494.7, 66.9), 3.35e12, 900e9, _H100_SRC
+            "h100-sxm", 80 * GiB, _flops(989.4, 1978.9, 494.7, 66.9), 3.35e12, 900e9, _H100_SRC,
+            "hopper",
         ),
         GPUSpec(
             "h200",
@@ -60,6 +66,7 @@ GPUS: dict[str, GPUSpec] = {
             4.8e12,
             900e9,
             "NVIDIA H200 Tensor Core GPU datasheet (2024), SXM column, dense",
+            "hopper",
         ),
         GPUSpec(
             "h800",
@@ -68,6 +75,7 @@ GPUS: dict[str, GPUSpec] = {
             3.35e12,
             400e9,
             "NVIDIA H800 SXM5 product brief (2023): H100 compute, NVLink limited to 400 GB/s",
+            "hopper",
         ),
         GPUSpec(
             "b200",
@@ -77,6 +85,7 @@ GPUS: dict[str, GPUSpec] = {
             1800e9,
             "NVIDIA DGX B200 datasheet (2024): 72 PFLOPS fp8 / 36 PFLOPS bf16 dense per 8 GPUs, "
             "1,440 GB HBM3e per 8 GPUs, NVLink 5 1.8 TB/s",
+            "blackwell",
         ),
         GPUSpec(
             "cpu",

@@ -176,6 +176,29 @@ def _cluster_from(values: dict[str, Any], problems: list[str]) -> ClusterSpec | 
     return build(ClusterSpec, values, "cluster", problems)
 
 
+def model_from_dict(values: dict[str, Any]) -> ModelSpec:
+    """A validated `ModelSpec` from a [model] table (preset + overrides), without a plan.
+
+    Raises one ConfigError listing every problem (used where no layout exists yet, e.g. a search).
+    """
+    problems: list[str] = []
+    model = _model_from(values, problems)
+    problems += model.problems() if model is not None else []
+    if problems:
+        raise ConfigError(problems)
+    return model  # type: ignore[return-value]
+
+
+def cluster_from_dict(values: dict[str, Any]) -> ClusterSpec:
+    """A validated `ClusterSpec` from a [cluster] table (preset, gpus, overrides), no plan."""
+    problems: list[str] = []
+    cluster = _cluster_from(values, problems)
+    problems += cluster.problems() if cluster is not None else []
+    if problems:
+        raise ConfigError(problems)
+    return cluster  # type: ignore[return-value]
+
+
 def recipe_from_dict(data: dict[str, dict[str, Any]], default_world: int | None = None) -> Recipe:
     """Build and validate a recipe; raises one ConfigError listing every problem."""
     problems: list[str] = []

@@ -80,8 +80,13 @@ def capture_rng() -> dict[str, Any]:
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
         "python": random.getstate(),
-        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss),
-                  float(cached)],
+        "numpy": [
+            kind,
+            torch.from_numpy(keys.astype(np.int64)),
+            int(pos),
+            int(has_gauss),
+            float(cached),
+        ],
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -141,8 +146,14 @@ def save_checkpoint(
         ) from None
     _barrier()
     if rank == 0:
-        meta = {"format": FORMAT, "step": state.step, "world_size": world_size,
-                "model_spec": state.model_spec, "plan": state.plan, "extra": state.extra}
+        meta = {
+            "format": FORMAT,
+            "step": state.step,
+            "world_size": world_size,
+            "model_spec": state.model_spec,
+            "plan": state.plan,
+            "extra": state.extra,
+        }
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
         if final.exists():  # re-saving the same step (e.g. a resumed run that did nothing)
             shutil.rmtree(final)
@@ -155,7 +166,9 @@ def save_checkpoint(
 
 
 # ---- load ---------------------------------------------------------------------------------------
-def load_checkpoint(directory: Path, rank: int = 0, device: str | torch.device = "cpu") -> TrainState:
+def load_checkpoint(
+    directory: Path, rank: int = 0, device: str | torch.device = "cpu"
+) -> TrainState:
     """Read one rank's state from a `step_<n>` directory; CheckpointError if it is unusable."""
     directory = Path(directory)
     path = rank_file(directory, rank)

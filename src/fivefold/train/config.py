@@ -75,11 +75,11 @@ class TrainConfig:
         if self.steps < 1:
             out.append(f"train.steps = {self.steps}: must be at least 1.")
         if not self.lr > 0 or not math.isfinite(self.lr):
-            out.append(f"train.lr = {self.lr}: the learning rate must be a positive number, e.g. 3e-4.")
-        if self.min_lr < 0 or self.min_lr > self.lr:
             out.append(
-                f"train.min_lr = {self.min_lr}: must be between 0 and train.lr = {self.lr}."
+                f"train.lr = {self.lr}: the learning rate must be a positive number, e.g. 3e-4."
             )
+        if self.min_lr < 0 or self.min_lr > self.lr:
+            out.append(f"train.min_lr = {self.min_lr}: must be between 0 and train.lr = {self.lr}.")
         if self.warmup_steps < 0:
             out.append(f"train.warmup_steps = {self.warmup_steps}: must be >= 0.")
         elif self.steps >= 1 and self.warmup_steps > self.steps:
@@ -89,7 +89,8 @@ class TrainConfig:
             )
         if self.lr_schedule not in LR_SCHEDULES:
             out.append(
-                f"train.lr_schedule = {self.lr_schedule!r}: choose one of {', '.join(LR_SCHEDULES)}."
+                f"train.lr_schedule = {self.lr_schedule!r}: choose one of "
+                f"{', '.join(LR_SCHEDULES)}."
             )
         if self.weight_decay < 0:
             out.append(f"train.weight_decay = {self.weight_decay}: must be >= 0.")
@@ -97,11 +98,11 @@ class TrainConfig:
         if self.eps <= 0:
             out.append(f"train.eps = {self.eps}: must be positive, e.g. 1e-8.")
         if self.grad_clip < 0:
-            out.append(
-                f"train.grad_clip = {self.grad_clip}: must be >= 0 (0 disables clipping)."
-            )
+            out.append(f"train.grad_clip = {self.grad_clip}: must be >= 0 (0 disables clipping).")
         if self.global_batch < 0:
-            out.append(f"train.global_batch = {self.global_batch}: must be >= 1 (or 0 for the plan's).")
+            out.append(
+                f"train.global_batch = {self.global_batch}: must be >= 1 (or 0 for the plan's)."
+            )
         if self.device not in DEVICES:
             out.append(f"train.device = {self.device!r}: choose one of {', '.join(DEVICES)}.")
         for name in ("log_every", "eval_batches", "memory_step"):
@@ -123,9 +124,7 @@ class TrainConfig:
             isinstance(b, int | float) and not isinstance(b, bool) for b in self.betas
         )
         if not ok or not all(0 <= b < 1 for b in self.betas):
-            return [
-                f"train.betas = {self.betas!r}: write two numbers in [0, 1), e.g. [0.9, 0.95]."
-            ]
+            return [f"train.betas = {self.betas!r}: write two numbers in [0, 1), e.g. [0.9, 0.95]."]
         return []
 
 
@@ -150,9 +149,7 @@ class DataConfig:
                 "not both."
             )
         if not 0 <= self.val_fraction < 1:
-            out.append(
-                f"data.val_fraction = {self.val_fraction}: must be in [0, 1), e.g. 0.02."
-            )
+            out.append(f"data.val_fraction = {self.val_fraction}: must be in [0, 1), e.g. 0.02.")
         return out
 
 

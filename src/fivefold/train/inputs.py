@@ -98,8 +98,9 @@ def shards_for(run: RunConfig, tokenizer: TextTokenizer) -> TokenShards:
             )
         return TokenShards(path, tokenizer=tokenizer, max_vocab=vocab)
     if run.data.inputs:
-        return TokenShards(_cached_input_shards(run, tokenizer), tokenizer=tokenizer,
-                           max_vocab=vocab)
+        return TokenShards(
+            _cached_input_shards(run, tokenizer), tokenizer=tokenizer, max_vocab=vocab
+        )
     return TokenShards(default_shards(tokenizer), tokenizer=tokenizer, max_vocab=vocab)
 
 

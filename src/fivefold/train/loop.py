@@ -26,8 +26,8 @@ from fivefold.train.config import RunConfig
 from fivefold.train.inputs import TrainData, load_train_data
 from fivefold.train.memory import PeakReading, track_cpu_peak
 from fivefold.train.metrics import (
-    GiB,
     ConsoleReporter,
+    GiB,
     JsonlWriter,
     StepMetrics,
     TensorBoardWriter,
@@ -80,7 +80,7 @@ class Trainer:
         self.cfg = run.train
         self.recipe = run.recipe
         self.runtime = runtime
-        self.console = console or Console(stderr=False, quiet=not runtime.is_main)
+        self.console = console or Console(soft_wrap=True, quiet=not runtime.is_main)
         self.run_dir = self.cfg.path()
         self.data: TrainData = load_train_data(run, runtime.dp_rank, runtime.dp_size)
         self.optimizer = build_optimizer(runtime.model_parts, self.cfg)
@@ -112,10 +112,13 @@ class Trainer:
             self._restore(existing)
         elif self.runtime.is_main:
             if self.cfg.resume:
-                self.console.print(f"resume: no checkpoint in {self.run_dir}/ckpt; starting at step 0")
+                self.console.print(
+                    f"resume: no checkpoint in {self.run_dir}/ckpt; starting at step 0"
+                )
             elif existing is not None:
                 self.console.print(
-                    f"note: replacing the earlier run in {self.run_dir} (use --resume to continue it)"
+                    f"note: replacing the earlier run in {self.run_dir} "
+                    "(use --resume to continue it)"
                 )
                 shutil.rmtree(ckpt.checkpoint_root(self.run_dir), ignore_errors=True)
         if self.runtime.is_main:
@@ -164,7 +167,11 @@ class Trainer:
         """Stop with a TrainingError naming the step and the way out when a value is not finite."""
         if math.isfinite(loss) and (grad_norm is None or math.isfinite(grad_norm)):
             return
-        what = f"the loss is {loss}" if not math.isfinite(loss) else f"the gradient norm is {grad_norm}"
+        what = (
+            f"the loss is {loss}"
+            if not math.isfinite(loss)
+            else f"the gradient norm is {grad_norm}"
+        )
         where = (
             f"the last good checkpoint is {self.last_checkpoint} (continue from it with --resume)"
             if self.last_checkpoint is not None
@@ -199,10 +206,15 @@ class Trainer:
     def fit(self) -> TrainSummary:
         start_step = self.step
         main = self.runtime.is_main
-        jsonl = JsonlWriter(self.run_dir / "metrics.jsonl", truncate=start_step == 0) if main else None
+        jsonl = (
+            JsonlWriter(self.run_dir / "metrics.jsonl", truncate=start_step == 0) if main else None
+        )
         board = TensorBoardWriter(self.run_dir / "tb") if main and self.cfg.tensorboard else None
         reporter = ConsoleReporter(
-            self.console, self.cfg.steps, start_step, self.cfg.log_every,
+            self.console,
+            self.cfg.steps,
+            start_step,
+            self.cfg.log_every,
             self.cfg.progress and main,
         )
         meter = ThroughputMeter()
@@ -245,8 +257,13 @@ class Trainer:
                 if self.cfg.max_time_s and time.perf_counter() - started > self.cfg.max_time_s:
                     stop_reason = "max_time_s"
                     break
-            if self.cfg.save_final and losses and (
-                self.last_checkpoint is None or ckpt.step_dir(self.run_dir, self.step) != self.last_checkpoint
+            if (
+                self.cfg.save_final
+                and losses
+                and (
+                    self.last_checkpoint is None
+                    or ckpt.step_dir(self.run_dir, self.step) != self.last_checkpoint
+                )
             ):
                 self.save({"loss": losses[-1]})
         finally:
@@ -267,8 +284,9 @@ class Trainer:
             end_step=self.step,
             losses=losses,
             tokens_per_s=rate,
-            mfu=utilization(rate, self.model_flops_per_token, self.peak.flops_per_s,
-                            self.runtime.world_size),
+            mfu=utilization(
+                rate, self.model_flops_per_token, self.peak.flops_per_s, self.runtime.world_size
+            ),
             peak_label=self.peak.label,
             peak_memory_bytes=self._peak_memory(),
             wall_s=time.perf_counter() - started,
@@ -329,7 +347,9 @@ def print_header(trainer: Trainer, prediction: dict[str, Any] | None, why_not: s
     out, recipe, run = trainer.console, trainer.recipe, trainer.run
     model, plan = recipe.model, recipe.plan
     total, active = param_count(model), param_count(model, active_only=True)
-    params = f"{total / 1e6:.2f}M params" + (f" ({active / 1e6:.2f}M active)" if model.is_moe else "")
+    params = f"{total / 1e6:.2f}M params" + (
+        f" ({active / 1e6:.2f}M active)" if model.is_moe else ""
+    )
     out.print(
         f"[bold]fivefold train[/bold] {trainer.run_dir}: model {model.name} ({params}, "
         f"{model.layers} layers, hidden {model.hidden}, seq {model.seq_len}, vocab {model.vocab})"
@@ -374,7 +394,9 @@ def print_footer(trainer: Trainer, s: TrainSummary) -> None:
         f"(vs {s.peak_label}); peak memory {mem}"
     )
     if s.prediction is not None and s.end_step > s.start_step:
-        measured_step_s = trainer.tokens_per_step / s.tokens_per_s if s.tokens_per_s else float("nan")
+        measured_step_s = (
+            trainer.tokens_per_step / s.tokens_per_s if s.tokens_per_s else float("nan")
+        )
         out.print(
             f"planner vs measured: step {s.prediction.get('step_time_s', float('nan')):.3f} s vs "
             f"{measured_step_s:.3f} s"

@@ -76,7 +76,13 @@ def format_mfu(mfu: float | None) -> str:
 
 
 def format_tokens_per_s(rate: float) -> str:
-    return f"{rate / 1e6:.2f}M" if rate >= 1e6 else f"{rate / 1e3:.1f}k" if rate >= 1e3 else f"{rate:.0f}"
+    return (
+        f"{rate / 1e6:.2f}M"
+        if rate >= 1e6
+        else f"{rate / 1e3:.1f}k"
+        if rate >= 1e3
+        else f"{rate:.0f}"
+    )
 
 
 class JsonlWriter:
@@ -126,8 +132,9 @@ class ConsoleReporter:
     """A rich progress bar with loss, lr, tokens/s and MFU (on a terminal), and a log line every
     `log_every` steps (always), printed above the bar."""
 
-    def __init__(self, console: Console, total_steps: int, start_step: int, log_every: int,
-                 progress: bool):
+    def __init__(
+        self, console: Console, total_steps: int, start_step: int, log_every: int, progress: bool
+    ):
         self.console = console
         self.log_every = log_every
         self._progress: Progress | None = None

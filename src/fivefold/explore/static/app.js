@@ -29,6 +29,7 @@ const state = {
   result: null, // last valid /api/estimate answer
   seq: 0,
   timer: null,
+  pending: false, // a control moved and its request has not been sent yet
   colourBy: "tp",
   ring: { step: 0, timer: null },
 };
@@ -37,6 +38,7 @@ const state = {
 const fmt = {
   time(s) {
     if (s === null || s === undefined) return "—";
+    if (s === 0) return "0";
     if (s >= 1) return `${s.toFixed(3)} s`;
     if (s >= 1e-3) return `${(s * 1e3).toFixed(1)} ms`;
     return `${(s * 1e6).toFixed(1)} µs`;
@@ -124,7 +126,7 @@ function writeField(name, value) {
 }
 
 const MODEL_DIMS = [
-  "layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "mlp", "tied_embeddings",
+  "layers", "hidden", "heads", "kv_heads", "head_dim", "ffn", "vocab", "mlp", "tied_embeddings",
   "experts", "top_k", "expert_ffn", "shared_experts", "dense_layers",
 ];
 const CLUSTER_FIELDS = ["gpu", "nodes", "gpus_per_node", "intra_node_bw", "inter_node_bw"];
@@ -206,17 +208,19 @@ async function api(path, body) {
 
 function scheduleUpdate(delay = 120) {
   clearTimeout(state.timer);
+  state.pending = true;
   state.timer = setTimeout(update, delay);
   document.body.dataset.state = "loading";
 }
 
 async function update() {
   const seq = ++state.seq;
+  state.pending = false;
   updateHints();
   $("#status").textContent = "computing…";
   const started = performance.now();
   const answer = await api("/api/estimate", layoutRequest());
-  if (seq !== state.seq) return; // a newer request is on its way
+  if (seq !== state.seq || state.pending) return; // a newer request is on its way
   $("#card-export").hidden = true;
   if (!answer.ok) {
     showProblems(answer.problems || ["unknown error"]);
@@ -381,7 +385,6 @@ function renderComm(est) {
     const sum = (k) => list.reduce((acc, r) => acc + r[k], 0);
     const total = el("tr", { class: "link-total", "data-link": link }, body);
     el("td", {}, total, LINK_LABEL[link] || link);
-    el("td", {}, total, "");
     el("td", { class: "num", "data-value": String(sum("bytes_per_step")) }, total, fmt.bytes(sum("bytes_per_step")));
     el("td", { class: "num", "data-value": String(sum("time_s")) }, total, fmt.time(sum("time_s")));
     el("td", { class: "num", "data-value": String(sum("exposed_s")) }, total, fmt.time(sum("exposed_s")));
@@ -390,20 +393,20 @@ function renderComm(est) {
     for (const r of list) {
       exposedTotal += r.exposed_s;
       const tr = el("tr", { class: "comm-row", "data-kind": r.kind, "data-link": r.link }, body);
-      el("td", {}, tr, COMM_LABEL[r.kind] || r.kind);
-      el("td", {}, tr, r.link === "nvlink" ? "NVLink" : r.link === "ib" ? "IB" : r.link);
+      el("td", { class: "indent" }, tr, COMM_LABEL[r.kind] || r.kind);
       el("td", { class: "num", "data-field": "bytes_per_step", "data-value": String(r.bytes_per_step) }, tr, fmt.bytes(r.bytes_per_step));
       el("td", { class: "num", "data-field": "time_s", "data-value": String(r.time_s) }, tr, fmt.time(r.time_s));
       el("td", { class: "num", "data-field": "exposed_s", "data-value": String(r.exposed_s) }, tr, fmt.time(r.exposed_s));
       el("td", { class: "num" }, tr, fmt.time(r.time_s - r.exposed_s));
       const bar = el("div", { class: "split-bar" }, el("td", {}, tr));
+      bar.title = `exposed ${fmt.time(r.exposed_s)}, overlapped ${fmt.time(r.time_s - r.exposed_s)}`;
       el("div", { class: "exposed" }, bar).style.width = `${(100 * r.exposed_s) / longest}%`;
       el("div", { class: "overlapped" }, bar).style.width = `${(100 * (r.time_s - r.exposed_s)) / longest}%`;
     }
   }
   if (!rows.length) {
     const tr = el("tr", {}, body);
-    el("td", { colspan: "7" }, tr, "No communication: a single GPU holds the whole model.");
+    el("td", { colspan: "6" }, tr, "No communication: a single GPU holds the whole model.");
   }
   $("#comm-sub").textContent = `Per GPU per optimizer step. Exposed time adds to the step (${fmt.time(exposedTotal)} in all); ` +
     `overlapped time hides behind compute (${fmt.time(est.compute_time_s)} of compute per step).`;
@@ -570,7 +573,7 @@ function renderRing() {
   const height = 300;
   const cx = width / 2;
   const cy = height / 2;
-  const radius = Math.min(width, height) / 2 - 48;
+  const radius = Math.min(width, height) / 2 - 36;
   const root = svg("svg", { width, height, viewBox: `0 0 ${width} ${height}`, id: "ring-svg" }, host);
   // Chunk c on GPU g after `step` steps: the number of GPUs whose contribution it holds.
   // Reduce-scatter step s (1..n-1): GPU g sends chunk (g - s + 1) mod n to g + 1, which adds it.
@@ -598,8 +601,9 @@ function renderRing() {
   const defs = svg("defs", {}, root);
   const marker = svg("marker", { id: "arrow", viewBox: "0 0 10 10", refX: 9, refY: 5, markerWidth: 6, markerHeight: 6, orient: "auto" }, defs);
   svg("path", { d: "M0,0 L10,5 L0,10 z", fill: "#2f5fa7" }, marker);
-  const boxW = Math.min(64, 8 * n + 8);
+  const boxW = Math.min(100, 11 * n + 14);
   const chunkW = (boxW - 8) / n;
+  const sent = (g) => (step <= n - 1 ? (((g - step + 1) % n) + n) % n : (((g - (step - (n - 1)) + 2) % n) + n) % n);
   if (step > 0) {
     for (let g = 0; g < n; g++) {
       const [x1, y1] = pos(g);
@@ -607,21 +611,25 @@ function renderRing() {
       const dx = x2 - x1;
       const dy = y2 - y1;
       const len = Math.hypot(dx, dy);
-      const shrink = Math.min(0.42, 34 / len);
+      const shrink = Math.min(0.42, (boxW / 2 + 6) / len);
       svg("line", {
         class: "ring-arrow", x1: x1 + dx * shrink, y1: y1 + dy * shrink, x2: x2 - dx * shrink, y2: y2 - dy * shrink,
         "marker-end": "url(#arrow)",
       }, root);
+      // The chunk in flight, written just outside the ring beside its arrow.
+      const mx = (x1 + x2) / 2 + ((x1 + x2) / 2 - cx) * 0.16;
+      const my = (y1 + y2) / 2 + ((y1 + y2) / 2 - cy) * 0.16;
+      svg("text", { class: "ring-chunk-label", x: mx, y: my + 3, "text-anchor": "middle" }, root, `c${sent(g)}`);
     }
   }
   for (let g = 0; g < n; g++) {
     const [x, y] = pos(g);
-    svg("rect", { class: "ring-gpu", x: x - boxW / 2, y: y - 17, width: boxW, height: 34, rx: 5 }, root);
-    svg("text", { class: "ring-chunk-label", x, y: y - 6, "text-anchor": "middle" }, root, `GPU ${g}`);
+    svg("rect", { class: "ring-gpu", x: x - boxW / 2, y: y - 20, width: boxW, height: 40, rx: 5 }, root);
+    svg("text", { class: "ring-chunk-label", x, y: y - 7, "text-anchor": "middle" }, root, `GPU ${g}`);
     for (let c = 0; c < n; c++) {
       const frac = have[g][c] / n;
       svg("rect", {
-        x: x - boxW / 2 + 4 + c * chunkW, y: y - 1, width: Math.max(1, chunkW - 1), height: 12,
+        class: "ring-chunk", x: x - boxW / 2 + 4 + c * chunkW, y: y, width: Math.max(1, chunkW - 1), height: 14,
         fill: frac >= 1 ? "#1e7d3a" : `rgba(47, 95, 167, ${0.15 + 0.75 * frac})`,
         "data-gpu": g, "data-chunk": c, "data-have": have[g][c],
       }, root);
@@ -794,6 +802,10 @@ function onControl(target) {
     if (target.value !== "custom") applyModelPreset(target.value);
   } else if (target.name && target.name.startsWith("model.") && target.name !== "model.seq_len") {
     $("#model-preset").value = "custom"; // an edited dimension makes the model custom
+    if (target.name === "model.hidden" || target.name === "model.heads") {
+      const heads = Number(field("model.heads").value);
+      if (heads >= 1) writeField("model.head_dim", Math.floor(Number(field("model.hidden").value) / heads));
+    }
   } else if (target.id === "cluster-preset") {
     if (target.value !== "custom") applyClusterPreset(target.value);
   } else if (target.name && target.name.startsWith("cluster.") && target.name !== "cluster.nodes") {

@@ -6,6 +6,9 @@
     sampler = GlobalSampler(len(seqs), seed=0)
     for micro_batches in batch_iterator(seqs, sampler, global_batch, micro_batch, r, d): ...
 
+For evaluation, iterate the val split in order:
+`batch_iterator(val, GlobalSampler(len(val), shuffle=False), gb, mb, r, d, steps=len(val) // gb)`.
+
 Everything but `Batch`/`batch_iterator` works without torch; those import it when called.
 """
 

@@ -47,8 +47,12 @@ class Batch:
         def move(t):
             return None if t is None else t.to(device, non_blocking=True)
 
-        return Batch(*(move(t) for t in (self.tokens, self.labels, self.positions,
-                                         self.doc_ids, self.sample_ids)))
+        return Batch(
+            *(
+                move(t)
+                for t in (self.tokens, self.labels, self.positions, self.doc_ids, self.sample_ids)
+            )
+        )
 
 
 def collate(seqs: PackedSequences, sample_ids: np.ndarray) -> Batch:

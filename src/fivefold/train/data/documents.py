@@ -74,30 +74,23 @@ def iter_documents(paths: list[Path]) -> Iterator[str]:
         yield from read_documents(path)
 
 
-def _open_text(path: Path):
+def _lines(path: Path) -> Iterator[str]:
+    """The file's lines with their endings, decoded as UTF-8 (gzip by suffix), streamed."""
     opener = gzip.open if path.name.lower().endswith(".gz") else open
-    return opener(path, "rt", encoding="utf-8", newline="")
-
-
-def _read_all(path: Path) -> str:
     try:
-        with _open_text(path) as handle:
-            return handle.read()
+        with opener(path, "rt", encoding="utf-8", newline="") as handle:
+            yield from handle
     except UnicodeDecodeError as err:
         raise DataError(
-            f"input file {str(path)!r} is not UTF-8 text (byte {err.start}); convert it to UTF-8."
+            f"input file {str(path)!r} is not UTF-8 text ({err.reason}); convert it to UTF-8."
         ) from None
     except (OSError, EOFError) as err:
         raise DataError(f"cannot read input file {str(path)!r}: {err}.") from None
 
 
 def _text_documents(path: Path) -> Iterator[str]:
-    text = _read_all(path)
-    if DOCUMENT_SEPARATOR not in text:
-        yield text
-        return
     current: list[str] = []
-    for line in text.splitlines(keepends=True):
+    for line in _lines(path):
         if line.strip() == DOCUMENT_SEPARATOR:
             yield "".join(current)
             current = []
@@ -107,7 +100,7 @@ def _text_documents(path: Path) -> Iterator[str]:
 
 
 def _jsonl_documents(path: Path) -> Iterator[str]:
-    for number, line in enumerate(_read_all(path).splitlines(), start=1):
+    for number, line in enumerate(_lines(path), start=1):
         if not line.strip():
             continue
         try:

@@ -6,6 +6,12 @@ of samples consumed so far. A step takes the next `global_batch` samples of that
 data-parallel rank `r` of `d` takes the `r`-th contiguous slice of them. Because neither the
 order nor the state depends on the number of ranks, a run resumed with a different data-parallel
 size continues the exact same sequence of global batches: no sample skipped, none repeated.
+
+The shuffle is written here rather than taken from `numpy.random`, whose `Generator` methods may
+change their output between numpy versions: epoch `e`'s order sorts the samples by SplitMix64
+(Steele, Lea and Flood, 2014) of their index mixed with a per-epoch salt. SplitMix64 is a
+bijection on 64-bit integers, so keys never tie and the order is the same on every platform and
+version, which keeps a resumed run's sequence exact even after an upgrade.
 """
 
 from __future__ import annotations
@@ -13,6 +19,21 @@ from __future__ import annotations
 import numpy as np
 
 from fivefold.errors import DataError
+
+_U64_MASK = (1 << 64) - 1
+
+
+def _as_u64(value: int) -> np.ndarray:
+    return np.asarray(value & _U64_MASK, dtype=np.uint64)
+
+
+def splitmix64(x: np.ndarray) -> np.ndarray:
+    """The SplitMix64 output function of state `x + golden` (uint64 in, uint64 out, wrapping)."""
+    with np.errstate(over="ignore"):
+        z = np.asarray(x, dtype=np.uint64) + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
 
 
 class GlobalSampler:
@@ -35,8 +56,9 @@ class GlobalSampler:
         """The sample indices of `epoch`, in order (int64 `[num_samples]`)."""
         if self._cached_epoch is None or self._cached_epoch[0] != epoch:
             if self.shuffle:
-                rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([self.seed, epoch])))
-                order = rng.permutation(self.num_samples).astype(np.int64)
+                salt = splitmix64(_as_u64(int(splitmix64(_as_u64(self.seed))) + epoch))
+                keys = splitmix64(np.arange(self.num_samples, dtype=np.uint64) ^ salt)
+                order = np.argsort(keys).astype(np.int64)
             else:
                 order = np.arange(self.num_samples, dtype=np.int64)
             self._cached_epoch = (epoch, order)

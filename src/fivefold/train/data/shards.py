@@ -23,6 +23,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -57,8 +58,9 @@ class _ShardWriter:
     dtype: np.dtype
     shard_tokens: int
     shards: list[dict] = field(default_factory=list)
-    _file: object = None
-    _hasher: object = None
+    _file: BinaryIO | None = None
+    _hasher: Any = None  # hashlib.blake2b of the open shard's bytes
+    _stem: str = ""
     _offsets: list[int] = field(default_factory=list)
 
     def add(self, ids: list[int], eod_id: int) -> None:
@@ -78,9 +80,8 @@ class _ShardWriter:
         return self.shards
 
     def _open_shard(self) -> None:
-        stem = f"shard-{len(self.shards):05d}"
-        self._stem = stem
-        self._file = (self.directory / f"{stem}.tokens.bin").open("wb")
+        self._stem = f"shard-{len(self.shards):05d}"
+        self._file = (self.directory / f"{self._stem}.tokens.bin").open("wb")
         self._hasher = hashlib.blake2b(digest_size=16)
         self._offsets = [0]
 
@@ -323,12 +324,21 @@ class TokenShards:
                 f"(token or document counts); {_fix_hint(self.path)}."
             )
         if self.num_tokens == 0:
-            raise DataError(f"shard directory {str(self.path)!r} holds no tokens; "
-                            f"{_fix_hint(self.path)} with non-empty inputs.")
+            raise DataError(
+                f"shard directory {str(self.path)!r} holds no tokens; "
+                f"{_fix_hint(self.path)} with non-empty inputs."
+            )
 
 
-_MANIFEST_KEYS = ("token_dtype", "vocab_size", "eod_id", "tokenizer_hash", "num_tokens",
-                  "num_documents", "shards")
+_MANIFEST_KEYS = (
+    "token_dtype",
+    "vocab_size",
+    "eod_id",
+    "tokenizer_hash",
+    "num_tokens",
+    "num_documents",
+    "shards",
+)
 
 
 def _read_manifest(directory: Path) -> dict:
@@ -346,11 +356,11 @@ def _read_manifest(directory: Path) -> dict:
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise DataError(f"manifest {str(path)!r} is not valid JSON ({err}); "
-                        f"{_fix_hint(directory)}.") from None
+        raise DataError(
+            f"manifest {str(path)!r} is not valid JSON ({err}); {_fix_hint(directory)}."
+        ) from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
-        raise DataError(f"{str(path)!r} is not a fivefold shard manifest; "
-                        f"{_fix_hint(directory)}.")
+        raise DataError(f"{str(path)!r} is not a fivefold shard manifest; {_fix_hint(directory)}.")
     if manifest.get("version") != FORMAT_VERSION:
         raise DataError(
             f"manifest {str(path)!r} has format version {manifest.get('version')}, this fivefold "
@@ -358,8 +368,9 @@ def _read_manifest(directory: Path) -> dict:
         )
     missing = [k for k in _MANIFEST_KEYS if k not in manifest]
     if missing:
-        raise DataError(f"manifest {str(path)!r} lacks {', '.join(missing)}; "
-                        f"{_fix_hint(directory)}.")
+        raise DataError(
+            f"manifest {str(path)!r} lacks {', '.join(missing)}; {_fix_hint(directory)}."
+        )
     return manifest
 
 

@@ -1,0 +1,157 @@
+"""The non-tensor training state of a checkpoint, as JSON (never pickled objects).
+
+`TrainingState` holds what a run needs besides weights and optimizer moments: the optimizer step
+count, the LR scheduler's state, the data sampler's position (global samples consumed, so any
+data-parallel size continues the same global order), every rank's RNG states, the optimizer's
+per-parameter hyperparameters (lr, betas, ... keyed by parameter FQN, so they survive a change of
+layout), the model spec and the plan that wrote it. It is written once per checkpoint
+(`state.json`, by global rank 0) and read by every rank.
+
+RNG states are stored as base64 bytes (torch, CUDA) and plain integer lists (Python, NumPy).
+On a different world size, rank r restores the saved state of rank r mod (saved world size).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import random
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fivefold.errors import CheckpointError
+
+STATE_FORMAT = "fivefold-state-v1"
+STATE_FILE = "state.json"
+# Fields of the model spec that do not change the tensors a checkpoint holds.
+_SPEC_FIELDS_IGNORED = ("name", "notes")
+
+
+@dataclass
+class TrainingState:
+    """Everything but tensors. `rng` holds one entry per saving rank (index = global rank)."""
+
+    step: int = 0  # optimizer steps completed
+    model_spec: dict[str, Any] = field(default_factory=dict)
+    plan: dict[str, Any] = field(default_factory=dict)
+    world_size: int = 1  # ranks that wrote the checkpoint
+    contents: list[str] = field(default_factory=lambda: ["model", "optimizer"])
+    scheduler: dict[str, Any] | None = None
+    sampler: dict[str, Any] | None = None
+    rng: list[dict[str, Any]] = field(default_factory=list)
+    optimizer_hparams: list[dict[str, Any]] = field(default_factory=list)  # groups, see dcp_io
+    extra: dict[str, Any] = field(default_factory=dict)  # e.g. the last loss
+    format: str = STATE_FORMAT
+
+    @property
+    def has_optimizer(self) -> bool:
+        return "optimizer" in self.contents
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1, sort_keys=True, allow_nan=True) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str, where: str = "state.json") -> TrainingState:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise CheckpointError(
+                f"{where} is not valid JSON ({err}); the checkpoint is damaged. Run "
+                "`fivefold ckpt verify` on its directory and resume from an older checkpoint."
+            ) from None
+        if not isinstance(data, dict) or data.get("format") != STATE_FORMAT:
+            found = data.get("format") if isinstance(data, dict) else type(data).__name__
+            raise CheckpointError(
+                f"{where} has format {found!r}, expected {STATE_FORMAT!r}; it was not written "
+                "by this version of fivefold's checkpointer."
+            )
+        known = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+def write_state(directory: Path, state: TrainingState) -> Path:
+    path = Path(directory) / STATE_FILE
+    path.write_text(state.to_json())
+    return path
+
+
+def read_state(directory: Path) -> TrainingState:
+    path = Path(directory) / STATE_FILE
+    if not path.is_file():
+        raise CheckpointError(
+            f"checkpoint {str(directory)!r} has no {STATE_FILE}; it is incomplete or not a "
+            "fivefold checkpoint directory (a step_<n> directory under <run_dir>/ckpt)."
+        )
+    return TrainingState.from_json(path.read_text(), str(path))
+
+
+# ---- model spec compatibility --------------------------------------------------------------
+def spec_mismatches(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """`model.<field> = <current> (checkpoint: <saved>)` for every field that differs."""
+    keys = sorted((set(saved) | set(current)) - set(_SPEC_FIELDS_IGNORED))
+    return [
+        f"model.{key} = {current.get(key)!r} (checkpoint: {saved.get(key)!r})"
+        for key in keys
+        if current.get(key) != saved.get(key)
+    ]
+
+
+def check_model_spec(state: TrainingState, current: dict[str, Any], where: Path | str) -> None:
+    """CheckpointError naming every differing field unless the checkpoint's model is `current`."""
+    differ = spec_mismatches(state.model_spec, current)
+    if differ:
+        raise CheckpointError(
+            f"checkpoint {str(where)!r} holds a different model: {'; '.join(differ)}. Use the "
+            "recipe it was trained with (its model section is in the checkpoint's state.json), "
+            "or start a new run in another train.run_dir."
+        )
+
+
+# ---- RNG -------------------------------------------------------------------------------------
+def _b64(tensor) -> str:
+    return base64.b64encode(tensor.numpy().tobytes()).decode("ascii")
+
+
+def _from_b64(text: str):
+    import torch
+
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8).clone()
+
+
+def capture_rng() -> dict[str, Any]:
+    """This process's torch (CPU, CUDA), Python and NumPy global RNG states, JSON-ready."""
+    import torch
+
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state: dict[str, Any] = {
+        "torch": _b64(torch.get_rng_state()),
+        "python": [version, list(internal), gauss],
+        "numpy": [kind, [int(k) for k in keys], int(pos), int(has_gauss), float(cached)],
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    """Set the global RNGs from a `capture_rng` dict (CUDA only if present and available)."""
+    import torch
+
+    torch.set_rng_state(_from_b64(state["torch"]))
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([_from_b64(s) for s in state["cuda"]])
+
+
+def rng_for_rank(state: TrainingState, rank: int) -> dict[str, Any] | None:
+    """The saved RNG state rank `rank` restores: its own, or rank mod the saved world size."""
+    if not state.rng:
+        return None
+    return state.rng[rank % len(state.rng)]

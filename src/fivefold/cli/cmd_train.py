@@ -1,0 +1,162 @@
+"""`fivefold train [recipe.toml] [section.field=value ...]`: train a model from a recipe."""
+
+from __future__ import annotations
+
+import argparse
+
+from fivefold.errors import ConfigError
+
+_DESCRIPTION = """\
+Train the recipe's model on its data with the recipe's parallel plan. A recipe is a TOML file
+(see configs/) with [model] (a preset and/or fields), [plan] (tp, pp, dp_replicate, dp_shard,
+zero, cp, ep, micro_batch, grad_accum, recompute, precision), [train] and [data] sections; any
+field can be overridden on the command line as section.field=value.
+
+[train] fields: name, runs_dir, run_dir, steps, lr, min_lr, warmup_steps,
+lr_schedule (cosine|linear|constant), weight_decay, betas, eps, grad_clip (0 = off),
+global_batch (sequences; must equal micro_batch x dp x grad_accum), seed, device
+(auto|cpu|cuda), log_every, eval_every, eval_batches, ckpt_every, save_final,
+keep_checkpoints, resume, tensorboard, progress, max_time_s, memory_step.
+[data] fields: shards (a prepared directory), inputs (.txt/.jsonl files), tokenizer,
+cache_dir, val_fraction. Without [data] the model trains on the embedded corpus.
+
+On CPU a recipe that does not set plan.precision trains in fp32; a bf16 recipe runs bf16
+autocast. Each run writes runs/<name>/: metrics.jsonl (one line per step: loss, grad_norm, lr,
+tokens_per_s, mfu, hfu, peak_memory_bytes, ...), recipe.toml (as resolved), summary.json,
+ckpt/step_<n>/ and TensorBoard events when tensorboard is installed. MFU is model FLOPs against
+the device's dense peak from the GPU catalog; on CPU against a matmul peak measured at start.
+"""
+
+_EPILOG = """\
+examples:
+  fivefold train configs/small-cpu.toml                     # the demo (make demo)
+  fivefold train configs/tiny-cpu.toml train.steps=50 plan.recompute=full
+  fivefold train configs/small-cpu.toml --resume            # continue from the last checkpoint
+  fivefold train configs/tiny-cpu.toml --nproc 4 plan.dp_replicate=4 plan.grad_accum=1
+  python -m fivefold.train configs/tiny-cpu.toml            # the same, as one torchrun rank
+"""
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "train",
+        help="train a model from a TOML recipe",
+        description=_DESCRIPTION,
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "items",
+        nargs="*",
+        metavar="RECIPE|OVERRIDE",
+        help="a recipe file (e.g. configs/small-cpu.toml; optional: without one, the defaults "
+        "and overrides make the recipe) followed by any section.field=value overrides, values "
+        "in TOML syntax (train.lr=1e-3, plan.recompute=full, train.betas=[0.9,0.99])",
+    )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest checkpoint in runs/<name>/ckpt (same as train.resume=true)",
+    )
+    parser.add_argument(
+        "--steps", type=int, metavar="N", help="optimizer steps (same as train.steps=N)"
+    )
+    parser.add_argument(
+        "--name", metavar="NAME", help="run name: output goes to runs/NAME (train.name=NAME)"
+    )
+    parser.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        metavar="N",
+        help="start N local processes with torchrun (the plan's degrees must multiply to N; "
+        "default 1: train in this process)",
+    )
+    parser.add_argument(
+        "--plan",
+        choices=["recipe", "auto"],
+        default="recipe",
+        help="'recipe' (default) uses the recipe's [plan]; 'auto' asks the planner for the best "
+        "layout of the model on N processes with the recipe's global batch",
+    )
+    parser.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no live progress bar (log lines only; same as train.progress=false)",
+    )
+    parser.set_defaults(handler=handle)
+
+
+def _flag_overrides(args: argparse.Namespace) -> list[str]:
+    out = []
+    if args.resume:
+        out.append("train.resume=true")
+    if args.steps is not None:
+        out.append(f"train.steps={args.steps}")
+    if args.name is not None:
+        out.append(f'train.name="{args.name}"')
+    if args.no_progress:
+        out.append("train.progress=false")
+    return out
+
+
+def auto_plan_overrides(recipe_path: str | None, overrides: list[str], nproc: int) -> list[str]:
+    """Ask the planner for the best layout on `nproc` processes; returns plan.* overrides."""
+    from fivefold.train.entry import load_run
+
+    try:
+        from fivefold.planner.search import search
+    except ImportError:
+        raise ConfigError(
+            "--plan auto needs the planner's search (fivefold.planner.search), which is not "
+            "available in this installation; write the layout in the recipe's [plan] instead."
+        ) from None
+    run = load_run(recipe_path, overrides, world_size=nproc)
+    result = search(run.recipe.model, run.recipe.cluster, global_batch=run.global_batch)
+    best = result.best
+    plan = getattr(best, "plan", None)
+    if plan is None:
+        raise ConfigError(
+            "--plan auto: the planner found no layout that fits; see `fivefold plan` for why, "
+            "and write the [plan] by hand."
+        )
+    fields = plan.to_dict() if hasattr(plan, "to_dict") else dict(plan)
+    return [f"plan.{key}={_toml(value)}" for key, value in fields.items()]
+
+
+def _toml(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return f'"{value}"'
+    return repr(value)
+
+
+def handle(args: argparse.Namespace) -> int:
+    from fivefold.train.entry import load_run, split_recipe_and_overrides
+
+    recipe_path, overrides = split_recipe_and_overrides(args.items)
+    overrides += _flag_overrides(args)
+    if args.nproc < 1:
+        raise ConfigError(f"--nproc {args.nproc}: the number of processes must be at least 1.")
+    if args.plan == "auto":
+        overrides += auto_plan_overrides(recipe_path, overrides, args.nproc)
+    run = load_run(recipe_path, overrides, world_size=args.nproc)  # validate before launching
+    if args.nproc > 1:
+        return _launch(args.nproc, recipe_path, overrides)
+    from fivefold.train.loop import train
+
+    train(run)
+    return 0
+
+
+def _launch(nproc: int, recipe_path: str | None, overrides: list[str]) -> int:
+    try:
+        from fivefold.parallel.launch import launch_local
+    except ImportError:
+        raise ConfigError(
+            f"--nproc {nproc} needs the parallel launcher (fivefold.parallel.launch), which is "
+            "not available in this installation; train with --nproc 1, or start `torchrun "
+            "--nproc-per-node N -m fivefold.train RECIPE` yourself."
+        ) from None
+    return int(launch_local(nproc, recipe_path, overrides))

@@ -1,0 +1,124 @@
+"""Data parallelism: DDP, ZeRO-1/2/3 and HSDP, all on FSDP2 (`fully_shard` / `replicate`).
+
+Every rank of the `dp_cp` group (dp_replicate x dp_shard x cp) holds the same dense weights;
+CP ranks see different tokens of the same sequences, so their gradients are reduced together
+with the data-parallel ones.
+
+- ZeRO-0 (DDP): `replicate` (FSDP2's DDP: one all-reduce of gradients per bucket) per block and
+  at the root, over dp_cp. It composes with TP/PP and mixed precision where classic DDP does not.
+- ZeRO-1: parameters sharded at rest over dp_shard x cp so the optimizer state is sharded;
+  gathered once per step (not re-sharded between forward and backward, nor between
+  micro-batches); gradients are accumulated unsharded and reduce-scattered once, after the last
+  micro-batch.
+- ZeRO-2: as ZeRO-1, but gradients are reduce-scattered after every micro-batch, so only the
+  gradient shard is held between micro-batches (the ZeRO-2 memory saving).
+- ZeRO-3 (FSDP): `fully_shard` per block with re-sharding after forward; parameters gathered
+  block by block in forward and again in backward.
+- HSDP: dp_replicate > 1 with dp_shard > 1 (ZeRO-3): sharded over dp_shard x cp, replicated
+  over dp_replicate (2-D mesh).
+
+Gradients are reduced with a plain SUM (divide factor 1): the runtime scales each rank's loss by
+1 / (tokens in the global batch), so the summed gradient is that of the global mean loss.
+Mixed precision: parameters cast to the compute dtype for forward/backward, gradients reduced
+and master weights kept in fp32 (FSDP2 `MixedPrecisionPolicy`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from fivefold.spec.plan import ParallelPlan
+from fivefold.spec.precision import recipe as precision_recipe
+
+_COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def compute_dtype(plan: ParallelPlan, device: torch.device) -> torch.dtype:
+    """The dtype forward/backward run in: the recipe's, or fp32 where the device lacks it."""
+    name = precision_recipe(plan.precision).compute_dtype
+    dtype = _COMPUTE_DTYPES.get(name, torch.bfloat16)  # fp8 recipes compute in bf16 here
+    if dtype == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        return torch.float32
+    return dtype
+
+
+def mixed_precision_policy(plan: ParallelPlan, device: torch.device) -> MixedPrecisionPolicy:
+    dtype = compute_dtype(plan, device)
+    if dtype == torch.float32:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+
+
+def dp_mesh_for(meshes, plan: ParallelPlan) -> DeviceMesh:
+    """The mesh dense weights are replicated/sharded over (see the module docstring)."""
+    if plan.zero == 0:
+        return meshes.dp_cp
+    if plan.dp_replicate > 1:
+        return meshes.world["dp_replicate", "dp_shard_cp"]
+    return meshes.dp_shard_cp
+
+
+def _wrap(
+    module: nn.Module,
+    mesh: DeviceMesh,
+    plan: ParallelPlan,
+    mp: MixedPrecisionPolicy,
+    reshard_after_forward: bool,
+) -> None:
+    if plan.zero == 0:
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+
+        replicate(module, mesh=mesh, mp_policy=mp)
+    else:
+        fully_shard(module, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+
+
+def apply_data_parallel(
+    model: nn.Module,
+    meshes,
+    plan: ParallelPlan,
+    device: torch.device,
+    expert_mesh: DeviceMesh | None = None,
+) -> list[FSDPModule]:
+    """Wrap each block, then the root, of `model` (a Transformer or pipeline chunk) in place.
+
+    With expert parallelism (`expert_mesh` = the expert data-parallel mesh), each MoE's
+    `experts` are wrapped separately over that mesh, since they are not replicated over the ep
+    ranks. Returns every wrapped module (for gradient-sync control), root last.
+    """
+    mesh = dp_mesh_for(meshes, plan)
+    mp = mixed_precision_policy(plan, device)
+    reshard = plan.zero == 3
+    wrapped: list[FSDPModule] = []
+    for block in model.layers.values():
+        moe = getattr(block, "moe", None)
+        if expert_mesh is not None and moe is not None:
+            _wrap(moe.experts, expert_mesh, plan, mp, reshard)
+            wrapped.append(moe.experts)
+        _wrap(block, mesh, plan, mp, reshard)
+        wrapped.append(block)
+    # The root keeps its (small) parameters gathered after forward: the head runs first in
+    # backward, so re-sharding them would only add an all-gather.
+    _wrap(model, mesh, plan, mp, False)
+    wrapped.append(model)
+    for module in wrapped:
+        module.set_gradient_divide_factor(1.0)
+        module.set_force_sum_reduction_for_comms(True)
+    return wrapped
+
+
+def set_gradient_sync(modules: list[FSDPModule], plan: ParallelPlan, last_micro_batch: bool) -> None:
+    """Before a micro-batch's backward: reduce now, or keep accumulating locally.
+
+    ZeRO-2 reduce-scatters every micro-batch (sharded gradients between micro-batches); the
+    other stages communicate gradients only after the last micro-batch. ZeRO-1/2 keep the
+    gathered parameters until the last backward of the step.
+    """
+    sync = last_micro_batch or plan.zero == 2
+    for module in modules:
+        module.set_requires_gradient_sync(sync, recurse=False)
+        if plan.zero in (1, 2):
+            module.set_reshard_after_backward(last_micro_batch, recurse=False)

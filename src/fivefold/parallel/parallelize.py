@@ -1,0 +1,83 @@
+"""Apply a `ParallelPlan` to a model chunk in the one fixed order:
+
+    PP split -> TP/SP -> EP -> CP -> activation checkpointing -> FSDP/DDP
+
+(the pipeline split is done by the caller, `split_model_for_pipeline`, because it decides which
+chunks exist). Each step only swaps parameters for DTensors or swaps sub-modules
+(`attention.core`, `moe.dispatcher`, `moe.experts`), so parameter names never change and the
+deterministic initialisation (`fivefold.model.init`) gives every layout the single-process
+weights. Works on the meta device: materialise and initialise afterwards.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+from fivefold.errors import ConfigError
+from fivefold.parallel.checkpointing import apply_activation_checkpointing
+from fivefold.parallel.data_parallel import apply_data_parallel
+from fivefold.parallel.mesh import Meshes
+from fivefold.spec.model import ModelSpec
+from fivefold.spec.plan import ParallelPlan
+
+
+def check_supported(spec: ModelSpec, plan: ParallelPlan) -> None:
+    """`ConfigError` for combinations this runtime refuses (each with the way out)."""
+    problems = []
+    if spec.tied_embeddings and plan.pp > 1:
+        problems.append(
+            f"model.tied_embeddings = true with plan.pp = {plan.pp}: the embedding lives on the "
+            "first pipeline stage and the LM head on the last, so they cannot share one weight "
+            "here; set model.tied_embeddings = false or plan.pp = 1."
+        )
+    if spec.is_moe and plan.tp > 1:
+        problems.append(
+            f"plan.tp = {plan.tp} with a MoE model: MoE layers are not tensor-parallel in this "
+            "runtime; use plan.ep to shard the experts and keep plan.tp = 1."
+        )
+    if plan.ep > 1 and not spec.is_moe:
+        problems.append(f"plan.ep = {plan.ep} needs a MoE model (model.experts > 0); set ep = 1.")
+    if problems:
+        raise ConfigError(problems)
+
+
+def expert_dp_mesh(meshes: Meshes, plan: ParallelPlan):
+    """The mesh expert weights are data-parallel over (ranks holding the same experts)."""
+    if meshes.expert is None:
+        return None
+    if plan.dp_replicate == 1:
+        return meshes.expert["edp_shard"]
+    if plan.zero == 3:
+        return meshes.expert["edp_replicate", "edp_shard"]
+    return meshes.expert["edp_replicate", "edp_shard"]._flatten("edp")
+
+
+def parallelize_chunk(
+    chunk: nn.Module,
+    spec: ModelSpec,
+    plan: ParallelPlan,
+    meshes: Meshes,
+    device: torch.device,
+) -> list[FSDPModule]:
+    """TP/SP, EP, CP, recompute and FSDP/DDP on one chunk, in place; returns the DP modules."""
+    if plan.tp > 1:
+        from fivefold.parallel.tensor_parallel import apply_tensor_parallel
+
+        apply_tensor_parallel(chunk, meshes["tp"], spec, plan.sp)
+    if plan.ep > 1:
+        from fivefold.parallel.expert_parallel import apply_expert_parallel
+
+        # The runtime sums gradients over data-parallel ranks and scales each rank's loss by
+        # 1 / (global tokens), so the experts' gradients must not be rescaled; the router's
+        # load-balancing loss counts the tokens of every rank that sees different data.
+        apply_expert_parallel(
+            chunk, meshes["ep"], aux_group=meshes.dp_cp.get_group(), expert_grad_scale=1.0
+        )
+    if plan.cp > 1:
+        from fivefold.parallel.context_parallel import apply_context_parallel
+
+        apply_context_parallel(chunk, meshes["cp"], plan.cp_kind)
+    apply_activation_checkpointing(chunk, plan.recompute)
+    return apply_data_parallel(chunk, meshes, plan, device, expert_dp_mesh(meshes, plan))

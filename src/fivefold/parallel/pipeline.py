@@ -1,0 +1,217 @@
+"""Pipeline parallelism: the model cut into stages, run by `torch.distributed.pipelining`.
+
+- `split_model_for_pipeline(model, plan, pp_rank)`: the chunks (virtual stages) this rank owns.
+  The cut is the planner's (`fivefold.planner.partition.stage_layer_counts`: balanced by forward
+  FLOPs with the LM head counted on the last stage), and so is the placement
+  (`fivefold.planner.schedule.chunk_rank`: chunk c on rank c % pp, or the V of zbv/dualpipev).
+  A chunk is a copy of the `Transformer` without the parts it does not own, so its parameter
+  names are those of the full model and `init_weights` gives every rank the same values as the
+  single-process model. Call it on the meta model, before the other parallelisms are applied.
+- `PipelineRunner(chunks, plan, pp_mesh, loss_fn, device)`: one `PipelineStage` per chunk and
+  the torch schedule named by `plan.schedule` (GPipe, 1F1B, Interleaved1F1B, ZBVZeroBubble,
+  DualPipeV) with `plan.grad_accum` micro-batches. `step(micro_batches)` runs forward and
+  backward of all of them and returns the per-micro-batch losses on the rank holding the last
+  stage ([] elsewhere). Positions and doc ids reach every stage as keyword arguments of the
+  stage forward (torch passes step kwargs, split per micro-batch, to all stages), so RoPE and
+  document masks are right on every stage.
+- MoE load-balancing losses of a chunk are attached to its output with an identity whose
+  backward seeds d(aux) = 1 (Megatron's trick), so each stage's aux loss trains its routers
+  inside the ordinary pipeline backward. With `scale_grads=True` (the default) torch divides the
+  gradients by the number of micro-batches: the loss function should return the micro-batch
+  mean, and the gradients are then those of the mean over micro-batches of (loss + aux).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fivefold.errors import ConfigError
+from fivefold.planner.partition import stage_layer_counts
+from fivefold.planner.schedule import chunk_rank
+from fivefold.spec.plan import ParallelPlan
+
+SCHEDULE_CLASSES = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved-1f1b": "ScheduleInterleaved1F1B",
+    "zbv": "ScheduleZBVZeroBubble",
+    "dualpipev": "ScheduleDualPipeV",
+}
+
+
+# ---- splitting -------------------------------------------------------------------------------
+def stage_indices(plan: ParallelPlan, pp_rank: int) -> list[int]:
+    """The virtual stages (chunks) pipeline rank `pp_rank` holds, in model order."""
+    stages = plan.pp * plan.vpp
+    return [c for c in range(stages) if chunk_rank(plan.schedule, plan.pp, c) == pp_rank]
+
+
+def stage_layer_ranges(model_spec: Any, plan: ParallelPlan) -> list[range]:
+    """Layer indices of every virtual stage, in model order (the planner's partition)."""
+    counts = stage_layer_counts(model_spec, plan.pp * plan.vpp)
+    starts = [sum(counts[:i]) for i in range(len(counts))]
+    return [range(start, start + n) for start, n in zip(starts, counts, strict=True)]
+
+
+def split_model_for_pipeline(model: nn.Module, plan: ParallelPlan, pp_rank: int) -> list[nn.Module]:
+    """The chunks `pp_rank` owns, each a copy of `model` keeping only its layers (and the
+    embedding on the first chunk, the final norm and head on the last). Parameter FQNs are
+    unchanged. Chunks carry `stage_index` (their virtual stage). `model` is not modified."""
+    spec = model.spec
+    if plan.pp > 1 and spec.tied_embeddings:
+        raise ConfigError(
+            "model.tied_embeddings = true with plan.pp > 1: the embedding and the LM head sit on "
+            "different pipeline stages, which fivefold does not keep tied; set "
+            "model.tied_embeddings = false or plan.pp = 1."
+        )
+    ranges = stage_layer_ranges(spec, plan)
+    last = len(ranges) - 1
+    chunks = []
+    for index in stage_indices(plan, pp_rank):
+        chunk = copy.deepcopy(model)
+        keep = {str(i) for i in ranges[index]}
+        for name in list(chunk.layers.keys()):
+            if name not in keep:
+                del chunk.layers[name]
+        if index != 0:
+            chunk.tok_embeddings = None
+        if index != last:
+            chunk.norm = None
+            chunk.output = None
+        chunk.stage_index = index
+        chunks.append(chunk)
+    return chunks
+
+
+# ---- aux loss ------------------------------------------------------------------------------------
+class _AttachAuxLoss(torch.autograd.Function):
+    """Forward: returns `output` unchanged. Backward: passes the output gradient through and
+    gives `aux_loss` the gradient 1, so the aux loss is trained by the stage's backward."""
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
+        ctx.aux_shape, ctx.aux_dtype = aux_loss.shape, aux_loss.dtype
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        aux_grad = torch.ones(ctx.aux_shape, dtype=ctx.aux_dtype, device=grad_output.device)
+        return grad_output, aux_grad
+
+
+def _moe_layers(chunk: nn.Module) -> list[nn.Module]:
+    return [b.moe for b in chunk.layers.values() if getattr(b, "moe", None) is not None]
+
+
+class _AuxLossCollector:
+    """Forward hook on a chunk: attaches its MoE aux losses to its output and records them."""
+
+    def __init__(self) -> None:
+        self.values: list[torch.Tensor] = []
+
+    def __call__(self, chunk: nn.Module, args: Any, kwargs: Any, output: torch.Tensor):
+        losses = [m.aux_loss for m in _moe_layers(chunk) if m.aux_loss is not None]
+        if not losses or not torch.is_grad_enabled():
+            return None
+        aux = torch.stack([loss.float() for loss in losses]).sum()
+        self.values.append(aux.detach())
+        return _AttachAuxLoss.apply(output, aux)
+
+
+# ---- running ---------------------------------------------------------------------------------------
+class PipelineRunner:
+    """Runs one training step of the pipeline on this rank's chunks (see module docstring).
+
+    chunks: this rank's chunks from `split_model_for_pipeline` (possibly wrapped by TP / FSDP /
+    checkpointing, in the same order); pp_mesh: 1-D DeviceMesh (or ProcessGroup) of the pipeline
+    ranks; loss_fn(logits [B, T, V], labels [B, T]) -> scalar mean over the micro-batch.
+    """
+
+    def __init__(
+        self,
+        chunks: Sequence[nn.Module],
+        plan: ParallelPlan,
+        pp_mesh: Any,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
+        device: torch.device | str,
+        *,
+        scale_grads: bool = True,
+    ) -> None:
+        from torch.distributed.pipelining import PipelineStage, schedules
+
+        if plan.schedule not in SCHEDULE_CLASSES:
+            raise ConfigError(
+                f"plan.schedule = {plan.schedule!r}: choose one of {', '.join(SCHEDULE_CLASSES)}."
+            )
+        if loss_fn is None:
+            from fivefold.model import cross_entropy_loss
+
+            loss_fn = cross_entropy_loss
+        self.plan = plan
+        self.device = torch.device(device)
+        self.group = pp_mesh.get_group() if hasattr(pp_mesh, "get_group") else pp_mesh
+        pp_rank = dist.get_rank(self.group)
+        indices = stage_indices(plan, pp_rank)
+        if len(chunks) != len(indices):
+            raise ValueError(
+                f"pipeline rank {pp_rank} should hold {len(indices)} chunks (stages {indices}) "
+                f"for {plan.schedule} with pp={plan.pp}, vpp={plan.vpp}; got {len(chunks)}"
+            )
+        self.chunks = list(chunks)
+        self.aux = _AuxLossCollector()
+        self._hooks = [
+            c.register_forward_hook(self.aux, with_kwargs=True)
+            for c in self.chunks
+            if _moe_layers(c)
+        ]
+        self.stages = [
+            PipelineStage(chunk, index, plan.pp * plan.vpp, self.device, group=self.group)
+            for chunk, index in zip(self.chunks, indices, strict=True)
+        ]
+        self.has_first = 0 in indices
+        self.has_last = plan.pp * plan.vpp - 1 in indices
+        schedule_cls = getattr(schedules, SCHEDULE_CLASSES[plan.schedule])
+        stages = self.stages[0] if plan.schedule in ("gpipe", "1f1b") else self.stages
+        self.schedule = schedule_cls(
+            stages, n_microbatches=plan.grad_accum, loss_fn=loss_fn, scale_grads=scale_grads
+        )
+
+    def step(self, micro_batches: list[Any]) -> list[torch.Tensor]:
+        """Forward + backward of every micro-batch (Batch: tokens, labels, positions, doc_ids,
+        each [b, T], all of the same shape). Returns the detached micro-batch losses on the rank
+        holding the last stage, [] elsewhere. Gradients accumulate in the chunks' parameters."""
+        if len(micro_batches) != self.plan.grad_accum:
+            raise ValueError(
+                f"the pipeline was built for plan.grad_accum = {self.plan.grad_accum} "
+                f"micro-batches, got {len(micro_batches)}"
+            )
+        self.aux.values.clear()
+        kwargs = {}
+        for name in ("positions", "doc_ids"):
+            values = [getattr(mb, name, None) for mb in micro_batches]
+            if all(v is not None for v in values):
+                kwargs[name] = self._cat(values)
+        args = (self._cat([mb.tokens for mb in micro_batches]),) if self.has_first else ()
+        target = self._cat([mb.labels for mb in micro_batches]) if self.has_last else None
+        losses: list[torch.Tensor] = []
+        self.schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
+        return [loss.detach() for loss in losses] if self.has_last else []
+
+    def aux_losses(self) -> list[torch.Tensor]:
+        """This rank's MoE aux losses of the last step, one per (chunk, micro-batch) forward;
+        the step's aux loss is their sum over the pipeline ranks divided by the micro-batches."""
+        return list(self.aux.values)
+
+    def _cat(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat(tensors, dim=0).to(self.device)
+
+    def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()

@@ -1,0 +1,318 @@
+"""`DistributedRuntime`: one rank of a run under torchrun, implementing the train loop's Runtime.
+
+Construction (collective: every rank runs it):
+1. the process group from the torchrun environment (gloo on CPU, NCCL on CUDA), unless one is
+   already initialised (tests share one group across many runtimes);
+2. `ParallelDims` checks the plan against the world size and builds the 5-D mesh;
+3. the model is built on the meta device, split into this rank's pipeline chunks, and
+   parallelised in the fixed order (`fivefold.parallel.parallelize`);
+4. the chunks are materialised and initialised from (seed, parameter name), so every layout
+   starts from the single-process weights.
+
+A step (`train_step`) runs the micro-batches of this rank's data-parallel slice: each rank's
+loss is the sum of its token losses divided by the number of tokens in the *global* batch, and
+gradients are summed (not averaged) over the data-parallel group, so the gradient is exactly
+that of the global mean loss whatever the layout. Gradients are communicated only after the last
+micro-batch (ZeRO-2: after each). The reported loss is the global mean, the same on every rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from fivefold.errors import ConfigError
+from fivefold.parallel.mesh import Meshes, ParallelDims
+from fivefold.spec.recipe import Recipe
+
+IGNORE_INDEX = -100
+
+
+def _pick_device(name: str) -> torch.device:
+    """cuda:LOCAL_RANK when CUDA is asked for (or `auto` and available), else cpu."""
+    use_cuda = name == "cuda" or (name == "auto" and torch.cuda.is_available())
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device = 'cuda' but no CUDA device is available; use 'auto'.")
+    if not use_cuda:
+        return torch.device("cpu")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    torch.cuda.set_device(device)
+    return device
+
+
+def init_distributed(device: torch.device, timeout_s: float = 600.0) -> bool:
+    """Initialise the default process group from the torchrun env; True if this call created it."""
+    if dist.is_initialized():
+        return False
+    from datetime import timedelta
+
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    return True
+
+
+def _batch_to(batch: Any, device: torch.device) -> Any:
+    import dataclasses
+
+    moved = {
+        f.name: getattr(batch, f.name).to(device, non_blocking=True)
+        for f in dataclasses.fields(batch)
+        if isinstance(getattr(batch, f.name), torch.Tensor)
+    }
+    return dataclasses.replace(batch, **moved)
+
+
+def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum of token cross entropies over labels != -100; logits [B, T, V] (local or vocab-sharded
+    DTensor, then inside `loss_parallel`), labels [B, T]. fp32 scalar."""
+    return F.cross_entropy(
+        logits.flatten(0, 1).float(),
+        labels.flatten(0, 1),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+    )
+
+
+def _scalar(x: torch.Tensor) -> torch.Tensor:
+    """A plain tensor from a (possibly DTensor) scalar, detached."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(x, DTensor):
+        x = x.full_tensor()
+    return x.detach().float()
+
+
+class DistributedRuntime:
+    """The Runtime protocol on N processes for any valid ParallelPlan (see the module docstring).
+
+    Attributes: `model_parts` (this rank's chunks; the optimizer steps their parameters),
+    `device`, `dp_rank`/`dp_size` (for the sampler), `is_main`, `world_size`, `rank`, `dims`,
+    `meshes`, `coordinates` (this rank's index on each mesh axis).
+    """
+
+    def __init__(self, recipe: Recipe):
+        from fivefold.model import build_model
+        from fivefold.model.init import init_module_weights
+        from fivefold.parallel.parallelize import check_supported, parallelize_chunk
+        from fivefold.train.config import parse_train_config
+
+        self.recipe = recipe
+        self.plan = plan = recipe.plan
+        self.spec = spec = recipe.model
+        train = parse_train_config(recipe).train
+        self.device = _pick_device(train.device)
+        self._owns_group = init_distributed(self.device)
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.is_main = self.rank == 0
+        self.dims = ParallelDims.from_plan(plan, self.world_size)
+        check_supported(spec, plan)
+        self.coordinates = self.dims.coordinates(self.rank)
+        self.dp_rank = self.dims.dp_rank(self.rank)
+        self.dp_size = self.dims.dp
+        self.meshes: Meshes = self.dims.build_meshes(self.device.type)
+        self.pp_rank = self.coordinates["pp"]
+        self.cp_rank = self.coordinates["cp"]
+        torch.manual_seed(train.seed)
+
+        model = build_model(spec)
+        if plan.pp > 1:
+            from fivefold.parallel.pipeline import split_model_for_pipeline
+
+            chunks = split_model_for_pipeline(model, plan, self.pp_rank)
+        else:
+            chunks = [model]
+        self.dp_modules = []
+        for chunk in chunks:
+            self.dp_modules += parallelize_chunk(chunk, spec, plan, self.meshes, self.device)
+        for chunk in chunks:
+            chunk.to_empty(device=self.device)
+            init_module_weights(chunk, train.seed, layers=spec.layers)
+        self.model_parts: list[nn.Module] = chunks
+        self._loss_scale = 1.0
+        self.pipeline = None
+        if plan.pp > 1:
+            from fivefold.parallel.pipeline import PipelineRunner
+
+            self.pipeline = PipelineRunner(
+                chunks, plan, self.meshes["pp"], self._pipeline_loss, self.device
+            )
+        self._steps = 0
+        self._step_times_s: list[float] = []
+        self._report_at = min(3, train.steps)
+        self._loop_memory_step = train.memory_step
+        self._peak_bytes = 0
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        if self.is_main:
+            print(self.describe_layout(), flush=True)
+
+    # ---- description -----------------------------------------------------------------------
+    def describe_layout(self) -> str:
+        local = sum(_local_numel(p) for part in self.model_parts for p in part.parameters())
+        lines = [
+            f"layout: {self.plan.describe()}",
+            f"        {self.dims.describe()}, backend {dist.get_backend()}, device {self.device}",
+            f"        rank 0 holds {local:,} parameter elements in {len(self.model_parts)} "
+            "chunk(s)",
+        ]
+        return "\n".join(lines)
+
+    # ---- the step ----------------------------------------------------------------------------
+    def _loss_context(self):
+        if self.plan.tp > 1:
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            return loss_parallel()
+        return contextlib.nullcontext()
+
+    def _pipeline_loss(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return token_loss_sum(output, labels) * self._loss_scale
+
+    def _prepare(self, batch: Any) -> Any:
+        batch = _batch_to(batch, self.device)
+        if self.plan.cp > 1:
+            from fivefold.parallel.context_parallel import shard_batch_for_cp
+
+            batch = shard_batch_for_cp(batch, self.cp_rank, self.plan.cp)
+        return batch
+
+    def _global_token_count(self, micro_batches: list) -> int:
+        local = sum(int((b.labels != IGNORE_INDEX).sum()) for b in micro_batches)
+        count = torch.tensor([local], dtype=torch.float64)
+        dist.all_reduce(count, group=self.meshes.dp.get_group())
+        return max(1, int(count.item()))
+
+    def train_step(self, micro_batches: list):
+        """Forward and backward over this rank's micro-batches (see the module docstring)."""
+        from fivefold.parallel.data_parallel import set_gradient_sync
+
+        from fivefold.train.runtime import StepResult
+
+        measure = self._measures_memory_now()
+        start = time.perf_counter()
+        for part in self.model_parts:
+            part.train()
+        self._loss_scale = 1.0 / self._global_token_count(micro_batches)
+        batches = [self._prepare(b) for b in micro_batches]
+        with self._memory_tracker(measure):
+            if self.pipeline is not None:
+                loss_local, aux_local = self._pipeline_step(batches)
+            else:
+                loss_local, aux_local = self._local_step(batches, set_gradient_sync)
+        loss, aux = self._global_mean(loss_local, aux_local)
+        self._after_step(time.perf_counter() - start, timed=not measure)
+
+        return StepResult(loss=loss, aux_loss=aux)
+
+    def _local_step(self, batches: list, set_gradient_sync) -> tuple[torch.Tensor, torch.Tensor]:
+        model = self.model_parts[0]
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        aux_sum = torch.zeros((), dtype=torch.float64)
+        aux_weight = 1.0 / (len(batches) * self.dims.dp_cp)
+        for index, batch in enumerate(batches):
+            set_gradient_sync(self.dp_modules, self.plan, index == len(batches) - 1)
+            with self._loss_context():
+                logits = model(batch.tokens, positions=batch.positions, doc_ids=batch.doc_ids)
+                loss = token_loss_sum(logits, batch.labels) * self._loss_scale
+                objective = loss
+                if self.spec.is_moe:
+                    aux = model.aux_loss()
+                    objective = objective + aux * aux_weight
+                    aux_sum += _scalar(aux).double() * aux_weight
+                objective.backward()
+            loss_sum += _scalar(loss).double()
+        return loss_sum, aux_sum
+
+    def _pipeline_step(self, batches: list) -> tuple[torch.Tensor, torch.Tensor]:
+        with self._loss_context():
+            losses = self.pipeline.step(batches)
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        for loss in losses or []:
+            loss_sum += _scalar(loss).double()
+        aux_sum = torch.zeros((), dtype=torch.float64)
+        aux_of = getattr(self.pipeline, "aux_loss", None)
+        if self.spec.is_moe and aux_of is not None:
+            aux_sum += float(aux_of()) / self.dims.dp_cp
+        return loss_sum, aux_sum
+
+    def _global_mean(self, loss_local: torch.Tensor, aux_local: torch.Tensor) -> tuple[float, float]:
+        """Sum the per-rank contributions over the world; TP ranks hold identical copies."""
+        both = torch.stack([loss_local, aux_local])
+        dist.all_reduce(both)
+        both /= self.plan.tp
+        return float(both[0]), float(both[1])
+
+    # ---- gradients ---------------------------------------------------------------------------
+    def _grads(self) -> list[torch.Tensor]:
+        return [
+            p.grad for part in self.model_parts for p in part.parameters() if p.grad is not None
+        ]
+
+    @torch.no_grad()
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Global L2 norm over every shard, stage and rank; clips to `max_norm` when it is > 0."""
+        from fivefold.parallel.grad_norm import clip_grads, global_grad_norm
+
+        grads = self._grads()
+        total = global_grad_norm(grads, self.plan.pp)
+        if max_norm > 0:
+            clip_grads(grads, max_norm, total)
+        return float(total)
+
+    # ---- measurements ------------------------------------------------------------------------
+    def _measures_memory_now(self) -> bool:
+        """CPU: track allocations during the step before the report (unless the loop does)."""
+        step = self._steps + 1
+        return self.device.type == "cpu" and step == self._report_at and step != self._loop_memory_step
+
+    @contextlib.contextmanager
+    def _memory_tracker(self, active: bool):
+        if not active:
+            yield
+            return
+        from fivefold.train.memory import track_cpu_peak
+
+        with track_cpu_peak(self.model_parts, None) as reading:
+            yield
+        params = sum(_local_numel(p) for part in self.model_parts for p in part.parameters())
+        self.record_peak_memory(reading.peak_bytes + 2 * 4 * params)  # + AdamW m and v (fp32)
+
+    def _after_step(self, seconds: float, timed: bool = True) -> None:
+        self._steps += 1
+        if self._steps > 1 and timed:  # the first step pays one-off set-up costs
+            self._step_times_s.append(seconds)
+        if self._steps == self._report_at:
+            from fivefold.parallel.report import layout_report
+
+            text = layout_report(self)
+            if self.is_main and text:
+                print(text, flush=True)
+
+    def record_peak_memory(self, peak_bytes: int) -> None:
+        """The loop's measurement of this rank's peak (CPU), used in the layout report."""
+        self._peak_bytes = max(self._peak_bytes, int(peak_bytes))
+
+    def peak_memory_bytes(self) -> int:
+        if self.device.type == "cuda":
+            return int(torch.cuda.max_memory_allocated(self.device))
+        return self._peak_bytes
+
+    def close(self) -> None:
+        if self._owns_group and dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+            self._owns_group = False
+
+
+def _local_numel(param: torch.Tensor) -> int:
+    from torch.distributed.tensor import DTensor
+
+    return param.to_local().numel() if isinstance(param, DTensor) else param.numel()

@@ -1,0 +1,143 @@
+"""Communication costs: which link a process group uses, and alpha-beta times of collectives.
+
+Placement. Ranks are placed node-major and the mesh is, outer to inner, pp, dp_replicate,
+dp_shard, cp, tp (`fivefold.spec.plan`), so the ranks of a group along one axis are `stride`
+apart, where the stride is the product of the inner degrees (tp: 1, cp: tp, dp_shard: tp*cp, ...).
+A group of `size` ranks `stride` apart stays in one node when size * stride <= gpus_per_node;
+otherwise it spans nodes with k = max(1, gpus_per_node // stride) members per node.
+
+Bandwidth. NVLink moves ring traffic one way, so a GPU gets half the marketed (bidirectional)
+`intra_node_bw`, times `nvlink_fraction`. A ring that crosses nodes leaves each node once per
+ring; NCCL runs one ring per NIC, so the node's k members of the group share k NICs and the ring's
+bus bandwidth is min(NVLink, k * inter_node_bw * ib_fraction). That is why data parallelism over
+eight GPUs per node can reach hundreds of GB/s although each NIC carries 50 GB/s.
+
+Costs (Thakur, Rabenseifner and Gropp 2005; Chan et al. 2007), per GPU, for S bytes per rank:
+    all-reduce (ring)          2 (n-1) alpha + 2 (n-1)/n * S / B
+    all-gather, reduce-scatter   (n-1) alpha +   (n-1)/n * S / B   (S = the full, gathered size)
+    all-to-all                   (n-1) alpha + max((k-1)/n * S / B_nvlink, (n-k)/n * S / B_ib)
+    point-to-point                     alpha + S / B
+Written by hand: no library computes these without a GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fivefold.planner.calibration import EfficiencyModel
+from fivefold.spec.cluster import ClusterSpec
+from fivefold.spec.plan import ParallelPlan
+
+
+@dataclass(frozen=True)
+class Link:
+    """What one rank of a group gets: `kind` "nvlink" | "ib", achieved one-way bus bandwidth in
+    bytes/s, the per-hop latency in seconds, and the group's members per node."""
+
+    kind: str
+    bandwidth: float
+    latency_s: float
+    per_node: int
+    nvlink_bandwidth: float
+    ib_bandwidth: float
+
+
+def nvlink_bandwidth(cluster: ClusterSpec, eff: EfficiencyModel) -> float:
+    """Achieved one-way NVLink bandwidth per GPU (bytes/s)."""
+    return cluster.intra_node_bw / 2 * eff.nvlink_fraction
+
+
+def ib_bandwidth(cluster: ClusterSpec, eff: EfficiencyModel) -> float:
+    """Achieved one-way inter-node bandwidth per GPU (bytes/s), one NIC per GPU."""
+    return cluster.inter_node_bw * eff.ib_fraction
+
+
+def group_link(cluster: ClusterSpec, size: int, stride: int, eff: EfficiencyModel) -> Link:
+    """The link a group of `size` ranks, `stride` apart in node-major order, communicates over."""
+    g = cluster.gpus_per_node
+    nv = nvlink_bandwidth(cluster, eff)
+    ib = ib_bandwidth(cluster, eff)
+    if size * stride <= g or cluster.nodes == 1:
+        return Link("nvlink", nv, cluster.intra_node_latency_s, size, nv, ib)
+    per_node = max(1, min(size, g // stride)) if stride < g else 1
+    return Link("ib", min(nv, per_node * ib), cluster.inter_node_latency_s, per_node, nv, ib)
+
+
+# ---- the groups of a plan ----------------------------------------------------------------------
+def axis_groups(plan: ParallelPlan) -> dict[str, tuple[int, int]]:
+    """(size, stride) of every process group the cost model uses."""
+    tp, cp = plan.tp, plan.cp
+    return {
+        "tp": (tp, 1),
+        "cp": (cp, tp),
+        "ep": (plan.ep, tp),  # the inner ep ranks of dp_shard x cp
+        "dp_shard_cp": (plan.dp_shard * cp, tp),
+        "dp_cp": (plan.dp * cp, tp),
+        "dp_replicate": (plan.dp_replicate, tp * cp * plan.dp_shard),
+        "expert_shard": (max(1, plan.dp_shard * cp // plan.ep), tp * plan.ep),
+        "pp": (plan.pp, tp * cp * plan.dp),
+    }
+
+
+def plan_link(cluster: ClusterSpec, plan: ParallelPlan, group: str, eff: EfficiencyModel) -> Link:
+    size, stride = axis_groups(plan)[group]
+    return group_link(cluster, size, stride, eff)
+
+
+def pipeline_link(cluster: ClusterSpec, plan: ParallelPlan, eff: EfficiencyModel) -> Link:
+    """Neighbouring pipeline stages are world/pp ranks apart; across nodes each GPU uses its own
+    NIC."""
+    stride = plan.tp * plan.cp * plan.dp
+    if stride < cluster.gpus_per_node or cluster.nodes == 1:
+        nv = nvlink_bandwidth(cluster, eff)
+        return Link("nvlink", nv, cluster.intra_node_latency_s, 2, nv, ib_bandwidth(cluster, eff))
+    ib = ib_bandwidth(cluster, eff)
+    return Link("ib", ib, cluster.inter_node_latency_s, 1, nvlink_bandwidth(cluster, eff), ib)
+
+
+# ---- collective times ----------------------------------------------------------------------------
+def all_reduce_bytes(size_bytes: float, n: int) -> float:
+    """Bytes a rank sends in a ring all-reduce of `size_bytes`: 2 (n-1)/n * S."""
+    return 2 * (n - 1) / n * size_bytes if n > 1 else 0.0
+
+
+def all_gather_bytes(size_bytes: float, n: int) -> float:
+    """Bytes a rank sends in a ring all-gather (or reduce-scatter) of S gathered bytes."""
+    return (n - 1) / n * size_bytes if n > 1 else 0.0
+
+
+def transfer_time_s(size_bytes: float, bandwidth: float, latency_s: float = 0.0) -> float:
+    """alpha + S / B: the time to move `size_bytes` over a link."""
+    return latency_s + size_bytes / bandwidth
+
+
+def all_reduce_time_s(size_bytes: float, n: int, link: Link) -> float:
+    if n <= 1:
+        return 0.0
+    return 2 * (n - 1) * link.latency_s + all_reduce_bytes(size_bytes, n) / link.bandwidth
+
+
+def all_gather_time_s(size_bytes: float, n: int, link: Link) -> float:
+    """Ring all-gather (the same for reduce-scatter) of `size_bytes` gathered bytes."""
+    if n <= 1:
+        return 0.0
+    return (n - 1) * link.latency_s + all_gather_bytes(size_bytes, n) / link.bandwidth
+
+
+reduce_scatter_time_s = all_gather_time_s
+
+
+def all_to_all_time_s(size_bytes: float, n: int, link: Link) -> float:
+    """Each rank sends (n-1)/n of `size_bytes`: on-node parts over NVLink, the rest over its NIC."""
+    if n <= 1:
+        return 0.0
+    k = min(link.per_node, n)
+    if link.kind == "nvlink":
+        return (n - 1) * link.latency_s + (n - 1) / n * size_bytes / link.nvlink_bandwidth
+    on_node = (k - 1) / n * size_bytes / link.nvlink_bandwidth
+    off_node = (n - k) / n * size_bytes / link.ib_bandwidth
+    return (n - 1) * link.latency_s + max(on_node, off_node)
+
+
+def p2p_time_s(size_bytes: float, link: Link) -> float:
+    return transfer_time_s(size_bytes, link.bandwidth, link.latency_s)

@@ -1,0 +1,244 @@
+"""Compute time: FLOPs and bytes per micro-batch per rank, turned into seconds.
+
+Everything is per rank and per micro-batch of b sequences; a rank holds T = b * s / cp tokens of
+each sequence (context parallelism splits the sequence) and 1/tp of each matrix.
+
+The efficiency model (parameters in `fivefold.planner.calibration`, fitted by
+`scripts/calibrate.py`):
+
+- GEMMs. A matmul of (m x k) by (k x n) does 2mnk FLOPs and moves e(mk + kn + mn) bytes, an
+  arithmetic intensity I = 2mnk / (e(mk + kn + mn)) FLOP/byte. It runs at
+      peak * gemm_peak_fraction[arch] * I / (I + gemm_half_intensity * ridge),
+  ridge = peak / HBM bandwidth: a smooth roofline. Large square GEMMs approach the architecture's
+  fraction; thin ones (small h/tp, few tokens per expert) are bandwidth-bound. The backward runs
+  two GEMMs of the same size per forward GEMM: the input gradient (in the "B" pass) and the weight
+  gradient (the "W" pass).
+- Attention core. Fused (flash) kernels: 4 * T * (s/2) * head_dim * heads/tp causal FLOPs forward
+  at `attention_peak_fraction` of peak, the backward `attention_backward_ratio` (2.5) times the
+  forward time. Classic kernels (Megatron 2021: QK^T and AV as batched GEMMs over the full s x s
+  matrix, then a fused scale-mask-softmax and dropout in HBM) are two batched GEMMs of shape
+  (s, s, head_dim) plus the element-wise passes over the s^2 scores.
+- Element-wise kernels are bound by HBM bandwidth at `hbm_fraction`. Per token per layer, forward:
+  two RMSNorms (read and write h each), two residual adds (read 2h, write h), RoPE on q and k
+  (read and write), the MLP activation (SwiGLU: read 2f, write f; GeLU: read f, write f), with
+  dropout a one-byte mask per residual; the scores of classic attention cost 4 bytes per element
+  (softmax read and write) plus 5 with dropout. The backward moves twice the forward's bytes. The
+  norms and residuals run on T/tp tokens with sequence parallelism, on all T without (replicated
+  over the TP group); the loss reads and writes 24 bytes per fp32 logit (forward and backward).
+- A fixed `layer_overhead_s` per layer forward (twice in the backward): kernel launches and
+  tails.
+- Recompute: "full" repeats the layer's forward inside the backward; "selective" repeats only the
+  attention core (Korthikanti et al. 2022).
+
+Written by hand: PyTorch's FLOP counters need the model and a device; the planner needs neither.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fivefold.planner.calibration import EfficiencyModel
+from fivefold.planner.memory import local_kv_width
+from fivefold.spec.hardware import GPUSpec
+from fivefold.spec.model import ModelSpec
+from fivefold.spec.plan import ParallelPlan
+from fivefold.spec.precision import recipe
+
+ATTENTION_DTYPE = "bf16"  # attention kernels run in bf16 even under fp8 recipes
+LOSS_BYTES_PER_LOGIT = 24.0  # fp32: upcast, log-softmax, gradient, cast back
+
+
+@dataclass(frozen=True)
+class ComputeOptions:
+    attention_kernel: str = "flash"  # or "classic"
+    dropout: bool = False
+
+
+@dataclass(frozen=True)
+class Work:
+    """Seconds of compute on one rank for one micro-batch, by pass.
+
+    `backward_input_s` includes recomputation (`recompute_s` says how much of it); `gemm_*` are the
+    GEMM parts, which tensor-parallel communication can hide behind.
+    """
+
+    forward_s: float = 0.0
+    backward_input_s: float = 0.0
+    backward_weight_s: float = 0.0
+    recompute_s: float = 0.0
+    gemm_forward_s: float = 0.0
+    attention_forward_s: float = 0.0
+    attention_backward_s: float = 0.0
+
+    @property
+    def total_s(self) -> float:
+        return self.forward_s + self.backward_input_s + self.backward_weight_s
+
+    def __add__(self, other: Work) -> Work:
+        return Work(*(a + b for a, b in zip(_fields(self), _fields(other), strict=True)))
+
+    def scaled(self, k: float) -> Work:
+        return Work(*(a * k for a in _fields(self)))
+
+
+def _fields(w: Work) -> tuple[float, ...]:
+    return (
+        w.forward_s,
+        w.backward_input_s,
+        w.backward_weight_s,
+        w.recompute_s,
+        w.gemm_forward_s,
+        w.attention_forward_s,
+        w.attention_backward_s,
+    )
+
+
+# ---- kernels ----------------------------------------------------------------------------------
+def gemm_time_s(
+    m: float, n: float, k: float, device: GPUSpec, eff: EfficiencyModel, dtype: str = "bf16"
+) -> float:
+    """Seconds for one (m x k) @ (k x n) matmul on `device` (see the module docstring)."""
+    if m <= 0 or n <= 0 or k <= 0:
+        return 0.0
+    e = {"fp8": 1, "bf16": 2, "fp16": 2}.get(dtype, 4)
+    flops = 2.0 * m * n * k
+    intensity = flops / (e * (m * k + k * n + m * n))
+    peak = device.peak(dtype)
+    ridge = peak / device.hbm_bw_bytes_per_s
+    fraction = eff.gemm_fraction(device.arch) * intensity
+    fraction /= intensity + eff.gemm_half_intensity * ridge
+    return flops / (peak * fraction)
+
+
+def memory_time_s(size_bytes: float, device: GPUSpec, eff: EfficiencyModel) -> float:
+    """Seconds to stream `size_bytes` through HBM in element-wise kernels."""
+    return size_bytes / (device.hbm_bw_bytes_per_s * eff.hbm_fraction)
+
+
+def flash_attention_forward_s(
+    model: ModelSpec, plan: ParallelPlan, device: GPUSpec, eff: EfficiencyModel
+) -> float:
+    tokens = plan.micro_batch * model.seq_len / plan.cp
+    flops = 4.0 * tokens * (model.seq_len / 2) * model.head_dim * model.heads / plan.tp
+    return flops / (device.peak(ATTENTION_DTYPE) * eff.attention_peak_fraction)
+
+
+# ---- one transformer layer --------------------------------------------------------------------
+def layer_gemms(model: ModelSpec, plan: ParallelPlan, moe: bool) -> list[tuple[float, float, float, float]]:
+    """Forward GEMMs of one layer on one rank as (m, n, k, count)."""
+    t = plan.tp
+    h = model.hidden
+    tokens = plan.micro_batch * model.seq_len / plan.cp
+    q = model.q_width / t
+    kv = local_kv_width(model, t)
+    out = [(tokens, q + 2 * kv, h, 1.0), (tokens, h, q, 1.0)]
+    if not moe:
+        f = model.ffn / t
+        up = 2 * f if model.mlp == "swiglu" else f
+        return out + [(tokens, up, h, 1.0), (tokens, h, f, 1.0)]
+    fe = model.expert_ffn / t
+    local_experts = model.experts / plan.ep
+    per_expert = tokens * model.top_k * plan.ep / model.experts
+    out += [(tokens, model.experts, h, 1.0)]  # router (replicated over TP)
+    out += [(per_expert, 2 * fe, h, local_experts), (per_expert, h, fe, local_experts)]
+    if model.shared_experts:
+        width = model.shared_experts * fe
+        out += [(tokens, 2 * width, h, 1.0), (tokens, h, width, 1.0)]
+    return out
+
+
+def layer_elementwise_bytes(
+    model: ModelSpec, plan: ParallelPlan, moe: bool, opts: ComputeOptions
+) -> float:
+    """HBM bytes of one layer's forward element-wise kernels on one rank (see module doc)."""
+    e = recipe(plan.precision).activation_bytes
+    t = plan.tp
+    h = model.hidden
+    tokens = plan.micro_batch * model.seq_len / plan.cp
+    region_tokens = tokens / t if plan.sp and t > 1 else tokens
+    per_region_token = 2 * 2 * e * h + 2 * 3 * e * h  # two norms + two residual adds
+    if opts.dropout:
+        per_region_token += 2 * h  # one-byte masks
+    total = region_tokens * per_region_token
+    total += tokens * 2 * e * (model.q_width / t + local_kv_width(model, t))  # RoPE on q, k
+    if not moe:
+        f = model.ffn / t
+        total += tokens * (3 if model.mlp == "swiglu" else 2) * e * f
+    else:
+        fe = model.expert_ffn / t
+        total += tokens * model.top_k * 3 * e * fe  # expert SwiGLU
+        total += tokens * model.top_k * 2 * 2 * e * h  # permute and un-permute the copies
+        total += tokens * model.shared_experts * 3 * e * fe
+    return total
+
+
+def classic_attention(
+    model: ModelSpec, plan: ParallelPlan, device: GPUSpec, eff: EfficiencyModel,
+    opts: ComputeOptions,
+) -> tuple[float, float]:
+    """(forward, backward) seconds of unfused attention: batched GEMMs over the full s x s
+    scores plus the softmax (and dropout) passes over them in HBM."""
+    s = model.seq_len / plan.cp
+    batch = plan.micro_batch * model.heads / plan.tp
+    d = model.head_dim
+    gemm = batch * (gemm_time_s(s, s, d, device, eff) + gemm_time_s(s, d, s, device, eff))
+    scores = batch * s * s
+    bytes_per_score = 4.0 + (5.0 if opts.dropout else 0.0)
+    elementwise = memory_time_s(scores * bytes_per_score, device, eff)
+    return gemm + elementwise, 2 * gemm + 2 * elementwise
+
+
+def layer_work(
+    model: ModelSpec,
+    plan: ParallelPlan,
+    device: GPUSpec,
+    eff: EfficiencyModel,
+    moe: bool = False,
+    opts: ComputeOptions | None = None,
+) -> Work:
+    """Compute seconds of one transformer layer for one micro-batch on one rank."""
+    opts = opts or ComputeOptions()
+    dtype = recipe(plan.precision).compute_dtype
+    gemm = sum(
+        count * gemm_time_s(m, n, k, device, eff, dtype)
+        for m, n, k, count in layer_gemms(model, plan, moe)
+    )
+    if opts.attention_kernel == "classic":
+        attn_f, attn_b = classic_attention(model, plan, device, eff, opts)
+    else:
+        attn_f = flash_attention_forward_s(model, plan, device, eff)
+        attn_b = eff.attention_backward_ratio * attn_f
+    elem = memory_time_s(layer_elementwise_bytes(model, plan, moe, opts), device, eff)
+    overhead = eff.layer_overhead_s
+    forward = gemm + attn_f + elem + overhead
+    if plan.recompute == "full":
+        recompute = forward
+    elif plan.recompute == "selective":
+        recompute = attn_f
+    else:
+        recompute = 0.0
+    backward_input = gemm + attn_b + 2 * elem + 2 * overhead + recompute
+    return Work(forward, backward_input, gemm, recompute, gemm, attn_f, attn_b)
+
+
+def head_work(
+    model: ModelSpec, plan: ParallelPlan, device: GPUSpec, eff: EfficiencyModel
+) -> Work:
+    """The LM head matmul and the cross-entropy loss for one micro-batch on the last stage."""
+    dtype = recipe(plan.precision).compute_dtype
+    tokens = plan.micro_batch * model.seq_len / plan.cp
+    gemm = gemm_time_s(tokens, model.vocab / plan.tp, model.hidden, device, eff, dtype)
+    loss = memory_time_s(tokens * model.vocab / plan.tp * LOSS_BYTES_PER_LOGIT, device, eff)
+    norm = memory_time_s(tokens * model.hidden * 2 * 2, device, eff)
+    fwd_loss = loss * 10 / LOSS_BYTES_PER_LOGIT
+    return Work(gemm + fwd_loss + norm, gemm + loss - fwd_loss + 2 * norm, gemm, 0.0, gemm)
+
+
+def optimizer_step_s(
+    local_params: float, plan: ParallelPlan, device: GPUSpec, eff: EfficiencyModel
+) -> float:
+    """Adam over `local_params` parameters: read and write the optimizer state, read the
+    gradient, write the parameter; memory-bound."""
+    rec = recipe(plan.precision)
+    per_param = 2 * rec.optimizer_bytes + rec.grad_bytes + rec.param_bytes
+    return memory_time_s(local_params * per_param, device, eff)

@@ -1,0 +1,511 @@
+"""Memory per GPU, per pipeline stage: the four tenants and the buffers around them.
+
+Bytes everywhere (GiB only at the edges). The model, written from the papers (no library does
+this without torch):
+
+Parameters, gradients, optimizer state (`model_state_bytes`): bytes per parameter from the
+precision recipe (`fivefold.spec.precision`), divided by the ZeRO sharding degree S according to
+the stage (Rajbhandari et al. 2020): stage 0 shards nothing; 1 the optimizer state; 2 also the
+gradients; 3 also the parameters. S is dp_shard x cp for dense weights (the ranks that hold the
+same weights, the runtime's `dp_shard_cp` axis; with dp_replicate > 1 that is HSDP) and
+dp_shard x cp / ep for routed experts. Before ZeRO, tensor parallelism splits attention and MLP
+matrices by tp (key/value heads are replicated when tp exceeds them), expert parallelism splits
+routed experts by ep (and their width by tp), and norms and the router are replicated. The first
+stage holds the embedding (vocab-parallel, /tp), the last the final norm and the LM head (a
+second copy of the embedding when they are tied and the model is pipelined).
+
+Activations (`layer_activation_bytes`) after Korthikanti et al. 2022, "Reducing Activation
+Recomputation in Large Transformer Models", sec. 4: per layer per micro-batch, counting what
+autograd keeps for the backward, with s tokens per sequence (s / cp with context parallelism),
+b sequences, hidden h, query width q, key/value width k (GQA), MLP width f, t = tp, e = bytes
+per activation element (2 for bf16):
+
+    attention   : norm input e*s*b*h, QKV input e*sbh, Q, K, V e*sb(q + 2k)/t,
+                  attention output (= output projection input) e*sb*q/t,
+                  classic kernels: softmax output e*a*s^2*b/t (+ mask a*s^2*b and dropout output
+                  e*a*s^2*b/t with attention dropout); flash kernels keep only the fp32
+                  log-sum-exp 4*s*b*a/t instead of any s^2 term (the default);
+    MLP         : norm input e*sbh, MLP input e*sbh, SwiGLU gate and up (fused: its input 2f and
+                  the product f) 3e*sbf/t, or GeLU input and output 2e*sbf/t;
+    dropout     : one byte mask per element after attention and after the MLP (2*sbh), only when
+                  `dropout=True` (GPT-3-style training; Llama-style models use none).
+
+With e = 2, GeLU f = 4h, q = k = h, classic attention and dropout this is Korthikanti's
+sbh(34 + 5as/h); without sequence parallelism the norm inputs, QKV/MLP inputs and dropout masks
+(10 sbh) are replicated over the TP group and the rest is divided by t (their eq. 4); with SP
+everything is divided by t (eq. 5). Selective recompute drops the attention core's stored tensors
+(the s^2 terms; with flash kernels its output and log-sum-exp); full recompute keeps only each
+layer's input (e*sbh, /t with SP) plus one layer's full working set for the layer being
+recomputed. A MoE layer keeps the norm output for the router and shared experts, the dispatched
+copies of each token (top_k x e*sbh) with their expert SwiGLU intermediates (top_k x 3e*sb*f_e/t),
+the shared experts' intermediates and the fp32 router probabilities (4*sb*E).
+
+The stage's activations are the per-micro-batch activations of its largest chunk times the peak
+number of micro-batches in flight on that rank, which the schedule simulation gives (1F1B: rank
+i holds p - i; GPipe: m; interleaved: Narayanan et al. 2021; no pipeline: 1).
+
+The simple model of seed 001 (`activation_model="simple"`): k * L * B * S * d * e with k = 12.
+
+"Other" terms, each explicit (`OtherTerms`): the CUDA context and library workspaces
+(`cuda_context_bytes`, 0.75 GiB by default: 0.5-1 GiB is what a CUDA 12 context with cuBLAS and
+NCCL reserves); the last stage's logits and loss buffers (fp32 logits of one micro-batch,
+b * s/cp * V/t * 4 bytes, plus their fp32 gradient: 8 bytes per logit); ZeRO-3 gathered layers
+(two layers' unsharded weights in the compute dtype, the one computing and the one prefetched,
+plus one layer's unsharded gradient before its reduce-scatter); DP gradient buckets (two 25 MiB
+buckets in flight, PyTorch DDP's default) for ZeRO 0-2; the gathered sequence-parallel input of
+one layer; the ring-attention key/value double buffer with CP; the expert-parallel dispatch
+buffers (send and receive); and allocator fragmentation, a fixed fraction (5 %) of all the
+above, which is the caching allocator's typical reserved-but-unallocated share.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from fivefold.errors import ConfigError
+from fivefold.planner.partition import stage_layer_counts
+from fivefold.spec.model import (
+    ModelSpec,
+    attention_params,
+    dense_mlp_params,
+    expert_params,
+)
+from fivefold.spec.plan import ParallelPlan
+from fivefold.spec.precision import PrecisionRecipe, recipe
+
+GiB = 2**30
+MiB = 2**20
+ACTIVATION_MODELS = ("korthikanti", "simple")
+ATTENTION_KERNELS = ("flash", "classic")
+SIMPLE_K = 12  # seed 001's per-block multiplier
+
+
+@dataclass(frozen=True)
+class MemoryOptions:
+    """Assumptions of the memory model; the defaults describe a modern Llama-style run."""
+
+    activation_model: str = "korthikanti"  # or "simple" (k = 12, seed 001)
+    attention_kernel: str = "flash"  # "classic" stores the s^2 softmax output
+    dropout: bool = False  # GPT-3-style dropout masks
+    cuda_context_bytes: float = 0.75 * GiB
+    fragmentation_fraction: float = 0.05
+    dp_bucket_bytes: float = 25 * MiB
+    logits_bytes_per_element: float = 8.0  # fp32 logits + fp32 gradient
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.activation_model not in ACTIVATION_MODELS:
+            out.append(
+                f"activation_model = {self.activation_model!r}: choose one of "
+                f"{', '.join(ACTIVATION_MODELS)}."
+            )
+        if self.attention_kernel not in ATTENTION_KERNELS:
+            out.append(
+                f"attention_kernel = {self.attention_kernel!r}: choose one of "
+                f"{', '.join(ATTENTION_KERNELS)}."
+            )
+        for name in ("cuda_context_bytes", "fragmentation_fraction", "dp_bucket_bytes"):
+            if getattr(self, name) < 0:
+                out.append(f"{name} = {getattr(self, name)}: must be >= 0.")
+        return out
+
+
+# ---- the four tenants on raw counts (seed arithmetic) -----------------------------------------
+@dataclass(frozen=True)
+class Tenants:
+    """Bytes per GPU of the four tenants."""
+
+    params: float
+    grads: float
+    optimizer: float
+    activations: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations
+
+    def __add__(self, other: Tenants) -> Tenants:
+        return Tenants(
+            self.params + other.params,
+            self.grads + other.grads,
+            self.optimizer + other.optimizer,
+            self.activations + other.activations,
+        )
+
+
+def zero_divisors(zero: int, shard: int) -> tuple[int, int, int]:
+    """(params, grads, optimizer) divisors for ZeRO stage `zero` over `shard` ranks."""
+    if zero not in (0, 1, 2, 3):
+        raise ConfigError(f"plan.zero = {zero!r}: ZeRO stage must be 0, 1, 2 or 3.")
+    if shard < 1:
+        raise ConfigError(f"ZeRO sharding degree = {shard}: must be >= 1.")
+    return (shard if zero >= 3 else 1, shard if zero >= 2 else 1, shard if zero >= 1 else 1)
+
+
+def model_state_bytes(
+    n_params: float, precision: PrecisionRecipe | str, zero: int = 0, shard: int = 1
+) -> Tenants:
+    """Parameter, gradient and optimizer bytes per GPU for `n_params` parameters held by a group
+    of `shard` ranks with ZeRO stage `zero` (Rajbhandari et al. 2020)."""
+    if n_params < 0:
+        raise ConfigError(f"parameter count = {n_params}: must be >= 0.")
+    rec = recipe(precision) if isinstance(precision, str) else precision
+    dp, dg, do = zero_divisors(zero, shard)
+    return Tenants(
+        n_params * rec.param_bytes / dp,
+        n_params * rec.grad_bytes / dg,
+        n_params * rec.optimizer_bytes / do,
+    )
+
+
+def simple_activation_bytes(
+    layers: int, hidden: int, micro_batch: int, seq_len: int, element_bytes: float = 2
+) -> float:
+    """Seed 001's activation estimate: 12 * L * B * S * d * bytes."""
+    for name, value in (("layers", layers), ("hidden", hidden), ("micro_batch", micro_batch),
+                        ("seq_len", seq_len)):
+        if value <= 0:
+            raise ConfigError(f"{name} = {value}: must be positive.")
+    return SIMPLE_K * layers * micro_batch * seq_len * hidden * element_bytes
+
+
+def training_memory(
+    n_params: float,
+    *,
+    layers: int,
+    hidden: int,
+    micro_batch: int,
+    seq_len: int,
+    precision: PrecisionRecipe | str = "bf16-mixed",
+    zero: int = 0,
+    shard: int = 1,
+) -> Tenants:
+    """The four tenants of seed 001's budget (simple k = 12 activations) for raw counts."""
+    rec = recipe(precision) if isinstance(precision, str) else precision
+    state = model_state_bytes(n_params, rec, zero, shard)
+    acts = simple_activation_bytes(layers, hidden, micro_batch, seq_len, rec.activation_bytes)
+    return Tenants(state.params, state.grads, state.optimizer, acts)
+
+
+def min_gpus(total_bytes: float, hbm_bytes: float) -> int:
+    """GPUs needed if the bytes could be split perfectly: ceil(total / HBM)."""
+    if hbm_bytes <= 0:
+        raise ConfigError(f"HBM capacity = {hbm_bytes}: must be positive.")
+    return max(1, math.ceil(total_bytes / hbm_bytes - 1e-12))
+
+
+def max_params_unsharded(hbm_bytes: float, precision: PrecisionRecipe | str) -> float:
+    """Largest parameter count whose model state fits one GPU without sharding (no activations)."""
+    rec = recipe(precision) if isinstance(precision, str) else precision
+    return hbm_bytes / rec.bytes_per_param
+
+
+# ---- weights per rank -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LayerParams:
+    """Parameters one rank holds for one layer: `dense` (TP-sharded matrices), `replicated`
+    (norms, router) and `experts` (routed experts after EP and TP)."""
+
+    dense: float
+    replicated: float
+    experts: float
+
+    @property
+    def total(self) -> float:
+        return self.dense + self.replicated + self.experts
+
+
+def local_kv_width(model: ModelSpec, tp: int) -> float:
+    """Key (or value) width per TP rank: kv heads split by tp, one replicated head when tp
+    exceeds them."""
+    return max(model.kv_heads / tp, 1.0) * model.head_dim
+
+
+def layer_params_per_rank(model: ModelSpec, moe: bool, tp: int, ep: int) -> LayerParams:
+    h = model.hidden
+    attn = attention_params(model) - 2 * h * model.kv_width  # wq and wo
+    attn = attn / tp + 2 * h * local_kv_width(model, tp)
+    norms = 2 * h
+    if not moe:
+        return LayerParams(attn + dense_mlp_params(model) / tp, norms, 0.0)
+    shared = model.shared_experts * expert_params(model) / tp
+    routed = model.experts / ep * expert_params(model) / tp
+    return LayerParams(attn + shared, norms + h * model.experts, routed)
+
+
+def embedding_params_per_rank(model: ModelSpec, tp: int) -> float:
+    return model.vocab * model.hidden / tp
+
+
+def head_params_per_rank(model: ModelSpec, tp: int, pipelined: bool) -> tuple[float, float]:
+    """(TP-sharded LM head, replicated final norm) on the last stage; a tied head is the
+    embedding itself unless the model is pipelined, when the last stage keeps its own copy."""
+    head = 0.0 if model.tied_embeddings and not pipelined else model.vocab * model.hidden / tp
+    return head, float(model.hidden)
+
+
+def chunk_layers(model: ModelSpec, counts: list[int], chunk: int) -> tuple[int, int]:
+    """(dense layers, MoE layers) in virtual stage `chunk` given the per-chunk layer counts."""
+    start = sum(counts[:chunk])
+    stop = start + counts[chunk]
+    first_moe = model.dense_layers if model.is_moe else model.layers
+    dense = max(0, min(stop, first_moe) - start)
+    return dense, counts[chunk] - dense
+
+
+@dataclass(frozen=True)
+class ChunkParams:
+    """Parameters one rank holds for one virtual stage: shardable over the dense ZeRO group
+    (`dense`, including replicated norms) and over the expert ZeRO group (`experts`)."""
+
+    dense: float
+    experts: float
+    max_layer: float  # the largest layer's local parameters (ZeRO-3 gather buffer)
+
+
+def chunk_params(model: ModelSpec, plan: ParallelPlan, counts: list[int], chunk: int) -> ChunkParams:
+    n_dense, n_moe = chunk_layers(model, counts, chunk)
+    dl = layer_params_per_rank(model, False, plan.tp, plan.ep)
+    dense = n_dense * (dl.dense + dl.replicated)
+    experts = 0.0
+    largest = dl.total if n_dense else 0.0
+    if n_moe:
+        ml = layer_params_per_rank(model, True, plan.tp, plan.ep)
+        dense += n_moe * (ml.dense + ml.replicated)
+        experts = n_moe * ml.experts
+        largest = max(largest, ml.total)
+    if chunk == 0:
+        dense += embedding_params_per_rank(model, plan.tp)
+    if chunk == len(counts) - 1:
+        head, norm = head_params_per_rank(model, plan.tp, pipelined=len(counts) > 1)
+        dense += head + norm
+    return ChunkParams(dense, experts, largest)
+
+
+def dense_shard_degree(plan: ParallelPlan) -> int:
+    """ZeRO sharding degree of dense weights: dp_shard x cp (the runtime's dp_shard_cp)."""
+    return plan.dp_shard * plan.cp
+
+
+def expert_shard_degree(plan: ParallelPlan) -> int:
+    """ZeRO sharding degree of routed experts: dp_shard x cp / ep (dp_shard_mod_ep)."""
+    return max(1, plan.dp_shard * plan.cp // plan.ep)
+
+
+def chunk_state_bytes(model: ModelSpec, plan: ParallelPlan, counts: list[int], chunk: int) -> Tenants:
+    """Parameter, gradient and optimizer bytes of one virtual stage on one rank."""
+    cp = chunk_params(model, plan, counts, chunk)
+    rec = recipe(plan.precision)
+    dense = model_state_bytes(cp.dense, rec, plan.zero, dense_shard_degree(plan))
+    experts = model_state_bytes(cp.experts, rec, plan.zero, expert_shard_degree(plan))
+    return dense + experts
+
+
+# ---- activations ------------------------------------------------------------------------------
+def layer_activation_bytes(
+    model: ModelSpec,
+    plan: ParallelPlan,
+    moe: bool = False,
+    options: MemoryOptions | None = None,
+    recompute: str | None = None,
+) -> float:
+    """Bytes one layer keeps for the backward, per micro-batch, on one rank (see module doc)."""
+    opts = options or MemoryOptions()
+    policy = recompute or plan.recompute
+    e = recipe(plan.precision).activation_bytes
+    b = plan.micro_batch
+    s = model.seq_len / plan.cp
+    h, t = model.hidden, plan.tp
+    sp = plan.sp and t > 1
+    if opts.activation_model == "simple":
+        return SIMPLE_K * b * s * h * e
+    replicated_div = t if sp else 1  # norm inputs and matmul inputs live in the SP region
+    sb = s * b
+    if policy == "full":
+        return e * sb * h / replicated_div
+    return _stored_bytes(model, plan, moe, opts, policy, e, sb, replicated_div)
+
+
+def _stored_bytes(model, plan, moe, opts, policy, e, sb, rdiv) -> float:
+    h, t = model.hidden, plan.tp
+    q = model.q_width / t
+    kv = local_kv_width(model, t)
+    heads = model.heads / t
+    s = model.seq_len / plan.cp
+    # Replicated (SP region): 2 norm inputs + QKV input + MLP input.
+    region = 4 * e * sb * h
+    if opts.dropout:
+        region += 2 * sb * h  # one-byte dropout masks after attention and MLP
+    total = region / rdiv
+    # Attention core inputs and output.
+    total += e * sb * (q + 2 * kv)  # Q, K, V
+    if policy != "selective":
+        total += e * sb * q  # attention output = output projection input
+        if opts.attention_kernel == "flash":
+            total += 4 * sb * heads  # fp32 log-sum-exp
+        else:
+            scores = heads * s * sb  # a/t * s^2 * b elements
+            total += e * scores
+            if opts.dropout:
+                total += scores + e * scores  # mask + dropout output
+    # Selective recompute re-runs the attention core in the backward, so neither its output
+    # (recomputed) nor the scores or log-sum-exp are kept; Q, K, V are its stored inputs.
+    # MLP.
+    if not moe:
+        f = model.ffn / t
+        total += (3 if model.mlp == "swiglu" else 2) * e * sb * f
+    else:
+        fe = model.expert_ffn / t
+        total += model.top_k * (e * sb * h + 3 * e * sb * fe)  # dispatched copies + experts
+        total += model.shared_experts * 3 * e * sb * fe
+        total += 4 * sb * model.experts  # fp32 router probabilities
+    return total
+
+
+def chunk_activation_bytes(
+    model: ModelSpec,
+    plan: ParallelPlan,
+    counts: list[int],
+    chunk: int,
+    options: MemoryOptions | None = None,
+) -> float:
+    """Activations of one virtual stage for one micro-batch on one rank (without the one-layer
+    working set of full recompute, which `stage_memory` adds once per rank)."""
+    opts = options or MemoryOptions()
+    n_dense, n_moe = chunk_layers(model, counts, chunk)
+    total = n_dense * layer_activation_bytes(model, plan, False, opts)
+    if n_moe:
+        total += n_moe * layer_activation_bytes(model, plan, True, opts)
+    if chunk == len(counts) - 1 and opts.activation_model == "korthikanti":
+        e = recipe(plan.precision).activation_bytes
+        sp_div = plan.tp if plan.sp and plan.tp > 1 else 1
+        total += 2 * e * plan.micro_batch * model.seq_len / plan.cp * model.hidden / sp_div
+    return total
+
+
+# ---- the per-stage total ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class StageMemory:
+    """Bytes on one pipeline rank: the four tenants and the named "other" terms."""
+
+    stage: int
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    other_terms: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def other(self) -> float:
+        return sum(self.other_terms.values())
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations + self.other
+
+    def gib(self) -> dict[str, float]:
+        """The summary in GiB with the stable key names of `fivefold plan --json`."""
+        return {
+            "params": self.params / GiB,
+            "grads": self.grads / GiB,
+            "optimizer": self.optimizer / GiB,
+            "activations": self.activations / GiB,
+            "other": self.other / GiB,
+            "total": self.total / GiB,
+        }
+
+    def other_gib(self) -> dict[str, float]:
+        return {k: v / GiB for k, v in self.other_terms.items()}
+
+
+def chunks_of_rank(plan: ParallelPlan, rank: int) -> list[int]:
+    """Virtual stages held by pipeline rank `rank` (loop placement, or the V of zbv/dualpipev)."""
+    chunks = plan.pp * plan.vpp
+    if plan.schedule in ("zbv", "dualpipev") and plan.pp > 1:
+        return [rank, 2 * plan.pp - 1 - rank]
+    return [c for c in range(chunks) if c % plan.pp == rank]
+
+
+def stage_memory(
+    model: ModelSpec,
+    plan: ParallelPlan,
+    rank: int,
+    inflight: int,
+    options: MemoryOptions | None = None,
+    counts: list[int] | None = None,
+) -> StageMemory:
+    """Memory of pipeline rank `rank` holding `inflight` micro-batches of chunk activations."""
+    opts = options or MemoryOptions()
+    problems = opts.problems()
+    if problems:
+        raise ConfigError(problems)
+    counts = counts or stage_layer_counts(model, plan.pp * plan.vpp)
+    chunks = chunks_of_rank(plan, rank)
+    state = Tenants(0.0, 0.0, 0.0)
+    for c in chunks:
+        state = state + chunk_state_bytes(model, plan, counts, c)
+    per_chunk = [chunk_activation_bytes(model, plan, counts, c, opts) for c in chunks]
+    acts = max(per_chunk) * inflight
+    if plan.recompute == "full" and opts.activation_model == "korthikanti":
+        working = layer_activation_bytes(model, plan, model.is_moe, opts, recompute="none")
+        acts += working
+    other = other_terms(model, plan, counts, chunks, opts)
+    tensors = state.total + acts + sum(other.values())
+    other["fragmentation"] = opts.fragmentation_fraction * tensors
+    return StageMemory(rank, state.params, state.grads, state.optimizer, acts, other)
+
+
+def other_terms(
+    model: ModelSpec,
+    plan: ParallelPlan,
+    counts: list[int],
+    chunks: list[int],
+    opts: MemoryOptions,
+) -> dict[str, float]:
+    """Named buffers of one pipeline rank holding `chunks`, in bytes (fragmentation excluded)."""
+    rec = recipe(plan.precision)
+    e = rec.activation_bytes
+    tokens = plan.micro_batch * model.seq_len / plan.cp
+    out = {"cuda_context": float(opts.cuda_context_bytes)}
+    last = len(counts) - 1
+    if last in chunks:
+        out["logits"] = tokens * model.vocab / plan.tp * opts.logits_bytes_per_element
+    if plan.zero == 3:
+        largest = max(chunk_params(model, plan, counts, c).max_layer for c in chunks)
+        out["zero3_gathered_layers"] = largest * (2 * compute_bytes(rec) + rec.grad_bytes)
+    elif plan.dp * plan.cp > 1:
+        out["dp_grad_buckets"] = 2 * opts.dp_bucket_bytes
+    if plan.sp and plan.tp > 1:
+        out["sp_gathered_input"] = e * tokens * model.hidden
+    if plan.cp > 1:
+        out["cp_kv_buffers"] = 2 * e * tokens * 2 * local_kv_width(model, plan.tp)
+    if model.is_moe and plan.ep > 1:
+        out["ep_dispatch_buffers"] = 2 * e * tokens * model.top_k * model.hidden
+    return out
+
+
+def compute_bytes(rec: PrecisionRecipe) -> int:
+    """Bytes per element of the compute dtype (what ZeRO-3 gathers and matmuls read)."""
+    return {"fp8": 1, "bf16": 2, "fp16": 2}.get(rec.compute_dtype, 4)
+
+
+@lru_cache(maxsize=65536)
+def _cached_stage_memory(model, plan, rank, inflight, options, counts) -> StageMemory:
+    return stage_memory(model, plan, rank, inflight, options, list(counts))
+
+
+def all_stage_memory(
+    model: ModelSpec,
+    plan: ParallelPlan,
+    inflight: list[int] | tuple[int, ...],
+    options: MemoryOptions | None = None,
+) -> list[StageMemory]:
+    """Memory of every pipeline rank given the peak in-flight micro-batches per rank."""
+    opts = options or MemoryOptions()
+    counts = tuple(stage_layer_counts(model, plan.pp * plan.vpp))
+    return [
+        _cached_stage_memory(model, plan, r, int(inflight[r]), opts, counts)
+        for r in range(plan.pp)
+    ]

@@ -1,0 +1,46 @@
+"""`PlannerOptions`: the assumptions behind one estimate that are not part of the plan.
+
+They describe the software a run uses rather than the layout: the attention kernel, whether the
+framework overlaps tensor-parallel communication with GEMMs (Megatron's `--tp-comm-overlap`;
+PyTorch's DTensor TP does not) and data-parallel gradient reduction with the backward (DDP and
+FSDP do), the activation model, and the fixed memory terms. The defaults describe the fivefold
+runtime: flash attention, no dropout, exposed TP collectives, overlapped DP reduction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fivefold.errors import ConfigError
+from fivefold.planner.compute import ComputeOptions
+from fivefold.planner.memory import GiB, MiB, MemoryOptions
+
+
+@dataclass(frozen=True)
+class PlannerOptions:
+    activation_model: str = "korthikanti"  # or "simple" (seed 001, k = 12)
+    attention_kernel: str = "flash"  # or "classic" (s^2 scores in HBM, Megatron 2021)
+    dropout: bool = False
+    tp_comm_overlap: bool = False
+    dp_overlap: bool = True
+    cuda_context_bytes: float = 0.75 * GiB
+    fragmentation_fraction: float = 0.05
+    dp_bucket_bytes: float = 25 * MiB
+
+    def memory(self) -> MemoryOptions:
+        return MemoryOptions(
+            activation_model=self.activation_model,
+            attention_kernel=self.attention_kernel,
+            dropout=self.dropout,
+            cuda_context_bytes=self.cuda_context_bytes,
+            fragmentation_fraction=self.fragmentation_fraction,
+            dp_bucket_bytes=self.dp_bucket_bytes,
+        )
+
+    def compute(self) -> ComputeOptions:
+        return ComputeOptions(attention_kernel=self.attention_kernel, dropout=self.dropout)
+
+    def validate(self) -> None:
+        problems = self.memory().problems()
+        if problems:
+            raise ConfigError(problems)

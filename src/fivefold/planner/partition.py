@@ -1,0 +1,97 @@
+"""How a model's layers are split over pipeline stages (virtual stages with interleaving).
+
+One function, shared by the planner and the runtime so both cut the model the same way:
+`stage_layer_counts(model, stages)` gives the number of transformer layers in each virtual stage,
+in model order. The rule:
+
+- every stage holds at least one layer and the layers stay in order (contiguous runs);
+- stages are balanced by forward compute: a layer costs its forward FLOPs per token (weight
+  matmuls with active experts, plus causal attention at `model.seq_len`); the first stage also
+  carries the embedding (a lookup: 0 FLOPs) and the last the LM head (2 * vocab * hidden FLOPs per
+  token), so the last stage gets fewer layers when the head is large;
+- among the splits with the smallest maximum stage cost, stages are filled from the back (the
+  last stage takes as many layers as fit under that maximum, then the one before it, ...), so
+  any remainder lands on the early stages. Early stages hold the most in-flight micro-batches
+  in 1F1B, but with uniform layers the remainder is at most one layer per stage and the maximum
+  is what sets the step time.
+
+Pure Python; results are cached per (model, stages).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from fivefold.errors import ConfigError
+from fivefold.spec.model import (
+    ModelSpec,
+    attention_score_flops_per_token,
+    head_flops_per_token,
+    layer_matmul_flops_per_token,
+)
+
+
+def layer_costs(model: ModelSpec) -> list[float]:
+    """Forward FLOPs per token of each transformer layer, in order."""
+    attention = attention_score_flops_per_token(model, model.seq_len, causal=True)
+    dense = layer_matmul_flops_per_token(model, moe=False) + attention
+    moe = layer_matmul_flops_per_token(model, moe=True) + attention if model.is_moe else dense
+    first_moe = model.dense_layers if model.is_moe else model.layers
+    return [dense if i < first_moe else moe for i in range(model.layers)]
+
+
+def stage_layer_counts(model: ModelSpec, stages: int) -> list[int]:
+    """Layers per virtual stage (length `stages`, summing to `model.layers`); see module doc."""
+    if not isinstance(stages, int) or stages < 1:
+        raise ConfigError(f"pipeline stages = {stages!r}: must be a whole number >= 1.")
+    if stages > model.layers:
+        raise ConfigError(
+            f"pp * vpp = {stages} pipeline stages exceed model.layers = {model.layers}: every "
+            "stage needs at least one layer; lower plan.pp or plan.vpp."
+        )
+    return list(_counts(model, stages))
+
+
+@lru_cache(maxsize=4096)
+def _counts(model: ModelSpec, stages: int) -> tuple[int, ...]:
+    costs = layer_costs(model)
+    head = head_flops_per_token(model)
+    if stages == 1:
+        return (model.layers,)
+    # The optimal maximum is one of the contiguous-run sums; binary search over candidate
+    # thresholds with a greedy feasibility test from the back.
+    lo = max(max(costs), costs[-1] + head)
+    hi = sum(costs) + head
+    for _ in range(100):
+        if hi - lo <= 1e-9 * hi:
+            break
+        mid = (lo + hi) / 2
+        if _fill_from_back(costs, head, stages, mid) is None:
+            lo = mid
+        else:
+            hi = mid
+    counts = _fill_from_back(costs, head, stages, hi)
+    assert counts is not None and sum(counts) == model.layers
+    return tuple(counts)
+
+
+def _fill_from_back(
+    costs: list[float], head: float, stages: int, limit: float
+) -> list[int] | None:
+    """Pack layers into `stages` runs of cost <= limit from the last stage backwards, leaving at
+    least one layer for each earlier stage; None when the first stage would exceed `limit`."""
+    counts = [0] * stages
+    i = len(costs) - 1  # the next layer to place, going backwards
+    for stage in range(stages - 1, 0, -1):
+        load = head if stage == stages - 1 else 0.0
+        # Take layer i while it fits, always at least one, leaving one for each earlier stage.
+        while i >= stage and (counts[stage] == 0 or load + costs[i] <= limit):
+            load += costs[i]
+            counts[stage] += 1
+            i -= 1
+        if load > limit:
+            return None
+    if sum(costs[: i + 1]) > limit * (1 + 1e-12):
+        return None
+    counts[0] = i + 1
+    return counts

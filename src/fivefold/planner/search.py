@@ -1,0 +1,477 @@
+"""The layout search: every valid way to run a model on a cluster, ranked by predicted tokens/s.
+
+What is enumerated (outer to inner, so memory can prune whole subtrees early):
+- tp: divisors of the GPUs per node (TP stays on NVLink) that the heads, key/value heads and MLP
+  widths allow;
+- cp: divisors of the rest with at least `MIN_CP_TOKENS` tokens per rank (below that, ring
+  attention is latency-bound and never pays);
+- pp: divisors of the rest, at most the number of layers; dp is what remains;
+- the data-parallel split and ZeRO stage: plain DP (zero 0), ZeRO 1/2/3 over all DP ranks, and
+  HSDP (ZeRO-3 sharded inside groups of dp_shard, replicated across them);
+- ep (MoE models): divisors of the experts that divide dp_shard * cp;
+- the schedule: one stage per rank (1f1b) without a pipeline; with one, gpipe, 1f1b,
+  interleaved-1f1b with v in `VPP_CHOICES`, zbv and dualpipev;
+- precision (the recipes asked for; bf16-mixed by default: changing numerics is a modelling
+  decision, not a layout one);
+- micro-batch (powers of two) and recompute (none, selective, full);
+- grad_accum follows from the batch target: round(G / (mbs * dp)), G in sequences. The layout is
+  kept when mbs * dp * accum is within `batch_tolerance` (default 5 %) of G.
+
+Every candidate is checked by `ParallelPlan.problems(model, cluster)` (the source of truth for
+validity) before it is costed. Pruning, cheapest first:
+1. batch: dp ranks x one sequence already over the target -> the whole (tp, cp, pp) shape goes;
+2. memory lower bound: pipeline rank 0 alone (it holds the embedding and, in every schedule here,
+   the most micro-batches in flight) must fit; a miss is a rejection without the full estimate;
+3. recompute dominance: for a fixed layout and micro-batch, the first policy of none ->
+   selective -> full that fits is kept; heavier ones only add compute;
+4. micro-batch monotonicity: if a micro-batch does not fit even with full recompute, larger
+   ones do not either.
+What fits in (1 - headroom) x HBM is costed by `fivefold.planner.estimate.estimate` and ranked by
+predicted tokens/s. Layouts within `TIE_FRACTION` of the fastest count as a tie, broken by the
+smaller worst-stage memory (a practitioner keeps the headroom). Rejections keep their reason;
+the nearest ones (smallest memory overflow first) are returned with the result.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fivefold.errors import ConfigError
+from fivefold.planner.memory import stage_memory
+from fivefold.planner.schedule import build_schedule
+from fivefold.spec.cluster import ClusterSpec
+from fivefold.spec.hardware import GiB
+from fivefold.spec.model import RECOMPUTE_POLICIES, ModelSpec
+from fivefold.spec.plan import ParallelPlan
+from fivefold.spec.precision import RECIPES
+
+DEFAULT_BATCH_TOKENS = 4 * 2**20  # ~4M tokens: the seeds' target and Llama-scale practice
+BATCH_TOLERANCE = 0.05
+MIN_CP_TOKENS = 1024
+VPP_CHOICES = (2, 3, 4, 6, 8)
+MAX_MICRO_BATCH = 64
+TIE_FRACTION = 0.005
+KEEP_REJECTED = 40
+
+PLAN_FIELDS = tuple(ParallelPlan.__dataclass_fields__)
+
+
+@dataclass
+class Outcome:
+    """What became of one candidate: an estimate (it fits), or a rejection reason."""
+
+    plan: ParallelPlan
+    estimate: Any = None  # fivefold.planner.estimate.Estimate when it fits
+    reason: str = ""
+    kind: str = ""  # "fits" | "memory" | "batch" | "invalid"
+    overflow_bytes: float = 0.0  # memory rejections: worst stage minus the usable HBM
+
+    @property
+    def fits(self) -> bool:
+        return self.kind == "fits"
+
+
+@dataclass
+class SearchResult:
+    """The fastest layout, the runners-up, the nearest rejections and why."""
+
+    best: Any  # Estimate
+    alternatives: list[Any]  # Estimates, fastest first (best excluded)
+    rejected: list[tuple[ParallelPlan, str]]
+    explanation: list[str]
+    evaluated: int  # full estimates computed
+    considered: int = 0  # candidates looked at (including pruned ones)
+    elapsed_s: float = 0.0
+    target: BatchTarget | None = None
+    headroom: float = 0.10
+    outcomes: dict[ParallelPlan, Outcome] = field(default_factory=dict, repr=False)
+
+
+@dataclass(frozen=True)
+class BatchTarget:
+    """The global batch asked for, in sequences, and how far the layout may miss it."""
+
+    sequences: float
+    seq_len: int
+    tolerance: float = BATCH_TOLERANCE
+
+    @property
+    def tokens(self) -> float:
+        return self.sequences * self.seq_len
+
+    def accumulation(self, micro_batch: int, dp: int) -> int | None:
+        """Micro-batches per step reaching the target within tolerance, or None."""
+        per_step = micro_batch * dp
+        accum = max(1, round(self.sequences / per_step))
+        return accum if self.within(per_step * accum) else None
+
+    def within(self, sequences: int) -> bool:
+        return abs(sequences - self.sequences) <= self.tolerance * self.sequences + 1e-9
+
+
+def batch_target(
+    model: ModelSpec,
+    global_batch_tokens: int | None,
+    global_batch: int | None,
+    tolerance: float = BATCH_TOLERANCE,
+) -> BatchTarget:
+    """The target in sequences from tokens or sequences (4M tokens when neither is given)."""
+    if global_batch_tokens is not None and global_batch is not None:
+        raise ConfigError(
+            "give the batch target once: --global-batch-tokens (tokens) or --global-batch "
+            "(sequences), not both."
+        )
+    if not 0 <= tolerance < 1:
+        raise ConfigError(f"batch tolerance = {tolerance}: must be in [0, 1), e.g. 0.05.")
+    if global_batch is not None:
+        if global_batch < 1:
+            raise ConfigError(f"--global-batch = {global_batch}: must be at least 1 sequence.")
+        return BatchTarget(float(global_batch), model.seq_len, tolerance)
+    tokens = DEFAULT_BATCH_TOKENS if global_batch_tokens is None else global_batch_tokens
+    if tokens < model.seq_len:
+        raise ConfigError(
+            f"--global-batch-tokens = {tokens}: must be at least one sequence of "
+            f"model.seq_len = {model.seq_len} tokens."
+        )
+    return BatchTarget(tokens / model.seq_len, model.seq_len, tolerance)
+
+
+# ---- enumeration ---------------------------------------------------------------------------
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def tp_choices(model: ModelSpec, cluster: ClusterSpec) -> list[int]:
+    out = []
+    for tp in divisors(cluster.gpus_per_node):
+        if cluster.world_size % tp or model.heads % tp or model.ffn % tp:
+            continue
+        kv_ok = model.kv_heads % tp == 0 if tp <= model.kv_heads else tp % model.kv_heads == 0
+        if kv_ok and (not model.is_moe or model.expert_ffn % tp == 0):
+            out.append(tp)
+    return out
+
+
+def cp_choices(model: ModelSpec, rest: int) -> list[int]:
+    return [
+        cp
+        for cp in divisors(rest)
+        if cp == 1 or (model.seq_len % (2 * cp) == 0 and model.seq_len // cp >= MIN_CP_TOKENS)
+    ]
+
+
+def dp_splits(dp: int, cp: int) -> list[tuple[int, int, int]]:
+    """(dp_replicate, dp_shard, zero): plain DP, ZeRO 1-3 over every DP rank, HSDP."""
+    if dp * cp == 1:
+        return [(1, 1, 0)]
+    out = [(dp, 1, 0)]
+    out += [(1, dp, zero) for zero in (1, 2, 3)] if dp > 1 else [(1, 1, z) for z in (1, 2, 3)]
+    out += [(dp // s, s, 3) for s in divisors(dp) if 1 < s < dp]
+    return out
+
+
+def ep_choices(model: ModelSpec, dp_shard: int, cp: int) -> list[int]:
+    if not model.is_moe:
+        return [1]
+    return [ep for ep in divisors(model.experts) if (dp_shard * cp) % ep == 0]
+
+
+def schedule_choices(model: ModelSpec, pp: int) -> list[tuple[str, int]]:
+    if pp == 1:
+        return [("1f1b", 1)]
+    out = [("gpipe", 1), ("1f1b", 1)]
+    out += [("interleaved-1f1b", v) for v in VPP_CHOICES if pp * v <= model.layers]
+    if 2 * pp <= model.layers:
+        out += [("zbv", 2), ("dualpipev", 2)]
+    return out
+
+
+def micro_batch_choices(target: BatchTarget, dp: int) -> list[int]:
+    """Powers of two up to what one step of the target gives each DP rank."""
+    most = max(1, math.floor(target.sequences * (1 + target.tolerance) / dp))
+    out, mbs = [], 1
+    while mbs <= min(most, MAX_MICRO_BATCH):
+        out.append(mbs)
+        mbs *= 2
+    return out
+
+
+# ---- the search ----------------------------------------------------------------------------
+@dataclass
+class _Search:
+    model: ModelSpec
+    cluster: ClusterSpec
+    target: BatchTarget
+    headroom: float
+    precisions: tuple[str, ...]
+    fixed: dict[str, Any]
+    outcomes: dict[ParallelPlan, Outcome] = field(default_factory=dict)
+    evaluated: int = 0
+    considered: int = 0
+
+    @property
+    def budget_bytes(self) -> float:
+        return self.cluster.device.hbm_bytes * (1.0 - self.headroom)
+
+    def allowed(self, name: str, value: Any) -> bool:
+        return name not in self.fixed or self.fixed[name] == value
+
+    def run(self) -> None:
+        world = self.cluster.world_size
+        for tp in tp_choices(self.model, self.cluster):
+            if not self.allowed("tp", tp):
+                continue
+            for cp in cp_choices(self.model, world // tp):
+                if not self.allowed("cp", cp):
+                    continue
+                for pp in divisors(world // (tp * cp)):
+                    if pp > self.model.layers or not self.allowed("pp", pp):
+                        continue
+                    self.shape(tp, cp, pp, world // (tp * cp * pp))
+
+    def shape(self, tp: int, cp: int, pp: int, dp: int) -> None:
+        if dp > self.target.sequences * (1 + self.target.tolerance):
+            plan = ParallelPlan(tp=tp, cp=cp, pp=pp, dp_replicate=dp)
+            self.reject(
+                plan,
+                "batch",
+                f"DP = {dp} ranks x 1 sequence = {dp} sequences already exceeds the target of "
+                f"{self.target.sequences:g} sequences per step",
+            )
+            return
+        for dp_replicate, dp_shard, zero in dp_splits(dp, cp):
+            if not (self.allowed("zero", zero) and self.allowed("dp_shard", dp_shard)):
+                continue
+            if not self.allowed("dp_replicate", dp_replicate):
+                continue
+            for ep in ep_choices(self.model, dp_shard, cp):
+                if not self.allowed("ep", ep):
+                    continue
+                for schedule, vpp in schedule_choices(self.model, pp):
+                    if not (self.allowed("schedule", schedule) and self.allowed("vpp", vpp)):
+                        continue
+                    for precision in self.precisions:
+                        base = ParallelPlan(
+                            tp=tp, sp=tp > 1, pp=pp, vpp=vpp, schedule=schedule,
+                            dp_replicate=dp_replicate, dp_shard=dp_shard, zero=zero, cp=cp,
+                            ep=ep, precision=precision,
+                        )  # fmt: skip
+                        if "sp" in self.fixed:
+                            base = base.with_(sp=self.fixed["sp"])
+                        self.micro_batches(base)
+
+    def micro_batches(self, base: ParallelPlan) -> None:
+        for mbs in micro_batch_choices(self.target, base.dp):
+            if not self.allowed("micro_batch", mbs):
+                continue
+            accum = self.target.accumulation(mbs, base.dp)
+            if accum is None:
+                plan = base.with_(micro_batch=mbs)
+                got = mbs * base.dp * max(1, round(self.target.sequences / (mbs * base.dp)))
+                self.reject(
+                    plan,
+                    "batch",
+                    f"mbs {mbs} x DP {base.dp} reaches {got} sequences per step, more than "
+                    f"{self.target.tolerance:.0%} from the target {self.target.sequences:g}",
+                )
+                continue
+            if not self.allowed("grad_accum", accum):
+                continue
+            kinds = []
+            for recompute in RECOMPUTE_POLICIES:
+                if not self.allowed("recompute", recompute):
+                    continue
+                plan = base.with_(micro_batch=mbs, grad_accum=accum, recompute=recompute)
+                kinds.append(self.evaluate(plan).kind)
+                if kinds[-1] != "memory":
+                    break  # it fits (heavier recompute only adds compute) or is invalid
+            if kinds and all(kind == "memory" for kind in kinds):
+                return  # a larger micro-batch will not fit either
+
+    def reject(self, plan: ParallelPlan, kind: str, reason: str, overflow: float = 0.0) -> Outcome:
+        outcome = Outcome(plan, None, reason, kind, overflow)
+        self.outcomes[plan] = outcome
+        self.considered += 1
+        return outcome
+
+    def evaluate(self, plan: ParallelPlan) -> Outcome:
+        """Validity, the rank-0 memory bound, then the full estimate."""
+        if plan in self.outcomes:
+            return self.outcomes[plan]
+        problems = plan.problems(self.model, self.cluster)
+        if problems:
+            return self.reject(plan, "invalid", " ".join(problems))
+        inflight0 = _inflight(plan)[0]
+        bound = stage_memory(self.model, plan, 0, inflight0).total
+        if bound > self.budget_bytes:
+            return self.reject(
+                plan, "memory", self.memory_reason(bound, 0), bound - self.budget_bytes
+            )
+        return self.estimate(plan)
+
+    def estimate(self, plan: ParallelPlan) -> Outcome:
+        from fivefold.planner.estimate import estimate
+
+        self.evaluated += 1
+        try:
+            est = estimate(self.model, self.cluster, plan)
+        except ConfigError as err:
+            return self.reject(plan, "invalid", str(err))
+        worst = worst_stage_bytes(est)
+        if worst > self.budget_bytes:
+            return self.reject(
+                plan,
+                "memory",
+                self.memory_reason(worst, worst_stage(est)),
+                worst - self.budget_bytes,
+            )
+        outcome = Outcome(plan, est, "", "fits")
+        self.outcomes[plan] = outcome
+        self.considered += 1
+        return outcome
+
+    def memory_reason(self, need: float, stage: int) -> str:
+        hbm = self.cluster.device.hbm_bytes
+        return (
+            f"out of memory by {(need - self.budget_bytes) / GiB:.1f} GiB: pipeline stage "
+            f"{stage} needs {need / GiB:.1f} GiB of {self.budget_bytes / GiB:.1f} GiB usable "
+            f"({hbm / GiB:.0f} GiB HBM less {self.headroom:.0%} headroom)"
+        )
+
+
+def _inflight(plan: ParallelPlan) -> list[int]:
+    """Peak in-flight micro-batches per pipeline rank for the plan's schedule."""
+    if plan.pp == 1:
+        return [1]
+    return build_schedule(plan.schedule, plan.pp, plan.vpp, plan.grad_accum).peak_inflight
+
+
+# ---- reading an Estimate -------------------------------------------------------------------
+def tokens_per_s(est: Any) -> float:
+    return float(est.tokens_per_s)
+
+
+def worst_stage_bytes(est: Any) -> float:
+    """Total bytes of the worst pipeline stage of an estimate."""
+    return float(est.memory.total) if hasattr(est, "memory") else est.worst_memory_bytes
+
+
+def worst_stage(est: Any) -> int:
+    return int(getattr(est, "worst_stage", 0))
+
+
+# ---- ranking -------------------------------------------------------------------------------
+def rank_fitting(outcomes: list[Outcome]) -> list[Outcome]:
+    """Fastest first; within TIE_FRACTION of the fastest, the smaller memory wins the top spot."""
+    fits = sorted(outcomes, key=lambda o: -tokens_per_s(o.estimate))
+    if not fits:
+        return fits
+    fastest = tokens_per_s(fits[0].estimate)
+    tied = [o for o in fits if tokens_per_s(o.estimate) >= fastest * (1 - TIE_FRACTION)]
+    winner = min(tied, key=lambda o: (worst_stage_bytes(o.estimate), -tokens_per_s(o.estimate)))
+    return [winner] + [o for o in fits if o is not winner]
+
+
+def nearest_rejected(outcomes: list[Outcome], keep: int = KEEP_REJECTED) -> list[Outcome]:
+    """Memory rejections by smallest overflow, then batch misses, then invalid layouts."""
+    order = {"memory": 0, "batch": 1, "invalid": 2}
+    rejected = [o for o in outcomes if not o.fits]
+    rejected.sort(key=lambda o: (order.get(o.kind, 3), o.overflow_bytes))
+    return rejected[:keep]
+
+
+def search(
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    *,
+    global_batch_tokens: int | None = None,
+    global_batch: int | None = None,
+    headroom: float = 0.10,
+    top: int = 5,
+    batch_tolerance: float = BATCH_TOLERANCE,
+    precisions: tuple[str, ...] | list[str] = ("bf16-mixed",),
+    fixed: dict[str, Any] | None = None,
+    explain: bool = True,
+) -> SearchResult:
+    """Search every valid layout of `model` on `cluster`; see the module docstring.
+
+    `fixed` pins plan fields (e.g. {"tp": 8}); `precisions` lists the recipes to consider.
+    Raises `ConfigError` when the inputs are wrong or no layout fits, with what came closest.
+    """
+    started = time.perf_counter()
+    problems = model.problems() + cluster.problems()
+    if not 0 <= headroom < 1:
+        problems.append(f"headroom = {headroom}: must be in [0, 1), e.g. 0.1 for 10 %.")
+    if top < 1:
+        problems.append(f"top = {top}: must be at least 1.")
+    for p in precisions:
+        if p not in RECIPES:
+            problems.append(f"precision {p!r} is unknown; choose from {', '.join(RECIPES)}.")
+    for name in fixed or {}:
+        if name not in PLAN_FIELDS:
+            problems.append(
+                f"fixed plan field {name!r} is not a plan setting; known: {', '.join(PLAN_FIELDS)}."
+            )
+    if problems:
+        raise ConfigError(problems)
+    if cluster.device.hbm_bytes <= 0:
+        raise ConfigError(
+            f"cluster.gpu = {cluster.gpu!r} has no HBM capacity in the catalog, so nothing can be "
+            "planned for it; pick a GPU type such as h100-sxm."
+        )
+    target = batch_target(model, global_batch_tokens, global_batch, batch_tolerance)
+    state = _Search(model, cluster, target, headroom, tuple(precisions), dict(fixed or {}))
+    state.run()
+    outcomes = list(state.outcomes.values())
+    ranked = rank_fitting([o for o in outcomes if o.fits])
+    rejected = nearest_rejected(outcomes)
+    if not ranked:
+        raise ConfigError(no_layout_message(model, cluster, target, headroom, rejected))
+    result = SearchResult(
+        best=ranked[0].estimate,
+        alternatives=[o.estimate for o in ranked[1:top]],
+        rejected=[(o.plan, o.reason) for o in rejected],
+        explanation=[],
+        evaluated=state.evaluated,
+        considered=state.considered,
+        target=target,
+        headroom=headroom,
+        outcomes=state.outcomes,
+    )
+    if explain:
+        from fivefold.planner.explain import explain_search
+
+        result.explanation = explain_search(model, cluster, result)
+    result.elapsed_s = time.perf_counter() - started
+    return result
+
+
+def no_layout_message(
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    target: BatchTarget,
+    headroom: float,
+    rejected: list[Outcome],
+) -> str:
+    head = (
+        f"no layout of {model.name} fits {cluster.world_size} x {cluster.gpu} with "
+        f"{headroom:.0%} headroom at a global batch of {target.sequences:g} sequences "
+        f"({target.tokens:,.0f} tokens)."
+    )
+    if not rejected:
+        return head + " No candidate layout exists: check the GPU count against the model's heads."
+    closest = rejected[0]
+    fix = (
+        "Add GPUs, lower the headroom (--headroom), use a smaller sequence or micro-batch, "
+        "or change the batch target (--global-batch-tokens)."
+    )
+    return f"{head} Closest: {closest.plan.describe()}: {closest.reason}. {fix}"
+
+
+def iter_fitting(result: SearchResult) -> Iterator[Outcome]:
+    """Every fitting outcome of a search, fastest first."""
+    yield from rank_fitting([o for o in result.outcomes.values() if o.fits])

@@ -1,0 +1,110 @@
+"""Process entry of a training run: `python -m fivefold.train recipe.toml [section.field=value...]`.
+
+The same entry serves one process and every rank under torchrun (`torchrun --nproc-per-node 4
+-m fivefold.train recipe.toml`): `make_runtime` picks the runtime from the environment. The CLI
+command `fivefold train` calls `load_run` and `train` from here too, so both read recipes the
+same way: on a machine (or `train.device`) without CUDA, a recipe that does not name
+`plan.precision` trains in fp32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from fivefold.errors import ConfigError, FivefoldError
+from fivefold.spec.recipe import merge, parse_overrides, read_toml, recipe_from_dict
+from fivefold.train.config import RunConfig, parse_train_config
+
+RECIPE_SUFFIXES = (".toml",)
+
+
+def split_recipe_and_overrides(items: list[str]) -> tuple[str | None, list[str]]:
+    """`["a.toml", "train.lr=1e-3"]` -> ("a.toml", ["train.lr=1e-3"]); at most one recipe path."""
+    paths = [item for item in items if "=" not in item]
+    overrides = [item for item in items if "=" in item]
+    if len(paths) > 1:
+        raise ConfigError(
+            f"more than one recipe given ({', '.join(paths)}); name one recipe file and write "
+            "changes as section.field=value overrides (e.g. train.steps=100)."
+        )
+    return (paths[0] if paths else None), overrides
+
+
+def world_size_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _trains_on_cpu(data: dict[str, dict[str, Any]]) -> bool:
+    device = data.get("train", {}).get("device", "auto")
+    if device == "cpu":
+        return True
+    if device == "cuda":
+        return False
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+def recipe_data(recipe_path: str | Path | None, overrides: list[str]) -> dict[str, dict[str, Any]]:
+    """The recipe file merged with overrides, with the CPU precision default applied."""
+    data = read_toml(recipe_path) if recipe_path else {}
+    data = merge(data, parse_overrides(overrides))
+    plan = data.get("plan", {})
+    if isinstance(plan, dict) and "precision" not in plan and _trains_on_cpu(data):
+        data = merge(data, {"plan": {"precision": "fp32"}})
+    return data
+
+
+def load_run(
+    recipe_path: str | Path | None, overrides: list[str], world_size: int | None = None
+) -> RunConfig:
+    """Read, override and validate a recipe and its [train]/[data] sections (ConfigError)."""
+    world = world_size or world_size_from_env()
+    data = recipe_data(recipe_path, overrides)
+    try:
+        recipe = recipe_from_dict(data, world)
+    except ConfigError as err:
+        if "cluster" in data or not any(p.startswith("plan degrees") for p in err.problems):
+            raise
+        hint = (
+            f"this run has {world} process(es): start `fivefold train` with --nproc equal to "
+            "the product of the plan's degrees, or lower the degrees."
+        )
+        raise ConfigError([*err.problems, hint]) from None
+    return parse_train_config(recipe)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m fivefold.train",
+        description="Run one training process (or one rank under torchrun) from a TOML recipe.",
+    )
+    parser.add_argument(
+        "items",
+        nargs="*",
+        metavar="RECIPE|OVERRIDE",
+        help="a recipe file (configs/*.toml) and section.field=value overrides",
+    )
+    parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        from fivefold.train.loop import train
+
+        recipe_path, overrides = split_recipe_and_overrides(args.items)
+        if args.resume:
+            overrides.append("train.resume=true")
+        train(load_run(recipe_path, overrides))
+    except FivefoldError as err:
+        prefix = f"[rank {rank}] " if world_size_from_env() > 1 else ""
+        print(f"{prefix}fivefold train: error: {err}", file=sys.stderr)
+        return 2
+    return 0

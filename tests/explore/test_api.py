@@ -1,0 +1,385 @@
+"""The explorer's JSON API without a browser: figures equal the planner's, every bad input is a
+clear 4xx message, and the server survives whatever it is sent."""
+
+from __future__ import annotations
+
+import json
+import random
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from fivefold.planner.estimate import estimate
+from fivefold.planner.search import search
+
+from fivefold.explore.api import json_safe
+from fivefold.explore.rank_grid import rank_grid
+from fivefold.spec import (
+    GPUS,
+    MODEL_PRESETS,
+    ClusterSpec,
+    ModelSpec,
+    ParallelPlan,
+    cluster_preset,
+    load_recipe,
+    model_preset,
+)
+
+from .http_client import Client
+
+LLAMA_16 = {
+    "model": {"preset": "llama3-8b", "seq_len": 8192},
+    "cluster": {"preset": "dgx-h100", "gpus": 16},
+    "plan": {"tp": 2, "pp": 2, "dp_shard": 4, "zero": 1, "recompute": "selective"},
+    "global_batch": 64,
+}
+LLAMA_16_PLAN = ParallelPlan(tp=2, pp=2, dp_shard=4, zero=1, recompute="selective", grad_accum=16)
+
+
+def test_presets_offer_every_spec_choice(client):
+    status, data = client.get_json("/api/presets")
+    assert status == 200
+    assert list(data["models"]) == list(MODEL_PRESETS)
+    assert set(data["gpus"]) == set(GPUS)
+    assert data["models"]["llama3-8b"]["params"] == 8_030_261_248
+    assert data["clusters"]["dgx-h100"]["intra_node_bw"] == 900e9
+    assert data["gpus"]["h100-sxm"]["hbm_gib"] == 80.0
+    assert data["schedules"] == ["gpipe", "1f1b", "interleaved-1f1b", "zbv", "dualpipev"]
+
+
+def test_estimate_equals_the_planner(client):
+    status, data = client.post("/api/estimate", LLAMA_16)
+    assert status == 200, data
+    model = model_preset("llama3-8b")
+    cluster = cluster_preset("dgx-h100", 16)
+    expected = json_safe(estimate(model, cluster, LLAMA_16_PLAN).to_json())
+    assert data["estimate"] == expected
+    assert data["plan"] == LLAMA_16_PLAN.to_dict()
+    # 64 sequences = micro_batch 1 x dp 4 x 16 micro-batches; 64 * 8192 tokens.
+    assert data["layout"]["grad_accum"] == 16
+    assert data["layout"]["tokens_per_step"] == 64 * 8192
+    assert data["layout"]["world_size"] == 16
+
+
+def test_custom_model_and_cluster_fields(client):
+    body = {
+        "model": {
+            "name": "custom",
+            "layers": 4,
+            "hidden": 256,
+            "heads": 8,
+            "kv_heads": 4,
+            "ffn": 688,
+            "vocab": 4096,
+            "seq_len": 512,
+        },
+        "cluster": {
+            "gpu": "a100-80gb",
+            "nodes": 2,
+            "gpus_per_node": 4,
+            "intra_node_bw": 600e9,
+            "inter_node_bw": 25e9,
+        },
+        "plan": {"tp": 4, "dp_replicate": 2, "micro_batch": 2},
+        "global_batch": 16,
+    }
+    status, data = client.post("/api/estimate", body)
+    assert status == 200, data
+    cluster = ClusterSpec("dgx-h100", "a100-80gb", 2, 4, 600e9, 25e9)  # name is the default
+    assert data["cluster"] == cluster.to_dict()
+    plan = ParallelPlan(tp=4, dp_replicate=2, micro_batch=2, grad_accum=4)  # 16 / (2 * 2)
+    assert data["plan"] == plan.to_dict()
+    model = ModelSpec("custom", 4, 256, 8, kv_heads=4, ffn=688, vocab=4096, seq_len=512)
+    assert data["model"] == model.to_dict()
+    assert data["estimate"] == json_safe(estimate(model, cluster, plan).to_json())
+
+
+@pytest.mark.parametrize(
+    ("change", "expected_fragment"),
+    [
+        (
+            {"plan": {"tp": 3, "dp_shard": 4, "pp": 2, "zero": 1}},
+            "plan.tp = 3 must divide model.heads = 32",
+        ),
+        (
+            {"plan": {"tp": 2, "pp": 2, "dp_shard": 2, "zero": 1}},
+            "but the cluster has 16 GPUs (2 nodes x 8); change a degree so the product equals 16",
+        ),
+        ({"plan": {"tp": 16, "dp_shard": 1}}, "must divide the 8 GPUs of a node"),
+        ({"plan": {"tp": 2, "pp": 2, "dp_shard": 4, "zero": 0}}, "stage 0 shards nothing"),
+        (
+            {"plan": {"tp": 2, "pp": 2, "dp_shard": 4, "zero": 1, "schedule": "warp"}},
+            "plan.schedule = 'warp': choose one of",
+        ),
+        (
+            {"global_batch": 62},
+            "global_batch = 62 sequences is not a multiple of micro_batch x dp = 1 x 4 = 4; "
+            "choose a multiple such as 60 or 64",
+        ),
+        (
+            {"plan": {"tp": "two", "pp": 2, "dp_shard": 4, "zero": 1}},
+            "plan.tp = 'two': expected a whole number",
+        ),
+        ({"model": {"preset": "llama9"}}, "model.preset = 'llama9' is unknown"),
+        (
+            {"cluster": {"preset": "dgx-h100", "gpus": 16, "gpu": "tpu"}},
+            "cluster.gpu = 'tpu' is not in the catalog",
+        ),
+        (
+            {"plan": {"tp": 2, "pp": 2, "dp_shard": 4, "zero": 1, "warp": 9}},
+            "plan.warp is not a setting",
+        ),
+        ({"model": {"preset": "llama3-8b", "seq_len": -5}}, "model.seq_len = -5"),
+        ({"global_batch": 2.5}, "global_batch = 2.5: expected a whole number"),
+        (
+            {
+                "plan": {
+                    "tp": 2,
+                    "pp": 2,
+                    "dp_shard": 4,
+                    "zero": 1,
+                    "micro_batch": 1,
+                    "grad_accum": 3,
+                }
+            },
+            "give either global_batch",
+        ),
+        (
+            {
+                "cluster": {"preset": "dgx-h100", "gpus": 65536},
+                "plan": {"tp": 8, "pp": 8, "dp_shard": 1024, "zero": 1},
+                "global_batch": 1024,
+            },
+            "cluster size (nodes x gpus_per_node) = 65,536 is more than the explorer draws",
+        ),
+        ({"model": [1, 2]}, "model = [1, 2]: expected an object"),
+        ({"plan": {"tp": {"x": 1}}}, "plan.tp = {'x': 1}: expected a number"),
+    ],
+)
+def test_invalid_layouts_explain_themselves(client, change, expected_fragment):
+    body = {**LLAMA_16, **change}
+    status, data = client.post("/api/estimate", body)
+    assert status == 400
+    assert data["ok"] is False
+    assert any(expected_fragment in p for p in data["problems"]), data["problems"]
+
+
+def test_invalid_plan_reports_the_specs_own_messages(client):
+    plan = {"tp": 3, "pp": 3, "dp_shard": 2, "zero": 1}  # 18 GPUs, TP 3 divides neither
+    status, data = client.post("/api/estimate", {**LLAMA_16, "plan": plan, "global_batch": 64})
+    assert status == 400
+    expected = ParallelPlan(**plan, grad_accum=32).problems(
+        model_preset("llama3-8b"), cluster_preset("dgx-h100", 16)
+    )
+    assert len(expected) >= 3
+    assert data["problems"] == expected
+
+
+@pytest.mark.parametrize(
+    ("raw", "status", "fragment"),
+    [
+        (b"{not json", 400, "not valid JSON"),
+        (b'{"global_batch": NaN}', 400, "not valid JSON"),
+        (b'{"global_batch": Infinity}', 400, "not valid JSON"),
+        (b"\xff\xfe", 400, "not valid JSON"),
+        (b"[1, 2]", 400, "must be a JSON object"),
+        (b'"text"', 400, "must be a JSON object"),
+        (b'{"modle": {}}', 400, "unknown request field(s) 'modle'"),
+        (b'{"model": {"preset": "tiny"}}', 400, "cluster is missing"),
+        (b"x" * (64 * 1024 + 1), 413, "the limit is 65,536"),
+    ],
+)
+def test_malformed_requests(client, raw, status, fragment):
+    got, data = client.post("/api/estimate", raw)
+    assert got == status
+    assert any(fragment in p for p in data["problems"]), data
+
+
+def test_http_edges(client, server):
+    assert client.request("GET", "/nothing")[0] == 404
+    assert client.request("POST", "/api/nothing", b"{}")[0] == 404
+    assert client.request("GET", "/static/../api.py")[0] == 404
+    status, headers, body = client.request("GET", "/")
+    assert status == 200 and b"fivefold explore" in body
+    assert "script-src 'self'" in headers["Content-Security-Policy"]
+    status, headers, _ = client.request("GET", "/static/app.js")
+    assert status == 200 and headers["Content-Type"].startswith("text/javascript")
+    # A foreign Host header (DNS rebinding) is refused.
+    assert client.request("GET", "/api/presets", headers={"Host": "evil.example:80"})[0] == 403
+    # No Content-Length: 411, and the server keeps answering afterwards.
+    port = server.server_address[1]
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(b"POST /api/estimate HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        assert b" 411 " in sock.recv(4096).split(b"\r\n", 1)[0]
+    assert client.get_json("/api/presets")[0] == 200
+
+
+def test_server_survives_random_garbage(client):
+    """Seeded random bodies: every answer is 200 or 400, never a 500, and the server lives."""
+    rng = random.Random(6)
+    values = [0, -1, 1, 2, 3, 8, 1.5, 1e308, -1e308, "", "x", "1f1b", True, None, [], {}, "a" * 300]
+    keys = {
+        "model": [
+            "preset",
+            "layers",
+            "hidden",
+            "heads",
+            "kv_heads",
+            "ffn",
+            "seq_len",
+            "experts",
+            "top_k",
+            "expert_ffn",
+            "head_dim",
+            "mlp",
+        ],
+        "cluster": ["preset", "gpus", "gpu", "nodes", "gpus_per_node", "intra_node_bw"],
+        "plan": [
+            "tp",
+            "pp",
+            "vpp",
+            "schedule",
+            "dp_replicate",
+            "dp_shard",
+            "zero",
+            "cp",
+            "ep",
+            "micro_batch",
+            "recompute",
+            "precision",
+            "sp",
+            "cp_kind",
+        ],
+    }
+    statuses = set()
+    for _ in range(120):
+        body = json.loads(json.dumps(LLAMA_16))
+        for _ in range(rng.randint(1, 3)):
+            section = rng.choice([*keys, "global_batch"])
+            if section == "global_batch":
+                body["global_batch"] = rng.choice(values)
+            else:
+                body[section][rng.choice(keys[section])] = rng.choice(values)
+        status, data = client.post(rng.choice(["/api/estimate", "/api/recipe"]), body)
+        statuses.add(status)
+        assert status in (200, 400), (body, data)
+        if status == 400:
+            assert data["problems"] and all(isinstance(p, str) and p for p in data["problems"])
+    assert statuses == {200, 400}
+    assert client.get_json("/api/presets")[0] == 200
+
+
+def test_recipe_export_round_trips(client, tmp_path):
+    status, data = client.post("/api/recipe", LLAMA_16)
+    assert status == 200, data
+    path = tmp_path / data["filename"]
+    assert data["filename"] == "llama3-8b-16gpu-tp2-pp2-dp4.toml"
+    path.write_text(data["toml"])
+    recipe = load_recipe(path)
+    assert recipe.model == model_preset("llama3-8b")
+    assert recipe.cluster == cluster_preset("dgx-h100", 16)
+    assert recipe.plan == LLAMA_16_PLAN
+
+
+def test_search_equals_the_planner(client):
+    body = {
+        "model": {"preset": "llama3-8b", "seq_len": 8192},
+        "cluster": {"preset": "dgx-h100", "gpus": 16},
+        "global_batch": 64,
+        "top": 3,
+    }
+    status, data = client.post("/api/search", body)
+    assert status == 200, data
+    result = search(
+        model_preset("llama3-8b"), cluster_preset("dgx-h100", 16), global_batch=64, top=3
+    )
+    assert data["best"] == json_safe(result.best.to_json())
+    assert data["alternatives"] == [json_safe(a.to_json()) for a in result.alternatives]
+    assert data["explanation"] == list(result.explanation)
+    assert data["evaluated"] == result.evaluated
+    assert [r["reason"] for r in data["rejected"]] == [reason for _, reason in result.rejected]
+
+
+@pytest.mark.parametrize(
+    ("change", "fragment"),
+    [
+        ({}, "give the target batch as exactly one of"),
+        ({"global_batch": 64, "global_batch_tokens": 524288}, "exactly one of"),
+        ({"global_batch": 64, "headroom": 2}, "headroom = 2: must be a fraction"),
+        ({"global_batch": 64, "top": 0}, "top = 0: must be between 1 and 20"),
+        ({"global_batch": 64, "plan": {}}, "unknown request field(s) 'plan'"),
+    ],
+)
+def test_search_rejects_bad_requests(client, change, fragment):
+    body = {"model": {"preset": "tiny"}, "cluster": {"preset": "dgx-h100", "gpus": 8}, **change}
+    status, data = client.post("/api/search", body)
+    assert status == 400
+    assert any(fragment in p for p in data["problems"]), data
+
+
+def test_rank_grid_by_hand():
+    # pp 2 x dp_shard 2 x tp 2 on 2 nodes of 4: rank = 4 pp + 2 dp + tp (tp innermost).
+    plan = ParallelPlan(tp=2, pp=2, dp_shard=2, zero=1)
+    grid = rank_grid(plan, ClusterSpec(nodes=2, gpus_per_node=4))
+    assert grid["node"] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert grid["coords"]["pp"] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert grid["coords"]["dp_shard"] == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert grid["coords"]["tp"] == [0, 1, 0, 1, 0, 1, 0, 1]
+    assert grid["groups"]["tp"] == [0, 0, 1, 1, 2, 2, 3, 3]  # {0,1} {2,3} {4,5} {6,7}
+    assert grid["groups"]["dp"] == [0, 1, 0, 1, 2, 3, 2, 3]  # {0,2} {1,3} {4,6} {5,7}
+    assert grid["groups"]["pp"] == [0, 1, 2, 3, 0, 1, 2, 3]  # {0,4} {1,5} {2,6} {3,7}
+    assert grid["group_counts"] == {"tp": 4, "cp": 8, "dp": 4, "pp": 4, "ep": 8}
+
+
+def test_rank_grid_expert_groups_borrow_dp_shard_and_cp():
+    # dp_shard 2 x cp 2 = 4 ranks in the EP sub-mesh; ep 4 makes them one group per (pp, tp).
+    plan = ParallelPlan(tp=2, dp_shard=2, cp=2, ep=4, zero=1)
+    grid = rank_grid(plan, ClusterSpec(nodes=1, gpus_per_node=8))
+    assert grid["groups"]["ep"] == [0, 1, 0, 1, 0, 1, 0, 1]
+    assert grid["groups"]["cp"] == [0, 1, 0, 1, 2, 3, 2, 3]
+
+
+def test_cli_serves_the_page():
+    """`fivefold explore --port 0` prints its address and serves the page until stopped."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fivefold", "explore", "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("fivefold explore: serving http://127.0.0.1:"), line
+        url = line.split()[3]
+        status, _, body = Client(url).request("GET", "/")
+        assert status == 200 and b"<title>fivefold explore</title>" in body
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def test_cli_port_errors():
+    bad = subprocess.run(
+        [sys.executable, "-m", "fivefold", "explore", "--port", "70000"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert bad.returncode == 2 and "70000 is not a port number" in bad.stderr
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        start = time.monotonic()
+        busy = subprocess.run(
+            [sys.executable, "-m", "fivefold", "explore", "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert time.monotonic() - start < 60
+    assert busy.returncode == 2
+    assert f"--port {port}: cannot listen on 127.0.0.1:{port}" in busy.stderr
+    assert "Traceback" not in busy.stderr
