@@ -11,11 +11,11 @@ import sys
 import time
 
 import pytest
-from fivefold.planner.estimate import estimate
-from fivefold.planner.search import search
 
 from fivefold.explore.api import json_safe
 from fivefold.explore.rank_grid import rank_grid
+from fivefold.planner.estimate import estimate
+from fivefold.planner.search import search
 from fivefold.spec import (
     GPUS,
     MODEL_PRESETS,
@@ -289,11 +289,16 @@ def test_search_equals_the_planner(client):
         "cluster": {"preset": "dgx-h100", "gpus": 16},
         "global_batch": 64,
         "top": 3,
+        "precisions": ["bf16-mixed", "fp8-mixed"],
     }
     status, data = client.post("/api/search", body)
     assert status == 200, data
     result = search(
-        model_preset("llama3-8b"), cluster_preset("dgx-h100", 16), global_batch=64, top=3
+        model_preset("llama3-8b"),
+        cluster_preset("dgx-h100", 16),
+        global_batch=64,
+        top=3,
+        precisions=("bf16-mixed", "fp8-mixed"),
     )
     assert data["best"] == json_safe(result.best.to_json())
     assert data["alternatives"] == [json_safe(a.to_json()) for a in result.alternatives]
@@ -310,6 +315,8 @@ def test_search_equals_the_planner(client):
         ({"global_batch": 64, "headroom": 2}, "headroom = 2: must be a fraction"),
         ({"global_batch": 64, "top": 0}, "top = 0: must be between 1 and 20"),
         ({"global_batch": 64, "plan": {}}, "unknown request field(s) 'plan'"),
+        ({"global_batch": 64, "precisions": ["fp9"]}, "precisions = ['fp9']: expected a list"),
+        ({"global_batch": 64, "precisions": "bf16-mixed"}, "expected a list of recipe names"),
     ],
 )
 def test_search_rejects_bad_requests(client, change, fragment):

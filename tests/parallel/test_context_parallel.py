@@ -12,7 +12,7 @@ import dataclasses
 
 import pytest
 import torch
-from _ranks import run_ranks
+from harness import run_ranks
 
 from fivefold.model import AttentionContext, AttentionCore, build_model, cross_entropy_loss
 from fivefold.parallel.context_parallel import (
@@ -59,9 +59,7 @@ def positions_from_docs(doc_ids: torch.Tensor) -> torch.Tensor:
     return index - start_index
 
 
-def _attention_case(
-    group, cp_rank, cp_size, kind, kernel, with_docs, dtype=torch.float32
-) -> float:
+def _attention_case(group, cp_rank, cp_size, kind, kernel, with_docs, dtype=torch.float32) -> float:
     """Max |deviation| of out, dq, dk, dv from the fp32 single-process core (inputs in dtype)."""
     g = torch.Generator().manual_seed(1234)
     q, k, v = (
@@ -81,13 +79,17 @@ def _attention_case(
     from fivefold.parallel.context_parallel import ContextParallelAttentionCore
 
     core = ContextParallelAttentionCore(group, kind, kernel=kernel or "auto")
-    out = core(lq, lk, lv, AttentionContext(positions=torch.zeros(B, T // cp_size), doc_ids=local_docs))
+    out = core(
+        lq, lk, lv, AttentionContext(positions=torch.zeros(B, T // cp_size), doc_ids=local_docs)
+    )
     out.backward(shard(dout).to(dtype))
     pairs = [(out, ref), (lq.grad, q.grad), (lk.grad, k.grad), (lv.grad, v.grad)]
     return max((a.float() - shard(b)).abs().max().item() for a, b in pairs)
 
 
-TINY = ModelSpec(name="tiny-cp", layers=2, hidden=32, heads=4, kv_heads=2, ffn=64, vocab=97, seq_len=T)
+TINY = ModelSpec(
+    name="tiny-cp", layers=2, hidden=32, heads=4, kv_heads=2, ffn=64, vocab=97, seq_len=T
+)
 
 
 def _model_case(group, cp_rank, cp_size, kind) -> float:
@@ -124,9 +126,10 @@ def _model_case(group, cp_rank, cp_size, kind) -> float:
     return deviation.item()
 
 
-def _cp_worker(rank: int, world_size: int) -> dict:
+def _cp_worker() -> dict:
     import torch.distributed as dist
 
+    rank = dist.get_rank()
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     groups = {2: pairs[rank // 2], 4: dist.group.WORLD}
     results = {}
@@ -148,7 +151,7 @@ def _cp_worker(rank: int, world_size: int) -> dict:
 
 @pytest.fixture(scope="module")
 def deviations() -> dict:
-    per_rank = run_ranks(_cp_worker, WORLD, timeout_s=240)
+    per_rank = run_ranks(WORLD, _cp_worker, timeout_s=240)
     return {key: max(r[key] for r in per_rank) for key in per_rank[0]}
 
 

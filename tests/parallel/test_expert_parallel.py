@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _ranks import run_ranks
+from harness import run_ranks
 
 from fivefold.model import build_model, cross_entropy_loss
 from fivefold.parallel.expert_parallel import (
@@ -87,11 +87,15 @@ def _ep_case(group, ep_rank: int, ep: int, global_ranks: list[int], init_after: 
     return out
 
 
-def _ep_worker(rank: int, world_size: int) -> dict:
+def _ep_worker() -> dict:
     import torch.distributed as dist
 
+    rank = dist.get_rank()
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    cases = {2: (pairs[rank // 2], [0, 1] if rank < 2 else [2, 3]), 4: (dist.group.WORLD, [0, 1, 2, 3])}
+    cases = {
+        2: (pairs[rank // 2], [0, 1] if rank < 2 else [2, 3]),
+        4: (dist.group.WORLD, [0, 1, 2, 3]),
+    }
     results = {}
     for ep, (group, members) in cases.items():
         for init_after in (True, False):
@@ -103,7 +107,7 @@ def _ep_worker(rank: int, world_size: int) -> dict:
 
 @pytest.fixture(scope="module")
 def per_rank() -> list[dict]:
-    return run_ranks(_ep_worker, WORLD, timeout_s=240)
+    return run_ranks(WORLD, _ep_worker, timeout_s=240)
 
 
 @pytest.mark.parametrize("ep", [2, 4])
@@ -123,18 +127,24 @@ def test_aux_loss_is_the_same_on_every_rank_and_not_trivial(per_rank):
     assert all(r["ep4-init_after1-n_expert_params"] == 2 * 3 for r in per_rank)
 
 
-def test_apply_replaces_dispatcher_and_experts_on_meta():
+def _meta_swap_worker() -> dict:
     import torch.distributed as dist
 
-    from _ranks import _free_port
+    model = apply_expert_parallel(build_model(MOE), dist.group.WORLD)
+    moe = model.layers["0"].moe
+    return {
+        "dispatcher": type(moe.dispatcher).__name__,
+        "experts": type(moe.experts).__name__,
+        "w1_shape": tuple(moe.experts.w1.shape),
+        "w1_meta": moe.experts.w1.is_meta,
+    }
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
-    try:
-        model = apply_expert_parallel(build_model(MOE), dist.group.WORLD)
-        moe = model.layers["0"].moe
-        assert isinstance(moe.dispatcher, AllToAllDispatcher)
-        assert isinstance(moe.experts, ShardedExperts)
-        assert moe.experts.w1.shape == (MOE.experts, MOE.expert_ffn, MOE.hidden)
-        assert moe.experts.w1.is_meta
-    finally:
-        dist.destroy_process_group()
+
+def test_apply_replaces_dispatcher_and_experts_on_meta():
+    (result,) = run_ranks(1, _meta_swap_worker, timeout_s=60)
+    assert result == {
+        "dispatcher": AllToAllDispatcher.__name__,
+        "experts": ShardedExperts.__name__,
+        "w1_shape": (MOE.experts, MOE.expert_ffn, MOE.hidden),
+        "w1_meta": True,
+    }

@@ -11,7 +11,7 @@ import dataclasses
 
 import pytest
 import torch
-from _ranks import run_ranks
+from harness import run_ranks
 
 from fivefold.errors import ConfigError
 from fivefold.model import build_model, cross_entropy_loss
@@ -27,7 +27,9 @@ from fivefold.spec.plan import ParallelPlan
 WORLD = 4
 TOL = 1e-5
 MICRO_BATCHES, MB_SIZE, T = 8, 1, 16
-DENSE = ModelSpec(name="tiny-pp", layers=8, hidden=32, heads=4, kv_heads=2, ffn=64, vocab=97, seq_len=T)
+DENSE = ModelSpec(
+    name="tiny-pp", layers=8, hidden=32, heads=4, kv_heads=2, ffn=64, vocab=97, seq_len=T
+)
 MOE = DENSE.with_(
     name="tiny-pp-moe", experts=4, top_k=2, expert_ffn=16, dense_layers=1, router_aux_loss_coef=0.1
 )
@@ -96,22 +98,20 @@ def _pp_case(group, pp_rank: int, pp: int, model_kind: str, schedule: str) -> tu
     return loss_dev, grad_dev
 
 
-def _pp_worker(rank: int, world_size: int, with_pp4: bool) -> dict:
+def _pp_worker(pp: int) -> dict:
+    """pp = 2: each pair of ranks runs half of the cases; pp = 4: all ranks run every case."""
     import torch.distributed as dist
 
+    rank = dist.get_rank()
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    pair = rank // 2
-    results = {}
-    for model_kind, schedule in CASES_PP2[pair::2]:
-        results[f"pp2-{model_kind}-{schedule}"] = _pp_case(
-            pairs[pair], rank % 2, 2, model_kind, schedule
-        )
-    if with_pp4:
-        for model_kind, schedule in CASES_PP4:
-            results[f"pp4-{model_kind}-{schedule}"] = _pp_case(
-                dist.group.WORLD, rank, 4, model_kind, schedule
-            )
-    return results
+    if pp == 2:
+        group, pp_rank, cases = pairs[rank // 2], rank % 2, CASES_PP2[rank // 2 :: 2]
+    else:
+        group, pp_rank, cases = dist.group.WORLD, rank, CASES_PP4
+    return {
+        f"pp{pp}-{model_kind}-{schedule}": _pp_case(group, pp_rank, pp, model_kind, schedule)
+        for model_kind, schedule in cases
+    }
 
 
 def _merge(per_rank: list[dict]) -> dict:
@@ -125,12 +125,12 @@ def _merge(per_rank: list[dict]) -> dict:
 
 @pytest.fixture(scope="module")
 def deviations_pp2() -> dict:
-    return _merge(run_ranks(_pp_worker, WORLD, False, timeout_s=300))
+    return _merge(run_ranks(WORLD, _pp_worker, 2, timeout_s=300))
 
 
 @pytest.fixture(scope="module")
 def deviations_pp4() -> dict:
-    return _merge(run_ranks(_pp_worker, WORLD, True, timeout_s=600))
+    return _merge(run_ranks(WORLD, _pp_worker, 4, timeout_s=300))
 
 
 @pytest.mark.parametrize(("model_kind", "schedule"), CASES_PP2)
@@ -173,4 +173,6 @@ def test_stage_placement_and_layer_ranges():
 
 def test_tied_embeddings_with_pipeline_are_refused_with_the_fix():
     with pytest.raises(ConfigError, match="tied_embeddings"):
-        split_model_for_pipeline(build_model(DENSE.with_(tied_embeddings=True)), ParallelPlan(pp=2), 0)
+        split_model_for_pipeline(
+            build_model(DENSE.with_(tied_embeddings=True)), ParallelPlan(pp=2), 0
+        )

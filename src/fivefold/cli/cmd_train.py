@@ -12,7 +12,7 @@ Train the recipe's model on its data with the recipe's parallel plan. A recipe i
 zero, cp, ep, micro_batch, grad_accum, recompute, precision), [train] and [data] sections; any
 field can be overridden on the command line as section.field=value.
 
-[train] fields: name, runs_dir, run_dir, steps, lr, min_lr, warmup_steps,
+[train] fields: name, runs_dir, run_dir, steps, stop_at, lr, min_lr, warmup_steps,
 lr_schedule (cosine|linear|constant), weight_decay, betas, eps, grad_clip (0 = off),
 global_batch (sequences; must equal micro_batch x dp x grad_accum), seed, device
 (auto|cpu|cuda), log_every, eval_every, eval_batches, ckpt_every, save_final,
@@ -45,13 +45,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    # Options may come before or after the recipe and overrides: everything from the first
+    # positional on is re-parsed (intermixed) in `handle` by a parser with the same options.
+    add_arguments(parser, items_nargs=argparse.REMAINDER)
+    parser.set_defaults(handler=handle)
+
+
+def add_arguments(parser: argparse.ArgumentParser, items_nargs: str = "*") -> None:
     parser.add_argument(
         "items",
-        nargs="*",
+        nargs=items_nargs,
         metavar="RECIPE|OVERRIDE",
         help="a recipe file (e.g. configs/small-cpu.toml; optional: without one, the defaults "
-        "and overrides make the recipe) followed by any section.field=value overrides, values "
-        "in TOML syntax (train.lr=1e-3, plan.recompute=full, train.betas=[0.9,0.99])",
+        "and overrides make the recipe) and any section.field=value overrides, values in TOML "
+        "syntax (train.lr=1e-3, plan.recompute=full, train.betas=[0.9,0.99])",
     )
     parser.add_argument(
         "--resume",
@@ -84,7 +91,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="no live progress bar (log lines only; same as train.progress=false)",
     )
-    parser.set_defaults(handler=handle)
+
+
+def reparse_items(args: argparse.Namespace) -> argparse.Namespace:
+    """Options written after the recipe: parse the remainder again, intermixed, and merge."""
+    inner = argparse.ArgumentParser(
+        prog="fivefold train",
+        description=_DESCRIPTION,
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_arguments(inner)
+    later = inner.parse_intermixed_args(args.items)
+    merged = argparse.Namespace(**vars(args))
+    for key, value in vars(later).items():
+        if key == "items" or value != inner.get_default(key):
+            setattr(merged, key, value)
+    return merged
 
 
 def _flag_overrides(args: argparse.Namespace) -> list[str]:
@@ -135,6 +158,7 @@ def _toml(value: object) -> str:
 def handle(args: argparse.Namespace) -> int:
     from fivefold.train.entry import load_run, split_recipe_and_overrides
 
+    args = reparse_items(args)
     recipe_path, overrides = split_recipe_and_overrides(args.items)
     overrides += _flag_overrides(args)
     if args.nproc < 1:

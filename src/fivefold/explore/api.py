@@ -49,7 +49,15 @@ LIMITS: dict[str, int] = {
 }
 SEARCH_LIMIT_WORLD = 32768
 LAYOUT_KEYS = ("model", "cluster", "plan", "global_batch")
-SEARCH_KEYS = ("model", "cluster", "global_batch", "global_batch_tokens", "headroom", "top")
+SEARCH_KEYS = (
+    "model",
+    "cluster",
+    "global_batch",
+    "global_batch_tokens",
+    "headroom",
+    "top",
+    "precisions",
+)
 
 
 class ApiError(Exception):
@@ -97,10 +105,8 @@ def _section(body: dict[str, Any], name: str, problems: list[str]) -> dict[str, 
             out[key] = item
         else:
             problems.append(f"{name}.{key} = {item!r}: expected a number, true/false or a text.")
-    for key in ("preset",):
-        if key in out and not isinstance(out[key], str):
-            problems.append(f"{name}.{key} = {out[key]!r}: expected a preset name (text).")
-            out.pop(key)
+    if "preset" in out and not isinstance(out["preset"], str):
+        problems.append(f"{name}.preset = {out.pop('preset')!r}: expected a preset name (text).")
     return out
 
 
@@ -289,6 +295,19 @@ def _parse_search(body: Any) -> tuple[ModelSpec, ClusterSpec, dict[str, Any]]:
         kwargs["headroom"] = float(headroom)
     top = _whole(body.get("top", 5), "top", 1, LIMITS["top"], problems)
     kwargs["top"] = top
+    if "precisions" in body:
+        precisions = body["precisions"]
+        if (
+            not isinstance(precisions, list)
+            or not precisions
+            or not all(isinstance(p, str) and p in RECIPES for p in precisions)
+        ):
+            problems.append(
+                f"precisions = {precisions!r}: expected a list of recipe names from "
+                f"{', '.join(RECIPES)}."
+            )
+        else:
+            kwargs["precisions"] = tuple(precisions)
     if not cluster:
         problems.append("cluster is missing: give a preset or gpu, nodes and gpus_per_node.")
     if problems:

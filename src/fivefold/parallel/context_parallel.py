@@ -47,7 +47,7 @@ from fivefold.model.attention import attention_mask, repeat_kv
 KERNELS = ("auto", "math", "fused")
 
 
-# ---- layout ------------------------------------------------------------------------------------
+# ---- layout --------------------------------------------------------------------------------------
 def load_balanced_indices(seq_len: int, cp_rank: int, cp_size: int) -> torch.Tensor:
     """Global token indices held by `cp_rank`: chunk r then chunk 2*cp-1-r. LongTensor [T/cp]."""
     if seq_len % (2 * cp_size):
@@ -62,14 +62,16 @@ def load_balanced_indices(seq_len: int, cp_rank: int, cp_size: int) -> torch.Ten
     return torch.cat([head, tail])
 
 
-def shard_sequence_for_cp(x: torch.Tensor, cp_rank: int, cp_size: int, dim: int = 1) -> torch.Tensor:
+def shard_sequence_for_cp(
+    x: torch.Tensor, cp_rank: int, cp_size: int, dim: int = 1
+) -> torch.Tensor:
     """This rank's load-balanced share of `x` along `dim` (the sequence dimension)."""
     index = load_balanced_indices(x.shape[dim], cp_rank, cp_size).to(x.device)
     return x.index_select(dim, index)
 
 
 def unshard_sequence_for_cp(shards: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
-    """Inverse of `shard_sequence_for_cp`: the full sequence from every rank's share (rank order)."""
+    """Inverse of `shard_sequence_for_cp`: the full sequence from all ranks' shares (rank order)."""
     cp_size = len(shards)
     seq_len = shards[0].shape[dim] * cp_size
     order = torch.cat([load_balanced_indices(seq_len, r, cp_size) for r in range(cp_size)])
@@ -95,37 +97,50 @@ def shard_batch_for_cp(batch: Any, cp_rank: int, cp_size: int) -> Any:
     return dataclasses.replace(batch, **changes)
 
 
-# ---- masks and block kernels -------------------------------------------------------------------
-def _visibility(
+# ---- masks and block kernels ---------------------------------------------------------------------
+# A block is described by (mask, causal): `mask` a boolean visibility mask [B|1, 1, Tq, Tk] or
+# None; `causal` (only used when mask is None) means plain lower-triangular visibility, which is
+# exactly the diagonal block without documents: a rank's tokens are in increasing global order.
+def _block_mask(
     q_index: torch.Tensor,
     k_index: torch.Tensor,
     q_docs: torch.Tensor | None,
     k_docs: torch.Tensor | None,
     causal: bool,
-) -> torch.Tensor | None:
-    """Boolean mask [B or 1, 1, Tq, Tk], True where query i may see key j; None if all visible.
-
-    `causal=False` is for blocks known to lie wholly before the queries (only documents matter).
-    """
-    if causal:
-        return attention_mask(q_index, k_index, q_docs, k_docs)
+) -> tuple[torch.Tensor | None, bool]:
+    """(mask, causal) of a block; `causal=False` for blocks wholly before the queries."""
     if q_docs is None:
-        return None
-    return (q_docs[:, :, None] == k_docs[:, None, :])[:, None]
+        return None, causal
+    if causal:
+        return attention_mask(q_index, k_index, q_docs, k_docs), False
+    return (q_docs[:, :, None] == k_docs[:, None, :])[:, None], False
 
 
 def _reduce_kv_grad(g: torch.Tensor, groups: int) -> torch.Tensor:
-    """Sum the gradient of an expanded K/V back onto its Hkv heads: [B, H, T, D] -> [B, Hkv, T, D]."""
+    """Sum an expanded K/V gradient back onto its Hkv heads: [B, H, T, D] -> [B, Hkv, T, D]."""
     if groups == 1:
         return g
     b, h, t, d = g.shape
     return g.view(b, h // groups, groups, t, d).sum(2)
 
 
-def _float_mask(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+def _bool_mask(
+    mask: torch.Tensor | None, causal: bool, tq: int, tk: int, device
+) -> torch.Tensor | None:
+    if mask is None and causal:
+        return torch.ones(tq, tk, dtype=torch.bool, device=device).tril()[None, None]
+    return mask
+
+
+def _additive_mask(mask: torch.Tensor | None, dtype: torch.dtype, align: int = 1):
+    """0 / -inf float mask; with `align`, stored with its last dim padded to a multiple of it
+    (the CUDA memory-efficient kernel needs 16-aligned bias rows)."""
     if mask is None:
         return None
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, -math.inf)
+    tk = mask.shape[-1]
+    padded = torch.zeros((*mask.shape[:-1], tk + (-tk) % align), dtype=dtype, device=mask.device)
+    padded[..., :tk].masked_fill_(~mask, -math.inf)
+    return padded[..., :tk]
 
 
 def _pick_kernel(kernel: str, device: torch.device) -> str:
@@ -136,19 +151,13 @@ def _pick_kernel(kernel: str, device: torch.device) -> str:
     return kernel
 
 
-def _block_forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor | None,
-    scale: float,
-    kernel: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _block_forward(q, k, v, mask, causal, scale, kernel) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q [B,H,Tq,D] on k, v [B,H,Tk,D] -> (out [B,H,Tq,D], lse fp32 [B,H,Tq]).
 
     Rows that see no key get out = 0 and lse = -inf, so merging them changes nothing.
     """
     if kernel == "math":
+        mask = _bool_mask(mask, causal, q.shape[2], k.shape[2], q.device)
         scores = (q.float() @ k.float().transpose(-1, -2)) * scale
         if mask is not None:
             scores = scores.masked_fill(~mask, -math.inf)
@@ -157,16 +166,16 @@ def _block_forward(
         out = torch.exp(scores - safe_lse[..., None]) @ v.float()
         return out.to(q.dtype), lse
     if q.device.type == "cuda":
-        bias = _float_mask(mask, q.dtype)
+        bias = _additive_mask(mask, q.dtype, align=16)
         if bias is not None:
             bias = bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
         out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
-            q, k, v, bias, True, scale=scale
+            q, k, v, bias, True, is_causal=causal, scale=scale
         )
         lse = lse[..., : q.shape[2]].float()
     else:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, attn_mask=_float_mask(mask, q.dtype), scale=scale
+            q, k, v, is_causal=causal, attn_mask=_additive_mask(mask, q.dtype), scale=scale
         )
         lse = lse.float()
     if mask is not None:
@@ -176,17 +185,7 @@ def _block_forward(
     return out, lse
 
 
-def _block_backward(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    mask: torch.Tensor | None,
-    scale: float,
-    kernel: str,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _block_backward(dout, q, k, v, out, lse, mask, causal, scale, kernel):
     """Gradients of one block given the *merged* out and lse of its query rows (all finite).
 
     With P = exp(q k^T * scale - lse) the block's share of the softmax:
@@ -194,6 +193,7 @@ def _block_backward(
     dk = dS^T q * scale. Returns fp32 (dq [B,H,Tq,D], dk, dv [B,H,Tk,D]).
     """
     if kernel == "math":
+        mask = _bool_mask(mask, causal, q.shape[2], k.shape[2], q.device)
         qf, kf, vf, gf = q.float(), k.float(), v.float(), dout.float()
         scores = (qf @ kf.transpose(-1, -2)) * scale
         if mask is not None:
@@ -204,19 +204,21 @@ def _block_backward(
         ds = p * (gf @ vf.transpose(-1, -2) - delta)
         return (ds @ kf) * scale, (ds.transpose(-1, -2) @ qf) * scale, dv
     if q.device.type == "cuda":
-        bias = _float_mask(mask, q.dtype)
-        if bias is None:
-            bias = torch.zeros((), dtype=q.dtype, device=q.device)
-        bias = bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+        bias = _additive_mask(mask, q.dtype, align=16)
+        if bias is not None:
+            bias = bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+        tq = q.shape[2]
+        lse_padded = lse.new_zeros((*lse.shape[:-1], tq + (-tq) % 32))  # kernel's LSE layout
+        lse_padded[..., :tq] = lse
         seed = torch.zeros((), dtype=torch.int64, device=q.device)
         dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-            dout, q, k, v, bias, out, lse.contiguous(), seed, seed, 0.0,
-            [True, True, True, False], scale=scale,
+            dout, q, k, v, bias, out, lse_padded, seed, seed, 0.0,
+            [True, True, True, False], is_causal=causal, scale=scale,
         )  # fmt: skip
     else:
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse, 0.0, False,
-            attn_mask=_float_mask(mask, q.dtype), scale=scale,
+            dout, q, k, v, out, lse, 0.0, causal,
+            attn_mask=_additive_mask(mask, q.dtype), scale=scale,
         )  # fmt: skip
     return dq.float(), dk.float(), dv.float()
 
@@ -296,7 +298,7 @@ class _RingAttention(torch.autograd.Function):
                 next_kv, wait = _ring_exchange(kv, group)
             source, qs, ks, causal = _ring_block_plan(step, rank, size, chunk)
             k_index = load_balanced_indices(2 * chunk * size, source, size).to(q.device)
-            mask = _visibility(
+            mask, causal = _block_mask(
                 index[qs], k_index[ks],
                 None if doc_ids is None else doc_ids[:, qs],
                 None if doc_ids is None else all_docs[source][:, ks],
@@ -306,7 +308,7 @@ class _RingAttention(torch.autograd.Function):
                 q[:, :, qs],
                 repeat_kv(kv[0][:, :, ks], groups),
                 repeat_kv(kv[1][:, :, ks], groups),
-                mask, scale, kernel,
+                mask, causal, scale, kernel,
             )  # fmt: skip
             if step == 0:
                 out, lse = block_out.float(), block_lse
@@ -340,7 +342,7 @@ class _RingAttention(torch.autograd.Function):
                 next_kv, wait_kv = _ring_exchange(kv, group)
             source, qs, ks, causal = _ring_block_plan(step, rank, size, chunk)
             k_index = load_balanced_indices(2 * chunk * size, source, size).to(q.device)
-            mask = _visibility(
+            mask, causal = _block_mask(
                 index[qs], k_index[ks],
                 None if doc_ids is None else doc_ids[:, qs],
                 None if doc_ids is None else all_docs[source][:, ks],
@@ -349,7 +351,7 @@ class _RingAttention(torch.autograd.Function):
             bdq, bdk, bdv = _block_backward(
                 dout[:, :, qs], q[:, :, qs],
                 repeat_kv(kv[0][:, :, ks], groups), repeat_kv(kv[1][:, :, ks], groups),
-                out[:, :, qs], lse[:, :, qs], mask, scale, kernel,
+                out[:, :, qs], lse[:, :, qs], mask, causal, scale, kernel,
             )  # fmt: skip
             dq[:, :, qs] += bdq
             dkv[0][:, :, ks] += _reduce_kv_grad(bdk, groups)
@@ -423,7 +425,7 @@ def allgather_attention(
     k_index = _full_layout_index(q.shape[2], size, q.device)
     all_docs = _gather_doc_ids(doc_ids, group)
     k_docs = None if all_docs is None else all_docs.permute(1, 0, 2).reshape(q.shape[0], -1)
-    mask = _visibility(q_index, k_index, doc_ids, k_docs, causal=True)
+    mask = attention_mask(q_index, k_index, doc_ids, k_docs)
     return _sdpa(q, repeat_kv(k_all, groups), repeat_kv(v_all, groups), mask, scale)
 
 
@@ -433,7 +435,9 @@ def _seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     b, h, t, d = x.shape
     send = x.reshape(b, size, h // size, t, d).transpose(0, 1).contiguous()
     recv = funcol.all_to_all_single_autograd(send, None, None, group)
-    return recv.reshape(size, b, h // size, t, d).permute(1, 2, 0, 3, 4).reshape(b, h // size, -1, d)
+    return (
+        recv.reshape(size, b, h // size, t, d).permute(1, 2, 0, 3, 4).reshape(b, h // size, -1, d)
+    )
 
 
 def _heads_to_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -442,7 +446,11 @@ def _heads_to_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     b, h_local, seq, d = x.shape
     send = x.reshape(b, h_local, size, seq // size, d).permute(2, 0, 1, 3, 4).contiguous()
     recv = funcol.all_to_all_single_autograd(send, None, None, group)
-    return recv.reshape(size, b, h_local, seq // size, d).transpose(0, 1).reshape(b, -1, seq // size, d)
+    return (
+        recv.reshape(size, b, h_local, seq // size, d)
+        .transpose(0, 1)
+        .reshape(b, -1, seq // size, d)
+    )
 
 
 def ulysses_attention(
@@ -460,7 +468,9 @@ def ulysses_attention(
     """
     size = dist.get_world_size(group)
     if q.shape[1] % size:
-        raise ValueError(f"ulysses context parallelism needs cp = {size} to divide heads {q.shape[1]}")
+        raise ValueError(
+            f"ulysses context parallelism needs cp = {size} to divide heads {q.shape[1]}"
+        )
     groups = q.shape[1] // k.shape[1]
     if k.shape[1] % size:
         k, v, groups = repeat_kv(k, groups), repeat_kv(v, groups), 1
@@ -468,13 +478,17 @@ def ulysses_attention(
     index = _full_layout_index(q.shape[2], size, q.device)
     all_docs = _gather_doc_ids(doc_ids, group)
     docs = None if all_docs is None else all_docs.permute(1, 0, 2).reshape(q.shape[0], -1)
-    mask = _visibility(index, index, docs, docs, causal=True)
+    mask = attention_mask(index, index, docs, docs)
     out = _sdpa(q_h, repeat_kv(k_h, groups), repeat_kv(v_h, groups), mask, scale)
     return _heads_to_seq(out, group)
 
 
 # ---- model integration ---------------------------------------------------------------------------
-CP_FUNCTIONS = {"ring": ring_attention, "allgather": allgather_attention, "ulysses": ulysses_attention}
+CP_FUNCTIONS = {
+    "ring": ring_attention,
+    "allgather": allgather_attention,
+    "ulysses": ulysses_attention,
+}
 
 
 class ContextParallelAttentionCore(nn.Module):

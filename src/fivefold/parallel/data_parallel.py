@@ -56,8 +56,8 @@ def dp_mesh_for(meshes, plan: ParallelPlan) -> DeviceMesh:
     """The mesh dense weights are replicated/sharded over (see the module docstring)."""
     if plan.zero == 0:
         return meshes.dp_cp
-    if plan.dp_replicate > 1:
-        return meshes.world["dp_replicate", "dp_shard_cp"]
+    if meshes.hsdp is not None:
+        return meshes.hsdp
     return meshes.dp_shard_cp
 
 
@@ -110,7 +110,9 @@ def apply_data_parallel(
     return wrapped
 
 
-def set_gradient_sync(modules: list[FSDPModule], plan: ParallelPlan, last_micro_batch: bool) -> None:
+def set_gradient_sync(
+    modules: list[FSDPModule], plan: ParallelPlan, last_micro_batch: bool
+) -> None:
     """Before a micro-batch's backward: reduce now, or keep accumulating locally.
 
     ZeRO-2 reduce-scatters every micro-batch (sharded gradients between micro-batches); the

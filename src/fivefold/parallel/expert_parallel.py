@@ -217,7 +217,10 @@ def apply_expert_parallel(
         if not isinstance(moe.experts, ShardedExperts):
             moe.experts = ShardedExperts(moe.experts, mesh, scale)
         moe.dispatcher = AllToAllDispatcher(group)
-        moe.register_forward_hook(_global_aux_loss_hook(aux_group or group))
+        previous = getattr(moe, "_global_aux_hook", None)
+        if previous is not None:  # applied twice: keep one hook
+            previous.remove()
+        moe._global_aux_hook = moe.register_forward_hook(_global_aux_loss_hook(aux_group or group))
     return model
 
 

@@ -9,7 +9,9 @@ order. From the 5-D mesh we derive the flattened groups the runtime needs:
 - ``dp_shard_cp`` = dp_shard x cp: the axis FSDP shards over (CP ranks hold the same weights, so
                     their gradients are reduced together with the sharded data-parallel ones);
 - ``dp_cp``       = dp_replicate x dp_shard x cp: every rank holding a replica (or shard) of the
-                    same dense weights; plain DDP (ZeRO-0) all-reduces over it, the loss sums over it;
+                    same dense weights; DDP (ZeRO-0) all-reduces over it, the loss sums over it;
+- ``hsdp``        = dp_cp unflattened to (hsdp_replicate, hsdp_shard) = (dp_replicate,
+                    dp_shard x cp): HSDP's 2-D mesh;
 - ``expert``      = dp_cp unflattened to (edp_replicate, edp_shard, ep): ``ep`` is the inner
                     ``ep`` ranks of dp_shard x cp, ``edp_shard`` the outer rest of it and
                     ``edp_replicate`` = dp_replicate. Expert weights are split over ``ep`` and
@@ -46,7 +48,7 @@ class ParallelDims:
 
     @classmethod
     def from_plan(cls, plan: ParallelPlan, world_size: int) -> ParallelDims:
-        """The plan's degrees; `ConfigError` naming the numbers when they do not fit `world_size`."""
+        """The plan's degrees; `ConfigError` naming the numbers if they do not fit `world_size`."""
         dims = cls(plan.pp, plan.dp_replicate, plan.dp_shard, plan.cp, plan.tp, plan.ep)
         dims.check(world_size)
         return dims
@@ -74,7 +76,7 @@ class ParallelDims:
 
     def check(self, world_size: int) -> None:
         problems = []
-        for axis, size in zip(AXES + ("ep",), self.shape + (self.ep,), strict=True):
+        for axis, size in zip((*AXES, "ep"), (*self.shape, self.ep), strict=True):
             if not isinstance(size, int) or size < 1:
                 problems.append(f"plan.{axis} = {size!r}: must be a whole number >= 1.")
         if problems:
@@ -89,8 +91,9 @@ class ParallelDims:
             )
         if (self.dp_shard * self.cp) % self.ep:
             raise ConfigError(
-                f"plan.ep = {self.ep} must divide dp_shard * cp = {self.dp_shard * self.cp}: expert "
-                "parallelism borrows its ranks from the sharded data-parallel and context axes."
+                f"plan.ep = {self.ep} must divide dp_shard * cp = {self.dp_shard * self.cp}: "
+                "expert parallelism borrows its ranks from the sharded data-parallel and context "
+                "axes."
             )
 
     def coordinates(self, rank: int) -> dict[str, int]:
@@ -123,13 +126,18 @@ class ParallelDims:
         dp = world["dp_replicate", "dp_shard"]._flatten("dp")
         dp_shard_cp = world["dp_shard", "cp"]._flatten("dp_shard_cp")
         dp_cp = world["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+        hsdp = None
+        if self.dp_replicate > 1:
+            hsdp = dp_cp._unflatten(
+                0, (self.dp_replicate, self.dp_shard * self.cp), ("hsdp_replicate", "hsdp_shard")
+            )
         expert = None
         if self.ep > 1:
             outer = self.dp_shard * self.cp // self.ep
             expert = dp_cp._unflatten(
                 0, (self.dp_replicate, outer, self.ep), ("edp_replicate", "edp_shard", "ep")
             )
-        return Meshes(self, world, dp, dp_shard_cp, dp_cp, expert)
+        return Meshes(self, world, dp, dp_shard_cp, dp_cp, hsdp, expert)
 
 
 @dataclass
@@ -141,6 +149,7 @@ class Meshes:
     dp: DeviceMesh
     dp_shard_cp: DeviceMesh
     dp_cp: DeviceMesh
+    hsdp: DeviceMesh | None  # 2-D (hsdp_replicate, hsdp_shard) when dp_replicate > 1
     expert: DeviceMesh | None  # 3-D (edp_replicate, edp_shard, ep) when ep > 1
 
     def __getitem__(self, axis: str) -> DeviceMesh:

@@ -45,7 +45,7 @@ SCHEDULE_CLASSES = {
 }
 
 
-# ---- splitting -------------------------------------------------------------------------------
+# ---- splitting -----------------------------------------------------------------------------------
 def stage_indices(plan: ParallelPlan, pp_rank: int) -> list[int]:
     """The virtual stages (chunks) pipeline rank `pp_rank` holds, in model order."""
     stages = plan.pp * plan.vpp
@@ -91,13 +91,14 @@ def split_model_for_pipeline(model: nn.Module, plan: ParallelPlan, pp_rank: int)
 
 # ---- aux loss ------------------------------------------------------------------------------------
 class _AttachAuxLoss(torch.autograd.Function):
-    """Forward: returns `output` unchanged. Backward: passes the output gradient through and
-    gives `aux_loss` the gradient 1, so the aux loss is trained by the stage's backward."""
+    """Forward: a copy of `output` (a copy, not a view: the pipeline detaches stage outputs in
+    place). Backward: passes the output gradient through and gives `aux_loss` the gradient 1,
+    so the aux loss is trained by the stage's backward."""
 
     @staticmethod
     def forward(ctx, output: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
         ctx.aux_shape, ctx.aux_dtype = aux_loss.shape, aux_loss.dtype
-        return output.view_as(output)
+        return output.clone()
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
@@ -124,7 +125,7 @@ class _AuxLossCollector:
         return _AttachAuxLoss.apply(output, aux)
 
 
-# ---- running ---------------------------------------------------------------------------------------
+# ---- running -------------------------------------------------------------------------------------
 class PipelineRunner:
     """Runs one training step of the pipeline on this rank's chunks (see module docstring).
 

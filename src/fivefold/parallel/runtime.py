@@ -142,8 +142,14 @@ class DistributedRuntime:
             from fivefold.parallel.pipeline import PipelineRunner
 
             self.pipeline = PipelineRunner(
-                chunks, plan, self.meshes["pp"], self._pipeline_loss, self.device
+                chunks,
+                plan,
+                self.meshes["pp"],
+                self._pipeline_loss,
+                self.device,
+                scale_grads=False,
             )
+        self._weight_aux_losses()
         self._steps = 0
         self._step_times_s: list[float] = []
         self._report_at = min(3, train.steps)
@@ -157,13 +163,11 @@ class DistributedRuntime:
     # ---- description -----------------------------------------------------------------------
     def describe_layout(self) -> str:
         local = sum(_local_numel(p) for part in self.model_parts for p in part.parameters())
-        lines = [
-            f"layout: {self.plan.describe()}",
-            f"        {self.dims.describe()}, backend {dist.get_backend()}, device {self.device}",
-            f"        rank 0 holds {local:,} parameter elements in {len(self.model_parts)} "
-            "chunk(s)",
-        ]
-        return "\n".join(lines)
+        return (
+            f"parallel runtime: {self.dims.describe()}, backend {dist.get_backend()}, device "
+            f"{self.device}; rank 0 holds {local:,} parameter elements in "
+            f"{len(self.model_parts)} chunk(s)"
+        )
 
     # ---- the step ----------------------------------------------------------------------------
     def _loss_context(self):
@@ -193,7 +197,6 @@ class DistributedRuntime:
     def train_step(self, micro_batches: list):
         """Forward and backward over this rank's micro-batches (see the module docstring)."""
         from fivefold.parallel.data_parallel import set_gradient_sync
-
         from fivefold.train.runtime import StepResult
 
         measure = self._measures_memory_now()
@@ -216,7 +219,6 @@ class DistributedRuntime:
         model = self.model_parts[0]
         loss_sum = torch.zeros((), dtype=torch.float64)
         aux_sum = torch.zeros((), dtype=torch.float64)
-        aux_weight = 1.0 / (len(batches) * self.dims.dp_cp)
         for index, batch in enumerate(batches):
             set_gradient_sync(self.dp_modules, self.plan, index == len(batches) - 1)
             with self._loss_context():
@@ -224,9 +226,9 @@ class DistributedRuntime:
                 loss = token_loss_sum(logits, batch.labels) * self._loss_scale
                 objective = loss
                 if self.spec.is_moe:
-                    aux = model.aux_loss()
-                    objective = objective + aux * aux_weight
-                    aux_sum += _scalar(aux).double() * aux_weight
+                    aux = model.aux_loss()  # already weighted, see _weight_aux_losses
+                    objective = objective + aux
+                    aux_sum += _scalar(aux).double()
                 objective.backward()
             loss_sum += _scalar(loss).double()
         return loss_sum, aux_sum
@@ -235,20 +237,53 @@ class DistributedRuntime:
         with self._loss_context():
             losses = self.pipeline.step(batches)
         loss_sum = torch.zeros((), dtype=torch.float64)
-        for loss in losses or []:
+        for loss in losses:
             loss_sum += _scalar(loss).double()
         aux_sum = torch.zeros((), dtype=torch.float64)
-        aux_of = getattr(self.pipeline, "aux_loss", None)
-        if self.spec.is_moe and aux_of is not None:
-            aux_sum += float(aux_of()) / self.dims.dp_cp
+        for aux in self.pipeline.aux_losses():
+            aux_sum += _scalar(aux).double()
         return loss_sum, aux_sum
 
-    def _global_mean(self, loss_local: torch.Tensor, aux_local: torch.Tensor) -> tuple[float, float]:
+    def _global_mean(
+        self, loss_local: torch.Tensor, aux_local: torch.Tensor
+    ) -> tuple[float, float]:
         """Sum the per-rank contributions over the world; TP ranks hold identical copies."""
         both = torch.stack([loss_local, aux_local])
         dist.all_reduce(both)
         both /= self.plan.tp
         return float(both[0]), float(both[1])
+
+    @torch.no_grad()
+    def eval_loss(self, batches: list) -> float:
+        """Mean token loss over every rank's `batches` (this rank's data-parallel share), no
+        gradients; the same number on every rank. NaN under pipeline parallelism when the
+        pipeline runner has no forward-only mode."""
+        for part in self.model_parts:
+            part.eval()
+        try:
+            scale = 1.0 / self._global_token_count(batches)
+            batches = [self._prepare(b) for b in batches]
+            total = torch.zeros((), dtype=torch.float64)
+            if self.pipeline is not None:
+                if not hasattr(self.pipeline, "eval"):
+                    return float("nan")
+                self._loss_scale = scale  # the pipeline's loss function applies it
+                with self._loss_context():
+                    losses = self.pipeline.eval(batches)
+                total += sum(_scalar(loss).double() for loss in losses)
+            else:
+                model = self.model_parts[0]
+                for batch in batches:
+                    with self._loss_context():
+                        logits = model(
+                            batch.tokens, positions=batch.positions, doc_ids=batch.doc_ids
+                        )
+                        total += _scalar(token_loss_sum(logits, batch.labels)).double() * scale
+            loss, _ = self._global_mean(total, torch.zeros((), dtype=torch.float64))
+            return loss
+        finally:
+            for part in self.model_parts:
+                part.train()
 
     # ---- gradients ---------------------------------------------------------------------------
     def _grads(self) -> list[torch.Tensor]:
@@ -271,7 +306,9 @@ class DistributedRuntime:
     def _measures_memory_now(self) -> bool:
         """CPU: track allocations during the step before the report (unless the loop does)."""
         step = self._steps + 1
-        return self.device.type == "cpu" and step == self._report_at and step != self._loop_memory_step
+        return (
+            self.device.type == "cpu" and step == self._report_at and step != self._loop_memory_step
+        )
 
     @contextlib.contextmanager
     def _memory_tracker(self, active: bool):

@@ -24,6 +24,7 @@ from __future__ import annotations
 from functools import partial
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
@@ -45,9 +46,12 @@ class ReplicatedKVColwise(ParallelStyle):
 
     The weight [Hkv * Dh, D] is placed on a 2-D view (kv, rep) of the TP mesh as
     [Shard(0), Replicate()]: TP rank r holds kv head r // (tp / Hkv), which is the head read by
-    its query heads [r * Hq/tp, (r+1) * Hq/tp). Forward: input [B, T, D] (replicated) ->
-    local output [B, T, Dh]. Backward: the output gradient is a partial sum over the `rep` ranks
-    of a head (each saw only its own query heads), so the weight gradient is summed over them.
+    its query heads [r * Hq/tp, (r+1) * Hq/tp). Forward: input [B, T, D] (replicated DTensor
+    on the TP mesh) -> local output [B, T, Dh], a plain matmul with the local weight. Backward:
+    each rank's gradients cover only its own query heads, so the weight gradient is a partial
+    sum over the `rep` ranks of its head (reduced with the other gradients by FSDP/DDP) and the
+    input gradient a partial sum over the TP group (reduced once, with the other projections',
+    where the attention input is gathered).
     """
 
     def __init__(self, kv_mesh: DeviceMesh):
@@ -55,35 +59,25 @@ class ReplicatedKVColwise(ParallelStyle):
         self.kv_mesh = kv_mesh
         self.src_data_rank = None
 
-    def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
-        for param_name, param in list(module.named_parameters(recurse=False)):
+    def _partition(self, module: nn.Linear) -> None:
+        for name, param in list(module.named_parameters(recurse=False)):
             placed = distribute_tensor(
                 param, self.kv_mesh, [Shard(0), Replicate()], src_data_rank=None
             )
-            module.register_parameter(
-                param_name, nn.Parameter(placed, requires_grad=param.requires_grad)
-            )
+            module.register_parameter(name, nn.Parameter(placed, requires_grad=param.requires_grad))
 
-    def _prepare_input(self, module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
-        x = inputs[0]
+    @staticmethod
+    def _forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         if isinstance(x, DTensor):
-            if any(not isinstance(p, Replicate) for p in x.placements):
-                x = x.redistribute(placements=[Replicate()] * x.device_mesh.ndim)
-            x = x.to_local()
-        placed = DTensor.from_local(x, self.kv_mesh, [Replicate(), Replicate()], run_check=False)
-        return (placed, *inputs[1:])
-
-    def _prepare_output(self, module: nn.Module, output: DTensor, mesh: DeviceMesh):
-        return output.to_local(grad_placements=[Shard(output.ndim - 1), Partial()])
+            x = x.to_local(grad_placements=[Partial()] * x.device_mesh.ndim)
+        weight = module.weight.to_local(grad_placements=[Shard(0), Partial()])
+        return F.linear(x, weight)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        self._partition("", module, device_mesh)
-        module.register_forward_pre_hook(
-            lambda mod, inputs: self._prepare_input(mod, inputs, device_mesh)
-        )
-        module.register_forward_hook(
-            lambda mod, inputs, output: self._prepare_output(mod, output, device_mesh)
-        )
+        if not isinstance(module, nn.Linear) or module.bias is not None:
+            raise NotImplementedError("ReplicatedKVColwise shards bias-free nn.Linear only")
+        self._partition(module)
+        module.forward = partial(self._forward, module)  # type: ignore[method-assign]
         return module
 
 

@@ -96,6 +96,11 @@ def pipeline_link(cluster: ClusterSpec, plan: ParallelPlan, eff: EfficiencyModel
 
 
 # ---- collective times ----------------------------------------------------------------------------
+def activation_bytes(tokens: float, hidden: int, element_bytes: float = 2) -> float:
+    """Size of one activation tensor of `tokens` x `hidden` (what a TP collective moves)."""
+    return tokens * hidden * element_bytes
+
+
 def all_reduce_bytes(size_bytes: float, n: int) -> float:
     """Bytes a rank sends in a ring all-reduce of `size_bytes`: 2 (n-1)/n * S."""
     return 2 * (n - 1) / n * size_bytes if n > 1 else 0.0

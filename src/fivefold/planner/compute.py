@@ -8,11 +8,11 @@ The efficiency model (parameters in `fivefold.planner.calibration`, fitted by
 
 - GEMMs. A matmul of (m x k) by (k x n) does 2mnk FLOPs and moves e(mk + kn + mn) bytes, an
   arithmetic intensity I = 2mnk / (e(mk + kn + mn)) FLOP/byte. It runs at
-      peak * gemm_peak_fraction[arch] * I / (I + gemm_half_intensity * ridge),
-  ridge = peak / HBM bandwidth: a smooth roofline. Large square GEMMs approach the architecture's
-  fraction; thin ones (small h/tp, few tokens per expert) are bandwidth-bound. The backward runs
-  two GEMMs of the same size per forward GEMM: the input gradient (in the "B" pass) and the weight
-  gradient (the "W" pass).
+      peak * min(gemm_peak_fraction[arch] * I / (I + gemm_half_intensity * ridge), I / ridge),
+  ridge = peak / HBM bandwidth: a smooth roofline under the hard one. Large square GEMMs
+  approach the architecture's fraction; thin ones (small h/tp, few tokens per expert) are
+  bandwidth-bound. The backward runs two GEMMs of the same size per forward GEMM: the input
+  gradient (in the "B" pass) and the weight gradient (the "W" pass).
 - Attention core. Fused (flash) kernels: 4 * T * (s/2) * head_dim * heads/tp causal FLOPs forward
   at `attention_peak_fraction` of peak, the backward `attention_backward_ratio` (2.5) times the
   forward time. Classic kernels (Megatron 2021: QK^T and AV as batched GEMMs over the full s x s
@@ -48,10 +48,20 @@ ATTENTION_DTYPE = "bf16"  # attention kernels run in bf16 even under fp8 recipes
 LOSS_BYTES_PER_LOGIT = 24.0  # fp32: upcast, log-softmax, gradient, cast back
 
 
+# Eager PyTorch's unfused kernels move about 3x the bytes of fused ones, counted for a Llama
+# block: RMSNorm as 7 fp32 passes (upcast, pow, mean, rsqrt, mul, cast, weight) against 2 bf16
+# ones; RoPE through complex fp32 (5 passes against 2); SiLU then multiply (10 bytes per element
+# against 6).
+UNFUSED_TRAFFIC_FACTOR = 3.0
+SELECTIVE_POLICIES = ("attention", "alternate-matmul")
+
+
 @dataclass(frozen=True)
 class ComputeOptions:
     attention_kernel: str = "flash"  # or "classic"
     dropout: bool = False
+    fused_elementwise: bool = True
+    selective_policy: str = "attention"  # or "alternate-matmul"
 
 
 @dataclass(frozen=True)
@@ -93,6 +103,34 @@ def _fields(w: Work) -> tuple[float, ...]:
     )
 
 
+# ---- back-of-envelope helpers (the seeds' arithmetic) -------------------------------------------
+SECONDS_PER_YEAR = 365.25 * 86400
+
+
+def training_flops(n_params: float, tokens: float) -> float:
+    """The 6 N D rule: forward (2N) plus backward (4N) FLOPs per token, times D tokens."""
+    return 6.0 * n_params * tokens
+
+
+def time_to_train_s(flops: float, gpus: int, peak_flops: float, mfu: float = 1.0) -> float:
+    """Seconds to do `flops` on `gpus` devices of `peak_flops` each at utilisation `mfu`."""
+    return flops / (gpus * peak_flops * mfu)
+
+
+def gemm_intensity(
+    m: float, n: float, k: float, element_bytes: float = 2, include_output: bool = True
+) -> float:
+    """FLOP per byte of an (m x k) @ (k x n) matmul: 2mnk over the bytes of its operands (and
+    of its output unless `include_output` is False)."""
+    moved = m * k + k * n + (m * n if include_output else 0)
+    return 2.0 * m * n * k / (element_bytes * moved)
+
+
+def ridge_point(device: GPUSpec, dtype: str = "bf16") -> float:
+    """FLOP per byte where the roofline turns: peak FLOP/s over HBM bytes/s."""
+    return device.peak(dtype) / device.hbm_bw_bytes_per_s
+
+
 # ---- kernels ----------------------------------------------------------------------------------
 def gemm_time_s(
     m: float, n: float, k: float, device: GPUSpec, eff: EfficiencyModel, dtype: str = "bf16"
@@ -107,6 +145,7 @@ def gemm_time_s(
     ridge = peak / device.hbm_bw_bytes_per_s
     fraction = eff.gemm_fraction(device.arch) * intensity
     fraction /= intensity + eff.gemm_half_intensity * ridge
+    fraction = min(fraction, intensity / ridge)  # never above the roofline
     return flops / (peak * fraction)
 
 
@@ -124,7 +163,9 @@ def flash_attention_forward_s(
 
 
 # ---- one transformer layer --------------------------------------------------------------------
-def layer_gemms(model: ModelSpec, plan: ParallelPlan, moe: bool) -> list[tuple[float, float, float, float]]:
+def layer_gemms(
+    model: ModelSpec, plan: ParallelPlan, moe: bool
+) -> list[tuple[float, float, float, float]]:
     """Forward GEMMs of one layer on one rank as (m, n, k, count)."""
     t = plan.tp
     h = model.hidden
@@ -135,7 +176,7 @@ def layer_gemms(model: ModelSpec, plan: ParallelPlan, moe: bool) -> list[tuple[f
     if not moe:
         f = model.ffn / t
         up = 2 * f if model.mlp == "swiglu" else f
-        return out + [(tokens, up, h, 1.0), (tokens, h, f, 1.0)]
+        return [*out, (tokens, up, h, 1.0), (tokens, h, f, 1.0)]
     fe = model.expert_ffn / t
     local_experts = model.experts / plan.ep
     per_expert = tokens * model.top_k * plan.ep / model.experts
@@ -173,7 +214,10 @@ def layer_elementwise_bytes(
 
 
 def classic_attention(
-    model: ModelSpec, plan: ParallelPlan, device: GPUSpec, eff: EfficiencyModel,
+    model: ModelSpec,
+    plan: ParallelPlan,
+    device: GPUSpec,
+    eff: EfficiencyModel,
     opts: ComputeOptions,
 ) -> tuple[float, float]:
     """(forward, backward) seconds of unfused attention: batched GEMMs over the full s x s
@@ -208,11 +252,23 @@ def layer_work(
     else:
         attn_f = flash_attention_forward_s(model, plan, device, eff)
         attn_b = eff.attention_backward_ratio * attn_f
-    elem = memory_time_s(layer_elementwise_bytes(model, plan, moe, opts), device, eff)
+    elem_bytes = layer_elementwise_bytes(model, plan, moe, opts)
+    if not opts.fused_elementwise:
+        elem_bytes *= UNFUSED_TRAFFIC_FACTOR
+    elem = memory_time_s(elem_bytes, device, eff)
     overhead = eff.layer_overhead_s
     forward = gemm + attn_f + elem + overhead
     if plan.recompute == "full":
         recompute = forward
+    elif plan.recompute == "selective" and opts.selective_policy == "alternate-matmul":
+        gemms = layer_gemms(model, plan, moe)
+        recompute = (
+            sum(
+                count * gemm_time_s(m, n, k, device, eff, dtype)
+                for m, n, k, count in _alternate(_split_fused(model, plan, gemms, moe))
+            )
+            + elem
+        )
     elif plan.recompute == "selective":
         recompute = attn_f
     else:
@@ -221,9 +277,32 @@ def layer_work(
     return Work(forward, backward_input, gemm, recompute, gemm, attn_f, attn_b)
 
 
-def head_work(
-    model: ModelSpec, plan: ParallelPlan, device: GPUSpec, eff: EfficiencyModel
-) -> Work:
+def _split_fused(model: ModelSpec, plan: ParallelPlan, gemms: list, moe: bool) -> list:
+    """The per-matrix matmuls in execution order (wq, wk, wv, wo, w1, w3, w2) of a dense layer,
+    as eager code runs them; MoE layers keep the grouped list."""
+    if moe:
+        return gemms
+    t = plan.tp
+    tokens, h = gemms[0][0], model.hidden
+    kv = local_kv_width(model, t)
+    out = [
+        (tokens, model.q_width / t, h, 1.0),
+        (tokens, kv, h, 1.0),
+        (tokens, kv, h, 1.0),
+        gemms[1],
+    ]
+    f = model.ffn / t
+    if model.mlp == "swiglu":
+        return [*out, (tokens, f, h, 1.0), (tokens, f, h, 1.0), gemms[3]]
+    return [*out, gemms[2], gemms[3]]
+
+
+def _alternate(gemms: list) -> list:
+    """Every second matmul (the 2nd, 4th, ...): what op-level SAC recomputes."""
+    return gemms[1::2]
+
+
+def head_work(model: ModelSpec, plan: ParallelPlan, device: GPUSpec, eff: EfficiencyModel) -> Work:
     """The LM head matmul and the cross-entropy loss for one micro-batch on the last stage."""
     dtype = recipe(plan.precision).compute_dtype
     tokens = plan.micro_batch * model.seq_len / plan.cp

@@ -61,7 +61,7 @@ above, which is the caching allocator's typical reserved-but-unallocated share.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from fivefold.errors import ConfigError
@@ -93,6 +93,7 @@ class MemoryOptions:
     fragmentation_fraction: float = 0.05
     dp_bucket_bytes: float = 25 * MiB
     logits_bytes_per_element: float = 8.0  # fp32 logits + fp32 gradient
+    selective_policy: str = "attention"  # or "alternate-matmul" (torchtitan's op-level SAC)
 
     def problems(self) -> list[str]:
         out = []
@@ -105,6 +106,11 @@ class MemoryOptions:
             out.append(
                 f"attention_kernel = {self.attention_kernel!r}: choose one of "
                 f"{', '.join(ATTENTION_KERNELS)}."
+            )
+        if self.selective_policy not in ("attention", "alternate-matmul"):
+            out.append(
+                f"selective_policy = {self.selective_policy!r}: choose 'attention' or "
+                "'alternate-matmul'."
             )
         for name in ("cuda_context_bytes", "fragmentation_fraction", "dp_bucket_bytes"):
             if getattr(self, name) < 0:
@@ -164,8 +170,12 @@ def simple_activation_bytes(
     layers: int, hidden: int, micro_batch: int, seq_len: int, element_bytes: float = 2
 ) -> float:
     """Seed 001's activation estimate: 12 * L * B * S * d * bytes."""
-    for name, value in (("layers", layers), ("hidden", hidden), ("micro_batch", micro_batch),
-                        ("seq_len", seq_len)):
+    for name, value in (
+        ("layers", layers),
+        ("hidden", hidden),
+        ("micro_batch", micro_batch),
+        ("seq_len", seq_len),
+    ):
         if value <= 0:
             raise ConfigError(f"{name} = {value}: must be positive.")
     return SIMPLE_K * layers * micro_batch * seq_len * hidden * element_bytes
@@ -223,6 +233,18 @@ def local_kv_width(model: ModelSpec, tp: int) -> float:
     return max(model.kv_heads / tp, 1.0) * model.head_dim
 
 
+def heads_per_rank(model: ModelSpec, tp: int) -> int:
+    """Query heads each TP rank holds."""
+    if model.heads % tp:
+        raise ConfigError(f"plan.tp = {tp} must divide model.heads = {model.heads}.")
+    return model.heads // tp
+
+
+def qkv_params_per_rank(model: ModelSpec, tp: int) -> float:
+    """Parameters of the column-parallel Q, K and V projections on one TP rank."""
+    return model.hidden * (model.q_width / tp + 2 * local_kv_width(model, tp))
+
+
 def layer_params_per_rank(model: ModelSpec, moe: bool, tp: int, ep: int) -> LayerParams:
     h = model.hidden
     attn = attention_params(model) - 2 * h * model.kv_width  # wq and wo
@@ -265,21 +287,40 @@ class ChunkParams:
     max_layer: float  # the largest layer's local parameters (ZeRO-3 gather buffer)
 
 
-def chunk_params(model: ModelSpec, plan: ParallelPlan, counts: list[int], chunk: int) -> ChunkParams:
+def chunk_params(
+    model: ModelSpec, plan: ParallelPlan, counts: list[int], chunk: int
+) -> ChunkParams:
     n_dense, n_moe = chunk_layers(model, counts, chunk)
-    dl = layer_params_per_rank(model, False, plan.tp, plan.ep)
+    last = len(counts) - 1
+    return params_of(model, plan.tp, plan.ep, n_dense, n_moe, chunk == 0, chunk == last, last > 0)
+
+
+@lru_cache(maxsize=65536)
+def params_of(
+    model: ModelSpec,
+    tp: int,
+    ep: int,
+    n_dense: int,
+    n_moe: int,
+    first: bool,
+    last: bool,
+    pipelined: bool,
+) -> ChunkParams:
+    """Parameters of a virtual stage with `n_dense` dense and `n_moe` MoE layers on one rank,
+    holding the embedding when `first` and the head when `last`."""
+    dl = layer_params_per_rank(model, False, tp, ep)
     dense = n_dense * (dl.dense + dl.replicated)
     experts = 0.0
     largest = dl.total if n_dense else 0.0
     if n_moe:
-        ml = layer_params_per_rank(model, True, plan.tp, plan.ep)
+        ml = layer_params_per_rank(model, True, tp, ep)
         dense += n_moe * (ml.dense + ml.replicated)
         experts = n_moe * ml.experts
         largest = max(largest, ml.total)
-    if chunk == 0:
-        dense += embedding_params_per_rank(model, plan.tp)
-    if chunk == len(counts) - 1:
-        head, norm = head_params_per_rank(model, plan.tp, pipelined=len(counts) > 1)
+    if first:
+        dense += embedding_params_per_rank(model, tp)
+    if last:
+        head, norm = head_params_per_rank(model, tp, pipelined)
         dense += head + norm
     return ChunkParams(dense, experts, largest)
 
@@ -294,7 +335,9 @@ def expert_shard_degree(plan: ParallelPlan) -> int:
     return max(1, plan.dp_shard * plan.cp // plan.ep)
 
 
-def chunk_state_bytes(model: ModelSpec, plan: ParallelPlan, counts: list[int], chunk: int) -> Tenants:
+def chunk_state_bytes(
+    model: ModelSpec, plan: ParallelPlan, counts: list[int], chunk: int
+) -> Tenants:
     """Parameter, gradient and optimizer bytes of one virtual stage on one rank."""
     cp = chunk_params(model, plan, counts, chunk)
     rec = recipe(plan.precision)
@@ -325,6 +368,8 @@ def layer_activation_bytes(
     sb = s * b
     if policy == "full":
         return e * sb * h / replicated_div
+    if policy == "selective" and opts.selective_policy == "alternate-matmul" and not moe:
+        return _alternate_matmul_bytes(model, plan, e, sb, replicated_div)
     return _stored_bytes(model, plan, moe, opts, policy, e, sb, replicated_div)
 
 
@@ -362,6 +407,19 @@ def _stored_bytes(model, plan, moe, opts, policy, e, sb, rdiv) -> float:
         total += model.shared_experts * 3 * e * sb * fe
         total += 4 * sb * model.experts  # fp32 router probabilities
     return total
+
+
+def _alternate_matmul_bytes(model, plan, e, sb, rdiv) -> float:
+    """torchtitan's op-level SAC keeps the layer input, the outputs of wq, wv, w1 and w2 (the
+    odd matmuls), and the attention output with its log-sum-exp; the rest is recomputed."""
+    t = plan.tp
+    q = model.q_width / t
+    kv = local_kv_width(model, t)
+    f = model.ffn / t
+    kept = e * sb * model.hidden / rdiv  # checkpoint input
+    kept += e * sb * (q + kv + f + model.hidden)  # wq, wv, w1, w2 outputs
+    kept += e * sb * q + 4 * sb * model.heads / t  # attention output and log-sum-exp
+    return kept
 
 
 def chunk_activation_bytes(
@@ -491,9 +549,23 @@ def compute_bytes(rec: PrecisionRecipe) -> int:
     return {"fp8": 1, "bf16": 2, "fp16": 2}.get(rec.compute_dtype, 4)
 
 
+def memory_key(plan: ParallelPlan) -> ParallelPlan:
+    """The plan with the fields stage memory does not depend on reset (a cache key): the
+    micro-batch count enters only through the in-flight count, dp_replicate only through
+    whether there is data parallelism at all."""
+    return replace(plan, grad_accum=1, dp_replicate=min(plan.dp_replicate, 2))
+
+
 @lru_cache(maxsize=65536)
-def _cached_stage_memory(model, plan, rank, inflight, options, counts) -> StageMemory:
-    return stage_memory(model, plan, rank, inflight, options, list(counts))
+def _cached_stage_memory(model, key, rank, inflight, options, counts) -> StageMemory:
+    return stage_memory(model, key, rank, inflight, options, list(counts))
+
+
+def rank_signature(plan: ParallelPlan, counts: tuple[int, ...], rank: int) -> tuple:
+    """What a rank's costs depend on: per chunk, its layer count and whether it is the first or
+    the last virtual stage. Ranks with equal signatures hold equal work and memory."""
+    last = len(counts) - 1
+    return tuple((counts[c], c == 0, c == last) for c in chunks_of_rank(plan, rank))
 
 
 def all_stage_memory(
@@ -505,7 +577,14 @@ def all_stage_memory(
     """Memory of every pipeline rank given the peak in-flight micro-batches per rank."""
     opts = options or MemoryOptions()
     counts = tuple(stage_layer_counts(model, plan.pp * plan.vpp))
-    return [
-        _cached_stage_memory(model, plan, r, int(inflight[r]), opts, counts)
-        for r in range(plan.pp)
-    ]
+    key = memory_key(plan)
+    first_rank: dict[tuple, int] = {}
+    out = []
+    for r in range(plan.pp):
+        sig = (rank_signature(plan, counts, r), int(inflight[r]))
+        if model.is_moe:  # dense and MoE layers differ by position
+            sig = (sig, r)
+        rep = first_rank.setdefault(sig, r)
+        mem = _cached_stage_memory(model, key, rep, int(inflight[r]), opts, counts)
+        out.append(mem if rep == r else replace(mem, stage=r))
+    return out

@@ -4,7 +4,13 @@ They describe the software a run uses rather than the layout: the attention kern
 framework overlaps tensor-parallel communication with GEMMs (Megatron's `--tp-comm-overlap`;
 PyTorch's DTensor TP does not) and data-parallel gradient reduction with the backward (DDP and
 FSDP do), the activation model, and the fixed memory terms. The defaults describe the fivefold
-runtime: flash attention, no dropout, exposed TP collectives, overlapped DP reduction.
+runtime: flash attention, no dropout, exposed TP collectives, overlapped DP reduction, fused
+element-wise kernels, and "selective" recompute meaning the attention core (Korthikanti et al.
+2022, what `fivefold.train.recompute` does). `selective_policy="alternate-matmul"` describes
+torchtitan's op-level selective checkpointing instead: in each layer every second matmul (wk, wo
+and w3 of a Llama block) and every element-wise op are recomputed, the attention output is kept.
+`fused_elementwise=False` describes eager PyTorch, whose unfused norms, RoPE and activations move
+about three times the bytes of fused kernels (see `compute.UNFUSED_TRAFFIC_FACTOR`).
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ from dataclasses import dataclass
 
 from fivefold.errors import ConfigError
 from fivefold.planner.compute import ComputeOptions
-from fivefold.planner.memory import GiB, MiB, MemoryOptions
+from fivefold.planner.memory import GiB, MemoryOptions, MiB
 
 
 @dataclass(frozen=True)
@@ -23,6 +29,8 @@ class PlannerOptions:
     dropout: bool = False
     tp_comm_overlap: bool = False
     dp_overlap: bool = True
+    fused_elementwise: bool = True
+    selective_policy: str = "attention"  # or "alternate-matmul" (torchtitan's op-level SAC)
     cuda_context_bytes: float = 0.75 * GiB
     fragmentation_fraction: float = 0.05
     dp_bucket_bytes: float = 25 * MiB
@@ -35,10 +43,16 @@ class PlannerOptions:
             cuda_context_bytes=self.cuda_context_bytes,
             fragmentation_fraction=self.fragmentation_fraction,
             dp_bucket_bytes=self.dp_bucket_bytes,
+            selective_policy=self.selective_policy,
         )
 
     def compute(self) -> ComputeOptions:
-        return ComputeOptions(attention_kernel=self.attention_kernel, dropout=self.dropout)
+        return ComputeOptions(
+            attention_kernel=self.attention_kernel,
+            dropout=self.dropout,
+            fused_elementwise=self.fused_elementwise,
+            selective_policy=self.selective_policy,
+        )
 
     def validate(self) -> None:
         problems = self.memory().problems()

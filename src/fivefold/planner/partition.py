@@ -75,9 +75,7 @@ def _counts(model: ModelSpec, stages: int) -> tuple[int, ...]:
     return tuple(counts)
 
 
-def _fill_from_back(
-    costs: list[float], head: float, stages: int, limit: float
-) -> list[int] | None:
+def _fill_from_back(costs: list[float], head: float, stages: int, limit: float) -> list[int] | None:
     """Pack layers into `stages` runs of cost <= limit from the last stage backwards, leaving at
     least one layer for each earlier stage; None when the first stage would exceed `limit`."""
     counts = [0] * stages

@@ -6,11 +6,14 @@ What is enumerated (outer to inner, so memory can prune whole subtrees early):
 - cp: divisors of the rest with at least `MIN_CP_TOKENS` tokens per rank (below that, ring
   attention is latency-bound and never pays);
 - pp: divisors of the rest, at most the number of layers; dp is what remains;
-- the data-parallel split and ZeRO stage: plain DP (zero 0), ZeRO 1/2/3 over all DP ranks, and
-  HSDP (ZeRO-3 sharded inside groups of dp_shard, replicated across them);
+- the data-parallel split and ZeRO stage: ZeRO 1/2/3 over all DP ranks and HSDP (ZeRO-3 sharded
+  inside groups of dp_shard, replicated across them). Plain DP (zero 0) only when pinned or when
+  there is nothing to shard: ZeRO-1 moves the same bytes (reduce-scatter + all-gather = one
+  all-reduce) and saves the optimizer state;
 - ep (MoE models): divisors of the experts that divide dp_shard * cp;
 - the schedule: one stage per rank (1f1b) without a pipeline; with one, gpipe, 1f1b,
-  interleaved-1f1b with v in `VPP_CHOICES`, zbv and dualpipev;
+  interleaved-1f1b with v in `VPP_CHOICES`, zbv, and dualpipev for MoE models (for a dense model
+  it only adds a chunk of activations to ZBV);
 - precision (the recipes asked for; bf16-mixed by default: changing numerics is a modelling
   decision, not a layout one);
 - micro-batch (powers of two) and recompute (none, selective, full);
@@ -34,6 +37,7 @@ the nearest ones (smallest memory overflow first) are returned with the result.
 
 from __future__ import annotations
 
+import bisect
 import math
 import time
 from collections.abc import Iterator
@@ -41,7 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fivefold.errors import ConfigError
-from fivefold.planner.memory import stage_memory
+from fivefold.planner.bounds import BoundContext, memory_lower_bound, step_lower_bound
 from fivefold.planner.schedule import build_schedule
 from fivefold.spec.cluster import ClusterSpec
 from fivefold.spec.hardware import GiB
@@ -52,12 +56,13 @@ from fivefold.spec.precision import RECIPES
 DEFAULT_BATCH_TOKENS = 4 * 2**20  # ~4M tokens: the seeds' target and Llama-scale practice
 BATCH_TOLERANCE = 0.05
 MIN_CP_TOKENS = 1024
-VPP_CHOICES = (2, 3, 4, 6, 8)
+VPP_CHOICES = (2, 4, 8)
 MAX_MICRO_BATCH = 64
 TIE_FRACTION = 0.005
 KEEP_REJECTED = 40
 
 PLAN_FIELDS = tuple(ParallelPlan.__dataclass_fields__)
+FIXABLE = (*PLAN_FIELDS, "dp")  # "dp" pins dp_replicate * dp_shard
 
 
 @dataclass
@@ -80,6 +85,7 @@ class SearchResult:
     """The fastest layout, the runners-up, the nearest rejections and why."""
 
     best: Any  # Estimate
+    best_plan: ParallelPlan
     alternatives: list[Any]  # Estimates, fastest first (best excluded)
     rejected: list[tuple[ParallelPlan, str]]
     explanation: list[str]
@@ -164,12 +170,17 @@ def cp_choices(model: ModelSpec, rest: int) -> list[int]:
     ]
 
 
-def dp_splits(dp: int, cp: int) -> list[tuple[int, int, int]]:
-    """(dp_replicate, dp_shard, zero): plain DP, ZeRO 1-3 over every DP rank, HSDP."""
+def dp_splits(dp: int, cp: int, with_plain: bool = False) -> list[tuple[int, int, int]]:
+    """(dp_replicate, dp_shard, zero): ZeRO 1-3 over every DP (x CP) rank, and HSDP.
+
+    Plain DP (zero 0) is left out unless asked for (`with_plain`) or nothing can be sharded: a
+    reduce-scatter plus an all-gather moves the same bytes as the all-reduce it replaces, so
+    ZeRO-1 costs the same time and saves the optimizer state.
+    """
     if dp * cp == 1:
         return [(1, 1, 0)]
-    out = [(dp, 1, 0)]
-    out += [(1, dp, zero) for zero in (1, 2, 3)] if dp > 1 else [(1, 1, z) for z in (1, 2, 3)]
+    out = [(dp, 1, 0)] if with_plain else []
+    out += [(1, dp, zero) for zero in (1, 2, 3)]
     out += [(dp // s, s, 3) for s in divisors(dp) if 1 < s < dp]
     return out
 
@@ -186,7 +197,9 @@ def schedule_choices(model: ModelSpec, pp: int) -> list[tuple[str, int]]:
     out = [("gpipe", 1), ("1f1b", 1)]
     out += [("interleaved-1f1b", v) for v in VPP_CHOICES if pp * v <= model.layers]
     if 2 * pp <= model.layers:
-        out += [("zbv", 2), ("dualpipev", 2)]
+        # DualPipeV differs from ZBV by hiding expert all-to-alls behind compute; for a dense
+        # model it has the same bubble and one more chunk of activations in flight.
+        out += [("zbv", 2), ("dualpipev", 2)] if model.is_moe else [("zbv", 2)]
     return out
 
 
@@ -202,6 +215,12 @@ def micro_batch_choices(target: BatchTarget, dp: int) -> list[int]:
 
 # ---- the search ----------------------------------------------------------------------------
 @dataclass
+class _Candidate:
+    upper_tokens_per_s: float
+    plan: ParallelPlan
+
+
+@dataclass
 class _Search:
     model: ModelSpec
     cluster: ClusterSpec
@@ -209,9 +228,15 @@ class _Search:
     headroom: float
     precisions: tuple[str, ...]
     fixed: dict[str, Any]
+    top: int = 5
     outcomes: dict[ParallelPlan, Outcome] = field(default_factory=dict)
+    candidates: list[_Candidate] = field(default_factory=list)
     evaluated: int = 0
     considered: int = 0
+    pruned_by_bound: int = 0
+
+    def __post_init__(self) -> None:
+        self.bounds = BoundContext.default(self.model, self.cluster)
 
     @property
     def budget_bytes(self) -> float:
@@ -221,6 +246,7 @@ class _Search:
         return name not in self.fixed or self.fixed[name] == value
 
     def run(self) -> None:
+        """Enumerate and screen every candidate, then cost them best bound first."""
         world = self.cluster.world_size
         for tp in tp_choices(self.model, self.cluster):
             if not self.allowed("tp", tp):
@@ -231,7 +257,9 @@ class _Search:
                 for pp in divisors(world // (tp * cp)):
                     if pp > self.model.layers or not self.allowed("pp", pp):
                         continue
-                    self.shape(tp, cp, pp, world // (tp * cp * pp))
+                    if self.allowed("dp", world // (tp * cp * pp)):
+                        self.shape(tp, cp, pp, world // (tp * cp * pp))
+        self.cost_candidates()
 
     def shape(self, tp: int, cp: int, pp: int, dp: int) -> None:
         if dp > self.target.sequences * (1 + self.target.tolerance):
@@ -243,7 +271,7 @@ class _Search:
                 f"{self.target.sequences:g} sequences per step",
             )
             return
-        for dp_replicate, dp_shard, zero in dp_splits(dp, cp):
+        for dp_replicate, dp_shard, zero in dp_splits(dp, cp, self.fixed.get("zero") == 0):
             if not (self.allowed("zero", zero) and self.allowed("dp_shard", dp_shard)):
                 continue
             if not self.allowed("dp_replicate", dp_replicate):
@@ -286,11 +314,52 @@ class _Search:
                 if not self.allowed("recompute", recompute):
                     continue
                 plan = base.with_(micro_batch=mbs, grad_accum=accum, recompute=recompute)
-                kinds.append(self.evaluate(plan).kind)
-                if kinds[-1] != "memory":
-                    break  # it fits (heavier recompute only adds compute) or is invalid
+                kinds.append(self.screen(plan))
+                if kinds[-1] == "invalid":
+                    break  # the same problem for every policy
             if kinds and all(kind == "memory" for kind in kinds):
-                return  # a larger micro-batch will not fit either
+                return  # a larger micro-batch needs more memory still
+
+    def screen(self, plan: ParallelPlan) -> str:
+        """Validity and the memory lower bound; a survivor joins the candidates with its bound."""
+        problems = plan.problems(self.model, self.cluster)
+        if problems:
+            return self.reject(plan, "invalid", " ".join(problems)).kind
+        bound = memory_lower_bound(self.bounds, plan, _inflight(plan))
+        if bound > self.budget_bytes:
+            return self.reject(
+                plan, "memory", self.memory_reason(bound, None), bound - self.budget_bytes
+            ).kind
+        step = step_lower_bound(self.bounds, plan)
+        tokens = plan.global_batch * self.model.seq_len
+        self.candidates.append(_Candidate(tokens / step if step > 0 else math.inf, plan))
+        return "candidate"
+
+    def cost_candidates(self) -> None:
+        """Full estimates, highest tokens/s bound first, until no bound can reach the top."""
+        self.candidates.sort(key=lambda c: -c.upper_tokens_per_s)
+        found: list[float] = []  # minus the tokens/s of fitting layouts, ascending
+        for i, cand in enumerate(self.candidates):
+            if len(found) >= self.top:
+                threshold = min(-found[self.top - 1], -found[0] * (1 - TIE_FRACTION))
+                if cand.upper_tokens_per_s < threshold:
+                    self.pruned_by_bound = len(self.candidates) - i
+                    self.considered += self.pruned_by_bound
+                    return
+            if self.lighter_recompute_fits(cand.plan):
+                self.considered += 1
+                continue  # same layout, less recompute, already fits: strictly faster
+            outcome = self.estimate(cand.plan)
+            if outcome.fits:
+                bisect.insort(found, -tokens_per_s(outcome.estimate))
+
+    def lighter_recompute_fits(self, plan: ParallelPlan) -> bool:
+        order = RECOMPUTE_POLICIES.index(plan.recompute)
+        for lighter in RECOMPUTE_POLICIES[:order]:
+            o = self.outcomes.get(plan.with_(recompute=lighter))
+            if o is not None and o.fits:
+                return True
+        return False
 
     def reject(self, plan: ParallelPlan, kind: str, reason: str, overflow: float = 0.0) -> Outcome:
         outcome = Outcome(plan, None, reason, kind, overflow)
@@ -299,18 +368,12 @@ class _Search:
         return outcome
 
     def evaluate(self, plan: ParallelPlan) -> Outcome:
-        """Validity, the rank-0 memory bound, then the full estimate."""
+        """The outcome of any plan (for the explanation): cached, else validity then estimate."""
         if plan in self.outcomes:
             return self.outcomes[plan]
         problems = plan.problems(self.model, self.cluster)
         if problems:
             return self.reject(plan, "invalid", " ".join(problems))
-        inflight0 = _inflight(plan)[0]
-        bound = stage_memory(self.model, plan, 0, inflight0).total
-        if bound > self.budget_bytes:
-            return self.reject(
-                plan, "memory", self.memory_reason(bound, 0), bound - self.budget_bytes
-            )
         return self.estimate(plan)
 
     def estimate(self, plan: ParallelPlan) -> Outcome:
@@ -323,23 +386,27 @@ class _Search:
             return self.reject(plan, "invalid", str(err))
         worst = worst_stage_bytes(est)
         if worst > self.budget_bytes:
-            return self.reject(
+            outcome = self.reject(
                 plan,
                 "memory",
                 self.memory_reason(worst, worst_stage(est)),
                 worst - self.budget_bytes,
             )
+            outcome.estimate = est
+            return outcome
         outcome = Outcome(plan, est, "", "fits")
         self.outcomes[plan] = outcome
         self.considered += 1
         return outcome
 
-    def memory_reason(self, need: float, stage: int) -> str:
+    def memory_reason(self, need: float, stage: int | None) -> str:
         hbm = self.cluster.device.hbm_bytes
+        where = f"pipeline stage {stage} needs" if stage is not None else "needs at least"
         return (
-            f"out of memory by {(need - self.budget_bytes) / GiB:.1f} GiB: pipeline stage "
-            f"{stage} needs {need / GiB:.1f} GiB of {self.budget_bytes / GiB:.1f} GiB usable "
-            f"({hbm / GiB:.0f} GiB HBM less {self.headroom:.0%} headroom)"
+            f"out of memory by {'at least ' if stage is None else ''}"
+            f"{(need - self.budget_bytes) / GiB:.1f} GiB: {where} {need / GiB:.1f} GiB of "
+            f"{self.budget_bytes / GiB:.1f} GiB usable ({hbm / GiB:.0f} GiB HBM less "
+            f"{self.headroom:.0%} headroom)"
         )
 
 
@@ -357,11 +424,11 @@ def tokens_per_s(est: Any) -> float:
 
 def worst_stage_bytes(est: Any) -> float:
     """Total bytes of the worst pipeline stage of an estimate."""
-    return float(est.memory.total) if hasattr(est, "memory") else est.worst_memory_bytes
+    return float(est.peak_memory_bytes)
 
 
 def worst_stage(est: Any) -> int:
-    return int(getattr(est, "worst_stage", 0))
+    return int(est.worst_stage)
 
 
 # ---- ranking -------------------------------------------------------------------------------
@@ -412,9 +479,9 @@ def search(
         if p not in RECIPES:
             problems.append(f"precision {p!r} is unknown; choose from {', '.join(RECIPES)}.")
     for name in fixed or {}:
-        if name not in PLAN_FIELDS:
+        if name not in FIXABLE:
             problems.append(
-                f"fixed plan field {name!r} is not a plan setting; known: {', '.join(PLAN_FIELDS)}."
+                f"fixed plan field {name!r} is not a plan setting; known: {', '.join(FIXABLE)}."
             )
     if problems:
         raise ConfigError(problems)
@@ -424,7 +491,9 @@ def search(
             "planned for it; pick a GPU type such as h100-sxm."
         )
     target = batch_target(model, global_batch_tokens, global_batch, batch_tolerance)
-    state = _Search(model, cluster, target, headroom, tuple(precisions), dict(fixed or {}))
+    state = _Search(
+        model, cluster, target, headroom, tuple(precisions), dict(fixed or {}), top=top
+    )
     state.run()
     outcomes = list(state.outcomes.values())
     ranked = rank_fitting([o for o in outcomes if o.fits])
@@ -433,6 +502,7 @@ def search(
         raise ConfigError(no_layout_message(model, cluster, target, headroom, rejected))
     result = SearchResult(
         best=ranked[0].estimate,
+        best_plan=ranked[0].plan,
         alternatives=[o.estimate for o in ranked[1:top]],
         rejected=[(o.plan, o.reason) for o in rejected],
         explanation=[],

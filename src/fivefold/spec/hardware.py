@@ -51,12 +51,31 @@ _H100_SRC = "NVIDIA H100 Tensor Core GPU datasheet (2023), H100 SXM column, dens
 GPUS: dict[str, GPUSpec] = {
     g.name: g
     for g in (
-        GPUSpec("a100-40gb", 40 * GiB, _flops(312, None, 156, 19.5), 1.555e12, 600e9, _A100_SRC,
-                "ampere"),
-        GPUSpec("a100-80gb", 80 * GiB, _flops(312, None, 156, 19.5), 2.039e12, 600e9, _A100_SRC,
-                "ampere"),
         GPUSpec(
-            "h100-sxm", 80 * GiB, _flops(989.4, 1978.9, 494.7, 66.9), 3.35e12, 900e9, _H100_SRC,
+            "a100-40gb",
+            40 * GiB,
+            _flops(312, None, 156, 19.5),
+            1.555e12,
+            600e9,
+            _A100_SRC,
+            "ampere",
+        ),
+        GPUSpec(
+            "a100-80gb",
+            80 * GiB,
+            _flops(312, None, 156, 19.5),
+            2.039e12,
+            600e9,
+            _A100_SRC,
+            "ampere",
+        ),
+        GPUSpec(
+            "h100-sxm",
+            80 * GiB,
+            _flops(989.4, 1978.9, 494.7, 66.9),
+            3.35e12,
+            900e9,
+            _H100_SRC,
             "hopper",
         ),
         GPUSpec(

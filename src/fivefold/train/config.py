@@ -30,7 +30,8 @@ class TrainConfig:
     name: str = "run"  # the run is written to <runs_dir>/<name>/ unless run_dir is set
     runs_dir: str = "runs"
     run_dir: str = ""  # explicit run directory; overrides runs_dir/name
-    steps: int = 100  # optimizer steps
+    steps: int = 100  # optimizer steps (the LR schedule's length)
+    stop_at: int = 0  # stop (and checkpoint) after this step, keeping the schedule; 0 = at steps
     lr: float = 3e-4  # peak learning rate
     min_lr: float = 3e-5  # floor the schedule decays to
     warmup_steps: int = 10  # linear warmup from lr/warmup_steps to lr
@@ -78,8 +79,11 @@ class TrainConfig:
             out.append(
                 f"train.lr = {self.lr}: the learning rate must be a positive number, e.g. 3e-4."
             )
-        if self.min_lr < 0 or self.min_lr > self.lr:
+        lr_ok = self.lr > 0 and math.isfinite(self.lr)
+        if self.min_lr < 0 or (lr_ok and self.min_lr > self.lr):
             out.append(f"train.min_lr = {self.min_lr}: must be between 0 and train.lr = {self.lr}.")
+        if self.stop_at < 0:
+            out.append(f"train.stop_at = {self.stop_at}: must be >= 0 (0 = run to train.steps).")
         if self.warmup_steps < 0:
             out.append(f"train.warmup_steps = {self.warmup_steps}: must be >= 0.")
         elif self.steps >= 1 and self.warmup_steps > self.steps:

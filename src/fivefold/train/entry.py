@@ -52,6 +52,12 @@ def _trains_on_cpu(data: dict[str, dict[str, Any]]) -> bool:
 def recipe_data(recipe_path: str | Path | None, overrides: list[str]) -> dict[str, dict[str, Any]]:
     """The recipe file merged with overrides, with the CPU precision default applied."""
     data = read_toml(recipe_path) if recipe_path else {}
+    flat = [f"{name} = {value!r}" for name, value in data.items() if not isinstance(value, dict)]
+    if flat:
+        raise ConfigError(
+            f"recipe {str(recipe_path)!r}: {', '.join(flat)} is not a section; write settings "
+            "under a table header such as [train] (e.g. [train] then steps = 100)."
+        )
     data = merge(data, parse_overrides(overrides))
     plan = data.get("plan", {})
     if isinstance(plan, dict) and "precision" not in plan and _trains_on_cpu(data):

@@ -203,6 +203,12 @@ class Trainer:
         return result.loss, result.aux_loss, grad_norm
 
     # ---- the loop -------------------------------------------------------------------------
+    @property
+    def last_step(self) -> int:
+        """The step this invocation stops after: train.stop_at if set, else train.steps."""
+        stop_at = self.cfg.stop_at
+        return min(stop_at, self.cfg.steps) if stop_at else self.cfg.steps
+
     def fit(self) -> TrainSummary:
         start_step = self.step
         main = self.runtime.is_main
@@ -224,10 +230,10 @@ class Trainer:
         started = time.perf_counter()
         batches = self.data.batches(self.run.recipe.plan.micro_batch)
         try:
-            while self.step < self.cfg.steps:
+            while self.step < self.last_step:
                 index = self.step - start_step  # 0-based within this invocation
                 measure = self.runtime.device.type == "cpu" and index == min(
-                    self.cfg.memory_step - 1, self.cfg.steps - start_step - 1
+                    self.cfg.memory_step - 1, self.last_step - start_step - 1
                 )
                 tick = time.perf_counter()
                 micro_batches = next(batches)
@@ -275,7 +281,8 @@ class Trainer:
         if not losses:
             raise TrainingError(
                 f"nothing to do: the run in {self.run_dir} is already at step {self.step} of "
-                f"train.steps = {self.cfg.steps}; raise train.steps to continue it."
+                f"train.steps = {self.cfg.steps} (train.stop_at = {self.cfg.stop_at}); raise "
+                "train.steps (or stop_at) to continue it."
             )
         rate = meter.tokens_per_s if meter.steps else self.tokens_per_step / max(step_s, 1e-9)
         return TrainSummary(
@@ -300,7 +307,7 @@ class Trainer:
 
     def _maybe_eval(self) -> float | None:
         every = self.cfg.eval_every
-        if not every or (self.step % every and self.step != self.cfg.steps):
+        if not every or (self.step % every and self.step != self.last_step):
             return None
         evaluate = getattr(self.runtime, "eval_loss", None)
         if evaluate is None:

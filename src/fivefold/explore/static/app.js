@@ -16,10 +16,18 @@ const TENANT_COLOUR = {
 const KIND_COLOUR = { F: "#4c78a8", B: "#54a24b", W: "#eeca3b" };
 const KIND_LABEL = { F: "forward", B: "backward", W: "weight gradient" };
 const COMM_LABEL = {
-  tp: "TP/SP collectives", dp: "DP gradient reduction", "zero-gather": "ZeRO parameter gathers",
-  pp: "PP point-to-point", cp: "CP ring exchange", ep: "EP all-to-all",
+  tp: "TP/SP collectives", dp: "DP gradient reduce", "zero-gather": "ZeRO param gather",
+  pp: "PP send/receive", cp: "CP ring exchange", ep: "EP all-to-all",
 };
-const LINK_LABEL = { nvlink: "NVLink (intra-node)", ib: "InfiniBand (inter-node)" };
+const LINK_LABEL = { nvlink: "NVLink · in a node", ib: "InfiniBand · across nodes" };
+const BREAKDOWN = [
+  ["compute_s", "compute", "#4c78a8"],
+  ["in_stage_comm_s", "TP/CP/EP comm. in the stages", "#e45756"],
+  ["pipeline_bubble_s", "pipeline bubble", "#c9ced6"],
+  ["dp_grad_exposed_s", "exposed DP gradient reduce", "#f58518"],
+  ["param_gather_exposed_s", "exposed ZeRO gathers", "#b279a2"],
+  ["optimizer_s", "optimizer step", "#54a24b"],
+];
 const GROUP_LABEL = { tp: "TP", pp: "PP", dp: "DP", cp: "CP", ep: "EP" };
 const MAX_GRID_CELLS = 4096;
 const MAX_RING_GPUS = 16;
@@ -30,6 +38,7 @@ const state = {
   seq: 0,
   timer: null,
   pending: false, // a control moved and its request has not been sent yet
+  modelBase: {}, // a custom model's settings that have no control, from the last preset
   colourBy: "tp",
   ring: { step: 0, timer: null },
 };
@@ -129,6 +138,7 @@ const MODEL_DIMS = [
   "layers", "hidden", "heads", "kv_heads", "head_dim", "ffn", "vocab", "mlp", "tied_embeddings",
   "experts", "top_k", "expert_ffn", "shared_experts", "dense_layers",
 ];
+const HIDDEN_MODEL_FIELDS = ["norm_eps", "rope_theta", "router_aux_loss_coef"];
 const CLUSTER_FIELDS = ["gpu", "nodes", "gpus_per_node", "intra_node_bw", "inter_node_bw"];
 const PLAN_FIELDS = [
   "tp", "sp", "pp", "schedule", "vpp", "dp_replicate", "dp_shard", "zero", "cp", "cp_kind", "ep",
@@ -141,7 +151,8 @@ function layoutRequest() {
   const preset = $("#model-preset").value;
   if (preset !== "custom") body.model.preset = preset;
   else {
-    body.model.name = "custom";
+    // Settings without a control (RoPE base, norm epsilon, ...) stay those of the last preset.
+    body.model = { ...state.modelBase, name: "custom" };
     for (const dim of MODEL_DIMS) body.model[dim] = readField(field(`model.${dim}`));
   }
   body.model.seq_len = readField(field("model.seq_len"));
@@ -156,12 +167,16 @@ function layoutRequest() {
 
 function searchRequest() {
   const body = layoutRequest();
-  return { model: body.model, cluster: body.cluster, global_batch: body.global_batch, top: 5 };
+  return {
+    model: body.model, cluster: body.cluster, global_batch: body.global_batch, top: 5,
+    precisions: [body.plan.precision],
+  };
 }
 
 function applyModelPreset(name) {
   const m = state.presets.models[name];
   if (!m) return;
+  state.modelBase = Object.fromEntries(HIDDEN_MODEL_FIELDS.map((k) => [k, m[k]]));
   for (const dim of MODEL_DIMS) writeField(`model.${dim}`, m[dim]);
   writeField("model.seq_len", m.seq_len);
 }
@@ -229,6 +244,8 @@ async function update() {
   } else {
     showProblems([]);
     state.result = answer;
+    stopRing();
+    state.ring.step = 0;
     render(answer);
     document.body.dataset.state = "ready";
     $("#status").textContent = `planner answered in ${Math.round(performance.now() - started)} ms`;
@@ -242,6 +259,7 @@ function showProblems(problems) {
   list.textContent = "";
   for (const p of problems) el("li", {}, list, p);
   box.hidden = problems.length === 0;
+  $(".problems-note").hidden = !state.result;
   $("#views").classList.toggle("stale", problems.length > 0);
   $$(".invalid").forEach((n) => n.classList.remove("invalid"));
   for (const p of problems) {
@@ -263,6 +281,15 @@ function updateHints() {
   el("span", {}, hint, degrees.map(([a, v]) => `${a.replace("dp_", "dp ")} ${v}`).join(" × ") + " = ");
   el("b", { class: product === gpus ? "" : "bad" }, hint, `${product}`);
   el("span", {}, hint, ` of ${gpus} GPUs`);
+  // Offer the data-parallel degree that makes the product match, when there is one.
+  const others = product / (num("plan.dp_replicate") * num("plan.dp_shard"));
+  const axis = num("plan.zero") >= 1 ? "dp_shard" : "dp_replicate";
+  const keep = axis === "dp_shard" ? num("plan.dp_replicate") : num("plan.dp_shard");
+  const want = gpus / (others * keep);
+  if (product !== gpus && Number.isInteger(want) && want >= 1) {
+    const fix = el("button", { type: "button", class: "link", id: "fill-dp" }, hint, `set ${axis.replace("_", " ")} = ${want}`);
+    fix.addEventListener("click", () => { writeField(`plan.${axis}`, want); scheduleUpdate(0); });
+  }
   const gpu = state.presets && state.presets.gpus[field("cluster.gpu").value];
   $("#cluster-facts").textContent = gpu
     ? `${gpus} GPUs · ${gpu.hbm_gib.toFixed(1)} GiB HBM each · ${gpu.peak_tflops.bf16 ? gpu.peak_tflops.bf16.toFixed(0) + " TFLOP/s bf16 dense" : "no catalog peak"}`
@@ -284,11 +311,33 @@ function render(answer) {
   el("b", { id: "grad-accum", "data-value": String(layout.grad_accum) }, facts, String(layout.grad_accum));
   el("span", {}, facts, ` micro-batches of ${answer.plan.micro_batch} on each of ${layout.dp} DP ranks`);
   renderKpis(est);
+  renderBreakdown(est);
   renderMemory(est);
   renderComm(est);
   renderTimeline(est);
   renderRanks(answer.ranks);
-  resetRing();
+  renderRing();
+}
+
+/** Where the step time goes: the planner's breakdown_s as one stacked bar (keys it adds extra too). */
+function renderBreakdown(est) {
+  const host = $("#breakdown-bar");
+  host.textContent = "";
+  const parts = est.breakdown_s || {};
+  const known = BREAKDOWN.filter(([key]) => key in parts);
+  const extra = Object.keys(parts).filter((k) => !BREAKDOWN.some(([key]) => key === k))
+    .map((k, i) => [k, k.replace(/_s$/, "").replace(/_/g, " "), ["#9d755d", "#72b7b2", "#eeca3b"][i % 3]]);
+  const all = [...known, ...extra];
+  const total = all.reduce((acc, [key]) => acc + parts[key], 0) || 1;
+  for (const [key, label, colour] of all) {
+    const seconds = parts[key];
+    if (!(seconds > 0)) continue;
+    const seg = el("div", { class: "segment", "data-key": key, "data-value": String(seconds), title: `${label}: ${fmt.time(seconds)}` }, host);
+    seg.style.width = `${(100 * seconds) / total}%`;
+    seg.style.background = colour;
+  }
+  legend($("#breakdown-legend"), all.filter(([key]) => parts[key] > 0)
+    .map(([key, label, colour]) => [colour, `${label} ${fmt.time(parts[key])}`]));
 }
 
 function renderKpis(est) {
@@ -356,7 +405,8 @@ function renderMemory(est) {
       svg("text", { class: "bar-total", x: x + barW / 2, y: y(stage.total) - 5, "text-anchor": "middle" }, root, stage.total.toFixed(1));
     }
     if (i % labelEvery === 0) {
-      svg("text", { class: "axis", x: x + barW / 2, y: height - pad.b + 15, "text-anchor": "middle" }, root, `${i}`);
+      const layers = est.layers_per_stage && stages.length <= 8 && est.plan.vpp === 1 ? ` · ${est.layers_per_stage[i]} layers` : "";
+      svg("text", { class: "axis", x: x + barW / 2, y: height - pad.b + 15, "text-anchor": "middle" }, root, `${i}${layers}`);
     }
   });
   svg("text", { class: "axis", x: pad.l + plotW / 2, y: height - 4, "text-anchor": "middle" }, root,
@@ -476,29 +526,42 @@ function renderRanks(ranks) {
   const width = Math.max(360, host.clientWidth || 480);
   const cols = perNode <= 8 ? perNode : Math.ceil(Math.sqrt(perNode * 2));
   const rowsPerNode = Math.ceil(perNode / cols);
-  const cell = Math.max(5, Math.min(34, Math.floor((width - 20) / Math.max(1, Math.min(nodesShown, 2)) / cols) - 2,
-    Math.floor(Math.sqrt(((width * 420) / Math.max(1, nodesShown)) / (cols * rowsPerNode))) - 2));
-  const labelH = cell >= 14 ? 14 : 0;
-  const nodeW = cols * cell + 8;
-  const nodeH = rowsPerNode * cell + 8 + labelH;
-  const nodesPerRow = Math.max(1, Math.floor((width - 4) / (nodeW + 6)));
-  const height = Math.ceil(nodesShown / nodesPerRow) * (nodeH + 6) + 4;
+  // The largest cell (44 px down to 3 px) whose node boxes, wrapped to the card's width, fit
+  // the height budget; small cells drop the node labels and most of the padding.
+  const budgetH = 420;
+  const box = (cell) => {
+    const pad = cell >= 8 ? 8 : 2;
+    const gap = cell >= 8 ? 6 : 2;
+    const labelH = cell >= 12 ? 14 : 0;
+    const nodeW = cols * cell + pad;
+    const nodeH = rowsPerNode * cell + pad + labelH;
+    const nodesPerRow = Math.max(1, Math.floor((width - 4) / (nodeW + gap)));
+    const h = Math.ceil(nodesShown / nodesPerRow) * (nodeH + gap) + 4;
+    return { cell, pad, gap, labelH, nodeW, nodeH, nodesPerRow, h };
+  };
+  let layout = box(3);
+  for (let cell = 44; cell >= 3; cell--) {
+    const candidate = box(cell);
+    if (candidate.h <= budgetH && candidate.nodeW + 4 <= width) { layout = candidate; break; }
+  }
+  const { cell, pad, gap, labelH, nodeW, nodeH, nodesPerRow } = layout;
+  const height = layout.h;
   const root = svg("svg", { width, height, viewBox: `0 0 ${width} ${height}`, id: "rank-svg" }, host);
   const groups = ranks.groups[axis];
   const count = ranks.group_counts[axis];
   const cells = [];
   for (let node = 0; node < nodesShown; node++) {
-    const nx = 2 + (node % nodesPerRow) * (nodeW + 6);
-    const ny = 2 + Math.floor(node / nodesPerRow) * (nodeH + 6);
+    const nx = 2 + (node % nodesPerRow) * (nodeW + gap);
+    const ny = 2 + Math.floor(node / nodesPerRow) * (nodeH + gap);
     svg("rect", { class: "node-box", x: nx, y: ny, width: nodeW, height: nodeH, rx: 5 }, root);
     if (labelH) svg("text", { class: "node-label", x: nx + 5, y: ny + 11 }, root, `node ${node}`);
     for (let slot = 0; slot < perNode; slot++) {
       const rank = node * perNode + slot;
       if (rank >= shown) break;
-      const cx = nx + 4 + (slot % cols) * cell;
-      const cy = ny + 4 + labelH + Math.floor(slot / cols) * cell;
+      const cx = nx + pad / 2 + (slot % cols) * cell;
+      const cy = ny + pad / 2 + labelH + Math.floor(slot / cols) * cell;
       const rect = svg("rect", {
-        class: "cell", x: cx, y: cy, width: cell, height: cell, rx: 2,
+        class: cell >= 8 ? "cell" : "cell small", x: cx, y: cy, width: cell, height: cell, rx: cell >= 8 ? 2 : 0,
         fill: groupColour(groups[rank], count), "data-rank": rank, "data-node": ranks.node[rank],
         "data-group": groups[rank],
       }, root);
@@ -548,12 +611,6 @@ function ringSubject(result) {
   return { kind: null, n: 4, entry: null };
 }
 
-function resetRing() {
-  stopRing();
-  state.ring.step = 0;
-  renderRing();
-}
-
 function stopRing() {
   clearInterval(state.ring.timer);
   state.ring.timer = null;
@@ -570,10 +627,10 @@ function renderRing() {
   const step = Math.max(0, Math.min(state.ring.step, steps));
   state.ring.step = step;
   const width = Math.max(340, Math.min(host.clientWidth || 420, 520));
-  const height = 300;
+  const height = n > 8 ? 400 : 300;
   const cx = width / 2;
   const cy = height / 2;
-  const radius = Math.min(width, height) / 2 - 36;
+  const radius = Math.min(width, height) / 2 - 30;
   const root = svg("svg", { width, height, viewBox: `0 0 ${width} ${height}`, id: "ring-svg" }, host);
   // Chunk c on GPU g after `step` steps: the number of GPUs whose contribution it holds.
   // Reduce-scatter step s (1..n-1): GPU g sends chunk (g - s + 1) mod n to g + 1, which adds it.
@@ -601,7 +658,7 @@ function renderRing() {
   const defs = svg("defs", {}, root);
   const marker = svg("marker", { id: "arrow", viewBox: "0 0 10 10", refX: 9, refY: 5, markerWidth: 6, markerHeight: 6, orient: "auto" }, defs);
   svg("path", { d: "M0,0 L10,5 L0,10 z", fill: "#2f5fa7" }, marker);
-  const boxW = Math.min(100, 11 * n + 14);
+  const boxW = Math.min(120, 15 * n + 16, Math.floor((0.8 * 2 * Math.PI * radius) / n));
   const chunkW = (boxW - 8) / n;
   const sent = (g) => (step <= n - 1 ? (((g - step + 1) % n) + n) % n : (((g - (step - (n - 1)) + 2) % n) + n) % n);
   if (step > 0) {
@@ -624,12 +681,12 @@ function renderRing() {
   }
   for (let g = 0; g < n; g++) {
     const [x, y] = pos(g);
-    svg("rect", { class: "ring-gpu", x: x - boxW / 2, y: y - 20, width: boxW, height: 40, rx: 5 }, root);
-    svg("text", { class: "ring-chunk-label", x, y: y - 7, "text-anchor": "middle" }, root, `GPU ${g}`);
+    svg("rect", { class: "ring-gpu", x: x - boxW / 2, y: y - 22, width: boxW, height: 44, rx: 5 }, root);
+    svg("text", { class: "ring-gpu-label", x, y: y - 8, "text-anchor": "middle" }, root, boxW >= 50 ? `GPU ${g}` : `${g}`);
     for (let c = 0; c < n; c++) {
       const frac = have[g][c] / n;
       svg("rect", {
-        class: "ring-chunk", x: x - boxW / 2 + 4 + c * chunkW, y: y, width: Math.max(1, chunkW - 1), height: 14,
+        class: "ring-chunk", x: x - boxW / 2 + 4 + c * chunkW, y: y - 1, width: Math.max(1, chunkW - 2), height: 17, rx: 2,
         fill: frac >= 1 ? "#1e7d3a" : `rgba(47, 95, 167, ${0.15 + 0.75 * frac})`,
         "data-gpu": g, "data-chunk": c, "data-have": have[g][c],
       }, root);
@@ -647,14 +704,27 @@ function renderRing() {
   }
   sub.textContent = `The ${subject.kind === "dp" ? "data-parallel gradient" : "tensor-parallel"} all-reduce over ${subject.n} GPUs` +
     (subject.n > n ? ` (first ${n} drawn)` : "") + ": each chunk is 1/n of the buffer; shade = how many GPUs' contributions it holds, green = fully reduced.";
-  if (!subject.entry) { numbers.textContent = ""; return; }
-  const e = subject.entry;
   numbers.textContent = "";
-  numbers.appendChild(document.createTextNode(`Planner, per GPU per optimizer step over ${e.link === "ib" ? "InfiniBand" : "NVLink"}: `));
-  el("b", { id: "ring-bytes", "data-value": String(e.bytes_per_step) }, numbers, fmt.bytes(e.bytes_per_step));
-  numbers.appendChild(document.createTextNode(" sent in "));
-  el("b", { id: "ring-time", "data-value": String(e.time_s) }, numbers, fmt.time(e.time_s));
-  numbers.appendChild(document.createTextNode(`, of which ${fmt.time(e.exposed_s)} exposed. A ring sends 2(n−1)/n of the buffer per GPU in 2(n−1) = ${2 * (subject.n - 1)} steps.`));
+  const plan = state.result.plan;
+  const comm = state.result.estimate.comm || [];
+  const show = (label, entry, id) => {
+    if (!entry) return;
+    const line = el("div", {}, numbers);
+    line.appendChild(document.createTextNode(`${label}: `));
+    el("b", { id: `${id}-bytes`, "data-value": String(entry.bytes_per_step) }, line, fmt.bytes(entry.bytes_per_step));
+    line.appendChild(document.createTextNode(` per GPU per step over ${entry.link === "ib" ? "InfiniBand" : "NVLink"} in `));
+    el("b", { id: `${id}-time`, "data-value": String(entry.time_s) }, line, fmt.time(entry.time_s));
+    line.appendChild(document.createTextNode(`, ${fmt.time(entry.exposed_s)} of it exposed.`));
+  };
+  if (subject.kind === "dp" && plan.zero >= 1) {
+    el("div", {}, numbers, `With ZeRO-${plan.zero} the two halves run apart (planner):`);
+    show("reduce-scatter of the gradients", subject.entry, "ring");
+    show("all-gather of the parameters", comm.find((r) => r.kind === "zero-gather"), "ring-gather");
+  } else {
+    show(subject.kind === "dp" ? "Planner, the gradient all-reduce" : "Planner, all TP collectives", subject.entry, "ring");
+  }
+  const halfSteps = subject.n - 1;
+  el("div", { class: "muted" }, numbers, `A ring moves (n−1)/n of the buffer per GPU in each half: n−1 = ${halfSteps} step${halfSteps > 1 ? "s" : ""} of 1/n each.`);
 }
 
 function ringStep(delta) {
@@ -773,8 +843,8 @@ async function start() {
   writeField("global_batch", d.globalBatch);
 
   const form = $("#form");
+  // "input" fires for every edit of a box, select or checkbox; "change" would fire again on blur.
   form.addEventListener("input", (ev) => onControl(ev.target));
-  form.addEventListener("change", (ev) => onControl(ev.target));
   $("#recommend").addEventListener("click", recommend);
   $("#export").addEventListener("click", exportRecipe);
   $("#export-copy").addEventListener("click", () => navigator.clipboard && navigator.clipboard.writeText($("#export-toml").textContent));

@@ -1,0 +1,320 @@
+"""Hugging Face Llama interop: export a checkpoint to `config.json` + safetensors, import one back.
+
+fivefold's decoder is Llama's (pre-norm RMSNorm, rotate-half RoPE, GQA, SwiGLU, no biases), so
+the weights map one to one, with no permutation of the query/key rows (both use rotate-half):
+
+    tok_embeddings.weight                 model.embed_tokens.weight
+    layers.i.attention_norm.weight        model.layers.i.input_layernorm.weight
+    layers.i.attention.w{q,k,v,o}.weight  model.layers.i.self_attn.{q,k,v,o}_proj.weight
+    layers.i.ffn_norm.weight              model.layers.i.post_attention_layernorm.weight
+    layers.i.feed_forward.w1/w3/w2.weight model.layers.i.mlp.gate_proj/up_proj/down_proj.weight
+    norm.weight                           model.norm.weight
+    output.weight                         lm_head.weight (absent when embeddings are tied)
+
+Export reads the full tensors from a DCP checkpoint of any layout without a process group.
+Import writes a weights-only fivefold checkpoint (`step_0`) that `fivefold train` resumes from
+with a fresh optimizer. MoE and GELU models have no Llama form and are refused, as are Llama
+configs fivefold cannot reproduce (biases, RoPE scaling, activations other than SiLU).
+Only `safetensors` is read or written: no pickles.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from fivefold.errors import CheckpointError
+from fivefold.spec.model import ModelSpec
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+_DTYPES = ("fp32", "bf16", "fp16")
+_SHARD_BYTES = 5 * 2**30
+
+_TOP = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER = {
+    "attention_norm.weight": "input_layernorm.weight",
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+}
+_LAYER_BACK = {hf: ff for ff, hf in _LAYER.items()}
+_TOP_BACK = {hf: ff for ff, hf in _TOP.items()}
+_FF_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
+_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+# ---- names -----------------------------------------------------------------------------------
+def to_hf_name(fqn: str) -> str:
+    if fqn in _TOP:
+        return _TOP[fqn]
+    match = _FF_LAYER.match(fqn)
+    if match and match.group(2) in _LAYER:
+        return f"model.layers.{match.group(1)}.{_LAYER[match.group(2)]}"
+    raise CheckpointError(f"parameter {fqn!r} has no Hugging Face Llama counterpart.")
+
+
+def from_hf_name(name: str) -> str:
+    if name in _TOP_BACK:
+        return _TOP_BACK[name]
+    match = _HF_LAYER.match(name)
+    if match and match.group(2) in _LAYER_BACK:
+        return f"layers.{match.group(1)}.{_LAYER_BACK[match.group(2)]}"
+    raise CheckpointError(
+        f"tensor {name!r} is not part of a Llama model fivefold can load (no biases, no rotary "
+        "buffers, no extra heads)."
+    )
+
+
+# ---- config ----------------------------------------------------------------------------------
+def check_exportable(spec: ModelSpec) -> None:
+    problems = []
+    if spec.is_moe:
+        problems.append(
+            f"model.experts = {spec.experts}: a MoE model has no Hugging Face Llama form "
+            "(export supports dense SwiGLU models)"
+        )
+    if spec.mlp != "swiglu":
+        problems.append(f"model.mlp = {spec.mlp!r}: Llama's MLP is SwiGLU")
+    if problems:
+        raise CheckpointError("cannot export to Hugging Face Llama: " + "; ".join(problems) + ".")
+
+
+def llama_config(spec: ModelSpec, dtype: str = "fp32") -> dict[str, Any]:
+    """The `config.json` of `LlamaForCausalLM` for `spec` (transformers 4.x and 5.x keys)."""
+    torch_dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype]
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": spec.vocab,
+        "hidden_size": spec.hidden,
+        "intermediate_size": spec.ffn,
+        "num_hidden_layers": spec.layers,
+        "num_attention_heads": spec.heads,
+        "num_key_value_heads": spec.kv_heads,
+        "head_dim": spec.head_dim,
+        "max_position_embeddings": spec.seq_len,
+        "rms_norm_eps": spec.norm_eps,
+        "rope_theta": spec.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": spec.rope_theta},
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "attention_dropout": 0.0,
+        "tie_word_embeddings": spec.tied_embeddings,
+        "torch_dtype": torch_dtype,
+        "dtype": torch_dtype,
+        "fivefold_model_name": spec.name,
+    }
+
+
+def spec_from_llama_config(config: dict[str, Any], where: str = CONFIG_FILE) -> ModelSpec:
+    """A ModelSpec equal to a Llama `config.json`; CheckpointError naming what cannot be kept."""
+    problems = []
+    if config.get("model_type") != "llama":
+        problems.append(f"model_type = {config.get('model_type')!r} (expected 'llama')")
+    if config.get("hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act = {config.get('hidden_act')!r} (fivefold's SwiGLU is silu)")
+    for key in ("attention_bias", "mlp_bias"):
+        if config.get(key):
+            problems.append(f"{key} = true (fivefold has no biases)")
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        problems.append(f"RoPE type {rope_type!r} (fivefold implements the default RoPE only)")
+    missing = [
+        k
+        for k in (
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "vocab_size",
+        )
+        if k not in config
+    ]
+    if missing:
+        problems.append(f"missing fields {', '.join(missing)}")
+    if problems:
+        raise CheckpointError(f"{where} cannot be imported: " + "; ".join(problems) + ".")
+    heads = int(config["num_attention_heads"])
+    theta = rope.get("rope_theta", config.get("rope_theta", 10_000.0))
+    spec = ModelSpec(
+        name=str(config.get("fivefold_model_name", "hf-llama")),
+        layers=int(config["num_hidden_layers"]),
+        hidden=int(config["hidden_size"]),
+        heads=heads,
+        kv_heads=int(config.get("num_key_value_heads") or heads),
+        ffn=int(config["intermediate_size"]),
+        vocab=int(config["vocab_size"]),
+        seq_len=int(config.get("max_position_embeddings", 2048)),
+        tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+        head_dim=int(config.get("head_dim") or config["hidden_size"] // heads),
+        norm_eps=float(config.get("rms_norm_eps", 1e-5)),
+        rope_theta=float(theta),
+    )
+    if spec.problems():
+        raise CheckpointError(f"{where} describes an invalid model: " + " ".join(spec.problems()))
+    return spec
+
+
+# ---- export ----------------------------------------------------------------------------------
+def export_hf(checkpoint_dir: Path, out_dir: Path, dtype: str = "fp32") -> dict[str, Any]:
+    """Write `out_dir/config.json` and safetensors from a fivefold checkpoint of any layout.
+
+    Returns a summary (model name, parameter count, bytes written, files). No process group.
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    from fivefold.checkpoint.dcp_io import read_full_tensors
+    from fivefold.checkpoint.state import read_state
+
+    if dtype not in _DTYPES:
+        raise CheckpointError(f"--dtype {dtype!r}: choose one of {', '.join(_DTYPES)}.")
+    checkpoint_dir = Path(checkpoint_dir)
+    state = read_state(checkpoint_dir)
+    spec = ModelSpec(**{k: v for k, v in state.model_spec.items() if k != "notes"})
+    check_exportable(spec)
+    tensors = read_full_tensors(checkpoint_dir)
+    cast = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    hf: dict[str, torch.Tensor] = {}
+    for fqn, value in sorted(tensors.items()):
+        if spec.tied_embeddings and fqn == "output.weight":
+            continue
+        hf[to_hf_name(fqn)] = value.to(cast).contiguous()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    files = _write_safetensors(hf, out_dir, save_file)
+    (out_dir / CONFIG_FILE).write_text(json.dumps(llama_config(spec, dtype), indent=2) + "\n")
+    return {
+        "model": spec.name,
+        "step": state.step,
+        "parameters": sum(t.numel() for t in hf.values()),
+        "bytes": sum((out_dir / f).stat().st_size for f in files),
+        "files": [CONFIG_FILE, *files],
+    }
+
+
+def _write_safetensors(tensors: dict, out_dir: Path, save_file) -> list[str]:
+    """One `model.safetensors`, or 5 GiB shards plus the index HF loaders expect."""
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    meta = {"format": "pt"}
+    if total <= _SHARD_BYTES:
+        save_file(tensors, str(out_dir / WEIGHTS_FILE), metadata=meta)
+        return [WEIGHTS_FILE]
+    shards: list[dict] = [{}]
+    size = 0
+    for name, value in tensors.items():
+        nbytes = value.numel() * value.element_size()
+        if shards[-1] and size + nbytes > _SHARD_BYTES:
+            shards.append({})
+            size = 0
+        shards[-1][name] = value
+        size += nbytes
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map = {}
+    for name, shard in zip(names, shards, strict=True):
+        save_file(shard, str(out_dir / name), metadata=meta)
+        weight_map.update({key: name for key in shard})
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    return [*names, INDEX_FILE]
+
+
+# ---- import ----------------------------------------------------------------------------------
+def read_hf(hf_dir: Path) -> tuple[ModelSpec, dict[str, Any]]:
+    """The ModelSpec and fivefold-named fp32 tensors of a Hugging Face Llama directory."""
+    import torch
+    from safetensors import safe_open
+
+    hf_dir = Path(hf_dir)
+    config_path = hf_dir / CONFIG_FILE
+    if not config_path.is_file():
+        raise CheckpointError(
+            f"{str(hf_dir)!r} has no {CONFIG_FILE}; give the directory of a Hugging Face Llama "
+            "model (config.json + *.safetensors)."
+        )
+    try:
+        config = json.loads(config_path.read_text())
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{str(config_path)!r} is not valid JSON ({err}).") from None
+    spec = spec_from_llama_config(config, str(config_path))
+    files = sorted(hf_dir.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(
+            f"{str(hf_dir)!r} has no *.safetensors files (pickled .bin weights are not read)."
+        )
+    tensors: dict[str, Any] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as handle:
+            for name in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                if name.endswith("rotary_emb.inv_freq"):
+                    continue
+                tensors[from_hf_name(name)] = handle.get_tensor(name).to(torch.float32)
+    if spec.tied_embeddings:
+        tensors.setdefault("output.weight", tensors.get("tok_embeddings.weight"))
+    return spec, tensors
+
+
+def import_hf(
+    hf_dir: Path, root: Path, plan: dict[str, Any] | None = None, seq_len: int | None = None
+) -> Path:
+    """Write the HF model as a weights-only fivefold checkpoint `root/step_0`; returns it.
+
+    The tensors are checked against the model fivefold builds from the config (names, shapes).
+    `seq_len` replaces the config's max_position_embeddings as the training sequence length.
+    """
+    import torch
+
+    from fivefold.checkpoint.checkpointer import Checkpointer
+    from fivefold.model import build_model
+
+    spec, tensors = read_hf(hf_dir)
+    if seq_len is not None:
+        spec = spec.with_(seq_len=seq_len)
+    model = build_model(spec)
+    model.to_empty(device="cpu")
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(tensors))
+    extra = sorted(set(tensors) - set(expected))
+    common = set(expected) & set(tensors)
+    wrong = sorted(k for k in common if tuple(expected[k].shape) != tuple(tensors[k].shape))
+    if missing or extra or wrong:
+        parts = [
+            f"{label}: {', '.join(names[:5])}{' ...' if len(names) > 5 else ''}"
+            for label, names in (
+                ("missing", missing),
+                ("unexpected", extra),
+                ("wrong shape", wrong),
+            )
+            if names
+        ]
+        raise CheckpointError(
+            f"{str(hf_dir)!r} does not match the model its config.json describes ("
+            + "; ".join(parts)
+            + ")."
+        )
+    with torch.no_grad():
+        for name, param in model.state_dict(keep_vars=True).items():
+            param.copy_(tensors[name])
+    return Checkpointer(Path(root), keep=0).save(
+        0,
+        [model],
+        None,
+        model_spec=spec.to_dict(),
+        plan=dict(plan or {}),
+        extra={"imported_from": str(Path(hf_dir).resolve())},
+    )

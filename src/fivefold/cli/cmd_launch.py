@@ -1,0 +1,106 @@
+"""`fivefold launch`: start a recipe on N local processes, or print an sbatch script for Slurm."""
+
+from __future__ import annotations
+
+import argparse
+
+from fivefold.errors import ConfigError
+
+_DESCRIPTION = """\
+Start a multi-process training run of a recipe.
+
+  --slurm   print an sbatch script for a multi-node cluster: one task per node, each running
+            torchrun over the node's GPUs with c10d rendezvous on the first node. The plan's
+            degrees (pp x dp_replicate x dp_shard x cp x tp) must multiply to
+            nodes x gpus-per-node; the recipe is checked before the script is printed.
+  --nproc N start N processes on this machine with torchrun (gloo on CPU, NCCL on CUDA); the
+            same as `fivefold train --nproc N`.
+
+Each rank runs `python -m fivefold.train RECIPE [overrides]`.
+"""
+
+_EPILOG = """\
+examples:
+  fivefold launch --slurm configs/llama3-8b-dgx-h100.toml --nodes 8 > job.sbatch
+  fivefold launch --slurm configs/small-dp2-tp2-pp2.toml --nodes 1 --gpus-per-node 8 \\
+      --partition gpu --time 02:00:00 train.steps=1000
+  fivefold launch --nproc 8 configs/small-dp2-tp2-pp2.toml train.steps=20
+"""
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "launch",
+        help="run a recipe on N local processes, or print a Slurm sbatch script",
+        description=_DESCRIPTION,
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "items",
+        nargs="+",
+        metavar="RECIPE|OVERRIDE",
+        help="a recipe file (configs/*.toml) followed by section.field=value overrides",
+    )
+    mode = parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--slurm", action="store_true", help="print an sbatch script (stdout)")
+    mode.add_argument("--nproc", type=int, metavar="N", help="run N local processes now")
+    parser.add_argument(
+        "--nodes", type=int, default=1, metavar="K", help="--slurm: nodes to allocate (default 1)"
+    )
+    parser.add_argument(
+        "--gpus-per-node",
+        type=int,
+        default=0,
+        metavar="G",
+        help="--slurm: GPUs per node (default: the recipe's cluster.gpus_per_node, else 8)",
+    )
+    parser.add_argument("--partition", default="", help="--slurm: the partition to submit to")
+    parser.add_argument(
+        "--time", default="04:00:00", metavar="HH:MM:SS", help="--slurm: wall-time limit"
+    )
+    parser.add_argument(
+        "--job-name", default="", metavar="NAME", help="--slurm: job name (default: train.name)"
+    )
+    parser.set_defaults(handler=handle)
+
+
+def _gpus_per_node(recipe_path: str, overrides: list[str], explicit: int) -> int:
+    if explicit:
+        return explicit
+    from fivefold.spec.recipe import merge, parse_overrides, read_toml
+
+    data = merge(read_toml(recipe_path), parse_overrides(overrides))
+    cluster = data.get("cluster", {})
+    if "gpus_per_node" in cluster:
+        return int(cluster["gpus_per_node"])
+    if "preset" in cluster:
+        from fivefold.spec.cluster import cluster_preset
+
+        return cluster_preset(cluster["preset"], int(cluster.get("gpus", 8))).gpus_per_node
+    return 8
+
+
+def handle(args: argparse.Namespace) -> int:
+    from fivefold.parallel.launch import SlurmJob, check_layout, launch_local, slurm_script
+    from fivefold.train.entry import split_recipe_and_overrides
+
+    recipe_path, overrides = split_recipe_and_overrides(args.items)
+    if recipe_path is None:
+        raise ConfigError("fivefold launch needs a recipe file, e.g. configs/small-cpu.toml.")
+    if args.nproc is not None:
+        return launch_local(args.nproc, recipe_path, overrides)
+    job = SlurmJob(
+        nodes=args.nodes,
+        gpus_per_node=_gpus_per_node(recipe_path, overrides, args.gpus_per_node),
+        time=args.time,
+        partition=args.partition,
+    )
+    if job.problems():
+        raise ConfigError(job.problems())
+    world = job.nodes * job.gpus_per_node
+    run = check_layout(recipe_path, overrides, world)
+    name = args.job_name or f"fivefold-{run.train.name}"
+    job = SlurmJob(job.nodes, job.gpus_per_node, name, job.time, job.partition)
+    print(slurm_script(job, recipe_path, overrides, run.recipe.plan.describe()), end="")
+    return 0

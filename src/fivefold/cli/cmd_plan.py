@@ -1,0 +1,687 @@
+"""`fivefold plan`: search the fastest layout that fits; `fivefold plan estimate`: cost one layout.
+
+Inputs are read here and handed to the planner (`fivefold.planner.search.search` and
+`fivefold.planner.estimate.estimate`); nothing here imports torch. Sizes accept binary suffixes:
+128K = 131,072, 4M = 4,194,304 (2^20), 1G = 2^30; a plain number is taken as is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+from fivefold.errors import ConfigError
+
+_DESCRIPTION = """\
+Find the layout (tensor, pipeline with its schedule, data with its ZeRO stage, context and
+expert parallelism, micro-batch, gradient accumulation, recompute, precision) that trains the
+model fastest on the cluster without running out of memory, and say why. Prints the layout, the
+per-GPU memory of the worst pipeline stage against HBM, step time, tokens/s, MFU, HFU, the
+pipeline bubble and the reasoning, then writes the layout as a TOML recipe that
+`fivefold train` reads. Layout flags (--tp, --pp, ...) pin those fields in the search.
+
+`fivefold plan estimate` costs one given layout instead of searching.
+
+The model comes from a preset (--model llama3-8b), a TOML file (--model my.toml, a [model]
+table or a recipe) or flags (--layers --hidden --heads ...); flags override the preset. The
+cluster from a preset and a GPU count (--cluster dgx-h100 --gpus 64) or a description
+(--gpu h100 --gpus-per-node 8 --nvlink-gbps 900 --ib-gbps 50 --gpus 64). A positional recipe
+(e.g. configs/llama3-8b-dgx-h100.toml) gives model, cluster and, for `estimate`, the layout.
+"""
+
+_EPILOG = """\
+examples:
+  fivefold plan --model vizz-7b --cluster dgx-h100 --gpus 64 --seq 131072 \\
+      --global-batch-tokens 4M
+  fivefold plan --model llama3-405b --cluster dgx-h100 --gpus 16384 --global-batch-tokens 16M
+  fivefold plan --model llama3-70b --gpus 64 --tp 8 --json        # pin TP, print JSON
+  fivefold plan estimate --model llama3-8b --gpus 64 --tp 8 --zero 3 --mbs 1 \\
+      --global-batch 128 --recompute selective
+  fivefold plan estimate configs/llama3-8b-dgx-h100.toml
+"""
+
+SIZE_SUFFIXES = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+DEFAULT_CLUSTER = "dgx-h100"
+DEFAULT_GPUS = 8
+GBPS = 1e9  # --nvlink-gbps / --ib-gbps are gigabytes per second per GPU
+
+
+# ---- argument parsing ----------------------------------------------------------------------
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "plan",
+        help="find the fastest parallel layout that fits, and explain it",
+        description=_DESCRIPTION,
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_common(parser, search=True)
+    parser.set_defaults(handler=_search_handler)
+    commands = parser.add_subparsers(dest="plan_command", metavar="ACTION")
+    est = commands.add_parser(
+        "estimate",
+        help="memory, step time and MFU of one given layout",
+        description="Cost one layout: per-stage memory against HBM, step time, tokens/s, MFU, "
+        "HFU, bubble and the communication it exposes. Unset layout fields default to: tp 1, "
+        "pp 1, cp 1, ep 1, zero 0 (1 when dp > 1), dp = the rest, mbs 1, grad_accum from "
+        "the batch target (4M tokens when none is given), schedule 1f1b, no recompute.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_common(est, search=False)
+    est.set_defaults(handler=_estimate_handler)
+
+
+def _add_common(parser: argparse.ArgumentParser, search: bool) -> None:
+    parser.add_argument(
+        "items",
+        nargs="*",
+        metavar="RECIPE|OVERRIDE",
+        help="optional TOML recipe (its [model], [cluster] and, for estimate, [plan]) followed "
+        "by section.field=value overrides (plan.tp=4)",
+    )
+    m = parser.add_argument_group("model (a preset or TOML file, and/or flags)")
+    m.add_argument("--model", metavar="PRESET|FILE", help="preset name or TOML file")
+    for flag, help_text in (
+        ("--layers", "transformer layers"),
+        ("--hidden", "hidden size"),
+        ("--heads", "attention (query) heads"),
+        ("--kv-heads", "key/value heads (GQA; default: heads)"),
+        ("--ffn", "MLP width (default: 4*hidden for gelu, 8/3*hidden rounded to 256 for swiglu)"),
+        ("--vocab", "vocabulary size (default 32000)"),
+        ("--experts", "routed experts per MoE layer (0 = dense)"),
+        ("--top-k", "experts per token"),
+        ("--expert-ffn", "width of one expert"),
+        ("--shared-experts", "always-on experts per MoE layer"),
+    ):
+        m.add_argument(flag, metavar="N", help=help_text)
+    m.add_argument("--seq", metavar="TOKENS", help="sequence length, e.g. 8192, 128K")
+    m.add_argument("--mlp", choices=("swiglu", "gelu"), help="MLP kind (default swiglu)")
+    m.add_argument(
+        "--tied-embeddings", action="store_true", default=None, help="LM head tied to embedding"
+    )
+    c = parser.add_argument_group("cluster")
+    c.add_argument("--cluster", metavar="PRESET", help=f"dgx-a100, dgx-h100, ... "
+                   f"(default {DEFAULT_CLUSTER} unless --gpu is given)")  # fmt: skip
+    c.add_argument("--gpus", metavar="N", help=f"total GPUs (default {DEFAULT_GPUS})")
+    c.add_argument("--gpu", metavar="TYPE", help="GPU type: a100-40gb, a100-80gb, h100-sxm, ...")
+    c.add_argument("--gpus-per-node", metavar="N", help="GPUs per node (default 8)")
+    c.add_argument("--nvlink-gbps", metavar="GB/s", help="NVLink GB/s per GPU (e.g. 900)")
+    c.add_argument("--ib-gbps", metavar="GB/s", help="inter-node GB/s per GPU (e.g. 50)")
+    lay = parser.add_argument_group(
+        "layout" + (" (pins these fields in the search)" if search else "")
+    )
+    for flag, help_text in (
+        ("--tp", "tensor-parallel degree (inside a node)"),
+        ("--pp", "pipeline stages"),
+        ("--vpp", "virtual stages (chunks) per pipeline rank"),
+        ("--dp", "data-parallel degree"),
+        ("--dp-shard", "ZeRO-3 shard group size for HSDP (the rest replicates)"),
+        ("--cp", "context-parallel degree"),
+        ("--ep", "expert-parallel degree"),
+        ("--zero", "ZeRO stage 0-3"),
+        ("--mbs", "micro-batch size in sequences"),
+        ("--grad-accum", "micro-batches per step"),
+    ):
+        lay.add_argument(flag, metavar="N", help=help_text)
+    lay.add_argument(
+        "--schedule",
+        choices=("gpipe", "1f1b", "interleaved-1f1b", "zbv", "dualpipev"),
+        help="pipeline schedule",
+    )
+    lay.add_argument("--recompute", choices=("none", "selective", "full"), help="recompute")
+    lay.add_argument("--sp", action=argparse.BooleanOptionalAction, default=None,
+                     help="sequence parallelism in the TP group")  # fmt: skip
+    lay.add_argument(
+        "--precision",
+        metavar="RECIPE[,RECIPE]",
+        help="precision recipe (bf16-mixed, fp8-mixed, ...; a comma list to search several)",
+    )
+    b = parser.add_argument_group("batch and output")
+    b.add_argument("--global-batch", metavar="SEQS", help="sequences per optimizer step")
+    b.add_argument("--global-batch-tokens", metavar="TOKENS", help="tokens per step, e.g. 4M")
+    b.add_argument("--headroom", metavar="FRACTION", default="0.10",
+                   help="share of HBM left free (default 0.10; 10%% also accepted)")  # fmt: skip
+    if search:
+        b.add_argument(
+            "--batch-tolerance",
+            metavar="FRACTION",
+            default="0.05",
+            help="how far the reached global batch may miss the target (default 0.05)",
+        )
+        b.add_argument("--top", metavar="N", default="5", help="alternatives to show (default 5)")
+        b.add_argument(
+            "--out",
+            metavar="PATH",
+            help="where to write the chosen layout as a recipe "
+            "(default plan-<model>-<gpus>gpu.toml; --no-out to skip)",
+        )
+        b.add_argument("--no-out", action="store_true", help="do not write a recipe")
+    b.add_argument("--json", action="store_true", help="print JSON (stable key names)")
+
+
+# ---- values ----------------------------------------------------------------------------------
+def parse_size(text: Any, flag: str, minimum: int = 1) -> int:
+    """'128K' -> 131072, '4M' -> 4194304, '1.5K' -> 1536, '4096' -> 4096 (binary suffixes)."""
+    raw = str(text).strip()
+    match = re.fullmatch(r"([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKmMgGtT]?)", raw)
+    if not match and re.fullmatch(r"-\s*[0-9.]+.*", raw):
+        raise ConfigError(f"{flag} = {raw}: must be at least {minimum}.")
+    if not match:
+        raise ConfigError(
+            f"{flag} = {raw!r} is not a size; write a whole number, optionally with K, M or G "
+            "(binary: 128K = 131072, 4M = 4194304)."
+        )
+    value = float(match.group(1)) * SIZE_SUFFIXES[match.group(2).upper()]
+    if value != int(value):
+        raise ConfigError(f"{flag} = {raw}: must be a whole number (got {value:g}).")
+    if value < minimum:
+        raise ConfigError(f"{flag} = {raw}: must be at least {minimum}.")
+    return int(value)
+
+
+def parse_fraction(text: str, flag: str) -> float:
+    raw = str(text).strip()
+    try:
+        value = float(raw[:-1]) / 100 if raw.endswith("%") else float(raw)
+    except ValueError:
+        raise ConfigError(f"{flag} = {raw!r}: write a fraction such as 0.1 or 10%.") from None
+    if not 0 <= value < 1:
+        raise ConfigError(f"{flag} = {raw}: must be at least 0 and below 1 (100%).")
+    return value
+
+
+def parse_gbps(text: str, flag: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ConfigError(f"{flag} = {text!r}: give GB/s per GPU as a number, e.g. 900.") from None
+    if not value > 0 or not math.isfinite(value):
+        raise ConfigError(f"{flag} = {text}: must be a positive number of GB/s per GPU.")
+    return value * GBPS
+
+
+# ---- model -----------------------------------------------------------------------------------
+_MODEL_FLAGS = {
+    "layers": "layers",
+    "hidden": "hidden",
+    "heads": "heads",
+    "kv_heads": "kv_heads",
+    "ffn": "ffn",
+    "vocab": "vocab",
+    "experts": "experts",
+    "top_k": "top_k",
+    "expert_ffn": "expert_ffn",
+    "shared_experts": "shared_experts",
+}
+
+
+def model_from_args(args: argparse.Namespace, recipe_data: dict[str, dict]) -> Any:
+    from fivefold.spec.model import ModelSpec
+    from fivefold.spec.presets import MODEL_PRESETS
+    from fivefold.spec.recipe import build, read_toml
+
+    values: dict[str, Any] = dict(recipe_data.get("model", {}))
+    if args.model:
+        if args.model in MODEL_PRESETS:
+            values = {"preset": args.model}
+        elif args.model.endswith(".toml") or Path(args.model).is_file():
+            data = read_toml(args.model)
+            values = dict(data["model"]) if isinstance(data.get("model"), dict) else dict(data)
+        else:
+            raise ConfigError(
+                f"--model = {args.model!r} is neither a preset ({', '.join(MODEL_PRESETS)}) "
+                "nor a TOML file; check the name or the path."
+            )
+    flags: dict[str, Any] = {}
+    for attr, name in _MODEL_FLAGS.items():
+        raw = getattr(args, attr)
+        if raw is not None:
+            minimum = 0 if name in ("experts", "top_k", "expert_ffn", "shared_experts") else 1
+            flags[name] = parse_size(raw, "--" + attr.replace("_", "-"), minimum)
+    if args.seq is not None:
+        flags["seq_len"] = parse_size(args.seq, "--seq")
+    if args.mlp is not None:
+        flags["mlp"] = args.mlp
+    if args.tied_embeddings:
+        flags["tied_embeddings"] = True
+    preset = values.pop("preset", None)
+    if preset is not None:
+        if preset not in MODEL_PRESETS:
+            raise ConfigError(
+                f"model.preset = {preset!r} is unknown; choose one of {', '.join(MODEL_PRESETS)}."
+            )
+        base = MODEL_PRESETS[preset].to_dict()
+        if any(k in flags or k in values for k in ("hidden", "heads")):
+            base.pop("head_dim")
+        if "heads" in flags and "kv_heads" not in flags and base["kv_heads"] == base["heads"]:
+            base.pop("kv_heads")
+        values = {**base, **values}
+    elif not values:
+        missing = [f"--{f}" for f in ("layers", "hidden", "heads") if f not in flags]
+        if missing:
+            raise ConfigError(
+                f"no model: give --model PRESET|FILE, or describe it with {', '.join(missing)} "
+                "(and optionally --kv-heads --ffn --vocab --seq --mlp)."
+            )
+        values = {"name": "custom", "vocab": 32000, "seq_len": 4096}
+    values.update(flags)
+    if "ffn" not in values and "hidden" in values:
+        values["ffn"] = default_ffn(values["hidden"], values.get("mlp", "swiglu"))
+    problems: list[str] = []
+    model = build(ModelSpec, values, "model", problems)
+    if model is not None:
+        problems += model.problems()
+    if problems:
+        raise ConfigError(problems)
+    return model
+
+
+def default_ffn(hidden: int, mlp: str) -> int:
+    """4h for GeLU; SwiGLU's 8h/3 rounded up to a multiple of 256 (the Llama rule)."""
+    if mlp == "gelu":
+        return 4 * hidden
+    return 256 * math.ceil(8 * hidden / 3 / 256)
+
+
+# ---- cluster ---------------------------------------------------------------------------------
+def cluster_from_args(args: argparse.Namespace, recipe_data: dict[str, dict]) -> Any:
+    from fivefold.spec.cluster import CLUSTER_PRESETS, ClusterSpec, cluster_preset
+    from fivefold.spec.hardware import gpu as gpu_lookup
+    from fivefold.spec.recipe import build
+
+    section = dict(recipe_data.get("cluster", {}))
+    gpus = parse_size(args.gpus, "--gpus") if args.gpus is not None else None
+    per_node = (
+        parse_size(args.gpus_per_node, "--gpus-per-node")
+        if args.gpus_per_node is not None
+        else None
+    )
+    if args.gpu is not None:
+        gpu_lookup(args.gpu)  # ConfigError naming the catalog when unknown
+    if args.cluster is not None or (args.gpu is None and not section):
+        name = args.cluster or DEFAULT_CLUSTER
+        if name not in CLUSTER_PRESETS:
+            raise ConfigError(
+                f"--cluster = {name!r} is not a preset; choose one of "
+                f"{', '.join(CLUSTER_PRESETS)} or describe it with --gpu, --gpus-per-node, "
+                "--nvlink-gbps and --ib-gbps."
+            )
+        total = gpus or DEFAULT_GPUS
+        cluster = cluster_preset(name, total)
+        if total > cluster.gpus_per_node and total % cluster.gpus_per_node:
+            raise ConfigError(
+                f"--gpus = {total} is not a whole number of {name} nodes of "
+                f"{cluster.gpus_per_node} GPUs; use a multiple of {cluster.gpus_per_node}."
+            )
+        if args.gpu is not None:
+            cluster = cluster.with_(gpu=args.gpu)
+        if per_node is not None:
+            cluster = _regroup(cluster, total, per_node)
+    elif args.gpu is not None:
+        per_node = per_node or min(8, gpus or 8)
+        total = gpus or per_node
+        cluster = _regroup(ClusterSpec(name="custom", gpu=args.gpu), total, per_node)
+    else:  # from the recipe
+        problems: list[str] = []
+        values = dict(section)
+        preset = values.pop("preset", None)
+        total = gpus or values.pop("gpus", None)
+        if preset is not None:
+            if preset not in CLUSTER_PRESETS:
+                raise ConfigError(
+                    f"cluster.preset = {preset!r} is unknown; choose one of "
+                    f"{', '.join(CLUSTER_PRESETS)}."
+                )
+            values = {**cluster_preset(preset, total or DEFAULT_GPUS).to_dict(), **values}
+        elif total is not None:
+            values.setdefault("gpus_per_node", min(8, total))
+            values.setdefault("nodes", max(1, total // values["gpus_per_node"]))
+        cluster = build(ClusterSpec, values, "cluster", problems)
+        if problems:
+            raise ConfigError(problems)
+    if args.nvlink_gbps is not None:
+        cluster = cluster.with_(intra_node_bw=parse_gbps(args.nvlink_gbps, "--nvlink-gbps"))
+    if args.ib_gbps is not None:
+        cluster = cluster.with_(inter_node_bw=parse_gbps(args.ib_gbps, "--ib-gbps"))
+    problems = cluster.problems()
+    if problems:
+        raise ConfigError(problems)
+    if cluster.device.hbm_bytes <= 0:
+        raise ConfigError(
+            f"cluster.gpu = {cluster.gpu!r} has no HBM capacity or peak in the catalog, so "
+            "nothing can be planned for it; choose a datacenter GPU such as h100-sxm."
+        )
+    return cluster
+
+
+def _regroup(cluster: Any, total: int, per_node: int) -> Any:
+    if total < per_node:
+        per_node = total
+    if total % per_node:
+        raise ConfigError(
+            f"--gpus = {total} is not a multiple of --gpus-per-node = {per_node}; every node "
+            "must be full."
+        )
+    return cluster.with_(nodes=total // per_node, gpus_per_node=per_node)
+
+
+# ---- layout ----------------------------------------------------------------------------------
+_LAYOUT_INTS = {
+    "tp": "tp",
+    "pp": "pp",
+    "vpp": "vpp",
+    "cp": "cp",
+    "ep": "ep",
+    "mbs": "micro_batch",
+    "grad_accum": "grad_accum",
+}
+
+
+def pinned_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """Plan fields given on the command line (what the search keeps fixed)."""
+    out: dict[str, Any] = {}
+    for attr, name in _LAYOUT_INTS.items():
+        raw = getattr(args, attr)
+        if raw is not None:
+            out[name] = parse_size(raw, "--" + attr.replace("_", "-"))
+    if args.zero is not None:
+        zero = parse_size(args.zero, "--zero", minimum=0)
+        if zero > 3:
+            raise ConfigError(f"--zero = {zero}: ZeRO stage must be 0, 1, 2 or 3.")
+        out["zero"] = zero
+    for name in ("schedule", "recompute", "sp"):
+        if getattr(args, name) is not None:
+            out[name] = getattr(args, name)
+    if args.dp is not None:
+        out["dp"] = parse_size(args.dp, "--dp")
+    if args.dp_shard is not None:
+        out["dp_shard"] = parse_size(args.dp_shard, "--dp-shard")
+    return out
+
+
+def precisions_from_args(args: argparse.Namespace) -> list[str]:
+    from fivefold.spec.precision import RECIPES
+
+    if not args.precision:
+        return ["bf16-mixed"]
+    names = [p.strip() for p in args.precision.split(",") if p.strip()]
+    unknown = [p for p in names if p not in RECIPES]
+    if unknown or not names:
+        raise ConfigError(
+            f"--precision = {args.precision!r}: unknown recipe {', '.join(unknown) or '(none)'}; "
+            f"choose from {', '.join(RECIPES)}."
+        )
+    return names
+
+
+def batch_from_args(args: argparse.Namespace) -> tuple[int | None, int | None]:
+    """(global batch tokens, global batch sequences); at most one is set."""
+    tokens = (
+        parse_size(args.global_batch_tokens, "--global-batch-tokens")
+        if args.global_batch_tokens is not None
+        else None
+    )
+    seqs = (
+        parse_size(args.global_batch, "--global-batch") if args.global_batch is not None else None
+    )
+    if tokens is not None and seqs is not None:
+        raise ConfigError(
+            "give the batch once: --global-batch (sequences) or --global-batch-tokens, not both."
+        )
+    return tokens, seqs
+
+
+def layout_from_args(
+    args: argparse.Namespace, model: Any, cluster: Any, recipe_plan: dict[str, Any]
+) -> Any:
+    """The one layout `plan estimate` costs, from the recipe's [plan] and the flags."""
+    from fivefold.planner.search import batch_target
+    from fivefold.spec.plan import ParallelPlan
+    from fivefold.spec.recipe import build
+
+    pins = pinned_fields(args)
+    values = dict(recipe_plan)
+    for name in ("tp", "pp", "vpp", "cp", "ep", "micro_batch", "grad_accum", "zero", "schedule",
+                 "recompute", "sp"):  # fmt: skip
+        if name in pins:
+            values[name] = pins[name]
+    if args.precision:
+        precisions = precisions_from_args(args)
+        if len(precisions) > 1:
+            raise ConfigError("plan estimate costs one layout: give one --precision recipe.")
+        values["precision"] = precisions[0]
+    tp, pp, cp = (values.get(k, 1) for k in ("tp", "pp", "cp"))
+    if "dp" in pins or not ({"dp_replicate", "dp_shard"} & set(values)):
+        inner = tp * pp * cp
+        if cluster.world_size % inner:
+            raise ConfigError(
+                f"tp {tp} x pp {pp} x cp {cp} = {inner} does not divide the "
+                f"{cluster.world_size} GPUs; change a degree or --gpus."
+            )
+        dp = pins.get("dp", cluster.world_size // inner)
+        zero = values.setdefault("zero", 1 if dp * cp > 1 else 0)
+        shard = pins.get("dp_shard", dp if zero else 1)
+        if dp % shard:
+            raise ConfigError(f"--dp-shard = {shard} must divide the data-parallel degree {dp}.")
+        values["dp_shard"], values["dp_replicate"] = shard, dp // shard
+    values.setdefault("sp", values.get("tp", 1) > 1)
+    if values.get("pp", 1) > 1 and values.get("schedule") in ("zbv", "dualpipev"):
+        values.setdefault("vpp", 2)
+    if "grad_accum" not in values:
+        tokens, seqs = batch_from_args(args)
+        target = batch_target(model, tokens, seqs)
+        mbs = values.get("micro_batch", 1)
+        dp = values["dp_replicate"] * values["dp_shard"]
+        accum = target.sequences / (mbs * dp)
+        if tokens is not None or seqs is not None:
+            if accum < 1 or abs(accum - round(accum)) > 1e-9:
+                raise ConfigError(
+                    f"global batch {target.sequences:g} sequences is not a whole number of "
+                    f"micro-batches: mbs {mbs} x dp {dp} = {mbs * dp} per micro-step; pick a "
+                    f"batch that is a multiple of {mbs * dp} or set --grad-accum."
+                )
+        values["grad_accum"] = max(1, round(accum))
+    problems: list[str] = []
+    plan = build(ParallelPlan, values, "plan", problems)
+    if problems:
+        raise ConfigError(problems)
+    plan.validate(model, cluster)
+    return plan
+
+
+# ---- recipes ----------------------------------------------------------------------------------
+def recipe_items(args: argparse.Namespace) -> dict[str, dict]:
+    """The positional recipe and overrides as raw sections (validated later, field by field)."""
+    from fivefold.spec.recipe import merge, parse_overrides, read_toml
+
+    items = list(args.items or [])
+    data: dict[str, dict] = {}
+    if items and "=" not in items[0]:
+        data = read_toml(items.pop(0))
+    bad = [i for i in items if "=" not in i]
+    if bad:
+        raise ConfigError(
+            f"{bad[0]!r}: only the first argument may be a recipe file; the others must be "
+            "section.field=value overrides (plan.tp=4)."
+        )
+    return merge(data, parse_overrides(items))
+
+
+def write_recipe(path: Path, model: Any, cluster: Any, plan: Any, header: str) -> Path:
+    from fivefold.spec.recipe import Recipe, dump_recipe
+
+    text = dump_recipe(Recipe(model, cluster, plan, {}), header=header)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    except OSError as err:
+        raise ConfigError(f"--out {str(path)!r}: cannot write the recipe ({err}).") from None
+    return path
+
+
+# ---- printing ---------------------------------------------------------------------------------
+def memory_bar(memory: dict[str, float], hbm_gib: float, headroom: float, width: int = 50) -> str:
+    """One line: the worst stage's tenants as letters against HBM, '|' where headroom starts."""
+    cells = []
+    for key, letter in (("params", "P"), ("grads", "G"), ("optimizer", "O"),
+                        ("activations", "A"), ("other", "x")):  # fmt: skip
+        cells += [letter] * round(width * memory.get(key, 0.0) / hbm_gib)
+    cells = cells[:width] + ["."] * max(0, width - len(cells))
+    mark = round(width * (1 - headroom))
+    if 0 < mark < width:
+        cells[mark] = "|" if cells[mark] == "." else cells[mark]
+    over = memory["total"] > hbm_gib
+    return (
+        f"[{''.join(cells)}]{'>' if over else ''} {memory['total']:.1f} / {hbm_gib:.0f} GiB"
+    )
+
+
+def summary_lines(est_json: dict[str, Any], headroom: float) -> list[str]:
+    mem = est_json["memory_gib"]
+    lines = [
+        f"step time   {est_json['step_time_s'] * 1e3:,.0f} ms   "
+        f"tokens/s {est_json['tokens_per_s']:,.0f}   MFU {est_json['mfu']:.1%}   "
+        f"HFU {est_json['hfu']:.1%}   bubble {est_json['bubble_fraction']:.1%}",
+        f"memory per GPU, worst stage {est_json.get('worst_stage', 0)} "
+        f"({est_json.get('precision', '')}):",
+        "  " + memory_bar(mem, est_json["hbm_gib"], headroom),
+        "  P params {params:.2f}  G grads {grads:.2f}  O optimizer {optimizer:.2f}  "
+        "A activations {activations:.2f}  x other {other:.2f}  (GiB)".format(**mem),
+    ]
+    exposed = [c for c in est_json.get("comm", []) if c.get("exposed_s", 0) > 0]
+    if exposed:
+        parts = [
+            f"{c['kind']} {c['exposed_s'] * 1e3:,.1f} ms on {c['link']}"
+            for c in sorted(exposed, key=lambda c: -c["exposed_s"])
+        ]
+        lines.append("exposed communication per step: " + ", ".join(parts))
+    return lines
+
+
+def _describe(plan_dict: dict[str, Any]) -> str:
+    from fivefold.spec.plan import ParallelPlan
+
+    return ParallelPlan(**plan_dict).describe()
+
+
+# ---- handlers ---------------------------------------------------------------------------------
+def _inputs(args: argparse.Namespace) -> tuple[Any, Any, dict[str, dict], float]:
+    data = recipe_items(args)
+    model = model_from_args(args, data)
+    cluster = cluster_from_args(args, data)
+    headroom = parse_fraction(args.headroom, "--headroom")
+    return model, cluster, data, headroom
+
+
+def _estimate_handler(args: argparse.Namespace) -> int:
+    from fivefold.planner.estimate import estimate
+
+    model, cluster, data, headroom = _inputs(args)
+    plan = layout_from_args(args, model, cluster, data.get("plan", {}))
+    est = estimate(model, cluster, plan)
+    out = est.to_json()
+    usable = out["hbm_gib"] * (1 - headroom)
+    out["fits_with_headroom"] = out["memory_gib"]["total"] <= usable
+    out["headroom"] = headroom
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return 0
+    print(f"{model.name} on {cluster.world_size} x {cluster.gpu}: {plan.describe()}")
+    for line in summary_lines(out, headroom):
+        print(line)
+    verdict = "fits" if out["fits_with_headroom"] else "DOES NOT FIT"
+    print(
+        f"{verdict}: worst stage {out['memory_gib']['total']:.1f} GiB against "
+        f"{usable:.1f} GiB usable ({out['hbm_gib']:.0f} GiB HBM less {headroom:.0%} headroom)"
+    )
+    return 0
+
+
+def _search_handler(args: argparse.Namespace) -> int:
+    from fivefold.planner.search import search
+
+    model, cluster, data, headroom = _inputs(args)
+    tokens, seqs = batch_from_args(args)
+    if tokens is None and seqs is None and "plan" in data:
+        plan = data["plan"]
+        seqs = plan.get("micro_batch", 1) * plan.get("grad_accum", 1) * plan.get(
+            "dp_replicate", 1
+        ) * plan.get("dp_shard", 1)
+    fixed = pinned_fields(args)
+    result = search(
+        model,
+        cluster,
+        global_batch_tokens=tokens,
+        global_batch=seqs,
+        headroom=headroom,
+        top=parse_size(args.top, "--top"),
+        batch_tolerance=parse_fraction(args.batch_tolerance, "--batch-tolerance"),
+        precisions=tuple(precisions_from_args(args)),
+        fixed=fixed,
+    )
+    best = result.best.to_json()
+    recipe_path = None
+    if not args.no_out:
+        path = Path(args.out or f"plan-{model.name}-{cluster.world_size}gpu.toml")
+        header = (
+            f"Written by `fivefold plan` for {model.name} on {cluster.world_size} x "
+            f"{cluster.gpu}.\nPredicted: step {best['step_time_s']:.3f} s, "
+            f"{best['tokens_per_s']:,.0f} tokens/s, MFU {best['mfu']:.1%}, worst-stage memory "
+            f"{best['memory_gib']['total']:.1f} GiB of {best['hbm_gib']:.0f} GiB."
+        )
+        recipe_path = write_recipe(path, model, cluster, result.best_plan, header)
+    if args.json:
+        out = dict(best)
+        out["alternatives"] = [_brief(a.to_json()) for a in result.alternatives]
+        out["rejected"] = [{"plan": p.to_dict(), "reason": r} for p, r in result.rejected]
+        out["explanation"] = result.explanation
+        out["search"] = {
+            "evaluated": result.evaluated,
+            "considered": result.considered,
+            "elapsed_s": result.elapsed_s,
+            "target_sequences": result.target.sequences,
+            "target_tokens": result.target.tokens,
+            "batch_tolerance": result.target.tolerance,
+            "headroom": headroom,
+        }
+        out["recipe_path"] = str(recipe_path) if recipe_path else None
+        print(json.dumps(out, indent=2))
+        return 0
+    print(
+        f"{model.name} on {cluster.world_size} x {cluster.gpu} "
+        f"({cluster.nodes} nodes x {cluster.gpus_per_node}), global batch "
+        f"{result.target.sequences:g} sequences = {result.target.tokens:,.0f} tokens"
+    )
+    print(f"best layout: {_describe(best['plan'])}")
+    for line in summary_lines(best, headroom):
+        print(line)
+    print("\nwhy:")
+    for line in result.explanation:
+        print(f"  - {line}")
+    if result.alternatives:
+        print("\nnext best:")
+        for alt in result.alternatives:
+            j = alt.to_json()
+            print(
+                f"  {j['tokens_per_s']:>12,.0f} tok/s  MFU {j['mfu']:5.1%}  "
+                f"{j['memory_gib']['total']:5.1f} GiB  {_describe(j['plan'])}"
+            )
+    print(
+        f"\nsearched {result.considered:,} layouts ({result.evaluated:,} costed in full) in "
+        f"{result.elapsed_s:.2f} s"
+    )
+    if recipe_path:
+        print(f"recipe written to {recipe_path} (fivefold train {recipe_path})")
+    return 0
+
+
+def _brief(j: dict[str, Any]) -> dict[str, Any]:
+    keys = ("fits", "step_time_s", "tokens_per_s", "mfu", "hfu", "bubble_fraction", "plan")
+    out = {k: j[k] for k in keys}
+    out["memory_gib"] = j["memory_gib"]
+    return out

@@ -1,0 +1,793 @@
+"""`estimate()`: memory, step time, throughput and MFU of one parallel layout.
+
+How a step is put together (each piece documented in its module):
+
+1. The layers are split over the pp * vpp virtual stages (`partition.stage_layer_counts`).
+2. Per virtual stage and micro-batch, the forward (F), input-gradient backward (B, with any
+   recomputation) and weight-gradient backward (W) times are the compute time (`compute`) plus the
+   communication that sits on the critical path inside the stage: tensor-parallel collectives
+   (all of them, or with `tp_comm_overlap` one chunk per collective plus whatever the GEMMs cannot
+   cover), context-parallel ring exchange beyond what block attention hides, expert all-to-alls,
+   and ZeRO-3 layer gathers beyond what the previous layer's compute hides (`comm`).
+3. The schedule's event simulation (`schedule.simulate`) runs those stage times with the
+   point-to-point transfer between stages and gives the pipeline time, the bubble and the peak
+   in-flight micro-batches per rank. Without pipelining the step is m * (F + B + W).
+4. After the pipeline drains, each rank still has to finish its data-parallel gradient reduction
+   (overlapped with its last micro-batch's backward and with the time the rank sits idle while
+   earlier ranks drain: rank r of a 1F1B pipeline idles about r backward passes), the last bucket
+   (never hidden), the ZeRO-1/2 parameter all-gather beyond the next forward, and the optimizer
+   step. The slowest rank sets the step time.
+5. Memory per pipeline rank (`memory`) with the schedule's in-flight micro-batches.
+
+MFU counts model FLOPs (no recompute, causal attention) against the dense peak of the recipe's
+compute dtype; HFU adds recomputation. Every user mistake raises `ConfigError`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from functools import cached_property, lru_cache
+
+from fivefold.errors import ConfigError
+from fivefold.planner import comm as C
+from fivefold.planner.calibration import EfficiencyModel, efficiency_model
+from fivefold.planner.compute import (
+    Work,
+    head_work,
+    layer_work,
+    optimizer_step_s,
+)
+from fivefold.planner.memory import (
+    GiB,
+    StageMemory,
+    all_stage_memory,
+    chunk_layers,
+    chunk_params,
+    chunks_of_rank,
+    compute_bytes,
+    dense_shard_degree,
+    expert_shard_degree,
+    layer_params_per_rank,
+    local_kv_width,
+)
+from fivefold.planner.options import PlannerOptions
+from fivefold.planner.partition import stage_layer_counts
+from fivefold.planner.schedule import Simulation, StageCosts, build_schedule, simulate
+from fivefold.spec.cluster import ClusterSpec
+from fivefold.spec.hardware import GPUSpec
+from fivefold.spec.model import ModelSpec, training_flops_per_token
+from fivefold.spec.plan import ParallelPlan
+from fivefold.spec.precision import recipe
+
+COMM_KINDS = ("tp", "cp", "ep", "zero-gather", "pp", "dp")
+
+
+@dataclass(frozen=True)
+class CommCost:
+    """One kind of communication over a step, for the worst rank: bytes it sends, the time the
+    transfers take, and the part of that time on the critical path."""
+
+    kind: str
+    link: str
+    bytes_per_step: float
+    time_s: float
+    exposed_s: float
+
+    def to_json(self) -> dict:
+        return {
+            "kind": self.kind,
+            "link": self.link,
+            "bytes_per_step": self.bytes_per_step,
+            "time_s": self.time_s,
+            "exposed_s": self.exposed_s,
+        }
+
+
+@dataclass
+class Estimate:
+    """Everything the planner predicts for one layout. Times in seconds, memory in bytes."""
+
+    model: ModelSpec
+    cluster: ClusterSpec
+    plan: ParallelPlan
+    options: PlannerOptions
+    step_time_s: float
+    tokens_per_s: float
+    mfu: float
+    hfu: float
+    bubble_fraction: float
+    memory: list[StageMemory]
+    worst_stage: int
+    hbm_bytes: float
+    compute_time_s: float
+    comm: list[CommCost]
+    breakdown_s: dict[str, float]
+    stage_costs: StageCosts
+    layer_counts: list[int]
+    peak_inflight: list[int]
+    _simulation: Simulation | None = field(default=None, repr=False)
+
+    @property
+    def fits(self) -> bool:
+        return self.memory[self.worst_stage].total <= self.hbm_bytes
+
+    @property
+    def worst_memory(self) -> StageMemory:
+        return self.memory[self.worst_stage]
+
+    @property
+    def peak_memory_bytes(self) -> float:
+        return self.worst_memory.total
+
+    def fits_with(self, headroom: float) -> bool:
+        """True when the worst stage leaves `headroom` (a fraction of HBM) free."""
+        return self.worst_memory.total <= (1.0 - headroom) * self.hbm_bytes
+
+    @cached_property
+    def simulation(self) -> Simulation:
+        """The pipeline simulation (run on demand when the estimate skipped it, pp == 1)."""
+        if self._simulation is not None:
+            return self._simulation
+        sched = build_schedule(
+            _schedule_name(self.plan), self.plan.pp, self.plan.vpp, self.plan.grad_accum
+        )
+        return simulate(sched, self.stage_costs)
+
+    def timeline(self) -> list[list[dict]]:
+        return [
+            [
+                {
+                    "kind": ev.kind,
+                    "microbatch": ev.microbatch,
+                    "chunk": ev.chunk,
+                    "start_s": ev.start_s,
+                    "end_s": ev.end_s,
+                }
+                for ev in rank
+            ]
+            for rank in self.simulation.events
+        ]
+
+    def to_json(self, timeline: bool = True) -> dict:
+        """The stable JSON shape of `fivefold plan --json` (see the shared interfaces)."""
+        return {
+            "fits": self.fits,
+            "step_time_s": self.step_time_s,
+            "tokens_per_s": self.tokens_per_s,
+            "mfu": self.mfu,
+            "hfu": self.hfu,
+            "bubble_fraction": self.bubble_fraction,
+            "memory_gib": self.worst_memory.gib(),
+            "hbm_gib": self.hbm_bytes / GiB,
+            "worst_stage": self.worst_stage,
+            "memory_per_stage_gib": [m.gib() for m in self.memory],
+            "other_gib": self.worst_memory.other_gib(),
+            "compute_time_s": self.compute_time_s,
+            "comm": [c.to_json() for c in self.comm],
+            "breakdown_s": dict(self.breakdown_s),
+            "layers_per_stage": list(self.layer_counts),
+            "timeline": self.timeline() if timeline else [],
+            "precision": self.plan.precision,
+            "plan": self.plan.to_dict(),
+            "model": self.model.to_dict(),
+            "cluster": self.cluster.to_dict(),
+        }
+
+
+def _schedule_name(plan: ParallelPlan) -> str:
+    return plan.schedule if plan.pp > 1 else "1f1b"
+
+
+# ---- per-layer costs, cached on what they depend on -------------------------------------------
+@dataclass(frozen=True)
+class LayerCosts:
+    """Per layer per micro-batch on one rank: compute and the exposed in-stage communication."""
+
+    work: Work
+    tp_fwd_s: float  # exposed
+    tp_bwd_s: float
+    tp_time_s: float  # un-hidden transfer time fwd + bwd
+    tp_bytes: float
+    cp_fwd_s: float
+    cp_bwd_s: float
+    cp_time_s: float
+    cp_bytes: float
+    ep_fwd_s: float
+    ep_bwd_s: float
+    ep_bytes: float
+    gather_s: float  # ZeRO-3: one gather of this layer's weights
+    gather_bytes: float
+    reduce_s: float  # ZeRO-3: one reduce-scatter of its gradients
+    reduce_bytes: float
+
+
+def _layer_key(plan: ParallelPlan) -> ParallelPlan:
+    """The plan fields a layer's cost depends on (others reset, for the cache)."""
+    return ParallelPlan(
+        tp=plan.tp,
+        sp=plan.sp,
+        cp=plan.cp,
+        cp_kind=plan.cp_kind,
+        ep=plan.ep,
+        dp_shard=plan.dp_shard,
+        zero=3 if plan.zero == 3 else 0,
+        micro_batch=plan.micro_batch,
+        recompute=plan.recompute,
+        precision=plan.precision,
+    )
+
+
+@lru_cache(maxsize=65536)
+def _layer_costs(
+    model: ModelSpec,
+    key: ParallelPlan,
+    cluster: ClusterSpec,
+    eff: EfficiencyModel,
+    opts: PlannerOptions,
+    moe: bool,
+) -> LayerCosts:
+    device = cluster.device
+    work = layer_work(model, key, device, eff, moe, opts.compute())
+    e = recipe(key.precision).activation_bytes
+    tokens = key.micro_batch * model.seq_len / key.cp
+    t = key.tp
+    # Tensor parallelism: 2 collectives forward, 2 backward, 2 more with full recompute.
+    tp_fwd = tp_bwd = tp_time = tp_bytes = 0.0
+    if t > 1:
+        link = C.plan_link(cluster, key, "tp", eff)
+        size = tokens * model.hidden * e
+        if key.sp:
+            one = 2 * C.all_gather_time_s(size, t, link)  # an all-gather and a reduce-scatter
+            sent = 2 * C.all_gather_bytes(size, t)
+        else:
+            one = C.all_reduce_time_s(size, t, link)
+            sent = C.all_reduce_bytes(size, t)
+        n_fwd = 2
+        n_bwd = 2 + (2 if key.recompute == "full" else 0)
+        fwd, bwd = n_fwd * one, n_bwd * one
+        tp_time, tp_bytes = fwd + bwd, (n_fwd + n_bwd) * sent
+        if opts.tp_comm_overlap:
+            gemm = work.gemm_forward_s
+            tp_fwd = fwd / t + max(0.0, fwd - gemm)
+            tp_bwd = bwd / t + max(0.0, bwd - 2 * gemm)
+        else:
+            tp_fwd, tp_bwd = fwd, bwd
+    # Context parallelism.
+    cp_fwd = cp_bwd = cp_time = cp_bytes = 0.0
+    if key.cp > 1:
+        cp_fwd, cp_bwd, cp_time, cp_bytes = _cp_costs(model, key, cluster, eff, work, e, tokens)
+    # Expert parallelism: dispatch and combine all-to-alls, forward and backward.
+    ep_fwd = ep_bwd = ep_bytes = 0.0
+    if moe and key.ep > 1:
+        link = C.plan_link(cluster, key, "ep", eff)
+        size = tokens * model.top_k * model.hidden * e
+        ep_fwd = 2 * C.all_to_all_time_s(size, key.ep, link)
+        ep_bwd = ep_fwd * (2 if key.recompute == "full" else 1)
+        ep_bytes = (2 + 2 + (2 if key.recompute == "full" else 0)) * size * (key.ep - 1) / key.ep
+    # ZeRO-3 per-layer gather and reduce-scatter.
+    gather = gather_bytes = reduce = reduce_bytes = 0.0
+    if key.zero == 3:
+        rec = recipe(key.precision)
+        lp = layer_params_per_rank(model, moe, t, key.ep)
+        for params, group in (
+            (lp.dense + lp.replicated, "dp_shard_cp"),
+            (lp.experts, "expert_shard"),
+        ):
+            n = C.axis_groups(key)[group][0]
+            if n <= 1 or params == 0:
+                continue
+            link = C.plan_link(cluster, key, group, eff)
+            gather += C.all_gather_time_s(params * compute_bytes(rec), n, link)
+            gather_bytes += C.all_gather_bytes(params * compute_bytes(rec), n)
+            reduce += C.reduce_scatter_time_s(params * rec.grad_bytes, n, link)
+            reduce_bytes += C.all_gather_bytes(params * rec.grad_bytes, n)
+    return LayerCosts(
+        work,
+        tp_fwd,
+        tp_bwd,
+        tp_time,
+        tp_bytes,
+        cp_fwd,
+        cp_bwd,
+        cp_time,
+        cp_bytes,
+        ep_fwd,
+        ep_bwd,
+        ep_bytes,
+        gather,
+        gather_bytes,
+        reduce,
+        reduce_bytes,
+    )
+
+
+def _cp_costs(model, key, cluster, eff, work: Work, e: int, tokens: float):
+    """(exposed fwd, exposed bwd, transfer time, bytes) of context parallelism for one layer."""
+    cp = key.cp
+    link = C.plan_link(cluster, key, "cp", eff)
+    kv_block = tokens * 2 * local_kv_width(model, key.tp) * e
+    if key.cp_kind == "ring":
+        step_f = C.p2p_time_s(kv_block, link)
+        step_b = C.p2p_time_s(2 * kv_block, link)  # K, V and their gradients travel back
+        fwd = (cp - 1) * max(0.0, step_f - work.attention_forward_s / cp)
+        bwd = (cp - 1) * max(0.0, step_b - work.attention_backward_s / cp)
+        if key.recompute == "full":
+            bwd += fwd
+        return fwd, bwd, (cp - 1) * (step_f + step_b), (cp - 1) * 3 * kv_block
+    if key.cp_kind == "allgather":
+        gathered = kv_block * cp
+        fwd = C.all_gather_time_s(gathered, cp, link)
+        bwd = C.reduce_scatter_time_s(gathered, cp, link) + (fwd if key.recompute == "full" else 0)
+        return fwd, bwd, fwd + bwd, 2 * C.all_gather_bytes(gathered, cp)
+    # Ulysses: all-to-all q, k, v in and the output back, forward and backward.
+    width = model.q_width / key.tp * 2 + 2 * local_kv_width(model, key.tp)
+    size = tokens * width * e
+    fwd = C.all_to_all_time_s(size, cp, link)
+    bwd = fwd * (2 if key.recompute == "full" else 1)
+    return fwd, bwd, fwd + bwd, 2 * size * (cp - 1) / cp
+
+
+# ---- chunk (virtual stage) costs ---------------------------------------------------------------
+@dataclass(frozen=True)
+class ChunkCosts:
+    forward_s: float
+    backward_input_s: float
+    backward_weight_s: float
+    compute_s: float  # compute part of F + B + W
+    tp: tuple[float, float, float]  # exposed, time, bytes (per micro-batch)
+    cp: tuple[float, float, float]
+    ep: tuple[float, float, float]
+    zero: tuple[float, float, float]  # ZeRO-3 parameter gathers
+    zero_rs: tuple[float, float, float]  # ZeRO-3 gradient reduce-scatters
+
+
+def _chunk_costs(
+    model: ModelSpec,
+    plan: ParallelPlan,
+    cluster: ClusterSpec,
+    eff: EfficiencyModel,
+    opts: PlannerOptions,
+    counts: list[int],
+    chunk: int,
+) -> ChunkCosts:
+    n_dense, n_moe = chunk_layers(model, counts, chunk)
+    last = len(counts) - 1
+    return _chunk_costs_of(
+        model, _layer_key(plan), cluster, eff, opts, n_dense, n_moe, chunk == 0, chunk == last
+    )
+
+
+@lru_cache(maxsize=65536)
+def _chunk_costs_of(
+    model: ModelSpec,
+    plan: ParallelPlan,
+    cluster: ClusterSpec,
+    eff: EfficiencyModel,
+    opts: PlannerOptions,
+    n_dense: int,
+    n_moe: int,
+    first: bool,
+    last: bool,
+) -> ChunkCosts:
+    """Costs of a virtual stage with `n_dense` + `n_moe` layers (plan = `_layer_key(plan)`)."""
+    key = plan
+    f = b = w = compute = 0.0
+    tp = [0.0, 0.0, 0.0]
+    cp = [0.0, 0.0, 0.0]
+    ep = [0.0, 0.0, 0.0]
+    zero = [0.0, 0.0, 0.0]
+    zero_rs = [0.0, 0.0, 0.0]
+    for n, moe in ((n_dense, False), (n_moe, True)):
+        if n == 0:
+            continue
+        lc = _layer_costs(model, key, cluster, eff, opts, moe)
+        wk = lc.work
+        f += n * (wk.forward_s + lc.tp_fwd_s + lc.cp_fwd_s + lc.ep_fwd_s)
+        b += n * (wk.backward_input_s + lc.tp_bwd_s + lc.cp_bwd_s + lc.ep_bwd_s)
+        w += n * wk.backward_weight_s
+        compute += n * wk.total_s
+        tp = [
+            tp[0] + n * (lc.tp_fwd_s + lc.tp_bwd_s),
+            tp[1] + n * lc.tp_time_s,
+            tp[2] + n * lc.tp_bytes,
+        ]
+        cp = [
+            cp[0] + n * (lc.cp_fwd_s + lc.cp_bwd_s),
+            cp[1] + n * lc.cp_time_s,
+            cp[2] + n * lc.cp_bytes,
+        ]
+        ep_time = lc.ep_fwd_s + lc.ep_bwd_s
+        ep = [ep[0] + n * ep_time, ep[1] + n * ep_time, ep[2] + n * lc.ep_bytes]
+        if plan.zero == 3 and lc.gather_s > 0:
+            # Each layer's gather hides behind the previous layer's compute; the first does not.
+            # Each layer's gather hides behind the previous layer's compute, its gradient
+            # reduce-scatter behind the next layer's backward; the first gather and the last
+            # reduce-scatter of the chunk cannot hide.
+            exposed_f = n * max(0.0, lc.gather_s - wk.forward_s) + lc.gather_s
+            backward = wk.backward_input_s + wk.backward_weight_s
+            exposed_b = n * max(0.0, lc.gather_s + lc.reduce_s - backward)
+            f += exposed_f
+            b += exposed_b + lc.reduce_s
+            gather_share = lc.gather_s / (lc.gather_s + lc.reduce_s)
+            zero = [
+                zero[0] + exposed_f + exposed_b * gather_share,
+                zero[1] + 2 * n * lc.gather_s,
+                zero[2] + 2 * n * lc.gather_bytes,
+            ]
+            zero_rs = [
+                zero_rs[0] + exposed_b * (1 - gather_share) + lc.reduce_s,
+                zero_rs[1] + n * lc.reduce_s,
+                zero_rs[2] + n * lc.reduce_bytes,
+            ]
+    device = cluster.device
+    if last:
+        hw = head_work(model, plan, device, eff)
+        f += hw.forward_s
+        b += hw.backward_input_s
+        w += hw.backward_weight_s
+        compute += hw.total_s
+    if plan.tp > 1 and (first or last):
+        # The embedding's (and the head's) entry into / exit from the sequence-parallel region.
+        link = C.plan_link(cluster, plan, "tp", eff)
+        size = (
+            plan.micro_batch
+            * model.seq_len
+            / plan.cp
+            * model.hidden
+            * recipe(plan.precision).activation_bytes
+        )
+        one = (
+            C.all_gather_time_s(size, plan.tp, link)
+            if plan.sp
+            else C.all_reduce_time_s(size, plan.tp, link)
+        )
+        f += one
+        b += one if last else 0.0
+        extra = one * (2 if last else 1)
+        tp = [tp[0] + extra, tp[1] + extra, tp[2] + size]
+    return ChunkCosts(
+        f, b, w, compute, tuple(tp), tuple(cp), tuple(ep), tuple(zero), tuple(zero_rs)
+    )
+
+
+# ---- data-parallel tail ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Tail:
+    """What a pipeline rank does after its last backward: exposed seconds and the raw costs."""
+
+    grad_exposed_s: float
+    grad_time_s: float
+    grad_bytes: float
+    gather_exposed_s: float
+    gather_time_s: float
+    gather_bytes: float
+    optimizer_s: float
+
+    @property
+    def exposed_s(self) -> float:
+        return self.grad_exposed_s + self.gather_exposed_s + self.optimizer_s
+
+
+def _rank_tail(
+    model: ModelSpec,
+    plan: ParallelPlan,
+    cluster: ClusterSpec,
+    eff: EfficiencyModel,
+    opts: PlannerOptions,
+    counts: list[int],
+    rank: int,
+    chunk_costs: list[ChunkCosts],
+    drain_idle_s: float = 0.0,
+) -> Tail:
+    """The data-parallel tail of pipeline `rank` (see the module docstring, step 4);
+    `drain_idle_s` is how long the rank waits for earlier ranks to finish their backwards."""
+    chunks = chunks_of_rank(plan, rank)
+    dense = sum(chunk_params(model, plan, counts, c).dense for c in chunks)
+    experts = sum(chunk_params(model, plan, counts, c).experts for c in chunks)
+    key = replace(plan, grad_accum=1, micro_batch=1, recompute="none", schedule="1f1b", vpp=1)
+    grad_time, grad_bytes, bucket_time, gather_time, gather_bytes, opt = _tail_costs(
+        model, key, cluster, eff, opts, dense, experts
+    )
+    # Overlap window: the rank's last micro-batch backward, and the time it idles while the
+    # pipeline drains.
+    last_backward = sum(
+        chunk_costs[c].backward_input_s + chunk_costs[c].backward_weight_s for c in chunks
+    )
+    window = last_backward + drain_idle_s if opts.dp_overlap else 0.0
+    grad_exposed = max(0.0, grad_time - window) + bucket_time if grad_time > 0 else 0.0
+    first_forward = sum(chunk_costs[c].forward_s for c in chunks)
+    gather_exposed = max(0.0, gather_time - first_forward) if opts.dp_overlap else gather_time
+    return Tail(grad_exposed, grad_time, grad_bytes, gather_exposed, gather_time, gather_bytes, opt)
+
+
+@lru_cache(maxsize=65536)
+def _tail_costs(
+    model: ModelSpec,
+    plan: ParallelPlan,
+    cluster: ClusterSpec,
+    eff: EfficiencyModel,
+    opts: PlannerOptions,
+    dense: float,
+    experts: float,
+) -> tuple[float, float, float, float, float, float]:
+    """(gradient time, gradient bytes, last-bucket time, parameter all-gather time and bytes,
+    optimizer step) for a rank holding `dense` and `experts` local parameters."""
+    rec = recipe(plan.precision)
+    s_dense, s_exp = dense_shard_degree(plan), expert_shard_degree(plan)
+    groups = C.axis_groups(plan)
+    grad_time = grad_bytes = gather_time = gather_bytes = bucket_time = 0.0
+    bucket = opts.dp_bucket_bytes
+    for params, shard_group, shard in (
+        (dense, "dp_shard_cp", s_dense),
+        (experts, "expert_shard", s_exp),
+    ):
+        if params == 0:
+            continue
+        size = params * rec.grad_bytes
+        n_shard = groups[shard_group][0]
+        if plan.zero == 0:  # plain all-reduce over every replica
+            if shard_group == "dp_shard_cp":
+                n, stride = groups["dp_cp"]
+            else:
+                n, stride = plan.dp_replicate * n_shard, groups["expert_shard"][1]
+            if n > 1:
+                link = C.group_link(cluster, n, stride, eff)
+                grad_time += C.all_reduce_time_s(size, n, link)
+                grad_bytes += C.all_reduce_bytes(size, n)
+                bucket_time = max(bucket_time, C.all_reduce_time_s(min(size, bucket), n, link))
+            continue
+        if plan.zero in (1, 2) and n_shard > 1:
+            link = C.plan_link(cluster, plan, shard_group, eff)
+            grad_time += C.reduce_scatter_time_s(size, n_shard, link)
+            grad_bytes += C.all_gather_bytes(size, n_shard)
+            bucket_time = max(
+                bucket_time, C.reduce_scatter_time_s(min(size, bucket), n_shard, link)
+            )
+            gsize = params * rec.param_bytes
+            gather_time += C.all_gather_time_s(gsize, n_shard, link)
+            gather_bytes += C.all_gather_bytes(gsize, n_shard)
+        if plan.dp_replicate > 1:  # HSDP (zero 3) or replicas of ZeRO-1/2 shards
+            link = C.plan_link(cluster, plan, "dp_replicate", eff)
+            shard_size = size / max(1, shard if plan.zero >= 2 else 1)
+            grad_time += C.all_reduce_time_s(shard_size, plan.dp_replicate, link)
+            grad_bytes += C.all_reduce_bytes(shard_size, plan.dp_replicate)
+            bucket_time = max(
+                bucket_time,
+                C.all_reduce_time_s(min(shard_size, bucket), plan.dp_replicate, link),
+            )
+    local = dense / (s_dense if plan.zero >= 1 else 1) + experts / (s_exp if plan.zero >= 1 else 1)
+    opt = optimizer_step_s(local, plan, cluster.device, eff)
+    return grad_time, grad_bytes, bucket_time, gather_time, gather_bytes, opt
+
+
+def drain_idle_s(plan: ParallelPlan, rank: int, chunk_costs: list[ChunkCosts]) -> float:
+    """How long pipeline `rank` idles after its last backward while the ranks before it finish
+    theirs: about `rank` chunk backwards in the loop schedules (the last rank finishes first);
+    the V schedules end on every rank at nearly the same time."""
+    if plan.pp == 1 or plan.schedule not in ("gpipe", "1f1b", "interleaved-1f1b"):
+        return 0.0
+    mean_backward = sum(c.backward_input_s + c.backward_weight_s for c in chunk_costs)
+    return rank * mean_backward / len(chunk_costs)
+
+
+# ---- the estimate ------------------------------------------------------------------------------
+def estimate(
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    plan: ParallelPlan,
+    options: PlannerOptions | None = None,
+    efficiency: EfficiencyModel | None = None,
+    pipeline: str = "simulate",
+) -> Estimate:
+    """Predict memory, step time, tokens/s, MFU and HFU of `plan` for `model` on `cluster`.
+
+    `pipeline="simulate"` runs the schedule's event simulation (exact for the stage costs, a few
+    ms for deep pipelines with many micro-batches); `"analytic"` uses the closed forms
+    generalised to unequal stages (`analytic_pipeline`), microseconds, for searches that
+    simulate only their finalists. Raises `ConfigError` listing every problem when the plan is
+    invalid for them.
+    """
+    opts = options or PlannerOptions()
+    eff = efficiency or efficiency_model()
+    if pipeline not in ("simulate", "analytic"):
+        raise ConfigError(f"pipeline = {pipeline!r}: choose 'simulate' or 'analytic'.")
+    _validate(model, cluster, plan, opts)
+    device = cluster.device
+    counts = stage_layer_counts(model, plan.pp * plan.vpp)
+    key = _layer_key(plan)
+    last = len(counts) - 1
+    chunk_costs = [
+        _chunk_costs_of(
+            model, key, cluster, eff, opts, *chunk_layers(model, counts, c), c == 0, c == last
+        )
+        for c in range(len(counts))
+    ]
+    m = plan.grad_accum
+    tokens = plan.micro_batch * model.seq_len / plan.cp
+    e = recipe(plan.precision).activation_bytes
+    boundary = tokens * model.hidden * e / (plan.tp if plan.sp and plan.tp > 1 else 1)
+    pp_link = C.pipeline_link(cluster, plan, eff)
+    p2p = C.p2p_time_s(boundary, pp_link) if plan.pp > 1 else 0.0
+    costs = StageCosts(
+        tuple(c.forward_s for c in chunk_costs),
+        tuple(c.backward_input_s for c in chunk_costs),
+        tuple(c.backward_weight_s for c in chunk_costs),
+        p2p,
+    )
+    sim: Simulation | None = None
+    if plan.pp == 1:
+        pipeline_s = m * (
+            costs.forward_s[0] + costs.backward_input_s[0] + costs.backward_weight_s[0]
+        )
+        bubble = 0.0
+        inflight = [1]
+        busy = [pipeline_s]
+    else:
+        sched = build_schedule(plan.schedule, plan.pp, plan.vpp, m)
+        inflight = list(sched.peak_inflight)
+        if pipeline == "simulate":
+            sim = simulate(sched, costs)
+            pipeline_s, bubble, busy = sim.step_time_s, sim.bubble_fraction, list(sim.busy_s)
+        else:
+            pipeline_s, busy = analytic_pipeline(plan, costs)
+            bubble = 1.0 - sum(busy) / len(busy) / pipeline_s
+    tails = [
+        _rank_tail(
+            model,
+            plan,
+            cluster,
+            eff,
+            opts,
+            counts,
+            r,
+            chunk_costs,
+            drain_idle_s(plan, r, chunk_costs),
+        )
+        for r in range(plan.pp)
+    ]
+    step = pipeline_s + max(t.exposed_s for t in tails)
+    memory = all_stage_memory(model, plan, inflight, opts.memory())
+    worst = max(range(plan.pp), key=lambda r: memory[r].total)
+    global_tokens = plan.global_batch * model.seq_len
+    peak = device.peak(recipe(plan.precision).compute_dtype) * cluster.world_size
+    model_flops = training_flops_per_token(model, model.seq_len, "none") * global_tokens
+    hw_flops = training_flops_per_token(model, model.seq_len, plan.recompute) * global_tokens
+    rank_compute = [
+        m * sum(chunk_costs[c].compute_s for c in chunks_of_rank(plan, r)) for r in range(plan.pp)
+    ]
+    busiest = max(range(plan.pp), key=lambda r: busy[r])
+    comm = _comm_summary(plan, cluster, eff, chunk_costs, tails, busiest, m, p2p, boundary, pp_link)
+    slowest_tail = max(tails, key=lambda t: t.exposed_s)
+    breakdown = {
+        "compute_s": rank_compute[busiest],
+        "in_stage_comm_s": busy[busiest] - rank_compute[busiest],
+        "pipeline_bubble_s": pipeline_s - busy[busiest],
+        "dp_grad_exposed_s": slowest_tail.grad_exposed_s,
+        "param_gather_exposed_s": slowest_tail.gather_exposed_s,
+        "optimizer_s": slowest_tail.optimizer_s,
+    }
+    return Estimate(
+        model=model,
+        cluster=cluster,
+        plan=plan,
+        options=opts,
+        step_time_s=step,
+        tokens_per_s=global_tokens / step,
+        mfu=model_flops / (step * peak),
+        hfu=hw_flops / (step * peak),
+        bubble_fraction=bubble,
+        memory=memory,
+        worst_stage=worst,
+        hbm_bytes=float(device.hbm_bytes),
+        compute_time_s=max(rank_compute),
+        comm=comm,
+        breakdown_s=breakdown,
+        stage_costs=costs,
+        layer_counts=counts,
+        peak_inflight=inflight,
+        _simulation=sim,
+    )
+
+
+def analytic_pipeline(plan: ParallelPlan, costs: StageCosts) -> tuple[float, list[float]]:
+    """(step seconds, busy seconds per rank) of the pipeline from closed forms.
+
+    With T_r the per-micro-batch work of rank r (F + B + W over its chunks), m micro-batches,
+    p ranks, v chunks per rank and the point-to-point time d:
+      GPipe, 1F1B:       (m - 1) max T_r + sum_r T_r + 2 (p - 1) d   (uniform: (m + p - 1) T)
+      interleaved 1F1B:  m max T_r + (p - 1) mean T_r / v + 2 (p v - 1) d
+                         (uniform: ideal * (1 + (p - 1)/(v m)), Narayanan et al. 2021)
+      ZBV, DualPipeV:    m max T_r + (p - 1) max(0, F + B - 2 W) + 2 (2p - 1) d, with F, B, W the
+                         mean chunk times (the zero-bubble V schedule's bubble, Qi et al. 2024)
+    """
+    m, p, v = plan.grad_accum, plan.pp, plan.vpp
+    work = [0.0] * p
+    for chunk in range(p * v):
+        rank = chunks_of_rank_index(plan, chunk)
+        work[rank] += (
+            costs.forward_s[chunk] + costs.backward_input_s[chunk] + costs.backward_weight_s[chunk]
+        )
+    busy = [m * w for w in work]
+    d = costs.p2p_s
+    if plan.schedule in ("gpipe", "1f1b"):
+        return (m - 1) * max(work) + sum(work) + 2 * (p - 1) * d, busy
+    if plan.schedule == "interleaved-1f1b":
+        mean = sum(work) / p
+        return m * max(work) + (p - 1) * mean / v + 2 * (p * v - 1) * d, busy
+    n = p * v
+    f = sum(costs.forward_s) / n
+    b = sum(costs.backward_input_s) / n
+    w = sum(costs.backward_weight_s) / n
+    return m * max(work) + (p - 1) * max(0.0, f + b - 2 * w) + 2 * (n - 1) * d, busy
+
+
+def chunks_of_rank_index(plan: ParallelPlan, chunk: int) -> int:
+    """The pipeline rank holding virtual stage `chunk`."""
+    if plan.schedule in ("zbv", "dualpipev"):
+        return chunk if chunk < plan.pp else 2 * plan.pp - 1 - chunk
+    return chunk % plan.pp
+
+
+def _validate(
+    model: ModelSpec, cluster: ClusterSpec, plan: ParallelPlan, opts: PlannerOptions
+) -> None:
+    plan.validate(model, cluster)
+    opts.validate()
+    device: GPUSpec = cluster.device
+    device.peak(recipe(plan.precision).compute_dtype)  # "unknown peak" for e.g. the CPU
+    if device.hbm_bytes <= 0 or device.hbm_bw_bytes_per_s <= 0:
+        raise ConfigError(
+            f"cluster.gpu = {cluster.gpu!r} has no HBM capacity or bandwidth in the catalog; "
+            "the planner needs a GPU from the catalog (fivefold.spec.hardware)."
+        )
+
+
+def _comm_summary(
+    plan: ParallelPlan,
+    cluster: ClusterSpec,
+    eff: EfficiencyModel,
+    chunk_costs: list[ChunkCosts],
+    tails: list[Tail],
+    rank: int,
+    m: int,
+    p2p: float,
+    boundary: float,
+    pp_link: C.Link,
+) -> list[CommCost]:
+    chunks = chunks_of_rank(plan, rank)
+    out: list[CommCost] = []
+
+    def add(kind: str, group: str | None, triple: tuple[float, float, float]) -> None:
+        exposed, time, sent = triple
+        if time <= 0 and sent <= 0:
+            return
+        link = C.plan_link(cluster, plan, group, eff).kind if group else "nvlink"
+        out.append(CommCost(kind, link, sent, time, exposed))
+
+    def total(attr: str) -> tuple[float, float, float]:
+        parts = [getattr(chunk_costs[c], attr) for c in chunks]
+        return tuple(m * sum(p[i] for p in parts) for i in range(3))  # type: ignore[return-value]
+
+    add("tp", "tp", total("tp"))
+    add("cp", "cp", total("cp"))
+    add("ep", "ep", total("ep"))
+    tail = tails[rank]
+    zero = total("zero")
+    zero_gather = (
+        zero[0] + tail.gather_exposed_s,
+        zero[1] + tail.gather_time_s,
+        zero[2] + tail.gather_bytes,
+    )
+    add("zero-gather", "dp_shard_cp", zero_gather)
+    if plan.pp > 1:
+        hops = 2 * m * plan.vpp
+        critical = 2 * (plan.pp * plan.vpp - 1) * p2p
+        out.append(CommCost("pp", pp_link.kind, hops * boundary, hops * p2p, critical))
+    dp_group = "dp_cp" if plan.zero == 0 else "dp_shard_cp"
+    rs = total("zero_rs")
+    add(
+        "dp",
+        dp_group,
+        (tail.grad_exposed_s + rs[0], tail.grad_time_s + rs[1], tail.grad_bytes + rs[2]),
+    )
+    return out

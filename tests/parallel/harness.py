@@ -1,0 +1,458 @@
+"""Run a function on N real gloo ranks on CPU, and the parity cases built on it.
+
+Processes come from a `forkserver` whose process imported torch and fivefold once and did no
+compute, so each rank starts in a fraction of a second (fork) without inheriting a computing
+parent's thread pools (which can hang forked children). Each call gets a fresh process group
+over a FileStore (no TCP port to collide on), ranks run one thread each, results come back
+through a queue, and every worker ends with `os._exit(0)` (a normal exit can abort in gloo's
+destructors). If any rank fails or the deadline passes, all ranks are killed and the first
+traceback is raised.
+
+Parity (the contract of `fivefold train`): a case is (plan, model preset, steps, micro-batches);
+every rank trains with `DistributedRuntime` on a fixed synthetic corpus of packed documents, and
+the losses of every step and the final full parameters are compared with the single-process run
+(`LocalRuntime`, the same recipe with every degree 1), computed once per configuration.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+PRELOAD = [
+    "torch",
+    "torch.distributed.fsdp",
+    "torch.distributed.tensor.parallel",
+    "torch.distributed.pipelining",
+    "fivefold.model",
+    "fivefold.parallel.runtime",
+    "fivefold.parallel.parallelize",
+    "fivefold.train.runtime",
+    "fivefold.train.optim",
+]
+
+_CONTEXT: Any = None
+
+
+def _context():
+    global _CONTEXT
+    if _CONTEXT is None:
+        _CONTEXT = mp.get_context("forkserver")
+        _CONTEXT.set_forkserver_preload(PRELOAD)
+    return _CONTEXT
+
+
+def _pack(value: Any) -> bytes:
+    """Serialise a result to plain bytes: torch would otherwise pass tensors as shared-memory
+    handles, which die with the worker."""
+    import io
+
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def _unpack(data: bytes) -> Any:
+    import io
+
+    import torch
+
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
+class RankFailure(AssertionError):
+    """A rank raised, died or timed out; the message holds its traceback."""
+
+
+def _worker(rank: int, world: int, store_path: str, results, fn, args, kwargs) -> None:
+    os.environ.update(
+        OMP_NUM_THREADS="1", RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
+    )
+    status, payload = "ok", None
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        store = dist.FileStore(store_path, world)
+        dist.init_process_group(
+            "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=90)
+        )
+        payload = _pack(fn(*args, **kwargs))
+    except BaseException:
+        status, payload = "error", traceback.format_exc()
+    results.put((rank, status, payload))
+    results.close()
+    results.join_thread()
+    os._exit(0)
+
+
+def run_ranks(world: int, fn, *args, timeout_s: float = 180.0, **kwargs) -> list[Any]:
+    """Run `fn(*args, **kwargs)` on `world` ranks inside a gloo group; returns results by rank.
+
+    `fn` must be importable (module level). Raises `RankFailure` with the first rank's traceback.
+    """
+    ctx = _context()
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="fivefold-pg-") as tmp:
+        store_path = os.path.join(tmp, "store")
+        procs = [
+            ctx.Process(
+                target=_worker, args=(r, world, store_path, results, fn, args, kwargs), daemon=True
+            )
+            for r in range(world)
+        ]
+        for p in procs:
+            p.start()
+        out: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout_s
+        try:
+            while len(out) < world:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise RankFailure(
+                        f"{fn.__name__} on {world} ranks timed out after {timeout_s:.0f} s "
+                        f"(ranks done: {sorted(out)})"
+                    )
+                try:
+                    rank, status, payload = results.get(timeout=min(left, 1.0))
+                except queue.Empty:
+                    dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                    if dead:
+                        raise RankFailure(
+                            f"rank(s) {dead} died (exit codes {[procs[r].exitcode for r in dead]})"
+                        ) from None
+                    continue
+                if status == "error":
+                    raise RankFailure(f"rank {rank} of {world} failed:\n{payload}")
+                out[rank] = _unpack(payload)
+        finally:
+            for p in procs:
+                p.join(timeout=5 if len(out) == world else 0.1)
+                if p.is_alive():
+                    p.kill()
+                    p.join(timeout=5)
+    return [out[r] for r in range(world)]
+
+
+# ---- parity cases ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ParityCase:
+    """One layout to compare with the single-process run.
+
+    `plan`: ParallelPlan fields (precision fp32 is added); the global batch is always
+    `GLOBAL_BATCH` sequences, so micro_batch * dp * grad_accum must equal it.
+    """
+
+    name: str
+    plan: dict
+    model: str = "parity"  # a key of MODELS
+    steps: int = 10
+
+    @property
+    def world(self) -> int:
+        p = self.plan
+        return (
+            p.get("pp", 1)
+            * p.get("dp_replicate", 1)
+            * p.get("dp_shard", 1)
+            * p.get("cp", 1)
+            * p.get("tp", 1)
+        )
+
+
+GLOBAL_BATCH = 8
+LOSS_RTOL = 1e-5
+PARAM_ATOL = 1e-4
+NORM_RTOL = 1e-4  # the clipped gradient norms (not part of the contract; a sharper diagnosis)
+
+# Small enough for 8 ranks on 2 cores; 8 layers so PP4 x vpp2 has a layer per stage, kv heads
+# (2) fewer than TP4 so kv-head replication is exercised, seq 64 divisible by 2*cp*tp.
+MODELS: dict[str, dict] = {
+    "parity": {"preset": "tiny", "layers": 8, "seq_len": 64, "vocab": 512},
+    "parity-moe": {"preset": "tiny-moe", "layers": 4, "seq_len": 64, "vocab": 512},
+}
+TRAIN = {
+    "lr": 2e-3,
+    "warmup_steps": 0,
+    "lr_schedule": "constant",
+    "grad_clip": 1.0,
+    "weight_decay": 0.1,
+    "seed": 0,
+    "steps": 10,
+    "device": "cpu",
+}
+
+
+def recipe_dict(case: ParityCase) -> dict:
+    plan = {"precision": "fp32", **case.plan}
+    return {
+        "model": dict(MODELS[case.model]),
+        "plan": plan,
+        "train": {**TRAIN, "steps": case.steps},
+    }
+
+
+def reference_key(case: ParityCase) -> tuple:
+    """Cases that share a reference: same model, steps and micro-batch grouping (the grouping
+    matters only to MoE models, whose load-balancing loss is per global micro-batch)."""
+    dp = case.plan.get("dp_replicate", 1) * case.plan.get("dp_shard", 1)
+    moe = "moe" in case.model
+    return (case.model, case.steps, case.plan.get("grad_accum", 1), dp if moe else None)
+
+
+def synthetic_global_batch(step: int, vocab: int, seq_len: int, rows: int = GLOBAL_BATCH):
+    """The fixed global batch of `step`: rows of packed documents (lengths 5..40 tokens).
+
+    Returns a Batch of [rows, seq_len] tokens, next-token labels, positions restarting at each
+    document and per-row document ids.
+    """
+    import torch
+
+    from fivefold.train.data import Batch
+
+    g = torch.Generator().manual_seed(10_000 + step % 3)  # three batches, seen in turn
+    stream = torch.randint(0, vocab, (rows, seq_len + 1), generator=g)
+    positions = torch.empty(rows, seq_len + 1, dtype=torch.long)
+    doc_ids = torch.empty(rows, seq_len + 1, dtype=torch.long)
+    for row in range(rows):
+        start, doc = 0, 0
+        while start < seq_len + 1:
+            length = int(torch.randint(5, 41, (1,), generator=g))
+            end = min(start + length, seq_len + 1)
+            positions[row, start:end] = torch.arange(end - start)
+            doc_ids[row, start:end] = doc
+            start, doc = end, doc + 1
+    return Batch(
+        tokens=stream[:, :-1].contiguous(),
+        labels=stream[:, 1:].contiguous(),
+        positions=positions[:, :-1].contiguous(),
+        doc_ids=doc_ids[:, :-1].contiguous(),
+    )
+
+
+def _rows(batch, start: int, stop: int):
+    from fivefold.train.data import Batch
+
+    return Batch(
+        batch.tokens[start:stop],
+        batch.labels[start:stop],
+        batch.positions[start:stop],
+        batch.doc_ids[start:stop],
+    )
+
+
+def rank_micro_batches(batch, dp_rank: int, dp_size: int, grad_accum: int) -> list:
+    """Data-parallel rank r takes the r-th contiguous slice, cut into `grad_accum` pieces."""
+    per_rank = batch.tokens.shape[0] // dp_size
+    micro = per_rank // grad_accum
+    base = dp_rank * per_rank
+    return [_rows(batch, base + m * micro, base + (m + 1) * micro) for m in range(grad_accum)]
+
+
+def global_micro_batches(batch, dp_size: int, grad_accum: int) -> list:
+    """Micro-batch m of the whole data-parallel group: every rank's m-th piece, rank order."""
+    import torch
+
+    from fivefold.train.data import Batch
+
+    pieces = [rank_micro_batches(batch, r, dp_size, grad_accum) for r in range(dp_size)]
+    out = []
+    for m in range(grad_accum):
+        parts = [pieces[r][m] for r in range(dp_size)]
+        out.append(
+            Batch(
+                *(
+                    torch.cat([getattr(p, f) for p in parts])
+                    for f in ("tokens", "labels", "positions", "doc_ids")
+                )
+            )
+        )
+    return out
+
+
+def _train(runtime, recipe, steps: int, micro_batches_of) -> dict:
+    """The loop of `fivefold train` reduced to what parity needs: step, clip, AdamW."""
+    from fivefold.train.config import parse_train_config
+    from fivefold.train.optim import build_optimizer
+
+    cfg = parse_train_config(recipe).train
+    optimizer = build_optimizer(runtime.model_parts, cfg)
+    losses, norms, aux = [], [], []
+    for step in range(steps):
+        batch = synthetic_global_batch(step, recipe.model.vocab, recipe.model.seq_len)
+        result = runtime.train_step(micro_batches_of(batch))
+        norms.append(runtime.clip_grad_norm(cfg.grad_clip))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(result.loss)
+        aux.append(result.aux_loss)
+    return {"losses": losses, "norms": norms, "aux": aux}
+
+
+def reference_run(rd: dict, steps: int, dp_size: int, grad_accum: int) -> dict:
+    """The single-process run (rank 0 of a 1-rank group; LocalRuntime touches no group)."""
+    from fivefold.spec.recipe import recipe_from_dict
+    from fivefold.train.runtime import LocalRuntime
+
+    single = {
+        **rd,
+        "plan": {
+            "precision": "fp32",
+            "grad_accum": grad_accum,
+            "micro_batch": GLOBAL_BATCH // grad_accum,
+        },
+    }
+    recipe = recipe_from_dict(single, default_world=1)
+    runtime = LocalRuntime(recipe)
+    out = _train(runtime, recipe, steps, lambda b: global_micro_batches(b, dp_size, grad_accum))
+    out["params"] = {k: v.detach().clone() for k, v in runtime.model.state_dict().items()}
+    return out
+
+
+def full_parameters(runtime) -> dict:
+    """Every parameter of this rank's chunks as full tensors (collective within a stage)."""
+    from torch.distributed.tensor import DTensor
+
+    from fivefold.model.init import canonical_fqn
+
+    out = {}
+    for part in runtime.model_parts:
+        for name, param in part.named_parameters():
+            full = param.full_tensor() if isinstance(param, DTensor) else param
+            out[canonical_fqn(name)] = full.detach().clone()
+    return out
+
+
+def parallel_run(rd: dict, steps: int, world: int) -> dict:
+    """One rank of the layout: train `steps` steps, then gather the full parameters."""
+    from fivefold.parallel.runtime import DistributedRuntime
+    from fivefold.spec.recipe import recipe_from_dict
+
+    recipe = recipe_from_dict(rd, default_world=world)
+    runtime = DistributedRuntime(recipe)
+    plan = recipe.plan
+    out = _train(
+        runtime,
+        recipe,
+        steps,
+        lambda b: rank_micro_batches(b, runtime.dp_rank, runtime.dp_size, plan.grad_accum),
+    )
+    params = full_parameters(runtime)
+    c = runtime.coordinates
+    holds_copy = c["dp_replicate"] == c["dp_shard"] == c["cp"] == c["tp"] == 0
+    out["params"] = params if holds_copy else {}
+    runtime.close()
+    return out
+
+
+@dataclass
+class ParityResult:
+    case: ParityCase
+    loss_rel_dev: float  # max over steps of |loss - reference| / reference
+    param_abs_dev: float  # max over all parameter elements of |final - reference|
+    norm_rel_dev: float  # max over steps of the relative gradient-norm deviation
+    losses: list[float]
+    reference_losses: list[float]
+    seconds: float = 0.0
+    missing: list[str] = field(default_factory=list)
+
+    def line(self) -> str:
+        return (
+            f"{self.case.name:<30} ranks {self.case.world}  max |dloss|/loss "
+            f"{self.loss_rel_dev:.1e}  max |dparam| {self.param_abs_dev:.1e}  "
+            f"max |dnorm|/norm {self.norm_rel_dev:.1e}  "
+            f"loss {self.losses[0]:.4f} -> {self.losses[-1]:.4f}  ({self.seconds:.0f} s)"
+        )
+
+
+RESULTS: list[ParityResult] = []  # every case run in this session, for the summary
+
+
+_REFERENCES: dict[tuple, dict] = {}
+
+
+def reference_for(case: ParityCase) -> dict:
+    key = reference_key(case)
+    if key not in _REFERENCES:
+        dp = case.plan.get("dp_replicate", 1) * case.plan.get("dp_shard", 1)
+        (_REFERENCES[key],) = run_ranks(
+            1, reference_run, recipe_dict(case), case.steps, dp, case.plan.get("grad_accum", 1)
+        )
+    return _REFERENCES[key]
+
+
+def run_parity(case: ParityCase, timeout_s: float = 240.0) -> ParityResult:
+    """Run `case` on its ranks and measure its deviations from the single-process run."""
+    reference = reference_for(case)
+    start = time.monotonic()
+    ranks = run_ranks(
+        case.world, parallel_run, recipe_dict(case), case.steps, case.world, timeout_s=timeout_s
+    )
+    losses = ranks[0]["losses"]
+    for r, out in enumerate(ranks):
+        assert out["losses"] == losses, f"rank {r} reports other losses: {out['losses']}"
+    rel = max(abs(a - b) / abs(b) for a, b in zip(losses, reference["losses"], strict=True))
+    norm_rel = max(
+        abs(a - b) / abs(b) for a, b in zip(ranks[0]["norms"], reference["norms"], strict=True)
+    )
+    params: dict = {}
+    for out in ranks:
+        params.update(out["params"])
+    ref_params = reference["params"]
+    missing = sorted(set(ref_params) ^ set(params))
+    dev = max(
+        float((params[k].float() - ref_params[k].float()).abs().max())
+        for k in ref_params
+        if k in params
+    )
+    result = ParityResult(
+        case, rel, dev, norm_rel, losses, reference["losses"], time.monotonic() - start, missing
+    )
+    RESULTS.append(result)
+    return result
+
+
+def assert_parity(case: ParityCase) -> ParityResult:
+    result = run_parity(case)
+    print(result.line())
+    assert not result.missing, f"parameters not matched by name: {result.missing}"
+    assert result.loss_rel_dev <= LOSS_RTOL, (
+        f"{case.name}: losses {result.losses} vs single-process {result.reference_losses}"
+    )
+    assert result.param_abs_dev <= PARAM_ATOL, f"{case.name}: max |dparam| {result.param_abs_dev}"
+    assert result.norm_rel_dev <= NORM_RTOL, (
+        f"{case.name}: grad norms deviate {result.norm_rel_dev}"
+    )
+    return result
+
+
+def mixed_precision_run(rd: dict, steps: int, world: int) -> dict:
+    """One rank: train, then report the parameters' dtypes and the dtype forward computed in."""
+    from fivefold.parallel.runtime import DistributedRuntime
+    from fivefold.spec.recipe import recipe_from_dict
+
+    recipe = recipe_from_dict(rd, default_world=world)
+    runtime = DistributedRuntime(recipe)
+    seen = []
+    block = runtime.model_parts[0].layers["0"]
+    block.attention.wq.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    out = _train(
+        runtime,
+        recipe,
+        steps,
+        lambda b: rank_micro_batches(b, runtime.dp_rank, runtime.dp_size, recipe.plan.grad_accum),
+    )
+    out["param_dtypes"] = sorted({str(p.dtype) for p in runtime.model_parts[0].parameters()})
+    out["compute_dtypes"] = sorted({str(d) for d in seen})
+    runtime.close()
+    return out
