@@ -3,6 +3,10 @@
     .venv/bin/python scripts/calibrate.py            # fit, print the table, write the JSON
     .venv/bin/python scripts/calibrate.py --check    # only print the table for the saved fit
 
+Both also put the error table into docs/planner.md, between its calibration-table markers.
+
+Both also rewrite the error table in docs/planner.md (between its calibration-table markers).
+
 Reads `src/fivefold/planner/data/published_runs.json` (rows copied, with sources, from
 ../shared/calibration/published_runs.md) and writes `src/fivefold/planner/data/efficiency.json`
 with the fitted parameters, which rows were used for the fit and which were held out, and the
@@ -140,20 +144,40 @@ def table(model: EfficiencyModel) -> tuple[list[dict], dict]:
     return rows, summary
 
 
-def print_table(rows: list[dict], summary: dict) -> None:
-    print("| row | split | measured | measured step (s) | predicted step (s) | error |")
-    print("|---|---|---|---|---|---|")
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "planner.md"
+START_MARK = "<!-- calibration-table:start -->"
+END_MARK = "<!-- calibration-table:end -->"
+
+
+def markdown(rows: list[dict], summary: dict) -> str:
+    lines = [
+        "| row | split | measured | measured step (s) | predicted step (s) | error |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        print(
+        lines.append(
             f"| {r['row']} | {r['split']} | {r['measured']} | {r['measured_step_s']:.3f} | "
             f"{r['predicted_step_s']:.3f} | {r['error'] * 100:+.1f} % |"
         )
-    print()
+    lines += ["", "| rows | count | mean abs error | max abs error |", "|---|---|---|---|"]
     for name, s in summary.items():
-        print(
-            f"{name:9s} rows {s['rows']:2d}: mean |error| {s['mean_abs_error'] * 100:.1f} %, "
-            f"max {s['max_abs_error'] * 100:.1f} %"
+        lines.append(
+            f"| {name} | {s['rows']} | {s['mean_abs_error'] * 100:.1f} % | "
+            f"{s['max_abs_error'] * 100:.1f} % |"
         )
+    return "\n".join(lines)
+
+
+def print_table(rows: list[dict], summary: dict) -> None:
+    """Print the error table and put it between the markers of docs/planner.md."""
+    text = markdown(rows, summary)
+    print(text)
+    if DOCS.is_file():
+        doc = DOCS.read_text()
+        if START_MARK in doc and END_MARK in doc:
+            head, rest = doc.split(START_MARK, 1)
+            _, tail = rest.split(END_MARK, 1)
+            DOCS.write_text(f"{head}{START_MARK}\n{text}\n{END_MARK}{tail}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -52,7 +52,10 @@ def _worker(rank, world, store_path, results, pg_timeout_s, fn, args) -> None:
         torch.set_num_threads(1)
         store = dist.FileStore(store_path, world)
         dist.init_process_group(
-            "gloo", store=store, rank=rank, world_size=world,
+            "gloo",
+            store=store,
+            rank=rank,
+            world_size=world,
             timeout=timedelta(seconds=pg_timeout_s),
         )
         payload = fn(rank, world, *args)

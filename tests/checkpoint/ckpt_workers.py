@@ -59,8 +59,9 @@ def rank_micro_batches(batch, dp_rank: int, dp_size: int, grad_accum: int) -> li
     out = []
     for m in range(grad_accum):
         lo = dp_rank * per_rank + m * micro
-        fields = [getattr(batch, f)[lo : lo + micro] for f in ("tokens", "labels", "positions",
-                                                              "doc_ids")]
+        fields = [
+            getattr(batch, f)[lo : lo + micro] for f in ("tokens", "labels", "positions", "doc_ids")
+        ]
         out.append(Batch(*fields))
     return out
 

@@ -303,6 +303,7 @@ def test_search_equals_the_planner(client):
     assert data["best"] == json_safe(result.best.to_json())
     assert data["alternatives"] == [json_safe(a.to_json()) for a in result.alternatives]
     assert data["explanation"] == list(result.explanation)
+    assert data["describe"] == [e.plan.describe() for e in [result.best, *result.alternatives]]
     assert data["evaluated"] == result.evaluated
     assert [r["reason"] for r in data["rejected"]] == [reason for _, reason in result.rejected]
 

@@ -253,6 +253,7 @@ def test_recommend_runs_the_search_and_applies_a_layout(page):
     assert rows.count() == len(layouts)
     for i, est in enumerate(layouts):
         expected = json_safe(est.to_json())
+        assert rows.nth(i).locator("td.describe").text_content() == est.plan.describe()
         cells = rows.nth(i).locator("td.num")
         assert float(cells.nth(0).get_attribute("data-value")) == expected["step_time_s"]
         assert cells.nth(0).text_content() == fmt_time(expected["step_time_s"])

@@ -179,6 +179,8 @@ NORM_RTOL = 1e-4  # the clipped gradient norms (not part of the contract; a shar
 # (2) fewer than TP4 so kv-head replication is exercised, seq 64 divisible by 2*cp*tp.
 MODELS: dict[str, dict] = {
     "parity": {"preset": "tiny", "layers": 8, "seq_len": 64, "vocab": 512},
+    # one kv head: TP2 already replicates it (the cheap CI check of kv-head replication)
+    "parity-mqa": {"preset": "tiny", "layers": 2, "kv_heads": 1, "seq_len": 64, "vocab": 512},
     "parity-moe": {"preset": "tiny-moe", "layers": 4, "seq_len": 64, "vocab": 512},
 }
 TRAIN = {
@@ -454,5 +456,27 @@ def mixed_precision_run(rd: dict, steps: int, world: int) -> dict:
     )
     out["param_dtypes"] = sorted({str(p.dtype) for p in runtime.model_parts[0].parameters()})
     out["compute_dtypes"] = sorted({str(d) for d in seen})
+    runtime.close()
+    return out
+
+
+def eval_and_report_run(rd: dict, world: int) -> dict:
+    """One rank: eval_loss and train_step on the same batch at the same weights, three steps
+    (the layout report comes after the third), and the global gradient norm."""
+    from fivefold.parallel.runtime import DistributedRuntime
+    from fivefold.spec.recipe import recipe_from_dict
+
+    recipe = recipe_from_dict(rd, default_world=world)
+    runtime = DistributedRuntime(recipe)
+    plan = recipe.plan
+    batch = synthetic_global_batch(0, recipe.model.vocab, recipe.model.seq_len)
+    mine = rank_micro_batches(batch, runtime.dp_rank, runtime.dp_size, plan.grad_accum)
+    out = {"eval": runtime.eval_loss(mine), "train": [], "norm": []}
+    for _ in range(3):
+        out["train"].append(runtime.train_step(mine).loss)
+        out["norm"].append(runtime.clip_grad_norm(0.0))
+        for part in runtime.model_parts:
+            part.zero_grad(set_to_none=True)
+    out["report"] = runtime.last_report
     runtime.close()
     return out

@@ -20,14 +20,14 @@ def test_slurm_script_runs_torchrun_on_every_node(capsys) -> None:
         [
             "launch",
             "--slurm",
-            RECIPE,
             "--nodes",
             "2",
             "--gpus-per-node",
             "4",
             "--partition",
             "gpu",
-            "train.steps=5",
+            RECIPE,
+            "train.steps=50",
         ]
     )
     out = capsys.readouterr().out
@@ -40,7 +40,7 @@ def test_slurm_script_runs_torchrun_on_every_node(capsys) -> None:
         "--nproc-per-node=4",
         "--rdzv-backend=c10d",
         '--rdzv-endpoint="$head_node:29500"',
-        f"-m fivefold.train {RECIPE} train.steps=5",
+        f"-m fivefold.train {RECIPE} train.steps=50",
     ):
         assert line in out
     assert out.startswith("#!/bin/bash\n")

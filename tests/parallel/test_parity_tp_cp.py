@@ -10,7 +10,9 @@ import pytest
 from harness import ParityCase, assert_parity
 
 CI_CASES = [
-    ParityCase("TP2+SP x CP2", {"tp": 2, "cp": 2, "micro_batch": 8}),
+    ParityCase(
+        "TP2+SP x CP2, 1 kv head", {"tp": 2, "cp": 2, "micro_batch": 8}, model="parity-mqa"
+    ),
 ]
 
 SLOW_CASES = [

@@ -38,6 +38,7 @@ from fivefold.checkpoint.dcp_io import (
     group_hparams,
     load_into,
     save_tensors,
+    save_tensors_async,
     ungroup_hparams,
 )
 from fivefold.checkpoint.state import (
@@ -282,12 +283,8 @@ class Checkpointer:
         )
 
     def _save_async(self, tensors, step: int, staging: Path, final: Path, rank: int, world: int):
-        import torch.distributed.checkpoint as dcp
-
         pending = _Pending(step, final)
-        writer = dcp.FileSystemWriter(str(staging), sync_files=True)
-        result = dcp.async_save(tensors, storage_writer=writer, process_group=self._async_group)
-        future = getattr(result, "upload_completion", result)
+        future = save_tensors_async(tensors, staging, self._async_group)
 
         def finish(fut) -> None:
             try:

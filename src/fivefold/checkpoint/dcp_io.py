@@ -52,12 +52,9 @@ def _distributed() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
-@contextlib.contextmanager
-def _single_process_ok():
-    """Silence DCP's warning that it runs without a process group (intended here)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
+# DCP warns on every single-process save/load (also from its async writer thread) that it runs
+# without a process group; here that is intended, so the warning is silenced once, by message.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or")
 
 
 # ---- model parts ------------------------------------------------------------------------------
@@ -175,10 +172,24 @@ def collect_state(
 def save_tensors(tensors: dict[str, torch.Tensor], directory: Path, process_group=None) -> None:
     """Write this rank's share with DCP (collective over the default or given group)."""
     writer = dcp.FileSystemWriter(str(directory), sync_files=True)
-    with _single_process_ok():
+    with translate_dcp_errors(f"saving checkpoint {str(directory)!r}"):
         dcp.save(
             tensors, storage_writer=writer, process_group=process_group, no_dist=not _distributed()
         )
+
+
+def save_tensors_async(tensors: dict[str, torch.Tensor], directory: Path, process_group=None):
+    """Copy this rank's share to host memory, then write it in a background thread.
+
+    Returns a future that completes when this rank's files and (on the coordinator) the index
+    are written. Collective over `process_group` (use a group dedicated to checkpointing).
+    """
+    writer = dcp.FileSystemWriter(str(directory), sync_files=True)
+    with translate_dcp_errors(f"saving checkpoint {str(directory)!r}"):
+        result = dcp.async_save(
+            tensors, storage_writer=writer, process_group=process_group, no_dist=not _distributed()
+        )
+    return getattr(result, "upload_completion", result)
 
 
 def load_into(
@@ -205,21 +216,14 @@ def load_into(
             optim_tensors, _ = _split_groups(optim_sd)
             request.update({OPTIM_PREFIX + k: v for k, v in optim_tensors.items()})
         live.append((module, optimizer, model_sd, optim_sd))
-    try:
-        with _single_process_ok():
-            dcp.load(
-                request,
-                storage_reader=SafeFileSystemReader(str(directory)),
-                planner=SafeLoadPlanner(),
-                no_dist=not _distributed(),
-            )
-    except CheckpointError:
-        raise
-    except Exception as err:  # DCP wraps per-rank failures in CheckpointException
-        raise CheckpointError(
-            f"checkpoint {str(directory)!r} does not fit this model: {_first_line(err)}. Check "
-            "that the recipe's model matches the one the checkpoint was trained with."
-        ) from None
+    _check_against_index(directory, request)
+    with translate_dcp_errors(f"loading checkpoint {str(directory)!r}"):
+        dcp.load(
+            request,
+            storage_reader=SafeFileSystemReader(str(directory)),
+            planner=SafeLoadPlanner(),
+            no_dist=not _distributed(),
+        )
     for module, optimizer, model_sd, optim_sd in live:
         # DCP filled these tensors in place; setting them runs the wrappers' load hooks.
         set_model_state_dict(module, model_sd, options=_OPTIONS)
@@ -239,12 +243,67 @@ def load_into(
         set_optimizer_state_dict(module, optimizer, optim_sd, options=_OPTIONS)
 
 
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip() or type(err).__name__
-    for line in text.splitlines():
-        if "Error" in line or "Missing key" in line or "mismatch" in line:
-            return line.strip()
-    return text.splitlines()[0]
+def _check_against_index(directory: Path, request: dict[str, torch.Tensor]) -> None:
+    """CheckpointError naming the keys and shapes the checkpoint lacks (before DCP reads)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    try:
+        metadata = SafeFileSystemReader(str(directory)).read_metadata()
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"checkpoint {str(directory)!r} has no DCP index (.metadata); it is incomplete."
+        ) from None
+    index = metadata.state_dict_metadata
+    missing = sorted(key for key in request if key not in index)
+    wrong = sorted(
+        f"{key} {tuple(index[key].size)} (model: {tuple(_global_shape(request[key]))})"
+        for key in request
+        if key in index
+        and isinstance(index[key], TensorStorageMetadata)
+        and tuple(index[key].size) != tuple(_global_shape(request[key]))
+    )
+    not_tensors = sorted(
+        key for key in request if key in index and not isinstance(index[key], TensorStorageMetadata)
+    )
+    problems = []
+    if missing:
+        problems.append(f"it lacks {len(missing)} tensor(s): {', '.join(missing[:4])}")
+    if wrong:
+        problems.append(f"shapes differ: {', '.join(wrong[:4])}")
+    if not_tensors:
+        problems.append(f"it stores non-tensors under {', '.join(not_tensors[:4])}")
+    if problems:
+        raise CheckpointError(
+            f"checkpoint {str(directory)!r} does not fit this model and optimizer: "
+            + "; ".join(problems)
+            + ". Resume with the recipe it was written by."
+        )
+
+
+def _global_shape(tensor: torch.Tensor) -> torch.Size:
+    return tensor.shape  # a DTensor reports its global shape
+
+
+@contextlib.contextmanager
+def translate_dcp_errors(what: str):
+    """DCP's CheckpointException (a BaseException carrying every rank's error) as our
+    CheckpointError; a CheckpointError raised inside DCP (e.g. by the safe reader) as itself."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as err:
+        causes = [pair[0] for pair in err.failures.values()]
+        for cause in causes:
+            if isinstance(cause, CheckpointError):
+                raise cause from None
+        ranks = sorted(err.failures)
+        first = causes[0] if causes else err
+        raise CheckpointError(
+            f"{what} failed on rank(s) {ranks}: {type(first).__name__}: {first}. For a save, "
+            "check free disk space and permissions; for a load, that the checkpoint is intact "
+            "(`fivefold ckpt verify`) and fits the recipe's model."
+        ) from None
 
 
 # ---- reading without a process group (export) ---------------------------------------------------
@@ -266,6 +325,6 @@ def read_full_tensors(directory: Path, prefix: str = MODEL_PREFIX) -> dict[str, 
             request[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
     if not request:
         raise CheckpointError(f"checkpoint {str(directory)!r} holds no tensors under {prefix!r}.")
-    with _single_process_ok():
+    with translate_dcp_errors(f"reading {str(directory)!r}"):
         dcp.load(request, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
     return {key[len(prefix) :]: value for key, value in request.items()}

@@ -21,10 +21,12 @@ Each rank runs `python -m fivefold.train RECIPE [overrides]`.
 
 _EPILOG = """\
 examples:
-  fivefold launch --slurm configs/llama3-8b-dgx-h100.toml --nodes 8 > job.sbatch
-  fivefold launch --slurm configs/small-dp2-tp2-pp2.toml --nodes 1 --gpus-per-node 8 \\
-      --partition gpu --time 02:00:00 train.steps=1000
+  fivefold launch --slurm --nodes 8 configs/llama3-8b-dgx-h100.toml > job.sbatch
+  fivefold launch --slurm --nodes 1 --gpus-per-node 8 --partition gpu --time 02:00:00 \\
+      configs/small-dp2-tp2-pp2.toml train.steps=1000
   fivefold launch --nproc 8 configs/small-dp2-tp2-pp2.toml train.steps=20
+
+Options go before the recipe; section.field=value overrides follow it.
 """
 
 

@@ -59,30 +59,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    _add_common(parser, search=True)
-    parser.set_defaults(handler=_search_handler)
-    commands = parser.add_subparsers(dest="plan_command", metavar="ACTION")
-    est = commands.add_parser(
-        "estimate",
-        help="memory, step time and MFU of one given layout",
-        description="Cost one layout: per-stage memory against HBM, step time, tokens/s, MFU, "
-        "HFU, bubble and the communication it exposes. Unset layout fields default to: tp 1, "
-        "pp 1, cp 1, ep 1, zero 0 (1 when dp > 1), dp = the rest, mbs 1, grad_accum from "
-        "the batch target (4M tokens when none is given), schedule 1f1b, no recompute.",
-        epilog=_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    _add_common(est, search=False)
-    est.set_defaults(handler=_estimate_handler)
+    _add_common(parser)
+    parser.set_defaults(handler=_plan_handler)
 
 
-def _add_common(parser: argparse.ArgumentParser, search: bool) -> None:
+def _plan_handler(args: argparse.Namespace) -> int:
+    """`plan [RECIPE] ...` searches; `plan estimate [RECIPE] ...` costs one layout."""
+    items = list(args.items or [])
+    if items and items[0] == "estimate":
+        args.items = items[1:]
+        return _estimate_handler(args)
+    return _search_handler(args)
+
+
+def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "items",
         nargs="*",
-        metavar="RECIPE|OVERRIDE",
-        help="optional TOML recipe (its [model], [cluster] and, for estimate, [plan]) followed "
-        "by section.field=value overrides (plan.tp=4)",
+        metavar="[estimate] [RECIPE] [OVERRIDE ...]",
+        help="'estimate' to cost one layout instead of searching; then an optional TOML recipe "
+        "(its [model], [cluster] and, for estimate, [plan]) and section.field=value overrides "
+        "(plan.tp=4)",
     )
     m = parser.add_argument_group("model (a preset or TOML file, and/or flags)")
     m.add_argument("--model", metavar="PRESET|FILE", help="preset name or TOML file")
@@ -105,16 +102,17 @@ def _add_common(parser: argparse.ArgumentParser, search: bool) -> None:
         "--tied-embeddings", action="store_true", default=None, help="LM head tied to embedding"
     )
     c = parser.add_argument_group("cluster")
-    c.add_argument("--cluster", metavar="PRESET", help=f"dgx-a100, dgx-h100, ... "
-                   f"(default {DEFAULT_CLUSTER} unless --gpu is given)")  # fmt: skip
+    c.add_argument(
+        "--cluster",
+        metavar="PRESET",
+        help=f"dgx-a100, dgx-h100, ... (default {DEFAULT_CLUSTER} unless --gpu is given)",
+    )
     c.add_argument("--gpus", metavar="N", help=f"total GPUs (default {DEFAULT_GPUS})")
     c.add_argument("--gpu", metavar="TYPE", help="GPU type: a100-40gb, a100-80gb, h100-sxm, ...")
     c.add_argument("--gpus-per-node", metavar="N", help="GPUs per node (default 8)")
     c.add_argument("--nvlink-gbps", metavar="GB/s", help="NVLink GB/s per GPU (e.g. 900)")
     c.add_argument("--ib-gbps", metavar="GB/s", help="inter-node GB/s per GPU (e.g. 50)")
-    lay = parser.add_argument_group(
-        "layout" + (" (pins these fields in the search)" if search else "")
-    )
+    lay = parser.add_argument_group("layout (for estimate; a search keeps given fields fixed)")
     for flag, help_text in (
         ("--tp", "tensor-parallel degree (inside a node)"),
         ("--pp", "pipeline stages"),
@@ -134,8 +132,12 @@ def _add_common(parser: argparse.ArgumentParser, search: bool) -> None:
         help="pipeline schedule",
     )
     lay.add_argument("--recompute", choices=("none", "selective", "full"), help="recompute")
-    lay.add_argument("--sp", action=argparse.BooleanOptionalAction, default=None,
-                     help="sequence parallelism in the TP group")  # fmt: skip
+    lay.add_argument(
+        "--sp",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="sequence parallelism in the TP group",
+    )
     lay.add_argument(
         "--precision",
         metavar="RECIPE[,RECIPE]",
@@ -144,23 +146,26 @@ def _add_common(parser: argparse.ArgumentParser, search: bool) -> None:
     b = parser.add_argument_group("batch and output")
     b.add_argument("--global-batch", metavar="SEQS", help="sequences per optimizer step")
     b.add_argument("--global-batch-tokens", metavar="TOKENS", help="tokens per step, e.g. 4M")
-    b.add_argument("--headroom", metavar="FRACTION", default="0.10",
-                   help="share of HBM left free (default 0.10; 10%% also accepted)")  # fmt: skip
-    if search:
-        b.add_argument(
-            "--batch-tolerance",
-            metavar="FRACTION",
-            default="0.05",
-            help="how far the reached global batch may miss the target (default 0.05)",
-        )
-        b.add_argument("--top", metavar="N", default="5", help="alternatives to show (default 5)")
-        b.add_argument(
-            "--out",
-            metavar="PATH",
-            help="where to write the chosen layout as a recipe "
-            "(default plan-<model>-<gpus>gpu.toml; --no-out to skip)",
-        )
-        b.add_argument("--no-out", action="store_true", help="do not write a recipe")
+    b.add_argument(
+        "--headroom",
+        metavar="FRACTION",
+        default="0.10",
+        help="share of HBM left free (default 0.10; 10%% also accepted)",
+    )
+    b.add_argument(
+        "--batch-tolerance",
+        metavar="FRACTION",
+        default="0.05",
+        help="search: how far the reached global batch may miss the target (default 0.05)",
+    )
+    b.add_argument("--top", metavar="N", default="5", help="search: alternatives to show (5)")
+    b.add_argument(
+        "--out",
+        metavar="PATH",
+        help="search: where to write the chosen layout as a recipe "
+        "(default plan-<model>-<gpus>gpu.toml)",
+    )
+    b.add_argument("--no-out", action="store_true", help="search: do not write a recipe")
     b.add_argument("--json", action="store_true", help="print JSON (stable key names)")
 
 
@@ -446,8 +451,19 @@ def layout_from_args(
 
     pins = pinned_fields(args)
     values = dict(recipe_plan)
-    for name in ("tp", "pp", "vpp", "cp", "ep", "micro_batch", "grad_accum", "zero", "schedule",
-                 "recompute", "sp"):  # fmt: skip
+    for name in (
+        "tp",
+        "pp",
+        "vpp",
+        "cp",
+        "ep",
+        "micro_batch",
+        "grad_accum",
+        "zero",
+        "schedule",
+        "recompute",
+        "sp",
+    ):
         if name in pins:
             values[name] = pins[name]
     if args.precision:
@@ -478,13 +494,13 @@ def layout_from_args(
         mbs = values.get("micro_batch", 1)
         dp = values["dp_replicate"] * values["dp_shard"]
         accum = target.sequences / (mbs * dp)
-        if tokens is not None or seqs is not None:
-            if accum < 1 or abs(accum - round(accum)) > 1e-9:
-                raise ConfigError(
-                    f"global batch {target.sequences:g} sequences is not a whole number of "
-                    f"micro-batches: mbs {mbs} x dp {dp} = {mbs * dp} per micro-step; pick a "
-                    f"batch that is a multiple of {mbs * dp} or set --grad-accum."
-                )
+        given = tokens is not None or seqs is not None
+        if given and (accum < 1 or abs(accum - round(accum)) > 1e-9):
+            raise ConfigError(
+                f"global batch {target.sequences:g} sequences is not a whole number of "
+                f"micro-batches: mbs {mbs} x dp {dp} = {mbs * dp} per micro-step; pick a "
+                f"batch that is a multiple of {mbs * dp} or set --grad-accum."
+            )
         values["grad_accum"] = max(1, round(accum))
     problems: list[str] = []
     plan = build(ParallelPlan, values, "plan", problems)
@@ -528,17 +544,20 @@ def write_recipe(path: Path, model: Any, cluster: Any, plan: Any, header: str) -
 def memory_bar(memory: dict[str, float], hbm_gib: float, headroom: float, width: int = 50) -> str:
     """One line: the worst stage's tenants as letters against HBM, '|' where headroom starts."""
     cells = []
-    for key, letter in (("params", "P"), ("grads", "G"), ("optimizer", "O"),
-                        ("activations", "A"), ("other", "x")):  # fmt: skip
+    for key, letter in (
+        ("params", "P"),
+        ("grads", "G"),
+        ("optimizer", "O"),
+        ("activations", "A"),
+        ("other", "x"),
+    ):
         cells += [letter] * round(width * memory.get(key, 0.0) / hbm_gib)
     cells = cells[:width] + ["."] * max(0, width - len(cells))
     mark = round(width * (1 - headroom))
     if 0 < mark < width:
         cells[mark] = "|" if cells[mark] == "." else cells[mark]
     over = memory["total"] > hbm_gib
-    return (
-        f"[{''.join(cells)}]{'>' if over else ''} {memory['total']:.1f} / {hbm_gib:.0f} GiB"
-    )
+    return f"[{''.join(cells)}]{'>' if over else ''} {memory['total']:.1f} / {hbm_gib:.0f} GiB"
 
 
 def summary_lines(est_json: dict[str, Any], headroom: float) -> list[str]:
@@ -609,9 +628,12 @@ def _search_handler(args: argparse.Namespace) -> int:
     tokens, seqs = batch_from_args(args)
     if tokens is None and seqs is None and "plan" in data:
         plan = data["plan"]
-        seqs = plan.get("micro_batch", 1) * plan.get("grad_accum", 1) * plan.get(
-            "dp_replicate", 1
-        ) * plan.get("dp_shard", 1)
+        seqs = (
+            plan.get("micro_batch", 1)
+            * plan.get("grad_accum", 1)
+            * plan.get("dp_replicate", 1)
+            * plan.get("dp_shard", 1)
+        )
     fixed = pinned_fields(args)
     result = search(
         model,
@@ -660,6 +682,8 @@ def _search_handler(args: argparse.Namespace) -> int:
     print(f"best layout: {_describe(best['plan'])}")
     for line in summary_lines(best, headroom):
         print(line)
+    if "plan" in data:
+        print(_recipe_comparison(args, model, cluster, data, result))
     print("\nwhy:")
     for line in result.explanation:
         print(f"  - {line}")
@@ -678,6 +702,26 @@ def _search_handler(args: argparse.Namespace) -> int:
     if recipe_path:
         print(f"recipe written to {recipe_path} (fivefold train {recipe_path})")
     return 0
+
+
+def _recipe_comparison(
+    args: argparse.Namespace, model: Any, cluster: Any, data: dict, result: Any
+) -> str:
+    """One line on the recipe's own layout against the search's best."""
+    from fivefold.planner.estimate import estimate
+    from fivefold.planner.explain import slower_because
+
+    try:
+        plan = layout_from_args(args, model, cluster, data["plan"])
+        est = estimate(model, cluster, plan)
+    except ConfigError as err:
+        return f"the recipe's own layout is not valid: {err}"
+    fit = "fits" if est.fits_with(result.headroom) else "does NOT fit"
+    return (
+        f"the recipe's layout ({plan.describe()}): {est.tokens_per_s:,.0f} tokens/s, "
+        f"{est.peak_memory_bytes / 2**30:.1f} GiB, {fit}; "
+        f"against the best: {slower_because(est, result.best)}"
+    )
 
 
 def _brief(j: dict[str, Any]) -> dict[str, Any]:

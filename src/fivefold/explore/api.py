@@ -347,6 +347,7 @@ def search_view(body: Any) -> dict[str, Any]:
             "ok": True,
             "best": None if best is None else best.to_json(),
             "alternatives": [alt.to_json() for alt in result.alternatives],
+            "describe": [est.plan.describe() for est in [best, *result.alternatives] if est],
             "rejected": [
                 {"plan": plan.to_dict(), "describe": plan.describe(), "reason": reason}
                 for plan, reason in result.rejected

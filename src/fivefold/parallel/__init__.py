@@ -1,1 +1,35 @@
-"""fivefold.parallel"""
+"""fivefold.parallel: a `ParallelPlan` run for real on torch.distributed: gloo on CPU, NCCL on GPU.
+
+    runtime = DistributedRuntime(recipe)     # under torchrun; what `make_runtime` returns there
+    launch_local(nproc, recipe_path, overrides) -> exit code   # `fivefold train --nproc N`
+    ParallelDims.from_plan(plan, world_size).build_meshes("cpu")   # the 5-D mesh
+
+Modules, one concept each: `mesh` (degrees and the DeviceMesh), `tensor_parallel` (TP + SP),
+`data_parallel` (DDP / ZeRO-1/2/3 / HSDP on FSDP2), `checkpointing` (activation recompute),
+`pipeline`, `context_parallel` and `expert_parallel` (PP, CP ring attention, MoE all-to-all),
+`parallelize` (the fixed order PP -> TP -> EP -> CP -> AC -> FSDP/DDP), `runtime` (the train
+step, loss and gradient norm over the whole layout), `grad_norm`, `report` (predicted vs measured
+per stage) and `launch` (torchrun, sbatch). Names are imported lazily: `import fivefold.parallel`
+does not import torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_EXPORTS = {
+    "DistributedRuntime": "fivefold.parallel.runtime",
+    "ParallelDims": "fivefold.parallel.mesh",
+    "launch_local": "fivefold.parallel.launch",
+    "slurm_script": "fivefold.parallel.launch",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'fivefold.parallel' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -33,14 +33,17 @@ def global_grad_norm(grads: list[torch.Tensor], pp_size: int = 1) -> torch.Tenso
     `grads`: this rank's gradients (plain tensors or DTensors). Collective over the world.
     """
     holders_per_stage = dist.get_world_size() // pp_size
-    total = torch.zeros((), dtype=torch.float64)
+    device = grads[0].device if grads else torch.device("cpu")
+    if dist.get_backend() == "nccl" and device.type != "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    total = torch.zeros((), dtype=torch.float64, device=device)
     for grad in grads:
         if isinstance(grad, DTensor):
             local = grad.to_local()
             weight = _shard_count(grad) / holders_per_stage
         else:
             local, weight = grad, 1.0 / holders_per_stage
-        total += local.detach().double().pow(2).sum().cpu() * weight
+        total += local.detach().double().pow(2).sum().to(device) * weight
     dist.all_reduce(total)
     return total.sqrt()
 

@@ -151,6 +151,7 @@ class DistributedRuntime:
             )
         self._weight_aux_losses()
         self._steps = 0
+        self.last_report: str | None = None  # rank 0: the layout report, once it was printed
         self._step_times_s: list[float] = []
         self._report_at = min(3, train.steps)
         self._loop_memory_step = train.memory_step
@@ -168,6 +169,22 @@ class DistributedRuntime:
             f"{self.device}; rank 0 holds {local:,} parameter elements in "
             f"{len(self.model_parts)} chunk(s)"
         )
+
+    def _weight_aux_losses(self) -> None:
+        """Fold the aux loss's weight in the step objective into every MoE's coefficient.
+
+        The objective is the mean over micro-batches of (global-batch CE + aux), and gradients
+        are summed over the dp_cp ranks, each of which backpropagates its own copy of a
+        micro-batch's aux loss (with EP the same global value on every rank, its gradient
+        through the local router probabilities): hence coef / (micro-batches * dp_cp). This also
+        covers pipeline stages, whose aux losses are seeded with gradient 1 inside the pipeline.
+        """
+        weight = 1.0 / (self.plan.grad_accum * self.dims.dp_cp)
+        for part in self.model_parts:
+            for block in part.layers.values():
+                moe = getattr(block, "moe", None)
+                if moe is not None:
+                    moe.aux_loss_coef = self.spec.router_aux_loss_coef * weight
 
     # ---- the step ----------------------------------------------------------------------------
     def _loss_context(self):
@@ -188,9 +205,13 @@ class DistributedRuntime:
             batch = shard_batch_for_cp(batch, self.cp_rank, self.plan.cp)
         return batch
 
+    def _zero(self) -> torch.Tensor:
+        """A float64 accumulator on the device (NCCL reduces device tensors only)."""
+        return torch.zeros((), dtype=torch.float64, device=self.device)
+
     def _global_token_count(self, micro_batches: list) -> int:
         local = sum(int((b.labels != IGNORE_INDEX).sum()) for b in micro_batches)
-        count = torch.tensor([local], dtype=torch.float64)
+        count = torch.tensor([local], dtype=torch.float64, device=self.device)
         dist.all_reduce(count, group=self.meshes.dp.get_group())
         return max(1, int(count.item()))
 
@@ -217,8 +238,8 @@ class DistributedRuntime:
 
     def _local_step(self, batches: list, set_gradient_sync) -> tuple[torch.Tensor, torch.Tensor]:
         model = self.model_parts[0]
-        loss_sum = torch.zeros((), dtype=torch.float64)
-        aux_sum = torch.zeros((), dtype=torch.float64)
+        loss_sum = self._zero()
+        aux_sum = self._zero()
         for index, batch in enumerate(batches):
             set_gradient_sync(self.dp_modules, self.plan, index == len(batches) - 1)
             with self._loss_context():
@@ -236,10 +257,10 @@ class DistributedRuntime:
     def _pipeline_step(self, batches: list) -> tuple[torch.Tensor, torch.Tensor]:
         with self._loss_context():
             losses = self.pipeline.step(batches)
-        loss_sum = torch.zeros((), dtype=torch.float64)
+        loss_sum = self._zero()
         for loss in losses:
             loss_sum += _scalar(loss).double()
-        aux_sum = torch.zeros((), dtype=torch.float64)
+        aux_sum = self._zero()
         for aux in self.pipeline.aux_losses():
             aux_sum += _scalar(aux).double()
         return loss_sum, aux_sum
@@ -263,7 +284,7 @@ class DistributedRuntime:
         try:
             scale = 1.0 / self._global_token_count(batches)
             batches = [self._prepare(b) for b in batches]
-            total = torch.zeros((), dtype=torch.float64)
+            total = self._zero()
             if self.pipeline is not None:
                 if not hasattr(self.pipeline, "eval"):
                     return float("nan")
@@ -279,7 +300,7 @@ class DistributedRuntime:
                             batch.tokens, positions=batch.positions, doc_ids=batch.doc_ids
                         )
                         total += _scalar(token_loss_sum(logits, batch.labels)).double() * scale
-            loss, _ = self._global_mean(total, torch.zeros((), dtype=torch.float64))
+            loss, _ = self._global_mean(total, self._zero())
             return loss
         finally:
             for part in self.model_parts:
@@ -329,9 +350,9 @@ class DistributedRuntime:
         if self._steps == self._report_at:
             from fivefold.parallel.report import layout_report
 
-            text = layout_report(self)
-            if self.is_main and text:
-                print(text, flush=True)
+            self.last_report = layout_report(self)
+            if self.is_main and self.last_report:
+                print(self.last_report, flush=True)
 
     def record_peak_memory(self, peak_bytes: int) -> None:
         """The loop's measurement of this rank's peak (CPU), used in the layout report."""

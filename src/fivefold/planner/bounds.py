@@ -1,26 +1,28 @@
 """Cheap bounds that let the layout search skip most full estimates.
 
-Two bounds, both never above the value `estimate()` would give, so the search stays exact:
+Two bounds, both never above the value `estimate()` gives, so pruning with them loses nothing:
 
-- `memory_lower_bound`: the model state of the chunks a pipeline rank holds plus its largest
-  chunk's activations times the micro-batches in flight, plus the CUDA context, for the first
-  and the last pipeline rank. The estimate adds the remaining buffers (logits, ZeRO-3 gathers,
-  communication buffers, the recompute working set) and fragmentation on top.
-- `step_lower_bound`: the per-layer compute and in-stage communication that is always exposed
+- `Bounds.memory`: `memory.stage_memory` for the first and the last pipeline rank (model state
+  of their chunks, the largest chunk's activations times the micro-batches in flight, the named
+  buffers and fragmentation), assembled from pieces cached on the fields they depend on. The
+  estimate takes the maximum over every rank, so this is a lower bound (often the exact value:
+  the first rank holds the most micro-batches, the last the logits).
+- `Bounds.step`: per layer, the compute and the in-stage communication `estimate` always exposes
   (tensor-parallel collectives, context-parallel exchange beyond what attention hides, expert
-  all-to-alls), summed into chunk times; then a rank cannot finish before the first micro-batch
-  has reached it, it has done all its work, and (one-stage-per-chunk-in-a-loop schedules) the
-  last micro-batch's backward has gone back through the stages before it. The estimate adds
-  point-to-point transfers, ZeRO-3 gathers, the data-parallel tail and the optimizer step.
+  all-to-alls, ZeRO-3 gathers beyond what the previous layer hides), summed into chunk times.
+  A rank cannot finish before the first micro-batch has reached it and it has done all its work;
+  in the loop schedules (gpipe, 1f1b, interleaved) the last micro-batch's backward must then go
+  back through the stages before it. The estimate adds point-to-point transfers, the
+  data-parallel tail and the optimizer step.
 
-The pieces are cached on the plan fields they depend on, so a bound costs a few dictionary
-lookups once the search has seen a similar layout. Tests check both bounds against `estimate`.
+One `Bounds` object serves one search: its caches are keyed on the few plan fields each piece
+depends on, so a bound costs a handful of dictionary lookups once a similar layout was seen.
+`tests/planner/test_search.py` checks both bounds against `estimate` on many layouts.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import lru_cache
+from dataclasses import dataclass, field
 
 from fivefold.planner.calibration import EfficiencyModel, efficiency_model
 from fivefold.planner.compute import head_work
@@ -28,8 +30,9 @@ from fivefold.planner.estimate import _layer_costs, _layer_key
 from fivefold.planner.memory import (
     MemoryOptions,
     chunk_activation_bytes,
-    chunk_layers,
     chunk_state_bytes,
+    layer_activation_bytes,
+    other_terms,
 )
 from fivefold.planner.options import PlannerOptions
 from fivefold.planner.partition import stage_layer_counts
@@ -40,172 +43,251 @@ from fivefold.spec.plan import ParallelPlan
 V_SCHEDULES = ("zbv", "dualpipev")
 
 
-@dataclass(frozen=True)
-class BoundContext:
-    model: ModelSpec
-    cluster: ClusterSpec
-    options: PlannerOptions
-    efficiency: EfficiencyModel
-
-    @classmethod
-    def default(cls, model: ModelSpec, cluster: ClusterSpec) -> BoundContext:
-        return cls(model, cluster, PlannerOptions(), efficiency_model())
-
-    @property
-    def memory_options(self) -> MemoryOptions:
-        return self.options.memory()
-
-
-# ---- placement ------------------------------------------------------------------------------
-@lru_cache(maxsize=65536)
-def rank_chunks(schedule: str, pp: int, vpp: int, rank: int) -> tuple[int, ...]:
-    """Virtual stages of pipeline rank `rank` (the placement of `memory.chunks_of_rank`)."""
-    if schedule in V_SCHEDULES and pp > 1:
+def rank_chunks(v_shaped: bool, pp: int, vpp: int, rank: int) -> tuple[int, ...]:
+    """Virtual stages of pipeline rank `rank` (the placement `memory.chunks_of_rank` uses)."""
+    if v_shaped and pp > 1:
         return (rank, 2 * pp - 1 - rank)
     return tuple(range(rank, pp * vpp, pp))
 
 
-# ---- memory --------------------------------------------------------------------------------
-def memory_lower_bound(ctx: BoundContext, plan: ParallelPlan, inflight: list[int]) -> float:
-    """Bytes the first or last pipeline rank needs at least (the larger of the two)."""
-    per_rank = _memory_profile(
-        ctx, _state_key(plan), _activation_key(plan), plan.pp, plan.vpp, _shape(plan)
-    )
-    ranks = (0, plan.pp - 1)
-    need = max(state + acts * inflight[r] for r, (state, acts) in zip(ranks, per_rank, strict=True))
-    return need + ctx.memory_options.cuda_context_bytes
+def is_v_shaped(plan: ParallelPlan) -> bool:
+    return plan.schedule in V_SCHEDULES and plan.pp > 1
 
 
-def _shape(plan: ParallelPlan) -> str:
-    """What the chunk placement depends on: 'v' for V schedules, 'loop' otherwise."""
-    return "v" if plan.schedule in V_SCHEDULES and plan.pp > 1 else "loop"
+@dataclass
+class Bounds:
+    model: ModelSpec
+    cluster: ClusterSpec
+    options: PlannerOptions = field(default_factory=PlannerOptions)
+    efficiency: EfficiencyModel = field(default_factory=efficiency_model)
 
+    def __post_init__(self) -> None:
+        self.memory_options: MemoryOptions = self.options.memory()
+        self._cache: dict[tuple, object] = {}
 
-@lru_cache(maxsize=65536)
-def _memory_profile(
-    ctx: BoundContext, state_key: ParallelPlan, act_key: ParallelPlan, pp: int, vpp: int,
-    shape: str,
-) -> tuple[tuple[float, float], ...]:
-    """(model state, largest chunk's activations per micro-batch) of the first and last rank."""
-    counts = list(_counts(ctx.model, pp * vpp))
-    name = "zbv" if shape == "v" else "1f1b"
-    out = []
-    for rank in (0, pp - 1):
-        chunks = rank_chunks(name, pp, vpp, rank)
-        state = sum(chunk_state_bytes(ctx.model, state_key, counts, c).total for c in chunks)
-        acts = max(
-            chunk_activation_bytes(ctx.model, act_key, counts, c, ctx.memory_options)
-            for c in chunks
+    def _cached(self, key: tuple, make):
+        value = self._cache.get(key)
+        if value is None:
+            value = self._cache[key] = make()
+        return value
+
+    # ---- layers per chunk ------------------------------------------------------------------
+    def layers(self, stages: int) -> tuple[tuple[int, int], ...]:
+        """(dense layers, MoE layers) of each virtual stage."""
+
+        def make():
+            counts = stage_layer_counts(self.model, stages)
+            first_moe = self.model.dense_layers if self.model.is_moe else self.model.layers
+            out, start = [], 0
+            for n in counts:
+                dense = max(0, min(start + n, first_moe) - start)
+                out.append((dense, n - dense))
+                start += n
+            return tuple(out)
+
+        return self._cached(("layers", stages), make)
+
+    # ---- memory ------------------------------------------------------------------------------
+    def memory(self, plan: ParallelPlan, inflight: list[int]) -> float:
+        """Bytes the first or the last pipeline rank needs (the larger): `stage_memory`'s sum
+        for those two ranks, assembled from cached pieces."""
+        v = is_v_shaped(plan)
+        state = self._state(plan, v)
+        acts = self._activations(plan, v)
+        other = self._other(plan, v)
+        working = self._working_set(plan)
+        last = plan.pp - 1
+        tensors = max(
+            state[0] + acts[0] * inflight[0] + other[0],
+            state[1] + acts[1] * inflight[last] + other[1],
         )
-        out.append((state, acts))
-    return tuple(out)
+        return (tensors + working) * (1 + self.memory_options.fragmentation_fraction)
 
+    def _other(self, plan: ParallelPlan, v: bool) -> tuple[float, float]:
+        """The named buffers (`memory.other_terms`) of the first and last rank."""
+        key = (
+            "other",
+            plan.tp,
+            plan.sp,
+            plan.cp,
+            plan.micro_batch,
+            plan.zero,
+            plan.dp * plan.cp > 1,
+            plan.ep,
+            plan.precision,
+            plan.pp,
+            plan.vpp,
+            v,
+        )
 
-def _state_key(plan: ParallelPlan) -> ParallelPlan:
-    return ParallelPlan(
-        tp=plan.tp, ep=plan.ep, zero=plan.zero, dp_shard=plan.dp_shard, cp=plan.cp,
-        precision=plan.precision,
-    )  # fmt: skip
+        def make():
+            counts = stage_layer_counts(self.model, plan.pp * plan.vpp)
+            return tuple(
+                sum(
+                    other_terms(
+                        self.model,
+                        plan,
+                        counts,
+                        list(rank_chunks(v, plan.pp, plan.vpp, r)),
+                        self.memory_options,
+                    ).values()
+                )
+                for r in (0, plan.pp - 1)
+            )
 
+        return self._cached(key, make)
 
-def _activation_key(plan: ParallelPlan) -> ParallelPlan:
-    return ParallelPlan(
-        tp=plan.tp, sp=plan.sp, cp=plan.cp, micro_batch=plan.micro_batch,
-        recompute=plan.recompute, precision=plan.precision,
-    )  # fmt: skip
+    def _working_set(self, plan: ParallelPlan) -> float:
+        """Full recompute re-materialises one layer's activations during its backward."""
+        if plan.recompute != "full" or self.memory_options.activation_model != "korthikanti":
+            return 0.0
+        key = ("working", plan.tp, plan.sp, plan.cp, plan.micro_batch, plan.precision)
+        return self._cached(
+            key,
+            lambda: layer_activation_bytes(
+                self.model, plan, self.model.is_moe, self.memory_options, recompute="none"
+            ),
+        )
 
+    def _state(self, plan: ParallelPlan, v: bool) -> tuple[float, float]:
+        key = (
+            "state",
+            plan.tp,
+            plan.ep,
+            plan.zero,
+            plan.dp_shard,
+            plan.cp,
+            plan.precision,
+            plan.pp,
+            plan.vpp,
+            v,
+        )
 
-@lru_cache(maxsize=4096)
-def _counts(model: ModelSpec, stages: int) -> tuple[int, ...]:
-    return tuple(stage_layer_counts(model, stages))
+        def make():
+            counts = stage_layer_counts(self.model, plan.pp * plan.vpp)
+            probe = ParallelPlan(
+                tp=plan.tp,
+                ep=plan.ep,
+                zero=plan.zero,
+                dp_shard=plan.dp_shard,
+                cp=plan.cp,
+                precision=plan.precision,
+            )
+            return tuple(
+                sum(
+                    chunk_state_bytes(self.model, probe, counts, c).total
+                    for c in rank_chunks(v, plan.pp, plan.vpp, r)
+                )
+                for r in (0, plan.pp - 1)
+            )
 
+        return self._cached(key, make)
 
-# ---- step time -----------------------------------------------------------------------------
-@dataclass(frozen=True)
-class _LayerTimes:
-    forward_s: float  # compute + exposed in-stage communication, one micro-batch
-    backward_s: float  # input and weight gradients, with recompute
+    def _activations(self, plan: ParallelPlan, v: bool) -> tuple[float, float]:
+        key = (
+            "acts",
+            plan.tp,
+            plan.sp,
+            plan.cp,
+            plan.micro_batch,
+            plan.recompute,
+            plan.precision,
+            plan.pp,
+            plan.vpp,
+            v,
+        )
 
+        def make():
+            counts = stage_layer_counts(self.model, plan.pp * plan.vpp)
+            probe = ParallelPlan(
+                tp=plan.tp,
+                sp=plan.sp,
+                cp=plan.cp,
+                micro_batch=plan.micro_batch,
+                recompute=plan.recompute,
+                precision=plan.precision,
+            )
+            return tuple(
+                max(
+                    chunk_activation_bytes(self.model, probe, counts, c, self.memory_options)
+                    for c in rank_chunks(v, plan.pp, plan.vpp, r)
+                )
+                for r in (0, plan.pp - 1)
+            )
 
-@lru_cache(maxsize=65536)
-def _layer_times(ctx: BoundContext, key: ParallelPlan, moe: bool) -> _LayerTimes:
-    lc = _layer_costs(ctx.model, key, ctx.cluster, ctx.efficiency, ctx.options, moe)
-    w = lc.work
-    forward = w.forward_s + lc.tp_fwd_s + lc.cp_fwd_s + lc.ep_fwd_s
-    backward = w.backward_input_s + w.backward_weight_s + lc.tp_bwd_s + lc.cp_bwd_s + lc.ep_bwd_s
-    return _LayerTimes(forward, backward)
+        return self._cached(key, make)
 
+    # ---- step time ---------------------------------------------------------------------------
+    def step(self, plan: ParallelPlan) -> float:
+        """Seconds a step of `plan` takes at least."""
+        layer_key = _layer_key(plan)
+        if layer_key.zero != 3:
+            # Only ZeRO-3's per-layer gathers depend on the shard group: share the cache entry.
+            layer_key = layer_key.with_(dp_shard=1)
+        m = plan.grad_accum
+        if plan.pp == 1:
+            f, b = self._chunk_times(layer_key, plan.vpp)
+            return m * (sum(f) + sum(b))
+        v = is_v_shaped(plan)
+        profile = self._cached(
+            ("profile", layer_key, plan.pp, plan.vpp, v),
+            lambda: self._pipeline_profile(layer_key, plan.pp, plan.vpp, v),
+        )
+        return max(fixed + m * unit for fixed, unit in profile)
 
-def _zero3_exposed(ctx: BoundContext, key: ParallelPlan, moe: bool, layers: int) -> _LayerTimes:
-    """ZeRO-3 gathers a layer's weights behind the previous layer's compute; the first of a
-    chunk and whatever compute cannot cover stay exposed (as `estimate` counts them)."""
-    if key.zero != 3 or layers == 0:
-        return _LayerTimes(0.0, 0.0)
-    lc = _layer_costs(ctx.model, key, ctx.cluster, ctx.efficiency, ctx.options, moe)
-    if lc.gather_s <= 0:
-        return _LayerTimes(0.0, 0.0)
-    w = lc.work
-    f = layers * max(0.0, lc.gather_s - w.forward_s) + lc.gather_s
-    b = layers * max(0.0, lc.gather_s + lc.reduce_s - w.backward_input_s - w.backward_weight_s)
-    return _LayerTimes(f, b + lc.reduce_s)
+    def _layer(self, layer_key: ParallelPlan, moe: bool) -> tuple[float, float, float, float]:
+        """(forward, backward, ZeRO-3 exposed per layer fwd, bwd) and first-layer extras."""
 
+        def make():
+            lc = _layer_costs(
+                self.model, layer_key, self.cluster, self.efficiency, self.options, moe
+            )
+            w = lc.work
+            f = w.forward_s + lc.tp_fwd_s + lc.cp_fwd_s + lc.ep_fwd_s
+            b = w.backward_input_s + w.backward_weight_s + lc.tp_bwd_s + lc.cp_bwd_s
+            b += lc.ep_bwd_s
+            zf = zb = 0.0
+            gather, reduce = (lc.gather_s, lc.reduce_s) if layer_key.zero == 3 else (0.0, 0.0)
+            if gather > 0:
+                zf = max(0.0, gather - w.forward_s)
+                zb = max(0.0, gather + reduce - w.backward_input_s - w.backward_weight_s)
+            return f, b, zf, zb, gather, reduce
 
-@lru_cache(maxsize=16384)
-def _head_times(ctx: BoundContext, key: ParallelPlan) -> _LayerTimes:
-    hw = head_work(ctx.model, key, ctx.cluster.device, ctx.efficiency)
-    return _LayerTimes(hw.forward_s, hw.backward_input_s + hw.backward_weight_s)
+        return self._cached(("layer", layer_key, moe), make)
 
+    def _chunk_times(self, layer_key: ParallelPlan, stages: int) -> tuple[list, list]:
+        def make():
+            dense = self._layer(layer_key, False)
+            moe = self._layer(layer_key, True) if self.model.is_moe else dense
+            forward, backward = [], []
+            for n_dense, n_moe in self.layers(stages):
+                f = b = 0.0
+                for n, t in ((n_dense, dense), (n_moe, moe)):
+                    if n:
+                        f += n * (t[0] + t[2]) + t[4]
+                        b += n * (t[1] + t[3]) + t[5]
+                forward.append(f)
+                backward.append(b)
+            hw = head_work(self.model, layer_key, self.cluster.device, self.efficiency)
+            forward[-1] += hw.forward_s
+            backward[-1] += hw.backward_input_s + hw.backward_weight_s
+            return forward, backward
 
-@lru_cache(maxsize=65536)
-def chunk_times(ctx: BoundContext, key: ParallelPlan, stages: int) -> tuple[_LayerTimes, ...]:
-    """Lower bounds of each virtual stage's forward and backward time for one micro-batch;
-    `key` is `estimate._layer_key(plan)`."""
-    counts = list(_counts(ctx.model, stages))
-    dense = _layer_times(ctx, key, False)
-    moe = _layer_times(ctx, key, True) if ctx.model.is_moe else dense
-    out = []
-    for c in range(stages):
-        n_dense, n_moe = chunk_layers(ctx.model, counts, c)
-        f = n_dense * dense.forward_s + n_moe * moe.forward_s
-        b = n_dense * dense.backward_s + n_moe * moe.backward_s
-        for n, is_moe in ((n_dense, False), (n_moe, True)):
-            z = _zero3_exposed(ctx, key, is_moe, n)
-            f, b = f + z.forward_s, b + z.backward_s
-        out.append(_LayerTimes(f, b))
-    head = _head_times(ctx, key)
-    last = out[-1]
-    out[-1] = _LayerTimes(last.forward_s + head.forward_s, last.backward_s + head.backward_s)
-    return tuple(out)
+        return self._cached(("chunks", layer_key, stages), make)
 
-
-@lru_cache(maxsize=65536)
-def _pipeline_profile(
-    ctx: BoundContext, key: ParallelPlan, pp: int, vpp: int, shape: str
-) -> tuple[tuple[float, float], ...]:
-    """Per rank (fixed seconds, seconds per micro-batch): the step is at least
-    max over ranks of fixed + m * per-micro-batch (see the module docstring)."""
-    chunks = chunk_times(ctx, key, pp * vpp)
-    name = "zbv" if shape == "v" else "1f1b"
-    forward_before = [0.0]
-    backward_before = [0.0]
-    for c in chunks:
-        forward_before.append(forward_before[-1] + c.forward_s)
-        backward_before.append(backward_before[-1] + c.backward_s)
-    out = []
-    for rank in range(pp):
-        mine = rank_chunks(name, pp, vpp, rank)
-        first = min(mine)
-        unit = sum(chunks[c].forward_s + chunks[c].backward_s for c in mine)
-        fixed = forward_before[first] + (backward_before[first] if shape == "loop" else 0.0)
-        out.append((fixed, unit))
-    return tuple(out)
-
-
-def step_lower_bound(ctx: BoundContext, plan: ParallelPlan) -> float:
-    """Seconds a step of `plan` takes at least (see the module docstring)."""
-    key = _layer_key(plan)
-    m = plan.grad_accum
-    if plan.pp == 1:
-        return m * sum(c.forward_s + c.backward_s for c in chunk_times(ctx, key, plan.vpp))
-    profile = _pipeline_profile(ctx, key, plan.pp, plan.vpp, _shape(plan))
-    return max(fixed + m * unit for fixed, unit in profile)
+    def _pipeline_profile(
+        self, layer_key: ParallelPlan, pp: int, vpp: int, v: bool
+    ) -> tuple[tuple[float, float], ...]:
+        """Per rank (fixed seconds, seconds per micro-batch): step >= fixed + m * unit."""
+        forward, backward = self._chunk_times(layer_key, pp * vpp)
+        f_before, b_before = [0.0], [0.0]
+        for f, b in zip(forward, backward, strict=True):
+            f_before.append(f_before[-1] + f)
+            b_before.append(b_before[-1] + b)
+        out = []
+        for rank in range(pp):
+            mine = rank_chunks(v, pp, vpp, rank)
+            unit = sum(forward[c] + backward[c] for c in mine)
+            first = mine[0]
+            out.append((f_before[first] + (0.0 if v else b_before[first]), unit))
+        return tuple(out)

@@ -42,13 +42,13 @@ from fivefold.planner.memory import (
     StageMemory,
     all_stage_memory,
     chunk_layers,
-    chunk_params,
     chunks_of_rank,
     compute_bytes,
     dense_shard_degree,
     expert_shard_degree,
     layer_params_per_rank,
     local_kv_width,
+    params_of,
 )
 from fivefold.planner.options import PlannerOptions
 from fivefold.planner.partition import stage_layer_counts
@@ -468,36 +468,59 @@ class Tail:
         return self.grad_exposed_s + self.gather_exposed_s + self.optimizer_s
 
 
-def _rank_tail(
+def _rank_tails(
     model: ModelSpec,
     plan: ParallelPlan,
     cluster: ClusterSpec,
     eff: EfficiencyModel,
     opts: PlannerOptions,
-    counts: list[int],
-    rank: int,
+    chunk_sigs: list[tuple[int, int, bool, bool]],
     chunk_costs: list[ChunkCosts],
-    drain_idle_s: float = 0.0,
-) -> Tail:
-    """The data-parallel tail of pipeline `rank` (see the module docstring, step 4);
-    `drain_idle_s` is how long the rank waits for earlier ranks to finish their backwards."""
-    chunks = chunks_of_rank(plan, rank)
-    dense = sum(chunk_params(model, plan, counts, c).dense for c in chunks)
-    experts = sum(chunk_params(model, plan, counts, c).experts for c in chunks)
+) -> list[Tail]:
+    """The data-parallel tail of every pipeline rank (module docstring, step 4). Ranks holding
+    the same kind of chunks share the costs; only their drain idle time differs."""
     key = replace(plan, grad_accum=1, micro_batch=1, recompute="none", schedule="1f1b", vpp=1)
-    grad_time, grad_bytes, bucket_time, gather_time, gather_bytes, opt = _tail_costs(
-        model, key, cluster, eff, opts, dense, experts
-    )
-    # Overlap window: the rank's last micro-batch backward, and the time it idles while the
-    # pipeline drains.
-    last_backward = sum(
-        chunk_costs[c].backward_input_s + chunk_costs[c].backward_weight_s for c in chunks
-    )
-    window = last_backward + drain_idle_s if opts.dp_overlap else 0.0
-    grad_exposed = max(0.0, grad_time - window) + bucket_time if grad_time > 0 else 0.0
-    first_forward = sum(chunk_costs[c].forward_s for c in chunks)
-    gather_exposed = max(0.0, gather_time - first_forward) if opts.dp_overlap else gather_time
-    return Tail(grad_exposed, grad_time, grad_bytes, gather_exposed, gather_time, gather_bytes, opt)
+    pipelined = len(chunk_sigs) > 1
+    loop = plan.schedule in ("gpipe", "1f1b", "interleaved-1f1b") and plan.pp > 1
+    mean_backward = sum(c.backward_input_s + c.backward_weight_s for c in chunk_costs)
+    mean_backward /= len(chunk_costs)
+    shared: dict[tuple, tuple] = {}
+    tails = []
+    for rank in range(plan.pp):
+        chunks = chunks_of_rank(plan, rank)
+        sig = tuple(chunk_sigs[c] for c in chunks)
+        base = shared.get(sig)
+        if base is None:
+            params = [params_of(model, plan.tp, plan.ep, *chunk_sigs[c], pipelined) for c in chunks]
+            raw = _tail_costs(
+                model,
+                key,
+                cluster,
+                eff,
+                opts,
+                sum(p.dense for p in params),
+                sum(p.experts for p in params),
+            )
+            last_backward = sum(
+                chunk_costs[c].backward_input_s + chunk_costs[c].backward_weight_s for c in chunks
+            )
+            first_forward = sum(chunk_costs[c].forward_s for c in chunks)
+            base = shared[sig] = (raw, last_backward, first_forward)
+        raw, last_backward, first_forward = base
+        grad_time, grad_bytes, bucket_time, gather_time, gather_bytes, opt = raw
+        # Overlap window: the rank's last micro-batch backward, and the time it idles while the
+        # ranks before it finish their backwards (about `rank` chunk backwards in the loop
+        # schedules; the V schedules end on every rank at nearly the same time).
+        drain = rank * mean_backward if loop else 0.0
+        window = last_backward + drain if opts.dp_overlap else 0.0
+        grad_exposed = max(0.0, grad_time - window) + bucket_time if grad_time > 0 else 0.0
+        gather_exposed = max(0.0, gather_time - first_forward) if opts.dp_overlap else gather_time
+        tails.append(
+            Tail(
+                grad_exposed, grad_time, grad_bytes, gather_exposed, gather_time, gather_bytes, opt
+            )
+        )
+    return tails
 
 
 @lru_cache(maxsize=65536)
@@ -560,16 +583,6 @@ def _tail_costs(
     return grad_time, grad_bytes, bucket_time, gather_time, gather_bytes, opt
 
 
-def drain_idle_s(plan: ParallelPlan, rank: int, chunk_costs: list[ChunkCosts]) -> float:
-    """How long pipeline `rank` idles after its last backward while the ranks before it finish
-    theirs: about `rank` chunk backwards in the loop schedules (the last rank finishes first);
-    the V schedules end on every rank at nearly the same time."""
-    if plan.pp == 1 or plan.schedule not in ("gpipe", "1f1b", "interleaved-1f1b"):
-        return 0.0
-    mean_backward = sum(c.backward_input_s + c.backward_weight_s for c in chunk_costs)
-    return rank * mean_backward / len(chunk_costs)
-
-
 # ---- the estimate ------------------------------------------------------------------------------
 def estimate(
     model: ModelSpec,
@@ -596,12 +609,8 @@ def estimate(
     counts = stage_layer_counts(model, plan.pp * plan.vpp)
     key = _layer_key(plan)
     last = len(counts) - 1
-    chunk_costs = [
-        _chunk_costs_of(
-            model, key, cluster, eff, opts, *chunk_layers(model, counts, c), c == 0, c == last
-        )
-        for c in range(len(counts))
-    ]
+    chunk_sigs = [(*chunk_layers(model, counts, c), c == 0, c == last) for c in range(last + 1)]
+    chunk_costs = [_chunk_costs_of(model, key, cluster, eff, opts, *sig) for sig in chunk_sigs]
     m = plan.grad_accum
     tokens = plan.micro_batch * model.seq_len / plan.cp
     e = recipe(plan.precision).activation_bytes
@@ -631,20 +640,7 @@ def estimate(
         else:
             pipeline_s, busy = analytic_pipeline(plan, costs)
             bubble = 1.0 - sum(busy) / len(busy) / pipeline_s
-    tails = [
-        _rank_tail(
-            model,
-            plan,
-            cluster,
-            eff,
-            opts,
-            counts,
-            r,
-            chunk_costs,
-            drain_idle_s(plan, r, chunk_costs),
-        )
-        for r in range(plan.pp)
-    ]
+    tails = _rank_tails(model, plan, cluster, eff, opts, chunk_sigs, chunk_costs)
     step = pipeline_s + max(t.exposed_s for t in tails)
     memory = all_stage_memory(model, plan, inflight, opts.memory())
     worst = max(range(plan.pp), key=lambda r: memory[r].total)

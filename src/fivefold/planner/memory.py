@@ -34,7 +34,7 @@ With e = 2, GeLU f = 4h, q = k = h, classic attention and dropout this is Korthi
 sbh(34 + 5as/h); without sequence parallelism the norm inputs, QKV/MLP inputs and dropout masks
 (10 sbh) are replicated over the TP group and the rest is divided by t (their eq. 4); with SP
 everything is divided by t (eq. 5). Selective recompute drops the attention core's stored tensors
-(the s^2 terms; with flash kernels its output and log-sum-exp); full recompute keeps only each
+(the s^2 terms; with flash kernels the log-sum-exp); full recompute keeps only each
 layer's input (e*sbh, /t with SP) plus one layer's full working set for the layer being
 recomputed. A MoE layer keeps the norm output for the router and shared experts, the dispatched
 copies of each token (top_k x e*sbh) with their expert SwiGLU intermediates (top_k x 3e*sb*f_e/t),
@@ -46,10 +46,12 @@ i holds p - i; GPipe: m; interleaved: Narayanan et al. 2021; no pipeline: 1).
 
 The simple model of seed 001 (`activation_model="simple"`): k * L * B * S * d * e with k = 12.
 
-"Other" terms, each explicit (`OtherTerms`): the CUDA context and library workspaces
-(`cuda_context_bytes`, 0.75 GiB by default: 0.5-1 GiB is what a CUDA 12 context with cuBLAS and
-NCCL reserves); the last stage's logits and loss buffers (fp32 logits of one micro-batch,
-b * s/cp * V/t * 4 bytes, plus their fp32 gradient: 8 bytes per logit); ZeRO-3 gathered layers
+"Other" terms, each explicit (`StageMemory.other_terms`): the CUDA context and library
+workspaces (`cuda_context_bytes`, 0.75 GiB by default: 0.5-1 GiB is what a CUDA 12 context with
+cuBLAS and NCCL reserves); the last stage's logits and loss buffers for one micro-batch,
+b * s/cp * V/t logits at 12 bytes each: the loss upcasts the bf16 logits to fp32 and keeps the
+fp32 log-softmax (4 bytes) for its backward, which then holds the incoming and the outgoing fp32
+gradients (4 + 4) at its peak; ZeRO-3 gathered layers
 (two layers' unsharded weights in the compute dtype, the one computing and the one prefetched,
 plus one layer's unsharded gradient before its reduce-scatter); DP gradient buckets (two 25 MiB
 buckets in flight, PyTorch DDP's default) for ZeRO 0-2; the gathered sequence-parallel input of
@@ -92,7 +94,7 @@ class MemoryOptions:
     cuda_context_bytes: float = 0.75 * GiB
     fragmentation_fraction: float = 0.05
     dp_bucket_bytes: float = 25 * MiB
-    logits_bytes_per_element: float = 8.0  # fp32 logits + fp32 gradient
+    logits_bytes_per_element: float = 12.0  # see the module docstring
     selective_policy: str = "attention"  # or "alternate-matmul" (torchtitan's op-level SAC)
 
     def problems(self) -> list[str]:
@@ -386,8 +388,8 @@ def _stored_bytes(model, plan, moe, opts, policy, e, sb, rdiv) -> float:
     total = region / rdiv
     # Attention core inputs and output.
     total += e * sb * (q + 2 * kv)  # Q, K, V
+    total += e * sb * q  # attention output = output projection input (kept by wo)
     if policy != "selective":
-        total += e * sb * q  # attention output = output projection input
         if opts.attention_kernel == "flash":
             total += 4 * sb * heads  # fp32 log-sum-exp
         else:
@@ -395,8 +397,8 @@ def _stored_bytes(model, plan, moe, opts, policy, e, sb, rdiv) -> float:
             total += e * scores
             if opts.dropout:
                 total += scores + e * scores  # mask + dropout output
-    # Selective recompute re-runs the attention core in the backward, so neither its output
-    # (recomputed) nor the scores or log-sum-exp are kept; Q, K, V are its stored inputs.
+    # Selective recompute re-runs the attention core in the backward: its scores (or flash
+    # log-sum-exp) are not kept; Q, K, V (its inputs) and its output (wo's input) are.
     # MLP.
     if not moe:
         f = model.ffn / t

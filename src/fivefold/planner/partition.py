@@ -9,11 +9,12 @@ in model order. The rule:
   matmuls with active experts, plus causal attention at `model.seq_len`); the first stage also
   carries the embedding (a lookup: 0 FLOPs) and the last the LM head (2 * vocab * hidden FLOPs per
   token), so the last stage gets fewer layers when the head is large;
-- among the splits with the smallest maximum stage cost, stages are filled from the back (the
-  last stage takes as many layers as fit under that maximum, then the one before it, ...), so
-  any remainder lands on the early stages. Early stages hold the most in-flight micro-batches
-  in 1F1B, but with uniform layers the remainder is at most one layer per stage and the maximum
-  is what sets the step time.
+- among the splits with the smallest maximum stage cost, the one that keeps every stage close
+  to its fair share: going from the last stage backwards, a stage takes the next layer while
+  that brings its cost closer to (remaining cost) / (remaining stages) without exceeding the
+  maximum (if that greedy split cannot respect the maximum, stages are instead filled to the
+  maximum from the back). So 32 Llama-3-8B layers with a head worth about two layers split
+  over 4 stages as [9, 8, 9, 6], and over 8 virtual stages as [5, 4, 5, 4, 4, 4, 4, 2].
 
 Pure Python; results are cached per (model, stages).
 """
@@ -70,9 +71,34 @@ def _counts(model: ModelSpec, stages: int) -> tuple[int, ...]:
             lo = mid
         else:
             hi = mid
-    counts = _fill_from_back(costs, head, stages, hi)
+    counts = _fair_from_back(costs, head, stages, hi) or _fill_from_back(costs, head, stages, hi)
     assert counts is not None and sum(counts) == model.layers
     return tuple(counts)
+
+
+def _fair_from_back(costs: list[float], head: float, stages: int, limit: float) -> list[int] | None:
+    """Give each stage, from the last, the layers that bring it closest to its fair share of what
+    remains, never above `limit`; None when the first stage would then exceed `limit`."""
+    counts = [0] * stages
+    remaining = sum(costs) + head
+    i = len(costs) - 1
+    for stage in range(stages - 1, 0, -1):
+        load = head if stage == stages - 1 else 0.0
+        fair = remaining / (stage + 1)
+        while i >= stage:
+            nxt = load + costs[i]
+            if counts[stage] > 0 and (nxt > limit or abs(nxt - fair) >= abs(load - fair)):
+                break
+            load = nxt
+            counts[stage] += 1
+            i -= 1
+        if load > limit * (1 + 1e-12):
+            return None
+        remaining -= load
+    if sum(costs[: i + 1]) > limit * (1 + 1e-12):
+        return None
+    counts[0] = i + 1
+    return counts
 
 
 def _fill_from_back(costs: list[float], head: float, stages: int, limit: float) -> list[int] | None:

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
+from typing import NamedTuple
 
 from fivefold.errors import ConfigError
 
@@ -51,8 +52,7 @@ KINDS = ("F", "B", "W")
 _F, _B, _W = 0, 1, 2
 
 
-@dataclass(frozen=True)
-class Action:
+class Action(NamedTuple):
     """One unit of work on a pipeline rank: kind "F" | "B" | "W" of `microbatch` on `chunk`."""
 
     kind: str
@@ -311,46 +311,60 @@ _BUILDERS = {
 _Op = tuple[int, int, int, int, bool, bool]  # id, kind*chunks+chunk, dep_a, dep_b, cross_a, cross_b
 
 
-@lru_cache(maxsize=1024)
+@lru_cache(maxsize=256)
 def _integer_ops(schedule: Schedule) -> tuple[tuple[_Op, ...], ...]:
     """Per rank, each action as integers: its id, its duration slot and its dependencies."""
     m, chunks = schedule.microbatches, schedule.num_chunks
-
-    def ident(kind: int, microbatch: int, chunk: int) -> int:
-        return (kind * chunks + chunk) * m + microbatch
-
+    rank_of = [schedule.rank_of(c) for c in range(chunks)]
+    kind_index = {"F": _F, "B": _B, "W": _W}
+    b_base = chunks * m  # id offset of the B actions; W's is twice that
     out = []
     for rank, actions in enumerate(schedule.actions):
         ops = []
-        for a in actions:
-            kind = KINDS.index(a.kind)
-            dep_a, dep_b, cross_a, cross_b = -1, -1, False, False
-            if kind == _F and a.chunk > 0:
-                dep_a = ident(_F, a.microbatch, a.chunk - 1)
-                cross_a = schedule.rank_of(a.chunk - 1) != rank
+        append = ops.append
+        for kind_name, mb, c in actions:
+            kind = kind_index[kind_name]
+            own = c * m + mb  # this (chunk, micro-batch)'s F id
+            if kind == _F:
+                if c > 0:
+                    append((own, c, own - m, -1, rank_of[c - 1] != rank, False))
+                else:
+                    append((own, c, -1, -1, False, False))
             elif kind == _B:
-                dep_a = ident(_F, a.microbatch, a.chunk)
-                if a.chunk < chunks - 1:
-                    dep_b = ident(_B, a.microbatch, a.chunk + 1)
-                    cross_b = schedule.rank_of(a.chunk + 1) != rank
-            elif kind == _W:
-                dep_a = ident(_B, a.microbatch, a.chunk)
-            slot = kind * chunks + a.chunk
-            ops.append((ident(kind, a.microbatch, a.chunk), slot, dep_a, dep_b, cross_a, cross_b))
+                if c < chunks - 1:
+                    dep_b = b_base + own + m
+                    append((b_base + own, chunks + c, own, dep_b, False, rank_of[c + 1] != rank))
+                else:
+                    append((b_base + own, chunks + c, own, -1, False, False))
+            else:
+                append((2 * b_base + own, 2 * chunks + c, b_base + own, -1, False, False))
         out.append(tuple(ops))
     return tuple(out)
 
 
 @lru_cache(maxsize=4096)
 def _peak_inflight(schedule: Schedule) -> tuple[int, ...]:
-    if schedule.name == "gpipe":  # every forward before any backward
-        return (schedule.microbatches,) * schedule.pp
-    if schedule.microbatches > _saturation_microbatches(schedule):
-        # Past the warm-up depth the peak no longer grows with m (tested against the full lists).
-        small = _build_cached(
-            schedule.name, schedule.pp, schedule.vpp, _saturation_microbatches(schedule)
-        )
-        return _peak_inflight(small)
+    """Peak in-flight (micro-batch, chunk) activations per rank, in closed form.
+
+    GPipe m; 1F1B min(p - i, m); interleaved its warm-up plus one, min((v-1)p + 2(p-1-i) + 1,
+    m v); ZBV 2p on every rank; DualPipeV 2p + 1. Tests check each against the action lists
+    (`peak_inflight_from_actions`) for every valid p <= 9, m < 50.
+    """
+    p, m, v = schedule.pp, schedule.microbatches, schedule.vpp
+    name = schedule.name
+    if name == "gpipe":
+        return (m,) * p
+    if name == "1f1b":
+        return tuple(min(p - i, m) for i in range(p))
+    if name == "interleaved-1f1b":
+        return tuple(min((v - 1) * p + 2 * (p - 1 - i) + 1, m * v) for i in range(p))
+    if name == "zbv":
+        return (2 * p,) * p
+    return (2 * p + 1,) * p
+
+
+def peak_inflight_from_actions(schedule: Schedule) -> tuple[int, ...]:
+    """Peak in-flight activations per rank, counted along the action lists (the reference)."""
     release = "W" if schedule.split_backward else "B"
     peaks = []
     for actions in schedule.actions:
@@ -363,11 +377,6 @@ def _peak_inflight(schedule: Schedule) -> tuple[int, ...]:
                 alive -= 1
         peaks.append(peak)
     return tuple(peaks)
-
-
-def _saturation_microbatches(schedule: Schedule) -> int:
-    """A micro-batch count beyond every rank's warm-up: 2 * pp (a multiple of pp)."""
-    return 2 * schedule.pp
 
 
 # ---- simulation ------------------------------------------------------------------------------

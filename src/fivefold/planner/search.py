@@ -40,12 +40,12 @@ from __future__ import annotations
 import bisect
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from fivefold.errors import ConfigError
-from fivefold.planner.bounds import BoundContext, memory_lower_bound, step_lower_bound
+from fivefold.planner.bounds import Bounds
 from fivefold.planner.schedule import build_schedule
 from fivefold.spec.cluster import ClusterSpec
 from fivefold.spec.hardware import GiB
@@ -95,6 +95,8 @@ class SearchResult:
     target: BatchTarget | None = None
     headroom: float = 0.10
     outcomes: dict[ParallelPlan, Outcome] = field(default_factory=dict, repr=False)
+    search_state: Any = field(default=None, repr=False)  # the _Search, for the explanation
+    pruned_by_bound: int = 0
 
 
 @dataclass(frozen=True)
@@ -170,7 +172,9 @@ def cp_choices(model: ModelSpec, rest: int) -> list[int]:
     ]
 
 
-def dp_splits(dp: int, cp: int, with_plain: bool = False) -> list[tuple[int, int, int]]:
+def dp_splits(
+    dp: int, cp: int, tp: int = 1, gpus_per_node: int = 8, with_plain: bool = False
+) -> list[tuple[int, int, int]]:
     """(dp_replicate, dp_shard, zero): ZeRO 1-3 over every DP (x CP) rank, and HSDP.
 
     Plain DP (zero 0) is left out unless asked for (`with_plain`) or nothing can be sharded: a
@@ -181,7 +185,22 @@ def dp_splits(dp: int, cp: int, with_plain: bool = False) -> list[tuple[int, int
         return [(1, 1, 0)]
     out = [(dp, 1, 0)] if with_plain else []
     out += [(1, dp, zero) for zero in (1, 2, 3)]
-    out += [(dp // s, s, 3) for s in divisors(dp) if 1 < s < dp]
+    out += [(dp // s, s, 3) for s in hsdp_shards(dp, cp, tp, gpus_per_node)]
+    return out
+
+
+def hsdp_shards(dp: int, cp: int, tp: int, gpus_per_node: int) -> list[int]:
+    """HSDP shard sizes: groups spanning 1, 2, 4 or 8 whole nodes (at least 2, fewer than dp).
+
+    Sharding inside a few nodes keeps the per-layer gathers off most of the network while the
+    replicas only all-reduce gradients once per step; smaller or odd-sized groups are never
+    better than one of these, or than ZeRO-3 over all DP ranks.
+    """
+    out = []
+    for nodes in (1, 2, 4, 8):
+        shard, rest = divmod(nodes * gpus_per_node, tp * cp)
+        if rest == 0 and 1 < shard < dp and dp % shard == 0:
+            out.append(shard)
     return out
 
 
@@ -236,7 +255,7 @@ class _Search:
     pruned_by_bound: int = 0
 
     def __post_init__(self) -> None:
-        self.bounds = BoundContext.default(self.model, self.cluster)
+        self.bounds = Bounds(self.model, self.cluster)
 
     @property
     def budget_bytes(self) -> float:
@@ -271,7 +290,12 @@ class _Search:
                 f"{self.target.sequences:g} sequences per step",
             )
             return
-        for dp_replicate, dp_shard, zero in dp_splits(dp, cp, self.fixed.get("zero") == 0):
+        splits = dp_splits(dp, cp, tp, self.cluster.gpus_per_node, self.fixed.get("zero") == 0)
+        if "dp_shard" in self.fixed and self.fixed["dp_shard"] not in [s[1] for s in splits]:
+            shard = self.fixed["dp_shard"]
+            if dp % shard == 0 and 1 < shard < dp:
+                splits.append((dp // shard, shard, 3))
+        for dp_replicate, dp_shard, zero in splits:
             if not (self.allowed("zero", zero) and self.allowed("dp_shard", dp_shard)):
                 continue
             if not self.allowed("dp_replicate", dp_replicate):
@@ -284,10 +308,18 @@ class _Search:
                         continue
                     for precision in self.precisions:
                         base = ParallelPlan(
-                            tp=tp, sp=tp > 1, pp=pp, vpp=vpp, schedule=schedule,
-                            dp_replicate=dp_replicate, dp_shard=dp_shard, zero=zero, cp=cp,
-                            ep=ep, precision=precision,
-                        )  # fmt: skip
+                            tp=tp,
+                            sp=tp > 1,
+                            pp=pp,
+                            vpp=vpp,
+                            schedule=schedule,
+                            dp_replicate=dp_replicate,
+                            dp_shard=dp_shard,
+                            zero=zero,
+                            cp=cp,
+                            ep=ep,
+                            precision=precision,
+                        )
                         if "sp" in self.fixed:
                             base = base.with_(sp=self.fixed["sp"])
                         self.micro_batches(base)
@@ -309,6 +341,15 @@ class _Search:
                 continue
             if not self.allowed("grad_accum", accum):
                 continue
+            if base.pp > 1 and accum < base.pp and "grad_accum" not in self.fixed:
+                plan = base.with_(micro_batch=mbs, grad_accum=accum)
+                self.reject(
+                    plan,
+                    "batch",
+                    f"mbs {mbs} leaves {accum} micro-batches for {base.pp} pipeline stages: "
+                    "every stage would idle more than half the step",
+                )
+                continue
             kinds = []
             for recompute in RECOMPUTE_POLICIES:
                 if not self.allowed("recompute", recompute):
@@ -325,12 +366,12 @@ class _Search:
         problems = plan.problems(self.model, self.cluster)
         if problems:
             return self.reject(plan, "invalid", " ".join(problems)).kind
-        bound = memory_lower_bound(self.bounds, plan, _inflight(plan))
+        bound = self.bounds.memory(plan, _inflight(plan))
         if bound > self.budget_bytes:
             return self.reject(
                 plan, "memory", self.memory_reason(bound, None), bound - self.budget_bytes
             ).kind
-        step = step_lower_bound(self.bounds, plan)
+        step = self.bounds.step(plan)
         tokens = plan.global_batch * self.model.seq_len
         self.candidates.append(_Candidate(tokens / step if step > 0 else math.inf, plan))
         return "candidate"
@@ -352,6 +393,33 @@ class _Search:
             outcome = self.estimate(cand.plan)
             if outcome.fits:
                 bisect.insort(found, -tokens_per_s(outcome.estimate))
+
+    def best_with(self, keep: Callable[[ParallelPlan], bool], budget: int = 60) -> Outcome | None:
+        """The fastest fitting layout among those `keep` accepts: the same bounded search,
+        restricted (at most `budget` more full estimates)."""
+        best: Outcome | None = None
+        for o in self.outcomes.values():
+            if o.fits and keep(o.plan) and (best is None or _faster(o, best)):
+                best = o
+        for cand in self.candidates:  # sorted by bound, best first
+            if not keep(cand.plan):
+                continue
+            if best is not None and cand.upper_tokens_per_s <= tokens_per_s(best.estimate):
+                break
+            if cand.plan in self.outcomes or self.lighter_recompute_fits(cand.plan):
+                continue
+            if budget == 0:
+                break
+            budget -= 1
+            o = self.estimate(cand.plan)
+            if o.fits and (best is None or _faster(o, best)):
+                best = o
+        return best
+
+    def nearest_rejection(self, keep: Callable[[ParallelPlan], bool]) -> Outcome | None:
+        """The memory rejection with the smallest overflow among plans `keep` accepts."""
+        misses = [o for o in self.outcomes.values() if o.kind == "memory" and keep(o.plan)]
+        return min(misses, key=lambda o: o.overflow_bytes, default=None)
 
     def lighter_recompute_fits(self, plan: ParallelPlan) -> bool:
         order = RECOMPUTE_POLICIES.index(plan.recompute)
@@ -408,6 +476,10 @@ class _Search:
             f"{self.budget_bytes / GiB:.1f} GiB usable ({hbm / GiB:.0f} GiB HBM less "
             f"{self.headroom:.0%} headroom)"
         )
+
+
+def _faster(a: Outcome, b: Outcome) -> bool:
+    return tokens_per_s(a.estimate) > tokens_per_s(b.estimate)
 
 
 def _inflight(plan: ParallelPlan) -> list[int]:
@@ -491,9 +563,7 @@ def search(
             "planned for it; pick a GPU type such as h100-sxm."
         )
     target = batch_target(model, global_batch_tokens, global_batch, batch_tolerance)
-    state = _Search(
-        model, cluster, target, headroom, tuple(precisions), dict(fixed or {}), top=top
-    )
+    state = _Search(model, cluster, target, headroom, tuple(precisions), dict(fixed or {}), top=top)
     state.run()
     outcomes = list(state.outcomes.values())
     ranked = rank_fitting([o for o in outcomes if o.fits])
@@ -511,6 +581,8 @@ def search(
         target=target,
         headroom=headroom,
         outcomes=state.outcomes,
+        search_state=state,
+        pruned_by_bound=state.pruned_by_bound,
     )
     if explain:
         from fivefold.planner.explain import explain_search

@@ -498,7 +498,9 @@ function renderTimeline(est) {
       titled(rect, `rank ${rank}: ${KIND_LABEL[e.kind] || e.kind} of micro-batch ${e.microbatch}, chunk ${e.chunk}, ` +
         `${fmt.time(e.start_s)} – ${fmt.time(e.end_s)}`);
       if (w >= 14 && h >= 14) {
-        svg("text", { class: "event-label", x: x(e.start_s) + w / 2, y: top + h / 2 + 3.5, "text-anchor": "middle" }, row, `${e.microbatch}`);
+        svg("text", {
+          class: later ? "event-label dark" : "event-label", x: x(e.start_s) + w / 2, y: top + h / 2 + 3.5, "text-anchor": "middle",
+        }, row, `${e.microbatch}`);
       }
     }
   });
@@ -760,7 +762,7 @@ async function recommend() {
   layouts.forEach((est, i) => {
     const tr = el("tr", { class: i === 0 ? "best" : "", "data-rank": i }, body);
     el("td", {}, tr, String(i + 1));
-    el("td", { class: "describe" }, tr, describePlan(est.plan));
+    el("td", { class: "describe" }, tr, answer.describe[i]);
     el("td", { class: "num", "data-value": String(est.step_time_s) }, tr, fmt.time(est.step_time_s));
     el("td", { class: "num", "data-value": String(est.tokens_per_s) }, tr, fmt.int(est.tokens_per_s));
     el("td", { class: "num", "data-value": String(est.mfu) }, tr, fmt.pct(est.mfu));
@@ -776,17 +778,6 @@ async function recommend() {
   }
   document.body.dataset.search = "ready";
   card.scrollIntoView({ behavior: "instant", block: "start" });
-}
-
-function describePlan(p) {
-  const parts = [`TP${p.tp}${p.sp && p.tp > 1 ? "+SP" : ""}`];
-  parts.push(p.pp > 1 ? `PP${p.pp} ${p.schedule}${p.vpp > 1 ? ` v=${p.vpp}` : ""}` : "PP1");
-  const dp = p.dp_replicate > 1 && p.dp_shard > 1 ? `HSDP${p.dp_replicate}x${p.dp_shard}` : `DP${p.dp_replicate * p.dp_shard}`;
-  parts.push(dp + (p.zero ? ` ZeRO-${p.zero}` : ""));
-  if (p.cp > 1) parts.push(`CP${p.cp} ${p.cp_kind}`);
-  if (p.ep > 1) parts.push(`EP${p.ep}`);
-  parts.push(`mbs ${p.micro_batch} x accum ${p.grad_accum}`, `recompute ${p.recompute}`, p.precision);
-  return parts.join(", ");
 }
 
 async function exportRecipe() {

@@ -1,0 +1,117 @@
+"""Compute model: FLOPs of small models by hand, the GEMM roofline, pass structure."""
+
+from __future__ import annotations
+
+import pytest
+
+from fivefold.planner.calibration import EfficiencyModel
+from fivefold.planner.compute import (
+    ComputeOptions,
+    flash_attention_forward_s,
+    gemm_intensity,
+    gemm_time_s,
+    layer_elementwise_bytes,
+    layer_gemms,
+    layer_work,
+    memory_time_s,
+    optimizer_step_s,
+)
+from fivefold.spec import ParallelPlan, gpu, model_preset
+from fivefold.spec.model import forward_flops_per_token, training_flops_per_token
+
+EFF = EfficiencyModel(
+    gemm_peak_fraction=(("ampere", 0.8), ("hopper", 0.7)),
+    gemm_half_intensity=0.5,
+    attention_peak_fraction=0.5,
+    hbm_fraction=0.8,
+    layer_overhead_s=10e-6,
+)
+H100 = gpu("h100-sxm")
+
+
+def test_tiny_forward_flops_by_hand():
+    m = model_preset("tiny")  # h 64, q 64, kv 32, SwiGLU 176, 2 layers, V 4096, s 128
+    attn_proj = 64 * (64 + 2 * 32) + 64 * 64
+    mlp = 3 * 64 * 176
+    norms_free = 2 * (attn_proj + mlp)  # 2 FLOPs per multiply-add
+    scores = 4 * 4 * 16 * (128 / 2)  # causal: s/2 keys per query
+    per_token = 2 * (norms_free + scores) + 2 * 4096 * 64
+    assert forward_flops_per_token(m) == pytest.approx(per_token)
+    assert training_flops_per_token(m) == pytest.approx(3 * per_token)
+    full = training_flops_per_token(m, recompute="full")
+    assert full == pytest.approx(3 * per_token + per_token - 2 * 4096 * 64)
+
+
+def test_layer_gemms_cover_the_layer_matmul_flops():
+    m = model_preset("llama3-8b")
+    for tp in (1, 2, 8):
+        plan = ParallelPlan(tp=tp, micro_batch=2)
+        flops = sum(2 * mm * n * k * c for mm, n, k, c in layer_gemms(m, plan, False))
+        tokens = 2 * m.seq_len
+        from fivefold.spec.model import layer_matmul_flops_per_token
+
+        assert flops * tp == pytest.approx(tokens * layer_matmul_flops_per_token(m, False))
+
+
+def test_moe_gemms_count_active_experts_only():
+    m = model_preset("mixtral-8x7b")
+    plan = ParallelPlan(ep=2, dp_shard=2, zero=1)
+    from fivefold.spec.model import layer_matmul_flops_per_token
+
+    flops = sum(2 * mm * n * k * c for mm, n, k, c in layer_gemms(m, plan, True))
+    assert flops == pytest.approx(m.seq_len * layer_matmul_flops_per_token(m, True))
+
+
+def test_gemm_roofline():
+    big = gemm_time_s(8192, 8192, 8192, H100, EFF)
+    flops = 2 * 8192**3
+    intensity = gemm_intensity(8192, 8192, 8192)
+    ridge = H100.peak("bf16") / H100.hbm_bw_bytes_per_s
+    expected = flops / (H100.peak("bf16") * 0.7 * intensity / (intensity + 0.5 * ridge))
+    assert big == pytest.approx(expected)
+    # A thin GEMM can never beat streaming its operands through HBM.
+    thin = gemm_time_s(16, 8192, 8192, H100, EFF)
+    operands = 2 * (16 * 8192 + 8192 * 8192 + 16 * 8192)
+    assert thin >= operands / H100.hbm_bw_bytes_per_s
+    assert gemm_time_s(0, 10, 10, H100, EFF) == 0.0
+
+
+def test_passes_and_recompute():
+    m = model_preset("llama3-8b")
+    base = ParallelPlan(micro_batch=1)
+    w = layer_work(m, base, H100, EFF)
+    assert w.backward_weight_s == pytest.approx(w.gemm_forward_s)  # weight gradients
+    attn = flash_attention_forward_s(m, base, H100, EFF)
+    assert w.attention_forward_s == pytest.approx(attn)
+    assert w.attention_backward_s == pytest.approx(2.5 * attn)
+    elem = memory_time_s(layer_elementwise_bytes(m, base, False, ComputeOptions()), H100, EFF)
+    assert w.forward_s == pytest.approx(w.gemm_forward_s + attn + elem + 10e-6)
+    assert w.backward_input_s == pytest.approx(w.gemm_forward_s + 2.5 * attn + 2 * elem + 20e-6)
+    full = layer_work(m, base.with_(recompute="full"), H100, EFF)
+    assert full.backward_input_s == pytest.approx(w.backward_input_s + w.forward_s)
+    sel = layer_work(m, base.with_(recompute="selective"), H100, EFF)
+    assert sel.backward_input_s == pytest.approx(w.backward_input_s + attn)
+
+
+def test_flash_attention_flops_causal():
+    m = model_preset("llama3-8b")
+    plan = ParallelPlan(micro_batch=1, tp=2, cp=2)
+    t = flash_attention_forward_s(m, plan, H100, EFF)
+    tokens = m.seq_len / 2
+    flops = 4 * tokens * (m.seq_len / 2) * 128 * 32 / 2
+    assert t == pytest.approx(flops / (H100.peak("bf16") * 0.5))
+
+
+def test_sequence_parallel_divides_norm_traffic():
+    m = model_preset("tiny")
+    opts = ComputeOptions()
+    no_sp = layer_elementwise_bytes(m, ParallelPlan(tp=2, sp=False), False, opts)
+    sp = layer_elementwise_bytes(m, ParallelPlan(tp=2, sp=True), False, opts)
+    region = 128 * (2 * 2 * 2 * 64 + 2 * 3 * 2 * 64)  # norms + residual adds, bf16
+    assert no_sp - sp == pytest.approx(region / 2)
+
+
+def test_optimizer_step_is_memory_bound():
+    plan = ParallelPlan(precision="bf16-mixed")
+    t = optimizer_step_s(1e9, plan, H100, EFF)
+    assert t == pytest.approx(1e9 * (2 * 12 + 2 + 2) / (H100.hbm_bw_bytes_per_s * 0.8))

@@ -1,0 +1,200 @@
+"""`estimate()`: the JSON contract, consistency of the pieces, bad input, speed."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from fivefold.errors import ConfigError
+from fivefold.planner.calibration import EfficiencyModel
+from fivefold.planner.estimate import estimate
+from fivefold.planner.memory import GiB
+from fivefold.planner.options import PlannerOptions
+from fivefold.planner.schedule import build_schedule, closed_form_bubble, simulate
+from fivefold.spec import ClusterSpec, ModelSpec, ParallelPlan, cluster_preset, model_preset
+from fivefold.spec.model import training_flops_per_token
+
+LLAMA8 = model_preset("llama3-8b")
+H100x8 = cluster_preset("dgx-h100", 8)
+H100x64 = cluster_preset("dgx-h100", 64)
+MEMORY_KEYS = {"params", "grads", "optimizer", "activations", "other", "total"}
+
+
+def test_json_contract():
+    plan = ParallelPlan(tp=2, pp=2, dp_shard=2, zero=1, grad_accum=4, recompute="selective")
+    est = estimate(LLAMA8, H100x8, plan)
+    j = est.to_json()
+    for key in (
+        "fits",
+        "step_time_s",
+        "tokens_per_s",
+        "mfu",
+        "hfu",
+        "bubble_fraction",
+        "memory_gib",
+        "hbm_gib",
+        "worst_stage",
+        "memory_per_stage_gib",
+        "other_gib",
+        "compute_time_s",
+        "comm",
+        "timeline",
+        "precision",
+        "plan",
+        "model",
+        "cluster",
+    ):
+        assert key in j, key
+    assert set(j["memory_gib"]) == MEMORY_KEYS
+    assert len(j["memory_per_stage_gib"]) == 2
+    assert all(set(m) == MEMORY_KEYS for m in j["memory_per_stage_gib"])
+    kinds = {c["kind"] for c in j["comm"]}
+    assert {"tp", "pp", "dp", "zero-gather"} <= kinds
+    for c in j["comm"]:
+        assert set(c) == {"kind", "link", "bytes_per_step", "time_s", "exposed_s"}
+        assert c["link"] in ("nvlink", "ib") and 0 <= c["exposed_s"] <= c["time_s"] + 1e-12
+    assert len(j["timeline"]) == 2
+    events = j["timeline"][0]
+    assert {e["kind"] for e in events} == {"F", "B"} and len(events) == 2 * 4
+    assert set(events[0]) == {"kind", "microbatch", "chunk", "start_s", "end_s"}
+    assert j["plan"] == plan.to_dict() and j["precision"] == "bf16-mixed"
+    assert j["hbm_gib"] == pytest.approx(80.0)
+    total = j["memory_gib"]
+    parts = sum(total[k] for k in ("params", "grads", "optimizer", "activations", "other"))
+    assert total["total"] == pytest.approx(parts)
+    assert sum(j["other_gib"].values()) == pytest.approx(total["other"])
+
+
+def test_throughput_mfu_and_hfu_are_consistent():
+    plan = ParallelPlan(tp=8, dp_shard=8, zero=1, grad_accum=4, recompute="full")
+    est = estimate(LLAMA8, H100x64, plan)
+    tokens = plan.global_batch * LLAMA8.seq_len
+    assert est.tokens_per_s == pytest.approx(tokens / est.step_time_s)
+    peak = 989.4e12 * 64
+    model_flops = training_flops_per_token(LLAMA8) * tokens
+    assert est.mfu == pytest.approx(model_flops / (est.step_time_s * peak))
+    hw = training_flops_per_token(LLAMA8, recompute="full") * tokens
+    assert est.hfu == pytest.approx(hw / (est.step_time_s * peak))
+    assert est.hfu > est.mfu
+
+
+def test_step_is_pipeline_plus_tail():
+    plan = ParallelPlan(dp_shard=8, zero=2, grad_accum=3)
+    est = estimate(LLAMA8, H100x8, plan)
+    c = est.stage_costs
+    per_microbatch = c.forward_s[0] + c.backward_input_s[0] + c.backward_weight_s[0]
+    b = est.breakdown_s
+    assert b["compute_s"] + b["in_stage_comm_s"] == pytest.approx(3 * per_microbatch)
+    assert est.step_time_s == pytest.approx(
+        3 * per_microbatch + b["dp_grad_exposed_s"] + b["param_gather_exposed_s"] + b["optimizer_s"]
+    )
+
+
+def test_pipeline_uses_the_schedule_simulation():
+    plan = ParallelPlan(pp=4, dp_shard=2, zero=1, grad_accum=8)
+    est = estimate(LLAMA8, H100x8, plan)
+    sim = simulate(build_schedule("1f1b", 4, 1, 8), est.stage_costs)
+    assert est.bubble_fraction == pytest.approx(sim.bubble_fraction)
+    assert est.peak_inflight == [4, 3, 2, 1]
+    # Nearly uniform stages: close to the closed form (p-1)/(m+p-1).
+    assert est.bubble_fraction == pytest.approx(closed_form_bubble(4, 8), abs=0.03)
+    analytic = estimate(LLAMA8, H100x8, plan, pipeline="analytic")
+    assert analytic.step_time_s == pytest.approx(est.step_time_s, rel=0.01)
+
+
+@pytest.mark.parametrize(
+    "schedule,vpp,m",
+    [("gpipe", 1, 8), ("interleaved-1f1b", 2, 8), ("zbv", 2, 8), ("dualpipev", 2, 8)],
+)
+def test_every_schedule_estimates(schedule, vpp, m):
+    plan = ParallelPlan(pp=4, vpp=vpp, schedule=schedule, dp_shard=2, zero=1, grad_accum=m)
+    est = estimate(LLAMA8, H100x8, plan)
+    analytic = estimate(LLAMA8, H100x8, plan, pipeline="analytic")
+    assert est.step_time_s > 0 and len(est.memory) == 4
+    assert analytic.step_time_s == pytest.approx(est.step_time_s, rel=0.05)
+    if schedule == "gpipe":
+        assert est.peak_inflight == [m] * 4
+
+
+def test_more_recompute_less_memory_more_time():
+    base = ParallelPlan(dp_shard=8, zero=3, micro_batch=2)
+    times, acts = [], []
+    for policy in ("none", "selective", "full"):
+        est = estimate(LLAMA8, H100x8, base.with_(recompute=policy))
+        times.append(est.step_time_s)
+        acts.append(est.worst_memory.activations)
+    assert times[0] < times[1] < times[2]
+    assert acts[0] > acts[1] > acts[2]
+
+
+def test_fits_flag_against_hbm():
+    big = estimate(model_preset("llama3-70b"), H100x8, ParallelPlan(dp_replicate=8))
+    assert not big.fits  # 70B replicated: > 1 TB of state per GPU
+    assert big.to_json()["memory_gib"]["total"] > 1000
+    small = estimate(model_preset("small"), H100x8, ParallelPlan(dp_replicate=8))
+    assert small.fits and small.worst_memory.total < 80 * GiB
+
+
+def test_options_change_the_right_terms():
+    plan = ParallelPlan(tp=8, dp_shard=8, zero=1, grad_accum=4)
+    exposed = estimate(LLAMA8, H100x64, plan)
+    overlap = estimate(LLAMA8, H100x64, plan, PlannerOptions(tp_comm_overlap=True))
+    tp = {c.kind: c for c in exposed.comm}["tp"]
+    tp_overlap = {c.kind: c for c in overlap.comm}["tp"]
+    assert tp.exposed_s == pytest.approx(tp.time_s)
+    assert tp_overlap.exposed_s < tp.exposed_s
+    assert overlap.step_time_s < exposed.step_time_s
+
+
+def test_efficiency_scales_compute():
+    plan = ParallelPlan(dp_replicate=8)
+    slow = EfficiencyModel(gemm_peak_fraction=(("hopper", 0.4),), layer_overhead_s=0.0)
+    fast = EfficiencyModel(gemm_peak_fraction=(("hopper", 0.8),), layer_overhead_s=0.0)
+    m = model_preset("small")
+    a = estimate(m, H100x8, plan, efficiency=slow).compute_time_s
+    b = estimate(m, H100x8, plan, efficiency=fast).compute_time_s
+    assert a > b
+
+
+BAD = [
+    (ParallelPlan(tp=3), H100x8, "multiply"),
+    (ParallelPlan(tp=16, dp_shard=4, zero=1), H100x64, "divide the 8 GPUs"),
+    (ParallelPlan(pp=64, grad_accum=64), H100x64, "exceed model.layers"),
+    (ParallelPlan(dp_shard=8), H100x8, "stage 0 shards nothing"),
+    (ParallelPlan(dp_replicate=8, ep=2), H100x8, "ep"),
+    (ParallelPlan(dp_replicate=8, precision="int4"), H100x8, "precision"),
+    (ParallelPlan(dp_replicate=8), ClusterSpec(gpu="tpu-v9"), "not in the catalog"),
+    (ParallelPlan(), ClusterSpec(gpu="cpu", gpus_per_node=1), "unknown peak"),
+    (ParallelPlan(dp_replicate=8, micro_batch=0), H100x8, "micro_batch"),
+]
+
+
+@pytest.mark.parametrize("plan,cluster,message", BAD)
+def test_bad_inputs(plan, cluster, message):
+    with pytest.raises(ConfigError, match=message):
+        estimate(LLAMA8, cluster, plan)
+
+
+def test_bad_model_and_options():
+    with pytest.raises(ConfigError, match=r"model\.layers"):
+        estimate(ModelSpec(layers=0), H100x8, ParallelPlan(dp_replicate=8))
+    with pytest.raises(ConfigError, match=r"model\.hidden"):
+        estimate(ModelSpec(hidden=-64), H100x8, ParallelPlan(dp_replicate=8))
+    with pytest.raises(ConfigError, match="attention_kernel"):
+        estimate(LLAMA8, H100x8, ParallelPlan(dp_replicate=8), PlannerOptions(attention_kernel="x"))
+    with pytest.raises(ConfigError, match="pipeline"):
+        estimate(LLAMA8, H100x8, ParallelPlan(dp_replicate=8), pipeline="guess")
+
+
+def test_estimate_is_fast():
+    m = model_preset("llama3-405b")
+    cluster = cluster_preset("dgx-h100", 16384)
+    plan = ParallelPlan(tp=8, pp=16, dp_shard=128, zero=1, grad_accum=64)
+    estimate(m, cluster, plan, pipeline="analytic")  # warm the per-layer caches
+    n = 40
+    start = time.perf_counter()
+    for i in range(n):
+        estimate(m, cluster, plan.with_(grad_accum=64 + 16 * i), pipeline="analytic")
+    per_call = (time.perf_counter() - start) / n
+    assert per_call < 5e-3  # about 0.4 ms on an idle core; generous for a shared CI machine

@@ -1,0 +1,224 @@
+"""Memory model: hand-derived bytes for small models, Korthikanti's formulas, sharding rules."""
+
+from __future__ import annotations
+
+import pytest
+
+from fivefold.errors import ConfigError
+from fivefold.planner.memory import (
+    MemoryOptions,
+    all_stage_memory,
+    chunk_activation_bytes,
+    layer_activation_bytes,
+    layer_params_per_rank,
+    model_state_bytes,
+    stage_memory,
+    zero_divisors,
+)
+from fivefold.planner.partition import stage_layer_counts
+from fivefold.spec import ModelSpec, ParallelPlan, model_preset, param_count
+
+CLASSIC = MemoryOptions(attention_kernel="classic", dropout=True)
+
+
+def gpt(h=1024, a=16, s=2048, layers=4) -> ModelSpec:
+    """A GPT-3-style model: MHA, GeLU MLP of width 4h (Korthikanti's setting)."""
+    return ModelSpec(
+        "gpt", layers, h, a, ffn=4 * h, vocab=1000, seq_len=s, mlp="gelu", rope_theta=1e4
+    )
+
+
+# ---- activations after Korthikanti et al. 2022 --------------------------------------------------
+def test_korthikanti_no_parallelism():
+    m, b = gpt(), 2
+    s, h, a = m.seq_len, m.hidden, m.heads
+    plan = ParallelPlan(micro_batch=b)
+    expected = s * b * h * (34 + 5 * a * s / h)  # eq. (2)
+    assert layer_activation_bytes(m, plan, options=CLASSIC) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("t", [2, 4, 8])
+def test_korthikanti_tensor_parallel_without_sp(t):
+    m, b = gpt(), 1
+    s, h, a = m.seq_len, m.hidden, m.heads
+    plan = ParallelPlan(tp=t, sp=False, micro_batch=b)
+    expected = s * b * h * (10 + 24 / t + 5 * a * s / (h * t))  # eq. (4)
+    assert layer_activation_bytes(m, plan, options=CLASSIC) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("t", [2, 8])
+def test_korthikanti_sequence_parallel_and_recompute(t):
+    m, b = gpt(), 1
+    s, h, a = m.seq_len, m.hidden, m.heads
+    plan = ParallelPlan(tp=t, sp=True, micro_batch=b)
+    full_sp = s * b * h / t * (34 + 5 * a * s / h)  # eq. (5)
+    assert layer_activation_bytes(m, plan, options=CLASSIC) == pytest.approx(full_sp)
+    selective = plan.with_(recompute="selective")
+    # eq. (6): selective recompute drops exactly the 5as/h score terms.
+    assert layer_activation_bytes(m, selective, options=CLASSIC) == pytest.approx(
+        s * b * h / t * 34
+    )
+    full = plan.with_(recompute="full")
+    assert layer_activation_bytes(m, full, options=CLASSIC) == pytest.approx(2 * s * b * h / t)
+
+
+def test_context_parallel_divides_sequence():
+    m = gpt()
+    one = layer_activation_bytes(m, ParallelPlan(), options=MemoryOptions())
+    two = layer_activation_bytes(m, ParallelPlan(cp=2), options=MemoryOptions())
+    assert two == pytest.approx(one / 2)  # flash: no s^2 term, everything linear in s
+
+
+def test_flash_llama_layer_hand_count():
+    """The `tiny` preset (h 64, 4 heads of 16, 2 kv heads, SwiGLU 176, s 128), bf16, b = 1."""
+    m = model_preset("tiny")
+    sb = 128
+    per_token = (
+        4 * 2 * 64  # two norm inputs, QKV input, MLP input
+        + 2 * (64 + 2 * 32)  # Q, K, V (kv width 2 * 16)
+        + 2 * 64  # attention output
+        + 4 * 4  # fp32 log-sum-exp per head
+        + 3 * 2 * 176  # SwiGLU: gate and up inputs, product
+    )
+    assert per_token == 1968
+    got = layer_activation_bytes(m, ParallelPlan(), options=MemoryOptions())
+    assert got == pytest.approx(sb * per_token)
+
+
+def test_gqa_kv_heads_replicated_beyond_tp():
+    m = ModelSpec("g", 2, 1024, 16, kv_heads=2, ffn=2816, seq_len=256)
+    # tp = 8 > kv_heads = 2: each rank keeps one whole kv head of 64.
+    lp = layer_params_per_rank(m, moe=False, tp=8, ep=1)
+    wq_wo = 2 * 1024 * 1024 / 8
+    wk_wv = 2 * 1024 * 64
+    mlp = 3 * 1024 * 2816 / 8
+    assert lp.dense == pytest.approx(wq_wo + wk_wv + mlp)
+    assert lp.replicated == 2 * 1024
+
+
+def test_simple_activation_model_option():
+    m = model_preset("small")
+    plan = ParallelPlan(micro_batch=2)
+    opts = MemoryOptions(activation_model="simple")
+    assert layer_activation_bytes(m, plan, options=opts) == 12 * 2 * 256 * 256 * 2
+
+
+# ---- the four tenants per stage -----------------------------------------------------------------
+def test_single_gpu_tenants_equal_param_count():
+    m = model_preset("small")
+    plan = ParallelPlan(precision="bf16-mixed")
+    mem = stage_memory(m, plan, 0, 1)
+    n = param_count(m)
+    assert mem.params == pytest.approx(2 * n)
+    assert mem.grads == pytest.approx(2 * n)
+    assert mem.optimizer == pytest.approx(12 * n)
+
+
+def test_tp_shards_sum_to_model():
+    m = model_preset("small")  # 8 heads, 4 kv heads
+    t = 4
+    mem = stage_memory(m, ParallelPlan(tp=t), 0, 1)
+    replicated = m.layers * 2 * m.hidden + m.hidden  # norms stay whole on every rank
+    assert mem.params / 2 * t == pytest.approx(param_count(m) + (t - 1) * replicated)
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_zero_sharding_of_a_stage(zero):
+    m = model_preset("small")
+    plan = ParallelPlan(dp_shard=4 if zero else 1, dp_replicate=1 if zero else 4, zero=zero)
+    mem = stage_memory(m, plan, 0, 1)
+    n = param_count(m)
+    dp, dg, do = zero_divisors(zero, 4)
+    assert mem.params == pytest.approx(2 * n / dp)
+    assert mem.grads == pytest.approx(2 * n / dg)
+    assert mem.optimizer == pytest.approx(12 * n / do)
+
+
+def test_first_stage_holds_embedding_last_holds_head():
+    m = model_preset("small")  # untied: embedding and head both vocab x hidden
+    plan = ParallelPlan(pp=2, grad_accum=4)
+    counts = stage_layer_counts(m, 2)
+    first, last = (stage_memory(m, plan, r, 1, counts=counts) for r in (0, 1))
+    layer = layer_params_per_rank(m, False, 1, 1).total
+    assert first.params / 2 == pytest.approx(counts[0] * layer + m.vocab * m.hidden)
+    assert last.params / 2 == pytest.approx(counts[1] * layer + m.vocab * m.hidden + m.hidden)
+    assert "logits" in last.other_terms and "logits" not in first.other_terms
+    assert last.other_terms["logits"] == pytest.approx(256 * 4096 * 12)
+
+
+def test_tied_embeddings_pipelined_keep_a_copy():
+    m = model_preset("small").with_(tied_embeddings=True)
+    single = stage_memory(m, ParallelPlan(), 0, 1)
+    assert single.params / 2 == pytest.approx(param_count(m))
+    last = stage_memory(m, ParallelPlan(pp=2, grad_accum=2), 1, 1)
+    counts = stage_layer_counts(m, 2)
+    layer = layer_params_per_rank(m, False, 1, 1).total
+    assert last.params / 2 == pytest.approx(counts[1] * layer + m.vocab * m.hidden + m.hidden)
+
+
+def test_inflight_scales_activations():
+    m = model_preset("small")
+    plan = ParallelPlan(pp=2, grad_accum=8)
+    counts = stage_layer_counts(m, 2)
+    one = chunk_activation_bytes(m, plan, counts, 0)
+    mems = all_stage_memory(m, plan, [2, 1])
+    assert mems[0].activations == pytest.approx(2 * one)
+    assert mems[1].stage == 1
+
+
+def test_full_recompute_adds_one_layer_working_set():
+    m = model_preset("small")
+    plan = ParallelPlan(recompute="full")
+    mem = stage_memory(m, plan, 0, 1)
+    stored = m.layers * 2 * 256 * m.hidden + 2 * 2 * 256 * m.hidden  # inputs + final norm, head
+    working = layer_activation_bytes(m, plan, recompute="none")
+    assert mem.activations == pytest.approx(stored + working)
+
+
+def test_other_terms_are_named_and_conditional():
+    m = model_preset("small")
+    z3 = stage_memory(m, ParallelPlan(dp_shard=2, zero=3, tp=2), 0, 1)
+    assert {"cuda_context", "zero3_gathered_layers", "sp_gathered_input", "fragmentation"} <= set(
+        z3.other_terms
+    )
+    layer = layer_params_per_rank(m, False, 2, 1).total
+    assert z3.other_terms["zero3_gathered_layers"] == pytest.approx(layer * (2 * 2 + 2))
+    ddp = stage_memory(m, ParallelPlan(dp_replicate=2), 0, 1)
+    assert ddp.other_terms["dp_grad_buckets"] == 2 * 25 * 2**20
+    tensors = ddp.total - ddp.other_terms["fragmentation"]
+    assert ddp.other_terms["fragmentation"] == pytest.approx(0.05 * tensors)
+
+
+def test_moe_experts_sharded_by_ep():
+    m = model_preset("tiny-moe")  # 4 experts of width 64, top-2, one shared
+    lp1 = layer_params_per_rank(m, True, tp=1, ep=1)
+    lp2 = layer_params_per_rank(m, True, tp=1, ep=2)
+    assert lp1.experts == 4 * 3 * 64 * 64
+    assert lp2.experts == lp1.experts / 2
+    assert lp1.replicated == 2 * 64 + 64 * 4  # norms + router
+
+
+# ---- partition ----------------------------------------------------------------------------------
+def test_stage_layer_counts_balanced_with_head():
+    m = model_preset("llama3-8b")
+    counts = stage_layer_counts(m, 4)
+    assert sum(counts) == 32 and min(counts) >= 1
+    assert counts[-1] < counts[1]  # the 1.05 GFLOP/token head takes about two layers' place
+    assert stage_layer_counts(m, 1) == [32]
+    assert stage_layer_counts(m, 32) == [1] * 32
+    uniform = model_preset("llama3-8b").with_(vocab=8)
+    assert stage_layer_counts(uniform, 4) == [8, 8, 8, 8]
+
+
+# ---- bad input ----------------------------------------------------------------------------------
+def test_bad_inputs_raise_config_errors():
+    with pytest.raises(ConfigError, match="parameter count"):
+        model_state_bytes(-1, "bf16-mixed")
+    with pytest.raises(ConfigError, match="ZeRO stage"):
+        model_state_bytes(1e9, "bf16-mixed", zero=4)
+    with pytest.raises(ConfigError, match="activation_model"):
+        stage_memory(model_preset("tiny"), ParallelPlan(), 0, 1, MemoryOptions("k12"))
+    with pytest.raises(ConfigError, match="unknown"):
+        model_state_bytes(1e9, "int4")
+    with pytest.raises(ConfigError, match=r"exceed model\.layers"):
+        stage_layer_counts(model_preset("tiny"), 3)
