@@ -131,9 +131,7 @@ def test_moe_model_trains_with_aux_loss(tmp_path):
 
 
 def test_nan_guard_names_step_and_last_checkpoint(tmp_path):
-    run = tiny_run(
-        tmp_path, "nan", "train.steps=4", "train.warmup_steps=1", "train.ckpt_every=2"
-    )
+    run = tiny_run(tmp_path, "nan", "train.steps=4", "train.warmup_steps=1", "train.ckpt_every=2")
     runtime = LocalRuntime(run.recipe)
     calls = {"n": 0}
 
@@ -171,10 +169,48 @@ def test_metrics_jsonl_records_every_step(tmp_path):
 
 def test_cli_trains_and_prints_summary(tmp_path, capsys):
     code = main(
-        ["train", str(TINY), "--steps", "3", "train.warmup_steps=1",
-         f"train.runs_dir={str(tmp_path)!r}", "--name", "cli", "--no-progress"]
+        [
+            "train",
+            str(TINY),
+            "--steps",
+            "3",
+            "train.warmup_steps=1",
+            f"train.runs_dir={str(tmp_path)!r}",
+            "--name",
+            "cli",
+            "--no-progress",
+        ]
     )
     out = capsys.readouterr().out
     assert code == 0
     assert "done: steps 0 -> 3" in out and "tokens/s" in out and "MFU" in out
     assert (tmp_path / "cli" / "ckpt" / "step_3" / "rank_00000.pt").is_file()
+
+
+def test_held_out_loss_is_logged_at_eval_steps(tmp_path):
+    run = tiny_run(
+        tmp_path,
+        "eval",
+        "train.steps=4",
+        "train.warmup_steps=1",
+        "train.eval_every=2",
+        "train.eval_batches=2",
+    )
+    summary = train(run, console=Console(quiet=True))
+    records = [json.loads(line) for line in (tmp_path / "eval" / "metrics.jsonl").open()]
+    assert ["eval_loss" in r for r in records] == [False, True, False, True]
+    assert sorted(summary.eval_losses) == [2, 4]
+    # Early in training the held-out loss tracks the training loss (both near ln 4096).
+    for step, value in summary.eval_losses.items():
+        assert abs(value - records[step - 1]["loss"]) < 0.5
+    assert summary.eval_losses[4] < summary.eval_losses[2]
+
+
+def test_module_entry_runs_and_reports_errors(tmp_path, capsys):
+    from fivefold.train.entry import main as entry_main
+
+    args = [str(TINY), "train.steps=1", "train.warmup_steps=1", *QUIET]
+    assert entry_main([*args, f"train.runs_dir={str(tmp_path)!r}"]) == 0
+    assert (tmp_path / "tiny-cpu" / "ckpt" / "step_1").is_dir()
+    assert entry_main([*args, "train.lr=0"]) == 2
+    assert "fivefold train: error: train.lr = 0.0" in capsys.readouterr().err

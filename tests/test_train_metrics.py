@@ -80,3 +80,77 @@ def test_step_peak_counts_weights_grads_and_adam_state():
     assert reading.start_bytes == 3 * 262_144 + 4
     assert reading.peak_bytes >= 4 * 262_144
     assert reading.peak_bytes <= 8 * 262_144
+
+
+def test_tensorboard_writer_logs_finite_scalars(tmp_path, monkeypatch):
+    import sys
+    import types
+
+    from fivefold.train.metrics import StepMetrics, TensorBoardWriter
+
+    calls = []
+
+    class FakeSummaryWriter:
+        def __init__(self, log_dir):
+            calls.append(("dir", log_dir))
+
+        def add_scalar(self, tag, value, step):
+            calls.append((tag, value, step))
+
+        def close(self):
+            calls.append(("closed",))
+
+    fake = types.ModuleType("torch.utils.tensorboard")
+    fake.SummaryWriter = FakeSummaryWriter
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", fake)
+    writer = TensorBoardWriter(tmp_path / "tb")
+    assert writer.available
+    m = StepMetrics(
+        step=7,
+        loss=2.5,
+        grad_norm=0.5,
+        lr=1e-3,
+        tokens=1024,
+        step_time_s=0.5,
+        tokens_per_s=2048.0,
+        mfu=None,
+        hfu=None,
+        peak_memory_bytes=100,
+        elapsed_s=3.0,
+    )
+    writer.write(m)
+    writer.close()
+    scalars = {c[0]: (c[1], c[2]) for c in calls if len(c) == 3}
+    assert scalars["train/loss"] == (2.5, 7) and scalars["train/lr"] == (1e-3, 7)
+    assert "train/mfu" not in scalars  # unknown peak: nothing logged rather than a guess
+    assert calls[0] == ("dir", str(tmp_path / "tb")) and calls[-1] == ("closed",)
+
+
+def test_tensorboard_writer_without_tensorboard(tmp_path, monkeypatch):
+    import sys
+
+    from fivefold.train.metrics import TensorBoardWriter
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import raises
+    writer = TensorBoardWriter(tmp_path / "tb")
+    assert not writer.available
+    writer.close()
+
+
+def test_jsonl_resume_drops_records_after_the_checkpoint(tmp_path):
+    import json
+
+    from fivefold.train.metrics import JsonlWriter
+
+    path = tmp_path / "metrics.jsonl"
+    writer = JsonlWriter(path)
+    for step in range(1, 6):
+        writer.write({"step": step})
+    writer.close()
+    with path.open("a") as f:
+        f.write('{"step": 6, "lo')  # cut short by a crash
+    writer = JsonlWriter(path, keep_through_step=3)  # resumed from the step-3 checkpoint
+    writer.write({"step": 4, "again": True})
+    writer.close()
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert records == [{"step": 1}, {"step": 2}, {"step": 3}, {"step": 4, "again": True}]

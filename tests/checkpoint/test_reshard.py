@@ -43,14 +43,14 @@ MATRIX = {
 }
 
 
-def check_case(name: str, result: dict, ranks: list) -> None:
-    saved, loaded = result["saved"], result["loaded"]
-    for rank, out in enumerate(ranks):
-        case = out[name] if isinstance(out, dict) else out
+def check_case(name: str, ranks: list[dict]) -> None:
+    """`ranks`: every rank's {"saved": ..., "loaded": ...} result of one case."""
+    saved, loaded = ranks[0]["saved"], ranks[0]["loaded"]
+    for rank, case in enumerate(ranks):
         assert case["saved"]["check"]["differ"] == [], (name, rank, "live state != written")
         assert case["loaded"]["check"]["differ"] == [], (name, rank, "loaded != written")
         assert case["loaded"]["step"] == STEPS_BEFORE
-    covered = set().union(*(set(out["loaded"]["check"]["keys"]) for out in ranks))
+    covered = set().union(*(set(case["loaded"]["check"]["keys"]) for case in ranks))
     assert covered == set(loaded["check"]["saved_keys"]), f"{name}: keys not restored"
     assert any(k.startswith("optim.state.") for k in covered)
     for a, b in zip(saved["losses_after"], loaded["losses_after"], strict=True):
@@ -65,8 +65,7 @@ def run_matrix(names: list[str], root) -> None:
     cases = [MATRIX[name] for name in names]
     ranks = run_ranks(4, reshard_chain, cases, str(root), STEPS_BEFORE, STEPS_AFTER, timeout_s=600)
     for index, name in enumerate(names):
-        per_rank = [out[index] for out in ranks]
-        check_case(name, per_rank[0], per_rank)
+        check_case(name, [out[index] for out in ranks])
 
 
 def test_reshard_tp2_pp2_to_zero3_dp4(tmp_path):

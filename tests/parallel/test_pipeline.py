@@ -176,3 +176,9 @@ def test_tied_embeddings_with_pipeline_are_refused_with_the_fix():
         split_model_for_pipeline(
             build_model(DENSE.with_(tied_embeddings=True)), ParallelPlan(pp=2), 0
         )
+
+
+def test_runner_refuses_too_few_micro_batches_for_dualpipev_before_touching_the_group():
+    plan = ParallelPlan(pp=2, vpp=2, schedule="dualpipev", grad_accum=3)
+    with pytest.raises(ConfigError, match="at least as many micro-batches as stages"):
+        PipelineRunner([], plan, None, cross_entropy_loss, "cpu")

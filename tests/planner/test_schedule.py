@@ -63,28 +63,6 @@ def test_every_action_list_is_complete_and_runs(name, pp, vpp, m):
 
 
 @pytest.mark.parametrize(
-    ("pp", "m", "bubble"),
-    [
-        (4, 1, 0.750),
-        (4, 8, 0.273),
-        (4, 12, 0.200),
-        (4, 16, 0.158),
-        (4, 32, 0.086),
-        (16, 8, 0.652),
-        (16, 64, 0.190),
-        (2, 4, 0.200),  # seed 000 says ~25 %: that is (p-1)/m, idle time relative to ideal
-        (4, 4, 0.429),
-    ],
-)
-@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
-def test_seed_bubble_table(name, pp, m, bubble):
-    sim = simulate(build_schedule(name, pp, 1, m), StageCosts.uniform(pp, 1.0, 2.0))
-    assert sim.bubble_fraction == pytest.approx((pp - 1) / (m + pp - 1), abs=1e-12)
-    assert round(sim.bubble_fraction, 3) == pytest.approx(bubble, abs=5e-4)
-    assert sim.step_time_s == pytest.approx((m + pp - 1) * 3.0)
-
-
-@pytest.mark.parametrize(
     ("pp", "vpp", "m"), [(2, 2, 4), (4, 2, 8), (4, 4, 8), (4, 3, 12), (8, 4, 16), (4, 2, 4)]
 )
 def test_interleaved_bubble_relative_to_ideal(pp, vpp, m):

@@ -85,7 +85,7 @@ def test_pruning_by_bounds_loses_nothing():
 def test_bounds_never_exceed_the_estimate():
     rng = random.Random(0)
     for name, gpus, tokens in (("llama3-70b", 256, 4 * 2**20), ("vizz-7b", 64, 4 * 2**20),
-                               ("mixtral-8x7b", 64, 2**22)):  # fmt: skip
+                               ("mixtral-8x7b", 64, 2**22)):
         model, cluster = model_preset(name), cluster_preset("dgx-h100", gpus)
         result = search(model, cluster, global_batch_tokens=tokens, explain=False)
         bounds = Bounds(model, cluster)
@@ -100,7 +100,7 @@ def test_bounds_never_exceed_the_estimate():
 def test_pinned_fields_are_kept():
     model, cluster = model_preset("llama3-8b"), cluster_preset("dgx-h100", 64)
     result = search(model, cluster, global_batch_tokens=2**20, fixed={"tp": 8, "pp": 2},
-                    explain=False)  # fmt: skip
+                    explain=False)
     assert result.best_plan.tp == 8 and result.best_plan.pp == 2
     assert all(a.plan.tp == 8 and a.plan.pp == 2 for a in result.alternatives)
     dp = search(model, cluster, global_batch_tokens=2**20, fixed={"dp": 8}, explain=False)
@@ -111,7 +111,7 @@ def test_headroom_is_respected():
     model, cluster = model_preset("llama3-70b"), cluster_preset("dgx-h100", 64)
     for headroom in (0.05, 0.5):
         result = search(model, cluster, global_batch_tokens=2**21, headroom=headroom,
-                        explain=False)  # fmt: skip
+                        explain=False)
         limit = (1 - headroom) * 80 * GiB
         assert result.best.peak_memory_bytes <= limit
         assert all(a.peak_memory_bytes <= limit for a in result.alternatives)
@@ -131,7 +131,7 @@ def test_batch_target_in_sequences_and_tokens():
 
 def test_enumeration_helpers():
     assert tp_choices(model_preset("llama3-8b"), cluster_preset("dgx-h100", 64)) == [1, 2, 4, 8]
-    # 40 heads: TP 8 divides, TP 4 too; kv 8
+    # tiny: 4 heads, 2 kv heads (TP 4 replicates them), 176-wide MLP
     assert tp_choices(model_preset("tiny"), cluster_preset("dgx-h100", 8)) == [1, 2, 4]
     assert dp_splits(1, 1) == [(1, 1, 0)]
     assert (4, 1, 0) not in dp_splits(4, 1)  # plain DP only when asked for

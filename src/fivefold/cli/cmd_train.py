@@ -135,16 +135,14 @@ def auto_plan_overrides(recipe_path: str | None, overrides: list[str], nproc: in
             "available in this installation; write the layout in the recipe's [plan] instead."
         ) from None
     run = load_run(recipe_path, overrides, world_size=nproc)
-    result = search(run.recipe.model, run.recipe.cluster, global_batch=run.global_batch)
-    best = result.best
-    plan = getattr(best, "plan", None)
-    if plan is None:
-        raise ConfigError(
-            "--plan auto: the planner found no layout that fits; see `fivefold plan` for why, "
-            "and write the [plan] by hand."
-        )
-    fields = plan.to_dict() if hasattr(plan, "to_dict") else dict(plan)
-    return [f"plan.{key}={_toml(value)}" for key, value in fields.items()]
+    recipe = run.recipe
+    result = search(  # ConfigError when nothing fits, naming what came closest
+        recipe.model,
+        recipe.cluster,
+        global_batch=run.global_batch,
+        precisions=(recipe.plan.precision,),
+    )
+    return [f"plan.{key}={_toml(value)}" for key, value in result.best_plan.to_dict().items()]
 
 
 def _toml(value: object) -> str:

@@ -131,7 +131,10 @@ class PipelineRunner:
 
     chunks: this rank's chunks from `split_model_for_pipeline` (possibly wrapped by TP / FSDP /
     checkpointing, in the same order); pp_mesh: 1-D DeviceMesh (or ProcessGroup) of the pipeline
-    ranks; loss_fn(logits [B, T, V], labels [B, T]) -> scalar mean over the micro-batch.
+    ranks; loss_fn(logits [b, T, V], labels [b, T]) -> scalar loss of one micro-batch. With
+    `scale_grads=True` torch divides the gradients by the micro-batch count, so loss_fn should be
+    the micro-batch mean; with False the gradients are those of the sum of the returned losses
+    (the caller normalises, e.g. token sums divided by the global token count).
     """
 
     def __init__(
@@ -146,10 +149,9 @@ class PipelineRunner:
     ) -> None:
         from torch.distributed.pipelining import PipelineStage, schedules
 
-        if plan.schedule not in SCHEDULE_CLASSES:
-            raise ConfigError(
-                f"plan.schedule = {plan.schedule!r}: choose one of {', '.join(SCHEDULE_CLASSES)}."
-            )
+        problems = plan.problems()  # schedule, vpp and micro-batch count rules
+        if problems:
+            raise ConfigError(problems)
         if loss_fn is None:
             from fivefold.model import cross_entropy_loss
 
@@ -192,6 +194,9 @@ class PipelineRunner:
                 f"the pipeline was built for plan.grad_accum = {self.plan.grad_accum} "
                 f"micro-batches, got {len(micro_batches)}"
             )
+        shapes = {tuple(mb.tokens.shape) for mb in micro_batches}
+        if len(shapes) != 1:
+            raise ValueError(f"pipeline micro-batches must share one shape, got {sorted(shapes)}")
         self.aux.values.clear()
         kwargs = {}
         for name in ("positions", "doc_ids"):

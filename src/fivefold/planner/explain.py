@@ -44,6 +44,22 @@ def explain_search(model: ModelSpec, cluster: ClusterSpec, result: Any) -> list[
     return _Explainer(model, cluster, result).lines()
 
 
+def seconds(x: float) -> str:
+    """'1.23 s', '12.3 ms' or '45 us': enough digits for any model size."""
+    if abs(x) >= 0.1:
+        return f"{x:.2f} s"
+    if abs(x) >= 1e-4:
+        return f"{x * 1e3:.1f} ms"
+    return f"{x * 1e6:.0f} us"
+
+
+def gib(x_bytes: float) -> str:
+    """'12.55 GiB' or '3.2 MiB' for small models."""
+    if abs(x_bytes) >= 0.01 * GiB or x_bytes == 0:
+        return f"{x_bytes / GiB:.2f} GiB"
+    return f"{x_bytes / 2**20:.1f} MiB"
+
+
 def slower_because(est: Any, best: Any) -> str:
     """'12.3 % slower because its pipeline bubble is 2.1 s longer' (est against best)."""
     slower = 1 - est.tokens_per_s / best.tokens_per_s
@@ -59,7 +75,7 @@ def slower_because(est: Any, best: Any) -> str:
         )
     if diffs[key] <= 0:
         return f"{slower:.1%} slower"
-    reason = f"its {BREAKDOWN_WORDS[key]} is {diffs[key]:.2f} s longer per step"
+    reason = f"its {BREAKDOWN_WORDS[key]} is {seconds(diffs[key])} longer per step"
     if key == "pipeline_bubble_s":
         reason += f" (bubble {est.bubble_fraction:.1%} against {best.bubble_fraction:.1%})"
     elif key == "compute_s" and est.plan.recompute != best.plan.recompute:
@@ -152,30 +168,27 @@ class _Explainer:
             )
         tp_comm = [x for x in self.best.comm if x.kind == "tp"]
         if tp_comm:
-            text += f"Its exposed collectives cost {tp_comm[0].exposed_s:.2f} s per step. "
+            text += f"Its exposed collectives cost {seconds(tp_comm[0].exposed_s)} per step. "
         choices = [t for t in _tp_values(m, c) if t != p.tp]
         around = [t for t in choices if t in (p.tp // 2, p.tp * 2, max(choices))] or choices[:2]
         text += "; ".join(self.compare(f"TP = {t}", tp=t) for t in around)
         return text.rstrip("; ") + "."
 
     def micro_batch(self) -> str:
-        p = self.plan
+        p, target = self.plan, self.result.target
         text = (
             f"Micro-batch: {p.micro_batch} sequence(s) of {self.model.seq_len:,} tokens "
             f"({p.micro_batch * self.model.seq_len // p.cp:,} tokens per GPU"
             + (f" after CP {p.cp}" if p.cp > 1 else "")
             + "); activations grow with it while weights do not. "
         )
-        bigger = (
-            self.search.evaluate(
-                p.with_(micro_batch=p.micro_batch * 2, grad_accum=max(1, p.grad_accum // 2))
+        bigger = p.micro_batch * 2
+        if bigger * p.dp > target.sequences * (1 + target.tolerance):
+            return text + (
+                f"mbs {bigger} x DP {p.dp} = {bigger * p.dp} sequences would overshoot the "
+                f"target of {target.sequences:g} per step."
             )
-            if p.grad_accum % 2 == 0
-            else None
-        )
-        if bigger is not None:
-            text += f"mbs {p.micro_batch * 2}: " + self._outcome_words(bigger) + "."
-        return text
+        return text + self.compare(f"mbs {bigger}", micro_batch=bigger) + "."
 
     def pipeline(self) -> str:
         p, est = self.plan, self.best
@@ -191,7 +204,7 @@ class _Explainer:
                 f"{p.schedule}"
                 + (f" (v = {p.vpp} chunks per rank)" if p.vpp > 1 else "")
                 + f" over {p.grad_accum} micro-batches: the bubble is "
-                f"{est.bubble_fraction:.1%} of the pipeline time ({bubble_s:.2f} s per step; "
+                f"{est.bubble_fraction:.1%} of the pipeline time ({seconds(bubble_s)} per step; "
                 f"1F1B's (p-1)/(m+p-1) = {(p.pp - 1) / (p.grad_accum + p.pp - 1):.1%}). "
             )
         parts = []
@@ -215,7 +228,7 @@ class _Explainer:
             + ". "
         )
         shard = p.dp_shard * p.cp
-        mem = self.mem(est)
+        mm = est.worst_memory
         text += (
             f"ZeRO-{p.zero} shards "
             + {
@@ -225,8 +238,8 @@ class _Explainer:
                 3: "optimizer state, gradients and parameters",
             }[p.zero]
             + (f" over {shard} ranks (DP x CP)" if p.zero else "")
-            + f": per GPU params {mem['params']:.2f}, grads {mem['grads']:.2f}, optimizer "
-            f"{mem['optimizer']:.2f} GiB. "
+            + f": per GPU params {gib(mm.params)}, grads {gib(mm.grads)}, optimizer "
+            f"{gib(mm.optimizer)}. "
         )
         others = []
         for zero in (0, 1, 2, 3):
@@ -265,8 +278,9 @@ class _Explainer:
             cp_comm = [x for x in self.best.comm if x.kind == "cp"]
             if cp_comm:
                 text += (
-                    f"The key/value exchange ({cp_comm[0].link}) takes {cp_comm[0].time_s:.2f} s "
-                    f"per step, {cp_comm[0].exposed_s:.2f} s of it not hidden behind attention. "
+                    f"The key/value exchange ({cp_comm[0].link}) takes "
+                    f"{seconds(cp_comm[0].time_s)} per step, {seconds(cp_comm[0].exposed_s)} of "
+                    "it not hidden behind attention. "
                 )
             return text + self.compare("without CP", cp=1) + "."
         if s >= 32_768:
@@ -293,9 +307,13 @@ class _Explainer:
         )
         ep_comm = [x for x in self.best.comm if x.kind == "ep"]
         if ep_comm:
-            text += f"Its all-to-alls cost {ep_comm[0].exposed_s:.2f} s per step. "
+            text += f"Its all-to-alls cost {seconds(ep_comm[0].exposed_s)} per step. "
         if p.ep > 1:
             text += self.compare("EP = 1", ep=1) + "."
+        else:
+            wider = next((e for e in range(2, m.experts + 1) if m.experts % e == 0), None)
+            if wider is not None:
+                text += self.compare(f"EP = {wider}", ep=wider) + "."
         return text
 
     def recompute(self) -> str:
@@ -322,7 +340,7 @@ class _Explainer:
             f"{mem['params']:.2f} + grads {mem['grads']:.2f} + optimizer {mem['optimizer']:.2f} + "
             f"activations {mem['activations']:.2f} + other {mem['other']:.2f} = "
             f"{mem['total']:.1f} GiB of {est.hbm_bytes / GiB:.0f} GiB HBM ({usable:.1f} GiB "
-            f"usable with {self.result.headroom:.0%} headroom). Step {est.step_time_s:.2f} s, "
+            f"usable with {self.result.headroom:.0%} headroom). Step {seconds(est.step_time_s)}, "
             f"{est.tokens_per_s:,.0f} tokens/s, MFU {est.mfu:.1%}."
         )
 
@@ -344,8 +362,8 @@ class _Explainer:
         if outcome.fits:
             words = slower_because(outcome.estimate, self.best)
             if memory_too:
-                delta = (outcome.estimate.peak_memory_bytes - self.best.peak_memory_bytes) / GiB
-                words += f", {delta:+.1f} GiB per GPU"
+                delta = outcome.estimate.peak_memory_bytes - self.best.peak_memory_bytes
+                words += f", {'+' if delta >= 0 else '-'}{gib(abs(delta))} per GPU"
             return words
         return (outcome.reason or outcome.kind).rstrip(".")
 

@@ -213,7 +213,9 @@ class Trainer:
         start_step = self.step
         main = self.runtime.is_main
         jsonl = (
-            JsonlWriter(self.run_dir / "metrics.jsonl", truncate=start_step == 0) if main else None
+            JsonlWriter(self.run_dir / "metrics.jsonl", keep_through_step=start_step)
+            if main
+            else None
         )
         board = TensorBoardWriter(self.run_dir / "tb") if main and self.cfg.tensorboard else None
         reporter = ConsoleReporter(
@@ -241,6 +243,9 @@ class Trainer:
                 if measure:
                     with track_cpu_peak(self.runtime.model_parts, self.optimizer) as self.cpu_peak:
                         loss, aux, grad_norm = self.train_one_step(micro_batches)
+                    record = getattr(self.runtime, "record_peak_memory", None)
+                    if record is not None:
+                        record(self.cpu_peak.peak_bytes)
                 else:
                     loss, aux, grad_norm = self.train_one_step(micro_batches)
                 if self.runtime.device.type == "cuda":
@@ -342,6 +347,8 @@ def planner_prediction(run: RunConfig) -> tuple[dict[str, Any] | None, str]:
     except ImportError:
         return None, "planner not available"
     recipe = run.recipe
+    if recipe.cluster.gpu == "cpu":
+        return None, "the planner models GPU clusters; this run's cluster is the local CPU"
     try:
         return estimate(recipe.model, recipe.cluster, recipe.plan).to_json(), ""
     except FivefoldError as err:

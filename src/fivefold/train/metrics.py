@@ -86,12 +86,32 @@ def format_tokens_per_s(rate: float) -> str:
 
 
 class JsonlWriter:
-    """Appends one JSON object per line and flushes, so a crash loses at most the last step."""
+    """Appends one JSON object per line and flushes, so a crash loses at most the last step.
 
-    def __init__(self, path: Path, truncate: bool):
+    Opening keeps only the records of steps <= `keep_through_step` (0: none), so a run resumed
+    from a checkpoint at step k drops the lines a crashed attempt wrote after k.
+    """
+
+    def __init__(self, path: Path, keep_through_step: int = 0):
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
-        self._file = path.open("w" if truncate else "a", encoding="utf-8")
+        kept = self._records_through(path, keep_through_step) if keep_through_step else []
+        self._file = path.open("w", encoding="utf-8")
+        self._file.writelines(line + "\n" for line in kept)
+        self._file.flush()
+
+    @staticmethod
+    def _records_through(path: Path, step: int) -> list[str]:
+        if not path.is_file():
+            return []
+        kept = []
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                if json.loads(line).get("step", 0) <= step:
+                    kept.append(line)
+            except (json.JSONDecodeError, AttributeError):
+                continue  # a line cut short by a crash
+        return kept
 
     def write(self, record: dict[str, Any]) -> None:
         self._file.write(json.dumps(record) + "\n")

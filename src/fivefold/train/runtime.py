@@ -90,6 +90,7 @@ class LocalRuntime:
         apply_recompute(model, recipe.plan.recompute)
         self.model = model
         self.model_parts: list[nn.Module] = [model]
+        self._recorded_peak_bytes = 0
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
 
@@ -148,10 +149,15 @@ class LocalRuntime:
         return float(torch.nn.utils.clip_grad_norm_(params, limit, foreach=True))
 
     def peak_memory_bytes(self) -> int:
-        """CUDA: allocator peak since start. CPU: 0 (the loop measures one step with MemTracker)."""
+        """CUDA: the allocator's peak since start. CPU: the loop's measurement of one step
+        (`record_peak_memory`), 0 before it."""
         if self.device.type == "cuda":
             return int(torch.cuda.max_memory_allocated(self.device))
-        return 0
+        return self._recorded_peak_bytes
+
+    def record_peak_memory(self, peak_bytes: int) -> None:
+        """Keep the loop's CPU measurement (tensor storages counted over one step)."""
+        self._recorded_peak_bytes = max(self._recorded_peak_bytes, int(peak_bytes))
 
     def close(self) -> None:
         pass

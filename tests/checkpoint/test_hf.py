@@ -1,0 +1,123 @@
+"""Hugging Face interop: transformers' LlamaForCausalLM on exported weights gives fivefold's
+logits (tiny preset, fp32), and import -> checkpoint -> export round-trips bitwise. Nothing is
+downloaded: the config is written locally and loaded with local_files_only."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+
+from fivefold.checkpoint import Checkpointer
+from fivefold.checkpoint.hf import export_hf, import_hf, read_hf, spec_from_llama_config
+from fivefold.cli.main import main
+from fivefold.errors import CheckpointError
+from fivefold.model import build_model
+from fivefold.spec.presets import model_preset
+
+LOGIT_ATOL = 1e-5  # fp32; measured 0 (the same operations in the same order)
+
+
+def trained_like_model(tied: bool):
+    """The tiny preset with random (not unit) norm weights, so every tensor is exercised."""
+    spec = model_preset("tiny").with_(tied_embeddings=tied)
+    model = build_model(spec)
+    model.to_empty(device="cpu")
+    model.init_weights(seed=11)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.ndim == 1:
+                param.add_(0.1 * torch.randn(param.shape, generator=g))
+    return spec, model
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_llama_logits_match_and_round_trip(tmp_path, tied):
+    spec, model = trained_like_model(tied)
+    path = Checkpointer(tmp_path / "ckpt").save(
+        7, [model], None, model_spec=spec.to_dict(), plan={}
+    )
+    summary = export_hf(path, tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["num_key_value_heads"] == 2 and config["tie_word_embeddings"] is tied
+    hf = transformers.LlamaForCausalLM.from_pretrained(
+        str(tmp_path / "hf"), local_files_only=True, dtype=torch.float32
+    ).eval()
+    assert summary["parameters"] == sum(p.numel() for p in hf.parameters())
+    tokens = torch.randint(0, spec.vocab, (2, 48), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours, theirs = model(tokens), hf(tokens).logits
+    assert ours.shape == theirs.shape == (2, 48, spec.vocab)
+    assert float((ours - theirs).abs().max()) <= LOGIT_ATOL
+
+    imported = import_hf(tmp_path / "hf", tmp_path / "run" / "ckpt")
+    again = build_model(spec)
+    again.to_empty(device="cpu")
+    again.init_weights(seed=0)
+    state = Checkpointer(imported.parent).load(imported, [again], None, model_spec=spec.to_dict())
+    assert state.contents == ["model"] and state.step == 0
+    for (name, a), b in zip(model.state_dict().items(), again.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_bf16_export_halves_the_size(tmp_path):
+    spec, model = trained_like_model(False)
+    path = Checkpointer(tmp_path / "ckpt").save(
+        1, [model], None, model_spec=spec.to_dict(), plan={}
+    )
+    fp32 = export_hf(path, tmp_path / "a", "fp32")
+    bf16 = export_hf(path, tmp_path / "b", "bf16")
+    assert abs(bf16["bytes"] / fp32["bytes"] - 0.5) < 0.01
+    _, tensors = read_hf(tmp_path / "b")
+    assert torch.equal(tensors["norm.weight"], model.norm.weight.detach().bfloat16().float())
+
+
+def test_moe_export_is_refused(tmp_path):
+    spec = model_preset("tiny-moe")
+    model = build_model(spec)
+    model.to_empty(device="cpu")
+    model.init_weights(0)
+    path = Checkpointer(tmp_path).save(1, [model], None, model_spec=spec.to_dict(), plan={})
+    with pytest.raises(CheckpointError, match=r"model.experts = 4: a MoE model has no Hugging"):
+        export_hf(path, tmp_path / "hf")
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5}}, "RoPE type 'llama3'"),
+        ({"attention_bias": True}, "attention_bias = true"),
+        ({"hidden_act": "gelu"}, "hidden_act = 'gelu'"),
+        ({"model_type": "mistral"}, "model_type = 'mistral'"),
+    ],
+)
+def test_unsupported_llama_configs_are_named(change, message):
+    config = {
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 176,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "vocab_size": 256,
+        **change,
+    }
+    with pytest.raises(CheckpointError, match=message):
+        spec_from_llama_config(config)
+
+
+def test_cli_export_import_round_trip(tmp_path, capsys):
+    spec, model = trained_like_model(False)
+    run_dir = tmp_path / "run"
+    Checkpointer(run_dir / "ckpt").save(4, [model], None, model_spec=spec.to_dict(), plan={})
+    assert main(["export", "--hf", str(tmp_path / "hf"), "--from", str(run_dir)]) == 0
+    assert "exported" in capsys.readouterr().out
+    assert main(["import", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "new")]) == 0
+    recipe = (tmp_path / "new" / "imported.toml").read_text()
+    assert "hidden = 64" in recipe and "resume = true" in recipe
+    assert (tmp_path / "new" / "ckpt" / "step_0" / "manifest.json").is_file()
+    # a second import into the same run directory is refused with exit status 2
+    assert main(["import", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "new")]) == 2
+    assert "already holds checkpoints" in capsys.readouterr().err

@@ -1,0 +1,145 @@
+"""`fivefold plan` and `fivefold plan estimate`: inputs, JSON names, the written recipe."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from fivefold.cli.cmd_plan import default_ffn, parse_fraction, parse_size
+from fivefold.cli.main import main
+from fivefold.errors import ConfigError
+from fivefold.planner.estimate import estimate
+from fivefold.spec import cluster_preset, load_recipe, model_preset
+
+STABLE = ("fits", "step_time_s", "tokens_per_s", "mfu", "hfu", "bubble_fraction", "plan")
+MEMORY = ("params", "grads", "optimizer", "activations", "other", "total")
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+def _json(capsys, argv):
+    assert main(argv) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_sizes_and_fractions():
+    assert parse_size("128K", "--seq") == 131072
+    assert parse_size("4M", "--global-batch-tokens") == 4 * 2**20
+    assert parse_size("1.5K", "--seq") == 1536
+    assert parse_size("131072", "--seq") == 131072
+    assert parse_size("2g", "--x") == 2 * 2**30
+    assert parse_fraction("10%", "--headroom") == pytest.approx(0.10)
+    assert parse_fraction("0.25", "--headroom") == 0.25
+    assert default_ffn(4096, "swiglu") == 11008  # Llama 2 7B's width
+    assert default_ffn(768, "gelu") == 3072
+    with pytest.raises(ConfigError, match="not a size"):
+        parse_size("lots", "--seq")
+    with pytest.raises(ConfigError, match="whole number"):
+        parse_size("1.5", "--gpus")
+
+
+def test_vizz_search_json_and_recipe(capsys, tmp_path):
+    out = tmp_path / "vizz.toml"
+    argv = ["plan", "--model", "vizz-7b", "--cluster", "dgx-h100", "--gpus", "64", "--seq",
+            "131072", "--global-batch-tokens", "4M", "--json", "--out", str(out)]
+    data = _json(capsys, argv)
+    for key in STABLE:
+        assert key in data
+    assert set(MEMORY) <= set(data["memory_gib"])
+    assert data["fits"] is True
+    assert data["memory_gib"]["total"] <= 0.9 * 80
+    assert data["search"]["target_tokens"] == 4 * 2**20
+    assert len(data["explanation"]) >= 8
+    assert data["recipe_path"] == str(out)
+    recipe = load_recipe(out)  # what `fivefold train` reads
+    assert recipe.plan.to_dict() == data["plan"]
+    assert recipe.model.seq_len == 131072 and recipe.cluster.world_size == 64
+    assert recipe.plan.global_batch * 131072 == pytest.approx(4 * 2**20, rel=0.05)
+
+
+def test_search_text_output(capsys, tmp_path):
+    argv = ["plan", "--model", "llama3-8b", "--gpus", "16", "--global-batch", "64",
+            "--out", str(tmp_path / "r.toml")]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "best layout: TP" in text
+    assert "memory per GPU, worst stage" in text and "/ 80 GiB" in text
+    assert "why:" in text and "Tensor parallelism" in text
+    assert "recipe written to" in text
+    assert (tmp_path / "r.toml").is_file()
+
+
+def test_estimate_matches_the_api(capsys):
+    argv = ["plan", "estimate", "--model", "llama3-8b", "--gpus", "64", "--tp", "8", "--zero",
+            "3", "--mbs", "1", "--global-batch", "128", "--recompute", "selective", "--json"]
+    data = _json(capsys, argv)
+    plan = data["plan"]
+    assert (plan["tp"], plan["dp_shard"], plan["zero"], plan["grad_accum"]) == (8, 8, 3, 16)
+    est = estimate(model_preset("llama3-8b"), cluster_preset("dgx-h100", 64),
+                   load_plan(plan))
+    assert data["step_time_s"] == pytest.approx(est.step_time_s)
+    assert data["memory_gib"]["total"] == pytest.approx(est.peak_memory_bytes / 2**30)
+    assert data["fits_with_headroom"] is True
+
+
+def load_plan(d):
+    from fivefold.spec import ParallelPlan
+
+    return ParallelPlan(**d)
+
+
+def test_estimate_reads_a_recipe(capsys):
+    data = _json(capsys, ["plan", "estimate", str(CONFIGS / "llama3-8b-dgx-h100.toml"), "--json"])
+    recipe = load_recipe(CONFIGS / "llama3-8b-dgx-h100.toml")
+    assert data["plan"] == recipe.plan.to_dict()
+    data = _json(capsys, ["plan", "estimate", str(CONFIGS / "llama3-8b-dgx-h100.toml"),
+                          "plan.recompute=full", "--json"])
+    assert data["plan"]["recompute"] == "full"
+
+
+def test_model_from_flags_and_from_a_file(capsys, tmp_path):
+    argv = ["plan", "estimate", "--layers", "4", "--hidden", "256", "--heads", "8", "--kv-heads",
+            "4", "--vocab", "4096", "--seq", "1K", "--gpus", "8", "--tp", "2", "--json"]
+    data = _json(capsys, argv)
+    assert data["model"]["layers"] == 4 and data["model"]["seq_len"] == 1024
+    assert data["model"]["ffn"] == default_ffn(256, "swiglu")
+    model_file = tmp_path / "m.toml"
+    model_file.write_text('[model]\npreset = "llama3-8b"\nlayers = 16\n')
+    data = _json(capsys, ["plan", "estimate", "--model", str(model_file), "--gpus", "8", "--tp",
+                          "8", "--json"])
+    assert data["model"]["layers"] == 16 and data["model"]["hidden"] == 4096
+    moe = _json(capsys, ["plan", "estimate", "--model", "llama3-8b", "--experts", "8", "--top-k",
+                         "2", "--expert-ffn", "4096", "--gpus", "8", "--ep", "2", "--zero", "1",
+                         "--json"])
+    assert moe["model"]["experts"] == 8 and moe["plan"]["ep"] == 2
+
+
+def test_cluster_described_by_flags(capsys):
+    argv = ["plan", "estimate", "--model", "llama3-8b", "--gpu", "a100-80gb", "--gpus-per-node",
+            "8", "--nvlink-gbps", "600", "--ib-gbps", "25", "--gpus", "16", "--tp", "8", "--json"]
+    data = _json(capsys, argv)
+    c = data["cluster"]
+    assert (c["gpu"], c["nodes"], c["gpus_per_node"]) == ("a100-80gb", 2, 8)
+    assert c["intra_node_bw"] == 600e9 and c["inter_node_bw"] == 25e9
+    assert data["hbm_gib"] == pytest.approx(80.0)
+
+
+def test_search_pins_layout_flags(capsys):
+    data = _json(capsys, ["plan", "--model", "llama3-8b", "--gpus", "16", "--tp", "4",
+                          "--global-batch", "64", "--json", "--no-out"])
+    assert data["plan"]["tp"] == 4
+    assert all(a["plan"]["tp"] == 4 for a in data["alternatives"])
+    assert data["recipe_path"] is None
+
+
+def test_help_lists_every_flag(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["plan", "--help"])
+    assert exit_.value.code == 0
+    text = capsys.readouterr().out
+    for flag in ("--layers", "--hidden", "--heads", "--kv-heads", "--ffn", "--vocab", "--seq",
+                 "--mlp", "--tied-embeddings", "--experts", "--top-k", "--expert-ffn",
+                 "--shared-experts", "--tp", "--pp", "--vpp", "--schedule", "--dp", "--cp",
+                 "--ep", "--zero", "--mbs", "--global-batch", "--recompute", "--sp", "--no-sp",
+                 "--precision", "--cluster", "--gpus", "--gpu", "--gpus-per-node",
+                 "--nvlink-gbps", "--ib-gbps", "--json", "--global-batch-tokens", "estimate"):
+        assert flag in text, flag
