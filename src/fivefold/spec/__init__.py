@@ -12,7 +12,8 @@ from fivefold.spec.model import (
     training_flops_per_token,
 )
 from fivefold.spec.plan import CP_KINDS, SCHEDULES, ParallelPlan
-from fivefold.spec.precision import RECIPES, PrecisionRecipe, recipe
+from fivefold.spec.precision import RECIPES, PrecisionRecipe
+from fivefold.spec.precision import recipe as precision_recipe
 from fivefold.spec.presets import MODEL_PRESETS, model_preset
 from fivefold.spec.recipe import Recipe, dump_recipe, load_recipe, recipe_from_dict
 
@@ -36,7 +37,7 @@ __all__ = [
     "load_recipe",
     "model_preset",
     "param_count",
-    "recipe",
+    "precision_recipe",
     "recipe_from_dict",
     "training_flops_per_token",
 ]

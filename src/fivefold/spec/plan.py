@@ -2,9 +2,10 @@
 
 Degrees multiply to the world size: pp * dp_replicate * dp_shard * cp * tp. The mesh order, outer
 to inner, is pp, dp_replicate, dp_shard, cp, tp (TP innermost so it stays inside a node). ZeRO
-shards over the dp_shard axis; dp_replicate > 1 with dp_shard > 1 and zero = 3 is HSDP. EP borrows
-its ranks from dp_shard * cp. Batch sizes are in sequences: global batch = micro_batch * dp *
-grad_accum, and with pipelining the grad_accum micro-batches are the pipeline's micro-batches.
+shards over the dp_shard x cp ranks (those that hold different data or sequence shards);
+dp_replicate > 1 with dp_shard > 1 and zero = 3 is HSDP. EP borrows its ranks from dp_shard * cp.
+Batch sizes are in sequences: global batch = micro_batch * dp * grad_accum, and with pipelining the
+grad_accum micro-batches are the pipeline's micro-batches.
 """
 
 from __future__ import annotations
