@@ -39,8 +39,22 @@ def test_sizes_and_fractions():
 
 def test_vizz_search_json_and_recipe(capsys, tmp_path):
     out = tmp_path / "vizz.toml"
-    argv = ["plan", "--model", "vizz-7b", "--cluster", "dgx-h100", "--gpus", "64", "--seq",
-            "131072", "--global-batch-tokens", "4M", "--json", "--out", str(out)]
+    argv = [
+        "plan",
+        "--model",
+        "vizz-7b",
+        "--cluster",
+        "dgx-h100",
+        "--gpus",
+        "64",
+        "--seq",
+        "131072",
+        "--global-batch-tokens",
+        "4M",
+        "--json",
+        "--out",
+        str(out),
+    ]
     data = _json(capsys, argv)
     for key in STABLE:
         assert key in data
@@ -57,8 +71,17 @@ def test_vizz_search_json_and_recipe(capsys, tmp_path):
 
 
 def test_search_text_output(capsys, tmp_path):
-    argv = ["plan", "--model", "llama3-8b", "--gpus", "16", "--global-batch", "64",
-            "--out", str(tmp_path / "r.toml")]
+    argv = [
+        "plan",
+        "--model",
+        "llama3-8b",
+        "--gpus",
+        "16",
+        "--global-batch",
+        "64",
+        "--out",
+        str(tmp_path / "r.toml"),
+    ]
     assert main(argv) == 0
     text = capsys.readouterr().out
     assert "best layout: TP" in text
@@ -69,13 +92,29 @@ def test_search_text_output(capsys, tmp_path):
 
 
 def test_estimate_matches_the_api(capsys):
-    argv = ["plan", "estimate", "--model", "llama3-8b", "--gpus", "64", "--tp", "8", "--zero",
-            "3", "--mbs", "1", "--global-batch", "128", "--recompute", "selective", "--json"]
+    argv = [
+        "plan",
+        "estimate",
+        "--model",
+        "llama3-8b",
+        "--gpus",
+        "64",
+        "--tp",
+        "8",
+        "--zero",
+        "3",
+        "--mbs",
+        "1",
+        "--global-batch",
+        "128",
+        "--recompute",
+        "selective",
+        "--json",
+    ]
     data = _json(capsys, argv)
     plan = data["plan"]
     assert (plan["tp"], plan["dp_shard"], plan["zero"], plan["grad_accum"]) == (8, 8, 3, 16)
-    est = estimate(model_preset("llama3-8b"), cluster_preset("dgx-h100", 64),
-                   load_plan(plan))
+    est = estimate(model_preset("llama3-8b"), cluster_preset("dgx-h100", 64), load_plan(plan))
     assert data["step_time_s"] == pytest.approx(est.step_time_s)
     assert data["memory_gib"]["total"] == pytest.approx(est.peak_memory_bytes / 2**30)
     assert data["fits_with_headroom"] is True
@@ -91,31 +130,96 @@ def test_estimate_reads_a_recipe(capsys):
     data = _json(capsys, ["plan", "estimate", str(CONFIGS / "llama3-8b-dgx-h100.toml"), "--json"])
     recipe = load_recipe(CONFIGS / "llama3-8b-dgx-h100.toml")
     assert data["plan"] == recipe.plan.to_dict()
-    data = _json(capsys, ["plan", "estimate", str(CONFIGS / "llama3-8b-dgx-h100.toml"),
-                          "plan.recompute=full", "--json"])
+    data = _json(
+        capsys,
+        [
+            "plan",
+            "estimate",
+            str(CONFIGS / "llama3-8b-dgx-h100.toml"),
+            "plan.recompute=full",
+            "--json",
+        ],
+    )
     assert data["plan"]["recompute"] == "full"
 
 
 def test_model_from_flags_and_from_a_file(capsys, tmp_path):
-    argv = ["plan", "estimate", "--layers", "4", "--hidden", "256", "--heads", "8", "--kv-heads",
-            "4", "--vocab", "4096", "--seq", "1K", "--gpus", "8", "--tp", "2", "--json"]
+    argv = [
+        "plan",
+        "estimate",
+        "--layers",
+        "4",
+        "--hidden",
+        "256",
+        "--heads",
+        "8",
+        "--kv-heads",
+        "4",
+        "--vocab",
+        "4096",
+        "--seq",
+        "1K",
+        "--gpus",
+        "8",
+        "--tp",
+        "2",
+        "--json",
+    ]
     data = _json(capsys, argv)
     assert data["model"]["layers"] == 4 and data["model"]["seq_len"] == 1024
     assert data["model"]["ffn"] == default_ffn(256, "swiglu")
     model_file = tmp_path / "m.toml"
     model_file.write_text('[model]\npreset = "llama3-8b"\nlayers = 16\n')
-    data = _json(capsys, ["plan", "estimate", "--model", str(model_file), "--gpus", "8", "--tp",
-                          "8", "--json"])
+    data = _json(
+        capsys,
+        ["plan", "estimate", "--model", str(model_file), "--gpus", "8", "--tp", "8", "--json"],
+    )
     assert data["model"]["layers"] == 16 and data["model"]["hidden"] == 4096
-    moe = _json(capsys, ["plan", "estimate", "--model", "llama3-8b", "--experts", "8", "--top-k",
-                         "2", "--expert-ffn", "4096", "--gpus", "8", "--ep", "2", "--zero", "1",
-                         "--json"])
+    moe = _json(
+        capsys,
+        [
+            "plan",
+            "estimate",
+            "--model",
+            "llama3-8b",
+            "--experts",
+            "8",
+            "--top-k",
+            "2",
+            "--expert-ffn",
+            "4096",
+            "--gpus",
+            "8",
+            "--ep",
+            "2",
+            "--zero",
+            "1",
+            "--json",
+        ],
+    )
     assert moe["model"]["experts"] == 8 and moe["plan"]["ep"] == 2
 
 
 def test_cluster_described_by_flags(capsys):
-    argv = ["plan", "estimate", "--model", "llama3-8b", "--gpu", "a100-80gb", "--gpus-per-node",
-            "8", "--nvlink-gbps", "600", "--ib-gbps", "25", "--gpus", "16", "--tp", "8", "--json"]
+    argv = [
+        "plan",
+        "estimate",
+        "--model",
+        "llama3-8b",
+        "--gpu",
+        "a100-80gb",
+        "--gpus-per-node",
+        "8",
+        "--nvlink-gbps",
+        "600",
+        "--ib-gbps",
+        "25",
+        "--gpus",
+        "16",
+        "--tp",
+        "8",
+        "--json",
+    ]
     data = _json(capsys, argv)
     c = data["cluster"]
     assert (c["gpu"], c["nodes"], c["gpus_per_node"]) == ("a100-80gb", 2, 8)
@@ -124,8 +228,22 @@ def test_cluster_described_by_flags(capsys):
 
 
 def test_search_pins_layout_flags(capsys):
-    data = _json(capsys, ["plan", "--model", "llama3-8b", "--gpus", "16", "--tp", "4",
-                          "--global-batch", "64", "--json", "--no-out"])
+    data = _json(
+        capsys,
+        [
+            "plan",
+            "--model",
+            "llama3-8b",
+            "--gpus",
+            "16",
+            "--tp",
+            "4",
+            "--global-batch",
+            "64",
+            "--json",
+            "--no-out",
+        ],
+    )
     assert data["plan"]["tp"] == 4
     assert all(a["plan"]["tp"] == 4 for a in data["alternatives"])
     assert data["recipe_path"] is None
@@ -136,10 +254,42 @@ def test_help_lists_every_flag(capsys):
         main(["plan", "--help"])
     assert exit_.value.code == 0
     text = capsys.readouterr().out
-    for flag in ("--layers", "--hidden", "--heads", "--kv-heads", "--ffn", "--vocab", "--seq",
-                 "--mlp", "--tied-embeddings", "--experts", "--top-k", "--expert-ffn",
-                 "--shared-experts", "--tp", "--pp", "--vpp", "--schedule", "--dp", "--cp",
-                 "--ep", "--zero", "--mbs", "--global-batch", "--recompute", "--sp", "--no-sp",
-                 "--precision", "--cluster", "--gpus", "--gpu", "--gpus-per-node",
-                 "--nvlink-gbps", "--ib-gbps", "--json", "--global-batch-tokens", "estimate"):
+    for flag in (
+        "--layers",
+        "--hidden",
+        "--heads",
+        "--kv-heads",
+        "--ffn",
+        "--vocab",
+        "--seq",
+        "--mlp",
+        "--tied-embeddings",
+        "--experts",
+        "--top-k",
+        "--expert-ffn",
+        "--shared-experts",
+        "--tp",
+        "--pp",
+        "--vpp",
+        "--schedule",
+        "--dp",
+        "--cp",
+        "--ep",
+        "--zero",
+        "--mbs",
+        "--global-batch",
+        "--recompute",
+        "--sp",
+        "--no-sp",
+        "--precision",
+        "--cluster",
+        "--gpus",
+        "--gpu",
+        "--gpus-per-node",
+        "--nvlink-gbps",
+        "--ib-gbps",
+        "--json",
+        "--global-batch-tokens",
+        "estimate",
+    ):
         assert flag in text, flag

@@ -1,4 +1,4 @@
-"""The explanation: the reason picked for "Y % slower", units, and the staircase on real searches."""
+"""The explanation: the reason given for "Y % slower", units, the staircase on real searches."""
 
 import re
 from types import SimpleNamespace

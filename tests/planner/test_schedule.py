@@ -120,8 +120,13 @@ def test_peak_inflight_closed_forms(pp, m):
 
 def test_peak_inflight_closed_forms_match_the_action_lists():
     checked = 0
-    for name, pp, vpp, m in CASES + [("1f1b", 9, 1, 40), ("interleaved-1f1b", 5, 3, 45),
-                                     ("zbv", 7, 2, 33), ("dualpipev", 6, 2, 49)]:
+    extra = [
+        ("1f1b", 9, 1, 40),
+        ("interleaved-1f1b", 5, 3, 45),
+        ("zbv", 7, 2, 33),
+        ("dualpipev", 6, 2, 49),
+    ]
+    for name, pp, vpp, m in [*CASES, *extra]:
         s = build_schedule(name, pp, vpp, m)
         assert tuple(s.peak_inflight) == sched_mod.peak_inflight_from_actions(s), (name, pp, m)
         checked += 1

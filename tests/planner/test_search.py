@@ -70,10 +70,12 @@ def test_rejections_carry_their_reason(llama8b_64):
 
 def test_pruning_by_bounds_loses_nothing():
     # Cost every screened candidate in full and compare with what the bounded search picked.
-    model, cluster = model_preset("llama3-8b"), cluster_preset("dgx-h100", 16)
-    result = search(model, cluster, global_batch=64, explain=False)
+    model, cluster = model_preset("llama3-8b"), cluster_preset("dgx-h100", 8)
+    result = search(
+        model, cluster, global_batch=32, fixed={"recompute": "selective"}, explain=False
+    )
     state = result.search_state
-    assert result.pruned_by_bound > 0  # the bounds did skip work
+    assert result.pruned_by_bound > 100  # the bounds did skip work
     best = 0.0
     for cand in state.candidates:
         est = estimate(model, cluster, cand.plan)
@@ -84,13 +86,15 @@ def test_pruning_by_bounds_loses_nothing():
 
 def test_bounds_never_exceed_the_estimate():
     rng = random.Random(0)
-    for name, gpus, tokens in (("llama3-70b", 256, 4 * 2**20), ("vizz-7b", 64, 4 * 2**20),
-                               ("mixtral-8x7b", 64, 2**22)):
+    for name, gpus, tokens in (
+        ("llama3-70b", 256, 4 * 2**20),
+        ("vizz-7b", 64, 4 * 2**20),
+        ("mixtral-8x7b", 16, 2**21),
+    ):
         model, cluster = model_preset(name), cluster_preset("dgx-h100", gpus)
         result = search(model, cluster, global_batch_tokens=tokens, explain=False)
         bounds = Bounds(model, cluster)
-        sample = rng.sample(result.search_state.candidates, 40)
-        for cand in sample:
+        for cand in rng.sample(result.search_state.candidates, 15):
             est = estimate(model, cluster, cand.plan)
             assert bounds.step(cand.plan) <= est.step_time_s * (1 + 1e-9), cand.plan.describe()
             inflight = list(est.peak_inflight)
@@ -99,8 +103,9 @@ def test_bounds_never_exceed_the_estimate():
 
 def test_pinned_fields_are_kept():
     model, cluster = model_preset("llama3-8b"), cluster_preset("dgx-h100", 64)
-    result = search(model, cluster, global_batch_tokens=2**20, fixed={"tp": 8, "pp": 2},
-                    explain=False)
+    result = search(
+        model, cluster, global_batch_tokens=2**20, fixed={"tp": 8, "pp": 2}, explain=False
+    )
     assert result.best_plan.tp == 8 and result.best_plan.pp == 2
     assert all(a.plan.tp == 8 and a.plan.pp == 2 for a in result.alternatives)
     dp = search(model, cluster, global_batch_tokens=2**20, fixed={"dp": 8}, explain=False)
@@ -110,8 +115,7 @@ def test_pinned_fields_are_kept():
 def test_headroom_is_respected():
     model, cluster = model_preset("llama3-70b"), cluster_preset("dgx-h100", 64)
     for headroom in (0.05, 0.5):
-        result = search(model, cluster, global_batch_tokens=2**21, headroom=headroom,
-                        explain=False)
+        result = search(model, cluster, global_batch_tokens=2**21, headroom=headroom, explain=False)
         limit = (1 - headroom) * 80 * GiB
         assert result.best.peak_memory_bytes <= limit
         assert all(a.peak_memory_bytes <= limit for a in result.alternatives)
@@ -141,8 +145,8 @@ def test_enumeration_helpers():
 
 
 def test_moe_search_uses_expert_parallelism_validly():
-    model, cluster = model_preset("mixtral-8x7b"), cluster_preset("dgx-h100", 64)
-    result = search(model, cluster, global_batch_tokens=2**22, explain=False)
+    model, cluster = model_preset("mixtral-8x7b"), cluster_preset("dgx-h100", 16)
+    result = search(model, cluster, global_batch_tokens=2**21, explain=False)
     for o in _fitting(result):
         assert model.experts % o.plan.ep == 0
         assert (o.plan.dp_shard * o.plan.cp) % o.plan.ep == 0
@@ -173,7 +177,7 @@ def test_405b_on_16384_gpus_is_fast():
 
 def test_bad_search_arguments():
     model, cluster = model_preset("llama3-8b"), cluster_preset("dgx-h100", 8)
-    with pytest.raises(ConfigError, match="headroom = 1.2"):
+    with pytest.raises(ConfigError, match=r"headroom = 1\.2"):
         search(model, cluster, headroom=1.2)
     with pytest.raises(ConfigError, match="not a plan setting"):
         search(model, cluster, fixed={"tensor": 2})

@@ -118,11 +118,19 @@ def test_vizz_explanation_walks_the_staircase_with_numbers(vizz):
     assert any(x.startswith("Rejected") and "out of memory by" in x for x in lines)
 
 
+def test_vizz_explanation_costs_the_literal_staircase(vizz):
+    _, _, result = vizz
+    line = next(x for x in result.explanation if x.startswith("Seed 000's staircase"))
+    assert "TP8+SP" in line  # TP fills the node
+    assert re.search(r"(\d+\.\d% slower because|this very layout|the same speed)", line)
+
+
 def test_vizz_seed_layout_is_costed_and_not_faster(vizz):
     # Seed 000's answer: TP 8 + SP, PP 2, DP 4, ZeRO-1, mbs 1, accumulation 8, checkpointing.
     model, cluster, result = vizz
-    seed = ParallelPlan(tp=8, sp=True, pp=2, dp_shard=4, zero=1, micro_batch=1, grad_accum=8,
-                        recompute="full")
+    seed = ParallelPlan(
+        tp=8, sp=True, pp=2, dp_shard=4, zero=1, micro_batch=1, grad_accum=8, recompute="full"
+    )
     est = estimate(model, cluster, seed)
     assert seed.global_batch * model.seq_len == 4 * 2**20
     assert est.fits

@@ -450,7 +450,11 @@ def layout_from_args(
     from fivefold.spec.recipe import build
 
     pins = pinned_fields(args)
-    values = dict(recipe_plan)
+    problems: list[str] = []
+    typed = build(ParallelPlan, dict(recipe_plan), "plan", problems)
+    if problems or typed is None:
+        raise ConfigError(problems or ["[plan]: cannot build the layout."])
+    values = {k: getattr(typed, k) for k in recipe_plan}  # the fields the recipe sets, typed
     for name in (
         "tp",
         "pp",
@@ -502,10 +506,9 @@ def layout_from_args(
                 f"batch that is a multiple of {mbs * dp} or set --grad-accum."
             )
         values["grad_accum"] = max(1, round(accum))
-    problems: list[str] = []
     plan = build(ParallelPlan, values, "plan", problems)
-    if problems:
-        raise ConfigError(problems)
+    if problems or plan is None:
+        raise ConfigError(problems or ["[plan]: cannot build the layout."])
     plan.validate(model, cluster)
     return plan
 
@@ -627,13 +630,7 @@ def _search_handler(args: argparse.Namespace) -> int:
     model, cluster, data, headroom = _inputs(args)
     tokens, seqs = batch_from_args(args)
     if tokens is None and seqs is None and "plan" in data:
-        plan = data["plan"]
-        seqs = (
-            plan.get("micro_batch", 1)
-            * plan.get("grad_accum", 1)
-            * plan.get("dp_replicate", 1)
-            * plan.get("dp_shard", 1)
-        )
+        seqs = _recipe_global_batch(data["plan"])
     fixed = pinned_fields(args)
     result = search(
         model,
@@ -702,6 +699,18 @@ def _search_handler(args: argparse.Namespace) -> int:
     if recipe_path:
         print(f"recipe written to {recipe_path} (fivefold train {recipe_path})")
     return 0
+
+
+def _recipe_global_batch(plan_values: dict[str, Any]) -> int:
+    """The global batch (sequences) a recipe's [plan] implies: the search's default target."""
+    from fivefold.spec.plan import ParallelPlan
+    from fivefold.spec.recipe import build
+
+    problems: list[str] = []
+    plan = build(ParallelPlan, dict(plan_values), "plan", problems)
+    if problems or plan is None:
+        raise ConfigError(problems or ["[plan]: cannot build the layout."])
+    return plan.global_batch
 
 
 def _recipe_comparison(

@@ -12,6 +12,8 @@ The staircase (seed 000, "Vizz AI"), one step per line, each argued against its 
 6. context parallelism for long sequences and expert parallelism for MoE models: when they are
    used, what they split, and what happens without them;
 7. activation recomputation: why this policy;
+8. the staircase taken literally (`staircase_plans`: TP fills the node, fewest stages that fit,
+   ZeRO-1, full recompute, ...), costed against the searched layout;
 then the nearest rejected layouts with their reason: "out of memory by X GiB" or "Y % slower
 because ...". "The best layout with TP = 8" is found by the search's own bounded search
 restricted to TP = 8 (`_Search.best_with`), so every comparison is between optimised layouts.
@@ -46,6 +48,8 @@ def explain_search(model: ModelSpec, cluster: ClusterSpec, result: Any) -> list[
 
 def seconds(x: float) -> str:
     """'1.23 s', '12.3 ms' or '45 us': enough digits for any model size."""
+    if x == 0:
+        return "0 s"
     if abs(x) >= 0.1:
         return f"{x:.2f} s"
     if abs(x) >= 1e-4:
@@ -132,6 +136,7 @@ class _Explainer:
             self.context_parallel(),
             self.expert_parallel(),
             self.recompute(),
+            self.rule_of_thumb(),
             self.memory(),
         ]
         out += self.runners_up()
@@ -331,6 +336,31 @@ class _Explainer:
             words.append(f"{policy}: " + self._outcome_words(o))
         return text + "; ".join(words) + "."
 
+    def rule_of_thumb(self) -> str:
+        """Seed 000's staircase applied literally, costed, against the searched layout."""
+        outcome = None
+        for plan in staircase_plans(self.model, self.cluster, self.result.target):
+            outcome = self.search.evaluate(plan)
+            if outcome.fits:
+                break
+        if outcome is None:
+            return ""
+        rule = (
+            "Seed 000's staircase taken literally (TP fills the node, the fewest pipeline "
+            "stages that fit, DP the rest with ZeRO-1, micro-batch 1, full recompute, "
+            "accumulation to the target, CP only if still needed)"
+        )
+        if outcome.plan == self.plan:
+            return f"{rule} gives this very layout."
+        if not outcome.fits:
+            return f"{rule} finds nothing that fits; closest {outcome.plan.describe()}: " + (
+                outcome.reason.rstrip(".") + "."
+            )
+        return (
+            f"{rule} gives {outcome.plan.describe()}: "
+            f"{slower_because(outcome.estimate, self.best)}."
+        )
+
     def memory(self) -> str:
         est = self.best
         mem = self.mem(est)
@@ -366,6 +396,41 @@ class _Explainer:
                 words += f", {'+' if delta >= 0 else '-'}{gib(abs(delta))} per GPU"
             return words
         return (outcome.reason or outcome.kind).rstrip(".")
+
+
+def staircase_plans(model: ModelSpec, cluster: ClusterSpec, target: Any) -> list[ParallelPlan]:
+    """Seed 000's recipe, in the order it tries layouts: TP = the largest valid degree in a
+    node, then PP = 1, 2, 4, ... with CP = 1, then the same with CP = 2, 4, 8 (ZeRO-1, mbs 1,
+    full recompute, 1F1B, accumulation to the batch target)."""
+    from fivefold.planner.search import divisors, tp_choices
+
+    tp = max(tp_choices(model, cluster))
+    world = cluster.world_size
+    out = []
+    for cp in (1, 2, 4, 8):
+        if world % (tp * cp) or (cp > 1 and model.seq_len % (2 * cp)):
+            continue
+        for pp in divisors(world // (tp * cp)):
+            dp = world // (tp * cp * pp)
+            accum = target.accumulation(1, dp)
+            if pp > model.layers or accum is None:
+                continue
+            zero = 1 if dp * cp > 1 else 0
+            out.append(
+                ParallelPlan(
+                    tp=tp,
+                    sp=tp > 1,
+                    pp=pp,
+                    cp=cp,
+                    dp_shard=dp if zero else 1,
+                    dp_replicate=1 if zero else dp,
+                    zero=zero,
+                    micro_batch=1,
+                    grad_accum=accum,
+                    recompute="full",
+                )
+            )
+    return out
 
 
 def _field(plan: ParallelPlan, name: str) -> Any:

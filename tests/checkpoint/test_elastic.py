@@ -1,0 +1,152 @@
+"""Elastic restart after SIGKILL, stuck-rank timeouts, and the resume decision."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from ckpt_harness import run_ranks
+
+from fivefold.checkpoint import elastic
+from fivefold.errors import ConfigError, TrainingError
+
+HERE = Path(__file__).parent
+
+
+# ---- the resume decision ------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "setting, restarts, has_valid, expected",
+    [
+        ("auto", "0", True, True),
+        ("auto", "0", False, False),
+        (True, "0", True, True),
+        (False, "0", True, False),
+        (False, "2", True, True),  # an elastic restart always resumes
+        ("never", "1", False, False),  # ... when there is something to resume from
+    ],
+)
+def test_should_resume(monkeypatch, setting, restarts, has_valid, expected):
+    monkeypatch.setenv(elastic.RESTART_COUNT_ENV, restarts)
+    assert elastic.should_resume(setting, has_valid) is expected
+
+
+def test_resume_setting_and_timeout_errors(monkeypatch):
+    with pytest.raises(ConfigError, match=r"train\.resume = 'sometimes'"):
+        elastic.resume_mode("sometimes")
+    monkeypatch.setenv(elastic.PG_TIMEOUT_ENV, "-3")
+    with pytest.raises(ConfigError, match="FIVEFOLD_PG_TIMEOUT_S = '-3'"):
+        elastic.pg_timeout_s()
+    monkeypatch.setenv(elastic.PG_TIMEOUT_ENV, "45")
+    assert elastic.pg_timeout_s() == 45.0
+
+
+def test_collective_errors_become_messages(monkeypatch):
+    monkeypatch.setenv("RANK", "3")
+    lost = pytest.raises(TrainingError, match="rank 3: step 7 lost its connection")
+    with lost, elastic.collective_guard("step 7"):
+        raise RuntimeError("[gloo] Connection closed by peer [127.0.0.1]:1234")
+    with pytest.raises(ValueError, match="unrelated"), elastic.collective_guard("step 7"):
+        raise ValueError("unrelated")
+
+
+# ---- a stuck rank -----------------------------------------------------------------------------
+def stuck_rank(rank: int, world: int, timeout_s: float) -> dict:
+    """Rank 1 hangs; rank 0's all-reduce must end in a TrainingError within the PG timeout."""
+    import torch
+    import torch.distributed as dist
+
+    os.environ[elastic.PG_TIMEOUT_ENV] = str(timeout_s)
+    if rank == 1:
+        time.sleep(4 * timeout_s)
+        return {"rank": 1}
+    start = time.monotonic()
+    try:
+        with elastic.collective_guard("step 12 (gradient all-reduce)"):
+            dist.all_reduce(torch.ones(4))
+    except TrainingError as err:
+        return {"rank": 0, "message": str(err), "waited_s": time.monotonic() - start}
+    return {"rank": 0, "message": None, "waited_s": time.monotonic() - start}
+
+
+def test_stuck_rank_times_out_with_a_message():
+    timeout_s = 3.0
+    out = run_ranks(2, stuck_rank, timeout_s, pg_timeout_s=timeout_s, timeout_s=60)
+    message = out[0]["message"]
+    assert message is not None, "the collective did not time out"
+    assert message.startswith("rank 0: step 12 (gradient all-reduce) waited longer than the")
+    assert "(3 s, FIVEFOLD_PG_TIMEOUT_S)" in message and "Timed out" in message
+    assert timeout_s - 0.5 <= out[0]["waited_s"] < 3 * timeout_s
+
+
+# ---- SIGKILL under torchrun --max-restarts ------------------------------------------------------
+PLAN = {"dp_shard": 2, "zero": 3, "tp": 2, "micro_batch": 4}  # FSDP x TP on 4 ranks
+STEPS = 6
+
+
+def torchrun(args: list[str], env_extra: dict, timeout_s: float) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **env_extra}
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "4",
+        *args,
+    ]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout_s)
+
+
+def read_log(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_sigkill_one_rank_restarts_and_resumes(tmp_path):
+    rng = random.Random(int(time.time()))
+    kill_step, kill_rank = rng.randrange(1, STEPS - 1), rng.randrange(1, 4)
+    where = f"(killed rank {kill_rank} in step {kill_step + 1})"
+    worker = str(HERE / "elastic_worker.py")
+    common = ["--plan", json.dumps(PLAN), "--steps", str(STEPS)]
+
+    straight = tmp_path / "straight.jsonl"
+    ref = torchrun(
+        [worker, *common, "--root", str(tmp_path / "a"), "--loss-log", str(straight)], {}, 300
+    )
+    assert ref.returncode == 0, ref.stderr[-3000:]
+
+    killed = tmp_path / "killed.jsonl"
+    run = torchrun(
+        [
+            "--max-restarts",
+            "1",
+            worker,
+            *common,
+            "--root",
+            str(tmp_path / "b"),
+            "--loss-log",
+            str(killed),
+            "--kill-step",
+            str(kill_step),
+            "--kill-rank",
+            str(kill_rank),
+        ],
+        {},
+        400,
+    )
+    assert run.returncode == 0, f"{where}\n{run.stderr[-3000:]}"
+    reference = {e["step"]: e["loss"] for e in read_log(straight)}
+    entries = read_log(killed)
+    first = [e for e in entries if e["attempt"] == 0]
+    second = [e for e in entries if e["attempt"] == 1]
+    assert [e["step"] for e in first] == list(range(1, kill_step + 1)), where
+    # the restart resumed from the newest checkpoint (step kill_step) and went on from there
+    assert [e["step"] for e in second] == list(range(kill_step + 1, STEPS + 1)), where
+    for entry in first + second:
+        assert entry["loss"] == reference[entry["step"]], (where, entry)
