@@ -3,8 +3,6 @@
     .venv/bin/python scripts/calibrate.py            # fit, print the table, write the JSON
     .venv/bin/python scripts/calibrate.py --check    # only print the table for the saved fit
 
-Both also put the error table into docs/planner.md, between its calibration-table markers.
-
 Both also rewrite the error table in docs/planner.md (between its calibration-table markers).
 
 Reads `src/fivefold/planner/data/published_runs.json` (rows copied, with sources, from

@@ -98,3 +98,18 @@ def test_accuracy_does_not_regress():
     errors = [abs(e.error) for e in run_errors()]
     assert sum(errors) / len(errors) < 0.075
     assert max(errors) < 0.27
+
+
+def test_torchtitan_rows_run_on_the_gpu_the_source_describes():
+    from fivefold.spec.hardware import gpu
+
+    setups = {s.row: s for s in run_setups()}
+    for row in (60, 61):
+        device = setups[row].cluster.device
+        assert device.name == "h100-96gb-hbm2e"
+        assert device.hbm_bw_bytes_per_s == 2.4e12  # "96GB HBM2e with 2.4 TB/sec"
+        assert device.hbm_bytes == 96 * 2**30
+        assert device.peak("bf16") == gpu("h100-sxm").peak("bf16")
+        assert setups[row].cluster.inter_node_bw == 50e9  # "400 Gb/s per GPU"
+    # The Megatron rows keep the catalog H100 SXM of the dgx-h100 preset.
+    assert setups[39].cluster.device.hbm_bw_bytes_per_s == 3.35e12

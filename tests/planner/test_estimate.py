@@ -198,3 +198,26 @@ def test_estimate_is_fast():
         estimate(m, cluster, plan.with_(grad_accum=64 + 16 * i), pipeline="analytic")
     per_call = (time.perf_counter() - start) / n
     assert per_call < 5e-3  # about 0.4 ms on an idle core; generous for a shared CI machine
+
+
+def test_parameter_gather_hides_behind_first_forward_and_warm_up():
+    """ZeRO-1 parameter all-gather (hand-derived from the stage costs): rank r of a 1F1B pipeline
+    hides it behind its first forward and the r chunk forwards it waits for before that."""
+    from fivefold.planner import estimate as E
+    from fivefold.planner.calibration import efficiency_model
+    from fivefold.planner.memory import chunk_layers
+
+    model = model_preset("llama3-70b").with_(seq_len=2048)
+    cluster = cluster_preset("dgx-h100", 128)  # dp groups of tp = 8: one GPU per node
+    plan = ParallelPlan(tp=8, sp=True, pp=4, dp_shard=4, zero=1, grad_accum=8)
+    opts, eff = PlannerOptions(), efficiency_model()
+    counts = E.stage_layer_counts(model, 4)
+    sigs = [(*chunk_layers(model, counts, c), c == 0, c == 3) for c in range(4)]
+    costs = [E._chunk_costs_of(model, E._layer_key(plan), cluster, eff, opts, *s) for s in sigs]
+    tails = E._rank_tails(model, plan, cluster, eff, opts, sigs, costs)
+    mean_forward = sum(c.forward_s for c in costs) / 4
+    for rank, tail in enumerate(tails):
+        window = costs[rank].forward_s + rank * mean_forward
+        assert tail.gather_exposed_s == pytest.approx(max(0.0, tail.gather_time_s - window))
+    assert tails[0].gather_exposed_s > 0.0  # the first rank cannot hide the whole gather
+    assert tails[3].gather_exposed_s < tails[0].gather_exposed_s

@@ -15,8 +15,9 @@ How a step is put together (each piece documented in its module):
 4. After the pipeline drains, each rank still has to finish its data-parallel gradient reduction
    (overlapped with its last micro-batch's backward and with the time the rank sits idle while
    earlier ranks drain: rank r of a 1F1B pipeline idles about r backward passes), the last bucket
-   (never hidden), the ZeRO-1/2 parameter all-gather beyond the next forward, and the optimizer
-   step. The slowest rank sets the step time.
+   (never hidden), the ZeRO-1/2 parameter all-gather beyond the next step's first forward and
+   the warm-up wait before it (rank r idles about r forward passes), and the optimizer step.
+   The slowest rank sets the step time.
 5. Memory per pipeline rank (`memory`) with the schedule's in-flight micro-batches.
 
 MFU counts model FLOPs (no recompute, causal attention) against the dense peak of the recipe's
@@ -484,6 +485,7 @@ def _rank_tails(
     loop = plan.schedule in ("gpipe", "1f1b", "interleaved-1f1b") and plan.pp > 1
     mean_backward = sum(c.backward_input_s + c.backward_weight_s for c in chunk_costs)
     mean_backward /= len(chunk_costs)
+    mean_forward = sum(c.forward_s for c in chunk_costs) / len(chunk_costs)
     shared: dict[tuple, tuple] = {}
     tails = []
     for rank in range(plan.pp):
@@ -514,7 +516,11 @@ def _rank_tails(
         drain = rank * mean_backward if loop else 0.0
         window = last_backward + drain if opts.dp_overlap else 0.0
         grad_exposed = max(0.0, grad_time - window) + bucket_time if grad_time > 0 else 0.0
-        gather_exposed = max(0.0, gather_time - first_forward) if opts.dp_overlap else gather_time
+        # The parameter all-gather overlaps the next step's first forward and, symmetrically to
+        # the drain, the warm-up time rank r waits for its first activation (r chunk forwards).
+        warmup = rank * mean_forward if loop else 0.0
+        gather_window = first_forward + warmup
+        gather_exposed = max(0.0, gather_time - gather_window) if opts.dp_overlap else gather_time
         tails.append(
             Tail(
                 grad_exposed, grad_time, grad_bytes, gather_exposed, gather_time, gather_bytes, opt

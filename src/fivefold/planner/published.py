@@ -72,6 +72,8 @@ def measured_step_s(row: dict, model: ModelSpec, plan: ParallelPlan, gpus: int) 
 def run_setup(row: dict) -> RunSetup:
     model = _model(row["model"])
     cluster = cluster_preset(row["cluster"]["preset"], row["cluster"]["gpus"])
+    if row["cluster"].get("gpu"):  # the source's GPU differs from the preset's (rows 60-61)
+        cluster = cluster.with_(gpu=row["cluster"]["gpu"])
     plan = ParallelPlan(**row["plan"])
     options = PlannerOptions(**row["options"])
     step = measured_step_s(row, model, plan, cluster.world_size)

@@ -79,6 +79,17 @@ GPUS: dict[str, GPUSpec] = {
             "hopper",
         ),
         GPUSpec(
+            "h100-96gb-hbm2e",
+            96 * GiB,
+            _flops(989.4, 1978.9, 494.7, 66.9),
+            2.4e12,
+            900e9,
+            "torchtitan benchmarks (2024-12), Grand Teton platform: H100 with 96 GB HBM2e at "
+            "2.4 TB/s peak memory bandwidth, 8 per host fully connected by NVLink, default 500 W "
+            "power limit (not modelled); dense peak as the SXM part, the one torchtitan's MFU uses",
+            "hopper",
+        ),
+        GPUSpec(
             "h200",
             141 * 10**9,
             _flops(989.4, 1978.9, 494.7, 66.9),
