@@ -90,7 +90,15 @@ STEPS = 6
 
 
 def torchrun(args: list[str], env_extra: dict, timeout_s: float) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **env_extra}
+    # torchrun shares its rendezvous store with the workers' process group by default, and a
+    # restarted group then reads the dead group's addresses (pytorch/pytorch#135712): the
+    # restart fails with "connectFullMesh ... Connection refused". Not sharing it fixes that.
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+        **env_extra,
+    }
     command = [
         sys.executable,
         "-m",

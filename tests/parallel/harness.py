@@ -173,7 +173,8 @@ class ParityCase:
 GLOBAL_BATCH = 8
 LOSS_RTOL = 1e-5
 PARAM_ATOL = 1e-4
-NORM_RTOL = 1e-4  # the clipped gradient norms (not part of the contract; a sharper diagnosis)
+NORM_RTOL = 1e-4  # the gradient norms (not part of the contract; a sharper diagnosis)
+AUX_ATOL = 1e-6  # the reported MoE load-balancing loss (about 0.02 here)
 
 # Small enough for 8 ranks on 2 cores; 8 layers so PP4 x vpp2 has a layer per stage, kv heads
 # (2) fewer than TP4 so kv-head replication is exercised, seq 64 divisible by 2*cp*tp.
@@ -181,6 +182,13 @@ MODELS: dict[str, dict] = {
     "parity": {"preset": "tiny", "layers": 8, "seq_len": 64, "vocab": 512},
     # one kv head: TP2 already replicates it (the cheap CI check of kv-head replication)
     "parity-mqa": {"preset": "tiny", "layers": 2, "kv_heads": 1, "seq_len": 64, "vocab": 512},
+    "parity-tied": {
+        "preset": "tiny",
+        "layers": 2,
+        "seq_len": 64,
+        "vocab": 512,
+        "tied_embeddings": True,
+    },
     "parity-moe": {"preset": "tiny-moe", "layers": 4, "seq_len": 64, "vocab": 512},
 }
 TRAIN = {
@@ -317,7 +325,8 @@ def reference_run(rd: dict, steps: int, dp_size: int, grad_accum: int) -> dict:
     recipe = recipe_from_dict(single, default_world=1)
     runtime = LocalRuntime(recipe)
     out = _train(runtime, recipe, steps, lambda b: global_micro_batches(b, dp_size, grad_accum))
-    out["params"] = {k: v.detach().clone() for k, v in runtime.model.state_dict().items()}
+    # named_parameters lists a tied weight once, under its first name, as the parallel run does
+    out["params"] = {k: v.detach().clone() for k, v in runtime.model.named_parameters()}
     return out
 
 
@@ -367,6 +376,7 @@ class ParityResult:
     reference_losses: list[float]
     seconds: float = 0.0
     missing: list[str] = field(default_factory=list)
+    aux_abs_dev: float = 0.0  # max over steps of the MoE load-balancing loss deviation
 
     def line(self) -> str:
         return (
@@ -404,6 +414,7 @@ def run_parity(case: ParityCase, timeout_s: float = 240.0) -> ParityResult:
     for r, out in enumerate(ranks):
         assert out["losses"] == losses, f"rank {r} reports other losses: {out['losses']}"
     rel = max(abs(a - b) / abs(b) for a, b in zip(losses, reference["losses"], strict=True))
+    aux_dev = max(abs(a - b) for a, b in zip(ranks[0]["aux"], reference["aux"], strict=True))
     norm_rel = max(
         abs(a - b) / abs(b) for a, b in zip(ranks[0]["norms"], reference["norms"], strict=True)
     )
@@ -418,7 +429,15 @@ def run_parity(case: ParityCase, timeout_s: float = 240.0) -> ParityResult:
         if k in params
     )
     result = ParityResult(
-        case, rel, dev, norm_rel, losses, reference["losses"], time.monotonic() - start, missing
+        case,
+        rel,
+        dev,
+        norm_rel,
+        losses,
+        reference["losses"],
+        time.monotonic() - start,
+        missing,
+        aux_dev,
     )
     RESULTS.append(result)
     return result
@@ -432,6 +451,7 @@ def assert_parity(case: ParityCase) -> ParityResult:
         f"{case.name}: losses {result.losses} vs single-process {result.reference_losses}"
     )
     assert result.param_abs_dev <= PARAM_ATOL, f"{case.name}: max |dparam| {result.param_abs_dev}"
+    assert result.aux_abs_dev <= AUX_ATOL, f"{case.name}: aux loss deviates {result.aux_abs_dev}"
     assert result.norm_rel_dev <= NORM_RTOL, (
         f"{case.name}: grad norms deviate {result.norm_rel_dev}"
     )

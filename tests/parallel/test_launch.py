@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -12,7 +13,8 @@ from fivefold.cli.main import main
 from fivefold.errors import ConfigError
 from fivefold.parallel.launch import launch_local, torchrun_command
 
-RECIPE = "configs/small-dp2-tp2-pp2.toml"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+RECIPE = str(CONFIGS / "small-dp2-tp2-pp2.toml")
 
 
 def test_slurm_script_runs_torchrun_on_every_node(capsys) -> None:
@@ -51,7 +53,7 @@ def test_slurm_refuses_a_plan_that_does_not_fill_the_allocation(capsys) -> None:
     code = main(["launch", "--slurm", RECIPE, "--nodes", "2", "--gpus-per-node", "8"])
     err = capsys.readouterr().err
     assert code == 2
-    assert "= 8" in err and "16" in err
+    assert "multiply to 8 GPUs" in err and "= 16" in err and "use --nodes 1" in err
     assert "Traceback" not in err
 
 
@@ -76,7 +78,7 @@ def test_train_nproc_2_runs_torchrun_end_to_end(tmp_path) -> None:
             "train",
             "--nproc",
             "2",
-            "configs/tiny-cpu.toml",
+            str(CONFIGS / "tiny-cpu.toml"),
             "plan.dp_shard=2",
             "plan.zero=3",
             "plan.micro_batch=4",

@@ -34,6 +34,11 @@ SLOW_CASES = [
     ParityCase("ZeRO-3 x4", {"dp_shard": 4, "zero": 3, "micro_batch": 2}),
     ParityCase("HSDP 2x2", {"dp_replicate": 2, "dp_shard": 2, "zero": 3, "micro_batch": 2}),
     ParityCase(
+        "ZeRO-3 x2 tied embeddings",
+        {"dp_shard": 2, "zero": 3, "micro_batch": 4},
+        model="parity-tied",
+    ),
+    ParityCase(
         "DP4 recompute selective", {"dp_replicate": 4, "micro_batch": 2, "recompute": "selective"}
     ),
 ]

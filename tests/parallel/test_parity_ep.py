@@ -1,7 +1,7 @@
 """Parity of expert parallelism on the MoE parity model (4 experts, top-2, a shared expert).
 
-The load-balancing loss is taken over each global micro-batch, so the single-process reference
-groups its micro-batches the same way the data-parallel ranks cut theirs.
+The load-balancing loss is taken over each global micro-batch (with or without EP), so the
+single-process reference groups its micro-batches the same way the data-parallel ranks cut theirs.
 """
 
 from __future__ import annotations
@@ -16,6 +16,16 @@ CI_CASES = [
 ]
 
 SLOW_CASES = [
+    ParityCase(
+        "MoE ZeRO-1 x2 (no EP)",
+        {"dp_shard": 2, "zero": 1, "micro_batch": 4},
+        model="parity-moe",
+    ),
+    ParityCase(
+        "MoE PP2 x DP2 (no EP)",
+        {"pp": 2, "dp_replicate": 2, "micro_batch": 2, "grad_accum": 2},
+        model="parity-moe",
+    ),
     ParityCase(
         "EP4 (ZeRO-1 x4)", {"dp_shard": 4, "zero": 1, "ep": 4, "micro_batch": 2}, model="parity-moe"
     ),

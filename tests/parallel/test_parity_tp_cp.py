@@ -10,15 +10,14 @@ import pytest
 from harness import ParityCase, assert_parity
 
 CI_CASES = [
-    ParityCase(
-        "TP2+SP x CP2, 1 kv head", {"tp": 2, "cp": 2, "micro_batch": 8}, model="parity-mqa"
-    ),
+    ParityCase("TP2+SP x CP2, 1 kv head", {"tp": 2, "cp": 2, "micro_batch": 8}, model="parity-mqa"),
 ]
 
 SLOW_CASES = [
     ParityCase("TP2+SP", {"tp": 2, "micro_batch": 8}),
     ParityCase("TP4+SP (kv heads replicated)", {"tp": 4, "micro_batch": 8}),
     ParityCase("TP2 without SP", {"tp": 2, "sp": False, "micro_batch": 8}),
+    ParityCase("TP2+SP tied embeddings", {"tp": 2, "micro_batch": 8}, model="parity-tied"),
     ParityCase("TP2+SP recompute selective", {"tp": 2, "micro_batch": 8, "recompute": "selective"}),
     ParityCase("CP2 ring", {"cp": 2, "micro_batch": 8}),
     ParityCase("CP4 ring", {"cp": 4, "micro_batch": 8}),

@@ -34,6 +34,7 @@ from torch import nn
 from fivefold.checkpoint import manifest as mf
 from fivefold.checkpoint.dcp_io import (
     Optimizers,
+    async_writer,
     collect_state,
     group_hparams,
     load_into,
@@ -99,6 +100,12 @@ def broadcast_from_main(obj: Any) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def torch_cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 # ---- per-rank digests ---------------------------------------------------------------------------
@@ -194,6 +201,7 @@ class Checkpointer:
         self.last_saved: Path | None = None
         self._pending: _Pending | None = None
         self._async_group = None
+        self._async_writer = None
         dist = _dist()
         if async_save and dist:
             self._async_group = dist.new_group(backend="gloo")  # collective
@@ -284,7 +292,9 @@ class Checkpointer:
 
     def _save_async(self, tensors, step: int, staging: Path, final: Path, rank: int, world: int):
         pending = _Pending(step, final)
-        future = save_tensors_async(tensors, staging, self._async_group)
+        if self._async_writer is None and torch_cuda_available():
+            self._async_writer = async_writer()
+        future = save_tensors_async(tensors, staging, self._async_group, self._async_writer)
 
         def finish(fut) -> None:
             try:

@@ -178,16 +178,34 @@ def save_tensors(tensors: dict[str, torch.Tensor], directory: Path, process_grou
         )
 
 
-def save_tensors_async(tensors: dict[str, torch.Tensor], directory: Path, process_group=None):
+def async_writer() -> dcp.FileSystemWriter | None:
+    """With CUDA, a writer for repeated asynchronous saves that keeps its pinned host-memory
+    staging buffers between saves; None on CPU (DCP pins those buffers, which needs CUDA)."""
+    if not torch.cuda.is_available():
+        return None
+    return dcp.FileSystemWriter("", sync_files=True, cache_staged_state_dict=True)
+
+
+def save_tensors_async(
+    tensors: dict[str, torch.Tensor],
+    directory: Path,
+    process_group=None,
+    writer: dcp.FileSystemWriter | None = None,
+):
     """Copy this rank's share to host memory, then write it in a background thread.
 
     Returns a future that completes when this rank's files and (on the coordinator) the index
     are written. Collective over `process_group` (use a group dedicated to checkpointing).
+    Reusing `writer` (from `async_writer`) requires the previous save to have finished.
     """
-    writer = dcp.FileSystemWriter(str(directory), sync_files=True)
+    writer = writer or dcp.FileSystemWriter(str(directory), sync_files=True)
     with translate_dcp_errors(f"saving checkpoint {str(directory)!r}"):
         result = dcp.async_save(
-            tensors, storage_writer=writer, process_group=process_group, no_dist=not _distributed()
+            tensors,
+            checkpoint_id=str(directory),
+            storage_writer=writer,
+            process_group=process_group,
+            no_dist=not _distributed(),
         )
     return getattr(result, "upload_completion", result)
 

@@ -6,6 +6,12 @@ A restarted run must resume, never start over: `should_resume` says yes whenever
 restart or `train.resume` is true/"auto"/"always", and a valid checkpoint exists; the loop then
 loads the newest valid one (a save cut short by the failure was never committed).
 
+Restart and the rendezvous store. torchrun shares its rendezvous TCPStore with the workers'
+default process group; a restarted group then finds the dead group's gloo/NCCL addresses in it
+and fails to connect ("connectFullMesh ... Connection refused", pytorch/pytorch#135712).
+`init_process_group` therefore namespaces the store by restart attempt (and
+`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` in torchrun's environment avoids the sharing altogether).
+
 Stuck ranks. A rank that hangs (deadlock, dead peer, lost node) leaves the others waiting in a
 collective. The process group is created with a finite timeout (`pg_timeout_s`, from
 `FIVEFOLD_PG_TIMEOUT_S`, default 600 s), so the wait ends with gloo's "Timed out waiting ..."
@@ -20,6 +26,7 @@ import contextlib
 import os
 import re
 from collections.abc import Iterator
+from datetime import timedelta
 
 from fivefold.errors import TrainingError
 
@@ -90,6 +97,31 @@ def pg_timeout_s() -> float:
             f"{PG_TIMEOUT_ENV} = {raw!r}: give the process-group timeout in seconds, e.g. 600."
         )
     return value
+
+
+def init_process_group(backend: str, timeout_s: float | None = None) -> None:
+    """The default process group from torchrun's environment, with a finite timeout.
+
+    Under torchrun's agent store (`TORCHELASTIC_USE_AGENT_STORE=True`) the group's keys live
+    under `fivefold/attempt_<restart count>/`, so a restarted group never reads the keys of the
+    group it replaces (all ranks of a single-node job share the restart count).
+    """
+    import torch.distributed as dist
+
+    timeout = timedelta(seconds=timeout_s if timeout_s is not None else pg_timeout_s())
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group(backend, timeout=timeout)
+        return
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    agent_store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world,
+        is_master=False,
+        timeout=timeout,
+    )
+    store = dist.PrefixStore(f"fivefold/attempt_{restart_count()}/", agent_store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
 
 
 def describe_collective_failure(err: BaseException, what: str, rank: int) -> str | None:

@@ -83,6 +83,30 @@ def _gpus_per_node(recipe_path: str, overrides: list[str], explicit: int) -> int
     return 8
 
 
+def _check_allocation(recipe_path: str, overrides: list[str], nodes: int, per_node: int) -> None:
+    """The plan's degrees must fill the allocation exactly: say how many nodes they need."""
+    from fivefold.spec.plan import ParallelPlan
+    from fivefold.spec.recipe import build, merge, parse_overrides, read_toml
+
+    data = merge(read_toml(recipe_path), parse_overrides(overrides))
+    problems: list[str] = []
+    plan = build(ParallelPlan, data.get("plan", {}), "plan", problems)
+    if plan is None or problems or plan.problems():
+        return  # check_layout reports these with the whole recipe
+    world = nodes * per_node
+    if plan.world_size != world:
+        fit = (
+            f"use --nodes {plan.world_size // per_node}"
+            if plan.world_size % per_node == 0
+            else f"change --gpus-per-node so it divides {plan.world_size}"
+        )
+        raise ConfigError(
+            f"the plan's degrees multiply to {plan.world_size} GPUs ({plan.describe()}), but "
+            f"--nodes {nodes} x --gpus-per-node {per_node} = {world}; {fit}, or change the "
+            "plan's degrees."
+        )
+
+
 def handle(args: argparse.Namespace) -> int:
     from fivefold.parallel.launch import SlurmJob, check_layout, launch_local, slurm_script
     from fivefold.train.entry import split_recipe_and_overrides
@@ -101,6 +125,7 @@ def handle(args: argparse.Namespace) -> int:
     if job.problems():
         raise ConfigError(job.problems())
     world = job.nodes * job.gpus_per_node
+    _check_allocation(recipe_path, overrides, job.nodes, job.gpus_per_node)
     run = check_layout(recipe_path, overrides, world)
     name = args.job_name or f"fivefold-{run.train.name}"
     job = SlurmJob(job.nodes, job.gpus_per_node, name, job.time, job.partition)

@@ -54,6 +54,38 @@ def expert_dp_mesh(meshes: Meshes, plan: ParallelPlan):
     return meshes.expert["edp_replicate", "edp_shard"]._flatten("edp")
 
 
+class RoutingRecorder:
+    """A MoE's local token dispatcher that remembers the last routing decision."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.last_routing = None
+
+    def dispatch(self, tokens, routing):
+        self.last_routing = routing
+        return self.inner.dispatch(tokens, routing)
+
+    def combine(self, expert_out, handle):
+        return self.inner.combine(expert_out, handle)
+
+
+def apply_global_aux_loss(chunk: nn.Module, group) -> None:
+    """Without expert parallelism, still take each MoE's load-balancing loss over the tokens of
+    every rank in `group` (all ranks that see different tokens), as the single-process run does
+    over the global micro-batch; expert parallelism does the same inside its dispatcher."""
+    from fivefold.parallel.expert_parallel import global_load_balancing_loss
+
+    def hook(moe: nn.Module, args, output) -> None:
+        routing, moe.dispatcher.last_routing = moe.dispatcher.last_routing, None
+        moe.aux_loss = moe.aux_loss_coef * global_load_balancing_loss(routing, group)
+
+    for block in chunk.layers.values():
+        moe = getattr(block, "moe", None)
+        if moe is not None:
+            moe.dispatcher = RoutingRecorder(moe.dispatcher)
+            moe.register_forward_hook(hook)
+
+
 def parallelize_chunk(
     chunk: nn.Module,
     spec: ModelSpec,
@@ -75,6 +107,8 @@ def parallelize_chunk(
         apply_expert_parallel(
             chunk, meshes["ep"], aux_group=meshes.dp_cp.get_group(), expert_grad_scale=1.0
         )
+    elif spec.is_moe and meshes.dims.dp_cp > 1:
+        apply_global_aux_loss(chunk, meshes.dp_cp.get_group())
     if plan.cp > 1:
         from fivefold.parallel.context_parallel import apply_context_parallel
 

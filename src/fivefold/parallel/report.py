@@ -19,16 +19,39 @@ GIB = 1024**3
 
 
 def predictions(runtime: Any) -> tuple[list[dict] | None, float | None, str]:
-    """(memory per stage in GiB dicts, predicted step time in s, note) from the planner."""
+    """(memory per stage in GiB dicts, predicted step time in s, note) from the planner.
+
+    Where the planner cannot time the device (a CPU run: no peak FLOP/s in the catalog), the
+    memory is still predicted by its memory model, without the CUDA context and allocator
+    fragmentation terms, which a CPU process does not have.
+    """
     try:
         from fivefold.planner.estimate import estimate
     except ImportError:
         return None, None, "planner unavailable"
     try:
         est = estimate(runtime.spec, runtime.recipe.cluster, runtime.plan).to_json()
+        return est.get("memory_per_stage_gib"), est.get("step_time_s"), "planner estimate"
     except Exception as err:  # a planner gap must not stop training
-        return None, None, f"planner: {err}"
-    return est.get("memory_per_stage_gib"), est.get("step_time_s"), est.get("precision", "")
+        why = str(err).splitlines()[0]
+    try:
+        return memory_only_prediction(runtime.spec, runtime.plan), None, f"memory model only: {why}"
+    except Exception as err:
+        return None, None, f"planner: {why}; memory model: {err}"
+
+
+def memory_only_prediction(spec: Any, plan: Any) -> list[dict]:
+    """The planner's per-stage memory (GiB dicts) with no device terms."""
+    from fivefold.planner.memory import MemoryOptions, all_stage_memory
+    from fivefold.planner.schedule import build_schedule
+
+    inflight = [1]
+    if plan.pp > 1:
+        inflight = list(
+            build_schedule(plan.schedule, plan.pp, plan.vpp, plan.grad_accum).peak_inflight
+        )
+    options = MemoryOptions(cuda_context_bytes=0.0, fragmentation_fraction=0.0)
+    return [stage.gib() for stage in all_stage_memory(spec, plan, inflight, options)]
 
 
 def layout_report(runtime: Any) -> str | None:

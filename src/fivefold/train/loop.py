@@ -80,7 +80,9 @@ class Trainer:
         self.cfg = run.train
         self.recipe = run.recipe
         self.runtime = runtime
-        self.console = console or Console(soft_wrap=True, quiet=not runtime.is_main)
+        self.console = console or Console(
+            soft_wrap=True, highlight=False, quiet=not runtime.is_main
+        )
         self.run_dir = self.cfg.path()
         self.data: TrainData = load_train_data(run, runtime.dp_rank, runtime.dp_size)
         self.optimizer = build_optimizer(runtime.model_parts, self.cfg)

@@ -1,0 +1,218 @@
+"""Checkpoint save/load time and size for the small preset at 1, 4 and 8 ranks (CPU, gloo).
+
+    .venv/bin/python benchmarks/checkpoint_io.py [--ranks 1 4 8] [--repeats 3] [--dir DIR]
+
+Each world size runs the real `DistributedRuntime` (one process: the plain model) with the
+layout below, takes one AdamW step so the optimizer state exists, saves once to warm up, then
+measures (median of --repeats):
+- save: `Checkpointer.save` until committed (DCP write by every rank, SHA-256 of every file,
+  manifest, rename, barrier);
+- async: the time `save(async_save=True)` blocks training (copy to host memory), and the time
+  until the background write is committed;
+- verify: `select()` (every file's SHA-256, split over the ranks);
+- load: `select()` + `load()` into the live model and optimizer;
+and the checkpoint's size (model fp32 + AdamW m, v, step + state.json + DCP index).
+Ranks share the machine's cores, so on a 2-core machine times grow with the rank count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import queue
+import statistics
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+LAYOUTS = {
+    1: {},
+    4: {"dp_shard": 4, "zero": 3},
+    8: {"dp_shard": 8, "zero": 3},
+}
+TRAIN = {"steps": 10, "device": "cpu", "warmup_steps": 1}
+
+
+def _recipe(world: int):
+    from fivefold.spec.recipe import recipe_from_dict
+
+    plan = {"precision": "fp32", "micro_batch": 1, **LAYOUTS[world]}
+    return recipe_from_dict(
+        {"model": {"preset": "small"}, "plan": plan, "train": TRAIN}, default_world=world
+    )
+
+
+def _batch(recipe, dp_rank: int, dp_size: int):
+    import torch
+
+    from fivefold.train.data import Batch
+
+    seq, vocab = recipe.model.seq_len, recipe.model.vocab
+    g = torch.Generator().manual_seed(dp_rank)
+    stream = torch.randint(0, vocab, (1, seq + 1), generator=g)
+    return [
+        Batch(
+            stream[:, :-1],
+            stream[:, 1:],
+            torch.arange(seq)[None],
+            torch.zeros(1, seq, dtype=torch.long),
+        )
+    ]
+
+
+def _timed(fn) -> tuple[float, object]:
+    from fivefold.checkpoint.checkpointer import barrier
+
+    barrier()
+    start = time.perf_counter()
+    value = fn()
+    barrier()
+    return time.perf_counter() - start, value
+
+
+def measure(world: int, root: str, repeats: int) -> dict:
+    """One rank's part of the benchmark; rank 0's dict is the result."""
+    from fivefold.checkpoint import Checkpointer
+    from fivefold.train.config import parse_train_config
+    from fivefold.train.optim import build_optimizer
+    from fivefold.train.runtime import LocalRuntime
+
+    recipe = _recipe(world)
+    if world == 1:
+        runtime = LocalRuntime(recipe)
+    else:
+        from fivefold.parallel.runtime import DistributedRuntime
+
+        runtime = DistributedRuntime(recipe)
+    optimizer = build_optimizer(runtime.model_parts, parse_train_config(recipe).train)
+    runtime.train_step(_batch(recipe, runtime.dp_rank, runtime.dp_size))
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    kwargs = {"model_spec": recipe.model.to_dict(), "plan": recipe.plan.to_dict()}
+    sync = Checkpointer(Path(root) / "sync", keep=1)
+    sync.save(0, runtime.model_parts, optimizer, **kwargs)  # warm-up
+    saves, verifies, loads, blocks, commits = [], [], [], [], []
+    for step in range(1, repeats + 1):
+        seconds, path = _timed(
+            lambda s=step: sync.save(s, runtime.model_parts, optimizer, **kwargs)
+        )
+        saves.append(seconds)
+        verifies.append(_timed(sync.select)[0])
+        loads.append(
+            _timed(
+                lambda: sync.load(
+                    sync.select().path,
+                    runtime.model_parts,
+                    optimizer,
+                    model_spec=recipe.model.to_dict(),
+                )
+            )[0]
+        )
+    asynchronous = Checkpointer(Path(root) / "async", keep=1, async_save=True)
+    asynchronous.save(0, runtime.model_parts, optimizer, **kwargs)
+    asynchronous.wait()
+    for step in range(1, repeats + 1):
+        blocked, _ = _timed(
+            lambda s=step: asynchronous.save(s, runtime.model_parts, optimizer, **kwargs)
+        )
+        waited, _ = _timed(asynchronous.wait)
+        blocks.append(blocked)
+        commits.append(blocked + waited)
+    asynchronous.close()
+    manifest = json.loads((Path(path) / "manifest.json").read_text())
+    runtime.close()
+    return {
+        "ranks": world,
+        "layout": recipe.plan.describe(),
+        "bytes": manifest["total_bytes"],
+        "files": len(manifest["files"]),
+        "save_s": statistics.median(saves),
+        "verify_s": statistics.median(verifies),
+        "load_s": statistics.median(loads),
+        "async_block_s": statistics.median(blocks),
+        "async_commit_s": statistics.median(commits),
+    }
+
+
+# ---- launching ranks ---------------------------------------------------------------------------
+def _worker(rank, world, store_path, results, root, repeats) -> None:
+    os.environ.update(OMP_NUM_THREADS="1", RANK=str(rank), WORLD_SIZE=str(world))
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        if world > 1:
+            store = dist.FileStore(store_path, world)
+            dist.init_process_group(
+                "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=600)
+            )
+        results.put((rank, "ok", measure(world, root, repeats)))
+    except BaseException:
+        results.put((rank, "error", traceback.format_exc()))
+    results.close()
+    results.join_thread()
+    os._exit(0)
+
+
+def run(world: int, root: str, repeats: int, timeout_s: float = 1800.0) -> dict:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "store")
+        procs = [
+            ctx.Process(target=_worker, args=(r, world, store, results, root, repeats))
+            for r in range(world)
+        ]
+        for p in procs:
+            p.start()
+        out = {}
+        deadline = time.monotonic() + timeout_s
+        try:
+            while len(out) < world:
+                try:
+                    rank, status, value = results.get(timeout=max(1.0, deadline - time.monotonic()))
+                except queue.Empty:
+                    raise TimeoutError(f"{world} ranks did not finish in {timeout_s} s") from None
+                if status == "error":
+                    raise RuntimeError(f"rank {rank} failed:\n{value}")
+                out[rank] = value
+        finally:
+            for p in procs:
+                p.join(timeout=10)
+                if p.is_alive():
+                    p.kill()
+    return out[0]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 4, 8], choices=sorted(LAYOUTS))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--dir", type=Path, default=None, help="where to write (default: a temp dir)"
+    )
+    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    args = parser.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        for world in args.ranks:
+            rows.append(run(world, str(Path(tmp) / f"w{world}"), args.repeats))
+            r = rows[-1]
+            print(
+                f"{r['ranks']} rank(s) [{r['layout'].split(', mbs')[0]}]: "
+                f"{r['bytes'] / 2**20:.1f} MiB in {r['files']} files; save {r['save_s']:.3f} s, "
+                f"verify {r['verify_s']:.3f} s, load {r['load_s']:.3f} s; async: blocks "
+                f"{r['async_block_s']:.3f} s, committed after {r['async_commit_s']:.3f} s",
+                flush=True,
+            )
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
