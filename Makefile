@@ -29,7 +29,7 @@ test-all: $(STAMP)
 	$(BIN)/pytest -q --timeout 1800
 
 parity: $(STAMP)
-	$(BIN)/pytest -q -m slow tests/parallel --timeout 1800
+	$(BIN)/pytest -q tests/parallel --timeout 1800
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests scripts benchmarks

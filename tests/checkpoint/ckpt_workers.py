@@ -208,3 +208,30 @@ def reshard_chain(rank, world, cases, root, steps_before, steps_after) -> list[d
         loaded = load_then_continue(rank, world, load_plan, case_root, steps_after, moe)
         out.append({"saved": saved, "loaded": loaded})
     return out
+
+
+def async_save_overlapping_training(rank, world, plan, root) -> dict:
+    """Save asynchronously, keep training while it is written, then check what was written is
+    the state of the saving step (bitwise) and that the checkpoint verifies."""
+    import torch
+
+    from fivefold.checkpoint import manifest as mf
+    from fivefold.checkpoint.dcp_io import read_full_tensors
+
+    trainee = Trainee(plan, world)
+    trainee.train(1)
+    ckpt = trainee.checkpointer(root, async_save=True)
+    at_save = full_state(trainee.runtime.model_parts, trainee.optimizer)
+    path = trainee.save(ckpt)
+    trainee.train(2)  # overlaps the background write
+    ckpt.close()
+    written = read_full_tensors(Path(path), prefix="")
+    differ = [k for k, v in at_save.items() if not torch.equal(v, written[k])]
+    moved = full_state(trainee.runtime.model_parts, trainee.optimizer)
+    trainee.close()
+    return {
+        "differ": differ,
+        "keys": sorted(at_save),
+        "changed_since": sum(not torch.equal(moved[k], at_save[k]) for k in at_save),
+        "valid": mf.verify_checkpoint(Path(path)).ok,
+    }

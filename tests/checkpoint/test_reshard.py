@@ -13,7 +13,13 @@ import logging
 
 import pytest
 from ckpt_harness import run_ranks
-from ckpt_workers import Trainee, compare_with_checkpoint, reshard_chain, save_then_continue
+from ckpt_workers import (
+    Trainee,
+    async_save_overlapping_training,
+    compare_with_checkpoint,
+    reshard_chain,
+    save_then_continue,
+)
 
 LOSS_RTOL = 1e-5
 STEPS_BEFORE, STEPS_AFTER = 2, 2
@@ -33,6 +39,8 @@ PP2_INTERLEAVED = {
 CP2_DP2 = {"cp": 2, "dp_replicate": 2, "micro_batch": 4}
 EP2 = {"dp_shard": 4, "zero": 1, "ep": 2, "micro_batch": 2}
 EP4 = {"dp_shard": 4, "zero": 3, "ep": 4, "micro_batch": 2}
+HSDP2x2 = {"dp_replicate": 2, "dp_shard": 2, "zero": 3, "micro_batch": 2}
+ZERO2_DP4 = {"dp_shard": 4, "zero": 2, "micro_batch": 1, "grad_accum": 2}
 
 MATRIX = {
     "DP4->TP2xPP2": (DP4, TP2_PP2, False),
@@ -40,6 +48,7 @@ MATRIX = {
     "PP4-1F1B->PP2-interleaved": (PP4_1F1B, PP2_INTERLEAVED, False),
     "CP2xDP2->DP4": (CP2_DP2, DP4, False),
     "EP2->EP4-MoE": (EP2, EP4, True),
+    "HSDP2x2->ZeRO2-DP4": (HSDP2x2, ZERO2_DP4, False),
 }
 
 
@@ -113,3 +122,12 @@ def test_world_size_change_1_to_8(tmp_path):
     assert covered == set(ranks[0]["check"]["saved_keys"]) and path.endswith("step_2")
     for a, b in zip(expected, ranks[0]["losses_after"], strict=True):
         assert abs(a - b) <= LOSS_RTOL * abs(a)
+
+
+def test_async_save_on_4_ranks(tmp_path):
+    """TP2 x ZeRO-3 DP2: the background write holds the saving step's state, committed."""
+    plan = {"tp": 2, "dp_shard": 2, "zero": 3, "micro_batch": 4}
+    ranks = run_ranks(4, async_save_overlapping_training, plan, str(tmp_path), timeout_s=300)
+    for out in ranks:
+        assert out["differ"] == [] and out["valid"]
+        assert out["changed_since"] > 0  # training went on meanwhile

@@ -25,14 +25,15 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
     for result in results:
         terminalreporter.write_line(result.line())
     rows = [
-        "| layout | ranks | max abs(dloss)/loss | max abs(dparam) | max abs(dnorm)/norm | loss "
-        "step 1 -> 10 | time |",
-        "|---|---|---|---|---|---|---|",
+        "| layout | ranks | max abs(dloss)/loss | max abs(dparam) | max abs(dnorm)/norm | "
+        "max abs(daux) | loss step 1 -> 10 | time |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         rows.append(
             f"| {r.case.name} | {r.case.world} | {r.loss_rel_dev:.1e} | {r.param_abs_dev:.1e} | "
-            f"{r.norm_rel_dev:.1e} | {r.losses[0]:.4f} -> {r.losses[-1]:.4f} | "
+            f"{r.norm_rel_dev:.1e} | {r.aux_abs_dev:.1e} | {r.losses[0]:.4f} -> "
+            f"{r.losses[-1]:.4f} | "
             f"{r.seconds:.0f} s |"
         )
     REPORT.parent.mkdir(parents=True, exist_ok=True)

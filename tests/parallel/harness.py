@@ -379,10 +379,11 @@ class ParityResult:
     aux_abs_dev: float = 0.0  # max over steps of the MoE load-balancing loss deviation
 
     def line(self) -> str:
+        aux = f"max |daux| {self.aux_abs_dev:.1e}  " if "moe" in self.case.model else ""
         return (
             f"{self.case.name:<30} ranks {self.case.world}  max |dloss|/loss "
             f"{self.loss_rel_dev:.1e}  max |dparam| {self.param_abs_dev:.1e}  "
-            f"max |dnorm|/norm {self.norm_rel_dev:.1e}  "
+            f"max |dnorm|/norm {self.norm_rel_dev:.1e}  {aux}"
             f"loss {self.losses[0]:.4f} -> {self.losses[-1]:.4f}  ({self.seconds:.0f} s)"
         )
 

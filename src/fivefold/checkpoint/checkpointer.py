@@ -102,12 +102,6 @@ def broadcast_from_main(obj: Any) -> Any:
     return box[0]
 
 
-def torch_cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
 # ---- per-rank digests ---------------------------------------------------------------------------
 def _rank_files(directory: Path, rank: int) -> list[str]:
     prefix = f"__{rank}_"
@@ -292,8 +286,8 @@ class Checkpointer:
 
     def _save_async(self, tensors, step: int, staging: Path, final: Path, rank: int, world: int):
         pending = _Pending(step, final)
-        if self._async_writer is None and torch_cuda_available():
-            self._async_writer = async_writer()
+        if self._async_writer is None:
+            self._async_writer = async_writer()  # None on CPU: a fresh writer per save
         future = save_tensors_async(tensors, staging, self._async_group, self._async_writer)
 
         def finish(fut) -> None:

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fivefold.errors import ConfigError
+from fivefold.parallel.data_parallel import set_gradient_sync
 from fivefold.parallel.mesh import Meshes, ParallelDims
 from fivefold.spec.recipe import Recipe
 
@@ -98,9 +99,7 @@ class DistributedRuntime:
     """
 
     def __init__(self, recipe: Recipe):
-        from fivefold.model import build_model
-        from fivefold.model.init import init_module_weights
-        from fivefold.parallel.parallelize import check_supported, parallelize_chunk
+        from fivefold.parallel.parallelize import check_supported
         from fivefold.train.config import parse_train_config
 
         self.recipe = recipe
@@ -122,33 +121,9 @@ class DistributedRuntime:
         self.cp_rank = self.coordinates["cp"]
         torch.manual_seed(train.seed)
 
-        model = build_model(spec)
-        if plan.pp > 1:
-            from fivefold.parallel.pipeline import split_model_for_pipeline
-
-            chunks = split_model_for_pipeline(model, plan, self.pp_rank)
-        else:
-            chunks = [model]
-        self.dp_modules = []
-        for chunk in chunks:
-            self.dp_modules += parallelize_chunk(chunk, spec, plan, self.meshes, self.device)
-        for chunk in chunks:
-            chunk.to_empty(device=self.device)
-            init_module_weights(chunk, train.seed, layers=spec.layers)
-        self.model_parts: list[nn.Module] = chunks
+        self.model_parts: list[nn.Module] = self._build_parts(train.seed)
         self._loss_scale = 1.0
-        self.pipeline = None
-        if plan.pp > 1:
-            from fivefold.parallel.pipeline import PipelineRunner
-
-            self.pipeline = PipelineRunner(
-                chunks,
-                plan,
-                self.meshes["pp"],
-                self._pipeline_loss,
-                self.device,
-                scale_grads=False,
-            )
+        self.pipeline = self._build_pipeline()
         self._weight_aux_losses()
         self._steps = 0
         self.last_report: str | None = None  # rank 0: the layout report, once it was printed
@@ -160,6 +135,44 @@ class DistributedRuntime:
             torch.cuda.reset_peak_memory_stats(self.device)
         if self.is_main:
             print(self.describe_layout(), flush=True)
+
+    def _build_parts(self, seed: int) -> list[nn.Module]:
+        """This rank's chunks: meta model -> pipeline split -> parallelised -> materialised and
+        initialised from (seed, parameter name)."""
+        from fivefold.model import build_model
+        from fivefold.model.init import init_module_weights
+        from fivefold.parallel.parallelize import parallelize_chunk
+
+        model = build_model(self.spec)
+        chunks = [model]
+        if self.plan.pp > 1:
+            from fivefold.parallel.pipeline import split_model_for_pipeline
+
+            chunks = split_model_for_pipeline(model, self.plan, self.pp_rank)
+        self.dp_modules = []
+        for chunk in chunks:
+            self.dp_modules += parallelize_chunk(
+                chunk, self.spec, self.plan, self.meshes, self.device
+            )
+        for chunk in chunks:
+            chunk.to_empty(device=self.device)
+            init_module_weights(chunk, seed, layers=self.spec.layers)
+        return chunks
+
+    def _build_pipeline(self):
+        if self.plan.pp == 1:
+            return None
+        from fivefold.parallel.pipeline import PipelineRunner
+
+        # The loss function already divides by the global token count: no rescaling by torch.
+        return PipelineRunner(
+            self.model_parts,
+            self.plan,
+            self.meshes["pp"],
+            self._pipeline_loss,
+            self.device,
+            scale_grads=False,
+        )
 
     # ---- description -----------------------------------------------------------------------
     def describe_layout(self) -> str:
@@ -217,7 +230,6 @@ class DistributedRuntime:
 
     def train_step(self, micro_batches: list):
         """Forward and backward over this rank's micro-batches (see the module docstring)."""
-        from fivefold.parallel.data_parallel import set_gradient_sync
         from fivefold.train.runtime import StepResult
 
         measure = self._measures_memory_now()
@@ -230,13 +242,13 @@ class DistributedRuntime:
             if self.pipeline is not None:
                 loss_local, aux_local = self._pipeline_step(batches)
             else:
-                loss_local, aux_local = self._local_step(batches, set_gradient_sync)
+                loss_local, aux_local = self._local_step(batches)
         loss, aux = self._global_mean(loss_local, aux_local)
         self._after_step(time.perf_counter() - start, timed=not measure)
 
         return StepResult(loss=loss, aux_loss=aux)
 
-    def _local_step(self, batches: list, set_gradient_sync) -> tuple[torch.Tensor, torch.Tensor]:
+    def _local_step(self, batches: list) -> tuple[torch.Tensor, torch.Tensor]:
         model = self.model_parts[0]
         loss_sum = self._zero()
         aux_sum = self._zero()
@@ -261,9 +273,21 @@ class DistributedRuntime:
         for loss in losses:
             loss_sum += _scalar(loss).double()
         aux_sum = self._zero()
-        for aux in self.pipeline.aux_losses():
+        for aux in self._pipeline_aux_values():
             aux_sum += _scalar(aux).double()
         return loss_sum, aux_sum
+
+    def _pipeline_aux_values(self) -> list[torch.Tensor]:
+        """The aux losses of this step's micro-batch forwards: one per (MoE chunk, micro-batch).
+        On the first step the pipeline also records its shape-inference forward (placeholder
+        inputs, so a meaningless value); keep only the last forwards."""
+        values = self.pipeline.aux_losses()
+        moe_chunks = sum(
+            any(getattr(b, "moe", None) is not None for b in part.layers.values())
+            for part in self.model_parts
+        )
+        expected = moe_chunks * self.plan.grad_accum
+        return values[len(values) - expected :] if expected else []
 
     def _global_mean(
         self, loss_local: torch.Tensor, aux_local: torch.Tensor
