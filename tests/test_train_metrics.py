@@ -154,3 +154,17 @@ def test_jsonl_resume_drops_records_after_the_checkpoint(tmp_path):
     writer.close()
     records = [json.loads(line) for line in path.read_text().splitlines()]
     assert records == [{"step": 1}, {"step": 2}, {"step": 3}, {"step": 4, "again": True}]
+
+
+def test_cpu_peak_refresh_keeps_the_best_measurement(monkeypatch):
+    from fivefold.train import peak as peak_module
+
+    readings = iter([50e9, 200e9, 100e9])
+    monkeypatch.setattr(peak_module, "_best_cpu_flops", {})
+    monkeypatch.setattr(peak_module, "measure_matmul_flops", lambda *a, **k: next(readings))
+    assert peak_module.cpu_peak("fp32").flops_per_s == 50e9
+    assert peak_module.cpu_peak("fp32").flops_per_s == 50e9  # cached: no new measurement
+    assert peak_module.cpu_peak("fp32", refresh=True).flops_per_s == 200e9
+    refreshed = peak_module.cpu_peak("fp32", refresh=True)
+    assert refreshed.flops_per_s == 200e9  # a busier moment (100e9) does not lower it
+    assert "(200 GFLOP/s" in refreshed.label

@@ -32,17 +32,12 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
-    import torch.distributed as dist
     from ckpt_workers import Trainee, global_batch, rank_micro_batches
 
-    from fivefold.checkpoint.elastic import (
-        collective_guard,
-        init_process_group,
-        restart_count,
-        should_resume,
-    )
+    from fivefold.checkpoint.elastic import collective_guard, restart_count, should_resume
 
-    init_process_group("gloo")  # namespaced by restart attempt (see fivefold.checkpoint.elastic)
+    # DistributedRuntime creates the process group (fivefold.checkpoint.elastic's, namespaced by
+    # restart attempt) and destroys it in close().
     world = int(os.environ["WORLD_SIZE"])
     rank = int(os.environ["RANK"])
     trainee = Trainee(json.loads(args.plan), world)
@@ -71,7 +66,6 @@ def main() -> None:
         trainee.save(ckpt)
     ckpt.close()
     trainee.close()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -1,13 +1,17 @@
-"""Pipeline parallelism: every schedule's losses and gradients against the single-process model.
+"""Pipeline parallelism: every schedule's losses, gradients, MoE aux losses and forward-only
+evaluation against the single-process model.
 
 One group of 4 gloo ranks: the pp = 2 cases run on two pairs of ranks at once (each pair takes
 half of them), the pp = 4 cases on all four. The reference is the full model run on the same
-micro-batches with loss = mean over micro-batches of (cross entropy + MoE aux loss).
+micro-batches with loss = mean over micro-batches of (cross entropy + MoE aux loss). Each case
+evaluates, trains one step, then evaluates again, so both switches between torch's forward-only
+and training modes (each re-runs its shape inference) are covered.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -26,7 +30,9 @@ from fivefold.spec.plan import ParallelPlan
 
 WORLD = 4
 TOL = 1e-5
+EVAL_RTOL = 1e-6
 MICRO_BATCHES, MB_SIZE, T = 8, 1, 16
+EVAL_MICRO_BATCHES = 11  # not a multiple of MICRO_BATCHES: eval runs a padded second round
 DENSE = ModelSpec(
     name="tiny-pp", layers=8, hidden=32, heads=4, kv_heads=2, ffn=64, vocab=97, seq_len=T
 )
@@ -36,6 +42,7 @@ MOE = DENSE.with_(
 SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2, "zbv": 2, "dualpipev": 2}  # -> vpp
 CASES_PP2 = [("dense", s) for s in SCHEDULES] + [("moe", "1f1b"), ("moe", "zbv")]
 CASES_PP4 = [("dense", s) for s in SCHEDULES] + [("moe", "interleaved-1f1b")]
+CI_CASES_PP2 = [("dense", "1f1b"), ("moe", "zbv")]  # the rest of CASES_PP2 is marked slow
 
 
 @dataclasses.dataclass
@@ -46,11 +53,12 @@ class _Batch:
     doc_ids: torch.Tensor
 
 
-def _micro_batches(spec: ModelSpec) -> list[_Batch]:
-    """Packed micro-batches with two documents each (positions restart at the boundary)."""
+def _micro_batches(spec: ModelSpec, count: int = MICRO_BATCHES) -> list[_Batch]:
+    """Packed micro-batches with two documents each (positions restart at the boundary); the
+    first n of a longer list are the n of a shorter one."""
     g = torch.Generator().manual_seed(11)
     out = []
-    for _ in range(MICRO_BATCHES):
+    for _ in range(count):
         stream = torch.randint(0, spec.vocab, (MB_SIZE, T + 1), generator=g)
         cut = int(torch.randint(3, T - 3, (1,), generator=g))
         index = torch.arange(T).expand(MB_SIZE, T)
@@ -60,90 +68,178 @@ def _micro_batches(spec: ModelSpec) -> list[_Batch]:
     return out
 
 
-def _reference(spec: ModelSpec, batches: list[_Batch]):
+@dataclasses.dataclass
+class _Reference:
+    losses: list[torch.Tensor]  # per micro-batch mean cross entropy
+    grads: dict[str, torch.Tensor]  # of the mean over micro-batches of (loss + aux)
+    eval_loss: float  # mean token cross entropy over all micro-batches
+    eval_loss_more: float  # the same over EVAL_MICRO_BATCHES micro-batches
+    aux: dict[str, list[float]]  # MoE layer index -> its aux loss per micro-batch
+
+
+def _reference(spec: ModelSpec, batches: list[_Batch]) -> _Reference:
     model = build_model(spec)
     model.to_empty(device="cpu")
     model.init_weights(seed=0)
-    losses = []
+    losses, token_loss_sum, tokens = [], 0.0, 0
+    aux: dict[str, list[float]] = {n: [] for n, b in model.layers.items() if b.moe is not None}
     for mb in batches:
         logits = model(mb.tokens, mb.positions, mb.doc_ids)
         loss = cross_entropy_loss(logits, mb.labels)
         losses.append(loss.detach())
+        token_loss_sum += cross_entropy_loss(logits, mb.labels, reduction="sum").item()
+        tokens += int((mb.labels != -100).sum())
+        for name in aux:
+            aux[name].append(model.layers[name].moe.aux_loss.item())
         ((loss + model.aux_loss()) / len(batches)).backward()
-    return losses, {n: p.grad for n, p in model.named_parameters()}
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    with torch.no_grad():
+        more = _micro_batches(spec, EVAL_MICRO_BATCHES)
+        logits = [model(mb.tokens, mb.positions, mb.doc_ids) for mb in more]
+        more_sum = sum(
+            cross_entropy_loss(x, mb.labels, reduction="sum")
+            for x, mb in zip(logits, more, strict=True)
+        )
+        more_tokens = sum(int((mb.labels != -100).sum()) for mb in more)
+    return _Reference(losses, grads, token_loss_sum / tokens, more_sum.item() / more_tokens, aux)
 
 
-def _pp_case(group, pp_rank: int, pp: int, model_kind: str, schedule: str) -> tuple[float, float]:
-    """(max |loss dev| (0 off the last stage), max |grad dev|) of this rank's chunks."""
+def _expected_aux(chunks, reference: _Reference) -> list[float]:
+    """The aux values this rank should record in a step: per (MoE chunk, micro-batch), the sum
+    of the chunk's MoE layers' single-process aux losses on that micro-batch (sorted)."""
+    out = []
+    for chunk in chunks:
+        names = [n for n, b in chunk.layers.items() if b.moe is not None]
+        if names:
+            per_mb = zip(*(reference.aux[n] for n in names), strict=True)
+            out += [sum(values) for values in per_mb]
+    return sorted(out)
+
+
+@dataclasses.dataclass
+class _Deviations:
+    """Max deviations from the single-process run over the ranks of a case."""
+
+    loss: float = 0.0  # |micro-batch loss - reference| (last stage)
+    grad: float = 0.0  # |grad - reference| over every parameter element
+    eval_rel: float = 0.0  # |eval loss - reference| / reference, before and after the step
+    aux: float = 0.0  # |recorded aux - reference| per (chunk, micro-batch), inf if NaN
+    aux_count_ok: bool = True  # one aux value per (MoE chunk, micro-batch), none extra
+
+    def merge(self, other: _Deviations) -> _Deviations:
+        return _Deviations(
+            max(self.loss, other.loss),
+            max(self.grad, other.grad),
+            max(self.eval_rel, other.eval_rel),
+            max(self.aux, other.aux),
+            self.aux_count_ok and other.aux_count_ok,
+        )
+
+
+def _pp_case(group, pp_rank: int, pp: int, model_kind: str, schedule: str) -> _Deviations:
+    """This rank's deviations: eval, one training step, eval again (also on more
+    micro-batches than the pipeline's count)."""
     spec = DENSE if model_kind == "dense" else MOE
     batches = _micro_batches(spec)
-    ref_losses, ref_grads = _reference(spec, batches)
+    ref = _reference(spec, batches)
     plan = ParallelPlan(pp=pp, vpp=SCHEDULES[schedule], schedule=schedule, grad_accum=MICRO_BATCHES)
     chunks = split_model_for_pipeline(build_model(spec), plan, pp_rank)
     for chunk in chunks:
         chunk.to_empty(device="cpu")
         chunk.init_weights(seed=0)
     runner = PipelineRunner(chunks, plan, group, cross_entropy_loss, "cpu")
+    dev = _Deviations()
+    evals = [runner.eval(batches)]
+    assert runner.aux_losses() == [], "a forward-only pass recorded aux losses"
     losses = runner.step(batches)
-    loss_dev = 0.0
+    recorded = sorted(v.item() for v in runner.aux_losses())
+    evals.append(runner.eval(batches))
+    dev.eval_rel = max(abs(e - ref.eval_loss) / ref.eval_loss for e in evals)
+    more = runner.eval(_micro_batches(spec, EVAL_MICRO_BATCHES))
+    dev.eval_rel = max(dev.eval_rel, abs(more - ref.eval_loss_more) / ref.eval_loss_more)
+    expected = _expected_aux(chunks, ref)
+    dev.aux_count_ok = len(recorded) == len(expected) == len(runner.aux_losses())
+    if recorded:
+        finite = all(math.isfinite(v) for v in recorded)
+        dev.aux = (
+            max(abs(a - b) for a, b in zip(recorded, expected, strict=True)) if finite else math.inf
+        )
     if runner.has_last:
-        loss_dev = max(abs(a - b).item() for a, b in zip(losses, ref_losses, strict=True))
+        dev.loss = max(abs(a - b).item() for a, b in zip(losses, ref.losses, strict=True))
     else:
         assert losses == []
-    grad_dev = 0.0
     for chunk in chunks:
         for name, p in chunk.named_parameters():
-            grad_dev = max(grad_dev, (p.grad - ref_grads[name]).abs().max().item())
+            dev.grad = max(dev.grad, (p.grad - ref.grads[name]).abs().max().item())
     runner.close()
-    return loss_dev, grad_dev
+    return dev
 
 
-def _pp_worker(pp: int) -> dict:
+def _pp_worker(pp: int, cases: list[tuple[str, str]]) -> dict:
     """pp = 2: each pair of ranks runs half of the cases; pp = 4: all ranks run every case."""
     import torch.distributed as dist
 
     rank = dist.get_rank()
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     if pp == 2:
-        group, pp_rank, cases = pairs[rank // 2], rank % 2, CASES_PP2[rank // 2 :: 2]
+        group, pp_rank, cases = pairs[rank // 2], rank % 2, cases[rank // 2 :: 2]
     else:
-        group, pp_rank, cases = dist.group.WORLD, rank, CASES_PP4
+        group, pp_rank = dist.group.WORLD, rank
     return {
         f"pp{pp}-{model_kind}-{schedule}": _pp_case(group, pp_rank, pp, model_kind, schedule)
         for model_kind, schedule in cases
     }
 
 
-def _merge(per_rank: list[dict]) -> dict:
-    merged: dict[str, tuple[float, float]] = {}
+def _merge(per_rank: list[dict]) -> dict[str, _Deviations]:
+    merged: dict[str, _Deviations] = {}
     for result in per_rank:
-        for key, (loss_dev, grad_dev) in result.items():
-            old = merged.get(key, (0.0, 0.0))
-            merged[key] = (max(old[0], loss_dev), max(old[1], grad_dev))
+        for key, dev in result.items():
+            merged[key] = merged.get(key, _Deviations()).merge(dev)
     return merged
 
 
 @pytest.fixture(scope="module")
+def deviations_pp2_ci() -> dict:
+    return _merge(run_ranks(WORLD, _pp_worker, 2, CI_CASES_PP2, timeout_s=300))
+
+
+@pytest.fixture(scope="module")
 def deviations_pp2() -> dict:
-    return _merge(run_ranks(WORLD, _pp_worker, 2, timeout_s=300))
+    slow = [c for c in CASES_PP2 if c not in CI_CASES_PP2]
+    return _merge(run_ranks(WORLD, _pp_worker, 2, slow, timeout_s=300))
 
 
 @pytest.fixture(scope="module")
 def deviations_pp4() -> dict:
-    return _merge(run_ranks(WORLD, _pp_worker, 4, timeout_s=300))
+    return _merge(run_ranks(WORLD, _pp_worker, 4, CASES_PP4, timeout_s=300))
 
 
-@pytest.mark.parametrize(("model_kind", "schedule"), CASES_PP2)
+def _check(dev: _Deviations, moe: bool) -> None:
+    assert dev.loss < TOL and dev.grad < TOL, f"loss {dev.loss:.3g}, grads {dev.grad:.3g}"
+    assert dev.eval_rel <= EVAL_RTOL, f"eval loss deviates by {dev.eval_rel:.3g} (relative)"
+    assert dev.aux_count_ok, "aux losses recorded other than one per (MoE chunk, micro-batch)"
+    if moe:
+        assert dev.aux < TOL, f"aux losses of step 1 deviate by {dev.aux:.3g}"
+
+
+@pytest.mark.parametrize(("model_kind", "schedule"), CI_CASES_PP2)
+def test_pp2_schedule_matches_single_process_ci(deviations_pp2_ci, model_kind, schedule):
+    _check(deviations_pp2_ci[f"pp2-{model_kind}-{schedule}"], model_kind == "moe")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("model_kind", "schedule"), [c for c in CASES_PP2 if c not in CI_CASES_PP2]
+)
 def test_pp2_schedule_matches_single_process(deviations_pp2, model_kind, schedule):
-    loss_dev, grad_dev = deviations_pp2[f"pp2-{model_kind}-{schedule}"]
-    assert loss_dev < TOL and grad_dev < TOL, f"loss {loss_dev:.3g}, grads {grad_dev:.3g}"
+    _check(deviations_pp2[f"pp2-{model_kind}-{schedule}"], model_kind == "moe")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("model_kind", "schedule"), CASES_PP4)
 def test_pp4_schedule_matches_single_process(deviations_pp4, model_kind, schedule):
-    loss_dev, grad_dev = deviations_pp4[f"pp4-{model_kind}-{schedule}"]
-    assert loss_dev < TOL and grad_dev < TOL, f"loss {loss_dev:.3g}, grads {grad_dev:.3g}"
+    _check(deviations_pp4[f"pp4-{model_kind}-{schedule}"], model_kind == "moe")
 
 
 def test_split_covers_every_parameter_once_with_original_names():

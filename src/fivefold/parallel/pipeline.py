@@ -11,20 +11,27 @@
   the torch schedule named by `plan.schedule` (GPipe, 1F1B, Interleaved1F1B, ZBVZeroBubble,
   DualPipeV) with `plan.grad_accum` micro-batches. `step(micro_batches)` runs forward and
   backward of all of them and returns the per-micro-batch losses on the rank holding the last
-  stage ([] elsewhere). Positions and doc ids reach every stage as keyword arguments of the
-  stage forward (torch passes step kwargs, split per micro-batch, to all stages), so RoPE and
-  document masks are right on every stage.
+  stage ([] elsewhere). `eval(micro_batches)` runs them forward only (the schedule's own
+  forward-only mode, every schedule and chunk placement) and returns their mean token cross
+  entropy on every pipeline rank. Positions and doc ids reach every stage as keyword arguments
+  of the stage forward (torch passes step kwargs, split per micro-batch, to all stages), so
+  RoPE and document masks are right on every stage.
 - MoE load-balancing losses of a chunk are attached to its output with an identity whose
   backward seeds d(aux) = 1 (Megatron's trick), so each stage's aux loss trains its routers
   inside the ordinary pipeline backward. With `scale_grads=True` (the default) torch divides the
   gradients by the number of micro-batches: the loss function should return the micro-batch
   mean, and the gradients are then those of the mean over micro-batches of (loss + aux).
+  Only the micro-batch forwards of a training step attach and record aux losses: torch's
+  shape-inference forward (first step, and again after every switch between `eval` and
+  `step`) runs on placeholder inputs and is left alone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable, Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -32,6 +39,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fivefold.errors import ConfigError
+from fivefold.model.loss import IGNORE_INDEX, cross_entropy_loss
 from fivefold.planner.partition import stage_layer_counts
 from fivefold.planner.schedule import chunk_rank
 from fivefold.spec.plan import ParallelPlan
@@ -111,23 +119,75 @@ def _moe_layers(chunk: nn.Module) -> list[nn.Module]:
 
 
 class _AuxLossCollector:
-    """Forward hook on a chunk: attaches its MoE aux losses to its output and records them."""
+    """Forward hook on a chunk: attaches its MoE aux losses to its output and records them,
+    only while `recording()` is open (around a stage's micro-batch forward) and grads are on."""
 
     def __init__(self) -> None:
         self.values: list[torch.Tensor] = []
+        self._recording = False
+
+    @contextlib.contextmanager
+    def recording(self):
+        previous, self._recording = self._recording, True
+        try:
+            yield
+        finally:
+            self._recording = previous
 
     def __call__(self, chunk: nn.Module, args: Any, kwargs: Any, output: torch.Tensor):
+        if not self._recording or not torch.is_grad_enabled():
+            return None
         losses = [m.aux_loss for m in _moe_layers(chunk) if m.aux_loss is not None]
-        if not losses or not torch.is_grad_enabled():
+        if not losses:
             return None
         aux = torch.stack([loss.float() for loss in losses]).sum()
         self.values.append(aux.detach())
         return _AttachAuxLoss.apply(output, aux)
 
 
+def _recording_stage(collector: _AuxLossCollector, *args: Any, **kwargs: Any):
+    """A `PipelineStage` whose micro-batch forwards (and only those: torch's shape inference
+    calls the module directly) run inside `collector.recording()`.
+
+    It also makes torch 2.13's forward-only `eval()` safe, which still runs the backward-side
+    actions of every schedule: the end-of-step gradient reduction (it would divide the
+    accumulated gradients by the micro-batch count again, and run FSDP's post-backward), and in
+    the V schedules (zbv, dualpipev) the hand-over of input gradients to the same-rank
+    neighbour stage (which fails). Without a backward there is nothing to reduce or hand over."""
+    from torch.distributed.pipelining import PipelineStage
+
+    class RecordingStage(PipelineStage):
+        def forward_one_chunk(self, *chunk_args: Any, **chunk_kwargs: Any):
+            with collector.recording():
+                return super().forward_one_chunk(*chunk_args, **chunk_kwargs)
+
+        def get_local_bwd_output(self, mb_index: int):
+            return super().get_local_bwd_output(mb_index) if self.has_backward else ()
+
+        def set_local_bwd_input(self, next_stage_bwd_outputs: Any, mb_index: int) -> None:
+            if self.has_backward:
+                super().set_local_bwd_input(next_stage_bwd_outputs, mb_index)
+
+        def perform_reduce_grad(self, grad_scale_factor: int) -> None:
+            if self.has_backward:
+                super().perform_reduce_grad(grad_scale_factor)
+
+    return RecordingStage(*args, **kwargs)
+
+
+def _plain_scalar(x: torch.Tensor) -> torch.Tensor:
+    """A detached fp64 plain tensor from a (possibly DTensor, e.g. under loss_parallel) scalar."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(x, DTensor):
+        x = x.full_tensor()
+    return x.detach().double()
+
+
 # ---- running -------------------------------------------------------------------------------------
 class PipelineRunner:
-    """Runs one training step of the pipeline on this rank's chunks (see module docstring).
+    """Runs the pipeline on this rank's chunks: a training step or a forward-only evaluation
+    (see the module docstring).
 
     chunks: this rank's chunks from `split_model_for_pipeline` (possibly wrapped by TP / FSDP /
     checkpointing, in the same order); pp_mesh: 1-D DeviceMesh (or ProcessGroup) of the pipeline
@@ -147,17 +207,15 @@ class PipelineRunner:
         *,
         scale_grads: bool = True,
     ) -> None:
-        from torch.distributed.pipelining import PipelineStage, schedules
+        from torch.distributed.pipelining import schedules
 
         problems = plan.problems()  # schedule, vpp and micro-batch count rules
         if problems:
             raise ConfigError(problems)
-        if loss_fn is None:
-            from fivefold.model import cross_entropy_loss
-
-            loss_fn = cross_entropy_loss
         self.plan = plan
         self.device = torch.device(device)
+        self.loss_fn = loss_fn or cross_entropy_loss
+        self._evaluating = False
         self.group = pp_mesh.get_group() if hasattr(pp_mesh, "get_group") else pp_mesh
         pp_rank = dist.get_rank(self.group)
         indices = stage_indices(plan, pp_rank)
@@ -174,7 +232,9 @@ class PipelineRunner:
             if _moe_layers(c)
         ]
         self.stages = [
-            PipelineStage(chunk, index, plan.pp * plan.vpp, self.device, group=self.group)
+            _recording_stage(
+                self.aux, chunk, index, plan.pp * plan.vpp, self.device, group=self.group
+            )
             for chunk, index in zip(self.chunks, indices, strict=True)
         ]
         self.has_first = 0 in indices
@@ -182,22 +242,77 @@ class PipelineRunner:
         schedule_cls = getattr(schedules, SCHEDULE_CLASSES[plan.schedule])
         stages = self.stages[0] if plan.schedule in ("gpipe", "1f1b") else self.stages
         self.schedule = schedule_cls(
-            stages, n_microbatches=plan.grad_accum, loss_fn=loss_fn, scale_grads=scale_grads
+            stages,
+            n_microbatches=plan.grad_accum,
+            loss_fn=self._schedule_loss,
+            scale_grads=scale_grads,
         )
+
+    def _schedule_loss(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The loss the schedule computes on the last stage: the caller's loss_fn in a training
+        step, the token cross-entropy sum (fp32 scalar) in `eval`."""
+        if self._evaluating:
+            return cross_entropy_loss(output, labels, reduction="sum")
+        return self.loss_fn(output, labels)
 
     def step(self, micro_batches: list[Any]) -> list[torch.Tensor]:
         """Forward + backward of every micro-batch (Batch: tokens, labels, positions, doc_ids,
         each [b, T], all of the same shape). Returns the detached micro-batch losses on the rank
         holding the last stage, [] elsewhere. Gradients accumulate in the chunks' parameters."""
+        args, target, kwargs = self._schedule_inputs(micro_batches)
+        self.aux.values.clear()
+        losses: list[torch.Tensor] = []
+        self.schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
+        return [loss.detach() for loss in losses] if self.has_last else []
+
+    def eval(self, micro_batches: list[Any]) -> float:
+        """Forward only (no gradients, no aux losses recorded) over any number of micro-batches
+        of one shape (Batch as in `step`): their mean token cross entropy (labels != -100; NaN
+        if there are none), the same float on every pipeline rank. They run in rounds of
+        `plan.grad_accum`, the last one padded with label-free copies. Collective over the
+        pipeline group. Under TP with a vocab-parallel head, call it inside `loss_parallel()`."""
+        _check_one_shape(micro_batches)
+        rounds = _rounds(micro_batches, self.plan.grad_accum)
+        losses: list[torch.Tensor] = []
+        self._evaluating = True
+        try:
+            with torch.no_grad():
+                for round_batches in rounds:
+                    args, target, kwargs = self._schedule_inputs(round_batches)
+                    round_losses: list[torch.Tensor] = []  # the schedule clears it
+                    self.schedule.eval(
+                        *args, target=target, losses=round_losses, return_outputs=False, **kwargs
+                    )
+                    losses += round_losses
+        finally:
+            self._evaluating = False
+        # [token loss sum, token count], from the last stage only
+        totals = torch.zeros(2, dtype=torch.float64, device=self.device)
+        if self.has_last:
+            for loss in losses:
+                totals[0] += _plain_scalar(loss)
+            totals[1] = sum(int((mb.labels != IGNORE_INDEX).sum()) for mb in micro_batches)
+        dist.all_reduce(totals, group=self.group)
+        return float(totals[0] / totals[1]) if totals[1] > 0 else float("nan")
+
+    def aux_losses(self) -> list[torch.Tensor]:
+        """This rank's MoE aux losses of the last step, one per (MoE chunk, micro-batch)
+        forward; the step's aux loss is their sum over the pipeline ranks divided by the
+        micro-batches."""
+        return list(self.aux.values)
+
+    def _schedule_inputs(
+        self, micro_batches: list[Any]
+    ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None, dict[str, torch.Tensor]]:
+        """(args, target, kwargs) of a schedule call: the micro-batches concatenated along the
+        batch dimension (torch splits them back); tokens on the first stage only, labels on
+        the last only, positions and doc ids (when every micro-batch has them) everywhere."""
         if len(micro_batches) != self.plan.grad_accum:
             raise ValueError(
                 f"the pipeline was built for plan.grad_accum = {self.plan.grad_accum} "
                 f"micro-batches, got {len(micro_batches)}"
             )
-        shapes = {tuple(mb.tokens.shape) for mb in micro_batches}
-        if len(shapes) != 1:
-            raise ValueError(f"pipeline micro-batches must share one shape, got {sorted(shapes)}")
-        self.aux.values.clear()
+        _check_one_shape(micro_batches)
         kwargs = {}
         for name in ("positions", "doc_ids"):
             values = [getattr(mb, name, None) for mb in micro_batches]
@@ -205,14 +320,7 @@ class PipelineRunner:
                 kwargs[name] = self._cat(values)
         args = (self._cat([mb.tokens for mb in micro_batches]),) if self.has_first else ()
         target = self._cat([mb.labels for mb in micro_batches]) if self.has_last else None
-        losses: list[torch.Tensor] = []
-        self.schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
-        return [loss.detach() for loss in losses] if self.has_last else []
-
-    def aux_losses(self) -> list[torch.Tensor]:
-        """This rank's MoE aux losses of the last step, one per (chunk, micro-batch) forward;
-        the step's aux loss is their sum over the pipeline ranks divided by the micro-batches."""
-        return list(self.aux.values)
+        return args, target, kwargs
 
     def _cat(self, tensors: list[torch.Tensor]) -> torch.Tensor:
         return torch.cat(tensors, dim=0).to(self.device)
@@ -221,3 +329,27 @@ class PipelineRunner:
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
+
+
+def _check_one_shape(micro_batches: list[Any]) -> None:
+    shapes = {tuple(mb.tokens.shape) for mb in micro_batches}
+    if len(shapes) > 1:
+        raise ValueError(f"pipeline micro-batches must share one shape, got {sorted(shapes)}")
+
+
+def _rounds(micro_batches: list[Any], per_round: int) -> list[list[Any]]:
+    """`micro_batches` in groups of `per_round`, the last one filled up with copies of the
+    first micro-batch whose labels are all -100 (they add no loss and no tokens)."""
+    rounds = [
+        list(micro_batches[i : i + per_round]) for i in range(0, len(micro_batches), per_round)
+    ]
+    if rounds and len(rounds[-1]) < per_round:
+        first = micro_batches[0]
+        filler = SimpleNamespace(
+            tokens=first.tokens,
+            labels=torch.full_like(first.labels, IGNORE_INDEX),
+            positions=getattr(first, "positions", None),
+            doc_ids=getattr(first, "doc_ids", None),
+        )
+        rounds[-1] += [filler] * (per_round - len(rounds[-1]))
+    return rounds

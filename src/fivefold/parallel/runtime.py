@@ -48,14 +48,18 @@ def _pick_device(name: str) -> torch.device:
     return device
 
 
-def init_distributed(device: torch.device, timeout_s: float = 600.0) -> bool:
-    """Initialise the default process group from the torchrun env; True if this call created it."""
+def init_distributed(device: torch.device, timeout_s: float | None = None) -> bool:
+    """Initialise the default process group from the torchrun env; True if this call created it.
+
+    The timeout (default `FIVEFOLD_PG_TIMEOUT_S` or 600 s) turns a stuck rank into an error;
+    under torchrun's elastic agent the group is namespaced by restart attempt so a restarted job
+    reconnects (see `fivefold.checkpoint.elastic.init_process_group`).
+    """
     if dist.is_initialized():
         return False
-    from datetime import timedelta
+    from fivefold.checkpoint.elastic import init_process_group
 
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    init_process_group("nccl" if device.type == "cuda" else "gloo", timeout_s)
     return True
 
 
@@ -229,7 +233,17 @@ class DistributedRuntime:
         return max(1, int(count.item()))
 
     def train_step(self, micro_batches: list):
-        """Forward and backward over this rank's micro-batches (see the module docstring)."""
+        """Forward and backward over this rank's micro-batches (see the module docstring).
+
+        A collective that times out waiting for a stuck or dead rank ends in a TrainingError
+        that says so (`fivefold.checkpoint.elastic.collective_guard`).
+        """
+        from fivefold.checkpoint.elastic import collective_guard
+
+        with collective_guard(f"step {self._steps + 1}"):
+            return self._train_step(micro_batches)
+
+    def _train_step(self, micro_batches: list):
         from fivefold.train.runtime import StepResult
 
         measure = self._measures_memory_now()
@@ -301,8 +315,7 @@ class DistributedRuntime:
     @torch.no_grad()
     def eval_loss(self, batches: list) -> float:
         """Mean token loss over every rank's `batches` (this rank's data-parallel share), no
-        gradients; the same number on every rank. NaN under pipeline parallelism when the
-        pipeline runner has no forward-only mode."""
+        gradients; the same number on every rank (pipelines: the runner's forward-only pass)."""
         for part in self.model_parts:
             part.eval()
         try:
@@ -310,12 +323,11 @@ class DistributedRuntime:
             batches = [self._prepare(b) for b in batches]
             total = self._zero()
             if self.pipeline is not None:
-                if not hasattr(self.pipeline, "eval"):
-                    return float("nan")
-                self._loss_scale = scale  # the pipeline's loss function applies it
                 with self._loss_context():
-                    losses = self.pipeline.eval(batches)
-                total += sum(_scalar(loss).double() for loss in losses)
+                    mean = self.pipeline.eval(batches)  # the same on every pipeline rank
+                tokens = sum(int((b.labels != IGNORE_INDEX).sum()) for b in batches)
+                if self.pipeline.has_last and tokens:  # one copy per pipeline in the world sum
+                    total += mean * tokens * scale
             else:
                 model = self.model_parts[0]
                 for batch in batches:
@@ -339,10 +351,12 @@ class DistributedRuntime:
     @torch.no_grad()
     def clip_grad_norm(self, max_norm: float) -> float:
         """Global L2 norm over every shard, stage and rank; clips to `max_norm` when it is > 0."""
+        from fivefold.checkpoint.elastic import collective_guard
         from fivefold.parallel.grad_norm import clip_grads, global_grad_norm
 
         grads = self._grads()
-        total = global_grad_norm(grads, self.plan.pp)
+        with collective_guard(f"step {self._steps}: the gradient-norm all-reduce"):
+            total = global_grad_norm(grads, self.plan.pp)
         if max_norm > 0:
             clip_grads(grads, max_norm, total)
         return float(total)

@@ -41,6 +41,8 @@ from fivefold.train.peak import DevicePeak, device_peak
 from fivefold.train.runtime import Runtime, make_runtime
 from fivefold.train.schedule import build_scheduler
 
+PEAK_REFRESH_S = 30.0  # CPU: how often the measured matmul peak is re-checked (~0.1 s each)
+
 
 @dataclass
 class TrainSummary:
@@ -90,6 +92,7 @@ class Trainer:
         self.step = 0
         self.last_checkpoint: Path | None = None
         self.peak: DevicePeak = device_peak(runtime.device, self._compute_dtype())
+        self._peak_checked_at = time.perf_counter()
         self.tokens_per_step = run.global_batch * self.recipe.model.seq_len
         seq = self.recipe.model.seq_len
         self.model_flops_per_token = training_flops_per_token(self.recipe.model, seq)
@@ -256,6 +259,7 @@ class Trainer:
                 if index > 0 and not measure:
                     meter.add(self.tokens_per_step, step_s)
                 losses.append(loss)
+                self._maybe_refresh_peak()
                 eval_loss = self._maybe_eval()
                 if eval_loss is not None:
                     evals[self.step] = eval_loss
@@ -308,6 +312,14 @@ class Trainer:
             last_checkpoint=str(self.last_checkpoint) if self.last_checkpoint else None,
             eval_losses=evals,
         )
+
+    def _maybe_refresh_peak(self) -> None:
+        """CPU: re-measure the matmul peak every PEAK_REFRESH_S (outside step timing)."""
+        now = time.perf_counter()
+        if self.runtime.device.type != "cpu" or now - self._peak_checked_at < PEAK_REFRESH_S:
+            return
+        self.peak = device_peak(self.runtime.device, self._compute_dtype(), refresh=True)
+        self._peak_checked_at = time.perf_counter()
 
     def _peak_memory(self) -> int:
         return self.runtime.peak_memory_bytes() or self.cpu_peak.peak_bytes
