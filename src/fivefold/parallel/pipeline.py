@@ -153,7 +153,10 @@ def _recording_stage(collector: _AuxLossCollector, *args: Any, **kwargs: Any):
     actions of every schedule: the end-of-step gradient reduction (it would divide the
     accumulated gradients by the micro-batch count again, and run FSDP's post-backward), and in
     the V schedules (zbv, dualpipev) the hand-over of input gradients to the same-rank
-    neighbour stage (which fails). Without a backward there is nothing to reduce or hand over."""
+    neighbour stage (which fails). Without a backward there is nothing to reduce or hand over.
+
+    And it makes the split backward of zbv/dualpipev (input gradients first, weight gradients
+    later) correct under ZeRO-3: see `_unshard_for_split_backward`."""
     from torch.distributed.pipelining import PipelineStage
 
     class RecordingStage(PipelineStage):
@@ -168,11 +171,50 @@ def _recording_stage(collector: _AuxLossCollector, *args: Any, **kwargs: Any):
             if self.has_backward:
                 super().set_local_bwd_input(next_stage_bwd_outputs, mb_index)
 
+        def backward_one_chunk(
+            self,
+            bwd_chunk_id: int,
+            loss: Any = None,
+            full_backward: bool = True,
+            last_backward: bool = False,
+        ) -> None:
+            if self.has_backward and not full_backward:
+                _unshard_for_split_backward(self.submod)
+            super().backward_one_chunk(
+                bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward
+            )
+
+        def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False) -> None:
+            if self.has_backward:
+                _unshard_for_split_backward(self.submod)
+            super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
+
         def perform_reduce_grad(self, grad_scale_factor: int) -> None:
             if self.has_backward:
                 super().perform_reduce_grad(grad_scale_factor)
 
     return RecordingStage(*args, **kwargs)
+
+
+def _unshard_for_split_backward(chunk: nn.Module) -> None:
+    """Gather every FSDP unit of `chunk` before a split (input- or weight-gradient) backward.
+
+    torch 2.13 finds the weights of a split backward as `chunk.parameters()` at the time of the
+    call: the input pass records which of them the autograd graph reaches, the weight pass
+    computes the gradients of exactly those. Under ZeRO-3 (`reshard_after_forward=True`) every
+    forward ends with FSDP registering the *sharded* parameters again, while the graph holds
+    the unsharded ones; a micro-batch whose input pass follows a forward of its chunk (which
+    zbv and dualpipev schedule) then gets no weight gradients for the blocks, silently. With
+    the units gathered, `parameters()` are the graph's tensors again (FSDP reuses one unsharded
+    Parameter per weight). It costs no extra all-gather for the input pass (its pre-backward
+    hooks would gather the same units) and one per unit for a weight pass that follows a
+    re-shard. A no-op for an unsharded unit (ZeRO-1/2 within a step, DDP, no DP).
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in chunk.modules():
+        if isinstance(module, FSDPModule):
+            module.unshard()
 
 
 def _plain_scalar(x: torch.Tensor) -> torch.Tensor:
