@@ -32,9 +32,10 @@ class GPUSpec:
     def peak(self, dtype: str) -> float:
         """Dense peak FLOP/s for `dtype` ("bf16", "fp16", "fp8", "tf32", "fp32")."""
         if dtype not in self.peak_flops:
+            known = ", ".join(sorted(self.peak_flops)) or "none: it is not a catalogued GPU"
             raise ConfigError(
                 f"unknown peak: {self.name} has no published dense {dtype} peak in the catalog "
-                f"(known: {', '.join(sorted(self.peak_flops))})."
+                f"(known: {known})."
             )
         return self.peak_flops[dtype]
 

@@ -72,7 +72,15 @@ def read_toml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"recipe file {str(p)!r} is not valid TOML: {err}.") from None
 
 
-def merge(base: dict[str, dict], extra: dict[str, dict]) -> dict[str, dict]:
+def merge(base: dict[str, Any], extra: dict[str, dict]) -> dict[str, dict]:
+    """Overlay `extra` on `base` by section; a top-level key that is not a table is an error."""
+    bad = [
+        f"{name} = {value!r}: expected a [{name}] table of settings."
+        for name, value in base.items()
+        if not isinstance(value, dict)
+    ]
+    if bad:
+        raise ConfigError(bad)
     out = {k: dict(v) for k, v in base.items()}
     for section, values in extra.items():
         out.setdefault(section, {}).update(values)
