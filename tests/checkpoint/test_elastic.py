@@ -158,3 +158,94 @@ def test_sigkill_one_rank_restarts_and_resumes(tmp_path):
     assert [e["step"] for e in second] == list(range(kill_step + 1, STEPS + 1)), where
     for entry in first + second:
         assert entry["loss"] == reference[entry["step"]], (where, entry)
+
+
+# ---- the same through `fivefold.train` itself ----------------------------------------------
+TRAIN_OVERRIDES = [
+    "plan.tp=2",
+    "plan.dp_shard=2",
+    "plan.zero=3",
+    "plan.micro_batch=2",
+    "plan.grad_accum=2",
+    "train.steps=7",
+    "train.ckpt_every=1",
+    "train.warmup_steps=2",
+    "train.progress=false",
+    "train.tensorboard=false",
+    "train.log_every=1",
+    "train.device=cpu",
+]
+
+
+def children(pid: int) -> list[int]:
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(p) for p in path.read_text().split()] if path.exists() else []
+
+
+def losses_by_step(metrics: Path) -> list[tuple[int, float]]:
+    if not metrics.is_file():
+        return []
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    return [(row["step"], row["loss"]) for row in rows]
+
+
+@pytest.mark.slow
+def test_fivefold_train_survives_sigkill_of_a_rank(tmp_path):
+    """`torchrun --max-restarts 1 -m fivefold.train`: one worker is SIGKILLed (chosen at random,
+    after a random step); the job restarts, resumes from the newest valid checkpoint by itself,
+    and every loss it logs equals the uninterrupted run's at that step."""
+    recipe = str(Path(__file__).parents[2] / "configs" / "tiny-cpu.toml")
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "4",
+        "--max-restarts",
+        "1",
+        "-m",
+        "fivefold.train",
+        recipe,
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
+
+    straight = subprocess.run(
+        [*command, *TRAIN_OVERRIDES, f"train.run_dir={tmp_path / 'straight'}"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    reference = dict(losses_by_step(tmp_path / "straight" / "metrics.jsonl"))
+    assert sorted(reference) == list(range(1, 8))
+
+    rng = random.Random(int(time.time()))
+    kill_after = rng.randrange(2, 6)
+    run_dir = tmp_path / "killed"
+    proc = subprocess.Popen(
+        [*command, *TRAIN_OVERRIDES, f"train.run_dir={run_dir}"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    victim = None
+    deadline = time.monotonic() + 300
+    while victim is None and time.monotonic() < deadline and proc.poll() is None:
+        if any(step >= kill_after for step, _ in losses_by_step(run_dir / "metrics.jsonl")):
+            workers = children(proc.pid)
+            victim = rng.choice(workers)
+            os.kill(victim, 9)
+        time.sleep(0.05)
+    out, err = proc.communicate(timeout=400)
+    where = f"(SIGKILLed worker pid {victim} after step {kill_after})"
+    assert victim is not None, f"never reached step {kill_after}: {err[-3000:]}"
+    assert proc.returncode == 0, f"{where}\n{err[-3000:]}"
+    assert "resumed from" in out, where
+    logged = losses_by_step(run_dir / "metrics.jsonl")
+    assert sorted({step for step, _ in logged}) == list(range(1, 8)), (where, logged)
+    for step, loss in logged:
+        assert loss == reference[step], (where, step, loss, reference[step])

@@ -5,6 +5,8 @@ downloaded: the config is written locally and loaded with local_files_only."""
 from __future__ import annotations
 
 import json
+import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -121,3 +123,23 @@ def test_cli_export_import_round_trip(tmp_path, capsys):
     # a second import into the same run directory is refused with exit status 2
     assert main(["import", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "new")]) == 2
     assert "already holds checkpoints" in capsys.readouterr().err
+
+
+def test_training_starts_from_an_imported_model(tmp_path, capsys):
+    """train -> export -> import -> `fivefold train imported.toml`: the new run resumes from the
+    imported weights (its first loss is the trained model's, far below a fresh model's ln V)."""
+    recipe = str(Path(__file__).parents[2] / "configs" / "tiny-cpu.toml")
+    quiet = ["--no-progress", "train.tensorboard=false", "train.log_every=1"]
+    trained = tmp_path / "trained"
+    assert main(["train", recipe, "--steps", "25", f"train.run_dir={trained}", *quiet]) == 0
+    last = [json.loads(x) for x in (trained / "metrics.jsonl").read_text().splitlines()][-1]
+    assert main(["export", "--hf", str(tmp_path / "hf"), "--from", str(trained)]) == 0
+    assert main(["import", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "new")]) == 0
+    capsys.readouterr()
+    imported = str(tmp_path / "new" / "imported.toml")
+    assert main(["train", imported, "--steps", "1", "train.warmup_steps=0", *quiet]) == 0
+    assert "resumed from" in capsys.readouterr().out
+    first = json.loads((tmp_path / "new" / "metrics.jsonl").read_text().splitlines()[0])
+    fresh = math.log(4096)
+    assert first["step"] == 1
+    assert first["loss"] < fresh - 1.0 and abs(first["loss"] - last["loss"]) < 0.5

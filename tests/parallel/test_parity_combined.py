@@ -35,6 +35,19 @@ SLOW_CASES = [
         {"pp": 2, "dp_shard": 2, "zero": 3, "tp": 2, "micro_batch": 2, "grad_accum": 2},
     ),
     ParityCase(
+        "ZeRO-3xTP2xPP2 dualpipev accum 4",
+        {
+            "pp": 2,
+            "vpp": 2,
+            "schedule": "dualpipev",
+            "dp_shard": 2,
+            "zero": 3,
+            "tp": 2,
+            "micro_batch": 1,
+            "grad_accum": 4,
+        },
+    ),
+    ParityCase(
         "DP2xTP2xPP2 interleaved accum 4 recompute full",
         {
             "pp": 2,

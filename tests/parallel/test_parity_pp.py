@@ -3,6 +3,11 @@
 The parity model has 8 layers, so PP4 with two virtual stages per rank still gives every stage
 a layer. The micro-batch count is the plan's grad_accum (ZBV and DualPipeV need at least
 2 * pp of them).
+
+The V schedules (zbv, dualpipev) split each backward into an input pass and a later weight
+pass; under ZeRO-3 a forward of the same chunk can come between them and re-shard its FSDP
+units, which once lost the weight gradients of those micro-batches (loss off by 2e-3 relative
+after 10 steps). The `x ZeRO-3` cases below pin that down.
 """
 
 from __future__ import annotations
@@ -10,10 +15,17 @@ from __future__ import annotations
 import pytest
 from harness import ParityCase, assert_parity
 
+# pp 2 x dp_shard 2 with two chunks per rank; 4 micro-batches (2 * pp) of one sequence each
+_V_ZERO3 = {"pp": 2, "vpp": 2, "dp_shard": 2, "zero": 3, "micro_batch": 1, "grad_accum": 4}
+
 CI_CASES = [
     ParityCase(
         "PP2 1f1b x ZeRO-1 x2",
         {"pp": 2, "dp_shard": 2, "zero": 1, "micro_batch": 2, "grad_accum": 2},
+    ),
+    ParityCase(
+        "PP2 dualpipev x ZeRO-3 x2",
+        _V_ZERO3 | {"schedule": "dualpipev"},
     ),
 ]
 
@@ -37,6 +49,12 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zbv", "dualpipev")
 SLOW_CASES = [_pp_case(pp, s) for pp in (2, 4) for s in SCHEDULES] + [
     ParityCase(
         "PP2 1f1b recompute full", {"pp": 2, "grad_accum": 4, "micro_batch": 2, "recompute": "full"}
+    ),
+    ParityCase("PP2 zbv x ZeRO-3 x2", _V_ZERO3 | {"schedule": "zbv"}),
+    ParityCase("PP2 interleaved-1f1b x ZeRO-3 x2", _V_ZERO3 | {"schedule": "interleaved-1f1b"}),
+    ParityCase("PP2 dualpipev x ZeRO-2 x2", _V_ZERO3 | {"schedule": "dualpipev", "zero": 2}),
+    ParityCase(
+        "MoE PP2 zbv x ZeRO-3 x2 (no EP)", _V_ZERO3 | {"schedule": "zbv"}, model="parity-moe"
     ),
 ]
 

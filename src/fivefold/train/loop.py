@@ -91,6 +91,9 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, self.cfg)
         self.step = 0
         self.last_checkpoint: Path | None = None
+        self.checkpoints = ckpt.RunCheckpoints(
+            self.run_dir, self.cfg.keep_checkpoints, getattr(self.cfg, "ckpt_async", False)
+        )
         self.peak: DevicePeak = device_peak(runtime.device, self._compute_dtype())
         self._peak_checked_at = time.perf_counter()
         self.tokens_per_step = run.global_batch * self.recipe.model.seq_len
@@ -111,16 +114,19 @@ class Trainer:
 
     # ---- set-up ---------------------------------------------------------------------------
     def prepare_run_dir(self) -> None:
-        """Resume from the newest checkpoint if asked; otherwise clear the run's old state."""
-        existing = ckpt.latest_checkpoint(self.run_dir)
-        if self.cfg.resume and existing is not None:
-            self._restore(existing)
+        """Resume from the newest valid checkpoint if asked (always after an elastic restart);
+        otherwise clear the run's old state. Collective: every rank calls it."""
+        choice = self.checkpoints.select()
+        if choice.skipped and self.runtime.is_main:
+            self.console.print(f"checkpoints not usable, skipped: {choice.describe_skipped()}")
+        if self.checkpoints.wants_resume(self.cfg.resume, choice):
+            self._restore(choice.path)
         elif self.runtime.is_main:
             if self.cfg.resume:
                 self.console.print(
-                    f"resume: no checkpoint in {self.run_dir}/ckpt; starting at step 0"
+                    f"resume: no valid checkpoint in {self.run_dir}/ckpt; starting at step 0"
                 )
-            elif existing is not None:
+            elif ckpt.list_checkpoints(self.run_dir):
                 self.console.print(
                     f"note: replacing the earlier run in {self.run_dir} "
                     "(use --resume to continue it)"
@@ -132,39 +138,17 @@ class Trainer:
             (self.run_dir / "recipe.toml").write_text(dump_recipe(self.recipe, header))
 
     def _restore(self, directory: Path) -> None:
-        state = ckpt.load_checkpoint(directory, self._rank(), self.runtime.device)
-        ckpt.check_compatible(state, self.recipe.model.to_dict(), directory)
-        for part, weights in zip(self.runtime.model_parts, state.model, strict=True):
-            part.load_state_dict(weights)
-        self.optimizer.load_state_dict(state.optimizer)
-        self.scheduler.load_state_dict(state.scheduler)
-        self.data.sampler.load_state_dict(state.sampler)
-        ckpt.restore_rng(state.rng)
-        self.step = state.step
+        state = self.checkpoints.restore(self, directory)
         self.last_checkpoint = directory
-        self.console.print(f"resumed from {directory} (step {state.step})")
-
-    def _rank(self) -> int:
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            return torch.distributed.get_rank()
-        return 0
+        written_by = f"{state.world_size} rank(s)"
+        if state.plan and state.plan != self.recipe.plan.to_dict():
+            written_by += " with another layout, resharded"
+        self.console.print(f"resumed from {directory} (step {state.step}, written by {written_by})")
 
     # ---- checkpoints ----------------------------------------------------------------------
     def save(self, extra: dict[str, Any]) -> Path:
-        state = ckpt.TrainState(
-            step=self.step,
-            model=[part.state_dict() for part in self.runtime.model_parts],
-            optimizer=self.optimizer.state_dict(),
-            scheduler=self.scheduler.state_dict(),
-            sampler=self.data.sampler.state_dict(),
-            rng=ckpt.capture_rng(),
-            model_spec=self.recipe.model.to_dict(),
-            plan=self.recipe.plan.to_dict(),
-            extra=extra,
-        )
-        self.last_checkpoint = ckpt.save_checkpoint(
-            self.run_dir, state, self._rank(), self.runtime.world_size, self.cfg.keep_checkpoints
-        )
+        """Checkpoint this step (collective; see fivefold.train.checkpoint)."""
+        self.last_checkpoint = self.checkpoints.save(self, extra)
         return self.last_checkpoint
 
     # ---- one step -------------------------------------------------------------------------
@@ -283,6 +267,7 @@ class Trainer:
                 )
             ):
                 self.save({"loss": losses[-1]})
+            self.checkpoints.close()  # an asynchronous save is committed before the run ends
         finally:
             reporter.stop()
             if jsonl is not None:
