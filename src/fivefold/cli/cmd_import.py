@@ -13,8 +13,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Turn a Hugging Face Llama directory (config.json + *.safetensors; no "
         "download, no pickled .bin files) into a weights-only fivefold checkpoint "
         "RUN_DIR/ckpt/step_0 and a recipe RUN_DIR/imported.toml whose [model] section is the "
-        "imported architecture. Then train from it with any layout: `fivefold train "
-        "RUN_DIR/imported.toml train.run_dir=RUN_DIR train.resume=true [overrides]` "
+        "imported architecture (with train.run_dir = RUN_DIR and train.resume = true). Then "
+        "train from it with any layout: `fivefold train RUN_DIR/imported.toml [overrides]` "
         "(the run resumes from step_0 with the imported weights and a fresh optimizer, LR "
         "schedule and data order). Llama models with biases or scaled RoPE (e.g. Llama 3.1's "
         "'llama3' rope type) are refused because fivefold's model would not reproduce them.",
@@ -58,14 +58,13 @@ def _import(args: argparse.Namespace) -> int:
     model = read_state(path).model_spec
     lines = [
         f"# Imported from {args.hf.resolve()} by `fivefold import`.",
-        f"# Train: fivefold train {args.out / 'imported.toml'} train.run_dir={args.out} "
-        "train.resume=true",
+        f"# Train with: fivefold train {args.out / 'imported.toml'} [section.field=value ...]",
         "",
         "[model]",
         *(f"{key} = {_toml(value)}" for key, value in model.items()),
         "",
         "[train]",
-        f'run_dir = "{args.out}"',
+        f"run_dir = {_toml(str(args.out.resolve()))}",
         "resume = true",
     ]
     (args.out / "imported.toml").write_text("\n".join(lines) + "\n")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import pkgutil
 import sys
 
@@ -43,6 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     except FivefoldError as err:
         print(f"fivefold {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader went away (e.g. `| head`): not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except KeyboardInterrupt:
         print(f"fivefold {args.command}: interrupted", file=sys.stderr)
         return 130
