@@ -15,9 +15,10 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
-## Train the small preset on the embedded corpus on CPU (about 5 minutes on 2 cores).
+## Train the small preset on the embedded corpus on CPU (about 5 minutes on 2 cores), always
+## from step 0 (--fresh replaces an earlier demo run and its checkpoints).
 demo: $(STAMP)
-	$(BIN)/fivefold train configs/small-cpu.toml
+	$(BIN)/fivefold train configs/small-cpu.toml --fresh
 
 ## The CI suite: lint, then every test not marked slow.
 test: $(STAMP)
@@ -28,8 +29,9 @@ test: $(STAMP)
 test-all: $(STAMP)
 	$(BIN)/pytest -q --timeout 1800
 
+## The multi-rank parity matrix and every checkpoint test (resharding, elastic restart).
 parity: $(STAMP)
-	$(BIN)/pytest -q tests/parallel --timeout 1800
+	$(BIN)/pytest -q tests/parallel tests/checkpoint --timeout 1800
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests scripts benchmarks

@@ -184,7 +184,7 @@ def test_cli_trains_and_prints_summary(tmp_path, capsys):
     out = capsys.readouterr().out
     assert code == 0
     assert "done: steps 0 -> 3" in out and "tokens/s" in out and "MFU" in out
-    assert (tmp_path / "cli" / "ckpt" / "step_3" / "rank_00000.pt").is_file()
+    assert (tmp_path / "cli" / "ckpt" / "step_3" / "manifest.json").is_file()
 
 
 def test_held_out_loss_is_logged_at_eval_steps(tmp_path):

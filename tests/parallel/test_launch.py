@@ -4,6 +4,7 @@ anything starts, and a real 2-process torchrun of the tiny recipe."""
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import pytest
 
 from fivefold.cli.main import main
 from fivefold.errors import ConfigError
+from fivefold.parallel import launch
 from fivefold.parallel.launch import launch_local, torchrun_command
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -41,6 +43,7 @@ def test_slurm_script_runs_torchrun_on_every_node(capsys) -> None:
         "#SBATCH --partition=gpu",
         "--nproc-per-node=4",
         "--rdzv-backend=c10d",
+        "--max-restarts=3",  # the Slurm default: a cluster job restarts after a failure
         '--rdzv-endpoint="$head_node:29500"',
         f"-m fivefold.train {RECIPE} train.steps=50",
     ):
@@ -68,7 +71,60 @@ def test_torchrun_command_is_this_python_running_the_train_module() -> None:
     cmd = torchrun_command(4, "r.toml", ["plan.tp=2"])
     assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]
     assert "--standalone" in cmd and "--nproc-per-node=4" in cmd
+    assert "--max-restarts=0" in cmd  # no restart unless asked
     assert cmd[-4:] == ["-m", "fivefold.train", "r.toml", "plan.tp=2"]
+    assert "--max-restarts=3" in torchrun_command(4, "r.toml", [], max_restarts=3)
+
+
+def test_slurm_script_takes_max_restarts(capsys) -> None:
+    args = ["launch", "--slurm", "--gpus-per-node", "8", "--max-restarts", "5", RECIPE]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "    --max-restarts=5 \\\n" in out and "--max-restarts=3" not in out
+    assert main([*args[:-2], "-1", RECIPE]) == 2
+    assert "--max-restarts -1: must be >= 0" in capsys.readouterr().err
+
+
+class RecordedRun:
+    """Stands in for subprocess.run: records the command instead of starting torchrun."""
+
+    def __init__(self) -> None:
+        self.commands: list[list[str]] = []
+
+    def __call__(self, command, env=None):
+        self.commands.append(list(command))
+        return subprocess.CompletedProcess(command, 0)
+
+
+@pytest.mark.parametrize(
+    ("cli_args", "expected_nproc", "expected_restarts"),
+    [
+        (["launch", "--nproc", "8", "--max-restarts", "2", RECIPE], 8, 2),
+        (["launch", "--nproc", "8", RECIPE], 8, 0),
+        (["train", "--nproc", "8", "--max-restarts", "4", RECIPE], 8, 4),
+        (["train", RECIPE, "--nproc", "8", "--max-restarts", "1"], 8, 1),  # options after it
+        # one process with restarts also runs under torchrun, which restarts it
+        (["train", str(CONFIGS / "tiny-cpu.toml"), "--max-restarts", "2"], 1, 2),
+    ],
+)
+def test_max_restarts_reaches_the_torchrun_command(
+    monkeypatch, cli_args, expected_nproc, expected_restarts
+) -> None:
+    recorded = RecordedRun()
+    monkeypatch.setattr(launch.subprocess, "run", recorded)
+    assert main(cli_args) == 0
+    (command,) = recorded.commands
+    assert command[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert f"--nproc-per-node={expected_nproc}" in command
+    assert [a for a in command if a.startswith("--max-restarts")] == [
+        f"--max-restarts={expected_restarts}"
+    ]
+    assert command.index(f"--max-restarts={expected_restarts}") < command.index("fivefold.train")
+
+
+def test_launch_local_refuses_negative_max_restarts() -> None:
+    with pytest.raises(ConfigError, match="--max-restarts -2: must be >= 0"):
+        launch_local(8, RECIPE, [], max_restarts=-2)
 
 
 def test_train_nproc_2_runs_torchrun_end_to_end(tmp_path) -> None:

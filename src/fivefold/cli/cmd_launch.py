@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from fivefold.errors import ConfigError
+from fivefold.parallel.launch import SLURM_MAX_RESTARTS
 
 _DESCRIPTION = """\
 Start a multi-process training run of a recipe.
@@ -16,7 +18,9 @@ Start a multi-process training run of a recipe.
   --nproc N start N processes on this machine with torchrun (gloo on CPU, NCCL on CUDA); the
             same as `fivefold train --nproc N`.
 
-Each rank runs `python -m fivefold.train RECIPE [overrides]`.
+Each rank runs `python -m fivefold.train RECIPE [overrides]`. With --max-restarts N torchrun
+restarts the whole group after a rank fails (even by SIGKILL), up to N times, and the restarted
+run resumes from its newest valid checkpoint (set train.ckpt_every so there is a recent one).
 """
 
 _EPILOG = """\
@@ -25,6 +29,7 @@ examples:
   fivefold launch --slurm --nodes 1 --gpus-per-node 8 --partition gpu --time 02:00:00 \\
       configs/small-dp2-tp2-pp2.toml train.steps=1000
   fivefold launch --nproc 8 configs/small-dp2-tp2-pp2.toml train.steps=20
+  fivefold launch --nproc 8 --max-restarts 2 configs/small-dp2-tp2-pp2.toml train.ckpt_every=10
 
 Options go before the recipe; section.field=value overrides follow it.
 """
@@ -63,6 +68,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--job-name", default="", metavar="NAME", help="--slurm: job name (default: train.name)"
+    )
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=None,
+        metavar="N",
+        help="restart the group up to N times after a rank fails; it resumes from the newest "
+        f"valid checkpoint (default: 0 with --nproc, {SLURM_MAX_RESTARTS} with --slurm)",
     )
     parser.set_defaults(handler=handle)
 
@@ -115,12 +128,14 @@ def handle(args: argparse.Namespace) -> int:
     if recipe_path is None:
         raise ConfigError("fivefold launch needs a recipe file, e.g. configs/small-cpu.toml.")
     if args.nproc is not None:
-        return launch_local(args.nproc, recipe_path, overrides)
+        return launch_local(args.nproc, recipe_path, overrides, args.max_restarts or 0)
+    restarts = SLURM_MAX_RESTARTS if args.max_restarts is None else args.max_restarts
     job = SlurmJob(
         nodes=args.nodes,
         gpus_per_node=_gpus_per_node(recipe_path, overrides, args.gpus_per_node),
         time=args.time,
         partition=args.partition,
+        max_restarts=restarts,
     )
     if job.problems():
         raise ConfigError(job.problems())
@@ -128,6 +143,6 @@ def handle(args: argparse.Namespace) -> int:
     _check_allocation(recipe_path, overrides, job.nodes, job.gpus_per_node)
     run = check_layout(recipe_path, overrides, world)
     name = args.job_name or f"fivefold-{run.train.name}"
-    job = SlurmJob(job.nodes, job.gpus_per_node, name, job.time, job.partition)
+    job = dataclasses.replace(job, job_name=name)
     print(slurm_script(job, recipe_path, overrides, run.recipe.plan.describe()), end="")
     return 0

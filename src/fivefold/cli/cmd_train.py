@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from fivefold.errors import ConfigError
+from fivefold.train.entry import FRESH_HELP, RESUME_HELP, resume_overrides
 
 _DESCRIPTION = """\
 Train the recipe's model on its data with the recipe's parallel plan. A recipe is a TOML file
@@ -16,7 +17,8 @@ field can be overridden on the command line as section.field=value.
 lr_schedule (cosine|linear|constant), weight_decay, betas, eps, grad_clip (0 = off),
 global_batch (sequences; must equal micro_batch x dp x grad_accum), seed, device
 (auto|cpu|cuda), log_every, eval_every, eval_batches, ckpt_every, save_final,
-keep_checkpoints, resume, tensorboard, progress, max_time_s, memory_step.
+keep_checkpoints, ckpt_async, resume ("auto"|true|false), tensorboard, progress, max_time_s,
+memory_step.
 [data] fields: shards (a prepared directory), inputs (.txt/.jsonl files), tokenizer,
 cache_dir, val_fraction. Without [data] the model trains on the embedded corpus.
 
@@ -25,14 +27,21 @@ autocast. Each run writes runs/<name>/: metrics.jsonl (one line per step: loss, 
 tokens_per_s, mfu, hfu, peak_memory_bytes, ...), recipe.toml (as resolved), summary.json,
 ckpt/step_<n>/ and TensorBoard events when tensorboard is installed. MFU is model FLOPs against
 the device's dense peak from the GPU catalog; on CPU against a matmul peak measured at start.
+
+Re-running: by default (train.resume = "auto") a run whose directory holds a valid checkpoint
+continues from the newest one; one already at train.steps says it is complete and exits 0
+(raise train.steps to train further). --fresh starts over at step 0 and deletes the run's
+earlier checkpoints; --resume insists on resuming and says so when there is nothing to resume.
 """
 
 _EPILOG = """\
 examples:
-  fivefold train configs/small-cpu.toml                     # the demo (make demo)
+  fivefold train configs/small-cpu.toml --fresh             # the demo (make demo), from step 0
   fivefold train configs/tiny-cpu.toml train.steps=50 plan.recompute=full
-  fivefold train configs/small-cpu.toml --resume            # continue from the last checkpoint
+  fivefold train configs/small-cpu.toml train.steps=600     # continue a finished run further
   fivefold train configs/tiny-cpu.toml --nproc 4 plan.dp_replicate=4 plan.grad_accum=1
+  fivefold train configs/tiny-cpu.toml --nproc 4 --max-restarts 3 plan.dp_shard=4 \\
+      train.ckpt_every=10                                   # survives a rank's crash
   python -m fivefold.train configs/tiny-cpu.toml            # the same, as one torchrun rank
 """
 
@@ -60,11 +69,8 @@ def add_arguments(parser: argparse.ArgumentParser, items_nargs: str = "*") -> No
         "and overrides make the recipe) and any section.field=value overrides, values in TOML "
         "syntax (train.lr=1e-3, plan.recompute=full, train.betas=[0.9,0.99])",
     )
-    parser.add_argument(
-        "--resume",
-        action="store_true",
-        help="continue from the newest checkpoint in runs/<name>/ckpt (same as train.resume=true)",
-    )
+    parser.add_argument("--resume", action="store_true", help=RESUME_HELP)
+    parser.add_argument("--fresh", action="store_true", help=FRESH_HELP)
     parser.add_argument(
         "--steps", type=int, metavar="N", help="optimizer steps (same as train.steps=N)"
     )
@@ -78,6 +84,14 @@ def add_arguments(parser: argparse.ArgumentParser, items_nargs: str = "*") -> No
         metavar="N",
         help="start N local processes with torchrun (the plan's degrees must multiply to N; "
         "default 1: train in this process)",
+    )
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        metavar="N",
+        help="run under torchrun and restart the processes up to N times after one fails (even "
+        "by SIGKILL); each restart resumes from the newest valid checkpoint (default 0)",
     )
     parser.add_argument(
         "--plan",
@@ -111,9 +125,7 @@ def reparse_items(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def _flag_overrides(args: argparse.Namespace) -> list[str]:
-    out = []
-    if args.resume:
-        out.append("train.resume=true")
+    out = resume_overrides(args.resume, args.fresh)
     if args.steps is not None:
         out.append(f"train.steps={args.steps}")
     if args.name is not None:
@@ -161,18 +173,22 @@ def handle(args: argparse.Namespace) -> int:
     overrides += _flag_overrides(args)
     if args.nproc < 1:
         raise ConfigError(f"--nproc {args.nproc}: the number of processes must be at least 1.")
+    if args.max_restarts < 0:
+        from fivefold.parallel.launch import max_restarts_problems
+
+        raise ConfigError(max_restarts_problems(args.max_restarts))
     if args.plan == "auto":
         overrides += auto_plan_overrides(recipe_path, overrides, args.nproc)
     run = load_run(recipe_path, overrides, world_size=args.nproc)  # validate before launching
-    if args.nproc > 1:
-        return _launch(args.nproc, recipe_path, overrides)
+    if args.nproc > 1 or args.max_restarts > 0:
+        return _launch(args.nproc, recipe_path, overrides, args.max_restarts)
     from fivefold.train.loop import train
 
     train(run)
     return 0
 
 
-def _launch(nproc: int, recipe_path: str | None, overrides: list[str]) -> int:
+def _launch(nproc: int, recipe_path: str | None, overrides: list[str], max_restarts: int) -> int:
     try:
         from fivefold.parallel.launch import launch_local
     except ImportError:
@@ -181,4 +197,4 @@ def _launch(nproc: int, recipe_path: str | None, overrides: list[str]) -> int:
             "not available in this installation; train with --nproc 1, or start `torchrun "
             "--nproc-per-node N -m fivefold.train RECIPE` yourself."
         ) from None
-    return int(launch_local(nproc, recipe_path, overrides))
+    return int(launch_local(nproc, recipe_path, overrides, max_restarts))

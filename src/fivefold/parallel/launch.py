@@ -19,6 +19,7 @@ from pathlib import Path
 from fivefold.errors import ConfigError
 
 RDZV_PORT = 29500
+SLURM_MAX_RESTARTS = 3  # a cluster job restarts by default: failures are routine at scale
 
 
 def check_layout(recipe_path: str | Path | None, overrides: list[str], world_size: int):
@@ -43,26 +44,45 @@ def train_args(recipe_path: str | Path | None, overrides: list[str]) -> list[str
     return ["-m", "fivefold.train", *([str(recipe_path)] if recipe_path else []), *overrides]
 
 
-def torchrun_command(nproc: int, recipe_path: str | Path | None, overrides: list[str]) -> list[str]:
-    """The local torchrun command line (one node, a free rendezvous port)."""
+def max_restarts_problems(max_restarts: int) -> list[str]:
+    if max_restarts >= 0:
+        return []
+    return [
+        f"--max-restarts {max_restarts}: must be >= 0 (how many times torchrun restarts the "
+        "group after a rank fails; 0 = never, e.g. 3)."
+    ]
+
+
+def torchrun_command(
+    nproc: int, recipe_path: str | Path | None, overrides: list[str], max_restarts: int = 0
+) -> list[str]:
+    """The local torchrun command line (one node, a free rendezvous port). With
+    `max_restarts` > 0 torchrun restarts the whole group after a rank fails, up to that many
+    times, and the restarted run resumes from the newest valid checkpoint."""
     return [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--standalone",
         f"--nproc-per-node={nproc}",
+        f"--max-restarts={max_restarts}",
         *train_args(recipe_path, overrides),
     ]
 
 
-def launch_local(nproc: int, recipe_path: str | Path | None, overrides: list[str]) -> int:
+def launch_local(
+    nproc: int, recipe_path: str | Path | None, overrides: list[str], max_restarts: int = 0
+) -> int:
     """Run the recipe on `nproc` local processes under torchrun; returns torchrun's exit code."""
     if nproc < 1:
         raise ConfigError(f"--nproc {nproc}: the number of processes must be at least 1.")
+    if max_restarts_problems(max_restarts):
+        raise ConfigError(max_restarts_problems(max_restarts))
     check_layout(recipe_path, overrides, nproc)
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(threads_per_rank(nproc)))
-    return subprocess.run(torchrun_command(nproc, recipe_path, overrides), env=env).returncode
+    command = torchrun_command(nproc, recipe_path, overrides, max_restarts)
+    return subprocess.run(command, env=env).returncode
 
 
 @dataclass(frozen=True)
@@ -76,9 +96,10 @@ class SlurmJob:
     partition: str = ""
     cpus_per_task: int = 0  # 0: 8 per GPU
     port: int = RDZV_PORT
+    max_restarts: int = SLURM_MAX_RESTARTS  # torchrun group restarts after a rank fails
 
     def problems(self) -> list[str]:
-        out = []
+        out = max_restarts_problems(self.max_restarts)
         if self.nodes < 1:
             out.append(f"--nodes {self.nodes}: a job needs at least one node.")
         if self.gpus_per_node < 1:
@@ -90,7 +111,8 @@ def slurm_script(
     job: SlurmJob, recipe_path: str | Path, overrides: list[str], description: str = ""
 ) -> str:
     """An sbatch script: one task per node, each running torchrun over its GPUs with c10d
-    rendezvous on the first node of the allocation."""
+    rendezvous on the first node of the allocation; after a rank fails torchrun restarts the
+    group up to `job.max_restarts` times and the run resumes from its newest valid checkpoint."""
     world = job.nodes * job.gpus_per_node
     cpus = job.cpus_per_task or 8 * job.gpus_per_node
     header = [
@@ -119,6 +141,7 @@ def slurm_script(
         "srun --kill-on-bad-exit=1 python -m torch.distributed.run \\",
         '    --nnodes="$SLURM_NNODES" \\',
         f"    --nproc-per-node={job.gpus_per_node} \\",
+        f"    --max-restarts={job.max_restarts} \\",
         '    --rdzv-id="$SLURM_JOB_ID" \\',
         "    --rdzv-backend=c10d \\",
         f'    --rdzv-endpoint="$head_node:{job.port}" \\',

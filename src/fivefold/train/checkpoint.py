@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from fivefold.checkpoint import manifest as mf
 from fivefold.checkpoint.checkpointer import Checkpointer
 from fivefold.checkpoint.elastic import should_resume
-from fivefold.checkpoint.state import TrainingState
+from fivefold.checkpoint.state import TrainingState, check_model_spec, read_state
 
 if TYPE_CHECKING:
     from fivefold.train.loop import Trainer
@@ -67,6 +67,13 @@ class RunCheckpoints:
             sampler=trainer.data.sampler,
             extra=extra,
         )
+
+    def saved_step(self, trainer: Trainer, directory: Path) -> int:
+        """The step of `directory`, after checking it holds this recipe's model (CheckpointError
+        naming the differences otherwise); reads only its state.json."""
+        state = read_state(directory)
+        check_model_spec(state, trainer.recipe.model.to_dict(), directory)
+        return state.step
 
     def restore(self, trainer: Trainer, directory: Path) -> TrainingState:
         """Weights, optimizer, schedule, data position and RNG of `directory`, into `trainer`."""

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fivefold.checkpoint.elastic import resume_mode
 from fivefold.errors import ConfigError
 from fivefold.spec.recipe import Recipe, build
 
@@ -49,7 +50,10 @@ class TrainConfig:
     ckpt_every: int = 0  # checkpoint every N steps; 0 = only at the end (if save_final)
     save_final: bool = True  # checkpoint after the last step
     keep_checkpoints: int = 2  # newest checkpoints kept; 0 keeps all
-    resume: bool = False  # continue from the newest checkpoint in <run_dir>/ckpt if one exists
+    # "auto": continue from the newest valid checkpoint in <run_dir>/ckpt when there is one;
+    # true: the same, and say so when there is none; false: start over, deleting old checkpoints
+    resume: bool | str = "auto"
+    ckpt_async: bool = False  # write checkpoints in a background thread while training goes on
     tensorboard: bool = True  # also write TensorBoard events when tensorboard is installed
     progress: bool = True  # rich progress bar on the console
     max_time_s: float = 0.0  # stop (and checkpoint) after this much wall time; 0 = no limit
@@ -115,6 +119,10 @@ class TrainConfig:
         for name in ("eval_every", "ckpt_every", "keep_checkpoints"):
             if getattr(self, name) < 0:
                 out.append(f"train.{name} = {getattr(self, name)}: must be >= 0 (0 turns it off).")
+        try:
+            resume_mode(self.resume)
+        except ConfigError as err:
+            out += err.problems
         if self.max_time_s < 0:
             out.append(f"train.max_time_s = {self.max_time_s}: must be >= 0 (0 = no limit).")
         if not self.name or "/" in self.name or self.name in (".", ".."):

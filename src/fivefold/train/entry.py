@@ -20,6 +20,14 @@ from fivefold.spec.recipe import merge, parse_overrides, read_toml, recipe_from_
 from fivefold.train.config import RunConfig, parse_train_config
 
 RECIPE_SUFFIXES = (".toml",)
+RESUME_HELP = (
+    "continue from the newest valid checkpoint in <run_dir>/ckpt, and say so when there is none "
+    '(train.resume=true). The default, train.resume="auto", already resumes when one exists'
+)
+FRESH_HELP = (
+    "start over at step 0, deleting the run's earlier checkpoints (train.resume=false); without "
+    "it a re-run continues from the newest valid checkpoint"
+)
 
 
 def split_recipe_and_overrides(items: list[str]) -> tuple[str | None, list[str]]:
@@ -87,7 +95,10 @@ def load_run(
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m fivefold.train",
-        description="Run one training process (or one rank under torchrun) from a TOML recipe.",
+        description="Run one training process (or one rank under torchrun) from a TOML recipe. "
+        'By default (train.resume="auto") a run whose directory holds a valid checkpoint '
+        "continues from the newest one; a run already at train.steps prints that it is complete "
+        "and exits 0. After an elastic restart (torchrun --max-restarts) it always resumes.",
     )
     parser.add_argument(
         "items",
@@ -95,8 +106,21 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="RECIPE|OVERRIDE",
         help="a recipe file (configs/*.toml) and section.field=value overrides",
     )
-    parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
+    parser.add_argument("--resume", action="store_true", help=RESUME_HELP)
+    parser.add_argument("--fresh", action="store_true", help=FRESH_HELP)
     return parser
+
+
+def resume_overrides(resume: bool, fresh: bool) -> list[str]:
+    """The `train.resume` override of the --resume / --fresh flags (ConfigError for both)."""
+    if resume and fresh:
+        raise ConfigError(
+            "--resume and --fresh contradict each other: give --resume to continue the run from "
+            "its newest checkpoint, or --fresh to start over at step 0."
+        )
+    if resume:
+        return ["train.resume=true"]
+    return ["train.resume=false"] if fresh else []
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,8 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         from fivefold.train.loop import train
 
         recipe_path, overrides = split_recipe_and_overrides(args.items)
-        if args.resume:
-            overrides.append("train.resume=true")
+        overrides += resume_overrides(args.resume, args.fresh)
         train(load_run(recipe_path, overrides))
     except FivefoldError as err:
         prefix = f"[rank {rank}] " if world_size_from_env() > 1 else ""

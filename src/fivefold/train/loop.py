@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from rich.console import Console
 
+from fivefold.checkpoint.elastic import resume_mode
 from fivefold.errors import FivefoldError, TrainingError
 from fivefold.spec.model import param_count, training_flops_per_token
 from fivefold.spec.recipe import dump_recipe
@@ -57,7 +58,7 @@ class TrainSummary:
     peak_label: str
     peak_memory_bytes: int
     wall_s: float
-    stop_reason: str  # "completed" | "max_time_s"
+    stop_reason: str  # "completed" | "max_time_s" | "already_complete" (nothing to do)
     last_checkpoint: str | None
     eval_losses: dict[int, float] = field(default_factory=dict)
     prediction: dict[str, Any] | None = None
@@ -92,7 +93,7 @@ class Trainer:
         self.step = 0
         self.last_checkpoint: Path | None = None
         self.checkpoints = ckpt.RunCheckpoints(
-            self.run_dir, self.cfg.keep_checkpoints, getattr(self.cfg, "ckpt_async", False)
+            self.run_dir, self.cfg.keep_checkpoints, self.cfg.ckpt_async
         )
         self.peak: DevicePeak = device_peak(runtime.device, self._compute_dtype())
         self._peak_checked_at = time.perf_counter()
@@ -114,28 +115,78 @@ class Trainer:
 
     # ---- set-up ---------------------------------------------------------------------------
     def prepare_run_dir(self) -> None:
-        """Resume from the newest valid checkpoint if asked (always after an elastic restart);
-        otherwise clear the run's old state. Collective: every rank calls it."""
+        """Resume from the newest valid checkpoint (see `train.resume`; always after an elastic
+        restart) or start over; a run already at its last step is left alone (`is_complete`).
+        Collective: every rank calls it."""
         choice = self.checkpoints.select()
         if choice.skipped and self.runtime.is_main:
             self.console.print(f"checkpoints not usable, skipped: {choice.describe_skipped()}")
         if self.checkpoints.wants_resume(self.cfg.resume, choice):
+            assert choice.path is not None
+            saved_step = self.checkpoints.saved_step(self, choice.path)
+            if saved_step >= self.last_step:
+                self.step, self.last_checkpoint = saved_step, choice.path  # nothing to load
+                return
             self._restore(choice.path)
         elif self.runtime.is_main:
-            if self.cfg.resume:
-                self.console.print(
-                    f"resume: no valid checkpoint in {self.run_dir}/ckpt; starting at step 0"
-                )
-            elif ckpt.list_checkpoints(self.run_dir):
-                self.console.print(
-                    f"note: replacing the earlier run in {self.run_dir} "
-                    "(use --resume to continue it)"
-                )
-                shutil.rmtree(ckpt.checkpoint_root(self.run_dir), ignore_errors=True)
+            self._start_over()
         if self.runtime.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             header = "Recipe of this run, as resolved (presets expanded, overrides applied)."
             (self.run_dir / "recipe.toml").write_text(dump_recipe(self.recipe, header))
+
+    def _start_over(self) -> None:
+        """Rank 0: step 0. Old checkpoints are deleted only when the user asked to start over."""
+        found = ckpt.list_checkpoints(self.run_dir)
+        mode = resume_mode(self.cfg.resume)
+        if mode != "never":
+            if found or mode == "always":
+                self.console.print(
+                    f"resume: no valid checkpoint in {ckpt.checkpoint_root(self.run_dir)}; "
+                    "starting at step 0"
+                )
+            return
+        if found:
+            self.console.print(
+                f"note: starting over in {self.run_dir} as asked (--fresh / train.resume = "
+                f"false): deleting its {len(found)} earlier checkpoint(s), newest step "
+                f"{found[-1][0]}"
+            )
+            shutil.rmtree(ckpt.checkpoint_root(self.run_dir), ignore_errors=True)
+
+    @property
+    def is_complete(self) -> bool:
+        """True when a resumed checkpoint is already at (or past) this invocation's last step."""
+        return self.step >= self.last_step
+
+    def completion_note(self) -> str:
+        """The one line printed when a re-run finds nothing to do."""
+        if self.cfg.stop_at and self.step < self.cfg.steps:
+            return (
+                f"run {self.run_dir} stopped at step {self.step} (train.stop_at = "
+                f"{self.cfg.stop_at}); nothing to do — continue with train.stop_at=0 (to "
+                f"train.steps = {self.cfg.steps}), or start over with --fresh"
+            )
+        return (
+            f"run {self.run_dir} is complete at step {self.step}; nothing to do — train further "
+            f"with train.steps={max(2 * self.step, self.step + 1)}, or start over with --fresh"
+        )
+
+    def complete_summary(self) -> TrainSummary:
+        """What an invocation that found the run complete did: nothing."""
+        return TrainSummary(
+            run_dir=str(self.run_dir),
+            start_step=self.step,
+            end_step=self.step,
+            losses=[],
+            tokens_per_s=0.0,
+            mfu=None,
+            peak_label=self.peak.label,
+            peak_memory_bytes=0,
+            wall_s=0.0,
+            stop_reason="already_complete",
+            last_checkpoint=str(self.last_checkpoint) if self.last_checkpoint else None,
+        )
 
     def _restore(self, directory: Path) -> None:
         state = self.checkpoints.restore(self, directory)
@@ -143,7 +194,14 @@ class Trainer:
         written_by = f"{state.world_size} rank(s)"
         if state.plan and state.plan != self.recipe.plan.to_dict():
             written_by += " with another layout, resharded"
-        self.console.print(f"resumed from {directory} (step {state.step}, written by {written_by})")
+        how = (
+            '; train.resume = "auto": start over with --fresh'
+            if resume_mode(self.cfg.resume) == "auto"
+            else ""
+        )
+        self.console.print(
+            f"resumed from {directory} (step {state.step}, written by {written_by}){how}"
+        )
 
     # ---- checkpoints ----------------------------------------------------------------------
     def save(self, extra: dict[str, Any]) -> Path:
@@ -274,12 +332,6 @@ class Trainer:
                 jsonl.close()
             if board is not None:
                 board.close()
-        if not losses:
-            raise TrainingError(
-                f"nothing to do: the run in {self.run_dir} is already at step {self.step} of "
-                f"train.steps = {self.cfg.steps} (train.stop_at = {self.cfg.stop_at}); raise "
-                "train.steps (or stop_at) to continue it."
-            )
         rate = meter.tokens_per_s if meter.steps else self.tokens_per_step / max(step_s, 1e-9)
         return TrainSummary(
             run_dir=str(self.run_dir),
@@ -422,11 +474,16 @@ def print_footer(trainer: Trainer, s: TrainSummary) -> None:
 def train(
     run: RunConfig, runtime: Runtime | None = None, console: Console | None = None
 ) -> TrainSummary:
-    """Train `run` to `train.steps` (resuming if asked); returns the summary. Rank 0 prints."""
+    """Train `run` to `train.steps` (resuming per `train.resume`); returns the summary. Rank 0
+    prints. A run whose newest checkpoint is already at its last step prints one line saying so
+    and returns a summary with no losses (stop_reason "already_complete")."""
     runtime = runtime or make_runtime(run.recipe)
     try:
         trainer = Trainer(run, runtime, console)
         trainer.prepare_run_dir()
+        if trainer.is_complete:
+            trainer.console.print(trainer.completion_note())
+            return trainer.complete_summary()
         prediction, why_not = planner_prediction(run) if runtime.is_main else (None, "")
         if runtime.is_main:
             print_header(trainer, prediction, why_not)
