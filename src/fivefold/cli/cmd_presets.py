@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import TYPE_CHECKING
 
 from fivefold.spec.cluster import CLUSTER_PRESETS
 from fivefold.spec.hardware import GiB
 from fivefold.spec.model import ModelSpec, param_count
 from fivefold.spec.presets import MODEL_PRESETS
+
+if TYPE_CHECKING:
+    from rich.table import Table
 
 CLUSTER_EXAMPLE_GPUS = 8  # cluster presets are shown for one node; recipes set `gpus`
 
@@ -73,6 +77,18 @@ def cluster_row(name: str) -> dict:
     }
 
 
+def _table(title: str, columns: tuple[str, ...], left_aligned: tuple[str, ...]) -> Table:
+    """A rich Table with `columns` that never wrap: text columns left-aligned, numbers right."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    for column in columns:
+        table.add_column(
+            column, justify="left" if column in left_aligned else "right", no_wrap=True
+        )
+    return table
+
+
 def handle(args: argparse.Namespace) -> int:
     models = [model_row(m) for m in MODEL_PRESETS.values()]
     clusters = [cluster_row(name) for name in CLUSTER_PRESETS]
@@ -80,23 +96,12 @@ def handle(args: argparse.Namespace) -> int:
         print(json.dumps({"models": models, "clusters": clusters}, indent=2))
         return 0
     from rich.console import Console
-    from rich.table import Table
 
-    table = Table(title="Model presets (\\[model] preset = NAME)")
-    for column in (
-        "name",
-        "params",
-        "active",
-        "layers",
-        "hidden",
-        "heads/kv",
-        "MLP",
-        "vocab",
-        "seq",
-    ):
-        table.add_column(
-            column, justify="left" if column in ("name", "MLP") else "right", no_wrap=True
-        )
+    table = _table(
+        "Model presets (\\[model] preset = NAME)",
+        ("name", "params", "active", "layers", "hidden", "heads/kv", "MLP", "vocab", "seq"),
+        left_aligned=("name", "MLP"),
+    )
     for r in models:
         table.add_row(
             r["name"],
@@ -109,19 +114,11 @@ def handle(args: argparse.Namespace) -> int:
             f"{r['vocab']:,}",
             f"{r['seq_len']:,}",
         )
-    clusters_table = Table(title="Cluster presets (\\[cluster] preset = NAME, gpus = N)")
-    for column in (
-        "name",
-        "GPU",
-        "GPUs/node",
-        "HBM GiB",
-        "bf16 TFLOP/s",
-        "NVLink GB/s",
-        "IB GB/s per GPU",
-    ):
-        clusters_table.add_column(
-            column, justify="left" if column in ("name", "GPU") else "right", no_wrap=True
-        )
+    clusters_table = _table(
+        "Cluster presets (\\[cluster] preset = NAME, gpus = N)",
+        ("name", "GPU", "GPUs/node", "HBM GiB", "bf16 TFLOP/s", "NVLink GB/s", "IB GB/s per GPU"),
+        left_aligned=("name", "GPU"),
+    )
     for r in clusters:
         clusters_table.add_row(
             r["name"],

@@ -273,6 +273,31 @@ def _ring_block_plan(step: int, rank: int, size: int, chunk: int):
     return source, slice(chunk, None), slice(None), False  # later rank: only our tail sees it
 
 
+def _ring_block(
+    step: int,
+    rank: int,
+    size: int,
+    chunk: int,
+    q_index: torch.Tensor,
+    doc_ids: torch.Tensor | None,
+    all_docs: torch.Tensor | None,
+) -> tuple[slice, slice, torch.Tensor | None, bool]:
+    """(query slice, key slice, mask, causal) of the K/V block this rank holds at ring `step`.
+
+    q_index [2*chunk] holds the global positions of this rank's tokens; doc_ids [B, 2*chunk] and
+    all_docs [cp, B, 2*chunk] are its and every rank's document ids (both None without them).
+    """
+    source, qs, ks, causal = _ring_block_plan(step, rank, size, chunk)
+    k_index = load_balanced_indices(2 * chunk * size, source, size).to(q_index.device)
+    mask, causal = _block_mask(
+        q_index[qs], k_index[ks],
+        None if doc_ids is None else doc_ids[:, qs],
+        None if doc_ids is None else all_docs[source][:, ks],
+        causal,
+    )  # fmt: skip
+    return qs, ks, mask, causal
+
+
 class _RingAttention(torch.autograd.Function):
     """Ring attention over the CP group.
 
@@ -296,14 +321,7 @@ class _RingAttention(torch.autograd.Function):
             wait = None
             if step < size - 1:
                 next_kv, wait = _ring_exchange(kv, group)
-            source, qs, ks, causal = _ring_block_plan(step, rank, size, chunk)
-            k_index = load_balanced_indices(2 * chunk * size, source, size).to(q.device)
-            mask, causal = _block_mask(
-                index[qs], k_index[ks],
-                None if doc_ids is None else doc_ids[:, qs],
-                None if doc_ids is None else all_docs[source][:, ks],
-                causal,
-            )  # fmt: skip
+            qs, ks, mask, causal = _ring_block(step, rank, size, chunk, index, doc_ids, all_docs)
             block_out, block_lse = _block_forward(
                 q[:, :, qs],
                 repeat_kv(kv[0][:, :, ks], groups),
@@ -340,14 +358,7 @@ class _RingAttention(torch.autograd.Function):
             wait_kv = None
             if step < size - 1:
                 next_kv, wait_kv = _ring_exchange(kv, group)
-            source, qs, ks, causal = _ring_block_plan(step, rank, size, chunk)
-            k_index = load_balanced_indices(2 * chunk * size, source, size).to(q.device)
-            mask, causal = _block_mask(
-                index[qs], k_index[ks],
-                None if doc_ids is None else doc_ids[:, qs],
-                None if doc_ids is None else all_docs[source][:, ks],
-                causal,
-            )  # fmt: skip
+            qs, ks, mask, causal = _ring_block(step, rank, size, chunk, index, doc_ids, all_docs)
             bdq, bdk, bdv = _block_backward(
                 dout[:, :, qs], q[:, :, qs],
                 repeat_kv(kv[0][:, :, ks], groups), repeat_kv(kv[1][:, :, ks], groups),
@@ -402,6 +413,16 @@ def _full_layout_index(local_len: int, size: int, device: torch.device) -> torch
     return torch.cat([load_balanced_indices(seq_len, r, size) for r in range(size)]).to(device)
 
 
+def _full_layout_doc_ids(
+    doc_ids: torch.Tensor | None, group: dist.ProcessGroup
+) -> torch.Tensor | None:
+    """All CP ranks' doc ids in the `_full_layout_index` token order, [B, T] (None stays None)."""
+    all_docs = _gather_doc_ids(doc_ids, group)
+    if all_docs is None:
+        return None
+    return all_docs.permute(1, 0, 2).reshape(all_docs.shape[1], -1)
+
+
 def _sdpa(q, k, v, mask, scale):
     """Plain SDPA with a boolean visibility mask (every query sees at least itself)."""
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
@@ -423,9 +444,7 @@ def allgather_attention(
     v_all = funcol.all_gather_single_autograd(v.contiguous(), gather_dim=2, group=group)
     q_index = load_balanced_indices(q.shape[2] * size, rank, size).to(q.device)
     k_index = _full_layout_index(q.shape[2], size, q.device)
-    all_docs = _gather_doc_ids(doc_ids, group)
-    k_docs = None if all_docs is None else all_docs.permute(1, 0, 2).reshape(q.shape[0], -1)
-    mask = attention_mask(q_index, k_index, doc_ids, k_docs)
+    mask = attention_mask(q_index, k_index, doc_ids, _full_layout_doc_ids(doc_ids, group))
     return _sdpa(q, repeat_kv(k_all, groups), repeat_kv(v_all, groups), mask, scale)
 
 
@@ -476,8 +495,7 @@ def ulysses_attention(
         k, v, groups = repeat_kv(k, groups), repeat_kv(v, groups), 1
     q_h, k_h, v_h = (_seq_to_heads(x, group) for x in (q, k, v))
     index = _full_layout_index(q.shape[2], size, q.device)
-    all_docs = _gather_doc_ids(doc_ids, group)
-    docs = None if all_docs is None else all_docs.permute(1, 0, 2).reshape(q.shape[0], -1)
+    docs = _full_layout_doc_ids(doc_ids, group)
     mask = attention_mask(index, index, docs, docs)
     out = _sdpa(q_h, repeat_kv(k_h, groups), repeat_kv(v_h, groups), mask, scale)
     return _heads_to_seq(out, group)

@@ -22,6 +22,7 @@ depends on, so a bound costs a handful of dictionary lookups once a similar layo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from fivefold.planner.calibration import EfficiencyModel, efficiency_model
@@ -103,6 +104,20 @@ class Bounds:
         )
         return (tensors + working) * (1 + self.memory_options.fragmentation_fraction)
 
+    def _first_and_last_rank(
+        self,
+        plan: ParallelPlan,
+        v: bool,
+        rank_bytes: Callable[[list[int], tuple[int, ...]], float],
+    ) -> tuple[float, float]:
+        """`rank_bytes(layers per virtual stage, the rank's virtual stages)` for the first and
+        the last pipeline rank (`v`: the V-shaped chunk placement)."""
+        counts = stage_layer_counts(self.model, plan.pp * plan.vpp)
+        first, last = (
+            rank_bytes(counts, rank_chunks(v, plan.pp, plan.vpp, r)) for r in (0, plan.pp - 1)
+        )
+        return first, last
+
     def _other(self, plan: ParallelPlan, v: bool) -> tuple[float, float]:
         """The named buffers (`memory.other_terms`) of the first and last rank."""
         key = (
@@ -120,22 +135,12 @@ class Bounds:
             v,
         )
 
-        def make():
-            counts = stage_layer_counts(self.model, plan.pp * plan.vpp)
-            return tuple(
-                sum(
-                    other_terms(
-                        self.model,
-                        plan,
-                        counts,
-                        list(rank_chunks(v, plan.pp, plan.vpp, r)),
-                        self.memory_options,
-                    ).values()
-                )
-                for r in (0, plan.pp - 1)
+        def rank_bytes(counts: list[int], chunks: tuple[int, ...]) -> float:
+            return sum(
+                other_terms(self.model, plan, counts, list(chunks), self.memory_options).values()
             )
 
-        return self._cached(key, make)
+        return self._cached(key, lambda: self._first_and_last_rank(plan, v, rank_bytes))
 
     def _working_set(self, plan: ParallelPlan) -> float:
         """Full recompute re-materialises one layer's activations during its backward."""
@@ -164,7 +169,6 @@ class Bounds:
         )
 
         def make():
-            counts = stage_layer_counts(self.model, plan.pp * plan.vpp)
             probe = ParallelPlan(
                 tp=plan.tp,
                 ep=plan.ep,
@@ -173,12 +177,12 @@ class Bounds:
                 cp=plan.cp,
                 precision=plan.precision,
             )
-            return tuple(
-                sum(
-                    chunk_state_bytes(self.model, probe, counts, c).total
-                    for c in rank_chunks(v, plan.pp, plan.vpp, r)
-                )
-                for r in (0, plan.pp - 1)
+            return self._first_and_last_rank(
+                plan,
+                v,
+                lambda counts, chunks: sum(
+                    chunk_state_bytes(self.model, probe, counts, c).total for c in chunks
+                ),
             )
 
         return self._cached(key, make)
@@ -198,7 +202,6 @@ class Bounds:
         )
 
         def make():
-            counts = stage_layer_counts(self.model, plan.pp * plan.vpp)
             probe = ParallelPlan(
                 tp=plan.tp,
                 sp=plan.sp,
@@ -207,12 +210,13 @@ class Bounds:
                 recompute=plan.recompute,
                 precision=plan.precision,
             )
-            return tuple(
-                max(
+            return self._first_and_last_rank(
+                plan,
+                v,
+                lambda counts, chunks: max(
                     chunk_activation_bytes(self.model, probe, counts, c, self.memory_options)
-                    for c in rank_chunks(v, plan.pp, plan.vpp, r)
-                )
-                for r in (0, plan.pp - 1)
+                    for c in chunks
+                ),
             )
 
         return self._cached(key, make)
