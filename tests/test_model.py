@@ -11,7 +11,6 @@ from fivefold.errors import ConfigError
 from fivefold.model import (
     AttentionContext,
     AttentionCore,
-    Transformer,
     apply_rope,
     attention_mask,
     build_model,
@@ -20,25 +19,7 @@ from fivefold.model import (
     rope_cos_sin,
 )
 from fivefold.spec import ModelSpec, model_preset, param_count
-
-TINY = ModelSpec(
-    "t",
-    layers=2,
-    hidden=32,
-    heads=4,
-    kv_heads=2,
-    ffn=64,
-    vocab=128,
-    seq_len=32,
-    rope_theta=10_000.0,
-)
-
-
-def make(spec: ModelSpec, seed: int = 0) -> Transformer:
-    model = build_model(spec)
-    model.to_empty(device="cpu")
-    model.init_weights(seed)
-    return model
+from tiny_models import TINY, make
 
 
 def shrink(spec: ModelSpec, **extra) -> ModelSpec:

@@ -11,36 +11,11 @@ from fivefold.model import (
     FeedForward,
     LocalDispatcher,
     MoE,
-    Transformer,
-    build_model,
     cross_entropy_loss,
     load_balancing_loss,
     route,
 )
-from fivefold.spec import ModelSpec
-
-TINY_MOE = ModelSpec(
-    "tm",
-    layers=2,
-    hidden=32,
-    heads=4,
-    kv_heads=2,
-    ffn=64,
-    vocab=128,
-    seq_len=32,
-    rope_theta=10_000.0,
-    experts=4,
-    top_k=2,
-    expert_ffn=16,
-    shared_experts=1,
-)
-
-
-def make(spec: ModelSpec, seed: int = 0) -> Transformer:
-    model = build_model(spec)
-    model.to_empty(device="cpu")
-    model.init_weights(seed)
-    return model
+from tiny_models import TINY_MOE, make
 
 
 def random_moe(top_k: int = 2, experts: int = 4, shared: int = 1, seed: int = 0) -> MoE:

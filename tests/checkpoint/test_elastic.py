@@ -87,6 +87,7 @@ def test_stuck_rank_times_out_with_a_message():
 # ---- SIGKILL under torchrun --max-restarts ------------------------------------------------------
 PLAN = {"dp_shard": 2, "zero": 3, "tp": 2, "micro_batch": 4}  # FSDP x TP on 4 ranks
 STEPS = 6
+TORCHRUN_4 = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4"]
 
 
 def torchrun(args: list[str], env_extra: dict, timeout_s: float) -> subprocess.CompletedProcess:
@@ -99,16 +100,9 @@ def torchrun(args: list[str], env_extra: dict, timeout_s: float) -> subprocess.C
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
         **env_extra,
     }
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "4",
-        *args,
-    ]
-    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout_s)
+    return subprocess.run(
+        [*TORCHRUN_4, *args], env=env, capture_output=True, text=True, timeout=timeout_s
+    )
 
 
 def read_log(path: Path) -> list[dict]:
@@ -195,19 +189,7 @@ def test_fivefold_train_survives_sigkill_of_a_rank(tmp_path):
     after a random step); the job restarts, resumes from the newest valid checkpoint by itself,
     and every loss it logs equals the uninterrupted run's at that step."""
     recipe = str(Path(__file__).parents[2] / "configs" / "tiny-cpu.toml")
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "4",
-        "--max-restarts",
-        "1",
-        "-m",
-        "fivefold.train",
-        recipe,
-    ]
+    command = [*TORCHRUN_4, "--max-restarts", "1", "-m", "fivefold.train", recipe]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
 

@@ -1,4 +1,4 @@
-"""Shared set-up of the multi-rank tests: the harness on the import path, the parity summary.
+"""The parity summary of the multi-rank tests (tests/conftest.py puts the harness on the path).
 
 Every parity case run in the session is listed at the end of the run (max deviations per
 layout) and written to `runs/parity/latest.md`, the source of `docs/parity.md`.
@@ -9,11 +9,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:  # forkserver children import the harness by this path
-    sys.path.insert(0, str(HERE))
-
-REPORT = HERE.parents[1] / "runs" / "parity" / "latest.md"
+REPORT = Path(__file__).resolve().parents[2] / "runs" / "parity" / "latest.md"
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:

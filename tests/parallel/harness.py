@@ -6,7 +6,8 @@ parent's thread pools (which can hang forked children). Each call gets a fresh p
 over a FileStore (no TCP port to collide on), ranks run one thread each, results come back
 through a queue, and every worker ends with `os._exit(0)` (a normal exit can abort in gloo's
 destructors). If any rank fails or the deadline passes, all ranks are killed and the first
-traceback is raised.
+traceback is raised. The checkpoint tests spawn their ranks through `spawn_ranks` too
+(tests/checkpoint/ckpt_harness.py).
 
 Parity (the contract of `fivefold train`): a case is (plan, model preset, steps, micro-batches);
 every rank trains with `DistributedRuntime` on a fixed synthetic corpus of packed documents, and
@@ -26,12 +27,16 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+# One forkserver serves the whole session (multiprocessing keeps a single one per process), so
+# it preloads what the parallel and the checkpoint tests import.
 PRELOAD = [
     "torch",
+    "torch.distributed.checkpoint",
     "torch.distributed.fsdp",
     "torch.distributed.tensor.parallel",
     "torch.distributed.pipelining",
     "fivefold.model",
+    "fivefold.checkpoint.checkpointer",
     "fivefold.parallel.runtime",
     "fivefold.parallel.parallelize",
     "fivefold.train.runtime",
@@ -73,7 +78,17 @@ class RankFailure(AssertionError):
     """A rank raised, died or timed out; the message holds its traceback."""
 
 
-def _worker(rank: int, world: int, store_path: str, results, fn, args, kwargs) -> None:
+def _worker(
+    rank: int,
+    world: int,
+    store_path: str,
+    results,
+    pg_timeout_s: float,
+    pass_rank: bool,
+    fn,
+    args: tuple,
+    kwargs: dict,
+) -> None:
     os.environ.update(
         OMP_NUM_THREADS="1", RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
     )
@@ -85,8 +100,14 @@ def _worker(rank: int, world: int, store_path: str, results, fn, args, kwargs) -
         torch.set_num_threads(1)
         store = dist.FileStore(store_path, world)
         dist.init_process_group(
-            "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=90)
+            "gloo",
+            store=store,
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=pg_timeout_s),
         )
+        if pass_rank:
+            args = (rank, world, *args)
         payload = _pack(fn(*args, **kwargs))
     except BaseException:
         status, payload = "error", traceback.format_exc()
@@ -96,19 +117,29 @@ def _worker(rank: int, world: int, store_path: str, results, fn, args, kwargs) -
     os._exit(0)
 
 
-def run_ranks(world: int, fn, *args, timeout_s: float = 180.0, **kwargs) -> list[Any]:
-    """Run `fn(*args, **kwargs)` on `world` ranks inside a gloo group; returns results by rank.
+def spawn_ranks(
+    world: int,
+    fn,
+    args: tuple = (),
+    kwargs: dict | None = None,
+    *,
+    pass_rank: bool = False,
+    timeout_s: float = 180.0,
+    pg_timeout_s: float = 90.0,
+) -> list[Any]:
+    """Run `fn(*args, **kwargs)` on `world` ranks of one gloo group; returns results by rank.
 
-    `fn` must be importable (module level). Raises `RankFailure` with the first rank's traceback.
+    With `pass_rank` each rank calls `fn(rank, world, *args, **kwargs)`. `timeout_s` bounds the
+    whole call, `pg_timeout_s` each collective. `fn` must be importable (module level). Raises
+    `RankFailure` with the first rank's traceback.
     """
     ctx = _context()
     results = ctx.Queue()
+    call = (pg_timeout_s, pass_rank, fn, args, kwargs or {})
     with tempfile.TemporaryDirectory(prefix="fivefold-pg-") as tmp:
         store_path = os.path.join(tmp, "store")
         procs = [
-            ctx.Process(
-                target=_worker, args=(r, world, store_path, results, fn, args, kwargs), daemon=True
-            )
+            ctx.Process(target=_worker, args=(r, world, store_path, results, *call), daemon=True)
             for r in range(world)
         ]
         for p in procs:
@@ -142,6 +173,11 @@ def run_ranks(world: int, fn, *args, timeout_s: float = 180.0, **kwargs) -> list
                     p.kill()
                     p.join(timeout=5)
     return [out[r] for r in range(world)]
+
+
+def run_ranks(world: int, fn, *args, timeout_s: float = 180.0, **kwargs) -> list[Any]:
+    """Run `fn(*args, **kwargs)` on `world` ranks inside a gloo group; returns results by rank."""
+    return spawn_ranks(world, fn, args, kwargs, timeout_s=timeout_s)
 
 
 # ---- parity cases ----------------------------------------------------------------------------

@@ -8,8 +8,6 @@ on logits and parameter gradients.
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 from harness import run_ranks
@@ -23,6 +21,7 @@ from fivefold.parallel.context_parallel import (
     unshard_sequence_for_cp,
 )
 from fivefold.spec.model import ModelSpec
+from fivefold.train.data import Batch
 
 WORLD = 4
 TOL = 2e-5  # fp32; the measured deviations are ~1e-7
@@ -33,14 +32,6 @@ KIND_CASES = [
     ("allgather", None),
     ("ulysses", None),
 ]
-
-
-@dataclasses.dataclass
-class _Batch:
-    tokens: torch.Tensor
-    labels: torch.Tensor
-    positions: torch.Tensor
-    doc_ids: torch.Tensor
 
 
 def packed_doc_ids(batch: int, seq: int, generator: torch.Generator) -> torch.Tensor:
@@ -99,7 +90,7 @@ def _model_case(group, cp_rank, cp_size, kind) -> float:
     g = torch.Generator().manual_seed(7)
     tokens = torch.randint(0, TINY.vocab, (B, T + 1), generator=g)
     docs = packed_doc_ids(B, T, g)
-    batch = _Batch(tokens[:, :-1], tokens[:, 1:], positions_from_docs(docs), docs)
+    batch = Batch(tokens[:, :-1], tokens[:, 1:], positions_from_docs(docs), docs)
 
     ref = build_model(TINY)
     ref.to_empty(device="cpu")
@@ -190,7 +181,7 @@ def test_shard_batch_round_trips():
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, 100, (2, 16), generator=g)
     docs = packed_doc_ids(2, 16, g)
-    batch = _Batch(x, x + 1, positions_from_docs(docs), docs)
+    batch = Batch(x, x + 1, positions_from_docs(docs), docs)
     shards = [shard_batch_for_cp(batch, r, 2) for r in range(2)]
     for field in ("tokens", "labels", "positions", "doc_ids"):
         rebuilt = unshard_sequence_for_cp([getattr(s, field) for s in shards])

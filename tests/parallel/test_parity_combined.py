@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import pytest
-from harness import ParityCase, assert_parity
+from harness import ParityCase
+from parity_suite import parity_tests
 
 CI_CASES = [
     ParityCase(
@@ -62,13 +62,4 @@ SLOW_CASES = [
     ),
 ]
 
-
-@pytest.mark.parametrize("case", CI_CASES, ids=lambda c: c.name)
-def test_parity_ci(case: ParityCase) -> None:
-    assert_parity(case)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("case", SLOW_CASES, ids=lambda c: c.name)
-def test_parity(case: ParityCase) -> None:
-    assert_parity(case)
+test_parity_ci, test_parity = parity_tests(CI_CASES, SLOW_CASES)

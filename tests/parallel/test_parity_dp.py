@@ -9,12 +9,12 @@ from __future__ import annotations
 import pytest
 from harness import (
     ParityCase,
-    assert_parity,
     mixed_precision_run,
     recipe_dict,
     reference_for,
     run_ranks,
 )
+from parity_suite import parity_tests
 
 CI_CASES = [
     ParityCase(
@@ -43,16 +43,7 @@ SLOW_CASES = [
     ),
 ]
 
-
-@pytest.mark.parametrize("case", CI_CASES, ids=lambda c: c.name)
-def test_parity_ci(case: ParityCase) -> None:
-    assert_parity(case)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("case", SLOW_CASES, ids=lambda c: c.name)
-def test_parity(case: ParityCase) -> None:
-    assert_parity(case)
+test_parity_ci, test_parity = parity_tests(CI_CASES, SLOW_CASES)
 
 
 @pytest.mark.slow

@@ -6,8 +6,8 @@ single-process reference groups its micro-batches the same way the data-parallel
 
 from __future__ import annotations
 
-import pytest
-from harness import ParityCase, assert_parity
+from harness import ParityCase
+from parity_suite import parity_tests
 
 CI_CASES = [
     ParityCase(
@@ -44,13 +44,4 @@ SLOW_CASES = [
     ),
 ]
 
-
-@pytest.mark.parametrize("case", CI_CASES, ids=lambda c: c.name)
-def test_parity_ci(case: ParityCase) -> None:
-    assert_parity(case)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("case", SLOW_CASES, ids=lambda c: c.name)
-def test_parity(case: ParityCase) -> None:
-    assert_parity(case)
+test_parity_ci, test_parity = parity_tests(CI_CASES, SLOW_CASES)

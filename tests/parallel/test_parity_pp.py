@@ -12,8 +12,8 @@ after 10 steps). The `x ZeRO-3` cases below pin that down.
 
 from __future__ import annotations
 
-import pytest
-from harness import ParityCase, assert_parity
+from harness import ParityCase
+from parity_suite import parity_tests
 
 # pp 2 x dp_shard 2 with two chunks per rank; 4 micro-batches (2 * pp) of one sequence each
 _V_ZERO3 = {"pp": 2, "vpp": 2, "dp_shard": 2, "zero": 3, "micro_batch": 1, "grad_accum": 4}
@@ -58,13 +58,4 @@ SLOW_CASES = [_pp_case(pp, s) for pp in (2, 4) for s in SCHEDULES] + [
     ),
 ]
 
-
-@pytest.mark.parametrize("case", CI_CASES, ids=lambda c: c.name)
-def test_parity_ci(case: ParityCase) -> None:
-    assert_parity(case)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("case", SLOW_CASES, ids=lambda c: c.name)
-def test_parity(case: ParityCase) -> None:
-    assert_parity(case)
+test_parity_ci, test_parity = parity_tests(CI_CASES, SLOW_CASES)

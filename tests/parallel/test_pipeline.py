@@ -27,6 +27,7 @@ from fivefold.parallel.pipeline import (
 )
 from fivefold.spec.model import ModelSpec
 from fivefold.spec.plan import ParallelPlan
+from fivefold.train.data import Batch
 
 WORLD = 4
 TOL = 1e-5
@@ -45,15 +46,7 @@ CASES_PP4 = [("dense", s) for s in SCHEDULES] + [("moe", "interleaved-1f1b")]
 CI_CASES_PP2 = [("dense", "1f1b"), ("moe", "zbv")]  # the rest of CASES_PP2 is marked slow
 
 
-@dataclasses.dataclass
-class _Batch:
-    tokens: torch.Tensor
-    labels: torch.Tensor
-    positions: torch.Tensor
-    doc_ids: torch.Tensor
-
-
-def _micro_batches(spec: ModelSpec, count: int = MICRO_BATCHES) -> list[_Batch]:
+def _micro_batches(spec: ModelSpec, count: int = MICRO_BATCHES) -> list[Batch]:
     """Packed micro-batches with two documents each (positions restart at the boundary); the
     first n of a longer list are the n of a shorter one."""
     g = torch.Generator().manual_seed(11)
@@ -64,7 +57,7 @@ def _micro_batches(spec: ModelSpec, count: int = MICRO_BATCHES) -> list[_Batch]:
         index = torch.arange(T).expand(MB_SIZE, T)
         doc_ids = (index >= cut).long()
         positions = torch.where(index >= cut, index - cut, index)
-        out.append(_Batch(stream[:, :-1], stream[:, 1:], positions, doc_ids))
+        out.append(Batch(stream[:, :-1], stream[:, 1:], positions, doc_ids))
     return out
 
 
@@ -77,7 +70,7 @@ class _Reference:
     aux: dict[str, list[float]]  # MoE layer index -> its aux loss per micro-batch
 
 
-def _reference(spec: ModelSpec, batches: list[_Batch]) -> _Reference:
+def _reference(spec: ModelSpec, batches: list[Batch]) -> _Reference:
     model = build_model(spec)
     model.to_empty(device="cpu")
     model.init_weights(seed=0)
