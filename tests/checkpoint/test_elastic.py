@@ -109,7 +109,6 @@ def read_log(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-@pytest.mark.slow
 def test_sigkill_one_rank_restarts_and_resumes(tmp_path):
     rng = random.Random(int(time.time()))
     kill_step, kill_rank = rng.randrange(1, STEPS - 1), rng.randrange(1, 4)
@@ -183,7 +182,6 @@ def losses_by_step(metrics: Path) -> list[tuple[int, float]]:
     return [(row["step"], row["loss"]) for row in rows]
 
 
-@pytest.mark.slow
 def test_fivefold_train_survives_sigkill_of_a_rank(tmp_path):
     """`torchrun --max-restarts 1 -m fivefold.train`: one worker is SIGKILLed (chosen at random,
     after a random step); the job restarts, resumes from the newest valid checkpoint by itself,

@@ -81,7 +81,6 @@ def test_reshard_tp2_pp2_to_zero3_dp4(tmp_path):
     run_matrix(["TP2xPP2->ZeRO3-DP4"], tmp_path)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name", [n for n in MATRIX if n != "TP2xPP2->ZeRO3-DP4"])
 def test_reshard_matrix(tmp_path, name):
     run_matrix([name], tmp_path)
@@ -105,7 +104,6 @@ def test_world_size_change_4_to_1(tmp_path):
         assert abs(a - b) <= LOSS_RTOL * abs(a)
 
 
-@pytest.mark.slow
 def test_world_size_change_1_to_8(tmp_path):
     """A single-process checkpoint resumes on 8 ranks (DP2 x TP2 x PP2), bitwise."""
     logging.getLogger("torch.distributed").setLevel(logging.ERROR)

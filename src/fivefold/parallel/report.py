@@ -29,13 +29,17 @@ def predictions(runtime: Any) -> tuple[list[dict] | None, float | None, str]:
         from fivefold.planner.estimate import estimate
     except ImportError:
         return None, None, "planner unavailable"
+    cluster = runtime.recipe.cluster
+    if not cluster.device.peak_flops:
+        why = f"no step-time prediction: {cluster.gpu} has no catalogued peak FLOP/s"
+    else:
+        try:
+            est = estimate(runtime.spec, cluster, runtime.plan).to_json()
+            return est.get("memory_per_stage_gib"), est.get("step_time_s"), "planner estimate"
+        except Exception as err:  # a planner gap must not stop training
+            why = str(err).splitlines()[0]
     try:
-        est = estimate(runtime.spec, runtime.recipe.cluster, runtime.plan).to_json()
-        return est.get("memory_per_stage_gib"), est.get("step_time_s"), "planner estimate"
-    except Exception as err:  # a planner gap must not stop training
-        why = str(err).splitlines()[0]
-    try:
-        return memory_only_prediction(runtime.spec, runtime.plan), None, f"memory model only: {why}"
+        return memory_only_prediction(runtime.spec, runtime.plan), None, f"memory model only; {why}"
     except Exception as err:
         return None, None, f"planner: {why}; memory model: {err}"
 
