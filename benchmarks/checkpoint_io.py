@@ -12,6 +12,13 @@ measures (median of --repeats):
 - verify: `select()` (every file's SHA-256, split over the ranks);
 - load: `select()` + `load()` into the live model and optimizer;
 and the checkpoint's size (model fp32 + AdamW m, v, step + state.json + DCP index).
+
+Baseline, measured in the same run before the rank counts: one process (the 1-rank setup above,
+same step) writes the same full state, `{"model": state_dict, "optimizer": state_dict}`, with
+plain `torch.save` into the same directory tree and reads it back with
+`torch.load(weights_only=True)` followed by `load_state_dict` into the live model and optimizer
+(median of --repeats after one warm-up; no fsync, no checksums, no manifest). Each rank count
+then prints its save, load and size as ratios to the baseline (fivefold / torch).
 Ranks share the machine's cores, so on a 2-core machine times grow with the rank count.
 """
 
@@ -62,6 +69,55 @@ def _batch(recipe, dp_rank: int, dp_size: int):
             torch.zeros(1, seq, dtype=torch.long),
         )
     ]
+
+
+def measure_baseline(world: int, root: str, repeats: int) -> dict:
+    """Plain `torch.save` / `torch.load(weights_only=True)` of the single-process full state."""
+    import torch
+
+    from fivefold.train.config import parse_train_config
+    from fivefold.train.optim import build_optimizer
+    from fivefold.train.runtime import LocalRuntime
+
+    recipe = _recipe(1)
+    runtime = LocalRuntime(recipe)
+    optimizer = build_optimizer(runtime.model_parts, parse_train_config(recipe).train)
+    runtime.train_step(_batch(recipe, 0, 1))
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    directory = Path(root) / "torch"
+    directory.mkdir(parents=True, exist_ok=True)
+
+    def state() -> dict:
+        return {
+            "model": [part.state_dict() for part in runtime.model_parts],
+            "optimizer": optimizer.state_dict(),
+        }
+
+    def load(path: Path) -> None:
+        loaded = torch.load(path, weights_only=True)
+        for part, part_state in zip(runtime.model_parts, loaded["model"], strict=True):
+            part.load_state_dict(part_state)
+        optimizer.load_state_dict(loaded["optimizer"])
+
+    torch.save(state(), directory / "step0.pt")  # warm-up
+    load(directory / "step0.pt")
+    saves, loads = [], []
+    for step in range(1, repeats + 1):
+        path = directory / f"step{step}.pt"
+        start = time.perf_counter()
+        torch.save(state(), path)
+        saves.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        load(path)
+        loads.append(time.perf_counter() - start)
+    size = path.stat().st_size
+    runtime.close()
+    return {
+        "bytes": size,
+        "save_s": statistics.median(saves),
+        "load_s": statistics.median(loads),
+    }
 
 
 def _timed(fn) -> tuple[float, object]:
@@ -139,7 +195,7 @@ def measure(world: int, root: str, repeats: int) -> dict:
 
 
 # ---- launching ranks ---------------------------------------------------------------------------
-def _worker(rank, world, store_path, results, root, repeats) -> None:
+def _worker(rank, world, store_path, results, root, repeats, target=measure) -> None:
     os.environ.update(OMP_NUM_THREADS="1", RANK=str(rank), WORLD_SIZE=str(world))
     try:
         import torch
@@ -151,7 +207,7 @@ def _worker(rank, world, store_path, results, root, repeats) -> None:
             dist.init_process_group(
                 "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=600)
             )
-        results.put((rank, "ok", measure(world, root, repeats)))
+        results.put((rank, "ok", target(world, root, repeats)))
     except BaseException:
         results.put((rank, "error", traceback.format_exc()))
     results.close()
@@ -159,13 +215,13 @@ def _worker(rank, world, store_path, results, root, repeats) -> None:
     os._exit(0)
 
 
-def run(world: int, root: str, repeats: int, timeout_s: float = 1800.0) -> dict:
+def run(world: int, root: str, repeats: int, timeout_s: float = 1800.0, target=measure) -> dict:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
         procs = [
-            ctx.Process(target=_worker, args=(r, world, store, results, root, repeats))
+            ctx.Process(target=_worker, args=(r, world, store, results, root, repeats, target))
             for r in range(world)
         ]
         for p in procs:
@@ -200,6 +256,12 @@ def main() -> None:
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        base = run(1, str(Path(tmp) / "baseline"), args.repeats, target=measure_baseline)
+        print(
+            f"baseline (torch.save / torch.load, 1 process): {base['bytes'] / 2**20:.1f} MiB in "
+            f"1 file; save {base['save_s']:.3f} s, load {base['load_s']:.3f} s",
+            flush=True,
+        )
         for world in args.ranks:
             rows.append(run(world, str(Path(tmp) / f"w{world}"), args.repeats))
             r = rows[-1]
@@ -208,6 +270,12 @@ def main() -> None:
                 f"{r['bytes'] / 2**20:.1f} MiB in {r['files']} files; save {r['save_s']:.3f} s, "
                 f"verify {r['verify_s']:.3f} s, load {r['load_s']:.3f} s; async: blocks "
                 f"{r['async_block_s']:.3f} s, committed after {r['async_commit_s']:.3f} s",
+                flush=True,
+            )
+            r["vs_torch"] = {key: r[key] / base[key] for key in ("save_s", "load_s", "bytes")}
+            print(
+                f"  vs torch.save/torch.load: save {r['vs_torch']['save_s']:.2f}x, "
+                f"load {r['vs_torch']['load_s']:.2f}x, size {r['vs_torch']['bytes']:.3f}x",
                 flush=True,
             )
     if args.json:
