@@ -15,20 +15,9 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from fivefold.explore.chromium import OFFLINE_ARGS, chromium_path
 from fivefold.explore.server import start_in_thread
 
-CHROMIUM = "/usr/bin/chromium"
-ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--disable-dev-shm-usage",
-]
 SHOWCASE = {
     "#model-preset": "llama3-70b",
     "model.seq_len": "8192",
@@ -59,9 +48,9 @@ def main() -> int:
         with sync_playwright() as pw:
             context = pw.chromium.launch_persistent_context(
                 profile,
-                executable_path=CHROMIUM,
+                executable_path=chromium_path(),
                 headless=True,
-                args=ARGS,
+                args=OFFLINE_ARGS,
                 viewport={"width": args.width, "height": args.height},
             )
             page = context.new_page()

@@ -7,44 +7,24 @@ Chromium or Playwright is missing the browser tests fail with the command that f
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 from pathlib import Path
 
 import pytest
 
+from fivefold.explore.chromium import OFFLINE_ARGS, chromium_path
 from fivefold.explore.server import start_in_thread
 
 from .http_client import Client
 
 REPO = Path(__file__).resolve().parents[2]
 ARTIFACTS = REPO / "test-artifacts" / "explore"
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
 INSTALL_HINT = (
     "The explorer's browser tests need Debian's chromium: run `bash scripts/install-browser.sh` "
     "(apt-get install -y chromium) and `pip install -e '.[dev]'` for the playwright package. "
     "Set FIVEFOLD_CHROMIUM to use a chromium binary elsewhere."
 )
-
-
-def chromium_path() -> str | None:
-    configured = os.environ.get("FIVEFOLD_CHROMIUM")
-    if configured:
-        return configured if Path(configured).is_file() else None
-    for candidate in ("/usr/bin/chromium", "/usr/bin/chromium-browser"):
-        if Path(candidate).is_file():
-            return candidate
-    return shutil.which("chromium")
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +56,7 @@ def browser():
             profile,
             executable_path=path,
             headless=True,
-            args=CHROMIUM_ARGS,
+            args=OFFLINE_ARGS,
             viewport={"width": 1500, "height": 1000},
             accept_downloads=True,
         )
