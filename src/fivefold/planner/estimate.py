@@ -606,7 +606,7 @@ def estimate(
     simulate only their finalists. Raises `ConfigError` listing every problem when the plan is
     invalid for them.
     """
-    opts = options or PlannerOptions()
+    opts = options or PlannerOptions.for_device(cluster.device)
     eff = efficiency or efficiency_model()
     if pipeline not in ("simulate", "analytic"):
         raise ConfigError(f"pipeline = {pipeline!r}: choose 'simulate' or 'analytic'.")
@@ -653,7 +653,10 @@ def estimate(
     global_tokens = plan.global_batch * model.seq_len
     peak = device.peak(recipe(plan.precision).compute_dtype) * cluster.world_size
     model_flops = training_flops_per_token(model, model.seq_len, "none") * global_tokens
-    hw_flops = training_flops_per_token(model, model.seq_len, plan.recompute) * global_tokens
+    hw_flops = training_flops_per_token(
+        model, model.seq_len, plan.recompute, early_stop=opts.checkpoint_early_stop
+    )
+    hw_flops *= global_tokens
     rank_compute = [
         m * sum(chunk_costs[c].compute_s for c in chunks_of_rank(plan, r)) for r in range(plan.pp)
     ]

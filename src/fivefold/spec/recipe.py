@@ -1,9 +1,11 @@
 """TOML recipes: `[model]`, `[cluster]`, `[plan]` and free sections (`[train]`, `[data]`, ...).
 
 A recipe may name presets (`[model] preset = "small"`, `[cluster] preset = "dgx-h100"` with
-`gpus = 64`) and override any field. Command-line overrides are `section.field=value` with the
-value parsed as a TOML literal (`plan.tp=2`, `train.lr=3e-4`, `model.mlp=gelu`); a bare word
-that is not a TOML literal is taken as a string. Every problem is reported at once.
+`gpus = 64`, or a measured machine: `[cluster] profile = "device-profile.toml"`, whose local
+ranks default to the run's processes) and override any field. Command-line overrides are
+`section.field=value` with the value parsed as a TOML literal (`plan.tp=2`, `train.lr=3e-4`,
+`model.mlp=gelu`); a bare word that is not a TOML literal is taken as a string.
+Every problem is reported at once.
 """
 
 from __future__ import annotations
@@ -164,11 +166,22 @@ def _model_from(values: dict[str, Any], problems: list[str]) -> ModelSpec | None
     return build(ModelSpec, values, "model", problems)
 
 
-def _cluster_from(values: dict[str, Any], problems: list[str]) -> ClusterSpec | None:
+def _cluster_from(
+    values: dict[str, Any], problems: list[str], default_world: int | None = None
+) -> ClusterSpec | None:
     values = dict(values)
     preset = values.pop("preset", None)
     gpus = values.pop("gpus", None)
-    if preset is not None:
+    if values.get("profile") and preset is None:  # a measured machine: one node of local ranks
+        from fivefold.spec.profile import profile_cluster
+
+        try:
+            base = profile_cluster(values["profile"], gpus or default_world).to_dict()
+        except ConfigError as err:
+            problems.extend(err.problems)
+            return None
+        values = {**base, **values}
+    elif preset is not None:
         if preset not in CLUSTER_PRESETS:
             problems.append(
                 f"cluster.preset = {preset!r} is unknown; choose one of "
@@ -219,7 +232,7 @@ def recipe_from_dict(data: dict[str, dict[str, Any]], default_world: int | None 
     cluster_values = data.get("cluster", {})
     if not cluster_values:
         cluster_values = {"name": "local-cpu", "gpu": "cpu", "gpus": default_world or 1}
-    cluster = _cluster_from(cluster_values, problems)
+    cluster = _cluster_from(cluster_values, problems, default_world)
     plan = build(ParallelPlan, data.get("plan", {}), "plan", problems)
     model_ok = model is not None and not model.problems()
     cluster_ok = cluster is not None and not cluster.problems()
