@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _ranks import run_ranks  # noqa: E402
+from _ranks import run_ranks
 
 TARGET = 1.3
 
