@@ -6,8 +6,10 @@ Construction (collective: every rank runs it):
 2. `ParallelDims` checks the plan against the world size and builds the 5-D mesh;
 3. the model is built on the meta device, split into this rank's pipeline chunks, and
    parallelised in the fixed order (`fivefold.parallel.parallelize`);
-4. the chunks are materialised and initialised from (seed, parameter name), so every layout
-   starts from the single-process weights.
+4. the chunks are materialised (each rank allocates only its shards) and initialised from
+   (seed, parameter name, global index): each rank draws only the elements it keeps, so no
+   rank ever holds a full parameter it does not keep, and every layout starts from the
+   single-process weights.
 
 A step (`train_step`) runs the micro-batches of this rank's data-parallel slice: each rank's
 loss is the sum of its token losses divided by the number of tokens in the *global* batch, and
@@ -142,7 +144,7 @@ class DistributedRuntime:
 
     def _build_parts(self, seed: int) -> list[nn.Module]:
         """This rank's chunks: meta model -> pipeline split -> parallelised -> materialised and
-        initialised from (seed, parameter name)."""
+        initialised shard by shard from (seed, parameter name, global index)."""
         from fivefold.model import build_model
         from fivefold.model.init import init_module_weights
         from fivefold.parallel.parallelize import parallelize_chunk
