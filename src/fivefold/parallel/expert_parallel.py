@@ -62,8 +62,7 @@ class ShardedExperts(nn.Module):
     def __init__(self, experts: GroupedExperts, mesh: DeviceMesh, grad_scale: float) -> None:
         super().__init__()
         num_experts = experts.w1.shape[0]
-        if num_experts % mesh.size():
-            raise ValueError(f"ep = {mesh.size()} must divide the {num_experts} experts")
+        assert num_experts % mesh.size() == 0, "ParallelPlan.problems: ep divides the experts"
         self.grad_scale = grad_scale
         for name in ("w1", "w2", "w3"):
             full = getattr(experts, name)

@@ -105,12 +105,14 @@ class DistributedRuntime:
     """
 
     def __init__(self, recipe: Recipe):
-        from fivefold.parallel.parallelize import check_supported
         from fivefold.train.config import parse_train_config
 
+        # The one set of rules (the CLI and recipe loading asked it already), before any
+        # process group or collective: a refusal here is the same ConfigError on every rank.
+        recipe.plan.validate(recipe.model, recipe.cluster)
         self.recipe = recipe
         self.plan = plan = recipe.plan
-        self.spec = spec = recipe.model
+        self.spec = recipe.model
         train = parse_train_config(recipe).train
         self.device = _pick_device(train.device)
         self._owns_group = init_distributed(self.device)
@@ -118,7 +120,6 @@ class DistributedRuntime:
         self.world_size = dist.get_world_size()
         self.is_main = self.rank == 0
         self.dims = ParallelDims.from_plan(plan, self.world_size)
-        check_supported(spec, plan)
         self.coordinates = self.dims.coordinates(self.rank)
         self.dp_rank = self.dims.dp_rank(self.rank)
         self.dp_size = self.dims.dp
