@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from fivefold.errors import ConfigError
 from fivefold.planner.compute import ComputeOptions
 from fivefold.planner.memory import GiB, MemoryOptions, MiB
+from fivefold.spec.hardware import GPUSpec
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,18 @@ class PlannerOptions:
     cuda_context_bytes: float = 0.75 * GiB
     fragmentation_fraction: float = 0.05
     dp_bucket_bytes: float = 25 * MiB
+    checkpoint_early_stop: bool = False
+
+    @classmethod
+    def for_device(cls, device: GPUSpec) -> PlannerOptions:
+        """The defaults, or the fivefold runtime's facts on a measured device (module doc)."""
+        if device.measured is None:
+            return cls()
+        if device.measured.profile.kind == "cpu":
+            return cls(
+                checkpoint_early_stop=True, cuda_context_bytes=0.0, fragmentation_fraction=0.0
+            )
+        return cls(checkpoint_early_stop=True)
 
     def memory(self) -> MemoryOptions:
         return MemoryOptions(
@@ -52,6 +65,7 @@ class PlannerOptions:
             dropout=self.dropout,
             fused_elementwise=self.fused_elementwise,
             selective_policy=self.selective_policy,
+            checkpoint_early_stop=self.checkpoint_early_stop,
         )
 
     def validate(self) -> None:
