@@ -162,8 +162,7 @@ def measure_cp(
         store = os.path.join(tmp, "store")
         args = (seq_len, docs, doc_len, with_time)
         procs = [
-            ctx.Process(target=_worker, args=(r, world, store, results, args))
-            for r in range(world)
+            ctx.Process(target=_worker, args=(r, world, store, results, args)) for r in range(world)
         ]
         for p in procs:
             p.start()
