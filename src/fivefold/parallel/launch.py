@@ -23,15 +23,13 @@ SLURM_MAX_RESTARTS = 3  # a cluster job restarts by default: failures are routin
 
 
 def check_layout(recipe_path: str | Path | None, overrides: list[str], world_size: int):
-    """Load the recipe for `world_size` processes and refuse what the runtime cannot run."""
+    """Load the recipe for `world_size` processes and refuse what the runtime cannot run
+    (recipe loading applies `ParallelPlan.problems`; the degrees must multiply to the world)."""
     from fivefold.parallel.mesh import ParallelDims
-    from fivefold.parallel.parallelize import check_supported
     from fivefold.train.entry import load_run
 
     run = load_run(recipe_path, overrides, world_size=world_size)
-    recipe = run.recipe
-    ParallelDims.from_plan(recipe.plan, world_size)
-    check_supported(recipe.model, recipe.plan)
+    ParallelDims.from_plan(run.recipe.plan, world_size)
     return run
 
 

@@ -6,8 +6,10 @@ Construction (collective: every rank runs it):
 2. `ParallelDims` checks the plan against the world size and builds the 5-D mesh;
 3. the model is built on the meta device, split into this rank's pipeline chunks, and
    parallelised in the fixed order (`fivefold.parallel.parallelize`);
-4. the chunks are materialised and initialised from (seed, parameter name), so every layout
-   starts from the single-process weights.
+4. the chunks are materialised (each rank allocates only its shards) and initialised from
+   (seed, parameter name, global index): each rank draws only the elements it keeps, so no
+   rank ever holds a full parameter it does not keep, and every layout starts from the
+   single-process weights.
 
 A step (`train_step`) runs the micro-batches of this rank's data-parallel slice: each rank's
 loss is the sum of its token losses divided by the number of tokens in the *global* batch, and
@@ -103,12 +105,14 @@ class DistributedRuntime:
     """
 
     def __init__(self, recipe: Recipe):
-        from fivefold.parallel.parallelize import check_supported
         from fivefold.train.config import parse_train_config
 
+        # The one set of rules (the CLI and recipe loading asked it already), before any
+        # process group or collective: a refusal here is the same ConfigError on every rank.
+        recipe.plan.validate(recipe.model, recipe.cluster)
         self.recipe = recipe
         self.plan = plan = recipe.plan
-        self.spec = spec = recipe.model
+        self.spec = recipe.model
         train = parse_train_config(recipe).train
         self.device = _pick_device(train.device)
         self._owns_group = init_distributed(self.device)
@@ -116,7 +120,6 @@ class DistributedRuntime:
         self.world_size = dist.get_world_size()
         self.is_main = self.rank == 0
         self.dims = ParallelDims.from_plan(plan, self.world_size)
-        check_supported(spec, plan)
         self.coordinates = self.dims.coordinates(self.rank)
         self.dp_rank = self.dims.dp_rank(self.rank)
         self.dp_size = self.dims.dp
@@ -142,7 +145,7 @@ class DistributedRuntime:
 
     def _build_parts(self, seed: int) -> list[nn.Module]:
         """This rank's chunks: meta model -> pipeline split -> parallelised -> materialised and
-        initialised from (seed, parameter name)."""
+        initialised shard by shard from (seed, parameter name, global index)."""
         from fivefold.model import build_model
         from fivefold.model.init import init_module_weights
         from fivefold.parallel.parallelize import parallelize_chunk

@@ -15,6 +15,7 @@ Conventions:
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, fields, replace
 
 MLP_KINDS = ("swiglu", "gelu")
@@ -240,6 +241,13 @@ def training_flops_per_token(
     elif recompute == "selective":
         extra = m.layers * attention_score_flops_per_token(m, s, causal)
     return 3.0 * fwd + extra
+
+
+def default_ffn(hidden: int, mlp: str = "swiglu") -> int:
+    """4h for GeLU; SwiGLU's 8h/3 rounded up to a multiple of 256 (the Llama rule)."""
+    if mlp == "gelu":
+        return 4 * hidden
+    return 256 * math.ceil(8 * hidden / 3 / 256)
 
 
 def model_spec_fields() -> dict[str, type]:

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 from fivefold.errors import ConfigError
 from fivefold.spec.cluster import CLUSTER_PRESETS, ClusterSpec, cluster_preset
-from fivefold.spec.model import ModelSpec
+from fivefold.spec.model import MLP_KINDS, ModelSpec, default_ffn
 from fivefold.spec.plan import ParallelPlan
 from fivefold.spec.presets import MODEL_PRESETS
 
@@ -148,22 +148,38 @@ def _type_name(hint: Any) -> str:
     )
 
 
-def _model_from(values: dict[str, Any], problems: list[str]) -> ModelSpec | None:
+def expand_model(values: dict[str, Any], problems: list[str]) -> dict[str, Any] | None:
+    """A [model] table with its preset expanded: the one preset expansion (TOML recipes,
+    overrides and `fivefold plan` flags all come through here).
+
+    Fields given override the preset's; derived fields follow what changed: `head_dim` when
+    `hidden` or `heads` change, and `kv_heads` when `heads` change on a multi-head preset
+    (kv_heads == heads stays so). Without a preset, `ffn` defaults from `hidden`
+    (`default_ffn`). None (with a problem appended) for an unknown preset.
+    """
     values = dict(values)
     preset = values.pop("preset", None)
-    if preset is not None:
-        if preset not in MODEL_PRESETS:
-            problems.append(
-                f"model.preset = {preset!r} is unknown; choose one of {', '.join(MODEL_PRESETS)}."
-            )
-            return None
-        base = MODEL_PRESETS[preset].to_dict()
-        # A preset's derived defaults (kv heads, head_dim) follow a changed hidden/heads.
-        if "heads" in values or "hidden" in values:
-            base.pop("head_dim")
-        base.update(values)
-        values = base
-    return build(ModelSpec, values, "model", problems)
+    if preset is None:
+        if "ffn" not in values and isinstance(values.get("hidden"), int):
+            mlp = values.get("mlp", "swiglu")
+            values["ffn"] = default_ffn(values["hidden"], mlp if mlp in MLP_KINDS else "swiglu")
+        return values
+    if preset not in MODEL_PRESETS:
+        problems.append(
+            f"model.preset = {preset!r} is unknown; choose one of {', '.join(MODEL_PRESETS)}."
+        )
+        return None
+    base = MODEL_PRESETS[preset].to_dict()
+    if "heads" in values or "hidden" in values:
+        base.pop("head_dim")
+    if "heads" in values and "kv_heads" not in values and base["kv_heads"] == base["heads"]:
+        base.pop("kv_heads")
+    return {**base, **values}
+
+
+def _model_from(values: dict[str, Any], problems: list[str]) -> ModelSpec | None:
+    expanded = expand_model(values, problems)
+    return None if expanded is None else build(ModelSpec, expanded, "model", problems)
 
 
 def _cluster_from(
@@ -191,9 +207,18 @@ def _cluster_from(
         base = cluster_preset(preset, gpus or 8).to_dict()
         base.update(values)
         values = base
-    elif gpus is not None:
-        values.setdefault("nodes", 1)
-        values.setdefault("gpus_per_node", gpus)
+    elif gpus is not None:  # whole nodes of up to 8 GPUs unless gpus_per_node says otherwise
+        if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 1:
+            problems.append(f"cluster.gpus = {gpus!r}: must be a whole number >= 1.")
+            return None
+        per_node = values.setdefault("gpus_per_node", min(8, gpus))
+        if isinstance(per_node, int) and per_node > 0:
+            if gpus % per_node:
+                problems.append(
+                    f"cluster.gpus = {gpus} is not a whole number of nodes of "
+                    f"cluster.gpus_per_node = {per_node}; every node must be full."
+                )
+            values.setdefault("nodes", max(1, gpus // per_node))
     return build(ClusterSpec, values, "cluster", problems)
 
 

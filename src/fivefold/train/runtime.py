@@ -78,6 +78,7 @@ class LocalRuntime:
     def __init__(self, recipe: Recipe):
         from fivefold.model import build_model
 
+        recipe.plan.validate(recipe.model, recipe.cluster)  # the one set of rules
         train = parse_train_config(recipe).train
         self.recipe = recipe
         self.device = pick_device(train.device)
