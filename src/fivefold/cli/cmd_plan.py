@@ -104,8 +104,9 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     c = parser.add_argument_group("cluster")
     c.add_argument(
         "--cluster",
-        metavar="PRESET",
-        help=f"dgx-a100, dgx-h100, ... (default {DEFAULT_CLUSTER} unless --gpu is given)",
+        metavar="PRESET|PROFILE.toml",
+        help=f"dgx-a100, dgx-h100, ... (default {DEFAULT_CLUSTER} unless --gpu is given), or a "
+        "device profile written by `fivefold calibrate` (--gpus: its local ranks)",
     )
     c.add_argument("--gpus", metavar="N", help=f"total GPUs (default {DEFAULT_GPUS})")
     c.add_argument("--gpu", metavar="TYPE", help="GPU type: a100-40gb, a100-80gb, h100-sxm, ...")
@@ -290,7 +291,12 @@ def cluster_from_args(args: argparse.Namespace, recipe_data: dict[str, dict]) ->
     )
     if args.gpu is not None:
         gpu_lookup(args.gpu)  # ConfigError naming the catalog when unknown
-    if args.cluster is not None or (args.gpu is None and not section):
+    profile = _profile_path(args.cluster) or (None if args.cluster else section.get("profile"))
+    if profile:  # a machine measured by `fivefold calibrate`
+        from fivefold.spec.profile import profile_cluster
+
+        cluster = profile_cluster(profile, gpus or section.get("gpus"))
+    elif args.cluster is not None or (args.gpu is None and not section):
         name = args.cluster or DEFAULT_CLUSTER
         if name not in CLUSTER_PRESETS:
             raise ConfigError(
@@ -330,6 +336,13 @@ def cluster_from_args(args: argparse.Namespace, recipe_data: dict[str, dict]) ->
             "nothing can be planned for it; choose a datacenter GPU such as h100-sxm."
         )
     return cluster
+
+
+def _profile_path(name: str | None) -> str | None:
+    """`--cluster` naming a device profile (a .toml file) rather than a preset."""
+    if name and (name.endswith(".toml") or Path(name).is_file()):
+        return name
+    return None
 
 
 def _regroup(cluster: Any, total: int, per_node: int) -> Any:

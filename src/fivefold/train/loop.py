@@ -42,8 +42,6 @@ from fivefold.train.peak import DevicePeak, device_peak
 from fivefold.train.runtime import Runtime, make_runtime
 from fivefold.train.schedule import build_scheduler
 
-PEAK_REFRESH_S = 30.0  # CPU: how often the measured matmul peak is re-checked (~0.1 s each)
-
 
 @dataclass
 class TrainSummary:
@@ -95,13 +93,14 @@ class Trainer:
         self.checkpoints = ckpt.RunCheckpoints(
             self.run_dir, self.cfg.keep_checkpoints, self.cfg.ckpt_async
         )
-        self.peak: DevicePeak = device_peak(runtime.device, self._compute_dtype())
-        self._peak_checked_at = time.perf_counter()
+        self.peak: DevicePeak = device_peak(
+            runtime.device, self._compute_dtype(), cluster=self.recipe.cluster
+        )
         self.tokens_per_step = run.global_batch * self.recipe.model.seq_len
         seq = self.recipe.model.seq_len
         self.model_flops_per_token = training_flops_per_token(self.recipe.model, seq)
-        self.hardware_flops_per_token = training_flops_per_token(
-            self.recipe.model, seq, self.recipe.plan.recompute
+        self.hardware_flops_per_token = training_flops_per_token(  # what checkpoint runs
+            self.recipe.model, seq, self.recipe.plan.recompute, early_stop=True
         )
         self.cpu_peak = PeakReading()
 
@@ -301,7 +300,6 @@ class Trainer:
                 if index > 0 and not measure:
                     meter.add(self.tokens_per_step, step_s)
                 losses.append(loss)
-                self._maybe_refresh_peak()
                 eval_loss = self._maybe_eval()
                 if eval_loss is not None:
                     evals[self.step] = eval_loss
@@ -350,14 +348,6 @@ class Trainer:
             eval_losses=evals,
         )
 
-    def _maybe_refresh_peak(self) -> None:
-        """CPU: re-measure the matmul peak every PEAK_REFRESH_S (outside step timing)."""
-        now = time.perf_counter()
-        if self.runtime.device.type != "cpu" or now - self._peak_checked_at < PEAK_REFRESH_S:
-            return
-        self.peak = device_peak(self.runtime.device, self._compute_dtype(), refresh=True)
-        self._peak_checked_at = time.perf_counter()
-
     def _peak_memory(self) -> int:
         return self.runtime.peak_memory_bytes() or self.cpu_peak.peak_bytes
 
@@ -398,8 +388,11 @@ def planner_prediction(run: RunConfig) -> tuple[dict[str, Any] | None, str]:
     except ImportError:
         return None, "planner not available"
     recipe = run.recipe
-    if recipe.cluster.gpu == "cpu":
-        return None, "the planner models GPU clusters; this run's cluster is the local CPU"
+    if recipe.cluster.gpu == "cpu" and not recipe.cluster.profile:
+        return None, (
+            "no device profile for this CPU; `fivefold calibrate` writes one, then runs predict "
+            "their step time"
+        )
     try:
         return estimate(recipe.model, recipe.cluster, recipe.plan).to_json(), ""
     except FivefoldError as err:
@@ -433,6 +426,8 @@ def print_header(trainer: Trainer, prediction: dict[str, Any] | None, why_not: s
         f"{trainer.cfg.min_lr:g}); data: {trainer.data.describe()}"
     )
     out.print(f"MFU against: {trainer.peak.label}")
+    if recipe.cluster.profile:
+        out.print(f"device profile: {recipe.cluster.profile}")
     if prediction is not None:
         mem = prediction.get("memory_gib", {}).get("total")
         out.print(
