@@ -13,7 +13,8 @@ A step (`train_step`) runs the micro-batches of this rank's data-parallel slice:
 loss is the sum of its token losses divided by the number of tokens in the *global* batch, and
 gradients are summed (not averaged) over the data-parallel group, so the gradient is exactly
 that of the global mean loss whatever the layout. Gradients are communicated only after the last
-micro-batch (ZeRO-2/3: after each, so they stay sharded). The reported loss is the global mean, the same on every rank.
+micro-batch (ZeRO-2/3: after each, so they stay sharded). The reported loss is the global mean,
+the same on every rank.
 """
 
 from __future__ import annotations
