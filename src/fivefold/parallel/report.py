@@ -54,7 +54,9 @@ def memory_only_prediction(spec: Any, plan: Any) -> list[dict]:
         inflight = list(
             build_schedule(plan.schedule, plan.pp, plan.vpp, plan.grad_accum).peak_inflight
         )
-    options = MemoryOptions(cuda_context_bytes=0.0, fragmentation_fraction=0.0)
+    options = MemoryOptions(
+        cuda_context_bytes=0.0, fragmentation_fraction=0.0, runtime="fivefold-eager"
+    )
     return [stage.gib() for stage in all_stage_memory(spec, plan, inflight, options)]
 
 
