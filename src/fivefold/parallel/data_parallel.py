@@ -13,7 +13,9 @@ with the data-parallel ones.
 - ZeRO-2: as ZeRO-1, but gradients are reduce-scattered after every micro-batch, so only the
   gradient shard is held between micro-batches (the ZeRO-2 memory saving).
 - ZeRO-3 (FSDP): `fully_shard` per block with re-sharding after forward; parameters gathered
-  block by block in forward and again in backward.
+  block by block in forward and again in backward; gradients reduce-scattered after every
+  micro-batch, so only gradient shards live between micro-batches (as FSDP2 intends; skipping
+  the sync would keep whole unsharded gradients across the accumulation).
 - HSDP: dp_replicate > 1 with dp_shard > 1 (ZeRO-3): sharded over dp_shard x cp, replicated
   over dp_replicate (2-D mesh).
 
@@ -115,11 +117,11 @@ def set_gradient_sync(
 ) -> None:
     """Before a micro-batch's backward: reduce now, or keep accumulating locally.
 
-    ZeRO-2 reduce-scatters every micro-batch (sharded gradients between micro-batches); the
-    other stages communicate gradients only after the last micro-batch. ZeRO-1/2 keep the
-    gathered parameters until the last backward of the step.
+    ZeRO-2 and ZeRO-3 reduce-scatter every micro-batch (sharded gradients between
+    micro-batches); ZeRO-0/1 communicate gradients only after the last micro-batch. ZeRO-1/2
+    keep the gathered parameters until the last backward of the step.
     """
-    sync = last_micro_batch or plan.zero == 2
+    sync = last_micro_batch or plan.zero >= 2
     for module in modules:
         module.set_requires_gradient_sync(sync, recurse=False)
         if plan.zero in (1, 2):

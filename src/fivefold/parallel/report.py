@@ -54,7 +54,9 @@ def memory_only_prediction(spec: Any, plan: Any) -> list[dict]:
         inflight = list(
             build_schedule(plan.schedule, plan.pp, plan.vpp, plan.grad_accum).peak_inflight
         )
-    options = MemoryOptions(cuda_context_bytes=0.0, fragmentation_fraction=0.0)
+    options = MemoryOptions(
+        cuda_context_bytes=0.0, fragmentation_fraction=0.0, runtime="fivefold-eager"
+    )
     return [stage.gib() for stage in all_stage_memory(spec, plan, inflight, options)]
 
 
@@ -67,6 +69,7 @@ def stage_rows(runtime: Any) -> tuple[list[dict], str] | None:
         "rank": runtime.rank,
         "pp": runtime.pp_rank,
         "peak_bytes": runtime.peak_memory_bytes(),
+        "tenants": dict(getattr(runtime, "peak_tenants", {}) or {}),
         "step_s": sum(times) / len(times) if times else None,
     }
     gathered: list[Any] = [None] * runtime.world_size
@@ -78,20 +81,32 @@ def stage_rows(runtime: Any) -> tuple[list[dict], str] | None:
     for stage in range(runtime.plan.pp):
         mine = [g for g in gathered if g["pp"] == stage]
         measured_s = [g["step_s"] for g in mine if g["step_s"] is not None]
-        peak = max(g["peak_bytes"] for g in mine)
+        top = max(mine, key=lambda g: g["peak_bytes"])
+        peak = top["peak_bytes"]
+        predicted = memory[stage] if memory and stage < len(memory) else None
         rows.append(
             {
                 "stage": stage,
                 "ranks": [g["rank"] for g in mine],
-                "predicted_peak_bytes": (
-                    memory[stage]["total"] * GIB if memory and stage < len(memory) else None
-                ),
+                "predicted_peak_bytes": predicted["total"] * GIB if predicted else None,
                 "measured_peak_bytes": peak or None,
+                "predicted_tenants": _tenant_bytes(predicted),
+                "measured_tenants": top["tenants"],
                 "predicted_step_s": step_s,
                 "measured_step_s": max(measured_s) if measured_s else None,
             }
         )
     return rows, note
+
+
+def _tenant_bytes(stage_gib: dict | None) -> dict[str, float]:
+    """The planner's tenants of one stage in bytes, with "other" (buffers) under activations
+    as the runtime's counter cannot tell them apart."""
+    if not stage_gib:
+        return {}
+    out = {k: stage_gib[k] * GIB for k in ("params", "grads", "optimizer", "activations")}
+    out["activations"] += stage_gib.get("other", 0.0) * GIB
+    return out
 
 
 def layout_report(runtime: Any) -> str | None:

@@ -15,7 +15,8 @@ A step (`train_step`) runs the micro-batches of this rank's data-parallel slice:
 loss is the sum of its token losses divided by the number of tokens in the *global* batch, and
 gradients are summed (not averaged) over the data-parallel group, so the gradient is exactly
 that of the global mean loss whatever the layout. Gradients are communicated only after the last
-micro-batch (ZeRO-2: after each). The reported loss is the global mean, the same on every rank.
+micro-batch (ZeRO-2/3: after each, so they stay sharded). The reported loss is the global mean,
+the same on every rank.
 """
 
 from __future__ import annotations
@@ -138,6 +139,7 @@ class DistributedRuntime:
         self._report_at = min(3, train.steps)
         self._loop_memory_step = train.memory_step
         self._peak_bytes = 0
+        self.peak_tenants: dict[str, int] = {}  # the measured peak split into tenants (CPU)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         if self.is_main:
@@ -272,8 +274,7 @@ class DistributedRuntime:
         for index, batch in enumerate(batches):
             set_gradient_sync(self.dp_modules, self.plan, index == len(batches) - 1)
             with self._loss_context():
-                logits = model(batch.tokens, positions=batch.positions, doc_ids=batch.doc_ids)
-                loss = token_loss_sum(logits, batch.labels) * self._loss_scale
+                loss = self._forward_loss(model, batch)
                 objective = loss
                 if self.spec.is_moe:
                     aux = model.aux_loss()  # already weighted, see _weight_aux_losses
@@ -282,6 +283,12 @@ class DistributedRuntime:
                 objective.backward()
             loss_sum += _scalar(loss).double()
         return loss_sum, aux_sum
+
+    def _forward_loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        """The micro-batch's scaled loss; the logits die here, not held through the backward
+        (the loss keeps what its backward needs)."""
+        logits = model(batch.tokens, positions=batch.positions, doc_ids=batch.doc_ids)
+        return token_loss_sum(logits, batch.labels) * self._loss_scale
 
     def _pipeline_step(self, batches: list) -> tuple[torch.Tensor, torch.Tensor]:
         with self._loss_context():
@@ -382,7 +389,9 @@ class DistributedRuntime:
         with track_cpu_peak(self.model_parts, None) as reading:
             yield
         params = sum(_local_numel(p) for part in self.model_parts for p in part.parameters())
-        self.record_peak_memory(reading.peak_bytes + 2 * 4 * params)  # + AdamW m and v (fp32)
+        adam = 2 * 4 * params  # AdamW m and v (fp32), which this block does not see
+        tenants = {**reading.tenants, "optimizer": reading.tenants.get("optimizer", 0) + adam}
+        self.record_peak_memory(reading.peak_bytes + adam, tenants)
 
     def _after_step(self, seconds: float, timed: bool = True) -> None:
         self._steps += 1
@@ -395,9 +404,12 @@ class DistributedRuntime:
             if self.is_main and self.last_report:
                 print(self.last_report, flush=True)
 
-    def record_peak_memory(self, peak_bytes: int) -> None:
-        """The loop's measurement of this rank's peak (CPU), used in the layout report."""
-        self._peak_bytes = max(self._peak_bytes, int(peak_bytes))
+    def record_peak_memory(self, peak_bytes: int, tenants: dict[str, int] | None = None) -> None:
+        """A measurement of this rank's peak (CPU; the loop's or the step's own) and its split
+        into tenants (`fivefold.train.memory.TENANTS`); the layout report keeps the largest."""
+        if int(peak_bytes) > self._peak_bytes:
+            self._peak_bytes = int(peak_bytes)
+            self.peak_tenants = dict(tenants or {})
 
     def peak_memory_bytes(self) -> int:
         if self.device.type == "cuda":

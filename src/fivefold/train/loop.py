@@ -291,7 +291,7 @@ class Trainer:
                         loss, aux, grad_norm = self.train_one_step(micro_batches)
                     record = getattr(self.runtime, "record_peak_memory", None)
                     if record is not None:
-                        record(self.cpu_peak.peak_bytes)
+                        record(self.cpu_peak.peak_bytes, self.cpu_peak.tenants)
                 else:
                     loss, aux, grad_norm = self.train_one_step(micro_batches)
                 if self.runtime.device.type == "cuda":

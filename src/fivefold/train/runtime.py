@@ -92,6 +92,7 @@ class LocalRuntime:
         self.model = model
         self.model_parts: list[nn.Module] = [model]
         self._recorded_peak_bytes = 0
+        self.peak_tenants: dict[str, int] = {}
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
 
@@ -156,9 +157,12 @@ class LocalRuntime:
             return int(torch.cuda.max_memory_allocated(self.device))
         return self._recorded_peak_bytes
 
-    def record_peak_memory(self, peak_bytes: int) -> None:
-        """Keep the loop's CPU measurement (tensor storages counted over one step)."""
-        self._recorded_peak_bytes = max(self._recorded_peak_bytes, int(peak_bytes))
+    def record_peak_memory(self, peak_bytes: int, tenants: dict[str, int] | None = None) -> None:
+        """Keep the loop's CPU measurement (tensor storages counted over one step) and its
+        split into tenants."""
+        if int(peak_bytes) > self._recorded_peak_bytes:
+            self._recorded_peak_bytes = int(peak_bytes)
+            self.peak_tenants = dict(tenants or {})
 
     def close(self) -> None:
         pass
