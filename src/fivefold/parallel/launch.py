@@ -2,9 +2,9 @@
 
 Both run the same entry, `python -m fivefold.train RECIPE [overrides]`, once per rank; the
 runtime (`DistributedRuntime`) then reads RANK / WORLD_SIZE / LOCAL_RANK from the environment
-torchrun sets and picks gloo on CPU or NCCL on CUDA. The plan is checked against the number of
-processes before anything starts, so a layout that does not fit is one clear error, not N
-tracebacks.
+torchrun sets and picks gloo on CPU or NCCL on CUDA. The callers check the recipe against the
+number of processes before anything starts (`fivefold.train.entry.check_layout`), so a layout
+that does not fit is one clear error, not N tracebacks.
 """
 
 from __future__ import annotations
@@ -20,17 +20,6 @@ from fivefold.errors import ConfigError
 
 RDZV_PORT = 29500
 SLURM_MAX_RESTARTS = 3  # a cluster job restarts by default: failures are routine at scale
-
-
-def check_layout(recipe_path: str | Path | None, overrides: list[str], world_size: int):
-    """Load the recipe for `world_size` processes and refuse what the runtime cannot run
-    (recipe loading applies `ParallelPlan.problems`; the degrees must multiply to the world)."""
-    from fivefold.parallel.mesh import ParallelDims
-    from fivefold.train.entry import load_run
-
-    run = load_run(recipe_path, overrides, world_size=world_size)
-    ParallelDims.from_plan(run.recipe.plan, world_size)
-    return run
 
 
 def threads_per_rank(nproc: int) -> int:
@@ -71,12 +60,15 @@ def torchrun_command(
 def launch_local(
     nproc: int, recipe_path: str | Path | None, overrides: list[str], max_restarts: int = 0
 ) -> int:
-    """Run the recipe on `nproc` local processes under torchrun; returns torchrun's exit code."""
+    """Run the recipe on `nproc` local processes under torchrun; returns torchrun's exit code.
+
+    The caller has validated the recipe for `nproc` processes
+    (`fivefold.train.entry.check_layout`), so a layout that does not fit never starts.
+    """
     if nproc < 1:
         raise ConfigError(f"--nproc {nproc}: the number of processes must be at least 1.")
     if max_restarts_problems(max_restarts):
         raise ConfigError(max_restarts_problems(max_restarts))
-    check_layout(recipe_path, overrides, nproc)
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(threads_per_rank(nproc)))
     command = torchrun_command(nproc, recipe_path, overrides, max_restarts)

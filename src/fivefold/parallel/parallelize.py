@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from fivefold.parallel.checkpointing import apply_activation_checkpointing
+from fivefold.parallel.checkpointing import apply_recompute
 from fivefold.parallel.data_parallel import apply_data_parallel
 from fivefold.parallel.mesh import Meshes
 from fivefold.spec.model import ModelSpec
@@ -92,5 +92,5 @@ def parallelize_chunk(
         from fivefold.parallel.context_parallel import apply_context_parallel
 
         apply_context_parallel(chunk, meshes["cp"], plan.cp_kind)
-    apply_activation_checkpointing(chunk, plan.recompute)
+    apply_recompute(chunk, plan.recompute)
     return apply_data_parallel(chunk, meshes, plan, device, expert_dp_mesh(meshes, plan))

@@ -104,6 +104,18 @@ def load_run(
     return parse_train_config(recipe)
 
 
+def check_layout(
+    recipe_path: str | Path | None, overrides: list[str], world_size: int
+) -> RunConfig:
+    """`load_run` for `world_size` processes, and the plan's degrees must multiply to it: what
+    the launchers call before starting anything (ConfigError otherwise)."""
+    from fivefold.parallel.mesh import ParallelDims
+
+    run = load_run(recipe_path, overrides, world_size=world_size)
+    ParallelDims.from_plan(run.recipe.plan, world_size)
+    return run
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m fivefold.train",
