@@ -4,7 +4,6 @@ anything starts, and a real 2-process torchrun of the tiny recipe."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -67,9 +66,9 @@ def test_launch_local_checks_the_layout_before_starting() -> None:
         launch_local(8, RECIPE, ["model.tied_embeddings=true"])
 
 
-def test_torchrun_command_is_this_python_running_the_train_module() -> None:
+def test_torchrun_command_is_this_python_running_the_agent_and_train_module() -> None:
     cmd = torchrun_command(4, "r.toml", ["plan.tp=2"])
-    assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert cmd[:3] == [sys.executable, "-m", "fivefold.parallel.agent"]
     assert "--standalone" in cmd and "--nproc-per-node=4" in cmd
     assert "--max-restarts=0" in cmd  # no restart unless asked
     assert cmd[-4:] == ["-m", "fivefold.train", "r.toml", "plan.tp=2"]
@@ -86,14 +85,14 @@ def test_slurm_script_takes_max_restarts(capsys) -> None:
 
 
 class RecordedRun:
-    """Stands in for subprocess.run: records the command instead of starting torchrun."""
+    """Stands in for run_supervised: records the command instead of starting torchrun."""
 
     def __init__(self) -> None:
         self.commands: list[list[str]] = []
 
-    def __call__(self, command, env=None):
+    def __call__(self, command, env=None) -> int:
         self.commands.append(list(command))
-        return subprocess.CompletedProcess(command, 0)
+        return 0
 
 
 @pytest.mark.parametrize(
@@ -111,10 +110,10 @@ def test_max_restarts_reaches_the_torchrun_command(
     monkeypatch, cli_args, expected_nproc, expected_restarts
 ) -> None:
     recorded = RecordedRun()
-    monkeypatch.setattr(launch.subprocess, "run", recorded)
+    monkeypatch.setattr(launch, "run_supervised", recorded)
     assert main(cli_args) == 0
     (command,) = recorded.commands
-    assert command[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert command[:3] == [sys.executable, "-m", "fivefold.parallel.agent"]
     assert f"--nproc-per-node={expected_nproc}" in command
     assert [a for a in command if a.startswith("--max-restarts")] == [
         f"--max-restarts={expected_restarts}"

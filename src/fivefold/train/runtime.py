@@ -50,7 +50,7 @@ class Runtime(Protocol):
 
     def peak_memory_bytes(self) -> int: ...
 
-    def close(self) -> None: ...
+    def close(self, failed: bool = False) -> None: ...
 
 
 def pick_device(name: str) -> torch.device:
@@ -159,8 +159,8 @@ class LocalRuntime:
         """Keep the loop's CPU measurement (tensor storages counted over one step)."""
         self._recorded_peak_bytes = max(self._recorded_peak_bytes, int(peak_bytes))
 
-    def close(self) -> None:
-        pass
+    def close(self, failed: bool = False) -> None:
+        """Nothing to release in one process (`failed`: the run ended by an exception)."""
 
 
 def make_runtime(recipe: Recipe) -> Runtime:
