@@ -18,6 +18,7 @@ files (`fivefold.parallel.rank_report`) and are printed once.
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -220,6 +221,19 @@ def _parent_map() -> dict[int, int]:
     return out
 
 
+# What sbatch accepts, kept strict so nothing written into the script needs quoting.
+SLURM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+SLURM_PARTITION = re.compile(r"[A-Za-z0-9._-]+(,[A-Za-z0-9._-]+)*")
+# --time: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S (sbatch(1)), or "infinite"/"unlimited"
+SLURM_TIME = re.compile(r"(\d+(:\d{1,2}){0,2}|\d+-\d{1,2}(:\d{1,2}){0,2}|infinite|unlimited)")
+
+
+def slurm_job_name(name: str) -> str:
+    """`name` with every character sbatch or a file name would trip on replaced by '-'."""
+    cleaned = re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-.") or "fivefold"
+    return cleaned[:128]
+
+
 @dataclass(frozen=True)
 class SlurmJob:
     """What an sbatch script needs beyond the recipe."""
@@ -239,6 +253,23 @@ class SlurmJob:
             out.append(f"--nodes {self.nodes}: a job needs at least one node.")
         if self.gpus_per_node < 1:
             out.append(f"--gpus-per-node {self.gpus_per_node}: must be at least 1.")
+        if not SLURM_NAME.fullmatch(self.job_name):
+            out.append(
+                f"--job-name {self.job_name!r}: use letters, digits, '.', '_' and '-' (at most "
+                f"128, starting with a letter or digit), e.g. {slurm_job_name(self.job_name)!r}."
+            )
+        if not SLURM_TIME.fullmatch(self.time):
+            out.append(
+                f"--time {self.time!r}: give sbatch's wall-time format, e.g. 04:00:00 "
+                "(hours:minutes:seconds), 90 (minutes) or 2-00:00:00 (days-hours:minutes:seconds)."
+            )
+        if self.partition and not SLURM_PARTITION.fullmatch(self.partition):
+            out.append(
+                f"--partition {self.partition!r}: a partition name (letters, digits, '.', '_', "
+                "'-'; several separated by commas), e.g. gpu."
+            )
+        if not 1 <= self.port <= 65535:
+            out.append(f"rendezvous port {self.port}: must be within 1..65535.")
         return out
 
 
@@ -247,7 +278,15 @@ def slurm_script(
 ) -> str:
     """An sbatch script: one task per node, each running torchrun over its GPUs with c10d
     rendezvous on the first node of the allocation; after a rank fails torchrun restarts the
-    group up to `job.max_restarts` times and the run resumes from its newest valid checkpoint."""
+    group up to `job.max_restarts` times and the run resumes from its newest valid checkpoint.
+
+    Every value in a directive is checked (`SlurmJob.problems`, ConfigError); every value on a
+    shell line is quoted; the ranks run this interpreter (`sys.executable`, so the cluster's
+    nodes need the same path, e.g. a shared file system), not whatever `python` is first on
+    the PATH there."""
+    if job.problems():
+        raise ConfigError(job.problems())
+    description = " ".join(description.split())  # a comment line stays one line
     world = job.nodes * job.gpus_per_node
     cpus = job.cpus_per_task or 8 * job.gpus_per_node
     header = [
@@ -273,7 +312,7 @@ def slurm_script(
         'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
         f"export OMP_NUM_THREADS={max(1, cpus // job.gpus_per_node)}",
         "",
-        "srun --kill-on-bad-exit=1 python -m torch.distributed.run \\",
+        f"srun --kill-on-bad-exit=1 {shlex.quote(sys.executable)} -m torch.distributed.run \\",
         '    --nnodes="$SLURM_NNODES" \\',
         f"    --nproc-per-node={job.gpus_per_node} \\",
         f"    --max-restarts={job.max_restarts} \\",
