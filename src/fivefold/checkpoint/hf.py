@@ -11,7 +11,11 @@ the weights map one to one, with no permutation of the query/key rows (both use 
     norm.weight                           model.norm.weight
     output.weight                         lm_head.weight (absent when embeddings are tied)
 
-Export reads the full tensors from a DCP checkpoint of any layout without a process group.
+Export reads the full tensors from a DCP checkpoint of any layout without a process group and,
+given the run's tokenizer, writes a self-contained directory: `tokenizer.json`,
+`tokenizer_config.json` and `generation_config.json` name the end-of-document token as bos, eos
+and pad (fivefold starts no document with a BOS token; `<|endoftext|>` ends each), so
+`transformers` `generate` stops where a document ends. Every file is written mode 0644.
 Import writes a weights-only fivefold checkpoint (`step_0`) that `fivefold train` resumes from
 with a fresh optimizer. MoE and GELU models have no Llama form and are refused, as are Llama
 configs fivefold cannot reproduce (biases, RoPE scaling, activations other than SiLU).
@@ -29,7 +33,11 @@ from fivefold.errors import CheckpointError
 from fivefold.spec.model import ModelSpec
 
 CONFIG_FILE = "config.json"
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
 WEIGHTS_FILE = "model.safetensors"
+FILE_MODE = 0o644  # readable by whoever serves the model (safetensors writes 0600)
 INDEX_FILE = "model.safetensors.index.json"
 _DTYPES = ("fp32", "bf16", "fp16")
 _SHARD_BYTES = 5 * 2**30
@@ -92,10 +100,16 @@ def check_exportable(spec: ModelSpec) -> None:
         raise CheckpointError("cannot export to Hugging Face Llama: " + "; ".join(problems) + ".")
 
 
-def llama_config(spec: ModelSpec, dtype: str = "fp32") -> dict[str, Any]:
-    """The `config.json` of `LlamaForCausalLM` for `spec` (transformers 4.x and 5.x keys)."""
+def llama_config(spec: ModelSpec, dtype: str = "fp32", eod_id: int | None = None) -> dict[str, Any]:
+    """The `config.json` of `LlamaForCausalLM` for `spec` (transformers 4.x and 5.x keys);
+    with the tokenizer's end-of-document id as bos/eos/pad when it is known."""
     torch_dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype]
-    return {
+    special = (
+        {}
+        if eod_id is None
+        else {"bos_token_id": eod_id, "eos_token_id": eod_id, "pad_token_id": eod_id}
+    )
+    return special | {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "vocab_size": spec.vocab,
@@ -170,11 +184,39 @@ def spec_from_llama_config(config: dict[str, Any], where: str = CONFIG_FILE) -> 
     return spec
 
 
-# ---- export ----------------------------------------------------------------------------------
-def export_hf(checkpoint_dir: Path, out_dir: Path, dtype: str = "fp32") -> dict[str, Any]:
-    """Write `out_dir/config.json` and safetensors from a fivefold checkpoint of any layout.
+def tokenizer_files(tokenizer, spec: ModelSpec) -> dict[str, str]:
+    """`tokenizer.json`, `tokenizer_config.json` and `generation_config.json` (file -> text) for
+    a fivefold `TextTokenizer`: its end-of-document token is bos, eos and pad."""
+    from fivefold.train.data.tokenizer import EOD_TOKEN
 
-    Returns a summary (model name, parameter count, bytes written, files). No process group.
+    eod = tokenizer.eod_id
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": EOD_TOKEN,
+        "eos_token": EOD_TOKEN,
+        "pad_token": EOD_TOKEN,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "model_max_length": spec.seq_len,
+        "clean_up_tokenization_spaces": False,
+    }
+    generation = {"bos_token_id": eod, "eos_token_id": eod, "pad_token_id": eod}
+    return {
+        TOKENIZER_FILE: tokenizer.backend.to_str(),
+        TOKENIZER_CONFIG_FILE: json.dumps(tokenizer_config, indent=2) + "\n",
+        GENERATION_CONFIG_FILE: json.dumps(generation, indent=2) + "\n",
+    }
+
+
+# ---- export ----------------------------------------------------------------------------------
+def export_hf(
+    checkpoint_dir: Path, out_dir: Path, dtype: str = "fp32", tokenizer=None
+) -> dict[str, Any]:
+    """Write `out_dir/config.json` and safetensors from a fivefold checkpoint of any layout, and
+    the tokenizer files when `tokenizer` (a `TextTokenizer`) is given.
+
+    Returns a summary (model name, step, parameter count, bytes written, files). No process
+    group. A tokenizer with more tokens than the model's vocabulary is refused.
     """
     import torch
     from safetensors.torch import save_file
@@ -195,16 +237,26 @@ def export_hf(checkpoint_dir: Path, out_dir: Path, dtype: str = "fp32") -> dict[
         if spec.tied_embeddings and fqn == "output.weight":
             continue
         hf[to_hf_name(fqn)] = value.to(cast).contiguous()
+    if tokenizer is not None:
+        tokenizer.check_fits(spec.vocab)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     files = _write_safetensors(hf, out_dir, save_file)
-    (out_dir / CONFIG_FILE).write_text(json.dumps(llama_config(spec, dtype), indent=2) + "\n")
+    eod = tokenizer.eod_id if tokenizer is not None else None
+    texts = {CONFIG_FILE: json.dumps(llama_config(spec, dtype, eod), indent=2) + "\n"}
+    if tokenizer is not None:
+        texts |= tokenizer_files(tokenizer, spec)
+    for name, text in texts.items():
+        (out_dir / name).write_text(text)
+    files = [*texts, *files]
+    for name in files:
+        (out_dir / name).chmod(FILE_MODE)
     return {
         "model": spec.name,
         "step": state.step,
         "parameters": sum(t.numel() for t in hf.values()),
         "bytes": sum((out_dir / f).stat().st_size for f in files),
-        "files": [CONFIG_FILE, *files],
+        "files": files,
     }
 
 

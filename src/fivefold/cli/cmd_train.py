@@ -184,8 +184,7 @@ def handle(args: argparse.Namespace) -> int:
         return _launch(args.nproc, recipe_path, overrides, args.max_restarts)
     from fivefold.train.loop import train
 
-    train(run)
-    return 0
+    return train(run).exit_code  # 128 + signal number after Ctrl-C / SIGTERM, else 0
 
 
 def _launch(nproc: int, recipe_path: str | None, overrides: list[str], max_restarts: int) -> int:

@@ -373,11 +373,38 @@ class DistributedRuntime:
             return int(torch.cuda.max_memory_allocated(self.device))
         return self._peak_bytes
 
-    def close(self) -> None:
-        if self._owns_group and dist.is_initialized():
-            dist.barrier()
-            dist.destroy_process_group()
-            self._owns_group = False
+    def any_rank(self, flag: bool) -> bool:
+        """True on every rank when `flag` is true on any (collective: one tiny all-reduce).
+        The loop asks it after each step whether a rank was interrupted."""
+        from fivefold.checkpoint.elastic import collective_guard
+
+        value = torch.tensor([1.0 if flag else 0.0], device=self.device)
+        with collective_guard(f"step {self._steps}: the stop-signal all-reduce"):
+            dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return bool(value.item() > 0)
+
+    def close(self, failed: bool = False) -> None:
+        """Release the process group this runtime created. After a clean run all ranks meet
+        at a barrier first; after an exception (`failed`) no collective runs, since the other
+        ranks may be dead or stuck in another one: the group is aborted locally instead."""
+        if not (self._owns_group and dist.is_initialized()):
+            return
+        self._owns_group = False
+        if failed:
+            abort_process_group()
+            return
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def abort_process_group() -> None:
+    """Tear down the default group without talking to the other ranks (never blocks on them).
+    `_abort_process_group` is PyTorch's own (private) API for this; should it fail, the group is
+    left to the process's exit, which the caller is about to reach anyway."""
+    from torch.distributed.distributed_c10d import _abort_process_group
+
+    with contextlib.suppress(Exception):  # best effort on a path that is already failing
+        _abort_process_group()
 
 
 def _local_numel(param: torch.Tensor) -> int:

@@ -25,6 +25,7 @@ from fivefold.spec.recipe import dump_recipe
 from fivefold.train import checkpoint as ckpt
 from fivefold.train.config import RunConfig
 from fivefold.train.inputs import TrainData, load_train_data
+from fivefold.train.interrupt import StopRequest, stop_on_signals
 from fivefold.train.memory import PeakReading, track_cpu_peak
 from fivefold.train.metrics import (
     ConsoleReporter,
@@ -56,10 +57,11 @@ class TrainSummary:
     peak_label: str
     peak_memory_bytes: int
     wall_s: float
-    stop_reason: str  # "completed" | "max_time_s" | "already_complete" (nothing to do)
+    stop_reason: str  # "completed" | "max_time_s" | "interrupted" | "already_complete"
     last_checkpoint: str | None
     eval_losses: dict[int, float] = field(default_factory=dict)
     prediction: dict[str, Any] | None = None
+    exit_code: int = 0  # of the process: 128 + signal number after an interrupt, else 0
 
     @property
     def first_loss(self) -> float:
@@ -103,6 +105,7 @@ class Trainer:
             self.recipe.model, seq, self.recipe.plan.recompute, early_stop=True
         )
         self.cpu_peak = PeakReading()
+        self.stop = StopRequest()  # `train` installs it as the SIGINT/SIGTERM handler
 
     def _compute_dtype(self) -> str:
         precision = getattr(self.runtime, "precision", None)
@@ -277,8 +280,12 @@ class Trainer:
         stop_reason = "completed"
         started = time.perf_counter()
         batches = self.data.batches(self.run.recipe.plan.micro_batch)
+        step_s = 0.0
         try:
             while self.step < self.last_step:
+                if self._stop_agreed():
+                    stop_reason = "interrupted"
+                    break
                 index = self.step - start_step  # 0-based within this invocation
                 measure = self.runtime.device.type == "cpu" and index == min(
                     self.cfg.memory_step - 1, self.last_step - start_step - 1
@@ -315,7 +322,7 @@ class Trainer:
                     stop_reason = "max_time_s"
                     break
             if (
-                self.cfg.save_final
+                (self.cfg.save_final or stop_reason == "interrupted")
                 and losses
                 and (
                     self.last_checkpoint is None
@@ -331,6 +338,7 @@ class Trainer:
             if board is not None:
                 board.close()
         rate = meter.tokens_per_s if meter.steps else self.tokens_per_step / max(step_s, 1e-9)
+        rate = rate if losses else 0.0
         return TrainSummary(
             run_dir=str(self.run_dir),
             start_step=start_step,
@@ -346,7 +354,14 @@ class Trainer:
             stop_reason=stop_reason,
             last_checkpoint=str(self.last_checkpoint) if self.last_checkpoint else None,
             eval_losses=evals,
+            exit_code=self.stop.exit_code() if stop_reason == "interrupted" else 0,
         )
+
+    def _stop_agreed(self) -> bool:
+        """Whether any rank was asked to stop (collective on N ranks: one small all-reduce),
+        so all ranks leave the loop after the same step and can checkpoint it together."""
+        agree = getattr(self.runtime, "any_rank", None)
+        return agree(self.stop.requested) if agree is not None else self.stop.requested
 
     def _peak_memory(self) -> int:
         return self.runtime.peak_memory_bytes() or self.cpu_peak.peak_bytes
@@ -444,6 +459,9 @@ def print_header(trainer: Trainer, prediction: dict[str, Any] | None, why_not: s
 def print_footer(trainer: Trainer, s: TrainSummary) -> None:
     out = trainer.console
     stopped = "" if s.stop_reason == "completed" else f" (stopped: {s.stop_reason})"
+    if not s.losses:
+        out.print(f"[bold]stopped[/bold] before a step{stopped}; nothing saved")
+        return
     out.print(
         f"[bold]done[/bold]: steps {s.start_step} -> {s.end_step} in {s.wall_s:.1f} s{stopped}; "
         f"loss {s.first_loss:.3f} -> {s.last_loss:.3f} (mean of last 10: {s.tail_loss():.3f})"
@@ -463,6 +481,11 @@ def print_footer(trainer: Trainer, s: TrainSummary) -> None:
         )
     if s.last_checkpoint:
         out.print(f"checkpoint: {s.last_checkpoint}")
+    if s.stop_reason == "interrupted":
+        out.print(
+            f"interrupted after step {s.end_step}: the same command continues from the "
+            "checkpoint above (--fresh starts over)"
+        )
     out.print(f"metrics: {Path(s.run_dir) / 'metrics.jsonl'}")
 
 
@@ -472,23 +495,34 @@ def train(
     """Train `run` to `train.steps` (resuming per `train.resume`); returns the summary. Rank 0
     prints. A run whose newest checkpoint is already at its last step prints one line saying so
     and returns a summary with no losses (stop_reason "already_complete")."""
-    runtime = runtime or make_runtime(run.recipe)
-    try:
-        trainer = Trainer(run, runtime, console)
-        trainer.prepare_run_dir()
-        if trainer.is_complete:
-            trainer.console.print(trainer.completion_note())
-            return trainer.complete_summary()
-        prediction, why_not = planner_prediction(run) if runtime.is_main else (None, "")
-        if runtime.is_main:
-            print_header(trainer, prediction, why_not)
-        summary = trainer.fit()
-        summary.prediction = prediction
-        if runtime.is_main:
-            print_footer(trainer, summary)
-            payload = asdict(summary)
-            payload["eval_losses"] = {str(k): v for k, v in summary.eval_losses.items()}
-            (trainer.run_dir / "summary.json").write_text(json.dumps(payload, indent=2) + "\n")
-        return summary
-    finally:
+    with stop_on_signals() as stop:
+        runtime = runtime or make_runtime(run.recipe)
+        try:
+            summary = _train(run, runtime, console, stop)
+        except BaseException:
+            runtime.close(failed=True)  # no collective after an error: abort the group
+            raise
         runtime.close()
+        return summary
+
+
+def _train(
+    run: RunConfig, runtime: Runtime, console: Console | None, stop: StopRequest
+) -> TrainSummary:
+    trainer = Trainer(run, runtime, console)
+    trainer.stop = stop
+    trainer.prepare_run_dir()
+    if trainer.is_complete:
+        trainer.console.print(trainer.completion_note())
+        return trainer.complete_summary()
+    prediction, why_not = planner_prediction(run) if runtime.is_main else (None, "")
+    if runtime.is_main:
+        print_header(trainer, prediction, why_not)
+    summary = trainer.fit()
+    summary.prediction = prediction
+    if runtime.is_main:
+        print_footer(trainer, summary)
+        payload = asdict(summary)
+        payload["eval_losses"] = {str(k): v for k, v in summary.eval_losses.items()}
+        (trainer.run_dir / "summary.json").write_text(json.dumps(payload, indent=2) + "\n")
+    return summary

@@ -119,8 +119,8 @@ class LocalRuntime:
             self._recorded_peak_bytes = int(peak_bytes)
             self.peak_tenants = dict(tenants or {})
 
-    def close(self) -> None:
-        pass
+    def close(self, failed: bool = False) -> None:
+        """Nothing to release in one process (`failed`: the run ended by an exception)."""
 
 
 def distributed_runtime(recipe: Recipe) -> Runtime:
