@@ -376,8 +376,6 @@ class DistributedRuntime:
     def any_rank(self, flag: bool) -> bool:
         """True on every rank when `flag` is true on any (collective: one tiny all-reduce).
         The loop asks it after each step whether a rank was interrupted."""
-        from fivefold.checkpoint.elastic import collective_guard
-
         value = torch.tensor([1.0 if flag else 0.0], device=self.device)
         with collective_guard(f"step {self._steps}: the stop-signal all-reduce"):
             dist.all_reduce(value, op=dist.ReduceOp.MAX)
