@@ -274,6 +274,7 @@ class DistributedRuntime:
             with self._loss_context():
                 logits = model(batch.tokens, positions=batch.positions, doc_ids=batch.doc_ids)
                 loss = token_loss_sum(logits, batch.labels) * self._loss_scale
+                del logits  # the loss keeps its log-softmax; the logits need not live on
                 objective = loss
                 if self.spec.is_moe:
                     aux = model.aux_loss()  # already weighted, see _weight_aux_losses
