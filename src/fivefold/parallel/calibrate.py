@@ -70,17 +70,25 @@ def lower_quartile(times: list[float]) -> float:
     return statistics.median(ordered[: max(1, (len(ordered) + 1) // 2)])
 
 
+def clock() -> Callable[[], float]:
+    """The clock kernels are timed with: this thread's CPU time when torch runs one thread (the
+    kernel runs on it, and time other processes take from the core is not counted, so a busy
+    machine measures what an idle one would), else wall time."""
+    return time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+
+
 def typical_time_s(fn: Callable[[], object], budget: Budget) -> float:
     """Lower-quartile seconds of `fn()` over the budget's repeats, after one warm-up call."""
     fn()
     times: list[float] = []
+    now = clock()
     started = time.perf_counter()
     while len(times) < budget.min_repeats or (
         len(times) < budget.max_repeats and time.perf_counter() - started < budget.seconds
     ):
-        tick = time.perf_counter()
+        tick = now()
         fn()
-        times.append(time.perf_counter() - tick)
+        times.append(now() - tick)
     return lower_quartile(times)
 
 
@@ -210,12 +218,12 @@ def attention_passes(
 
 def _backward_time(forward: Callable[[], torch.Tensor], grad: torch.Tensor, budget: Budget):
     """Lower-quartile seconds of the backward alone of `forward()` (a fresh graph each time)."""
-    times = []
+    times, now = [], clock()
     for _ in range(max(budget.min_repeats, 2) + 1):
         out = forward()
-        tick = time.perf_counter()
+        tick = now()
         out.backward(grad)
-        times.append(time.perf_counter() - tick)
+        times.append(now() - tick)
     return lower_quartile(times[1:])
 
 
@@ -267,12 +275,12 @@ def elementwise_passes(model: ModelSpec, batch: int, budget: Budget) -> tuple[fl
     outs = forward()
     grads = [torch.randn_like(o) for o in outs]
     fwd = typical_time_s(forward, budget)
-    times = []
+    times, now = [], clock()
     for _ in range(max(budget.min_repeats, 2) + 1):
         outs = forward()
-        tick = time.perf_counter()
+        tick = now()
         torch.autograd.backward(outs, grads)
-        times.append(time.perf_counter() - tick)
+        times.append(now() - tick)
     return fwd, lower_quartile(times[1:])
 
 
