@@ -117,7 +117,8 @@ def test_missing_profile_is_a_config_error(tmp_path):
         profile_cluster(tmp_path / "nope.toml")
 
 
-def test_device_peak_is_the_best_measured_rate_per_rank_share(profile_path):
+def test_device_peak_is_the_best_measured_rate_per_rank_share(profile_path, monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     one = profile_device(profile_path, 1)  # 2 threads on 2 cores
     assert one.peak("fp32") == GEMM and one.measured.threads == 2
     assert "measured" in one.source
@@ -126,6 +127,8 @@ def test_device_peak_is_the_best_measured_rate_per_rank_share(profile_path):
     assert four.hbm_bytes == 2 * 2**30
     with pytest.raises(ConfigError, match="no bf16 matmul measurement"):
         one.peak("bf16")
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # torch's threads, as the user set them
+    assert profile_device(profile_path, 2).measured.share == 0.5
 
 
 def test_gemm_rate_interpolates_by_intensity(tmp_path):

@@ -42,8 +42,11 @@ POLL_S = 0.2
 
 
 def threads_per_rank(nproc: int) -> int:
-    """CPU threads each rank may use so N ranks do not oversubscribe the machine."""
-    return max(1, (os.cpu_count() or 1) // nproc)
+    """CPU threads each rank may use so N ranks do not oversubscribe the machine (the rule the
+    planner's device profiles assume, `fivefold.spec.profile.threads_per_rank`)."""
+    from fivefold.spec.profile import threads_per_rank as rule
+
+    return rule(nproc, os.cpu_count() or 1)
 
 
 def train_args(recipe_path: str | Path | None, overrides: list[str]) -> list[str]:
