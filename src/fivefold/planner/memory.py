@@ -115,6 +115,7 @@ class MemoryOptions:
     logits_bytes_per_element: float = 12.0  # see the module docstring
     selective_policy: str = "attention"  # or "alternate-matmul" (torchtitan's op-level SAC)
     runtime: str = "fused"  # or "fivefold-eager": what fivefold's own eager runtime keeps
+    fsdp_wrapped: bool = True  # fivefold-eager: the chunks are FSDP2-wrapped (multi-process)
 
     @property
     def eager(self) -> bool:
@@ -595,7 +596,8 @@ def stage_memory(
         other["fragmentation"] = opts.fragmentation_fraction * tensors
         return StageMemory(rank, state.params, state.grads, state.optimizer, acts, other)
     grads_at_peak = grads_live_at_peak(plan, inflight)
-    rest = state.params + state.grads + state.optimizer + other.get("fsdp_param_shards", 0.0)
+    at_rest = other.get("fsdp_param_shards", state.params)  # the weights between steps
+    rest = at_rest + state.grads + state.optimizer
     tensors = state.total + acts + sum(other.values()) - (0 if grads_at_peak else state.grads)
     other["fragmentation"] = opts.fragmentation_fraction * max(tensors, rest)
     return StageMemory(
@@ -650,7 +652,8 @@ def other_terms(
         width = last_width if last in chunks else e * model.hidden
         out["pipeline_stage_outputs"] = tokens * width * inflight_of_output(plan, inflight)
     if opts.eager:
-        out.update(_fsdp_terms(model, plan, counts, chunks, rec))
+        if opts.fsdp_wrapped:
+            out.update(_fsdp_terms(model, plan, counts, chunks, rec))
     elif plan.zero == 3:
         largest = max(chunk_params(model, plan, counts, c).max_layer for c in chunks)
         out["zero3_gathered_layers"] = largest * (2 * compute_bytes(rec) + rec.grad_bytes)

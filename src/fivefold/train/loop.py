@@ -311,6 +311,7 @@ class Trainer:
                 if eval_loss is not None:
                     evals[self.step] = eval_loss
                 metrics = self._metrics(loss, aux, grad_norm, lr, step_s, started, eval_loss)
+                metrics.plan_vs_run = self._plan_vs_run(index, meter, step_s)
                 if jsonl is not None:
                     jsonl.write(metrics.to_json())
                 if board is not None and self.step % self.cfg.log_every == 0:
@@ -362,6 +363,23 @@ class Trainer:
         so all ranks leave the loop after the same step and can checkpoint it together."""
         agree = getattr(self.runtime, "any_rank", None)
         return agree(self.stop.requested) if agree is not None else self.stop.requested
+
+    def _plan_vs_run(self, index: int, meter: ThroughputMeter, step_s: float) -> dict | None:
+        """The planner-vs-measured record of this step, if it is the layout-report step: the
+        distributed runtime reports on its own (collectively, inside its step); a one-process
+        runtime is reported here, on the same step (the third, or the last if sooner)."""
+        taken = getattr(self.runtime, "plan_vs_run", None)
+        if taken is not None:
+            self.runtime.plan_vs_run = None
+            return taken
+        if hasattr(self.runtime, "last_report") or index + 1 != min(3, self.last_step):
+            return None
+        from fivefold.parallel.report import format_rows, record, stage_rows
+
+        timed = meter.seconds / meter.steps if meter.steps else step_s
+        rows, note = stage_rows(self.runtime, step_s=timed)
+        self.console.print(format_rows(self.recipe.plan.describe(), rows, note), markup=False)
+        return record(rows, note)
 
     def _peak_memory(self) -> int:
         return self.runtime.peak_memory_bytes() or self.cpu_peak.peak_bytes
