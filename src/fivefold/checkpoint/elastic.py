@@ -99,8 +99,11 @@ def pg_timeout_s() -> float:
     return value
 
 
-def init_process_group(backend: str, timeout_s: float | None = None) -> None:
+def init_process_group(backend: str, timeout_s: float | None = None, device_id=None) -> None:
     """The default process group from torchrun's environment, with a finite timeout.
+
+    `device_id` (a CUDA `torch.device`, or None) binds the group to this rank's GPU, so NCCL
+    creates its communicator eagerly for that device (`torch.distributed.init_process_group`).
 
     Under torchrun's agent store (`TORCHELASTIC_USE_AGENT_STORE=True`) the group's keys live
     under `fivefold/attempt_<restart count>/`, so a restarted group never reads the keys of the
@@ -110,7 +113,7 @@ def init_process_group(backend: str, timeout_s: float | None = None) -> None:
 
     timeout = timedelta(seconds=timeout_s if timeout_s is not None else pg_timeout_s())
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        dist.init_process_group(backend, timeout=timeout)
+        dist.init_process_group(backend, timeout=timeout, device_id=device_id)
         return
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     agent_store = dist.TCPStore(
@@ -121,7 +124,9 @@ def init_process_group(backend: str, timeout_s: float | None = None) -> None:
         timeout=timeout,
     )
     store = dist.PrefixStore(f"fivefold/attempt_{restart_count()}/", agent_store)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    dist.init_process_group(
+        backend, store=store, rank=rank, world_size=world, timeout=timeout, device_id=device_id
+    )
 
 
 def describe_collective_failure(err: BaseException, what: str, rank: int) -> str | None:

@@ -61,19 +61,31 @@ def init_distributed(device: torch.device, timeout_s: float | None = None) -> bo
         return False
     from fivefold.checkpoint.elastic import init_process_group
 
-    init_process_group("nccl" if device.type == "cuda" else "gloo", timeout_s)
+    if device.type != "cuda":
+        init_process_group("gloo", timeout_s)
+        return True
+    set_flight_recorder_env()
+    init_process_group("nccl", timeout_s, device_id=device)
     return True
 
 
-def _batch_to(batch: Any, device: torch.device) -> Any:
-    import dataclasses
+FLIGHT_RECORDER_DIR_ENV = "FIVEFOLD_COMM_TRACE_DIR"
 
-    moved = {
-        f.name: getattr(batch, f.name).to(device, non_blocking=True)
-        for f in dataclasses.fields(batch)
-        if isinstance(getattr(batch, f.name), torch.Tensor)
-    }
-    return dataclasses.replace(batch, **moved)
+
+def set_flight_recorder_env() -> None:
+    """NCCL's flight recorder on, dumped on a collective timeout (unless the user set them).
+
+    Keeps the last 20,000 collectives per rank in a ring buffer (`TORCH_FR_BUFFER_SIZE`) and
+    writes it to `$FIVEFOLD_COMM_TRACE_DIR/rank_<r>` (default `comm_traces/` under the working
+    directory) when the watchdog sees a timeout (`TORCH_NCCL_DUMP_ON_TIMEOUT`); analyse the
+    files with `python -m torch.distributed.flight_recorder.fr_trace`. Must run before the NCCL
+    group exists.
+    """
+    trace_dir = os.environ.get(FLIGHT_RECORDER_DIR_ENV, "comm_traces")
+    os.makedirs(trace_dir, exist_ok=True)
+    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "20000")
+    os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+    os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", os.path.join(trace_dir, "rank_"))
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -217,7 +229,9 @@ class DistributedRuntime:
         return token_loss_sum(output, labels) * self._loss_scale
 
     def _prepare(self, batch: Any) -> Any:
-        batch = _batch_to(batch, self.device)
+        from fivefold.train.runtime import batch_to
+
+        batch = batch_to(batch, self.device)
         if self.plan.cp > 1:
             from fivefold.parallel.context_parallel import shard_batch_for_cp
 

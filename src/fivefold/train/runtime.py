@@ -63,9 +63,16 @@ def pick_device(name: str) -> torch.device:
 
 
 def batch_to(batch, device: torch.device):
-    """The same Batch with every tensor field moved to `device`."""
+    """The same Batch with every tensor field on `device`; on CUDA through pinned host memory,
+    copied without blocking the host."""
+
+    def move(tensor: torch.Tensor) -> torch.Tensor:
+        if device.type == "cuda" and tensor.device.type == "cpu" and not tensor.is_pinned():
+            tensor = tensor.pin_memory()
+        return tensor.to(device, non_blocking=True)
+
     moved = {
-        f.name: getattr(batch, f.name).to(device, non_blocking=True)
+        f.name: move(getattr(batch, f.name))
         for f in dataclasses.fields(batch)
         if isinstance(getattr(batch, f.name), torch.Tensor)
     }
