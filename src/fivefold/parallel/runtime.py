@@ -88,7 +88,7 @@ class DistributedRuntime:
         self.cp_rank = self.coordinates["cp"]
         torch.manual_seed(train.seed)
 
-        self.model_parts: list[nn.Module] = self._build_parts(train.seed)
+        self.model_parts: list[nn.Module] = self._build_parts(train.seed, train.compile)
         self._loss_scale = 1.0
         self.pipeline = self._build_pipeline()
         self._weight_aux_losses()
@@ -105,7 +105,7 @@ class DistributedRuntime:
         if self.is_main:
             print(self.describe_layout(), flush=True)
 
-    def _build_parts(self, seed: int) -> list[nn.Module]:
+    def _build_parts(self, seed: int, compile: bool = False) -> list[nn.Module]:
         """This rank's chunks: meta model -> pipeline split -> parallelised -> materialised and
         initialised shard by shard from (seed, parameter name, global index)."""
         from fivefold.model import build_model
@@ -121,7 +121,7 @@ class DistributedRuntime:
         self.dp_modules = []
         for chunk in chunks:
             self.dp_modules += parallelize_chunk(
-                chunk, self.spec, self.plan, self.meshes, self.device
+                chunk, self.spec, self.plan, self.meshes, self.device, compile
             )
         for chunk in chunks:
             chunk.to_empty(device=self.device)

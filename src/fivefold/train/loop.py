@@ -211,6 +211,16 @@ class Trainer:
         self.last_checkpoint = self.checkpoints.save(self, extra)
         return self.last_checkpoint
 
+    def _report_compile(self, first_step_s: float) -> None:
+        """Once per run, after the first step: how long torch.compile took (cold or cached)."""
+        from fivefold.parallel.compile import compile_seconds
+
+        seconds, graphs = compile_seconds()
+        self.console.print(
+            f"torch.compile: {graphs} graph(s) compiled in {seconds:.1f} s during the first "
+            f"step ({first_step_s:.1f} s in all; later steps reuse them)"
+        )
+
     # ---- one step -------------------------------------------------------------------------
     def _guard(self, loss: float, grad_norm: float | None, lr: float) -> None:
         """Stop with a TrainingError naming the step and the way out when a value is not finite."""
@@ -301,11 +311,14 @@ class Trainer:
                         record(self.cpu_peak.peak_bytes, self.cpu_peak.tenants)
                 else:
                     loss, aux, grad_norm = self.train_one_step(micro_batches)
-                if self.runtime.device.type == "cuda":
-                    torch.cuda.synchronize(self.runtime.device)
+                # No device synchronisation: reading back the loss and the gradient norm already
+                # waits for each step's backward; the optimizer's kernels run on while the next
+                # batch is prepared and are counted in the next step's time.
                 step_s = time.perf_counter() - tick
                 if index > 0 and not measure:
                     meter.add(self.tokens_per_step, step_s)
+                if index == 0 and self.cfg.compile:
+                    self._report_compile(step_s)
                 losses.append(loss)
                 eval_loss = self._maybe_eval()
                 if eval_loss is not None:
