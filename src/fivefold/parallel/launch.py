@@ -55,8 +55,10 @@ def check_layout(recipe_path: str | Path | None, overrides: list[str], world_siz
 
 
 def threads_per_rank(nproc: int) -> int:
-    """CPU threads each rank may use so N ranks do not oversubscribe the machine."""
-    return max(1, (os.cpu_count() or 1) // nproc)
+    """CPU threads each rank may use so N ranks do not oversubscribe the cores available."""
+    from fivefold.train.threads import available_cores
+
+    return max(1, available_cores() // nproc)
 
 
 def train_args(recipe_path: str | Path | None, overrides: list[str]) -> list[str]:
@@ -99,8 +101,11 @@ def launch_local(
     if max_restarts_problems(max_restarts):
         raise ConfigError(max_restarts_problems(max_restarts))
     check_layout(recipe_path, overrides, nproc)
+    from fivefold.train.threads import passive_wait
+
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(threads_per_rank(nproc)))
+    passive_wait(env)
     env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(AGENT_SHUTDOWN_S))
     command = torchrun_command(nproc, recipe_path, overrides, max_restarts)
     with tempfile.TemporaryDirectory(prefix="fivefold-ranks-") as reports:

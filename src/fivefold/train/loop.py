@@ -43,8 +43,6 @@ from fivefold.train.peak import DevicePeak, device_peak
 from fivefold.train.runtime import Runtime, make_runtime
 from fivefold.train.schedule import build_scheduler
 
-PEAK_REFRESH_S = 30.0  # CPU: how often the measured matmul peak is re-checked (~0.1 s each)
-
 
 @dataclass
 class TrainSummary:
@@ -97,8 +95,8 @@ class Trainer:
         self.checkpoints = ckpt.RunCheckpoints(
             self.run_dir, self.cfg.keep_checkpoints, self.cfg.ckpt_async
         )
+        # Measured once (CPU) and kept: the header, every step's MFU and the footer use it.
         self.peak: DevicePeak = device_peak(runtime.device, self._compute_dtype())
-        self._peak_checked_at = time.perf_counter()
         self.tokens_per_step = run.global_batch * self.recipe.model.seq_len
         seq = self.recipe.model.seq_len
         self.model_flops_per_token = training_flops_per_token(self.recipe.model, seq)
@@ -308,7 +306,6 @@ class Trainer:
                 if index > 0 and not measure:
                     meter.add(self.tokens_per_step, step_s)
                 losses.append(loss)
-                self._maybe_refresh_peak()
                 eval_loss = self._maybe_eval()
                 if eval_loss is not None:
                     evals[self.step] = eval_loss
@@ -364,14 +361,6 @@ class Trainer:
         so all ranks leave the loop after the same step and can checkpoint it together."""
         agree = getattr(self.runtime, "any_rank", None)
         return agree(self.stop.requested) if agree is not None else self.stop.requested
-
-    def _maybe_refresh_peak(self) -> None:
-        """CPU: re-measure the matmul peak every PEAK_REFRESH_S (outside step timing)."""
-        now = time.perf_counter()
-        if self.runtime.device.type != "cpu" or now - self._peak_checked_at < PEAK_REFRESH_S:
-            return
-        self.peak = device_peak(self.runtime.device, self._compute_dtype(), refresh=True)
-        self._peak_checked_at = time.perf_counter()
 
     def _peak_memory(self) -> int:
         return self.runtime.peak_memory_bytes() or self.cpu_peak.peak_bytes
@@ -500,6 +489,9 @@ def train(
     """Train `run` to `train.steps` (resuming per `train.resume`); returns the summary. Rank 0
     prints. A run whose newest checkpoint is already at its last step prints one line saying so
     and returns a summary with no losses (stop_reason "already_complete")."""
+    from fivefold.train.threads import configure_threads
+
+    configure_threads()
     with stop_on_signals() as stop:
         runtime = runtime or make_runtime(run.recipe)
         try:
