@@ -382,11 +382,11 @@ def full_parameters(runtime) -> dict:
 
 def parallel_run(rd: dict, steps: int, world: int) -> dict:
     """One rank of the layout: train `steps` steps, then gather the full parameters."""
-    from fivefold.parallel.runtime import DistributedRuntime
     from fivefold.spec.recipe import recipe_from_dict
+    from fivefold.train.runtime import distributed_runtime
 
     recipe = recipe_from_dict(rd, default_world=world)
-    runtime = DistributedRuntime(recipe)
+    runtime = distributed_runtime(recipe)
     plan = recipe.plan
     out = _train(
         runtime,
@@ -497,11 +497,11 @@ def assert_parity(case: ParityCase) -> ParityResult:
 
 def mixed_precision_run(rd: dict, steps: int, world: int) -> dict:
     """One rank: train, then report the parameters' dtypes and the dtype forward computed in."""
-    from fivefold.parallel.runtime import DistributedRuntime
     from fivefold.spec.recipe import recipe_from_dict
+    from fivefold.train.runtime import distributed_runtime
 
     recipe = recipe_from_dict(rd, default_world=world)
-    runtime = DistributedRuntime(recipe)
+    runtime = distributed_runtime(recipe)
     seen = []
     block = runtime.model_parts[0].layers["0"]
     block.attention.wq.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
@@ -520,11 +520,11 @@ def mixed_precision_run(rd: dict, steps: int, world: int) -> dict:
 def eval_and_report_run(rd: dict, world: int) -> dict:
     """One rank: eval_loss and train_step on the same batch at the same weights, three steps
     (the layout report comes after the third), and the global gradient norm."""
-    from fivefold.parallel.runtime import DistributedRuntime
     from fivefold.spec.recipe import recipe_from_dict
+    from fivefold.train.runtime import distributed_runtime
 
     recipe = recipe_from_dict(rd, default_world=world)
-    runtime = DistributedRuntime(recipe)
+    runtime = distributed_runtime(recipe)
     plan = recipe.plan
     batch = synthetic_global_batch(0, recipe.model.vocab, recipe.model.seq_len)
     mine = rank_micro_batches(batch, runtime.dp_rank, runtime.dp_size, plan.grad_accum)

@@ -16,6 +16,7 @@ from fivefold.cli.main import main
 from fivefold.errors import ConfigError
 from fivefold.parallel import launch
 from fivefold.parallel.launch import launch_local, torchrun_command
+from fivefold.train.entry import check_layout
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 RECIPE = str(CONFIGS / "small-dp2-tp2-pp2.toml")
@@ -62,11 +63,16 @@ def test_slurm_refuses_a_plan_that_does_not_fill_the_allocation(capsys) -> None:
     assert "Traceback" not in err
 
 
-def test_launch_local_checks_the_layout_before_starting() -> None:
+def test_launchers_check_the_layout_before_starting(capsys) -> None:
     with pytest.raises(ConfigError, match="16"):
-        launch_local(16, RECIPE, [])
+        check_layout(RECIPE, [], 16)
     with pytest.raises(ConfigError, match="tied_embeddings"):
-        launch_local(8, RECIPE, ["model.tied_embeddings=true"])
+        check_layout(RECIPE, ["model.tied_embeddings=true"], 8)
+    for extra, needle in (([], "16"), (["model.tied_embeddings=true"], "tied_embeddings")):
+        world = "16" if needle == "16" else "8"
+        code = main(["launch", RECIPE, *extra, "--nproc", world])
+        err = capsys.readouterr().err
+        assert code == 2 and needle in err and "Traceback" not in err
 
 
 def test_torchrun_command_is_this_python_running_the_agent_and_train_module() -> None:

@@ -187,14 +187,13 @@ def spec_from_llama_config(config: dict[str, Any], where: str = CONFIG_FILE) -> 
 def tokenizer_files(tokenizer, spec: ModelSpec) -> dict[str, str]:
     """`tokenizer.json`, `tokenizer_config.json` and `generation_config.json` (file -> text) for
     a fivefold `TextTokenizer`: its end-of-document token is bos, eos and pad."""
-    from fivefold.train.data.tokenizer import EOD_TOKEN
-
     eod = tokenizer.eod_id
+    eod_token = tokenizer.backend.id_to_token(eod)
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": EOD_TOKEN,
-        "eos_token": EOD_TOKEN,
-        "pad_token": EOD_TOKEN,
+        "bos_token": eod_token,
+        "eos_token": eod_token,
+        "pad_token": eod_token,
         "add_bos_token": False,
         "add_eos_token": False,
         "model_max_length": spec.seq_len,

@@ -162,19 +162,15 @@ def _check_allocation(recipe_path: str, overrides: list[str], nodes: int, per_no
 
 
 def handle(args: argparse.Namespace) -> int:
-    from fivefold.parallel.launch import (
-        SlurmJob,
-        check_layout,
-        launch_local,
-        slurm_job_name,
-        slurm_script,
-    )
-    from fivefold.train.entry import split_recipe_and_overrides
+    from fivefold.parallel.launch import SlurmJob, launch_local, slurm_job_name, slurm_script
+    from fivefold.train.entry import check_layout, split_recipe_and_overrides
 
     recipe_path, overrides = split_recipe_and_overrides(args.items)
     if recipe_path is None:
         raise ConfigError("fivefold launch needs a recipe file, e.g. configs/small-cpu.toml.")
     if args.nproc is not None:
+        if args.nproc >= 1:
+            check_layout(recipe_path, overrides, args.nproc)
         return launch_local(args.nproc, recipe_path, overrides, args.max_restarts or 0)
     restarts = SLURM_MAX_RESTARTS if args.max_restarts is None else args.max_restarts
     data = _recipe_data(recipe_path, overrides)

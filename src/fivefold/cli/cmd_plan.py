@@ -104,8 +104,9 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     c = parser.add_argument_group("cluster")
     c.add_argument(
         "--cluster",
-        metavar="PRESET",
-        help=f"dgx-a100, dgx-h100, ... (default {DEFAULT_CLUSTER} unless --gpu is given)",
+        metavar="PRESET|PROFILE.toml",
+        help=f"dgx-a100, dgx-h100, ... (default {DEFAULT_CLUSTER} unless --gpu is given), or a "
+        "device profile written by `fivefold calibrate` (--gpus: its local ranks)",
     )
     c.add_argument("--gpus", metavar="N", help=f"total GPUs (default {DEFAULT_GPUS})")
     c.add_argument("--gpu", metavar="TYPE", help="GPU type: a100-40gb, a100-80gb, h100-sxm, ...")
@@ -226,9 +227,11 @@ _MODEL_FLAGS = {
 
 
 def model_from_args(args: argparse.Namespace, recipe_data: dict[str, dict]) -> Any:
-    from fivefold.spec.model import ModelSpec
+    """The model from --model (a preset or TOML file) or the recipe's [model], with the flags as
+    overrides; expanded and validated by the recipe code (`fivefold.spec.recipe`), so
+    `--model X --kv-heads N` and `[model] preset = "X"  kv_heads = N` are the same model."""
     from fivefold.spec.presets import MODEL_PRESETS
-    from fivefold.spec.recipe import build, read_toml
+    from fivefold.spec.recipe import model_from_dict, read_toml
 
     values: dict[str, Any] = dict(recipe_data.get("model", {}))
     if args.model:
@@ -242,6 +245,23 @@ def model_from_args(args: argparse.Namespace, recipe_data: dict[str, dict]) -> A
                 f"--model = {args.model!r} is neither a preset ({', '.join(MODEL_PRESETS)}) "
                 "nor a TOML file; check the name or the path."
             )
+    flags = model_flags(args)
+    if not values:
+        missing = [f"--{f}" for f in ("layers", "hidden", "heads") if f not in flags]
+        if missing:
+            raise ConfigError(
+                f"no model: give --model PRESET|FILE, or describe it with {', '.join(missing)} "
+                "(and optionally --kv-heads --ffn --vocab --seq --mlp)."
+            )
+        values = dict(CUSTOM_MODEL)
+    return model_from_dict({**values, **flags})
+
+
+CUSTOM_MODEL = {"name": "custom", "vocab": 32000, "seq_len": 4096}  # flags-only model defaults
+
+
+def model_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """The model flags given, as [model] fields (`--kv-heads 8` -> {"kv_heads": 8})."""
     flags: dict[str, Any] = {}
     for attr, name in _MODEL_FLAGS.items():
         raw = getattr(args, attr)
@@ -254,50 +274,13 @@ def model_from_args(args: argparse.Namespace, recipe_data: dict[str, dict]) -> A
         flags["mlp"] = args.mlp
     if args.tied_embeddings:
         flags["tied_embeddings"] = True
-    preset = values.pop("preset", None)
-    if preset is not None:
-        if preset not in MODEL_PRESETS:
-            raise ConfigError(
-                f"model.preset = {preset!r} is unknown; choose one of {', '.join(MODEL_PRESETS)}."
-            )
-        base = MODEL_PRESETS[preset].to_dict()
-        if any(k in flags or k in values for k in ("hidden", "heads")):
-            base.pop("head_dim")
-        if "heads" in flags and "kv_heads" not in flags and base["kv_heads"] == base["heads"]:
-            base.pop("kv_heads")
-        values = {**base, **values}
-    elif not values:
-        missing = [f"--{f}" for f in ("layers", "hidden", "heads") if f not in flags]
-        if missing:
-            raise ConfigError(
-                f"no model: give --model PRESET|FILE, or describe it with {', '.join(missing)} "
-                "(and optionally --kv-heads --ffn --vocab --seq --mlp)."
-            )
-        values = {"name": "custom", "vocab": 32000, "seq_len": 4096}
-    values.update(flags)
-    if "ffn" not in values and "hidden" in values:
-        values["ffn"] = default_ffn(values["hidden"], values.get("mlp", "swiglu"))
-    problems: list[str] = []
-    model = build(ModelSpec, values, "model", problems)
-    if model is not None:
-        problems += model.problems()
-    if problems:
-        raise ConfigError(problems)
-    return model
-
-
-def default_ffn(hidden: int, mlp: str) -> int:
-    """4h for GeLU; SwiGLU's 8h/3 rounded up to a multiple of 256 (the Llama rule)."""
-    if mlp == "gelu":
-        return 4 * hidden
-    return 256 * math.ceil(8 * hidden / 3 / 256)
+    return flags
 
 
 # ---- cluster ---------------------------------------------------------------------------------
 def cluster_from_args(args: argparse.Namespace, recipe_data: dict[str, dict]) -> Any:
     from fivefold.spec.cluster import CLUSTER_PRESETS, ClusterSpec, cluster_preset
     from fivefold.spec.hardware import gpu as gpu_lookup
-    from fivefold.spec.recipe import build
 
     section = dict(recipe_data.get("cluster", {}))
     gpus = parse_size(args.gpus, "--gpus") if args.gpus is not None else None
@@ -308,7 +291,12 @@ def cluster_from_args(args: argparse.Namespace, recipe_data: dict[str, dict]) ->
     )
     if args.gpu is not None:
         gpu_lookup(args.gpu)  # ConfigError naming the catalog when unknown
-    if args.cluster is not None or (args.gpu is None and not section):
+    profile = _profile_path(args.cluster) or (None if args.cluster else section.get("profile"))
+    if profile:  # a machine measured by `fivefold calibrate`
+        from fivefold.spec.profile import profile_cluster
+
+        cluster = profile_cluster(profile, gpus or section.get("gpus"))
+    elif args.cluster is not None or (args.gpu is None and not section):
         name = args.cluster or DEFAULT_CLUSTER
         if name not in CLUSTER_PRESETS:
             raise ConfigError(
@@ -331,24 +319,10 @@ def cluster_from_args(args: argparse.Namespace, recipe_data: dict[str, dict]) ->
         per_node = per_node or min(8, gpus or 8)
         total = gpus or per_node
         cluster = _regroup(ClusterSpec(name="custom", gpu=args.gpu), total, per_node)
-    else:  # from the recipe
-        problems: list[str] = []
-        values = dict(section)
-        preset = values.pop("preset", None)
-        total = gpus or values.pop("gpus", None)
-        if preset is not None:
-            if preset not in CLUSTER_PRESETS:
-                raise ConfigError(
-                    f"cluster.preset = {preset!r} is unknown; choose one of "
-                    f"{', '.join(CLUSTER_PRESETS)}."
-                )
-            values = {**cluster_preset(preset, total or DEFAULT_GPUS).to_dict(), **values}
-        elif total is not None:
-            values.setdefault("gpus_per_node", min(8, total))
-            values.setdefault("nodes", max(1, total // values["gpus_per_node"]))
-        cluster = build(ClusterSpec, values, "cluster", problems)
-        if problems:
-            raise ConfigError(problems)
+    else:  # from the recipe, through the recipe code
+        from fivefold.spec.recipe import cluster_from_dict
+
+        cluster = cluster_from_dict({**section, **({"gpus": gpus} if gpus else {})})
     if args.nvlink_gbps is not None:
         cluster = cluster.with_(intra_node_bw=parse_gbps(args.nvlink_gbps, "--nvlink-gbps"))
     if args.ib_gbps is not None:
@@ -362,6 +336,13 @@ def cluster_from_args(args: argparse.Namespace, recipe_data: dict[str, dict]) ->
             "nothing can be planned for it; choose a datacenter GPU such as h100-sxm."
         )
     return cluster
+
+
+def _profile_path(name: str | None) -> str | None:
+    """`--cluster` naming a device profile (a .toml file) rather than a preset."""
+    if name and (name.endswith(".toml") or Path(name).is_file()):
+        return name
+    return None
 
 
 def _regroup(cluster: Any, total: int, per_node: int) -> Any:

@@ -166,7 +166,7 @@ def _toml(value: object) -> str:
 
 
 def handle(args: argparse.Namespace) -> int:
-    from fivefold.train.entry import load_run, split_recipe_and_overrides
+    from fivefold.train.entry import check_layout, split_recipe_and_overrides
 
     args = reparse_items(args)
     recipe_path, overrides = split_recipe_and_overrides(args.items)
@@ -179,7 +179,7 @@ def handle(args: argparse.Namespace) -> int:
         raise ConfigError(max_restarts_problems(args.max_restarts))
     if args.plan == "auto":
         overrides += auto_plan_overrides(recipe_path, overrides, args.nproc)
-    run = load_run(recipe_path, overrides, world_size=args.nproc)  # validate before launching
+    run = check_layout(recipe_path, overrides, args.nproc)  # validate before launching
     if args.nproc > 1 or args.max_restarts > 0:
         return _launch(args.nproc, recipe_path, overrides, args.max_restarts)
     from fivefold.train.loop import train

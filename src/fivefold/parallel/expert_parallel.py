@@ -8,8 +8,8 @@ Written by hand because torch has no dropless token dispatcher that runs on CPU.
   gate-weighted sum over each token's K copies. Dropless: every copy is delivered.
 - `ShardedExperts` replaces `MoE.experts`. Its w1, w2, w3 are DTensors sharded on dim 0 (the
   expert dimension) over the EP mesh, so the parameter names and global shapes are those of the
-  single-process model: `init_weights` draws the full tensors and keeps each rank's slice, and
-  checkpoints reshard across EP sizes. The forward uses the local experts only.
+  single-process model: `init_weights` draws only each rank's slice (`fivefold.model.init`),
+  and checkpoints reshard across EP sizes. The forward uses the local experts only.
 - The load-balancing loss is recomputed over the tokens of the whole `aux_group` (default: the
   EP group): f_e (assignment fractions) and P_e (mean router probabilities) are summed over the
   group, so its value equals the single-process loss on the union of the group's tokens on every
@@ -62,8 +62,7 @@ class ShardedExperts(nn.Module):
     def __init__(self, experts: GroupedExperts, mesh: DeviceMesh, grad_scale: float) -> None:
         super().__init__()
         num_experts = experts.w1.shape[0]
-        if num_experts % mesh.size():
-            raise ValueError(f"ep = {mesh.size()} must divide the {num_experts} experts")
+        assert num_experts % mesh.size() == 0, "ParallelPlan.problems: ep divides the experts"
         self.grad_scale = grad_scale
         for name in ("w1", "w2", "w3"):
             full = getattr(experts, name)

@@ -41,19 +41,6 @@ SHUTDOWN_GRACE_S = AGENT_SHUTDOWN_S + 15.0  # then the launcher kills whatever i
 POLL_S = 0.2
 
 
-def check_layout(recipe_path: str | Path | None, overrides: list[str], world_size: int):
-    """Load the recipe for `world_size` processes and refuse what the runtime cannot run."""
-    from fivefold.parallel.mesh import ParallelDims
-    from fivefold.parallel.parallelize import check_supported
-    from fivefold.train.entry import load_run
-
-    run = load_run(recipe_path, overrides, world_size=world_size)
-    recipe = run.recipe
-    ParallelDims.from_plan(recipe.plan, world_size)
-    check_supported(recipe.model, recipe.plan)
-    return run
-
-
 def threads_per_rank(nproc: int) -> int:
     """CPU threads each rank may use so N ranks do not oversubscribe the cores available."""
     from fivefold.train.threads import available_cores
@@ -95,12 +82,15 @@ def torchrun_command(
 def launch_local(
     nproc: int, recipe_path: str | Path | None, overrides: list[str], max_restarts: int = 0
 ) -> int:
-    """Run the recipe on `nproc` local processes under torchrun; returns torchrun's exit code."""
+    """Run the recipe on `nproc` local processes under torchrun; returns torchrun's exit code.
+
+    The caller has validated the recipe for `nproc` processes
+    (`fivefold.train.entry.check_layout`), so a layout that does not fit never starts.
+    """
     if nproc < 1:
         raise ConfigError(f"--nproc {nproc}: the number of processes must be at least 1.")
     if max_restarts_problems(max_restarts):
         raise ConfigError(max_restarts_problems(max_restarts))
-    check_layout(recipe_path, overrides, nproc)
     from fivefold.train.threads import passive_wait
 
     env = dict(os.environ)

@@ -38,7 +38,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fivefold.errors import ConfigError
 from fivefold.model.loss import IGNORE_INDEX, cross_entropy_loss
 from fivefold.planner.partition import stage_layer_counts
 from fivefold.planner.schedule import chunk_rank
@@ -72,12 +71,7 @@ def split_model_for_pipeline(model: nn.Module, plan: ParallelPlan, pp_rank: int)
     embedding on the first chunk, the final norm and head on the last). Parameter FQNs are
     unchanged. Chunks carry `stage_index` (their virtual stage). `model` is not modified."""
     spec = model.spec
-    if plan.pp > 1 and spec.tied_embeddings:
-        raise ConfigError(
-            "model.tied_embeddings = true with plan.pp > 1: the embedding and the LM head sit on "
-            "different pipeline stages, which fivefold does not keep tied; set "
-            "model.tied_embeddings = false or plan.pp = 1."
-        )
+    assert not (plan.pp > 1 and spec.tied_embeddings), "refused by ParallelPlan.problems"
     ranges = stage_layer_ranges(spec, plan)
     last = len(ranges) - 1
     chunks = []
@@ -251,9 +245,7 @@ class PipelineRunner:
     ) -> None:
         from torch.distributed.pipelining import schedules
 
-        problems = plan.problems()  # schedule, vpp and micro-batch count rules
-        if problems:
-            raise ConfigError(problems)
+        assert not plan.problems(), plan.problems()  # schedule, vpp, micro-batch count rules
         self.plan = plan
         self.device = torch.device(device)
         self.loss_fn = loss_fn or cross_entropy_loss

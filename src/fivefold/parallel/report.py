@@ -54,17 +54,22 @@ def memory_only_prediction(spec: Any, plan: Any) -> list[dict]:
         inflight = list(
             build_schedule(plan.schedule, plan.pp, plan.vpp, plan.grad_accum).peak_inflight
         )
-    options = MemoryOptions(cuda_context_bytes=0.0, fragmentation_fraction=0.0)
+    options = MemoryOptions(
+        cuda_context_bytes=0.0, fragmentation_fraction=0.0, runtime="fivefold-eager"
+    )
     return [stage.gib() for stage in all_stage_memory(spec, plan, inflight, options)]
 
 
-def layout_report(runtime: Any) -> str | None:
-    """Gather every rank's measurements (collective) and format the table on rank 0."""
+def stage_rows(runtime: Any) -> tuple[list[dict], str] | None:
+    """Gather every rank's measurements (collective); on rank 0 return one row per pipeline
+    stage with its ranks, predicted and measured peak bytes and step seconds (None where
+    unknown), and the prediction's note. Other ranks get None."""
     times = runtime._step_times_s
     mine = {
         "rank": runtime.rank,
         "pp": runtime.pp_rank,
         "peak_bytes": runtime.peak_memory_bytes(),
+        "tenants": dict(getattr(runtime, "peak_tenants", {}) or {}),
         "step_s": sum(times) / len(times) if times else None,
     }
     gathered: list[Any] = [None] * runtime.world_size
@@ -72,26 +77,68 @@ def layout_report(runtime: Any) -> str | None:
     if not runtime.is_main:
         return None
     memory, step_s, note = predictions(runtime)
+    rows = []
+    for stage in range(runtime.plan.pp):
+        mine = [g for g in gathered if g["pp"] == stage]
+        measured_s = [g["step_s"] for g in mine if g["step_s"] is not None]
+        top = max(mine, key=lambda g: g["peak_bytes"])
+        peak = top["peak_bytes"]
+        predicted = memory[stage] if memory and stage < len(memory) else None
+        rows.append(
+            {
+                "stage": stage,
+                "ranks": [g["rank"] for g in mine],
+                "predicted_peak_bytes": predicted["total"] * GIB if predicted else None,
+                "measured_peak_bytes": peak or None,
+                "predicted_tenants": _tenant_bytes(predicted),
+                "measured_tenants": top["tenants"],
+                "predicted_step_s": step_s,
+                "measured_step_s": max(measured_s) if measured_s else None,
+            }
+        )
+    return rows, note
+
+
+def _tenant_bytes(stage_gib: dict | None) -> dict[str, float]:
+    """The planner's tenants of one stage in bytes, with "other" (buffers) under activations
+    as the runtime's counter cannot tell them apart."""
+    if not stage_gib:
+        return {}
+    out = {k: stage_gib[k] * GIB for k in ("params", "grads", "optimizer", "activations")}
+    out["activations"] += stage_gib.get("other", 0.0) * GIB
+    return out
+
+
+def layout_report(runtime: Any) -> str | None:
+    """Gather every rank's measurements (collective) and format the table on rank 0."""
+    result = stage_rows(runtime)
+    if result is None:
+        return None
+    rows, note = result
+    return format_rows(runtime.plan.describe(), rows, note)
+
+
+def format_rows(layout: str, rows: list[dict], note: str) -> str:
     lines = [
-        f"layout report: {runtime.plan.describe()}  ({note})",
+        f"layout report: {layout}  ({note})",
         f"  {'stage':>5}  {'ranks':>9}  {'pred peak':>10}  {'meas peak':>10}  "
         f"{'pred step':>10}  {'meas step':>10}",
     ]
-    for stage in range(runtime.plan.pp):
-        rows = [g for g in gathered if g["pp"] == stage]
-        ranks = [g["rank"] for g in rows]
-        peak = max(g["peak_bytes"] for g in rows)
-        measured_s = [g["step_s"] for g in rows if g["step_s"] is not None]
-        predicted_mem = (
-            f"{memory[stage]['total']:.3f} GiB" if memory and stage < len(memory) else "n/a"
-        )
+    for row in rows:
         lines.append(
-            f"  {stage:>5}  {_ranks(ranks):>9}  {predicted_mem:>10}  "
-            f"{(f'{peak / GIB:.3f} GiB' if peak else 'n/a'):>10}  "
-            f"{(f'{step_s * 1e3:.1f} ms' if step_s else 'n/a'):>10}  "
-            f"{(f'{max(measured_s) * 1e3:.1f} ms' if measured_s else 'n/a'):>10}"
+            f"  {row['stage']:>5}  {_ranks(row['ranks']):>9}  "
+            f"{_gib(row['predicted_peak_bytes']):>10}  {_gib(row['measured_peak_bytes']):>10}  "
+            f"{_ms(row['predicted_step_s']):>10}  {_ms(row['measured_step_s']):>10}"
         )
     return "\n".join(lines)
+
+
+def _gib(value: float | None) -> str:
+    return f"{value / GIB:.3f} GiB" if value else "n/a"
+
+
+def _ms(value: float | None) -> str:
+    return f"{value * 1e3:.1f} ms" if value else "n/a"
 
 
 def _ranks(ranks: list[int]) -> str:

@@ -597,6 +597,8 @@ def estimate(
     options: PlannerOptions | None = None,
     efficiency: EfficiencyModel | None = None,
     pipeline: str = "simulate",
+    *,
+    runtime: bool = True,
 ) -> Estimate:
     """Predict memory, step time, tokens/s, MFU and HFU of `plan` for `model` on `cluster`.
 
@@ -604,13 +606,14 @@ def estimate(
     ms for deep pipelines with many micro-batches); `"analytic"` uses the closed forms
     generalised to unequal stages (`analytic_pipeline`), microseconds, for searches that
     simulate only their finalists. Raises `ConfigError` listing every problem when the plan is
-    invalid for them.
+    invalid for them. `runtime=False` drops the rules of fivefold's own runtime
+    (`ParallelPlan.problems`), for runs made by other software such as the published ones.
     """
-    opts = options or PlannerOptions()
+    opts = options or PlannerOptions.for_device(cluster.device)
     eff = efficiency or efficiency_model()
     if pipeline not in ("simulate", "analytic"):
         raise ConfigError(f"pipeline = {pipeline!r}: choose 'simulate' or 'analytic'.")
-    _validate(model, cluster, plan, opts)
+    _validate(model, cluster, plan, opts, runtime)
     device = cluster.device
     counts = stage_layer_counts(model, plan.pp * plan.vpp)
     key = _layer_key(plan)
@@ -653,7 +656,10 @@ def estimate(
     global_tokens = plan.global_batch * model.seq_len
     peak = device.peak(recipe(plan.precision).compute_dtype) * cluster.world_size
     model_flops = training_flops_per_token(model, model.seq_len, "none") * global_tokens
-    hw_flops = training_flops_per_token(model, model.seq_len, plan.recompute) * global_tokens
+    hw_flops = training_flops_per_token(
+        model, model.seq_len, plan.recompute, early_stop=opts.checkpoint_early_stop
+    )
+    hw_flops *= global_tokens
     rank_compute = [
         m * sum(chunk_costs[c].compute_s for c in chunks_of_rank(plan, r)) for r in range(plan.pp)
     ]
@@ -731,9 +737,13 @@ def chunks_of_rank_index(plan: ParallelPlan, chunk: int) -> int:
 
 
 def _validate(
-    model: ModelSpec, cluster: ClusterSpec, plan: ParallelPlan, opts: PlannerOptions
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    plan: ParallelPlan,
+    opts: PlannerOptions,
+    runtime: bool = True,
 ) -> None:
-    plan.validate(model, cluster)
+    plan.validate(model, cluster, runtime=runtime)
     opts.validate()
     device: GPUSpec = cluster.device
     device.peak(recipe(plan.precision).compute_dtype)  # "unknown peak" for e.g. the CPU

@@ -15,6 +15,7 @@ Conventions:
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, fields, replace
 
 MLP_KINDS = ("swiglu", "gelu")
@@ -200,13 +201,34 @@ def forward_flops_per_token(m: ModelSpec, seq_len: int | None = None, causal: bo
     return total + head_flops_per_token(m)
 
 
+def early_stop_skipped_flops_per_token(m: ModelSpec) -> float:
+    """Forward FLOPs per token that full recompute under torch's non-reentrant checkpoint does
+    not repeat, summed over the layers.
+
+    Early stop ends the recomputation once every tensor the backward saved exists again, so the
+    block's last matmul, whose output only feeds the residual add (which saves nothing), never
+    re-runs: the MLP's `w2` in a dense layer (2 h ffn FLOPs per token, SwiGLU or GeLU), the
+    shared expert's `w2` in a MoE layer with shared experts (2 h shared * expert_ffn); a MoE
+    layer without them ends in the routed combine, which saves the experts' outputs, so all of
+    its matmuls re-run. Checked against `torch.utils.flop_counter` in tests/planner.
+    """
+    dense = (m.layers - m.moe_layers) * 2.0 * m.hidden * m.ffn
+    return dense + m.moe_layers * 2.0 * m.hidden * m.shared_experts * m.expert_ffn
+
+
 def training_flops_per_token(
-    m: ModelSpec, seq_len: int | None = None, recompute: str = "none", causal: bool = True
+    m: ModelSpec,
+    seq_len: int | None = None,
+    recompute: str = "none",
+    causal: bool = True,
+    early_stop: bool = False,
 ) -> float:
     """FLOPs per trained token: forward + backward (2x forward) + what recompute repeats.
 
     recompute="none" gives model FLOPs (the MFU numerator). "full" re-runs every layer's forward
-    (not the head); "selective" re-runs only the attention scores (Korthikanti et al. 2022).
+    (not the head), less `early_stop_skipped_flops_per_token` with `early_stop` (what torch's
+    non-reentrant checkpoint, the fivefold runtime's, really runs); "selective" re-runs only the
+    attention scores (Korthikanti et al. 2022).
     """
     if recompute not in RECOMPUTE_POLICIES:
         raise ValueError(f"recompute must be one of {RECOMPUTE_POLICIES}, got {recompute!r}")
@@ -215,9 +237,17 @@ def training_flops_per_token(
     extra = 0.0
     if recompute == "full":
         extra = fwd - head_flops_per_token(m)
+        extra -= early_stop_skipped_flops_per_token(m) if early_stop else 0.0
     elif recompute == "selective":
         extra = m.layers * attention_score_flops_per_token(m, s, causal)
     return 3.0 * fwd + extra
+
+
+def default_ffn(hidden: int, mlp: str = "swiglu") -> int:
+    """4h for GeLU; SwiGLU's 8h/3 rounded up to a multiple of 256 (the Llama rule)."""
+    if mlp == "gelu":
+        return 4 * hidden
+    return 256 * math.ceil(8 * hidden / 3 / 256)
 
 
 def model_spec_fields() -> dict[str, type]:

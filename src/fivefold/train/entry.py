@@ -4,7 +4,8 @@ The same entry serves one process and every rank under torchrun (`torchrun --npr
 -m fivefold.train recipe.toml`): `make_runtime` picks the runtime from the environment. The CLI
 command `fivefold train` calls `load_run` and `train` from here too, so both read recipes the
 same way: on a machine (or `train.device`) without CUDA, a recipe that does not name
-`plan.precision` trains in fp32.
+`plan.precision` trains in fp32, and a recipe without a [cluster] uses the device profile at the
+default location (`fivefold.spec.profile.default_profile_path`) when one exists there.
 """
 
 from __future__ import annotations
@@ -73,16 +74,27 @@ def recipe_data(recipe_path: str | Path | None, overrides: list[str]) -> dict[st
     return data
 
 
+def with_default_profile(data: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """A CPU run without a [cluster] uses the calibrated profile at the default location."""
+    from fivefold.spec.profile import default_profile_path
+
+    if "cluster" in data or not _trains_on_cpu(data):
+        return data
+    path = default_profile_path()
+    return merge(data, {"cluster": {"profile": str(path)}}) if path.is_file() else data
+
+
 def load_run(
     recipe_path: str | Path | None, overrides: list[str], world_size: int | None = None
 ) -> RunConfig:
     """Read, override and validate a recipe and its [train]/[data] sections (ConfigError)."""
     world = world_size or world_size_from_env()
     data = recipe_data(recipe_path, overrides)
+    named_cluster = "cluster" in data
     try:
-        recipe = recipe_from_dict(data, world)
+        recipe = recipe_from_dict(with_default_profile(data), world)
     except ConfigError as err:
-        if "cluster" in data or not any(p.startswith("plan degrees") for p in err.problems):
+        if named_cluster or not any(p.startswith("plan degrees") for p in err.problems):
             raise
         hint = (
             f"this run has {world} process(es): start `fivefold train` with --nproc equal to "
@@ -90,6 +102,18 @@ def load_run(
         )
         raise ConfigError([*err.problems, hint]) from None
     return parse_train_config(recipe)
+
+
+def check_layout(
+    recipe_path: str | Path | None, overrides: list[str], world_size: int
+) -> RunConfig:
+    """`load_run` for `world_size` processes, and the plan's degrees must multiply to it: what
+    the launchers call before starting anything (ConfigError otherwise)."""
+    from fivefold.parallel.mesh import ParallelDims
+
+    run = load_run(recipe_path, overrides, world_size=world_size)
+    ParallelDims.from_plan(run.recipe.plan, world_size)
+    return run
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -96,12 +96,14 @@ class Trainer:
             self.run_dir, self.cfg.keep_checkpoints, self.cfg.ckpt_async
         )
         # Measured once (CPU) and kept: the header, every step's MFU and the footer use it.
-        self.peak: DevicePeak = device_peak(runtime.device, self._compute_dtype())
+        self.peak: DevicePeak = device_peak(
+            runtime.device, self._compute_dtype(), cluster=self.recipe.cluster
+        )
         self.tokens_per_step = run.global_batch * self.recipe.model.seq_len
         seq = self.recipe.model.seq_len
         self.model_flops_per_token = training_flops_per_token(self.recipe.model, seq)
-        self.hardware_flops_per_token = training_flops_per_token(
-            self.recipe.model, seq, self.recipe.plan.recompute
+        self.hardware_flops_per_token = training_flops_per_token(  # what checkpoint runs
+            self.recipe.model, seq, self.recipe.plan.recompute, early_stop=True
         )
         self.cpu_peak = PeakReading()
         self.stop = StopRequest()  # `train` installs it as the SIGINT/SIGTERM handler
@@ -297,7 +299,7 @@ class Trainer:
                         loss, aux, grad_norm = self.train_one_step(micro_batches)
                     record = getattr(self.runtime, "record_peak_memory", None)
                     if record is not None:
-                        record(self.cpu_peak.peak_bytes)
+                        record(self.cpu_peak.peak_bytes, self.cpu_peak.tenants)
                 else:
                     loss, aux, grad_norm = self.train_one_step(micro_batches)
                 if self.runtime.device.type == "cuda":
@@ -402,8 +404,11 @@ def planner_prediction(run: RunConfig) -> tuple[dict[str, Any] | None, str]:
     except ImportError:
         return None, "planner not available"
     recipe = run.recipe
-    if recipe.cluster.gpu == "cpu":
-        return None, "the planner models GPU clusters; this run's cluster is the local CPU"
+    if recipe.cluster.gpu == "cpu" and not recipe.cluster.profile:
+        return None, (
+            "no device profile for this CPU; `fivefold calibrate` writes one, then runs predict "
+            "their step time"
+        )
     try:
         return estimate(recipe.model, recipe.cluster, recipe.plan).to_json(), ""
     except FivefoldError as err:
@@ -437,6 +442,8 @@ def print_header(trainer: Trainer, prediction: dict[str, Any] | None, why_not: s
         f"{trainer.cfg.min_lr:g}); data: {trainer.data.describe()}"
     )
     out.print(f"MFU against: {trainer.peak.label}")
+    if recipe.cluster.profile:
+        out.print(f"device profile: {recipe.cluster.profile}")
     if prediction is not None:
         mem = prediction.get("memory_gib", {}).get("total")
         out.print(

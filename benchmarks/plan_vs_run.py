@@ -1,0 +1,341 @@
+"""Plan vs run on CPU: the planner's per-stage peak memory and step time beside what fivefold's
+own runtime measures, layout by layout.
+
+    PYTHONPATH=src .venv/bin/python benchmarks/plan_vs_run.py [--quick] [--only NAME[,NAME]]
+        [--steps 3] [--json FILE] [--list]
+
+Each layout trains a CPU preset (fp32, the embedded corpus) for `--steps` steps on 1, 2 or 4 gloo
+ranks with the real `DistributedRuntime` and the real training loop (`Trainer.fit`, so the
+measured step includes clipping and AdamW as in `fivefold train`). The figures are the runtime's
+own layout report (`fivefold.parallel.report.stage_rows`): the measured peak is the loop's and
+the runtime's tensor-storage counter (`fivefold.train.memory`), the prediction the planner's
+memory model for the recipe's model and plan, and its `estimate()` step time where the run's
+cluster has a device peak ("n/a" otherwise). Memory is deterministic; step times depend on the
+machine and its load.
+
+Prints one row per (layout, pipeline stage) with the errors (predicted / measured - 1) and the
+mean and worst absolute error; `--json` writes the rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import multiprocessing as mp
+import os
+import queue
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+SMALL = "small"
+TINY_MOE = "tiny-moe"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One run: `plan` overrides on top of fp32, micro-batch 2, accumulation 1."""
+
+    name: str
+    plan: dict = field(default_factory=dict)
+    model: str = SMALL
+
+    @property
+    def full_plan(self) -> dict:
+        return {"precision": "fp32", "micro_batch": 2, "grad_accum": 1, **self.plan}
+
+    @property
+    def world(self) -> int:
+        p = self.full_plan
+        dp = p.get("dp_replicate", 1) * p.get("dp_shard", 1)
+        return p.get("pp", 1) * dp * p.get("cp", 1) * p.get("tp", 1)
+
+
+def _pp(schedule: str, **extra) -> dict:
+    vpp = 2 if schedule in ("interleaved-1f1b", "zbv", "dualpipev") else 1
+    return {"pp": 2, "vpp": vpp, "schedule": schedule, "micro_batch": 1, "grad_accum": 4, **extra}
+
+
+LAYOUTS = [
+    Layout("1r", {}),
+    Layout("1r-mbs1-accum2", {"micro_batch": 1, "grad_accum": 2}),
+    Layout("1r-selective", {"recompute": "selective"}),
+    Layout("1r-full", {"recompute": "full"}),
+    Layout("dp2-zero0", {"dp_replicate": 2, "micro_batch": 1}),
+    Layout("dp2-zero1", {"dp_shard": 2, "zero": 1, "micro_batch": 1}),
+    Layout("dp2-zero2-accum2", {"dp_shard": 2, "zero": 2, "micro_batch": 1, "grad_accum": 2}),
+    Layout("dp2-zero3", {"dp_shard": 2, "zero": 3, "micro_batch": 1}),
+    Layout("dp2-zero3-accum2", {"dp_shard": 2, "zero": 3, "micro_batch": 1, "grad_accum": 2}),
+    Layout("hsdp2x2", {"dp_replicate": 2, "dp_shard": 2, "zero": 3, "micro_batch": 1}),
+    Layout("tp2-sp", {"tp": 2}),
+    Layout("pp2-gpipe", _pp("gpipe")),
+    Layout("pp2-1f1b", _pp("1f1b")),
+    Layout("pp2-interleaved", _pp("interleaved-1f1b")),
+    Layout("pp2-zbv", _pp("zbv")),
+    Layout("pp2-dualpipev", _pp("dualpipev")),
+    Layout("cp2-ring", {"cp": 2}),
+    Layout("tp2-pp2-1f1b", {"tp": 2, **_pp("1f1b")}),
+    Layout("moe-1r", {}, TINY_MOE),
+    Layout("moe-ep2", {"dp_shard": 2, "zero": 1, "ep": 2, "micro_batch": 1}, TINY_MOE),
+]
+QUICK = ("1r", "dp2-zero3-accum2", "tp2-sp", "pp2-1f1b")
+
+
+# ---- one rank ---------------------------------------------------------------------------------
+def _overrides(layout: Layout, steps: int, run_dir: str) -> list[str]:
+    train = {
+        "steps": steps,
+        "warmup_steps": 1,
+        "device": "cpu",
+        "run_dir": run_dir,
+        "save_final": False,
+        "tensorboard": False,
+        "progress": False,
+        "eval_every": 0,
+        "resume": False,
+    }
+    items = [f"model.preset={json.dumps(layout.model)}"]
+    items += [f"plan.{k}={json.dumps(v)}" for k, v in layout.full_plan.items()]
+    items += [f"train.{k}={json.dumps(v)}" for k, v in train.items()]
+    return items
+
+
+def run_layout(layout: Layout, steps: int, run_dir: str) -> dict | None:
+    """Train `layout` on this rank (inside a process group) and return rank 0's report rows."""
+    from rich.console import Console
+
+    from fivefold.parallel.report import stage_rows
+    from fivefold.parallel.runtime import DistributedRuntime
+    from fivefold.train.entry import load_run
+    from fivefold.train.loop import Trainer
+
+    run = load_run(None, _overrides(layout, steps, run_dir), world_size=layout.world)
+    quiet = io.StringIO()
+    stdout, sys.stdout = sys.stdout, quiet  # the runtime prints its own report on rank 0
+    try:
+        runtime = DistributedRuntime(run.recipe)
+        Trainer(run, runtime, Console(file=quiet)).fit()
+        result = stage_rows(runtime)
+    finally:
+        sys.stdout = stdout
+    if result is None:
+        return None
+    rows, note = result
+    return {
+        "layout": layout.name,
+        "describe": run.recipe.plan.describe(),
+        "rows": rows,
+        "note": note,
+    }
+
+
+def _worker(rank: int, world: int, store: str, results, layout: Layout, steps: int, tmp: str):
+    os.environ.update(
+        OMP_NUM_THREADS="1", RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
+    )
+    status, payload = "ok", None
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        dist.init_process_group(
+            "gloo",
+            store=dist.FileStore(store, world),
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=300),
+        )
+        payload = run_layout(layout, steps, tmp)
+    except BaseException:
+        status, payload = "error", traceback.format_exc()
+    results.put((rank, status, payload))
+    results.close()
+    results.join_thread()
+    os._exit(0)  # a normal exit can abort in gloo's destructors
+
+
+def measure(layout: Layout, steps: int, timeout_s: float = 900.0) -> dict:
+    """Run `layout` on its ranks (forked from a torch-preloaded forkserver); rank 0's rows."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "fivefold.parallel.runtime", "fivefold.train.loop"])
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="fivefold-pvr-") as tmp:
+        store = os.path.join(tmp, "store")
+        procs = [
+            ctx.Process(
+                target=_worker,
+                args=(r, layout.world, store, results, layout, steps, os.path.join(tmp, "run")),
+                daemon=True,
+            )
+            for r in range(layout.world)
+        ]
+        for p in procs:
+            p.start()
+        done, report = 0, None
+        deadline = time.monotonic() + timeout_s
+        try:
+            while done < layout.world:
+                try:
+                    rank, status, payload = results.get(timeout=1.0)
+                except queue.Empty:
+                    dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                    if dead or time.monotonic() > deadline:
+                        raise RuntimeError(f"{layout.name}: ranks died or timed out") from None
+                    continue
+                if status == "error":
+                    raise RuntimeError(f"{layout.name}: rank {rank} failed:\n{payload}")
+                done += 1
+                report = payload if rank == 0 else report
+        finally:
+            for p in procs:
+                p.join(timeout=5)
+                if p.is_alive():
+                    p.kill()
+    assert report is not None
+    return report
+
+
+# ---- the table --------------------------------------------------------------------------------
+def error(predicted: float | None, measured: float | None) -> float | None:
+    """predicted / measured - 1, or None when either is unknown."""
+    if not predicted or not measured:
+        return None
+    return predicted / measured - 1.0
+
+
+def flatten(reports: list[dict]) -> list[dict]:
+    out = []
+    for report in reports:
+        for row in report["rows"]:
+            out.append(
+                {
+                    "layout": report["layout"],
+                    "stage": row["stage"],
+                    "ranks": row["ranks"],
+                    "predicted_peak_bytes": row["predicted_peak_bytes"],
+                    "measured_peak_bytes": row["measured_peak_bytes"],
+                    "memory_error": error(row["predicted_peak_bytes"], row["measured_peak_bytes"]),
+                    "predicted_step_s": row["predicted_step_s"],
+                    "measured_step_s": row["measured_step_s"],
+                    "step_error": error(row["predicted_step_s"], row["measured_step_s"]),
+                    "predicted_tenants": row.get("predicted_tenants", {}),
+                    "measured_tenants": row.get("measured_tenants", {}),
+                }
+            )
+    return out
+
+
+def _mib(value: float | None) -> str:
+    return f"{value / 2**20:9.1f}" if value else f"{'n/a':>9}"
+
+
+def _ms(value: float | None) -> str:
+    return f"{value * 1e3:9.1f}" if value else f"{'n/a':>9}"
+
+
+def _pct(value: float | None) -> str:
+    return f"{value * 100:+7.1f}%" if value is not None else f"{'n/a':>8}"
+
+
+def summary(rows: list[dict], key: str) -> str:
+    errors = [abs(r[key]) for r in rows if r[key] is not None]
+    if not errors:
+        return "n/a"
+    worst = max(rows, key=lambda r: abs(r[key]) if r[key] is not None else -1)
+    return (
+        f"mean |error| {100 * sum(errors) / len(errors):.1f}%, worst {100 * max(errors):.1f}% "
+        f"({worst['layout']} stage {worst['stage']}) over {len(errors)} rows"
+    )
+
+
+def table(rows: list[dict]) -> str:
+    lines = [
+        f"{'layout':<18} {'stage':>5} {'pred MiB':>9} {'meas MiB':>9} {'error':>8}   "
+        f"{'pred ms':>9} {'meas ms':>9} {'error':>8}"
+    ]
+    for r in rows:
+        lines.append(
+            f"{r['layout']:<18} {r['stage']:>5} {_mib(r['predicted_peak_bytes'])} "
+            f"{_mib(r['measured_peak_bytes'])} {_pct(r['memory_error'])}   "
+            f"{_ms(r['predicted_step_s'])} {_ms(r['measured_step_s'])} {_pct(r['step_error'])}"
+        )
+    lines.append(f"peak memory: {summary(rows, 'memory_error')}")
+    lines.append(f"step time:   {summary(rows, 'step_error')}")
+    return "\n".join(lines)
+
+
+def tenant_table(rows: list[dict]) -> str:
+    """Predicted / measured MiB per tenant (activations include the planner's buffers)."""
+    names = ("params", "grads", "optimizer", "activations")
+    lines = [f"{'layout':<18} {'stage':>5} " + " ".join(f"{n:>19}" for n in names)]
+    for r in rows:
+        pred, meas = r["predicted_tenants"], r["measured_tenants"]
+        cells = [
+            f"{pred.get(n, 0) / 2**20:8.1f} / {meas.get(n, 0) / 2**20:8.1f}"
+            if n in meas
+            else f"{pred.get(n, 0) / 2**20:8.1f} / {'n/a':>8}"
+            for n in names
+        ]
+        lines.append(f"{r['layout']:<18} {r['stage']:>5} " + " ".join(cells))
+    return "\n".join(lines)
+
+
+def select(only: str | None, quick: bool) -> list[Layout]:
+    if only:
+        names = [n.strip() for n in only.split(",") if n.strip()]
+        unknown = [n for n in names if n not in {layout.name for layout in LAYOUTS}]
+        if unknown:
+            raise SystemExit(
+                f"--only: unknown layout(s) {', '.join(unknown)}; see --list for the names."
+            )
+        return [layout for layout in LAYOUTS if layout.name in names]
+    if quick:
+        return [layout for layout in LAYOUTS if layout.name in QUICK]
+    return list(LAYOUTS)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", help="comma-separated layout names (see --list)")
+    parser.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}")
+    parser.add_argument("--steps", type=int, default=3, help="training steps per layout (>= 3)")
+    parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
+    parser.add_argument(
+        "--tenants", action="store_true", help="also print predicted / measured MiB per tenant"
+    )
+    parser.add_argument("--list", action="store_true", help="list the layouts and exit")
+    args = parser.parse_args(argv)
+    layouts = select(args.only, args.quick)
+    if args.list:
+        for layout in layouts:
+            print(f"{layout.name:<18} {layout.world} rank(s)  {layout.model}  {layout.full_plan}")
+        return 0
+    if args.steps < 3:
+        parser.error("--steps must be >= 3: the report is taken on step 3 (step 1 is warm-up)")
+    reports = []
+    for layout in layouts:
+        started = time.perf_counter()
+        report = measure(layout, args.steps)
+        reports.append(report)
+        print(
+            f"# {layout.name}: {report['describe']} ({layout.world} rank(s), "
+            f"{time.perf_counter() - started:.0f} s; {report['note']})",
+            flush=True,
+        )
+    rows = flatten(reports)
+    print(table(rows))
+    if args.tenants:
+        print(tenant_table(rows))
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump({"layouts": reports, "rows": rows}, out, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
