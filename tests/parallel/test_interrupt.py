@@ -26,7 +26,7 @@ TINY = str(CONFIGS / "tiny-cpu.toml")
 LAYOUTS = {
     1: [],
     2: ["plan.tp=2"],  # the hang: a rank left inside a TP collective
-    4: ["plan.tp=2", "plan.dp_shard=2", "plan.grad_accum=1"],
+    4: ["plan.tp=2", "plan.dp_replicate=2", "plan.grad_accum=1"],
 }
 STOP_WITHIN_S = 60.0  # bound on signal -> launcher exit on a loaded 2-core machine
 
@@ -90,7 +90,7 @@ class Run:
             start_new_session=True,
         )
 
-    def wait_for_step(self, step: int, timeout_s: float = 180.0) -> None:
+    def wait_for_step(self, step: int, timeout_s: float = 300.0) -> None:
         deadline = time.monotonic() + timeout_s
         while max(_metric_steps(self.run_dir), default=0) < step:
             assert self.proc.poll() is None, self.proc.communicate()[0]

@@ -95,6 +95,7 @@ class Trainer:
         self.checkpoints = ckpt.RunCheckpoints(
             self.run_dir, self.cfg.keep_checkpoints, self.cfg.ckpt_async
         )
+        # Measured once (CPU) and kept: the header, every step's MFU and the footer use it.
         self.peak: DevicePeak = device_peak(
             runtime.device, self._compute_dtype(), cluster=self.recipe.cluster
         )
@@ -526,6 +527,9 @@ def train(
     """Train `run` to `train.steps` (resuming per `train.resume`); returns the summary. Rank 0
     prints. A run whose newest checkpoint is already at its last step prints one line saying so
     and returns a summary with no losses (stop_reason "already_complete")."""
+    from fivefold.parallel.threads import configure_threads
+
+    configure_threads()
     with stop_on_signals() as stop:
         runtime = runtime or make_runtime(run.recipe)
         try:
