@@ -44,7 +44,10 @@ class PlannerOptions:
             return cls()
         if device.measured.profile.kind == "cpu":
             return cls(
-                checkpoint_early_stop=True, cuda_context_bytes=0.0, fragmentation_fraction=0.0
+                checkpoint_early_stop=True,
+                cuda_context_bytes=0.0,
+                fragmentation_fraction=0.0,
+                dp_overlap=False,
             )
         return cls(checkpoint_early_stop=True)
 
