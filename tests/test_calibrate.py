@@ -16,6 +16,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from fivefold.model import build_model
 from fivefold.parallel.calibrate_comm import fit_alpha_beta, steps_count
+from fivefold.parallel.checkpointing import apply_recompute
 from fivefold.spec.model import (
     attention_score_flops_per_token,
     early_stop_skipped_flops_per_token,
@@ -23,7 +24,6 @@ from fivefold.spec.model import (
 )
 from fivefold.spec.presets import model_preset
 from fivefold.spec.profile import COLLECTIVES, bus_factor, parse_profile
-from fivefold.train.recompute import apply_recompute
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -77,11 +77,11 @@ def _runtime_refusal(recipe: Recipe) -> str | None:
     if it got past its checks, which here means it tried to start a process group)."""
     import torch.distributed as dist
 
-    from fivefold.parallel.runtime import DistributedRuntime
+    from fivefold.train.runtime import distributed_runtime
 
     assert not dist.is_initialized()
     try:
-        DistributedRuntime(recipe)
+        distributed_runtime(recipe)
     except ConfigError as err:
         return str(err)
     except RuntimeError as err:  # the patched process-group start: the checks passed

@@ -74,6 +74,32 @@ def default_profile_path() -> Path:
     return Path(cache) / "fivefold" / "device-profile.toml"
 
 
+def cgroup_cpu_limit(root: Path = Path("/sys/fs/cgroup")) -> float | None:
+    """CPUs allowed by a cgroup v2 quota (`cpu.max` = "quota period"), None when unlimited."""
+    try:
+        quota, period = (root / "cpu.max").read_text().split()[:2]
+    except (OSError, ValueError):
+        return None
+    if quota == "max":
+        return None
+    try:
+        return int(quota) / int(period)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def available_cores() -> int:
+    """Cores this process can run on: its affinity mask, capped by the cgroup quota."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    limit = cgroup_cpu_limit()
+    if limit is not None:
+        cores = min(cores, max(1, math.ceil(limit)))
+    return max(1, cores)
+
+
 def threads_per_rank(ranks: int, cores: int) -> int:
     """CPU threads each of `ranks` local processes uses: $OMP_NUM_THREADS when set (torch reads
     it at start-up), else cores // ranks (the launcher's rule, so ranks do not oversubscribe)."""

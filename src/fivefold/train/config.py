@@ -58,6 +58,8 @@ class TrainConfig:
     progress: bool = True  # rich progress bar on the console
     max_time_s: float = 0.0  # stop (and checkpoint) after this much wall time; 0 = no limit
     memory_step: int = 2  # CPU: the step whose peak memory is measured by tracking allocations
+    # torch.compile (inductor) each transformer block; on CPU it needs a C++ compiler (g++)
+    compile: bool = False
 
     @property
     def beta1(self) -> float:

@@ -104,6 +104,18 @@ def load_run(
     return parse_train_config(recipe)
 
 
+def check_layout(
+    recipe_path: str | Path | None, overrides: list[str], world_size: int
+) -> RunConfig:
+    """`load_run` for `world_size` processes, and the plan's degrees must multiply to it: what
+    the launchers call before starting anything (ConfigError otherwise)."""
+    from fivefold.parallel.mesh import ParallelDims
+
+    run = load_run(recipe_path, overrides, world_size=world_size)
+    ParallelDims.from_plan(run.recipe.plan, world_size)
+    return run
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m fivefold.train",
@@ -136,16 +148,34 @@ def resume_overrides(resume: bool, fresh: bool) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Train; returns the exit status: 0, 2 after a user error, 128 + signal when interrupted.
+    Under `fivefold train --nproc N` the message goes to the launcher, which prints it once
+    (`fivefold.parallel.rank_report`); otherwise this process prints it."""
     args = build_parser().parse_args(argv)
-    rank = int(os.environ.get("RANK", "0"))
     try:
         from fivefold.train.loop import train
 
         recipe_path, overrides = split_recipe_and_overrides(args.items)
         overrides += resume_overrides(args.resume, args.fresh)
-        train(load_run(recipe_path, overrides))
+        summary = train(load_run(recipe_path, overrides))
     except FivefoldError as err:
-        prefix = f"[rank {rank}] " if world_size_from_env() > 1 else ""
-        print(f"{prefix}fivefold train: error: {err}", file=sys.stderr)
-        return 2
+        return _report("error", f"{err}", 2)
+    except KeyboardInterrupt:
+        return _report("interrupted", "stopped at once by a repeated interrupt; no checkpoint", 130)
+    if summary.exit_code:
+        return _report(
+            "interrupted", f"interrupted after step {summary.end_step}", summary.exit_code
+        )
     return 0
+
+
+def _report(kind: str, message: str, code: int) -> int:
+    """Hand `message` to the launcher, or print it (errors only; rank 0 already printed where
+    an interrupted run stopped). Returns `code`."""
+    from fivefold.parallel.rank_report import RankReport, write_report
+
+    rank = int(os.environ.get("RANK", "0"))
+    if not write_report(RankReport(rank, kind, message, code)) and kind == "error":
+        prefix = f"[rank {rank}] " if world_size_from_env() > 1 else ""
+        print(f"{prefix}fivefold train: error: {message}", file=sys.stderr)
+    return code
