@@ -49,7 +49,14 @@ from fivefold.planner.compute import (
 )
 from fivefold.spec.model import ModelSpec
 from fivefold.spec.plan import ParallelPlan
-from fivefold.spec.profile import Attention, Bandwidth, DeviceProfile, Matmul, Overhead
+from fivefold.spec.profile import (
+    Attention,
+    Bandwidth,
+    DeviceProfile,
+    Matmul,
+    Overhead,
+    available_cores,
+)
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TINY = ModelSpec("tiny-overhead", 1, 16, 2, kv_heads=1, ffn=16, vocab=64, seq_len=8)
@@ -395,7 +402,7 @@ class ComputeTables:
 def compute_steps(model: ModelSpec, plan: ParallelPlan, ranks: int, quick: bool, bf16: str):
     """The measurements to make, as (description, thunk returning rows) in order."""
     budget = QUICK if quick else Budget()
-    cores = os.cpu_count() or 1
+    cores = available_cores()
     dtypes = ["fp32"] + (["bf16"] if bf16 == "native" and not quick else [])
     shapes = gemm_shapes(model, plan, ranks, quick)
     steps: list[tuple[str, Callable[[], list]]] = []
@@ -456,7 +463,7 @@ def build_profile(
     return DeviceProfile(
         name=device_name or cpu_name(),
         kind="cpu",  # the kernels above run on the CPU; GPUs keep their catalog entries
-        cores=os.cpu_count() or 1,
+        cores=available_cores(),
         memory_bytes=host_memory_bytes(),
         backend=backend if backend != "none" else "gloo",
         ranks=max(1, ranks),

@@ -28,6 +28,7 @@ from fivefold.spec.profile import (
     COLLECTIVES,
     Collective,
     CollectiveSample,
+    available_cores,
     bus_factor,
     threads_per_rank,
 )
@@ -113,7 +114,7 @@ def _worker(rank: int, world: int, init_file: str, quick: bool, out: Any) -> Non
         if cuda:
             torch.cuda.set_device(device)
         else:
-            torch.set_num_threads(threads_per_rank(world, os.cpu_count() or 1))
+            torch.set_num_threads(threads_per_rank(world, available_cores()))
         dist.init_process_group(
             "nccl" if cuda else "gloo",
             init_method=f"file://{init_file}",
