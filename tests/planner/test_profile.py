@@ -228,6 +228,7 @@ def test_estimate_on_a_profile_predicts_step_time_and_uses_the_measured_peak(pro
     assert est.hfu == pytest.approx(hw / (est.step_time_s * GEMM * 2))
     # A CPU has no CUDA context or allocator fragmentation.
     assert est.options.cuda_context_bytes == 0 and est.options.checkpoint_early_stop
+    assert not est.options.dp_overlap  # gloo shares the cores: nothing hides behind compute
 
 
 def test_recipe_cluster_profile_and_plan_cli(profile_path, capsys):

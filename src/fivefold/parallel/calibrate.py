@@ -2,7 +2,10 @@
 
 What is measured, in one process per thread count (1 and all cores on a CPU), each kernel timed
 as the lower quartile of repeats after a warm-up (`typical_time_s`: on a machine shared with
-other work the slow repeats are the other work's, not the kernel's):
+other work the slow repeats are the other work's, not the kernel's), each repeat starting from
+cold caches (`flush_caches`: in a training step the rest of the model passes through the caches
+between two uses of a weight; warm-cache GEMMs of these sizes run about 10 % faster than in the
+model):
 - matmul: every GEMM the model runs (wq, wk, wv, wo, w1, w3, w2, the LM head; experts and the
   router for MoE) at the recipe's tokens per micro-batch (and half of them, what context
   parallelism leaves) and at each tensor-parallel split up to the ranks, in all three passes with
@@ -46,7 +49,14 @@ from fivefold.planner.compute import (
 )
 from fivefold.spec.model import ModelSpec
 from fivefold.spec.plan import ParallelPlan
-from fivefold.spec.profile import Attention, Bandwidth, DeviceProfile, Matmul, Overhead
+from fivefold.spec.profile import (
+    Attention,
+    Bandwidth,
+    DeviceProfile,
+    Matmul,
+    Overhead,
+    available_cores,
+)
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TINY = ModelSpec("tiny-overhead", 1, 16, 2, kv_heads=1, ffn=16, vocab=64, seq_len=8)
@@ -70,6 +80,18 @@ def lower_quartile(times: list[float]) -> float:
     return statistics.median(ordered[: max(1, (len(ordered) + 1) // 2)])
 
 
+FLUSH_BYTES = 64 * 2**20  # more than the last-level cache of the CPUs we run on
+_flush_buffer: torch.Tensor | None = None
+
+
+def flush_caches() -> None:
+    """Write a buffer larger than the last-level cache, evicting the kernel's operands."""
+    global _flush_buffer
+    if _flush_buffer is None:
+        _flush_buffer = torch.zeros(FLUSH_BYTES // 4)
+    _flush_buffer.add_(1.0)
+
+
 def clock() -> Callable[[], float]:
     """The clock kernels are timed with: this thread's CPU time when torch runs one thread (the
     kernel runs on it, and time other processes take from the core is not counted, so a busy
@@ -86,6 +108,7 @@ def typical_time_s(fn: Callable[[], object], budget: Budget) -> float:
     while len(times) < budget.min_repeats or (
         len(times) < budget.max_repeats and time.perf_counter() - started < budget.seconds
     ):
+        flush_caches()
         tick = now()
         fn()
         times.append(now() - tick)
@@ -221,6 +244,7 @@ def _backward_time(forward: Callable[[], torch.Tensor], grad: torch.Tensor, budg
     times, now = [], clock()
     for _ in range(max(budget.min_repeats, 2) + 1):
         out = forward()
+        flush_caches()
         tick = now()
         out.backward(grad)
         times.append(now() - tick)
@@ -278,6 +302,7 @@ def elementwise_passes(model: ModelSpec, batch: int, budget: Budget) -> tuple[fl
     times, now = [], clock()
     for _ in range(max(budget.min_repeats, 2) + 1):
         outs = forward()
+        flush_caches()
         tick = now()
         torch.autograd.backward(outs, grads)
         times.append(now() - tick)
@@ -377,7 +402,7 @@ class ComputeTables:
 def compute_steps(model: ModelSpec, plan: ParallelPlan, ranks: int, quick: bool, bf16: str):
     """The measurements to make, as (description, thunk returning rows) in order."""
     budget = QUICK if quick else Budget()
-    cores = os.cpu_count() or 1
+    cores = available_cores()
     dtypes = ["fp32"] + (["bf16"] if bf16 == "native" and not quick else [])
     shapes = gemm_shapes(model, plan, ranks, quick)
     steps: list[tuple[str, Callable[[], list]]] = []
@@ -438,7 +463,7 @@ def build_profile(
     return DeviceProfile(
         name=device_name or cpu_name(),
         kind="cpu",  # the kernels above run on the CPU; GPUs keep their catalog entries
-        cores=os.cpu_count() or 1,
+        cores=available_cores(),
         memory_bytes=host_memory_bytes(),
         backend=backend if backend != "none" else "gloo",
         ranks=max(1, ranks),

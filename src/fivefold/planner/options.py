@@ -51,6 +51,7 @@ class PlannerOptions:
                 checkpoint_early_stop=True,
                 cuda_context_bytes=0.0,
                 fragmentation_fraction=0.0,
+                dp_overlap=False,
                 runtime="fivefold-eager",
             )
         return cls(checkpoint_early_stop=True, runtime="fivefold-eager")
