@@ -173,6 +173,35 @@ def test_training_starts_from_an_imported_model(tmp_path, capsys):
     assert first["loss"] < fresh - 1.0 and abs(first["loss"] - last["loss"]) < 0.5
 
 
+def test_an_imported_model_trains_on_the_users_text_with_its_own_tokenizer(
+    trained_run, tmp_path, capsys
+):
+    """import --inputs: the recipe's [data] names the user's file and the model's tokenizer, so
+    training continues from the imported weights on that text (it used to train on the
+    embedded corpus with whatever tokenizer the defaults gave)."""
+    import tomllib
+
+    assert main(["export", "--hf", str(tmp_path / "hf"), "--from", str(trained_run)]) == 0
+    text = tmp_path / "mine.txt"
+    text.write_text("The ship left the harbour at dawn, and the sea was calm. " * 400)
+    args = ["import", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "new")]
+    assert main([*args, "--inputs", str(text)]) == 0
+    recipe = tomllib.loads((tmp_path / "new" / "imported.toml").read_text())
+    assert recipe["data"]["inputs"] == [str(text.resolve())]
+    kept = Path(recipe["data"]["tokenizer"])
+    assert kept.read_text() == (tmp_path / "hf" / "tokenizer.json").read_text()
+    capsys.readouterr()
+    imported = str(tmp_path / "new" / "imported.toml")
+    cache = f'data.cache_dir="{tmp_path / "cache"}"'
+    assert main(["train", imported, "--steps", "2", "train.warmup_steps=0", cache, *QUIET]) == 0
+    out = capsys.readouterr().out
+    assert "resumed from" in out and str(tmp_path / "cache") in out  # the user's text, tokenized
+    losses = [
+        json.loads(x)["loss"] for x in (tmp_path / "new" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
+
+
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory) -> Path:
     """The tiny recipe trained 3 steps in one process, a checkpoint per step."""

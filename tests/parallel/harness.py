@@ -441,13 +441,21 @@ def reference_for(case: ParityCase) -> dict:
     if key not in _REFERENCES:
         dp = case.plan.get("dp_replicate", 1) * case.plan.get("dp_shard", 1)
         (_REFERENCES[key],) = run_ranks(
-            1, reference_run, recipe_dict(case), case.steps, dp, case.plan.get("grad_accum", 1)
+            1,
+            reference_run,
+            recipe_dict(case),
+            case.steps,
+            dp,
+            case.plan.get("grad_accum", 1),
+            timeout_s=600.0 if case.compile else 180.0,
         )
     return _REFERENCES[key]
 
 
 def run_parity(case: ParityCase, timeout_s: float = 240.0) -> ParityResult:
-    """Run `case` on its ranks and measure its deviations from the single-process run."""
+    """Run `case` on its ranks and measure its deviations from the single-process run (compiled
+    cases get 600 s: each rank compiles its blocks, cold, on shared cores)."""
+    timeout_s = max(timeout_s, 600.0) if case.compile else timeout_s
     reference = reference_for(case)
     start = time.monotonic()
     ranks = run_ranks(

@@ -19,7 +19,6 @@ CI_CASES = [
 
 SLOW_CASES = [
     ParityCase("compile DP2", {"dp_replicate": 2, "micro_batch": 4}, steps=4, compile=True),
-    ParityCase("compile TP2+SP", {"tp": 2, "micro_batch": 8}, steps=4, compile=True),
     ParityCase(
         "compile PP2 1f1b x ZeRO-3 x2 recompute full",
         {"pp": 2, "dp_shard": 2, "zero": 3, "micro_batch": 2, "grad_accum": 2, "recompute": "full"},

@@ -117,7 +117,10 @@ class _ContiguousGrad(torch.autograd.Function):
 
 
 def _grouped_mm_fits(x: torch.Tensor, w1: torch.Tensor) -> bool:
-    """`_grouped_mm` needs 16-byte aligned row strides (D and F elements of the dtype)."""
+    """`_grouped_mm` needs 16-byte aligned row strides (D and F elements of the dtype); under
+    torch.compile its shape function in 2.13 also accepts bf16 only."""
+    if torch.compiler.is_compiling() and x.dtype != torch.bfloat16:
+        return False
     itemsize = x.element_size()
     return (x.shape[-1] * itemsize) % 16 == 0 and (w1.shape[1] * itemsize) % 16 == 0
 
@@ -140,7 +143,8 @@ def grouped_swiglu(
 
     One `torch._grouped_mm` per projection; the group boundaries stay on the device (cumulative
     counts as int32 offsets), so nothing waits for the router. Shapes whose rows `_grouped_mm`
-    cannot address (not 16-byte aligned) fall back to a loop over experts (one host sync).
+    cannot address (not 16-byte aligned), and fp32 under torch.compile, fall back to a loop over
+    experts (one host sync; a graph break when compiled).
     """
     if tokens_per_expert.numel() != w1.shape[0]:
         raise ValueError(f"got counts for {tokens_per_expert.numel()} experts, have {w1.shape[0]}")
