@@ -9,7 +9,8 @@ from pathlib import Path
 from rich.console import Console
 
 from fivefold.cli.main import main
-from fivefold.train import threads
+from fivefold.parallel import threads
+from fivefold.spec import profile
 from fivefold.train.metrics import ConsoleReporter, StepMetrics
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -61,12 +62,13 @@ def test_dry_run_refuses_a_layout_that_does_not_fit(capsys) -> None:
 
 def test_cgroup_quota_caps_the_threads(tmp_path, monkeypatch) -> None:
     (tmp_path / "cpu.max").write_text("150000 100000\n")
-    assert threads.cgroup_cpu_limit(tmp_path) == 1.5
+    assert profile.cgroup_cpu_limit(tmp_path) == 1.5
     (tmp_path / "cpu.max").write_text("max 100000\n")
-    assert threads.cgroup_cpu_limit(tmp_path) is None
-    monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5, 6, 7})
-    monkeypatch.setattr(threads, "cgroup_cpu_limit", lambda: 2.5)
-    assert threads.available_cores() == 3  # 8 cores visible, 2.5 CPUs of quota
+    assert profile.cgroup_cpu_limit(tmp_path) is None
+    monkeypatch.setattr(profile.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5, 6, 7})
+    monkeypatch.setattr(profile, "cgroup_cpu_limit", lambda: 2.5)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert profile.available_cores() == 3  # 8 cores visible, 2.5 CPUs of quota
     from fivefold.parallel.launch import threads_per_rank
 
     assert threads_per_rank(2) == 1 and threads_per_rank(1) == 3

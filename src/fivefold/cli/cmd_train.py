@@ -209,12 +209,19 @@ def dry_run_report(run, nproc: int) -> str:
     from types import SimpleNamespace
 
     from fivefold.parallel.mesh import ParallelDims
+    from fivefold.parallel.process_group import pick_device
     from fivefold.parallel.report import predictions
     from fivefold.spec.recipe import dump_recipe
 
     recipe = run.recipe
     memory, step_s, note = predictions(
-        SimpleNamespace(recipe=recipe, spec=recipe.model, plan=recipe.plan)
+        SimpleNamespace(
+            recipe=recipe,
+            spec=recipe.model,
+            plan=recipe.plan,
+            device=pick_device(run.train.device),
+            **({"dp_modules": []} if nproc > 1 else {}),  # N ranks: the FSDP2-wrapped runtime
+        )
     )
     dims = ParallelDims.from_plan(recipe.plan, nproc)
     lines = [

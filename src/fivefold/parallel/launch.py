@@ -42,10 +42,12 @@ POLL_S = 0.2
 
 
 def threads_per_rank(nproc: int) -> int:
-    """CPU threads each rank may use so N ranks do not oversubscribe the cores available."""
-    from fivefold.train.threads import available_cores
+    """CPU threads each rank may use so N ranks do not oversubscribe the cores available (the
+    rule the planner's device profiles assume, `fivefold.spec.profile.threads_per_rank`)."""
+    from fivefold.spec.profile import available_cores
+    from fivefold.spec.profile import threads_per_rank as rule
 
-    return max(1, available_cores() // nproc)
+    return rule(nproc, available_cores())
 
 
 def train_args(recipe_path: str | Path | None, overrides: list[str]) -> list[str]:
@@ -91,7 +93,7 @@ def launch_local(
         raise ConfigError(f"--nproc {nproc}: the number of processes must be at least 1.")
     if max_restarts_problems(max_restarts):
         raise ConfigError(max_restarts_problems(max_restarts))
-    from fivefold.train.threads import passive_wait
+    from fivefold.parallel.threads import passive_wait
 
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(threads_per_rank(nproc)))

@@ -115,6 +115,7 @@ class MemoryOptions:
     logits_bytes_per_element: float = 12.0  # see the module docstring
     selective_policy: str = "attention"  # or "alternate-matmul" (torchtitan's op-level SAC)
     runtime: str = "fused"  # or "fivefold-eager": what fivefold's own eager runtime keeps
+    fsdp_wrapped: bool = True  # fivefold-eager: the chunks are FSDP2-wrapped (multi-process)
 
     @property
     def eager(self) -> bool:
@@ -594,8 +595,9 @@ def stage_memory(
         tensors = state.total + acts + sum(other.values())
         other["fragmentation"] = opts.fragmentation_fraction * tensors
         return StageMemory(rank, state.params, state.grads, state.optimizer, acts, other)
-    grads_at_peak = grads_live_at_peak(plan, inflight)
-    rest = state.params + state.grads + state.optimizer + other.get("fsdp_param_shards", 0.0)
+    grads_at_peak = grads_live_at_peak(plan, rank)
+    at_rest = other.get("fsdp_param_shards", state.params)  # the weights between steps
+    rest = at_rest + state.grads + state.optimizer
     tensors = state.total + acts + sum(other.values()) - (0 if grads_at_peak else state.grads)
     other["fragmentation"] = opts.fragmentation_fraction * max(tensors, rest)
     return StageMemory(
@@ -610,14 +612,37 @@ def stage_memory(
     )
 
 
-def grads_live_at_peak(plan: ParallelPlan, inflight: int) -> bool:
+def grads_live_at_peak(plan: ParallelPlan, rank: int) -> bool:
     """fivefold-eager: whether gradients exist when the activations peak. Without a pipeline
-    the peak is the last micro-batch's backward, after grad_accum - 1 backwards; in a pipeline
-    the rank reaches its peak in-flight count again after a backward only if it has more
-    micro-batches than that count (1F1B's steady state), never in GPipe."""
+    the peak is the last micro-batch's backward, after grad_accum - 1 backwards; in a pipeline,
+    whether the rank's action list reaches its peak in-flight count again after its first
+    weight-gradient action (never in GPipe; in 1F1B's steady state; see `schedule`)."""
     if plan.pp == 1:
         return plan.grad_accum > 1
-    return plan.schedule != "gpipe" and plan.grad_accum > inflight
+    return _peak_after_first_gradient(plan.schedule, plan.pp, plan.vpp, plan.grad_accum)[rank]
+
+
+@lru_cache(maxsize=4096)
+def _peak_after_first_gradient(name: str, pp: int, vpp: int, m: int) -> tuple[bool, ...]:
+    from fivefold.planner.schedule import build_schedule
+
+    schedule = build_schedule(name, pp, vpp, m)
+    release = "W" if schedule.split_backward else "B"
+    out = []
+    for actions in schedule.actions:
+        alive, peak_before, peak_after, seen_gradient = 0, 0, 0, False
+        for action in actions:
+            if action.kind == "F":
+                alive += 1
+                if seen_gradient:
+                    peak_after = max(peak_after, alive)
+                else:
+                    peak_before = max(peak_before, alive)
+            elif action.kind == release:
+                alive -= 1
+            seen_gradient = seen_gradient or action.kind == release
+        out.append(peak_after >= peak_before)
+    return tuple(out)
 
 
 def other_terms(
@@ -650,7 +675,8 @@ def other_terms(
         width = last_width if last in chunks else e * model.hidden
         out["pipeline_stage_outputs"] = tokens * width * inflight_of_output(plan, inflight)
     if opts.eager:
-        out.update(_fsdp_terms(model, plan, counts, chunks, rec))
+        if opts.fsdp_wrapped:
+            out.update(_fsdp_terms(model, plan, counts, chunks, rec))
     elif plan.zero == 3:
         largest = max(chunk_params(model, plan, counts, c).max_layer for c in chunks)
         out["zero3_gathered_layers"] = largest * (2 * compute_bytes(rec) + rec.grad_bytes)
@@ -739,7 +765,7 @@ def all_stage_memory(
     out = []
     for r in range(plan.pp):
         sig = (rank_signature(plan, counts, r), int(inflight[r]))
-        if model.is_moe:  # dense and MoE layers differ by position
+        if model.is_moe or opts.eager:  # MoE: layers differ by position; eager: by schedule
             sig = (sig, r)
         rep = first_rank.setdefault(sig, r)
         mem = _cached_stage_memory(model, key, rep, int(inflight[r]), opts, counts)

@@ -3,9 +3,9 @@
 import os
 import sys
 
-from fivefold.train.threads import passive_wait
+from fivefold.parallel.threads import passive_wait
 
-passive_wait()  # before torch is imported (see fivefold.train.threads)
+passive_wait()  # before torch is imported (see fivefold.parallel.threads)
 
 from fivefold.train.entry import main  # noqa: E402
 

@@ -41,6 +41,7 @@ class StepMetrics:
     elapsed_s: float
     aux_loss: float = 0.0
     eval_loss: float | None = None
+    plan_vs_run: dict | None = None  # the step of the layout report: `parallel.report.record`
 
     def to_json(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None}

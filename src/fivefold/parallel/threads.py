@@ -15,10 +15,10 @@ Importing this module does not import torch.
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import MutableMapping
-from pathlib import Path
+
+from fivefold.spec.profile import available_cores
 
 WAIT_POLICY_ENV = "OMP_WAIT_POLICY"
 THREADS_ENV = "OMP_NUM_THREADS"
@@ -27,32 +27,6 @@ THREADS_ENV = "OMP_NUM_THREADS"
 def passive_wait(env: MutableMapping[str, str] = os.environ) -> None:
     """Default OpenMP threads to sleeping, not spinning, while waiting (unless set)."""
     env.setdefault(WAIT_POLICY_ENV, "PASSIVE")
-
-
-def cgroup_cpu_limit(root: Path = Path("/sys/fs/cgroup")) -> float | None:
-    """CPUs allowed by a cgroup v2 quota (`cpu.max` = "quota period"), None when unlimited."""
-    try:
-        quota, period = (root / "cpu.max").read_text().split()[:2]
-    except (OSError, ValueError):
-        return None
-    if quota == "max":
-        return None
-    try:
-        return int(quota) / int(period)
-    except (ValueError, ZeroDivisionError):
-        return None
-
-
-def available_cores() -> int:
-    """Cores this process can run on: its affinity mask, capped by the cgroup quota."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    limit = cgroup_cpu_limit()
-    if limit is not None:
-        cores = min(cores, max(1, math.ceil(limit)))
-    return max(1, cores)
 
 
 def configure_threads() -> int:
