@@ -32,6 +32,12 @@ Re-running: by default (train.resume = "auto") a run whose directory holds a val
 continues from the newest one; one already at train.steps says it is complete and exits 0
 (raise train.steps to train further). --fresh starts over at step 0 and deletes the run's
 earlier checkpoints; --resume insists on resuming and says so when there is nothing to resume.
+
+Stopping: Ctrl-C (SIGINT) or SIGTERM stops every rank after the step it is in, writes that
+step's checkpoint and exits with status 128 + signal (130, 143); the same command continues. A
+second signal more than 2 s later stops at once. Exit status 2: a user error (recipe, data,
+checkpoint), printed once even when the ranks found it; a rank that crashed: its status.
+--dry-run prints the resolved recipe, the layout and the planner's predictions and exits.
 """
 
 _EPILOG = """\
@@ -42,6 +48,7 @@ examples:
   fivefold train configs/tiny-cpu.toml --nproc 4 plan.dp_replicate=4 plan.grad_accum=1
   fivefold train configs/tiny-cpu.toml --nproc 4 --max-restarts 3 plan.dp_shard=4 \\
       train.ckpt_every=10                                   # survives a rank's crash
+  fivefold train configs/small-dp2-tp2-pp2.toml --nproc 8 --dry-run   # predict, start nothing
   python -m fivefold.train configs/tiny-cpu.toml            # the same, as one torchrun rank
 """
 

@@ -7,8 +7,10 @@ prints and writes files; every rank checkpoints its own state.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
@@ -25,7 +27,7 @@ from fivefold.spec.recipe import dump_recipe
 from fivefold.train import checkpoint as ckpt
 from fivefold.train.config import RunConfig
 from fivefold.train.inputs import TrainData, load_train_data
-from fivefold.train.interrupt import StopRequest, stop_on_signals
+from fivefold.train.interrupt import StopRequest, die_on_signals, stop_on_signals
 from fivefold.train.memory import PeakReading, track_cpu_peak
 from fivefold.train.metrics import (
     ConsoleReporter,
@@ -530,7 +532,11 @@ def train(
     from fivefold.parallel.threads import configure_threads
 
     configure_threads()
-    with stop_on_signals() as stop:
+    stop = StopRequest()
+    # Set-up on N ranks: a signal ends the process at once (nothing to save yet; a rank may be
+    # blocked in C++ where no handler runs). `fit` installs the graceful handlers.
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    with die_on_signals() if distributed else contextlib.nullcontext():
         runtime = runtime or make_runtime(run.recipe)
         try:
             summary = _train(run, runtime, console, stop)
@@ -553,7 +559,8 @@ def _train(
     prediction, why_not = planner_prediction(run) if runtime.is_main else (None, "")
     if runtime.is_main:
         print_header(trainer, prediction, why_not)
-    summary = trainer.fit()
+    with stop_on_signals(trainer.stop):  # Ctrl-C: stop after a step, with a checkpoint
+        summary = trainer.fit()
     summary.prediction = prediction
     if runtime.is_main:
         print_footer(trainer, summary)
