@@ -117,7 +117,7 @@ def run_layout(layout: Layout, steps: int, run_dir: str) -> dict | None:
     quiet = io.StringIO()
     stdout, sys.stdout = sys.stdout, quiet  # the runtime prints its own report on rank 0
     try:
-        runtime = DistributedRuntime(run.recipe)
+        runtime = DistributedRuntime(run.recipe, run.train)
         Trainer(run, runtime, Console(file=quiet)).fit()
         result = stage_rows(runtime)
     finally:
@@ -223,6 +223,8 @@ def flatten(reports: list[dict]) -> list[dict]:
                     "predicted_step_s": row["predicted_step_s"],
                     "measured_step_s": row["measured_step_s"],
                     "step_error": error(row["predicted_step_s"], row["measured_step_s"]),
+                    "predicted_tenants": row.get("predicted_tenants", {}),
+                    "measured_tenants": row.get("measured_tenants", {}),
                 }
             )
     return out
@@ -267,6 +269,22 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def tenant_table(rows: list[dict]) -> str:
+    """Predicted / measured MiB per tenant (activations include the planner's buffers)."""
+    names = ("params", "grads", "optimizer", "activations")
+    lines = [f"{'layout':<18} {'stage':>5} " + " ".join(f"{n:>19}" for n in names)]
+    for r in rows:
+        pred, meas = r["predicted_tenants"], r["measured_tenants"]
+        cells = [
+            f"{pred.get(n, 0) / 2**20:8.1f} / {meas.get(n, 0) / 2**20:8.1f}"
+            if n in meas
+            else f"{pred.get(n, 0) / 2**20:8.1f} / {'n/a':>8}"
+            for n in names
+        ]
+        lines.append(f"{r['layout']:<18} {r['stage']:>5} " + " ".join(cells))
+    return "\n".join(lines)
+
+
 def select(only: str | None, quick: bool) -> list[Layout]:
     if only:
         names = [n.strip() for n in only.split(",") if n.strip()]
@@ -287,6 +305,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}")
     parser.add_argument("--steps", type=int, default=3, help="training steps per layout (>= 3)")
     parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
+    parser.add_argument(
+        "--tenants", action="store_true", help="also print predicted / measured MiB per tenant"
+    )
     parser.add_argument("--list", action="store_true", help="list the layouts and exit")
     args = parser.parse_args(argv)
     layouts = select(args.only, args.quick)
@@ -308,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     rows = flatten(reports)
     print(table(rows))
+    if args.tenants:
+        print(tenant_table(rows))
     if args.json:
         with open(args.json, "w") as out:
             json.dump({"layouts": reports, "rows": rows}, out, indent=2)

@@ -10,7 +10,7 @@ benchmark's; its figures are in benchmarks/README.md.
 from __future__ import annotations
 
 import importlib.util
-import itertools
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -29,7 +29,7 @@ def long_context():
 @pytest.mark.parametrize("docs", ["packed", "one"])
 def test_step_memory_is_linear_in_sequence_length(long_context, docs):
     rows = [long_context.measure_single(t, docs, doc_len=700) for t in (2048, 4096, 8192)]
-    ratios = [b["measured_bytes"] / a["measured_bytes"] for a, b in itertools.pairwise(rows)]
+    ratios = [b["measured_bytes"] / a["measured_bytes"] for a, b in pairwise(rows)]
     assert all(1.5 < r <= 2.2 for r in ratios), ratios
     for row in rows:
         assert abs(row["error"]) <= 0.10, (row["seq_len"], row["error"])

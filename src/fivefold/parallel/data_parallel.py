@@ -13,7 +13,9 @@ with the data-parallel ones.
 - ZeRO-2: as ZeRO-1, but gradients are reduce-scattered after every micro-batch, so only the
   gradient shard is held between micro-batches (the ZeRO-2 memory saving).
 - ZeRO-3 (FSDP): `fully_shard` per block with re-sharding after forward; parameters gathered
-  block by block in forward and again in backward.
+  block by block in forward and again in backward; gradients reduce-scattered after every
+  micro-batch, so only gradient shards live between micro-batches (as FSDP2 intends; skipping
+  the sync would keep whole unsharded gradients across the accumulation).
 - HSDP: dp_replicate > 1 with dp_shard > 1 (ZeRO-3): sharded over dp_shard x cp, replicated
   over dp_replicate (2-D mesh).
 
@@ -30,19 +32,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from fivefold.parallel.precision import resolve_precision
 from fivefold.spec.plan import ParallelPlan
-from fivefold.spec.precision import recipe as precision_recipe
-
-_COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def compute_dtype(plan: ParallelPlan, device: torch.device) -> torch.dtype:
-    """The dtype forward/backward run in: the recipe's, or fp32 where the device lacks it."""
-    name = precision_recipe(plan.precision).compute_dtype
-    dtype = _COMPUTE_DTYPES.get(name, torch.bfloat16)  # fp8 recipes compute in bf16 here
-    if dtype == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        return torch.float32
-    return dtype
+    """The dtype forward/backward run in (the one resolution: `resolve_precision`)."""
+    return resolve_precision(plan.precision, device).dtype
 
 
 def mixed_precision_policy(plan: ParallelPlan, device: torch.device) -> MixedPrecisionPolicy:
@@ -115,11 +111,11 @@ def set_gradient_sync(
 ) -> None:
     """Before a micro-batch's backward: reduce now, or keep accumulating locally.
 
-    ZeRO-2 reduce-scatters every micro-batch (sharded gradients between micro-batches); the
-    other stages communicate gradients only after the last micro-batch. ZeRO-1/2 keep the
-    gathered parameters until the last backward of the step.
+    ZeRO-2 and ZeRO-3 reduce-scatter every micro-batch (sharded gradients between
+    micro-batches); ZeRO-0/1 communicate gradients only after the last micro-batch. ZeRO-1/2
+    keep the gathered parameters until the last backward of the step.
     """
-    sync = last_micro_batch or plan.zero == 2
+    sync = last_micro_batch or plan.zero >= 2
     for module in modules:
         module.set_requires_gradient_sync(sync, recurse=False)
         if plan.zero in (1, 2):

@@ -141,13 +141,3 @@ def apply_tensor_parallel(
     kv_mesh = kv_mesh_for(tp_mesh, spec.kv_heads)
     for block in model.layers.values():
         parallelize(block, parallelize_plan=_block_plan(block, sp, kv_mesh))
-
-
-def sequence_shard_len(seq_len: int, tp: int, sequence_parallel: bool) -> int:
-    """Tokens per rank in the residual stream between blocks (what pipeline stages exchange)."""
-    return seq_len // tp if sequence_parallel and tp > 1 else seq_len
-
-
-def is_vocab_sharded(logits: torch.Tensor) -> bool:
-    """True for the LM head's DTensor output under TP (the loss must use loss_parallel)."""
-    return isinstance(logits, DTensor)

@@ -81,6 +81,24 @@ GiB = 2**30
 MiB = 2**20
 ACTIVATION_MODELS = ("korthikanti", "simple")
 ATTENTION_KERNELS = ("flash", "classic")
+RUNTIMES = ("fused", "fivefold-eager")
+
+
+@dataclass(frozen=True)
+class EagerProfile:
+    """What fivefold's eager runtime keeps beyond the fused-kernel formula, read off autograd's
+    saved tensors (`torch.autograd.graph.saved_tensors_hooks`) of this model's block; each field
+    is one mechanism, so a runtime change flips one field."""
+
+    norm_fp32_saved: int = 2  # RMSNorm keeps its fp32 input and the normalised x before weight
+    swiglu_saved: int = 4  # w1 out, w3 out, silu(w1 out), their product (fused: 3)
+    rope_tables: bool = True  # fp32 cos and sin [b, 1, s, head_dim] per layer
+    kv_expanded: bool = True  # K and V kept repeated to every query head (`repeat_kv`)
+    mask_bytes: float = 4.0  # the document mask kept per sequence, per (query, key) pair
+    index_bytes: int = 8  # the embedding keeps its int64 token indices
+
+
+EAGER = EagerProfile()
 SIMPLE_K = 12  # seed 001's per-block multiplier
 
 
@@ -96,9 +114,17 @@ class MemoryOptions:
     dp_bucket_bytes: float = 25 * MiB
     logits_bytes_per_element: float = 12.0  # see the module docstring
     selective_policy: str = "attention"  # or "alternate-matmul" (torchtitan's op-level SAC)
+    runtime: str = "fused"  # or "fivefold-eager": what fivefold's own eager runtime keeps
+    fsdp_wrapped: bool = True  # fivefold-eager: the chunks are FSDP2-wrapped (multi-process)
+
+    @property
+    def eager(self) -> bool:
+        return self.runtime == "fivefold-eager"
 
     def problems(self) -> list[str]:
         out = []
+        if self.runtime not in RUNTIMES:
+            out.append(f"runtime = {self.runtime!r}: choose one of {', '.join(RUNTIMES)}.")
         if self.activation_model not in ACTIVATION_MODELS:
             out.append(
                 f"activation_model = {self.activation_model!r}: choose one of "
@@ -372,7 +398,42 @@ def layer_activation_bytes(
         return e * sb * h / replicated_div
     if policy == "selective" and opts.selective_policy == "alternate-matmul" and not moe:
         return _alternate_matmul_bytes(model, plan, e, sb, replicated_div)
+    if opts.eager:
+        return _eager_bytes(model, plan, moe, policy, e, sb, replicated_div)
     return _stored_bytes(model, plan, moe, opts, policy, e, sb, replicated_div)
+
+
+def eager_norm_bytes(model: ModelSpec, e: float, sb: float, rdiv: int) -> float:
+    """One eager RMSNorm and the matmul after it: the fp32 input and the normalised tensor
+    (plus the fp32 reciprocal RMS per token) in the norm's region (/tp under SP), and the
+    output the next matmul keeps, gathered to the full sequence under TP+SP."""
+    h = model.hidden
+    return (EAGER.norm_fp32_saved * 4 * sb * h + 4 * sb) / rdiv + e * sb * h
+
+
+def _eager_bytes(model, plan, moe, policy, e, sb, rdiv) -> float:
+    """What autograd keeps for one block of fivefold's eager runtime (see `EagerProfile`)."""
+    t = plan.tp
+    q = model.q_width / t
+    kv = local_kv_width(model, t)
+    s = model.seq_len / plan.cp
+    total = 2 * eager_norm_bytes(model, e, sb, rdiv)
+    if EAGER.rope_tables:
+        total += 2 * 4 * sb * model.head_dim  # cos, sin for the full local sequence
+    if policy == "selective":  # the core re-runs: its inputs q, k, v and its output are kept
+        total += e * sb * (2 * q + 2 * kv)
+    else:
+        kv_kept = q if EAGER.kv_expanded else kv
+        total += e * sb * (2 * q + 2 * kv_kept)  # q, k, v as SDPA keeps them, and its output
+        total += 4 * sb * model.heads / t  # fp32 log-sum-exp
+        total += EAGER.mask_bytes * plan.micro_batch * s * s
+    if not moe:
+        ffn_saved = EAGER.swiglu_saved if model.mlp == "swiglu" else 2
+        return total + ffn_saved * e * sb * model.ffn / t
+    fe = model.expert_ffn / t
+    total += model.top_k * (e * sb * model.hidden + EAGER.swiglu_saved * e * sb * fe)
+    total += model.shared_experts * EAGER.swiglu_saved * e * sb * fe
+    return total + 4 * sb * model.experts
 
 
 def _stored_bytes(model, plan, moe, opts, policy, e, sb, rdiv) -> float:
@@ -438,10 +499,18 @@ def chunk_activation_bytes(
     total = n_dense * layer_activation_bytes(model, plan, False, opts)
     if n_moe:
         total += n_moe * layer_activation_bytes(model, plan, True, opts)
-    if chunk == len(counts) - 1 and opts.activation_model == "korthikanti":
-        e = recipe(plan.precision).activation_bytes
-        sp_div = plan.tp if plan.sp and plan.tp > 1 else 1
-        total += 2 * e * plan.micro_batch * model.seq_len / plan.cp * model.hidden / sp_div
+    if opts.activation_model != "korthikanti":
+        return total
+    e = recipe(plan.precision).activation_bytes
+    sp_div = plan.tp if plan.sp and plan.tp > 1 else 1
+    sb = plan.micro_batch * model.seq_len / plan.cp
+    if chunk == len(counts) - 1:
+        if opts.eager:
+            total += eager_norm_bytes(model, e, sb, sp_div)
+        else:
+            total += 2 * e * sb * model.hidden / sp_div
+    if chunk == 0 and opts.eager:
+        total += EAGER.index_bytes * sb
     return total
 
 
@@ -456,6 +525,11 @@ class StageMemory:
     optimizer: float
     activations: float
     other_terms: dict[str, float] = field(default_factory=dict)
+    # fivefold-eager: the gradients exist at the activation peak only when a backward of the
+    # step ran before it (FSDP2 allocates them then); the optimizer step is a second candidate
+    # peak (parameters, gradients and state, activations freed).
+    grads_at_peak: bool = True
+    optimizer_phase: float = 0.0
 
     @property
     def other(self) -> float:
@@ -463,7 +537,9 @@ class StageMemory:
 
     @property
     def total(self) -> float:
-        return self.params + self.grads + self.optimizer + self.activations + self.other
+        grads = self.grads if self.grads_at_peak else 0.0
+        during = self.params + grads + self.optimizer + self.activations + self.other
+        return max(during, self.optimizer_phase)
 
     def gib(self) -> dict[str, float]:
         """The summary in GiB with the stable key names of `fivefold plan --json`."""
@@ -508,13 +584,65 @@ def stage_memory(
         state = state + chunk_state_bytes(model, plan, counts, c)
     per_chunk = [chunk_activation_bytes(model, plan, counts, c, opts) for c in chunks]
     acts = max(per_chunk) * inflight
+    other = other_terms(model, plan, counts, chunks, opts, inflight)
     if plan.recompute == "full" and opts.activation_model == "korthikanti":
         working = layer_activation_bytes(model, plan, model.is_moe, opts, recompute="none")
+        if opts.eager and len(counts) - 1 in chunks:
+            # The last layer is recomputed after the loss's backward has freed the logits.
+            working = max(0.0, working - other.get("logits", 0.0))
         acts += working
-    other = other_terms(model, plan, counts, chunks, opts)
-    tensors = state.total + acts + sum(other.values())
-    other["fragmentation"] = opts.fragmentation_fraction * tensors
-    return StageMemory(rank, state.params, state.grads, state.optimizer, acts, other)
+    if not opts.eager:
+        tensors = state.total + acts + sum(other.values())
+        other["fragmentation"] = opts.fragmentation_fraction * tensors
+        return StageMemory(rank, state.params, state.grads, state.optimizer, acts, other)
+    grads_at_peak = grads_live_at_peak(plan, rank)
+    at_rest = other.get("fsdp_param_shards", state.params)  # the weights between steps
+    rest = at_rest + state.grads + state.optimizer
+    tensors = state.total + acts + sum(other.values()) - (0 if grads_at_peak else state.grads)
+    other["fragmentation"] = opts.fragmentation_fraction * max(tensors, rest)
+    return StageMemory(
+        rank,
+        state.params,
+        state.grads,
+        state.optimizer,
+        acts,
+        other,
+        grads_at_peak,
+        rest * (1 + opts.fragmentation_fraction) + opts.cuda_context_bytes,
+    )
+
+
+def grads_live_at_peak(plan: ParallelPlan, rank: int) -> bool:
+    """fivefold-eager: whether gradients exist when the activations peak. Without a pipeline
+    the peak is the last micro-batch's backward, after grad_accum - 1 backwards; in a pipeline,
+    whether the rank's action list reaches its peak in-flight count again after its first
+    weight-gradient action (never in GPipe; in 1F1B's steady state; see `schedule`)."""
+    if plan.pp == 1:
+        return plan.grad_accum > 1
+    return _peak_after_first_gradient(plan.schedule, plan.pp, plan.vpp, plan.grad_accum)[rank]
+
+
+@lru_cache(maxsize=4096)
+def _peak_after_first_gradient(name: str, pp: int, vpp: int, m: int) -> tuple[bool, ...]:
+    from fivefold.planner.schedule import build_schedule
+
+    schedule = build_schedule(name, pp, vpp, m)
+    release = "W" if schedule.split_backward else "B"
+    out = []
+    for actions in schedule.actions:
+        alive, peak_before, peak_after, seen_gradient = 0, 0, 0, False
+        for action in actions:
+            if action.kind == "F":
+                alive += 1
+                if seen_gradient:
+                    peak_after = max(peak_after, alive)
+                else:
+                    peak_before = max(peak_before, alive)
+            elif action.kind == release:
+                alive -= 1
+            seen_gradient = seen_gradient or action.kind == release
+        out.append(peak_after >= peak_before)
+    return tuple(out)
 
 
 def other_terms(
@@ -523,26 +651,77 @@ def other_terms(
     counts: list[int],
     chunks: list[int],
     opts: MemoryOptions,
+    inflight: int = 1,
 ) -> dict[str, float]:
-    """Named buffers of one pipeline rank holding `chunks`, in bytes (fragmentation excluded)."""
+    """Named buffers of one pipeline rank holding `chunks` with `inflight` micro-batches, in
+    bytes (fragmentation excluded)."""
     rec = recipe(plan.precision)
     e = rec.activation_bytes
     tokens = plan.micro_batch * model.seq_len / plan.cp
     out = {"cuda_context": float(opts.cuda_context_bytes)}
     last = len(counts) - 1
     if last in chunks:
-        out["logits"] = tokens * model.vocab / plan.tp * opts.logits_bytes_per_element
-    if plan.zero == 3:
+        # Every micro-batch in flight on the last stage keeps its fp32 log-softmax (4 bytes per
+        # logit); the one in its backward also holds the two fp32 gradients (see module doc).
+        # GPipe has all m in flight there; the other schedules run the last stage's backward
+        # right after its forward.
+        waiting = inflight - 1 if plan.schedule == "gpipe" and plan.pp > 1 else 0
+        per_logit = opts.logits_bytes_per_element + 4 * max(0, waiting)
+        out["logits"] = tokens * model.vocab / plan.tp * per_logit
+    if opts.eager and plan.pp > 1:
+        # torch.distributed.pipelining keeps each in-flight micro-batch's stage output until its
+        # backward: fp32 logits on the last stage, the hidden states elsewhere.
+        last_width = 4 * model.vocab / plan.tp
+        width = last_width if last in chunks else e * model.hidden
+        out["pipeline_stage_outputs"] = tokens * width * inflight_of_output(plan, inflight)
+    if opts.eager:
+        if opts.fsdp_wrapped:
+            out.update(_fsdp_terms(model, plan, counts, chunks, rec))
+    elif plan.zero == 3:
         largest = max(chunk_params(model, plan, counts, c).max_layer for c in chunks)
         out["zero3_gathered_layers"] = largest * (2 * compute_bytes(rec) + rec.grad_bytes)
     elif plan.dp * plan.cp > 1:
         out["dp_grad_buckets"] = 2 * opts.dp_bucket_bytes
-    if plan.sp and plan.tp > 1:
+    if plan.sp and plan.tp > 1 and not opts.eager:  # eager: counted per layer
         out["sp_gathered_input"] = e * tokens * model.hidden
     if plan.cp > 1:
         out["cp_kv_buffers"] = 2 * e * tokens * 2 * local_kv_width(model, plan.tp)
     if model.is_moe and plan.ep > 1:
         out["ep_dispatch_buffers"] = 2 * e * tokens * model.top_k * model.hidden
+    return out
+
+
+def inflight_of_output(plan: ParallelPlan, inflight: int) -> int:
+    """Micro-batches whose last-stage output waits for its backward: all of GPipe's, one in the
+    schedules that run the last stage's backward right after its forward."""
+    return inflight if plan.schedule == "gpipe" else 1
+
+
+def _fsdp_terms(model, plan, counts, chunks, rec) -> dict[str, float]:
+    """fivefold's runtime wraps every chunk in FSDP2 (`replicate` for ZeRO-0), whatever the
+    data-parallel degree: there are no DDP buckets. ZeRO-3 keeps the chunk roots' parameters
+    (embedding, final norm, head: not re-sharded after forward) gathered through the step; the
+    blocks' are gathered one at a time and freed before the loss's backward. ZeRO-0/1/2 gather
+    every parameter once per step; with an fp32 compute dtype that gathered copy is the
+    recipe's parameter tenant and the sharded fp32 weights at rest come on top
+    (bf16 recipes: the shards are the fp32 master copy, already an optimizer tenant)."""
+    out: dict[str, float] = {}
+    if plan.zero == 3:
+        root = 0.0
+        for c in chunks:
+            cp = chunk_params(model, plan, counts, c)
+            n_dense, n_moe = chunk_layers(model, counts, c)
+            layers = params_of(model, plan.tp, plan.ep, n_dense, n_moe, False, False, False)
+            root += cp.dense + cp.experts - layers.dense - layers.experts
+        out["zero3_gathered_roots"] = root * compute_bytes(rec)
+    elif rec.compute_dtype == "fp32":
+        local = sum(
+            chunk_params(model, plan, counts, c).dense
+            + chunk_params(model, plan, counts, c).experts
+            for c in chunks
+        )
+        shard = dense_shard_degree(plan) if plan.zero >= 1 else 1
+        out["fsdp_param_shards"] = local * rec.param_bytes / shard
     return out
 
 
@@ -580,11 +759,13 @@ def all_stage_memory(
     opts = options or MemoryOptions()
     counts = tuple(stage_layer_counts(model, plan.pp * plan.vpp))
     key = memory_key(plan)
+    if opts.eager:  # whether gradients are live at the peak depends on the micro-batch count
+        key = replace(key, grad_accum=plan.grad_accum)
     first_rank: dict[tuple, int] = {}
     out = []
     for r in range(plan.pp):
         sig = (rank_signature(plan, counts, r), int(inflight[r]))
-        if model.is_moe:  # dense and MoE layers differ by position
+        if model.is_moe or opts.eager:  # MoE: layers differ by position; eager: by schedule
             sig = (sig, r)
         rep = first_rank.setdefault(sig, r)
         mem = _cached_stage_memory(model, key, rep, int(inflight[r]), opts, counts)

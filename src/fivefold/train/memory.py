@@ -1,15 +1,24 @@
-"""Peak memory of a training step.
+"""Peak memory of a training step, counted the way the allocator sees it, tenant by tenant.
 
 On CUDA, `torch.cuda.max_memory_allocated` is exact and free. On CPU neither it nor tracemalloc
-sees torch's allocations and RSS undercounts, so we count tensor storages ourselves: a
-`TorchDispatchMode` sees every tensor an operator returns, and each storage is counted once from
-the moment it first appears until it is garbage-collected (a weak reference's callback), the way
-PyTorch's `MemTracker` does. PyTorch's MemTracker itself cannot be used here: it refuses a module
-that is called more than once per step (gradient accumulation, recompute). Tensors that exist
-before the step (parameters, gradients, optimizer state) are registered up front. Memory inside
-an operator (workspaces) and storages resized in place are not seen, so the figure is the peak
-of live tensor storage; the loop measures one step with it and leaves that step out of
-throughput, as the bookkeeping slows it down.
+sees torch's allocations and RSS undercounts, so we count tensor storages ourselves, as PyTorch's
+`MemTracker` does (which cannot be used here: it refuses a module called more than once per step,
+as with gradient accumulation or recompute):
+
+- a `TorchDispatchMode` sees every tensor an operator returns; each storage is counted from the
+  moment it first appears until it is garbage-collected (a weak reference's callback);
+- resize-aware: `UntypedStorage.resize_` is not an operator, and FSDP2 frees and re-allocates
+  its gathered parameters with `storage.resize_(0)` / `resize_(n)`, so the counter wraps it
+  while active and counts each storage at its current size;
+- tensors that exist before the step (parameters, gradients, optimizer state) are registered up
+  front with their tenant.
+
+Each storage's live intervals are kept (start and end on an event counter), so when the step
+ends the peak can be split into tenants: `params` (the local parameters at rest), `grads` (the
+storages that are a parameter's `.grad` when the optimizer steps, or at the end of the block),
+`optimizer` (its state) and `activations` (everything else: saved tensors, gathered parameters,
+communication buffers, logits, temporaries). Memory inside an operator (workspaces) is not seen;
+the figure is the peak of live tensor storage.
 """
 
 from __future__ import annotations
@@ -17,13 +26,15 @@ from __future__ import annotations
 import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
+
+TENANTS = ("params", "grads", "optimizer", "activations")
 
 
 def _storages(tensor: torch.Tensor) -> list[torch.UntypedStorage]:
@@ -39,35 +50,120 @@ def _storages(tensor: torch.Tensor) -> list[torch.UntypedStorage]:
         return []
 
 
+@dataclass
+class _Record:
+    """One storage: its tenant and its live intervals [(bytes, start, end or None)]."""
+
+    kind: str
+    intervals: list[list] = field(default_factory=list)
+
+    @property
+    def size(self) -> int:
+        last = self.intervals[-1] if self.intervals else None
+        return last[0] if last is not None and last[2] is None else 0
+
+
 class StorageCounter(TorchDispatchMode):
-    """Counts live bytes of every storage it has seen; `peak_bytes` is the maximum so far."""
+    """Counts live bytes of every storage it has seen; `peak_bytes` is the maximum so far and
+    `peak_tenants()` splits it (see the module docstring). Entering it also wraps
+    `UntypedStorage.resize_` so in-place resizes are counted."""
 
     def __init__(self) -> None:
         super().__init__()
-        self._seen: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._records: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._all: list[_Record] = []
+        self._event = 0
+        self._peak_event = 0
+        self._original_resize = None
         self.current_bytes = 0
         self.peak_bytes = 0
 
-    def add(self, tensor: torch.Tensor) -> None:
-        for storage in _storages(tensor):
-            if storage in self._seen:
-                continue
-            size = storage.nbytes()
-            self._seen[storage] = weakref.ref(storage, self._freed_callback(size))
-            self.current_bytes += size
-        self.peak_bytes = max(self.peak_bytes, self.current_bytes)
+    # ---- events ------------------------------------------------------------------------------
+    def _tick(self, delta: int) -> None:
+        self._event += 1
+        self.current_bytes += delta
+        if self.current_bytes > self.peak_bytes:
+            self.peak_bytes = self.current_bytes
+            self._peak_event = self._event
 
-    def _freed_callback(self, size: int):
+    def _open(self, record: _Record, size: int) -> None:
+        if size:
+            self._tick(size)
+            record.intervals.append([size, self._event, None])
+
+    def _close(self, record: _Record) -> None:
+        size = record.size
+        if size:
+            self._tick(-size)
+            record.intervals[-1][2] = self._event
+
+    def add(self, tensor: torch.Tensor, kind: str = "activations") -> None:
+        """Start counting `tensor`'s storage (once) as tenant `kind`."""
+        for storage in _storages(tensor):
+            self.add_storage(storage, kind)
+
+    def add_storage(self, storage: torch.UntypedStorage, kind: str = "activations") -> _Record:
+        entry = self._records.get(storage)
+        if entry is not None:
+            return entry[0]
+        record = _Record(kind)
+        self._records[storage] = (record, weakref.ref(storage, self._freed_callback(record)))
+        self._all.append(record)
+        self._open(record, storage.nbytes())
+        return record
+
+    def mark(self, tensors: Iterable[torch.Tensor], kind: str) -> None:
+        """Label the storages of `tensors` (counted already or not) as tenant `kind`."""
+        for tensor in tensors:
+            for storage in _storages(tensor):
+                self.add_storage(storage, kind).kind = kind
+
+    def _freed_callback(self, record: _Record):
         def freed(_ref: weakref.ref) -> None:
-            self.current_bytes -= size
+            self._close(record)
 
         return freed
 
+    def _resized(self, storage: torch.UntypedStorage) -> None:
+        record = self.add_storage(storage)
+        if record.size != storage.nbytes():
+            self._close(record)
+            self._open(record, storage.nbytes())
+
+    # ---- the dispatch mode and the resize wrapper ---------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for leaf in tree_flatten(out)[0]:
             if isinstance(leaf, torch.Tensor):
                 self.add(leaf)
+        return out
+
+    def __enter__(self):
+        original = torch.UntypedStorage.resize_
+        counter = self
+
+        def resize_(storage, size):
+            result = original(storage, size)
+            counter._resized(storage)
+            return result
+
+        self._original_resize = original
+        torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self._original_resize
+        return super().__exit__(*exc)
+
+    # ---- the peak split into tenants ------------------------------------------------------------
+    def peak_tenants(self) -> dict[str, int]:
+        """Bytes of each tenant live at the moment of the peak."""
+        out = dict.fromkeys(TENANTS, 0)
+        at = self._peak_event
+        for record in self._all:
+            for size, start, end in record.intervals:
+                if start <= at and (end is None or end > at):
+                    out[record.kind] = out.get(record.kind, 0) + size
         return out
 
 
@@ -80,22 +176,23 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer | None) -> Iterator[torch
                 yield value
 
 
-def module_tensors(modules: Iterable[nn.Module]) -> Iterator[torch.Tensor]:
-    for module in modules:
-        for param in module.parameters():
-            yield param
-            if param.grad is not None:
-                yield param.grad
-        yield from module.buffers()
+def parameters(modules: Iterable[nn.Module]) -> list[torch.Tensor]:
+    return [param for module in modules for param in module.parameters()]
+
+
+def gradients(modules: Iterable[nn.Module]) -> list[torch.Tensor]:
+    return [p.grad for p in parameters(modules) if p.grad is not None]
 
 
 @dataclass
 class PeakReading:
-    """Set when the tracked block exits: peak bytes of live tensor storage (0 = unmeasured)."""
+    """Set when the tracked block exits: peak bytes of live tensor storage (0 = unmeasured), the
+    bytes registered before the block, and the peak split into tenants (`TENANTS`)."""
 
     peak_bytes: int = 0
     start_bytes: int = 0  # parameters, gradients and optimizer state before the block
     method: str = ""
+    tenants: dict[str, int] = field(default_factory=dict)
 
 
 @contextmanager
@@ -103,12 +200,28 @@ def track_cpu_peak(
     modules: Iterable[nn.Module], optimizer: torch.optim.Optimizer | None = None
 ) -> Iterator[PeakReading]:
     """Measure the peak live tensor bytes of the enclosed block, counting the modules' and the
-    optimizer's existing tensors from the start."""
-    reading = PeakReading(method="tensor storages counted by a dispatch mode, one step")
+    optimizer's existing tensors from the start. Gradients are labelled when the optimizer
+    steps (all micro-batches accumulated) and again at the end of the block."""
+    modules = list(modules)
+    reading = PeakReading(method="tensor storages counted by a dispatch mode, resize-aware")
     counter = StorageCounter()
-    for tensor in (*module_tensors(modules), *optimizer_tensors(optimizer)):
-        counter.add(tensor)
+    counter.mark(parameters(modules), "params")
+    counter.mark(gradients(modules), "grads")
+    for module in modules:
+        counter.mark(module.buffers(), "activations")
+    counter.mark(optimizer_tensors(optimizer), "optimizer")
     reading.start_bytes = counter.current_bytes
-    with counter:
-        yield reading
+    hook = None
+    if optimizer is not None:
+        hook = optimizer.register_step_pre_hook(
+            lambda *_: counter.mark(gradients(modules), "grads")
+        )
+    try:
+        with counter:
+            yield reading
+            counter.mark(gradients(modules), "grads")
+    finally:
+        if hook is not None:
+            hook.remove()
     reading.peak_bytes = counter.peak_bytes
+    reading.tenants = counter.peak_tenants()
