@@ -431,9 +431,16 @@ def _eager_bytes(model, plan, moe, policy, e, sb, rdiv) -> float:
         ffn_saved = EAGER.swiglu_saved if model.mlp == "swiglu" else 2
         return total + ffn_saved * e * sb * model.ffn / t
     fe = model.expert_ffn / t
-    total += model.top_k * (e * sb * model.hidden + EAGER.swiglu_saved * e * sb * fe)
+    k = model.top_k
+    # Each token's k copies: dispatched (grouped by expert) and gathered back for the gate
+    # multiply, with their expert SwiGLU intermediates.
+    total += k * (2 * e * sb * model.hidden + EAGER.swiglu_saved * e * sb * fe)
     total += model.shared_experts * EAGER.swiglu_saved * e * sb * fe
-    return total + 4 * sb * model.experts
+    # The router: fp32 probabilities [N, E], top-k probabilities and renormalised gates [N, k]
+    # with their sum [N], three int64 index vectors [N k] (top-k, gather, inverse), and the
+    # load-balancing loss's expert fractions [E].
+    total += 4 * sb * model.experts + 8 * sb * k + 4 * sb + 3 * 8 * sb * k
+    return total + 4 * model.experts
 
 
 def _stored_bytes(model, plan, moe, opts, policy, e, sb, rdiv) -> float:
