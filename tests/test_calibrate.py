@@ -23,7 +23,7 @@ from fivefold.spec.model import (
     training_flops_per_token,
 )
 from fivefold.spec.presets import model_preset
-from fivefold.spec.profile import COLLECTIVES, bus_factor, parse_profile
+from fivefold.spec.profile import COLLECTIVES, available_cores, bus_factor, parse_profile
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -94,7 +94,7 @@ def test_calibrate_quick_two_ranks_writes_a_profile_plan_uses(tmp_path):
     # tiny at micro-batch 4: 512 tokens; wq forward is (512 x 64) @ (64 x 64)^T, at TP 1 and 2.
     shapes = {(m.m, m.n, m.k, m.layout) for m in profile.matmul}
     assert {(512, 64, 64, "nt"), (512, 32, 64, "nt"), (64, 64, 512, "tn")} <= shapes
-    assert {m.threads for m in profile.matmul} == {1, os.cpu_count() or 1}
+    assert {m.threads for m in profile.matmul} == {1, available_cores()}
     plan = subprocess.run(
         [*cli, "plan", "estimate", str(ROOT / "configs/tiny-cpu.toml"), "--cluster", str(out),
          "--gpus", "2", "--dp", "2", "--json"],

@@ -253,6 +253,24 @@ def test_attention_saves_each_tensor_once(packed):
     assert total >= unique  # several saves of one storage are fine; copies are not
 
 
+def test_cuda_varlen_path_forward_shapes_under_fake_tensors():
+    # no GPU here: FakeTensorMode runs the CUDA branch (varlen_attn) for shapes and dtypes only
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    docs = DocumentLayout(torch.tensor([[0] * 5 + [1] * 11, [0] * 16]), 2, 16)
+    assert docs.row_groups == ((slice(0, 1), (0, 5)), (slice(1, 2), (0,)))  # read on the host
+    offsets, longest = docs.cu_seqlens(torch.device("cpu"))
+    assert offsets.tolist() == [0, 5, 16, 32] and longest == 16
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        q = torch.randn(2, 16, 4, 8, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+        kv = torch.randn(2, 16, 2, 8, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+        out = AttentionCore()(q, kv, kv, docs)
+        cu_seqlens, max_len = docs.cu_seqlens(q.device)
+    assert out.shape == (2, 4, 16, 8) and out.dtype == torch.bfloat16
+    assert out.device.type == "cuda" and out.transpose(1, 2).is_contiguous()
+    assert cu_seqlens.dtype == torch.int32 and cu_seqlens.shape == (4,) and max_len == 16
+
+
 def test_rope_tables_and_document_layout_are_built_once_per_forward(monkeypatch):
     import fivefold.model.attention as attention_module
     import fivefold.model.transformer as transformer_module

@@ -94,7 +94,23 @@ def test_moe_export_is_refused(tmp_path):
 @pytest.mark.parametrize(
     "change, message",
     [
-        ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5}}, "RoPE type 'llama3'"),
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 5e5}}, "RoPE type 'yarn'"),
+        (
+            {"rope_parameters": {"rope_type": "llama3", "factor": 8.0}},
+            "llama3 RoPE scaling without",
+        ),
+        (  # the two spellings of the same settings disagree
+            {"rope_theta": 1e4, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}},
+            "conflicting RoPE settings",
+        ),
+        (
+            {
+                "rope_scaling": {"rope_type": "llama3", "factor": 8.0},
+                "rope_parameters": {"rope_type": "llama3", "factor": 4.0},
+            },
+            "factor: rope_parameters says 4.0, rope_scaling/rope_theta say 8.0",
+        ),
+        ({"hidden_size": "sixty-four"}, "not a number"),
         ({"attention_bias": True}, "attention_bias = true"),
         ({"hidden_act": "gelu"}, "hidden_act = 'gelu'"),
         ({"model_type": "mistral"}, "model_type = 'mistral'"),
@@ -155,6 +171,35 @@ def test_training_starts_from_an_imported_model(tmp_path, capsys):
     fresh = math.log(4096)
     assert first["step"] == 1
     assert first["loss"] < fresh - 1.0 and abs(first["loss"] - last["loss"]) < 0.5
+
+
+def test_an_imported_model_trains_on_the_users_text_with_its_own_tokenizer(
+    trained_run, tmp_path, capsys
+):
+    """import --inputs: the recipe's [data] names the user's file and the model's tokenizer, so
+    training continues from the imported weights on that text (it used to train on the
+    embedded corpus with whatever tokenizer the defaults gave)."""
+    import tomllib
+
+    assert main(["export", "--hf", str(tmp_path / "hf"), "--from", str(trained_run)]) == 0
+    text = tmp_path / "mine.txt"
+    text.write_text("The ship left the harbour at dawn, and the sea was calm. " * 400)
+    args = ["import", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "new")]
+    assert main([*args, "--inputs", str(text)]) == 0
+    recipe = tomllib.loads((tmp_path / "new" / "imported.toml").read_text())
+    assert recipe["data"]["inputs"] == [str(text.resolve())]
+    kept = Path(recipe["data"]["tokenizer"])
+    assert kept.read_text() == (tmp_path / "hf" / "tokenizer.json").read_text()
+    capsys.readouterr()
+    imported = str(tmp_path / "new" / "imported.toml")
+    cache = f'data.cache_dir="{tmp_path / "cache"}"'
+    assert main(["train", imported, "--steps", "2", "train.warmup_steps=0", cache, *QUIET]) == 0
+    out = capsys.readouterr().out
+    assert "resumed from" in out and str(tmp_path / "cache") in out  # the user's text, tokenized
+    losses = [
+        json.loads(x)["loss"] for x in (tmp_path / "new" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
 
 
 @pytest.fixture(scope="module")
@@ -241,3 +286,52 @@ def test_import_refuses_shards_of_another_tokenizer(trained_run, tmp_path, capsy
     assert main([*args, "--shards", str(tmp_path / "shards")]) == 2
     assert "tokenizer" in capsys.readouterr().err
     assert not (tmp_path / "new" / "ckpt").exists()  # refused before anything was written
+
+
+def _hf_llama3(tmp_path: Path, tied: bool) -> tuple[Path, transformers.LlamaForCausalLM]:
+    """A tiny Llama with Llama 3.1 RoPE scaling, built and saved locally (no download)."""
+    config = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        tie_word_embeddings=tied,
+        rope_parameters={
+            "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 32,
+        },
+    )  # fmt: skip
+    torch.manual_seed(3)
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.save_pretrained(tmp_path / "src")
+    return tmp_path / "src", model
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_llama31_rope_scaling_imports_and_exports_with_equal_logits(tmp_path, tied):
+    """Scaled RoPE (wavelengths from 6 to 20,000 tokens against an original context of 32, so
+    all three regimes of the rule occur) gives transformers' logits after import, and again
+    after export; with the scaling dropped the logits differ (the test can fail)."""
+    source, theirs = _hf_llama3(tmp_path, tied)
+    spec, tensors = read_hf(source)
+    assert (spec.rope_scaling_factor, spec.rope_original_seq_len) == (8.0, 32)
+    assert spec.tied_embeddings is tied
+    ours = build_model(spec)
+    ours.to_empty(device="cpu")
+    ours.load_state_dict(tensors)
+    tokens = torch.randint(0, 256, (2, 128), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        expected = theirs(tokens).logits
+        assert float((ours(tokens) - expected).abs().max()) <= LOGIT_ATOL
+        plain = build_model(spec.with_(rope_scaling_factor=1.0))
+        plain.to_empty(device="cpu")
+        plain.load_state_dict(tensors)
+        assert float((plain(tokens) - expected).abs().max()) > 1e-3
+    path = import_hf(source, tmp_path / "run" / "ckpt")
+    export_hf(path, tmp_path / "back")
+    config = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert config["rope_parameters"]["rope_type"] == "llama3"
+    assert config["rope_parameters"]["original_max_position_embeddings"] == 32
+    again = transformers.LlamaForCausalLM.from_pretrained(
+        str(tmp_path / "back"), local_files_only=True, dtype=torch.float32
+    ).eval()
+    with torch.no_grad():
+        assert float((again(tokens).logits - expected).abs().max()) <= LOGIT_ATOL

@@ -193,6 +193,7 @@ class ParityCase:
     plan: dict
     model: str = "parity"  # a key of MODELS
     steps: int = 10
+    compile: bool = False  # train.compile, here and in its single-process reference
 
     @property
     def world(self) -> int:
@@ -244,16 +245,18 @@ def recipe_dict(case: ParityCase) -> dict:
     return {
         "model": dict(MODELS[case.model]),
         "plan": plan,
-        "train": {**TRAIN, "steps": case.steps},
+        "train": {**TRAIN, "steps": case.steps, "compile": case.compile},
     }
 
 
 def reference_key(case: ParityCase) -> tuple:
-    """Cases that share a reference: same model, steps and micro-batch grouping (the grouping
-    matters only to MoE models, whose load-balancing loss is per global micro-batch)."""
+    """Cases that share a reference: same model, steps, micro-batch grouping (the grouping
+    matters only to MoE models, whose load-balancing loss is per global micro-batch) and
+    train.compile."""
     dp = case.plan.get("dp_replicate", 1) * case.plan.get("dp_shard", 1)
     moe = "moe" in case.model
-    return (case.model, case.steps, case.plan.get("grad_accum", 1), dp if moe else None)
+    grouping = (case.plan.get("grad_accum", 1), dp if moe else None)
+    return (case.model, case.steps, *grouping, case.compile)
 
 
 def synthetic_global_batch(step: int, vocab: int, seq_len: int, rows: int = GLOBAL_BATCH):
@@ -362,7 +365,10 @@ def reference_run(rd: dict, steps: int, dp_size: int, grad_accum: int) -> dict:
     runtime = LocalRuntime(recipe)
     out = _train(runtime, recipe, steps, lambda b: global_micro_batches(b, dp_size, grad_accum))
     # named_parameters lists a tied weight once, under its first name, as the parallel run does
-    out["params"] = {k: v.detach().clone() for k, v in runtime.model.named_parameters()}
+    from fivefold.model.init import canonical_fqn
+
+    params = runtime.model.named_parameters()
+    out["params"] = {canonical_fqn(k): v.detach().clone() for k, v in params}
     return out
 
 
@@ -435,13 +441,21 @@ def reference_for(case: ParityCase) -> dict:
     if key not in _REFERENCES:
         dp = case.plan.get("dp_replicate", 1) * case.plan.get("dp_shard", 1)
         (_REFERENCES[key],) = run_ranks(
-            1, reference_run, recipe_dict(case), case.steps, dp, case.plan.get("grad_accum", 1)
+            1,
+            reference_run,
+            recipe_dict(case),
+            case.steps,
+            dp,
+            case.plan.get("grad_accum", 1),
+            timeout_s=600.0 if case.compile else 180.0,
         )
     return _REFERENCES[key]
 
 
 def run_parity(case: ParityCase, timeout_s: float = 240.0) -> ParityResult:
-    """Run `case` on its ranks and measure its deviations from the single-process run."""
+    """Run `case` on its ranks and measure its deviations from the single-process run (compiled
+    cases get 600 s: each rank compiles its blocks, cold, on shared cores)."""
+    timeout_s = max(timeout_s, 600.0) if case.compile else timeout_s
     reference = reference_for(case)
     start = time.monotonic()
     ranks = run_ranks(

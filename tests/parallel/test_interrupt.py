@@ -26,7 +26,7 @@ TINY = str(CONFIGS / "tiny-cpu.toml")
 LAYOUTS = {
     1: [],
     2: ["plan.tp=2"],  # the issue's hang: a rank left inside a TP collective
-    4: ["plan.tp=2", "plan.dp_shard=2", "plan.grad_accum=1"],
+    4: ["plan.tp=2", "plan.dp_replicate=2", "plan.grad_accum=1"],
 }
 STOP_WITHIN_S = 60.0  # bound on signal -> launcher exit on a loaded 2-core machine
 
@@ -90,7 +90,7 @@ class Run:
             start_new_session=True,
         )
 
-    def wait_for_step(self, step: int, timeout_s: float = 180.0) -> None:
+    def wait_for_step(self, step: int, timeout_s: float = 300.0) -> None:
         deadline = time.monotonic() + timeout_s
         while max(_metric_steps(self.run_dir), default=0) < step:
             assert self.proc.poll() is None, self.proc.communicate()[0]
@@ -136,11 +136,17 @@ def _newest_checkpoint_step(run_dir: Path) -> int:
     return max(steps, default=0)
 
 
-def interrupt_once(tmp_path: Path, nproc: int, at_step: int, sig: int, target: str) -> None:
-    """Start a run, signal the launcher (or the agent) after `at_step`, check the ending."""
+def interrupt_once(
+    tmp_path: Path, nproc: int, at_step: int, sig: int, target: str, early_s: float = 0.0
+) -> None:
+    """Start a run, signal the launcher (or the agent) after `at_step` (0: `early_s` seconds
+    after the start, while processes start up), check the ending."""
     run = Run(tmp_path, nproc)
     try:
-        run.wait_for_step(at_step)
+        if at_step:
+            run.wait_for_step(at_step)
+        else:
+            time.sleep(early_s)
         pid = run.proc.pid if target == "launcher" else run.pid_of("fivefold.parallel.agent")
         os.kill(pid, sig)
         code, out, seconds = run.finish()
@@ -151,6 +157,8 @@ def interrupt_once(tmp_path: Path, nproc: int, at_step: int, sig: int, target: s
     assert code == 128 + sig, out[-3000:]
     assert seconds < STOP_WITHIN_S
     assert "Traceback" not in out and "ChildFailedError" not in out, out[-3000:]
+    if not at_step:
+        return  # stopped before or during the first steps: nothing more is promised
     last = max(_metric_steps(run.run_dir))
     assert last >= at_step
     assert _newest_checkpoint_step(run.run_dir) == last  # the step it stopped at, on every rank
@@ -172,13 +180,20 @@ def test_interrupt_one_process_checkpoints_and_exits_130(tmp_path) -> None:
     interrupt_once(tmp_path, 1, 3, signal.SIGINT, "launcher")
 
 
+@pytest.mark.parametrize("early_s", [0.5, 3.0])
+def test_interrupt_during_start_up_leaves_nothing(tmp_path, early_s) -> None:
+    """Ctrl-C while the agent or the ranks are still importing torch or meeting."""
+    interrupt_once(tmp_path, 2, 0, signal.SIGINT, "launcher", early_s)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_interrupt_at_random_steps_twenty_times(tmp_path, nproc) -> None:
     rng = random.Random(1234 + nproc)
     for attempt in range(20):
         sig = rng.choice([signal.SIGINT, signal.SIGTERM])
-        interrupt_once(tmp_path / str(attempt), nproc, rng.randint(1, 8), sig, "launcher")
+        step, early = rng.randint(0, 8), rng.uniform(0.0, 6.0)  # step 0: during start-up
+        interrupt_once(tmp_path / str(attempt), nproc, step, sig, "launcher", early)
 
 
 def test_a_killed_rank_ends_the_job_with_one_message(tmp_path) -> None:

@@ -67,3 +67,7 @@ def test_summary_names_the_ranks_and_prefers_the_dead_rank() -> None:
     assert code == 137 and "rank 1 was killed by SIGKILL" in message
     assert summarize([RankReport(0, "interrupted", "x", 130)], 2, 130) == (None, 130)
     assert summarize([], 2, 0) == (None, 0)
+
+
+def test_ranks_ended_by_an_interrupt_are_not_failures() -> None:
+    assert summarize([], 2, 130, {0: 130, 1: 143}) == (None, 130)

@@ -117,7 +117,8 @@ def test_missing_profile_is_a_config_error(tmp_path):
         profile_cluster(tmp_path / "nope.toml")
 
 
-def test_device_peak_is_the_best_measured_rate_per_rank_share(profile_path):
+def test_device_peak_is_the_best_measured_rate_per_rank_share(profile_path, monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     one = profile_device(profile_path, 1)  # 2 threads on 2 cores
     assert one.peak("fp32") == GEMM and one.measured.threads == 2
     assert "measured" in one.source
@@ -126,6 +127,8 @@ def test_device_peak_is_the_best_measured_rate_per_rank_share(profile_path):
     assert four.hbm_bytes == 2 * 2**30
     with pytest.raises(ConfigError, match="no bf16 matmul measurement"):
         one.peak("bf16")
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # torch's threads, as the user set them
+    assert profile_device(profile_path, 2).measured.share == 0.5
 
 
 def test_gemm_rate_interpolates_by_intensity(tmp_path):
@@ -225,6 +228,7 @@ def test_estimate_on_a_profile_predicts_step_time_and_uses_the_measured_peak(pro
     assert est.hfu == pytest.approx(hw / (est.step_time_s * GEMM * 2))
     # A CPU has no CUDA context or allocator fragmentation.
     assert est.options.cuda_context_bytes == 0 and est.options.checkpoint_early_stop
+    assert not est.options.dp_overlap  # gloo shares the cores: nothing hides behind compute
 
 
 def test_recipe_cluster_profile_and_plan_cli(profile_path, capsys):

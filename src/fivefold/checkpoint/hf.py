@@ -18,7 +18,9 @@ and pad (fivefold starts no document with a BOS token; `<|endoftext|>` ends each
 `transformers` `generate` stops where a document ends. Every file is written mode 0644.
 Import writes a weights-only fivefold checkpoint (`step_0`) that `fivefold train` resumes from
 with a fresh optimizer. MoE and GELU models have no Llama form and are refused, as are Llama
-configs fivefold cannot reproduce (biases, RoPE scaling, activations other than SiLU).
+configs fivefold cannot reproduce (biases, RoPE scaling other than Llama 3.1's "llama3" type,
+activations other than SiLU) and configs whose two RoPE spellings (`rope_parameters`,
+`rope_theta` + `rope_scaling`) disagree.
 Only `safetensors` is read or written: no pickles.
 """
 
@@ -121,8 +123,7 @@ def llama_config(spec: ModelSpec, dtype: str = "fp32", eod_id: int | None = None
         "head_dim": spec.head_dim,
         "max_position_embeddings": spec.seq_len,
         "rms_norm_eps": spec.norm_eps,
-        "rope_theta": spec.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": spec.rope_theta},
+        **_rope_config(spec),
         "hidden_act": "silu",
         "attention_bias": False,
         "mlp_bias": False,
@@ -144,10 +145,8 @@ def spec_from_llama_config(config: dict[str, Any], where: str = CONFIG_FILE) -> 
     for key in ("attention_bias", "mlp_bias"):
         if config.get(key):
             problems.append(f"{key} = true (fivefold has no biases)")
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        problems.append(f"RoPE type {rope_type!r} (fivefold implements the default RoPE only)")
+    rope, rope_problems = _rope_settings(config)
+    problems += rope_problems
     missing = [
         k
         for k in (
@@ -163,25 +162,87 @@ def spec_from_llama_config(config: dict[str, Any], where: str = CONFIG_FILE) -> 
         problems.append(f"missing fields {', '.join(missing)}")
     if problems:
         raise CheckpointError(f"{where} cannot be imported: " + "; ".join(problems) + ".")
-    heads = int(config["num_attention_heads"])
-    theta = rope.get("rope_theta", config.get("rope_theta", 10_000.0))
-    spec = ModelSpec(
-        name=str(config.get("fivefold_model_name", "hf-llama")),
-        layers=int(config["num_hidden_layers"]),
-        hidden=int(config["hidden_size"]),
-        heads=heads,
-        kv_heads=int(config.get("num_key_value_heads") or heads),
-        ffn=int(config["intermediate_size"]),
-        vocab=int(config["vocab_size"]),
-        seq_len=int(config.get("max_position_embeddings", 2048)),
-        tied_embeddings=bool(config.get("tie_word_embeddings", False)),
-        head_dim=int(config.get("head_dim") or config["hidden_size"] // heads),
-        norm_eps=float(config.get("rms_norm_eps", 1e-5)),
-        rope_theta=float(theta),
-    )
+    try:
+        rope = {k: int(v) if k == "rope_original_seq_len" else float(v) for k, v in rope.items()}
+        heads = int(config["num_attention_heads"])
+        spec = ModelSpec(
+            name=str(config.get("fivefold_model_name", "hf-llama")),
+            layers=int(config["num_hidden_layers"]),
+            hidden=int(config["hidden_size"]),
+            heads=heads,
+            kv_heads=int(config.get("num_key_value_heads") or heads),
+            ffn=int(config["intermediate_size"]),
+            vocab=int(config["vocab_size"]),
+            seq_len=int(config.get("max_position_embeddings", 2048)),
+            tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+            head_dim=int(config.get("head_dim") or int(config["hidden_size"]) // heads),
+            norm_eps=float(config.get("rms_norm_eps", 1e-5)),
+            **rope,
+        )
+    except (TypeError, ValueError, ZeroDivisionError) as err:
+        raise CheckpointError(
+            f"{where} cannot be imported: a size or rate is not a number ({err}); fix the "
+            "config's value."
+        ) from None
     if spec.problems():
         raise CheckpointError(f"{where} describes an invalid model: " + " ".join(spec.problems()))
     return spec
+
+
+_LLAMA3_KEYS = {  # HF key -> ModelSpec field
+    "factor": "rope_scaling_factor",
+    "low_freq_factor": "rope_low_freq_factor",
+    "high_freq_factor": "rope_high_freq_factor",
+    "original_max_position_embeddings": "rope_original_seq_len",
+}
+
+
+def _rope_settings(config: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """ModelSpec RoPE fields from a Llama config (transformers 5.x `rope_parameters`, 4.x
+    `rope_theta` + `rope_scaling`), and the problems: a rope type other than default/llama3, a
+    llama3 scaling missing a value, or the two spellings disagreeing."""
+    new = config.get("rope_parameters") or {}
+    old = dict(config.get("rope_scaling") or {})
+    if "rope_theta" in config:
+        old["rope_theta"] = config["rope_theta"]
+    if not isinstance(new, dict) or not isinstance(old, dict):
+        return {}, ["rope_parameters / rope_scaling must be objects"]
+    for settings in (new, old):
+        if "type" in settings and "rope_type" not in settings:
+            settings["rope_type"] = settings.pop("type")
+    conflicts = [
+        f"{key}: rope_parameters says {new[key]!r}, rope_scaling/rope_theta say {old[key]!r}"
+        for key in sorted(set(new) & set(old))
+        if new[key] != old[key]
+    ]
+    if conflicts:
+        return {}, ["conflicting RoPE settings (" + "; ".join(conflicts) + ")"]
+    rope = {**old, **new}
+    rope_type = rope.get("rope_type", "default")
+    out: dict[str, Any] = {"rope_theta": rope.get("rope_theta", 10_000.0)}
+    if rope_type == "default":
+        return out, []
+    if rope_type != "llama3":
+        return out, [f"RoPE type {rope_type!r} (fivefold implements 'default' and 'llama3')"]
+    missing = [key for key in _LLAMA3_KEYS if key not in rope]
+    if missing:
+        return out, [f"llama3 RoPE scaling without {', '.join(missing)}"]
+    out |= {field: rope[key] for key, field in _LLAMA3_KEYS.items()}
+    return out, []
+
+
+def _rope_config(spec: ModelSpec) -> dict[str, Any]:
+    """config.json's RoPE keys for both transformers 4.x and 5.x."""
+    scaling = {}
+    if spec.rope_scaling_factor != 1.0:
+        scaling = {"rope_type": "llama3"} | {
+            key: getattr(spec, field) for key, field in _LLAMA3_KEYS.items()
+        }
+    return {
+        "rope_theta": spec.rope_theta,
+        "rope_scaling": scaling or None,
+        "rope_parameters": {"rope_type": "default", "rope_theta": spec.rope_theta} | scaling,
+    }
 
 
 def tokenizer_files(tokenizer, spec: ModelSpec) -> dict[str, str]:

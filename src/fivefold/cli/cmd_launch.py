@@ -14,7 +14,10 @@ Start a multi-process training run of a recipe.
   --slurm   print an sbatch script for a multi-node cluster: one task per node, each running
             torchrun over the node's GPUs with c10d rendezvous on the first node. The plan's
             degrees (pp x dp_replicate x dp_shard x cp x tp) must multiply to
-            nodes x gpus-per-node; the recipe is checked before the script is printed.
+            nodes x gpus-per-node (--nodes defaults to what the plan needs); the recipe is
+            checked before the script is printed, and must have [train] or [data]. Every
+            value in a directive is checked (job name, time, partition), every shell value is
+            quoted, and the ranks run this Python (the nodes need the same path).
   --nproc N start N processes on this machine with torchrun (gloo on CPU, NCCL on CUDA); the
             same as `fivefold train --nproc N`.
 

@@ -294,11 +294,10 @@ def cluster_from_args(args: argparse.Namespace, recipe_data: dict[str, dict]) ->
     )
     if args.gpu is not None:
         gpu_lookup(args.gpu)  # ConfigError naming the catalog when unknown
-    profile = _profile_path(args.cluster) or (None if args.cluster else section.get("profile"))
-    if profile:  # a machine measured by `fivefold calibrate`
+    if _profile_path(args.cluster):  # a machine measured by `fivefold calibrate`
         from fivefold.spec.profile import profile_cluster
 
-        cluster = profile_cluster(profile, gpus or section.get("gpus"))
+        cluster = profile_cluster(args.cluster, gpus)
     elif args.cluster is not None or (args.gpu is None and not section):
         name = args.cluster or DEFAULT_CLUSTER
         if name not in CLUSTER_PRESETS:

@@ -6,19 +6,21 @@ forward (one device-to-host copy of the doc ids when they live on an accelerator
 layer reuses them. The attention core picks, per call:
 
 - one document in every row (or no doc ids): SDPA `is_causal=True, enable_gqa=True`, one call;
-- CUDA, several documents: `torch.nn.attention.varlen.varlen_attn` over the tokens packed as
-  [B*T, H, Dh] with int32 cumulative document offsets and `window_size=(-1, 0)` (causal);
-  written against the documented API and not run here (this machine has no GPU);
-- CPU, several documents: SDPA's CPU flash kernel once per document (`is_causal=True`, GQA
-  native), inside `block_attention`, an autograd function that writes every document's output
-  into one [B, T, H, Dh] buffer and saves that buffer once (the output projection reads it as a
-  view). Written by hand because SDPA's public entry point takes one sequence per call, and
+- CUDA in fp16/bf16, several documents: `torch.nn.attention.varlen.varlen_attn` over the
+  tokens packed as [B*T, H, Dh] with int32 cumulative document offsets and
+  `window_size=(-1, 0)` (causal); written against the documented API, checked for shapes under
+  FakeTensorMode only (this machine has no GPU: unmeasured);
+- CPU (and CUDA in fp32, which the flash kernels lack), several documents: SDPA's CPU flash
+  kernel once per document (`is_causal=True`, GQA native; on CUDA the memory-efficient kernel)
+  inside `block_attention`, an autograd function that writes every document's output into one
+  [B, T, H, Dh] buffer and saves that buffer once (the output projection reads it as a view).
+  Written by hand because SDPA's public entry point takes one sequence per call, and
   FlexAttention has no backward on CPU.
 
 `block_attention` is the one kernel of this package for attention over spans of a sequence:
-context parallelism (`fivefold.parallel.context_parallel`) reuses it and its per-block forward /
-backward (`blocks_forward`, `blocks_backward`) with query and key chunks that are not the whole
-sequence. A block pairs a query chunk with a key chunk; its spans are the per-document
+context parallelism (`fivefold.parallel.context_parallel`) reuses it and its per-block pieces
+(`block_forward`, `block_backward`, `merge_partial`) with query and key chunks that are not the
+whole sequence. A block pairs a query chunk with a key chunk; its spans are the per-document
 rectangles of that pair (causal on the diagonal, full when the keys precede the queries).
 Tensors inside are [B, H, T, Dh] views whose memory is [B, T, H, Dh].
 """
@@ -338,7 +340,7 @@ class AttentionCore(nn.Module):
         gqa = k.shape[1] != q.shape[1]
         if docs is None or docs.single_document:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        if q.device.type == "cuda":
+        if q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16):
             return _varlen(q, k, v, docs)
         whole = [Chunk(0, 0, q.shape[2])]
         return block_attention(q, k, v, document_blocks(whole, whole, docs))

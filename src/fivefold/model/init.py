@@ -11,15 +11,16 @@ into the residual stream (attention `wo`, MLP and expert `w2`), whose std is 0.0
 with L = the model's total number of layers.
 
 How a shard is computed without the full tensor: a parameter of shape [..., C] is viewed as a
-matrix of R = prod(leading dims) rows and C columns, cut into blocks of `rows_per_block(C)`
-rows (a function of the shape only, about `BLOCK_ELEMENTS` elements). Block b is drawn by its own
-CPU `torch.Generator` seeded by a hash of (seed, FQN, b). A rank holding a shard learns which
-global indices it holds along each dimension from the DTensor's own placements
-(`distribute_tensor` of a small index tensor, no communication), draws only the blocks its rows
-meet, one at a time, and copies the elements it keeps. So a rank never holds more than its shard
-plus one block, for any placement (FSDP2 dim-0 shards, TP Shard(0)/Shard(1), strided FSDP x TP
-shards, EP expert slices). torch has no counter-based CPU generator that could address an element
-directly; blocks of a seeded Mersenne-Twister stream stand in for one.
+matrix of R = prod(leading dims) rows and C columns, cut into blocks of `rows_per_block(C)` rows (a
+function of the shape only, about `BLOCK_ELEMENTS` elements). Block b is drawn by its own CPU
+`torch.Generator` seeded by a hash of (seed, FQN, b) (block 0: of (seed, FQN), so small parameters
+keep the values they had when every parameter was drawn whole). A rank holding a shard learns which
+global indices it holds along each dimension from the DTensor's own placements (`distribute_tensor`
+of a small index tensor, no communication), draws only the blocks its rows meet, one at a time, and
+copies the elements it keeps. So a rank never holds more than its shard plus one block, for any
+placement (FSDP2 dim-0 shards, TP Shard(0)/Shard(1), strided FSDP x TP shards, EP expert slices).
+torch has no counter-based CPU generator that could address an element directly; blocks of a seeded
+Mersenne-Twister stream stand in for one.
 """
 
 from __future__ import annotations
@@ -48,8 +49,10 @@ def canonical_fqn(name: str) -> str:
 
 def param_seed(seed: int, fqn: str, block: int = 0) -> int:
     """A 63-bit generator seed from (seed, FQN, row block), stable across processes and Python
-    versions."""
-    digest = hashlib.sha256(f"{seed}:{canonical_fqn(fqn)}:{block}".encode()).digest()
+    versions. Block 0 keeps the parameter's own seed, so a parameter that fits in one block has
+    the values it had when parameters were drawn whole."""
+    key = f"{seed}:{canonical_fqn(fqn)}" + (f":{block}" if block else "")
+    digest = hashlib.sha256(key.encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 

@@ -22,10 +22,15 @@ def rope_inverse_frequencies(head_dim: int, theta: float, device=None) -> torch.
 
 
 def rope_cos_sin(
-    positions: torch.Tensor, head_dim: int, theta: float
+    positions: torch.Tensor, head_dim: int, theta: float, scaling=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of the rotation angles, each fp32 [B, T, 1, head_dim] for positions [B, T]."""
+    """cos and sin of the rotation angles, each fp32 [B, T, 1, head_dim] for positions [B, T];
+    `scaling`: a `fivefold.model.rope_scaling.RopeScaling` (Llama 3.1 style), None for plain."""
     inv_freq = rope_inverse_frequencies(head_dim, theta, device=positions.device)
+    if scaling is not None:
+        from fivefold.model.rope_scaling import scale_inverse_frequencies
+
+        inv_freq = scale_inverse_frequencies(inv_freq, scaling)
     angles = positions.to(torch.float32).unsqueeze(-1) * inv_freq  # [B, T, head_dim/2]
     angles = torch.cat((angles, angles), dim=-1).unsqueeze(2)  # [B, T, 1, head_dim]
     return angles.cos(), angles.sin()

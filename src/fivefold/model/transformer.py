@@ -17,6 +17,7 @@ from fivefold.model.init import init_module_weights
 from fivefold.model.moe import MoE
 from fivefold.model.norms import RMSNorm
 from fivefold.model.rope import rope_cos_sin
+from fivefold.model.rope_scaling import rope_scaling_of
 from fivefold.spec.model import ModelSpec
 
 
@@ -103,7 +104,9 @@ class Transformer(nn.Module):
         batch, seq = tokens.shape[:2]
         if positions is None:
             positions = torch.arange(seq, device=tokens.device).expand(batch, seq)
-        rope = rope_cos_sin(positions, self.spec.head_dim, self.spec.rope_theta)
+        rope = rope_cos_sin(
+            positions, self.spec.head_dim, self.spec.rope_theta, rope_scaling_of(self.spec)
+        )
         docs = None if doc_ids is None else DocumentLayout(doc_ids, batch, seq)
         for layer in self.layers.values():
             h = layer(h, rope, docs)

@@ -40,6 +40,13 @@ def root_exit_code(failures: dict) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _run(argv)
+    except KeyboardInterrupt:  # SIGINT before torchrun installed its handlers: no worker yet
+        return 128 + 2
+
+
+def _run(argv: list[str] | None) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run

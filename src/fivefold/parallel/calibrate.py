@@ -2,17 +2,20 @@
 
 What is measured, in one process per thread count (1 and all cores on a CPU), each kernel timed
 as the lower quartile of repeats after a warm-up (`typical_time_s`: on a machine shared with
-other work the slow repeats are the other work's, not the kernel's):
+other work the slow repeats are the other work's, not the kernel's), each repeat starting from
+cold caches (`flush_caches`: in a training step the rest of the model passes through the caches
+between two uses of a weight; warm-cache GEMMs of these sizes run about 10 % faster than in the
+model):
 - matmul: every GEMM the model runs (wq, wk, wv, wo, w1, w3, w2, the LM head; experts and the
   router for MoE) at the recipe's tokens per micro-batch (and half of them, what context
   parallelism leaves) and at each tensor-parallel split up to the ranks, in all three passes with
   the operand layouts autograd uses: forward x W^T, input gradient g W, weight gradient g^T x;
   per dtype (fp32; bf16 only where the CPU has native bf16, `bf16_support`);
-- attention: the model's own attention core (GQA expansion, document mask, SDPA), causal,
-  forward and backward, at each TP split and CP share;
-- bandwidth: the block's element-wise work (norms, RoPE, SwiGLU, residual adds, head
-  re-layout), the cross-entropy loss and AdamW (with clipping and zeroing), each in the byte
-  accounting of `fivefold.planner.compute`, so the planner's bytes over these rates give time;
+- attention: the model's own attention core (causal SDPA with native GQA, one document per
+  row), forward and backward, at each TP split and CP share;
+- bandwidth: the block's element-wise work (norms, RoPE, SwiGLU, residual adds), the
+  cross-entropy loss and AdamW (with clipping and zeroing), each in the byte accounting of
+  `fivefold.planner.compute`, so the planner's bytes over these rates give time;
 - overhead: one block at a tiny shape, less its kernels at that shape.
 The collectives run over real process groups (`fivefold.parallel.calibrate_comm`).
 
@@ -22,6 +25,7 @@ planner's terms.
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import re
@@ -34,7 +38,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from fivefold.model.attention import AttentionContext, AttentionCore
+from fivefold.model.attention import AttentionCore
 from fivefold.model.loss import cross_entropy_loss
 from fivefold.model.norms import RMSNorm
 from fivefold.model.rope import apply_rope, rope_cos_sin
@@ -46,7 +50,14 @@ from fivefold.planner.compute import (
 )
 from fivefold.spec.model import ModelSpec
 from fivefold.spec.plan import ParallelPlan
-from fivefold.spec.profile import Attention, Bandwidth, DeviceProfile, Matmul, Overhead
+from fivefold.spec.profile import (
+    Attention,
+    Bandwidth,
+    DeviceProfile,
+    Matmul,
+    Overhead,
+    available_cores,
+)
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TINY = ModelSpec("tiny-overhead", 1, 16, 2, kv_heads=1, ffn=16, vocab=64, seq_len=8)
@@ -70,17 +81,38 @@ def lower_quartile(times: list[float]) -> float:
     return statistics.median(ordered[: max(1, (len(ordered) + 1) // 2)])
 
 
+FLUSH_BYTES = 64 * 2**20  # more than the last-level cache of the CPUs we run on
+_flush_buffer: torch.Tensor | None = None
+
+
+def flush_caches() -> None:
+    """Write a buffer larger than the last-level cache, evicting the kernel's operands."""
+    global _flush_buffer
+    if _flush_buffer is None:
+        _flush_buffer = torch.zeros(FLUSH_BYTES // 4)
+    _flush_buffer.add_(1.0)
+
+
+def clock() -> Callable[[], float]:
+    """The clock kernels are timed with: this thread's CPU time when torch runs one thread (the
+    kernel runs on it, and time other processes take from the core is not counted, so a busy
+    machine measures what an idle one would), else wall time."""
+    return time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+
+
 def typical_time_s(fn: Callable[[], object], budget: Budget) -> float:
     """Lower-quartile seconds of `fn()` over the budget's repeats, after one warm-up call."""
     fn()
     times: list[float] = []
+    now = clock()
     started = time.perf_counter()
     while len(times) < budget.min_repeats or (
         len(times) < budget.max_repeats and time.perf_counter() - started < budget.seconds
     ):
-        tick = time.perf_counter()
+        flush_caches()
+        tick = now()
         fn()
-        times.append(time.perf_counter() - tick)
+        times.append(now() - tick)
     return lower_quartile(times)
 
 
@@ -187,37 +219,36 @@ def measure_matmul(shape: tuple, dtype: str, threads: int, budget: Budget) -> Ma
 
 
 # ---- attention ----------------------------------------------------------------------------------
-def _doc_ids(batch: int, seq: int) -> torch.Tensor:
-    """Two documents per row (the packed data's document mask), [batch, seq]."""
-    ids = torch.zeros(batch, seq, dtype=torch.long)
-    ids[:, seq // 2 :] = 1
-    return ids
-
-
 def attention_passes(
     batch: int, heads: int, kv_heads: int, seq: int, head_dim: int, budget: Budget
 ) -> tuple[float, float]:
-    """(forward, backward) seconds of the model's attention core at this shape."""
+    """(forward, backward) seconds of the model's attention core at this shape: one document
+    per row (most rows of packed data; SDPA's causal kernel, GQA native), q/k/v laid out
+    [B, T, H, Dh] in memory as the projections leave them."""
     core = AttentionCore()
     gen = torch.Generator().manual_seed(0)
-    q = torch.randn(batch, heads, seq, head_dim, generator=gen, requires_grad=True)
-    k = torch.randn(batch, kv_heads, seq, head_dim, generator=gen, requires_grad=True)
-    v = torch.randn(batch, kv_heads, seq, head_dim, generator=gen, requires_grad=True)
-    positions = torch.arange(seq).expand(batch, seq)
-    ctx = AttentionContext(positions=positions, doc_ids=_doc_ids(batch, seq))
+
+    def leaf(h: int) -> torch.Tensor:
+        return torch.randn(batch, seq, h, head_dim, generator=gen).requires_grad_(True)
+
+    q, k, v = leaf(heads), leaf(kv_heads), leaf(kv_heads)
     grad = torch.randn(batch, heads, seq, head_dim, generator=gen)
-    forward = typical_time_s(lambda: core(q, k, v, ctx), budget)
-    return forward, _backward_time(lambda: core(q, k, v, ctx), grad, budget)
+
+    def forward() -> torch.Tensor:
+        return core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None)
+
+    return typical_time_s(forward, budget), _backward_time(forward, grad, budget)
 
 
 def _backward_time(forward: Callable[[], torch.Tensor], grad: torch.Tensor, budget: Budget):
     """Lower-quartile seconds of the backward alone of `forward()` (a fresh graph each time)."""
-    times = []
+    times, now = [], clock()
     for _ in range(max(budget.min_repeats, 2) + 1):
         out = forward()
-        tick = time.perf_counter()
+        flush_caches()
+        tick = now()
         out.backward(grad)
-        times.append(time.perf_counter() - tick)
+        times.append(now() - tick)
     return lower_quartile(times[1:])
 
 
@@ -242,28 +273,26 @@ def measure_attention(
 
 
 # ---- element-wise work, loss, optimizer ------------------------------------------------------
-def elementwise_passes(model: ModelSpec, tokens_batch: int, budget: Budget) -> tuple[float, float]:
-    """(forward, backward) seconds of one block's non-matmul, non-attention work: two RMSNorms,
-    RoPE (angles included) on q and k, the attention output re-layout, SwiGLU, two residual
-    adds; batch `tokens_batch` sequences of the model's length."""
-    b, s, h, d = tokens_batch, model.seq_len, model.hidden, model.head_dim
+def elementwise_passes(model: ModelSpec, batch: int, budget: Budget) -> tuple[float, float]:
+    """(forward, backward) seconds of one block's non-matmul, non-attention work as the model
+    runs it: two RMSNorms, RoPE on q and k (tables shared by the layers, made once), SwiGLU
+    (or GeLU), two residual adds; `batch` sequences of the model's length."""
+    b, s, h, d = batch, model.seq_len, model.hidden, model.head_dim
     gen = torch.Generator().manual_seed(0)
 
     def leaf(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen).requires_grad_(True)
 
     norm1, norm2 = RMSNorm(h, model.norm_eps), RMSNorm(h, model.norm_eps)
-    x, attn, mlp = leaf(b, s, h), leaf(b, model.heads, s, d), leaf(b, s, h)
-    q, k = leaf(b, model.heads, s, d), leaf(b, model.kv_heads, s, d)
+    x, attn, mlp = leaf(b, s, h), leaf(b, s, h), leaf(b, s, h)
+    q, k = leaf(b, s, model.heads, d), leaf(b, s, model.kv_heads, d)
     gate, up = leaf(b, s, model.ffn), leaf(b, s, model.ffn)
-    positions = torch.arange(s).expand(b, s)
+    cos, sin = rope_cos_sin(torch.arange(s).expand(b, s), d, model.rope_theta)
 
     def forward() -> list[torch.Tensor]:
         xn = norm1(x)
-        cos, sin = rope_cos_sin(positions, d, model.rope_theta)
         qr, kr = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        merged = attn.transpose(1, 2).reshape(b, s, -1)
-        hidden = x + merged
+        hidden = x + attn
         hn = norm2(hidden)
         act = F.silu(gate) * up if model.mlp == "swiglu" else F.gelu(gate)
         return [xn, qr, kr, hn, act, hidden + mlp]
@@ -271,12 +300,13 @@ def elementwise_passes(model: ModelSpec, tokens_batch: int, budget: Budget) -> t
     outs = forward()
     grads = [torch.randn_like(o) for o in outs]
     fwd = typical_time_s(forward, budget)
-    times = []
+    times, now = [], clock()
     for _ in range(max(budget.min_repeats, 2) + 1):
         outs = forward()
-        tick = time.perf_counter()
+        flush_caches()
+        tick = now()
         torch.autograd.backward(outs, grads)
-        times.append(time.perf_counter() - tick)
+        times.append(now() - tick)
     return fwd, lower_quartile(times[1:])
 
 
@@ -291,13 +321,23 @@ def loss_passes(tokens: int, vocab: int, budget: Budget) -> tuple[float, float]:
     )
 
 
+OPTIMIZER_MAX_PARAMS = 16_000_000  # cap on the parameters the optimizer benchmark allocates
+
+
 def optimizer_time_s(model: ModelSpec, budget: Budget) -> tuple[float, int]:
     """(seconds, parameters) of AdamW (foreach, as training runs it) with gradient clipping and
-    zeroing over one block's worth of parameters shaped like the model's."""
-    block = TransformerBlock(0, replace(model, experts=0, top_k=0, shared_experts=0))
-    params = [p for p in block.parameters()]
+    zeroing over tensors shaped like the model's: the embedding, the head and as many blocks as
+    fit under `OPTIMIZER_MAX_PARAMS` (per-tensor costs matter for small models)."""
+    block = [tuple(p.shape) for p in TransformerBlock(0, model).parameters()]
+    per_block = sum(math.prod(s) for s in block)
+    ends = [(model.vocab, model.hidden), (model.vocab, model.hidden), (model.hidden,)]
+    room = OPTIMIZER_MAX_PARAMS - sum(math.prod(s) for s in ends)
+    blocks = max(1, min(model.layers, room // per_block))
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.randn(s, generator=gen) for s in ends + block * blocks]
     for p in params:
-        p.grad = torch.randn_like(p)
+        p.requires_grad_(True)
+        p.grad = torch.randn(p.shape, generator=gen)
     opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1)
 
     def step() -> None:
@@ -337,10 +377,10 @@ def block_passes(model: ModelSpec, batch: int, budget: Budget) -> tuple[float, f
     block = TransformerBlock(0, model)
     x = torch.randn(batch, model.seq_len, model.hidden, requires_grad=True)
     positions = torch.arange(model.seq_len).expand(batch, model.seq_len)
-    docs = _doc_ids(batch, model.seq_len)
+    rope = rope_cos_sin(positions, model.head_dim, model.rope_theta)
     grad = torch.randn_like(x)
-    fwd = typical_time_s(lambda: block(x, positions, docs), budget)
-    return fwd, _backward_time(lambda: block(x, positions, docs), grad, budget)
+    fwd = typical_time_s(lambda: block(x, rope, None), budget)
+    return fwd, _backward_time(lambda: block(x, rope, None), grad, budget)
 
 
 def measure_overhead(threads: int, budget: Budget) -> Overhead:
@@ -373,7 +413,7 @@ class ComputeTables:
 def compute_steps(model: ModelSpec, plan: ParallelPlan, ranks: int, quick: bool, bf16: str):
     """The measurements to make, as (description, thunk returning rows) in order."""
     budget = QUICK if quick else Budget()
-    cores = os.cpu_count() or 1
+    cores = available_cores()
     dtypes = ["fp32"] + (["bf16"] if bf16 == "native" and not quick else [])
     shapes = gemm_shapes(model, plan, ranks, quick)
     steps: list[tuple[str, Callable[[], list]]] = []
@@ -434,7 +474,7 @@ def build_profile(
     return DeviceProfile(
         name=device_name or cpu_name(),
         kind="cpu",  # the kernels above run on the CPU; GPUs keep their catalog entries
-        cores=os.cpu_count() or 1,
+        cores=available_cores(),
         memory_bytes=host_memory_bytes(),
         backend=backend if backend != "none" else "gloo",
         ranks=max(1, ranks),

@@ -5,10 +5,10 @@ same way but not yet measured by us) and times every collective the runtime uses
 (DDP, TP without SP), all-gather and reduce-scatter (FSDP, TP with SP), all-to-all (EP,
 Ulysses CP) and send/recv (PP, ring CP), at several sizes, on groups of 2, 4, ... ranks (all
 groups of one size run at once, as the axes of a parallel layout do). Each row is the slowest
-rank's mean time over a few iterations after a warm-up, with nccl-tests' algorithm bandwidth
-(size / time) and bus bandwidth (algbw x 2(n-1)/n for all-reduce, x (n-1)/n for all-gather,
-reduce-scatter and all-to-all, x 1 for send/recv). `fit_alpha_beta` fits time = alpha +
-size / beta by least squares on relative error.
+rank's mean time over a few iterations after a warm-up, the fastest of three such rounds, with
+nccl-tests' algorithm bandwidth (size / time) and bus bandwidth (algbw x 2(n-1)/n for
+all-reduce, x (n-1)/n for all-gather, reduce-scatter and all-to-all, x 1 for send/recv).
+`fit_alpha_beta` fits time = alpha + size / beta by least squares on relative error.
 
 Written by hand: nccl-tests needs CUDA; torch has no collective benchmark.
 """
@@ -28,6 +28,7 @@ from fivefold.spec.profile import (
     COLLECTIVES,
     Collective,
     CollectiveSample,
+    available_cores,
     bus_factor,
     threads_per_rank,
 )
@@ -36,6 +37,8 @@ KiB = 1024
 FULL_SIZES = tuple(KiB * 4**i for i in range(8))  # 1 KiB .. 16 MiB
 QUICK_SIZES = (4 * KiB, 64 * KiB, 1024 * KiB)
 TIMEOUT_S = 300.0
+ROUNDS = 3  # of `iterations` calls each; the fastest round's mean stands (other work on the
+# machine only ever slows a round down)
 
 
 def group_sizes(ranks: int) -> list[int]:
@@ -50,7 +53,7 @@ def group_sizes(ranks: int) -> list[int]:
 
 
 def iterations(size_bytes: int, quick: bool) -> int:
-    return 2 if quick else (8 if size_bytes <= 256 * KiB else 3)
+    return 2 if quick else (5 if size_bytes <= 256 * KiB else 2)
 
 
 def steps_count(ranks: int, quick: bool) -> int:
@@ -113,7 +116,7 @@ def _worker(rank: int, world: int, init_file: str, quick: bool, out: Any) -> Non
         if cuda:
             torch.cuda.set_device(device)
         else:
-            torch.set_num_threads(threads_per_rank(world, os.cpu_count() or 1))
+            torch.set_num_threads(threads_per_rank(world, available_cores()))
         dist.init_process_group(
             "nccl" if cuda else "gloo",
             init_method=f"file://{init_file}",
@@ -128,17 +131,20 @@ def _worker(rank: int, world: int, init_file: str, quick: bool, out: Any) -> Non
                 for size in sizes:
                     fn = _op(op, size, group, device)
                     fn()
-                    _sync(device)
-                    dist.barrier(group=group)
                     n_iter = iterations(size, quick)
-                    tick = time.perf_counter()
-                    for _ in range(n_iter):
-                        fn()
-                    _sync(device)
-                    seconds = torch.tensor([(time.perf_counter() - tick) / n_iter], device=device)
-                    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)  # the slowest rank anywhere
+                    rounds = []
+                    for _ in range(ROUNDS):
+                        _sync(device)
+                        dist.barrier(group=group)
+                        tick = time.perf_counter()
+                        for _ in range(n_iter):
+                            fn()
+                        _sync(device)
+                        took = torch.tensor([(time.perf_counter() - tick) / n_iter], device=device)
+                        dist.all_reduce(took, op=dist.ReduceOp.MAX)  # the slowest rank anywhere
+                        rounds.append(float(took.item()))
                     if rank == 0:
-                        out.put(("row", op, g, size, float(seconds.item())))
+                        out.put(("row", op, g, size, min(rounds)))
         dist.barrier()
         dist.destroy_process_group()
         if rank == 0:

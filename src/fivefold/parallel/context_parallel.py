@@ -49,7 +49,6 @@ from fivefold.model.attention import (
     block_forward,
     document_blocks,
     merge_partial,
-    zero_grads,
 )
 
 
@@ -205,7 +204,7 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, steps, group, scale):
         size = dist.get_world_size(group)
-        out, _, _ = zero_grads(q, k)  # fp32 zeros with q's [B, T, H, Dh] memory
+        out = torch.zeros_like(q, dtype=torch.float32)  # keeps q's [B, T, H, Dh] memory
         lse = torch.full(q.shape[:-1], -math.inf, dtype=torch.float32, device=q.device)
         kv = [k, v]
         for step in range(size):
@@ -230,13 +229,13 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         steps, group, scale = ctx.steps, ctx.group, ctx.scale
         size = dist.get_world_size(group)
-        dq, _, _ = zero_grads(q, k)
+        dq = torch.zeros_like(q, dtype=torch.float32)
         kv, incoming = [k, v], None
         for step in range(size):
             wait_kv = None
             if step < size - 1:
                 next_kv, wait_kv = _ring_exchange(kv, group)
-            _, dk, dv = zero_grads(q, k)
+            dk, dv = (torch.zeros_like(k, dtype=torch.float32) for _ in range(2))
             for block in steps[step]:
                 block_backward(dout, q, kv[0], kv[1], out, lse, block, scale, (dq, dk, dv))
             if incoming is not None:  # the block's dK/dV from the ranks that held it before

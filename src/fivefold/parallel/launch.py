@@ -42,8 +42,12 @@ POLL_S = 0.2
 
 
 def threads_per_rank(nproc: int) -> int:
-    """CPU threads each rank may use so N ranks do not oversubscribe the machine."""
-    return max(1, (os.cpu_count() or 1) // nproc)
+    """CPU threads each rank may use so N ranks do not oversubscribe the cores available (the
+    rule the planner's device profiles assume, `fivefold.spec.profile.threads_per_rank`)."""
+    from fivefold.spec.profile import available_cores
+    from fivefold.spec.profile import threads_per_rank as rule
+
+    return rule(nproc, available_cores())
 
 
 def train_args(recipe_path: str | Path | None, overrides: list[str]) -> list[str]:
@@ -89,8 +93,11 @@ def launch_local(
         raise ConfigError(f"--nproc {nproc}: the number of processes must be at least 1.")
     if max_restarts_problems(max_restarts):
         raise ConfigError(max_restarts_problems(max_restarts))
+    from fivefold.parallel.threads import passive_wait
+
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(threads_per_rank(nproc)))
+    passive_wait(env)
     env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(AGENT_SHUTDOWN_S))
     command = torchrun_command(nproc, recipe_path, overrides, max_restarts)
     with tempfile.TemporaryDirectory(prefix="fivefold-ranks-") as reports:

@@ -1,6 +1,6 @@
 """Apply a `ParallelPlan` to a model chunk in the one fixed order:
 
-    PP split -> TP/SP -> EP -> CP -> activation checkpointing -> FSDP/DDP
+    PP split -> TP/SP -> EP -> CP -> activation checkpointing -> torch.compile -> FSDP/DDP
 
 (the pipeline split is done by the caller, `split_model_for_pipeline`, because it decides which
 chunks exist). Each step only swaps parameters for DTensors or swaps sub-modules
@@ -71,8 +71,10 @@ def parallelize_chunk(
     plan: ParallelPlan,
     meshes: Meshes,
     device: torch.device,
+    compile: bool = False,
 ) -> list[FSDPModule]:
-    """TP/SP, EP, CP, recompute and FSDP/DDP on one chunk, in place; returns the DP modules."""
+    """TP/SP, EP, CP, recompute, torch.compile per block (`compile`) and FSDP/DDP on one chunk,
+    in place; returns the DP modules."""
     if plan.tp > 1:
         from fivefold.parallel.tensor_parallel import apply_tensor_parallel
 
@@ -93,4 +95,9 @@ def parallelize_chunk(
 
         apply_context_parallel(chunk, meshes["cp"], plan.cp_kind)
     apply_recompute(chunk, plan.recompute)
+    if compile:
+        from fivefold.parallel.compile import apply_compile, check_compiler
+
+        check_compiler(device)
+        apply_compile(chunk)
     return apply_data_parallel(chunk, meshes, plan, device, expert_dp_mesh(meshes, plan))

@@ -83,12 +83,38 @@ def init_distributed(device: torch.device, timeout_s: float | None = None) -> bo
 
     if dist.is_initialized():
         return False
-    init_process_group("nccl" if device.type == "cuda" else "gloo", timeout_s)
+    if device.type != "cuda":
+        init_process_group("gloo", timeout_s)
+        return True
+    set_flight_recorder_env()
+    init_process_group("nccl", timeout_s, device_id=device)
     return True
 
 
-def init_process_group(backend: str, timeout_s: float | None = None) -> None:
+FLIGHT_RECORDER_DIR_ENV = "FIVEFOLD_COMM_TRACE_DIR"
+
+
+def set_flight_recorder_env() -> None:
+    """NCCL's flight recorder on, dumped on a collective timeout (unless the user set them).
+
+    Keeps the last 20,000 collectives per rank in a ring buffer (`TORCH_FR_BUFFER_SIZE`) and
+    writes it to `$FIVEFOLD_COMM_TRACE_DIR/rank_<r>` (default `comm_traces/` under the working
+    directory) when the watchdog sees a timeout (`TORCH_NCCL_DUMP_ON_TIMEOUT`); analyse the
+    files with `python -m torch.distributed.flight_recorder.fr_trace`. Must run before the NCCL
+    group exists. Unmeasured here (no GPU).
+    """
+    trace_dir = os.environ.get(FLIGHT_RECORDER_DIR_ENV, "comm_traces")
+    os.makedirs(trace_dir, exist_ok=True)
+    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "20000")
+    os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+    os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", os.path.join(trace_dir, "rank_"))
+
+
+def init_process_group(backend: str, timeout_s: float | None = None, device_id=None) -> None:
     """The default process group from torchrun's environment, with a finite timeout.
+
+    `device_id` (a CUDA `torch.device`, or None) binds the group to this rank's GPU, so NCCL
+    creates its communicator eagerly for that device (`torch.distributed.init_process_group`).
 
     Under torchrun's agent store (`TORCHELASTIC_USE_AGENT_STORE=True`) the group's keys live
     under `fivefold/attempt_<restart count>/`, so a restarted group never reads the keys of the
@@ -98,7 +124,7 @@ def init_process_group(backend: str, timeout_s: float | None = None) -> None:
 
     timeout = timedelta(seconds=timeout_s if timeout_s is not None else pg_timeout_s())
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        dist.init_process_group(backend, timeout=timeout)
+        dist.init_process_group(backend, timeout=timeout, device_id=device_id)
         return
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     agent_store = dist.TCPStore(
@@ -109,7 +135,9 @@ def init_process_group(backend: str, timeout_s: float | None = None) -> None:
         timeout=timeout,
     )
     store = dist.PrefixStore(f"fivefold/attempt_{restart_count()}/", agent_store)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    dist.init_process_group(
+        backend, store=store, rank=rank, world_size=world, timeout=timeout, device_id=device_id
+    )
 
 
 def describe_collective_failure(err: BaseException, what: str, rank: int) -> str | None:

@@ -85,7 +85,12 @@ def summarize(
     is printed once, naming them); an interrupt keeps the agent's status (128 + signal).
     """
     reported = {r.rank for r in reports}
-    unexplained = {rank: code for rank, code in (failures or {}).items() if rank not in reported}
+    interrupted = {128 + 2, 128 + 15}  # ended by SIGINT / SIGTERM: an interrupt, not a failure
+    unexplained = {
+        rank: code
+        for rank, code in (failures or {}).items()
+        if rank not in reported and code not in interrupted
+    }
     if unexplained:
         rank = min(unexplained)
         code = unexplained[rank]

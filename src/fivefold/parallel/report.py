@@ -1,51 +1,66 @@
-"""The rank-0 layout report: per pipeline stage, the planner's predicted peak memory and step time
-beside the measured ones, so every run checks the planner.
+"""The rank-0 layout report: per pipeline stage, the planner's predicted peak memory (tenant by
+tenant) and step time beside the measured ones, so every run checks the planner.
 
 Measured step time is the mean wall time of `train_step` (forward + backward + gradient
 communication of all micro-batches; the optimizer step is the loop's) over the steps after the
-first. Measured peak memory: CUDA's allocator peak; on CPU, the tensor storages tracked during
-one step (parameters, gradients, activations, buffers) plus the AdamW state (two fp32 copies of
-the local parameters), which the step does not touch. The prediction is the planner's
-`estimate` for the recipe's model, cluster and plan (skipped if the planner is unavailable).
+first. Measured peak memory: CUDA's allocator peak; on CPU, the peak of live tensor storage over
+one step (`fivefold.train.memory`, resize-aware), split into parameters, gradients and optimizer
+state (known from the tensors) and activations (the rest: saved tensors, gathered parameters,
+buffers). The prediction is the planner's memory model with `runtime = "fivefold-eager"` (what
+this runtime keeps, see `fivefold.planner.memory.EagerProfile`), without the CUDA context and
+allocator terms on a CPU, and the planner's `estimate()` step time where the run's cluster has a
+device peak. Works for `DistributedRuntime` (collective: every rank calls it) and for the
+one-process `LocalRuntime` (no FSDP wrapping, so no sharded copy of the weights).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch.distributed as dist
 
 GIB = 1024**3
+MIB = 1024**2
+TENANTS = ("params", "grads", "optimizer", "activations")
+
+
+def _spec_plan(runtime: Any) -> tuple[Any, Any]:
+    return runtime.recipe.model, runtime.recipe.plan
+
+
+def _wrapped(runtime: Any) -> bool:
+    """Whether the runtime wraps its chunks in FSDP2 (the distributed runtime always does)."""
+    return hasattr(runtime, "dp_modules")
 
 
 def predictions(runtime: Any) -> tuple[list[dict] | None, float | None, str]:
-    """(memory per stage in GiB dicts, predicted step time in s, note) from the planner.
-
-    Where the planner cannot time the device (a CPU run: no peak FLOP/s in the catalog), the
-    memory is still predicted by its memory model, without the CUDA context and allocator
-    fragmentation terms, which a CPU process does not have.
-    """
+    """(memory per stage in GiB dicts, predicted step time in s, note) from the planner."""
+    spec, plan = _spec_plan(runtime)
+    cuda = runtime.device.type == "cuda"
     try:
-        from fivefold.planner.estimate import estimate
-    except ImportError:
-        return None, None, "planner unavailable"
+        memory = memory_only_prediction(spec, plan, fsdp_wrapped=_wrapped(runtime), cuda=cuda)
+    except Exception as err:  # a planner gap must not stop training
+        return None, None, f"memory model: {str(err).splitlines()[0]}"
     cluster = runtime.recipe.cluster
     if not cluster.device.peak_flops:
-        why = f"no step-time prediction: {cluster.gpu} has no catalogued peak FLOP/s"
-    else:
-        try:
-            est = estimate(runtime.spec, cluster, runtime.plan).to_json()
-            return est.get("memory_per_stage_gib"), est.get("step_time_s"), "planner estimate"
-        except Exception as err:  # a planner gap must not stop training
-            why = str(err).splitlines()[0]
+        return memory, None, f"no step-time prediction: {cluster.gpu} has no device peak"
     try:
-        return memory_only_prediction(runtime.spec, runtime.plan), None, f"memory model only; {why}"
+        from fivefold.planner.estimate import estimate
+        from fivefold.planner.options import PlannerOptions
+
+        options = replace(PlannerOptions.for_device(cluster.device), runtime="fivefold-eager")
+        step_s = estimate(spec, cluster, plan, options=options).step_time_s
+        return memory, step_s, "planner estimate"
     except Exception as err:
-        return None, None, f"planner: {why}; memory model: {err}"
+        return memory, None, f"no step-time prediction: {str(err).splitlines()[0]}"
 
 
-def memory_only_prediction(spec: Any, plan: Any) -> list[dict]:
-    """The planner's per-stage memory (GiB dicts) with no device terms."""
+def memory_only_prediction(
+    spec: Any, plan: Any, fsdp_wrapped: bool = True, cuda: bool = False
+) -> list[dict]:
+    """The planner's per-stage memory of this runtime (GiB dicts, "other" holds the buffers);
+    a CPU has no CUDA context and no caching-allocator fragmentation."""
     from fivefold.planner.memory import MemoryOptions, all_stage_memory
     from fivefold.planner.schedule import build_schedule
 
@@ -54,45 +69,59 @@ def memory_only_prediction(spec: Any, plan: Any) -> list[dict]:
         inflight = list(
             build_schedule(plan.schedule, plan.pp, plan.vpp, plan.grad_accum).peak_inflight
         )
-    options = MemoryOptions(
-        cuda_context_bytes=0.0, fragmentation_fraction=0.0, runtime="fivefold-eager"
-    )
-    return [stage.gib() for stage in all_stage_memory(spec, plan, inflight, options)]
+    options = MemoryOptions(runtime="fivefold-eager", fsdp_wrapped=fsdp_wrapped)
+    if not cuda:
+        options = MemoryOptions(
+            runtime="fivefold-eager",
+            fsdp_wrapped=fsdp_wrapped,
+            cuda_context_bytes=0.0,
+            fragmentation_fraction=0.0,
+        )
+    out = []
+    for stage in all_stage_memory(spec, plan, inflight, options):
+        gib = stage.gib()
+        if not stage.grads_at_peak:
+            gib["grads"] = 0.0  # allocated by the first backward, after this stage's peak
+        out.append(gib)
+    return out
 
 
-def stage_rows(runtime: Any) -> tuple[list[dict], str] | None:
-    """Gather every rank's measurements (collective); on rank 0 return one row per pipeline
-    stage with its ranks, predicted and measured peak bytes and step seconds (None where
-    unknown), and the prediction's note. Other ranks get None."""
-    times = runtime._step_times_s
+def stage_rows(runtime: Any, step_s: float | None = None) -> tuple[list[dict], str] | None:
+    """Gather every rank's measurements (collective when distributed); on rank 0 return one
+    row per pipeline stage (ranks, predicted and measured peak bytes and tenants, step seconds;
+    None where unknown) and the prediction's note. Other ranks get None. `step_s`: the measured
+    step time when the runtime does not time its own steps."""
+    times = getattr(runtime, "_step_times_s", None) or []
     mine = {
-        "rank": runtime.rank,
-        "pp": runtime.pp_rank,
+        "rank": getattr(runtime, "rank", 0),
+        "pp": getattr(runtime, "pp_rank", 0),
         "peak_bytes": runtime.peak_memory_bytes(),
         "tenants": dict(getattr(runtime, "peak_tenants", {}) or {}),
-        "step_s": sum(times) / len(times) if times else None,
+        "step_s": sum(times) / len(times) if times else step_s,
     }
-    gathered: list[Any] = [None] * runtime.world_size
-    dist.all_gather_object(gathered, mine)
+    gathered: list[Any] = [mine]
+    if dist.is_available() and dist.is_initialized() and runtime.world_size > 1:
+        gathered = [None] * runtime.world_size
+        dist.all_gather_object(gathered, mine)
     if not runtime.is_main:
         return None
-    memory, step_s, note = predictions(runtime)
+    memory, predicted_s, note = predictions(runtime)
+    _, plan = _spec_plan(runtime)
     rows = []
-    for stage in range(runtime.plan.pp):
-        mine = [g for g in gathered if g["pp"] == stage]
-        measured_s = [g["step_s"] for g in mine if g["step_s"] is not None]
-        top = max(mine, key=lambda g: g["peak_bytes"])
-        peak = top["peak_bytes"]
+    for stage in range(plan.pp):
+        ranks = [g for g in gathered if g["pp"] == stage]
+        top = max(ranks, key=lambda g: g["peak_bytes"])
+        measured_s = [g["step_s"] for g in ranks if g["step_s"] is not None]
         predicted = memory[stage] if memory and stage < len(memory) else None
         rows.append(
             {
                 "stage": stage,
-                "ranks": [g["rank"] for g in mine],
+                "ranks": [g["rank"] for g in ranks],
                 "predicted_peak_bytes": predicted["total"] * GIB if predicted else None,
-                "measured_peak_bytes": peak or None,
+                "measured_peak_bytes": top["peak_bytes"] or None,
                 "predicted_tenants": _tenant_bytes(predicted),
                 "measured_tenants": top["tenants"],
-                "predicted_step_s": step_s,
+                "predicted_step_s": predicted_s,
                 "measured_step_s": max(measured_s) if measured_s else None,
             }
         )
@@ -100,13 +129,32 @@ def stage_rows(runtime: Any) -> tuple[list[dict], str] | None:
 
 
 def _tenant_bytes(stage_gib: dict | None) -> dict[str, float]:
-    """The planner's tenants of one stage in bytes, with "other" (buffers) under activations
+    """The planner's tenants of one stage in bytes, with "other" (buffers) under activations,
     as the runtime's counter cannot tell them apart."""
     if not stage_gib:
         return {}
-    out = {k: stage_gib[k] * GIB for k in ("params", "grads", "optimizer", "activations")}
+    out = {k: stage_gib[k] * GIB for k in TENANTS}
     out["activations"] += stage_gib.get("other", 0.0) * GIB
     return out
+
+
+def error(predicted: float | None, measured: float | None) -> float | None:
+    """predicted / measured - 1, or None when either is unknown."""
+    if not predicted or not measured:
+        return None
+    return predicted / measured - 1.0
+
+
+def record(rows: list[dict], note: str) -> dict:
+    """The JSON form written to metrics.jsonl (`plan_vs_run`): per stage, bytes and seconds
+    predicted and measured, with the relative errors."""
+    stages = []
+    for row in rows:
+        entry = dict(row)
+        entry["memory_error"] = error(row["predicted_peak_bytes"], row["measured_peak_bytes"])
+        entry["step_error"] = error(row["predicted_step_s"], row["measured_step_s"])
+        stages.append(entry)
+    return {"note": note, "stages": stages}
 
 
 def layout_report(runtime: Any) -> str | None:
@@ -115,21 +163,30 @@ def layout_report(runtime: Any) -> str | None:
     if result is None:
         return None
     rows, note = result
-    return format_rows(runtime.plan.describe(), rows, note)
+    return format_rows(runtime.recipe.plan.describe(), rows, note)
 
 
 def format_rows(layout: str, rows: list[dict], note: str) -> str:
     lines = [
         f"layout report: {layout}  ({note})",
-        f"  {'stage':>5}  {'ranks':>9}  {'pred peak':>10}  {'meas peak':>10}  "
-        f"{'pred step':>10}  {'meas step':>10}",
+        f"  {'stage':>5}  {'ranks':>9}  {'pred peak':>10}  {'meas peak':>10}  {'error':>7}  "
+        f"{'pred step':>10}  {'meas step':>10}  {'error':>7}",
     ]
     for row in rows:
         lines.append(
             f"  {row['stage']:>5}  {_ranks(row['ranks']):>9}  "
             f"{_gib(row['predicted_peak_bytes']):>10}  {_gib(row['measured_peak_bytes']):>10}  "
-            f"{_ms(row['predicted_step_s']):>10}  {_ms(row['measured_step_s']):>10}"
+            f"{_pct(error(row['predicted_peak_bytes'], row['measured_peak_bytes'])):>7}  "
+            f"{_ms(row['predicted_step_s']):>10}  {_ms(row['measured_step_s']):>10}  "
+            f"{_pct(error(row['predicted_step_s'], row['measured_step_s'])):>7}"
         )
+        pred, meas = row["predicted_tenants"], row["measured_tenants"]
+        if pred and meas:
+            cells = ", ".join(
+                f"{name} {pred.get(name, 0) / MIB:.1f}/{meas.get(name, 0) / MIB:.1f}"
+                for name in TENANTS
+            )
+            lines.append(f"         MiB predicted/measured: {cells}")
     return "\n".join(lines)
 
 
@@ -139,6 +196,10 @@ def _gib(value: float | None) -> str:
 
 def _ms(value: float | None) -> str:
     return f"{value * 1e3:.1f} ms" if value else "n/a"
+
+
+def _pct(value: float | None) -> str:
+    return f"{100 * value:+.1f}%" if value is not None else "n/a"
 
 
 def _ranks(ranks: list[int]) -> str:

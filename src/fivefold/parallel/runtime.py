@@ -88,12 +88,13 @@ class DistributedRuntime:
         self.cp_rank = self.coordinates["cp"]
         torch.manual_seed(train.seed)
 
-        self.model_parts: list[nn.Module] = self._build_parts(train.seed)
+        self.model_parts: list[nn.Module] = self._build_parts(train.seed, train.compile)
         self._loss_scale = 1.0
         self.pipeline = self._build_pipeline()
         self._weight_aux_losses()
         self._steps = 0
         self.last_report: str | None = None  # rank 0: the layout report, once it was printed
+        self.plan_vs_run: dict | None = None  # rank 0: the same as a metrics.jsonl record
         self._step_times_s: list[float] = []
         self._report_at = min(3, train.steps)
         self._loop_memory_step = train.memory_step
@@ -104,7 +105,7 @@ class DistributedRuntime:
         if self.is_main:
             print(self.describe_layout(), flush=True)
 
-    def _build_parts(self, seed: int) -> list[nn.Module]:
+    def _build_parts(self, seed: int, compile: bool = False) -> list[nn.Module]:
         """This rank's chunks: meta model -> pipeline split -> parallelised -> materialised and
         initialised shard by shard from (seed, parameter name, global index)."""
         from fivefold.model import build_model
@@ -120,7 +121,7 @@ class DistributedRuntime:
         self.dp_modules = []
         for chunk in chunks:
             self.dp_modules += parallelize_chunk(
-                chunk, self.spec, self.plan, self.meshes, self.device
+                chunk, self.spec, self.plan, self.meshes, self.device, compile
             )
         for chunk in chunks:
             chunk.to_empty(device=self.device)
@@ -355,10 +356,12 @@ class DistributedRuntime:
         if self._steps > 1 and timed:  # the first step pays one-off set-up costs
             self._step_times_s.append(seconds)
         if self._steps == self._report_at:
-            from fivefold.parallel.report import layout_report
+            from fivefold.parallel.report import format_rows, record, stage_rows
 
-            self.last_report = layout_report(self)
-            if self.is_main and self.last_report:
+            result = stage_rows(self)
+            if result is not None:
+                self.last_report = format_rows(self.plan.describe(), *result)
+                self.plan_vs_run = record(*result)
                 print(self.last_report, flush=True)
 
     def record_peak_memory(self, peak_bytes: int, tenants: dict[str, int] | None = None) -> None:

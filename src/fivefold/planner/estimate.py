@@ -404,9 +404,11 @@ def _chunk_costs_of(
             # Each layer's gather hides behind the previous layer's compute, its gradient
             # reduce-scatter behind the next layer's backward; the first gather and the last
             # reduce-scatter of the chunk cannot hide.
-            exposed_f = n * max(0.0, lc.gather_s - wk.forward_s) + lc.gather_s
-            backward = wk.backward_input_s + wk.backward_weight_s
-            exposed_b = n * max(0.0, lc.gather_s + lc.reduce_s - backward)
+            # Without dp_overlap (a CPU: collectives take the cores' time) nothing hides.
+            hide_f = wk.forward_s if opts.dp_overlap else 0.0
+            hide_b = wk.backward_input_s + wk.backward_weight_s if opts.dp_overlap else 0.0
+            exposed_f = n * max(0.0, lc.gather_s - hide_f) + lc.gather_s
+            exposed_b = n * max(0.0, lc.gather_s + lc.reduce_s - hide_b)
             f += exposed_f
             b += exposed_b + lc.reduce_s
             gather_share = lc.gather_s / (lc.gather_s + lc.reduce_s)

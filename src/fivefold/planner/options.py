@@ -11,6 +11,9 @@ torchtitan's op-level selective checkpointing instead: in each layer every secon
 and w3 of a Llama block) and every element-wise op are recomputed, the attention output is kept.
 `fused_elementwise=False` describes eager PyTorch, whose unfused norms, RoPE and activations move
 about three times the bytes of fused kernels (see `compute.UNFUSED_TRAFFIC_FACTOR`).
+`runtime="fivefold-eager"` makes the memory model count what fivefold's own eager runtime keeps
+(`fivefold.planner.memory.EagerProfile`; the layout report of every run uses it); the default
+"fused" counts what fused kernels keep.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ class PlannerOptions:
     cuda_context_bytes: float = 0.75 * GiB
     fragmentation_fraction: float = 0.05
     dp_bucket_bytes: float = 25 * MiB
+    runtime: str = "fused"  # memory: "fivefold-eager" is what fivefold's own runtime keeps
     checkpoint_early_stop: bool = False
 
     @classmethod
@@ -44,9 +48,13 @@ class PlannerOptions:
             return cls()
         if device.measured.profile.kind == "cpu":
             return cls(
-                checkpoint_early_stop=True, cuda_context_bytes=0.0, fragmentation_fraction=0.0
+                checkpoint_early_stop=True,
+                cuda_context_bytes=0.0,
+                fragmentation_fraction=0.0,
+                dp_overlap=False,
+                runtime="fivefold-eager",
             )
-        return cls(checkpoint_early_stop=True)
+        return cls(checkpoint_early_stop=True, runtime="fivefold-eager")
 
     def memory(self) -> MemoryOptions:
         return MemoryOptions(
@@ -57,6 +65,7 @@ class PlannerOptions:
             fragmentation_fraction=self.fragmentation_fraction,
             dp_bucket_bytes=self.dp_bucket_bytes,
             selective_policy=self.selective_policy,
+            runtime=self.runtime,
         )
 
     def compute(self) -> ComputeOptions:

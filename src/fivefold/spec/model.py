@@ -52,6 +52,11 @@ class ModelSpec:
     head_dim: int = 0  # 0 means hidden // heads
     norm_eps: float = 1e-5
     rope_theta: float = 500_000.0
+    # Llama 3.1-style RoPE scaling (fivefold.model.rope_scaling); factor 1 = plain RoPE
+    rope_scaling_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_seq_len: int = 0  # the pre-training context the scaling extends
     experts: int = 0  # routed experts per MoE layer; 0 = dense model
     top_k: int = 0
     expert_ffn: int = 0
@@ -94,6 +99,29 @@ class ModelSpec:
         return data
 
     # ---- validation ------------------------------------------------------------------------
+    def _rope_scaling_problems(self) -> list[str]:
+        factor, low, high = (
+            self.rope_scaling_factor,
+            self.rope_low_freq_factor,
+            self.rope_high_freq_factor,
+        )
+        if not (factor >= 1.0 and factor < float("inf")):
+            return [f"model.rope_scaling_factor = {factor}: must be >= 1 (1 = no scaling)."]
+        if factor == 1.0:
+            return []
+        out = []
+        if not 0 < low < high < float("inf"):
+            out.append(
+                f"model.rope_low_freq_factor = {low}, rope_high_freq_factor = {high}: need "
+                "0 < low < high (Llama 3.1: 1 and 4)."
+            )
+        if self.rope_original_seq_len <= 0:
+            out.append(
+                "model.rope_original_seq_len must be the pre-training context (e.g. 8192) when "
+                "model.rope_scaling_factor > 1."
+            )
+        return out
+
     def problems(self) -> list[str]:
         """Every inconsistency, each as a sentence naming the field and the fix."""
         out: list[str] = []
@@ -131,6 +159,7 @@ class ModelSpec:
                 f"model.router_aux_loss_coef = {self.router_aux_loss_coef}: must be >= 0, "
                 "e.g. 0.01."
             )
+        out += self._rope_scaling_problems()
         if self.is_moe:
             if not 1 <= self.top_k <= self.experts:
                 out.append(

@@ -12,7 +12,7 @@ A profile is a TOML file (written by `fivefold.parallel.calibrate`, read here wi
     [[attention]] dtype, threads, batch, heads, kv_heads, seq, head_dim, forward_flops_per_s,
                   backward_flops_per_s (causal: forward 4 * batch * heads * seq^2/2 * head_dim
                   FLOPs, backward twice that, over the measured seconds of the model's own
-                  attention core, document mask included)
+                  attention core)
     [[bandwidth]] kind, threads, bytes_per_s. "elementwise_forward" / "elementwise_backward":
                   the bytes `fivefold.planner.compute.layer_elementwise_bytes` counts (once
                   forward, twice backward) over the measured time of the block's norms, RoPE,
@@ -33,9 +33,10 @@ Loading one yields a `GPUSpec` whose peak is the best measured matmul rate per d
 says "measured"; nothing is guessed) and a `ClusterSpec` of one node with the local ranks.
 
 Processes share the machine's cores: a run of R ranks gives each max(1, cores // R) threads
-(`threads_per_rank`, the launcher's rule) and, when R exceeds the cores, each rank a
-cores / R share of the machine. The device for R ranks reads the rows measured at that thread
-count (or scales the nearest linearly in threads) and multiplies compute rates by the share.
+(`threads_per_rank`, the launcher's rule; $OMP_NUM_THREADS when set, as torch does) and, when
+R x threads exceeds the cores, each rank a cores / (R x threads) share of the machine. The
+device for R ranks reads the rows measured at that thread count (or scales the nearest linearly
+in threads) and multiplies compute rates by the share.
 """
 
 from __future__ import annotations
@@ -73,8 +74,38 @@ def default_profile_path() -> Path:
     return Path(cache) / "fivefold" / "device-profile.toml"
 
 
+def cgroup_cpu_limit(root: Path = Path("/sys/fs/cgroup")) -> float | None:
+    """CPUs allowed by a cgroup v2 quota (`cpu.max` = "quota period"), None when unlimited."""
+    try:
+        quota, period = (root / "cpu.max").read_text().split()[:2]
+    except (OSError, ValueError):
+        return None
+    if quota == "max":
+        return None
+    try:
+        return int(quota) / int(period)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def available_cores() -> int:
+    """Cores this process can run on: its affinity mask, capped by the cgroup quota."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    limit = cgroup_cpu_limit()
+    if limit is not None:
+        cores = min(cores, max(1, math.ceil(limit)))
+    return max(1, cores)
+
+
 def threads_per_rank(ranks: int, cores: int) -> int:
-    """CPU threads each of `ranks` local processes uses so they do not oversubscribe `cores`."""
+    """CPU threads each of `ranks` local processes uses: $OMP_NUM_THREADS when set (torch reads
+    it at start-up), else cores // ranks (the launcher's rule, so ranks do not oversubscribe)."""
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    if env.isdigit() and int(env) >= 1:
+        return int(env)
     return max(1, cores // max(1, ranks))
 
 
@@ -188,9 +219,10 @@ class DeviceProfile:
     collective_sample: tuple[CollectiveSample, ...] = ()
     path: str = field(default="", compare=False)
 
-    def device(self, ranks: int = 1) -> GPUSpec:
-        """A `GPUSpec` for one of `ranks` local processes, with its `Measured` tables."""
-        measured = Measured(self, max(1, ranks))
+    def device(self, ranks: int = 1, threads: int | None = None) -> GPUSpec:
+        """A `GPUSpec` for one of `ranks` local processes using `threads` threads each
+        (default `threads_per_rank`), with its `Measured` tables."""
+        measured = Measured(self, max(1, ranks), threads)
         peaks = {dt: measured.peak(dt) for dt in sorted({m.dtype for m in self.matmul})}
         src = self.path or "a device profile"
         return GPUSpec(
@@ -376,15 +408,16 @@ def load_profile(path: str | Path) -> DeviceProfile:
 
 
 @lru_cache(maxsize=64)
-def _cached_device(path: str, mtime_ns: int, ranks: int) -> GPUSpec:
-    return _cached(path, mtime_ns).device(ranks)
+def _cached_device(path: str, mtime_ns: int, ranks: int, threads: int) -> GPUSpec:
+    return _cached(path, mtime_ns).device(ranks, threads)
 
 
 def profile_device(path: str | Path, ranks: int = 1) -> GPUSpec:
     """The measured device of the profile at `path` for one of `ranks` processes (cached)."""
     p = Path(path).expanduser()
     mtime = p.stat().st_mtime_ns if p.is_file() else 0
-    return _cached_device(str(p), mtime, max(1, ranks))
+    cores = _cached(str(p), mtime).cores
+    return _cached_device(str(p), mtime, max(1, ranks), threads_per_rank(ranks, cores))
 
 
 def profile_cluster(path: str | Path, ranks: int | None = None, **overrides) -> Any:
@@ -425,10 +458,10 @@ class Measured:
     """The profile's tables as one of `ranks` local processes sees them (rates already scaled by
     the rank's share of the cores). Rates in FLOP/s and bytes/s, times in seconds."""
 
-    def __init__(self, profile: DeviceProfile, ranks: int):
+    def __init__(self, profile: DeviceProfile, ranks: int, threads: int | None = None):
         self.profile = profile
         self.ranks = ranks
-        self.threads = threads_per_rank(ranks, profile.cores)
+        self.threads = threads or threads_per_rank(ranks, profile.cores)
         self.share = min(1.0, profile.cores / (ranks * self.threads))
 
     def _scale(self, measured_threads: int) -> float:

@@ -3,7 +3,11 @@
 import os
 import sys
 
-from fivefold.train.entry import main
+from fivefold.parallel.threads import passive_wait
+
+passive_wait()  # before torch is imported (see fivefold.parallel.threads)
+
+from fivefold.train.entry import main  # noqa: E402
 
 code = main()
 if code and int(os.environ.get("WORLD_SIZE", "1")) > 1:

@@ -60,6 +60,8 @@ class TrainConfig:
     progress: bool = True  # rich progress bar on the console
     max_time_s: float = 0.0  # stop (and checkpoint) after this much wall time; 0 = no limit
     memory_step: int = 2  # CPU: the step whose peak memory is measured by tracking allocations
+    # torch.compile (inductor) each transformer block; on CPU it needs a C++ compiler (g++)
+    compile: bool = False
 
     @property
     def beta1(self) -> float:
@@ -231,6 +233,13 @@ def parse_train_config(recipe: Recipe) -> RunConfig:
                 f"train.global_batch = {train.global_batch} does not match the plan's "
                 f"micro_batch {plan.micro_batch} x dp {plan.dp} x grad_accum {plan.grad_accum} "
                 f"= {plan.global_batch} sequences; {fix}, or drop train.global_batch."
+            )
+        if train.compile and recipe.plan.tp > 1:
+            problems.append(
+                f"train.compile = true with plan.tp = {recipe.plan.tp}: compiled blocks return "
+                "a wrong input gradient under DTensor tensor parallelism on this torch build "
+                "(measured: the embedding's gradient doubled), so fivefold refuses the "
+                "combination; set train.compile = false or plan.tp = 1."
             )
         if train.eval_every and data is not None and data.val_fraction == 0:
             problems.append(

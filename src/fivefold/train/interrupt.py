@@ -7,6 +7,11 @@ with status 128 + the signal number (130 for SIGINT, 143 for SIGTERM). A second 
 `REPEAT_GRACE_S` after the first raises `KeyboardInterrupt` at once (no checkpoint); the runtime
 then aborts its process group instead of running another collective. Under torchrun the
 workers never see the terminal's Ctrl-C: the agent forwards it (as its death signal) to each.
+
+These handlers hold only while steps run (`Trainer.fit`). Before, a rank of a multi-process run
+has nothing to save and may be blocked in C++ (rendezvous, a set-up collective) where no Python
+handler runs, so `die_on_signals` leaves both signals to their default action: the process ends
+at once.
 """
 
 from __future__ import annotations
@@ -46,17 +51,31 @@ class StopRequest:
 
 
 @contextmanager
-def stop_on_signals() -> Iterator[StopRequest]:
-    """Install the handlers for the block (main thread only; elsewhere nothing is caught)."""
-    request = StopRequest()
-    if threading.current_thread() is not threading.main_thread():
+def stop_on_signals(request: StopRequest | None = None) -> Iterator[StopRequest]:
+    """Record stop signals in `request` during the block (main thread only; elsewhere nothing
+    is caught)."""
+    request = request or StopRequest()
+    with _handlers(request.handle):
         yield request
+
+
+@contextmanager
+def die_on_signals() -> Iterator[None]:
+    """SIGINT and SIGTERM end the process at once during the block (their default action)."""
+    with _handlers(signal.SIG_DFL):
+        yield
+
+
+@contextmanager
+def _handlers(handler) -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():
+        yield
         return
     previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
     for sig in STOP_SIGNALS:
-        signal.signal(sig, request.handle)
+        signal.signal(sig, handler)
     try:
-        yield request
+        yield
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        for sig, old in previous.items():
+            signal.signal(sig, old)

@@ -7,8 +7,10 @@ prints and writes files; every rank checkpoints its own state.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
@@ -25,7 +27,7 @@ from fivefold.spec.recipe import dump_recipe
 from fivefold.train import checkpoint as ckpt
 from fivefold.train.config import RunConfig
 from fivefold.train.inputs import TrainData, load_train_data
-from fivefold.train.interrupt import StopRequest, stop_on_signals
+from fivefold.train.interrupt import StopRequest, die_on_signals, stop_on_signals
 from fivefold.train.memory import PeakReading, track_cpu_peak
 from fivefold.train.metrics import (
     ConsoleReporter,
@@ -95,6 +97,7 @@ class Trainer:
         self.checkpoints = ckpt.RunCheckpoints(
             self.run_dir, self.cfg.keep_checkpoints, self.cfg.ckpt_async
         )
+        # Measured once (CPU) and kept: the header, every step's MFU and the footer use it.
         self.peak: DevicePeak = device_peak(
             runtime.device, self._compute_dtype(), cluster=self.recipe.cluster
         )
@@ -211,6 +214,16 @@ class Trainer:
         self.last_checkpoint = self.checkpoints.save(self, extra)
         return self.last_checkpoint
 
+    def _report_compile(self, first_step_s: float) -> None:
+        """Once per run, after the first step: how long torch.compile took (cold or cached)."""
+        from fivefold.parallel.compile import compile_seconds
+
+        seconds, graphs = compile_seconds()
+        self.console.print(
+            f"torch.compile: {graphs} graph(s) compiled in {seconds:.1f} s during the first "
+            f"step ({first_step_s:.1f} s in all; later steps reuse them)"
+        )
+
     # ---- one step -------------------------------------------------------------------------
     def _guard(self, loss: float, grad_norm: float | None, lr: float) -> None:
         """Stop with a TrainingError naming the step and the way out when a value is not finite."""
@@ -301,16 +314,20 @@ class Trainer:
                         record(self.cpu_peak.peak_bytes, self.cpu_peak.tenants)
                 else:
                     loss, aux, grad_norm = self.train_one_step(micro_batches)
-                if self.runtime.device.type == "cuda":
-                    torch.cuda.synchronize(self.runtime.device)
+                # No device synchronisation: reading back the loss and the gradient norm already
+                # waits for each step's backward; the optimizer's kernels run on while the next
+                # batch is prepared and are counted in the next step's time.
                 step_s = time.perf_counter() - tick
                 if index > 0 and not measure:
                     meter.add(self.tokens_per_step, step_s)
+                if index == 0 and self.cfg.compile:
+                    self._report_compile(step_s)
                 losses.append(loss)
                 eval_loss = self._maybe_eval()
                 if eval_loss is not None:
                     evals[self.step] = eval_loss
                 metrics = self._metrics(loss, aux, grad_norm, lr, step_s, started, eval_loss)
+                metrics.plan_vs_run = self._plan_vs_run(index, meter, step_s)
                 if jsonl is not None:
                     jsonl.write(metrics.to_json())
                 if board is not None and self.step % self.cfg.log_every == 0:
@@ -362,6 +379,23 @@ class Trainer:
         so all ranks leave the loop after the same step and can checkpoint it together."""
         agree = getattr(self.runtime, "any_rank", None)
         return agree(self.stop.requested) if agree is not None else self.stop.requested
+
+    def _plan_vs_run(self, index: int, meter: ThroughputMeter, step_s: float) -> dict | None:
+        """The planner-vs-measured record of this step, if it is the layout-report step: the
+        distributed runtime reports on its own (collectively, inside its step); a one-process
+        runtime is reported here, on the same step (the third, or the last if sooner)."""
+        taken = getattr(self.runtime, "plan_vs_run", None)
+        if taken is not None:
+            self.runtime.plan_vs_run = None
+            return taken
+        if hasattr(self.runtime, "last_report") or index + 1 != min(3, self.last_step):
+            return None
+        from fivefold.parallel.report import format_rows, record, stage_rows
+
+        timed = meter.seconds / meter.steps if meter.steps else step_s
+        rows, note = stage_rows(self.runtime, step_s=timed)
+        self.console.print(format_rows(self.recipe.plan.describe(), rows, note), markup=False)
+        return record(rows, note)
 
     def _peak_memory(self) -> int:
         return self.runtime.peak_memory_bytes() or self.cpu_peak.peak_bytes
@@ -495,7 +529,14 @@ def train(
     """Train `run` to `train.steps` (resuming per `train.resume`); returns the summary. Rank 0
     prints. A run whose newest checkpoint is already at its last step prints one line saying so
     and returns a summary with no losses (stop_reason "already_complete")."""
-    with stop_on_signals() as stop:
+    from fivefold.parallel.threads import configure_threads
+
+    configure_threads()
+    stop = StopRequest()
+    # Set-up on N ranks: a signal ends the process at once (nothing to save yet; a rank may be
+    # blocked in C++ where no handler runs). `fit` installs the graceful handlers.
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    with die_on_signals() if distributed else contextlib.nullcontext():
         runtime = runtime or make_runtime(run.recipe)
         try:
             summary = _train(run, runtime, console, stop)
@@ -518,7 +559,8 @@ def _train(
     prediction, why_not = planner_prediction(run) if runtime.is_main else (None, "")
     if runtime.is_main:
         print_header(trainer, prediction, why_not)
-    summary = trainer.fit()
+    with stop_on_signals(trainer.stop):  # Ctrl-C: stop after a step, with a checkpoint
+        summary = trainer.fit()
     summary.prediction = prediction
     if runtime.is_main:
         print_footer(trainer, summary)

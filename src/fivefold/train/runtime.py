@@ -46,6 +46,11 @@ class LocalRuntime:
         model.to_empty(device=self.device)
         model.init_weights(seed=train.seed)
         apply_recompute(model, recipe.plan.recompute)
+        if train.compile:
+            from fivefold.parallel.compile import apply_compile, check_compiler
+
+            check_compiler(self.device)
+            apply_compile(model)
         self.model = model
         self.model_parts: list[nn.Module] = [model]
         self._recorded_peak_bytes = 0
