@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from fivefold.model import build_model
+from fivefold.parallel.checkpointing import apply_recompute
 from fivefold.planner.memory import MemoryOptions, layer_activation_bytes
 from fivefold.spec.plan import ParallelPlan
 from fivefold.spec.presets import MODEL_PRESETS
-from fivefold.train.recompute import apply_recompute
 
 EAGER = MemoryOptions(runtime="fivefold-eager")
 
