@@ -166,7 +166,7 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     b.add_argument(
         "--out",
         metavar="PATH",
-        help="search: where to write the chosen layout as a recipe "
+        help="search: where to write the chosen layout as a recipe, in an existing directory "
         "(default plan-<model>-<gpus>gpu.toml)",
     )
     b.add_argument("--no-out", action="store_true", help="search: do not write a recipe")
