@@ -120,10 +120,10 @@ def _measure_cp(
     rank: int, world: int, seq_len: int, docs: str, doc_len: int, with_time: bool
 ) -> dict:
     """One rank of a CP case (`DistributedRuntime` shards the full batch itself)."""
-    from fivefold.parallel.runtime import DistributedRuntime
+    from fivefold.train.runtime import distributed_runtime
 
     recipe = recipe_for(seq_len, cp=world)
-    runtime = DistributedRuntime(recipe)
+    runtime = distributed_runtime(recipe)
     batch = batch_for(seq_len, recipe.model.vocab, docs, doc_len)
     peak, seconds = measured_step(runtime, batch, with_time)
     row = _row(runtime, world, docs, peak, seconds)
