@@ -141,9 +141,9 @@ def measure(world: int, root: str, repeats: int) -> dict:
     if world == 1:
         runtime = LocalRuntime(recipe)
     else:
-        from fivefold.parallel.runtime import DistributedRuntime
+        from fivefold.train.runtime import distributed_runtime
 
-        runtime = DistributedRuntime(recipe)
+        runtime = distributed_runtime(recipe)
     optimizer = build_optimizer(runtime.model_parts, parse_train_config(recipe).train)
     runtime.train_step(_batch(recipe, runtime.dp_rank, runtime.dp_size))
     optimizer.step()

@@ -7,14 +7,23 @@ import math
 import pytest
 import torch
 
+from attention_reference import (
+    DenseReferenceCore,
+    dense_reference_attention,
+    packed_doc_ids,
+    positions_from_docs,
+)
 from fivefold.errors import ConfigError
 from fivefold.model import (
-    AttentionContext,
     AttentionCore,
+    Block,
+    Chunk,
+    DocumentLayout,
+    Span,
     apply_rope,
-    attention_mask,
     build_model,
     cross_entropy_loss,
+    document_blocks,
     init_module_weights,
     rope_cos_sin,
 )
@@ -122,16 +131,22 @@ def test_shrunk_variants_keep_structure():
     assert model.layers["1"].moe.shared_expert is not None
 
 
-# ---- masking --------------------------------------------------------------------------------
-def test_attention_mask_for_context_parallel_blocks():
-    # q holds global tokens 2 and 3, k holds 0..3; documents: [0, 0, 1, 1].
-    docs = torch.tensor([[0, 0, 1, 1]])
-    mask = attention_mask(torch.tensor([2, 3]), torch.arange(4), docs[:, 2:], docs)
-    expected = torch.tensor([[False, False, True, False], [False, False, True, True]])
-    assert mask.shape == (1, 1, 2, 4)
-    assert torch.equal(mask[0, 0], expected)
-    causal_only = attention_mask(torch.tensor([1]), torch.arange(4))
-    assert torch.equal(causal_only[0, 0, 0], torch.tensor([True, True, False, False]))
+# ---- attention over documents ------------------------------------------------------------------
+def test_document_blocks_for_context_parallel_chunks():
+    # one row, documents [0, 3) and [3, 8); queries hold global tokens 4..7 at local 0..3,
+    # keys hold global 0..3 (at local 0) and 4..7 (at local 4)
+    docs = DocumentLayout(torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1]]), 1, 8)
+    blocks = document_blocks([Chunk(0, 4, 4)], [Chunk(0, 0, 4), Chunk(4, 4, 4)], docs)
+    rows = slice(0, 1)
+    assert blocks == [
+        Block(slice(0, 4), slice(0, 4), (Span(rows, slice(0, 4), slice(3, 4), False),)),
+        Block(slice(0, 4), slice(4, 8), (Span(rows, slice(0, 4), slice(0, 4), True),)),
+    ]
+    # keys after the queries give no block; identical rows share one span
+    two = DocumentLayout(torch.tensor([[0, 0, 1, 1]] * 2), 2, 4)
+    assert document_blocks([Chunk(0, 0, 2)], [Chunk(2, 2, 2)], two) == []
+    whole = document_blocks([Chunk(0, 0, 4)], [Chunk(0, 0, 4)], two)
+    assert [s.rows for s in whole[0].spans] == [slice(0, 2)] * 2
 
 
 def test_core_matches_explicit_softmax_with_gqa_and_documents():
@@ -139,7 +154,7 @@ def test_core_matches_explicit_softmax_with_gqa_and_documents():
     q = torch.randn(2, 4, 6, 8)
     k, v = torch.randn(2, 2, 6, 8), torch.randn(2, 2, 6, 8)
     docs = torch.tensor([[0, 0, 0, 1, 1, 1], [0, 1, 1, 1, 2, 2]])
-    out = AttentionCore()(q, k, v, AttentionContext(torch.arange(6).expand(2, 6), docs))
+    out = AttentionCore()(q, k, v, DocumentLayout(docs, 2, 6))
     expected = torch.empty_like(out)
     for b in range(2):
         for h in range(4):
@@ -151,6 +166,132 @@ def test_core_matches_explicit_softmax_with_gqa_and_documents():
                         scores[i, j] = -math.inf
             expected[b, h] = torch.softmax(scores, dim=-1) @ v[b, kv]
     torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-5)
+
+
+DOC_CASES = {
+    "packed": lambda g: packed_doc_ids(3, 48, g),
+    "packed-rows-alike": lambda g: packed_doc_ids(1, 48, g).expand(3, 48),
+    "one-document": lambda g: torch.zeros(3, 48, dtype=torch.long),
+    "no-doc-ids": lambda g: None,
+}
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2, 1])  # GQA groups 1, 2, 4
+@pytest.mark.parametrize("case", list(DOC_CASES))
+def test_core_equals_dense_mask_reference_with_gradients(case, kv_heads):
+    g = torch.Generator().manual_seed(5)
+    docs = DOC_CASES[case](g)
+    shapes = [(3, 48, heads, 16) for heads in (4, kv_heads, kv_heads)]  # [B, T, H, Dh] memory
+    inputs = [torch.randn(*shape, generator=g) for shape in shapes]
+    dout = torch.randn(3, 4, 48, 16, generator=g)
+
+    def run(fn):
+        leaves = [x.clone().requires_grad_() for x in inputs]
+        out = fn(*(x.transpose(1, 2) for x in leaves))
+        out.backward(dout)
+        return [out.detach()] + [x.grad for x in leaves]
+
+    layout = None if docs is None else DocumentLayout(docs, 3, 48)
+    got = run(lambda q, k, v: AttentionCore()(q, k, v, layout))
+    want = run(lambda q, k, v: dense_reference_attention(q, k, v, docs))
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
+        torch.testing.assert_close(a, b, atol=2e-6, rtol=1e-5, msg=name)
+
+
+def test_model_equals_dense_mask_reference_model():
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, 128, (2, 40), generator=g)
+    docs = packed_doc_ids(2, 40, g, p=0.1)
+    positions = positions_from_docs(docs)
+    model, reference = make(TINY), make(TINY)
+    for block in reference.layers.values():
+        block.attention.core = DenseReferenceCore()
+    results = []
+    for m in (model, reference):
+        logits = m(tokens, positions, docs)
+        cross_entropy_loss(logits, tokens).backward()
+        results.append((logits, {n: p.grad for n, p in m.named_parameters()}))
+    (logits, grads), (ref_logits, ref_grads) = results
+    torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=1e-5)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, ref_grads[name], atol=1e-5, rtol=1e-5, msg=name)
+
+
+def _saved_bytes_of_attention(docs: torch.Tensor | None) -> tuple[int, int]:
+    """(bytes autograd saves for one attention layer, counting each storage once; the same
+    counting every saved tensor separately) excluding parameters."""
+    model = make(TINY)
+    attention = model.layers["0"].attention
+    x = torch.randn(2, 24, 32, requires_grad=True)
+    rope = rope_cos_sin(torch.arange(24).expand(2, 24), 8, 10_000.0)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+    total = [0]
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen[storage.data_ptr()] = storage.nbytes()
+            total[0] += storage.nbytes()
+        return t
+
+    layout = None if docs is None else DocumentLayout(docs, 2, 24)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        attention(x, rope, layout).sum().backward()
+    return sum(seen.values()), total[0]
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_attention_saves_each_tensor_once(packed):
+    # hand count, fp32, B=2 T=24 D=32 Hq=4 Hkv=2 Dh=8: the input x (read by wq, wk, wv), cos and
+    # sin, rotated q and k, v, the attention output (= the input of wo) and its fp32 LSE
+    docs = torch.tensor([[0] * 10 + [1] * 14] * 2) if packed else None
+    unique, total = _saved_bytes_of_attention(docs)
+    b, t = 2, 24
+    expected = 4 * b * t * (32 + 2 * 8 + 4 * 8 + 2 * 2 * 8 + 4 * 8) + 4 * b * 4 * t
+    assert unique == expected
+    assert total >= unique  # several saves of one storage are fine; copies are not
+
+
+def test_cuda_varlen_path_forward_shapes_under_fake_tensors():
+    # no GPU here: FakeTensorMode runs the CUDA branch (varlen_attn) for shapes and dtypes only
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    docs = DocumentLayout(torch.tensor([[0] * 5 + [1] * 11, [0] * 16]), 2, 16)
+    assert docs.row_groups == ((slice(0, 1), (0, 5)), (slice(1, 2), (0,)))  # read on the host
+    offsets, longest = docs.cu_seqlens(torch.device("cpu"))
+    assert offsets.tolist() == [0, 5, 16, 32] and longest == 16
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        q = torch.randn(2, 16, 4, 8, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+        kv = torch.randn(2, 16, 2, 8, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+        out = AttentionCore()(q, kv, kv, docs)
+        cu_seqlens, max_len = docs.cu_seqlens(q.device)
+    assert out.shape == (2, 4, 16, 8) and out.dtype == torch.bfloat16
+    assert out.device.type == "cuda" and out.transpose(1, 2).is_contiguous()
+    assert cu_seqlens.dtype == torch.int32 and cu_seqlens.shape == (4,) and max_len == 16
+
+
+def test_rope_tables_and_document_layout_are_built_once_per_forward(monkeypatch):
+    import fivefold.model.attention as attention_module
+    import fivefold.model.transformer as transformer_module
+
+    calls = {"rope": 0, "host": 0}
+    real_rope, real_groups = transformer_module.rope_cos_sin, attention_module._row_groups
+
+    def counting_rope(*args):
+        calls["rope"] += 1
+        return real_rope(*args)
+
+    def counting_groups(*args):
+        calls["host"] += 1
+        return real_groups(*args)
+
+    monkeypatch.setattr(transformer_module, "rope_cos_sin", counting_rope)
+    monkeypatch.setattr(attention_module, "_row_groups", counting_groups)
+    model = make(TINY.with_(layers=4))
+    docs = torch.tensor([[0] * 10 + [1] * 6])
+    model(torch.randint(0, 128, (1, 16)), positions_from_docs(docs), docs).sum().backward()
+    assert calls == {"rope": 1, "host": 1}
 
 
 def test_document_mask_isolates_documents():

@@ -172,3 +172,43 @@ def test_moe_model_overfits():
         losses.append(loss.item())
     assert losses[0] == pytest.approx(math.log(128), abs=0.1)
     assert losses[-1] < 0.3 * losses[0]
+
+
+def _looped_swiglu(x, w1, w2, w3, counts):
+    """The reference: one SwiGLU per expert over its group, in a Python loop."""
+    outputs = []
+    for expert, group in enumerate(torch.split(x, counts.tolist())):
+        hidden = torch.nn.functional.silu(group @ w1[expert].T) * (group @ w3[expert].T)
+        outputs.append(hidden @ w2[expert].T)
+    return torch.cat(outputs)
+
+
+@pytest.mark.parametrize(
+    "counts,dim,hidden",
+    [([3, 1, 4, 2], 8, 16), ([3, 0, 5, 2], 8, 16), ([0, 0, 10, 0], 8, 16), ([3, 0, 5, 2], 6, 10)],
+)
+def test_grouped_swiglu_equals_the_expert_loop(counts, dim, hidden):
+    from fivefold.model.moe import grouped_swiglu
+
+    g = torch.Generator().manual_seed(0)
+    counts = torch.tensor(counts)
+    experts, rows = len(counts), int(counts.sum())
+    leaves = [
+        torch.randn(rows, dim, generator=g),
+        torch.randn(experts, hidden, dim, generator=g),
+        torch.randn(experts, dim, hidden, generator=g),
+        torch.randn(experts, hidden, dim, generator=g),
+    ]
+    grad_out = torch.randn(rows, dim, generator=g)
+    results = []
+    for fn in (grouped_swiglu, _looped_swiglu):
+        inputs = [t.clone().requires_grad_() for t in leaves]
+        out = fn(*inputs, counts)
+        out.backward(grad_out)
+        results.append([out, *(t.grad for t in inputs)])
+    for got, expected in zip(*results, strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    # a broadcast gradient (of a sum) is accepted too
+    inputs = [t.clone().requires_grad_() for t in leaves]
+    grouped_swiglu(*inputs, counts).sum().backward()
+    assert inputs[1].grad.shape == leaves[1].shape

@@ -82,9 +82,9 @@ class Trainee:
 
             self.runtime = LocalRuntime(self.recipe)
         else:
-            from fivefold.parallel.runtime import DistributedRuntime
+            from fivefold.train.runtime import distributed_runtime
 
-            self.runtime = DistributedRuntime(self.recipe)
+            self.runtime = distributed_runtime(self.recipe)
         self.optimizer = build_optimizer(self.runtime.model_parts, self.cfg)
         self.scheduler = build_scheduler(self.optimizer, self.cfg)
         self.step = 0

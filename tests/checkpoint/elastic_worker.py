@@ -34,9 +34,10 @@ def main() -> None:
     torch.set_num_threads(1)
     from ckpt_workers import Trainee, global_batch, rank_micro_batches
 
-    from fivefold.checkpoint.elastic import collective_guard, restart_count, should_resume
+    from fivefold.checkpoint.elastic import should_resume
+    from fivefold.parallel.process_group import collective_guard, restart_count
 
-    # DistributedRuntime creates the process group (fivefold.checkpoint.elastic's, namespaced by
+    # DistributedRuntime creates the process group (fivefold.parallel.process_group's, namespaced by
     # restart attempt) and destroys it in close().
     world = int(os.environ["WORLD_SIZE"])
     rank = int(os.environ["RANK"])

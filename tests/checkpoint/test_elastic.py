@@ -15,6 +15,7 @@ from ckpt_harness import run_ranks
 
 from fivefold.checkpoint import elastic
 from fivefold.errors import ConfigError, TrainingError
+from fivefold.parallel import process_group
 
 HERE = Path(__file__).parent
 
@@ -32,26 +33,26 @@ HERE = Path(__file__).parent
     ],
 )
 def test_should_resume(monkeypatch, setting, restarts, has_valid, expected):
-    monkeypatch.setenv(elastic.RESTART_COUNT_ENV, restarts)
+    monkeypatch.setenv(process_group.RESTART_COUNT_ENV, restarts)
     assert elastic.should_resume(setting, has_valid) is expected
 
 
 def test_resume_setting_and_timeout_errors(monkeypatch):
     with pytest.raises(ConfigError, match=r"train\.resume = 'sometimes'"):
         elastic.resume_mode("sometimes")
-    monkeypatch.setenv(elastic.PG_TIMEOUT_ENV, "-3")
+    monkeypatch.setenv(process_group.PG_TIMEOUT_ENV, "-3")
     with pytest.raises(ConfigError, match="FIVEFOLD_PG_TIMEOUT_S = '-3'"):
-        elastic.pg_timeout_s()
-    monkeypatch.setenv(elastic.PG_TIMEOUT_ENV, "45")
-    assert elastic.pg_timeout_s() == 45.0
+        process_group.pg_timeout_s()
+    monkeypatch.setenv(process_group.PG_TIMEOUT_ENV, "45")
+    assert process_group.pg_timeout_s() == 45.0
 
 
 def test_collective_errors_become_messages(monkeypatch):
     monkeypatch.setenv("RANK", "3")
     lost = pytest.raises(TrainingError, match="rank 3: step 7 lost its connection")
-    with lost, elastic.collective_guard("step 7"):
+    with lost, process_group.collective_guard("step 7"):
         raise RuntimeError("[gloo] Connection closed by peer [127.0.0.1]:1234")
-    with pytest.raises(ValueError, match="unrelated"), elastic.collective_guard("step 7"):
+    with pytest.raises(ValueError, match="unrelated"), process_group.collective_guard("step 7"):
         raise ValueError("unrelated")
 
 
@@ -61,13 +62,13 @@ def stuck_rank(rank: int, world: int, timeout_s: float) -> dict:
     import torch
     import torch.distributed as dist
 
-    os.environ[elastic.PG_TIMEOUT_ENV] = str(timeout_s)
+    os.environ[process_group.PG_TIMEOUT_ENV] = str(timeout_s)
     if rank == 1:
         time.sleep(timeout_s + 2.0)  # long enough to be stuck, short enough for CI
         return {"rank": 1}
     start = time.monotonic()
     try:
-        with elastic.collective_guard("step 12 (gradient all-reduce)"):
+        with process_group.collective_guard("step 12 (gradient all-reduce)"):
             dist.all_reduce(torch.ones(4))
     except TrainingError as err:
         return {"rank": 0, "message": str(err), "waited_s": time.monotonic() - start}

@@ -193,6 +193,7 @@ class ParityCase:
     plan: dict
     model: str = "parity"  # a key of MODELS
     steps: int = 10
+    compile: bool = False  # train.compile, here and in its single-process reference
 
     @property
     def world(self) -> int:
@@ -244,16 +245,18 @@ def recipe_dict(case: ParityCase) -> dict:
     return {
         "model": dict(MODELS[case.model]),
         "plan": plan,
-        "train": {**TRAIN, "steps": case.steps},
+        "train": {**TRAIN, "steps": case.steps, "compile": case.compile},
     }
 
 
 def reference_key(case: ParityCase) -> tuple:
-    """Cases that share a reference: same model, steps and micro-batch grouping (the grouping
-    matters only to MoE models, whose load-balancing loss is per global micro-batch)."""
+    """Cases that share a reference: same model, steps, micro-batch grouping (the grouping
+    matters only to MoE models, whose load-balancing loss is per global micro-batch) and
+    train.compile."""
     dp = case.plan.get("dp_replicate", 1) * case.plan.get("dp_shard", 1)
     moe = "moe" in case.model
-    return (case.model, case.steps, case.plan.get("grad_accum", 1), dp if moe else None)
+    grouping = (case.plan.get("grad_accum", 1), dp if moe else None)
+    return (case.model, case.steps, *grouping, case.compile)
 
 
 def synthetic_global_batch(step: int, vocab: int, seq_len: int, rows: int = GLOBAL_BATCH):
@@ -362,7 +365,10 @@ def reference_run(rd: dict, steps: int, dp_size: int, grad_accum: int) -> dict:
     runtime = LocalRuntime(recipe)
     out = _train(runtime, recipe, steps, lambda b: global_micro_batches(b, dp_size, grad_accum))
     # named_parameters lists a tied weight once, under its first name, as the parallel run does
-    out["params"] = {k: v.detach().clone() for k, v in runtime.model.named_parameters()}
+    from fivefold.model.init import canonical_fqn
+
+    params = runtime.model.named_parameters()
+    out["params"] = {canonical_fqn(k): v.detach().clone() for k, v in params}
     return out
 
 
@@ -382,11 +388,11 @@ def full_parameters(runtime) -> dict:
 
 def parallel_run(rd: dict, steps: int, world: int) -> dict:
     """One rank of the layout: train `steps` steps, then gather the full parameters."""
-    from fivefold.parallel.runtime import DistributedRuntime
     from fivefold.spec.recipe import recipe_from_dict
+    from fivefold.train.runtime import distributed_runtime
 
     recipe = recipe_from_dict(rd, default_world=world)
-    runtime = DistributedRuntime(recipe)
+    runtime = distributed_runtime(recipe)
     plan = recipe.plan
     out = _train(
         runtime,
@@ -435,13 +441,21 @@ def reference_for(case: ParityCase) -> dict:
     if key not in _REFERENCES:
         dp = case.plan.get("dp_replicate", 1) * case.plan.get("dp_shard", 1)
         (_REFERENCES[key],) = run_ranks(
-            1, reference_run, recipe_dict(case), case.steps, dp, case.plan.get("grad_accum", 1)
+            1,
+            reference_run,
+            recipe_dict(case),
+            case.steps,
+            dp,
+            case.plan.get("grad_accum", 1),
+            timeout_s=600.0 if case.compile else 180.0,
         )
     return _REFERENCES[key]
 
 
 def run_parity(case: ParityCase, timeout_s: float = 240.0) -> ParityResult:
-    """Run `case` on its ranks and measure its deviations from the single-process run."""
+    """Run `case` on its ranks and measure its deviations from the single-process run (compiled
+    cases get 600 s: each rank compiles its blocks, cold, on shared cores)."""
+    timeout_s = max(timeout_s, 600.0) if case.compile else timeout_s
     reference = reference_for(case)
     start = time.monotonic()
     ranks = run_ranks(
@@ -497,11 +511,11 @@ def assert_parity(case: ParityCase) -> ParityResult:
 
 def mixed_precision_run(rd: dict, steps: int, world: int) -> dict:
     """One rank: train, then report the parameters' dtypes and the dtype forward computed in."""
-    from fivefold.parallel.runtime import DistributedRuntime
     from fivefold.spec.recipe import recipe_from_dict
+    from fivefold.train.runtime import distributed_runtime
 
     recipe = recipe_from_dict(rd, default_world=world)
-    runtime = DistributedRuntime(recipe)
+    runtime = distributed_runtime(recipe)
     seen = []
     block = runtime.model_parts[0].layers["0"]
     block.attention.wq.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
@@ -520,11 +534,11 @@ def mixed_precision_run(rd: dict, steps: int, world: int) -> dict:
 def eval_and_report_run(rd: dict, world: int) -> dict:
     """One rank: eval_loss and train_step on the same batch at the same weights, three steps
     (the layout report comes after the third), and the global gradient norm."""
-    from fivefold.parallel.runtime import DistributedRuntime
     from fivefold.spec.recipe import recipe_from_dict
+    from fivefold.train.runtime import distributed_runtime
 
     recipe = recipe_from_dict(rd, default_world=world)
-    runtime = DistributedRuntime(recipe)
+    runtime = distributed_runtime(recipe)
     plan = recipe.plan
     batch = synthetic_global_batch(0, recipe.model.vocab, recipe.model.seq_len)
     mine = rank_micro_batches(batch, runtime.dp_rank, runtime.dp_size, plan.grad_accum)

@@ -4,6 +4,8 @@ anything starts, and a real 2-process torchrun of the tiny recipe."""
 from __future__ import annotations
 
 import json
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +16,7 @@ from fivefold.cli.main import main
 from fivefold.errors import ConfigError
 from fivefold.parallel import launch
 from fivefold.parallel.launch import launch_local, torchrun_command
+from fivefold.train.entry import check_layout
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 RECIPE = str(CONFIGS / "small-dp2-tp2-pp2.toml")
@@ -60,16 +63,21 @@ def test_slurm_refuses_a_plan_that_does_not_fill_the_allocation(capsys) -> None:
     assert "Traceback" not in err
 
 
-def test_launch_local_checks_the_layout_before_starting() -> None:
+def test_launchers_check_the_layout_before_starting(capsys) -> None:
     with pytest.raises(ConfigError, match="16"):
-        launch_local(16, RECIPE, [])
+        check_layout(RECIPE, [], 16)
     with pytest.raises(ConfigError, match="tied_embeddings"):
-        launch_local(8, RECIPE, ["model.tied_embeddings=true"])
+        check_layout(RECIPE, ["model.tied_embeddings=true"], 8)
+    for extra, needle in (([], "16"), (["model.tied_embeddings=true"], "tied_embeddings")):
+        world = "16" if needle == "16" else "8"
+        code = main(["launch", RECIPE, *extra, "--nproc", world])
+        err = capsys.readouterr().err
+        assert code == 2 and needle in err and "Traceback" not in err
 
 
-def test_torchrun_command_is_this_python_running_the_train_module() -> None:
+def test_torchrun_command_is_this_python_running_the_agent_and_train_module() -> None:
     cmd = torchrun_command(4, "r.toml", ["plan.tp=2"])
-    assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert cmd[:3] == [sys.executable, "-m", "fivefold.parallel.agent"]
     assert "--standalone" in cmd and "--nproc-per-node=4" in cmd
     assert "--max-restarts=0" in cmd  # no restart unless asked
     assert cmd[-4:] == ["-m", "fivefold.train", "r.toml", "plan.tp=2"]
@@ -86,14 +94,14 @@ def test_slurm_script_takes_max_restarts(capsys) -> None:
 
 
 class RecordedRun:
-    """Stands in for subprocess.run: records the command instead of starting torchrun."""
+    """Stands in for run_supervised: records the command instead of starting torchrun."""
 
     def __init__(self) -> None:
         self.commands: list[list[str]] = []
 
-    def __call__(self, command, env=None):
+    def __call__(self, command, env=None) -> int:
         self.commands.append(list(command))
-        return subprocess.CompletedProcess(command, 0)
+        return 0
 
 
 @pytest.mark.parametrize(
@@ -111,10 +119,10 @@ def test_max_restarts_reaches_the_torchrun_command(
     monkeypatch, cli_args, expected_nproc, expected_restarts
 ) -> None:
     recorded = RecordedRun()
-    monkeypatch.setattr(launch.subprocess, "run", recorded)
+    monkeypatch.setattr(launch, "run_supervised", recorded)
     assert main(cli_args) == 0
     (command,) = recorded.commands
-    assert command[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert command[:3] == [sys.executable, "-m", "fivefold.parallel.agent"]
     assert f"--nproc-per-node={expected_nproc}" in command
     assert [a for a in command if a.startswith("--max-restarts")] == [
         f"--max-restarts={expected_restarts}"
@@ -152,3 +160,99 @@ def test_train_nproc_2_runs_torchrun_end_to_end(tmp_path) -> None:
     losses = [json.loads(line)["loss"] for line in lines]
     assert len(losses) == 3
     assert all(0.0 < loss < 9.0 for loss in losses)  # ln(4096) = 8.3 at the start
+
+
+# ---- the sbatch script: nothing a user types reaches a shell or directive unchecked ----------
+SBATCH_VALUE = re.compile(r"[A-Za-z0-9._%:,=/-]+")
+
+
+def sbatch_directives(script: str) -> dict[str, str]:
+    """The `#SBATCH --key=value` lines of a script, parsed as sbatch reads them (directives end
+    at the first line that is neither a comment nor blank); every value must be one plain word
+    (no quotes, spaces, ';', '$' or backquotes)."""
+    out = {}
+    for line in script.splitlines()[1:]:
+        if line and not line.startswith("#"):
+            break
+        if not line.startswith("#SBATCH"):
+            continue
+        match = re.fullmatch(r"#SBATCH --([a-z-]+)(?:=(.*))?", line)
+        assert match, f"malformed directive: {line!r}"
+        value = match.group(2) or ""
+        assert not value or SBATCH_VALUE.fullmatch(value), f"unsafe value: {line!r}"
+        out[match.group(1)] = value
+    return out
+
+
+def _slurm(capsys, *args: str) -> tuple[int, str, str]:
+    code = main(["launch", "--slurm", *args])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def _bash_n(script: str, tmp_path: Path) -> None:
+    path = tmp_path / "job.sbatch"
+    path.write_text(script)
+    result = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "needle"),
+    [
+        ("--job-name", 'x"; touch f; echo "', "--job-name"),
+        ("--job-name", "a b", "--job-name"),
+        ("--job-name", "x\n#SBATCH --account=theirs", "--job-name"),
+        ("--time", "abc", "--time 'abc'"),
+        ("--time", "04:00:00; rm -rf /", "--time"),
+        ("--partition", "gpu --account=x", "--partition"),
+        ("--partition", "$(id)", "--partition"),
+    ],
+)
+def test_slurm_refuses_hostile_values(capsys, option, value, needle) -> None:
+    code, out, err = _slurm(capsys, "--gpus-per-node", "8", option, value, RECIPE)
+    assert code == 2 and out == ""
+    assert needle in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("time", ["90", "30:00", "04:00:00", "2-00", "2-12:30", "1-00:00:00"])
+def test_slurm_accepts_every_sbatch_time_format(capsys, time, tmp_path) -> None:
+    code, out, _ = _slurm(capsys, "--gpus-per-node", "8", "--time", time, RECIPE)
+    assert code == 0
+    assert sbatch_directives(out)["time"] == time
+    _bash_n(out, tmp_path)
+
+
+def test_slurm_quotes_hostile_paths_and_overrides(capsys, tmp_path) -> None:
+    """A recipe path and an override holding shell syntax stay single words in the script."""
+    hostile_dir = tmp_path / "a b;$(touch pwned)`id`"
+    hostile_dir.mkdir()
+    recipe = hostile_dir / "r.toml"
+    recipe.write_text(Path(RECIPE).read_text())
+    code, out, err = _slurm(capsys, "--gpus-per-node", "8", str(recipe), 'train.name="x; y"')
+    assert code == 0, err
+    _bash_n(out, tmp_path)
+    directives = sbatch_directives(out)
+    assert directives["job-name"] == "fivefold-x-y"  # the default name, made safe
+    assert directives["output"] == "fivefold-x-y-%j.out"
+    command = out.split("--rdzv-endpoint", 1)[1].splitlines()[1].strip()
+    assert shlex.split(command)[-4:] == ["-m", "fivefold.train", str(recipe), 'train.name="x; y"']
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_slurm_runs_this_python_and_sizes_nodes_from_the_recipe(capsys, tmp_path) -> None:
+    code, out, _ = _slurm(capsys, str(CONFIGS / "llama3-8b-dgx-h100.toml"))  # 64 GPUs, 8/node
+    assert code == 0
+    directives = sbatch_directives(out)
+    assert directives["nodes"] == "8" and directives["gpus-per-node"] == "8"
+    assert f"srun --kill-on-bad-exit=1 {shlex.quote(sys.executable)} -m torch" in out
+    assert "srun --kill-on-bad-exit=1 python " not in out
+    _bash_n(out, tmp_path)
+
+
+def test_slurm_refuses_a_planner_only_recipe(capsys, tmp_path) -> None:
+    recipe = tmp_path / "plan-only.toml"
+    recipe.write_text('[model]\npreset = "tiny"\n[plan]\ntp = 2\n')
+    code, out, err = _slurm(capsys, "--gpus-per-node", "2", str(recipe))
+    assert code == 2 and out == ""
+    assert "no [train] or [data] section" in err

@@ -7,7 +7,6 @@ from harness import run_ranks
 
 from fivefold.errors import ConfigError
 from fivefold.parallel.mesh import AXES, ParallelDims
-from fivefold.parallel.parallelize import check_supported
 from fivefold.spec.plan import ParallelPlan
 from fivefold.spec.presets import model_preset
 
@@ -41,12 +40,13 @@ def test_hsdp_dp_rank_puts_replicate_outside_shard() -> None:
 
 
 def test_refuses_tied_embeddings_with_pipeline_and_tp_with_moe() -> None:
+    """The runtime's refusals are the plan's validation (one set of rules)."""
     tied = model_preset("tiny").with_(tied_embeddings=True, layers=4)
     with pytest.raises(ConfigError, match="tied_embeddings"):
-        check_supported(tied, ParallelPlan(pp=2))
-    with pytest.raises(ConfigError, match=r"plan\.ep to shard the experts"):
-        check_supported(model_preset("tiny-moe"), ParallelPlan(tp=2))
-    check_supported(tied, ParallelPlan(tp=2))  # tied + TP is fine
+        ParallelPlan(pp=2).validate(tied)
+    with pytest.raises(ConfigError, match=r"shard the\s+experts with plan\.ep"):
+        ParallelPlan(tp=2).validate(model_preset("tiny-moe"))
+    ParallelPlan(tp=2).validate(tied)  # tied + TP is fine
 
 
 def _mesh_groups(dims: ParallelDims) -> dict:

@@ -5,11 +5,12 @@ from pathlib import Path
 
 import pytest
 
-from fivefold.cli.cmd_plan import default_ffn, parse_fraction, parse_size
+from fivefold.cli.cmd_plan import parse_fraction, parse_size
 from fivefold.cli.main import main
 from fivefold.errors import ConfigError
 from fivefold.planner.estimate import estimate
 from fivefold.spec import cluster_preset, load_recipe, model_preset
+from fivefold.spec.model import default_ffn
 
 STABLE = ("fits", "step_time_s", "tokens_per_s", "mfu", "hfu", "bubble_fraction", "plan")
 MEMORY = ("params", "grads", "optimizer", "activations", "other", "total")

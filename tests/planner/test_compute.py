@@ -115,3 +115,25 @@ def test_optimizer_step_is_memory_bound():
     plan = ParallelPlan(precision="bf16-mixed")
     t = optimizer_step_s(1e9, plan, H100, EFF)
     assert t == pytest.approx(1e9 * (2 * 12 + 2 + 2) / (H100.hbm_bw_bytes_per_s * 0.8))
+
+
+def test_full_recompute_early_stop_skips_each_blocks_last_matmul():
+    """torch's non-reentrant checkpoint does not re-run a block's last matmul (module doc of
+    `early_stop_skipped_flops_per_token`); the FLOP counter check is in tests/test_calibrate.py."""
+    from fivefold.spec.model import early_stop_skipped_flops_per_token
+
+    m = model_preset("tiny")  # dense SwiGLU: w2 is 64 x 176, 2 layers
+    assert early_stop_skipped_flops_per_token(m) == 2 * (2 * 64 * 176)
+    full = training_flops_per_token(m, recompute="full")
+    early = training_flops_per_token(m, recompute="full", early_stop=True)
+    assert full - early == pytest.approx(2 * 2 * 64 * 176)
+    moe = model_preset("tiny-moe")  # the shared expert's w2 is the last matmul of a MoE block
+    skipped = moe.dense_layers * 2 * moe.hidden * moe.ffn
+    skipped += moe.moe_layers * 2 * moe.hidden * moe.shared_experts * moe.expert_ffn
+    assert early_stop_skipped_flops_per_token(moe) == skipped
+    assert early_stop_skipped_flops_per_token(moe.with_(shared_experts=0)) == (
+        moe.dense_layers * 2 * moe.hidden * moe.ffn
+    )
+    assert training_flops_per_token(m, recompute="selective", early_stop=True) == (
+        training_flops_per_token(m, recompute="selective")
+    )

@@ -11,10 +11,16 @@ the weights map one to one, with no permutation of the query/key rows (both use 
     norm.weight                           model.norm.weight
     output.weight                         lm_head.weight (absent when embeddings are tied)
 
-Export reads the full tensors from a DCP checkpoint of any layout without a process group.
+Export reads the full tensors from a DCP checkpoint of any layout without a process group and,
+given the run's tokenizer, writes a self-contained directory: `tokenizer.json`,
+`tokenizer_config.json` and `generation_config.json` name the end-of-document token as bos, eos
+and pad (fivefold starts no document with a BOS token; `<|endoftext|>` ends each), so
+`transformers` `generate` stops where a document ends. Every file is written mode 0644.
 Import writes a weights-only fivefold checkpoint (`step_0`) that `fivefold train` resumes from
 with a fresh optimizer. MoE and GELU models have no Llama form and are refused, as are Llama
-configs fivefold cannot reproduce (biases, RoPE scaling, activations other than SiLU).
+configs fivefold cannot reproduce (biases, RoPE scaling other than Llama 3.1's "llama3" type,
+activations other than SiLU) and configs whose two RoPE spellings (`rope_parameters`,
+`rope_theta` + `rope_scaling`) disagree.
 Only `safetensors` is read or written: no pickles.
 """
 
@@ -29,7 +35,11 @@ from fivefold.errors import CheckpointError
 from fivefold.spec.model import ModelSpec
 
 CONFIG_FILE = "config.json"
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
 WEIGHTS_FILE = "model.safetensors"
+FILE_MODE = 0o644  # readable by whoever serves the model (safetensors writes 0600)
 INDEX_FILE = "model.safetensors.index.json"
 _DTYPES = ("fp32", "bf16", "fp16")
 _SHARD_BYTES = 5 * 2**30
@@ -92,10 +102,16 @@ def check_exportable(spec: ModelSpec) -> None:
         raise CheckpointError("cannot export to Hugging Face Llama: " + "; ".join(problems) + ".")
 
 
-def llama_config(spec: ModelSpec, dtype: str = "fp32") -> dict[str, Any]:
-    """The `config.json` of `LlamaForCausalLM` for `spec` (transformers 4.x and 5.x keys)."""
+def llama_config(spec: ModelSpec, dtype: str = "fp32", eod_id: int | None = None) -> dict[str, Any]:
+    """The `config.json` of `LlamaForCausalLM` for `spec` (transformers 4.x and 5.x keys);
+    with the tokenizer's end-of-document id as bos/eos/pad when it is known."""
     torch_dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype]
-    return {
+    special = (
+        {}
+        if eod_id is None
+        else {"bos_token_id": eod_id, "eos_token_id": eod_id, "pad_token_id": eod_id}
+    )
+    return special | {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "vocab_size": spec.vocab,
@@ -107,8 +123,7 @@ def llama_config(spec: ModelSpec, dtype: str = "fp32") -> dict[str, Any]:
         "head_dim": spec.head_dim,
         "max_position_embeddings": spec.seq_len,
         "rms_norm_eps": spec.norm_eps,
-        "rope_theta": spec.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": spec.rope_theta},
+        **_rope_config(spec),
         "hidden_act": "silu",
         "attention_bias": False,
         "mlp_bias": False,
@@ -130,10 +145,8 @@ def spec_from_llama_config(config: dict[str, Any], where: str = CONFIG_FILE) -> 
     for key in ("attention_bias", "mlp_bias"):
         if config.get(key):
             problems.append(f"{key} = true (fivefold has no biases)")
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        problems.append(f"RoPE type {rope_type!r} (fivefold implements the default RoPE only)")
+    rope, rope_problems = _rope_settings(config)
+    problems += rope_problems
     missing = [
         k
         for k in (
@@ -149,32 +162,121 @@ def spec_from_llama_config(config: dict[str, Any], where: str = CONFIG_FILE) -> 
         problems.append(f"missing fields {', '.join(missing)}")
     if problems:
         raise CheckpointError(f"{where} cannot be imported: " + "; ".join(problems) + ".")
-    heads = int(config["num_attention_heads"])
-    theta = rope.get("rope_theta", config.get("rope_theta", 10_000.0))
-    spec = ModelSpec(
-        name=str(config.get("fivefold_model_name", "hf-llama")),
-        layers=int(config["num_hidden_layers"]),
-        hidden=int(config["hidden_size"]),
-        heads=heads,
-        kv_heads=int(config.get("num_key_value_heads") or heads),
-        ffn=int(config["intermediate_size"]),
-        vocab=int(config["vocab_size"]),
-        seq_len=int(config.get("max_position_embeddings", 2048)),
-        tied_embeddings=bool(config.get("tie_word_embeddings", False)),
-        head_dim=int(config.get("head_dim") or config["hidden_size"] // heads),
-        norm_eps=float(config.get("rms_norm_eps", 1e-5)),
-        rope_theta=float(theta),
-    )
+    try:
+        rope = {k: int(v) if k == "rope_original_seq_len" else float(v) for k, v in rope.items()}
+        heads = int(config["num_attention_heads"])
+        spec = ModelSpec(
+            name=str(config.get("fivefold_model_name", "hf-llama")),
+            layers=int(config["num_hidden_layers"]),
+            hidden=int(config["hidden_size"]),
+            heads=heads,
+            kv_heads=int(config.get("num_key_value_heads") or heads),
+            ffn=int(config["intermediate_size"]),
+            vocab=int(config["vocab_size"]),
+            seq_len=int(config.get("max_position_embeddings", 2048)),
+            tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+            head_dim=int(config.get("head_dim") or int(config["hidden_size"]) // heads),
+            norm_eps=float(config.get("rms_norm_eps", 1e-5)),
+            **rope,
+        )
+    except (TypeError, ValueError, ZeroDivisionError) as err:
+        raise CheckpointError(
+            f"{where} cannot be imported: a size or rate is not a number ({err}); fix the "
+            "config's value."
+        ) from None
     if spec.problems():
         raise CheckpointError(f"{where} describes an invalid model: " + " ".join(spec.problems()))
     return spec
 
 
-# ---- export ----------------------------------------------------------------------------------
-def export_hf(checkpoint_dir: Path, out_dir: Path, dtype: str = "fp32") -> dict[str, Any]:
-    """Write `out_dir/config.json` and safetensors from a fivefold checkpoint of any layout.
+_LLAMA3_KEYS = {  # HF key -> ModelSpec field
+    "factor": "rope_scaling_factor",
+    "low_freq_factor": "rope_low_freq_factor",
+    "high_freq_factor": "rope_high_freq_factor",
+    "original_max_position_embeddings": "rope_original_seq_len",
+}
 
-    Returns a summary (model name, parameter count, bytes written, files). No process group.
+
+def _rope_settings(config: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """ModelSpec RoPE fields from a Llama config (transformers 5.x `rope_parameters`, 4.x
+    `rope_theta` + `rope_scaling`), and the problems: a rope type other than default/llama3, a
+    llama3 scaling missing a value, or the two spellings disagreeing."""
+    new = config.get("rope_parameters") or {}
+    old = dict(config.get("rope_scaling") or {})
+    if "rope_theta" in config:
+        old["rope_theta"] = config["rope_theta"]
+    if not isinstance(new, dict) or not isinstance(old, dict):
+        return {}, ["rope_parameters / rope_scaling must be objects"]
+    for settings in (new, old):
+        if "type" in settings and "rope_type" not in settings:
+            settings["rope_type"] = settings.pop("type")
+    conflicts = [
+        f"{key}: rope_parameters says {new[key]!r}, rope_scaling/rope_theta say {old[key]!r}"
+        for key in sorted(set(new) & set(old))
+        if new[key] != old[key]
+    ]
+    if conflicts:
+        return {}, ["conflicting RoPE settings (" + "; ".join(conflicts) + ")"]
+    rope = {**old, **new}
+    rope_type = rope.get("rope_type", "default")
+    out: dict[str, Any] = {"rope_theta": rope.get("rope_theta", 10_000.0)}
+    if rope_type == "default":
+        return out, []
+    if rope_type != "llama3":
+        return out, [f"RoPE type {rope_type!r} (fivefold implements 'default' and 'llama3')"]
+    missing = [key for key in _LLAMA3_KEYS if key not in rope]
+    if missing:
+        return out, [f"llama3 RoPE scaling without {', '.join(missing)}"]
+    out |= {field: rope[key] for key, field in _LLAMA3_KEYS.items()}
+    return out, []
+
+
+def _rope_config(spec: ModelSpec) -> dict[str, Any]:
+    """config.json's RoPE keys for both transformers 4.x and 5.x."""
+    scaling = {}
+    if spec.rope_scaling_factor != 1.0:
+        scaling = {"rope_type": "llama3"} | {
+            key: getattr(spec, field) for key, field in _LLAMA3_KEYS.items()
+        }
+    return {
+        "rope_theta": spec.rope_theta,
+        "rope_scaling": scaling or None,
+        "rope_parameters": {"rope_type": "default", "rope_theta": spec.rope_theta} | scaling,
+    }
+
+
+def tokenizer_files(tokenizer, spec: ModelSpec) -> dict[str, str]:
+    """`tokenizer.json`, `tokenizer_config.json` and `generation_config.json` (file -> text) for
+    a fivefold `TextTokenizer`: its end-of-document token is bos, eos and pad."""
+    eod = tokenizer.eod_id
+    eod_token = tokenizer.backend.id_to_token(eod)
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": eod_token,
+        "eos_token": eod_token,
+        "pad_token": eod_token,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "model_max_length": spec.seq_len,
+        "clean_up_tokenization_spaces": False,
+    }
+    generation = {"bos_token_id": eod, "eos_token_id": eod, "pad_token_id": eod}
+    return {
+        TOKENIZER_FILE: tokenizer.backend.to_str(),
+        TOKENIZER_CONFIG_FILE: json.dumps(tokenizer_config, indent=2) + "\n",
+        GENERATION_CONFIG_FILE: json.dumps(generation, indent=2) + "\n",
+    }
+
+
+# ---- export ----------------------------------------------------------------------------------
+def export_hf(
+    checkpoint_dir: Path, out_dir: Path, dtype: str = "fp32", tokenizer=None
+) -> dict[str, Any]:
+    """Write `out_dir/config.json` and safetensors from a fivefold checkpoint of any layout, and
+    the tokenizer files when `tokenizer` (a `TextTokenizer`) is given.
+
+    Returns a summary (model name, step, parameter count, bytes written, files). No process
+    group. A tokenizer with more tokens than the model's vocabulary is refused.
     """
     import torch
     from safetensors.torch import save_file
@@ -195,16 +297,26 @@ def export_hf(checkpoint_dir: Path, out_dir: Path, dtype: str = "fp32") -> dict[
         if spec.tied_embeddings and fqn == "output.weight":
             continue
         hf[to_hf_name(fqn)] = value.to(cast).contiguous()
+    if tokenizer is not None:
+        tokenizer.check_fits(spec.vocab)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     files = _write_safetensors(hf, out_dir, save_file)
-    (out_dir / CONFIG_FILE).write_text(json.dumps(llama_config(spec, dtype), indent=2) + "\n")
+    eod = tokenizer.eod_id if tokenizer is not None else None
+    texts = {CONFIG_FILE: json.dumps(llama_config(spec, dtype, eod), indent=2) + "\n"}
+    if tokenizer is not None:
+        texts |= tokenizer_files(tokenizer, spec)
+    for name, text in texts.items():
+        (out_dir / name).write_text(text)
+    files = [*texts, *files]
+    for name in files:
+        (out_dir / name).chmod(FILE_MODE)
     return {
         "model": spec.name,
         "step": state.step,
         "parameters": sum(t.numel() for t in hf.values()),
         "bytes": sum((out_dir / f).stat().st_size for f in files),
-        "files": [CONFIG_FILE, *files],
+        "files": files,
     }
 
 

@@ -90,12 +90,18 @@ def read_state(directory: Path) -> TrainingState:
 
 # ---- model spec compatibility --------------------------------------------------------------
 def spec_mismatches(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """`model.<field> = <current> (checkpoint: <saved>)` for every field that differs."""
+    """`model.<field> = <current> (checkpoint: <saved>)` for every field that differs. A field
+    a checkpoint predates (absent from it) counts as its default."""
+    from dataclasses import fields
+
+    from fivefold.spec.model import ModelSpec
+
+    defaults = {f.name: f.default for f in fields(ModelSpec)}
     keys = sorted((set(saved) | set(current)) - set(_SPEC_FIELDS_IGNORED))
     return [
         f"model.{key} = {current.get(key)!r} (checkpoint: {saved.get(key)!r})"
         for key in keys
-        if current.get(key) != saved.get(key)
+        if current.get(key, defaults.get(key)) != saved.get(key, defaults.get(key))
     ]
 
 

@@ -10,13 +10,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "export",
         help="export a checkpoint as a Hugging Face Llama model",
-        description="Write a Hugging Face LlamaForCausalLM directory (config.json + "
-        "model.safetensors, sharded above 5 GiB) from a fivefold checkpoint written under any "
-        "layout and world size; the full tensors are read in this one process (no torchrun). "
-        "CKPT may be a run directory or checkpoint root (its newest valid checkpoint is "
-        "used) or one step_<n> directory. Dense SwiGLU models only (Llama has no MoE and no "
-        "GELU MLP). Load the result with "
-        "`LlamaForCausalLM.from_pretrained(OUT)`.",
+        description="Write a self-contained Hugging Face LlamaForCausalLM directory "
+        "(config.json, model.safetensors sharded above 5 GiB, tokenizer.json, "
+        "tokenizer_config.json and generation_config.json with <|endoftext|> as bos/eos/pad, "
+        "all mode 0644) from a fivefold checkpoint written under any layout and world size; "
+        "the full tensors are read in this one process (no torchrun). CKPT may be a run "
+        "directory or checkpoint root (its newest valid checkpoint is used, and newer corrupt "
+        "ones are named) or one step_<n> directory. The tokenizer is the run's (data.tokenizer "
+        "of its recipe.toml, else the default one) unless --tokenizer names another. Dense "
+        "SwiGLU models only (Llama has no MoE and no GELU MLP). Load the result with "
+        "`AutoModelForCausalLM.from_pretrained(OUT)` and `AutoTokenizer.from_pretrained(OUT)`.",
     )
     parser.add_argument(
         "--hf", required=True, type=Path, metavar="OUT", help="output directory (created)"
@@ -39,13 +42,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--tokenizer",
         type=Path,
         metavar="PATH",
-        help="a tokenizer.json to copy into OUT (e.g. the one `fivefold data tokenizer` wrote)",
+        help="the tokenizer.json to export (default: the run's, from its recipe.toml; e.g. the "
+        "one `fivefold data tokenizer` wrote)",
     )
     parser.set_defaults(handler=_export)
 
 
-def resolve_checkpoint(path: Path) -> Path:
-    """A step directory as given, or the newest valid checkpoint under a run dir / root."""
+def select_checkpoint(path: Path) -> tuple[Path, str]:
+    """(checkpoint, note): a step directory as given, or the newest valid checkpoint under a
+    run dir / root; the note names newer checkpoints that were skipped as corrupt ("" if none)."""
     from fivefold.checkpoint.manifest import MANIFEST_FILE, newest_valid, step_of
     from fivefold.errors import CheckpointError
 
@@ -60,30 +65,61 @@ def resolve_checkpoint(path: Path) -> Path:
                 f"checkpoint {str(path)!r} is not usable: {'; '.join(result.problems)}. Pick "
                 "another one (`fivefold ckpt verify` lists the valid ones)."
             )
-        return path
+        return path, ""
     choice = newest_valid(path)
     if choice.path is None:
         why = f" ({choice.describe_skipped()})" if choice.skipped else ""
         raise CheckpointError(f"--from {str(path)!r} holds no valid checkpoint{why}.")
-    return choice.path
+    note = (
+        f"warning: newer checkpoint(s) are corrupt and were skipped ({choice.describe_skipped()})"
+        f"; exporting the newest valid one, {choice.path.name}. Pass --from "
+        f"{choice.path} to choose it explicitly."
+        if choice.skipped
+        else ""
+    )
+    return choice.path, note
+
+
+def run_tokenizer(checkpoint: Path, vocab: int, explicit: Path | None):
+    """The tokenizer to export: `explicit`, else the one the checkpoint's run trained with
+    (its recipe.toml's data.tokenizer, else the default tokenizer); None if unknown."""
+    from fivefold.spec.recipe import read_toml
+    from fivefold.train.data.tokenizer import default_tokenizer, load_tokenizer
+
+    if explicit is not None:
+        return load_tokenizer(explicit, max_vocab=vocab)
+    recipe = checkpoint.parent.parent / "recipe.toml"
+    if not recipe.is_file():
+        return None
+    data = read_toml(recipe).get("data", {})
+    name = data.get("tokenizer") if isinstance(data, dict) else None
+    if name:
+        return load_tokenizer(Path(name), max_vocab=vocab)
+    return default_tokenizer(max_vocab=vocab)
 
 
 def _export(args: argparse.Namespace) -> int:
-    import shutil
+    import sys
 
     from fivefold.checkpoint.hf import export_hf
-    from fivefold.errors import CheckpointError
+    from fivefold.checkpoint.state import read_state
 
-    source = resolve_checkpoint(args.source)
-    summary = export_hf(source, args.hf, args.dtype)
-    if args.tokenizer is not None:
-        if not args.tokenizer.is_file():
-            raise CheckpointError(f"--tokenizer {str(args.tokenizer)!r} is not a file.")
-        shutil.copyfile(args.tokenizer, args.hf / "tokenizer.json")
-        summary["files"].append("tokenizer.json")
+    source, note = select_checkpoint(args.source)
+    if note:
+        print(note, file=sys.stderr)
+    vocab = int(read_state(source).model_spec["vocab"])
+    tokenizer = run_tokenizer(source, vocab, args.tokenizer)
+    summary = export_hf(source, args.hf, args.dtype, tokenizer)
     print(
         f"exported {source} (model {summary['model']}, step {summary['step']}, "
         f"{summary['parameters']:,} parameters, {args.dtype}) to {args.hf}: "
         f"{', '.join(summary['files'])} ({summary['bytes'] / 2**20:.1f} MiB)"
     )
+    if tokenizer is None:
+        print(
+            f"warning: no tokenizer exported: {source.parent.parent / 'recipe.toml'} does not "
+            "say which one the run used; pass --tokenizer PATH (the run's data.tokenizer) so "
+            "the directory is self-contained.",
+            file=sys.stderr,
+        )
     return 0

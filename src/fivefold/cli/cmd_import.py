@@ -13,11 +13,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Turn a Hugging Face Llama directory (config.json + *.safetensors; no "
         "download, no pickled .bin files) into a weights-only fivefold checkpoint "
         "RUN_DIR/ckpt/step_0 and a recipe RUN_DIR/imported.toml whose [model] section is the "
-        "imported architecture (with train.run_dir = RUN_DIR and train.resume = true). Then "
-        "train from it with any layout: `fivefold train RUN_DIR/imported.toml [overrides]` "
-        "(the run resumes from step_0 with the imported weights and a fresh optimizer, LR "
-        "schedule and data order). Llama models with biases or scaled RoPE (e.g. Llama 3.1's "
-        "'llama3' rope type) are refused because fivefold's model would not reproduce them.",
+        "imported architecture (with train.run_dir = RUN_DIR and train.resume = true) and "
+        "whose [data] section trains with the model's own tokenizer (DIR/tokenizer.json, or "
+        "--tokenizer; copied to RUN_DIR/tokenizer.json) on --shards or --inputs (default: the "
+        "embedded corpus, tokenized with that tokenizer). Shards made with another tokenizer "
+        "are refused. Then train from it with any layout: `fivefold train "
+        "RUN_DIR/imported.toml [overrides]` (the run resumes from step_0 with the imported "
+        "weights and a fresh optimizer, LR schedule and data order). Llama models with biases "
+        "are refused because fivefold's model would not reproduce them.",
     )
     parser.add_argument(
         "--hf", required=True, type=Path, metavar="DIR", help="the Hugging Face model directory"
@@ -36,6 +39,28 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="training sequence length for the recipe (default: the config's "
         "max_position_embeddings)",
     )
+    parser.add_argument(
+        "--tokenizer",
+        type=Path,
+        metavar="PATH",
+        help="the model's tokenizer.json when DIR has none (it must end documents with "
+        "<|endoftext|>, as `fivefold data tokenizer` makes them)",
+    )
+    data = parser.add_mutually_exclusive_group()
+    data.add_argument(
+        "--shards",
+        type=Path,
+        metavar="DIR",
+        help="train on these prepared shards (`fivefold data prepare --tokenizer` with the "
+        "model's tokenizer)",
+    )
+    data.add_argument(
+        "--inputs",
+        type=Path,
+        nargs="+",
+        metavar="FILE",
+        help="train on these .txt/.jsonl files, tokenized with the model's tokenizer",
+    )
     parser.set_defaults(handler=_import)
 
 
@@ -52,7 +77,13 @@ def _import(args: argparse.Namespace) -> int:
         )
     if args.seq_len is not None and args.seq_len < 1:
         raise CheckpointError(f"--seq-len {args.seq_len}: must be a positive number of tokens.")
+    from fivefold.checkpoint.hf import read_hf
+
+    spec, _ = read_hf(args.hf)  # refuses what cannot be imported before anything is written
+    tokenizer = _model_tokenizer(args, spec.vocab)
+    data = _data_section(args, tokenizer, spec.vocab)
     path = import_hf(args.hf, root, seq_len=args.seq_len)
+    kept = tokenizer.save(args.out / "tokenizer.json")
     from fivefold.checkpoint.state import read_state
 
     model = read_state(path).model_spec
@@ -66,13 +97,63 @@ def _import(args: argparse.Namespace) -> int:
         "[train]",
         f"run_dir = {_toml(str(args.out.resolve()))}",
         "resume = true",
+        "",
+        "[data]",
+        f"tokenizer = {_toml(str(kept.resolve()))}  # the model's own: its ids are the weights'",
+        *data,
     ]
     (args.out / "imported.toml").write_text("\n".join(lines) + "\n")
+    trains_on = "the embedded corpus" if not data else "your data"
     print(
         f"imported {args.hf} as {path} (model {model['name']}: {model['layers']} layers, hidden "
-        f"{model['hidden']}, vocab {model['vocab']}); recipe: {args.out / 'imported.toml'}"
+        f"{model['hidden']}, vocab {model['vocab']}); tokenizer: {kept}; recipe: "
+        f"{args.out / 'imported.toml'} (trains on {trains_on} with the model's tokenizer)"
     )
     return 0
+
+
+def _model_tokenizer(args: argparse.Namespace, vocab: int):
+    """The imported model's tokenizer (DIR/tokenizer.json or --tokenizer), checked to fit."""
+    from fivefold.errors import DataError
+    from fivefold.train.data.tokenizer import EOD_TOKEN, load_tokenizer
+
+    path = args.tokenizer or args.hf / "tokenizer.json"
+    if not path.is_file():
+        raise DataError(
+            f"{str(args.hf)!r} has no tokenizer.json: without the model's own tokenizer the "
+            "run would train on token ids that mean nothing to these weights. Pass "
+            "--tokenizer PATH (the tokenizer the model was trained with)."
+        )
+    try:
+        return load_tokenizer(path, max_vocab=vocab)
+    except DataError as err:
+        if EOD_TOKEN not in str(err):
+            raise
+        raise DataError(
+            f"tokenizer {str(path)!r} has no {EOD_TOKEN} token, which fivefold's data pipeline "
+            "ends every document with, so it cannot train this model on new data; pass "
+            "--tokenizer with a tokenizer that has it (e.g. one `fivefold export` wrote)."
+        ) from None
+
+
+def _data_section(args: argparse.Namespace, tokenizer, vocab: int) -> list[str]:
+    """[data] lines for --shards / --inputs; shards of another tokenizer are refused here."""
+    from fivefold.errors import DataError
+
+    if args.shards is not None:
+        from fivefold.train.data.shards import TokenShards
+
+        if not args.shards.is_dir():
+            raise DataError(f"--shards {str(args.shards)!r} is not a directory.")
+        TokenShards(args.shards, tokenizer=tokenizer, max_vocab=vocab)  # DataError on mismatch
+        return [f"shards = {_toml(str(args.shards.resolve()))}"]
+    if args.inputs:
+        missing = [str(p) for p in args.inputs if not p.is_file()]
+        if missing:
+            raise DataError(f"--inputs: {', '.join(missing)} does not exist.")
+        files = ", ".join(_toml(str(p.resolve())) for p in args.inputs)
+        return [f"inputs = [{files}]"]
+    return []
 
 
 def _toml(value: object) -> str:

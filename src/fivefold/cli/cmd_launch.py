@@ -14,7 +14,10 @@ Start a multi-process training run of a recipe.
   --slurm   print an sbatch script for a multi-node cluster: one task per node, each running
             torchrun over the node's GPUs with c10d rendezvous on the first node. The plan's
             degrees (pp x dp_replicate x dp_shard x cp x tp) must multiply to
-            nodes x gpus-per-node; the recipe is checked before the script is printed.
+            nodes x gpus-per-node (--nodes defaults to what the plan needs); the recipe is
+            checked before the script is printed, and must have [train] or [data]. Every
+            value in a directive is checked (job name, time, partition), every shell value is
+            quoted, and the ranks run this Python (the nodes need the same path).
   --nproc N start N processes on this machine with torchrun (gloo on CPU, NCCL on CUDA); the
             same as `fivefold train --nproc N`.
 
@@ -53,7 +56,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     mode.add_argument("--slurm", action="store_true", help="print an sbatch script (stdout)")
     mode.add_argument("--nproc", type=int, metavar="N", help="run N local processes now")
     parser.add_argument(
-        "--nodes", type=int, default=1, metavar="K", help="--slurm: nodes to allocate (default 1)"
+        "--nodes",
+        type=int,
+        default=None,
+        metavar="K",
+        help="--slurm: nodes to allocate (default: the recipe's GPUs, the plan's degrees "
+        "multiplied, over --gpus-per-node)",
     )
     parser.add_argument(
         "--gpus-per-node",
@@ -64,10 +72,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--partition", default="", help="--slurm: the partition to submit to")
     parser.add_argument(
-        "--time", default="04:00:00", metavar="HH:MM:SS", help="--slurm: wall-time limit"
+        "--time",
+        default="04:00:00",
+        metavar="HH:MM:SS",
+        help="--slurm: wall-time limit in sbatch's format (M, H:M:S, D-H:M:S; default 04:00:00)",
     )
     parser.add_argument(
-        "--job-name", default="", metavar="NAME", help="--slurm: job name (default: train.name)"
+        "--job-name",
+        default="",
+        metavar="NAME",
+        help="--slurm: job name, also the output file's (letters, digits, '.', '_', '-'; "
+        "default: fivefold-<train.name>)",
     )
     parser.add_argument(
         "--max-restarts",
@@ -80,12 +95,41 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=handle)
 
 
+def _recipe_data(recipe_path: str, overrides: list[str]) -> dict:
+    from fivefold.spec.recipe import merge, parse_overrides, read_toml
+
+    return merge(read_toml(recipe_path), parse_overrides(overrides))
+
+
+def _check_trains(recipe_path: str, data: dict) -> None:
+    """A cluster job must say what to train on: refuse a planner-only recipe."""
+    if "train" in data or "data" in data:
+        return
+    raise ConfigError(
+        f"recipe {recipe_path!r} has no [train] or [data] section: it describes a model and "
+        "layout for the planner, and as a job it would train on the small embedded corpus with "
+        "default settings. Add [train] (steps, lr, ckpt_every, ...) and [data] (shards = a "
+        "directory from `fivefold data prepare`), as in configs/small-cpu.toml."
+    )
+
+
+def _default_nodes(data: dict, per_node: int) -> int:
+    """Enough nodes for the plan's degrees (or cluster.gpus when the plan names none)."""
+    from fivefold.spec.plan import ParallelPlan
+    from fivefold.spec.recipe import build
+
+    plan = build(ParallelPlan, data.get("plan", {}), "plan", [])
+    world = plan.world_size if plan is not None else 1
+    gpus = data.get("cluster", {}).get("gpus")
+    if world == 1 and isinstance(gpus, int) and gpus > 0:
+        world = gpus
+    return max(1, -(-world // max(per_node, 1)))
+
+
 def _gpus_per_node(recipe_path: str, overrides: list[str], explicit: int) -> int:
     if explicit:
         return explicit
-    from fivefold.spec.recipe import merge, parse_overrides, read_toml
-
-    data = merge(read_toml(recipe_path), parse_overrides(overrides))
+    data = _recipe_data(recipe_path, overrides)
     cluster = data.get("cluster", {})
     if "gpus_per_node" in cluster:
         return int(cluster["gpus_per_node"])
@@ -121,18 +165,24 @@ def _check_allocation(recipe_path: str, overrides: list[str], nodes: int, per_no
 
 
 def handle(args: argparse.Namespace) -> int:
-    from fivefold.parallel.launch import SlurmJob, check_layout, launch_local, slurm_script
-    from fivefold.train.entry import split_recipe_and_overrides
+    from fivefold.parallel.launch import SlurmJob, launch_local, slurm_job_name, slurm_script
+    from fivefold.train.entry import check_layout, split_recipe_and_overrides
 
     recipe_path, overrides = split_recipe_and_overrides(args.items)
     if recipe_path is None:
         raise ConfigError("fivefold launch needs a recipe file, e.g. configs/small-cpu.toml.")
     if args.nproc is not None:
+        if args.nproc >= 1:
+            check_layout(recipe_path, overrides, args.nproc)
         return launch_local(args.nproc, recipe_path, overrides, args.max_restarts or 0)
     restarts = SLURM_MAX_RESTARTS if args.max_restarts is None else args.max_restarts
+    data = _recipe_data(recipe_path, overrides)
+    _check_trains(recipe_path, data)
+    per_node = _gpus_per_node(recipe_path, overrides, args.gpus_per_node)
     job = SlurmJob(
-        nodes=args.nodes,
-        gpus_per_node=_gpus_per_node(recipe_path, overrides, args.gpus_per_node),
+        nodes=_default_nodes(data, per_node) if args.nodes is None else args.nodes,
+        gpus_per_node=per_node,
+        job_name=args.job_name or "fivefold",
         time=args.time,
         partition=args.partition,
         max_restarts=restarts,
@@ -141,8 +191,8 @@ def handle(args: argparse.Namespace) -> int:
         raise ConfigError(job.problems())
     world = job.nodes * job.gpus_per_node
     _check_allocation(recipe_path, overrides, job.nodes, job.gpus_per_node)
-    run = check_layout(recipe_path, overrides, world)
-    name = args.job_name or f"fivefold-{run.train.name}"
+    run = check_layout(recipe_path, overrides, world, local=False)  # runs elsewhere
+    name = args.job_name or slurm_job_name(f"fivefold-{run.train.name}")
     job = dataclasses.replace(job, job_name=name)
     print(slurm_script(job, recipe_path, overrides, run.recipe.plan.describe()), end="")
     return 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,8 @@ SIZE_SUFFIXES = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 DEFAULT_CLUSTER = "dgx-h100"
 DEFAULT_GPUS = 8
 GBPS = 1e9  # --nvlink-gbps / --ib-gbps are gigabytes per second per GPU
+MAX_BATCH_TOKENS = 1 << 36  # tokens per step: 4,096x Llama 3's 16M; bounds the search
+MAX_BATCH_SEQUENCES = 1 << 24
 
 
 # ---- argument parsing ----------------------------------------------------------------------
@@ -104,8 +107,9 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     c = parser.add_argument_group("cluster")
     c.add_argument(
         "--cluster",
-        metavar="PRESET",
-        help=f"dgx-a100, dgx-h100, ... (default {DEFAULT_CLUSTER} unless --gpu is given)",
+        metavar="PRESET|PROFILE.toml",
+        help=f"dgx-a100, dgx-h100, ... (default {DEFAULT_CLUSTER} unless --gpu is given), or a "
+        "device profile written by `fivefold calibrate` (--gpus: its local ranks)",
     )
     c.add_argument("--gpus", metavar="N", help=f"total GPUs (default {DEFAULT_GPUS})")
     c.add_argument("--gpu", metavar="TYPE", help="GPU type: a100-40gb, a100-80gb, h100-sxm, ...")
@@ -226,9 +230,11 @@ _MODEL_FLAGS = {
 
 
 def model_from_args(args: argparse.Namespace, recipe_data: dict[str, dict]) -> Any:
-    from fivefold.spec.model import ModelSpec
+    """The model from --model (a preset or TOML file) or the recipe's [model], with the flags as
+    overrides; expanded and validated by the recipe code (`fivefold.spec.recipe`), so
+    `--model X --kv-heads N` and `[model] preset = "X"  kv_heads = N` are the same model."""
     from fivefold.spec.presets import MODEL_PRESETS
-    from fivefold.spec.recipe import build, read_toml
+    from fivefold.spec.recipe import model_from_dict, read_toml
 
     values: dict[str, Any] = dict(recipe_data.get("model", {}))
     if args.model:
@@ -242,6 +248,23 @@ def model_from_args(args: argparse.Namespace, recipe_data: dict[str, dict]) -> A
                 f"--model = {args.model!r} is neither a preset ({', '.join(MODEL_PRESETS)}) "
                 "nor a TOML file; check the name or the path."
             )
+    flags = model_flags(args)
+    if not values:
+        missing = [f"--{f}" for f in ("layers", "hidden", "heads") if f not in flags]
+        if missing:
+            raise ConfigError(
+                f"no model: give --model PRESET|FILE, or describe it with {', '.join(missing)} "
+                "(and optionally --kv-heads --ffn --vocab --seq --mlp)."
+            )
+        values = dict(CUSTOM_MODEL)
+    return model_from_dict({**values, **flags})
+
+
+CUSTOM_MODEL = {"name": "custom", "vocab": 32000, "seq_len": 4096}  # flags-only model defaults
+
+
+def model_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """The model flags given, as [model] fields (`--kv-heads 8` -> {"kv_heads": 8})."""
     flags: dict[str, Any] = {}
     for attr, name in _MODEL_FLAGS.items():
         raw = getattr(args, attr)
@@ -254,50 +277,13 @@ def model_from_args(args: argparse.Namespace, recipe_data: dict[str, dict]) -> A
         flags["mlp"] = args.mlp
     if args.tied_embeddings:
         flags["tied_embeddings"] = True
-    preset = values.pop("preset", None)
-    if preset is not None:
-        if preset not in MODEL_PRESETS:
-            raise ConfigError(
-                f"model.preset = {preset!r} is unknown; choose one of {', '.join(MODEL_PRESETS)}."
-            )
-        base = MODEL_PRESETS[preset].to_dict()
-        if any(k in flags or k in values for k in ("hidden", "heads")):
-            base.pop("head_dim")
-        if "heads" in flags and "kv_heads" not in flags and base["kv_heads"] == base["heads"]:
-            base.pop("kv_heads")
-        values = {**base, **values}
-    elif not values:
-        missing = [f"--{f}" for f in ("layers", "hidden", "heads") if f not in flags]
-        if missing:
-            raise ConfigError(
-                f"no model: give --model PRESET|FILE, or describe it with {', '.join(missing)} "
-                "(and optionally --kv-heads --ffn --vocab --seq --mlp)."
-            )
-        values = {"name": "custom", "vocab": 32000, "seq_len": 4096}
-    values.update(flags)
-    if "ffn" not in values and "hidden" in values:
-        values["ffn"] = default_ffn(values["hidden"], values.get("mlp", "swiglu"))
-    problems: list[str] = []
-    model = build(ModelSpec, values, "model", problems)
-    if model is not None:
-        problems += model.problems()
-    if problems:
-        raise ConfigError(problems)
-    return model
-
-
-def default_ffn(hidden: int, mlp: str) -> int:
-    """4h for GeLU; SwiGLU's 8h/3 rounded up to a multiple of 256 (the Llama rule)."""
-    if mlp == "gelu":
-        return 4 * hidden
-    return 256 * math.ceil(8 * hidden / 3 / 256)
+    return flags
 
 
 # ---- cluster ---------------------------------------------------------------------------------
 def cluster_from_args(args: argparse.Namespace, recipe_data: dict[str, dict]) -> Any:
     from fivefold.spec.cluster import CLUSTER_PRESETS, ClusterSpec, cluster_preset
     from fivefold.spec.hardware import gpu as gpu_lookup
-    from fivefold.spec.recipe import build
 
     section = dict(recipe_data.get("cluster", {}))
     gpus = parse_size(args.gpus, "--gpus") if args.gpus is not None else None
@@ -308,7 +294,11 @@ def cluster_from_args(args: argparse.Namespace, recipe_data: dict[str, dict]) ->
     )
     if args.gpu is not None:
         gpu_lookup(args.gpu)  # ConfigError naming the catalog when unknown
-    if args.cluster is not None or (args.gpu is None and not section):
+    if _profile_path(args.cluster):  # a machine measured by `fivefold calibrate`
+        from fivefold.spec.profile import profile_cluster
+
+        cluster = profile_cluster(args.cluster, gpus)
+    elif args.cluster is not None or (args.gpu is None and not section):
         name = args.cluster or DEFAULT_CLUSTER
         if name not in CLUSTER_PRESETS:
             raise ConfigError(
@@ -331,24 +321,10 @@ def cluster_from_args(args: argparse.Namespace, recipe_data: dict[str, dict]) ->
         per_node = per_node or min(8, gpus or 8)
         total = gpus or per_node
         cluster = _regroup(ClusterSpec(name="custom", gpu=args.gpu), total, per_node)
-    else:  # from the recipe
-        problems: list[str] = []
-        values = dict(section)
-        preset = values.pop("preset", None)
-        total = gpus or values.pop("gpus", None)
-        if preset is not None:
-            if preset not in CLUSTER_PRESETS:
-                raise ConfigError(
-                    f"cluster.preset = {preset!r} is unknown; choose one of "
-                    f"{', '.join(CLUSTER_PRESETS)}."
-                )
-            values = {**cluster_preset(preset, total or DEFAULT_GPUS).to_dict(), **values}
-        elif total is not None:
-            values.setdefault("gpus_per_node", min(8, total))
-            values.setdefault("nodes", max(1, total // values["gpus_per_node"]))
-        cluster = build(ClusterSpec, values, "cluster", problems)
-        if problems:
-            raise ConfigError(problems)
+    else:  # from the recipe, through the recipe code
+        from fivefold.spec.recipe import cluster_from_dict
+
+        cluster = cluster_from_dict({**section, **({"gpus": gpus} if gpus else {})})
     if args.nvlink_gbps is not None:
         cluster = cluster.with_(intra_node_bw=parse_gbps(args.nvlink_gbps, "--nvlink-gbps"))
     if args.ib_gbps is not None:
@@ -362,6 +338,13 @@ def cluster_from_args(args: argparse.Namespace, recipe_data: dict[str, dict]) ->
             "nothing can be planned for it; choose a datacenter GPU such as h100-sxm."
         )
     return cluster
+
+
+def _profile_path(name: str | None) -> str | None:
+    """`--cluster` naming a device profile (a .toml file) rather than a preset."""
+    if name and (name.endswith(".toml") or Path(name).is_file()):
+        return name
+    return None
 
 
 def _regroup(cluster: Any, total: int, per_node: int) -> Any:
@@ -437,6 +420,16 @@ def batch_from_args(args: argparse.Namespace) -> tuple[int | None, int | None]:
     if tokens is not None and seqs is not None:
         raise ConfigError(
             "give the batch once: --global-batch (sequences) or --global-batch-tokens, not both."
+        )
+    if tokens is not None and tokens > MAX_BATCH_TOKENS:
+        raise ConfigError(
+            f"--global-batch-tokens = {tokens:,}: at most {MAX_BATCH_TOKENS:,} tokens per step "
+            "(published runs use 1M to 16M); check the value."
+        )
+    if seqs is not None and seqs > MAX_BATCH_SEQUENCES:
+        raise ConfigError(
+            f"--global-batch = {seqs:,} sequences: at most {MAX_BATCH_SEQUENCES:,} per step; "
+            "check the value."
         )
     return tokens, seqs
 
@@ -516,7 +509,7 @@ def layout_from_args(
 # ---- recipes ----------------------------------------------------------------------------------
 def recipe_items(args: argparse.Namespace) -> dict[str, dict]:
     """The positional recipe and overrides as raw sections (validated later, field by field)."""
-    from fivefold.spec.recipe import merge, parse_overrides, read_toml
+    from fivefold.spec.recipe import SECTIONS, merge, parse_overrides, read_toml
 
     items = list(args.items or [])
     data: dict[str, dict] = {}
@@ -528,7 +521,31 @@ def recipe_items(args: argparse.Namespace) -> dict[str, dict]:
             f"{bad[0]!r}: only the first argument may be a recipe file; the others must be "
             "section.field=value overrides (plan.tp=4)."
         )
-    return merge(data, parse_overrides(items))
+    data = merge(data, parse_overrides(items))
+    unknown = [name for name in data if name not in SECTIONS]
+    if unknown:
+        raise ConfigError(
+            f"[{unknown[0]}] is not a recipe section; known sections: {', '.join(SECTIONS)}."
+        )
+    return data
+
+
+def out_path(args: argparse.Namespace, model: Any, cluster: Any) -> Path | None:
+    """Where the search writes its recipe (None with --no-out), checked before searching."""
+    if args.no_out:
+        return None
+    path = Path(args.out or f"plan-{model.name}-{cluster.world_size}gpu.toml")
+    parent = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        raise ConfigError(f"--out {str(path)!r} is a directory; name a file such as plan.toml.")
+    if not parent.is_dir():
+        raise ConfigError(
+            f"--out {str(path)!r}: the directory {str(parent)!r} does not exist; create it or "
+            "choose another path (or --no-out)."
+        )
+    if not os.access(parent, os.W_OK):
+        raise ConfigError(f"--out {str(path)!r}: {str(parent)!r} is not writable.")
+    return path
 
 
 def write_recipe(path: Path, model: Any, cluster: Any, plan: Any, header: str) -> Path:
@@ -536,7 +553,6 @@ def write_recipe(path: Path, model: Any, cluster: Any, plan: Any, header: str) -
 
     text = dump_recipe(Recipe(model, cluster, plan, {}), header=header)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
     except OSError as err:
         raise ConfigError(f"--out {str(path)!r}: cannot write the recipe ({err}).") from None
@@ -629,6 +645,7 @@ def _search_handler(args: argparse.Namespace) -> int:
 
     model, cluster, data, headroom = _inputs(args)
     tokens, seqs = batch_from_args(args)
+    path = out_path(args, model, cluster)
     if tokens is None and seqs is None and "plan" in data:
         seqs = _recipe_global_batch(data["plan"])
     fixed = pinned_fields(args)
@@ -645,8 +662,7 @@ def _search_handler(args: argparse.Namespace) -> int:
     )
     best = result.best.to_json()
     recipe_path = None
-    if not args.no_out:
-        path = Path(args.out or f"plan-{model.name}-{cluster.world_size}gpu.toml")
+    if path is not None:
         header = (
             f"Written by `fivefold plan` for {model.name} on {cluster.world_size} x "
             f"{cluster.gpu}.\nPredicted: step {best['step_time_s']:.3f} s, "

@@ -32,6 +32,12 @@ Re-running: by default (train.resume = "auto") a run whose directory holds a val
 continues from the newest one; one already at train.steps says it is complete and exits 0
 (raise train.steps to train further). --fresh starts over at step 0 and deletes the run's
 earlier checkpoints; --resume insists on resuming and says so when there is nothing to resume.
+
+Stopping: Ctrl-C (SIGINT) or SIGTERM stops every rank after the step it is in, writes that
+step's checkpoint and exits with status 128 + signal (130, 143); the same command continues. A
+second signal more than 2 s later stops at once. Exit status 2: a user error (recipe, data,
+checkpoint), printed once even when the ranks found it; a rank that crashed: its status.
+--dry-run prints the resolved recipe, the layout and the planner's predictions and exits.
 """
 
 _EPILOG = """\
@@ -42,6 +48,7 @@ examples:
   fivefold train configs/tiny-cpu.toml --nproc 4 plan.dp_replicate=4 plan.grad_accum=1
   fivefold train configs/tiny-cpu.toml --nproc 4 --max-restarts 3 plan.dp_shard=4 \\
       train.ckpt_every=10                                   # survives a rank's crash
+  fivefold train configs/small-dp2-tp2-pp2.toml --nproc 8 --dry-run   # predict, start nothing
   python -m fivefold.train configs/tiny-cpu.toml            # the same, as one torchrun rank
 """
 
@@ -99,6 +106,12 @@ def add_arguments(parser: argparse.ArgumentParser, items_nargs: str = "*") -> No
         default="recipe",
         help="'recipe' (default) uses the recipe's [plan]; 'auto' asks the planner for the best "
         "layout of the model on N processes with the recipe's global batch",
+    )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the resolved recipe, the layout on N processes and the planner's predicted "
+        "memory per pipeline stage and step time, then exit without training",
     )
     parser.add_argument(
         "--no-progress",
@@ -166,7 +179,7 @@ def _toml(value: object) -> str:
 
 
 def handle(args: argparse.Namespace) -> int:
-    from fivefold.train.entry import load_run, split_recipe_and_overrides
+    from fivefold.train.entry import check_layout, split_recipe_and_overrides
 
     args = reparse_items(args)
     recipe_path, overrides = split_recipe_and_overrides(args.items)
@@ -179,13 +192,54 @@ def handle(args: argparse.Namespace) -> int:
         raise ConfigError(max_restarts_problems(args.max_restarts))
     if args.plan == "auto":
         overrides += auto_plan_overrides(recipe_path, overrides, args.nproc)
-    run = load_run(recipe_path, overrides, world_size=args.nproc)  # validate before launching
+    run = check_layout(recipe_path, overrides, args.nproc)  # validate before launching
+    if args.dry_run:
+        print(dry_run_report(run, args.nproc))
+        return 0
     if args.nproc > 1 or args.max_restarts > 0:
         return _launch(args.nproc, recipe_path, overrides, args.max_restarts)
     from fivefold.train.loop import train
 
-    train(run)
-    return 0
+    return train(run).exit_code  # 128 + signal number after Ctrl-C / SIGTERM, else 0
+
+
+def dry_run_report(run, nproc: int) -> str:
+    """The resolved recipe, the layout and the planner's predictions, as `--dry-run` prints
+    them (the predictions are `fivefold.parallel.report`'s, the ones each run prints)."""
+    from types import SimpleNamespace
+
+    from fivefold.parallel.mesh import ParallelDims
+    from fivefold.parallel.process_group import pick_device
+    from fivefold.parallel.report import predictions
+    from fivefold.spec.recipe import dump_recipe
+
+    recipe = run.recipe
+    memory, step_s, note = predictions(
+        SimpleNamespace(
+            recipe=recipe,
+            spec=recipe.model,
+            plan=recipe.plan,
+            device=pick_device(run.train.device),
+            **({"dp_modules": []} if nproc > 1 else {}),  # N ranks: the FSDP2-wrapped runtime
+        )
+    )
+    dims = ParallelDims.from_plan(recipe.plan, nproc)
+    lines = [
+        dump_recipe(recipe, "Recipe as resolved (presets expanded, overrides applied).").rstrip(),
+        "",
+        f"layout: {recipe.plan.describe()} on {nproc} process(es): {dims.describe()}; "
+        f"{run.global_batch} sequences x {recipe.model.seq_len} tokens per step",
+        f"prediction ({note}, device {recipe.cluster.gpu}):",
+    ]
+    for stage, gib in enumerate(memory or []):
+        lines.append(f"  stage {stage}: peak memory {gib['total']:.3f} GiB per rank")
+    if not memory:
+        lines.append("  peak memory: not predicted")
+    lines.append(
+        f"  step time: {step_s:.3f} s" if step_s is not None else "  step time: not predicted"
+    )
+    lines.append("dry run: nothing started; train with the same command without --dry-run")
+    return "\n".join(lines)
 
 
 def _launch(nproc: int, recipe_path: str | None, overrides: list[str], max_restarts: int) -> int:

@@ -34,6 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from fivefold.parallel.threads import passive_wait
+
+    passive_wait()  # before any command imports torch (see fivefold.parallel.threads)
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "handler", None):

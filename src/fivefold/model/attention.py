@@ -1,81 +1,349 @@
-"""Grouped-query attention with RoPE and causal / document-masked SDPA.
+"""Grouped-query attention with RoPE over packed documents, without a T x T mask.
 
-The projections live in `Attention`; the part that sees all of q, k and v lives in a swappable
-`core` module, so context parallelism can replace it with a ring / all-gather version that
-reuses `attention_mask` for its own (q positions, k positions) blocks.
+A row of T tokens holds documents back to back (runs of equal `doc_ids`); a token attends to the
+earlier tokens of its own document. `DocumentLayout` reads the document boundaries once per
+forward (one device-to-host copy of the doc ids when they live on an accelerator) and every
+layer reuses them. The attention core picks, per call:
+
+- one document in every row (or no doc ids): SDPA `is_causal=True, enable_gqa=True`, one call;
+- CUDA in fp16/bf16, several documents: `torch.nn.attention.varlen.varlen_attn` over the
+  tokens packed as [B*T, H, Dh] with int32 cumulative document offsets and
+  `window_size=(-1, 0)` (causal); written against the documented API, checked for shapes under
+  FakeTensorMode only (this machine has no GPU: unmeasured);
+- CPU (and CUDA in fp32, which the flash kernels lack), several documents: SDPA's CPU flash
+  kernel once per document (`is_causal=True`, GQA native; on CUDA the memory-efficient kernel)
+  inside `block_attention`, an autograd function that writes every document's output into one
+  [B, T, H, Dh] buffer and saves that buffer once (the output projection reads it as a view).
+  Written by hand because SDPA's public entry point takes one sequence per call, and
+  FlexAttention has no backward on CPU.
+
+`block_attention` is the one kernel of this package for attention over spans of a sequence:
+context parallelism (`fivefold.parallel.context_parallel`) reuses it and its per-block pieces
+(`block_forward`, `block_backward`, `merge_partial`) with query and key chunks that are not the
+whole sequence. A block pairs a query chunk with a key chunk; its spans are the per-document
+rectangles of that pair (causal on the diagonal, full when the keys precede the queries).
+Tensors inside are [B, H, T, Dh] views whose memory is [B, T, H, Dh].
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fivefold.model.rope import apply_rope, rope_cos_sin
+from fivefold.model.rope import apply_rope
+
+
+# ---- documents -----------------------------------------------------------------------------------
+class Chunk(NamedTuple):
+    """`length` tokens held at local index `local` that are global tokens [start, start+length)."""
+
+    local: int
+    start: int
+    length: int
+
+
+class Span(NamedTuple):
+    """Batch rows `rows`: queries `q` attend keys `k` (slices local to a block), causal or full."""
+
+    rows: slice
+    q: slice
+    k: slice
+    causal: bool
+
+
+class Block(NamedTuple):
+    """Local query rows `q` against local key rows `k`; `spans` cover disjoint query rows."""
+
+    q: slice
+    k: slice
+    spans: tuple[Span, ...]
 
 
 @dataclass
-class AttentionContext:
-    """What the attention core needs besides q, k, v.
+class DocumentLayout:
+    """The documents of a batch, computed once per forward and shared by every layer.
 
-    positions: LongTensor [B, T], the RoPE positions of the local tokens (restart per document).
-    doc_ids:   LongTensor [B, T] or None; tokens attend only to earlier tokens of the same document.
+    doc_ids: LongTensor [B, T] (documents are runs of equal ids) or None (one document per row).
+    `row_groups` are (batch rows, document starts) with consecutive rows of equal boundaries
+    merged, read from `doc_ids` on first use (one host copy). `cache` holds what a context-
+    parallel core derives from it for this forward (global boundaries, ring blocks).
     """
 
-    positions: torch.Tensor
-    doc_ids: torch.Tensor | None = None
+    doc_ids: torch.Tensor | None
+    batch: int
+    seq_len: int
+    cache: dict[Any, Any] = field(default_factory=dict, repr=False)
+    _groups: tuple[tuple[slice, tuple[int, ...]], ...] | None = field(default=None, repr=False)
+
+    @property
+    def row_groups(self) -> tuple[tuple[slice, tuple[int, ...]], ...]:
+        if self._groups is None:
+            self._groups = _row_groups(self.doc_ids, self.batch, self.seq_len)
+        return self._groups
+
+    @property
+    def single_document(self) -> bool:
+        """Every row is one document (SDPA's plain causal mask is exact)."""
+        return all(len(starts) == 1 for _, starts in self.row_groups)
+
+    def cu_seqlens(self, device: torch.device) -> tuple[torch.Tensor, int]:
+        """(int32 [N+1] cumulative document offsets in the flattened [B*T] tokens, max length)."""
+        key = ("cu_seqlens", str(device))
+        if key not in self.cache:
+            offsets = []
+            for rows, starts in self.row_groups:
+                for row in range(*rows.indices(self.batch)):
+                    offsets += [row * self.seq_len + s for s in starts]
+            offsets.append(self.batch * self.seq_len)
+            lengths = [b - a for a, b in itertools.pairwise(offsets)]
+            cu = torch.tensor(offsets, dtype=torch.int32).to(device, non_blocking=True)
+            self.cache[key] = (cu, max(lengths))
+        return self.cache[key]
 
 
-def attention_mask(
-    q_index: torch.Tensor,
-    k_index: torch.Tensor,
-    q_doc: torch.Tensor | None = None,
-    k_doc: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Boolean mask, True where query i may attend key j: k_index[j] <= q_index[i] and same doc.
+def _row_groups(
+    doc_ids: torch.Tensor | None, batch: int, seq_len: int
+) -> tuple[tuple[slice, tuple[int, ...]], ...]:
+    """Per run of rows with the same boundaries: (rows, starts of the documents, from 0)."""
+    if doc_ids is None:
+        return ((slice(0, batch), (0,)),)
+    ids = doc_ids.detach().cpu()
+    row, col = (ids[:, 1:] != ids[:, :-1]).nonzero(as_tuple=True)
+    per_row: list[list[int]] = [[0] for _ in range(batch)]
+    for r, c in zip(row.tolist(), col.tolist(), strict=True):
+        per_row[r].append(c + 1)
+    groups: list[tuple[slice, tuple[int, ...]]] = []
+    for r, starts in enumerate(per_row):
+        if groups and groups[-1][1] == tuple(starts):
+            groups[-1] = (slice(groups[-1][0].start, r + 1), groups[-1][1])
+        else:
+            groups.append((slice(r, r + 1), tuple(starts)))
+    return tuple(groups)
 
-    q_index [Tq] or [B, Tq] and k_index [Tk] or [B, Tk] are the tokens' indices in the full
-    (unsharded) sequence; q_doc [B, Tq] and k_doc [B, Tk] their document ids (both or neither).
-    Returns [B, 1, Tq, Tk] (B = 1 when nothing is batched), ready for SDPA's `attn_mask`.
+
+def document_blocks(
+    q_chunks: list[Chunk], k_chunks: list[Chunk], layout: DocumentLayout
+) -> list[Block]:
+    """The blocks of queries `q_chunks` against keys `k_chunks`, documents from `layout`.
+
+    Chunks are contiguous ranges of the global sequence that never partly overlap; a key chunk
+    after a query chunk is skipped, an equal one gives causal spans, an earlier one full spans.
     """
-    if q_index.dim() == 1:
-        q_index = q_index.unsqueeze(0)
-    if k_index.dim() == 1:
-        k_index = k_index.unsqueeze(0)
-    allowed = k_index.unsqueeze(1) <= q_index.unsqueeze(2)  # [B|1, Tq, Tk]
-    if (q_doc is None) != (k_doc is None):
-        raise ValueError("attention_mask needs both q_doc and k_doc, or neither")
-    if q_doc is not None:
-        allowed = allowed & (q_doc.unsqueeze(2) == k_doc.unsqueeze(1))
-    return allowed.unsqueeze(1)
+    blocks = []
+    for qc in q_chunks:
+        for kc in k_chunks:
+            if kc.start >= qc.start + qc.length:
+                continue
+            diagonal = kc.start == qc.start
+            spans = tuple(
+                span
+                for rows, starts in layout.row_groups
+                for span in _chunk_pair_spans(qc, kc, rows, starts, layout.seq_len, diagonal)
+            )
+            if spans:
+                q = slice(qc.local, qc.local + qc.length)
+                blocks.append(Block(q, slice(kc.local, kc.local + kc.length), spans))
+    return blocks
 
 
-def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """[B, Hkv, T, Dh] -> [B, Hkv * groups, T, Dh], each kv head repeated for its query group."""
-    if groups == 1:
-        return x
-    return x.repeat_interleave(groups, dim=1)
+def _chunk_pair_spans(qc: Chunk, kc: Chunk, rows: slice, starts, seq_len: int, diagonal: bool):
+    ends = (*starts[1:], seq_len)
+    for d0, d1 in zip(starts, ends, strict=True):
+        q0, q1 = max(d0, qc.start), min(d1, qc.start + qc.length)
+        k0, k1 = max(d0, kc.start), min(d1, kc.start + kc.length)
+        if q0 < q1 and k0 < k1:
+            q = slice(q0 - qc.start, q1 - qc.start)
+            yield Span(rows, q, slice(k0 - kc.start, k1 - kc.start), diagonal)
+
+
+# ---- block kernels -------------------------------------------------------------------------------
+def _expand_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """[B, Hkv, T, Dh] -> [B, heads, T, Dh] (CUDA efficient kernel only: it has no GQA)."""
+    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
+
+
+def _span_forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [B,Hq,Tq,Dh], lse fp32 [B,Hq,Tq]) of one span; q [B,Hq,Tq,Dh], k, v [B,Hkv,Tk,Dh]."""
+    if q.device.type == "cuda":
+        k, v = _expand_heads(k, q.shape[1]), _expand_heads(v, q.shape[1])
+        out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, k, v, None, True, is_causal=causal, scale=scale
+        )
+        return out, lse[..., : q.shape[2]].float()
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, is_causal=causal, scale=scale
+    )
+    return out, lse.float()
+
+
+def _span_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+    """(dq, dk, dv) of one span given the merged out and lse of its query rows."""
+    if q.device.type == "cuda":
+        heads = q.shape[1]
+        ke, ve = _expand_heads(k, heads), _expand_heads(v, heads)
+        tq = q.shape[2]
+        lse_padded = lse.new_zeros((*lse.shape[:-1], tq + (-tq) % 32))  # the kernel's layout
+        lse_padded[..., :tq] = lse
+        seed = torch.zeros((), dtype=torch.int64, device=q.device)
+        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            dout, q, ke, ve, None, out, lse_padded, seed, seed, 0.0,
+            [True, True, True, False], is_causal=causal, scale=scale,
+        )  # fmt: skip
+        groups = heads // k.shape[1]
+        if groups > 1:
+            dk = dk.unflatten(1, (k.shape[1], groups)).sum(2)
+            dv = dv.unflatten(1, (k.shape[1], groups)).sum(2)
+        return dq, dk, dv
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout, q, k, v, out, lse, 0.0, causal, scale=scale,
+    )  # fmt: skip
+
+
+def _heads_last_buffer(like: torch.Tensor, heads: int, seq: int, dtype) -> torch.Tensor:
+    """Zeros [B, heads, seq, Dh] stored as [B, seq, heads, Dh] (so `.transpose(1, 2)` is free)."""
+    batch, _, _, dim = like.shape
+    return like.new_zeros(batch, seq, heads, dim, dtype=dtype).transpose(1, 2)
+
+
+def block_forward(q, k, v, block: Block, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block: (out [B,Hq,|block.q|,Dh] in q's dtype, lse fp32 [B,Hq,|block.q|]).
+
+    Query rows no span covers get out = 0 and lse = -inf, so merging them changes nothing.
+    """
+    qb, kb, vb = q[:, :, block.q], k[:, :, block.k], v[:, :, block.k]
+    out = _heads_last_buffer(qb, qb.shape[1], qb.shape[2], q.dtype)
+    lse = qb.new_full(qb.shape[:-1], -math.inf, dtype=torch.float32)
+    for s in block.spans:
+        o, l_ = _span_forward(qb[s.rows, :, s.q], kb[s.rows, :, s.k], vb[s.rows, :, s.k],
+                              s.causal, scale)  # fmt: skip
+        out[s.rows, :, s.q] = o
+        lse[s.rows, :, s.q] = l_
+    return out, lse
+
+
+def block_backward(dout, q, k, v, out, lse, block: Block, scale: float, grads) -> None:
+    """Add one block's gradients into `grads` = (dq [B,Hq,Tq,Dh], dk, dv [B,Hkv,Tk,Dh]) (fp32).
+
+    `out` and `lse` are the merged results of the block's query rows (all of `q`'s rows).
+    """
+    dq, dk, dv = grads
+    for s in block.spans:
+        qr, kr = _sub(block.q, s.q), _sub(block.k, s.k)
+        bdq, bdk, bdv = _span_backward(
+            dout[s.rows, :, qr], q[s.rows, :, qr], k[s.rows, :, kr], v[s.rows, :, kr],
+            out[s.rows, :, qr], lse[s.rows, :, qr], s.causal, scale,
+        )  # fmt: skip
+        dq[s.rows, :, qr] += bdq
+        dk[s.rows, :, kr] += bdk
+        dv[s.rows, :, kr] += bdv
+
+
+def _sub(outer: slice, inner: slice) -> slice:
+    """`inner` (relative to `outer`'s start) as an absolute slice."""
+    return slice(outer.start + inner.start, outer.start + inner.stop)
+
+
+def merge_partial(out, lse, block_out, block_lse) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fold a block's (out, lse) into the running fp32 (out, lse); either may be -inf rows."""
+    new_lse = torch.logaddexp(lse, block_lse)
+    safe = torch.where(torch.isinf(new_lse), torch.zeros_like(new_lse), new_lse)
+    out = (
+        out * torch.exp(lse - safe)[..., None]
+        + block_out.float() * torch.exp(block_lse - safe)[..., None]
+    )
+    return out, new_lse
+
+
+def blocks_forward(q, k, v, blocks: list[Block], scale: float):
+    """All blocks on local tensors: (out [B,Hq,Tq,Dh] in q's dtype, lse fp32 [B,Hq,Tq])."""
+    if len(blocks) == 1 and blocks[0].q == slice(0, q.shape[2]):
+        return block_forward(q, k, v, blocks[0], scale)
+    out = _heads_last_buffer(q, q.shape[1], q.shape[2], torch.float32)
+    lse = q.new_full(q.shape[:-1], -math.inf, dtype=torch.float32)
+    for block in blocks:
+        block_out, block_lse = block_forward(q, k, v, block, scale)
+        out[:, :, block.q], lse[:, :, block.q] = merge_partial(
+            out[:, :, block.q], lse[:, :, block.q], block_out, block_lse
+        )
+    return out.to(q.dtype), lse
+
+
+def zero_grads(q, k) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp32 zeros for (dq, dk, dv) laid out like q and k ([B, T, H, Dh] memory)."""
+    dq = _heads_last_buffer(q, q.shape[1], q.shape[2], torch.float32)
+    dk = _heads_last_buffer(k, k.shape[1], k.shape[2], torch.float32)
+    return dq, dk, torch.zeros_like(dk)
+
+
+class _BlockAttention(torch.autograd.Function):
+    """Attention over document blocks of local q, k, v; saves q, k, v, out and lse only."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, blocks, scale):
+        out, lse = blocks_forward(q, k, v, blocks, scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.blocks, ctx.scale = blocks, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        grads = zero_grads(q, k)
+        for block in ctx.blocks:
+            block_backward(dout, q, k, v, out, lse, block, ctx.scale, grads)
+        dq, dk, dv = grads
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+
+
+def block_attention(q, k, v, blocks: list[Block], scale: float | None = None) -> torch.Tensor:
+    """Attention of q [B,Hq,Tq,Dh] on k, v [B,Hkv,Tk,Dh] restricted to `blocks` (document_blocks).
+
+    Returns [B, Hq, Tq, Dh] whose memory is [B, Tq, Hq, Dh]; Hkv must divide Hq.
+    """
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return _BlockAttention.apply(q, k, v, blocks, scale)
+
+
+# ---- the single-process core ---------------------------------------------------------------------
+def _varlen(q, k, v, docs: DocumentLayout) -> torch.Tensor:
+    """CUDA: causal attention per document with `varlen_attn`; q [B,Hq,T,Dh] -> [B,Hq,T,Dh]."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    batch, heads, seq, dim = q.shape
+    cu_seqlens, max_len = docs.cu_seqlens(q.device)
+
+    def packed(x: torch.Tensor) -> torch.Tensor:  # [B, H, T, Dh] -> [B*T, H, Dh]
+        return x.transpose(1, 2).reshape(batch * seq, x.shape[1], dim)
+
+    out = varlen_attn(
+        packed(q), packed(k), packed(v), cu_seqlens, cu_seqlens, max_len, max_len,
+        window_size=(-1, 0), enable_gqa=k.shape[1] != heads,
+    )  # fmt: skip
+    return out.view(batch, seq, heads, dim).transpose(1, 2)
 
 
 class AttentionCore(nn.Module):
-    """softmax(q k^T / sqrt(Dh) + mask) v with GQA expansion; q [B, Hq, T, Dh], k/v [B, Hkv, T, Dh].
+    """Causal attention within documents; q [B,Hq,T,Dh], k, v [B,Hkv,T,Dh] -> [B,Hq,T,Dh].
 
-    Without doc_ids the mask is plain causal (`is_causal=True`); with doc_ids a boolean
-    [B, 1, T, T] mask allows same-document, causal pairs. Returns [B, Hq, T, Dh].
+    `docs` None means one document per row. GQA never copies K/V per query head.
     """
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttentionContext
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: DocumentLayout | None
     ) -> torch.Tensor:
-        groups = q.shape[1] // k.shape[1]
-        k, v = repeat_kv(k, groups), repeat_kv(v, groups)
-        if ctx.doc_ids is None:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        index = torch.arange(q.shape[2], device=q.device)
-        mask = attention_mask(index, index, ctx.doc_ids, ctx.doc_ids)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        gqa = k.shape[1] != q.shape[1]
+        if docs is None or docs.single_document:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        if q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16):
+            return _varlen(q, k, v, docs)
+        whole = [Chunk(0, 0, q.shape[2])]
+        return block_attention(q, k, v, document_blocks(whole, whole, docs))
 
 
 class Attention(nn.Module):
@@ -83,33 +351,31 @@ class Attention(nn.Module):
 
     The number of heads is inferred from the projected widths at forward time (width / head_dim),
     so tensor parallelism can shard `wq`/`wk`/`wv` column-wise and `wo` row-wise by heads.
+    `rope` is the (cos, sin) pair of `rope_cos_sin`, computed once per forward by the model.
     """
 
-    def __init__(
-        self, dim: int, heads: int, kv_heads: int, head_dim: int, rope_theta: float
-    ) -> None:
+    def __init__(self, dim: int, heads: int, kv_heads: int, head_dim: int) -> None:
         super().__init__()
         self.head_dim = head_dim
-        self.rope_theta = rope_theta
         self.wq = nn.Linear(dim, heads * head_dim, bias=False)
         self.wk = nn.Linear(dim, kv_heads * head_dim, bias=False)
         self.wv = nn.Linear(dim, kv_heads * head_dim, bias=False)
         self.wo = nn.Linear(heads * head_dim, dim, bias=False)
         self.core = AttentionCore()
 
-    def _split_heads(self, x: torch.Tensor) -> torch.Tensor:
-        """[B, T, H * Dh] -> [B, H, T, Dh]."""
-        batch, seq = x.shape[:2]
-        return x.view(batch, seq, -1, self.head_dim).transpose(1, 2)
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, T, H * Dh] -> [B, T, H, Dh] (a view)."""
+        return x.unflatten(-1, (-1, self.head_dim))
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, doc_ids: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        docs: DocumentLayout | None = None,
     ) -> torch.Tensor:
-        q = self._split_heads(self.wq(x))
-        k = self._split_heads(self.wk(x))
-        v = self._split_heads(self.wv(x))
-        cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = self.core(q, k, v, AttentionContext(positions=positions, doc_ids=doc_ids))
-        batch, _, seq, _ = out.shape
-        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+        cos, sin = rope
+        q = apply_rope(self._heads(self.wq(x)), cos, sin)  # [B, T, Hq, Dh]
+        k = apply_rope(self._heads(self.wk(x)), cos, sin)
+        v = self._heads(self.wv(x))
+        out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), docs)
+        return self.wo(out.transpose(1, 2).flatten(2))  # a view when out is [B, T, H, Dh] memory

@@ -3,7 +3,8 @@
 Flow of one MoE layer (N = B * T tokens, K = top_k, E = experts):
   router logits [N, E] -> softmax (fp32) -> top-k -> gates renormalised over the K choices
   dispatcher.dispatch: token copies sorted by expert -> [N*K, D] + tokens_per_expert [E_local]
-  experts: one SwiGLU per expert over its contiguous group
+  experts: one SwiGLU per expert over its contiguous group, as grouped GEMMs
+  (`torch._grouped_mm` with the groups' end offsets: no host sync), see `grouped_swiglu`
   dispatcher.combine: back to token order, weighted by the gates, summed over the K copies
   + shared expert(s) on every token.
 The dispatcher is a plain object with two methods so expert parallelism can swap in an
@@ -102,6 +103,68 @@ class LocalDispatcher:
         return weighted.sum(dim=1)
 
 
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient contiguous (`_grouped_mm`'s backward
+    refuses broadcast gradients such as those of a `.sum()`)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+def _grouped_mm_fits(x: torch.Tensor, w1: torch.Tensor) -> bool:
+    """`_grouped_mm` needs 16-byte aligned row strides (D and F elements of the dtype); under
+    torch.compile its shape function in 2.13 also accepts bf16 only."""
+    if torch.compiler.is_compiling() and x.dtype != torch.bfloat16:
+        return False
+    itemsize = x.element_size()
+    return (x.shape[-1] * itemsize) % 16 == 0 and (w1.shape[1] * itemsize) % 16 == 0
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The autocast dtype when autocast is on (`_grouped_mm` is not on its cast lists)."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+
+
+def grouped_swiglu(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    w3: torch.Tensor,
+    tokens_per_expert: torch.Tensor,
+) -> torch.Tensor:
+    """E SwiGLU experts over contiguous groups: x [M, D] sorted by expert, w1, w3 [E, F, D],
+    w2 [E, D, F], tokens_per_expert [E] (sum M) -> [M, D].
+
+    One `torch._grouped_mm` per projection; the group boundaries stay on the device (cumulative
+    counts as int32 offsets), so nothing waits for the router. Shapes whose rows `_grouped_mm`
+    cannot address (not 16-byte aligned), and fp32 under torch.compile, fall back to a loop over
+    experts (one host sync; a graph break when compiled).
+    """
+    if tokens_per_expert.numel() != w1.shape[0]:
+        raise ValueError(f"got counts for {tokens_per_expert.numel()} experts, have {w1.shape[0]}")
+    dtype = _compute_dtype(x)
+    x, w1, w2, w3 = (t.to(dtype) for t in (x, w1, w2, w3))
+    if not _grouped_mm_fits(x, w1):
+        outputs = []
+        for expert, group in enumerate(torch.split(x, tokens_per_expert.tolist(), dim=0)):
+            hidden = F.silu(group @ w1[expert].T) * (group @ w3[expert].T)
+            outputs.append(hidden @ w2[expert].T)
+        return torch.cat(outputs, dim=0)
+    offsets = torch.cumsum(tokens_per_expert, dim=0, dtype=torch.int32)
+
+    def gemm(inputs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        out = torch._grouped_mm(inputs, weight.transpose(-2, -1), offs=offsets)
+        return _ContiguousGrad.apply(out)
+
+    return gemm(F.silu(gemm(x, w1)) * gemm(x, w3), w2)
+
+
 class GroupedExperts(nn.Module):
     """E SwiGLU experts stored as stacked weights: w1, w3 [E, F, D] and w2 [E, D, F].
 
@@ -116,14 +179,7 @@ class GroupedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden, dim))
 
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        counts = tokens_per_expert.tolist()
-        if len(counts) != self.w1.shape[0]:
-            raise ValueError(f"got counts for {len(counts)} experts, have {self.w1.shape[0]}")
-        outputs = []
-        for expert, group in enumerate(torch.split(x, counts, dim=0)):
-            hidden = F.silu(group @ self.w1[expert].T) * (group @ self.w3[expert].T)
-            outputs.append(hidden @ self.w2[expert].T)
-        return torch.cat(outputs, dim=0)
+        return grouped_swiglu(x, self.w1, self.w2, self.w3, tokens_per_expert)
 
 
 class MoE(nn.Module):

@@ -2,8 +2,10 @@
 
 Angles come from the `positions` tensor, never from a token's index in the tensor, so positions
 that restart at each packed document and context-parallel shards that carry their own positions
-rotate exactly like the single-process run. Nothing is cached in buffers: the frequencies are
-recomputed per call (head_dim / 2 numbers), which keeps meta-device construction trivial.
+rotate exactly like the single-process run. The model computes the (cos, sin) tables once per
+forward (`rope_cos_sin`) and every layer rotates its q and k with them (`apply_rope`), so
+autograd keeps one pair of tables per forward, not one per layer. Nothing is cached in buffers,
+which keeps meta-device construction trivial.
 
 Convention: "rotate half" (the first and second halves of each head form the rotated pairs).
 """
@@ -20,12 +22,17 @@ def rope_inverse_frequencies(head_dim: int, theta: float, device=None) -> torch.
 
 
 def rope_cos_sin(
-    positions: torch.Tensor, head_dim: int, theta: float
+    positions: torch.Tensor, head_dim: int, theta: float, scaling=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of the rotation angles, each fp32 [B, 1, T, head_dim] for positions [B, T]."""
+    """cos and sin of the rotation angles, each fp32 [B, T, 1, head_dim] for positions [B, T];
+    `scaling`: a `fivefold.model.rope_scaling.RopeScaling` (Llama 3.1 style), None for plain."""
     inv_freq = rope_inverse_frequencies(head_dim, theta, device=positions.device)
+    if scaling is not None:
+        from fivefold.model.rope_scaling import scale_inverse_frequencies
+
+        inv_freq = scale_inverse_frequencies(inv_freq, scaling)
     angles = positions.to(torch.float32).unsqueeze(-1) * inv_freq  # [B, T, head_dim/2]
-    angles = torch.cat((angles, angles), dim=-1).unsqueeze(1)  # [B, 1, T, head_dim]
+    angles = torch.cat((angles, angles), dim=-1).unsqueeze(2)  # [B, T, 1, head_dim]
     return angles.cos(), angles.sin()
 
 
@@ -35,6 +42,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [B, H, T, head_dim] by `rope_cos_sin` angles; fp32 math, result in x's dtype."""
+    """Rotate x [B, T, H, head_dim] by `rope_cos_sin` angles; fp32 math, result in x's dtype.
+
+    Autograd saves only cos and sin (shared by every layer), never x.
+    """
     x32 = x.float()
     return (x32 * cos + _rotate_half(x32) * sin).type_as(x)

@@ -11,11 +11,13 @@ import torch
 from torch import nn
 
 from fivefold.errors import ConfigError
-from fivefold.model.attention import Attention
+from fivefold.model.attention import Attention, DocumentLayout
 from fivefold.model.feed_forward import FeedForward
 from fivefold.model.init import init_module_weights
 from fivefold.model.moe import MoE
 from fivefold.model.norms import RMSNorm
+from fivefold.model.rope import rope_cos_sin
+from fivefold.model.rope_scaling import rope_scaling_of
 from fivefold.spec.model import ModelSpec
 
 
@@ -30,9 +32,7 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.attention_norm = RMSNorm(spec.hidden, spec.norm_eps)
-        self.attention = Attention(
-            spec.hidden, spec.heads, spec.kv_heads, spec.head_dim, spec.rope_theta
-        )
+        self.attention = Attention(spec.hidden, spec.heads, spec.kv_heads, spec.head_dim)
         self.ffn_norm = RMSNorm(spec.hidden, spec.norm_eps)
         is_moe = spec.is_moe and layer_id >= spec.dense_layers
         self.feed_forward = None if is_moe else FeedForward(spec.hidden, spec.ffn, spec.mlp)
@@ -50,9 +50,13 @@ class TransformerBlock(nn.Module):
         )
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, doc_ids: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        docs: DocumentLayout | None = None,
     ) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), positions, doc_ids)
+        """`rope` the (cos, sin) tables and `docs` the documents, both built once per forward."""
+        h = x + self.attention(self.attention_norm(x), rope, docs)
         mlp = self.moe if self.moe is not None else self.feed_forward
         return h + mlp(self.ffn_norm(h))
 
@@ -62,6 +66,8 @@ class Transformer(nn.Module):
 
     Without `tok_embeddings` the input is hidden states [B, T, D]; without `output` the result is
     hidden states [B, T, D] (after `norm` if present). `positions` default to 0..T-1 per row.
+    The RoPE tables and the document layout are computed here, once per forward, and passed to
+    every layer (doc ids are read on the host at most once per forward).
     With tied embeddings `output.weight` is `tok_embeddings.weight` (re-tied after `to_empty`).
     """
 
@@ -95,11 +101,15 @@ class Transformer(nn.Module):
         doc_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        batch, seq = tokens.shape[:2]
         if positions is None:
-            batch, seq = tokens.shape[:2]
             positions = torch.arange(seq, device=tokens.device).expand(batch, seq)
+        rope = rope_cos_sin(
+            positions, self.spec.head_dim, self.spec.rope_theta, rope_scaling_of(self.spec)
+        )
+        docs = None if doc_ids is None else DocumentLayout(doc_ids, batch, seq)
         for layer in self.layers.values():
-            h = layer(h, positions, doc_ids)
+            h = layer(h, rope, docs)
         if self.norm is not None:
             h = self.norm(h)
         if self.output is None:

@@ -1,6 +1,6 @@
 """fivefold.parallel: a `ParallelPlan` run for real on torch.distributed: gloo on CPU, NCCL on GPU.
 
-    runtime = DistributedRuntime(recipe)     # under torchrun; what `make_runtime` returns there
+    runtime = DistributedRuntime(recipe, train_settings)   # under torchrun (`make_runtime`)
     launch_local(nproc, recipe_path, overrides) -> exit code   # `fivefold train --nproc N`
     ParallelDims.from_plan(plan, world_size).build_meshes("cpu")   # the 5-D mesh
 
@@ -8,8 +8,10 @@ Modules, one concept each: `mesh` (degrees and the DeviceMesh), `tensor_parallel
 `data_parallel` (DDP / ZeRO-1/2/3 / HSDP on FSDP2), `checkpointing` (activation recompute),
 `pipeline`, `context_parallel` and `expert_parallel` (PP, CP ring attention, MoE all-to-all),
 `parallelize` (the fixed order PP -> TP -> EP -> CP -> AC -> FSDP/DDP), `runtime` (the train
-step, loss and gradient norm over the whole layout), `grad_norm`, `report` (predicted vs measured
-per stage) and `launch` (torchrun, sbatch). Names are imported lazily: `import fivefold.parallel`
+step, loss and gradient norm over the whole layout), `protocol` (the Runtime protocol and
+`StepResult` the loop speaks), `process_group` (start-up, timeouts, the device), `precision` (the
+one precision resolution), `grad_norm`, `report` (predicted vs measured per stage) and `launch`
+(torchrun, sbatch). Names are imported lazily: `import fivefold.parallel`
 does not import torch.
 """
 

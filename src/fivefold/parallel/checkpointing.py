@@ -1,24 +1,57 @@
-"""Activation checkpointing per block for parallelised models: none, selective or full.
+"""Activation checkpointing (recompute) per transformer block, keeping every parameter name.
 
-The same wrapping the single-process runtime uses (`fivefold.train.recompute`): a block's (full)
-or its attention core's (selective) `forward` runs under non-reentrant `torch.utils.checkpoint`,
-so parameter names are unchanged and recompute changes no number. In the parallel runtime it is
-applied after TP, EP and CP (so a context-parallel core is what selective recompute re-runs, its
-ring collectives included) and before FSDP/DDP (whose hooks then gather the parameters around
-the recomputation).
+`plan.recompute`:
+- "none": keep every activation.
+- "full": each block stores only its input; its whole forward is re-run during backward.
+- "selective": only the attention core (QK^T, softmax, AV) is re-run, so the T x T score
+  activations are never stored while the projections and MLP keep theirs (Korthikanti et al.
+  2022's selective recompute).
+
+Both wrap a module's `forward` in `torch.utils.checkpoint.checkpoint` (non-reentrant) instead of
+inserting wrapper modules, so parameter FQNs, state-dict keys and the addresses parallel code
+uses (`model.layers["0"].attention.core`) stay what they were. The recomputation is the same
+arithmetic in the same order, so losses and gradients equal the no-recompute run exactly.
+
+The single-process runtime applies it to the whole model; the parallel runtime applies it after
+TP, EP and CP (so a context-parallel core is what selective recompute re-runs, its ring
+collectives included) and before FSDP/DDP (whose hooks then gather the parameters around the
+recomputation).
 """
 
 from __future__ import annotations
 
+import functools
+from typing import Any
+
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from fivefold.spec.model import RECOMPUTE_POLICIES
 
+_WRAPPED = "_fivefold_recompute"
 
-def apply_activation_checkpointing(model: nn.Module, policy: str) -> int:
-    """Wrap every block of `model` (a Transformer or a pipeline chunk); returns how many modules."""
-    from fivefold.train.recompute import apply_recompute
 
-    if policy not in RECOMPUTE_POLICIES:
-        raise ValueError(f"recompute policy must be one of {RECOMPUTE_POLICIES}, got {policy!r}")
-    return apply_recompute(model, policy)
+def _checkpointed_forward(forward: Any, *args: Any, **kwargs: Any) -> Any:
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+def checkpoint_module(module: nn.Module) -> None:
+    """Make `module`'s forward recompute in backward instead of storing activations (idempotent)."""
+    if getattr(module, _WRAPPED, False):
+        return
+    module.forward = functools.partial(_checkpointed_forward, module.forward)  # type: ignore[method-assign]
+    setattr(module, _WRAPPED, True)
+
+
+def apply_recompute(model: nn.Module, policy: str) -> int:
+    """Apply `policy` to every block in `model.layers` (a Transformer or a pipeline chunk);
+    returns how many modules were wrapped."""
+    assert policy in RECOMPUTE_POLICIES, policy  # ParallelPlan.problems names the choices
+    if policy == "none":
+        return 0
+    wrapped = 0
+    for block in model.layers.values():
+        target = block if policy == "full" else block.attention.core
+        checkpoint_module(target)
+        wrapped += 1
+    return wrapped

@@ -6,28 +6,27 @@ Layout (load-balanced for causal masks). A sequence of T tokens is cut into 2*cp
 c = T / (2*cp) tokens; CP rank r holds chunk r (its "head") followed by chunk 2*cp-1-r (its
 "tail"). Every rank then owns the same amount of causal attention work. Tokens, labels,
 positions and doc_ids are all sharded with this one layout (`shard_batch_for_cp`), so RoPE uses
-the true positions and document masks compare true document ids.
+the true positions.
+
+Documents. No mask is ever built. Once per forward (at the first layer, cached on the model's
+`DocumentLayout`) the CP ranks all-gather their doc ids and read the global document
+boundaries on the host; from them come the blocks (`fivefold.model.attention.document_blocks`):
+for each pair of a query chunk and a key chunk, the per-document rectangles, causal on the
+diagonal, full where the keys precede the queries, absent where they follow. Every layer reuses
+them; nothing is copied host-to-device per block. The kernels are the model's own block
+kernels (SDPA's CPU flash kernel per span, GQA native; on CUDA the memory-efficient kernel,
+unmeasured here), merged across blocks by log-sum-exp.
 
 Three ways to attend across the group, chosen by `plan.cp_kind`:
 - "ring": K/V blocks travel around the ring (rank r sends to r+1) while each rank attends its
-  queries to the block it holds; the partial results are merged by log-sum-exp. The backward
-  runs the same ring again, with the K/V gradients travelling beside their blocks and arriving
-  home after the last hop. Load balancing also removes work: a block from an earlier rank is
-  seen whole by all local queries but only through its head chunk, and a block from a later rank
-  is seen only by the local tail chunk. An autograd Function with an explicit backward.
+  queries to the block it holds. Each exchange is posted before the block's compute and waited
+  after it. The backward runs the same ring again; the dK/dV of a block travel beside it: a
+  rank adds its share, posts the send, and waits for the next incoming dK/dV only after its next
+  block's compute, so both exchanges overlap compute; after the last hop they are home.
 - "allgather": every rank all-gathers K/V (autograd all-gather, whose backward is a
   reduce-scatter) and attends its local queries to the whole sequence.
 - "ulysses": an all-to-all turns sequence shards into head shards, full-sequence attention runs
   on H/cp heads, and a second all-to-all turns the output back.
-
-Masks are built from each token's global index in the sequence (from the layout, never from the
-RoPE positions, which restart at document boundaries) and from the doc ids: key j is visible to
-query i when index_j <= index_i and doc_j == doc_i.
-
-Block kernels: "math" is plain fp32 matmul + logsumexp (the reference); "fused" calls the
-kernel that returns the LSE (CPU: `_scaled_dot_product_flash_attention_for_cpu`, about ten
-times faster than math; CUDA: `_scaled_dot_product_efficient_attention`, which takes a mask);
-"auto" picks fused.
 """
 
 from __future__ import annotations
@@ -39,12 +38,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-import torch.nn.functional as F
 from torch import nn
 
-from fivefold.model.attention import attention_mask, repeat_kv
-
-KERNELS = ("auto", "math", "fused")
+from fivefold.model.attention import (
+    Block,
+    Chunk,
+    DocumentLayout,
+    block_attention,
+    block_backward,
+    block_forward,
+    document_blocks,
+    merge_partial,
+)
 
 
 # ---- layout --------------------------------------------------------------------------------------
@@ -97,205 +102,94 @@ def shard_batch_for_cp(batch: Any, cp_rank: int, cp_size: int) -> Any:
     return dataclasses.replace(batch, **changes)
 
 
-# ---- masks and block kernels ---------------------------------------------------------------------
-# A block is described by (mask, causal): `mask` a boolean visibility mask [B|1, 1, Tq, Tk] or
-# None; `causal` (only used when mask is None) means plain lower-triangular visibility, which is
-# exactly the diagonal block without documents: a rank's tokens are in increasing global order.
-def _block_mask(
-    q_index: torch.Tensor,
-    k_index: torch.Tensor,
-    q_docs: torch.Tensor | None,
-    k_docs: torch.Tensor | None,
-    causal: bool,
-) -> tuple[torch.Tensor | None, bool]:
-    """(mask, causal) of a block; `causal=False` for blocks wholly before the queries."""
-    if q_docs is None:
-        return None, causal
-    if causal:
-        return attention_mask(q_index, k_index, q_docs, k_docs), False
-    return (q_docs[:, :, None] == k_docs[:, None, :])[:, None], False
+# ---- documents and blocks, once per forward ------------------------------------------------------
+def local_chunks(rank: int, size: int, chunk: int) -> list[Chunk]:
+    """The two chunks CP rank `rank` holds (head then tail), `chunk` tokens each."""
+    return [Chunk(0, rank * chunk, chunk), Chunk(chunk, (2 * size - 1 - rank) * chunk, chunk)]
 
 
-def _reduce_kv_grad(g: torch.Tensor, groups: int) -> torch.Tensor:
-    """Sum an expanded K/V gradient back onto its Hkv heads: [B, H, T, D] -> [B, Hkv, T, D]."""
-    if groups == 1:
-        return g
-    b, h, t, d = g.shape
-    return g.view(b, h // groups, groups, t, d).sum(2)
+def rank_order_chunks(size: int, chunk: int) -> list[Chunk]:
+    """Every rank's chunks as laid out when the ranks' shares are concatenated in rank order."""
+    return [
+        Chunk(rank * 2 * chunk + c.local, c.start, c.length)
+        for rank in range(size)
+        for c in local_chunks(rank, size, chunk)
+    ]
 
 
-def _bool_mask(
-    mask: torch.Tensor | None, causal: bool, tq: int, tk: int, device
-) -> torch.Tensor | None:
-    if mask is None and causal:
-        return torch.ones(tq, tk, dtype=torch.bool, device=device).tril()[None, None]
-    return mask
+def _global_documents(
+    docs: DocumentLayout | None, group: dist.ProcessGroup, batch: int, local_len: int
+) -> DocumentLayout:
+    """The documents of the whole sequence: local doc ids all-gathered (once per forward)."""
+    size = dist.get_world_size(group)
+    if docs is None or docs.doc_ids is None:
+        return DocumentLayout(None, batch, local_len * size)
+    key = ("cp-documents", id(group))
+    if key not in docs.cache:
+        parts = [torch.empty_like(docs.doc_ids) for _ in range(size)]
+        dist.all_gather(parts, docs.doc_ids.contiguous(), group=group)
+        full = unshard_sequence_for_cp(parts, dim=1)
+        docs.cache[key] = DocumentLayout(full, batch, local_len * size)
+    return docs.cache[key]
 
 
-def _additive_mask(mask: torch.Tensor | None, dtype: torch.dtype, align: int = 1):
-    """0 / -inf float mask; with `align`, stored with its last dim padded to a multiple of it
-    (the CUDA memory-efficient kernel needs 16-aligned bias rows)."""
-    if mask is None:
-        return None
-    tk = mask.shape[-1]
-    padded = torch.zeros((*mask.shape[:-1], tk + (-tk) % align), dtype=dtype, device=mask.device)
-    padded[..., :tk].masked_fill_(~mask, -math.inf)
-    return padded[..., :tk]
+def _cached_blocks(docs: DocumentLayout | None, key: tuple, build) -> Any:
+    if docs is None:
+        return build()
+    if key not in docs.cache:
+        docs.cache[key] = build()
+    return docs.cache[key]
 
 
-def _pick_kernel(kernel: str, device: torch.device) -> str:
-    if kernel not in KERNELS:
-        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
-    if kernel == "auto":
-        return "fused" if device.type in ("cpu", "cuda") else "math"
-    return kernel
+def _cp_blocks(kind: str, q, docs: DocumentLayout | None, group: dist.ProcessGroup):
+    """The blocks of `kind` for this rank ([per ring step] for the ring), built once per forward."""
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    local_len = q.shape[2] if kind != "ulysses" else q.shape[2] // size
+    chunk = local_len // 2
 
+    def build():
+        layout = _global_documents(docs, group, q.shape[0], local_len)
+        mine = local_chunks(rank, size, chunk)
+        if kind == "ring":
+            return [
+                document_blocks(mine, local_chunks((rank - step) % size, size, chunk), layout)
+                for step in range(size)
+            ]
+        everyone = rank_order_chunks(size, chunk)
+        return document_blocks(mine if kind == "allgather" else everyone, everyone, layout)
 
-def _block_forward(q, k, v, mask, causal, scale, kernel) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of q [B,H,Tq,D] on k, v [B,H,Tk,D] -> (out [B,H,Tq,D], lse fp32 [B,H,Tq]).
-
-    Rows that see no key get out = 0 and lse = -inf, so merging them changes nothing.
-    """
-    if kernel == "math":
-        mask = _bool_mask(mask, causal, q.shape[2], k.shape[2], q.device)
-        scores = (q.float() @ k.float().transpose(-1, -2)) * scale
-        if mask is not None:
-            scores = scores.masked_fill(~mask, -math.inf)
-        lse = scores.logsumexp(-1)
-        safe_lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-        out = torch.exp(scores - safe_lse[..., None]) @ v.float()
-        return out.to(q.dtype), lse
-    if q.device.type == "cuda":
-        bias = _additive_mask(mask, q.dtype, align=16)
-        if bias is not None:
-            bias = bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-        out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
-            q, k, v, bias, True, is_causal=causal, scale=scale
-        )
-        lse = lse[..., : q.shape[2]].float()
-    else:
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, is_causal=causal, attn_mask=_additive_mask(mask, q.dtype), scale=scale
-        )
-        lse = lse.float()
-    if mask is not None:
-        sees_nothing = ~mask.any(-1).expand_as(lse)
-        lse = lse.masked_fill(sees_nothing, -math.inf)
-        out = out.masked_fill(sees_nothing[..., None], 0.0)
-    return out, lse
-
-
-def _block_backward(dout, q, k, v, out, lse, mask, causal, scale, kernel):
-    """Gradients of one block given the *merged* out and lse of its query rows (all finite).
-
-    With P = exp(q k^T * scale - lse) the block's share of the softmax:
-    dv = P^T dout, dP = dout v^T, dS = P * (dP - rowsum(dout * out)), dq = dS k * scale,
-    dk = dS^T q * scale. Returns fp32 (dq [B,H,Tq,D], dk, dv [B,H,Tk,D]).
-    """
-    if kernel == "math":
-        mask = _bool_mask(mask, causal, q.shape[2], k.shape[2], q.device)
-        qf, kf, vf, gf = q.float(), k.float(), v.float(), dout.float()
-        scores = (qf @ kf.transpose(-1, -2)) * scale
-        if mask is not None:
-            scores = scores.masked_fill(~mask, -math.inf)
-        p = torch.exp(scores - lse[..., None])
-        delta = (gf * out.float()).sum(-1, keepdim=True)
-        dv = p.transpose(-1, -2) @ gf
-        ds = p * (gf @ vf.transpose(-1, -2) - delta)
-        return (ds @ kf) * scale, (ds.transpose(-1, -2) @ qf) * scale, dv
-    if q.device.type == "cuda":
-        bias = _additive_mask(mask, q.dtype, align=16)
-        if bias is not None:
-            bias = bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-        tq = q.shape[2]
-        lse_padded = lse.new_zeros((*lse.shape[:-1], tq + (-tq) % 32))  # kernel's LSE layout
-        lse_padded[..., :tq] = lse
-        seed = torch.zeros((), dtype=torch.int64, device=q.device)
-        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-            dout, q, k, v, bias, out, lse_padded, seed, seed, 0.0,
-            [True, True, True, False], is_causal=causal, scale=scale,
-        )  # fmt: skip
-    else:
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse, 0.0, causal,
-            attn_mask=_additive_mask(mask, q.dtype), scale=scale,
-        )  # fmt: skip
-    return dq.float(), dk.float(), dv.float()
-
-
-def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor):
-    """Fold a block's (out, lse) into the running (out, lse); running lse must be finite.
-
-    out' = (out e^lse + b e^blse) / (e^lse + e^blse), written with sigmoids for stability.
-    """
-    weight = torch.sigmoid(block_lse - lse)[..., None]
-    out = out - weight * (out - block_out.float())
-    lse = lse - F.logsigmoid(lse - block_lse)
-    return out, lse
+    return _cached_blocks(docs, (kind, id(group)), build)
 
 
 # ---- ring ----------------------------------------------------------------------------------------
-def _ring_exchange(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> tuple[list, Any]:
+def _ring_exchange(
+    tensors: list[torch.Tensor], group: dist.ProcessGroup, tag: int = 0
+) -> tuple[list[torch.Tensor], Any]:
     """Send `tensors` (packed) to the next CP rank and receive the previous rank's; async.
 
-    Returns (receive buffers, wait function).
+    Returns (receive buffers shaped like `tensors`, wait function).
     """
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     flat = torch.cat([t.reshape(-1) for t in tensors])
     buf = torch.empty_like(flat)
-    ops = [
-        dist.P2POp(dist.isend, flat, group=group, group_peer=(rank + 1) % size),
-        dist.P2POp(dist.irecv, buf, group=group, group_peer=(rank - 1) % size),
-    ]
-    works = dist.batch_isend_irecv(ops)
+    works = dist.batch_isend_irecv(
+        [
+            dist.P2POp(dist.isend, flat, group=group, group_peer=(rank + 1) % size, tag=tag),
+            dist.P2POp(dist.irecv, buf, group=group, group_peer=(rank - 1) % size, tag=tag),
+        ]
+    )
     out, offset = [], 0
     for t in tensors:
-        out.append(buf[offset : offset + t.numel()].view_as(t))
+        out.append(buf[offset : offset + t.numel()].view(t.shape))
         offset += t.numel()
 
+    keep = (flat, works)  # the send buffer lives until the exchange is done
+
     def wait() -> None:
-        for w in works:
+        for w in keep[1]:
             w.wait()
 
     return out, wait
-
-
-def _ring_block_plan(step: int, rank: int, size: int, chunk: int):
-    """Which query rows and key columns of the block held at `step` can interact, and if causal.
-
-    Returns (source rank, query slice, key slice, needs causal mask).
-    """
-    source = (rank - step) % size
-    if step == 0:
-        return source, slice(None), slice(None), True
-    if source < rank:  # earlier rank: only its head chunk precedes our tokens, and it all does
-        return source, slice(None), slice(0, chunk), False
-    return source, slice(chunk, None), slice(None), False  # later rank: only our tail sees it
-
-
-def _ring_block(
-    step: int,
-    rank: int,
-    size: int,
-    chunk: int,
-    q_index: torch.Tensor,
-    doc_ids: torch.Tensor | None,
-    all_docs: torch.Tensor | None,
-) -> tuple[slice, slice, torch.Tensor | None, bool]:
-    """(query slice, key slice, mask, causal) of the K/V block this rank holds at ring `step`.
-
-    q_index [2*chunk] holds the global positions of this rank's tokens; doc_ids [B, 2*chunk] and
-    all_docs [cp, B, 2*chunk] are its and every rank's document ids (both None without them).
-    """
-    source, qs, ks, causal = _ring_block_plan(step, rank, size, chunk)
-    k_index = load_balanced_indices(2 * chunk * size, source, size).to(q_index.device)
-    mask, causal = _block_mask(
-        q_index[qs], k_index[ks],
-        None if doc_ids is None else doc_ids[:, qs],
-        None if doc_ids is None else all_docs[source][:, ks],
-        causal,
-    )  # fmt: skip
-    return qs, ks, mask, causal
 
 
 class _RingAttention(torch.autograd.Function):
@@ -303,149 +197,96 @@ class _RingAttention(torch.autograd.Function):
 
     Forward: K/V pass around the ring (rank r -> r+1) cp-1 times; each rank attends its local
     queries to each block it holds and merges the partial results by log-sum-exp.
-    Backward: the same ring again; dQ accumulates locally, dK/dV travel with their block and
-    make one last hop home.
+    Backward: the same ring again; dQ accumulates locally, dK/dV travel with their block (one
+    exchange in flight while the next block computes) and make one last hop home.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, doc_ids, group, scale, kernel):
-        size, rank = dist.get_world_size(group), dist.get_rank(group)
-        groups = q.shape[1] // k.shape[1]
-        chunk = q.shape[2] // 2
-        index = load_balanced_indices(2 * chunk * size, rank, size).to(q.device)
-        all_docs = _gather_doc_ids(doc_ids, group)
-        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    def forward(ctx, q, k, v, steps, group, scale):
+        size = dist.get_world_size(group)
+        out = torch.zeros_like(q, dtype=torch.float32)  # keeps q's [B, T, H, Dh] memory
         lse = torch.full(q.shape[:-1], -math.inf, dtype=torch.float32, device=q.device)
         kv = [k, v]
         for step in range(size):
             wait = None
             if step < size - 1:
                 next_kv, wait = _ring_exchange(kv, group)
-            qs, ks, mask, causal = _ring_block(step, rank, size, chunk, index, doc_ids, all_docs)
-            block_out, block_lse = _block_forward(
-                q[:, :, qs],
-                repeat_kv(kv[0][:, :, ks], groups),
-                repeat_kv(kv[1][:, :, ks], groups),
-                mask, causal, scale, kernel,
-            )  # fmt: skip
-            if step == 0:
-                out, lse = block_out.float(), block_lse
-            else:
-                out[:, :, qs], lse[:, :, qs] = _merge(
-                    out[:, :, qs], lse[:, :, qs], block_out, block_lse
+            for block in steps[step]:
+                block_out, block_lse = block_forward(q, kv[0], kv[1], block, scale)
+                out[:, :, block.q], lse[:, :, block.q] = merge_partial(
+                    out[:, :, block.q], lse[:, :, block.q], block_out, block_lse
                 )
             if wait is not None:
                 wait()
                 kv = next_kv
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse, doc_ids, all_docs)
-        ctx.group, ctx.scale, ctx.kernel = group, scale, kernel
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.steps, ctx.group, ctx.scale = steps, group, scale
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse, doc_ids, all_docs = ctx.saved_tensors
-        group, scale, kernel = ctx.group, ctx.scale, ctx.kernel
-        size, rank = dist.get_world_size(group), dist.get_rank(group)
-        groups = q.shape[1] // k.shape[1]
-        chunk = q.shape[2] // 2
-        index = load_balanced_indices(2 * chunk * size, rank, size).to(q.device)
-        dout = dout.contiguous()
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        kv = [k, v]
-        dkv = [torch.zeros(k.shape, dtype=torch.float32, device=k.device) for _ in range(2)]
+        q, k, v, out, lse = ctx.saved_tensors
+        steps, group, scale = ctx.steps, ctx.group, ctx.scale
+        size = dist.get_world_size(group)
+        dq = torch.zeros_like(q, dtype=torch.float32)
+        kv, incoming = [k, v], None
         for step in range(size):
             wait_kv = None
             if step < size - 1:
                 next_kv, wait_kv = _ring_exchange(kv, group)
-            qs, ks, mask, causal = _ring_block(step, rank, size, chunk, index, doc_ids, all_docs)
-            bdq, bdk, bdv = _block_backward(
-                dout[:, :, qs], q[:, :, qs],
-                repeat_kv(kv[0][:, :, ks], groups), repeat_kv(kv[1][:, :, ks], groups),
-                out[:, :, qs], lse[:, :, qs], mask, causal, scale, kernel,
-            )  # fmt: skip
-            dq[:, :, qs] += bdq
-            dkv[0][:, :, ks] += _reduce_kv_grad(bdk, groups)
-            dkv[1][:, :, ks] += _reduce_kv_grad(bdv, groups)
-            if size > 1:  # dK/dV follow their block; after the last step they reach home
-                dkv, wait_dkv = _ring_exchange(dkv, group)
-                wait_dkv()
+            dk, dv = (torch.zeros_like(k, dtype=torch.float32) for _ in range(2))
+            for block in steps[step]:
+                block_backward(dout, q, kv[0], kv[1], out, lse, block, scale, (dq, dk, dv))
+            if incoming is not None:  # the block's dK/dV from the ranks that held it before
+                (prev_dk, prev_dv), wait_in = incoming
+                wait_in()
+                dk += prev_dk
+                dv += prev_dv
+            incoming = _ring_exchange([dk, dv], group, tag=1)  # on to the next holder
             if wait_kv is not None:
                 wait_kv()
                 kv = next_kv
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
-
-
-def _gather_doc_ids(doc_ids: torch.Tensor | None, group: dist.ProcessGroup) -> torch.Tensor | None:
-    """Every CP rank's local doc ids, [cp, B, T/cp] (None stays None)."""
-    if doc_ids is None:
-        return None
-    parts = [torch.empty_like(doc_ids) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, doc_ids.contiguous(), group=group)
-    return torch.stack(parts)
+        (dk, dv), wait_in = incoming  # the last hop brought this rank's own block home
+        wait_in()
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
 def ring_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    doc_ids: torch.Tensor | None,
+    docs: DocumentLayout | None,
     group: dist.ProcessGroup,
     *,
     scale: float | None = None,
-    kernel: str = "auto",
 ) -> torch.Tensor:
-    """Causal (and document-masked) attention of this rank's load-balanced share of a sequence.
+    """Causal attention within documents of this rank's load-balanced share of a sequence.
 
-    q [B, Hq, T/cp, Dh], k and v [B, Hkv, T/cp, Dh] (after RoPE; Hkv divides Hq), doc_ids
-    [B, T/cp] or None, all in the layout of `load_balanced_indices`. Returns [B, Hq, T/cp, Dh].
+    q [B, Hq, T/cp, Dh], k and v [B, Hkv, T/cp, Dh] (after RoPE; Hkv divides Hq), in the layout
+    of `load_balanced_indices`; `docs` the model's layout of the local doc ids (None: one
+    document per row). Returns [B, Hq, T/cp, Dh].
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return _RingAttention.apply(
-        q, k.contiguous(), v.contiguous(), doc_ids, group, scale, _pick_kernel(kernel, q.device)
-    )
+    steps = _cp_blocks("ring", q, docs, group)
+    return _RingAttention.apply(q, k, v, steps, group, scale)
 
 
 # ---- all-gather and all-to-all variants ----------------------------------------------------------
-def _full_layout_index(local_len: int, size: int, device: torch.device) -> torch.Tensor:
-    """Global indices of the tokens of all CP ranks concatenated in rank order, [T]."""
-    seq_len = local_len * size
-    return torch.cat([load_balanced_indices(seq_len, r, size) for r in range(size)]).to(device)
-
-
-def _full_layout_doc_ids(
-    doc_ids: torch.Tensor | None, group: dist.ProcessGroup
-) -> torch.Tensor | None:
-    """All CP ranks' doc ids in the `_full_layout_index` token order, [B, T] (None stays None)."""
-    all_docs = _gather_doc_ids(doc_ids, group)
-    if all_docs is None:
-        return None
-    return all_docs.permute(1, 0, 2).reshape(all_docs.shape[1], -1)
-
-
-def _sdpa(q, k, v, mask, scale):
-    """Plain SDPA with a boolean visibility mask (every query sees at least itself)."""
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-
-
 def allgather_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    doc_ids: torch.Tensor | None,
+    docs: DocumentLayout | None,
     group: dist.ProcessGroup,
     *,
     scale: float | None = None,
 ) -> torch.Tensor:
     """Same contract as `ring_attention`; K/V all-gathered (backward: reduce-scatter)."""
-    size, rank = dist.get_world_size(group), dist.get_rank(group)
-    groups = q.shape[1] // k.shape[1]
     k_all = funcol.all_gather_single_autograd(k.contiguous(), gather_dim=2, group=group)
     v_all = funcol.all_gather_single_autograd(v.contiguous(), gather_dim=2, group=group)
-    q_index = load_balanced_indices(q.shape[2] * size, rank, size).to(q.device)
-    k_index = _full_layout_index(q.shape[2], size, q.device)
-    mask = attention_mask(q_index, k_index, doc_ids, _full_layout_doc_ids(doc_ids, group))
-    return _sdpa(q, repeat_kv(k_all, groups), repeat_kv(v_all, groups), mask, scale)
+    blocks: list[Block] = _cp_blocks("allgather", q, docs, group)
+    return block_attention(q, k_all, v_all, blocks, scale)
 
 
 def _seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -476,29 +317,27 @@ def ulysses_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    doc_ids: torch.Tensor | None,
+    docs: DocumentLayout | None,
     group: dist.ProcessGroup,
     *,
     scale: float | None = None,
 ) -> torch.Tensor:
     """Same contract as `ring_attention`; all-to-all to head shards (needs cp | Hq).
 
-    K/V heads are sent unexpanded when cp divides Hkv, else expanded to Hq heads first.
+    K/V heads are sent unexpanded when cp divides Hkv, else expanded to Hq heads first (the
+    head shards must pair each query head with its K/V head).
     """
     size = dist.get_world_size(group)
     if q.shape[1] % size:
         raise ValueError(
             f"ulysses context parallelism needs cp = {size} to divide heads {q.shape[1]}"
         )
-    groups = q.shape[1] // k.shape[1]
     if k.shape[1] % size:
-        k, v, groups = repeat_kv(k, groups), repeat_kv(v, groups), 1
+        groups = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     q_h, k_h, v_h = (_seq_to_heads(x, group) for x in (q, k, v))
-    index = _full_layout_index(q.shape[2], size, q.device)
-    docs = _full_layout_doc_ids(doc_ids, group)
-    mask = attention_mask(index, index, docs, docs)
-    out = _sdpa(q_h, repeat_kv(k_h, groups), repeat_kv(v_h, groups), mask, scale)
-    return _heads_to_seq(out, group)
+    blocks: list[Block] = _cp_blocks("ulysses", q_h, docs, group)
+    return _heads_to_seq(block_attention(q_h, k_h, v_h, blocks, scale), group)
 
 
 # ---- model integration ---------------------------------------------------------------------------
@@ -512,32 +351,22 @@ CP_FUNCTIONS = {
 class ContextParallelAttentionCore(nn.Module):
     """Drop-in `attention.core` that attends across the CP group with the chosen kind.
 
-    forward(q [B,Hq,T/cp,Dh], k, v [B,Hkv,T/cp,Dh], positions_ctx) -> [B,Hq,T/cp,Dh]; the doc ids
-    of the local tokens are read from `positions_ctx` (attribute or key `doc_ids`).
+    forward(q [B,Hq,T/cp,Dh], k, v [B,Hkv,T/cp,Dh], docs: DocumentLayout | None) ->
+    [B,Hq,T/cp,Dh]; `docs` is the model's layout of the local doc ids, where this core caches
+    the global documents and its blocks for the rest of the forward.
     """
 
-    def __init__(self, group: dist.ProcessGroup, kind: str = "ring", kernel: str = "auto"):
+    def __init__(self, group: dist.ProcessGroup, kind: str = "ring"):
         super().__init__()
         if kind not in CP_FUNCTIONS:
             raise ValueError(f"cp kind must be one of {tuple(CP_FUNCTIONS)}, got {kind!r}")
-        self.group, self.kind, self.kernel = group, kind, kernel
+        self.group, self.kind = group, kind
 
-    def forward(self, q, k, v, positions_ctx=None):
-        doc_ids = _doc_ids_of(positions_ctx)
-        if self.kind == "ring":
-            return ring_attention(q, k, v, doc_ids, self.group, kernel=self.kernel)
-        return CP_FUNCTIONS[self.kind](q, k, v, doc_ids, self.group)
+    def forward(self, q, k, v, docs: DocumentLayout | None = None):
+        return CP_FUNCTIONS[self.kind](q, k, v, docs, self.group)
 
     def extra_repr(self) -> str:
         return f"kind={self.kind}, cp={dist.get_world_size(self.group)}"
-
-
-def _doc_ids_of(positions_ctx: Any) -> torch.Tensor | None:
-    if positions_ctx is None:
-        return None
-    if isinstance(positions_ctx, dict):
-        return positions_ctx.get("doc_ids")
-    return getattr(positions_ctx, "doc_ids", None)
 
 
 def apply_context_parallel(model: nn.Module, cp_mesh: Any, kind: str = "ring") -> nn.Module:

@@ -32,19 +32,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from fivefold.parallel.precision import resolve_precision
 from fivefold.spec.plan import ParallelPlan
-from fivefold.spec.precision import recipe as precision_recipe
-
-_COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def compute_dtype(plan: ParallelPlan, device: torch.device) -> torch.dtype:
-    """The dtype forward/backward run in: the recipe's, or fp32 where the device lacks it."""
-    name = precision_recipe(plan.precision).compute_dtype
-    dtype = _COMPUTE_DTYPES.get(name, torch.bfloat16)  # fp8 recipes compute in bf16 here
-    if dtype == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        return torch.float32
-    return dtype
+    """The dtype forward/backward run in (the one resolution: `resolve_precision`)."""
+    return resolve_precision(plan.precision, device).dtype
 
 
 def mixed_precision_policy(plan: ParallelPlan, device: torch.device) -> MixedPrecisionPolicy:

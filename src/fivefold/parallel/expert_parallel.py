@@ -4,12 +4,14 @@ Written by hand because torch has no dropless token dispatcher that runs on CPU.
 - `AllToAllDispatcher` replaces `MoE.dispatcher`. dispatch: sort the N*K token copies by expert,
   exchange per-expert counts (all_to_all_single, no gradient), send each copy to the rank owning
   its expert (`all_to_all_single_autograd` with uneven splits; backward is the reverse
-  all-to-all), and regroup what arrived by local expert. combine: the exact reverse, then the
+  all-to-all), and regroup what arrived by local expert. The split sizes are read back to the
+  host once per dispatch (torch's uneven all-to-all takes lists); the expert GEMMs take the
+  counts on the device (`fivefold.model.moe.grouped_swiglu`). combine: the exact reverse, then the
   gate-weighted sum over each token's K copies. Dropless: every copy is delivered.
 - `ShardedExperts` replaces `MoE.experts`. Its w1, w2, w3 are DTensors sharded on dim 0 (the
   expert dimension) over the EP mesh, so the parameter names and global shapes are those of the
-  single-process model: `init_weights` draws the full tensors and keeps each rank's slice, and
-  checkpoints reshard across EP sizes. The forward uses the local experts only.
+  single-process model: `init_weights` draws only each rank's slice (`fivefold.model.init`),
+  and checkpoints reshard across EP sizes. The forward uses the local experts only.
 - The load-balancing loss is recomputed over the tokens of the whole `aux_group` (default: the
   EP group): f_e (assignment fractions) and P_e (mean router probabilities) are summed over the
   group, so its value equals the single-process loss on the union of the group's tokens on every
@@ -32,12 +34,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from fivefold.model.moe import GroupedExperts, MoE, Routing
+from fivefold.model.moe import GroupedExperts, MoE, Routing, grouped_swiglu
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -62,8 +63,7 @@ class ShardedExperts(nn.Module):
     def __init__(self, experts: GroupedExperts, mesh: DeviceMesh, grad_scale: float) -> None:
         super().__init__()
         num_experts = experts.w1.shape[0]
-        if num_experts % mesh.size():
-            raise ValueError(f"ep = {mesh.size()} must divide the {num_experts} experts")
+        assert num_experts % mesh.size() == 0, "ParallelPlan.problems: ep divides the experts"
         self.grad_scale = grad_scale
         for name in ("w1", "w2", "w3"):
             full = getattr(experts, name)
@@ -76,14 +76,7 @@ class ShardedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         w1, w2, w3 = self._local(self.w1), self._local(self.w2), self._local(self.w3)
-        counts = tokens_per_expert.tolist()
-        if len(counts) != w1.shape[0]:
-            raise ValueError(f"got counts for {len(counts)} experts, this rank has {w1.shape[0]}")
-        outputs = []
-        for expert, group in enumerate(torch.split(x, counts, dim=0)):
-            hidden = F.silu(group @ w1[expert].T) * (group @ w3[expert].T)
-            outputs.append(hidden @ w2[expert].T)
-        return torch.cat(outputs, dim=0)
+        return grouped_swiglu(x, w1, w2, w3, tokens_per_expert)
 
 
 @dataclass
@@ -122,14 +115,18 @@ class AllToAllDispatcher:
         recv_counts = torch.empty_like(counts)
         dist.all_to_all_single(recv_counts, counts, group=self.group)
         recv_counts = recv_counts.view(self.ep, local_experts)  # [source rank, local expert]
-        send_splits = counts.view(self.ep, local_experts).sum(1).tolist()
-        recv_splits = recv_counts.sum(1).tolist()
+        # the one host read-back of the dispatch: all_to_all_single takes its splits as lists
+        send_splits, recv_splits = torch.stack(
+            [counts.view(self.ep, local_experts).sum(1), recv_counts.sum(1)]
+        ).tolist()
         received = funcol.all_to_all_single_autograd(
             sorted_copies, recv_splits, send_splits, self.group
         )
         # received rows are ordered (source rank, local expert); regroup by local expert
         expert_of_row = torch.arange(local_experts, device=tokens.device).repeat(self.ep)
-        expert_of_row = expert_of_row.repeat_interleave(recv_counts.flatten())
+        expert_of_row = expert_of_row.repeat_interleave(
+            recv_counts.flatten(), output_size=sum(recv_splits)
+        )
         local_order = torch.argsort(expert_of_row, stable=True)
         handle = _AllToAllHandle(slot_order, local_order, send_splits, recv_splits, routing.gates)
         return received[local_order], recv_counts.sum(0), handle

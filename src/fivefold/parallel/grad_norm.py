@@ -8,9 +8,15 @@ tensor is held by every rank of its stage. This works for any mix of meshes (den
 (dp, tp), experts on (edp, ep)) where torch's `get_total_norm` needs one mesh at a time, and
 clipping then matches `torch.nn.utils.clip_grad_norm_` (coefficient max_norm / (norm + 1e-6),
 capped at 1).
+
+Gradients are grouped by (weight, device, dtype): each group's local tensors go through one
+`torch._foreach_norm` (fp32 accumulation, no per-tensor copies), and only the per-group sums of
+squares are carried in float64. Clipping is one `torch._foreach_mul_` per (device, dtype) group.
 """
 
 from __future__ import annotations
+
+from collections import defaultdict
 
 import torch
 import torch.distributed as dist
@@ -27,6 +33,21 @@ def _shard_count(grad: DTensor) -> int:
     return count
 
 
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    return grad.to_local() if isinstance(grad, DTensor) else grad
+
+
+def _groups(grads: list[torch.Tensor], holders_per_stage: int) -> dict[tuple, list[torch.Tensor]]:
+    """Local gradient tensors by (weight = 1 / ranks holding the shard, device, dtype)."""
+    groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+    for grad in grads:
+        count = _shard_count(grad) if isinstance(grad, DTensor) else 1
+        local = _local(grad).detach()
+        if local.numel():
+            groups[(count / holders_per_stage, local.device, local.dtype)].append(local)
+    return groups
+
+
 def global_grad_norm(grads: list[torch.Tensor], pp_size: int = 1) -> torch.Tensor:
     """L2 norm of all gradients of the model (a float64 scalar, equal on every rank).
 
@@ -37,21 +58,21 @@ def global_grad_norm(grads: list[torch.Tensor], pp_size: int = 1) -> torch.Tenso
     if dist.get_backend() == "nccl" and device.type != "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
     total = torch.zeros((), dtype=torch.float64, device=device)
-    for grad in grads:
-        if isinstance(grad, DTensor):
-            local = grad.to_local()
-            weight = _shard_count(grad) / holders_per_stage
-        else:
-            local, weight = grad, 1.0 / holders_per_stage
-        total += local.detach().double().pow(2).sum().to(device) * weight
+    for (weight, _, _), tensors in _groups(grads, holders_per_stage).items():
+        norms = torch._foreach_norm(tensors, 2.0, dtype=torch.float32)
+        squares = torch.stack(norms).double().pow(2).sum()
+        total += squares.to(device) * weight
     dist.all_reduce(total)
     return total.sqrt()
 
 
 @torch.no_grad()
 def clip_grads(grads: list[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> None:
-    """Scale gradients in place by min(1, max_norm / (total_norm + 1e-6))."""
-    coef = min(1.0, max_norm / (float(total_norm) + 1e-6))
-    if coef < 1.0:
-        for grad in grads:
-            grad.mul_(coef)
+    """Scale gradients in place by min(1, max_norm / (total_norm + 1e-6)), without a host sync."""
+    coef = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
+    by_kind: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+    for grad in grads:
+        local = _local(grad)
+        by_kind[(local.device, local.dtype)].append(local)
+    for (device, dtype), tensors in by_kind.items():
+        torch._foreach_mul_(tensors, coef.to(device, dtype))

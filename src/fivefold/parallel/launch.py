@@ -5,39 +5,49 @@ runtime (`DistributedRuntime`) then reads RANK / WORLD_SIZE / LOCAL_RANK from th
 torchrun sets and picks gloo on CPU or NCCL on CUDA. The plan is checked against the number of
 processes before anything starts, so a layout that does not fit is one clear error, not N
 tracebacks.
+
+Locally the agent (`fivefold.parallel.agent`, torchrun's own agent with quiet failures) runs in
+its own session, so the terminal's Ctrl-C reaches only this launcher, which forwards SIGINT /
+SIGTERM to the agent once; the agent forwards it to the ranks, which finish their step, agree to
+stop, checkpoint and exit (`fivefold.train.interrupt`). Should anything be left after
+`SHUTDOWN_GRACE_S`, the launcher kills the agent and every process it started (found in /proc,
+since torchrun puts each worker in a session of its own). Errors the ranks found come back as
+files (`fivefold.parallel.rank_report`) and are printed once.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shlex
+import signal
 import subprocess
 import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
-from fivefold.errors import ConfigError
+from fivefold.errors import ConfigError, FivefoldError
+from fivefold.parallel.rank_report import REPORT_DIR_ENV, read_failures, read_reports, summarize
 
 RDZV_PORT = 29500
 SLURM_MAX_RESTARTS = 3  # a cluster job restarts by default: failures are routine at scale
-
-
-def check_layout(recipe_path: str | Path | None, overrides: list[str], world_size: int):
-    """Load the recipe for `world_size` processes and refuse what the runtime cannot run."""
-    from fivefold.parallel.mesh import ParallelDims
-    from fivefold.parallel.parallelize import check_supported
-    from fivefold.train.entry import load_run
-
-    run = load_run(recipe_path, overrides, world_size=world_size)
-    recipe = run.recipe
-    ParallelDims.from_plan(recipe.plan, world_size)
-    check_supported(recipe.model, recipe.plan)
-    return run
+AGENT_SHUTDOWN_S = 30  # the agent's wait for the ranks to checkpoint and exit after a signal
+SHUTDOWN_GRACE_S = AGENT_SHUTDOWN_S + 15.0  # then the launcher kills whatever is left
+POLL_S = 0.2
 
 
 def threads_per_rank(nproc: int) -> int:
-    """CPU threads each rank may use so N ranks do not oversubscribe the machine."""
-    return max(1, (os.cpu_count() or 1) // nproc)
+    """CPU threads each rank may use so N ranks do not oversubscribe the cores available (the
+    rule the planner's device profiles assume, `fivefold.spec.profile.threads_per_rank`)."""
+    from fivefold.spec.profile import available_cores
+    from fivefold.spec.profile import threads_per_rank as rule
+
+    return rule(nproc, available_cores())
 
 
 def train_args(recipe_path: str | Path | None, overrides: list[str]) -> list[str]:
@@ -56,13 +66,14 @@ def max_restarts_problems(max_restarts: int) -> list[str]:
 def torchrun_command(
     nproc: int, recipe_path: str | Path | None, overrides: list[str], max_restarts: int = 0
 ) -> list[str]:
-    """The local torchrun command line (one node, a free rendezvous port). With
-    `max_restarts` > 0 torchrun restarts the whole group after a rank fails, up to that many
-    times, and the restarted run resumes from the newest valid checkpoint."""
+    """The local torchrun command line (one node, a free rendezvous port), through the quiet
+    agent (`fivefold.parallel.agent`, torchrun's options). With `max_restarts` > 0 torchrun
+    restarts the whole group after a rank fails, up to that many times, and the restarted run
+    resumes from the newest valid checkpoint."""
     return [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        "fivefold.parallel.agent",
         "--standalone",
         f"--nproc-per-node={nproc}",
         f"--max-restarts={max_restarts}",
@@ -73,16 +84,151 @@ def torchrun_command(
 def launch_local(
     nproc: int, recipe_path: str | Path | None, overrides: list[str], max_restarts: int = 0
 ) -> int:
-    """Run the recipe on `nproc` local processes under torchrun; returns torchrun's exit code."""
+    """Run the recipe on `nproc` local processes under torchrun; returns torchrun's exit code.
+
+    The caller has validated the recipe for `nproc` processes
+    (`fivefold.train.entry.check_layout`), so a layout that does not fit never starts.
+    """
     if nproc < 1:
         raise ConfigError(f"--nproc {nproc}: the number of processes must be at least 1.")
     if max_restarts_problems(max_restarts):
         raise ConfigError(max_restarts_problems(max_restarts))
-    check_layout(recipe_path, overrides, nproc)
+    from fivefold.parallel.threads import passive_wait
+
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(threads_per_rank(nproc)))
+    passive_wait(env)
+    env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(AGENT_SHUTDOWN_S))
     command = torchrun_command(nproc, recipe_path, overrides, max_restarts)
-    return subprocess.run(command, env=env).returncode
+    with tempfile.TemporaryDirectory(prefix="fivefold-ranks-") as reports:
+        env[REPORT_DIR_ENV] = reports
+        code = run_supervised(command, env)
+        found = Path(reports)
+        message, code = summarize(read_reports(found), nproc, code, read_failures(found))
+    if message and code == 2:
+        raise FivefoldError(message)
+    if message:
+        print(f"fivefold train: {message}", file=sys.stderr)
+    return code
+
+
+def run_supervised(command: list[str], env: dict[str, str]) -> int:
+    """Run the agent in its own session and return its exit status. SIGINT / SIGTERM here are
+    forwarded to it once; if it has not ended `SHUTDOWN_GRACE_S` later, it and every process
+    it started are killed. Nothing it started outlives this call."""
+    proc = subprocess.Popen(command, env=env, start_new_session=True)
+    tree = ProcessTree(proc.pid)
+    signalled_at: float | None = None
+    try:
+        with _forwarding_signals(proc) as received:
+            while proc.poll() is None:
+                tree.refresh()
+                if received and signalled_at is None:
+                    signalled_at = time.monotonic()
+                if signalled_at is not None and time.monotonic() - signalled_at > SHUTDOWN_GRACE_S:
+                    break
+                with suppress(subprocess.TimeoutExpired):
+                    proc.wait(POLL_S)
+    finally:
+        tree.kill()
+        proc.wait()
+    if received:  # interrupted: 128 + the signal, whatever the agent's status
+        return 128 + received[0]
+    return proc.returncode if proc.returncode >= 0 else 128 - proc.returncode
+
+
+@contextmanager
+def _forwarding_signals(proc: subprocess.Popen) -> Iterator[list[int]]:
+    """Forward the first SIGINT / SIGTERM to `proc`; yields the signals received, in order."""
+    received: list[int] = []
+
+    def forward(signum: int, frame: object) -> None:
+        received.append(signum)
+        if len(received) == 1:
+            with suppress(ProcessLookupError):
+                os.kill(proc.pid, signum)
+
+    if threading.current_thread() is not threading.main_thread():
+        yield received
+        return
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield received
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+class ProcessTree:
+    """The descendants of one process, remembered as (pid, start time) so that processes which
+    were re-parented when their parent died, or in sessions of their own, can still be killed,
+    and a recycled pid never is. Reads /proc (Linux); elsewhere it knows only the root."""
+
+    def __init__(self, root: int):
+        self.root = root
+        self.known: dict[int, str] = {}
+        self.refresh()
+
+    def refresh(self) -> None:
+        children: dict[int, list[int]] = {}
+        for pid, parent in _parent_map().items():
+            children.setdefault(parent, []).append(pid)
+        frontier = [self.root, *self.known]
+        while frontier:
+            pid = frontier.pop()
+            start = self.known.get(pid) or _start_time(pid)
+            if start is None:
+                continue
+            self.known[pid] = start
+            frontier += [c for c in children.get(pid, []) if c not in self.known]
+
+    def alive(self) -> list[int]:
+        return [pid for pid, start in self.known.items() if _start_time(pid) == start]
+
+    def kill(self) -> None:
+        self.refresh()
+        for pid in self.alive():
+            with suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    """Fields of /proc/PID/stat after the command name (which may hold spaces)."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return text[text.rindex(")") + 2 :].split()
+
+
+def _start_time(pid: int) -> str | None:
+    fields = _stat_fields(pid)
+    if fields is None or fields[0] == "Z":  # a zombie is already dead
+        return None
+    return fields[19]  # field 22 of stat: start time in clock ticks since boot
+
+
+def _parent_map() -> dict[int, int]:
+    out = {}
+    for entry in Path("/proc").iterdir() if Path("/proc").is_dir() else []:
+        if entry.name.isdigit():
+            fields = _stat_fields(int(entry.name))
+            if fields is not None:
+                out[int(entry.name)] = int(fields[1])
+    return out
+
+
+# What sbatch accepts, kept strict so nothing written into the script needs quoting.
+SLURM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+SLURM_PARTITION = re.compile(r"[A-Za-z0-9._-]+(,[A-Za-z0-9._-]+)*")
+# --time: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S (sbatch(1)), or "infinite"/"unlimited"
+SLURM_TIME = re.compile(r"(\d+(:\d{1,2}){0,2}|\d+-\d{1,2}(:\d{1,2}){0,2}|infinite|unlimited)")
+
+
+def slurm_job_name(name: str) -> str:
+    """`name` with every character sbatch or a file name would trip on replaced by '-'."""
+    cleaned = re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-.") or "fivefold"
+    return cleaned[:128]
 
 
 @dataclass(frozen=True)
@@ -104,6 +250,23 @@ class SlurmJob:
             out.append(f"--nodes {self.nodes}: a job needs at least one node.")
         if self.gpus_per_node < 1:
             out.append(f"--gpus-per-node {self.gpus_per_node}: must be at least 1.")
+        if not SLURM_NAME.fullmatch(self.job_name):
+            out.append(
+                f"--job-name {self.job_name!r}: use letters, digits, '.', '_' and '-' (at most "
+                f"128, starting with a letter or digit), e.g. {slurm_job_name(self.job_name)!r}."
+            )
+        if not SLURM_TIME.fullmatch(self.time):
+            out.append(
+                f"--time {self.time!r}: give sbatch's wall-time format, e.g. 04:00:00 "
+                "(hours:minutes:seconds), 90 (minutes) or 2-00:00:00 (days-hours:minutes:seconds)."
+            )
+        if self.partition and not SLURM_PARTITION.fullmatch(self.partition):
+            out.append(
+                f"--partition {self.partition!r}: a partition name (letters, digits, '.', '_', "
+                "'-'; several separated by commas), e.g. gpu."
+            )
+        if not 1 <= self.port <= 65535:
+            out.append(f"rendezvous port {self.port}: must be within 1..65535.")
         return out
 
 
@@ -112,7 +275,15 @@ def slurm_script(
 ) -> str:
     """An sbatch script: one task per node, each running torchrun over its GPUs with c10d
     rendezvous on the first node of the allocation; after a rank fails torchrun restarts the
-    group up to `job.max_restarts` times and the run resumes from its newest valid checkpoint."""
+    group up to `job.max_restarts` times and the run resumes from its newest valid checkpoint.
+
+    Every value in a directive is checked (`SlurmJob.problems`, ConfigError); every value on a
+    shell line is quoted; the ranks run this interpreter (`sys.executable`, so the cluster's
+    nodes need the same path, e.g. a shared file system), not whatever `python` is first on
+    the PATH there."""
+    if job.problems():
+        raise ConfigError(job.problems())
+    description = " ".join(description.split())  # a comment line stays one line
     world = job.nodes * job.gpus_per_node
     cpus = job.cpus_per_task or 8 * job.gpus_per_node
     header = [
@@ -138,7 +309,7 @@ def slurm_script(
         'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
         f"export OMP_NUM_THREADS={max(1, cpus // job.gpus_per_node)}",
         "",
-        "srun --kill-on-bad-exit=1 python -m torch.distributed.run \\",
+        f"srun --kill-on-bad-exit=1 {shlex.quote(sys.executable)} -m torch.distributed.run \\",
         '    --nnodes="$SLURM_NNODES" \\',
         f"    --nproc-per-node={job.gpus_per_node} \\",
         f"    --max-restarts={job.max_restarts} \\",

@@ -162,6 +162,3 @@ class Meshes:
                 raise KeyError(f"no {axis!r} mesh: plan.ep is 1")
             return self.expert[axis]
         raise KeyError(axis)
-
-    def local_rank(self, axis: str) -> int:
-        return self[axis].get_local_rank()

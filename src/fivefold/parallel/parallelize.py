@@ -1,6 +1,6 @@
 """Apply a `ParallelPlan` to a model chunk in the one fixed order:
 
-    PP split -> TP/SP -> EP -> CP -> activation checkpointing -> FSDP/DDP
+    PP split -> TP/SP -> EP -> CP -> activation checkpointing -> torch.compile -> FSDP/DDP
 
 (the pipeline split is done by the caller, `split_model_for_pipeline`, because it decides which
 chunks exist). Each step only swaps parameters for DTensors or swaps sub-modules
@@ -15,32 +15,11 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from fivefold.errors import ConfigError
-from fivefold.parallel.checkpointing import apply_activation_checkpointing
+from fivefold.parallel.checkpointing import apply_recompute
 from fivefold.parallel.data_parallel import apply_data_parallel
 from fivefold.parallel.mesh import Meshes
 from fivefold.spec.model import ModelSpec
 from fivefold.spec.plan import ParallelPlan
-
-
-def check_supported(spec: ModelSpec, plan: ParallelPlan) -> None:
-    """`ConfigError` for combinations this runtime refuses (each with the way out)."""
-    problems = []
-    if spec.tied_embeddings and plan.pp > 1:
-        problems.append(
-            f"model.tied_embeddings = true with plan.pp = {plan.pp}: the embedding lives on the "
-            "first pipeline stage and the LM head on the last, so they cannot share one weight "
-            "here; set model.tied_embeddings = false or plan.pp = 1."
-        )
-    if spec.is_moe and plan.tp > 1:
-        problems.append(
-            f"plan.tp = {plan.tp} with a MoE model: MoE layers are not tensor-parallel in this "
-            "runtime; use plan.ep to shard the experts and keep plan.tp = 1."
-        )
-    if plan.ep > 1 and not spec.is_moe:
-        problems.append(f"plan.ep = {plan.ep} needs a MoE model (model.experts > 0); set ep = 1.")
-    if problems:
-        raise ConfigError(problems)
 
 
 def expert_dp_mesh(meshes: Meshes, plan: ParallelPlan):
@@ -92,8 +71,10 @@ def parallelize_chunk(
     plan: ParallelPlan,
     meshes: Meshes,
     device: torch.device,
+    compile: bool = False,
 ) -> list[FSDPModule]:
-    """TP/SP, EP, CP, recompute and FSDP/DDP on one chunk, in place; returns the DP modules."""
+    """TP/SP, EP, CP, recompute, torch.compile per block (`compile`) and FSDP/DDP on one chunk,
+    in place; returns the DP modules."""
     if plan.tp > 1:
         from fivefold.parallel.tensor_parallel import apply_tensor_parallel
 
@@ -113,5 +94,10 @@ def parallelize_chunk(
         from fivefold.parallel.context_parallel import apply_context_parallel
 
         apply_context_parallel(chunk, meshes["cp"], plan.cp_kind)
-    apply_activation_checkpointing(chunk, plan.recompute)
+    apply_recompute(chunk, plan.recompute)
+    if compile:
+        from fivefold.parallel.compile import apply_compile, check_compiler
+
+        check_compiler(device)
+        apply_compile(chunk)
     return apply_data_parallel(chunk, meshes, plan, device, expert_dp_mesh(meshes, plan))

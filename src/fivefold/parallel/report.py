@@ -15,6 +15,7 @@ one-process `LocalRuntime` (no FSDP wrapping, so no sharded copy of the weights)
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch.distributed as dist
@@ -48,7 +49,7 @@ def predictions(runtime: Any) -> tuple[list[dict] | None, float | None, str]:
         from fivefold.planner.estimate import estimate
         from fivefold.planner.options import PlannerOptions
 
-        options = PlannerOptions(runtime="fivefold-eager")
+        options = replace(PlannerOptions.for_device(cluster.device), runtime="fivefold-eager")
         step_s = estimate(spec, cluster, plan, options=options).step_time_s
         return memory, step_s, "planner estimate"
     except Exception as err:

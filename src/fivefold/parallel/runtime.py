@@ -6,8 +6,10 @@ Construction (collective: every rank runs it):
 2. `ParallelDims` checks the plan against the world size and builds the 5-D mesh;
 3. the model is built on the meta device, split into this rank's pipeline chunks, and
    parallelised in the fixed order (`fivefold.parallel.parallelize`);
-4. the chunks are materialised and initialised from (seed, parameter name), so every layout
-   starts from the single-process weights.
+4. the chunks are materialised (each rank allocates only its shards) and initialised from
+   (seed, parameter name, global index): each rank draws only the elements it keeps, so no
+   rank ever holds a full parameter it does not keep, and every layout starts from the
+   single-process weights.
 
 A step (`train_step`) runs the micro-batches of this rank's data-parallel slice: each rank's
 loss is the sum of its token losses divided by the number of tokens in the *global* batch, and
@@ -20,70 +22,27 @@ the same on every rank.
 from __future__ import annotations
 
 import contextlib
-import os
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
-from fivefold.errors import ConfigError
+from fivefold.model.loss import IGNORE_INDEX, cross_entropy_loss
 from fivefold.parallel.data_parallel import set_gradient_sync
 from fivefold.parallel.mesh import Meshes, ParallelDims
+from fivefold.parallel.precision import RuntimePrecision, resolve_precision
+from fivefold.parallel.process_group import collective_guard, init_distributed, pick_device
+from fivefold.parallel.protocol import StepResult, TrainSettings, batch_to
 from fivefold.spec.recipe import Recipe
 
-IGNORE_INDEX = -100
-
-
-def _pick_device(name: str) -> torch.device:
-    """cuda:LOCAL_RANK when CUDA is asked for (or `auto` and available), else cpu."""
-    use_cuda = name == "cuda" or (name == "auto" and torch.cuda.is_available())
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("train.device = 'cuda' but no CUDA device is available; use 'auto'.")
-    if not use_cuda:
-        return torch.device("cpu")
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    torch.cuda.set_device(device)
-    return device
-
-
-def init_distributed(device: torch.device, timeout_s: float | None = None) -> bool:
-    """Initialise the default process group from the torchrun env; True if this call created it.
-
-    The timeout (default `FIVEFOLD_PG_TIMEOUT_S` or 600 s) turns a stuck rank into an error;
-    under torchrun's elastic agent the group is namespaced by restart attempt so a restarted job
-    reconnects (see `fivefold.checkpoint.elastic.init_process_group`).
-    """
-    if dist.is_initialized():
-        return False
-    from fivefold.checkpoint.elastic import init_process_group
-
-    init_process_group("nccl" if device.type == "cuda" else "gloo", timeout_s)
-    return True
-
-
-def _batch_to(batch: Any, device: torch.device) -> Any:
-    import dataclasses
-
-    moved = {
-        f.name: getattr(batch, f.name).to(device, non_blocking=True)
-        for f in dataclasses.fields(batch)
-        if isinstance(getattr(batch, f.name), torch.Tensor)
-    }
-    return dataclasses.replace(batch, **moved)
-
-
-def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum of token cross entropies over labels != -100; logits [B, T, V] (local or vocab-sharded
-    DTensor, then inside `loss_parallel`), labels [B, T]. fp32 scalar."""
-    return F.cross_entropy(
-        logits.flatten(0, 1).float(),
-        labels.flatten(0, 1),
-        ignore_index=IGNORE_INDEX,
-        reduction="sum",
-    )
+# How the runtime measures its own CPU peak when the loop does not: a context manager over
+# (modules, optimizer) whose value has `peak_bytes` (the loop passes
+# `fivefold.train.memory.track_cpu_peak`; None measures nothing).
+PeakTracker = Callable[[list[nn.Module], Any], AbstractContextManager[Any]]
 
 
 def _scalar(x: torch.Tensor) -> torch.Tensor:
@@ -98,26 +57,29 @@ def _scalar(x: torch.Tensor) -> torch.Tensor:
 class DistributedRuntime:
     """The Runtime protocol on N processes for any valid ParallelPlan (see the module docstring).
 
+    `train`: the run's [train] settings (device, seed, steps, memory_step); `track_peak`: see
+    `PeakTracker`. `fivefold.train.runtime.make_runtime` builds it with both.
+
     Attributes: `model_parts` (this rank's chunks; the optimizer steps their parameters),
-    `device`, `dp_rank`/`dp_size` (for the sampler), `is_main`, `world_size`, `rank`, `dims`,
-    `meshes`, `coordinates` (this rank's index on each mesh axis).
+    `device`, `precision`, `dp_rank`/`dp_size` (for the sampler), `is_main`, `world_size`,
+    `rank`, `dims`, `meshes`, `coordinates` (this rank's index on each mesh axis).
     """
 
-    def __init__(self, recipe: Recipe):
-        from fivefold.parallel.parallelize import check_supported
-        from fivefold.train.config import parse_train_config
-
+    def __init__(self, recipe: Recipe, train: TrainSettings, track_peak: PeakTracker | None = None):
+        # The one set of rules (the CLI and recipe loading asked it already), before any
+        # process group or collective: a refusal here is the same ConfigError on every rank.
+        recipe.plan.validate(recipe.model, recipe.cluster)
         self.recipe = recipe
         self.plan = plan = recipe.plan
-        self.spec = spec = recipe.model
-        train = parse_train_config(recipe).train
-        self.device = _pick_device(train.device)
+        self.spec = recipe.model
+        self.device = pick_device(train.device)
+        self.precision: RuntimePrecision = resolve_precision(plan.precision, self.device)
+        self._track_peak = track_peak
         self._owns_group = init_distributed(self.device)
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.is_main = self.rank == 0
         self.dims = ParallelDims.from_plan(plan, self.world_size)
-        check_supported(spec, plan)
         self.coordinates = self.dims.coordinates(self.rank)
         self.dp_rank = self.dims.dp_rank(self.rank)
         self.dp_size = self.dims.dp
@@ -126,7 +88,7 @@ class DistributedRuntime:
         self.cp_rank = self.coordinates["cp"]
         torch.manual_seed(train.seed)
 
-        self.model_parts: list[nn.Module] = self._build_parts(train.seed)
+        self.model_parts: list[nn.Module] = self._build_parts(train.seed, train.compile)
         self._loss_scale = 1.0
         self.pipeline = self._build_pipeline()
         self._weight_aux_losses()
@@ -143,9 +105,9 @@ class DistributedRuntime:
         if self.is_main:
             print(self.describe_layout(), flush=True)
 
-    def _build_parts(self, seed: int) -> list[nn.Module]:
+    def _build_parts(self, seed: int, compile: bool = False) -> list[nn.Module]:
         """This rank's chunks: meta model -> pipeline split -> parallelised -> materialised and
-        initialised from (seed, parameter name)."""
+        initialised shard by shard from (seed, parameter name, global index)."""
         from fivefold.model import build_model
         from fivefold.model.init import init_module_weights
         from fivefold.parallel.parallelize import parallelize_chunk
@@ -159,7 +121,7 @@ class DistributedRuntime:
         self.dp_modules = []
         for chunk in chunks:
             self.dp_modules += parallelize_chunk(
-                chunk, self.spec, self.plan, self.meshes, self.device
+                chunk, self.spec, self.plan, self.meshes, self.device, compile
             )
         for chunk in chunks:
             chunk.to_empty(device=self.device)
@@ -215,10 +177,10 @@ class DistributedRuntime:
         return contextlib.nullcontext()
 
     def _pipeline_loss(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return token_loss_sum(output, labels) * self._loss_scale
+        return cross_entropy_loss(output, labels, reduction="sum") * self._loss_scale
 
     def _prepare(self, batch: Any) -> Any:
-        batch = _batch_to(batch, self.device)
+        batch = batch_to(batch, self.device)
         if self.plan.cp > 1:
             from fivefold.parallel.context_parallel import shard_batch_for_cp
 
@@ -239,16 +201,12 @@ class DistributedRuntime:
         """Forward and backward over this rank's micro-batches (see the module docstring).
 
         A collective that times out waiting for a stuck or dead rank ends in a TrainingError
-        that says so (`fivefold.checkpoint.elastic.collective_guard`).
+        that says so (`fivefold.parallel.process_group.collective_guard`).
         """
-        from fivefold.checkpoint.elastic import collective_guard
-
         with collective_guard(f"step {self._steps + 1}"):
             return self._train_step(micro_batches)
 
-    def _train_step(self, micro_batches: list):
-        from fivefold.train.runtime import StepResult
-
+    def _train_step(self, micro_batches: list) -> StepResult:
         measure = self._measures_memory_now()
         start = time.perf_counter()
         for part in self.model_parts:
@@ -286,7 +244,7 @@ class DistributedRuntime:
         """The micro-batch's scaled loss; the logits die here, not held through the backward
         (the loss keeps what its backward needs)."""
         logits = model(batch.tokens, positions=batch.positions, doc_ids=batch.doc_ids)
-        return token_loss_sum(logits, batch.labels) * self._loss_scale
+        return cross_entropy_loss(logits, batch.labels, "sum") * self._loss_scale
 
     def _pipeline_step(self, batches: list) -> tuple[torch.Tensor, torch.Tensor]:
         with self._loss_context():
@@ -343,7 +301,8 @@ class DistributedRuntime:
                         logits = model(
                             batch.tokens, positions=batch.positions, doc_ids=batch.doc_ids
                         )
-                        total += _scalar(token_loss_sum(logits, batch.labels)).double() * scale
+                        loss = cross_entropy_loss(logits, batch.labels, "sum")
+                        total += _scalar(loss).double() * scale
             loss, _ = self._global_mean(total, self._zero())
             return loss
         finally:
@@ -359,7 +318,6 @@ class DistributedRuntime:
     @torch.no_grad()
     def clip_grad_norm(self, max_norm: float) -> float:
         """Global L2 norm over every shard, stage and rank; clips to `max_norm` when it is > 0."""
-        from fivefold.checkpoint.elastic import collective_guard
         from fivefold.parallel.grad_norm import clip_grads, global_grad_norm
 
         grads = self._grads()
@@ -374,7 +332,10 @@ class DistributedRuntime:
         """CPU: track allocations during the step before the report (unless the loop does)."""
         step = self._steps + 1
         return (
-            self.device.type == "cpu" and step == self._report_at and step != self._loop_memory_step
+            self._track_peak is not None
+            and self.device.type == "cpu"
+            and step == self._report_at
+            and step != self._loop_memory_step
         )
 
     @contextlib.contextmanager
@@ -382,9 +343,8 @@ class DistributedRuntime:
         if not active:
             yield
             return
-        from fivefold.train.memory import track_cpu_peak
-
-        with track_cpu_peak(self.model_parts, None) as reading:
+        assert self._track_peak is not None
+        with self._track_peak(self.model_parts, None) as reading:
             yield
         params = sum(_local_numel(p) for part in self.model_parts for p in part.parameters())
         adam = 2 * 4 * params  # AdamW m and v (fp32), which this block does not see
@@ -416,11 +376,36 @@ class DistributedRuntime:
             return int(torch.cuda.max_memory_allocated(self.device))
         return self._peak_bytes
 
-    def close(self) -> None:
-        if self._owns_group and dist.is_initialized():
-            dist.barrier()
-            dist.destroy_process_group()
-            self._owns_group = False
+    def any_rank(self, flag: bool) -> bool:
+        """True on every rank when `flag` is true on any (collective: one tiny all-reduce).
+        The loop asks it after each step whether a rank was interrupted."""
+        value = torch.tensor([1.0 if flag else 0.0], device=self.device)
+        with collective_guard(f"step {self._steps}: the stop-signal all-reduce"):
+            dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return bool(value.item() > 0)
+
+    def close(self, failed: bool = False) -> None:
+        """Release the process group this runtime created. After a clean run all ranks meet
+        at a barrier first; after an exception (`failed`) no collective runs, since the other
+        ranks may be dead or stuck in another one: the group is aborted locally instead."""
+        if not (self._owns_group and dist.is_initialized()):
+            return
+        self._owns_group = False
+        if failed:
+            abort_process_group()
+            return
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def abort_process_group() -> None:
+    """Tear down the default group without talking to the other ranks (never blocks on them).
+    `_abort_process_group` is PyTorch's own (private) API for this; should it fail, the group is
+    left to the process's exit, which the caller is about to reach anyway."""
+    from torch.distributed.distributed_c10d import _abort_process_group
+
+    with contextlib.suppress(Exception):  # best effort on a path that is already failing
+        _abort_process_group()
 
 
 def _local_numel(param: torch.Tensor) -> int:

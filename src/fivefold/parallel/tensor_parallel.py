@@ -16,7 +16,8 @@ Per block, with tp ranks in the TP group:
   the logits).
 
 Only torch's styles are used, plus one small style for replicated kv heads (torch has none).
-MoE layers are not tensor-parallel here: use expert parallelism for them.
+MoE layers are not tensor-parallel here (`ParallelPlan.problems` refuses MoE with tp > 1): use
+expert parallelism for them.
 """
 
 from __future__ import annotations
@@ -37,7 +38,6 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
-from fivefold.errors import ConfigError
 from fivefold.spec.model import ModelSpec
 
 
@@ -79,26 +79,6 @@ class ReplicatedKVColwise(ParallelStyle):
         self._partition(module)
         module.forward = partial(self._forward, module)  # type: ignore[method-assign]
         return module
-
-
-def check_tensor_parallel(spec: ModelSpec, tp: int) -> None:
-    """`ConfigError` for model/plan combinations this TP implementation does not run."""
-    if tp == 1:
-        return
-    problems = []
-    if spec.is_moe:
-        problems.append(
-            f"plan.tp = {tp} with a MoE model (model.experts = {spec.experts}): MoE layers are not "
-            "tensor-parallel here; shard experts with plan.ep instead and keep tp = 1."
-        )
-    if spec.heads % tp:
-        problems.append(f"plan.tp = {tp} must divide model.heads = {spec.heads}.")
-    if tp > spec.kv_heads and tp % spec.kv_heads:
-        problems.append(f"plan.tp = {tp} must be a multiple of model.kv_heads = {spec.kv_heads}.")
-    if tp <= spec.kv_heads and spec.kv_heads % tp:
-        problems.append(f"plan.tp = {tp} must divide model.kv_heads = {spec.kv_heads}.")
-    if problems:
-        raise ConfigError(problems)
 
 
 def kv_mesh_for(tp_mesh: DeviceMesh, kv_heads: int) -> DeviceMesh | None:
@@ -144,7 +124,6 @@ def apply_tensor_parallel(
     its slice without communication). The LM head's output is a vocab-sharded DTensor: compute
     the loss inside `torch.distributed.tensor.parallel.loss_parallel()`.
     """
-    check_tensor_parallel(spec, tp_mesh.size())
     sp = sequence_parallel
     seq = Shard(1) if sp else Replicate()
     top: dict[str, ParallelStyle] = {}
@@ -162,13 +141,3 @@ def apply_tensor_parallel(
     kv_mesh = kv_mesh_for(tp_mesh, spec.kv_heads)
     for block in model.layers.values():
         parallelize(block, parallelize_plan=_block_plan(block, sp, kv_mesh))
-
-
-def sequence_shard_len(seq_len: int, tp: int, sequence_parallel: bool) -> int:
-    """Tokens per rank in the residual stream between blocks (what pipeline stages exchange)."""
-    return seq_len // tp if sequence_parallel and tp > 1 else seq_len
-
-
-def is_vocab_sharded(logits: torch.Tensor) -> bool:
-    """True for the LM head's DTensor output under TP (the loss must use loss_parallel)."""
-    return isinstance(logits, DTensor)

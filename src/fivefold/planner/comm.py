@@ -17,16 +17,21 @@ Costs (Thakur, Rabenseifner and Gropp 2005; Chan et al. 2007), per GPU, for S by
     all-gather, reduce-scatter   (n-1) alpha +   (n-1)/n * S / B   (S = the full, gathered size)
     all-to-all                   (n-1) alpha + max((k-1)/n * S / B_nvlink, (n-k)/n * S / B_ib)
     point-to-point                     alpha + S / B
+On a machine measured by `fivefold calibrate` (`fivefold.spec.profile`) every group is local
+(one machine; the link's kind is the backend, e.g. "gloo") and each collective costs
+alpha + S / beta with the alpha and beta fitted to its own measurements on that group size
+(`Measured.collective`), S in the nccl-tests convention used above.
 Written by hand: no library computes these without a GPU.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fivefold.planner.calibration import EfficiencyModel
 from fivefold.spec.cluster import ClusterSpec
 from fivefold.spec.plan import ParallelPlan
+from fivefold.spec.profile import Measured
 
 
 @dataclass(frozen=True)
@@ -40,6 +45,21 @@ class Link:
     per_node: int
     nvlink_bandwidth: float
     ib_bandwidth: float
+    measured: Measured | None = field(default=None, compare=False, repr=False)
+
+
+def measured_link(cluster: ClusterSpec, size: int) -> Link | None:
+    """The link of a group of `size` ranks on a measured machine, or None for a GPU cluster."""
+    measured = cluster.device.measured
+    if measured is None:
+        return None
+    return Link(measured.profile.backend, 0.0, 0.0, size, 0.0, 0.0, measured)
+
+
+def _fitted(op: str, size_bytes: float, n: int, link: Link) -> float:
+    assert link.measured is not None
+    alpha, beta = link.measured.collective(op, n)
+    return alpha + size_bytes / beta
 
 
 def nvlink_bandwidth(cluster: ClusterSpec, eff: EfficiencyModel) -> float:
@@ -54,6 +74,9 @@ def ib_bandwidth(cluster: ClusterSpec, eff: EfficiencyModel) -> float:
 
 def group_link(cluster: ClusterSpec, size: int, stride: int, eff: EfficiencyModel) -> Link:
     """The link a group of `size` ranks, `stride` apart in node-major order, communicates over."""
+    local = measured_link(cluster, size)
+    if local is not None:
+        return local
     g = cluster.gpus_per_node
     nv = nvlink_bandwidth(cluster, eff)
     ib = ib_bandwidth(cluster, eff)
@@ -87,6 +110,9 @@ def plan_link(cluster: ClusterSpec, plan: ParallelPlan, group: str, eff: Efficie
 def pipeline_link(cluster: ClusterSpec, plan: ParallelPlan, eff: EfficiencyModel) -> Link:
     """Neighbouring pipeline stages are world/pp ranks apart; across nodes each GPU uses its own
     NIC."""
+    local = measured_link(cluster, 2)
+    if local is not None:
+        return local
     stride = plan.tp * plan.cp * plan.dp
     if stride < cluster.gpus_per_node or cluster.nodes == 1:
         nv = nvlink_bandwidth(cluster, eff)
@@ -119,23 +145,35 @@ def transfer_time_s(size_bytes: float, bandwidth: float, latency_s: float = 0.0)
 def all_reduce_time_s(size_bytes: float, n: int, link: Link) -> float:
     if n <= 1:
         return 0.0
+    if link.measured is not None:
+        return _fitted("all_reduce", size_bytes, n, link)
     return 2 * (n - 1) * link.latency_s + all_reduce_bytes(size_bytes, n) / link.bandwidth
 
 
 def all_gather_time_s(size_bytes: float, n: int, link: Link) -> float:
     """Ring all-gather (the same for reduce-scatter) of `size_bytes` gathered bytes."""
+    return _gather_or_scatter("all_gather", size_bytes, n, link)
+
+
+def reduce_scatter_time_s(size_bytes: float, n: int, link: Link) -> float:
+    """Ring reduce-scatter of `size_bytes` (the whole input): the all-gather's cost."""
+    return _gather_or_scatter("reduce_scatter", size_bytes, n, link)
+
+
+def _gather_or_scatter(op: str, size_bytes: float, n: int, link: Link) -> float:
     if n <= 1:
         return 0.0
+    if link.measured is not None:
+        return _fitted(op, size_bytes, n, link)
     return (n - 1) * link.latency_s + all_gather_bytes(size_bytes, n) / link.bandwidth
-
-
-reduce_scatter_time_s = all_gather_time_s
 
 
 def all_to_all_time_s(size_bytes: float, n: int, link: Link) -> float:
     """Each rank sends (n-1)/n of `size_bytes`: on-node parts over NVLink, the rest over its NIC."""
     if n <= 1:
         return 0.0
+    if link.measured is not None:
+        return _fitted("all_to_all", size_bytes, n, link)
     k = min(link.per_node, n)
     if link.kind == "nvlink":
         return (n - 1) * link.latency_s + (n - 1) / n * size_bytes / link.nvlink_bandwidth
@@ -145,4 +183,6 @@ def all_to_all_time_s(size_bytes: float, n: int, link: Link) -> float:
 
 
 def p2p_time_s(size_bytes: float, link: Link) -> float:
+    if link.measured is not None:
+        return _fitted("send_recv", size_bytes, 2, link)
     return transfer_time_s(size_bytes, link.bandwidth, link.latency_s)

@@ -27,8 +27,19 @@ The efficiency model (parameters in `fivefold.planner.calibration`, fitted by
   over the TP group); the loss reads and writes 24 bytes per fp32 logit (forward and backward).
 - A fixed `layer_overhead_s` per layer forward (twice in the backward): kernel launches and
   tails.
-- Recompute: "full" repeats the layer's forward inside the backward; "selective" repeats only the
+- Recompute: "full" repeats the layer's forward inside the backward (less the block's last
+  matmul with `checkpoint_early_stop`, what torch's non-reentrant checkpoint skips; see
+  `fivefold.spec.model.early_stop_skipped_flops_per_token`); "selective" repeats only the
   attention core (Korthikanti et al. 2022).
+
+A device measured by `fivefold calibrate` (`device.measured`, `fivefold.spec.profile`) replaces
+the efficiency model by its measurements: every matmul as eager code runs it (wq, wk, wv
+separately) is timed from the measured GEMM table, each pass on its own shape and operand layout
+(forward x W^T on (m, n, k), input gradient g W on (m, k, n), weight gradient g^T x on (n, k, m);
+the exact shape when measured, else interpolated by arithmetic intensity); the attention core
+from its measured forward and backward rates; the element-wise bytes below, the loss and the
+optimizer from bandwidths measured in the same byte accounting (so the unfused-traffic factor
+is already in them); and the per-layer overhead from its measured forward and backward values.
 
 Written by hand: PyTorch's FLOP counters need the model and a device; the planner needs neither.
 """
@@ -62,6 +73,7 @@ class ComputeOptions:
     dropout: bool = False
     fused_elementwise: bool = True
     selective_policy: str = "attention"  # or "alternate-matmul"
+    checkpoint_early_stop: bool = False  # full recompute skips each block's last matmul
 
 
 @dataclass(frozen=True)
@@ -133,11 +145,20 @@ def ridge_point(device: GPUSpec, dtype: str = "bf16") -> float:
 
 # ---- kernels ----------------------------------------------------------------------------------
 def gemm_time_s(
-    m: float, n: float, k: float, device: GPUSpec, eff: EfficiencyModel, dtype: str = "bf16"
+    m: float,
+    n: float,
+    k: float,
+    device: GPUSpec,
+    eff: EfficiencyModel,
+    dtype: str = "bf16",
+    layout: str = "nt",
 ) -> float:
-    """Seconds for one (m x k) @ (k x n) matmul on `device` (see the module docstring)."""
+    """Seconds for one (m x k) @ (k x n) matmul on `device` (see the module docstring);
+    `layout` ("nt", "nn", "tn": which operand is transposed) matters on a measured device only."""
     if m <= 0 or n <= 0 or k <= 0:
         return 0.0
+    if device.measured is not None:
+        return 2.0 * m * n * k / device.measured.gemm_flops_per_s(m, n, k, dtype, layout)
     e = {"fp8": 1, "bf16": 2, "fp16": 2}.get(dtype, 4)
     flops = 2.0 * m * n * k
     intensity = flops / (e * (m * k + k * n + m * n))
@@ -149,17 +170,42 @@ def gemm_time_s(
     return flops / (peak * fraction)
 
 
-def memory_time_s(size_bytes: float, device: GPUSpec, eff: EfficiencyModel) -> float:
-    """Seconds to stream `size_bytes` through HBM in element-wise kernels."""
+def memory_time_s(
+    size_bytes: float, device: GPUSpec, eff: EfficiencyModel, kind: str = "elementwise_forward"
+) -> float:
+    """Seconds to stream `size_bytes` through HBM in element-wise kernels; a measured device
+    uses its bandwidth of that `kind` (`fivefold.spec.profile.BANDWIDTH_KINDS`)."""
+    if device.measured is not None:
+        return size_bytes / device.measured.bandwidth(kind)
     return size_bytes / (device.hbm_bw_bytes_per_s * eff.hbm_fraction)
+
+
+def attention_flops(model: ModelSpec, plan: ParallelPlan) -> float:
+    """Causal forward FLOPs of one layer's attention core for one micro-batch on one rank."""
+    tokens = plan.micro_batch * model.seq_len / plan.cp
+    return 4.0 * tokens * (model.seq_len / 2) * model.head_dim * model.heads / plan.tp
 
 
 def flash_attention_forward_s(
     model: ModelSpec, plan: ParallelPlan, device: GPUSpec, eff: EfficiencyModel
 ) -> float:
-    tokens = plan.micro_batch * model.seq_len / plan.cp
-    flops = 4.0 * tokens * (model.seq_len / 2) * model.head_dim * model.heads / plan.tp
-    return flops / (device.peak(ATTENTION_DTYPE) * eff.attention_peak_fraction)
+    return attention_times_s(model, plan, device, eff)[0]
+
+
+def attention_times_s(
+    model: ModelSpec, plan: ParallelPlan, device: GPUSpec, eff: EfficiencyModel
+) -> tuple[float, float]:
+    """(forward, backward) seconds of the fused attention core: the efficiency model's fraction
+    of the bf16 peak and backward ratio, or a measured device's rates (backward: 2x the FLOPs)."""
+    flops = attention_flops(model, plan)
+    if device.measured is not None:
+        dtype = recipe(plan.precision).compute_dtype
+        fwd, bwd = device.measured.attention_flops_per_s(
+            model.seq_len / plan.cp, model.head_dim, dtype
+        )
+        return flops / fwd, 2.0 * flops / bwd
+    forward = flops / (device.peak(ATTENTION_DTYPE) * eff.attention_peak_fraction)
+    return forward, eff.attention_backward_ratio * forward
 
 
 # ---- one transformer layer --------------------------------------------------------------------
@@ -243,6 +289,8 @@ def layer_work(
     """Compute seconds of one transformer layer for one micro-batch on one rank."""
     opts = opts or ComputeOptions()
     dtype = recipe(plan.precision).compute_dtype
+    if device.measured is not None:
+        return _measured_layer_work(model, plan, device, eff, moe, opts)
     gemm = sum(
         count * gemm_time_s(m, n, k, device, eff, dtype)
         for m, n, k, count in layer_gemms(model, plan, moe)
@@ -250,8 +298,7 @@ def layer_work(
     if opts.attention_kernel == "classic":
         attn_f, attn_b = classic_attention(model, plan, device, eff, opts)
     else:
-        attn_f = flash_attention_forward_s(model, plan, device, eff)
-        attn_b = eff.attention_backward_ratio * attn_f
+        attn_f, attn_b = attention_times_s(model, plan, device, eff)
     elem_bytes = layer_elementwise_bytes(model, plan, moe, opts)
     if not opts.fused_elementwise:
         elem_bytes *= UNFUSED_TRAFFIC_FACTOR
@@ -259,7 +306,7 @@ def layer_work(
     overhead = eff.layer_overhead_s
     forward = gemm + attn_f + elem + overhead
     if plan.recompute == "full":
-        recompute = forward
+        recompute = forward - _early_stop_s(model, plan, device, eff, moe, opts)
     elif plan.recompute == "selective" and opts.selective_policy == "alternate-matmul":
         gemms = layer_gemms(model, plan, moe)
         recompute = (
@@ -275,6 +322,67 @@ def layer_work(
         recompute = 0.0
     backward_input = gemm + attn_b + 2 * elem + 2 * overhead + recompute
     return Work(forward, backward_input, gemm, recompute, gemm, attn_f, attn_b)
+
+
+def _last_matmul(model: ModelSpec, plan: ParallelPlan, moe: bool) -> tuple[float, float, float]:
+    """(m, n, k) of the block's last matmul, the one checkpoint early stop skips (zero k: none)."""
+    tokens = plan.micro_batch * model.seq_len / plan.cp
+    width = model.shared_experts * model.expert_ffn if moe else model.ffn
+    return tokens, model.hidden, width / plan.tp
+
+
+def _early_stop_s(
+    model: ModelSpec,
+    plan: ParallelPlan,
+    device: GPUSpec,
+    eff: EfficiencyModel,
+    moe: bool,
+    opts: ComputeOptions,
+) -> float:
+    """Forward seconds full recompute does not repeat under checkpoint early stop."""
+    if not opts.checkpoint_early_stop:
+        return 0.0
+    dtype = recipe(plan.precision).compute_dtype
+    return gemm_time_s(*_last_matmul(model, plan, moe), device, eff, dtype)
+
+
+def _measured_layer_work(
+    model: ModelSpec,
+    plan: ParallelPlan,
+    device: GPUSpec,
+    eff: EfficiencyModel,
+    moe: bool,
+    opts: ComputeOptions,
+) -> Work:
+    """`layer_work` on a measured device (module docstring): every matmul as eager code runs it,
+    each backward pass on its own shape and layout, measured attention, bandwidths, overhead."""
+    assert device.measured is not None
+    dtype = recipe(plan.precision).compute_dtype
+    gemms = _split_fused(model, plan, layer_gemms(model, plan, moe), moe)
+
+    def passes(shapes: list) -> tuple[float, float, float]:
+        fwd = sum(c * gemm_time_s(m, n, k, device, eff, dtype, "nt") for m, n, k, c in shapes)
+        dgrad = sum(c * gemm_time_s(m, k, n, device, eff, dtype, "nn") for m, n, k, c in shapes)
+        wgrad = sum(c * gemm_time_s(n, k, m, device, eff, dtype, "tn") for m, n, k, c in shapes)
+        return fwd, dgrad, wgrad
+
+    gemm_f, gemm_b, gemm_w = passes(gemms)
+    attn_f, attn_b = attention_times_s(model, plan, device, eff)
+    elem_bytes = layer_elementwise_bytes(model, plan, moe, opts)
+    elem_f = memory_time_s(elem_bytes, device, eff, "elementwise_forward")
+    elem_b = memory_time_s(2 * elem_bytes, device, eff, "elementwise_backward")
+    over_f, over_b = device.measured.layer_overhead_s()
+    forward = gemm_f + attn_f + elem_f + over_f
+    if plan.recompute == "full":
+        recompute = forward - _early_stop_s(model, plan, device, eff, moe, opts)
+    elif plan.recompute == "selective" and opts.selective_policy == "alternate-matmul":
+        recompute = passes(_alternate(gemms))[0] + elem_f
+    elif plan.recompute == "selective":
+        recompute = attn_f
+    else:
+        recompute = 0.0
+    backward_input = gemm_b + attn_b + elem_b + over_b + recompute
+    return Work(forward, backward_input, gemm_w, recompute, gemm_f, attn_f, attn_b)
 
 
 def _split_fused(model: ModelSpec, plan: ParallelPlan, gemms: list, moe: bool) -> list:
@@ -306,11 +414,24 @@ def head_work(model: ModelSpec, plan: ParallelPlan, device: GPUSpec, eff: Effici
     """The LM head matmul and the cross-entropy loss for one micro-batch on the last stage."""
     dtype = recipe(plan.precision).compute_dtype
     tokens = plan.micro_batch * model.seq_len / plan.cp
-    gemm = gemm_time_s(tokens, model.vocab / plan.tp, model.hidden, device, eff, dtype)
-    loss = memory_time_s(tokens * model.vocab / plan.tp * LOSS_BYTES_PER_LOGIT, device, eff)
-    norm = memory_time_s(tokens * model.hidden * 2 * 2, device, eff)
-    fwd_loss = loss * 10 / LOSS_BYTES_PER_LOGIT
-    return Work(gemm + fwd_loss + norm, gemm + loss - fwd_loss + 2 * norm, gemm, 0.0, gemm)
+    v, h = model.vocab / plan.tp, model.hidden
+    gemm = gemm_time_s(tokens, v, h, device, eff, dtype)
+    logit_bytes = tokens * v * LOSS_BYTES_PER_LOGIT
+    if device.measured is not None:  # measured loss forward and backward rates
+        fwd_loss = memory_time_s(logit_bytes * 10 / 24, device, eff, "loss_forward")
+        bwd_loss = memory_time_s(logit_bytes * 14 / 24, device, eff, "loss_backward")
+        gemm_b = gemm_time_s(tokens, h, v, device, eff, dtype, "nn")
+        gemm_w = gemm_time_s(v, h, tokens, device, eff, dtype, "tn")
+    else:
+        loss = memory_time_s(logit_bytes, device, eff)
+        fwd_loss = loss * 10 / LOSS_BYTES_PER_LOGIT
+        bwd_loss = loss - fwd_loss
+        gemm_b = gemm_w = gemm
+    norm = memory_time_s(tokens * h * 2 * 2, device, eff)
+    norm_b = 2 * norm
+    if device.measured is not None:
+        norm_b = memory_time_s(2 * tokens * h * 2 * 2, device, eff, "elementwise_backward")
+    return Work(gemm + fwd_loss + norm, gemm_b + bwd_loss + norm_b, gemm_w, 0.0, gemm)
 
 
 def optimizer_step_s(
@@ -318,6 +439,11 @@ def optimizer_step_s(
 ) -> float:
     """Adam over `local_params` parameters: read and write the optimizer state, read the
     gradient, write the parameter; memory-bound."""
+    return memory_time_s(local_params * optimizer_bytes_per_param(plan), device, eff, "optimizer")
+
+
+def optimizer_bytes_per_param(plan: ParallelPlan) -> float:
+    """Bytes Adam moves per parameter: reads and writes its state, reads the gradient, writes
+    the parameter."""
     rec = recipe(plan.precision)
-    per_param = 2 * rec.optimizer_bytes + rec.grad_bytes + rec.param_bytes
-    return memory_time_s(local_params * per_param, device, eff)
+    return 2 * rec.optimizer_bytes + rec.grad_bytes + rec.param_bytes

@@ -404,9 +404,11 @@ def _chunk_costs_of(
             # Each layer's gather hides behind the previous layer's compute, its gradient
             # reduce-scatter behind the next layer's backward; the first gather and the last
             # reduce-scatter of the chunk cannot hide.
-            exposed_f = n * max(0.0, lc.gather_s - wk.forward_s) + lc.gather_s
-            backward = wk.backward_input_s + wk.backward_weight_s
-            exposed_b = n * max(0.0, lc.gather_s + lc.reduce_s - backward)
+            # Without dp_overlap (a CPU: collectives take the cores' time) nothing hides.
+            hide_f = wk.forward_s if opts.dp_overlap else 0.0
+            hide_b = wk.backward_input_s + wk.backward_weight_s if opts.dp_overlap else 0.0
+            exposed_f = n * max(0.0, lc.gather_s - hide_f) + lc.gather_s
+            exposed_b = n * max(0.0, lc.gather_s + lc.reduce_s - hide_b)
             f += exposed_f
             b += exposed_b + lc.reduce_s
             gather_share = lc.gather_s / (lc.gather_s + lc.reduce_s)
@@ -597,6 +599,8 @@ def estimate(
     options: PlannerOptions | None = None,
     efficiency: EfficiencyModel | None = None,
     pipeline: str = "simulate",
+    *,
+    runtime: bool = True,
 ) -> Estimate:
     """Predict memory, step time, tokens/s, MFU and HFU of `plan` for `model` on `cluster`.
 
@@ -604,13 +608,14 @@ def estimate(
     ms for deep pipelines with many micro-batches); `"analytic"` uses the closed forms
     generalised to unequal stages (`analytic_pipeline`), microseconds, for searches that
     simulate only their finalists. Raises `ConfigError` listing every problem when the plan is
-    invalid for them.
+    invalid for them. `runtime=False` drops the rules of fivefold's own runtime
+    (`ParallelPlan.problems`), for runs made by other software such as the published ones.
     """
-    opts = options or PlannerOptions()
+    opts = options or PlannerOptions.for_device(cluster.device)
     eff = efficiency or efficiency_model()
     if pipeline not in ("simulate", "analytic"):
         raise ConfigError(f"pipeline = {pipeline!r}: choose 'simulate' or 'analytic'.")
-    _validate(model, cluster, plan, opts)
+    _validate(model, cluster, plan, opts, runtime)
     device = cluster.device
     counts = stage_layer_counts(model, plan.pp * plan.vpp)
     key = _layer_key(plan)
@@ -653,7 +658,10 @@ def estimate(
     global_tokens = plan.global_batch * model.seq_len
     peak = device.peak(recipe(plan.precision).compute_dtype) * cluster.world_size
     model_flops = training_flops_per_token(model, model.seq_len, "none") * global_tokens
-    hw_flops = training_flops_per_token(model, model.seq_len, plan.recompute) * global_tokens
+    hw_flops = training_flops_per_token(
+        model, model.seq_len, plan.recompute, early_stop=opts.checkpoint_early_stop
+    )
+    hw_flops *= global_tokens
     rank_compute = [
         m * sum(chunk_costs[c].compute_s for c in chunks_of_rank(plan, r)) for r in range(plan.pp)
     ]
@@ -731,9 +739,13 @@ def chunks_of_rank_index(plan: ParallelPlan, chunk: int) -> int:
 
 
 def _validate(
-    model: ModelSpec, cluster: ClusterSpec, plan: ParallelPlan, opts: PlannerOptions
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    plan: ParallelPlan,
+    opts: PlannerOptions,
+    runtime: bool = True,
 ) -> None:
-    plan.validate(model, cluster)
+    plan.validate(model, cluster, runtime=runtime)
     opts.validate()
     device: GPUSpec = cluster.device
     device.peak(recipe(plan.precision).compute_dtype)  # "unknown peak" for e.g. the CPU

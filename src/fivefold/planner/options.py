@@ -6,7 +6,7 @@ PyTorch's DTensor TP does not) and data-parallel gradient reduction with the bac
 FSDP do), the activation model, and the fixed memory terms. The defaults describe the fivefold
 runtime: flash attention, no dropout, exposed TP collectives, overlapped DP reduction, fused
 element-wise kernels, and "selective" recompute meaning the attention core (Korthikanti et al.
-2022, what `fivefold.train.recompute` does). `selective_policy="alternate-matmul"` describes
+2022, what `fivefold.parallel.checkpointing` does). `selective_policy="alternate-matmul"` describes
 torchtitan's op-level selective checkpointing instead: in each layer every second matmul (wk, wo
 and w3 of a Llama block) and every element-wise op are recomputed, the attention output is kept.
 `fused_elementwise=False` describes eager PyTorch, whose unfused norms, RoPE and activations move
@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from fivefold.errors import ConfigError
 from fivefold.planner.compute import ComputeOptions
 from fivefold.planner.memory import GiB, MemoryOptions, MiB
+from fivefold.spec.hardware import GPUSpec
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,22 @@ class PlannerOptions:
     fragmentation_fraction: float = 0.05
     dp_bucket_bytes: float = 25 * MiB
     runtime: str = "fused"  # memory: "fivefold-eager" is what fivefold's own runtime keeps
+    checkpoint_early_stop: bool = False
+
+    @classmethod
+    def for_device(cls, device: GPUSpec) -> PlannerOptions:
+        """The defaults, or the fivefold runtime's facts on a measured device (module doc)."""
+        if device.measured is None:
+            return cls()
+        if device.measured.profile.kind == "cpu":
+            return cls(
+                checkpoint_early_stop=True,
+                cuda_context_bytes=0.0,
+                fragmentation_fraction=0.0,
+                dp_overlap=False,
+                runtime="fivefold-eager",
+            )
+        return cls(checkpoint_early_stop=True, runtime="fivefold-eager")
 
     def memory(self) -> MemoryOptions:
         return MemoryOptions(
@@ -57,6 +74,7 @@ class PlannerOptions:
             dropout=self.dropout,
             fused_elementwise=self.fused_elementwise,
             selective_policy=self.selective_policy,
+            checkpoint_early_stop=self.checkpoint_early_stop,
         )
 
     def validate(self) -> None:

@@ -10,6 +10,9 @@ node-major: ranks [k*gpus_per_node, (k+1)*gpus_per_node) share node k and its NV
   200 Gb/s NIC per GPU = 25 GB/s; DGX H100: one NDR 400 Gb/s NIC per GPU = 50 GB/s).
 - Latencies are the per-message start-up cost (alpha) of one hop: about 1 us over NVLink and
   5 us over InfiniBand (NCCL's small-message latencies; order of magnitude only).
+- `profile` names a device profile measured by `fivefold calibrate` (`fivefold.spec.profile`):
+  the device is then the measured machine, one node whose `gpus_per_node` are its local ranks,
+  and the planner times kernels and collectives from the measurements.
 Presets exist for any GPU count: up to one node it is a single partial node, beyond that the
 count must fill whole 8-GPU nodes.
 """
@@ -20,6 +23,8 @@ from dataclasses import asdict, dataclass, replace
 
 from fivefold.errors import ConfigError
 from fivefold.spec.hardware import GPUSpec, gpu
+
+MAX_GPUS = 1 << 17  # 131,072: beyond the largest clusters built; bounds every search
 
 
 @dataclass(frozen=True)
@@ -32,6 +37,7 @@ class ClusterSpec:
     inter_node_bw: float = 50e9  # bytes/s per GPU (InfiniBand: one 400 Gb/s NIC per GPU)
     intra_node_latency_s: float = 1e-6
     inter_node_latency_s: float = 5e-6
+    profile: str = ""  # a device profile (`fivefold calibrate`): its device replaces `gpu`
 
     @property
     def world_size(self) -> int:
@@ -39,6 +45,11 @@ class ClusterSpec:
 
     @property
     def device(self) -> GPUSpec:
+        """The catalog GPU, or the measured device of `profile` for one of the node's ranks."""
+        if self.profile:
+            from fivefold.spec.profile import profile_device
+
+            return profile_device(self.profile, self.gpus_per_node)
         return gpu(self.gpu)
 
     def with_(self, **changes) -> ClusterSpec:
@@ -52,6 +63,12 @@ class ClusterSpec:
         for f in ("nodes", "gpus_per_node"):
             if getattr(self, f) < 1:
                 out.append(f"cluster.{f} = {getattr(self, f)}: must be at least 1.")
+        if self.world_size > MAX_GPUS:
+            out.append(
+                f"cluster of {self.world_size:,} GPUs ({self.nodes:,} nodes x "
+                f"{self.gpus_per_node:,}): fivefold plans at most {MAX_GPUS:,} GPUs; check "
+                "--gpus / cluster.gpus."
+            )
         for f in ("intra_node_bw", "inter_node_bw"):
             if getattr(self, f) <= 0:
                 out.append(f"cluster.{f} = {getattr(self, f)}: must be a positive bytes/s figure.")
@@ -59,9 +76,14 @@ class ClusterSpec:
             if getattr(self, f) < 0:
                 out.append(f"cluster.{f} = {getattr(self, f)}: must be >= 0 seconds.")
         try:
-            gpu(self.gpu)
+            self.device  # noqa: B018 (a catalog GPU, or a readable, valid profile)
         except ConfigError as err:
             out.append(str(err))
+        if self.profile and self.nodes != 1:
+            out.append(
+                f"cluster.nodes = {self.nodes}: a device profile describes one machine; "
+                "set nodes = 1 and the local ranks as gpus (or gpus_per_node)."
+            )
         return out
 
 

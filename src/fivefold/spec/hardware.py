@@ -6,12 +6,17 @@ and allocator reserve are separate terms in the planner). Link figures are the v
 NVLink bandwidth (both directions added, as marketed) and are only defaults for `ClusterSpec`.
 `arch` names the micro-architecture whose calibrated GEMM efficiency the planner uses
 (`fivefold.planner.calibration`). An unknown device is an error that says so, never a guessed
-peak.
+peak. A machine measured by `fivefold calibrate` (a CPU included) is not in the catalog: its
+`GPUSpec` comes from a device profile (`fivefold.spec.profile`) and carries the measured tables.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from fivefold.spec.profile import Measured
 
 from fivefold.errors import ConfigError
 
@@ -28,9 +33,18 @@ class GPUSpec:
     nvlink_bw_bytes_per_s: float
     source: str = field(compare=False, default="")
     arch: str = ""  # "ampere" | "hopper" | "blackwell" | "" (no accelerator)
+    # The measured tables of a device profile (`fivefold.spec.profile`); None for catalog GPUs.
+    measured: Measured | None = field(default=None, compare=False, repr=False)
 
     def peak(self, dtype: str) -> float:
         """Dense peak FLOP/s for `dtype` ("bf16", "fp16", "fp8", "tf32", "fp32")."""
+        if dtype not in self.peak_flops and self.measured is not None:
+            known = ", ".join(sorted(self.peak_flops))
+            raise ConfigError(
+                f"unknown peak: the device profile of {self.name} has no {dtype} matmul "
+                f"measurement (measured: {known}); choose a {known} precision or re-run "
+                "`fivefold calibrate` on a machine with native support for it."
+            )
         if dtype not in self.peak_flops:
             known = ", ".join(sorted(self.peak_flops)) or "none: it is not a catalogued GPU"
             raise ConfigError(
@@ -124,8 +138,9 @@ GPUS: dict[str, GPUSpec] = {
             {},
             0.0,
             0.0,
-            "no catalog peak: training on CPU measures a matmul peak at start-up and labels MFU "
-            "as relative to that measurement",
+            "no catalog peak: `fivefold calibrate` measures this machine into a device profile "
+            "(fivefold.spec.profile); without one, training on CPU measures a matmul peak at "
+            "start-up and labels MFU as relative to that measurement",
         ),
     )
 }

@@ -15,9 +15,24 @@ Conventions:
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, fields, replace
 
 MLP_KINDS = ("swiglu", "gelu")
+# Upper bounds of the sizes (counts): well beyond any published model, small enough that a typo
+# (hidden = 1e12) is refused at once instead of overflowing a tensor or a search.
+MODEL_LIMITS = {
+    "layers": 4096,
+    "hidden": 1 << 18,
+    "heads": 1 << 14,
+    "kv_heads": 1 << 14,
+    "ffn": 1 << 21,
+    "vocab": 1 << 24,
+    "seq_len": 1 << 24,
+    "experts": 1 << 14,
+    "expert_ffn": 1 << 21,
+    "shared_experts": 1 << 10,
+}
 
 
 @dataclass(frozen=True)
@@ -37,6 +52,11 @@ class ModelSpec:
     head_dim: int = 0  # 0 means hidden // heads
     norm_eps: float = 1e-5
     rope_theta: float = 500_000.0
+    # Llama 3.1-style RoPE scaling (fivefold.model.rope_scaling); factor 1 = plain RoPE
+    rope_scaling_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_seq_len: int = 0  # the pre-training context the scaling extends
     experts: int = 0  # routed experts per MoE layer; 0 = dense model
     top_k: int = 0
     expert_ffn: int = 0
@@ -79,12 +99,48 @@ class ModelSpec:
         return data
 
     # ---- validation ------------------------------------------------------------------------
+    def _rope_scaling_problems(self) -> list[str]:
+        factor, low, high = (
+            self.rope_scaling_factor,
+            self.rope_low_freq_factor,
+            self.rope_high_freq_factor,
+        )
+        if not (factor >= 1.0 and factor < float("inf")):
+            return [f"model.rope_scaling_factor = {factor}: must be >= 1 (1 = no scaling)."]
+        if factor == 1.0:
+            return []
+        out = []
+        if not 0 < low < high < float("inf"):
+            out.append(
+                f"model.rope_low_freq_factor = {low}, rope_high_freq_factor = {high}: need "
+                "0 < low < high (Llama 3.1: 1 and 4)."
+            )
+        if self.rope_original_seq_len <= 0:
+            out.append(
+                "model.rope_original_seq_len must be the pre-training context (e.g. 8192) when "
+                "model.rope_scaling_factor > 1."
+            )
+        return out
+
     def problems(self) -> list[str]:
         """Every inconsistency, each as a sentence naming the field and the fix."""
         out: list[str] = []
         for f in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq_len", "head_dim"):
             if getattr(self, f) <= 0:
                 out.append(f"model.{f} = {getattr(self, f)}: must be a positive integer.")
+        for f in ("experts", "top_k", "expert_ffn", "shared_experts", "dense_layers"):
+            if getattr(self, f) < 0:
+                out.append(f"model.{f} = {getattr(self, f)}: must be >= 0.")
+        for f, high in MODEL_LIMITS.items():
+            if getattr(self, f) > high:
+                out.append(
+                    f"model.{f} = {getattr(self, f):,} is beyond any model fivefold plans or "
+                    f"trains (at most {high:,}); check the value (sizes are counts, e.g. "
+                    "hidden = 4096)."
+                )
+        for f in ("norm_eps", "rope_theta", "router_aux_loss_coef"):
+            if not math.isfinite(getattr(self, f)):
+                out.append(f"model.{f} = {getattr(self, f)}: must be a finite number.")
         if out:
             return out
         if self.mlp not in MLP_KINDS:
@@ -96,6 +152,14 @@ class ModelSpec:
             )
         if self.norm_eps <= 0:
             out.append(f"model.norm_eps = {self.norm_eps}: must be positive, e.g. 1e-5.")
+        if self.rope_theta <= 0:
+            out.append(f"model.rope_theta = {self.rope_theta}: must be positive, e.g. 500000.")
+        if self.router_aux_loss_coef < 0:
+            out.append(
+                f"model.router_aux_loss_coef = {self.router_aux_loss_coef}: must be >= 0, "
+                "e.g. 0.01."
+            )
+        out += self._rope_scaling_problems()
         if self.is_moe:
             if not 1 <= self.top_k <= self.experts:
                 out.append(
@@ -200,13 +264,34 @@ def forward_flops_per_token(m: ModelSpec, seq_len: int | None = None, causal: bo
     return total + head_flops_per_token(m)
 
 
+def early_stop_skipped_flops_per_token(m: ModelSpec) -> float:
+    """Forward FLOPs per token that full recompute under torch's non-reentrant checkpoint does
+    not repeat, summed over the layers.
+
+    Early stop ends the recomputation once every tensor the backward saved exists again, so the
+    block's last matmul, whose output only feeds the residual add (which saves nothing), never
+    re-runs: the MLP's `w2` in a dense layer (2 h ffn FLOPs per token, SwiGLU or GeLU), the
+    shared expert's `w2` in a MoE layer with shared experts (2 h shared * expert_ffn); a MoE
+    layer without them ends in the routed combine, which saves the experts' outputs, so all of
+    its matmuls re-run. Checked against `torch.utils.flop_counter` in tests/planner.
+    """
+    dense = (m.layers - m.moe_layers) * 2.0 * m.hidden * m.ffn
+    return dense + m.moe_layers * 2.0 * m.hidden * m.shared_experts * m.expert_ffn
+
+
 def training_flops_per_token(
-    m: ModelSpec, seq_len: int | None = None, recompute: str = "none", causal: bool = True
+    m: ModelSpec,
+    seq_len: int | None = None,
+    recompute: str = "none",
+    causal: bool = True,
+    early_stop: bool = False,
 ) -> float:
     """FLOPs per trained token: forward + backward (2x forward) + what recompute repeats.
 
     recompute="none" gives model FLOPs (the MFU numerator). "full" re-runs every layer's forward
-    (not the head); "selective" re-runs only the attention scores (Korthikanti et al. 2022).
+    (not the head), less `early_stop_skipped_flops_per_token` with `early_stop` (what torch's
+    non-reentrant checkpoint, the fivefold runtime's, really runs); "selective" re-runs only the
+    attention scores (Korthikanti et al. 2022).
     """
     if recompute not in RECOMPUTE_POLICIES:
         raise ValueError(f"recompute must be one of {RECOMPUTE_POLICIES}, got {recompute!r}")
@@ -215,9 +300,17 @@ def training_flops_per_token(
     extra = 0.0
     if recompute == "full":
         extra = fwd - head_flops_per_token(m)
+        extra -= early_stop_skipped_flops_per_token(m) if early_stop else 0.0
     elif recompute == "selective":
         extra = m.layers * attention_score_flops_per_token(m, s, causal)
     return 3.0 * fwd + extra
+
+
+def default_ffn(hidden: int, mlp: str = "swiglu") -> int:
+    """4h for GeLU; SwiGLU's 8h/3 rounded up to a multiple of 256 (the Llama rule)."""
+    if mlp == "gelu":
+        return 4 * hidden
+    return 256 * math.ceil(8 * hidden / 3 / 256)
 
 
 def model_spec_fields() -> dict[str, type]:

@@ -16,10 +16,13 @@ from fivefold.errors import ConfigError
 from fivefold.spec.cluster import ClusterSpec
 from fivefold.spec.model import RECOMPUTE_POLICIES, ModelSpec
 from fivefold.spec.precision import RECIPES
+from fivefold.spec.precision import recipe as precision_recipe
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zbv", "dualpipev")
 CP_KINDS = ("ring", "allgather", "ulysses")
 TWO_STAGES_PER_RANK = ("zbv", "dualpipev")  # V-shaped schedules: exactly 2 chunks per rank
+RUNTIME_COMPUTE_DTYPES = ("fp32", "bf16")  # what fivefold's runtime computes in
+PLAN_LIMIT = 1 << 17  # the largest degree, micro-batch or accumulation count (cf. MAX_GPUS)
 
 
 @dataclass(frozen=True)
@@ -83,19 +86,38 @@ class ParallelPlan:
 
     # ---- validation ------------------------------------------------------------------------
     def problems(
-        self, model: ModelSpec | None = None, cluster: ClusterSpec | None = None
+        self,
+        model: ModelSpec | None = None,
+        cluster: ClusterSpec | None = None,
+        *,
+        runtime: bool = True,
     ) -> list[str]:
-        """Every reason this plan cannot run, each naming the field and the fix."""
+        """Every reason this plan cannot run, each naming the field and the fix.
+
+        This is the one set of rules: the CLI, recipe loading, the search, `--plan auto` and the
+        runtime all ask it before any process starts. `runtime=True` (the default everywhere)
+        adds what fivefold's own runtime does not implement (`runtime_problems`); only
+        estimates of runs made by other software (the published runs the planner is checked
+        against) pass False.
+        """
         out = self._own_problems()
         if out:
             return out
+        if runtime:
+            out += self.runtime_problems(model)
         if cluster is not None:
             out += self._cluster_problems(cluster)
         if model is not None:
             out += self._model_problems(model)
         return out
 
-    def validate(self, model: ModelSpec | None = None, cluster: ClusterSpec | None = None) -> None:
+    def validate(
+        self,
+        model: ModelSpec | None = None,
+        cluster: ClusterSpec | None = None,
+        *,
+        runtime: bool = True,
+    ) -> None:
         """Raise one `ConfigError` listing every problem of this plan, the model and the cluster."""
         problems = []
         if model is not None:
@@ -103,7 +125,7 @@ class ParallelPlan:
         if cluster is not None:
             problems += cluster.problems()
         if not problems:
-            problems = self.problems(model, cluster)
+            problems = self.problems(model, cluster, runtime=runtime)
         if problems:
             raise ConfigError(problems)
 
@@ -123,6 +145,11 @@ class ParallelPlan:
             value = getattr(self, f)
             if not isinstance(value, int) or value < 1:
                 out.append(f"plan.{f} = {value!r}: must be a whole number >= 1.")
+            elif value > PLAN_LIMIT:
+                out.append(
+                    f"plan.{f} = {value:,} is beyond any layout fivefold plans or runs (at most "
+                    f"{PLAN_LIMIT:,}); check the value."
+                )
         if self.zero not in (0, 1, 2, 3):
             out.append(f"plan.zero = {self.zero!r}: ZeRO stage must be 0, 1, 2 or 3.")
         if self.schedule not in SCHEDULES:
@@ -189,6 +216,35 @@ class ParallelPlan:
                 )
         return out
 
+    def runtime_problems(self, m: ModelSpec | None = None) -> list[str]:
+        """What fivefold's runtime refuses although the layout itself is consistent (part of
+        `problems`; alone where only some fields are known, e.g. those a search pins)."""
+        out = []
+        compute = precision_recipe(self.precision).compute_dtype
+        if compute not in RUNTIME_COMPUTE_DTYPES:
+            out.append(
+                f"plan.precision = {self.precision!r} computes in {compute}, which fivefold's "
+                "runtime does not implement (the recipe describes fp8 training elsewhere, e.g. "
+                "DeepSeek-V3's, for the memory arithmetic of `fivefold.planner.memory`); use "
+                "'fp32' or a bf16 recipe such as 'bf16-mixed'."
+            )
+        if m is None:
+            return out
+        if m.tied_embeddings and self.pp > 1:
+            out.append(
+                f"model.tied_embeddings = true with plan.pp = {self.pp}: the embedding sits on "
+                "the first pipeline stage and the LM head on the last, and fivefold's runtime "
+                "does not keep them tied across stages; set model.tied_embeddings = false or "
+                "plan.pp = 1."
+            )
+        if m.is_moe and self.tp > 1:
+            out.append(
+                f"plan.tp = {self.tp} with a MoE model (model.experts = {m.experts}): fivefold's "
+                "runtime does not tensor-parallelise MoE layers; set plan.tp = 1 and shard the "
+                "experts with plan.ep (and the rest with dp_shard / cp)."
+            )
+        return out
+
     def _cluster_problems(self, cluster: ClusterSpec) -> list[str]:
         out = []
         if self.world_size != cluster.world_size:
@@ -234,6 +290,12 @@ class ParallelPlan:
             out.append(
                 f"model.seq_len = {m.seq_len} must be divisible by 2 * plan.cp = {2 * self.cp}: "
                 "load-balanced context parallelism gives each rank a head and a tail chunk."
+            )
+        if self.cp > 1 and self.cp_kind == "ulysses" and (m.heads // self.tp) % self.cp:
+            out.append(
+                f"plan.cp = {self.cp} with plan.cp_kind = 'ulysses' must divide the "
+                f"{m.heads // self.tp} attention heads of a TP rank (model.heads / plan.tp): "
+                "Ulysses gives each CP rank whole heads; lower cp or use cp_kind = 'ring'."
             )
         if self.sp and self.tp > 1 and (m.seq_len // self.cp) % self.tp:
             out.append(

@@ -11,6 +11,8 @@ Counts are checked against the published figures in tests (Llama 3: 8.03B, 70.6B
   under 1% of a step's FLOPs.
 - tiny, tiny-moe and small train on a CPU; their vocabulary (4096) matches the tokenizer trained
   on the embedded corpus.
+- wide-1b: 1.13B parameters in 4 wide layers (Llama 3 8B's widths, 32,000 tokens), for the
+  sharded start-up benchmark (`benchmarks/sharded_init.py`): each layer is 218M parameters.
 """
 
 from __future__ import annotations
@@ -100,6 +102,17 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
         ),
         ModelSpec(
             "small", 6, 256, 8, kv_heads=4, ffn=688, vocab=4096, seq_len=256, rope_theta=10_000.0
+        ),
+        ModelSpec(
+            "wide-1b",
+            4,
+            4096,
+            32,
+            kv_heads=8,
+            ffn=14336,
+            vocab=32000,
+            seq_len=2048,
+            rope_theta=500_000.0,
         ),
     )
 }

@@ -1,14 +1,17 @@
 """TOML recipes: `[model]`, `[cluster]`, `[plan]` and free sections (`[train]`, `[data]`, ...).
 
 A recipe may name presets (`[model] preset = "small"`, `[cluster] preset = "dgx-h100"` with
-`gpus = 64`) and override any field. Command-line overrides are `section.field=value` with the
-value parsed as a TOML literal (`plan.tp=2`, `train.lr=3e-4`, `model.mlp=gelu`); a bare word
-that is not a TOML literal is taken as a string. Every problem is reported at once.
+`gpus = 64`, or a measured machine: `[cluster] profile = "device-profile.toml"`, whose local
+ranks default to the run's processes) and override any field. Command-line overrides are
+`section.field=value` with the value parsed as a TOML literal (`plan.tp=2`, `train.lr=3e-4`,
+`model.mlp=gelu`); a bare word that is not a TOML literal is taken as a string.
+Every problem is reported at once.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -17,12 +20,13 @@ from typing import Any, TypeVar
 
 from fivefold.errors import ConfigError
 from fivefold.spec.cluster import CLUSTER_PRESETS, ClusterSpec, cluster_preset
-from fivefold.spec.model import ModelSpec
+from fivefold.spec.model import MLP_KINDS, ModelSpec, default_ffn
 from fivefold.spec.plan import ParallelPlan
 from fivefold.spec.presets import MODEL_PRESETS
 
 T = TypeVar("T")
 _CORE_SECTIONS = ("model", "cluster", "plan")
+SECTIONS = (*_CORE_SECTIONS, "train", "data")  # [train] and [data]: fivefold.train.config
 
 
 @dataclass
@@ -130,7 +134,7 @@ def _coerce(value: Any, hint: Any) -> Any:
         return value if isinstance(value, int) and not isinstance(value, bool) else _BAD
     if hint is float:
         ok = isinstance(value, int | float) and not isinstance(value, bool)
-        return float(value) if ok else _BAD
+        return float(value) if ok and math.isfinite(value) else _BAD
     if hint is str:
         return value if isinstance(value, str) else _BAD
     if origin is list:
@@ -141,34 +145,65 @@ def _coerce(value: Any, hint: Any) -> Any:
 
 
 def _type_name(hint: Any) -> str:
-    return {int: "a whole number", float: "a number", bool: "true or false", str: "a string"}.get(
-        hint, str(hint)
-    )
+    names = {
+        int: "a whole number",
+        float: "a finite number",
+        bool: "true or false",
+        str: "a string",
+    }
+    return names.get(hint, str(hint))
+
+
+def expand_model(values: dict[str, Any], problems: list[str]) -> dict[str, Any] | None:
+    """A [model] table with its preset expanded: the one preset expansion (TOML recipes,
+    overrides and `fivefold plan` flags all come through here).
+
+    Fields given override the preset's; derived fields follow what changed: `head_dim` when
+    `hidden` or `heads` change, and `kv_heads` when `heads` change on a multi-head preset
+    (kv_heads == heads stays so). Without a preset, `ffn` defaults from `hidden`
+    (`default_ffn`). None (with a problem appended) for an unknown preset.
+    """
+    values = dict(values)
+    preset = values.pop("preset", None)
+    if preset is None:
+        if "ffn" not in values and isinstance(values.get("hidden"), int):
+            mlp = values.get("mlp", "swiglu")
+            values["ffn"] = default_ffn(values["hidden"], mlp if mlp in MLP_KINDS else "swiglu")
+        return values
+    if preset not in MODEL_PRESETS:
+        problems.append(
+            f"model.preset = {preset!r} is unknown; choose one of {', '.join(MODEL_PRESETS)}."
+        )
+        return None
+    base = MODEL_PRESETS[preset].to_dict()
+    if "heads" in values or "hidden" in values:
+        base.pop("head_dim")
+    if "heads" in values and "kv_heads" not in values and base["kv_heads"] == base["heads"]:
+        base.pop("kv_heads")
+    return {**base, **values}
 
 
 def _model_from(values: dict[str, Any], problems: list[str]) -> ModelSpec | None:
-    values = dict(values)
-    preset = values.pop("preset", None)
-    if preset is not None:
-        if preset not in MODEL_PRESETS:
-            problems.append(
-                f"model.preset = {preset!r} is unknown; choose one of {', '.join(MODEL_PRESETS)}."
-            )
-            return None
-        base = MODEL_PRESETS[preset].to_dict()
-        # A preset's derived defaults (kv heads, head_dim) follow a changed hidden/heads.
-        if "heads" in values or "hidden" in values:
-            base.pop("head_dim")
-        base.update(values)
-        values = base
-    return build(ModelSpec, values, "model", problems)
+    expanded = expand_model(values, problems)
+    return None if expanded is None else build(ModelSpec, expanded, "model", problems)
 
 
-def _cluster_from(values: dict[str, Any], problems: list[str]) -> ClusterSpec | None:
+def _cluster_from(
+    values: dict[str, Any], problems: list[str], default_world: int | None = None
+) -> ClusterSpec | None:
     values = dict(values)
     preset = values.pop("preset", None)
     gpus = values.pop("gpus", None)
-    if preset is not None:
+    if values.get("profile") and preset is None:  # a measured machine: one node of local ranks
+        from fivefold.spec.profile import profile_cluster
+
+        try:
+            base = profile_cluster(values["profile"], gpus or default_world).to_dict()
+        except ConfigError as err:
+            problems.extend(err.problems)
+            return None
+        values = {**base, **values}
+    elif preset is not None:
         if preset not in CLUSTER_PRESETS:
             problems.append(
                 f"cluster.preset = {preset!r} is unknown; choose one of "
@@ -178,9 +213,18 @@ def _cluster_from(values: dict[str, Any], problems: list[str]) -> ClusterSpec | 
         base = cluster_preset(preset, gpus or 8).to_dict()
         base.update(values)
         values = base
-    elif gpus is not None:
-        values.setdefault("nodes", 1)
-        values.setdefault("gpus_per_node", gpus)
+    elif gpus is not None:  # whole nodes of up to 8 GPUs unless gpus_per_node says otherwise
+        if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 1:
+            problems.append(f"cluster.gpus = {gpus!r}: must be a whole number >= 1.")
+            return None
+        per_node = values.setdefault("gpus_per_node", min(8, gpus))
+        if isinstance(per_node, int) and per_node > 0:
+            if gpus % per_node:
+                problems.append(
+                    f"cluster.gpus = {gpus} is not a whole number of nodes of "
+                    f"cluster.gpus_per_node = {per_node}; every node must be full."
+                )
+            values.setdefault("nodes", max(1, gpus // per_node))
     return build(ClusterSpec, values, "cluster", problems)
 
 
@@ -211,7 +255,12 @@ def recipe_from_dict(data: dict[str, dict[str, Any]], default_world: int | None 
     """Build and validate a recipe; raises one ConfigError listing every problem."""
     problems: list[str] = []
     for name, section in data.items():
-        if not isinstance(section, dict):
+        if name not in SECTIONS:
+            problems.append(
+                f"[{name}] is not a recipe section (from the file or an override such as "
+                f"{name}.x=...); known sections: {', '.join(SECTIONS)}."
+            )
+        elif not isinstance(section, dict):
             problems.append(f"{name} = {section!r}: expected a [{name}] table of settings.")
     if problems:
         raise ConfigError(problems)
@@ -219,7 +268,7 @@ def recipe_from_dict(data: dict[str, dict[str, Any]], default_world: int | None 
     cluster_values = data.get("cluster", {})
     if not cluster_values:
         cluster_values = {"name": "local-cpu", "gpu": "cpu", "gpus": default_world or 1}
-    cluster = _cluster_from(cluster_values, problems)
+    cluster = _cluster_from(cluster_values, problems, default_world)
     plan = build(ParallelPlan, data.get("plan", {}), "plan", problems)
     model_ok = model is not None and not model.problems()
     cluster_ok = cluster is not None and not cluster.problems()

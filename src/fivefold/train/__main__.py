@@ -1,7 +1,19 @@
 """`python -m fivefold.train recipe.toml [overrides]` (also as `torchrun ... -m fivefold.train`)."""
 
+import os
 import sys
 
-from fivefold.train.entry import main
+from fivefold.parallel.threads import passive_wait
 
-sys.exit(main())
+passive_wait()  # before torch is imported (see fivefold.parallel.threads)
+
+from fivefold.train.entry import main  # noqa: E402
+
+code = main()
+if code and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    # After an error or interrupt a rank leaves at once: no interpreter shutdown that could wait
+    # on a process-group thread still talking to a dead peer.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+sys.exit(code)

@@ -37,11 +37,6 @@ def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
     return mf.list_checkpoints(checkpoint_root(run_dir))
 
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The newest checkpoint of a run whose files match its manifest (None if there is none)."""
-    return mf.newest_valid(checkpoint_root(run_dir)).path
-
-
 class RunCheckpoints:
     """Save, choose and restore the checkpoints of one run (collective calls)."""
 

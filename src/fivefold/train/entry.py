@@ -4,7 +4,8 @@ The same entry serves one process and every rank under torchrun (`torchrun --npr
 -m fivefold.train recipe.toml`): `make_runtime` picks the runtime from the environment. The CLI
 command `fivefold train` calls `load_run` and `train` from here too, so both read recipes the
 same way: on a machine (or `train.device`) without CUDA, a recipe that does not name
-`plan.precision` trains in fp32.
+`plan.precision` trains in fp32, and a recipe without a [cluster] uses the device profile at the
+default location (`fivefold.spec.profile.default_profile_path`) when one exists there.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 
 from fivefold.errors import ConfigError, FivefoldError
 from fivefold.spec.recipe import merge, parse_overrides, read_toml, recipe_from_dict
-from fivefold.train.config import RunConfig, parse_train_config
+from fivefold.train.config import RunConfig, machine_memory_problems, parse_train_config
 
 RECIPE_SUFFIXES = (".toml",)
 RESUME_HELP = (
@@ -73,16 +74,27 @@ def recipe_data(recipe_path: str | Path | None, overrides: list[str]) -> dict[st
     return data
 
 
+def with_default_profile(data: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """A CPU run without a [cluster] uses the calibrated profile at the default location."""
+    from fivefold.spec.profile import default_profile_path
+
+    if "cluster" in data or not _trains_on_cpu(data):
+        return data
+    path = default_profile_path()
+    return merge(data, {"cluster": {"profile": str(path)}}) if path.is_file() else data
+
+
 def load_run(
     recipe_path: str | Path | None, overrides: list[str], world_size: int | None = None
 ) -> RunConfig:
     """Read, override and validate a recipe and its [train]/[data] sections (ConfigError)."""
     world = world_size or world_size_from_env()
     data = recipe_data(recipe_path, overrides)
+    named_cluster = "cluster" in data
     try:
-        recipe = recipe_from_dict(data, world)
+        recipe = recipe_from_dict(with_default_profile(data), world)
     except ConfigError as err:
-        if "cluster" in data or not any(p.startswith("plan degrees") for p in err.problems):
+        if named_cluster or not any(p.startswith("plan degrees") for p in err.problems):
             raise
         hint = (
             f"this run has {world} process(es): start `fivefold train` with --nproc equal to "
@@ -90,6 +102,23 @@ def load_run(
         )
         raise ConfigError([*err.problems, hint]) from None
     return parse_train_config(recipe)
+
+
+def check_layout(
+    recipe_path: str | Path | None, overrides: list[str], world_size: int, local: bool = True
+) -> RunConfig:
+    """`load_run` for `world_size` processes, and the plan's degrees must multiply to it: what
+    the launchers call before starting anything (ConfigError otherwise). With `local`, the run
+    is on this machine, whose memory must hold it (`machine_memory_problems`)."""
+    from fivefold.parallel.mesh import ParallelDims
+
+    run = load_run(recipe_path, overrides, world_size=world_size)
+    ParallelDims.from_plan(run.recipe.plan, world_size)
+    if local:
+        problems = machine_memory_problems(run.recipe, run.train.device)
+        if problems:
+            raise ConfigError(problems)
+    return run
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -124,16 +153,35 @@ def resume_overrides(resume: bool, fresh: bool) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Train; returns the exit status: 0, 2 after a user error, 128 + signal when interrupted.
+    Under `fivefold train --nproc N` the message goes to the launcher, which prints it once
+    (`fivefold.parallel.rank_report`); otherwise this process prints it."""
     args = build_parser().parse_args(argv)
-    rank = int(os.environ.get("RANK", "0"))
     try:
         from fivefold.train.loop import train
 
         recipe_path, overrides = split_recipe_and_overrides(args.items)
         overrides += resume_overrides(args.resume, args.fresh)
-        train(load_run(recipe_path, overrides))
+        world = world_size_from_env()  # a single process checks its machine; launchers did
+        summary = train(check_layout(recipe_path, overrides, world, local=world == 1))
     except FivefoldError as err:
-        prefix = f"[rank {rank}] " if world_size_from_env() > 1 else ""
-        print(f"{prefix}fivefold train: error: {err}", file=sys.stderr)
-        return 2
+        return _report("error", f"{err}", 2)
+    except KeyboardInterrupt:
+        return _report("interrupted", "stopped at once by a repeated interrupt; no checkpoint", 130)
+    if summary.exit_code:
+        return _report(
+            "interrupted", f"interrupted after step {summary.end_step}", summary.exit_code
+        )
     return 0
+
+
+def _report(kind: str, message: str, code: int) -> int:
+    """Hand `message` to the launcher, or print it (errors only; rank 0 already printed where
+    an interrupted run stopped). Returns `code`."""
+    from fivefold.parallel.rank_report import RankReport, write_report
+
+    rank = int(os.environ.get("RANK", "0"))
+    if not write_report(RankReport(rank, kind, message, code)) and kind == "error":
+        prefix = f"[rank {rank}] " if world_size_from_env() > 1 else ""
+        print(f"{prefix}fivefold train: error: {message}", file=sys.stderr)
+    return code

@@ -7,8 +7,10 @@ prints and writes files; every rank checkpoints its own state.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
@@ -25,6 +27,7 @@ from fivefold.spec.recipe import dump_recipe
 from fivefold.train import checkpoint as ckpt
 from fivefold.train.config import RunConfig
 from fivefold.train.inputs import TrainData, load_train_data
+from fivefold.train.interrupt import StopRequest, die_on_signals, stop_on_signals
 from fivefold.train.memory import PeakReading, track_cpu_peak
 from fivefold.train.metrics import (
     ConsoleReporter,
@@ -42,8 +45,6 @@ from fivefold.train.peak import DevicePeak, device_peak
 from fivefold.train.runtime import Runtime, make_runtime
 from fivefold.train.schedule import build_scheduler
 
-PEAK_REFRESH_S = 30.0  # CPU: how often the measured matmul peak is re-checked (~0.1 s each)
-
 
 @dataclass
 class TrainSummary:
@@ -58,10 +59,11 @@ class TrainSummary:
     peak_label: str
     peak_memory_bytes: int
     wall_s: float
-    stop_reason: str  # "completed" | "max_time_s" | "already_complete" (nothing to do)
+    stop_reason: str  # "completed" | "max_time_s" | "interrupted" | "already_complete"
     last_checkpoint: str | None
     eval_losses: dict[int, float] = field(default_factory=dict)
     prediction: dict[str, Any] | None = None
+    exit_code: int = 0  # of the process: 128 + signal number after an interrupt, else 0
 
     @property
     def first_loss(self) -> float:
@@ -95,15 +97,18 @@ class Trainer:
         self.checkpoints = ckpt.RunCheckpoints(
             self.run_dir, self.cfg.keep_checkpoints, self.cfg.ckpt_async
         )
-        self.peak: DevicePeak = device_peak(runtime.device, self._compute_dtype())
-        self._peak_checked_at = time.perf_counter()
+        # Measured once (CPU) and kept: the header, every step's MFU and the footer use it.
+        self.peak: DevicePeak = device_peak(
+            runtime.device, self._compute_dtype(), cluster=self.recipe.cluster
+        )
         self.tokens_per_step = run.global_batch * self.recipe.model.seq_len
         seq = self.recipe.model.seq_len
         self.model_flops_per_token = training_flops_per_token(self.recipe.model, seq)
-        self.hardware_flops_per_token = training_flops_per_token(
-            self.recipe.model, seq, self.recipe.plan.recompute
+        self.hardware_flops_per_token = training_flops_per_token(  # what checkpoint runs
+            self.recipe.model, seq, self.recipe.plan.recompute, early_stop=True
         )
         self.cpu_peak = PeakReading()
+        self.stop = StopRequest()  # `train` installs it as the SIGINT/SIGTERM handler
 
     def _compute_dtype(self) -> str:
         precision = getattr(self.runtime, "precision", None)
@@ -209,6 +214,16 @@ class Trainer:
         self.last_checkpoint = self.checkpoints.save(self, extra)
         return self.last_checkpoint
 
+    def _report_compile(self, first_step_s: float) -> None:
+        """Once per run, after the first step: how long torch.compile took (cold or cached)."""
+        from fivefold.parallel.compile import compile_seconds
+
+        seconds, graphs = compile_seconds()
+        self.console.print(
+            f"torch.compile: {graphs} graph(s) compiled in {seconds:.1f} s during the first "
+            f"step ({first_step_s:.1f} s in all; later steps reuse them)"
+        )
+
     # ---- one step -------------------------------------------------------------------------
     def _guard(self, loss: float, grad_norm: float | None, lr: float) -> None:
         """Stop with a TrainingError naming the step and the way out when a value is not finite."""
@@ -278,8 +293,12 @@ class Trainer:
         stop_reason = "completed"
         started = time.perf_counter()
         batches = self.data.batches(self.run.recipe.plan.micro_batch)
+        step_s = 0.0
         try:
             while self.step < self.last_step:
+                if self._stop_agreed():
+                    stop_reason = "interrupted"
+                    break
                 index = self.step - start_step  # 0-based within this invocation
                 measure = self.runtime.device.type == "cpu" and index == min(
                     self.cfg.memory_step - 1, self.last_step - start_step - 1
@@ -295,13 +314,15 @@ class Trainer:
                         record(self.cpu_peak.peak_bytes, self.cpu_peak.tenants)
                 else:
                     loss, aux, grad_norm = self.train_one_step(micro_batches)
-                if self.runtime.device.type == "cuda":
-                    torch.cuda.synchronize(self.runtime.device)
+                # No device synchronisation: reading back the loss and the gradient norm already
+                # waits for each step's backward; the optimizer's kernels run on while the next
+                # batch is prepared and are counted in the next step's time.
                 step_s = time.perf_counter() - tick
                 if index > 0 and not measure:
                     meter.add(self.tokens_per_step, step_s)
+                if index == 0 and self.cfg.compile:
+                    self._report_compile(step_s)
                 losses.append(loss)
-                self._maybe_refresh_peak()
                 eval_loss = self._maybe_eval()
                 if eval_loss is not None:
                     evals[self.step] = eval_loss
@@ -318,7 +339,7 @@ class Trainer:
                     stop_reason = "max_time_s"
                     break
             if (
-                self.cfg.save_final
+                (self.cfg.save_final or stop_reason == "interrupted")
                 and losses
                 and (
                     self.last_checkpoint is None
@@ -334,6 +355,7 @@ class Trainer:
             if board is not None:
                 board.close()
         rate = meter.tokens_per_s if meter.steps else self.tokens_per_step / max(step_s, 1e-9)
+        rate = rate if losses else 0.0
         return TrainSummary(
             run_dir=str(self.run_dir),
             start_step=start_step,
@@ -349,7 +371,14 @@ class Trainer:
             stop_reason=stop_reason,
             last_checkpoint=str(self.last_checkpoint) if self.last_checkpoint else None,
             eval_losses=evals,
+            exit_code=self.stop.exit_code() if stop_reason == "interrupted" else 0,
         )
+
+    def _stop_agreed(self) -> bool:
+        """Whether any rank was asked to stop (collective on N ranks: one small all-reduce),
+        so all ranks leave the loop after the same step and can checkpoint it together."""
+        agree = getattr(self.runtime, "any_rank", None)
+        return agree(self.stop.requested) if agree is not None else self.stop.requested
 
     def _plan_vs_run(self, index: int, meter: ThroughputMeter, step_s: float) -> dict | None:
         """The planner-vs-measured record of this step, if it is the layout-report step: the
@@ -367,14 +396,6 @@ class Trainer:
         rows, note = stage_rows(self.runtime, step_s=timed)
         self.console.print(format_rows(self.recipe.plan.describe(), rows, note), markup=False)
         return record(rows, note)
-
-    def _maybe_refresh_peak(self) -> None:
-        """CPU: re-measure the matmul peak every PEAK_REFRESH_S (outside step timing)."""
-        now = time.perf_counter()
-        if self.runtime.device.type != "cpu" or now - self._peak_checked_at < PEAK_REFRESH_S:
-            return
-        self.peak = device_peak(self.runtime.device, self._compute_dtype(), refresh=True)
-        self._peak_checked_at = time.perf_counter()
 
     def _peak_memory(self) -> int:
         return self.runtime.peak_memory_bytes() or self.cpu_peak.peak_bytes
@@ -416,8 +437,11 @@ def planner_prediction(run: RunConfig) -> tuple[dict[str, Any] | None, str]:
     except ImportError:
         return None, "planner not available"
     recipe = run.recipe
-    if recipe.cluster.gpu == "cpu":
-        return None, "the planner models GPU clusters; this run's cluster is the local CPU"
+    if recipe.cluster.gpu == "cpu" and not recipe.cluster.profile:
+        return None, (
+            "no device profile for this CPU; `fivefold calibrate` writes one, then runs predict "
+            "their step time"
+        )
     try:
         return estimate(recipe.model, recipe.cluster, recipe.plan).to_json(), ""
     except FivefoldError as err:
@@ -451,6 +475,8 @@ def print_header(trainer: Trainer, prediction: dict[str, Any] | None, why_not: s
         f"{trainer.cfg.min_lr:g}); data: {trainer.data.describe()}"
     )
     out.print(f"MFU against: {trainer.peak.label}")
+    if recipe.cluster.profile:
+        out.print(f"device profile: {recipe.cluster.profile}")
     if prediction is not None:
         mem = prediction.get("memory_gib", {}).get("total")
         out.print(
@@ -467,6 +493,9 @@ def print_header(trainer: Trainer, prediction: dict[str, Any] | None, why_not: s
 def print_footer(trainer: Trainer, s: TrainSummary) -> None:
     out = trainer.console
     stopped = "" if s.stop_reason == "completed" else f" (stopped: {s.stop_reason})"
+    if not s.losses:
+        out.print(f"[bold]stopped[/bold] before a step{stopped}; nothing saved")
+        return
     out.print(
         f"[bold]done[/bold]: steps {s.start_step} -> {s.end_step} in {s.wall_s:.1f} s{stopped}; "
         f"loss {s.first_loss:.3f} -> {s.last_loss:.3f} (mean of last 10: {s.tail_loss():.3f})"
@@ -486,6 +515,11 @@ def print_footer(trainer: Trainer, s: TrainSummary) -> None:
         )
     if s.last_checkpoint:
         out.print(f"checkpoint: {s.last_checkpoint}")
+    if s.stop_reason == "interrupted":
+        out.print(
+            f"interrupted after step {s.end_step}: the same command continues from the "
+            "checkpoint above (--fresh starts over)"
+        )
     out.print(f"metrics: {Path(s.run_dir) / 'metrics.jsonl'}")
 
 
@@ -495,23 +529,42 @@ def train(
     """Train `run` to `train.steps` (resuming per `train.resume`); returns the summary. Rank 0
     prints. A run whose newest checkpoint is already at its last step prints one line saying so
     and returns a summary with no losses (stop_reason "already_complete")."""
-    runtime = runtime or make_runtime(run.recipe)
-    try:
-        trainer = Trainer(run, runtime, console)
-        trainer.prepare_run_dir()
-        if trainer.is_complete:
-            trainer.console.print(trainer.completion_note())
-            return trainer.complete_summary()
-        prediction, why_not = planner_prediction(run) if runtime.is_main else (None, "")
-        if runtime.is_main:
-            print_header(trainer, prediction, why_not)
-        summary = trainer.fit()
-        summary.prediction = prediction
-        if runtime.is_main:
-            print_footer(trainer, summary)
-            payload = asdict(summary)
-            payload["eval_losses"] = {str(k): v for k, v in summary.eval_losses.items()}
-            (trainer.run_dir / "summary.json").write_text(json.dumps(payload, indent=2) + "\n")
-        return summary
-    finally:
+    from fivefold.parallel.threads import configure_threads
+
+    configure_threads()
+    stop = StopRequest()
+    # Set-up on N ranks: a signal ends the process at once (nothing to save yet; a rank may be
+    # blocked in C++ where no handler runs). `fit` installs the graceful handlers.
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    with die_on_signals() if distributed else contextlib.nullcontext():
+        runtime = runtime or make_runtime(run.recipe)
+        try:
+            summary = _train(run, runtime, console, stop)
+        except BaseException:
+            runtime.close(failed=True)  # no collective after an error: abort the group
+            raise
         runtime.close()
+        return summary
+
+
+def _train(
+    run: RunConfig, runtime: Runtime, console: Console | None, stop: StopRequest
+) -> TrainSummary:
+    trainer = Trainer(run, runtime, console)
+    trainer.stop = stop
+    trainer.prepare_run_dir()
+    if trainer.is_complete:
+        trainer.console.print(trainer.completion_note())
+        return trainer.complete_summary()
+    prediction, why_not = planner_prediction(run) if runtime.is_main else (None, "")
+    if runtime.is_main:
+        print_header(trainer, prediction, why_not)
+    with stop_on_signals(trainer.stop):  # Ctrl-C: stop after a step, with a checkpoint
+        summary = trainer.fit()
+    summary.prediction = prediction
+    if runtime.is_main:
+        print_footer(trainer, summary)
+        payload = asdict(summary)
+        payload["eval_losses"] = {str(k): v for k, v in summary.eval_losses.items()}
+        (trainer.run_dir / "summary.json").write_text(json.dumps(payload, indent=2) + "\n")
+    return summary

@@ -2,15 +2,18 @@
 
 MFU = achieved model FLOP/s / (peak FLOP/s x devices), where model FLOPs per token are
 `fivefold.spec.model.training_flops_per_token` (forward + backward, causal attention, no
-recompute). HFU counts the recomputed forward work as well. The peak comes from
-`fivefold.train.peak` and its label travels with every printed MFU (on CPU it is a measured
-matmul peak, not a datasheet figure).
+recompute). HFU counts the recomputed forward work as well, as it runs: torch's checkpoint skips
+each block's last matmul (`early_stop=True`). The peak comes from `fivefold.train.peak`, one
+figure per run, and its label travels with every printed MFU (on CPU it is a measured matmul
+peak, the device profile's when `fivefold calibrate` wrote one, not a datasheet figure).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,6 +22,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 GiB = 2**30
+LOG_INTERVAL_S = 30.0  # the console never stays silent longer than this while steps complete
 
 
 @dataclass
@@ -150,14 +154,25 @@ class TensorBoardWriter:
 
 
 class ConsoleReporter:
-    """A rich progress bar with loss, lr, tokens/s and MFU (on a terminal), and a log line every
-    `log_every` steps (always), printed above the bar."""
+    """A rich progress bar with loss, lr, tokens/s and MFU (on a terminal), and log lines
+    printed above it, terminal or not: after the first step of the invocation, every
+    `log_every` steps, at each evaluation, and whenever `interval_s` passed since the last."""
 
     def __init__(
-        self, console: Console, total_steps: int, start_step: int, log_every: int, progress: bool
+        self,
+        console: Console,
+        total_steps: int,
+        start_step: int,
+        log_every: int,
+        progress: bool,
+        interval_s: float = LOG_INTERVAL_S,
+        clock: Callable[[], float] = time.monotonic,
     ):
         self.console = console
         self.log_every = log_every
+        self.interval_s = interval_s
+        self._clock = clock
+        self._last_line_at: float | None = None  # None: no line yet in this invocation
         self._progress: Progress | None = None
         if progress and console.is_terminal:
             self._progress = Progress(
@@ -184,11 +199,19 @@ class ConsoleReporter:
         )
         if self._progress is not None:
             self._progress.update(self._task, completed=m.step, status=status)
-        if m.step % self.log_every == 0 or m.eval_loss is not None:
+        now = self._clock()
+        due = (
+            self._last_line_at is None
+            or m.step % self.log_every == 0
+            or m.eval_loss is not None
+            or now - self._last_line_at >= self.interval_s
+        )
+        if due:
             line = f"step {m.step:>6}  {status}  |g| {m.grad_norm:.3f}"
             if m.eval_loss is not None:
                 line += f"  eval {m.eval_loss:.3f}"
             self.console.print(line, highlight=False)
+            self._last_line_at = now
 
     def stop(self) -> None:
         if self._progress is not None:

@@ -2,9 +2,12 @@
 
 CUDA devices are looked up by name in the catalog `fivefold.spec.hardware.GPUS` (dense vendor
 figures, each with its datasheet as source); a device the catalog does not know gets "unknown
-peak" and no MFU, never a guess. A CPU has no catalog figure, so we measure one: the best of a
-few square matmuls in the compute dtype, with the threads torch uses. MFU on CPU is therefore
-"relative to the measured matmul peak" and labelled so wherever it is printed.
+peak" and no MFU, never a guess. A CPU has no catalog figure: with a device profile
+(`fivefold calibrate`, named by the recipe's `cluster.profile` or found at the default location)
+the peak is the profile's best measured matmul rate per rank, the same figure the planner's MFU
+uses; without one we measure one at start-up: the best of a few square matmuls in the compute
+dtype, with the threads torch uses. MFU on CPU is therefore "relative to the measured matmul
+peak" and labelled so wherever it is printed. A run keeps one peak from start to end.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fivefold.spec.cluster import ClusterSpec
 from fivefold.spec.hardware import GPUS
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -108,11 +112,33 @@ def cpu_peak(dtype: str, refresh: bool = False) -> DevicePeak:
     )
 
 
-def device_peak(device: torch.device, dtype: str, refresh: bool = False) -> DevicePeak:
-    """The dense peak of `device` for compute dtype `dtype` ("fp32", "bf16", ...); `refresh`
-    re-measures a CPU (catalog figures never change)."""
+def profile_peak(cluster: ClusterSpec, dtype: str) -> DevicePeak:
+    """The calibrated peak of one of the cluster's ranks from its device profile."""
+    spec = cluster.device
+    where = f"profile {cluster.profile}"
+    if dtype not in spec.peak_flops:
+        return DevicePeak(None, dtype, f"unknown peak ({where} has no {dtype} matmul)", where)
+    flops = spec.peak(dtype)
+    threads = spec.measured.threads if spec.measured is not None else 0
+    return DevicePeak(
+        flops,
+        dtype,
+        f"calibrated CPU {dtype} matmul peak ({flops / 1e9:.0f} GFLOP/s per rank, {threads} "
+        f"thread(s); {where})",
+        spec.source,
+    )
+
+
+def device_peak(
+    device: torch.device, dtype: str, refresh: bool = False, cluster: ClusterSpec | None = None
+) -> DevicePeak:
+    """The dense peak of `device` for compute dtype `dtype` ("fp32", "bf16", ...): a CPU with a
+    calibrated `cluster.profile` reads it; otherwise `refresh` re-measures a CPU (catalog
+    figures never change)."""
     if device.type == "cuda":
         return cuda_peak(torch.cuda.get_device_name(device), dtype)
+    if device.type == "cpu" and cluster is not None and cluster.profile:
+        return profile_peak(cluster, dtype)
     if device.type == "cpu" and dtype in TORCH_DTYPES:
         return cpu_peak(dtype, refresh)
     return DevicePeak(None, dtype, f"unknown peak ({device.type})", "no measurement")

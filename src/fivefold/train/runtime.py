@@ -1,75 +1,32 @@
-"""The Runtime protocol (how the loop drives one rank) and `LocalRuntime`, its one-process form.
+"""`LocalRuntime` (the whole model in one process) and `make_runtime`, which picks it or the
+distributed runtime.
 
-The loop never touches parallelism: it asks a Runtime for a step's forward and backward over the
-micro-batches of a global batch, for the global gradient norm, and for peak memory, and it steps
-an optimizer over `runtime.model_parts`. `LocalRuntime` runs the whole model in this process;
-`fivefold.parallel.runtime.DistributedRuntime` (chosen by `make_runtime` under torchrun) applies a
-ParallelPlan and keeps the same contract, so every layout reports the same loss.
+The Runtime protocol and `StepResult` live below both runtimes, in `fivefold.parallel.protocol`
+(the loop imports them from here or there alike): the loop asks a Runtime for a step's forward
+and backward over the micro-batches of a global batch, for the global gradient norm, and for
+peak memory, and steps an optimizer over `runtime.model_parts`. `LocalRuntime` runs the whole
+model in this process; `fivefold.parallel.runtime.DistributedRuntime` (chosen by `make_runtime`
+under torchrun) applies a ParallelPlan and keeps the same contract, so every layout reports the
+same loss.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
-from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
 from fivefold.errors import ConfigError
+from fivefold.model.loss import IGNORE_INDEX, cross_entropy_loss
+from fivefold.parallel.checkpointing import apply_recompute
+from fivefold.parallel.precision import RuntimePrecision, resolve_precision
+from fivefold.parallel.process_group import pick_device
+from fivefold.parallel.protocol import Runtime, StepResult, batch_to
 from fivefold.spec.recipe import Recipe
 from fivefold.train.config import parse_train_config
-from fivefold.train.precision import RuntimePrecision, resolve_precision
-from fivefold.train.recompute import apply_recompute
 
-IGNORE_INDEX = -100
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """`loss`: mean token cross-entropy over the whole global batch (same on every rank);
-    `aux_loss`: the MoE load-balancing loss added to it for backward (mean over micro-batches)."""
-
-    loss: float
-    aux_loss: float = 0.0
-
-
-@runtime_checkable
-class Runtime(Protocol):
-    model_parts: list[nn.Module]
-    device: torch.device
-    dp_rank: int
-    dp_size: int
-    is_main: bool
-    world_size: int
-
-    def train_step(self, micro_batches: list) -> StepResult: ...
-
-    def clip_grad_norm(self, max_norm: float) -> float: ...
-
-    def peak_memory_bytes(self) -> int: ...
-
-    def close(self) -> None: ...
-
-
-def pick_device(name: str) -> torch.device:
-    """`train.device`: "auto" picks CUDA when available, else CPU."""
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("train.device = 'cuda' but no CUDA device is available; use 'auto'.")
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(name)
-
-
-def batch_to(batch, device: torch.device):
-    """The same Batch with every tensor field moved to `device`."""
-    moved = {
-        f.name: getattr(batch, f.name).to(device, non_blocking=True)
-        for f in dataclasses.fields(batch)
-        if isinstance(getattr(batch, f.name), torch.Tensor)
-    }
-    return dataclasses.replace(batch, **moved)
+__all__ = ["LocalRuntime", "Runtime", "StepResult", "distributed_runtime", "make_runtime"]
 
 
 class LocalRuntime:
@@ -78,6 +35,7 @@ class LocalRuntime:
     def __init__(self, recipe: Recipe):
         from fivefold.model import build_model
 
+        recipe.plan.validate(recipe.model, recipe.cluster)  # the one set of rules
         train = parse_train_config(recipe).train
         self.recipe = recipe
         self.device = pick_device(train.device)
@@ -88,6 +46,11 @@ class LocalRuntime:
         model.to_empty(device=self.device)
         model.init_weights(seed=train.seed)
         apply_recompute(model, recipe.plan.recompute)
+        if train.compile:
+            from fivefold.parallel.compile import apply_compile, check_compiler
+
+            check_compiler(self.device)
+            apply_compile(model)
         self.model = model
         self.model_parts: list[nn.Module] = [model]
         self._recorded_peak_bytes = 0
@@ -100,12 +63,10 @@ class LocalRuntime:
         return torch.autocast(self.device.type, dtype=dtype, enabled=dtype is not None)
 
     def _forward_loss(self, batch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        from fivefold.model import cross_entropy_loss
-
         batch = batch_to(batch, self.device)
         with self._autocast():
             logits = self.model(batch.tokens, positions=batch.positions, doc_ids=batch.doc_ids)
-        loss = cross_entropy_loss(logits.float(), batch.labels)
+        loss = cross_entropy_loss(logits, batch.labels)  # in fp32
         aux = self.model.aux_loss() if self.recipe.model.is_moe else None
         return loss, aux
 
@@ -163,21 +124,23 @@ class LocalRuntime:
             self._recorded_peak_bytes = int(peak_bytes)
             self.peak_tenants = dict(tenants or {})
 
-    def close(self) -> None:
-        pass
+    def close(self, failed: bool = False) -> None:
+        """Nothing to release in one process (`failed`: the run ended by an exception)."""
+
+
+def distributed_runtime(recipe: Recipe) -> Runtime:
+    """This rank's `DistributedRuntime` (under torchrun) with the run's [train] settings and the
+    loop's CPU memory tracker."""
+    from fivefold.parallel.runtime import DistributedRuntime
+    from fivefold.train.memory import track_cpu_peak
+
+    return DistributedRuntime(recipe, parse_train_config(recipe).train, track_cpu_peak)
 
 
 def make_runtime(recipe: Recipe) -> Runtime:
     """LocalRuntime in a single process; the distributed runtime under torchrun (WORLD_SIZE > 1)."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        try:
-            from fivefold.parallel.runtime import DistributedRuntime
-        except ImportError as err:
-            raise ConfigError(
-                "this run was started with WORLD_SIZE > 1 but fivefold.parallel.runtime is not "
-                f"available yet ({err}); run a single process (no torchrun, --nproc 1)."
-            ) from None
-        return DistributedRuntime(recipe)
+        return distributed_runtime(recipe)
     if recipe.plan.world_size != 1:
         raise ConfigError(
             f"the plan needs {recipe.plan.world_size} processes ({recipe.plan.describe()}) but "

@@ -43,17 +43,6 @@ class Batch:
     def num_tokens(self) -> int:
         return self.tokens.numel()
 
-    def to(self, device) -> Batch:
-        def move(t):
-            return None if t is None else t.to(device, non_blocking=True)
-
-        return Batch(
-            *(
-                move(t)
-                for t in (self.tokens, self.labels, self.positions, self.doc_ids, self.sample_ids)
-            )
-        )
-
 
 def collate(seqs: PackedSequences, sample_ids: np.ndarray) -> Batch:
     """Stack samples `sample_ids` of `seqs` into a `Batch` of `len(sample_ids)` rows."""

@@ -1,0 +1,205 @@
+"""`fivefold calibrate`: measure this machine into a device profile the planner and runs read.
+
+The measurements are `fivefold.parallel.calibrate` (kernels) and
+`fivefold.parallel.calibrate_comm` (collectives over spawned ranks); the profile format is
+`fivefold.spec.profile`. Torch is imported only inside the handler.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from fivefold.errors import ConfigError
+
+_DESCRIPTION = """\
+Measure the machine at hand and write a device profile (TOML) that `fivefold plan --cluster
+PROFILE.toml`, recipes (`[cluster] profile = "PROFILE.toml"`) and CPU training runs (the
+default location, when a profile exists there) use to predict step time, and against whose
+measured matmul peak MFU and HFU are reported.
+
+Measured: matmul throughput over the GEMM shapes of the recipe's model (q/k/v/o, MLP, LM head,
+experts; forward and both backward passes; each tensor-parallel split up to --nproc; fp32, and
+bf16 where the CPU has native bf16), its attention core (causal, forward and
+backward), element-wise, loss and optimizer bandwidth, a per-layer overhead, and every
+collective the runtime uses (all-reduce, all-gather, reduce-scatter, all-to-all, send/recv) at
+several sizes over --nproc real processes (gloo on CPU; NCCL where every rank has a GPU, a path
+written the same way but not yet run by us), printed like nccl-tests and fitted to the
+planner's alpha-beta model. The defaults take one to two minutes on two cores; --quick
+measures fewer shapes and sizes for a fast, rougher profile. Calibrate on an idle machine: other
+work slows the multi-threaded and collective measurements (one-thread kernels are timed on the
+thread's CPU clock and are robust to it).
+"""
+
+_EPILOG = """\
+examples:
+  fivefold calibrate                                  # small preset, 2 ranks, default location
+  fivefold calibrate configs/tiny-cpu.toml --nproc 4 --out tiny-4.toml
+  fivefold plan estimate configs/small-cpu.toml --cluster tiny-4.toml --gpus 2
+"""
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    from fivefold.spec.profile import PROFILE_ENV
+
+    parser = subparsers.add_parser(
+        "calibrate",
+        help="measure this machine (kernels, collectives) into a device profile",
+        description=_DESCRIPTION,
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "items",
+        nargs="*",
+        metavar="RECIPE|OVERRIDE",
+        help="a recipe whose model and micro-batch set the shapes measured (default: the small "
+        "preset, micro-batch 1) and section.field=value overrides (e.g. plan.micro_batch=4)",
+    )
+    parser.add_argument(
+        "--nproc", type=int, default=2, help="local ranks for the collectives (default 2)"
+    )
+    parser.add_argument(
+        "--out",
+        default=None,
+        help=f"where to write the profile (default: ${PROFILE_ENV}, else "
+        "$XDG_CACHE_HOME/fivefold/device-profile.toml)",
+    )
+    parser.add_argument("--quick", action="store_true", help="fewer shapes and sizes (seconds)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.set_defaults(handler=handle)
+
+
+def model_and_plan(items: list[str]) -> tuple[Any, Any]:
+    """The recipe's model and its micro-batch (only these set the shapes measured)."""
+    from fivefold.spec.plan import ParallelPlan
+    from fivefold.spec.recipe import merge, model_from_dict, parse_overrides, read_toml
+
+    paths = [i for i in items if "=" not in i]
+    if len(paths) > 1:
+        raise ConfigError(f"more than one recipe given ({', '.join(paths)}); name one.")
+    data = read_toml(paths[0]) if paths else {"model": {"preset": "small"}}
+    data = merge(data, parse_overrides([i for i in items if "=" in i]))
+    model = model_from_dict(data.get("model", {}))
+    mb = data.get("plan", {}).get("micro_batch", 1)
+    if not isinstance(mb, int) or isinstance(mb, bool) or mb < 1:
+        raise ConfigError(f"plan.micro_batch = {mb!r}: must be a whole number >= 1.")
+    return model, ParallelPlan(micro_batch=mb, precision="fp32")
+
+
+def handle(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from fivefold.spec.profile import default_profile_path, parse_profile
+
+    if args.nproc < 1:
+        raise ConfigError(f"--nproc {args.nproc}: the number of ranks must be at least 1.")
+    out = Path(args.out).expanduser() if args.out else default_profile_path()
+    if out.exists() and out.is_dir():
+        raise ConfigError(f"--out {str(out)!r} is a directory; name a .toml file.")
+    model, plan = model_and_plan(args.items)
+    console = Console(highlight=False, soft_wrap=True)
+    profile = run_calibration(model, plan, args.nproc, args.quick, console, not args.no_progress)
+    text = profile.to_toml()
+    import tomllib
+
+    parse_profile(tomllib.loads(text))  # what we write must read back
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    print_summary(console, profile)
+    console.print(
+        f"wrote {out}\nuse it: fivefold plan estimate RECIPE --cluster {out} --gpus N; "
+        f'recipes: [cluster] profile = "{out}"',
+        markup=False,
+    )
+    return 0
+
+
+def run_calibration(model, plan, ranks: int, quick: bool, console, progress: bool):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    from fivefold.parallel import calibrate as cal
+    from fivefold.parallel import calibrate_comm as comm
+
+    bf16 = cal.bf16_support()
+    if bf16 != "native":
+        console.print(
+            "bf16: this CPU has neither amx_bf16 nor avx512_bf16, so torch emulates bf16 "
+            "matmuls (often many times slower than fp32): bf16 is not measured; plan fp32."
+        )
+    elif quick:
+        console.print("bf16: native on this CPU, but --quick measures fp32 only.")
+    steps = cal.compute_steps(model, plan, ranks, quick, bf16)
+    total = len(steps) + (comm.steps_count(ranks, quick) if ranks >= 2 else 0)
+    bar = Progress(
+        TextColumn("[bold]calibrate"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[what]}"),
+        console=console,
+        transient=True,
+        disable=not progress,
+    )
+    rows: list = []
+    with bar:
+        task = bar.add_task("calibrate", total=total, what="")
+        for label, thunk in steps:
+            bar.update(task, what=label)
+            rows += thunk()
+            bar.advance(task)
+        console.print(
+            f"collectives over {ranks} rank(s) "
+            "(size: bytes; time: slowest rank's mean; algbw = size / time; busbw as nccl-tests)"
+        )
+        console.print(
+            f"{'op':>15} {'ranks':>5} {'size':>10} {'time(us)':>10} {'algbw(GB/s)':>12} "
+            f"{'busbw(GB/s)':>12}"
+        )
+
+        def on_row(s) -> None:
+            console.print(
+                f"{s.op:>15} {s.ranks:>5} {s.size_bytes:>10} {s.time_s * 1e6:>10.1f} "
+                f"{s.algbw_bytes_per_s / 1e9:>12.3f} {s.busbw_bytes_per_s / 1e9:>12.3f}"
+            )
+            bar.update(task, what=f"{s.op} {s.ranks} ranks {s.size_bytes} B")
+            bar.advance(task)
+
+        backend, samples = comm.measure_collectives(ranks, quick, on_row)
+    if ranks < 2:
+        console.print("collectives: not measured with --nproc 1 (plans then need one rank).")
+    fits = comm.fit_collectives(samples)
+    return cal.build_profile(model, ranks, bf16, cal.sort_rows(rows), backend, samples, fits)
+
+
+def print_summary(console, profile) -> None:
+    """Peaks, bandwidths, overheads and the alpha-beta fits, one line each."""
+    threads = sorted({m.threads for m in profile.matmul})
+    for t in threads:
+        for dtype in sorted({m.dtype for m in profile.matmul}):
+            rates = [m.flops_per_s for m in profile.matmul if (m.threads, m.dtype) == (t, dtype)]
+            if rates:
+                console.print(
+                    f"matmul {dtype}, {t} thread(s): best {max(rates) / 1e9:.1f} GFLOP/s, "
+                    f"worst {min(rates) / 1e9:.1f} GFLOP/s over {len(rates)} shapes"
+                )
+        for a in (a for a in profile.attention if a.threads == t):
+            console.print(
+                f"attention {a.heads}/{a.kv_heads} heads x seq {a.seq} x {a.head_dim}, {t} "
+                f"thread(s): forward {a.forward_flops_per_s / 1e9:.1f}, backward "
+                f"{a.backward_flops_per_s / 1e9:.1f} GFLOP/s"
+            )
+        bws = ", ".join(
+            f"{b.kind} {b.bytes_per_s / 1e9:.2f}" for b in profile.bandwidth if b.threads == t
+        )
+        console.print(f"bandwidth (GB/s), {t} thread(s): {bws}")
+        for o in (o for o in profile.overhead if o.threads == t):
+            console.print(
+                f"layer overhead, {t} thread(s): forward {o.layer_forward_s * 1e3:.3f} ms, "
+                f"backward {o.layer_backward_s * 1e3:.3f} ms"
+            )
+    for c in profile.collective:
+        console.print(
+            f"{c.op} over {c.ranks} ranks: alpha {c.alpha_s * 1e6:.1f} us, beta "
+            f"{c.beta_bytes_per_s / 1e9:.3f} GB/s"
+        )

@@ -1,0 +1,491 @@
+"""`fivefold calibrate`: measure the machine at hand into a device profile (spec/profile.py).
+
+What is measured, in one process per thread count (1 and all cores on a CPU), each kernel timed
+as the lower quartile of repeats after a warm-up (`typical_time_s`: on a machine shared with
+other work the slow repeats are the other work's, not the kernel's), each repeat starting from
+cold caches (`flush_caches`: in a training step the rest of the model passes through the caches
+between two uses of a weight; warm-cache GEMMs of these sizes run about 10 % faster than in the
+model):
+- matmul: every GEMM the model runs (wq, wk, wv, wo, w1, w3, w2, the LM head; experts and the
+  router for MoE) at the recipe's tokens per micro-batch (and half of them, what context
+  parallelism leaves) and at each tensor-parallel split up to the ranks, in all three passes with
+  the operand layouts autograd uses: forward x W^T, input gradient g W, weight gradient g^T x;
+  per dtype (fp32; bf16 only where the CPU has native bf16, `bf16_support`);
+- attention: the model's own attention core (causal SDPA with native GQA, one document per
+  row), forward and backward, at each TP split and CP share;
+- bandwidth: the block's element-wise work (norms, RoPE, SwiGLU, residual adds), the
+  cross-entropy loss and AdamW (with clipping and zeroing), each in the byte accounting of
+  `fivefold.planner.compute`, so the planner's bytes over these rates give time;
+- overhead: one block at a tiny shape, less its kernels at that shape.
+The collectives run over real process groups (`fivefold.parallel.calibrate_comm`).
+
+Written by hand: PyTorch has benchmark utilities but nothing that measures a machine into the
+planner's terms.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import re
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from fivefold.model.attention import AttentionCore
+from fivefold.model.loss import cross_entropy_loss
+from fivefold.model.norms import RMSNorm
+from fivefold.model.rope import apply_rope, rope_cos_sin
+from fivefold.model.transformer import TransformerBlock
+from fivefold.planner.compute import (
+    ComputeOptions,
+    layer_elementwise_bytes,
+    optimizer_bytes_per_param,
+)
+from fivefold.spec.model import ModelSpec
+from fivefold.spec.plan import ParallelPlan
+from fivefold.spec.profile import (
+    Attention,
+    Bandwidth,
+    DeviceProfile,
+    Matmul,
+    Overhead,
+    available_cores,
+)
+
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+TINY = ModelSpec("tiny-overhead", 1, 16, 2, kv_heads=1, ffn=16, vocab=64, seq_len=8)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How long to measure: repeats per kernel and the seconds that may stretch them."""
+
+    min_repeats: int = 3
+    max_repeats: int = 15
+    seconds: float = 0.15  # per kernel, after the warm-up
+
+
+QUICK = Budget(2, 4, 0.03)
+
+
+def lower_quartile(times: list[float]) -> float:
+    """The median of the faster half of `times`."""
+    ordered = sorted(times)
+    return statistics.median(ordered[: max(1, (len(ordered) + 1) // 2)])
+
+
+FLUSH_BYTES = 64 * 2**20  # more than the last-level cache of the CPUs we run on
+_flush_buffer: torch.Tensor | None = None
+
+
+def flush_caches() -> None:
+    """Write a buffer larger than the last-level cache, evicting the kernel's operands."""
+    global _flush_buffer
+    if _flush_buffer is None:
+        _flush_buffer = torch.zeros(FLUSH_BYTES // 4)
+    _flush_buffer.add_(1.0)
+
+
+def clock() -> Callable[[], float]:
+    """The clock kernels are timed with: this thread's CPU time when torch runs one thread (the
+    kernel runs on it, and time other processes take from the core is not counted, so a busy
+    machine measures what an idle one would), else wall time."""
+    return time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+
+
+def typical_time_s(fn: Callable[[], object], budget: Budget) -> float:
+    """Lower-quartile seconds of `fn()` over the budget's repeats, after one warm-up call."""
+    fn()
+    times: list[float] = []
+    now = clock()
+    started = time.perf_counter()
+    while len(times) < budget.min_repeats or (
+        len(times) < budget.max_repeats and time.perf_counter() - started < budget.seconds
+    ):
+        flush_caches()
+        tick = now()
+        fn()
+        times.append(now() - tick)
+    return lower_quartile(times)
+
+
+# ---- the machine --------------------------------------------------------------------------------
+def cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    match = re.search(r"^flags\s*:\s*(.*)$", text, re.M)
+    return set(match.group(1).split()) if match else set()
+
+
+def bf16_support() -> str:
+    """ "native" when the CPU has AMX-BF16 or AVX512-BF16 (else torch emulates bf16 matmuls,
+    often many times slower than fp32: "emulated")."""
+    return "native" if cpu_flags() & {"amx_bf16", "avx512_bf16"} else "emulated"
+
+
+def cpu_name() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        match = re.search(r"^model name\s*:\s*(.*)$", text, re.M)
+        if match:
+            return match.group(1).strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def host_memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def thread_counts(cores: int) -> list[int]:
+    """The per-rank thread counts runs on this machine use: 1 (many ranks) and all cores."""
+    return sorted({1, max(1, cores)})
+
+
+# ---- the shapes of the model at hand ---------------------------------------------------------
+def tp_degrees(model: ModelSpec, ranks: int) -> list[int]:
+    """Tensor-parallel splits up to `ranks` that divide the heads, kv heads and widths."""
+    out = []
+    t = 1
+    while t <= max(1, ranks):
+        if model.heads % t == 0 and model.kv_heads % t == 0 and model.ffn % t == 0:
+            out.append(t)
+        t *= 2
+    return out
+
+
+def linear_shapes(model: ModelSpec, tokens: int, tp: int) -> list[tuple[int, int, int]]:
+    """(tokens, out, in) of every linear layer of one block and the head, split `tp` ways."""
+    h, q, kv = model.hidden, model.q_width // tp, model.kv_width // tp
+    out = [(tokens, q, h), (tokens, kv, h), (tokens, h, q), (tokens, model.vocab // tp, h)]
+    if model.is_moe:
+        fe = model.expert_ffn // tp
+        per_expert = max(1, tokens * model.top_k // model.experts)
+        out += [(tokens, model.experts, h), (per_expert, fe, h), (per_expert, h, fe)]
+        if model.shared_experts:
+            width = model.shared_experts * fe
+            out += [(tokens, width, h), (tokens, h, width)]
+    if not model.is_moe or model.dense_layers:
+        f = model.ffn // tp
+        out += [(tokens, f, h), (tokens, h, f)]
+    return out
+
+
+def gemm_shapes(model: ModelSpec, plan: ParallelPlan, ranks: int, quick: bool) -> list[tuple]:
+    """(m, n, k, layout) of the three passes of every linear at the recipe's micro-batch."""
+    full = plan.micro_batch * model.seq_len
+    token_counts = [full] if quick else sorted({full, max(1, full // 2)})
+    shapes = set()
+    for tokens in token_counts:
+        for tp in tp_degrees(model, ranks):
+            for t, o, i in linear_shapes(model, tokens, tp):
+                shapes |= {(t, o, i, "nt"), (t, i, o, "nn"), (o, i, t, "tn")}
+    return sorted(shapes)
+
+
+def _operands(m: int, n: int, k: int, layout: str, dtype: torch.dtype):
+    """Tensors laid out as autograd has them for that pass, and the matmul to time."""
+    gen = torch.Generator().manual_seed(0)
+    if layout == "nt":  # forward: x [m, k] @ W[n, k]^T
+        a, b = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
+        a, b = a.to(dtype), b.to(dtype)
+        return lambda: torch.mm(a, b.t())
+    if layout == "nn":  # input gradient: g [m, k] @ W [k, n]
+        a, b = torch.randn(m, k, generator=gen), torch.randn(k, n, generator=gen)
+        a, b = a.to(dtype), b.to(dtype)
+        return lambda: torch.mm(a, b)
+    a, b = torch.randn(k, m, generator=gen), torch.randn(k, n, generator=gen)  # g^T x
+    a, b = a.to(dtype), b.to(dtype)
+    return lambda: torch.mm(a.t(), b)
+
+
+def measure_matmul(shape: tuple, dtype: str, threads: int, budget: Budget) -> Matmul:
+    m, n, k, layout = shape
+    seconds = typical_time_s(_operands(m, n, k, layout, TORCH_DTYPES[dtype]), budget)
+    return Matmul(dtype, threads, m, n, k, layout, 2.0 * m * n * k / seconds)
+
+
+# ---- attention ----------------------------------------------------------------------------------
+def attention_passes(
+    batch: int, heads: int, kv_heads: int, seq: int, head_dim: int, budget: Budget
+) -> tuple[float, float]:
+    """(forward, backward) seconds of the model's attention core at this shape: one document
+    per row (most rows of packed data; SDPA's causal kernel, GQA native), q/k/v laid out
+    [B, T, H, Dh] in memory as the projections leave them."""
+    core = AttentionCore()
+    gen = torch.Generator().manual_seed(0)
+
+    def leaf(h: int) -> torch.Tensor:
+        return torch.randn(batch, seq, h, head_dim, generator=gen).requires_grad_(True)
+
+    q, k, v = leaf(heads), leaf(kv_heads), leaf(kv_heads)
+    grad = torch.randn(batch, heads, seq, head_dim, generator=gen)
+
+    def forward() -> torch.Tensor:
+        return core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None)
+
+    return typical_time_s(forward, budget), _backward_time(forward, grad, budget)
+
+
+def _backward_time(forward: Callable[[], torch.Tensor], grad: torch.Tensor, budget: Budget):
+    """Lower-quartile seconds of the backward alone of `forward()` (a fresh graph each time)."""
+    times, now = [], clock()
+    for _ in range(max(budget.min_repeats, 2) + 1):
+        out = forward()
+        flush_caches()
+        tick = now()
+        out.backward(grad)
+        times.append(now() - tick)
+    return lower_quartile(times[1:])
+
+
+def attention_flops(batch: int, heads: int, seq: int, head_dim: int) -> float:
+    """Causal forward FLOPs: QK^T and AV over seq/2 keys per query (the planner's count)."""
+    return 4.0 * batch * seq * (seq / 2) * head_dim * heads
+
+
+def measure_attention(
+    model: ModelSpec, plan: ParallelPlan, ranks: int, threads: int, budget: Budget, quick: bool
+) -> Iterator[Attention]:
+    cps = [1] if quick else [c for c in (1, 2) if c <= max(1, ranks)]
+    for tp in tp_degrees(model, ranks):
+        for cp in cps:
+            heads, kv, seq = model.heads // tp, model.kv_heads // tp, model.seq_len // cp
+            fwd, bwd = attention_passes(plan.micro_batch, heads, kv, seq, model.head_dim, budget)
+            flops = attention_flops(plan.micro_batch, heads, seq, model.head_dim)
+            yield Attention(
+                "fp32", threads, plan.micro_batch, heads, kv, seq, model.head_dim,
+                flops / fwd, 2 * flops / bwd,
+            )  # fmt: skip
+
+
+# ---- element-wise work, loss, optimizer ------------------------------------------------------
+def elementwise_passes(model: ModelSpec, batch: int, budget: Budget) -> tuple[float, float]:
+    """(forward, backward) seconds of one block's non-matmul, non-attention work as the model
+    runs it: two RMSNorms, RoPE on q and k (tables shared by the layers, made once), SwiGLU
+    (or GeLU), two residual adds; `batch` sequences of the model's length."""
+    b, s, h, d = batch, model.seq_len, model.hidden, model.head_dim
+    gen = torch.Generator().manual_seed(0)
+
+    def leaf(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).requires_grad_(True)
+
+    norm1, norm2 = RMSNorm(h, model.norm_eps), RMSNorm(h, model.norm_eps)
+    x, attn, mlp = leaf(b, s, h), leaf(b, s, h), leaf(b, s, h)
+    q, k = leaf(b, s, model.heads, d), leaf(b, s, model.kv_heads, d)
+    gate, up = leaf(b, s, model.ffn), leaf(b, s, model.ffn)
+    cos, sin = rope_cos_sin(torch.arange(s).expand(b, s), d, model.rope_theta)
+
+    def forward() -> list[torch.Tensor]:
+        xn = norm1(x)
+        qr, kr = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        hidden = x + attn
+        hn = norm2(hidden)
+        act = F.silu(gate) * up if model.mlp == "swiglu" else F.gelu(gate)
+        return [xn, qr, kr, hn, act, hidden + mlp]
+
+    outs = forward()
+    grads = [torch.randn_like(o) for o in outs]
+    fwd = typical_time_s(forward, budget)
+    times, now = [], clock()
+    for _ in range(max(budget.min_repeats, 2) + 1):
+        outs = forward()
+        flush_caches()
+        tick = now()
+        torch.autograd.backward(outs, grads)
+        times.append(now() - tick)
+    return fwd, lower_quartile(times[1:])
+
+
+def loss_passes(tokens: int, vocab: int, budget: Budget) -> tuple[float, float]:
+    """(forward, backward) seconds of the fp32 cross entropy over [tokens, vocab] logits."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(1, tokens, vocab, generator=gen, requires_grad=True)
+    labels = torch.randint(0, vocab, (1, tokens), generator=gen)
+    fwd = typical_time_s(lambda: cross_entropy_loss(logits, labels), budget)
+    return fwd, _backward_time(
+        lambda: cross_entropy_loss(logits, labels), torch.tensor(1.0), budget
+    )
+
+
+OPTIMIZER_MAX_PARAMS = 16_000_000  # cap on the parameters the optimizer benchmark allocates
+
+
+def optimizer_time_s(model: ModelSpec, budget: Budget) -> tuple[float, int]:
+    """(seconds, parameters) of AdamW (foreach, as training runs it) with gradient clipping and
+    zeroing over tensors shaped like the model's: the embedding, the head and as many blocks as
+    fit under `OPTIMIZER_MAX_PARAMS` (per-tensor costs matter for small models)."""
+    block = [tuple(p.shape) for p in TransformerBlock(0, model).parameters()]
+    per_block = sum(math.prod(s) for s in block)
+    ends = [(model.vocab, model.hidden), (model.vocab, model.hidden), (model.hidden,)]
+    room = OPTIMIZER_MAX_PARAMS - sum(math.prod(s) for s in ends)
+    blocks = max(1, min(model.layers, room // per_block))
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.randn(s, generator=gen) for s in ends + block * blocks]
+    for p in params:
+        p.requires_grad_(True)
+        p.grad = torch.randn(p.shape, generator=gen)
+    opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1)
+
+    def step() -> None:
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        for p in params:  # zero_grad(set_to_none=False) keeps the grads for the next repeat
+            p.grad.zero_()
+
+    return typical_time_s(step, budget), sum(p.numel() for p in params)
+
+
+def measure_bandwidth(
+    model: ModelSpec, plan: ParallelPlan, threads: int, budget: Budget
+) -> list[Bandwidth]:
+    """Bandwidths in the planner's byte accounting (`fivefold.planner.compute`)."""
+    dense = replace(model, experts=0, top_k=0, shared_experts=0, dense_layers=0)
+    one = ParallelPlan(micro_batch=plan.micro_batch, precision="fp32")
+    elem_bytes = layer_elementwise_bytes(dense, one, False, ComputeOptions())
+    fwd, bwd = elementwise_passes(dense, plan.micro_batch, budget)
+    tokens = plan.micro_batch * model.seq_len
+    loss_f, loss_b = loss_passes(tokens, model.vocab, budget)
+    logits = tokens * model.vocab
+    opt_s, params = optimizer_time_s(dense, budget)
+    return [
+        Bandwidth("elementwise_forward", threads, elem_bytes / fwd),
+        Bandwidth("elementwise_backward", threads, 2 * elem_bytes / bwd),
+        Bandwidth("loss_forward", threads, 10 * logits / loss_f),
+        Bandwidth("loss_backward", threads, 14 * logits / loss_b),
+        Bandwidth("optimizer", threads, params * optimizer_bytes_per_param(one) / opt_s),
+    ]
+
+
+# ---- fixed per-layer overhead ----------------------------------------------------------------
+def block_passes(model: ModelSpec, batch: int, budget: Budget) -> tuple[float, float]:
+    """(forward, backward) seconds of one whole block of `model`."""
+    torch.manual_seed(0)
+    block = TransformerBlock(0, model)
+    x = torch.randn(batch, model.seq_len, model.hidden, requires_grad=True)
+    positions = torch.arange(model.seq_len).expand(batch, model.seq_len)
+    rope = rope_cos_sin(positions, model.head_dim, model.rope_theta)
+    grad = torch.randn_like(x)
+    fwd = typical_time_s(lambda: block(x, rope, None), budget)
+    return fwd, _backward_time(lambda: block(x, rope, None), grad, budget)
+
+
+def measure_overhead(threads: int, budget: Budget) -> Overhead:
+    """A tiny block's time less its kernels' (matmuls, attention, element-wise) at that shape."""
+    m, batch = TINY, 1
+    block_f, block_b = block_passes(m, batch, budget)
+    tokens = batch * m.seq_len
+    gemm = {"nt": 0.0, "nn": 0.0, "tn": 0.0}
+    q, kv, o_proj, _head, w13, w2 = linear_shapes(m, tokens, 1)
+    for (t, o, i), count in ((q, 1), (kv, 2), (o_proj, 1), (w13, 2), (w2, 1)):
+        for shape in ((t, o, i, "nt"), (t, i, o, "nn"), (o, i, t, "tn")):
+            rate = measure_matmul(shape, "fp32", threads, budget).flops_per_s
+            gemm[shape[3]] += count * 2.0 * t * o * i / rate
+    attn_f, attn_b = attention_passes(batch, m.heads, m.kv_heads, m.seq_len, m.head_dim, budget)
+    elem_f, elem_b = elementwise_passes(m, batch, budget)
+    forward = max(0.0, block_f - gemm["nt"] - attn_f - elem_f)
+    backward = max(0.0, block_b - gemm["nn"] - gemm["tn"] - attn_b - elem_b)
+    return Overhead(threads, forward, backward)
+
+
+# ---- all compute measurements --------------------------------------------------------------
+@dataclass
+class ComputeTables:
+    matmul: list[Matmul]
+    attention: list[Attention]
+    bandwidth: list[Bandwidth]
+    overhead: list[Overhead]
+
+
+def compute_steps(model: ModelSpec, plan: ParallelPlan, ranks: int, quick: bool, bf16: str):
+    """The measurements to make, as (description, thunk returning rows) in order."""
+    budget = QUICK if quick else Budget()
+    cores = available_cores()
+    dtypes = ["fp32"] + (["bf16"] if bf16 == "native" and not quick else [])
+    shapes = gemm_shapes(model, plan, ranks, quick)
+    steps: list[tuple[str, Callable[[], list]]] = []
+    for threads in thread_counts(cores):
+
+        def at(fn: Callable[[], list], n: int = threads) -> Callable[[], list]:
+            def run() -> list:
+                torch.set_num_threads(n)
+                return fn()
+
+            return run
+
+        for dtype in dtypes:
+            for shape in shapes:
+                label = f"matmul {dtype} {shape[0]}x{shape[1]}x{shape[2]} {shape[3]}, {threads}t"
+                steps.append(
+                    (
+                        label,
+                        at(lambda s=shape, d=dtype, t=threads: [measure_matmul(s, d, t, budget)]),
+                    )
+                )
+        steps.append(
+            (
+                f"attention, {threads}t",
+                at(lambda t=threads: list(measure_attention(model, plan, ranks, t, budget, quick))),
+            )
+        )
+        steps.append(
+            (
+                f"bandwidth, {threads}t",
+                at(lambda t=threads: measure_bandwidth(model, plan, t, budget)),
+            )
+        )
+        steps.append((f"overhead, {threads}t", at(lambda t=threads: [measure_overhead(t, budget)])))
+    return steps
+
+
+def sort_rows(rows: list) -> ComputeTables:
+    return ComputeTables(
+        [r for r in rows if isinstance(r, Matmul)],
+        [r for r in rows if isinstance(r, Attention)],
+        [r for r in rows if isinstance(r, Bandwidth)],
+        [r for r in rows if isinstance(r, Overhead)],
+    )
+
+
+def build_profile(
+    model: ModelSpec,
+    ranks: int,
+    bf16: str,
+    tables: ComputeTables,
+    backend: str,
+    samples: list,
+    collectives: list,
+    device_name: str | None = None,
+) -> DeviceProfile:
+    """The profile of this machine from the measurements."""
+    return DeviceProfile(
+        name=device_name or cpu_name(),
+        kind="cpu",  # the kernels above run on the CPU; GPUs keep their catalog entries
+        cores=available_cores(),
+        memory_bytes=host_memory_bytes(),
+        backend=backend if backend != "none" else "gloo",
+        ranks=max(1, ranks),
+        bf16=bf16,
+        model=model.name,
+        torch=torch.__version__,
+        created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        matmul=tuple(tables.matmul),
+        attention=tuple(tables.attention),
+        bandwidth=tuple(tables.bandwidth),
+        overhead=tuple(tables.overhead),
+        collective=tuple(collectives),
+        collective_sample=tuple(samples),
+    )

@@ -1,0 +1,250 @@
+"""Collective benchmarks for `fivefold calibrate`: nccl-tests style, over real process groups.
+
+`measure_collectives` spawns `ranks` local processes (gloo on CPU; NCCL on CUDA, written the
+same way but not yet measured by us) and times every collective the runtime uses: all-reduce
+(DDP, TP without SP), all-gather and reduce-scatter (FSDP, TP with SP), all-to-all (EP,
+Ulysses CP) and send/recv (PP, ring CP), at several sizes, on groups of 2, 4, ... ranks (all
+groups of one size run at once, as the axes of a parallel layout do). Each row is the slowest
+rank's mean time over a few iterations after a warm-up, the fastest of three such rounds, with
+nccl-tests' algorithm bandwidth (size / time) and bus bandwidth (algbw x 2(n-1)/n for
+all-reduce, x (n-1)/n for all-gather, reduce-scatter and all-to-all, x 1 for send/recv).
+`fit_alpha_beta` fits time = alpha + size / beta by least squares on relative error.
+
+Written by hand: nccl-tests needs CUDA; torch has no collective benchmark.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import queue
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+from fivefold.errors import ConfigError
+from fivefold.spec.profile import (
+    COLLECTIVES,
+    Collective,
+    CollectiveSample,
+    available_cores,
+    bus_factor,
+    threads_per_rank,
+)
+
+KiB = 1024
+FULL_SIZES = tuple(KiB * 4**i for i in range(8))  # 1 KiB .. 16 MiB
+QUICK_SIZES = (4 * KiB, 64 * KiB, 1024 * KiB)
+TIMEOUT_S = 300.0
+ROUNDS = 3  # of `iterations` calls each; the fastest round's mean stands (other work on the
+# machine only ever slows a round down)
+
+
+def group_sizes(ranks: int) -> list[int]:
+    """Group sizes measured: 2, 4, ... that divide `ranks`, and `ranks` itself."""
+    out = {ranks} if ranks >= 2 else set()
+    g = 2
+    while g < ranks:
+        if ranks % g == 0:
+            out.add(g)
+        g *= 2
+    return sorted(out)
+
+
+def iterations(size_bytes: int, quick: bool) -> int:
+    return 2 if quick else (5 if size_bytes <= 256 * KiB else 2)
+
+
+def steps_count(ranks: int, quick: bool) -> int:
+    """How many rows rank 0 reports (for the progress bar)."""
+    sizes = QUICK_SIZES if quick else FULL_SIZES
+    per_group = [(len(COLLECTIVES) if g == 2 else len(COLLECTIVES) - 1) for g in group_sizes(ranks)]
+    return sum(per_group) * len(sizes)
+
+
+# ---- one rank ---------------------------------------------------------------------------------
+def _op(name: str, size_bytes: int, group: Any, device: Any) -> Callable[[], None]:
+    import torch
+    import torch.distributed as dist
+
+    n = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    elems = max(n, size_bytes // 4 // n * n)
+    full = torch.ones(elems, device=device)
+    part = torch.ones(elems // n, device=device)
+    if name == "all_reduce":
+        return lambda: dist.all_reduce(full, group=group)
+    if name == "all_gather":  # the runtime's FSDP2 and funcol call the same c10d kernels
+        gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+        return lambda: gather(full, part, group=group)
+    if name == "reduce_scatter":
+        scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+        return lambda: scatter(part, full, group=group)
+    if name == "all_to_all":
+        out = torch.empty_like(full)
+        return lambda: dist.all_to_all_single(out, full, group=group)
+    ranks = dist.get_process_group_ranks(group)
+    send_to, recv_from = ranks[(rank + 1) % n], ranks[(rank - 1) % n]
+    inbox = torch.empty_like(full)
+
+    def send_recv() -> None:
+        ops = [
+            dist.P2POp(dist.isend, full, send_to, group),
+            dist.P2POp(dist.irecv, inbox, recv_from, group),
+        ]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+    return send_recv
+
+
+def _sync(device: Any) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _worker(rank: int, world: int, init_file: str, quick: bool, out: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    try:
+        cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world
+        device = torch.device(f"cuda:{rank}" if cuda else "cpu")
+        if cuda:
+            torch.cuda.set_device(device)
+        else:
+            torch.set_num_threads(threads_per_rank(world, available_cores()))
+        dist.init_process_group(
+            "nccl" if cuda else "gloo",
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=world,
+        )
+        sizes = QUICK_SIZES if quick else FULL_SIZES
+        for g in group_sizes(world):
+            group = dist.new_subgroups(g)[0] if g < world else dist.group.WORLD
+            ops = [op for op in COLLECTIVES if op != "send_recv" or g == 2]
+            for op in ops:
+                for size in sizes:
+                    fn = _op(op, size, group, device)
+                    fn()
+                    n_iter = iterations(size, quick)
+                    rounds = []
+                    for _ in range(ROUNDS):
+                        _sync(device)
+                        dist.barrier(group=group)
+                        tick = time.perf_counter()
+                        for _ in range(n_iter):
+                            fn()
+                        _sync(device)
+                        took = torch.tensor([(time.perf_counter() - tick) / n_iter], device=device)
+                        dist.all_reduce(took, op=dist.ReduceOp.MAX)  # the slowest rank anywhere
+                        rounds.append(float(took.item()))
+                    if rank == 0:
+                        out.put(("row", op, g, size, min(rounds)))
+        dist.barrier()
+        dist.destroy_process_group()
+        if rank == 0:
+            out.put(("done", "cuda" if cuda else "gloo"))
+    except Exception as err:  # reported to the parent, which raises
+        out.put(("error", rank, f"{type(err).__name__}: {err}"))
+    finally:
+        out.close()
+        out.join_thread()  # flush the queue before the hard exit below
+        os._exit(0)  # spawn workers can abort at interpreter exit otherwise (see notes)
+
+
+# ---- the parent -------------------------------------------------------------------------------
+def measure_collectives(
+    ranks: int, quick: bool, on_row: Callable[[CollectiveSample], None] | None = None
+) -> tuple[str, list[CollectiveSample]]:
+    """(backend, samples) over `ranks` spawned processes; `on_row` sees each sample as it comes."""
+    import multiprocessing as mp
+
+    if ranks < 2:
+        return "none", []
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "rendezvous")
+        procs = [
+            ctx.Process(target=_worker, args=(r, ranks, init_file, quick, out), daemon=True)
+            for r in range(ranks)
+        ]
+        for p in procs:
+            p.start()
+        samples: list[CollectiveSample] = []
+        backend = ""
+        deadline = time.monotonic() + TIMEOUT_S
+        try:
+            while not backend:
+                try:
+                    msg = out.get(timeout=1.0)
+                except queue.Empty:
+                    dead = [p for p in procs if p.exitcode not in (None, 0)]
+                    dead += [] if any(p.is_alive() for p in procs) else procs
+                    if dead or time.monotonic() > deadline:
+                        raise ConfigError(
+                            f"the collective benchmark over {ranks} ranks stopped (exit codes "
+                            f"{[p.exitcode for p in procs]}); try --nproc 2 or check that "
+                            "torch.distributed works here."
+                        ) from None
+                    continue
+                if msg[0] == "error":
+                    raise ConfigError(
+                        f"the collective benchmark failed on rank {msg[1]}: {msg[2]}; try "
+                        "--nproc 2."
+                    )
+                if msg[0] == "done":
+                    backend = msg[1]
+                    continue
+                _, op, g, size, seconds = msg
+                algbw = size / seconds
+                sample = CollectiveSample(op, g, size, seconds, algbw, algbw * bus_factor(op, g))
+                samples.append(sample)
+                if on_row is not None:
+                    on_row(sample)
+        finally:
+            for p in procs:
+                p.join(timeout=10)
+                if p.is_alive():
+                    p.kill()
+    return backend, samples
+
+
+def fit_alpha_beta(sizes: list[float], times: list[float]) -> tuple[float, float]:
+    """(alpha s, beta bytes/s) minimising the relative error of alpha + size / beta.
+
+    Solves the 2 x 2 normal equations of rows [1/t, S/t] . [alpha, 1/beta] = 1; an alpha below
+    zero is refitted at zero (pure bandwidth), a non-positive slope at the largest size's rate.
+    """
+    rows = [(1 / t, s / t) for s, t in zip(sizes, times, strict=True)]
+    a11 = sum(r[0] * r[0] for r in rows)
+    a12 = sum(r[0] * r[1] for r in rows)
+    a22 = sum(r[1] * r[1] for r in rows)
+    b1 = sum(r[0] for r in rows)
+    b2 = sum(r[1] for r in rows)
+    det = a11 * a22 - a12 * a12
+    alpha, inv_beta = (
+        ((b1 * a22 - b2 * a12) / det, (a11 * b2 - a12 * b1) / det) if det > 0 else (-1.0, 0.0)
+    )
+    if alpha < 0 or inv_beta <= 0:
+        alpha, inv_beta = 0.0, b2 / a22
+    if inv_beta <= 0 or not math.isfinite(inv_beta):
+        big = max(range(len(sizes)), key=lambda i: sizes[i])
+        return 0.0, sizes[big] / times[big]
+    return alpha, 1.0 / inv_beta
+
+
+def fit_collectives(samples: list[CollectiveSample]) -> list[Collective]:
+    """One alpha-beta fit per (op, group size)."""
+    keys = sorted({(s.op, s.ranks) for s in samples}, key=lambda k: (COLLECTIVES.index(k[0]), k[1]))
+    out = []
+    for op, n in keys:
+        rows = [s for s in samples if (s.op, s.ranks) == (op, n)]
+        alpha, beta = fit_alpha_beta([r.size_bytes for r in rows], [r.time_s for r in rows])
+        out.append(Collective(op, n, alpha, beta))
+    return out

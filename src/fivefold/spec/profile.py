@@ -1,0 +1,532 @@
+"""Device profiles: what `fivefold calibrate` measured on a machine, as data the planner reads.
+
+A profile is a TOML file (written by `fivefold.parallel.calibrate`, read here without torch):
+
+    format = 1
+    [device]      name, kind ("cpu" | "cuda"), cores, memory_bytes (host memory or HBM),
+                  backend ("gloo" | "nccl"), ranks (processes the collectives ran on),
+                  bf16 ("native" | "emulated" | "skipped"), model (whose shapes were measured),
+                  torch, created
+    [[matmul]]    dtype, threads, m, n, k, layout ("nt" forward x W^T, "nn" input gradient
+                  g W, "tn" weight gradient g^T x), flops_per_s (2mnk / best time)
+    [[attention]] dtype, threads, batch, heads, kv_heads, seq, head_dim, forward_flops_per_s,
+                  backward_flops_per_s (causal: forward 4 * batch * heads * seq^2/2 * head_dim
+                  FLOPs, backward twice that, over the measured seconds of the model's own
+                  attention core)
+    [[bandwidth]] kind, threads, bytes_per_s. "elementwise_forward" / "elementwise_backward":
+                  the bytes `fivefold.planner.compute.layer_elementwise_bytes` counts (once
+                  forward, twice backward) over the measured time of the block's norms, RoPE,
+                  activation and residual adds; "loss_forward" / "loss_backward": 10 and 14
+                  bytes per fp32 logit (`compute.LOSS_BYTES_PER_LOGIT` = 24 split as there)
+                  over the measured cross-entropy; "optimizer": AdamW's bytes per parameter
+                  (`compute.optimizer_bytes_per_param`) over its measured step, gradient
+                  clipping and zeroing included.
+    [[overhead]]  threads, layer_forward_s, layer_backward_s: a block's time at a tiny shape
+                  less its kernels there (Python, dispatch, views).
+    [[collective]] op, ranks, alpha_s, beta_bytes_per_s: time(S) = alpha + S / beta fitted by
+                  least squares to the samples, S in nccl-tests' convention (all_reduce: the
+                  buffer; all_gather / reduce_scatter / all_to_all: the whole buffer of
+                  ranks x the per-rank part; send_recv: the message).
+    [[collective_sample]] op, ranks, size_bytes, time_s, algbw_bytes_per_s, busbw_bytes_per_s
+
+Loading one yields a `GPUSpec` whose peak is the best measured matmul rate per dtype (the source
+says "measured"; nothing is guessed) and a `ClusterSpec` of one node with the local ranks.
+
+Processes share the machine's cores: a run of R ranks gives each max(1, cores // R) threads
+(`threads_per_rank`, the launcher's rule; $OMP_NUM_THREADS when set, as torch does) and, when
+R x threads exceeds the cores, each rank a cores / (R x threads) share of the machine. The
+device for R ranks reads the rows measured at that thread count (or scales the nearest linearly
+in threads) and multiplies compute rates by the share.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tomllib
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from fivefold.errors import ConfigError
+from fivefold.spec.hardware import GPUSpec
+
+FORMAT = 1
+PROFILE_ENV = "FIVEFOLD_PROFILE"
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+LAYOUTS = ("nt", "nn", "tn")
+BANDWIDTH_KINDS = (
+    "elementwise_forward",
+    "elementwise_backward",
+    "loss_forward",
+    "loss_backward",
+    "optimizer",
+)
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def default_profile_path() -> Path:
+    """$FIVEFOLD_PROFILE, else $XDG_CACHE_HOME/fivefold/device-profile.toml (~/.cache/...)."""
+    if os.environ.get(PROFILE_ENV):
+        return Path(os.environ[PROFILE_ENV]).expanduser()
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache) / "fivefold" / "device-profile.toml"
+
+
+def cgroup_cpu_limit(root: Path = Path("/sys/fs/cgroup")) -> float | None:
+    """CPUs allowed by a cgroup v2 quota (`cpu.max` = "quota period"), None when unlimited."""
+    try:
+        quota, period = (root / "cpu.max").read_text().split()[:2]
+    except (OSError, ValueError):
+        return None
+    if quota == "max":
+        return None
+    try:
+        return int(quota) / int(period)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def available_cores() -> int:
+    """Cores this process can run on: its affinity mask, capped by the cgroup quota."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    limit = cgroup_cpu_limit()
+    if limit is not None:
+        cores = min(cores, max(1, math.ceil(limit)))
+    return max(1, cores)
+
+
+def threads_per_rank(ranks: int, cores: int) -> int:
+    """CPU threads each of `ranks` local processes uses: $OMP_NUM_THREADS when set (torch reads
+    it at start-up), else cores // ranks (the launcher's rule, so ranks do not oversubscribe)."""
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    if env.isdigit() and int(env) >= 1:
+        return int(env)
+    return max(1, cores // max(1, ranks))
+
+
+def bus_factor(op: str, n: int) -> float:
+    """nccl-tests' bus bandwidth over algorithm bandwidth for `op` on `n` ranks."""
+    if op == "all_reduce":
+        return 2 * (n - 1) / n
+    if op == "send_recv":
+        return 1.0
+    return (n - 1) / n
+
+
+# ---- the rows -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Matmul:
+    dtype: str
+    threads: int
+    m: int
+    n: int
+    k: int
+    layout: str
+    flops_per_s: float
+
+    @property
+    def intensity(self) -> float:
+        """FLOP per byte with every operand and the output moved once."""
+        e = DTYPE_BYTES.get(self.dtype, 4)
+        return (
+            2.0
+            * self.m
+            * self.n
+            * self.k
+            / (e * (self.m * self.k + self.k * self.n + self.m * self.n))
+        )
+
+
+@dataclass(frozen=True)
+class Attention:
+    dtype: str
+    threads: int
+    batch: int
+    heads: int
+    kv_heads: int
+    seq: int
+    head_dim: int
+    forward_flops_per_s: float
+    backward_flops_per_s: float
+
+
+@dataclass(frozen=True)
+class Bandwidth:
+    kind: str
+    threads: int
+    bytes_per_s: float
+
+
+@dataclass(frozen=True)
+class Overhead:
+    threads: int
+    layer_forward_s: float
+    layer_backward_s: float
+
+
+@dataclass(frozen=True)
+class Collective:
+    op: str
+    ranks: int
+    alpha_s: float
+    beta_bytes_per_s: float
+
+
+@dataclass(frozen=True)
+class CollectiveSample:
+    op: str
+    ranks: int
+    size_bytes: int
+    time_s: float
+    algbw_bytes_per_s: float
+    busbw_bytes_per_s: float
+
+
+_ROWS: dict[str, type] = {
+    "matmul": Matmul,
+    "attention": Attention,
+    "bandwidth": Bandwidth,
+    "overhead": Overhead,
+    "collective": Collective,
+    "collective_sample": CollectiveSample,
+}
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """A whole profile file; `device(ranks)` is the machine as one of `ranks` processes sees it."""
+
+    name: str
+    kind: str
+    cores: int
+    memory_bytes: int
+    backend: str
+    ranks: int
+    bf16: str = "skipped"
+    model: str = ""
+    torch: str = ""
+    created: str = ""
+    matmul: tuple[Matmul, ...] = ()
+    attention: tuple[Attention, ...] = ()
+    bandwidth: tuple[Bandwidth, ...] = ()
+    overhead: tuple[Overhead, ...] = ()
+    collective: tuple[Collective, ...] = ()
+    collective_sample: tuple[CollectiveSample, ...] = ()
+    path: str = field(default="", compare=False)
+
+    def device(self, ranks: int = 1, threads: int | None = None) -> GPUSpec:
+        """A `GPUSpec` for one of `ranks` local processes using `threads` threads each
+        (default `threads_per_rank`), with its `Measured` tables."""
+        measured = Measured(self, max(1, ranks), threads)
+        peaks = {dt: measured.peak(dt) for dt in sorted({m.dtype for m in self.matmul})}
+        src = self.path or "a device profile"
+        return GPUSpec(
+            name=self.name,
+            hbm_bytes=self.memory_bytes // max(1, ranks),
+            peak_flops=peaks,
+            hbm_bw_bytes_per_s=measured.bandwidth("elementwise_forward"),
+            nvlink_bw_bytes_per_s=0.0,
+            source=f"measured by `fivefold calibrate` ({src}): best matmul rate per dtype at "
+            f"{measured.threads} thread(s) per rank, {ranks} rank(s) on {self.cores} core(s)",
+            measured=measured,
+        )
+
+    def to_toml(self) -> str:
+        """The profile as TOML text that `parse_profile` reads back to an equal profile."""
+        from fivefold.spec.recipe import _toml_value
+
+        lines = [
+            "# fivefold device profile, written by `fivefold calibrate`; read by `fivefold plan",
+            "# --cluster THIS.toml`, recipes' cluster.profile and CPU training runs.",
+            f"format = {FORMAT}",
+            "",
+            "[device]",
+        ]
+        for key in ("name", "kind", "cores", "memory_bytes", "backend", "ranks", "bf16"):
+            lines.append(f"{key} = {_toml_value(getattr(self, key))}")
+        for key in ("model", "torch", "created"):
+            lines.append(f"{key} = {_toml_value(getattr(self, key))}")
+        for table, cls in _ROWS.items():
+            for row in getattr(self, table):
+                lines += ["", f"[[{table}]]"]
+                lines += [
+                    f"{name} = {_toml_value(getattr(row, name))}"
+                    for name in cls.__dataclass_fields__
+                ]
+        return "\n".join(lines) + "\n"
+
+
+# ---- reading and validating ---------------------------------------------------------------------
+def _field_problems(table: str, index: int, cls: type, row: Any) -> tuple[dict, list[str]]:
+    where = f"{table}[{index}]"
+    if not isinstance(row, dict):
+        return {}, [f"profile {where}: expected a table of fields."]
+    out, problems = {}, []
+    for name, f in cls.__dataclass_fields__.items():
+        if name not in row:
+            problems.append(f"profile {where}.{name} is missing; re-run `fivefold calibrate`.")
+            continue
+        value = row[name]
+        if f.type == "str":
+            ok = isinstance(value, str)
+        elif f.type == "int":
+            ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+        else:
+            ok = isinstance(value, int | float) and not isinstance(value, bool)
+            ok = ok and math.isfinite(value) and value >= 0
+            value = float(value) if ok else value
+        if not ok:
+            kind = {"str": "a string", "int": "a whole number >= 0"}.get(f.type, "a number >= 0")
+            problems.append(f"profile {where}.{name} = {value!r}: expected {kind}.")
+        out[name] = value
+    unknown = sorted(set(row) - set(cls.__dataclass_fields__))
+    if unknown:
+        problems.append(f"profile {where}: unknown field(s) {', '.join(unknown)}.")
+    return out, problems
+
+
+def _rows(data: dict, table: str, cls: type, problems: list[str]) -> tuple:
+    raw = data.get(table, [])
+    if not isinstance(raw, list):
+        problems.append(f"profile {table}: expected an array of tables ([[{table}]]).")
+        return ()
+    rows = []
+    for i, row in enumerate(raw):
+        values, bad = _field_problems(table, i, cls, row)
+        problems += bad
+        if not bad:
+            rows.append(cls(**values))
+    return tuple(rows)
+
+
+def _positive(rows: tuple, attrs: tuple[str, ...], table: str, problems: list[str]) -> None:
+    for i, row in enumerate(rows):
+        for attr in attrs:
+            if getattr(row, attr) <= 0:
+                problems.append(
+                    f"profile {table}[{i}].{attr} = {getattr(row, attr)}: must be positive."
+                )
+
+
+def _check_choices(rows, attr, choices, table, problems) -> None:
+    for i, row in enumerate(rows):
+        if getattr(row, attr) not in choices:
+            problems.append(
+                f"profile {table}[{i}].{attr} = {getattr(row, attr)!r}: choose one of "
+                f"{', '.join(choices)}."
+            )
+
+
+def parse_profile(data: dict[str, Any], path: str = "") -> DeviceProfile:
+    """A validated `DeviceProfile` from parsed TOML; one ConfigError names every bad field."""
+    problems: list[str] = []
+    if data.get("format") != FORMAT:
+        problems.append(
+            f"profile format = {data.get('format')!r}: this fivefold reads format {FORMAT}; "
+            "re-run `fivefold calibrate`."
+        )
+    dev = data.get("device")
+    if not isinstance(dev, dict):
+        raise ConfigError([*problems, "profile [device] table is missing; re-run calibrate."])
+    head: dict[str, Any] = {}
+    for key, kind in (
+        ("name", str),
+        ("kind", str),
+        ("cores", int),
+        ("memory_bytes", int),
+        ("backend", str),
+        ("ranks", int),
+    ):
+        value = dev.get(key)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            problems.append(f"profile device.{key} = {value!r}: expected a {kind.__name__}.")
+        elif kind is int and value < 1:
+            problems.append(f"profile device.{key} = {value}: must be at least 1.")
+        head[key] = value
+    for key in ("bf16", "model", "torch", "created"):
+        if key in dev:
+            head[key] = str(dev[key])
+    tables = {name: _rows(data, name, cls, problems) for name, cls in _ROWS.items()}
+    _check_choices(tables["matmul"], "layout", LAYOUTS, "matmul", problems)
+    _check_choices(tables["bandwidth"], "kind", BANDWIDTH_KINDS, "bandwidth", problems)
+    _check_choices(tables["collective"], "op", COLLECTIVES, "collective", problems)
+    _positive(tables["matmul"], ("threads", "m", "n", "k", "flops_per_s"), "matmul", problems)
+    _positive(
+        tables["attention"],
+        ("threads", "seq", "head_dim", "forward_flops_per_s", "backward_flops_per_s"),
+        "attention",
+        problems,
+    )
+    _positive(tables["bandwidth"], ("threads", "bytes_per_s"), "bandwidth", problems)
+    _positive(tables["collective"], ("beta_bytes_per_s",), "collective", problems)
+    for i, row in enumerate(tables["collective"]):
+        if row.ranks < 2:
+            problems.append(f"profile collective[{i}].ranks = {row.ranks}: must be at least 2.")
+    for table in ("matmul", "attention", "bandwidth", "overhead"):
+        if not tables[table]:
+            problems.append(f"profile has no [[{table}]] rows; re-run `fivefold calibrate`.")
+    kinds = {b.kind for b in tables["bandwidth"]}
+    for kind in BANDWIDTH_KINDS:
+        if tables["bandwidth"] and kind not in kinds:
+            problems.append(f"profile bandwidth has no {kind!r} row; re-run `fivefold calibrate`.")
+    if problems:
+        where = f" {path!r}" if path else ""
+        raise ConfigError([f"device profile{where}: {p}" for p in problems])
+    return DeviceProfile(**head, **tables, path=path)
+
+
+def read_profile(path: str | Path) -> DeviceProfile:
+    """Read and validate a profile file (ConfigError when missing or malformed)."""
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise ConfigError(
+            f"cluster.profile = {str(path)!r} does not exist; write one with `fivefold calibrate "
+            f"--out {path}` or name an existing profile."
+        )
+    try:
+        data = tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"device profile {str(p)!r} is not valid TOML: {err}.") from None
+    return parse_profile(data, str(p))
+
+
+@lru_cache(maxsize=32)
+def _cached(path: str, mtime_ns: int) -> DeviceProfile:
+    return read_profile(path)
+
+
+def load_profile(path: str | Path) -> DeviceProfile:
+    """`read_profile`, cached per file and modification time."""
+    p = Path(path).expanduser()
+    mtime = p.stat().st_mtime_ns if p.is_file() else 0
+    return _cached(str(p), mtime)
+
+
+@lru_cache(maxsize=64)
+def _cached_device(path: str, mtime_ns: int, ranks: int, threads: int) -> GPUSpec:
+    return _cached(path, mtime_ns).device(ranks, threads)
+
+
+def profile_device(path: str | Path, ranks: int = 1) -> GPUSpec:
+    """The measured device of the profile at `path` for one of `ranks` processes (cached)."""
+    p = Path(path).expanduser()
+    mtime = p.stat().st_mtime_ns if p.is_file() else 0
+    cores = _cached(str(p), mtime).cores
+    return _cached_device(str(p), mtime, max(1, ranks), threads_per_rank(ranks, cores))
+
+
+def profile_cluster(path: str | Path, ranks: int | None = None, **overrides) -> Any:
+    """The `ClusterSpec` of a profile: one node of `ranks` local processes (default: the
+    ranks its collectives were measured on)."""
+    from fivefold.spec.cluster import ClusterSpec
+
+    prof = load_profile(path)
+    n = ranks or prof.ranks
+    values = {
+        "name": f"profile:{Path(path).name}",
+        "gpu": prof.name,
+        "nodes": 1,
+        "gpus_per_node": n,
+        "profile": str(path),
+        **overrides,
+    }
+    return ClusterSpec(**values)
+
+
+# ---- what the planner asks a measured device ---------------------------------------------------
+def _interp(x: float, xs: list[float], ys: list[float]) -> float:
+    """Piecewise-linear in log(x), clamped at the ends; xs ascending."""
+    if x <= xs[0]:
+        return ys[0]
+    if x >= xs[-1]:
+        return ys[-1]
+    lx = math.log(x)
+    for i in range(1, len(xs)):
+        if x <= xs[i]:
+            a, b = math.log(xs[i - 1]), math.log(xs[i])
+            w = (lx - a) / (b - a) if b > a else 1.0
+            return ys[i - 1] + w * (ys[i] - ys[i - 1])
+    return ys[-1]
+
+
+class Measured:
+    """The profile's tables as one of `ranks` local processes sees them (rates already scaled by
+    the rank's share of the cores). Rates in FLOP/s and bytes/s, times in seconds."""
+
+    def __init__(self, profile: DeviceProfile, ranks: int, threads: int | None = None):
+        self.profile = profile
+        self.ranks = ranks
+        self.threads = threads or threads_per_rank(ranks, profile.cores)
+        self.share = min(1.0, profile.cores / (ranks * self.threads))
+
+    def _scale(self, measured_threads: int) -> float:
+        """Rate factor from rows measured at `measured_threads` to this rank."""
+        return self.threads / measured_threads * self.share
+
+    def _at_threads(self, rows) -> tuple[list, float]:
+        """Rows measured at the thread count nearest this rank's, and their rate factor."""
+        if not rows:
+            return [], 1.0
+        best = min({r.threads for r in rows}, key=lambda t: (abs(t - self.threads), -t))
+        return [r for r in rows if r.threads == best], self._scale(best)
+
+    def peak(self, dtype: str) -> float:
+        rows, scale = self._at_threads([m for m in self.profile.matmul if m.dtype == dtype])
+        return max(r.flops_per_s for r in rows) * scale
+
+    def gemm_flops_per_s(self, m: float, n: float, k: float, dtype: str, layout: str) -> float:
+        """The measured rate of this shape; otherwise interpolated over the measured shapes of
+        the dtype by arithmetic intensity (log scale), preferring the same layout."""
+        dtype = dtype if any(r.dtype == dtype for r in self.profile.matmul) else "fp32"
+        rows, scale = self._at_threads([r for r in self.profile.matmul if r.dtype == dtype])
+        for r in rows:
+            if (r.m, r.n, r.k, r.layout) == (round(m), round(n), round(k), layout):
+                return r.flops_per_s * scale
+        same = [r for r in rows if r.layout == layout] or rows
+        probe = Matmul(dtype, 1, max(1, round(m)), max(1, round(n)), max(1, round(k)), layout, 0)
+        pts = sorted((r.intensity, r.flops_per_s) for r in same)
+        return _interp(probe.intensity, [p[0] for p in pts], [p[1] for p in pts]) * scale
+
+    def attention_flops_per_s(self, seq: float, head_dim: float, dtype: str) -> tuple[float, float]:
+        """(forward, backward) rate of the attention core at the nearest measured shape."""
+        rows = [a for a in self.profile.attention if a.dtype == dtype] or list(
+            self.profile.attention
+        )
+        rows, scale = self._at_threads(rows)
+        best = min(
+            rows,
+            key=lambda a: abs(math.log(a.seq / seq)) + abs(math.log(a.head_dim / head_dim)),
+        )
+        return best.forward_flops_per_s * scale, best.backward_flops_per_s * scale
+
+    def bandwidth(self, kind: str) -> float:
+        rows, scale = self._at_threads([b for b in self.profile.bandwidth if b.kind == kind])
+        return max(r.bytes_per_s for r in rows) * scale
+
+    def layer_overhead_s(self) -> tuple[float, float]:
+        """(forward, backward) fixed seconds per layer; a share of the cores stretches them."""
+        rows, _ = self._at_threads(list(self.profile.overhead))
+        row = rows[0]
+        return row.layer_forward_s / self.share, row.layer_backward_s / self.share
+
+    def collective(self, op: str, n: int) -> tuple[float, float]:
+        """(alpha s, beta bytes/s) of `op` over `n` ranks. An unmeasured group size scales the
+        nearest measured one as a ring does: alpha with the n - 1 steps, beta so that the bus
+        bandwidth stays the same."""
+        rows = [c for c in self.profile.collective if c.op == op]
+        if not rows:
+            raise ConfigError(
+                f"device profile {self.profile.path!r} has no {op} measurement; re-run "
+                "`fivefold calibrate` with --nproc 2 or more."
+            )
+        near = min(rows, key=lambda c: (abs(c.ranks - n), -c.ranks))
+        if near.ranks == n:
+            return near.alpha_s, near.beta_bytes_per_s
+        steps = (n - 1) / (near.ranks - 1)
+        beta = near.beta_bytes_per_s * bus_factor(op, near.ranks) / bus_factor(op, n)
+        return near.alpha_s * (1 if op == "send_recv" else steps), beta

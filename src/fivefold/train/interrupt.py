@@ -1,0 +1,81 @@
+"""Ctrl-C and SIGTERM during training: stop at the next step boundary, on every rank at once.
+
+The first SIGINT or SIGTERM only records that a stop was asked for (`StopRequest.signal`); the
+loop finishes the step it is in, the ranks agree (one all-reduce per step: a rank that got no
+signal stops with the others), every rank writes the step's checkpoint, and the process exits
+with status 128 + the signal number (130 for SIGINT, 143 for SIGTERM). A second signal more than
+`REPEAT_GRACE_S` after the first raises `KeyboardInterrupt` at once (no checkpoint); the runtime
+then aborts its process group instead of running another collective. Under torchrun the
+workers never see the terminal's Ctrl-C: the agent forwards it (as its death signal) to each.
+
+These handlers hold only while steps run (`Trainer.fit`). Before, a rank of a multi-process run
+has nothing to save and may be blocked in C++ (rendezvous, a set-up collective) where no Python
+handler runs, so `die_on_signals` leaves both signals to their default action: the process ends
+at once.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import FrameType
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+REPEAT_GRACE_S = 2.0  # a repeat within this window is the same interrupt delivered twice
+
+
+class StopRequest:
+    """The first stop signal this process received (None: keep training)."""
+
+    def __init__(self) -> None:
+        self.signal: int | None = None
+        self._at = 0.0
+
+    @property
+    def requested(self) -> bool:
+        return self.signal is not None
+
+    def exit_code(self) -> int:
+        """128 + the signal number, the shell's convention for a process ended by a signal."""
+        return 128 + int(self.signal or signal.SIGINT)
+
+    def handle(self, signum: int, frame: FrameType | None = None) -> None:
+        now = time.monotonic()
+        if self.signal is None:
+            self.signal, self._at = signum, now
+        elif now - self._at > REPEAT_GRACE_S:
+            raise KeyboardInterrupt(f"second {signal.Signals(signum).name}: stopping at once")
+
+
+@contextmanager
+def stop_on_signals(request: StopRequest | None = None) -> Iterator[StopRequest]:
+    """Record stop signals in `request` during the block (main thread only; elsewhere nothing
+    is caught)."""
+    request = request or StopRequest()
+    with _handlers(request.handle):
+        yield request
+
+
+@contextmanager
+def die_on_signals() -> Iterator[None]:
+    """SIGINT and SIGTERM end the process at once during the block (their default action)."""
+    with _handlers(signal.SIG_DFL):
+        yield
+
+
+@contextmanager
+def _handlers(handler) -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, handler)
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)

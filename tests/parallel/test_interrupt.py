@@ -1,0 +1,215 @@
+"""Ctrl-C, SIGTERM and a dying rank under `fivefold train --nproc N`: every rank stops within
+seconds, the interrupted step is checkpointed on every rank, nothing is left running, and the
+exit status is the documented one (128 + signal; a killed rank: its status).
+
+Orphans are found without psutil: every process the run starts inherits a unique token in its
+environment, and /proc/*/environ is scanned for it after the run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+TINY = str(CONFIGS / "tiny-cpu.toml")
+LAYOUTS = {
+    1: [],
+    2: ["plan.tp=2"],  # the issue's hang: a rank left inside a TP collective
+    4: ["plan.tp=2", "plan.dp_replicate=2", "plan.grad_accum=1"],
+}
+STOP_WITHIN_S = 60.0  # bound on signal -> launcher exit on a loaded 2-core machine
+
+
+def _processes_with(token: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if token.encode() in environ and state != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+def _metric_steps(run_dir: Path) -> list[int]:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    steps = []
+    for line in path.read_text().splitlines():
+        with contextlib.suppress(ValueError, KeyError):
+            steps.append(json.loads(line)["step"])
+    return steps
+
+
+class Run:
+    """`fivefold train --nproc N` on the tiny recipe in a subprocess with a unique env token."""
+
+    def __init__(self, tmp_path: Path, nproc: int):
+        self.token = f"fivefold-test-{uuid.uuid4().hex}"
+        self.run_dir = tmp_path / f"run-{nproc}"
+        command = [
+            sys.executable,
+            "-m",
+            "fivefold",
+            "train",
+            "--nproc",
+            str(nproc),
+            TINY,
+            *LAYOUTS[nproc],
+            "train.steps=100000",
+            "train.log_every=1",
+            "train.eval_every=0",
+            "train.progress=false",
+            "train.tensorboard=false",
+            "train.save_final=false",
+            f'train.run_dir="{self.run_dir}"',
+        ]
+        env = {**os.environ, "FIVEFOLD_TEST_TOKEN": self.token, "OMP_NUM_THREADS": "1"}
+        self.proc = subprocess.Popen(
+            command,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+
+    def wait_for_step(self, step: int, timeout_s: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while max(_metric_steps(self.run_dir), default=0) < step:
+            assert self.proc.poll() is None, self.proc.communicate()[0]
+            assert time.monotonic() < deadline, f"no step {step} within {timeout_s} s"
+            time.sleep(0.05)
+
+    def finish(self) -> tuple[int, str, float]:
+        """(exit status, output, seconds to exit); kills the tree if it hangs (and fails)."""
+        start = time.monotonic()
+        try:
+            out, _ = self.proc.communicate(timeout=STOP_WITHIN_S)
+        except subprocess.TimeoutExpired:
+            self.kill_everything()
+            out, _ = self.proc.communicate()
+            pytest.fail(f"the run did not stop within {STOP_WITHIN_S} s:\n{out[-3000:]}")
+        return self.proc.returncode, out, time.monotonic() - start
+
+    def leftovers(self) -> list[int]:
+        deadline = time.monotonic() + 5.0  # the kernel may need a moment to reap
+        while (left := _processes_with(self.token)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return left
+
+    def kill_everything(self) -> None:
+        for pid in _processes_with(self.token):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+    def pid_of(self, needle: str) -> int:
+        for pid in _processes_with(self.token):
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if needle.encode() in cmdline or needle.encode() in environ:
+                return pid
+        raise AssertionError(f"no process of the run matches {needle!r}")
+
+
+def _newest_checkpoint_step(run_dir: Path) -> int:
+    steps = [int(p.name.split("_")[1]) for p in (run_dir / "ckpt").glob("step_*")]
+    return max(steps, default=0)
+
+
+def interrupt_once(
+    tmp_path: Path, nproc: int, at_step: int, sig: int, target: str, early_s: float = 0.0
+) -> None:
+    """Start a run, signal the launcher (or the agent) after `at_step` (0: `early_s` seconds
+    after the start, while processes start up), check the ending."""
+    run = Run(tmp_path, nproc)
+    try:
+        if at_step:
+            run.wait_for_step(at_step)
+        else:
+            time.sleep(early_s)
+        pid = run.proc.pid if target == "launcher" else run.pid_of("fivefold.parallel.agent")
+        os.kill(pid, sig)
+        code, out, seconds = run.finish()
+    finally:
+        left = run.leftovers()
+        run.kill_everything()
+    assert not left, f"processes left behind: {left}\n{out[-2000:]}"
+    assert code == 128 + sig, out[-3000:]
+    assert seconds < STOP_WITHIN_S
+    assert "Traceback" not in out and "ChildFailedError" not in out, out[-3000:]
+    if not at_step:
+        return  # stopped before or during the first steps: nothing more is promised
+    last = max(_metric_steps(run.run_dir))
+    assert last >= at_step
+    assert _newest_checkpoint_step(run.run_dir) == last  # the step it stopped at, on every rank
+    assert out.count("interrupted after step") == 1, out[-2000:]
+    from fivefold.checkpoint.manifest import step_dir_name, verify_checkpoint
+
+    assert verify_checkpoint(run.run_dir / "ckpt" / step_dir_name(last)).ok
+
+
+@pytest.mark.parametrize(
+    ("nproc", "sig", "target"),
+    [(2, signal.SIGINT, "launcher"), (2, signal.SIGTERM, "agent")],
+)
+def test_interrupt_stops_every_rank_with_a_checkpoint(tmp_path, nproc, sig, target) -> None:
+    interrupt_once(tmp_path, nproc, random.Random(nproc).randint(2, 5), sig, target)
+
+
+def test_interrupt_one_process_checkpoints_and_exits_130(tmp_path) -> None:
+    interrupt_once(tmp_path, 1, 3, signal.SIGINT, "launcher")
+
+
+@pytest.mark.parametrize("early_s", [0.5, 3.0])
+def test_interrupt_during_start_up_leaves_nothing(tmp_path, early_s) -> None:
+    """Ctrl-C while the agent or the ranks are still importing torch or meeting."""
+    interrupt_once(tmp_path, 2, 0, signal.SIGINT, "launcher", early_s)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_interrupt_at_random_steps_twenty_times(tmp_path, nproc) -> None:
+    rng = random.Random(1234 + nproc)
+    for attempt in range(20):
+        sig = rng.choice([signal.SIGINT, signal.SIGTERM])
+        step, early = rng.randint(0, 8), rng.uniform(0.0, 6.0)  # step 0: during start-up
+        interrupt_once(tmp_path / str(attempt), nproc, step, sig, "launcher", early)
+
+
+def test_a_killed_rank_ends_the_job_with_one_message(tmp_path) -> None:
+    """SIGKILL on rank 1 mid-run: the other rank leaves its collective, the job ends at once
+    with the dead rank's status and one line from the launcher, and nothing is left."""
+    run = Run(tmp_path, 2)
+    try:
+        run.wait_for_step(2)
+        os.kill(run.pid_of("RANK=1"), signal.SIGKILL)
+        code, out, seconds = run.finish()
+    finally:
+        left = run.leftovers()
+        run.kill_everything()
+    assert not left, f"processes left behind: {left}"
+    assert code == 128 + signal.SIGKILL, out[-3000:]
+    assert seconds < STOP_WITHIN_S
+    assert out.count("rank 1 was killed by SIGKILL (exit status 137)") == 1, out[-3000:]
+    assert "lost its connection" not in out  # a consequence, not the cause
+    assert "ChildFailedError" not in out

@@ -1,0 +1,38 @@
+"""Parity with `train.compile = true`: blocks compiled by inductor, every layout against the
+single-process run compiled the same way (same tolerances as every parity case).
+
+The first compile of a block's graph takes tens of seconds on a loaded 2-core machine; inductor's
+on-disk cache makes later processes with the same graph fast, so the CI case shares its graphs
+with its reference.
+"""
+
+from __future__ import annotations
+
+from harness import ParityCase
+from parity_suite import parity_tests
+
+CI_CASES = [
+    ParityCase(
+        "compile ZeRO-3 x2", {"dp_shard": 2, "zero": 3, "micro_batch": 4}, steps=4, compile=True
+    ),
+]
+
+SLOW_CASES = [
+    ParityCase("compile DP2", {"dp_replicate": 2, "micro_batch": 4}, steps=4, compile=True),
+    ParityCase(
+        "compile PP2 1f1b x ZeRO-3 x2 recompute full",
+        {"pp": 2, "dp_shard": 2, "zero": 3, "micro_batch": 2, "grad_accum": 2, "recompute": "full"},
+        steps=4,
+        compile=True,
+    ),
+    ParityCase(
+        "compile EP2 x ZeRO-3 x2",
+        {"dp_shard": 2, "ep": 2, "zero": 3, "micro_batch": 4},
+        model="parity-moe",
+        steps=4,
+        compile=True,
+    ),
+    ParityCase("compile CP2 ring", {"cp": 2, "micro_batch": 8}, steps=4, compile=True),
+]
+
+test_parity_ci, test_parity = parity_tests(CI_CASES, SLOW_CASES)

@@ -1,0 +1,255 @@
+"""Device profiles (`fivefold.spec.profile`): round trip, validation, and the planner's times from
+a synthetic profile against hand-derived values."""
+
+from __future__ import annotations
+
+import math
+import tomllib
+
+import pytest
+
+from fivefold.errors import ConfigError
+from fivefold.planner import comm as C
+from fivefold.planner.calibration import EfficiencyModel
+from fivefold.planner.compute import ComputeOptions, head_work, layer_work, optimizer_step_s
+from fivefold.planner.estimate import estimate
+from fivefold.spec.model import (
+    attention_score_flops_per_token,
+    layer_matmul_flops_per_token,
+    training_flops_per_token,
+)
+from fivefold.spec.plan import ParallelPlan
+from fivefold.spec.presets import model_preset
+from fivefold.spec.profile import (
+    Matmul,
+    parse_profile,
+    profile_cluster,
+    profile_device,
+    read_profile,
+)
+
+EFF = EfficiencyModel()
+TINY = model_preset("tiny")  # h 64, 4 heads (2 kv) of 16, SwiGLU 176, 2 layers, V 4096, s 128
+GEMM = 1e10  # FLOP/s, every shape
+ATT_F, ATT_B = 2e9, 1e9
+BW = {"elementwise_forward": 4e9, "elementwise_backward": 2e9, "loss_forward": 1e9}
+BW |= {"loss_backward": 5e8, "optimizer": 3e9}
+OVER_F, OVER_B = 1e-4, 3e-4
+
+
+def synthetic(cores: int = 2) -> dict:
+    """A profile whose every rate is flat, measured at 1 and `cores` threads (the same rates:
+    one thread per rank in the tests below)."""
+    rows: dict[str, list] = {k: [] for k in ("matmul", "attention", "bandwidth", "overhead")}
+    for threads in sorted({1, cores}):
+        for m, n, k, layout in ((512, 64, 64, "nt"), (4096, 4096, 4096, "nn")):
+            rows["matmul"].append(
+                dict(dtype="fp32", threads=threads, m=m, n=n, k=k, layout=layout, flops_per_s=GEMM)
+            )
+        rows["attention"].append(
+            dict(
+                dtype="fp32", threads=threads, batch=4, heads=4, kv_heads=2, seq=128, head_dim=16,
+                forward_flops_per_s=ATT_F, backward_flops_per_s=ATT_B,
+            )
+        )  # fmt: skip
+        rows["bandwidth"] += [dict(kind=k, threads=threads, bytes_per_s=v) for k, v in BW.items()]
+        rows["overhead"].append(
+            dict(threads=threads, layer_forward_s=OVER_F, layer_backward_s=OVER_B)
+        )
+    collective = [
+        dict(op=op, ranks=2, alpha_s=1e-4, beta_bytes_per_s=1e9)
+        for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+    ]
+    sample = [
+        dict(
+            op="all_reduce", ranks=2, size_bytes=1024, time_s=1e-4, algbw_bytes_per_s=1.024e7,
+            busbw_bytes_per_s=1.024e7,
+        )
+    ]  # fmt: skip
+    device = dict(
+        name="Test CPU", kind="cpu", cores=cores, memory_bytes=8 * 2**30, backend="gloo", ranks=2
+    )
+    return dict(format=1, device=device, **rows, collective=collective, collective_sample=sample)
+
+
+@pytest.fixture
+def profile_path(tmp_path):
+    path = tmp_path / "profile.toml"
+    path.write_text(parse_profile(synthetic()).to_toml())
+    return path
+
+
+def test_round_trip(profile_path):
+    prof = read_profile(profile_path)
+    again = parse_profile(tomllib.loads(prof.to_toml()))
+    assert again == prof
+    assert prof.matmul[0] == Matmul("fp32", 1, 512, 64, 64, "nt", GEMM)
+    assert len(prof.collective) == 5 and prof.collective_sample[0].size_bytes == 1024
+
+
+@pytest.mark.parametrize(
+    ("edit", "field"),
+    [
+        (lambda d: d["matmul"][0].update(flops_per_s=-1.0), "matmul[0].flops_per_s"),
+        (lambda d: d["matmul"][1].update(layout="xx"), "matmul[1].layout"),
+        (lambda d: d["bandwidth"][0].pop("bytes_per_s"), "bandwidth[0].bytes_per_s"),
+        (lambda d: d["device"].update(cores="two"), "device.cores"),
+        (lambda d: d["collective"][0].update(ranks=1), "collective[0].ranks"),
+        (lambda d: d.update(format=9), "format"),
+        (lambda d: d.update(overhead=[]), "[[overhead]]"),
+    ],
+)
+def test_bad_profile_names_the_field(edit, field):
+    data = synthetic()
+    edit(data)
+    with pytest.raises(ConfigError, match=re_escape(field)):
+        parse_profile(data)
+
+
+def re_escape(text: str) -> str:
+    import re
+
+    return re.escape(text)
+
+
+def test_missing_profile_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="fivefold calibrate"):
+        profile_cluster(tmp_path / "nope.toml")
+
+
+def test_device_peak_is_the_best_measured_rate_per_rank_share(profile_path, monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    one = profile_device(profile_path, 1)  # 2 threads on 2 cores
+    assert one.peak("fp32") == GEMM and one.measured.threads == 2
+    assert "measured" in one.source
+    four = profile_device(profile_path, 4)  # 1 thread each, 4 ranks share 2 cores
+    assert four.measured.share == 0.5 and four.peak("fp32") == GEMM / 2
+    assert four.hbm_bytes == 2 * 2**30
+    with pytest.raises(ConfigError, match="no bf16 matmul measurement"):
+        one.peak("bf16")
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # torch's threads, as the user set them
+    assert profile_device(profile_path, 2).measured.share == 0.5
+
+
+def test_gemm_rate_interpolates_by_intensity(tmp_path):
+    data = synthetic()
+    low, high = data["matmul"][0], data["matmul"][1]
+    for row in data["matmul"]:
+        row["flops_per_s"] = 1e9 if row["m"] == 512 else 1e11
+    path = tmp_path / "p.toml"
+    path.write_text(parse_profile(data).to_toml())
+    measured = profile_device(path, 2).measured
+    i_low = Matmul("fp32", 1, low["m"], low["n"], low["k"], "nt", 1).intensity
+    i_high = Matmul("fp32", 1, high["m"], high["n"], high["k"], "nn", 1).intensity
+    assert measured.gemm_flops_per_s(512, 64, 64, "fp32", "nt") == 1e9  # exact shape
+    probe = Matmul("fp32", 1, 1024, 1024, 256, "nt", 1)
+    w = (math.log(probe.intensity) - math.log(i_low)) / (math.log(i_high) - math.log(i_low))
+    expected = 1e9 + w * (1e11 - 1e9)
+    # No "tn" rows: the interpolation uses every layout's rows.
+    got = measured.gemm_flops_per_s(1024, 1024, 256, "fp32", "tn")
+    assert got == pytest.approx(expected)
+    assert measured.gemm_flops_per_s(1, 1, 1, "fp32", "tn") == 1e9  # clamped below
+    assert measured.gemm_flops_per_s(10**5, 10**5, 10**5, "fp32", "tn") == 1e11  # and above
+    # The same layout is preferred: the only "nn" row sets every "nn" rate.
+    assert measured.gemm_flops_per_s(1, 1, 1, "fp32", "nn") == 1e11
+
+
+def test_layer_times_from_the_profile_by_hand(profile_path):
+    plan = ParallelPlan(micro_batch=4, precision="fp32")
+    device = profile_device(profile_path, 2)  # one thread per rank, the whole rate
+    tokens = 4 * 128
+    e = 4
+    gemm_flops = tokens * layer_matmul_flops_per_token(TINY, False)
+    attn = tokens * attention_score_flops_per_token(TINY, 128)
+    h, q, kv, f = 64, 64, 32, 176
+    elem = tokens * (2 * 2 * e * h + 2 * 3 * e * h + 2 * e * (q + kv) + 3 * e * f)
+    forward = gemm_flops / GEMM + attn / ATT_F + elem / BW["elementwise_forward"] + OVER_F
+    backward = gemm_flops / GEMM + 2 * attn / ATT_B + 2 * elem / BW["elementwise_backward"] + OVER_B
+    work = layer_work(TINY, plan, device, EFF)
+    assert work.forward_s == pytest.approx(forward)
+    assert work.backward_input_s == pytest.approx(backward)
+    assert work.backward_weight_s == pytest.approx(gemm_flops / GEMM)
+    # Full recompute repeats the forward less the skipped w2 (checkpoint early stop).
+    full = layer_work(
+        TINY,
+        plan.with_(recompute="full"),
+        device,
+        EFF,
+        opts=ComputeOptions(checkpoint_early_stop=True),
+    )
+    w2 = 2 * tokens * h * f / GEMM
+    assert full.recompute_s == pytest.approx(forward - w2)
+    sel = layer_work(TINY, plan.with_(recompute="selective"), device, EFF)
+    assert sel.recompute_s == pytest.approx(attn / ATT_F)
+
+
+def test_head_and_optimizer_from_the_profile_by_hand(profile_path):
+    plan = ParallelPlan(micro_batch=4, precision="fp32")
+    device = profile_device(profile_path, 2)
+    tokens, v, h = 512, 4096, 64
+    gemm = 2 * tokens * v * h / GEMM
+    norm = tokens * h * 4 / BW["elementwise_forward"]
+    head = head_work(TINY, plan, device, EFF)
+    assert head.forward_s == pytest.approx(gemm + 10 * tokens * v / BW["loss_forward"] + norm)
+    norm_b = 2 * tokens * h * 4 / BW["elementwise_backward"]
+    assert head.backward_input_s == pytest.approx(
+        gemm + 14 * tokens * v / BW["loss_backward"] + norm_b
+    )
+    # fp32 AdamW: 2 x 8 bytes of state, 4 of gradient, 4 of parameter.
+    assert optimizer_step_s(1e6, plan, device, EFF) == pytest.approx(1e6 * 24 / BW["optimizer"])
+
+
+def test_collectives_use_the_fitted_alpha_beta(profile_path):
+    cluster = profile_cluster(profile_path, 4)
+    link = C.group_link(cluster, 2, 1, EFF)
+    assert link.kind == "gloo"
+    s = 1e6
+    assert C.all_reduce_time_s(s, 2, link) == pytest.approx(1e-4 + s / 1e9)
+    assert C.all_gather_time_s(s, 2, link) == pytest.approx(1e-4 + s / 1e9)
+    assert C.p2p_time_s(s, C.pipeline_link(cluster, ParallelPlan(pp=2), EFF)) == pytest.approx(
+        1e-4 + s / 1e9
+    )
+    # Four ranks, measured on two: alpha x 3 steps, bus bandwidth kept (factor 1 -> 1.5).
+    assert C.all_reduce_time_s(s, 4, link) == pytest.approx(3e-4 + s / (1e9 * 1.0 / 1.5))
+    assert C.all_to_all_time_s(s, 4, link) == pytest.approx(3e-4 + s / (1e9 * 0.5 / 0.75))
+
+
+def test_estimate_on_a_profile_predicts_step_time_and_uses_the_measured_peak(profile_path):
+    cluster = profile_cluster(profile_path, 2)
+    plan = ParallelPlan(dp_shard=2, zero=3, micro_batch=4, grad_accum=2, recompute="full")
+    plan = plan.with_(precision="fp32")
+    est = estimate(TINY, cluster, plan)
+    assert est.step_time_s > 0
+    tokens = plan.global_batch * TINY.seq_len
+    assert est.mfu == pytest.approx(
+        training_flops_per_token(TINY) * tokens / (est.step_time_s * GEMM * 2)
+    )
+    hw = training_flops_per_token(TINY, recompute="full", early_stop=True) * tokens
+    assert est.hfu == pytest.approx(hw / (est.step_time_s * GEMM * 2))
+    # A CPU has no CUDA context or allocator fragmentation.
+    assert est.options.cuda_context_bytes == 0 and est.options.checkpoint_early_stop
+    assert not est.options.dp_overlap  # gloo shares the cores: nothing hides behind compute
+
+
+def test_recipe_cluster_profile_and_plan_cli(profile_path, capsys):
+    from fivefold.cli.main import main
+    from fivefold.spec.recipe import recipe_from_dict
+
+    recipe = recipe_from_dict(
+        {
+            "model": {"preset": "tiny"},
+            "cluster": {"profile": str(profile_path)},
+            "plan": {"dp_replicate": 2, "precision": "fp32"},
+        },
+        default_world=2,
+    )
+    assert recipe.cluster.world_size == 2 and recipe.cluster.device.measured is not None
+    code = main(
+        ["plan", "estimate", "--model", "tiny", "--cluster", str(profile_path), "--gpus", "2",
+         "--dp", "2", "--mbs", "4", "--global-batch", "8", "--precision", "fp32", "--json"]
+    )  # fmt: skip
+    assert code == 0
+    import json
+
+    out = json.loads(capsys.readouterr().out)
+    assert out["step_time_s"] > 0 and out["cluster"]["profile"] == str(profile_path)

@@ -1,0 +1,110 @@
+"""`fivefold calibrate`: the alpha-beta fit, what checkpoint really recomputes (HFU), and the
+whole command in quick mode over 2 gloo ranks, whose profile `fivefold plan` then uses."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from fivefold.model import build_model
+from fivefold.parallel.calibrate_comm import fit_alpha_beta, steps_count
+from fivefold.parallel.checkpointing import apply_recompute
+from fivefold.spec.model import (
+    attention_score_flops_per_token,
+    early_stop_skipped_flops_per_token,
+    training_flops_per_token,
+)
+from fivefold.spec.presets import model_preset
+from fivefold.spec.profile import COLLECTIVES, available_cores, bus_factor, parse_profile
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_alpha_beta_fit_recovers_a_line():
+    sizes = [2.0**i for i in range(10, 24, 2)]
+    times = [50e-6 + s / 2e9 for s in sizes]
+    alpha, beta = fit_alpha_beta(sizes, times)
+    assert alpha == pytest.approx(50e-6, rel=1e-9) and beta == pytest.approx(2e9, rel=1e-9)
+    alpha, beta = fit_alpha_beta(sizes, [s / 1e9 - 1e-9 for s in sizes])  # alpha < 0: refit at 0
+    assert alpha == 0.0 and beta == pytest.approx(1e9, rel=1e-3)
+
+
+def _matmul_flops(name: str, policy: str, early_stop: bool, **changes) -> tuple[float, object]:
+    spec = model_preset(name).with_(**changes)
+    model = build_model(spec)
+    model.to_empty(device="cpu")
+    model.init_weights(0)
+    apply_recompute(model, policy)
+    tokens = torch.randint(
+        0, spec.vocab, (2, spec.seq_len), generator=torch.Generator().manual_seed(0)
+    )
+    with (
+        torch.utils.checkpoint.set_checkpoint_early_stop(early_stop),
+        FlopCounterMode(display=False) as fc,
+    ):
+        model(tokens).sum().backward()
+    return fc.get_total_flops(), spec
+
+
+def test_full_recompute_flops_are_what_checkpoint_runs():
+    """torch's FLOP counter sees only matmuls on CPU (SDPA is not counted), so the recomputed
+    matmul FLOPs must equal the formula's recompute FLOPs less the attention scores."""
+    base, spec = _matmul_flops("tiny", "none", True)
+    early, _ = _matmul_flops("tiny", "full", True)
+    everything, _ = _matmul_flops("tiny", "full", False)
+    tokens = 2 * spec.seq_len
+    recompute = training_flops_per_token(spec, recompute="full", early_stop=True)
+    recompute -= training_flops_per_token(spec) + spec.layers * attention_score_flops_per_token(
+        spec, spec.seq_len
+    )
+    assert early - base == pytest.approx(tokens * recompute, rel=1e-12)
+    assert everything - early == pytest.approx(tokens * early_stop_skipped_flops_per_token(spec))
+    moe_early, moe = _matmul_flops("tiny-moe", "full", True)
+    moe_all, _ = _matmul_flops("tiny-moe", "full", False)
+    assert moe_all - moe_early == pytest.approx(tokens * early_stop_skipped_flops_per_token(moe))
+    assert early_stop_skipped_flops_per_token(moe) > 0
+
+
+def test_calibrate_quick_two_ranks_writes_a_profile_plan_uses(tmp_path):
+    out = tmp_path / "profile.toml"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cli = [sys.executable, "-m", "fivefold.cli.main"]
+    done = subprocess.run(
+        [*cli, "calibrate", str(ROOT / "configs/tiny-cpu.toml"), "--quick", "--nproc", "2",
+         "--out", str(out), "--no-progress"],
+        capture_output=True, text=True, env=env, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "busbw" in done.stdout and f"wrote {out}" in done.stdout
+    profile = parse_profile(tomllib.loads(out.read_text()))
+    assert profile.ranks == 2 and profile.backend == "gloo" and profile.model == "tiny"
+    assert {c.op for c in profile.collective} == set(COLLECTIVES)
+    assert len(profile.collective_sample) == steps_count(2, quick=True)
+    for s in profile.collective_sample:
+        assert s.algbw_bytes_per_s == pytest.approx(s.size_bytes / s.time_s)
+        assert s.busbw_bytes_per_s == pytest.approx(s.algbw_bytes_per_s * bus_factor(s.op, 2))
+    # tiny at micro-batch 4: 512 tokens; wq forward is (512 x 64) @ (64 x 64)^T, at TP 1 and 2.
+    shapes = {(m.m, m.n, m.k, m.layout) for m in profile.matmul}
+    assert {(512, 64, 64, "nt"), (512, 32, 64, "nt"), (64, 64, 512, "tn")} <= shapes
+    assert {m.threads for m in profile.matmul} == {1, available_cores()}
+    plan = subprocess.run(
+        [*cli, "plan", "estimate", str(ROOT / "configs/tiny-cpu.toml"), "--cluster", str(out),
+         "--gpus", "2", "--dp", "2", "--json"],
+        capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+    assert plan.returncode == 0, plan.stderr
+    est = json.loads(plan.stdout)
+    assert est["step_time_s"] > 0 and est["mfu"] > 0
+    assert est["cluster"]["profile"] == str(out)
+    bad = subprocess.run(
+        [*cli, "calibrate", "--nproc", "0", "--out", str(out)], capture_output=True, text=True
+    )
+    assert bad.returncode == 2 and "--nproc 0" in bad.stderr

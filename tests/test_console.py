@@ -1,0 +1,83 @@
+"""The console talks: a line after the first step and at least every 30 s (terminal or not),
+`--dry-run` predicts and exits, and the thread settings follow the cores this process has."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+from rich.console import Console
+
+from fivefold.cli.main import main
+from fivefold.parallel import threads
+from fivefold.spec import profile
+from fivefold.train.metrics import ConsoleReporter, StepMetrics
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def _metrics(step: int) -> StepMetrics:
+    return StepMetrics(
+        step=step, loss=2.0, grad_norm=1.0, lr=1e-3, tokens=1024, step_time_s=0.1,
+        tokens_per_s=1e4, mfu=None, hfu=None, peak_memory_bytes=0, elapsed_s=1.0,
+    )  # fmt: skip
+
+
+def test_log_lines_come_first_step_then_every_log_every_or_30_s_when_not_a_terminal() -> None:
+    """The demo used to print nothing for minutes off a terminal (first line at step 25)."""
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=False, width=200)
+    now = [0.0]
+    reporter = ConsoleReporter(console, 1000, 0, 25, progress=True, clock=lambda: now[0])
+    logged = []
+    for step, at in [(1, 5), (2, 20), (3, 34), (4, 50), (5, 64), (25, 70), (26, 71)]:
+        now[0] = at
+        before = out.getvalue().count("\n")
+        reporter.update(_metrics(step))
+        if out.getvalue().count("\n") > before:
+            logged.append(step)
+    # step 1: the first; 3: 29 s after step 1 -> no, 34 - 5 = 29 < 30; 4: 45 s after -> yes;
+    # 5: 14 s after 4 -> no; 25: log_every; 26: 1 s after -> no
+    assert logged == [1, 4, 25]
+    reporter.stop()
+
+
+def test_dry_run_prints_recipe_layout_and_prediction_and_starts_nothing(tmp_path, capsys) -> None:
+    run_dir = tmp_path / "run"
+    args = ["train", str(CONFIGS / "small-dp2-tp2-pp2.toml"), "--nproc", "8", "--dry-run"]
+    assert main([*args, f'train.run_dir="{run_dir}"']) == 0
+    out = capsys.readouterr().out
+    assert "[model]" in out and "[plan]" in out  # the resolved recipe
+    assert "on 8 process(es): mesh pp=2 x dp_replicate=2" in out
+    assert "stage 0: peak memory" in out and "stage 1: peak memory" in out
+    assert "step time:" in out and "dry run: nothing started" in out
+    assert not run_dir.exists()
+
+
+def test_dry_run_refuses_a_layout_that_does_not_fit(capsys) -> None:
+    args = ["train", str(CONFIGS / "small-dp2-tp2-pp2.toml"), "--nproc", "4", "--dry-run"]
+    assert main(args) == 2
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_cgroup_quota_caps_the_threads(tmp_path, monkeypatch) -> None:
+    (tmp_path / "cpu.max").write_text("150000 100000\n")
+    assert profile.cgroup_cpu_limit(tmp_path) == 1.5
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert profile.cgroup_cpu_limit(tmp_path) is None
+    monkeypatch.setattr(profile.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5, 6, 7})
+    monkeypatch.setattr(profile, "cgroup_cpu_limit", lambda: 2.5)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert profile.available_cores() == 3  # 8 cores visible, 2.5 CPUs of quota
+    from fivefold.parallel.launch import threads_per_rank
+
+    assert threads_per_rank(2) == 1 and threads_per_rank(1) == 3
+
+
+def test_threads_wait_passively_unless_told() -> None:
+    env = {}
+    threads.passive_wait(env)
+    assert env == {"OMP_WAIT_POLICY": "PASSIVE"}
+    env = {"OMP_WAIT_POLICY": "ACTIVE"}
+    threads.passive_wait(env)
+    assert env == {"OMP_WAIT_POLICY": "ACTIVE"}
