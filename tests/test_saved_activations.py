@@ -3,7 +3,8 @@
 Runs one block of the model forward under `torch.autograd.graph.saved_tensors_hooks` and counts
 the distinct storages it saves (parameters excluded), then compares with
 `planner.memory.layer_activation_bytes(..., runtime="fivefold-eager")`: exact, in fp32, for the
-dense and MoE presets, with and without selective recompute (the core re-runs in backward), on packed documents.
+dense and MoE presets, with and without selective recompute (the core re-runs in backward), on
+packed documents.
 """
 
 from __future__ import annotations
