@@ -54,15 +54,15 @@ def _both(plan_extra: dict) -> tuple[int, int, dict]:
     from fivefold.train.config import parse_train_config
     from fivefold.train.data import Batch
     from fivefold.train.optim import build_optimizer
-    from fivefold.train.runtime import distributed_runtime
 
     plan = {"precision": "fp32", "micro_batch": 1, **plan_extra}
     recipe = recipe_from_dict(
         {"model": {"preset": "small"}, "plan": plan, "train": {"device": "cpu", "steps": 10}},
         default_world=dist.get_world_size(),
     )
-    runtime = distributed_runtime(recipe)
-    optimizer = build_optimizer(runtime.model_parts, parse_train_config(recipe).train)
+    train = parse_train_config(recipe).train
+    runtime = DistributedRuntime(recipe, train)
+    optimizer = build_optimizer(runtime.model_parts, train)
     seq = recipe.model.seq_len
     gen = torch.Generator().manual_seed(dist.get_rank())
 
