@@ -24,13 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
-import os
-import queue
-import tempfile
 import time
-import traceback
-from datetime import timedelta
 from pathlib import Path
 
 GiB = 2**30
@@ -119,71 +113,27 @@ def _row(recipe, cp: int, docs: str, peak: int, seconds: float | None) -> dict:
     }
 
 
-def _measure_cp(world: int, seq_len: int, docs: str, doc_len: int, with_time: bool) -> dict:
-    """One rank of a CP case; every rank's result comes back, rank 0's time counts."""
-    from fivefold.parallel.context_parallel import shard_batch_for_cp
+def _measure_cp(
+    rank: int, world: int, seq_len: int, docs: str, doc_len: int, with_time: bool
+) -> dict:
+    """One rank of a CP case (`DistributedRuntime` shards the full batch itself)."""
     from fivefold.parallel.runtime import DistributedRuntime
 
     recipe = recipe_for(seq_len, cp=world)
     runtime = DistributedRuntime(recipe)
     batch = batch_for(seq_len, recipe.model.vocab, docs, doc_len)
-    del shard_batch_for_cp  # the runtime shards the full batch itself (`_prepare`)
     peak, seconds = measured_step(runtime, batch, with_time)
     runtime.close()
     return _row(recipe, world, docs, peak, seconds)
 
 
-def _worker(rank, world, store_path, results, args) -> None:
-    os.environ.update(OMP_NUM_THREADS="1", RANK=str(rank), WORLD_SIZE=str(world))
-    try:
-        import torch
-        import torch.distributed as dist
+def measure_cp(seq_len: int, docs: str, doc_len: int, with_time: bool, world: int = 4) -> dict:
+    """A CP case on `world` spawned gloo ranks: rank 0's row with the largest rank's peak."""
+    from _ranks import run_ranks
 
-        torch.set_num_threads(1)
-        store = dist.FileStore(store_path, world)
-        dist.init_process_group(
-            "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=3000)
-        )
-        results.put((rank, "ok", _measure_cp(world, *args)))
-    except BaseException:
-        results.put((rank, "error", traceback.format_exc()))
-    results.close()
-    results.join_thread()
-    os._exit(0)
-
-
-def measure_cp(
-    seq_len: int, docs: str, doc_len: int, with_time: bool, world: int = 4, timeout_s=3600.0
-) -> dict:
-    """A CP case on `world` spawned gloo processes: rank 0's row with the largest rank peak."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        store = os.path.join(tmp, "store")
-        args = (seq_len, docs, doc_len, with_time)
-        procs = [
-            ctx.Process(target=_worker, args=(r, world, store, results, args)) for r in range(world)
-        ]
-        for p in procs:
-            p.start()
-        rows: dict[int, dict] = {}
-        deadline = time.monotonic() + timeout_s
-        try:
-            while len(rows) < world:
-                try:
-                    rank, status, value = results.get(timeout=max(1.0, deadline - time.monotonic()))
-                except queue.Empty:
-                    raise TimeoutError(f"CP case did not finish in {timeout_s} s") from None
-                if status == "error":
-                    raise RuntimeError(f"rank {rank} failed:\n{value}")
-                rows[rank] = value
-        finally:
-            for p in procs:
-                p.join(timeout=10)
-                if p.is_alive():
-                    p.kill()
+    rows = run_ranks(world, _measure_cp, seq_len, docs, doc_len, with_time, timeout_s=4 * 3600.0)
     row = dict(rows[0])
-    row["measured_bytes"] = max(r["measured_bytes"] for r in rows.values())
+    row["measured_bytes"] = max(r["measured_bytes"] for r in rows)
     row["error"] = (row["predicted_bytes"] - row["measured_bytes"]) / row["measured_bytes"]
     return row
 

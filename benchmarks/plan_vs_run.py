@@ -117,7 +117,7 @@ def run_layout(layout: Layout, steps: int, run_dir: str) -> dict | None:
     quiet = io.StringIO()
     stdout, sys.stdout = sys.stdout, quiet  # the runtime prints its own report on rank 0
     try:
-        runtime = DistributedRuntime(run.recipe)
+        runtime = DistributedRuntime(run.recipe, run.train)
         Trainer(run, runtime, Console(file=quiet)).fit()
         result = stage_rows(runtime)
     finally:

@@ -34,7 +34,7 @@ CASES = [
     ("eval-without-held-out", ["train.eval_every=5", "data.val_fraction=0"], "needs held-out"),
     ("plan-needs-more-processes", ["plan.tp=2"], "plan degrees multiply to"),
     ("unknown-precision", ["plan.precision='fp16'"], "plan.precision = 'fp16': choose one"),
-    ("planning-only-precision", ["plan.precision='fp8-mixed'"], "planning recipe"),
+    ("planning-only-precision", ["plan.precision='fp8-mixed'"], "runtime does not implement"),
     ("bad-recompute", ["plan.recompute='some'"], "plan.recompute = 'some': choose one"),
     ("zero-micro-batch", ["plan.micro_batch=0"], "plan.micro_batch = 0: must be a whole number"),
     ("unknown-cluster-preset", ["cluster.preset='dgx-z'"], "cluster.preset = 'dgx-z' is unknown"),
@@ -52,6 +52,39 @@ CASES = [
     ("shards-not-a-directory", ["data.shards='/nonexistent/shards'"], "is not a directory"),
     ("missing-tokenizer", ["data.tokenizer='/nonexistent/tok.json'"], "does not exist"),
     ("vocab-below-tokenizer", ["model.vocab=1000"], "vocab"),
+    # issue 13: silently accepted, unclear or a traceback before; now refused up front
+    ("unknown-section", ["foo.bar=1"], "[foo] is not a recipe section"),
+    ("nan-grad-clip", ["train.grad_clip=nan"], "train.grad_clip = nan: expected a finite number"),
+    ("nan-min-lr", ["train.min_lr=nan"], "train.min_lr = nan: expected a finite number"),
+    ("nan-max-time", ["train.max_time_s=nan"], "train.max_time_s = nan: expected a finite"),
+    ("inf-max-time", ["train.max_time_s=inf"], "train.max_time_s = inf: expected a finite"),
+    ("nan-weight-decay", ["train.weight_decay=nan"], "train.weight_decay = nan: expected a fin"),
+    ("nan-eps", ["train.eps=nan"], "train.eps = nan: expected a finite number"),
+    ("negative-seed", ["train.seed=-1"], "train.seed = -1: must be a whole number >= 0"),
+    ("nan-norm-eps", ["model.norm_eps=nan"], "model.norm_eps = nan: expected a finite number"),
+    ("negative-rope-theta", ["model.rope_theta=-1"], "model.rope_theta = -1.0: must be positive"),
+    ("negative-aux-coef", ["model.router_aux_loss_coef=-1"], "router_aux_loss_coef = -1.0"),
+    (
+        "tp-not-dividing-kv-heads",
+        ["--nproc", "4", "model.hidden=96", "model.heads=12", "model.kv_heads=6", "plan.tp=4"],
+        "plan.tp = 4 must divide model.kv_heads = 6",
+    ),
+    ("moe-with-tp", ["--nproc", "2", "model.preset='tiny-moe'", "plan.tp=2"], "MoE"),
+    ("tied-with-pp", ["--nproc", "2", "model.tied_embeddings=true", "plan.pp=2"], "tied"),
+    ("hidden-1e12", ["model.hidden=1000000000000"], "model.hidden = 1,000,000,000,000 is beyond"),
+    ("vocab-1e9", ["model.vocab=1000000000"], "model.vocab = 1,000,000,000 is beyond"),
+    ("micro-batch-beyond-limit", ["plan.micro_batch=1000000"], "plan.micro_batch = 1,000,000"),
+    (
+        "model-beyond-this-machine",
+        ["model.vocab=16000000", "model.hidden=1024"],
+        "more than this machine's",
+    ),
+    (
+        "micro-batch-beyond-this-machine",
+        ["plan.micro_batch=131072", "model.seq_len=4096"],
+        "of activations for micro-batches",
+    ),
+    ("degrees-not-the-processes", ["--nproc", "3", "plan.dp_replicate=2"], "multiply to"),
 ]
 
 
@@ -74,6 +107,50 @@ def test_bad_config_exits_2_with_message(case, args, expected, tmp_path, capsys)
     assert code == 2, err
     assert expected in err
     assert_one_paragraph(err)
+
+
+def test_runs_dir_that_is_a_file(tmp_path, capsys):
+    runs = tmp_path / "runs"
+    runs.write_text("not a directory")
+    code, err = run_cli(["train", TINY, f"train.runs_dir={str(runs)!r}"], capsys)
+    assert code == 2
+    assert f"train.runs_dir: {str(runs)!r} is a file, not a directory" in err
+    assert_one_paragraph(err)
+
+
+# `fivefold plan` (the planner): (case id, arguments, expected substring); none may hang
+PLAN_CASES = [
+    ("gpus-1e12", ["--gpus", "1e12"], "fivefold plans at most 131,072 GPUs"),
+    ("hidden-1e12", ["--hidden", "1e12"], "model.hidden = 1,000,000,000,000 is beyond"),
+    ("vocab-1e9", ["--vocab", "1e9"], "model.vocab = 1,000,000,000 is beyond"),
+    ("batch-tokens-1e18", ["--global-batch-tokens", "1e18"], "at most 68,719,476,736 tokens"),
+    ("gpus-not-whole-nodes", ["--gpus", "12"], "does not fill whole dgx-h100 nodes"),
+    ("moe-with-pinned-tp", ["--model", "mixtral-8x7b", "--tp", "2"], "with a MoE model"),
+    ("fp8-compute", ["--precision", "fp8-mixed"], "computes in fp8"),
+    ("unknown-section", ["foo.bar=1"], "[foo] is not a recipe section"),
+    ("estimate-layout-not-dividing", ["estimate", "--gpus", "24", "--tp", "8", "--pp", "2"], "16"),
+]
+
+
+@pytest.mark.parametrize(("case", "args", "expected"), PLAN_CASES, ids=[c[0] for c in PLAN_CASES])
+def test_bad_plan_input_exits_2_at_once(case, args, expected, tmp_path, capsys):
+    import time
+
+    model = [] if "--model" in args else ["--model", "llama3-8b"]
+    start = time.perf_counter()
+    code, err = run_cli(["plan", *model, *args, "--out", str(tmp_path / "p.toml")], capsys)
+    assert code == 2, err
+    assert time.perf_counter() - start < 10  # refused at once, never searched
+    assert expected in err and err.startswith("fivefold plan: error: ")
+    assert "Traceback" not in err
+
+
+def test_plan_out_into_a_missing_directory_is_refused_before_searching(tmp_path, capsys):
+    out = tmp_path / "missing" / "p.toml"
+    code, err = run_cli(["plan", "--model", "tiny", "--gpus", "1", "--out", str(out)], capsys)
+    assert code == 2
+    assert f"the directory {str(out.parent)!r} does not exist" in err
+    assert not out.parent.exists()
 
 
 def test_missing_recipe_file(capsys):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import random
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -77,11 +78,12 @@ def _runtime_refusal(recipe: Recipe) -> str | None:
     if it got past its checks, which here means it tried to start a process group)."""
     import torch.distributed as dist
 
-    from fivefold.train.runtime import distributed_runtime
+    from fivefold.parallel.runtime import DistributedRuntime
 
     assert not dist.is_initialized()
+    settings = SimpleNamespace(device="cpu", seed=0, steps=1, memory_step=2)
     try:
-        distributed_runtime(recipe)
+        DistributedRuntime(recipe, settings)
     except ConfigError as err:
         return str(err)
     except RuntimeError as err:  # the patched process-group start: the checks passed
@@ -122,7 +124,7 @@ def test_the_runtime_refuses_exactly_what_validation_refuses(monkeypatch):
     [
         ({"model": {"preset": "tiny-moe"}, "plan": {"tp": 2, "dp_shard": 1}}, "MoE"),
         ({"model": {"preset": "tiny", "tied_embeddings": True}, "plan": {"pp": 2}}, "tied"),
-        ({"plan": {"precision": "fp8-mixed"}}, "planning recipe"),
+        ({"plan": {"precision": "fp8-mixed"}}, "computes in fp8"),
         ({"plan": {"cp": 2, "cp_kind": "ulysses", "tp": 4}}, "Ulysses"),
     ],
 )

@@ -67,3 +67,12 @@ def test_weight_decay_on_matrices_only():
     # 2 norms per layer x 2 layers + final norm = 5 vectors of 64.
     assert [tuple(p.shape) for p in plain["params"]] == [(64,)] * 5
     assert decayed["betas"] == (0.9, 0.95) and decayed["lr"] == 1e-3
+
+
+def test_adamw_runs_the_fused_kernel_on_cpu_else_foreach():
+    model = build_model(model_preset("tiny"))
+    model.to_empty(device="cpu")
+    opt = build_optimizer([model], cfg(weight_decay=0.1))
+    assert opt.defaults["fused"] is True and not opt.defaults["foreach"]
+    on_meta = build_optimizer([build_model(model_preset("tiny"))], cfg(weight_decay=0.1))
+    assert on_meta.defaults["foreach"] is True and not on_meta.defaults["fused"]

@@ -21,13 +21,15 @@ measured matmul peak MFU and HFU are reported.
 
 Measured: matmul throughput over the GEMM shapes of the recipe's model (q/k/v/o, MLP, LM head,
 experts; forward and both backward passes; each tensor-parallel split up to --nproc; fp32, and
-bf16 where the CPU has native bf16), its attention core (causal, document mask, forward and
+bf16 where the CPU has native bf16), its attention core (causal, forward and
 backward), element-wise, loss and optimizer bandwidth, a per-layer overhead, and every
 collective the runtime uses (all-reduce, all-gather, reduce-scatter, all-to-all, send/recv) at
 several sizes over --nproc real processes (gloo on CPU; NCCL where every rank has a GPU, a path
 written the same way but not yet run by us), printed like nccl-tests and fitted to the
-planner's alpha-beta model. The defaults take about two minutes on two idle cores; --quick
-measures fewer shapes and sizes for a fast, rougher profile.
+planner's alpha-beta model. The defaults take one to two minutes on two cores; --quick
+measures fewer shapes and sizes for a fast, rougher profile. Calibrate on an idle machine: other
+work slows the multi-threaded and collective measurements (one-thread kernels are timed on the
+thread's CPU clock and are robust to it).
 """
 
 _EPILOG = """\

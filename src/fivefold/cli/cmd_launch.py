@@ -191,7 +191,7 @@ def handle(args: argparse.Namespace) -> int:
         raise ConfigError(job.problems())
     world = job.nodes * job.gpus_per_node
     _check_allocation(recipe_path, overrides, job.nodes, job.gpus_per_node)
-    run = check_layout(recipe_path, overrides, world)
+    run = check_layout(recipe_path, overrides, world, local=False)  # runs elsewhere
     name = args.job_name or slurm_job_name(f"fivefold-{run.train.name}")
     job = dataclasses.replace(job, job_name=name)
     print(slurm_script(job, recipe_path, overrides, run.recipe.plan.describe()), end="")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,8 @@ SIZE_SUFFIXES = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 DEFAULT_CLUSTER = "dgx-h100"
 DEFAULT_GPUS = 8
 GBPS = 1e9  # --nvlink-gbps / --ib-gbps are gigabytes per second per GPU
+MAX_BATCH_TOKENS = 1 << 36  # tokens per step: 4,096x Llama 3's 16M; bounds the search
+MAX_BATCH_SEQUENCES = 1 << 24
 
 
 # ---- argument parsing ----------------------------------------------------------------------
@@ -418,6 +421,16 @@ def batch_from_args(args: argparse.Namespace) -> tuple[int | None, int | None]:
         raise ConfigError(
             "give the batch once: --global-batch (sequences) or --global-batch-tokens, not both."
         )
+    if tokens is not None and tokens > MAX_BATCH_TOKENS:
+        raise ConfigError(
+            f"--global-batch-tokens = {tokens:,}: at most {MAX_BATCH_TOKENS:,} tokens per step "
+            "(published runs use 1M to 16M); check the value."
+        )
+    if seqs is not None and seqs > MAX_BATCH_SEQUENCES:
+        raise ConfigError(
+            f"--global-batch = {seqs:,} sequences: at most {MAX_BATCH_SEQUENCES:,} per step; "
+            "check the value."
+        )
     return tokens, seqs
 
 
@@ -496,7 +509,7 @@ def layout_from_args(
 # ---- recipes ----------------------------------------------------------------------------------
 def recipe_items(args: argparse.Namespace) -> dict[str, dict]:
     """The positional recipe and overrides as raw sections (validated later, field by field)."""
-    from fivefold.spec.recipe import merge, parse_overrides, read_toml
+    from fivefold.spec.recipe import SECTIONS, merge, parse_overrides, read_toml
 
     items = list(args.items or [])
     data: dict[str, dict] = {}
@@ -508,7 +521,31 @@ def recipe_items(args: argparse.Namespace) -> dict[str, dict]:
             f"{bad[0]!r}: only the first argument may be a recipe file; the others must be "
             "section.field=value overrides (plan.tp=4)."
         )
-    return merge(data, parse_overrides(items))
+    data = merge(data, parse_overrides(items))
+    unknown = [name for name in data if name not in SECTIONS]
+    if unknown:
+        raise ConfigError(
+            f"[{unknown[0]}] is not a recipe section; known sections: {', '.join(SECTIONS)}."
+        )
+    return data
+
+
+def out_path(args: argparse.Namespace, model: Any, cluster: Any) -> Path | None:
+    """Where the search writes its recipe (None with --no-out), checked before searching."""
+    if args.no_out:
+        return None
+    path = Path(args.out or f"plan-{model.name}-{cluster.world_size}gpu.toml")
+    parent = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        raise ConfigError(f"--out {str(path)!r} is a directory; name a file such as plan.toml.")
+    if not parent.is_dir():
+        raise ConfigError(
+            f"--out {str(path)!r}: the directory {str(parent)!r} does not exist; create it or "
+            "choose another path (or --no-out)."
+        )
+    if not os.access(parent, os.W_OK):
+        raise ConfigError(f"--out {str(path)!r}: {str(parent)!r} is not writable.")
+    return path
 
 
 def write_recipe(path: Path, model: Any, cluster: Any, plan: Any, header: str) -> Path:
@@ -516,7 +553,6 @@ def write_recipe(path: Path, model: Any, cluster: Any, plan: Any, header: str) -
 
     text = dump_recipe(Recipe(model, cluster, plan, {}), header=header)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
     except OSError as err:
         raise ConfigError(f"--out {str(path)!r}: cannot write the recipe ({err}).") from None
@@ -609,6 +645,7 @@ def _search_handler(args: argparse.Namespace) -> int:
 
     model, cluster, data, headroom = _inputs(args)
     tokens, seqs = batch_from_args(args)
+    path = out_path(args, model, cluster)
     if tokens is None and seqs is None and "plan" in data:
         seqs = _recipe_global_batch(data["plan"])
     fixed = pinned_fields(args)
@@ -625,8 +662,7 @@ def _search_handler(args: argparse.Namespace) -> int:
     )
     best = result.best.to_json()
     recipe_path = None
-    if not args.no_out:
-        path = Path(args.out or f"plan-{model.name}-{cluster.world_size}gpu.toml")
+    if path is not None:
         header = (
             f"Written by `fivefold plan` for {model.name} on {cluster.world_size} x "
             f"{cluster.gpu}.\nPredicted: step {best['step_time_s']:.3f} s, "

@@ -25,6 +25,7 @@ planner's terms.
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import re
@@ -320,13 +321,23 @@ def loss_passes(tokens: int, vocab: int, budget: Budget) -> tuple[float, float]:
     )
 
 
+OPTIMIZER_MAX_PARAMS = 16_000_000  # cap on the parameters the optimizer benchmark allocates
+
+
 def optimizer_time_s(model: ModelSpec, budget: Budget) -> tuple[float, int]:
     """(seconds, parameters) of AdamW (foreach, as training runs it) with gradient clipping and
-    zeroing over one block's worth of parameters shaped like the model's."""
-    block = TransformerBlock(0, replace(model, experts=0, top_k=0, shared_experts=0))
-    params = [p for p in block.parameters()]
+    zeroing over tensors shaped like the model's: the embedding, the head and as many blocks as
+    fit under `OPTIMIZER_MAX_PARAMS` (per-tensor costs matter for small models)."""
+    block = [tuple(p.shape) for p in TransformerBlock(0, model).parameters()]
+    per_block = sum(math.prod(s) for s in block)
+    ends = [(model.vocab, model.hidden), (model.vocab, model.hidden), (model.hidden,)]
+    room = OPTIMIZER_MAX_PARAMS - sum(math.prod(s) for s in ends)
+    blocks = max(1, min(model.layers, room // per_block))
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.randn(s, generator=gen) for s in ends + block * blocks]
     for p in params:
-        p.grad = torch.randn_like(p)
+        p.requires_grad_(True)
+        p.grad = torch.randn(p.shape, generator=gen)
     opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1)
 
     def step() -> None:

@@ -431,9 +431,16 @@ def _eager_bytes(model, plan, moe, policy, e, sb, rdiv) -> float:
         ffn_saved = EAGER.swiglu_saved if model.mlp == "swiglu" else 2
         return total + ffn_saved * e * sb * model.ffn / t
     fe = model.expert_ffn / t
-    total += model.top_k * (e * sb * model.hidden + EAGER.swiglu_saved * e * sb * fe)
+    k = model.top_k
+    # Each token's k copies: dispatched (grouped by expert) and gathered back for the gate
+    # multiply, with their expert SwiGLU intermediates.
+    total += k * (2 * e * sb * model.hidden + EAGER.swiglu_saved * e * sb * fe)
     total += model.shared_experts * EAGER.swiglu_saved * e * sb * fe
-    return total + 4 * sb * model.experts
+    # The router: fp32 probabilities [N, E], top-k probabilities and renormalised gates [N, k]
+    # with their sum [N], three int64 index vectors [N k] (top-k, gather, inverse), and the
+    # load-balancing loss's expert fractions [E].
+    total += 4 * sb * model.experts + 8 * sb * k + 4 * sb + 3 * 8 * sb * k
+    return total + 4 * model.experts
 
 
 def _stored_bytes(model, plan, moe, opts, policy, e, sb, rdiv) -> float:
@@ -584,6 +591,12 @@ def stage_memory(
         state = state + chunk_state_bytes(model, plan, counts, c)
     per_chunk = [chunk_activation_bytes(model, plan, counts, c, opts) for c in chunks]
     acts = max(per_chunk) * inflight
+    grads_at_peak = True
+    if opts.eager:
+        acts, with_grads = eager_peak_activations(plan, rank, chunks, per_chunk)
+        # Measured: once any chunk of the rank ran a backward before the peak, the rank's
+        # gradients are all there (the per-chunk split under-predicts ZBV by 5-12 %).
+        grads_at_peak = bool(with_grads)
     other = other_terms(model, plan, counts, chunks, opts, inflight)
     if plan.recompute == "full" and opts.activation_model == "korthikanti":
         working = layer_activation_bytes(model, plan, model.is_moe, opts, recompute="none")
@@ -595,7 +608,6 @@ def stage_memory(
         tensors = state.total + acts + sum(other.values())
         other["fragmentation"] = opts.fragmentation_fraction * tensors
         return StageMemory(rank, state.params, state.grads, state.optimizer, acts, other)
-    grads_at_peak = grads_live_at_peak(plan, rank)
     at_rest = other.get("fsdp_param_shards", state.params)  # the weights between steps
     rest = at_rest + state.grads + state.optimizer
     tensors = state.total + acts + sum(other.values()) - (0 if grads_at_peak else state.grads)
@@ -612,37 +624,40 @@ def stage_memory(
     )
 
 
-def grads_live_at_peak(plan: ParallelPlan, rank: int) -> bool:
-    """fivefold-eager: whether gradients exist when the activations peak. Without a pipeline
-    the peak is the last micro-batch's backward, after grad_accum - 1 backwards; in a pipeline,
-    whether the rank's action list reaches its peak in-flight count again after its first
-    weight-gradient action (never in GPipe; in 1F1B's steady state; see `schedule`)."""
+def eager_peak_activations(
+    plan: ParallelPlan, rank: int, chunks: list[int], per_chunk: list[float]
+) -> tuple[float, tuple[int, ...]]:
+    """fivefold-eager: (peak activation bytes of pipeline rank `rank`, the chunks whose
+    gradients exist at that peak). Without a pipeline: one micro-batch, after grad_accum - 1
+    backwards. In a pipeline, the rank's action list is walked with each (micro-batch, chunk)
+    weighing its own chunk's bytes (chunks of one rank may hold different layer counts); a
+    chunk's gradients exist at the peak when it had a weight-gradient action before the last
+    time the peak is reached (never in GPipe)."""
     if plan.pp == 1:
-        return plan.grad_accum > 1
-    return _peak_after_first_gradient(plan.schedule, plan.pp, plan.vpp, plan.grad_accum)[rank]
+        return max(per_chunk), tuple(chunks) if plan.grad_accum > 1 else ()
+    weights = dict(zip(chunks, per_chunk, strict=True))
+    return _walk(plan.schedule, plan.pp, plan.vpp, plan.grad_accum, rank, tuple(weights.items()))
 
 
 @lru_cache(maxsize=4096)
-def _peak_after_first_gradient(name: str, pp: int, vpp: int, m: int) -> tuple[bool, ...]:
+def _walk(
+    name: str, pp: int, vpp: int, m: int, rank: int, weights: tuple
+) -> tuple[float, tuple[int, ...]]:
     from fivefold.planner.schedule import build_schedule
 
     schedule = build_schedule(name, pp, vpp, m)
     release = "W" if schedule.split_backward else "B"
-    out = []
-    for actions in schedule.actions:
-        alive, peak_before, peak_after, seen_gradient = 0, 0, 0, False
-        for action in actions:
-            if action.kind == "F":
-                alive += 1
-                if seen_gradient:
-                    peak_after = max(peak_after, alive)
-                else:
-                    peak_before = max(peak_before, alive)
-            elif action.kind == release:
-                alive -= 1
-            seen_gradient = seen_gradient or action.kind == release
-        out.append(peak_after >= peak_before)
-    return tuple(out)
+    bytes_of = dict(weights)
+    alive, peak, with_grads, graded = 0.0, 0.0, (), set()
+    for action in schedule.actions[rank]:
+        if action.kind == "F":
+            alive += bytes_of[action.chunk]
+            if alive >= peak - 1e-6:  # the last time the peak is reached counts
+                peak, with_grads = max(peak, alive), tuple(sorted(graded))
+        elif action.kind == release:
+            alive -= bytes_of[action.chunk]
+            graded.add(action.chunk)
+    return peak, with_grads
 
 
 def other_terms(

@@ -555,6 +555,12 @@ def search(
             problems.append(
                 f"fixed plan field {name!r} is not a plan setting; known: {', '.join(FIXABLE)}."
             )
+    if not problems:  # what the runtime refuses whatever the search picks around the pins
+        pins = ParallelPlan(**{k: v for k, v in (fixed or {}).items() if k in PLAN_FIELDS})
+        problems += pins.with_(precision="fp32").runtime_problems(model)
+        by_precision = [ParallelPlan(precision=p).runtime_problems() for p in precisions]
+        if all(by_precision):
+            problems += [p for found in by_precision for p in found]
     if problems:
         raise ConfigError(problems)
     if cluster.device.hbm_bytes <= 0:

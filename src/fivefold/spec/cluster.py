@@ -24,6 +24,8 @@ from dataclasses import asdict, dataclass, replace
 from fivefold.errors import ConfigError
 from fivefold.spec.hardware import GPUSpec, gpu
 
+MAX_GPUS = 1 << 17  # 131,072: beyond the largest clusters built; bounds every search
+
 
 @dataclass(frozen=True)
 class ClusterSpec:
@@ -61,6 +63,12 @@ class ClusterSpec:
         for f in ("nodes", "gpus_per_node"):
             if getattr(self, f) < 1:
                 out.append(f"cluster.{f} = {getattr(self, f)}: must be at least 1.")
+        if self.world_size > MAX_GPUS:
+            out.append(
+                f"cluster of {self.world_size:,} GPUs ({self.nodes:,} nodes x "
+                f"{self.gpus_per_node:,}): fivefold plans at most {MAX_GPUS:,} GPUs; check "
+                "--gpus / cluster.gpus."
+            )
         for f in ("intra_node_bw", "inter_node_bw"):
             if getattr(self, f) <= 0:
                 out.append(f"cluster.{f} = {getattr(self, f)}: must be a positive bytes/s figure.")

@@ -19,6 +19,20 @@ import math
 from dataclasses import asdict, dataclass, field, fields, replace
 
 MLP_KINDS = ("swiglu", "gelu")
+# Upper bounds of the sizes (counts): well beyond any published model, small enough that a typo
+# (hidden = 1e12) is refused at once instead of overflowing a tensor or a search.
+MODEL_LIMITS = {
+    "layers": 4096,
+    "hidden": 1 << 18,
+    "heads": 1 << 14,
+    "kv_heads": 1 << 14,
+    "ffn": 1 << 21,
+    "vocab": 1 << 24,
+    "seq_len": 1 << 24,
+    "experts": 1 << 14,
+    "expert_ffn": 1 << 21,
+    "shared_experts": 1 << 10,
+}
 
 
 @dataclass(frozen=True)
@@ -114,6 +128,19 @@ class ModelSpec:
         for f in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq_len", "head_dim"):
             if getattr(self, f) <= 0:
                 out.append(f"model.{f} = {getattr(self, f)}: must be a positive integer.")
+        for f in ("experts", "top_k", "expert_ffn", "shared_experts", "dense_layers"):
+            if getattr(self, f) < 0:
+                out.append(f"model.{f} = {getattr(self, f)}: must be >= 0.")
+        for f, high in MODEL_LIMITS.items():
+            if getattr(self, f) > high:
+                out.append(
+                    f"model.{f} = {getattr(self, f):,} is beyond any model fivefold plans or "
+                    f"trains (at most {high:,}); check the value (sizes are counts, e.g. "
+                    "hidden = 4096)."
+                )
+        for f in ("norm_eps", "rope_theta", "router_aux_loss_coef"):
+            if not math.isfinite(getattr(self, f)):
+                out.append(f"model.{f} = {getattr(self, f)}: must be a finite number.")
         if out:
             return out
         if self.mlp not in MLP_KINDS:
@@ -125,6 +152,13 @@ class ModelSpec:
             )
         if self.norm_eps <= 0:
             out.append(f"model.norm_eps = {self.norm_eps}: must be positive, e.g. 1e-5.")
+        if self.rope_theta <= 0:
+            out.append(f"model.rope_theta = {self.rope_theta}: must be positive, e.g. 500000.")
+        if self.router_aux_loss_coef < 0:
+            out.append(
+                f"model.router_aux_loss_coef = {self.router_aux_loss_coef}: must be >= 0, "
+                "e.g. 0.01."
+            )
         out += self._rope_scaling_problems()
         if self.is_moe:
             if not 1 <= self.top_k <= self.experts:

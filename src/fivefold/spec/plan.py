@@ -22,6 +22,7 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zbv", "dualpipev")
 CP_KINDS = ("ring", "allgather", "ulysses")
 TWO_STAGES_PER_RANK = ("zbv", "dualpipev")  # V-shaped schedules: exactly 2 chunks per rank
 RUNTIME_COMPUTE_DTYPES = ("fp32", "bf16")  # what fivefold's runtime computes in
+PLAN_LIMIT = 1 << 17  # the largest degree, micro-batch or accumulation count (cf. MAX_GPUS)
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,7 @@ class ParallelPlan:
 
         This is the one set of rules: the CLI, recipe loading, the search, `--plan auto` and the
         runtime all ask it before any process starts. `runtime=True` (the default everywhere)
-        adds what fivefold's own runtime does not implement (`_runtime_problems`); only
+        adds what fivefold's own runtime does not implement (`runtime_problems`); only
         estimates of runs made by other software (the published runs the planner is checked
         against) pass False.
         """
@@ -103,7 +104,7 @@ class ParallelPlan:
         if out:
             return out
         if runtime:
-            out += self._runtime_problems(model)
+            out += self.runtime_problems(model)
         if cluster is not None:
             out += self._cluster_problems(cluster)
         if model is not None:
@@ -144,6 +145,11 @@ class ParallelPlan:
             value = getattr(self, f)
             if not isinstance(value, int) or value < 1:
                 out.append(f"plan.{f} = {value!r}: must be a whole number >= 1.")
+            elif value > PLAN_LIMIT:
+                out.append(
+                    f"plan.{f} = {value:,} is beyond any layout fivefold plans or runs (at most "
+                    f"{PLAN_LIMIT:,}); check the value."
+                )
         if self.zero not in (0, 1, 2, 3):
             out.append(f"plan.zero = {self.zero!r}: ZeRO stage must be 0, 1, 2 or 3.")
         if self.schedule not in SCHEDULES:
@@ -210,15 +216,17 @@ class ParallelPlan:
                 )
         return out
 
-    def _runtime_problems(self, m: ModelSpec | None) -> list[str]:
-        """What fivefold's runtime refuses although the layout itself is consistent."""
+    def runtime_problems(self, m: ModelSpec | None = None) -> list[str]:
+        """What fivefold's runtime refuses although the layout itself is consistent (part of
+        `problems`; alone where only some fields are known, e.g. those a search pins)."""
         out = []
         compute = precision_recipe(self.precision).compute_dtype
         if compute not in RUNTIME_COMPUTE_DTYPES:
             out.append(
                 f"plan.precision = {self.precision!r} computes in {compute}, which fivefold's "
-                "runtime does not implement (it is a planning recipe); use 'fp32' or a bf16 "
-                "recipe such as 'bf16-mixed'."
+                "runtime does not implement (the recipe describes fp8 training elsewhere, e.g. "
+                "DeepSeek-V3's, for the memory arithmetic of `fivefold.planner.memory`); use "
+                "'fp32' or a bf16 recipe such as 'bf16-mixed'."
             )
         if m is None:
             return out

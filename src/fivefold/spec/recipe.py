@@ -11,6 +11,7 @@ Every problem is reported at once.
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from fivefold.spec.presets import MODEL_PRESETS
 
 T = TypeVar("T")
 _CORE_SECTIONS = ("model", "cluster", "plan")
+SECTIONS = (*_CORE_SECTIONS, "train", "data")  # [train] and [data]: fivefold.train.config
 
 
 @dataclass
@@ -132,7 +134,7 @@ def _coerce(value: Any, hint: Any) -> Any:
         return value if isinstance(value, int) and not isinstance(value, bool) else _BAD
     if hint is float:
         ok = isinstance(value, int | float) and not isinstance(value, bool)
-        return float(value) if ok else _BAD
+        return float(value) if ok and math.isfinite(value) else _BAD
     if hint is str:
         return value if isinstance(value, str) else _BAD
     if origin is list:
@@ -143,9 +145,13 @@ def _coerce(value: Any, hint: Any) -> Any:
 
 
 def _type_name(hint: Any) -> str:
-    return {int: "a whole number", float: "a number", bool: "true or false", str: "a string"}.get(
-        hint, str(hint)
-    )
+    names = {
+        int: "a whole number",
+        float: "a finite number",
+        bool: "true or false",
+        str: "a string",
+    }
+    return names.get(hint, str(hint))
 
 
 def expand_model(values: dict[str, Any], problems: list[str]) -> dict[str, Any] | None:
@@ -249,7 +255,12 @@ def recipe_from_dict(data: dict[str, dict[str, Any]], default_world: int | None 
     """Build and validate a recipe; raises one ConfigError listing every problem."""
     problems: list[str] = []
     for name, section in data.items():
-        if not isinstance(section, dict):
+        if name not in SECTIONS:
+            problems.append(
+                f"[{name}] is not a recipe section (from the file or an override such as "
+                f"{name}.x=...); known sections: {', '.join(SECTIONS)}."
+            )
+        elif not isinstance(section, dict):
             problems.append(f"{name} = {section!r}: expected a [{name}] table of settings.")
     if problems:
         raise ConfigError(problems)

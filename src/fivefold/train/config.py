@@ -12,12 +12,14 @@ Batch sizes are in sequences. `train.global_batch` is optional: when given it mu
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from fivefold.checkpoint.elastic import resume_mode
 from fivefold.errors import ConfigError
+from fivefold.spec.model import param_count
 from fivefold.spec.recipe import Recipe, build
 
 LR_SCHEDULES = ("cosine", "linear", "constant")
@@ -113,6 +115,8 @@ class TrainConfig:
             out.append(
                 f"train.global_batch = {self.global_batch}: must be >= 1 (or 0 for the plan's)."
             )
+        if not 0 <= self.seed < 2**63:
+            out.append(f"train.seed = {self.seed}: must be a whole number >= 0, e.g. 0.")
         if self.device not in DEVICES:
             out.append(f"train.device = {self.device!r}: choose one of {', '.join(DEVICES)}.")
         for name in ("log_every", "eval_batches", "memory_step"):
@@ -131,6 +135,8 @@ class TrainConfig:
             out.append(
                 f"train.name = {self.name!r}: must be a plain directory name such as 'small-cpu'."
             )
+        where = "train.run_dir" if self.run_dir else "train.runs_dir"
+        out += directory_problems(self.path(), where)
         return out
 
     def _beta_problems(self) -> list[str]:
@@ -164,7 +170,35 @@ class DataConfig:
             )
         if not 0 <= self.val_fraction < 1:
             out.append(f"data.val_fraction = {self.val_fraction}: must be in [0, 1), e.g. 0.02.")
+        if self.cache_dir and self.inputs:
+            out += directory_problems(Path(self.cache_dir), "data.cache_dir")
+        for name in self.inputs:
+            path = Path(name)
+            if path.is_file():
+                try:
+                    path.open("rb").close()
+                except OSError as err:
+                    out.append(f"data.inputs: {name!r} cannot be read ({err.strerror}).")
         return out
+
+
+def directory_problems(path: Path, field: str) -> list[str]:
+    """Why `path` cannot be a directory this run writes into (created if missing): an existing
+    file on the way, or an existing directory we may not write to. Checked before anything
+    starts, so a run never dies on its first save."""
+    if path.is_dir():
+        existing = path
+    else:
+        existing = next((p for p in path.parents if p.exists()), Path("/"))
+        if not existing.is_dir() or path.exists():
+            blocker = path if path.exists() else existing
+            return [
+                f"{field}: {str(blocker)!r} is a file, not a directory, so {str(path)!r} cannot "
+                "be created; choose another directory."
+            ]
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return [f"{field}: {str(existing)!r} is not writable; choose a directory you can write."]
+    return []
 
 
 @dataclass
@@ -218,3 +252,54 @@ def parse_train_config(recipe: Recipe) -> RunConfig:
         raise ConfigError(problems)
     assert train is not None and data is not None
     return RunConfig(recipe, train, data)
+
+
+def machine_memory_bytes() -> int | None:
+    """This machine's memory for processes: physical RAM, or the cgroup limit when lower."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit.isdigit():
+            total = min(total, int(limit))
+    except OSError:
+        pass
+    return total
+
+
+def machine_memory_problems(recipe: Recipe, device: str) -> list[str]:
+    """A run on this machine's CPU: refuse at once what cannot fit in its memory.
+
+    A lower bound of what all the run's processes hold together: one copy of the fp32 weights,
+    gradients and Adam m and v (16 bytes per parameter; sharding splits them, never shrinks
+    them), and for one micro-batch of every data-parallel rank each block's input and the
+    logits at 2 bytes per element (bf16 at the least).
+    """
+    if device == "cuda":
+        return []
+    if device == "auto":
+        import torch
+
+        if torch.cuda.is_available():
+            return []
+    ram = machine_memory_bytes()
+    if ram is None:
+        return []
+    m, plan = recipe.model, recipe.plan
+    params = param_count(m)
+    states = 16 * params
+    tokens = plan.micro_batch * plan.dp * m.seq_len
+    activations = 2 * tokens * (m.hidden * m.layers + m.vocab)
+    need = states + activations
+    if need <= ram:
+        return []
+    gib = 2**30
+    return [
+        f"this run needs at least {need / gib:,.1f} GiB of memory, more than this machine's "
+        f"{ram / gib:,.1f} GiB: {states / gib:,.1f} GiB of fp32 weights, gradients and Adam "
+        f"state for {params:,} parameters and {activations / gib:,.1f} GiB of activations for "
+        f"micro-batches of {tokens:,} tokens in all; make the model smaller (model.hidden, "
+        "model.layers, model.vocab) or lower plan.micro_batch or model.seq_len."
+    ]

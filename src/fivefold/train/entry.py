@@ -18,7 +18,7 @@ from typing import Any
 
 from fivefold.errors import ConfigError, FivefoldError
 from fivefold.spec.recipe import merge, parse_overrides, read_toml, recipe_from_dict
-from fivefold.train.config import RunConfig, parse_train_config
+from fivefold.train.config import RunConfig, machine_memory_problems, parse_train_config
 
 RECIPE_SUFFIXES = (".toml",)
 RESUME_HELP = (
@@ -105,14 +105,19 @@ def load_run(
 
 
 def check_layout(
-    recipe_path: str | Path | None, overrides: list[str], world_size: int
+    recipe_path: str | Path | None, overrides: list[str], world_size: int, local: bool = True
 ) -> RunConfig:
     """`load_run` for `world_size` processes, and the plan's degrees must multiply to it: what
-    the launchers call before starting anything (ConfigError otherwise)."""
+    the launchers call before starting anything (ConfigError otherwise). With `local`, the run
+    is on this machine, whose memory must hold it (`machine_memory_problems`)."""
     from fivefold.parallel.mesh import ParallelDims
 
     run = load_run(recipe_path, overrides, world_size=world_size)
     ParallelDims.from_plan(run.recipe.plan, world_size)
+    if local:
+        problems = machine_memory_problems(run.recipe, run.train.device)
+        if problems:
+            raise ConfigError(problems)
     return run
 
 
@@ -157,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
 
         recipe_path, overrides = split_recipe_and_overrides(args.items)
         overrides += resume_overrides(args.resume, args.fresh)
-        summary = train(load_run(recipe_path, overrides))
+        world = world_size_from_env()  # a single process checks its machine; launchers did
+        summary = train(check_layout(recipe_path, overrides, world, local=world == 1))
     except FivefoldError as err:
         return _report("error", f"{err}", 2)
     except KeyboardInterrupt:

@@ -2,9 +2,10 @@
 
 MFU = achieved model FLOP/s / (peak FLOP/s x devices), where model FLOPs per token are
 `fivefold.spec.model.training_flops_per_token` (forward + backward, causal attention, no
-recompute). HFU counts the recomputed forward work as well. The peak comes from
-`fivefold.train.peak` and its label travels with every printed MFU (on CPU it is a measured
-matmul peak, not a datasheet figure).
+recompute). HFU counts the recomputed forward work as well, as it runs: torch's checkpoint skips
+each block's last matmul (`early_stop=True`). The peak comes from `fivefold.train.peak`, one
+figure per run, and its label travels with every printed MFU (on CPU it is a measured matmul
+peak, the device profile's when `fivefold calibrate` wrote one, not a datasheet figure).
 """
 
 from __future__ import annotations
