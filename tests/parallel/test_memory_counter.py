@@ -50,6 +50,7 @@ def _both(plan_extra: dict) -> tuple[int, int, dict]:
     import torch.distributed as dist
     from torch.distributed._tools.mem_tracker import MemTracker
 
+    from fivefold.parallel.runtime import DistributedRuntime
     from fivefold.spec.recipe import recipe_from_dict
     from fivefold.train.config import parse_train_config
     from fivefold.train.data import Batch
