@@ -54,11 +54,13 @@ def batch_for(seq_len: int, vocab: int, docs: str, doc_len: int):
     return Batch(stream[:, :-1], stream[:, 1:], index % length, index // length)
 
 
-def predicted_bytes(recipe) -> float:
-    """The planner's peak for stage 0, as the layout report predicts it."""
+def predicted_bytes(recipe, cp: int) -> float:
+    """The planner's peak for stage 0, as the layout report predicts it (one process runs
+    `LocalRuntime`, which wraps nothing in FSDP2)."""
     from fivefold.parallel.report import memory_only_prediction
 
-    return memory_only_prediction(recipe.model, recipe.plan)[0]["total"] * GiB
+    stages = memory_only_prediction(recipe.model, recipe.plan, fsdp_wrapped=cp > 1)
+    return stages[0]["total"] * GiB
 
 
 def measured_step(runtime, batch, with_time: bool) -> tuple[int, float | None]:
@@ -101,7 +103,7 @@ def measure_single(seq_len: int, docs: str, doc_len: int = 3000, with_time: bool
 
 
 def _row(recipe, cp: int, docs: str, peak: int, seconds: float | None) -> dict:
-    predicted = predicted_bytes(recipe)
+    predicted = predicted_bytes(recipe, cp)
     return {
         "seq_len": recipe.model.seq_len,
         "cp": cp,
@@ -118,9 +120,10 @@ def _measure_cp(
 ) -> dict:
     """One rank of a CP case (`DistributedRuntime` shards the full batch itself)."""
     from fivefold.parallel.runtime import DistributedRuntime
+    from fivefold.train.config import parse_train_config
 
     recipe = recipe_for(seq_len, cp=world)
-    runtime = DistributedRuntime(recipe)
+    runtime = DistributedRuntime(recipe, parse_train_config(recipe).train)
     batch = batch_for(seq_len, recipe.model.vocab, docs, doc_len)
     peak, seconds = measured_step(runtime, batch, with_time)
     runtime.close()
