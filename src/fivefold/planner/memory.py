@@ -593,7 +593,7 @@ def stage_memory(
     acts = max(per_chunk) * inflight
     grads_at_peak = True
     if opts.eager:
-        acts, with_grads = eager_peak_activations(plan, rank, chunks, per_chunk)
+        acts, with_grads = eager_peak_activations(plan, rank, chunks, per_chunk, state.grads)
         # Measured: once any chunk of the rank ran a backward before the peak, the rank's
         # gradients are all there (the per-chunk split under-predicts ZBV by 5-12 %).
         grads_at_peak = bool(with_grads)
@@ -625,39 +625,42 @@ def stage_memory(
 
 
 def eager_peak_activations(
-    plan: ParallelPlan, rank: int, chunks: list[int], per_chunk: list[float]
+    plan: ParallelPlan, rank: int, chunks: list[int], per_chunk: list[float], grads: float = 0.0
 ) -> tuple[float, tuple[int, ...]]:
     """fivefold-eager: (peak activation bytes of pipeline rank `rank`, the chunks whose
     gradients exist at that peak). Without a pipeline: one micro-batch, after grad_accum - 1
     backwards. In a pipeline, the rank's action list is walked with each (micro-batch, chunk)
     weighing its own chunk's bytes (chunks of one rank may hold different layer counts); a
-    chunk's gradients exist at the peak when it had a weight-gradient action before the last
-    time the peak is reached (never in GPipe)."""
+    chunk's gradients exist at the peak when it had a weight-gradient action before it; the
+    peak is that of the activations plus the rank's `grads` once they exist (never in GPipe)."""
     if plan.pp == 1:
         return max(per_chunk), tuple(chunks) if plan.grad_accum > 1 else ()
     weights = dict(zip(chunks, per_chunk, strict=True))
-    return _walk(plan.schedule, plan.pp, plan.vpp, plan.grad_accum, rank, tuple(weights.items()))
+    return _walk(
+        plan.schedule, plan.pp, plan.vpp, plan.grad_accum, rank, tuple(weights.items()), grads
+    )
 
 
 @lru_cache(maxsize=4096)
 def _walk(
-    name: str, pp: int, vpp: int, m: int, rank: int, weights: tuple
+    name: str, pp: int, vpp: int, m: int, rank: int, weights: tuple, grads: float
 ) -> tuple[float, tuple[int, ...]]:
     from fivefold.planner.schedule import build_schedule
 
     schedule = build_schedule(name, pp, vpp, m)
     release = "W" if schedule.split_backward else "B"
     bytes_of = dict(weights)
-    alive, peak, with_grads, graded = 0.0, 0.0, (), set()
+    alive, best, acts, with_grads, graded = 0.0, -1.0, 0.0, (), set()
     for action in schedule.actions[rank]:
         if action.kind == "F":
             alive += bytes_of[action.chunk]
-            if alive >= peak - 1e-6:  # the last time the peak is reached counts
-                peak, with_grads = max(peak, alive), tuple(sorted(graded))
+            total = alive + (grads if graded else 0.0)
+            if total >= best - 1e-6:  # the last time the peak is reached counts
+                best, acts, with_grads = max(best, total), alive, tuple(sorted(graded))
         elif action.kind == release:
             alive -= bytes_of[action.chunk]
             graded.add(action.chunk)
-    return peak, with_grads
+    return acts, with_grads
 
 
 def other_terms(
