@@ -24,8 +24,10 @@ cache_dir, val_fraction. Without [data] the model trains on the embedded corpus.
 
 On CPU a recipe that does not set plan.precision trains in fp32; a bf16 recipe runs bf16
 autocast. Each run writes runs/<name>/: metrics.jsonl (one line per step: loss, grad_norm, lr,
-tokens_per_s, mfu, hfu, peak_memory_bytes, ...), recipe.toml (as resolved), summary.json,
-ckpt/step_<n>/ and TensorBoard events when tensorboard is installed. MFU is model FLOPs against
+tokens_per_s, mfu, hfu, peak_memory_bytes, ...; on the layout-report step, plan_vs_run: the
+planner's per-stage peak memory, tenant by tenant, and step time beside the measured ones),
+recipe.toml (as resolved), summary.json, ckpt/step_<n>/ and TensorBoard events when
+tensorboard is installed. MFU is model FLOPs against
 the device's dense peak from the GPU catalog; on CPU against a matmul peak measured at start.
 
 Re-running: by default (train.resume = "auto") a run whose directory holds a valid checkpoint

@@ -92,9 +92,9 @@ class EagerProfile:
 
     norm_fp32_saved: int = 2  # RMSNorm keeps its fp32 input and the normalised x before weight
     swiglu_saved: int = 4  # w1 out, w3 out, silu(w1 out), their product (fused: 3)
-    rope_tables: bool = True  # fp32 cos and sin [b, 1, s, head_dim] per layer
-    kv_expanded: bool = True  # K and V kept repeated to every query head (`repeat_kv`)
-    mask_bytes: float = 4.0  # the document mask kept per sequence, per (query, key) pair
+    rope_tables_per_chunk: bool = True  # fp32 cos and sin [b, s, 1, head_dim], once a forward
+    kv_expanded: bool = False  # K and V kept repeated to every query head (was `repeat_kv`)
+    mask_bytes: float = 0.0  # a dense document mask kept per sequence, per (query, key) pair
     index_bytes: int = 8  # the embedding keeps its int64 token indices
 
 
@@ -418,8 +418,6 @@ def _eager_bytes(model, plan, moe, policy, e, sb, rdiv) -> float:
     kv = local_kv_width(model, t)
     s = model.seq_len / plan.cp
     total = 2 * eager_norm_bytes(model, e, sb, rdiv)
-    if EAGER.rope_tables:
-        total += 2 * 4 * sb * model.head_dim  # cos, sin for the full local sequence
     if policy == "selective":  # the core re-runs: its inputs q, k, v and its output are kept
         total += e * sb * (2 * q + 2 * kv)
     else:
@@ -437,10 +435,10 @@ def _eager_bytes(model, plan, moe, policy, e, sb, rdiv) -> float:
     total += k * (2 * e * sb * model.hidden + EAGER.swiglu_saved * e * sb * fe)
     total += model.shared_experts * EAGER.swiglu_saved * e * sb * fe
     # The router: fp32 probabilities [N, E], top-k probabilities and renormalised gates [N, k]
-    # with their sum [N], three int64 index vectors [N k] (top-k, gather, inverse), and the
-    # load-balancing loss's expert fractions [E].
+    # with their sum [N], three int64 index vectors [N k] (top-k, gather, inverse), the
+    # load-balancing loss's expert fractions [E] and the grouped matmul's int32 offsets [E].
     total += 4 * sb * model.experts + 8 * sb * k + 4 * sb + 3 * 8 * sb * k
-    return total + 4 * model.experts
+    return total + 2 * 4 * model.experts
 
 
 def _stored_bytes(model, plan, moe, opts, policy, e, sb, rdiv) -> float:
@@ -516,6 +514,8 @@ def chunk_activation_bytes(
             total += eager_norm_bytes(model, e, sb, sp_div)
         else:
             total += 2 * e * sb * model.hidden / sp_div
+    if opts.eager and EAGER.rope_tables_per_chunk:
+        total += 2 * 4 * sb * model.head_dim  # RoPE cos and sin, shared by the chunk's layers
     if chunk == 0 and opts.eager:
         total += EAGER.index_bytes * sb
     return total
