@@ -11,7 +11,8 @@ import time
 
 import pytest
 
-from fivefold.explore import bounded, server as server_module
+from fivefold.explore import bounded
+from fivefold.explore import server as server_module
 
 BIG_SEARCH = {
     "model": {"preset": "llama3-405b"},
