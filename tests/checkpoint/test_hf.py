@@ -114,6 +114,8 @@ def test_moe_export_is_refused(tmp_path):
         ({"attention_bias": True}, "attention_bias = true"),
         ({"hidden_act": "gelu"}, "hidden_act = 'gelu'"),
         ({"model_type": "mistral"}, "model_type = 'mistral'"),
+        ({"sliding_window": 4096}, "unknown field.s. sliding_window"),  # would change attention
+        ({"attention_dropout": 0.1}, "attention_dropout = 0.1"),
     ],
 )
 def test_unsupported_llama_configs_are_named(change, message):
