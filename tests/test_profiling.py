@@ -58,6 +58,6 @@ def test_trace_names_steps_and_modules(tmp_path):
     ],
 )
 def test_bad_profile_settings_are_config_errors(tmp_path, value, words):
-    with pytest.raises(ConfigError, match="train.profile") as err:
+    with pytest.raises(ConfigError, match=r"train\.profile") as err:
         tiny_run(tmp_path, f"train.profile={value}")
     assert words in str(err.value)
