@@ -21,6 +21,7 @@ from fivefold.checkpoint.elastic import resume_mode
 from fivefold.errors import ConfigError
 from fivefold.spec.model import param_count
 from fivefold.spec.recipe import Recipe, build
+from fivefold.train.trackers import tracker_problems
 
 LR_SCHEDULES = ("cosine", "linear", "constant")
 DEVICES = ("auto", "cpu", "cuda")
@@ -65,6 +66,7 @@ class TrainConfig:
     compile: bool = False
     # {start_step = N, steps = K}: a torch.profiler trace of steps N..N+K-1 into <run_dir>/profile
     profile: dict[str, int] = field(default_factory=dict)
+    trackers: list[str] = field(default_factory=list)  # also log to: "wandb", "mlflow"
 
     @property
     def beta1(self) -> float:
@@ -139,6 +141,7 @@ class TrainConfig:
                 f"train.name = {self.name!r}: must be a plain directory name such as 'small-cpu'."
             )
         out += self._profile_problems()
+        out += tracker_problems(self.trackers)
         where = "train.run_dir" if self.run_dir else "train.runs_dir"
         out += directory_problems(self.path(), where)
         return out

@@ -34,7 +34,6 @@ from fivefold.train.metrics import (
     GiB,
     JsonlWriter,
     StepMetrics,
-    TensorBoardWriter,
     ThroughputMeter,
     format_mfu,
     format_tokens_per_s,
@@ -45,6 +44,7 @@ from fivefold.train.peak import DevicePeak, device_peak
 from fivefold.train.profiling import StepProfiler
 from fivefold.train.runtime import Runtime, make_runtime
 from fivefold.train.schedule import build_scheduler
+from fivefold.train.trackers import Trackers
 
 
 @dataclass
@@ -280,7 +280,7 @@ class Trainer:
             if main
             else None
         )
-        board = TensorBoardWriter(self.run_dir / "tb") if main and self.cfg.tensorboard else None
+        board = Trackers(self.run_dir, self.recipe, self.cfg, start_step) if main else None
         reporter = ConsoleReporter(
             self.console,
             self.cfg.steps,
