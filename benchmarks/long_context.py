@@ -12,8 +12,9 @@ Memory is measured the way the runtime's layout report does it (`DistributedRunt
 _memory_tracker`): the live tensor storages of one `train_step` (forward + backward) counted by
 `fivefold.train.memory.track_cpu_peak` from the parameters on, plus AdamW's m and v (8 bytes
 per parameter). It is deterministic. The prediction is the planner's, through the function the
-layout report uses (`fivefold.parallel.report.memory_only_prediction`: no CUDA context, no
-fragmentation); the error is (predicted - measured) / measured. Per doubling of T the measured
+layout report uses (`fivefold.parallel.report.predictions`: the memory model of fivefold's
+eager runtime, no CUDA context, no fragmentation on CPU); the error is
+(predicted - measured) / measured. Per doubling of T the measured
 peak should grow at most 2.2x (linear memory, no T x T term).
 
 With `--time`, a second, untracked step is timed (wall clock; CP: rank 0, between barriers).
@@ -54,11 +55,12 @@ def batch_for(seq_len: int, vocab: int, docs: str, doc_len: int):
     return Batch(stream[:, :-1], stream[:, 1:], index % length, index // length)
 
 
-def predicted_bytes(recipe) -> float:
-    """The planner's peak for stage 0, as the layout report predicts it."""
-    from fivefold.parallel.report import memory_only_prediction
+def predicted_bytes(runtime) -> float:
+    """The planner's peak for this rank's stage, from the function the layout report uses."""
+    from fivefold.parallel.report import predictions
 
-    return memory_only_prediction(recipe.model, recipe.plan)[0]["total"] * GiB
+    memory, _, _ = predictions(runtime)
+    return memory[0]["total"] * GiB
 
 
 def measured_step(runtime, batch, with_time: bool) -> tuple[int, float | None]:
@@ -97,11 +99,12 @@ def measure_single(seq_len: int, docs: str, doc_len: int = 3000, with_time: bool
     peak, seconds = measured_step(
         runtime, batch_for(seq_len, recipe.model.vocab, docs, doc_len), with_time
     )
-    return _row(recipe, 1, docs, peak, seconds)
+    return _row(runtime, 1, docs, peak, seconds)
 
 
-def _row(recipe, cp: int, docs: str, peak: int, seconds: float | None) -> dict:
-    predicted = predicted_bytes(recipe)
+def _row(runtime, cp: int, docs: str, peak: int, seconds: float | None) -> dict:
+    predicted = predicted_bytes(runtime)
+    recipe = runtime.recipe
     return {
         "seq_len": recipe.model.seq_len,
         "cp": cp,
@@ -117,14 +120,15 @@ def _measure_cp(
     rank: int, world: int, seq_len: int, docs: str, doc_len: int, with_time: bool
 ) -> dict:
     """One rank of a CP case (`DistributedRuntime` shards the full batch itself)."""
-    from fivefold.parallel.runtime import DistributedRuntime
+    from fivefold.train.runtime import distributed_runtime
 
     recipe = recipe_for(seq_len, cp=world)
-    runtime = DistributedRuntime(recipe)
+    runtime = distributed_runtime(recipe)
     batch = batch_for(seq_len, recipe.model.vocab, docs, doc_len)
     peak, seconds = measured_step(runtime, batch, with_time)
+    row = _row(runtime, world, docs, peak, seconds)
     runtime.close()
-    return _row(recipe, world, docs, peak, seconds)
+    return row
 
 
 def measure_cp(seq_len: int, docs: str, doc_len: int, with_time: bool, world: int = 4) -> dict:
@@ -172,7 +176,7 @@ def main() -> None:
     args = parser.parse_args()
     print(
         "tiny preset, micro-batch 1, fp32; measured = live tensor storages of one train_step + "
-        "AdamW m, v; predicted = planner (memory_only_prediction)",
+        "AdamW m, v; predicted = planner (report.predictions)",
         flush=True,
     )
     rows: list[dict] = []

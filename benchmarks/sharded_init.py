@@ -34,10 +34,10 @@ def measure(rank: int, world: int, preset: str, zero: int) -> dict:
     """One rank: construct the runtime under the storage counter; its memory figures."""
     import resource
 
-    from fivefold.parallel.runtime import DistributedRuntime
     from fivefold.spec.model import layer_params, param_count
     from fivefold.spec.recipe import recipe_from_dict
     from fivefold.train.memory import StorageCounter
+    from fivefold.train.runtime import distributed_runtime
 
     plan = {"precision": "fp32", "dp_shard": world, "zero": zero, "micro_batch": 1}
     recipe = recipe_from_dict(
@@ -52,7 +52,7 @@ def measure(rank: int, world: int, preset: str, zero: int) -> dict:
     counter = StorageCounter()
     start = time.perf_counter()
     with counter:
-        runtime = DistributedRuntime(recipe)
+        runtime = distributed_runtime(recipe)
     seconds = time.perf_counter() - start
     rss_after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     shard = sum(p.to_local().numel() * 4 for part in runtime.model_parts for p in part.parameters())

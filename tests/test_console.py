@@ -81,3 +81,34 @@ def test_threads_wait_passively_unless_told() -> None:
     env = {"OMP_WAIT_POLICY": "ACTIVE"}
     threads.passive_wait(env)
     assert env == {"OMP_WAIT_POLICY": "ACTIVE"}
+
+
+def test_one_measured_peak_per_run_even_past_30_s(tmp_path, monkeypatch) -> None:
+    """The header's "MFU against" peak is the footer's: the CPU peak is measured once, however
+    long the run (it used to be re-measured every 30 s, so header and footer disagreed)."""
+    import time
+
+    import fivefold.train.loop as loop
+    from fivefold.train.entry import load_run
+    from fivefold.train.peak import DevicePeak
+
+    calls = []
+
+    def fake_peak(device, dtype, **kwargs) -> DevicePeak:
+        calls.append(dtype)
+        return DevicePeak(1e9 * len(calls), dtype, f"fake peak #{len(calls)}", "test")
+
+    real = time.perf_counter
+    ticks = iter(range(10**9))
+    monkeypatch.setattr(loop, "device_peak", fake_peak)
+    monkeypatch.setattr(time, "perf_counter", lambda: real() + 31.0 * next(ticks))  # 31 s/call
+    out = io.StringIO()
+    run = load_run(
+        str(CONFIGS / "tiny-cpu.toml"),
+        ["train.steps=4", "train.warmup_steps=1", f'train.run_dir="{tmp_path}"',
+         "train.progress=false", "train.tensorboard=false", "train.save_final=false"],
+    )  # fmt: skip
+    summary = loop.train(run, console=Console(file=out, width=300))
+    assert len(calls) == 1 and summary.peak_label == "fake peak #1"
+    text = out.getvalue()
+    assert "MFU against: fake peak #1" in text and "(vs fake peak #1)" in text

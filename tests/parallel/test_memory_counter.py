@@ -61,8 +61,9 @@ def _both(plan_extra: dict) -> tuple[int, int, dict]:
         {"model": {"preset": "small"}, "plan": plan, "train": {"device": "cpu", "steps": 10}},
         default_world=dist.get_world_size(),
     )
-    runtime = DistributedRuntime(recipe)
-    optimizer = build_optimizer(runtime.model_parts, parse_train_config(recipe).train)
+    train = parse_train_config(recipe).train
+    runtime = DistributedRuntime(recipe, train)
+    optimizer = build_optimizer(runtime.model_parts, train)
     seq = recipe.model.seq_len
     gen = torch.Generator().manual_seed(dist.get_rank())
 

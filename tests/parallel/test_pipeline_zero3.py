@@ -25,11 +25,11 @@ def _count_all_gathers(rd: dict, world: int) -> dict:
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
-    from fivefold.parallel.runtime import DistributedRuntime
     from fivefold.spec.recipe import recipe_from_dict
+    from fivefold.train.runtime import distributed_runtime
 
     recipe = recipe_from_dict(rd, default_world=world)
-    runtime = DistributedRuntime(recipe)
+    runtime = distributed_runtime(recipe)
     calls = {"n": 0}
     original = dist.all_gather_single
 

@@ -222,3 +222,80 @@ def test_bad_inputs_raise_config_errors():
         model_state_bytes(1e9, "int4")
     with pytest.raises(ConfigError, match=r"exceed model\.layers"):
         stage_layer_counts(model_preset("tiny"), 3)
+
+
+# ---- runtime = "fivefold-eager": what fivefold's own runtime keeps -----------------------------
+EAGER = MemoryOptions(runtime="fivefold-eager", cuda_context_bytes=0, fragmentation_fraction=0)
+SMALL_PARAMS = 6_450_432  # the small preset (hidden 256, 6 layers, ffn 688, vocab 4096)
+
+
+def test_eager_small_layer_hand_count():
+    # small, fp32 (e = 4), one sequence of s = 256 tokens, h = q = 256, kv = 128, f = 688,
+    # 8 heads of 32: sbh = 65,536 elements = 262,144 B.
+    # Two RMSNorms each keep the fp32 input, the normalised x and the output the next matmul
+    # keeps (3 sbh) plus 1 KiB of reciprocal RMS; attention keeps q (sbh), k and v (kv wide,
+    # sbh/2 each), its output (sbh) and an fp32 log-sum-exp (8 KiB); SwiGLU keeps four f-wide
+    # tensors. (The RoPE tables, 2 x 4 s Dh = 64 KiB, are counted once per chunk.)
+    m = model_preset("small")
+    plan = ParallelPlan(precision="fp32", micro_batch=1)
+    sbh = 262_144
+    expected = 6 * sbh + 2 * 1024 + 3 * sbh + 8192 + 4 * 4 * 256 * 688
+    assert expected == 5_187_584  # the saved tensors of one block (tests/test_saved_activations)
+    assert layer_activation_bytes(m, plan, options=EAGER) == expected
+    # The fused formula (3 f-wide tensors, norm input and output only) keeps 28 % less.
+    assert layer_activation_bytes(m, plan) == 7 * sbh + 3 * 4 * 256 * 688 + 8192
+
+
+def test_eager_single_process_stage_hand_count():
+    # 1 rank, fp32, mbs 2, accumulation 1, FSDP2-wrapped (replicate): params P = 4 B/param,
+    # the gathered copy of them another 4 B, AdamW m and v 8 B; no gradients yet at the peak
+    # (FSDP2 allocates them in the backward that follows it); activations = 6 layers x 2
+    # sequences + the final norm (3 x 2 sbh + 2 KiB) + the embedding's int64 indices, and the
+    # loss's 12 B per logit (2 x 256 x 4096 logits), and the RoPE tables (2 x 4 x 512 x 32).
+    m = model_preset("small")
+    plan = ParallelPlan(precision="fp32", micro_batch=2)
+    mem = stage_memory(m, plan, 0, 1, EAGER)
+    P = SMALL_PARAMS * 4
+    acts = 6 * 2 * 5_187_584 + 3 * 2 * 262_144 + 2 * 1024 + 8 * 512 + 2 * 4 * 512 * 32
+    assert not mem.grads_at_peak
+    assert mem.activations == acts
+    assert mem.other_terms == {
+        "cuda_context": 0,
+        "logits": 512 * 4096 * 12,
+        "fsdp_param_shards": P,
+        "fragmentation": 0,
+    }
+    assert mem.total == P + P + 2 * P + acts + 512 * 4096 * 12
+    # One process without FSDP (LocalRuntime): no second copy of the weights.
+    local = stage_memory(m, plan, 0, 1, MemoryOptions(**{**EAGER.__dict__, "fsdp_wrapped": False}))
+    assert local.total == mem.total - P
+
+
+def test_eager_fsdp_terms_replace_ddp_buckets():
+    m = model_preset("small")
+    zero0 = stage_memory(m, ParallelPlan(precision="fp32", dp_replicate=2), 0, 1, EAGER)
+    assert "dp_grad_buckets" not in zero0.other_terms  # FSDP2's replicate has no buckets
+    zero1 = stage_memory(m, ParallelPlan(precision="fp32", dp_shard=2, zero=1), 0, 1, EAGER)
+    assert zero1.other_terms["fsdp_param_shards"] == SMALL_PARAMS * 4 / 2  # weights at rest
+    zero3 = stage_memory(m, ParallelPlan(precision="fp32", dp_shard=2, zero=3), 0, 1, EAGER)
+    # ZeRO-3 keeps the root's parameters gathered (embedding, final norm, head: not
+    # re-sharded after forward): 2 x 4096 x 256 + 256 fp32 values.
+    assert zero3.other_terms["zero3_gathered_roots"] == (2 * 4096 * 256 + 256) * 4
+    # With accumulation the gradients (sharded: ZeRO-3 reduce-scatters every micro-batch)
+    # exist at the last micro-batch's peak.
+    accum = stage_memory(
+        m, ParallelPlan(precision="fp32", dp_shard=2, zero=3, grad_accum=2), 0, 1, EAGER
+    )
+    assert accum.grads_at_peak
+    assert accum.total - zero3.total == pytest.approx(SMALL_PARAMS * 4 / 2)
+
+
+def test_gpipe_last_stage_keeps_every_micro_batch_log_softmax():
+    # GPipe runs all m forwards before any backward: the last stage keeps m fp32 log-softmax
+    # outputs (4 B per logit each) and, in the first backward, two fp32 gradients (8 B).
+    m = model_preset("small")
+    logits = 256 * 4096
+    gpipe = stage_memory(m, ParallelPlan(pp=2, schedule="gpipe", grad_accum=4), 1, 4)
+    assert gpipe.other_terms["logits"] == logits * (12 + 4 * 3)
+    one_f1b = stage_memory(m, ParallelPlan(pp=2, schedule="1f1b", grad_accum=4), 1, 1)
+    assert one_f1b.other_terms["logits"] == logits * 12

@@ -49,7 +49,7 @@ SIZE_SUFFIXES = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 DEFAULT_CLUSTER = "dgx-h100"
 DEFAULT_GPUS = 8
 GBPS = 1e9  # --nvlink-gbps / --ib-gbps are gigabytes per second per GPU
-MAX_BATCH_TOKENS = 1 << 36  # tokens per step: 4,096x Llama 3's 16M; bounds the search
+MAX_BATCH_TOKENS = 1 << 30  # tokens per step: 64x Llama 3's 16M; bounds the search
 MAX_BATCH_SEQUENCES = 1 << 24
 
 
@@ -166,7 +166,7 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     b.add_argument(
         "--out",
         metavar="PATH",
-        help="search: where to write the chosen layout as a recipe "
+        help="search: where to write the chosen layout as a recipe, in an existing directory "
         "(default plan-<model>-<gpus>gpu.toml)",
     )
     b.add_argument("--no-out", action="store_true", help="search: do not write a recipe")
@@ -660,7 +660,7 @@ def _search_handler(args: argparse.Namespace) -> int:
         precisions=tuple(precisions_from_args(args)),
         fixed=fixed,
     )
-    best = result.best.to_json()
+    best = result.best.to_json(timeline=args.json)  # the timeline only where it is printed
     recipe_path = None
     if path is not None:
         header = (

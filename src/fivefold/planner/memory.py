@@ -92,9 +92,9 @@ class EagerProfile:
 
     norm_fp32_saved: int = 2  # RMSNorm keeps its fp32 input and the normalised x before weight
     swiglu_saved: int = 4  # w1 out, w3 out, silu(w1 out), their product (fused: 3)
-    rope_tables: bool = True  # fp32 cos and sin [b, 1, s, head_dim] per layer
-    kv_expanded: bool = True  # K and V kept repeated to every query head (`repeat_kv`)
-    mask_bytes: float = 4.0  # the document mask kept per sequence, per (query, key) pair
+    rope_tables_per_chunk: bool = True  # fp32 cos and sin [b, s, 1, head_dim], once a forward
+    kv_expanded: bool = False  # K and V kept repeated to every query head (was `repeat_kv`)
+    mask_bytes: float = 0.0  # a dense document mask kept per sequence, per (query, key) pair
     index_bytes: int = 8  # the embedding keeps its int64 token indices
 
 
@@ -418,8 +418,6 @@ def _eager_bytes(model, plan, moe, policy, e, sb, rdiv) -> float:
     kv = local_kv_width(model, t)
     s = model.seq_len / plan.cp
     total = 2 * eager_norm_bytes(model, e, sb, rdiv)
-    if EAGER.rope_tables:
-        total += 2 * 4 * sb * model.head_dim  # cos, sin for the full local sequence
     if policy == "selective":  # the core re-runs: its inputs q, k, v and its output are kept
         total += e * sb * (2 * q + 2 * kv)
     else:
@@ -431,9 +429,16 @@ def _eager_bytes(model, plan, moe, policy, e, sb, rdiv) -> float:
         ffn_saved = EAGER.swiglu_saved if model.mlp == "swiglu" else 2
         return total + ffn_saved * e * sb * model.ffn / t
     fe = model.expert_ffn / t
-    total += model.top_k * (e * sb * model.hidden + EAGER.swiglu_saved * e * sb * fe)
+    k = model.top_k
+    # Each token's k copies: dispatched (grouped by expert) and gathered back for the gate
+    # multiply, with their expert SwiGLU intermediates.
+    total += k * (2 * e * sb * model.hidden + EAGER.swiglu_saved * e * sb * fe)
     total += model.shared_experts * EAGER.swiglu_saved * e * sb * fe
-    return total + 4 * sb * model.experts
+    # The router: fp32 probabilities [N, E], top-k probabilities and renormalised gates [N, k]
+    # with their sum [N], three int64 index vectors [N k] (top-k, gather, inverse), the
+    # load-balancing loss's expert fractions [E] and the grouped matmul's int32 offsets [E].
+    total += 4 * sb * model.experts + 8 * sb * k + 4 * sb + 3 * 8 * sb * k
+    return total + 2 * 4 * model.experts
 
 
 def _stored_bytes(model, plan, moe, opts, policy, e, sb, rdiv) -> float:
@@ -509,6 +514,8 @@ def chunk_activation_bytes(
             total += eager_norm_bytes(model, e, sb, sp_div)
         else:
             total += 2 * e * sb * model.hidden / sp_div
+    if opts.eager and EAGER.rope_tables_per_chunk:
+        total += 2 * 4 * sb * model.head_dim  # RoPE cos and sin, shared by the chunk's layers
     if chunk == 0 and opts.eager:
         total += EAGER.index_bytes * sb
     return total
@@ -584,6 +591,12 @@ def stage_memory(
         state = state + chunk_state_bytes(model, plan, counts, c)
     per_chunk = [chunk_activation_bytes(model, plan, counts, c, opts) for c in chunks]
     acts = max(per_chunk) * inflight
+    grads_at_peak = True
+    if opts.eager:
+        acts, with_grads = eager_peak_activations(plan, rank, chunks, per_chunk, state.grads)
+        # Measured: once any chunk of the rank ran a backward before the peak, the rank's
+        # gradients are all there (the per-chunk split under-predicts ZBV by 5-12 %).
+        grads_at_peak = bool(with_grads)
     other = other_terms(model, plan, counts, chunks, opts, inflight)
     if plan.recompute == "full" and opts.activation_model == "korthikanti":
         working = layer_activation_bytes(model, plan, model.is_moe, opts, recompute="none")
@@ -595,7 +608,6 @@ def stage_memory(
         tensors = state.total + acts + sum(other.values())
         other["fragmentation"] = opts.fragmentation_fraction * tensors
         return StageMemory(rank, state.params, state.grads, state.optimizer, acts, other)
-    grads_at_peak = grads_live_at_peak(plan, rank)
     at_rest = other.get("fsdp_param_shards", state.params)  # the weights between steps
     rest = at_rest + state.grads + state.optimizer
     tensors = state.total + acts + sum(other.values()) - (0 if grads_at_peak else state.grads)
@@ -612,37 +624,43 @@ def stage_memory(
     )
 
 
-def grads_live_at_peak(plan: ParallelPlan, rank: int) -> bool:
-    """fivefold-eager: whether gradients exist when the activations peak. Without a pipeline
-    the peak is the last micro-batch's backward, after grad_accum - 1 backwards; in a pipeline,
-    whether the rank's action list reaches its peak in-flight count again after its first
-    weight-gradient action (never in GPipe; in 1F1B's steady state; see `schedule`)."""
+def eager_peak_activations(
+    plan: ParallelPlan, rank: int, chunks: list[int], per_chunk: list[float], grads: float = 0.0
+) -> tuple[float, tuple[int, ...]]:
+    """fivefold-eager: (peak activation bytes of pipeline rank `rank`, the chunks whose
+    gradients exist at that peak). Without a pipeline: one micro-batch, after grad_accum - 1
+    backwards. In a pipeline, the rank's action list is walked with each (micro-batch, chunk)
+    weighing its own chunk's bytes (chunks of one rank may hold different layer counts); a
+    chunk's gradients exist at the peak when it had a weight-gradient action before it; the
+    peak is that of the activations plus the rank's `grads` once they exist (never in GPipe)."""
     if plan.pp == 1:
-        return plan.grad_accum > 1
-    return _peak_after_first_gradient(plan.schedule, plan.pp, plan.vpp, plan.grad_accum)[rank]
+        return max(per_chunk), tuple(chunks) if plan.grad_accum > 1 else ()
+    weights = dict(zip(chunks, per_chunk, strict=True))
+    return _walk(
+        plan.schedule, plan.pp, plan.vpp, plan.grad_accum, rank, tuple(weights.items()), grads
+    )
 
 
 @lru_cache(maxsize=4096)
-def _peak_after_first_gradient(name: str, pp: int, vpp: int, m: int) -> tuple[bool, ...]:
+def _walk(
+    name: str, pp: int, vpp: int, m: int, rank: int, weights: tuple, grads: float
+) -> tuple[float, tuple[int, ...]]:
     from fivefold.planner.schedule import build_schedule
 
     schedule = build_schedule(name, pp, vpp, m)
     release = "W" if schedule.split_backward else "B"
-    out = []
-    for actions in schedule.actions:
-        alive, peak_before, peak_after, seen_gradient = 0, 0, 0, False
-        for action in actions:
-            if action.kind == "F":
-                alive += 1
-                if seen_gradient:
-                    peak_after = max(peak_after, alive)
-                else:
-                    peak_before = max(peak_before, alive)
-            elif action.kind == release:
-                alive -= 1
-            seen_gradient = seen_gradient or action.kind == release
-        out.append(peak_after >= peak_before)
-    return tuple(out)
+    bytes_of = dict(weights)
+    alive, best, acts, with_grads, graded = 0.0, -1.0, 0.0, (), set()
+    for action in schedule.actions[rank]:
+        if action.kind == "F":
+            alive += bytes_of[action.chunk]
+            total = alive + (grads if graded else 0.0)
+            if total >= best - 1e-6:  # the last time the peak is reached counts
+                best, acts, with_grads = max(best, total), alive, tuple(sorted(graded))
+        elif action.kind == release:
+            alive -= bytes_of[action.chunk]
+            graded.add(action.chunk)
+    return acts, with_grads
 
 
 def other_terms(

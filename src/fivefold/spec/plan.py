@@ -22,7 +22,10 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zbv", "dualpipev")
 CP_KINDS = ("ring", "allgather", "ulysses")
 TWO_STAGES_PER_RANK = ("zbv", "dualpipev")  # V-shaped schedules: exactly 2 chunks per rank
 RUNTIME_COMPUTE_DTYPES = ("fp32", "bf16")  # what fivefold's runtime computes in
-PLAN_LIMIT = 1 << 17  # the largest degree, micro-batch or accumulation count (cf. MAX_GPUS)
+PLAN_LIMIT = 1 << 17  # the largest degree or micro-batch (cf. spec.cluster.MAX_GPUS)
+# Micro-batches per step: the pipeline schedule is simulated (and drawn) micro-batch by
+# micro-batch, so this bounds the planner's time and memory (4,096 x 64 stages: ~5 s, 0.6 GB).
+PLAN_LIMITS = {"grad_accum": 4096}
 
 
 @dataclass(frozen=True)
@@ -145,10 +148,10 @@ class ParallelPlan:
             value = getattr(self, f)
             if not isinstance(value, int) or value < 1:
                 out.append(f"plan.{f} = {value!r}: must be a whole number >= 1.")
-            elif value > PLAN_LIMIT:
+            elif value > (limit := PLAN_LIMITS.get(f, PLAN_LIMIT)):
                 out.append(
                     f"plan.{f} = {value:,} is beyond any layout fivefold plans or runs (at most "
-                    f"{PLAN_LIMIT:,}); check the value."
+                    f"{limit:,}); check the value."
                 )
         if self.zero not in (0, 1, 2, 3):
             out.append(f"plan.zero = {self.zero!r}: ZeRO stage must be 0, 1, 2 or 3.")
