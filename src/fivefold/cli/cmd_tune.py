@@ -31,7 +31,7 @@ recipe's layout and the cheapest recompute policy (none < selective < full) that
 Micro-batches 1, 2, 4, ... are tried per policy until a step runs out of GPU memory or its
 measured peak exceeds --memory-limit (required on CPU). Prints the measured peak of every try
 beside the planner's prediction. --write updates plan.micro_batch and plan.recompute in the
-recipe file. One process: the plan's degrees (dp, tp, pp, cp, ep) must all be 1.
+recipe file. One process: every plan degree (dp_replicate, dp_shard, tp, pp, cp, ep) must be 1.
 """
 
 _EPILOG = """\
@@ -147,7 +147,7 @@ def _load(recipe: str, overrides: list[str], micro_batch: int, policy: str):
     if plan.world_size != 1:
         raise ConfigError(
             f"fivefold tune runs one process; the plan {plan.describe()} needs "
-            f"{plan.world_size}: set its degrees to 1 (e.g. plan.dp=1 plan.tp=1)."
+            f"{plan.world_size}: set every degree to 1 (plan.dp_shard=1 plan.tp=1 ...)."
         )
     return run
 
@@ -251,7 +251,7 @@ def format_trials(trials: list[Trial], limit: int | None) -> str:
         measured = "OOM" if t.measured is None else f"{t.measured / GIB:.4f}"
         predicted = "-" if t.predicted is None else f"{t.predicted / GIB:.4f}"
         error = (
-            f"{100 * (t.predicted - t.measured) / t.measured:+.0f}%"
+            f"{100 * (t.predicted - t.measured) / t.measured:+.1f}%"
             if t.measured and t.predicted
             else "-"
         )
