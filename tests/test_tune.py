@@ -84,6 +84,7 @@ def test_write_updates_the_recipe(tmp_path, capsys):
     [
         ([], "--memory-limit is required on CPU"),
         (["--memory-limit", "1", "--policies", "none,some"], "--policies"),
+        (["plan.tp=2", "--memory-limit", "1"], "fivefold tune runs one process"),
     ],
 )
 def test_bad_arguments_exit_2(capsys, args, words):

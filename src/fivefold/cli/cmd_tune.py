@@ -142,7 +142,15 @@ def _load(recipe: str, overrides: list[str], micro_batch: int, policy: str):
         "train.global_batch=0",
         "train.compile=false",
     ]
-    run = load_run(recipe, [*overrides, *pinned], world_size=1)
+    try:
+        run = load_run(recipe, [*overrides, *pinned], world_size=1)
+    except ConfigError as err:
+        if not any(p.startswith("plan degrees") for p in err.problems):
+            raise
+        problems = [p for p in err.problems if not p.startswith("this run has")]
+        raise ConfigError(
+            [*problems, "fivefold tune runs one process: set every plan degree to 1."]
+        ) from None
     plan = run.recipe.plan
     if plan.world_size != 1:
         raise ConfigError(
