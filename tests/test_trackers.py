@@ -18,7 +18,7 @@ from fivefold.train.entry import load_run
 from fivefold.train.loop import train
 
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny-cpu.toml"
-QUIET = ["train.progress=false", "train.tensorboard=false", "train.save_final=false"]
+QUIET = ["train.progress=false", "train.tensorboard=false"]
 SHORT = ["train.steps=3", "train.warmup_steps=1", "train.log_every=1"]
 
 
@@ -125,3 +125,24 @@ def test_unknown_or_missing_tracker_is_a_config_error(tmp_path, monkeypatch):
     assert "pip install 'fivefold[wandb]'" in text
     assert "'comet' is not a tracker" in text
     assert "train.tensorboard" in text
+
+
+def test_mlflow_resumed_run_continues_the_same_run(tmp_path, monkeypatch):
+    pytest.importorskip("mlflow")
+    from mlflow import MlflowClient
+
+    uri = (tmp_path / "mlruns").as_uri()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    first = tiny_run(tmp_path, "train.trackers=['mlflow']", "train.stop_at=2")
+    train(first, console=Console(quiet=True))
+    ids = json.loads((first.train.path() / "trackers.json").read_text())
+    second = tiny_run(tmp_path, "train.trackers=['mlflow']")
+    assert train(second, console=Console(quiet=True)).start_step == 2  # resumed
+    assert json.loads((second.train.path() / "trackers.json").read_text()) == ids
+    expected = jsonl_scalars(second.train.path())
+    history = MlflowClient(tracking_uri=uri).get_metric_history(ids["mlflow"], "train/loss")
+    assert {m.step: m.value for m in history} == pytest.approx(
+        {s: v["train/loss"] for s, v in expected.items()}
+    )
+    assert sorted(expected) == [1, 2, 3]

@@ -14,7 +14,9 @@ Only rank 0 logs.
   recipe's model and plan settings as run parameters.
 
 A resumed run continues the same W&B / MLflow run: their ids are kept in
-`<run_dir>/trackers.json`.
+`<run_dir>/trackers.json`. Unlike metrics.jsonl, a tracker cannot forget the steps a crashed
+attempt logged after its last checkpoint: W&B ignores them when logged again (a step lower than
+its last), MLflow keeps both values of such a step.
 """
 
 from __future__ import annotations
