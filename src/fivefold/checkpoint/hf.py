@@ -412,7 +412,7 @@ def _write_safetensors(tensors: dict, out_dir: Path, save_file) -> list[str]:
 def read_hf(hf_dir: Path) -> tuple[ModelSpec, dict[str, Any]]:
     """The ModelSpec and fivefold-named fp32 tensors of a Hugging Face Llama directory."""
     import torch
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     hf_dir = Path(hf_dir)
     config_path = hf_dir / CONFIG_FILE
@@ -433,11 +433,17 @@ def read_hf(hf_dir: Path) -> tuple[ModelSpec, dict[str, Any]]:
         )
     tensors: dict[str, Any] = {}
     for path in files:
-        with safe_open(str(path), framework="pt") as handle:
-            for name in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                if name.endswith("rotary_emb.inv_freq"):
-                    continue
-                tensors[from_hf_name(name)] = handle.get_tensor(name).to(torch.float32)
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                for name in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    if name.endswith("rotary_emb.inv_freq"):
+                        continue
+                    tensors[from_hf_name(name)] = handle.get_tensor(name).to(torch.float32)
+        except (OSError, ValueError, RuntimeError, SafetensorError) as err:
+            raise CheckpointError(
+                f"{str(path)!r} is not a readable safetensors file ({err}); it may be truncated "
+                "or corrupt: download or export it again."
+            ) from None
     if spec.tied_embeddings:
         tensors.setdefault("output.weight", tensors.get("tok_embeddings.weight"))
     return spec, tensors
