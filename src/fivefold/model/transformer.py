@@ -101,9 +101,12 @@ class Transformer(nn.Module):
         doc_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        batch, seq = tokens.shape[:2]
         if positions is None:
+            batch, seq = tokens.shape[:2]
             positions = torch.arange(seq, device=tokens.device).expand(batch, seq)
+        # The whole sequence's shape: a later pipeline stage under sequence parallelism receives
+        # hidden states holding only its 1/tp of the sequence.
+        batch, seq = positions.shape
         rope = rope_cos_sin(
             positions, self.spec.head_dim, self.spec.rope_theta, rope_scaling_of(self.spec)
         )
