@@ -80,8 +80,7 @@ def memory_only_prediction(
     out = []
     for stage in all_stage_memory(spec, plan, inflight, options):
         gib = stage.gib()
-        if not stage.grads_at_peak:
-            gib["grads"] = 0.0  # allocated by the first backward, after this stage's peak
+        gib["grads"] *= stage.grads_at_peak  # FSDP2 allocates them in a chunk's first backward
         out.append(gib)
     return out
 

@@ -532,10 +532,11 @@ class StageMemory:
     optimizer: float
     activations: float
     other_terms: dict[str, float] = field(default_factory=dict)
-    # fivefold-eager: the gradients exist at the activation peak only when a backward of the
-    # step ran before it (FSDP2 allocates them then); the optimizer step is a second candidate
-    # peak (parameters, gradients and state, activations freed).
-    grads_at_peak: bool = True
+    # fivefold-eager: the share of the gradient bytes live at the activation peak, those of
+    # the chunks that ran a backward of the step before it (FSDP2 allocates them then); the
+    # optimizer step is a second candidate peak (parameters, gradients and state, activations
+    # freed).
+    grads_at_peak: float = 1.0
     optimizer_phase: float = 0.0
 
     @property
@@ -544,7 +545,7 @@ class StageMemory:
 
     @property
     def total(self) -> float:
-        grads = self.grads if self.grads_at_peak else 0.0
+        grads = self.grads * self.grads_at_peak
         during = self.params + grads + self.optimizer + self.activations + self.other
         return max(during, self.optimizer_phase)
 
@@ -591,17 +592,18 @@ def stage_memory(
         state = state + chunk_state_bytes(model, plan, counts, c)
     per_chunk = [chunk_activation_bytes(model, plan, counts, c, opts) for c in chunks]
     acts = max(per_chunk) * inflight
-    grads_at_peak = True
+    grads_at_peak = 1.0
     if opts.eager:
         e = recipe(plan.precision).activation_bytes
         kept = [split_backward_bytes(model, plan, counts, c, e) for c in chunks]
+        grads = [chunk_state_bytes(model, plan, counts, c).grads for c in chunks]
         boundary = pipeline_boundary_bytes(model, plan)
         acts, with_grads = eager_peak_activations(
-            plan, rank, chunks, per_chunk, state.grads, kept, boundary
+            plan, rank, chunks, per_chunk, grads, kept, boundary
         )
-        # Measured: once any chunk of the rank ran a backward before the peak, the rank's
-        # gradients are all there (the per-chunk split under-predicts ZBV by 5-12 %).
-        grads_at_peak = bool(with_grads)
+        # FSDP2 allocates a chunk's gradients in its first weight-gradient backward.
+        live = sum(g for c, g in zip(chunks, grads, strict=True) if c in with_grads)
+        grads_at_peak = live / state.grads if state.grads else 0.0
     other = other_terms(model, plan, counts, chunks, opts, inflight)
     if plan.recompute == "full" and opts.activation_model == "korthikanti":
         working = layer_activation_bytes(model, plan, model.is_moe, opts, recompute="none")
@@ -615,7 +617,7 @@ def stage_memory(
         return StageMemory(rank, state.params, state.grads, state.optimizer, acts, other)
     at_rest = other.get("fsdp_param_shards", state.params)  # the weights between steps
     rest = at_rest + state.grads + state.optimizer
-    tensors = state.total + acts + sum(other.values()) - (0 if grads_at_peak else state.grads)
+    tensors = state.total + acts + sum(other.values()) - (1 - grads_at_peak) * state.grads
     other["fragmentation"] = opts.fragmentation_fraction * max(tensors, rest)
     return StageMemory(
         rank,
@@ -634,7 +636,7 @@ def eager_peak_activations(
     rank: int,
     chunks: list[int],
     per_chunk: list[float],
-    grads: float = 0.0,
+    grads: list[float] | None = None,
     retained: list[float] | None = None,
     boundary: float = 0.0,
 ) -> tuple[float, tuple[int, ...]]:
@@ -643,42 +645,44 @@ def eager_peak_activations(
     backwards. In a pipeline, the rank's action list is walked (`_walk`) with each
     (micro-batch, chunk) weighing its own chunk's bytes (chunks of one rank may hold different
     layer counts); a chunk's gradients exist at the peak when it had a weight-gradient action
-    before it; the peak is that of the activations plus the rank's `grads` once they exist
-    (never in GPipe). `retained`: per chunk, what a split input-gradient backward keeps for its
-    weight-gradient action (`split_backward_bytes`); `boundary`: bytes of one stage-boundary
-    tensor (a micro-batch's hidden states or their gradient, `pipeline_slot_bytes`)."""
+    before it; the peak is that of the activations plus the `grads` (per chunk) of the chunks
+    that have them (never in GPipe). `retained`: per chunk, what a split input-gradient
+    backward keeps for its weight-gradient action (`split_backward_bytes`); `boundary`: bytes
+    of one stage-boundary tensor (a micro-batch's hidden states or their gradient,
+    `pipeline_boundary_bytes`)."""
     if plan.pp == 1:
         return max(per_chunk), tuple(chunks) if plan.grad_accum > 1 else ()
     from fivefold.planner.schedule import chunk_rank
 
     last = plan.pp * plan.vpp - 1
     kept = retained or [0.0] * len(chunks)
+    grads = grads or [0.0] * len(chunks)
     table = []
-    for c, acts, keep in zip(chunks, per_chunk, kept, strict=True):
+    for c, acts, keep, grad in zip(chunks, per_chunk, kept, grads, strict=True):
         remote_next = c < last and chunk_rank(plan.schedule, plan.pp, c + 1) != rank
         remote_prev = c > 0 and chunk_rank(plan.schedule, plan.pp, c - 1) != rank
         slot = boundary if c > 0 else 0.0
         sent_out = boundary if remote_next else 0.0
         sent_grad = boundary if remote_prev else 0.0
-        table.append((c, acts, keep, slot, sent_out, sent_grad))
-    return _walk(plan.schedule, plan.pp, plan.vpp, plan.grad_accum, rank, tuple(table), grads)
+        table.append((c, acts, keep, slot, sent_out, sent_grad, grad))
+    return _walk(plan.schedule, plan.pp, plan.vpp, plan.grad_accum, rank, tuple(table))
 
 
 @lru_cache(maxsize=4096)
 def _walk(
-    name: str, pp: int, vpp: int, m: int, rank: int, table: tuple, grads: float
+    name: str, pp: int, vpp: int, m: int, rank: int, table: tuple
 ) -> tuple[float, tuple[int, ...]]:
     """The rank's activation peak along its action list. Per chunk, `table` holds (chunk,
     activations, kept by a split input-gradient backward, receive slot, sent output, sent input
-    gradient) in bytes, the mechanisms of torch's stages:
+    gradient, its gradients once allocated) in bytes, the mechanisms of torch's stages:
 
     - F adds the chunk's activations; its input is the micro-batch's receive slot, counted
       apart (`pipeline_slot_bytes`), so not twice; an output sent to another rank stays
       referenced by the schedule's pending sends until the step ends;
     - a split input-gradient B adds what it keeps for W; an input gradient sent to another rank
       is the receive buffer's `.grad`, kept until the next step clears it;
-    - the release (W, or the full backward: B, or a "B" right before the "W" of the same
-      micro-batch and chunk) frees the activations and what B kept, but not the slot."""
+    - the release (W, or the full backward: B, or dualpipev's "B" right before the "W" of the
+      same micro-batch and chunk) frees the activations and what B kept, but not the slot."""
     from fivefold.planner.schedule import build_schedule
 
     schedule = build_schedule(name, pp, vpp, m)
@@ -689,17 +693,20 @@ def _walk(
     alive, best, acts, with_grads, graded = 0.0, -1.0, 0.0, (), set()
     pending: dict[tuple[int, int], float] = {}  # what each B kept, until its W
     for i, action in enumerate(actions):
-        a, keep, slot, sent_out, sent_grad = rows[action.chunk]
+        a, keep, slot, sent_out, sent_grad, _ = rows[action.chunk]
         key = (action.microbatch, action.chunk)
         if action.kind == "F":
             alive += a - slot + sent_out
         elif action.kind == "B":
             nxt = actions[i + 1] if i + 1 < len(actions) else None
-            full = nxt is not None and nxt.kind == "W" and nxt[1:] == action[1:]
+            # dualpipev writes its full backwards as a "B" right before the "W" of the same
+            # micro-batch and chunk (`fivefold.planner.schedule`); zbv's are all split.
+            full = name == "dualpipev" and nxt is not None and nxt[1:] == action[1:]
+            full = full and nxt.kind == "W"
             pending[key] = 0.0 if full or not split else keep
             alive += sent_grad + pending[key]
         if action.kind in ("F", "B"):
-            total = alive + (grads if graded else 0.0)
+            total = alive + sum(rows[c][-1] for c in graded)
             if total >= best - 1e-6:  # the last time the peak is reached counts
                 best, acts, with_grads = max(best, total), alive, tuple(sorted(graded))
         if action.kind == release:
