@@ -96,6 +96,9 @@ class EagerProfile:
     kv_expanded: bool = False  # K and V kept repeated to every query head (was `repeat_kv`)
     mask_bytes: float = 0.0  # a dense document mask kept per sequence, per (query, key) pair
     index_bytes: int = 8  # the embedding keeps its int64 token indices
+    # Under TP the vocab-parallel embedding's weight gradient is a view into a full-vocabulary
+    # `embedding_dense_backward` output (V x h), which stays allocated while it accumulates.
+    embedding_grad_full_vocab: bool = True
 
 
 EAGER = EagerProfile()
@@ -533,7 +536,8 @@ class StageMemory:
     activations: float
     other_terms: dict[str, float] = field(default_factory=dict)
     # fivefold-eager: the share of the gradient bytes live at the activation peak, those of
-    # the chunks that ran a backward of the step before it (FSDP2 allocates them then); the
+    # the chunks that ran a backward of the step before it (FSDP2 allocates them then; above 1
+    # where the buffers are larger than the gradients, `eager_embedding_grad_extra`); the
     # optimizer step is a second candidate peak (parameters, gradients and state, activations
     # freed).
     grads_at_peak: float = 1.0
@@ -596,7 +600,11 @@ def stage_memory(
     if opts.eager:
         e = recipe(plan.precision).activation_bytes
         kept = [split_backward_bytes(model, plan, counts, c, e) for c in chunks]
-        grads = [chunk_state_bytes(model, plan, counts, c).grads for c in chunks]
+        grads = [
+            chunk_state_bytes(model, plan, counts, c).grads
+            + (eager_embedding_grad_extra(model, plan) if c == 0 else 0.0)
+            for c in chunks
+        ]
         boundary = pipeline_boundary_bytes(model, plan)
         acts, with_grads = eager_peak_activations(
             plan, rank, chunks, per_chunk, grads, kept, boundary
@@ -713,6 +721,15 @@ def _walk(
             alive -= a - slot + pending.pop(key, 0.0)
             graded.add(action.chunk)
     return acts, with_grads
+
+
+def eager_embedding_grad_extra(model: ModelSpec, plan: ParallelPlan) -> float:
+    """fivefold-eager, tp > 1: the bytes by which the first stage's embedding gradient buffer
+    exceeds its V/t x h shard while gradients accumulate (`EagerProfile`)."""
+    if plan.tp == 1 or not EAGER.embedding_grad_full_vocab:
+        return 0.0
+    rec = recipe(plan.precision)
+    return rec.grad_bytes * model.vocab * model.hidden * (1 - 1 / plan.tp)
 
 
 def pipeline_boundary_bytes(model: ModelSpec, plan: ParallelPlan) -> float:
