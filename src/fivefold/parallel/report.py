@@ -5,10 +5,12 @@ Measured step time: the distributed runtime's is the mean wall time of its `trai
 (forward + backward + gradient communication of all micro-batches; the optimizer step is the
 loop's) over the steps after the first, and is compared with the planner's step time less its
 `optimizer_s` (the report's note says so); a one-process run is timed by the loop over the whole
-step (clipping and the optimizer included) and compared with the whole predicted step. Measured peak memory: CUDA's allocator peak; on CPU, the peak of live tensor storage over
-one step (`fivefold.train.memory`, resize-aware), split into parameters, gradients and optimizer
-state (known from the tensors) and activations (the rest: saved tensors, gathered parameters,
-buffers). The prediction is the planner's memory model with `runtime = "fivefold-eager"` (what
+step (clipping and the optimizer included) and compared with the whole predicted step.
+
+Measured peak memory: CUDA's allocator peak; on CPU, the peak of live tensor storage over one
+step (`fivefold.train.memory`, resize-aware, the pipeline's receive buffers included), split
+into parameters, gradients and optimizer state (known from the tensors) and activations (the
+rest: saved tensors, gathered parameters, buffers). The prediction is the planner's memory model with `runtime = "fivefold-eager"` (what
 this runtime keeps, see `fivefold.planner.memory.EagerProfile`), without the CUDA context and
 allocator terms on a CPU, and the planner's `estimate()` step time where the run's cluster has a
 device peak. Works for `DistributedRuntime` (collective: every rank calls it) and for the
