@@ -10,10 +10,10 @@ step (clipping and the optimizer included) and compared with the whole predicted
 Measured peak memory: CUDA's allocator peak; on CPU, the peak of live tensor storage over one
 step (`fivefold.train.memory`, resize-aware, the pipeline's receive buffers included), split
 into parameters, gradients and optimizer state (known from the tensors) and activations (the
-rest: saved tensors, gathered parameters, buffers). The prediction is the planner's memory model with `runtime = "fivefold-eager"` (what
-this runtime keeps, see `fivefold.planner.memory.EagerProfile`), without the CUDA context and
-allocator terms on a CPU, and the planner's `estimate()` step time where the run's cluster has a
-device peak. Works for `DistributedRuntime` (collective: every rank calls it) and for the
+rest: saved tensors, gathered parameters, buffers). The prediction is the planner's memory
+model with `runtime = "fivefold-eager"` (what this runtime keeps, see
+`fivefold.planner.memory.EagerProfile`), without the CUDA context and allocator terms on a CPU,
+and the planner's `estimate()` step time where the run's cluster has a device peak. Works for `DistributedRuntime` (collective: every rank calls it) and for the
 one-process `LocalRuntime` (no FSDP wrapping, so no sharded copy of the weights).
 """
 
