@@ -13,8 +13,9 @@ into parameters, gradients and optimizer state (known from the tensors) and acti
 rest: saved tensors, gathered parameters, buffers). The prediction is the planner's memory
 model with `runtime = "fivefold-eager"` (what this runtime keeps, see
 `fivefold.planner.memory.EagerProfile`), without the CUDA context and allocator terms on a CPU,
-and the planner's `estimate()` step time where the run's cluster has a device peak. Works for `DistributedRuntime` (collective: every rank calls it) and for the
-one-process `LocalRuntime` (no FSDP wrapping, so no sharded copy of the weights).
+and the planner's `estimate()` step time where the run's cluster has a device peak. Works for
+`DistributedRuntime` (collective: every rank calls it) and for the one-process `LocalRuntime`
+(no FSDP wrapping, so no sharded copy of the weights).
 """
 
 from __future__ import annotations
