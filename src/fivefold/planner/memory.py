@@ -44,6 +44,12 @@ The stage's activations are the per-micro-batch activations of its largest chunk
 number of micro-batches in flight on that rank, which the schedule simulation gives (1F1B: rank
 i holds p - i; GPipe: m; interleaved: Narayanan et al. 2021; no pipeline: 1).
 
+With `runtime = "fivefold-eager"` a pipeline rank's peak is found by walking its action list
+(`_walk`): per chunk its activations, the per-micro-batch receive slots torch's stages keep
+(`pipeline_slots`), outputs and input gradients sent to another rank (held to the step's end),
+what a split input-gradient backward keeps for its weight-gradient action
+(`split_backward_bytes`), and the gradients of the chunks that already ran a backward.
+
 The simple model of seed 001 (`activation_model="simple"`): k * L * B * S * d * e with k = 12.
 
 "Other" terms, each explicit (`StageMemory.other_terms`): the CUDA context and library
