@@ -414,3 +414,7 @@ def test_cli_prepare_tokenizer_and_errors(small_tokenizer, tmp_path, capsys):
     assert "gone.jsonl' does not exist" in capsys.readouterr().err
     assert cli_main(["data", "tokenizer", str(docs), "--out", str(tok_path), "--vocab", "10"]) == 2
     assert "too small" in capsys.readouterr().err
+    missing = tmp_path / "no-such-dir" / "tok.json"  # used to be created silently
+    assert cli_main(["data", "tokenizer", str(docs), "--out", str(missing)]) == 2
+    assert "no-such-dir' does not exist" in capsys.readouterr().err
+    assert not missing.parent.exists()

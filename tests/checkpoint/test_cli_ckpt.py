@@ -41,7 +41,9 @@ def test_ls_lists_steps_sizes_and_staging(run_dir, capsys):
     # tiny: 616,768 parameters; fp32 weights + AdamW m and v = 12 bytes each
     assert abs(size_mib - 616_768 * 12 / 2**20) < 0.2
     assert "1 rank(s), single, model+optimizer" in lines[1]
-    assert ".staging_step_20: unfinished save" in lines[-1]
+    assert ".staging_step_20: unfinished save" in lines[-2]
+    assert lines[0].split()[3] == "sizes"  # says what ls checked (not the hashes)
+    assert "`fivefold ckpt verify` also checks the SHA-256" in lines[-1]
 
 
 def test_verify_ok_then_corrupt(run_dir, capsys):

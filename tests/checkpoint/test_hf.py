@@ -114,6 +114,8 @@ def test_moe_export_is_refused(tmp_path):
         ({"attention_bias": True}, "attention_bias = true"),
         ({"hidden_act": "gelu"}, "hidden_act = 'gelu'"),
         ({"model_type": "mistral"}, "model_type = 'mistral'"),
+        ({"sliding_window": 4096}, "unknown field.s. sliding_window"),  # would change attention
+        ({"attention_dropout": 0.1}, "attention_dropout = 0.1"),
     ],
 )
 def test_unsupported_llama_configs_are_named(change, message):
@@ -335,3 +337,13 @@ def test_llama31_rope_scaling_imports_and_exports_with_equal_logits(tmp_path, ti
     ).eval()
     with torch.no_grad():
         assert float((again(tokens).logits - expected).abs().max()) <= LOGIT_ATOL
+
+
+@pytest.mark.parametrize("weights", [b"garbage", b"\x08" + b"\x00" * 7 + b"{}"])
+def test_a_corrupt_safetensors_file_is_a_message(tmp_path, weights):
+    config = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 176}
+    config |= {"num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 256}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "model.safetensors").write_bytes(weights)
+    with pytest.raises(CheckpointError, match="not a readable safetensors file"):
+        read_hf(tmp_path)

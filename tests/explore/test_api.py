@@ -305,6 +305,7 @@ def test_search_equals_the_planner(client):
     assert data["explanation"] == list(result.explanation)
     assert data["describe"] == [e.plan.describe() for e in [result.best, *result.alternatives]]
     assert data["evaluated"] == result.evaluated
+    assert data["tie_fraction"] == 0.005  # what the Recommend table's caption states
     assert [r["reason"] for r in data["rejected"]] == [reason for _, reason in result.rejected]
 
 

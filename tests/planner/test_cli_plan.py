@@ -242,12 +242,18 @@ def test_search_pins_layout_flags(capsys):
             "--global-batch",
             "64",
             "--json",
-            "--no-out",
         ],
     )
     assert data["plan"]["tp"] == 4
     assert all(a["plan"]["tp"] == 4 for a in data["alternatives"])
     assert data["recipe_path"] is None
+
+
+def test_search_writes_no_file_unless_asked(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["plan", "--model", "llama3-8b", "--gpus", "16", "--global-batch", "64"]) == 0
+    assert list(tmp_path.iterdir()) == []  # used to write plan-llama3-8b-16gpu.toml here
+    assert "with --out PATH" in capsys.readouterr().out
 
 
 def test_help_lists_every_flag(capsys):

@@ -48,7 +48,7 @@ CASES = [
     (["plan", *V, "--gpus", "12"], "--gpus = 12"),
     (["plan", *V, "--global-batch", "10", "--global-batch-tokens", "4M"], "not both"),
     (
-        ["plan", "--model", "llama3-405b", "--gpus", "8", "--no-out"],
+        ["plan", "--model", "llama3-405b", "--gpus", "8"],
         "no layout of llama3-405b fits 8 x h100-sxm",
     ),
     (["plan", "estimate", "nope.toml", *V], "recipe file 'nope.toml' does not exist"),

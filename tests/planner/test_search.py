@@ -193,3 +193,11 @@ def test_plan_from_search_round_trips_through_estimate(llama8b_64):
     model, cluster, result = llama8b_64
     again = estimate(model, cluster, ParallelPlan(**result.best_plan.to_dict()))
     assert again.tokens_per_s == pytest.approx(result.best.tokens_per_s)
+
+
+def test_memory_shortfall_is_never_zero_gib():
+    from fivefold.planner.search import _amount
+
+    assert _amount(0.04 * 2**30) == "41.0 MiB"  # was "0.0 GiB"
+    assert _amount(1) == "0.1 MiB"
+    assert _amount(2.25 * 2**30) == "2.2 GiB"

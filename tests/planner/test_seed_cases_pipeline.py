@@ -120,7 +120,9 @@ def test_vizz_explanation_walks_the_staircase_with_numbers(vizz):
 
 def test_vizz_explanation_costs_the_literal_staircase(vizz):
     _, _, result = vizz
-    line = next(x for x in result.explanation if x.startswith("Seed 000's staircase"))
+    line = next(
+        x for x in result.explanation if x.startswith("The textbook rule of thumb taken literally")
+    )
     assert "TP8+SP" in line  # TP fills the node
     assert re.search(r"(\d+\.\d% slower because|this very layout|the same speed)", line)
 

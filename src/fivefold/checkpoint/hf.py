@@ -135,9 +135,71 @@ def llama_config(spec: ModelSpec, dtype: str = "fp32", eod_id: int | None = None
     }
 
 
+# Llama `config.json` fields: those that define the model (each read or checked below) and those
+# that do not change its weights or its function (ids, bookkeeping, generation defaults).
+LLAMA_MODEL_FIELDS = frozenset(
+    [
+        "model_type",
+        "hidden_act",
+        "attention_bias",
+        "mlp_bias",
+        "attention_dropout",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "vocab_size",
+        "max_position_embeddings",
+        "tie_word_embeddings",
+        "head_dim",
+        "rms_norm_eps",
+        "rope_theta",
+        "rope_scaling",
+        "rope_parameters",
+        "fivefold_model_name",
+    ]
+)
+HARMLESS_CONFIG_FIELDS = frozenset(
+    [
+        "architectures",
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+        "transformers_version",
+        "initializer_range",
+        "use_cache",
+        "pretraining_tp",
+        "torch_dtype",
+        "dtype",
+        "_name_or_path",
+        "name_or_path",
+        "output_attentions",
+        "output_hidden_states",
+        "return_dict",
+        "tokenizer_class",
+        "id2label",
+        "label2id",
+        "problem_type",
+        "chunk_size_feed_forward",
+        "is_encoder_decoder",
+    ]
+)
+
+
 def spec_from_llama_config(config: dict[str, Any], where: str = CONFIG_FILE) -> ModelSpec:
     """A ModelSpec equal to a Llama `config.json`; CheckpointError naming what cannot be kept."""
     problems = []
+    unknown = sorted(set(config) - LLAMA_MODEL_FIELDS - HARMLESS_CONFIG_FIELDS)
+    if unknown:
+        problems.append(
+            f"unknown field(s) {', '.join(unknown)}: fivefold cannot tell whether they change "
+            "the model (remove them from config.json if they do not)"
+        )
+    if float(config.get("attention_dropout") or 0.0) != 0.0:
+        problems.append(
+            f"attention_dropout = {config['attention_dropout']!r} (fivefold trains without dropout)"
+        )
     if config.get("model_type") != "llama":
         problems.append(f"model_type = {config.get('model_type')!r} (expected 'llama')")
     if config.get("hidden_act", "silu") != "silu":
@@ -350,7 +412,7 @@ def _write_safetensors(tensors: dict, out_dir: Path, save_file) -> list[str]:
 def read_hf(hf_dir: Path) -> tuple[ModelSpec, dict[str, Any]]:
     """The ModelSpec and fivefold-named fp32 tensors of a Hugging Face Llama directory."""
     import torch
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     hf_dir = Path(hf_dir)
     config_path = hf_dir / CONFIG_FILE
@@ -371,11 +433,17 @@ def read_hf(hf_dir: Path) -> tuple[ModelSpec, dict[str, Any]]:
         )
     tensors: dict[str, Any] = {}
     for path in files:
-        with safe_open(str(path), framework="pt") as handle:
-            for name in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                if name.endswith("rotary_emb.inv_freq"):
-                    continue
-                tensors[from_hf_name(name)] = handle.get_tensor(name).to(torch.float32)
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                for name in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    if name.endswith("rotary_emb.inv_freq"):
+                        continue
+                    tensors[from_hf_name(name)] = handle.get_tensor(name).to(torch.float32)
+        except (OSError, ValueError, RuntimeError, SafetensorError) as err:
+            raise CheckpointError(
+                f"{str(path)!r} is not a readable safetensors file ({err}); it may be truncated "
+                "or corrupt: download or export it again."
+            ) from None
     if spec.tied_embeddings:
         tensors.setdefault("output.weight", tensors.get("tok_embeddings.weight"))
     return spec, tensors

@@ -14,6 +14,7 @@ On a different world size, rank r restores the saved state of rank r mod (saved 
 from __future__ import annotations
 
 import base64
+import binascii
 import json
 import random
 from dataclasses import asdict, dataclass, field
@@ -68,8 +69,44 @@ class TrainingState:
                 f"{where} has format {found!r}, expected {STATE_FORMAT!r}; it was not written "
                 "by this version of fivefold's checkpointer."
             )
+        problems = _field_problems(data)
+        if problems:
+            raise CheckpointError(
+                f"{where} is damaged: {'; '.join(problems)}. Run `fivefold ckpt verify` on its "
+                "directory and resume from an older checkpoint (or start with --fresh)."
+            )
         known = set(cls.__dataclass_fields__)
         return cls(**{k: v for k, v in data.items() if k in known})
+
+
+# field -> (accepted JSON types, what it must be); None is accepted only where listed.
+_FIELD_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
+    "step": ((int,), "a whole number >= 0"),
+    "world_size": ((int,), "a whole number >= 1"),
+    "model_spec": ((dict,), "a table"),
+    "plan": ((dict,), "a table"),
+    "contents": ((list,), "a list of names"),
+    "scheduler": ((dict, type(None)), "a table or null"),
+    "sampler": ((dict, type(None)), "a table or null"),
+    "rng": ((list,), "a list of RNG states"),
+    "optimizer_hparams": ((list,), "a list"),
+    "extra": ((dict,), "a table"),
+}
+
+
+def _field_problems(data: dict[str, Any]) -> list[str]:
+    """What in a parsed state.json has the wrong type or an impossible value."""
+    out = []
+    for name, (types, what) in _FIELD_TYPES.items():
+        if name not in data:
+            continue
+        value = data[name]
+        bad_type = isinstance(value, bool) or not isinstance(value, types)
+        if bad_type or (name == "step" and value < 0) or (name == "world_size" and value < 1):
+            out.append(f"{name} = {value!r} (expected {what})")
+    if isinstance(data.get("rng"), list) and not all(isinstance(r, dict) for r in data["rng"]):
+        out.append("rng holds an entry that is not an RNG state table")
+    return out
 
 
 def write_state(directory: Path, state: TrainingState) -> Path:
@@ -144,7 +181,18 @@ def capture_rng() -> dict[str, Any]:
 
 
 def restore_rng(state: dict[str, Any]) -> None:
-    """Set the global RNGs from a `capture_rng` dict (CUDA only if present and available)."""
+    """Set the global RNGs from a `capture_rng` dict (CUDA only if present and available);
+    CheckpointError if the saved states are not ones these generators accept."""
+    try:
+        _restore_rng(state)
+    except (KeyError, TypeError, ValueError, RuntimeError, binascii.Error) as err:
+        raise CheckpointError(
+            f"the checkpoint's saved RNG state is damaged ({type(err).__name__}: {err}); resume "
+            "from an older checkpoint (`fivefold ckpt verify` lists them) or start with --fresh."
+        ) from None
+
+
+def _restore_rng(state: dict[str, Any]) -> None:
     import torch
 
     torch.set_rng_state(_from_b64(state["torch"]))

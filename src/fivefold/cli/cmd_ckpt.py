@@ -95,7 +95,7 @@ def _ls(args: argparse.Namespace) -> int:
     from fivefold.checkpoint.manifest import list_staging, resolve_root, verify_checkpoint
 
     targets = _targets(args.dir)
-    print(f"{'step':>10}  {'MiB':>9}  {'files':>5}  {'check':<8}  written by")
+    print(f"{'step':>10}  {'MiB':>9}  {'files':>5}  {'sizes':<8}  written by")
     for path in targets:
         result = verify_checkpoint(path, full=False)
         status = "ok" if result.ok else "INVALID"
@@ -108,6 +108,10 @@ def _ls(args: argparse.Namespace) -> int:
             print(f"{'':>10}  {problem}")
     for staging in list_staging(resolve_root(args.dir)):
         print(f"{'':>10}  {staging.name}: unfinished save (ignored; removed at the next start)")
+    print(
+        "(ls checks that every file of the manifest is there with its size; "
+        "`fivefold ckpt verify` also checks the SHA-256 of each.)"
+    )
     return 0
 
 

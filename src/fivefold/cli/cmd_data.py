@@ -94,8 +94,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _tokenizer(args: argparse.Namespace) -> int:
+    from fivefold.errors import ConfigError
     from fivefold.train.data import train_tokenizer
 
+    parent = args.out.parent
+    if args.out.is_dir() or not parent.is_dir():
+        problem = "is a directory" if args.out.is_dir() else f"{str(parent)!r} does not exist"
+        raise ConfigError(
+            f"--out {str(args.out)!r}: {problem}; name a file in an existing directory "
+            "(e.g. tokenizer.json)."
+        )
     started = time.perf_counter()
     tok = train_tokenizer(args.inputs, args.vocab, out=args.out)
     print(

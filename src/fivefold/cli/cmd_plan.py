@@ -22,8 +22,8 @@ Find the layout (tensor, pipeline with its schedule, data with its ZeRO stage, c
 expert parallelism, micro-batch, gradient accumulation, recompute, precision) that trains the
 model fastest on the cluster without running out of memory, and say why. Prints the layout, the
 per-GPU memory of the worst pipeline stage against HBM, step time, tokens/s, MFU, HFU, the
-pipeline bubble and the reasoning, then writes the layout as a TOML recipe that
-`fivefold train` reads. Layout flags (--tp, --pp, ...) pin those fields in the search.
+pipeline bubble and the reasoning; with --out PATH it also writes the layout as a TOML recipe
+that `fivefold train` reads. Layout flags (--tp, --pp, ...) pin those fields in the search.
 
 `fivefold plan estimate` costs one given layout instead of searching.
 
@@ -166,10 +166,9 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     b.add_argument(
         "--out",
         metavar="PATH",
-        help="search: where to write the chosen layout as a recipe, in an existing directory "
-        "(default plan-<model>-<gpus>gpu.toml)",
+        help="search: also write the chosen layout as a recipe to PATH, in an existing "
+        "directory (default: no file is written)",
     )
-    b.add_argument("--no-out", action="store_true", help="search: do not write a recipe")
     b.add_argument("--json", action="store_true", help="print JSON (stable key names)")
 
 
@@ -531,17 +530,17 @@ def recipe_items(args: argparse.Namespace) -> dict[str, dict]:
 
 
 def out_path(args: argparse.Namespace, model: Any, cluster: Any) -> Path | None:
-    """Where the search writes its recipe (None with --no-out), checked before searching."""
-    if args.no_out:
+    """Where the search writes its recipe (None without --out), checked before searching."""
+    if not args.out:
         return None
-    path = Path(args.out or f"plan-{model.name}-{cluster.world_size}gpu.toml")
+    path = Path(args.out)
     parent = path.parent if str(path.parent) else Path(".")
     if path.is_dir():
         raise ConfigError(f"--out {str(path)!r} is a directory; name a file such as plan.toml.")
     if not parent.is_dir():
         raise ConfigError(
             f"--out {str(path)!r}: the directory {str(parent)!r} does not exist; create it or "
-            "choose another path (or --no-out)."
+            "choose another path."
         )
     if not os.access(parent, os.W_OK):
         raise ConfigError(f"--out {str(path)!r}: {str(parent)!r} is not writable.")
@@ -714,6 +713,8 @@ def _search_handler(args: argparse.Namespace) -> int:
     )
     if recipe_path:
         print(f"recipe written to {recipe_path} (fivefold train {recipe_path})")
+    else:
+        print("write this layout as a recipe for `fivefold train` with --out PATH")
     return 0
 
 

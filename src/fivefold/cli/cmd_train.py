@@ -151,23 +151,41 @@ def _flag_overrides(args: argparse.Namespace) -> list[str]:
 
 
 def auto_plan_overrides(recipe_path: str | None, overrides: list[str], nproc: int) -> list[str]:
-    """Ask the planner for the best layout on `nproc` processes; returns plan.* overrides."""
-    from fivefold.train.entry import load_run
+    """Ask the planner for the best layout on the `nproc` local processes; plan.* overrides.
 
-    try:
-        from fivefold.planner.search import search
-    except ImportError:
+    The recipe's own degrees are ignored (the search chooses them); its model, cluster, global
+    batch (`train.global_batch`, else its plan's micro_batch x dp x grad_accum) and precision
+    are kept. A CPU run plans against the calibrated device profile (`fivefold calibrate`).
+    """
+    from fivefold.planner.search import search
+    from fivefold.spec.profile import default_profile_path
+    from fivefold.spec.recipe import cluster_from_dict, model_from_dict, plan_from_dict
+    from fivefold.train.entry import recipe_data, with_default_profile
+
+    data = with_default_profile(recipe_data(recipe_path, overrides))
+    model = model_from_dict(data.get("model", {}))
+    local = {"name": "local-cpu", "gpu": "cpu", "gpus": nproc}
+    cluster = cluster_from_dict(data.get("cluster") or local, default_world=nproc)
+    if not cluster.device.hbm_bytes:
         raise ConfigError(
-            "--plan auto needs the planner's search (fivefold.planner.search), which is not "
-            "available in this installation; write the layout in the recipe's [plan] instead."
-        ) from None
-    run = load_run(recipe_path, overrides, world_size=nproc)
-    recipe = run.recipe
+            f"--plan auto on {cluster.gpu!r} needs a measured device: run `fivefold calibrate "
+            f"RECIPE --nproc {nproc}` first (it writes {default_profile_path()}, which CPU runs "
+            'then use), or name a profile as [cluster] profile = "PATH".'
+        )
+    if cluster.world_size != nproc:
+        raise ConfigError(
+            f"--plan auto plans for the {nproc} process(es) of --nproc, but the recipe's "
+            f"[cluster] has {cluster.world_size} GPUs; set --nproc {cluster.world_size} or "
+            "change cluster.gpus."
+        )
+    plan = plan_from_dict(data.get("plan", {}))
+    global_batch = int(data.get("train", {}).get("global_batch") or 0) or plan.global_batch
     result = search(  # ConfigError when nothing fits, naming what came closest
-        recipe.model,
-        recipe.cluster,
-        global_batch=run.global_batch,
-        precisions=(recipe.plan.precision,),
+        model, cluster, global_batch=global_batch, precisions=(plan.precision,)
+    )
+    print(
+        f"--plan auto: {result.best_plan.describe()} (planned for {nproc} x "
+        f"{cluster.device.name}, {cluster.name})"
     )
     return [f"plan.{key}={_toml(value)}" for key, value in result.best_plan.to_dict().items()]
 
@@ -231,7 +249,7 @@ def dry_run_report(run, nproc: int) -> str:
         "",
         f"layout: {recipe.plan.describe()} on {nproc} process(es): {dims.describe()}; "
         f"{run.global_batch} sequences x {recipe.model.seq_len} tokens per step",
-        f"prediction ({note}, device {recipe.cluster.gpu}):",
+        f"prediction ({note}):",
     ]
     for stage, gib in enumerate(memory or []):
         lines.append(f"  stage {stage}: peak memory {gib['total']:.3f} GiB per rank")

@@ -332,7 +332,7 @@ def _parse_search(body: Any) -> tuple[ModelSpec, ClusterSpec, dict[str, Any]]:
 
 def search_view(body: Any) -> dict[str, Any]:
     """POST /api/search: the best layouts for a model, cluster and batch target, explained."""
-    from fivefold.planner.search import search
+    from fivefold.planner.search import TIE_FRACTION, search
 
     model, cluster, kwargs = _parse_search(body)
     started = time.perf_counter()
@@ -355,6 +355,7 @@ def search_view(body: Any) -> dict[str, Any]:
             "explanation": list(result.explanation),
             "evaluated": result.evaluated,
             "search_time_s": elapsed_s,
+            "tie_fraction": TIE_FRACTION,
         }
     )
 

@@ -13,7 +13,10 @@ Routes:
     POST /api/recipe        one layout -> TOML recipe text for `fivefold train`
 
 A bad request is answered 400 with {"ok": false, "problems": [sentences]}; an unexpected failure
-inside a handler is answered 500 with its message, and the server keeps serving.
+inside a handler is answered 500 with its message, and the server keeps serving. A search runs in
+a child process bounded in memory and time and killed when its client leaves
+(`fivefold.explore.bounded`); a body shorter than its Content-Length is answered 408 after
+`READ_TIMEOUT_S`.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from typing import Any
 
 from fivefold.errors import ConfigError
 from fivefold.explore.api import ApiError, estimate_view, presets_view, recipe_view, search_view
+from fivefold.explore.bounded import ClientGone, run_bounded
 
 HOST = "127.0.0.1"
 STATIC_DIR = Path(__file__).parent / "static"
@@ -51,6 +55,9 @@ POST_ROUTES: dict[str, Callable[[Any], dict[str, Any]]] = {
     "/api/search": search_view,
     "/api/recipe": recipe_view,
 }
+# Views that may run for seconds and use a GiB: each runs in a bounded, cancellable child.
+BOUNDED_VIEWS = {"/api/search": "search_view"}
+READ_TIMEOUT_S = 15.0  # a client that announces more body than it sends is answered 408
 
 
 def _static_files() -> dict[str, tuple[bytes, str]]:
@@ -68,6 +75,7 @@ class ExploreHandler(BaseHTTPRequestHandler):
     server: ExploreServer
     server_version = "fivefold-explore"
     protocol_version = "HTTP/1.1"
+    timeout = READ_TIMEOUT_S  # socket timeout: a stalled client cannot hold a thread forever
 
     # ---- plumbing ------------------------------------------------------------------------------
     def log_message(self, format: str, *args: Any) -> None:
@@ -126,7 +134,13 @@ class ExploreHandler(BaseHTTPRequestHandler):
             return
         try:
             body = self._read_json()
-            self._send_json(HTTPStatus.OK, view(body))
+            if path in BOUNDED_VIEWS:
+                answer = run_bounded(BOUNDED_VIEWS[path], body, self.connection)
+            else:
+                answer = view(body)
+            self._send_json(HTTPStatus.OK, answer)
+        except ClientGone:
+            self.close_connection = True  # nobody to answer; the work was cancelled
         except ApiError as err:
             self._problem(err.status, err.problems)
         except ConfigError as err:
@@ -167,9 +181,19 @@ class ExploreHandler(BaseHTTPRequestHandler):
                 f"the request body has {length:,} bytes; the limit is {MAX_BODY_BYTES:,}.",
                 HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
             )
-        raw = self.rfile.read(length)
+        try:
+            raw = self.rfile.read(length)
+        except TimeoutError:
+            self.close_connection = True
+            raise ApiError(
+                f"the request body ended before its Content-Length ({length:,} bytes) within "
+                f"{self.timeout:.0f} s.",
+                HTTPStatus.REQUEST_TIMEOUT,
+            ) from None
         try:
             return json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
+        except RecursionError:
+            raise ApiError("the request body is nested too deeply to be a request.") from None
         except (UnicodeDecodeError, json.JSONDecodeError, ValueError) as err:
             raise ApiError(f"the request body is not valid JSON: {err}.") from None
 

@@ -4,7 +4,9 @@ Applied to a chunk after tensor/expert/context parallelism and activation checkp
 before FSDP/DDP wrap the blocks, the order torchtitan uses: each block (checkpoint wrapper
 included) is replaced in `layers` by its compiled form, so the compiled graph sees the DTensor
 and checkpointing code and FSDP's hooks stay outside it. Graph breaks are allowed (not
-`fullgraph`): host-side code such as the expert-parallel all-to-all split sizes runs eagerly.
+`fullgraph`): host-side code such as the expert-parallel all-to-all split sizes runs eagerly,
+and so does the attention core, whose per-document spans are Python values that change with
+every batch (compiled, each new packing of documents would recompile the block).
 The compiled module keeps the block's parameters under `_orig_mod.`, which the deterministic
 initialisation and torch's distributed state dicts strip, so names, initial values and
 checkpoints are those of the uncompiled model.
@@ -37,9 +39,22 @@ def check_compiler(device: torch.device) -> None:
         )
 
 
+def _eager_attention_core(block: nn.Module) -> None:
+    """Run the attention core outside the compiled graph (a graph break on each side).
+
+    The core reads each batch's document boundaries as Python values (`DocumentLayout`); traced,
+    every new packing of documents would recompile the block. Eager, it runs SDPA per document
+    span as in the uncompiled model while the projections, RoPE, norms and MLP stay compiled.
+    """
+    for name, module in block.named_modules():
+        if name == "attention.core" or name.endswith(".attention.core"):
+            module.forward = torch.compiler.disable(module.forward)
+
+
 def apply_compile(chunk: nn.Module) -> None:
     """Replace each of `chunk.layers` by `torch.compile(block)`, in place."""
     for name, block in list(chunk.layers.named_children()):
+        _eager_attention_core(block)
         chunk.layers.register_module(name, torch.compile(block))
 
 

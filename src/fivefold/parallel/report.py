@@ -56,13 +56,21 @@ def _predict(runtime: Any) -> tuple[list[dict] | None, Any, str]:
         return None, None, f"memory model: {str(err).splitlines()[0]}"
     cluster = runtime.recipe.cluster
     if not cluster.device.peak_flops:
-        return memory, None, f"no step-time prediction: {cluster.gpu} has no device peak"
+        return (
+            memory,
+            None,
+            (
+                f"no step-time prediction: {cluster.gpu} has no device peak (run `fivefold "
+                "calibrate` to measure this machine)"
+            ),
+        )
     try:
         from fivefold.planner.estimate import estimate
         from fivefold.planner.options import PlannerOptions
 
         options = replace(PlannerOptions.for_device(cluster.device), runtime="fivefold-eager")
-        return memory, estimate(spec, cluster, plan, options=options), "planner estimate"
+        est = estimate(spec, cluster, plan, options=options)
+        return memory, est, f"planner estimate for {cluster.device.name}"
     except Exception as err:
         return memory, None, f"no step-time prediction: {str(err).splitlines()[0]}"
 

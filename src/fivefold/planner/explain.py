@@ -150,6 +150,11 @@ class _Explainer:
             f"NVLink {nv:.0f} GB/s against {ib:.0f} GB/s between nodes, {nv / ib:.0f}x faster; "
             "TP's collectives sit on the critical path of every layer"
         )
+        if c.device.measured is not None:  # a calibrated machine: its own fitted links
+            links = (
+                "the collectives measured by `fivefold calibrate` on this machine; TP's sit on "
+                "the critical path of every layer"
+            )
         if p.tp > 1:
             text = (
                 f"Tensor parallelism: TP = {p.tp} inside a node of {c.gpus_per_node} GPUs "
@@ -346,7 +351,8 @@ class _Explainer:
         if outcome is None:
             return ""
         rule = (
-            "Seed 000's staircase taken literally (TP fills the node, the fewest pipeline "
+            "The textbook rule of thumb taken literally (the decision staircase of the "
+            "distributed-training guides: TP fills the node, the fewest pipeline "
             "stages that fit, DP the rest with ZeRO-1, micro-batch 1, full recompute, "
             "accumulation to the target, CP only if still needed)"
         )

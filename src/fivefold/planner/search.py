@@ -472,7 +472,7 @@ class _Search:
         where = f"pipeline stage {stage} needs" if stage is not None else "needs at least"
         return (
             f"out of memory by {'at least ' if stage is None else ''}"
-            f"{(need - self.budget_bytes) / GiB:.1f} GiB: {where} {need / GiB:.1f} GiB of "
+            f"{_amount(need - self.budget_bytes)}: {where} {need / GiB:.1f} GiB of "
             f"{self.budget_bytes / GiB:.1f} GiB usable ({hbm / GiB:.0f} GiB HBM less "
             f"{self.headroom:.0%} headroom)"
         )
@@ -623,3 +623,10 @@ def no_layout_message(
 def iter_fitting(result: SearchResult) -> Iterator[Outcome]:
     """Every fitting outcome of a search, fastest first."""
     yield from rank_fitting([o for o in result.outcomes.values() if o.fits])
+
+
+def _amount(num_bytes: float) -> str:
+    """Bytes in GiB with one decimal, or in MiB below 0.1 GiB (never "0.0 GiB")."""
+    if num_bytes >= 0.1 * GiB:
+        return f"{num_bytes / GiB:.1f} GiB"
+    return f"{max(num_bytes / 2**20, 0.1):.1f} MiB"

@@ -260,8 +260,10 @@ class ParallelPlan:
             )
         if self.tp > cluster.gpus_per_node or cluster.gpus_per_node % self.tp:
             out.append(
-                f"plan.tp = {self.tp} must divide the {cluster.gpus_per_node} GPUs of a node: "
-                "tensor parallelism is on the critical path and must stay on NVLink."
+                f"plan.tp = {self.tp} must divide the {cluster.gpus_per_node} "
+                f"{'GPUs' if cluster.gpu != 'cpu' else 'processes'} of a node: tensor parallelism "
+                "is on the critical path and must stay inside a node"
+                + (" (on NVLink)." if cluster.device.nvlink_bw_bytes_per_s else ".")
             )
         return out
 

@@ -241,14 +241,26 @@ def model_from_dict(values: dict[str, Any]) -> ModelSpec:
     return model  # type: ignore[return-value]
 
 
-def cluster_from_dict(values: dict[str, Any]) -> ClusterSpec:
-    """A validated `ClusterSpec` from a [cluster] table (preset, gpus, overrides), no plan."""
+def cluster_from_dict(values: dict[str, Any], default_world: int | None = None) -> ClusterSpec:
+    """A validated `ClusterSpec` from a [cluster] table (preset, gpus, overrides), no plan;
+    `default_world`: the local ranks a device profile's one node holds when `gpus` is not set."""
     problems: list[str] = []
-    cluster = _cluster_from(values, problems)
+    cluster = _cluster_from(values, problems, default_world)
     problems += cluster.problems() if cluster is not None else []
     if problems:
         raise ConfigError(problems)
     return cluster  # type: ignore[return-value]
+
+
+def plan_from_dict(values: dict[str, Any]) -> ParallelPlan:
+    """A `ParallelPlan` from a [plan] table checked on its own (no model, no cluster): what a
+    search starts from, e.g. for the batch size and precision the recipe asks for."""
+    problems: list[str] = []
+    plan = build(ParallelPlan, values, "plan", problems)
+    problems += plan.problems() if plan is not None else []
+    if problems:
+        raise ConfigError(problems)
+    return plan  # type: ignore[return-value]
 
 
 def recipe_from_dict(data: dict[str, dict[str, Any]], default_world: int | None = None) -> Recipe:
@@ -315,4 +327,6 @@ def _toml_value(value: Any) -> str:
         return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
     if isinstance(value, list):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):  # an inline table, e.g. train.profile
+        return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
     raise TypeError(f"cannot write {value!r} to TOML")

@@ -21,9 +21,11 @@ from fivefold.checkpoint.elastic import resume_mode
 from fivefold.errors import ConfigError
 from fivefold.spec.model import param_count
 from fivefold.spec.recipe import Recipe, build
+from fivefold.train.trackers import tracker_problems
 
 LR_SCHEDULES = ("cosine", "linear", "constant")
 DEVICES = ("auto", "cpu", "cuda")
+PROFILE_KEYS = ("start_step", "steps")
 
 
 @dataclass
@@ -62,6 +64,9 @@ class TrainConfig:
     memory_step: int = 2  # CPU: the step whose peak memory is measured by tracking allocations
     # torch.compile (inductor) each transformer block; on CPU it needs a C++ compiler (g++)
     compile: bool = False
+    # {start_step = N, steps = K}: a torch.profiler trace of steps N..N+K-1 into <run_dir>/profile
+    profile: dict[str, int] = field(default_factory=dict)
+    trackers: list[str] = field(default_factory=list)  # also log to: "wandb", "mlflow"
 
     @property
     def beta1(self) -> float:
@@ -135,8 +140,35 @@ class TrainConfig:
             out.append(
                 f"train.name = {self.name!r}: must be a plain directory name such as 'small-cpu'."
             )
+        out += self._profile_problems()
+        out += tracker_problems(self.trackers)
         where = "train.run_dir" if self.run_dir else "train.runs_dir"
         out += directory_problems(self.path(), where)
+        return out
+
+    def _profile_problems(self) -> list[str]:
+        """`train.profile` ({} = off): only start_step and steps, whole numbers >= 1, reached."""
+        if not self.profile:
+            return []
+        example = "e.g. train.profile = {start_step = 3, steps = 2}"
+        out = [
+            f"train.profile.{key} is not a setting; write start_step and steps, {example}."
+            for key in self.profile
+            if key not in PROFILE_KEYS
+        ]
+        for key in PROFILE_KEYS:
+            value = self.profile.get(key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                out.append(
+                    f"train.profile.{key} = {value!r}: must be a whole number >= 1, {example} "
+                    "(the first steps include warm-up)."
+                )
+        start = self.profile.get("start_step")
+        if not out and self.steps >= 1 and start > self.steps:
+            out.append(
+                f"train.profile.start_step = {start} is after the last step (train.steps = "
+                f"{self.steps}), so nothing would be profiled; lower it."
+            )
         return out
 
     def _beta_problems(self) -> list[str]:

@@ -34,7 +34,6 @@ from fivefold.train.metrics import (
     GiB,
     JsonlWriter,
     StepMetrics,
-    TensorBoardWriter,
     ThroughputMeter,
     format_mfu,
     format_tokens_per_s,
@@ -42,8 +41,10 @@ from fivefold.train.metrics import (
 )
 from fivefold.train.optim import build_optimizer
 from fivefold.train.peak import DevicePeak, device_peak
+from fivefold.train.profiling import StepProfiler
 from fivefold.train.runtime import Runtime, make_runtime
 from fivefold.train.schedule import build_scheduler
+from fivefold.train.trackers import Trackers
 
 
 @dataclass
@@ -279,13 +280,20 @@ class Trainer:
             if main
             else None
         )
-        board = TensorBoardWriter(self.run_dir / "tb") if main and self.cfg.tensorboard else None
+        board = Trackers(self.run_dir, self.recipe, self.cfg, start_step) if main else None
         reporter = ConsoleReporter(
             self.console,
             self.cfg.steps,
             start_step,
             self.cfg.log_every,
             self.cfg.progress and main,
+        )
+        profiler = StepProfiler(
+            self.cfg.profile,
+            self.run_dir,
+            self.runtime.model_parts,
+            getattr(self.runtime, "rank", 0),
+            self.console.print,
         )
         meter = ThroughputMeter()
         losses: list[float] = []
@@ -306,14 +314,17 @@ class Trainer:
                 tick = time.perf_counter()
                 micro_batches = next(batches)
                 lr = self.optimizer.param_groups[0]["lr"]
-                if measure:
-                    with track_cpu_peak(self.runtime.model_parts, self.optimizer) as self.cpu_peak:
+                with profiler.step(self.step + 1):
+                    if measure:
+                        with track_cpu_peak(
+                            self.runtime.model_parts, self.optimizer
+                        ) as self.cpu_peak:
+                            loss, aux, grad_norm = self.train_one_step(micro_batches)
+                        record = getattr(self.runtime, "record_peak_memory", None)
+                        if record is not None:
+                            record(self.cpu_peak.peak_bytes, self.cpu_peak.tenants)
+                    else:
                         loss, aux, grad_norm = self.train_one_step(micro_batches)
-                    record = getattr(self.runtime, "record_peak_memory", None)
-                    if record is not None:
-                        record(self.cpu_peak.peak_bytes, self.cpu_peak.tenants)
-                else:
-                    loss, aux, grad_norm = self.train_one_step(micro_batches)
                 # No device synchronisation: reading back the loss and the gradient norm already
                 # waits for each step's backward; the optimizer's kernels run on while the next
                 # batch is prepared and are counted in the next step's time.
@@ -349,6 +360,7 @@ class Trainer:
                 self.save({"loss": losses[-1]})
             self.checkpoints.close()  # an asynchronous save is committed before the run ends
         finally:
+            profiler.close()
             reporter.stop()
             if jsonl is not None:
                 jsonl.close()

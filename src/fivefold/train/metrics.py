@@ -126,6 +126,16 @@ class JsonlWriter:
         self._file.close()
 
 
+def scalars(m: StepMetrics) -> dict[str, float]:
+    """The numbers every tracker logs: `train/<field>` for each finite numeric field of the
+    JSONL record but the step (which is the x axis)."""
+    return {
+        f"train/{key}": value
+        for key, value in m.to_json().items()
+        if key != "step" and isinstance(value, int | float) and math.isfinite(value)
+    }
+
+
 class TensorBoardWriter:
     """Scalars under `train/` when tensorboard is installed; otherwise `available` is False."""
 
@@ -144,9 +154,8 @@ class TensorBoardWriter:
     def write(self, m: StepMetrics) -> None:
         if self._writer is None:
             return
-        for key, value in m.to_json().items():
-            if key != "step" and isinstance(value, int | float) and math.isfinite(value):
-                self._writer.add_scalar(f"train/{key}", value, m.step)
+        for tag, value in scalars(m).items():
+            self._writer.add_scalar(tag, value, m.step)
 
     def close(self) -> None:
         if self._writer is not None:

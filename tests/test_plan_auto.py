@@ -1,0 +1,50 @@
+"""`fivefold train --plan auto` on the machine at hand (#13 item 7): it plans for the local
+world size against the calibrated device profile, names that device, and without a profile says
+how to make one (exit 2). The profile is the synthetic one of `tests/planner/test_profile.py`."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from fivefold.cli.main import main
+from fivefold.spec.profile import parse_profile
+
+sys.path.insert(0, str(Path(__file__).parent / "planner"))
+from test_profile import synthetic
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+@pytest.fixture
+def profile(tmp_path, monkeypatch):
+    path = tmp_path / "device-profile.toml"
+    path.write_text(parse_profile(synthetic()).to_toml())
+    monkeypatch.setenv("FIVEFOLD_PROFILE", str(path))
+    return path
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_plan_auto_uses_the_local_world_and_the_profile(profile, nproc, capsys, tmp_path):
+    # tiny-cpu.toml's own [plan] is one process; the search replaces its degrees for nproc.
+    args = ["train", str(CONFIGS / "tiny-cpu.toml"), "--plan", "auto", "--nproc", str(nproc)]
+    args += ["--dry-run", f'train.run_dir="{tmp_path}"']
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    chosen = next(line for line in out.splitlines() if line.startswith("--plan auto:"))
+    assert f"planned for {nproc} x Test CPU" in chosen
+    layout = next(line for line in out.splitlines() if line.startswith("layout:"))
+    assert f"on {nproc} process(es)" in layout
+    assert "8 sequences x 128 tokens per step" in layout  # the recipe's global batch is kept
+    assert "planner estimate for Test CPU" in out  # the prediction names its device
+    assert "step time:" in out
+
+
+def test_plan_auto_without_a_profile_says_how_to_measure_one(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("FIVEFOLD_PROFILE", str(tmp_path / "missing.toml"))
+    args = ["train", str(CONFIGS / "tiny-cpu.toml"), "--plan", "auto", "--nproc", "2"]
+    assert main([*args, "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "fivefold calibrate" in err and "--nproc 2" in err and "Traceback" not in err
