@@ -5,12 +5,14 @@ own runtime measures, layout by layout.
         [--steps 3] [--json FILE] [--list]
 
 Each layout trains a CPU preset (fp32, the embedded corpus) for `--steps` steps on 1, 2 or 4 gloo
-ranks with the real `DistributedRuntime` and the real training loop (`Trainer.fit`, so the
-measured step includes clipping and AdamW as in `fivefold train`). The figures are the runtime's
-own layout report (`fivefold.parallel.report.stage_rows`): the measured peak is the loop's and
-the runtime's tensor-storage counter (`fivefold.train.memory`), the prediction the planner's
-memory model for the recipe's model and plan, and its `estimate()` step time where the run's
-cluster has a device peak ("n/a" otherwise). Memory is deterministic; step times depend on the
+ranks with the real `DistributedRuntime` and the real training loop (`Trainer.fit`, clipping and
+AdamW as in `fivefold train`). The figures are the runtime's own layout report
+(`fivefold.parallel.report.stage_rows`): the measured peak is the loop's and the runtime's
+tensor-storage counter (`fivefold.train.memory`, which also sees the pipeline's receive buffers),
+the prediction the planner's memory model for the recipe's model and plan; the measured step
+time is the runtime's `train_step` (forward, backward, gradient communication), beside the
+planner's `estimate()` step time less its optimizer step where the run's cluster has a device
+peak ("n/a" otherwise). Memory is deterministic; step times depend on the
 machine and its load.
 
 Prints one row per (layout, pipeline stage) with the errors (predicted / measured - 1) and the

@@ -25,6 +25,21 @@ def test_resize_is_counted_at_the_storage_size() -> None:
     assert torch.UntypedStorage.resize_ is not None and counter._original_resize is not None
 
 
+def test_held_tensors_count_from_the_start_until_replaced() -> None:
+    # A pipeline's receive buffer exists before the step (4,000 B) and is replaced mid-step by a
+    # tensor of 2,000 B: counted from the start, freed when replaced, never counted twice.
+    model = torch.nn.Linear(10, 10, bias=False)  # 400 B
+    held = {"buffer": torch.empty(1000)}
+    model.held_tensors = lambda: [held["buffer"], held["buffer"]]
+    with track_cpu_peak([model]) as reading:
+        new = torch.empty(500)
+        held["buffer"] = new
+        after = torch.empty(250)
+    assert reading.start_bytes == 400 + 4_000
+    assert reading.peak_bytes == 400 + 4_000 + 2_000
+    assert after.numel() == 250
+
+
 def test_peak_is_split_into_tenants() -> None:
     model = torch.nn.Linear(256, 256, bias=False)  # 65,536 params = 262,144 B
     opt = torch.optim.AdamW(model.parameters())

@@ -1,7 +1,8 @@
 """The planner's per-stage peak memory equals what fivefold's runtime measures, within 5 %.
 
-Trains four layouts of the small preset on CPU for three steps with the real runtime and loop
-(through `benchmarks/plan_vs_run.py`, the full 20-layout benchmark) and compares, per pipeline
+Trains five layouts of the small preset on CPU for three steps with the real runtime and loop
+(through `benchmarks/plan_vs_run.py`, the full 20-layout benchmark; pp2-zbv for a split
+backward, receive buffers and a rank with two chunks) and compares, per pipeline
 stage, the runtime's measured peak (its tensor-storage counter) with the planner's prediction
 under `runtime = "fivefold-eager"`.
 """
@@ -18,7 +19,7 @@ import pytest
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 if str(BENCHMARKS) not in sys.path:
     sys.path.insert(0, str(BENCHMARKS))
-CI_LAYOUTS = ("1r", "dp2-zero3-accum2", "tp2-sp", "pp2-1f1b")
+CI_LAYOUTS = ("1r", "dp2-zero3-accum2", "tp2-sp", "pp2-1f1b", "pp2-zbv")
 TOLERANCE = 0.05
 
 
@@ -41,3 +42,54 @@ def test_predicted_peak_within_5_percent(name: str) -> None:
         predicted = row["predicted_tenants"]
         # Parameters and optimizer state are exact: the same tensors, counted two ways.
         assert measured["optimizer"] == pytest.approx(predicted["optimizer"], rel=1e-4, abs=4096)
+
+
+def _runtime(timed: list[float] | None):
+    """A runtime as rank 0's report sees it (alone): the small preset, DP8 on an H100 node."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from fivefold.train.entry import load_run
+
+    overrides = [
+        'model.preset="small"',
+        'cluster.preset="dgx-h100"',
+        "plan.micro_batch=1",
+        "plan.dp_replicate=8",
+    ]
+    run = load_run(None, overrides, world_size=8)
+    fields = {"_step_times_s": timed} if timed is not None else {}
+    return SimpleNamespace(
+        recipe=run.recipe,
+        device=torch.device("cpu"),
+        world_size=1,
+        is_main=True,
+        peak_memory_bytes=lambda: 1,
+        **fields,
+    )
+
+
+def test_step_time_compares_like_with_like() -> None:
+    from dataclasses import replace
+
+    from fivefold.parallel.report import predictions, stage_rows
+    from fivefold.planner.estimate import estimate
+    from fivefold.planner.options import PlannerOptions
+
+    runtime = _runtime([0.5])
+    recipe = runtime.recipe
+    options = replace(PlannerOptions.for_device(recipe.cluster.device), runtime="fivefold-eager")
+    est = estimate(recipe.model, recipe.cluster, recipe.plan, options=options)
+    optimizer_s = est.breakdown_s["optimizer_s"]
+    assert optimizer_s > 0
+    # The runtime times train_step (no optimizer): the prediction drops the optimizer step.
+    rows, note = stage_rows(runtime)
+    assert rows[0]["measured_step_s"] == 0.5
+    assert rows[0]["predicted_step_s"] == pytest.approx(est.step_time_s - optimizer_s)
+    assert "without the optimizer step" in note
+    # The loop times the whole step (clip and optimizer included): the whole prediction.
+    rows, note = stage_rows(_runtime(None), step_s=0.7)
+    assert rows[0]["predicted_step_s"] == pytest.approx(est.step_time_s)
+    assert "without the optimizer" not in note
+    assert predictions(runtime)[1] == pytest.approx(est.step_time_s)

@@ -12,6 +12,7 @@ from fivefold.planner.memory import (
     layer_activation_bytes,
     layer_params_per_rank,
     model_state_bytes,
+    split_backward_bytes,
     stage_memory,
     zero_divisors,
 )
@@ -299,3 +300,53 @@ def test_gpipe_last_stage_keeps_every_micro_batch_log_softmax():
     assert gpipe.other_terms["logits"] == logits * (12 + 4 * 3)
     one_f1b = stage_memory(m, ParallelPlan(pp=2, schedule="1f1b", grad_accum=4), 1, 1)
     assert one_f1b.other_terms["logits"] == logits * 12
+
+
+def test_split_backward_keeps_every_weight_output_gradient():
+    # small, fp32, mbs 1 (sb = 256): per layer the gradients of Q, K, V (256 + 2 x 128), of the
+    # attention and MLP outputs and of the two norm outputs (4 x 256), of gate and up (2 x 688).
+    m = model_preset("small")
+    plan = ParallelPlan(precision="fp32", pp=2, vpp=2, schedule="zbv", grad_accum=4)
+    counts = stage_layer_counts(m, 4)
+    assert counts == [2, 1, 2, 1]
+    per_layer = 4 * 256 * (256 + 2 * 128 + 4 * 256 + 2 * 688)
+    assert split_backward_bytes(m, plan, counts, 1, 4) == per_layer
+    assert split_backward_bytes(m, plan, counts, 2, 4) == 2 * per_layer
+
+
+def test_zbv_rank1_peak_walks_slots_sends_and_the_split_backward_by_hand():
+    # Rank 1 holds chunks 1 and 2 (both fed by a chunk on the other rank or on itself). Its peak
+    # is at the end of B(mb 2, chunk 2): micro-batches 2 and 3 of both chunks in flight (their
+    # inputs are receive slots, counted apart), the four outputs of chunk 2 sent to rank 0 and
+    # the two input gradients chunk 1 sent back, and what B(2, 2) keeps for its W.
+    m = model_preset("small")
+    plan = ParallelPlan(precision="fp32", pp=2, vpp=2, schedule="zbv", grad_accum=4)
+    counts = stage_layer_counts(m, 4)
+    x = 4 * 256 * 256  # one micro-batch's hidden states, fp32
+    a1, a2 = (chunk_activation_bytes(m, plan, counts, c, EAGER) for c in (1, 2))
+    kept = split_backward_bytes(m, plan, counts, 2, 4)
+    mem = stage_memory(m, plan, 1, 4, EAGER)
+    assert mem.activations == pytest.approx(2 * (a1 - x) + 2 * (a2 - x) + 4 * x + 2 * x + kept)
+    # Per micro-batch a receive slot for each chunk's input and for each output gradient.
+    assert mem.other_terms["pipeline_slots"] == 4 * 4 * x
+    assert mem.grads_at_peak == 1.0  # both chunks ran a W before
+
+
+def test_dualpipev_rank0_has_only_the_last_chunks_gradients_at_its_peak():
+    # Rank 0 (chunks 0 and 3) peaks in its second full backward of chunk 3, before any backward
+    # of chunk 0: only chunk 3's gradients (its layer, the final norm and the head) exist.
+    m = model_preset("small")
+    plan = ParallelPlan(precision="fp32", pp=2, vpp=2, schedule="dualpipev", grad_accum=4)
+    mem = stage_memory(m, plan, 0, 4, EAGER)
+    layer = 2 * 256 + 2 * 256 * 256 + 2 * 256 * 128 + 3 * 256 * 688  # norms, attention, MLP
+    chunk3 = layer + 256 + 4096 * 256
+    assert mem.grads * mem.grads_at_peak == pytest.approx(4 * chunk3)
+
+
+def test_tp_embedding_gradient_is_full_vocabulary_under_eager():
+    m = model_preset("small")
+    plan = ParallelPlan(precision="fp32", tp=2, pp=2, schedule="1f1b", grad_accum=4)
+    mem = stage_memory(m, plan, 0, 2, EAGER)
+    assert mem.grads * mem.grads_at_peak - mem.grads == 4 * 4096 * 256 / 2
+    fused = stage_memory(m, plan, 0, 2)
+    assert fused.grads_at_peak == 1.0  # the fused option is unchanged

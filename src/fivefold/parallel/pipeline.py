@@ -297,6 +297,24 @@ class PipelineRunner:
             loss_fn=self._schedule_loss,
             scale_grads=scale_grads,
         )
+        for chunk in self.chunks:  # seen by the CPU memory counter (`fivefold.train.memory`)
+            chunk.held_tensors = self.held_tensors
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        """Tensors torch's stages keep between steps: the per-micro-batch receive buffers of
+        activations and of gradients ([b, T, h] each, allocated at the first step; a buffer fed
+        by a chunk on this rank holds that chunk's last output or input gradient instead) and
+        the gradients left on the activation buffers."""
+        out: list[torch.Tensor] = []
+        for stage in self.stages:
+            infos = [*stage.args_recv_info.values(), *stage.grad_recv_info.values()]
+            for info in (i for group in infos for i in group):
+                buffer = getattr(info, "buffer", None)
+                if isinstance(buffer, torch.Tensor):
+                    out.append(buffer)
+                    if buffer.grad is not None:
+                        out.append(buffer.grad)
+        return out
 
     def _schedule_loss(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The loss the schedule computes on the last stage: the caller's loss_fn in a training

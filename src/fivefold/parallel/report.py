@@ -1,16 +1,21 @@
 """The rank-0 layout report: per pipeline stage, the planner's predicted peak memory (tenant by
 tenant) and step time beside the measured ones, so every run checks the planner.
 
-Measured step time is the mean wall time of `train_step` (forward + backward + gradient
-communication of all micro-batches; the optimizer step is the loop's) over the steps after the
-first. Measured peak memory: CUDA's allocator peak; on CPU, the peak of live tensor storage over
-one step (`fivefold.train.memory`, resize-aware), split into parameters, gradients and optimizer
-state (known from the tensors) and activations (the rest: saved tensors, gathered parameters,
-buffers). The prediction is the planner's memory model with `runtime = "fivefold-eager"` (what
-this runtime keeps, see `fivefold.planner.memory.EagerProfile`), without the CUDA context and
-allocator terms on a CPU, and the planner's `estimate()` step time where the run's cluster has a
-device peak. Works for `DistributedRuntime` (collective: every rank calls it) and for the
-one-process `LocalRuntime` (no FSDP wrapping, so no sharded copy of the weights).
+Measured step time: the distributed runtime's is the mean wall time of its `train_step`
+(forward + backward + gradient communication of all micro-batches; the optimizer step is the
+loop's) over the steps after the first, and is compared with the planner's step time less its
+`optimizer_s` (the report's note says so); a one-process run is timed by the loop over the whole
+step (clipping and the optimizer included) and compared with the whole predicted step.
+
+Measured peak memory: CUDA's allocator peak; on CPU, the peak of live tensor storage over one
+step (`fivefold.train.memory`, resize-aware, the pipeline's receive buffers included), split
+into parameters, gradients and optimizer state (known from the tensors) and activations (the
+rest: saved tensors, gathered parameters, buffers). The prediction is the planner's memory
+model with `runtime = "fivefold-eager"` (what this runtime keeps, see
+`fivefold.planner.memory.EagerProfile`), without the CUDA context and allocator terms on a CPU,
+and the planner's `estimate()` step time where the run's cluster has a device peak. Works for
+`DistributedRuntime` (collective: every rank calls it) and for the one-process `LocalRuntime`
+(no FSDP wrapping, so no sharded copy of the weights).
 """
 
 from __future__ import annotations
@@ -35,7 +40,14 @@ def _wrapped(runtime: Any) -> bool:
 
 
 def predictions(runtime: Any) -> tuple[list[dict] | None, float | None, str]:
-    """(memory per stage in GiB dicts, predicted step time in s, note) from the planner."""
+    """(memory per stage in GiB dicts, predicted step time in s, note) from the planner; the
+    step time is the whole step, optimizer included."""
+    memory, estimate, note = _predict(runtime)
+    return memory, estimate.step_time_s if estimate is not None else None, note
+
+
+def _predict(runtime: Any) -> tuple[list[dict] | None, Any, str]:
+    """(memory per stage in GiB dicts, the planner's `Estimate` or None, note)."""
     spec, plan = _spec_plan(runtime)
     cuda = runtime.device.type == "cuda"
     try:
@@ -57,8 +69,8 @@ def predictions(runtime: Any) -> tuple[list[dict] | None, float | None, str]:
         from fivefold.planner.options import PlannerOptions
 
         options = replace(PlannerOptions.for_device(cluster.device), runtime="fivefold-eager")
-        step_s = estimate(spec, cluster, plan, options=options).step_time_s
-        return memory, step_s, f"planner estimate for {cluster.device.name}"
+        est = estimate(spec, cluster, plan, options=options)
+        return memory, est, f"planner estimate for {cluster.device.name}"
     except Exception as err:
         return memory, None, f"no step-time prediction: {str(err).splitlines()[0]}"
 
@@ -87,8 +99,7 @@ def memory_only_prediction(
     out = []
     for stage in all_stage_memory(spec, plan, inflight, options):
         gib = stage.gib()
-        if not stage.grads_at_peak:
-            gib["grads"] = 0.0  # allocated by the first backward, after this stage's peak
+        gib["grads"] *= stage.grads_at_peak  # FSDP2 allocates them in a chunk's first backward
         out.append(gib)
     return out
 
@@ -98,7 +109,7 @@ def stage_rows(runtime: Any, step_s: float | None = None) -> tuple[list[dict], s
     row per pipeline stage (ranks, predicted and measured peak bytes and tenants, step seconds;
     None where unknown) and the prediction's note. Other ranks get None. `step_s`: the measured
     step time when the runtime does not time its own steps."""
-    times = getattr(runtime, "_step_times_s", None) or []
+    times = getattr(runtime, "_step_times_s", None) or []  # train_step: no optimizer step
     mine = {
         "rank": getattr(runtime, "rank", 0),
         "pp": getattr(runtime, "pp_rank", 0),
@@ -112,7 +123,13 @@ def stage_rows(runtime: Any, step_s: float | None = None) -> tuple[list[dict], s
         dist.all_gather_object(gathered, mine)
     if not runtime.is_main:
         return None
-    memory, predicted_s, note = predictions(runtime)
+    memory, estimate, note = _predict(runtime)
+    predicted_s = estimate.step_time_s if estimate is not None else None
+    if predicted_s is not None and times:
+        # The runtime times its own `train_step` (forward, backward, gradient communication):
+        # compare it with the prediction less the planner's optimizer step.
+        predicted_s -= estimate.breakdown_s.get("optimizer_s", 0.0)
+        note += ", step time without the optimizer step (train_step is timed)"
     _, plan = _spec_plan(runtime)
     rows = []
     for stage in range(plan.pp):

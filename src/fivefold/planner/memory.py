@@ -44,6 +44,12 @@ The stage's activations are the per-micro-batch activations of its largest chunk
 number of micro-batches in flight on that rank, which the schedule simulation gives (1F1B: rank
 i holds p - i; GPipe: m; interleaved: Narayanan et al. 2021; no pipeline: 1).
 
+With `runtime = "fivefold-eager"` a pipeline rank's peak is found by walking its action list
+(`_walk`): per chunk its activations, the per-micro-batch receive slots torch's stages keep
+(`pipeline_slots`), outputs and input gradients sent to another rank (held to the step's end),
+what a split input-gradient backward keeps for its weight-gradient action
+(`split_backward_bytes`), and the gradients of the chunks that already ran a backward.
+
 The simple model of seed 001 (`activation_model="simple"`): k * L * B * S * d * e with k = 12.
 
 "Other" terms, each explicit (`StageMemory.other_terms`): the CUDA context and library
@@ -96,6 +102,9 @@ class EagerProfile:
     kv_expanded: bool = False  # K and V kept repeated to every query head (was `repeat_kv`)
     mask_bytes: float = 0.0  # a dense document mask kept per sequence, per (query, key) pair
     index_bytes: int = 8  # the embedding keeps its int64 token indices
+    # Under TP the vocab-parallel embedding's weight gradient is a view into a full-vocabulary
+    # `embedding_dense_backward` output (V x h), which stays allocated while it accumulates.
+    embedding_grad_full_vocab: bool = True
 
 
 EAGER = EagerProfile()
@@ -532,10 +541,12 @@ class StageMemory:
     optimizer: float
     activations: float
     other_terms: dict[str, float] = field(default_factory=dict)
-    # fivefold-eager: the gradients exist at the activation peak only when a backward of the
-    # step ran before it (FSDP2 allocates them then); the optimizer step is a second candidate
-    # peak (parameters, gradients and state, activations freed).
-    grads_at_peak: bool = True
+    # fivefold-eager: the share of the gradient bytes live at the activation peak, those of
+    # the chunks that ran a backward of the step before it (FSDP2 allocates them then; above 1
+    # where the buffers are larger than the gradients, `eager_embedding_grad_extra`); the
+    # optimizer step is a second candidate peak (parameters, gradients and state, activations
+    # freed).
+    grads_at_peak: float = 1.0
     optimizer_phase: float = 0.0
 
     @property
@@ -544,7 +555,7 @@ class StageMemory:
 
     @property
     def total(self) -> float:
-        grads = self.grads if self.grads_at_peak else 0.0
+        grads = self.grads * self.grads_at_peak
         during = self.params + grads + self.optimizer + self.activations + self.other
         return max(during, self.optimizer_phase)
 
@@ -591,12 +602,22 @@ def stage_memory(
         state = state + chunk_state_bytes(model, plan, counts, c)
     per_chunk = [chunk_activation_bytes(model, plan, counts, c, opts) for c in chunks]
     acts = max(per_chunk) * inflight
-    grads_at_peak = True
+    grads_at_peak = 1.0
     if opts.eager:
-        acts, with_grads = eager_peak_activations(plan, rank, chunks, per_chunk, state.grads)
-        # Measured: once any chunk of the rank ran a backward before the peak, the rank's
-        # gradients are all there (the per-chunk split under-predicts ZBV by 5-12 %).
-        grads_at_peak = bool(with_grads)
+        e = recipe(plan.precision).activation_bytes
+        kept = [split_backward_bytes(model, plan, counts, c, e) for c in chunks]
+        grads = [
+            chunk_state_bytes(model, plan, counts, c).grads
+            + (eager_embedding_grad_extra(model, plan) if c == 0 else 0.0)
+            for c in chunks
+        ]
+        boundary = pipeline_boundary_bytes(model, plan)
+        acts, with_grads = eager_peak_activations(
+            plan, rank, chunks, per_chunk, grads, kept, boundary
+        )
+        # FSDP2 allocates a chunk's gradients in its first weight-gradient backward.
+        live = sum(g for c, g in zip(chunks, grads, strict=True) if c in with_grads)
+        grads_at_peak = live / state.grads if state.grads else 0.0
     other = other_terms(model, plan, counts, chunks, opts, inflight)
     if plan.recompute == "full" and opts.activation_model == "korthikanti":
         working = layer_activation_bytes(model, plan, model.is_moe, opts, recompute="none")
@@ -610,7 +631,7 @@ def stage_memory(
         return StageMemory(rank, state.params, state.grads, state.optimizer, acts, other)
     at_rest = other.get("fsdp_param_shards", state.params)  # the weights between steps
     rest = at_rest + state.grads + state.optimizer
-    tensors = state.total + acts + sum(other.values()) - (0 if grads_at_peak else state.grads)
+    tensors = state.total + acts + sum(other.values()) - (1 - grads_at_peak) * state.grads
     other["fragmentation"] = opts.fragmentation_fraction * max(tensors, rest)
     return StageMemory(
         rank,
@@ -625,42 +646,121 @@ def stage_memory(
 
 
 def eager_peak_activations(
-    plan: ParallelPlan, rank: int, chunks: list[int], per_chunk: list[float], grads: float = 0.0
+    plan: ParallelPlan,
+    rank: int,
+    chunks: list[int],
+    per_chunk: list[float],
+    grads: list[float] | None = None,
+    retained: list[float] | None = None,
+    boundary: float = 0.0,
 ) -> tuple[float, tuple[int, ...]]:
     """fivefold-eager: (peak activation bytes of pipeline rank `rank`, the chunks whose
     gradients exist at that peak). Without a pipeline: one micro-batch, after grad_accum - 1
-    backwards. In a pipeline, the rank's action list is walked with each (micro-batch, chunk)
-    weighing its own chunk's bytes (chunks of one rank may hold different layer counts); a
-    chunk's gradients exist at the peak when it had a weight-gradient action before it; the
-    peak is that of the activations plus the rank's `grads` once they exist (never in GPipe)."""
+    backwards. In a pipeline, the rank's action list is walked (`_walk`) with each
+    (micro-batch, chunk) weighing its own chunk's bytes (chunks of one rank may hold different
+    layer counts); a chunk's gradients exist at the peak when it had a weight-gradient action
+    before it; the peak is that of the activations plus the `grads` (per chunk) of the chunks
+    that have them (never in GPipe). `retained`: per chunk, what a split input-gradient
+    backward keeps for its weight-gradient action (`split_backward_bytes`); `boundary`: bytes
+    of one stage-boundary tensor (a micro-batch's hidden states or their gradient,
+    `pipeline_boundary_bytes`)."""
     if plan.pp == 1:
         return max(per_chunk), tuple(chunks) if plan.grad_accum > 1 else ()
-    weights = dict(zip(chunks, per_chunk, strict=True))
-    return _walk(
-        plan.schedule, plan.pp, plan.vpp, plan.grad_accum, rank, tuple(weights.items()), grads
-    )
+    from fivefold.planner.schedule import chunk_rank
+
+    last = plan.pp * plan.vpp - 1
+    kept = retained or [0.0] * len(chunks)
+    grads = grads or [0.0] * len(chunks)
+    table = []
+    for c, acts, keep, grad in zip(chunks, per_chunk, kept, grads, strict=True):
+        remote_next = c < last and chunk_rank(plan.schedule, plan.pp, c + 1) != rank
+        remote_prev = c > 0 and chunk_rank(plan.schedule, plan.pp, c - 1) != rank
+        slot = boundary if c > 0 else 0.0
+        sent_out = boundary if remote_next else 0.0
+        sent_grad = boundary if remote_prev else 0.0
+        table.append((c, acts, keep, slot, sent_out, sent_grad, grad))
+    return _walk(plan.schedule, plan.pp, plan.vpp, plan.grad_accum, rank, tuple(table))
 
 
 @lru_cache(maxsize=4096)
 def _walk(
-    name: str, pp: int, vpp: int, m: int, rank: int, weights: tuple, grads: float
+    name: str, pp: int, vpp: int, m: int, rank: int, table: tuple
 ) -> tuple[float, tuple[int, ...]]:
+    """The rank's activation peak along its action list. Per chunk, `table` holds (chunk,
+    activations, kept by a split input-gradient backward, receive slot, sent output, sent input
+    gradient, its gradients once allocated) in bytes, the mechanisms of torch's stages:
+
+    - F adds the chunk's activations; its input is the micro-batch's receive slot, counted
+      apart (`pipeline_slot_bytes`), so not twice; an output sent to another rank stays
+      referenced by the schedule's pending sends until the step ends;
+    - a split input-gradient B adds what it keeps for W; an input gradient sent to another rank
+      is the receive buffer's `.grad`, kept until the next step clears it;
+    - the release (W, or the full backward: B, or dualpipev's "B" right before the "W" of the
+      same micro-batch and chunk) frees the activations and what B kept, but not the slot."""
     from fivefold.planner.schedule import build_schedule
 
     schedule = build_schedule(name, pp, vpp, m)
-    release = "W" if schedule.split_backward else "B"
-    bytes_of = dict(weights)
+    split = schedule.split_backward
+    release = "W" if split else "B"
+    rows = {row[0]: row[1:] for row in table}
+    actions = schedule.actions[rank]
     alive, best, acts, with_grads, graded = 0.0, -1.0, 0.0, (), set()
-    for action in schedule.actions[rank]:
+    pending: dict[tuple[int, int], float] = {}  # what each B kept, until its W
+    for i, action in enumerate(actions):
+        a, keep, slot, sent_out, sent_grad, _ = rows[action.chunk]
+        key = (action.microbatch, action.chunk)
         if action.kind == "F":
-            alive += bytes_of[action.chunk]
-            total = alive + (grads if graded else 0.0)
+            alive += a - slot + sent_out
+        elif action.kind == "B":
+            nxt = actions[i + 1] if i + 1 < len(actions) else None
+            # dualpipev writes its full backwards as a "B" right before the "W" of the same
+            # micro-batch and chunk (`fivefold.planner.schedule`); zbv's are all split.
+            full = name == "dualpipev" and nxt is not None and nxt[1:] == action[1:]
+            full = full and nxt.kind == "W"
+            pending[key] = 0.0 if full or not split else keep
+            alive += sent_grad + pending[key]
+        if action.kind in ("F", "B"):
+            total = alive + sum(rows[c][-1] for c in graded)
             if total >= best - 1e-6:  # the last time the peak is reached counts
                 best, acts, with_grads = max(best, total), alive, tuple(sorted(graded))
-        elif action.kind == release:
-            alive -= bytes_of[action.chunk]
+        if action.kind == release:
+            alive -= a - slot + pending.pop(key, 0.0)
             graded.add(action.chunk)
     return acts, with_grads
+
+
+def eager_embedding_grad_extra(model: ModelSpec, plan: ParallelPlan) -> float:
+    """fivefold-eager, tp > 1: the bytes by which the first stage's embedding gradient buffer
+    exceeds its V/t x h shard while gradients accumulate (`EagerProfile`)."""
+    if plan.tp == 1 or not EAGER.embedding_grad_full_vocab:
+        return 0.0
+    rec = recipe(plan.precision)
+    return rec.grad_bytes * model.vocab * model.hidden * (1 - 1 / plan.tp)
+
+
+def pipeline_boundary_bytes(model: ModelSpec, plan: ParallelPlan) -> float:
+    """One micro-batch's tensor at a stage boundary (hidden states or their gradient): b x s/cp
+    x h elements, sequence-sharded over tp under SP, in the activation dtype."""
+    sp_div = plan.tp if plan.sp and plan.tp > 1 else 1
+    e = recipe(plan.precision).activation_bytes
+    return e * plan.micro_batch * model.seq_len / plan.cp * model.hidden / sp_div
+
+
+def split_backward_bytes(
+    model: ModelSpec, plan: ParallelPlan, counts: list[int], chunk: int, e: float
+) -> float:
+    """fivefold-eager, zbv/dualpipev: what one micro-batch's input-gradient backward of virtual
+    stage `chunk` keeps for its weight-gradient backward. torch's `stage_backward_input` holds the
+    gradient of every weight's output (read by `stage_backward_weight`): per layer Q, K, V
+    (q + 2k)/t, the attention and MLP outputs (h each, region /tp under SP), SwiGLU's gate and
+    up (2f/t) and the two RMSNorm outputs (2h); no MoE layers (dense only here)."""
+    t = plan.tp
+    rdiv = t if plan.sp and t > 1 else 1
+    sb = plan.micro_batch * model.seq_len / plan.cp
+    h = model.hidden
+    per_layer = model.q_width / t + 2 * local_kv_width(model, t) + 2 * model.ffn / t
+    per_layer += 4 * h / rdiv
+    return counts[chunk] * e * sb * per_layer
 
 
 def other_terms(
@@ -688,10 +788,16 @@ def other_terms(
         out["logits"] = tokens * model.vocab / plan.tp * per_logit
     if opts.eager and plan.pp > 1:
         # torch.distributed.pipelining keeps each in-flight micro-batch's stage output until its
-        # backward: fp32 logits on the last stage, the hidden states elsewhere.
-        last_width = 4 * model.vocab / plan.tp
-        width = last_width if last in chunks else e * model.hidden
-        out["pipeline_stage_outputs"] = tokens * width * inflight_of_output(plan, inflight)
+        # backward: the fp32 logits on the last stage (the hidden states elsewhere are walked,
+        # `_walk`), and per micro-batch a receive slot for the stage input of every chunk but
+        # the first and one for the output gradient of every chunk but the last (allocated at
+        # the first step, or holding the last step's hand-over from a chunk on the same rank).
+        if last in chunks:
+            out["pipeline_stage_outputs"] = (
+                tokens * 4 * model.vocab / plan.tp * inflight_of_output(plan, inflight)
+            )
+        slots = sum((c > 0) + (c < last) for c in chunks) * plan.grad_accum
+        out["pipeline_slots"] = slots * pipeline_boundary_bytes(model, plan)
     if opts.eager:
         if opts.fsdp_wrapped:
             out.update(_fsdp_terms(model, plan, counts, chunks, rec))

@@ -11,7 +11,10 @@ as with gradient accumulation or recompute):
   its gathered parameters with `storage.resize_(0)` / `resize_(n)`, so the counter wraps it
   while active and counts each storage at its current size;
 - tensors that exist before the step (parameters, gradients, optimizer state) are registered up
-  front with their tenant.
+  front with their tenant, and so are the tensors a module's owner keeps between steps outside
+  its parameters and buffers, which a module lists with a `held_tensors()` attribute (the
+  pipeline's receive buffers, `fivefold.parallel.pipeline.PipelineRunner.held_tensors`): they
+  are counted from the start until they are freed or replaced.
 
 Each storage's live intervals are kept (start and end on an event counter), so when the step
 ends the peak can be split into tenants: `params` (the local parameters at rest), `grads` (the
@@ -209,6 +212,9 @@ def track_cpu_peak(
     counter.mark(gradients(modules), "grads")
     for module in modules:
         counter.mark(module.buffers(), "activations")
+        held = getattr(module, "held_tensors", None)
+        if callable(held):
+            counter.mark(held(), "activations")
     counter.mark(optimizer_tensors(optimizer), "optimizer")
     reading.start_bytes = counter.current_bytes
     hook = None
