@@ -197,9 +197,9 @@ def test_custom_model_moe_with_cp_and_ep(page):
         {
             "#model-preset": "mixtral-8x7b",
             "model.seq_len": 32768,
-            "plan.tp": 2,
+            "plan.tp": 1,  # MoE layers are not tensor-parallel in fivefold's runtime
             "plan.pp": 1,
-            "plan.dp_shard": 2,
+            "plan.dp_shard": 4,
             "plan.zero": 3,
             "plan.cp": 4,
             "plan.ep": 8,
@@ -208,7 +208,7 @@ def test_custom_model_moe_with_cp_and_ep(page):
         },
     )
     model = model_preset("mixtral-8x7b")
-    plan = ParallelPlan(tp=2, dp_shard=2, zero=3, cp=4, ep=8, recompute="full", grad_accum=8)
+    plan = ParallelPlan(tp=1, dp_shard=4, zero=3, cp=4, ep=8, recompute="full", grad_accum=4)
     assert_page_shows(page, planner_json(model, DEFAULT_CLUSTER, plan))
     # Now edit a dimension: the model becomes custom with the preset's other sizes.
     set_controls(page, {"model.layers": 8})
