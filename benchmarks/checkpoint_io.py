@@ -26,15 +26,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
-import os
-import queue
 import statistics
 import tempfile
 import time
-import traceback
-from datetime import timedelta
 from pathlib import Path
+
+from _ranks import run_ranks
 
 LAYOUTS = {
     1: {},
@@ -195,54 +192,13 @@ def measure(world: int, root: str, repeats: int) -> dict:
 
 
 # ---- launching ranks ---------------------------------------------------------------------------
-def _worker(rank, world, store_path, results, root, repeats, target=measure) -> None:
-    os.environ.update(OMP_NUM_THREADS="1", RANK=str(rank), WORLD_SIZE=str(world))
-    try:
-        import torch
-        import torch.distributed as dist
-
-        torch.set_num_threads(1)
-        if world > 1:
-            store = dist.FileStore(store_path, world)
-            dist.init_process_group(
-                "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=600)
-            )
-        results.put((rank, "ok", target(world, root, repeats)))
-    except BaseException:
-        results.put((rank, "error", traceback.format_exc()))
-    results.close()
-    results.join_thread()
-    os._exit(0)
+def _on_rank(rank: int, world: int, target, root: str, repeats: int) -> dict:
+    return target(world, root, repeats)
 
 
 def run(world: int, root: str, repeats: int, timeout_s: float = 1800.0, target=measure) -> dict:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        store = os.path.join(tmp, "store")
-        procs = [
-            ctx.Process(target=_worker, args=(r, world, store, results, root, repeats, target))
-            for r in range(world)
-        ]
-        for p in procs:
-            p.start()
-        out = {}
-        deadline = time.monotonic() + timeout_s
-        try:
-            while len(out) < world:
-                try:
-                    rank, status, value = results.get(timeout=max(1.0, deadline - time.monotonic()))
-                except queue.Empty:
-                    raise TimeoutError(f"{world} ranks did not finish in {timeout_s} s") from None
-                if status == "error":
-                    raise RuntimeError(f"rank {rank} failed:\n{value}")
-                out[rank] = value
-        finally:
-            for p in procs:
-                p.join(timeout=10)
-                if p.is_alive():
-                    p.kill()
-    return out[0]
+    """`target` on `world` spawned gloo ranks (`_ranks.run_ranks`); rank 0's result."""
+    return run_ranks(world, _on_rank, target, root, repeats, timeout_s=timeout_s)[0]
 
 
 def main() -> None:
