@@ -226,23 +226,14 @@ def handle(args: argparse.Namespace) -> int:
 def dry_run_report(run, nproc: int) -> str:
     """The resolved recipe, the layout and the planner's predictions, as `--dry-run` prints
     them (the predictions are `fivefold.parallel.report`'s, the ones each run prints)."""
-    from types import SimpleNamespace
-
     from fivefold.parallel.mesh import ParallelDims
     from fivefold.parallel.process_group import pick_device
-    from fivefold.parallel.report import predictions
+    from fivefold.parallel.report import predictions_for
     from fivefold.spec.recipe import dump_recipe
 
     recipe = run.recipe
-    memory, step_s, note = predictions(
-        SimpleNamespace(
-            recipe=recipe,
-            spec=recipe.model,
-            plan=recipe.plan,
-            device=pick_device(run.train.device),
-            **({"dp_modules": []} if nproc > 1 else {}),  # N ranks: the FSDP2-wrapped runtime
-        )
-    )
+    cuda = pick_device(run.train.device).type == "cuda"
+    memory, step_s, note = predictions_for(recipe, cuda, fsdp_wrapped=nproc > 1)
     dims = ParallelDims.from_plan(recipe.plan, nproc)
     lines = [
         dump_recipe(recipe, "Recipe as resolved (presets expanded, overrides applied).").rstrip(),

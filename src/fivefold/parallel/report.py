@@ -30,31 +30,33 @@ MIB = 1024**2
 TENANTS = ("params", "grads", "optimizer", "activations")
 
 
-def _spec_plan(runtime: Any) -> tuple[Any, Any]:
-    return runtime.recipe.model, runtime.recipe.plan
-
-
 def _wrapped(runtime: Any) -> bool:
     """Whether the runtime wraps its chunks in FSDP2 (the distributed runtime always does)."""
     return hasattr(runtime, "dp_modules")
 
 
 def predictions(runtime: Any) -> tuple[list[dict] | None, float | None, str]:
-    """(memory per stage in GiB dicts, predicted step time in s, note) from the planner; the
+    """(memory per stage in GiB dicts, predicted step time in s, note) for a built runtime; the
     step time is the whole step, optimizer included."""
-    memory, estimate, note = _predict(runtime)
+    return predictions_for(runtime.recipe, runtime.device.type == "cuda", _wrapped(runtime))
+
+
+def predictions_for(
+    recipe: Any, cuda: bool, fsdp_wrapped: bool
+) -> tuple[list[dict] | None, float | None, str]:
+    """`predictions` before any runtime exists (e.g. `train --dry-run`): `fsdp_wrapped` is true
+    for the distributed runtime (more than one process)."""
+    memory, estimate, note = _predict(recipe, cuda, fsdp_wrapped)
     return memory, estimate.step_time_s if estimate is not None else None, note
 
 
-def _predict(runtime: Any) -> tuple[list[dict] | None, Any, str]:
+def _predict(recipe: Any, cuda: bool, fsdp_wrapped: bool) -> tuple[list[dict] | None, Any, str]:
     """(memory per stage in GiB dicts, the planner's `Estimate` or None, note)."""
-    spec, plan = _spec_plan(runtime)
-    cuda = runtime.device.type == "cuda"
+    spec, plan, cluster = recipe.model, recipe.plan, recipe.cluster
     try:
-        memory = memory_only_prediction(spec, plan, fsdp_wrapped=_wrapped(runtime), cuda=cuda)
+        memory = memory_only_prediction(spec, plan, fsdp_wrapped=fsdp_wrapped, cuda=cuda)
     except Exception as err:  # a planner gap must not stop training
         return None, None, f"memory model: {str(err).splitlines()[0]}"
-    cluster = runtime.recipe.cluster
     if not cluster.device.peak_flops:
         return (
             memory,
@@ -123,14 +125,16 @@ def stage_rows(runtime: Any, step_s: float | None = None) -> tuple[list[dict], s
         dist.all_gather_object(gathered, mine)
     if not runtime.is_main:
         return None
-    memory, estimate, note = _predict(runtime)
+    memory, estimate, note = _predict(
+        runtime.recipe, runtime.device.type == "cuda", _wrapped(runtime)
+    )
     predicted_s = estimate.step_time_s if estimate is not None else None
     if predicted_s is not None and times:
         # The runtime times its own `train_step` (forward, backward, gradient communication):
         # compare it with the prediction less the planner's optimizer step.
         predicted_s -= estimate.breakdown_s.get("optimizer_s", 0.0)
         note += ", step time without the optimizer step (train_step is timed)"
-    _, plan = _spec_plan(runtime)
+    plan = runtime.recipe.plan
     rows = []
     for stage in range(plan.pp):
         ranks = [g for g in gathered if g["pp"] == stage]
