@@ -20,6 +20,15 @@ from fivefold.spec.precision import recipe as precision_recipe
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zbv", "dualpipev")
 CP_KINDS = ("ring", "allgather", "ulysses")
+# Memory levers (issue 11). offload: "optimizer" keeps the fp32 master weights and the optimizer
+# state in host memory and runs the optimizer step on the host CPU (ZeRO-Offload, DeepSpeed's
+# offload_optimizer); "all" also keeps the sharded parameters and gradients there (FSDP2's
+# CPUOffloadPolicy, DeepSpeed's offload_param), so it needs zero = 3.
+OFFLOAD_KINDS = ("none", "optimizer", "all")
+# Adam's m and v: fp32, or torchao's block-quantised AdamW8bit / AdamWFp8 (1 byte + scales).
+OPTIMIZER_STATES = ("fp32", "8bit", "fp8")
+# FP8 compute of the linear layers through torchao's float8 training (dynamic scaling).
+FP8_RECIPES = ("none", "tensorwise", "rowwise")
 TWO_STAGES_PER_RANK = ("zbv", "dualpipev")  # V-shaped schedules: exactly 2 chunks per rank
 RUNTIME_COMPUTE_DTYPES = ("fp32", "bf16")  # what fivefold's runtime computes in
 PLAN_LIMIT = 1 << 17  # the largest degree or micro-batch (cf. spec.cluster.MAX_GPUS)
@@ -45,6 +54,9 @@ class ParallelPlan:
     grad_accum: int = 1  # micro-batches per optimizer step (the pipeline's micro-batch count)
     recompute: str = "none"
     precision: str = "bf16-mixed"
+    offload: str = "none"  # OFFLOAD_KINDS
+    optimizer_states: str = "fp32"  # OPTIMIZER_STATES
+    fp8: str = "none"  # FP8_RECIPES: the linear layers' GEMMs in FP8 (torchao float8)
 
     @property
     def dp(self) -> int:
@@ -85,6 +97,12 @@ class ParallelPlan:
             parts.append(f"EP{self.ep}")
         parts.append(f"mbs {self.micro_batch} x accum {self.grad_accum}")
         parts.append(f"recompute {self.recompute}, {self.precision}")
+        if self.fp8 != "none":
+            parts.append(f"fp8 {self.fp8}")
+        if self.optimizer_states != "fp32":
+            parts.append(f"{self.optimizer_states} Adam states")
+        if self.offload != "none":
+            parts.append(f"offload {self.offload}")
         return ", ".join(parts)
 
     # ---- validation ------------------------------------------------------------------------
@@ -166,8 +184,34 @@ class ParallelPlan:
             )
         if self.precision not in RECIPES:
             out.append(f"plan.precision = {self.precision!r}: choose one of {', '.join(RECIPES)}.")
+        for field, choices in (
+            ("offload", OFFLOAD_KINDS),
+            ("optimizer_states", OPTIMIZER_STATES),
+            ("fp8", FP8_RECIPES),
+        ):
+            if getattr(self, field) not in choices:
+                out.append(
+                    f"plan.{field} = {getattr(self, field)!r}: choose one of {', '.join(choices)}."
+                )
         if out:
             return out
+        if self.offload == "all" and self.zero != 3:
+            out.append(
+                f"plan.offload = 'all' with plan.zero = {self.zero}: parameters and gradients "
+                "live in host memory only as FSDP2 shards; set plan.zero = 3, or offload only "
+                "the optimizer (plan.offload = 'optimizer')."
+            )
+        if self.offload == "optimizer" and self.zero == 3:
+            out.append(
+                "plan.offload = 'optimizer' with plan.zero = 3: FSDP2 offloads parameters, "
+                "gradients and optimizer state together; set plan.offload = 'all', or zero <= 2."
+            )
+        if self.fp8 != "none" and precision_recipe(self.precision).compute_dtype != "bf16":
+            out.append(
+                f"plan.fp8 = {self.fp8!r} with plan.precision = {self.precision!r}: FP8 linear "
+                "layers run inside a bf16 recipe; use plan.precision = 'bf16-mixed' (or another "
+                "bf16 recipe), or plan.fp8 = 'none'."
+            )
         if self.zero == 0 and self.dp_shard > 1:
             out.append(
                 f"plan.dp_shard = {self.dp_shard} with plan.zero = 0: stage 0 shards nothing; "
@@ -231,6 +275,12 @@ class ParallelPlan:
                 "DeepSeek-V3's, for the memory arithmetic of `fivefold.planner.memory`); use "
                 "'fp32' or a bf16 recipe such as 'bf16-mixed'."
             )
+        for field, default in (("offload", "none"), ("optimizer_states", "fp32"), ("fp8", "none")):
+            if getattr(self, field) != default:
+                out.append(
+                    f"plan.{field} = {getattr(self, field)!r}: fivefold's runtime does not run "
+                    f"this memory lever yet (planning only); set plan.{field} = {default!r}."
+                )
         if m is None:
             return out
         if m.tied_embeddings and self.pp > 1:
