@@ -335,7 +335,7 @@ def _train(runtime, recipe, steps: int, micro_batches_of) -> dict:
     from fivefold.train.optim import build_optimizer
 
     cfg = parse_train_config(recipe).train
-    optimizer = build_optimizer(runtime.model_parts, cfg)
+    optimizer = build_optimizer(runtime.model_parts, cfg, recipe.plan)
     losses, norms, aux = [], [], []
     for step in range(steps):
         batch = synthetic_global_batch(step, recipe.model.vocab, recipe.model.seq_len)
