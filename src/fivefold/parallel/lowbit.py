@@ -124,13 +124,17 @@ BLOCK_SIZE = 256  # torchao's default block of elements sharing one fp32 scale
 MIN_QUANTISED = 4096  # smaller tensors keep fp32 states
 
 
+QMAP_BYTES = 256 * 4  # the 8-bit dynamic map each 8-bit state carries (256 fp32 values)
+
+
 def adam_state_bytes(numel: int, states: str) -> float:
     """Bytes of Adam's m and v for one tensor of `numel` elements: fp32 8 per element; 8bit and
-    fp8 2 one-byte codes plus two fp32 scales per block (tensors below 4096 elements, or not a
-    multiple of the block, stay fp32). The dynamic maps (256 fp32 per 8-bit state) not counted."""
+    fp8 two one-byte codes plus two fp32 scales per 256-element block (and for 8bit each state's
+    map); tensors below 4096 elements, or not a multiple of the block, stay fp32."""
     if states == "fp32" or numel < MIN_QUANTISED or numel % BLOCK_SIZE:
         return 8.0 * numel
-    return 2.0 * numel + 2 * 4 * numel / BLOCK_SIZE
+    maps = 2 * QMAP_BYTES if states == "8bit" else 0
+    return 2.0 * numel + 2 * 4 * numel / BLOCK_SIZE + maps
 
 
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:
