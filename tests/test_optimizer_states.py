@@ -100,3 +100,19 @@ def test_single_process_offload_all_is_refused():
     assert any("plan.offload = 'all' in a single process" in p for p in problems)
     assert ParallelPlan(dp_shard=2, zero=3, offload="all").problems() == []
     assert ParallelPlan(offload="optimizer").problems() == []
+
+
+def test_without_a_compiler_cpu_refuses_lowbit_states(monkeypatch):
+    import shutil
+
+    import torch
+
+    from fivefold.spec.plan import ParallelPlan
+    from fivefold.train.optim import lever_problems
+
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    problems = lever_problems(ParallelPlan(optimizer_states="8bit"), torch.device("cpu"))
+    assert len(problems) == 1 and "C++ compiler" in problems[0]
+    assert "plan.optimizer_states = '8bit' on CPU" in problems[0]
+    assert lever_problems(ParallelPlan(), torch.device("cpu")) == []

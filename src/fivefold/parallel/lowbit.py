@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
+import shutil
 import warnings
 from typing import Any
 
@@ -44,6 +46,19 @@ def torchao_problems(field: str) -> list[str]:
     return [
         f"{field} needs torchao, which is not installed: `{INSTALL_HINT}` (torchao 0.18.0), "
         "or set it back to its default."
+    ]
+
+
+def compiler_problems(field: str, device: torch.device) -> list[str]:
+    """On CPU torchao's update is compiled by inductor into C++: [] when a compiler is found."""
+    if device.type != "cpu" or any(
+        name and shutil.which(name) for name in (os.environ.get("CXX"), "g++", "clang++")
+    ):
+        return []
+    return [
+        f"{field} on CPU: torchao compiles its optimizer update with a C++ compiler (g++, "
+        "clang++ or $CXX) and none was found; install one (e.g. apt-get install g++) or use "
+        "plan.optimizer_states = 'fp32'."
     ]
 
 

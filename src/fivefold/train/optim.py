@@ -56,15 +56,17 @@ def kernel_choice(groups: list[dict]) -> dict[str, bool]:
 
 def lever_problems(plan: ParallelPlan, device: torch.device) -> list[str]:
     """What `device` (and this installation) cannot run of the plan's memory levers: FP8
-    compute off FP8 GPUs, torchao's optimizers without torchao. Layout rules are
+    compute off FP8 GPUs, torchao's optimizers without torchao (or, on CPU, without a C++
+    compiler for its compiled update). Layout rules are
     `ParallelPlan.problems`; this is the device half, asked by the launchers (`check_layout`)
     before any process starts and again where each lever is applied."""
     from fivefold.parallel.float8 import float8_problems
-    from fivefold.parallel.lowbit import torchao_problems
+    from fivefold.parallel.lowbit import compiler_problems, torchao_problems
 
     out = float8_problems(plan.fp8, device)
     if plan.optimizer_states != "fp32":
-        out += torchao_problems(f"plan.optimizer_states = {plan.optimizer_states!r}")
+        field = f"plan.optimizer_states = {plan.optimizer_states!r}"
+        out += torchao_problems(field) + compiler_problems(field, device)
     return list(dict.fromkeys(out))
 
 
