@@ -20,6 +20,7 @@ them), silenced here for the import only.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 import os
@@ -86,14 +87,9 @@ def _dense(value: Any) -> Any:
         local = value.to_local()
         if not _quantised(local):
             return value
-        return DTensor.from_local(
-            local.dequantize(torch.float32),
-            value.device_mesh,
-            value.placements,
-            run_check=False,
-            shape=value.shape,
-            stride=value.stride(),
-        ).to(local.device)
+        from fivefold.parallel.offload import as_dtensor
+
+        return as_dtensor(local.dequantize(torch.float32), value)
     if isinstance(value, torch.Tensor) and _quantised(value):
         return value.dequantize(torch.float32)
     return value
@@ -201,6 +197,7 @@ def _eager_step(optimizer) -> None:
             )
 
 
+@functools.cache
 def lowbit_adamw_class(states: str) -> type[torch.optim.Optimizer]:
     """torchao's AdamW for `states` ("8bit" | "fp8") with checkpoint-neutral state dicts."""
     import_torchao()

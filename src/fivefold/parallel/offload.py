@@ -43,20 +43,20 @@ def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
     host = torch.empty_like(local, device=HOST, pin_memory=local.is_cuda)
     host.copy_(local.detach())
     if isinstance(tensor, DTensor):
-        return _as_dtensor(host, tensor)
+        return as_dtensor(host, tensor)
     return host
 
 
-def _as_dtensor(local: torch.Tensor, like: DTensor) -> DTensor:
-    """`local` (on the host) as a DTensor with `like`'s mesh, placements and global shape."""
-    return DTensor.from_local(
-        local,
-        like.device_mesh,
-        like.placements,
-        run_check=False,
-        shape=like.shape,
-        stride=like.stride(),
-    ).to(local.device)  # from_local moves to the mesh's device type; stay on the host
+def as_dtensor(local: torch.Tensor, like: DTensor) -> DTensor:
+    """`local` as a DTensor with `like`'s mesh, placements and global shape, left where it is.
+
+    Built from a spec, as FSDP2 builds its offloaded shards: `DTensor.from_local` would move a
+    host tensor to the mesh's device (CUDA) and lose its pinned memory."""
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    meta = TensorMeta(like.shape, like.stride(), local.dtype)
+    spec = DTensorSpec(like.device_mesh, like.placements, tensor_meta=meta)
+    return DTensor(local, spec, requires_grad=False)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -123,7 +123,7 @@ class HostOffloadOptimizer(torch.optim.Optimizer):
             local_grad = _local(param.grad)
             if master.grad is None:
                 host = torch.empty_like(local_grad, device=HOST, pin_memory=local_grad.is_cuda)
-                master.grad = _as_dtensor(host, param.grad) if isinstance(master, DTensor) else host
+                master.grad = as_dtensor(host, param.grad) if isinstance(master, DTensor) else host
             _local(master.grad).copy_(local_grad, non_blocking=local_grad.is_cuda)
             copies |= local_grad.is_cuda
         if copies:
@@ -172,7 +172,7 @@ def _to_host(value: Any) -> Any:
     if not isinstance(value, torch.Tensor) or _local(value).device == HOST:
         return value
     if isinstance(value, DTensor):
-        return _as_dtensor(_local(value).to(HOST), value)
+        return as_dtensor(_local(value).to(HOST), value)
     return value.to(HOST)
 
 
