@@ -86,7 +86,13 @@ class DocumentLayout:
     @property
     def row_groups(self) -> tuple[tuple[slice, tuple[int, ...]], ...]:
         if self._groups is None:
-            self._groups = _row_groups(self.doc_ids, self.batch, self.seq_len)
+            if self.doc_ids is None:
+                self._groups = _row_groups(None, self.batch, self.seq_len)
+            else:
+                cache = _doc_ids_cache(self.doc_ids)
+                if "groups" not in cache:
+                    cache["groups"] = _row_groups(self.doc_ids, self.batch, self.seq_len)
+                self._groups = cache["groups"]
         return self._groups
 
     @property
@@ -333,21 +339,29 @@ def _varlen(q, k, v, docs: DocumentLayout) -> torch.Tensor:
     return out.view(batch, seq, heads, dim).transpose(1, 2)
 
 
-def _whole_sequence_blocks(doc_ids: torch.Tensor) -> list[Block]:
-    """The document blocks of full rows of `doc_ids` [B, T], cached per tensor (every layer of
-    a forward, and its backward, pass the same doc ids; one host read per micro-batch)."""
-    version = None if doc_ids.is_inference() else doc_ids._version
-    hit = _BLOCKS.get(doc_ids)
-    if hit is None or version is None or hit[0] != version:
-        batch, seq = doc_ids.shape
-        whole = [Chunk(0, 0, seq)]
-        hit = (version, document_blocks(whole, whole, DocumentLayout(doc_ids, batch, seq)))
-        if version is not None:
-            _BLOCKS[doc_ids] = hit
+_PER_DOC_IDS = WeakTensorKeyDictionary()
+
+
+def _doc_ids_cache(doc_ids: torch.Tensor) -> dict[str, Any]:
+    """What is derived from `doc_ids` on the host, kept while the tensor lives and is unchanged:
+    every layer of a forward, its backward and the `document_attention` op share one read."""
+    if doc_ids.is_inference():  # no version counter to tell a change
+        return {}
+    hit = _PER_DOC_IDS.get(doc_ids)
+    if hit is None or hit[0] != doc_ids._version:
+        hit = (doc_ids._version, {})
+        _PER_DOC_IDS[doc_ids] = hit
     return hit[1]
 
 
-_BLOCKS = WeakTensorKeyDictionary()
+def _whole_sequence_blocks(doc_ids: torch.Tensor) -> list[Block]:
+    """The document blocks of the full rows of `doc_ids` [B, T] (cached with the tensor)."""
+    cache = _doc_ids_cache(doc_ids)
+    if "blocks" not in cache:
+        batch, seq = doc_ids.shape
+        whole = [Chunk(0, 0, seq)]
+        cache["blocks"] = document_blocks(whole, whole, DocumentLayout(doc_ids, batch, seq))
+    return cache["blocks"]
 
 
 @torch.library.custom_op("fivefold::document_attention", mutates_args=())
