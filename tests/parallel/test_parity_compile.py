@@ -40,7 +40,7 @@ SLOW_CASES = [
         {"tp": 2, "sp": False, "dp_replicate": 2, "micro_batch": 4},
         steps=4,
         compile=True,
-    ),  # fmt: skip
+    ),
     ParityCase(
         "compile PP2 x TP2+SP",
         {"pp": 2, "tp": 2, "micro_batch": 4, "grad_accum": 2},

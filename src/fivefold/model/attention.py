@@ -10,15 +10,18 @@ layer reuses them. The attention core picks, per call:
   tokens packed as [B*T, H, Dh] with int32 cumulative document offsets and
   `window_size=(-1, 0)` (causal); written against the documented API, checked for shapes under
   FakeTensorMode only (this machine has no GPU: unmeasured);
-- CPU (and CUDA in fp32, which the flash kernels lack), several documents: SDPA's CPU flash
-  kernel once per document (`is_causal=True`, GQA native; on CUDA the memory-efficient kernel)
-  inside `block_attention`, an autograd function that writes every document's output into one
-  [B, T, H, Dh] buffer and saves that buffer once (the output projection reads it as a view).
-  Written by hand because SDPA's public entry point takes one sequence per call, and
-  FlexAttention has no backward on CPU.
+- CPU (and CUDA in fp32, which the flash kernels lack, and any device under `torch.compile`),
+  several documents: SDPA's CPU flash kernel once per document (`is_causal=True`, GQA native;
+  on CUDA the memory-efficient kernel) inside the `fivefold::document_attention` custom op
+  (with its backward op), which writes every document's output into one [B, T, H, Dh] buffer
+  and saves that buffer once (the output projection reads it as a view). A custom op so that
+  `torch.compile` keeps it as one node that reads the spans from the doc ids when it runs
+  (no graph break, no recompile per packing). Written by hand because SDPA's public entry
+  point takes one sequence per call, and FlexAttention has no backward on CPU.
 
-`block_attention` is the one kernel of this package for attention over spans of a sequence:
-context parallelism (`fivefold.parallel.context_parallel`) reuses it and its per-block pieces
+The per-block pieces are the one kernel of this package for attention over spans of a
+sequence: context parallelism (`fivefold.parallel.context_parallel`) calls them through
+`block_attention`, an autograd function over arbitrary blocks, and through its per-block pieces
 (`block_forward`, `block_backward`, `merge_partial`) with query and key chunks that are not the
 whole sequence. A block pairs a query chunk with a key chunk; its spans are the per-document
 rectangles of that pair (causal on the diagonal, full when the keys precede the queries).

@@ -5,8 +5,11 @@ before FSDP/DDP wrap the blocks, the order torchtitan uses: each block (checkpoi
 included) is replaced in `layers` by its compiled form, so the compiled graph sees the DTensor
 and checkpointing code and FSDP's hooks stay outside it. Graph breaks are allowed (not
 `fullgraph`): host-side code such as the expert-parallel all-to-all split sizes runs eagerly,
-and so does the attention core, whose per-document spans are Python values that change with
-every batch (compiled, each new packing of documents would recompile the block).
+and so does a context-parallel attention core. The single-process core does not break the
+graph: a pre-hook reads the batch's document layout eagerly, so the block branches on a plain
+bool (SDPA `is_causal` in the graph for one-document rows, the `fivefold::document_attention`
+custom op for packed rows). Another pre-hook hands each block plain tensors where tensor
+parallelism produced `AsyncCollectiveTensor`s (see `_wait_async_inputs`).
 The compiled module keeps the block's parameters under `_orig_mod.`, which the deterministic
 initialisation and torch's distributed state dicts strip, so names, initial values and
 checkpoints are those of the uncompiled model.
