@@ -753,7 +753,7 @@ def _search_handler(args: argparse.Namespace) -> int:
             f"{best['memory_gib']['total']:.1f} GiB of {best['hbm_gib']:.0f} GiB."
         )
         recipe_path = write_recipe(
-            path, model, cluster, result.best_plan, header, settings.section()
+            path, model, cluster, result.best_plan, header, settings.section(headroom)
         )
     if args.json:
         out = dict(best)

@@ -92,10 +92,12 @@ class PlannerSettings:
             "notes": list(self.notes),
         }
 
-    def section(self) -> dict[str, Any]:
-        """The recipe's [planner] table that gives these settings back."""
-        headroom = {} if self.headroom is None else {"headroom": self.headroom}
-        return {"profile": self.profile, **headroom, **self.overrides}
+    def section(self, headroom: float | None = None) -> dict[str, Any]:
+        """The recipe's [planner] table that gives these settings back (with `headroom`, the
+        one in force, or else the recipe's own, when either is known)."""
+        headroom = self.headroom if headroom is None else headroom
+        kept = {} if headroom is None else {"headroom": headroom}
+        return {"profile": self.profile, **kept, **self.overrides}
 
     def describe(self) -> str:
         """One sentence for the explanation: the profile and what was changed on top of it."""
