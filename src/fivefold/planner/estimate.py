@@ -34,6 +34,7 @@ from fivefold.planner import comm as C
 from fivefold.planner.calibration import EfficiencyModel, efficiency_model
 from fivefold.planner.compute import (
     Work,
+    embedding_work,
     head_work,
     layer_work,
     optimizer_step_s,
@@ -423,8 +424,10 @@ def _chunk_costs_of(
                 zero_rs[2] + n * lc.reduce_bytes,
             ]
     device = cluster.device
-    if last:
-        hw = head_work(model, plan, device, eff)
+    ends = ([embedding_work(model, plan, device, eff)] if first else []) + (
+        [head_work(model, plan, device, eff)] if last else []
+    )
+    for hw in ends:
         f += hw.forward_s
         b += hw.backward_input_s
         w += hw.backward_weight_s
