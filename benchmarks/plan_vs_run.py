@@ -122,19 +122,45 @@ def run_layout(layout: Layout, steps: int, run_dir: str) -> dict | None:
     stdout, sys.stdout = sys.stdout, quiet  # the runtime prints its own report on rank 0
     try:
         runtime = DistributedRuntime(run.recipe, run.train)
+        cpu_s = _time_cpu(runtime)
         Trainer(run, runtime, Console(file=quiet)).fit()
         result = stage_rows(runtime)
     finally:
         sys.stdout = stdout
+    mine = {
+        "pp": runtime.pp_rank,
+        "cpu_s": cpu_s[TIMED_STEP - 1] if len(cpu_s) >= TIMED_STEP else None,
+    }
     if result is None:
-        return None
+        return {"cpu": mine}
     rows, note = result
     return {
         "layout": layout.name,
         "describe": run.recipe.plan.describe(),
         "rows": rows,
         "note": note,
+        "cpu": mine,
     }
+
+
+TIMED_STEP = 3  # the step the runtime times (1 warms up, 2 and 4 count memory)
+
+
+def _time_cpu(runtime) -> list[float]:
+    """Record this process's CPU seconds (all its threads: compute and gloo's) of every
+    `train_step`: under load, what a step costs this rank, waits for its peers excluded."""
+    seconds: list[float] = []
+    step = runtime.train_step
+
+    def timed(micro_batches):
+        tick = time.process_time()
+        try:
+            return step(micro_batches)
+        finally:
+            seconds.append(time.process_time() - tick)
+
+    runtime.train_step = timed
+    return seconds
 
 
 def _worker(rank: int, world: int, store: str, results, layout: Layout, steps: int, tmp: str):
@@ -180,7 +206,7 @@ def measure(layout: Layout, steps: int, timeout_s: float = 900.0) -> dict:
         ]
         for p in procs:
             p.start()
-        done, report = 0, None
+        done, report, cpu = 0, None, []
         deadline = time.monotonic() + timeout_s
         try:
             while done < layout.world:
@@ -194,6 +220,7 @@ def measure(layout: Layout, steps: int, timeout_s: float = 900.0) -> dict:
                 if status == "error":
                     raise RuntimeError(f"{layout.name}: rank {rank} failed:\n{payload}")
                 done += 1
+                cpu.append(payload["cpu"])
                 report = payload if rank == 0 else report
         finally:
             for p in procs:
@@ -201,6 +228,9 @@ def measure(layout: Layout, steps: int, timeout_s: float = 900.0) -> dict:
                 if p.is_alive():
                     p.kill()
     assert report is not None
+    for row in report["rows"]:  # the busiest rank of each stage
+        stage = [c["cpu_s"] for c in cpu if c["pp"] == row["stage"] and c["cpu_s"] is not None]
+        row["measured_cpu_s"] = max(stage) if stage else None
     return report
 
 
@@ -227,6 +257,8 @@ def flatten(reports: list[dict]) -> list[dict]:
                     "predicted_step_s": row["predicted_step_s"],
                     "measured_step_s": row["measured_step_s"],
                     "step_error": error(row["predicted_step_s"], row["measured_step_s"]),
+                    "measured_cpu_s": row.get("measured_cpu_s"),
+                    "cpu_error": error(row["predicted_step_s"], row.get("measured_cpu_s")),
                     "predicted_tenants": row.get("predicted_tenants", {}),
                     "measured_tenants": row.get("measured_tenants", {}),
                 }
@@ -260,16 +292,18 @@ def summary(rows: list[dict], key: str) -> str:
 def table(rows: list[dict]) -> str:
     lines = [
         f"{'layout':<18} {'stage':>5} {'pred MiB':>9} {'meas MiB':>9} {'error':>8}   "
-        f"{'pred ms':>9} {'meas ms':>9} {'error':>8}"
+        f"{'pred ms':>9} {'meas ms':>9} {'error':>8}   {'cpu ms':>9} {'error':>8}"
     ]
     for r in rows:
         lines.append(
             f"{r['layout']:<18} {r['stage']:>5} {_mib(r['predicted_peak_bytes'])} "
             f"{_mib(r['measured_peak_bytes'])} {_pct(r['memory_error'])}   "
-            f"{_ms(r['predicted_step_s'])} {_ms(r['measured_step_s'])} {_pct(r['step_error'])}"
+            f"{_ms(r['predicted_step_s'])} {_ms(r['measured_step_s'])} {_pct(r['step_error'])}   "
+            f"{_ms(r['measured_cpu_s'])} {_pct(r['cpu_error'])}"
         )
     lines.append(f"peak memory: {summary(rows, 'memory_error')}")
     lines.append(f"step time:   {summary(rows, 'step_error')}")
+    lines.append(f"cpu time:    {summary(rows, 'cpu_error')} (a loaded machine's proxy)")
     return "\n".join(lines)
 
 

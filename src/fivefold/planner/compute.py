@@ -435,7 +435,7 @@ def _measured_layer_work(
     elem_flops = layer_elementwise_flops(model, plan, moe)
     elem_f = roofline_s(elem_flops, elem_bytes, device, eff, "elementwise_forward")
     elem_b = roofline_s(2 * elem_flops, 2 * elem_bytes, device, eff, "elementwise_backward")
-    over_f, over_b = device.measured.layer_overhead_s()
+    over_f, over_b = device.measured.layer_overhead_s(moe, plan.tp > 1, plan.zero == 3)
     forward = gemm_f + attn_f + elem_f + over_f
     if plan.recompute == "full":
         recompute = forward - _early_stop_s(model, plan, device, eff, moe, opts)

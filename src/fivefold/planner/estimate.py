@@ -37,6 +37,7 @@ from fivefold.planner.compute import (
     embedding_work,
     head_work,
     layer_work,
+    memory_time_s,
     optimizer_step_s,
 )
 from fivefold.planner.memory import (
@@ -201,6 +202,17 @@ class LayerCosts:
     gather_bytes: float
     reduce_s: float  # ZeRO-3: one reduce-scatter of its gradients
     reduce_bytes: float
+    gather_copy_s: float = 0.0  # ZeRO-3: copying one gather out into the parameters
+    reduce_copy_s: float = 0.0  # ZeRO-3: copying the gradients into one reduce-scatter
+
+
+def per_layer_gathers(plan: ParallelPlan) -> bool:
+    """Whether ZeRO-3 gathers each layer's weights per micro-batch (forward and backward).
+    Under pipelining it does not: torch's pipeline stages keep an FSDP chunk gathered from its
+    first forward to the end of the step and reduce-scatter its gradients after the last
+    backward (`fivefold.parallel.pipeline`), so ZeRO-3 x PP communicates as ZeRO-1 does, once
+    per step (`_tail_costs`)."""
+    return plan.zero == 3 and plan.pp == 1
 
 
 def _layer_key(plan: ParallelPlan) -> ParallelPlan:
@@ -212,7 +224,7 @@ def _layer_key(plan: ParallelPlan) -> ParallelPlan:
         cp_kind=plan.cp_kind,
         ep=plan.ep,
         dp_shard=plan.dp_shard,
-        zero=3 if plan.zero == 3 else 0,
+        zero=3 if per_layer_gathers(plan) else 0,
         micro_batch=plan.micro_batch,
         recompute=plan.recompute,
         precision=plan.precision,
@@ -267,7 +279,7 @@ def _layer_costs(
         ep_bwd = ep_fwd * (2 if key.recompute == "full" else 1)
         ep_bytes = (2 + 2 + (2 if key.recompute == "full" else 0)) * size * (key.ep - 1) / key.ep
     # ZeRO-3 per-layer gather and reduce-scatter.
-    gather = gather_bytes = reduce = reduce_bytes = 0.0
+    gather = gather_bytes = reduce = reduce_bytes = gather_copy = reduce_copy = 0.0
     if key.zero == 3:
         rec = recipe(key.precision)
         lp = layer_params_per_rank(model, moe, t, key.ep)
@@ -283,6 +295,8 @@ def _layer_costs(
             gather_bytes += C.all_gather_bytes(params * compute_bytes(rec), n)
             reduce += C.reduce_scatter_time_s(params * rec.grad_bytes, n, link)
             reduce_bytes += C.all_gather_bytes(params * rec.grad_bytes, n)
+            gather_copy += fsdp_copy_s(params * compute_bytes(rec), cluster.device, eff)
+            reduce_copy += fsdp_copy_s(params * rec.grad_bytes, cluster.device, eff)
     return LayerCosts(
         work,
         tp_fwd,
@@ -300,7 +314,16 @@ def _layer_costs(
         gather_bytes,
         reduce,
         reduce_bytes,
+        gather_copy,
+        reduce_copy,
     )
+
+
+def fsdp_copy_s(size_bytes: float, device: GPUSpec, eff: EfficiencyModel) -> float:
+    """Seconds FSDP2 spends copying `size_bytes` of unsharded tensors around one collective:
+    an all-gather's output is copied out into the parameters, the gradients are copied into a
+    reduce-scatter's input (read and write each byte once), memory-bound (`memory_time_s`)."""
+    return memory_time_s(2 * size_bytes, device, eff)
 
 
 def _cp_costs(model, key, cluster, eff, work: Work, e: int, tokens: float):
@@ -410,8 +433,9 @@ def _chunk_costs_of(
             hide_b = wk.backward_input_s + wk.backward_weight_s if opts.dp_overlap else 0.0
             exposed_f = n * max(0.0, lc.gather_s - hide_f) + lc.gather_s
             exposed_b = n * max(0.0, lc.gather_s + lc.reduce_s - hide_b)
-            f += exposed_f
-            b += exposed_b + lc.reduce_s
+            f += exposed_f + n * lc.gather_copy_s
+            b += exposed_b + lc.reduce_s + n * (lc.gather_copy_s + lc.reduce_copy_s)
+            compute += n * (2 * lc.gather_copy_s + lc.reduce_copy_s)
             gather_share = lc.gather_s / (lc.gather_s + lc.reduce_s)
             zero = [
                 zero[0] + exposed_f + exposed_b * gather_share,
@@ -570,15 +594,18 @@ def _tail_costs(
                 grad_bytes += C.all_reduce_bytes(size, n)
                 bucket_time = max(bucket_time, C.all_reduce_time_s(min(size, bucket), n, link))
             continue
-        if plan.zero in (1, 2) and n_shard > 1:
+        once_per_step = plan.zero in (1, 2) or (plan.zero == 3 and not per_layer_gathers(plan))
+        if once_per_step and n_shard > 1:
             link = C.plan_link(cluster, plan, shard_group, eff)
             grad_time += C.reduce_scatter_time_s(size, n_shard, link)
+            grad_time += fsdp_copy_s(size, cluster.device, eff)
             grad_bytes += C.all_gather_bytes(size, n_shard)
             bucket_time = max(
                 bucket_time, C.reduce_scatter_time_s(min(size, bucket), n_shard, link)
             )
             gsize = params * rec.param_bytes
             gather_time += C.all_gather_time_s(gsize, n_shard, link)
+            gather_time += fsdp_copy_s(gsize, cluster.device, eff)
             gather_bytes += C.all_gather_bytes(gsize, n_shard)
         if plan.dp_replicate > 1:  # HSDP (zero 3) or replicas of ZeRO-1/2 shards
             link = C.plan_link(cluster, plan, "dp_replicate", eff)
