@@ -17,7 +17,8 @@ How a step is put together (each piece documented in its module):
    earlier ranks drain: rank r of a 1F1B pipeline idles about r backward passes), the last bucket
    (never hidden), the ZeRO-1/2 parameter all-gather beyond the next step's first forward and
    the warm-up wait before it (rank r idles about r forward passes), and the optimizer step.
-   The slowest rank sets the step time.
+   The slowest rank sets the step time. fivefold's own runtime adds two scalar all-reduces
+   per step (`runtime_sync_s`).
 5. Memory per pipeline rank (`memory`) with the schedule's in-flight micro-batches.
 
 MFU counts model FLOPs (no recompute, causal attention) against the dense peak of the recipe's
@@ -295,8 +296,9 @@ def _layer_costs(
             gather_bytes += C.all_gather_bytes(params * compute_bytes(rec), n)
             reduce += C.reduce_scatter_time_s(params * rec.grad_bytes, n, link)
             reduce_bytes += C.all_gather_bytes(params * rec.grad_bytes, n)
-            gather_copy += fsdp_copy_s(params * compute_bytes(rec), cluster.device, eff)
-            reduce_copy += fsdp_copy_s(params * rec.grad_bytes, cluster.device, eff)
+            if opts.runtime == "fivefold-eager":  # FSDP2 copies; flat-buffer frameworks do not
+                gather_copy += fsdp_copy_s(params * compute_bytes(rec), cluster.device, eff)
+                reduce_copy += fsdp_copy_s(params * rec.grad_bytes, cluster.device, eff)
     return LayerCosts(
         work,
         tp_fwd,
@@ -322,7 +324,9 @@ def _layer_costs(
 def fsdp_copy_s(size_bytes: float, device: GPUSpec, eff: EfficiencyModel) -> float:
     """Seconds FSDP2 spends copying `size_bytes` of unsharded tensors around one collective:
     an all-gather's output is copied out into the parameters, the gradients are copied into a
-    reduce-scatter's input (read and write each byte once), memory-bound (`memory_time_s`)."""
+    reduce-scatter's input (read and write each byte once), memory-bound (`memory_time_s`).
+    Counted for fivefold's runtime (FSDP2 for every ZeRO stage); frameworks that gather into
+    and reduce from flat parameter and gradient buffers (Megatron) have no such copies."""
     return memory_time_s(2 * size_bytes, device, eff)
 
 
@@ -598,14 +602,16 @@ def _tail_costs(
         if once_per_step and n_shard > 1:
             link = C.plan_link(cluster, plan, shard_group, eff)
             grad_time += C.reduce_scatter_time_s(size, n_shard, link)
-            grad_time += fsdp_copy_s(size, cluster.device, eff)
+            if opts.runtime == "fivefold-eager":
+                grad_time += fsdp_copy_s(size, cluster.device, eff)
             grad_bytes += C.all_gather_bytes(size, n_shard)
             bucket_time = max(
                 bucket_time, C.reduce_scatter_time_s(min(size, bucket), n_shard, link)
             )
             gsize = params * rec.param_bytes
             gather_time += C.all_gather_time_s(gsize, n_shard, link)
-            gather_time += fsdp_copy_s(gsize, cluster.device, eff)
+            if opts.runtime == "fivefold-eager":
+                gather_time += fsdp_copy_s(gsize, cluster.device, eff)
             gather_bytes += C.all_gather_bytes(gsize, n_shard)
         if plan.dp_replicate > 1:  # HSDP (zero 3) or replicas of ZeRO-1/2 shards
             link = C.plan_link(cluster, plan, "dp_replicate", eff)
@@ -682,7 +688,8 @@ def estimate(
             pipeline_s, busy = analytic_pipeline(plan, costs)
             bubble = 1.0 - sum(busy) / len(busy) / pipeline_s
     tails = _rank_tails(model, plan, cluster, eff, opts, chunk_sigs, chunk_costs)
-    step = pipeline_s + max(t.exposed_s for t in tails)
+    sync = runtime_sync_s(plan, cluster, eff, opts)
+    step = pipeline_s + max(t.exposed_s for t in tails) + sync
     memory = all_stage_memory(model, plan, inflight, opts.memory())
     worst = max(range(plan.pp), key=lambda r: memory[r].total)
     global_tokens = plan.global_batch * model.seq_len
@@ -705,6 +712,7 @@ def estimate(
         "dp_grad_exposed_s": slowest_tail.grad_exposed_s,
         "param_gather_exposed_s": slowest_tail.gather_exposed_s,
         "optimizer_s": slowest_tail.optimizer_s,
+        "runtime_sync_s": sync,
     }
     return Estimate(
         model=model,
@@ -727,6 +735,22 @@ def estimate(
         peak_inflight=inflight,
         _simulation=sim,
     )
+
+
+def runtime_sync_s(
+    plan: ParallelPlan, cluster: ClusterSpec, eff: EfficiencyModel, opts: PlannerOptions
+) -> float:
+    """fivefold's runtime (`opts.runtime == "fivefold-eager"`) adds two scalar all-reduces to
+    every step: the global token count over the data-parallel ranks before the first forward
+    (the loss scale) and the loss mean over the world after the last backward; each costs a
+    collective's latency and nothing hides it."""
+    if opts.runtime != "fivefold-eager":
+        return 0.0
+    total = 0.0
+    for n, size in ((plan.dp, 8.0), (plan.world_size, 16.0)):
+        if n > 1:
+            total += C.all_reduce_time_s(size, n, C.group_link(cluster, n, 1, eff))
+    return total
 
 
 def analytic_pipeline(plan: ParallelPlan, costs: StageCosts) -> tuple[float, list[float]]:
