@@ -9,6 +9,7 @@ tolerance. 8-bit states are written dequantised (fp32), so fp32 AdamW loads them
 
 from __future__ import annotations
 
+import pytest
 from ckpt_harness import run_ranks
 from ckpt_workers import Trainee, reshard_chain, save_then_continue
 from test_reshard import check_case
@@ -81,3 +82,20 @@ def test_8bit_states_resume_as_fp32_and_back(tmp_path):
         assert max(model.values()) == 0.0
         # the dynamic 8-bit map's coarsest step near the block maximum is ~1/64 of it
         assert 0 < max(states.values()) < 0.05
+
+
+@pytest.mark.slow
+def test_offloaded_8bit_states_resume_on_fsdp_offload_with_fp32(tmp_path):
+    """The host optimizer over torchao's 8-bit AdamW writes fp32 m and v keyed by the model's
+    parameters; ZeRO-3 with FSDP2's offload and fp32 AdamW loads them bitwise."""
+    plan = {**ZERO1_OFFLOAD_OPTIMIZER, "optimizer_states": "8bit"}
+    saved = run_ranks(
+        2, save_then_continue, plan, str(tmp_path), STEPS_BEFORE, STEPS_AFTER, timeout_s=300
+    )
+    assert all(out["check"]["differ"] == [] for out in saved)
+    loaded = run_ranks(2, load_other_states, ZERO3_OFFLOAD_ALL, str(tmp_path), timeout_s=300)
+    for out in loaded:
+        assert out["step"] == STEPS_BEFORE and out["quantised"] == 0
+        assert max(out["deviation"].values()) == 0.0
+    for a, b in zip(saved[0]["losses_after"], loaded[0]["losses"], strict=True):
+        assert abs(a - b) <= 2e-3 * a
