@@ -278,10 +278,14 @@ def _layer_costs(
             if n <= 1 or params == 0:
                 continue
             link = C.plan_link(cluster, key, group, eff)
-            gather += C.all_gather_time_s(params * compute_bytes(rec), n, link)
-            gather_bytes += C.all_gather_bytes(params * compute_bytes(rec), n)
-            reduce += C.reduce_scatter_time_s(params * rec.grad_bytes, n, link)
-            reduce_bytes += C.all_gather_bytes(params * rec.grad_bytes, n)
+            # FSDP gathers a wrapped layer at once; per-parameter hooks issue one per tensor.
+            count = C.TENSORS_PER_LAYER if opts.collective_granularity == "parameter" else 1
+            size = params * compute_bytes(rec)
+            gather += C.issued_time_s(C.all_gather_time_s, size, n, link, count)
+            gather_bytes += C.all_gather_bytes(size, n)
+            size = params * rec.grad_bytes
+            reduce += C.issued_time_s(C.reduce_scatter_time_s, size, n, link, count)
+            reduce_bytes += C.all_gather_bytes(size, n)
     return LayerCosts(
         work,
         tp_fwd,
@@ -547,13 +551,15 @@ def _tail_costs(
     s_dense, s_exp = dense_shard_degree(plan), expert_shard_degree(plan)
     groups = C.axis_groups(plan)
     grad_time = grad_bytes = gather_time = gather_bytes = bucket_time = 0.0
-    bucket = opts.dp_bucket_bytes
-    for params, shard_group, shard in (
-        (dense, "dp_shard_cp", s_dense),
-        (experts, "expert_shard", s_exp),
+    for params, shard_group, shard, moe in (
+        (dense, "dp_shard_cp", s_dense, False),
+        (experts, "expert_shard", s_exp, True),
     ):
         if params == 0:
             continue
+        lp = layer_params_per_rank(model, moe, plan.tp, plan.ep)
+        layers = params / ((lp.experts if moe else lp.dense + lp.replicated) or params)
+
         size = params * rec.grad_bytes
         n_shard = groups[shard_group][0]
         if plan.zero == 0:  # plain all-reduce over every replica
@@ -563,32 +569,43 @@ def _tail_costs(
                 n, stride = plan.dp_replicate * n_shard, groups["expert_shard"][1]
             if n > 1:
                 link = C.group_link(cluster, n, stride, eff)
-                grad_time += C.all_reduce_time_s(size, n, link)
+                total, last = _issued(C.all_reduce_time_s, size, n, link, opts, layers)
+                grad_time += total
                 grad_bytes += C.all_reduce_bytes(size, n)
-                bucket_time = max(bucket_time, C.all_reduce_time_s(min(size, bucket), n, link))
+                bucket_time = max(bucket_time, last)
             continue
         if plan.zero in (1, 2) and n_shard > 1:
             link = C.plan_link(cluster, plan, shard_group, eff)
-            grad_time += C.reduce_scatter_time_s(size, n_shard, link)
+            total, last = _issued(C.reduce_scatter_time_s, size, n_shard, link, opts, layers)
+            grad_time += total
             grad_bytes += C.all_gather_bytes(size, n_shard)
-            bucket_time = max(
-                bucket_time, C.reduce_scatter_time_s(min(size, bucket), n_shard, link)
-            )
+            bucket_time = max(bucket_time, last)
             gsize = params * rec.param_bytes
-            gather_time += C.all_gather_time_s(gsize, n_shard, link)
+            gather_time += _issued(C.all_gather_time_s, gsize, n_shard, link, opts, layers)[0]
             gather_bytes += C.all_gather_bytes(gsize, n_shard)
         if plan.dp_replicate > 1:  # HSDP (zero 3) or replicas of ZeRO-1/2 shards
             link = C.plan_link(cluster, plan, "dp_replicate", eff)
             shard_size = size / max(1, shard if plan.zero >= 2 else 1)
-            grad_time += C.all_reduce_time_s(shard_size, plan.dp_replicate, link)
-            grad_bytes += C.all_reduce_bytes(shard_size, plan.dp_replicate)
-            bucket_time = max(
-                bucket_time,
-                C.all_reduce_time_s(min(shard_size, bucket), plan.dp_replicate, link),
+            total, last = _issued(
+                C.all_reduce_time_s, shard_size, plan.dp_replicate, link, opts, layers
             )
+            grad_time += total
+            grad_bytes += C.all_reduce_bytes(shard_size, plan.dp_replicate)
+            bucket_time = max(bucket_time, last)
     local = dense / (s_dense if plan.zero >= 1 else 1) + experts / (s_exp if plan.zero >= 1 else 1)
     opt = optimizer_step_s(local, plan, cluster.device, eff)
     return grad_time, grad_bytes, bucket_time, gather_time, gather_bytes, opt
+
+
+def _issued(
+    op, size: float, n: int, link: C.Link, opts: PlannerOptions, layers: float
+) -> tuple[float, float]:
+    """(time of every collective, time of the last one) moving `size` bytes of `layers` layers
+    at the options' collective granularity (`comm.collective_count`)."""
+    count = C.collective_count(
+        size, opts.collective_granularity, opts.dp_bucket_bytes, layers, C.TENSORS_PER_LAYER
+    )
+    return C.issued_time_s(op, size, n, link, count), op(size / count, n, link)
 
 
 # ---- the estimate ------------------------------------------------------------------------------

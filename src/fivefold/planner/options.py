@@ -11,6 +11,11 @@ torchtitan's op-level selective checkpointing instead: in each layer every secon
 and w3 of a Llama block) and every element-wise op are recomputed, the attention output is kept.
 `fused_elementwise=False` describes eager PyTorch, whose unfused norms, RoPE and activations move
 about three times the bytes of fused kernels (see `compute.UNFUSED_TRAFFIC_FACTOR`).
+`collective_granularity` says how the framework issues data-parallel collectives: one per
+transformer layer ("layer", the default: FSDP/FSDP2, and Megatron's distributed optimizer whose
+buckets of max(40M, 1M x dp) parameters hold about a layer of the calibration rows' sharded
+models), in buckets of `dp_bucket_bytes` ("bucket": torch DDP, 25 MiB) or one per tensor
+("parameter": per-parameter hooks); ZeRO-3 gathers at least a layer at a time (`planner/comm.py`).
 `runtime="fivefold-eager"` makes the memory model count what fivefold's own eager runtime keeps
 (`fivefold.planner.memory.EagerProfile`; the layout report of every run uses it); the default
 "fused" counts what fused kernels keep.
@@ -21,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fivefold.errors import ConfigError
+from fivefold.planner.comm import GRANULARITIES
 from fivefold.planner.compute import ComputeOptions
 from fivefold.planner.memory import GiB, MemoryOptions, MiB
 from fivefold.spec.hardware import GPUSpec
@@ -38,6 +44,7 @@ class PlannerOptions:
     cuda_context_bytes: float = 0.75 * GiB
     fragmentation_fraction: float = 0.05
     dp_bucket_bytes: float = 25 * MiB
+    collective_granularity: str = "layer"  # or "bucket" (DDP) or "parameter" (planner/comm.py)
     runtime: str = "fused"  # memory: "fivefold-eager" is what fivefold's own runtime keeps
     checkpoint_early_stop: bool = False
 
@@ -79,5 +86,10 @@ class PlannerOptions:
 
     def validate(self) -> None:
         problems = self.memory().problems()
+        if self.collective_granularity not in GRANULARITIES:
+            problems.append(
+                f"collective_granularity = {self.collective_granularity!r}: choose one of "
+                f"{', '.join(GRANULARITIES)} (how the framework issues DP/ZeRO collectives)."
+            )
         if problems:
             raise ConfigError(problems)
