@@ -14,15 +14,21 @@ The staircase (seed 000, "Vizz AI"), one step per line, each argued against its 
 7. activation recomputation: why this policy;
 8. the staircase taken literally (`staircase_plans`: TP fills the node, fewest stages that fit,
    ZeRO-1, full recompute, ...), costed against the searched layout;
-then the nearest rejected layouts with their reason: "out of memory by X GiB" or "Y % slower
-because ...". "The best layout with TP = 8" is found by the search's own bounded search
-restricted to TP = 8 (`_Search.best_with`), so every comparison is between optimised layouts.
+then how confident the prediction is (`fivefold.planner.uncertainty`: its error band from the
+leave-one-source-out residuals, widened outside the calibrated domain, and the closest published
+run), the published layouts of this very model and cluster priced beside the chosen one, and the
+nearest rejected layouts with their reason: "out of memory by X GiB" or "Y % slower
+because ...". With `risk = "pessimistic"` a layout predicted faster can rank lower: the
+explanation then says so ("faster as predicted, but ... at its band's slow end").
+"The best layout with TP = 8" is found by the search's own bounded search restricted to TP = 8
+(`_Search.best_with`), so every comparison is between optimised layouts.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from fivefold.planner import uncertainty as U
 from fivefold.spec.cluster import ClusterSpec
 from fivefold.spec.hardware import GiB
 from fivefold.spec.model import ModelSpec
@@ -64,9 +70,19 @@ def gib(x_bytes: float) -> str:
     return f"{x_bytes / 2**20:.1f} MiB"
 
 
-def slower_because(est: Any, best: Any) -> str:
-    """'12.3 % slower because its pipeline bubble is 2.1 s longer' (est against best)."""
+def slower_because(est: Any, best: Any, risk: str = "expected") -> str:
+    """'12.3 % slower because its pipeline bubble is 2.1 s longer' (est against best); with
+    risk "pessimistic", why a layout predicted faster ranks lower."""
     slower = 1 - est.tokens_per_s / best.tokens_per_s
+    if risk != "expected" and slower < -TIE_FRACTION:
+        ranked = 1 - U.rank_tokens_per_s(est, risk) / U.rank_tokens_per_s(best, risk)
+        if ranked > 0:
+            d = U.band(est).distance
+            return (
+                f"{-slower:.1%} faster as predicted, but {d:.1f} doublings outside the "
+                f"calibrated domain it is {ranked:.1%} slower at its band's slow end (risk = "
+                f"{risk})"
+            )
     diffs = {k: est.breakdown_s.get(k, 0.0) - best.breakdown_s.get(k, 0.0) for k in BREAKDOWN_WORDS}
     key = max(diffs, key=lambda k: diffs[k])
     if abs(slower) < 0.0005:
@@ -115,12 +131,15 @@ class _Explainer:
         other = self.best_with(**fields)
         if other is not None:
             est = other.estimate
-            return f"{label}: {slower_because(est, self.best)} ({est.plan.describe()})"
+            return f"{label}: {self.slower(est)} ({est.plan.describe()})"
         miss = self.nearest_oom(**fields)
         if miss is not None:
             reason = miss.reason.rstrip(".")
             return f"{label}: nothing fits; the closest, {miss.plan.describe()}, is {reason}"
         return f"{label}: no valid layout"
+
+    def slower(self, est: Any) -> str:
+        return slower_because(est, self.best, getattr(self.result, "risk", "expected"))
 
     def mem(self, est: Any) -> dict[str, float]:
         return est.worst_memory.gib()
@@ -138,6 +157,8 @@ class _Explainer:
             self.recompute(),
             self.rule_of_thumb(),
             self.memory(),
+            self.confidence(),
+            *self.published_comparison(),
         ]
         out += self.runners_up()
         return [line for line in out if line]
@@ -362,10 +383,7 @@ class _Explainer:
             return f"{rule} finds nothing that fits; closest {outcome.plan.describe()}: " + (
                 outcome.reason.rstrip(".") + "."
             )
-        return (
-            f"{rule} gives {outcome.plan.describe()}: "
-            f"{slower_because(outcome.estimate, self.best)}."
-        )
+        return f"{rule} gives {outcome.plan.describe()}: {self.slower(outcome.estimate)}."
 
     def memory(self) -> str:
         est = self.best
@@ -380,10 +398,22 @@ class _Explainer:
             f"{est.tokens_per_s:,.0f} tokens/s, MFU {est.mfu:.1%}."
         )
 
+    def confidence(self) -> str:
+        """The chosen layout's band, whether it lies outside the calibrated domain, and the
+        closest published run."""
+        return confidence_line(self.best, getattr(self.result, "risk", U.DEFAULT_RISK))
+
+    def published_comparison(self) -> list[str]:
+        """Each published layout of this model on this cluster, priced beside the chosen one."""
+        return [
+            published_line(setup, self.best)
+            for setup in U.published_layouts(self.model, self.cluster)
+        ]
+
     def runners_up(self) -> list[str]:
         out = []
         for alt in self.result.alternatives[:3]:
-            out.append(f"Runner-up {alt.plan.describe()}: {slower_because(alt, self.best)}.")
+            out.append(f"Runner-up {alt.plan.describe()}: {self.slower(alt)}.")
         shapes = set()
         for plan, reason in self.result.rejected:
             shape = (plan.tp, plan.pp)
@@ -396,12 +426,79 @@ class _Explainer:
 
     def _outcome_words(self, outcome: Any, memory_too: bool = False) -> str:
         if outcome.fits:
-            words = slower_because(outcome.estimate, self.best)
+            words = self.slower(outcome.estimate)
             if memory_too:
                 delta = outcome.estimate.peak_memory_bytes - self.best.peak_memory_bytes
                 words += f", {'+' if delta >= 0 else '-'}{gib(abs(delta))} per GPU"
             return words
         return (outcome.reason or outcome.kind).rstrip(".")
+
+
+def price(est: Any) -> str:
+    """'step 5.23 s, MFU 49.0 % (band 39.3-68.0 %)'."""
+    lo, hi = U.band(est).mfu_range(est.mfu)
+    return f"step {seconds(est.step_time_s)}, MFU {est.mfu:.1%} (band {lo:.1%}-{hi:.1%})"
+
+
+def confidence_line(est: Any, risk: str) -> str:
+    b = U.band(est)
+    r_lo, r_hi = U.residual_range()
+    sources = U.held_out_residuals()
+    rows = sum(len(v) for v in sources.values())
+    text = (
+        f"Confidence: predicted {price(est)}. The planner's errors on {rows} published rows "
+        f"it was not fitted to ({len(sources)} sources, leave-one-source-out) run from "
+        f"{r_lo:+.1%} to {r_hi:+.1%} of the step time, so the measured step should lie in "
+        f"{seconds(b.low_s)}-{seconds(b.high_s)}. "
+    )
+    words = U.calibrated_domain().describe(
+        U.layout_point(est.model, est.plan), est.cluster.device.arch
+    )
+    if words:
+        text += (
+            f"OUTSIDE the calibrated domain by {b.distance:.1f} doublings ({'; '.join(words)}): "
+            f"the band is widened by {U.WIDENING_PER_DOUBLING:.0%} per doubling, so treat the "
+            "figure as a model's extrapolation. "
+        )
+    else:
+        text += "Inside the calibrated domain (every degree, tokens per GPU, size and GPU type "
+        text += "within the published rows' ranges). "
+    text += (
+        f"Ranked by {'the slow end of the band' if risk == 'pessimistic' else 'the prediction'}"
+        f" (risk = {risk}). "
+    )
+    setup, dist = U.nearest_run(est.model, est.cluster, est.plan)
+    return text + f"Closest published run: {run_words(setup)} (distance {dist:.1f})."
+
+
+def run_words(setup: Any) -> str:
+    """'row 32 (Llama 3 paper Table 4 ...): llama3-405b on 16,384 x h100-sxm, TP8+SP, PP16 ...'"""
+    return (
+        f"row {setup.row} ({_source(setup)}): {setup.model.name} on "
+        f"{setup.cluster.world_size:,} x {setup.cluster.gpu}, {setup.plan.describe()}"
+    )
+
+
+def published_line(setup: Any, chosen: Any) -> str:
+    """The published layout of this model and cluster, predicted and measured, beside `chosen`."""
+    from fivefold.planner.estimate import estimate
+
+    est = estimate(setup.model, setup.cluster, setup.plan, setup.options, runtime=False)
+    measured_mfu = est.mfu * est.step_time_s / setup.measured_step_s
+    ratio = chosen.tokens_per_s / est.tokens_per_s - 1
+    return (
+        f"Published layout, {run_words(setup)}: predicted {price(est)}; measured step "
+        f"{seconds(setup.measured_step_s)}, MFU {measured_mfu:.1%} (our FLOP count). The chosen "
+        f"layout: {price(chosen)}, predicted {ratio:+.1%} tokens/s against the published one."
+    )
+
+
+def _source(setup: Any) -> str:
+    source = getattr(setup, "source", None)
+    if source:
+        return str(source)
+    row = next(r for r in U.published_runs() if str(r["id"]) == str(setup.row))
+    return U.source_key(row)
 
 
 def staircase_plans(model: ModelSpec, cluster: ClusterSpec, target: Any) -> list[ParallelPlan]:

@@ -30,8 +30,11 @@ validity) before it is costed. Pruning, cheapest first:
 4. micro-batch monotonicity: if a micro-batch does not fit even with full recompute, larger
    ones do not either.
 What fits in (1 - headroom) x HBM is costed by `fivefold.planner.estimate.estimate` and ranked by
-predicted tokens/s. Layouts within `TIE_FRACTION` of the fastest count as a tie, broken by the
-smaller worst-stage memory (a practitioner keeps the headroom). Rejections keep their reason;
+tokens/s at the slow end of its error band (`risk="pessimistic"`, the default: the model's errors
+grow outside the calibrated domain, so a layout far from every published run must be clearly
+faster to win; `fivefold.planner.uncertainty`) or by the predicted tokens/s (`risk="expected"`).
+Layouts within `TIE_FRACTION` of the fastest count as a tie, broken by the smaller worst-stage
+memory (a practitioner keeps the headroom). Rejections keep their reason;
 the nearest ones (smallest memory overflow first) are returned with the result.
 """
 
@@ -47,6 +50,12 @@ from typing import Any
 from fivefold.errors import ConfigError
 from fivefold.planner.bounds import Bounds
 from fivefold.planner.schedule import build_schedule
+from fivefold.planner.uncertainty import (
+    DEFAULT_RISK,
+    rank_factor,
+    rank_tokens_per_s,
+    risk_problems,
+)
 from fivefold.spec.cluster import ClusterSpec
 from fivefold.spec.hardware import GiB
 from fivefold.spec.model import RECOMPUTE_POLICIES, ModelSpec
@@ -97,6 +106,7 @@ class SearchResult:
     outcomes: dict[ParallelPlan, Outcome] = field(default_factory=dict, repr=False)
     search_state: Any = field(default=None, repr=False)  # the _Search, for the explanation
     pruned_by_bound: int = 0
+    risk: str = DEFAULT_RISK
 
 
 @dataclass(frozen=True)
@@ -248,6 +258,7 @@ class _Search:
     precisions: tuple[str, ...]
     fixed: dict[str, Any]
     top: int = 5
+    risk: str = DEFAULT_RISK
     outcomes: dict[ParallelPlan, Outcome] = field(default_factory=dict)
     candidates: list[_Candidate] = field(default_factory=list)
     evaluated: int = 0
@@ -373,7 +384,8 @@ class _Search:
             ).kind
         step = self.bounds.step(plan)
         tokens = plan.global_batch * self.model.seq_len
-        self.candidates.append(_Candidate(tokens / step if step > 0 else math.inf, plan))
+        factor = rank_factor(self.model, self.cluster, plan, self.risk)  # bounds the ranked key
+        self.candidates.append(_Candidate(factor * tokens / step if step > 0 else math.inf, plan))
         return "candidate"
 
     def cost_candidates(self) -> None:
@@ -392,19 +404,21 @@ class _Search:
                 continue  # same layout, less recompute, already fits: strictly faster
             outcome = self.estimate(cand.plan)
             if outcome.fits:
-                bisect.insort(found, -tokens_per_s(outcome.estimate))
+                bisect.insort(found, -rank_tokens_per_s(outcome.estimate, self.risk))
 
     def best_with(self, keep: Callable[[ParallelPlan], bool], budget: int = 60) -> Outcome | None:
         """The fastest fitting layout among those `keep` accepts: the same bounded search,
         restricted (at most `budget` more full estimates)."""
         best: Outcome | None = None
         for o in self.outcomes.values():
-            if o.fits and keep(o.plan) and (best is None or _faster(o, best)):
+            if o.fits and keep(o.plan) and (best is None or _faster(o, best, self.risk)):
                 best = o
         for cand in self.candidates:  # sorted by bound, best first
             if not keep(cand.plan):
                 continue
-            if best is not None and cand.upper_tokens_per_s <= tokens_per_s(best.estimate):
+            if best is not None and cand.upper_tokens_per_s <= rank_tokens_per_s(
+                best.estimate, self.risk
+            ):
                 break
             if cand.plan in self.outcomes or self.lighter_recompute_fits(cand.plan):
                 continue
@@ -412,7 +426,7 @@ class _Search:
                 break
             budget -= 1
             o = self.estimate(cand.plan)
-            if o.fits and (best is None or _faster(o, best)):
+            if o.fits and (best is None or _faster(o, best, self.risk)):
                 best = o
         return best
 
@@ -478,8 +492,8 @@ class _Search:
         )
 
 
-def _faster(a: Outcome, b: Outcome) -> bool:
-    return tokens_per_s(a.estimate) > tokens_per_s(b.estimate)
+def _faster(a: Outcome, b: Outcome, risk: str) -> bool:
+    return rank_tokens_per_s(a.estimate, risk) > rank_tokens_per_s(b.estimate, risk)
 
 
 def _inflight(plan: ParallelPlan) -> list[int]:
@@ -504,14 +518,16 @@ def worst_stage(est: Any) -> int:
 
 
 # ---- ranking -------------------------------------------------------------------------------
-def rank_fitting(outcomes: list[Outcome]) -> list[Outcome]:
-    """Fastest first; within TIE_FRACTION of the fastest, the smaller memory wins the top spot."""
-    fits = sorted(outcomes, key=lambda o: -tokens_per_s(o.estimate))
+def rank_fitting(outcomes: list[Outcome], risk: str = DEFAULT_RISK) -> list[Outcome]:
+    """Fastest first by the risk's key (`uncertainty.rank_tokens_per_s`); within TIE_FRACTION of
+    the fastest, the smaller memory wins the top spot."""
+    key = {id(o): rank_tokens_per_s(o.estimate, risk) for o in outcomes}
+    fits = sorted(outcomes, key=lambda o: -key[id(o)])
     if not fits:
         return fits
-    fastest = tokens_per_s(fits[0].estimate)
-    tied = [o for o in fits if tokens_per_s(o.estimate) >= fastest * (1 - TIE_FRACTION)]
-    winner = min(tied, key=lambda o: (worst_stage_bytes(o.estimate), -tokens_per_s(o.estimate)))
+    fastest = key[id(fits[0])]
+    tied = [o for o in fits if key[id(o)] >= fastest * (1 - TIE_FRACTION)]
+    winner = min(tied, key=lambda o: (worst_stage_bytes(o.estimate), -key[id(o)]))
     return [winner] + [o for o in fits if o is not winner]
 
 
@@ -535,10 +551,12 @@ def search(
     precisions: tuple[str, ...] | list[str] = ("bf16-mixed",),
     fixed: dict[str, Any] | None = None,
     explain: bool = True,
+    risk: str = DEFAULT_RISK,
 ) -> SearchResult:
     """Search every valid layout of `model` on `cluster`; see the module docstring.
 
-    `fixed` pins plan fields (e.g. {"tp": 8}); `precisions` lists the recipes to consider.
+    `fixed` pins plan fields (e.g. {"tp": 8}); `precisions` lists the recipes to consider;
+    `risk` is "pessimistic" (rank by the slow end of each error band) or "expected".
     Raises `ConfigError` when the inputs are wrong or no layout fits, with what came closest.
     """
     started = time.perf_counter()
@@ -547,6 +565,7 @@ def search(
         problems.append(f"headroom = {headroom}: must be in [0, 1), e.g. 0.1 for 10 %.")
     if top < 1:
         problems.append(f"top = {top}: must be at least 1.")
+    problems += risk_problems(risk)
     for p in precisions:
         if p not in RECIPES:
             problems.append(f"precision {p!r} is unknown; choose from {', '.join(RECIPES)}.")
@@ -569,10 +588,12 @@ def search(
             "planned for it; pick a GPU type such as h100-sxm."
         )
     target = batch_target(model, global_batch_tokens, global_batch, batch_tolerance)
-    state = _Search(model, cluster, target, headroom, tuple(precisions), dict(fixed or {}), top=top)
+    state = _Search(
+        model, cluster, target, headroom, tuple(precisions), dict(fixed or {}), top=top, risk=risk
+    )
     state.run()
     outcomes = list(state.outcomes.values())
-    ranked = rank_fitting([o for o in outcomes if o.fits])
+    ranked = rank_fitting([o for o in outcomes if o.fits], risk)
     rejected = nearest_rejected(outcomes)
     if not ranked:
         raise ConfigError(no_layout_message(model, cluster, target, headroom, rejected))
@@ -589,6 +610,7 @@ def search(
         outcomes=state.outcomes,
         search_state=state,
         pruned_by_bound=state.pruned_by_bound,
+        risk=risk,
     )
     if explain:
         from fivefold.planner.explain import explain_search
@@ -622,7 +644,7 @@ def no_layout_message(
 
 def iter_fitting(result: SearchResult) -> Iterator[Outcome]:
     """Every fitting outcome of a search, fastest first."""
-    yield from rank_fitting([o for o in result.outcomes.values() if o.fits])
+    yield from rank_fitting([o for o in result.outcomes.values() if o.fits], result.risk)
 
 
 def _amount(num_bytes: float) -> str:
