@@ -6,8 +6,10 @@ Residuals. r = predicted / measured - 1 of the step time on rows the model was *
 exists, the held-out split recorded in `data/efficiency.json` stands in, grouped by source the
 same way (`held_out_residuals`).
 
-Band. With r_lo = min(0, min r) and r_hi = max(0, max r) over every source's residuals, a
-prediction T inside the calibrated domain means the measured step lies in
+Band. r_lo and r_hi are the 10th and 90th percentiles of the residuals, every source weighted
+equally (a source of 25 rows counts as much as one of a single row; `COVERAGE` = 0.8 of the
+weight lies between them), widened to include 0. A prediction T inside the calibrated domain
+then means the measured step lies, as it did for 80 % of the held-out sources' weight, in
     [T / (1 + r_hi), T / (1 + r_lo)]
 (measured = predicted / (1 + r)). Outside it, each doubling beyond the domain multiplies the
 pessimistic end by (1 + WIDENING_PER_DOUBLING) and divides the optimistic end by it:
@@ -77,14 +79,35 @@ def source_key(row: dict) -> str:
     return row.get("source_key") or row["source"].split(" (")[0].split(",")[0]
 
 
+COVERAGE = 0.8
+
+
 @lru_cache(maxsize=1)
 def residual_range() -> tuple[float, float]:
-    """(r_lo, r_hi) over every source's held-out residuals, 0 included."""
-    return residual_bounds([r for rows in held_out_residuals().values() for _, r in rows])
+    """(r_lo, r_hi) of the calibration's held-out residuals (module docstring)."""
+    return residual_bounds(held_out_residuals())
 
 
-def residual_bounds(residuals: list[float]) -> tuple[float, float]:
-    return min([0.0, *residuals]), max([0.0, *residuals])
+def residual_bounds(
+    by_source: dict[str, list[tuple[str, float]]], coverage: float = COVERAGE
+) -> tuple[float, float]:
+    """The (1 - coverage)/2 and (1 + coverage)/2 quantiles of the residuals, each source's rows
+    sharing one unit of weight, widened to include 0."""
+    weighted = sorted(
+        (r, 1.0 / len(rows) / len(by_source)) for rows in by_source.values() for _, r in rows
+    )
+    tail = (1 - coverage) / 2
+    return min(0.0, _quantile(weighted, tail)), max(0.0, _quantile(weighted, 1 - tail))
+
+
+def _quantile(weighted: list[tuple[float, float]], q: float) -> float:
+    """The first value whose cumulative weight reaches q (weights sum to 1), 0 if empty."""
+    total = 0.0
+    for value, weight in weighted:
+        total += weight
+        if total >= q - 1e-12:
+            return value
+    return weighted[-1][0] if weighted else 0.0
 
 
 # ---- the domain ------------------------------------------------------------------------------
