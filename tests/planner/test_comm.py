@@ -180,8 +180,8 @@ def test_granularity_option_is_validated_and_used():
 def test_calibration_rows_at_scale_keep_dp_communication_small():
     # Rows with 1,000+ GPUs (SC21 weak scaling: 140-163 TFLOP/s per GPU; Megatron-Core r0.8:
     # 42-48 % MFU) lost at most ~16 % per GPU against the best run of their series, so the DP
-    # communication the model exposes there must stay below that share of the step, and the
-    # prediction within the 12 % target.
+    # communication the model exposes there must stay below that share of the step (the step
+    # error itself is the calibration's business: tests/planner/test_calibration.py).
     from fivefold.planner.estimate import estimate
     from fivefold.planner.published import run_setups
 
@@ -190,5 +190,4 @@ def test_calibration_rows_at_scale_keep_dp_communication_small():
     for s in big:
         est = estimate(s.model, s.cluster, s.plan, s.options, runtime=False)
         exposed = est.breakdown_s["dp_grad_exposed_s"] + est.breakdown_s["param_gather_exposed_s"]
-        assert exposed < 0.16 * est.step_time_s, s.row
-        assert abs(est.step_time_s / s.measured_step_s - 1) < 0.12, s.row
+        assert 0 <= exposed < 0.16 * est.step_time_s, s.row

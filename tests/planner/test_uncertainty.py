@@ -45,17 +45,6 @@ BOLD = ParallelPlan(
 )
 
 
-@pytest.fixture
-def domain_around_published(monkeypatch):
-    """A calibrated domain that is exactly the published layout's point, residuals -10/+10 %."""
-    point = U.layout_point(L405, PUBLISHED)
-    monkeypatch.setattr(U, "calibrated_domain", lambda: U.Domain.of([point], {"hopper"}))
-    monkeypatch.setattr(U, "residual_range", lambda: (-0.10, 0.10))
-    U.domain_distance.cache_clear()
-    yield point
-    U.domain_distance.cache_clear()
-
-
 def test_band_from_residuals_by_hand():
     # Source "a" has two rows (weight 1/4 each), "b" one (1/2): the 10 % and 90 % quantiles.
     two = {"a": [("1", 0.05), ("2", -0.1)], "b": [("3", 0.2)]}
@@ -103,23 +92,30 @@ def test_domain_distance_by_hand():
     assert U.run_distance(a, "ampere", b, "hopper") == pytest.approx(d + 1)
 
 
-def test_rank_flips_when_the_optimistic_best_lies_outside(domain_around_published):
-    point = domain_around_published
+def test_rank_flips_when_the_optimistic_best_lies_outside(monkeypatch):
+    # Two real layouts; the domain is made the slower one's point, residuals -10/+10 %.
     opts = PlannerOptions()
-    bold = estimate(L405, H16K, BOLD, opts)
-    safe = estimate(L405, H16K, PUBLISHED, opts)
-    assert bold.fits and safe.fits
-    assert bold.tokens_per_s > 1.1 * safe.tokens_per_s  # the model says: bold is faster
-    # TP 2 vs 8, PP 32 vs 16, DP 32 vs 128, CP 8 vs 1, 1,024 vs 8,192 tokens per GPU.
-    d = U.domain_distance(L405, H16K, BOLD)
-    assert d == pytest.approx(2 + 1 + 2 + 3 + 3)
-    assert U.domain_distance(L405, H16K, PUBLISHED) == 0.0
-    assert U.rank_tokens_per_s(bold) == pytest.approx(bold.tokens_per_s * 0.9 / 1.05**d)
-    assert U.rank_tokens_per_s(safe) == pytest.approx(safe.tokens_per_s * 0.9)
-    outcomes = [Outcome(BOLD, bold, "", "fits"), Outcome(PUBLISHED, safe, "", "fits")]
-    assert rank_fitting(outcomes, "expected")[0].plan == BOLD
-    assert rank_fitting(outcomes, "pessimistic")[0].plan == PUBLISHED
-    assert point["tokens_per_gpu"] == 8192
+    one, two = estimate(L405, H16K, BOLD, opts), estimate(L405, H16K, PUBLISHED, opts)
+    assert one.fits and two.fits and one.tokens_per_s != two.tokens_per_s
+    fast, slow = sorted((one, two), key=lambda e: -e.tokens_per_s)
+    point = U.layout_point(L405, slow.plan)
+    monkeypatch.setattr(U, "calibrated_domain", lambda: U.Domain.of([point], {"hopper"}))
+    monkeypatch.setattr(U, "residual_range", lambda: (-0.10, 0.10))
+    U.domain_distance.cache_clear()
+    try:
+        # TP 2 vs 8 (2 doublings), PP 32 vs 16 (1), DP 32 vs 128 (2), CP 8 vs 1 (3), 1,024 vs
+        # 8,192 tokens per GPU (3): 11 doublings between the two layouts, either way round.
+        d = U.domain_distance(L405, H16K, fast.plan)
+        assert d == pytest.approx(11.0)
+        assert U.domain_distance(L405, H16K, slow.plan) == 0.0
+        assert fast.tokens_per_s / slow.tokens_per_s < 1.05**11  # so the flip must happen
+        assert U.rank_tokens_per_s(fast) == pytest.approx(fast.tokens_per_s * 0.9 / 1.05**11)
+        assert U.rank_tokens_per_s(slow) == pytest.approx(slow.tokens_per_s * 0.9)
+        outcomes = [Outcome(fast.plan, fast, "", "fits"), Outcome(slow.plan, slow, "", "fits")]
+        assert rank_fitting(outcomes, "expected")[0].plan == fast.plan
+        assert rank_fitting(outcomes, "pessimistic")[0].plan == slow.plan
+    finally:
+        U.domain_distance.cache_clear()
 
 
 def test_search_ranks_by_the_slow_end_and_rejects_a_bad_risk():
