@@ -746,7 +746,7 @@ def _recipe_comparison(
     return (
         f"the recipe's layout ({plan.describe()}): {est.tokens_per_s:,.0f} tokens/s, "
         f"{est.peak_memory_bytes / 2**30:.1f} GiB, {fit}; "
-        f"against the best: {slower_because(est, result.best)}"
+        f"against the best: {slower_because(est, result.best, result.risk)}"
     )
 
 
