@@ -177,3 +177,21 @@ def test_explanation_names_the_nearest_run_and_prices_the_published_layout(monke
     assert f"MFU {priced.mfu:.1%} (band {plo:.1%}-{phi:.1%})" in pub
     assert "measured step" in pub and "MFU 41.0%" in pub
     assert PUBLISHED.describe() in pub
+
+
+def test_plan_json_carries_the_band(capsys):
+    import json
+
+    from fivefold.cli.main import main
+
+    argv = ["plan", "--model", "llama3-8b", "--cluster", "dgx-h100", "--gpus", "64"]
+    assert main([*argv, "--global-batch-tokens", "1M", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["search"]["risk"] == "pessimistic"
+    r_lo, r_hi = U.residual_range()
+    d = data["band"]["distance_doublings"]
+    grow = (1 + U.WIDENING_PER_DOUBLING) ** d
+    low, high = data["band"]["step_time_s"]
+    assert low == pytest.approx(data["step_time_s"] / (1 + r_hi) / grow)
+    assert high == pytest.approx(data["step_time_s"] / (1 + r_lo) * grow)
+    assert data["band"]["outside_calibrated_domain"] == (d > 0)

@@ -641,6 +641,7 @@ def _estimate_handler(args: argparse.Namespace) -> int:
 
 def _search_handler(args: argparse.Namespace) -> int:
     from fivefold.planner.search import search
+    from fivefold.planner.uncertainty import band
 
     model, cluster, data, headroom = _inputs(args)
     tokens, seqs = batch_from_args(args)
@@ -674,6 +675,7 @@ def _search_handler(args: argparse.Namespace) -> int:
         out["alternatives"] = [_brief(a.to_json()) for a in result.alternatives]
         out["rejected"] = [{"plan": p.to_dict(), "reason": r} for p, r in result.rejected]
         out["explanation"] = result.explanation
+        out["band"] = band(result.best).to_json()  # fivefold.planner.uncertainty
         out["search"] = {
             "evaluated": result.evaluated,
             "considered": result.considered,
@@ -682,6 +684,7 @@ def _search_handler(args: argparse.Namespace) -> int:
             "target_tokens": result.target.tokens,
             "batch_tolerance": result.target.tolerance,
             "headroom": headroom,
+            "risk": result.risk,
         }
         out["recipe_path"] = str(recipe_path) if recipe_path else None
         print(json.dumps(out, indent=2))
