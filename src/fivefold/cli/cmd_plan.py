@@ -164,6 +164,13 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     )
     b.add_argument("--top", metavar="N", default="5", help="search: alternatives to show (5)")
     b.add_argument(
+        "--risk",
+        choices=("pessimistic", "expected"),
+        default="pessimistic",
+        help="search: rank by the slow end of each layout's error band (pessimistic, the "
+        "default) or by the prediction itself (expected)",
+    )
+    b.add_argument(
         "--out",
         metavar="PATH",
         help="search: also write the chosen layout as a recipe to PATH, in an existing "
@@ -617,11 +624,14 @@ def _inputs(args: argparse.Namespace) -> tuple[Any, Any, dict[str, dict], float]
 
 def _estimate_handler(args: argparse.Namespace) -> int:
     from fivefold.planner.estimate import estimate
+    from fivefold.planner.explain import confidence_line
+    from fivefold.planner.uncertainty import band
 
     model, cluster, data, headroom = _inputs(args)
     plan = layout_from_args(args, model, cluster, data.get("plan", {}))
     est = estimate(model, cluster, plan)
     out = est.to_json()
+    out["band"] = band(est).to_json()
     usable = out["hbm_gib"] * (1 - headroom)
     out["fits_with_headroom"] = out["memory_gib"]["total"] <= usable
     out["headroom"] = headroom
@@ -636,6 +646,7 @@ def _estimate_handler(args: argparse.Namespace) -> int:
         f"{verdict}: worst stage {out['memory_gib']['total']:.1f} GiB against "
         f"{usable:.1f} GiB usable ({out['hbm_gib']:.0f} GiB HBM less {headroom:.0%} headroom)"
     )
+    print(confidence_line(est))
     return 0
 
 
@@ -659,6 +670,7 @@ def _search_handler(args: argparse.Namespace) -> int:
         batch_tolerance=parse_fraction(args.batch_tolerance, "--batch-tolerance"),
         precisions=tuple(precisions_from_args(args)),
         fixed=fixed,
+        risk=args.risk,
     )
     best = result.best.to_json(timeline=args.json)  # the timeline only where it is printed
     recipe_path = None

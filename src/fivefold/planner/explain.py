@@ -440,14 +440,16 @@ def price(est: Any) -> str:
     return f"step {seconds(est.step_time_s)}, MFU {est.mfu:.1%} (band {lo:.1%}-{hi:.1%})"
 
 
-def confidence_line(est: Any, risk: str) -> str:
+def confidence_line(est: Any, risk: str | None = None) -> str:
+    """The prediction's band, the calibrated domain and the closest published run; with a
+    search's `risk`, what the search ranked by."""
     b = U.band(est)
     r_lo, r_hi = U.residual_range()
     sources = U.held_out_residuals()
     rows = sum(len(v) for v in sources.values())
     text = (
         f"Confidence: predicted {price(est)}. The planner's errors on {rows} published rows "
-        f"it was not fitted to ({len(sources)} sources, leave-one-source-out) run from "
+        f"it was not fitted to ({len(sources)} sources, {U.residual_kind()}) run from "
         f"{r_lo:+.1%} to {r_hi:+.1%} of the step time, so the measured step should lie in "
         f"{seconds(b.low_s)}-{seconds(b.high_s)}. "
     )
@@ -463,10 +465,9 @@ def confidence_line(est: Any, risk: str) -> str:
     else:
         text += "Inside the calibrated domain (every degree, tokens per GPU, size and GPU type "
         text += "within the published rows' ranges). "
-    text += (
-        f"Ranked by {'the slow end of the band' if risk == 'pessimistic' else 'the prediction'}"
-        f" (risk = {risk}). "
-    )
+    if risk is not None:
+        ranked = "the slow end of the band" if risk == "pessimistic" else "the prediction"
+        text += f"Ranked by {ranked} (risk = {risk}). "
     setup, dist = U.nearest_run(est.model, est.cluster, est.plan)
     return text + f"Closest published run: {run_words(setup)} (distance {dist:.1f})."
 

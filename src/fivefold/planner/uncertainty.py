@@ -56,6 +56,15 @@ DIMENSION_WORDS = {
 
 
 # ---- residuals ---------------------------------------------------------------------------------
+def residual_kind() -> str:
+    """How the residuals were held out: by whole source, or by the fit's held-out rows."""
+    from fivefold.planner import calibration
+
+    if hasattr(calibration, "held_out_errors"):
+        return "leave-one-source-out"
+    return "rows held out of the fit"
+
+
 def held_out_residuals() -> dict[str, list[tuple[str, float]]]:
     """{source: [(row, r)]}: the calibration's leave-one-source-out errors when it has them,
     else the held-out rows of `data/efficiency.json` grouped by the rows' source."""
