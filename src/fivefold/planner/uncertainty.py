@@ -43,6 +43,7 @@ from fivefold.spec.plan import ParallelPlan
 RISKS = ("pessimistic", "expected")
 DEFAULT_RISK = "pessimistic"
 WIDENING_PER_DOUBLING = 0.05
+COVERAGE = 0.8  # the band spans the central 80 % of the held-out residuals' weight
 DIMENSIONS = ("tp", "pp", "dp", "cp", "ep", "tokens_per_gpu", "params")
 DIMENSION_WORDS = {
     "tp": "TP",
@@ -68,11 +69,12 @@ def residual_kind() -> str:
 def held_out_residuals() -> dict[str, list[tuple[str, float]]]:
     """{source: [(row, r)]}: the calibration's leave-one-source-out errors when it has them,
     else the held-out rows of `data/efficiency.json` grouped by the rows' source."""
-    try:
-        from fivefold.planner.calibration import held_out_errors  # type: ignore[attr-defined]
-    except ImportError:
+    from fivefold.planner import calibration
+
+    if not hasattr(calibration, "held_out_errors"):
         return _recorded_held_out()
-    return {str(k): [(str(row), float(r)) for row, r in v] for k, v in held_out_errors().items()}
+    loso = calibration.held_out_errors()
+    return {str(k): [(str(row), float(r)) for row, r in v] for k, v in loso.items()}
 
 
 def _recorded_held_out() -> dict[str, list[tuple[str, float]]]:
@@ -86,9 +88,6 @@ def _recorded_held_out() -> dict[str, list[tuple[str, float]]]:
 
 def source_key(row: dict) -> str:
     return row.get("source_key") or row["source"].split(" (")[0].split(",")[0]
-
-
-COVERAGE = 0.8
 
 
 @lru_cache(maxsize=1)
