@@ -49,6 +49,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fivefold.planner.calibration import EfficiencyModel
+from fivefold.planner.levers import state_recipe
 from fivefold.planner.memory import local_kv_width
 from fivefold.spec.hardware import GPUSpec
 from fivefold.spec.model import ModelSpec
@@ -444,6 +445,6 @@ def optimizer_step_s(
 
 def optimizer_bytes_per_param(plan: ParallelPlan) -> float:
     """Bytes Adam moves per parameter: reads and writes its state, reads the gradient, writes
-    the parameter."""
-    rec = recipe(plan.precision)
+    the parameter (the state in `plan.optimizer_states`, `fivefold.planner.levers`)."""
+    rec = state_recipe(plan)
     return 2 * rec.optimizer_bytes + rec.grad_bytes + rec.param_bytes
