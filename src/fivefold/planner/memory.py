@@ -831,12 +831,12 @@ def other_terms(
         largest = max(chunk_params(model, plan, counts, c).max_layer for c in chunks)
         gathered = largest * compute_bytes(rec) - fp8_gather_saving(model, plan)
         out["zero3_gathered_layers"] = 2 * gathered + largest * rec.grad_bytes
-    if plan.offload == "all":
+    elif plan.dp * plan.cp > 1:
+        out["dp_grad_buckets"] = 2 * opts.dp_bucket_bytes
+    if plan.offload == "all":  # FSDP2 offload: the shards crossing PCIe (`levers`)
         largest = max(chunk_params(model, plan, counts, c).max_layer for c in chunks)
         shard = largest / dense_shard_degree(plan)
         out["offload_staging"] = shard * (2 * resting_param_bytes(rec) + rec.grad_bytes)
-    elif plan.dp * plan.cp > 1:
-        out["dp_grad_buckets"] = 2 * opts.dp_bucket_bytes
     if plan.sp and plan.tp > 1 and not opts.eager:  # eager: counted per layer
         out["sp_gathered_input"] = e * tokens * model.hidden
     if plan.cp > 1:
