@@ -21,7 +21,12 @@ How a step is put together (each piece documented in its module):
 5. Memory per pipeline rank (`memory`) with the schedule's in-flight micro-batches.
 
 MFU counts model FLOPs (no recompute, causal attention) against the dense peak of the recipe's
-compute dtype; HFU adds recomputation. Every user mistake raises `ConfigError`.
+compute dtype; HFU adds recomputation. With `plan.fp8` the FLOPs of the FP8 linears count
+against the FP8 peak and the rest against bf16 (`lever_costs.mfu_peak`). The memory levers add
+their terms where they act (`lever_costs`): FP8 GEMMs and casts in the layer costs, "all"
+offload's PCIe copies in the ZeRO-3 gathers and reduce-scatters, the host optimizer step and
+the remaining PCIe copies in the tail (`offload_exposed_s`). Every user mistake raises
+`ConfigError`.
 """
 
 from __future__ import annotations
@@ -807,6 +812,12 @@ def _validate(
     state_recipe(plan)  # optimizer states the recipe can take
     if offloads(plan, device):
         node_host(cluster.gpu, device)  # the host RAM and bandwidth offload is planned with
+    elif plan.offload != "none" and device.measured and device.measured.profile.kind != "cpu":
+        raise ConfigError(
+            f"plan.offload = {plan.offload!r}: the device profile of {device.name} has no PCIe "
+            "or host-memory figures to plan offload with; set plan.offload = 'none', or plan "
+            "on the catalog GPU (--gpu) whose node the catalog describes."
+        )
     if device.hbm_bytes <= 0 or device.hbm_bw_bytes_per_s <= 0:
         raise ConfigError(
             f"cluster.gpu = {cluster.gpu!r} has no HBM capacity or bandwidth in the catalog; "

@@ -52,6 +52,11 @@ what a split input-gradient backward keeps for its weight-gradient action
 
 The simple model of seed 001 (`activation_model="simple"`): k * L * B * S * d * e with k = 12.
 
+Memory levers (`fivefold.planner.levers`): `plan.optimizer_states` changes the optimizer bytes
+per parameter (torchao's 8-bit / FP8 Adam states), `plan.offload` moves tenants to host memory
+(`StageMemory.host_bytes`, not part of `total`; "all" adds the `offload_staging` buffers), and
+FP8 all-gather (`plan.fp8 = "tensorwise"` under ZeRO-3) gathers the converted linears in 1 byte.
+
 "Other" terms, each explicit (`StageMemory.other_terms`): the CUDA context and library
 workspaces (`cuda_context_bytes`, 0.75 GiB by default: 0.5-1 GiB is what a CUDA 12 context with
 cuBLAS and NCCL reserves); the last stage's logits and loss buffers for one micro-batch,

@@ -29,10 +29,13 @@ validity) before it is costed. Pruning, cheapest first:
    selective -> full that fits is kept; heavier ones only add compute;
 4. micro-batch monotonicity: if a micro-batch does not fit even with full recompute, larger
    ones do not either.
-What fits in (1 - headroom) x HBM is costed by `fivefold.planner.estimate.estimate` and ranked by
-predicted tokens/s. Layouts within `TIE_FRACTION` of the fastest count as a tie, broken by the
-smaller worst-stage memory (a practitioner keeps the headroom). Rejections keep their reason;
-the nearest ones (smallest memory overflow first) are returned with the result.
+Memory levers (CPU offload, 8-bit Adam states: `AUTO_LEVERS`) are tried only when nothing fits
+without them, in a second pass over the same layouts (`lever_sets`); FP8 compute only when pinned.
+What fits in (1 - headroom) x HBM (and, with offload, in the node's host RAM) is costed by
+`fivefold.planner.estimate.estimate` and ranked by predicted tokens/s. Layouts within
+`TIE_FRACTION` of the fastest count as a tie, broken by the smaller worst-stage memory (a
+practitioner keeps the headroom). Rejections keep their reason; the nearest ones (smallest
+memory overflow first) are returned with the result.
 """
 
 from __future__ import annotations
