@@ -97,7 +97,7 @@ def test_8bit_and_fp8_states_bytes():
         == 2.03125
     )
     with pytest.raises(ConfigError, match="already describe a compressed optimizer"):
-        state_recipe(ParallelPlan(precision="fp8-mixed", optimizer_states="8bit"))
+        _est(ParallelPlan(precision="fp8-mixed", optimizer_states="8bit"))
     base = ParallelPlan(dp_shard=8, zero=1)
     fp32, q8 = _est(base).worst_memory, _est(base.with_(optimizer_states="8bit")).worst_memory
     assert fp32.optimizer == pytest.approx(N8B * 12 / 8)

@@ -143,16 +143,25 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
         help="sequence parallelism in the TP group",
     )
     for flag, choices, help_text in (
-        ("--offload", ("none", "optimizer", "all"), "CPU offload: the optimizer state, or all"),
-        ("--optimizer-states", ("fp32", "8bit", "fp8"), "Adam's m and v (torchao 8bit/fp8)"),
-        ("--fp8", ("none", "tensorwise", "rowwise"), "FP8 linears (torchao float8)"),
+        (
+            "--offload",
+            ("none", "optimizer", "all"),
+            "CPU offload (default none): the optimizer state (zero <= 2), or parameters, "
+            "gradients and optimizer state (zero 3); a search tries it only when nothing fits",
+        ),
+        (
+            "--optimizer-states",
+            ("fp32", "8bit", "fp8"),
+            "Adam's m and v (default fp32): torchao's 8bit/fp8, 1 byte + a scale per 256; a "
+            "search tries 8bit only when nothing fits",
+        ),
+        (
+            "--fp8",
+            ("none", "tensorwise", "rowwise"),
+            "FP8 linears through torchao float8 (default none); a search uses it only when given",
+        ),
     ):
-        lay.add_argument(
-            flag,
-            choices=choices,
-            help=help_text + "; a search tries offload and 8bit states only when nothing "
-            "fits, FP8 only when given",
-        )
+        lay.add_argument(flag, choices=choices, help=help_text)
     lay.add_argument(
         "--precision",
         metavar="RECIPE[,RECIPE]",

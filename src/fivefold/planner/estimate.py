@@ -49,7 +49,6 @@ from fivefold.planner.levers import (
     memory_plan,
     node_host,
     offloads,
-    state_recipe,
 )
 from fivefold.planner.memory import (
     GiB,
@@ -809,7 +808,6 @@ def _validate(
     device.peak(recipe(plan.precision).compute_dtype)  # "unknown peak" for e.g. the CPU
     if plan.fp8 != "none":
         device.peak("fp8")  # FP8 compute needs an FP8 peak (not on an A100)
-    state_recipe(plan)  # optimizer states the recipe can take
     if offloads(plan, device):
         node_host(cluster.gpu, device)  # the host RAM and bandwidth offload is planned with
     elif plan.offload != "none" and device.measured and device.measured.profile.kind != "cpu":

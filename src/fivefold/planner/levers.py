@@ -73,13 +73,7 @@ def state_recipe(plan: ParallelPlan) -> PrecisionRecipe:
     rec = recipe(plan.precision)
     if plan.optimizer_states == "fp32":
         return rec
-    if master_bytes(rec) < 0:
-        raise ConfigError(
-            f"plan.optimizer_states = {plan.optimizer_states!r} with plan.precision = "
-            f"{plan.precision!r}: that recipe's {rec.optimizer_bytes:g} optimizer bytes per "
-            "parameter already describe a compressed optimizer; set plan.optimizer_states = "
-            "'fp32', or use a recipe with fp32 Adam states such as 'bf16-mixed'."
-        )
+    assert master_bytes(rec) >= 0, "ParallelPlan.problems refuses compressed-optimizer recipes"
     return replace(
         rec,
         name=f"{rec.name}+{plan.optimizer_states}-states",

@@ -621,7 +621,11 @@ def search(
         ranked = rank_fitting([o for o in outcomes if o.fits])
         rejected = nearest_rejected(outcomes) if ranked else rejected
     if not ranked:
-        raise ConfigError(no_layout_message(model, cluster, target, headroom, rejected))
+        message = no_layout_message(model, cluster, target, headroom, rejected)
+        if sets:
+            tried = "; ".join(", ".join(f"{k} {v}" for k, v in lv.items()) for lv in sets)
+            message += f" The memory levers did not make any layout fit either ({tried})."
+        raise ConfigError(message)
     result = SearchResult(
         best=ranked[0].estimate,
         best_plan=ranked[0].plan,
