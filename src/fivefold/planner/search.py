@@ -614,7 +614,14 @@ def search(
     if sets:  # nothing fits: a second pass over the same layouts with the memory levers
         without_levers = rejected[0] if rejected else None
         state = _Search(
-            model, cluster, target, headroom, tuple(precisions), dict(fixed or {}), top, sets
+            model,
+            cluster,
+            target,
+            headroom,
+            tuple(precisions),
+            dict(fixed or {}),
+            top=top,
+            lever_sets=sets,
         )
         state.run()
         outcomes = list(state.outcomes.values())
