@@ -341,12 +341,15 @@ class _Search:
                         if "sp" in self.fixed:
                             base = base.with_(sp=self.fixed["sp"])
                         for levers in self.lever_sets:
-                            lever_plan = base.with_(**{**self.lever_pins, **levers})
-                            if lever_plan.problems(runtime=False) and not base.problems(
-                                runtime=False
-                            ):
-                                continue  # e.g. offload "all" needs ZeRO-3: not a layout here
-                            self.micro_batches(lever_plan)
+                            self.with_levers(base, {**self.lever_pins, **levers})
+
+    def with_levers(self, base: ParallelPlan, levers: dict[str, str]) -> None:
+        """The micro-batches of `base` with memory levers; none where the levers do not fit
+        this layout (e.g. offload "all" needs ZeRO-3: a rule of the plan, not a rejection)."""
+        plan = base.with_(**levers) if levers else base
+        if levers and plan.problems(runtime=False) and not base.problems(runtime=False):
+            return
+        self.micro_batches(plan)
 
     def micro_batches(self, base: ParallelPlan) -> None:
         for mbs in micro_batch_choices(self.target, base.dp):
