@@ -25,10 +25,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from fivefold.planner.lever_costs import fp8_flops_per_token, mfu_peak
+from fivefold.planner.levers import state_recipe
 from fivefold.spec.cluster import ClusterSpec
 from fivefold.spec.hardware import GiB
-from fivefold.spec.model import ModelSpec
+from fivefold.spec.model import ModelSpec, training_flops_per_token
 from fivefold.spec.plan import ParallelPlan
+from fivefold.spec.precision import recipe
 
 TIE_FRACTION = 0.005  # the search's tie band (fivefold.planner.search.TIE_FRACTION)
 COMPARE_BUDGET = 8  # full estimates per "best layout with ..." comparison
@@ -368,7 +371,7 @@ class _Explainer:
             text = f"Memory levers: {', '.join(used)}, as asked: "
         text += self._lever_costs()
         others = []
-        for levers in getattr(self.search, "lever_sets", ()):
+        for levers in self.search.lever_sets:
             full = {"offload": "none", "optimizer_states": "fp32", **levers}
             if levers and any(_field(p, k) != v for k, v in full.items()):
                 others.append(full)
@@ -380,9 +383,6 @@ class _Explainer:
         mem = est.worst_memory
         parts = []
         if p.optimizer_states != "fp32":
-            from fivefold.planner.levers import state_recipe
-            from fivefold.spec.precision import recipe
-
             before = recipe(p.precision).optimizer_bytes
             parts.append(
                 f"torchao's {p.optimizer_states} Adam states keep m and v at 1 byte plus an fp32 "
@@ -407,9 +407,6 @@ class _Explainer:
         return "; ".join(parts) + "."
 
     def _fp8_words(self) -> str:
-        from fivefold.planner.lever_costs import fp8_flops_per_token, mfu_peak
-        from fivefold.spec.model import training_flops_per_token
-
         p, m, device = self.plan, self.model, self.cluster.device
         share = fp8_flops_per_token(m) / training_flops_per_token(m, m.seq_len, "none")
         return (
@@ -428,7 +425,7 @@ class _Explainer:
     def rule_of_thumb(self) -> str:
         """Seed 000's staircase applied literally, costed, against the searched layout."""
         outcome = None
-        pins = getattr(self.search, "lever_pins", {})  # levers asked for apply to it too
+        pins = self.search.lever_pins  # levers asked for apply to it too
         for plan in staircase_plans(self.model, self.cluster, self.result.target):
             outcome = self.search.evaluate(plan.with_(**pins))
             if outcome.fits:
