@@ -137,9 +137,9 @@ class Bounds:
             plan.offload,
             plan.fp8,
         )
-        held = memory_plan(plan, self.cluster.device)
 
         def rank_bytes(counts: list[int], chunks: tuple[int, ...]) -> float:
+            held = memory_plan(plan, self.cluster.device)
             return sum(
                 other_terms(self.model, held, counts, list(chunks), self.memory_options).values()
             )

@@ -89,7 +89,7 @@ def offloads(plan: ParallelPlan, device: GPUSpec) -> bool:
 def memory_plan(plan: ParallelPlan, device: GPUSpec) -> ParallelPlan:
     """The plan whose memory the device holds: without offload where there is no separate host
     (the CPU holds the "offloaded" state in the same memory)."""
-    return plan if offloads(plan, device) else plan.with_(offload="none")
+    return plan if plan.offload == "none" or offloads(plan, device) else plan.with_(offload="none")
 
 
 def split_state(

@@ -398,11 +398,14 @@ def chunk_state(
     with the plan's optimizer states and offload (`fivefold.planner.levers`)."""
     cp = chunk_params(model, plan, counts, chunk)
     rec = state_recipe(plan)
-    total = Tenants(0.0, 0.0, 0.0)
+    dense_shard, expert_shard = dense_shard_degree(plan), expert_shard_degree(plan)
+    total = model_state_bytes(cp.dense, rec, plan.zero, dense_shard)
+    total = total + model_state_bytes(cp.experts, rec, plan.zero, expert_shard)
+    if plan.offload == "none":
+        return total, 0.0
     host_params = 0.0  # "optimizer" offload of a recipe without a master copy
-    for n, shard in ((cp.dense, dense_shard_degree(plan)), (cp.experts, expert_shard_degree(plan))):
-        total = total + model_state_bytes(n, rec, plan.zero, shard)
-        if master_bytes(rec) <= 0:
+    if master_bytes(rec) <= 0:
+        for n, shard in ((cp.dense, dense_shard), (cp.experts, expert_shard)):
             host_params += n * rec.param_bytes / zero_divisors(plan.zero, shard)[2]
     device, host = split_state(total.params, total.grads, total.optimizer, host_params, plan)
     return Tenants(*device), host
