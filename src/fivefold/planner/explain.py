@@ -44,6 +44,7 @@ BREAKDOWN_WORDS = {
     "param_gather_exposed_s": "exposed parameter all-gather",
     "optimizer_s": "optimizer step",
     "offload_exposed_s": "exposed CPU-offload copies over PCIe",
+    "runtime_sync_s": "the runtime's per-step token-count and loss all-reduces",
 }
 
 
