@@ -291,10 +291,21 @@ def test_search_without_levers_when_the_model_fits(runtime_levers):
     assert line.startswith("Memory levers: none; the layout fits in 80 GiB")
 
 
-def test_search_proposes_no_lever_the_runtime_refuses():
-    # Today's runtime refuses the levers: the second pass has nothing to try.
-    with pytest.raises(ConfigError, match="no layout of llama3-70b fits"):
+def test_search_proposes_no_lever_the_runtime_refuses(monkeypatch):
+    # A runtime that refuses CPU offload (as fivefold's did before it ran it): the second pass
+    # tries 8-bit states only, which leave 70B on 8 GPUs 18.6 GiB short.
+    original = ParallelPlan.runtime_problems
+
+    def no_offload(self, m=None):
+        kept = [p for p in original(self, m) if "memory lever" not in p]
+        return kept + (["plan.offload: not run here"] if self.offload != "none" else [])
+
+    monkeypatch.setattr(ParallelPlan, "runtime_problems", no_offload)
+    with pytest.raises(ConfigError, match="no layout of llama3-70b fits") as err:
         search(model_preset("llama3-70b"), H100x8, global_batch_tokens=2**20, explain=False)
+    assert "memory levers did not make any layout fit either (optimizer_states 8bit)" in str(
+        err.value
+    )
 
 
 def test_search_keeps_pinned_fp8(runtime_levers):
