@@ -12,6 +12,8 @@ The staircase (seed 000, "Vizz AI"), one step per line, each argued against its 
 6. context parallelism for long sequences and expert parallelism for MoE models: when they are
    used, what they split, and what happens without them;
 7. activation recomputation: why this policy;
+   then the memory levers (CPU offload, 8-bit Adam states, FP8 compute): none when the layout
+   fits without them; when only they make it fit, what nothing fits without and what they cost;
 8. the staircase taken literally (`staircase_plans`: TP fills the node, fewest stages that fit,
    ZeRO-1, full recompute, ...), costed against the searched layout;
 then how confident the prediction is (`fivefold.planner.uncertainty`: its error band from the
@@ -29,10 +31,13 @@ from __future__ import annotations
 from typing import Any
 
 from fivefold.planner import uncertainty as U
+from fivefold.planner.lever_costs import fp8_flops_per_token, mfu_peak
+from fivefold.planner.levers import state_recipe
 from fivefold.spec.cluster import ClusterSpec
 from fivefold.spec.hardware import GiB
-from fivefold.spec.model import ModelSpec
+from fivefold.spec.model import ModelSpec, training_flops_per_token
 from fivefold.spec.plan import ParallelPlan
+from fivefold.spec.precision import recipe
 
 TIE_FRACTION = 0.005  # the search's tie band (fivefold.planner.search.TIE_FRACTION)
 COMPARE_BUDGET = 8  # full estimates per "best layout with ..." comparison
@@ -44,6 +49,7 @@ BREAKDOWN_WORDS = {
     "dp_grad_exposed_s": "exposed data-parallel gradient reduction",
     "param_gather_exposed_s": "exposed parameter all-gather",
     "optimizer_s": "optimizer step",
+    "offload_exposed_s": "exposed CPU-offload copies over PCIe",
     "runtime_sync_s": "the runtime's per-step token-count and loss all-reduces",
 }
 
@@ -156,6 +162,7 @@ class _Explainer:
             self.context_parallel(),
             self.expert_parallel(),
             self.recompute(),
+            self.levers(),
             self.rule_of_thumb(),
             self.memory(),
             self.confidence(),
@@ -363,11 +370,86 @@ class _Explainer:
             words.append(f"{policy}: " + self._outcome_words(o))
         return text + "; ".join(words) + "."
 
+    def levers(self) -> str:
+        """The memory levers: why none, or what nothing fits without and what they cost."""
+        p, est, result = self.plan, self.best, self.result
+        used = _lever_words(p)
+        hbm = est.hbm_bytes / GiB
+        usable = hbm * (1 - result.headroom)
+        if not used:
+            return (
+                f"Memory levers: none; the layout fits in {hbm:.0f} GiB of HBM without CPU "
+                "offload or 8-bit optimizer states, so the step pays for neither (the search "
+                "tries them only when nothing fits; FP8 compute only when asked for, --fp8)."
+            )
+        miss = result.without_levers
+        if miss is not None:
+            text = (
+                f"Memory levers: nothing fits in {hbm:.0f} GiB of HBM ({usable:.1f} GiB usable) "
+                f"without them; the closest, {miss.plan.describe()}, is "
+                f"{miss.reason.rstrip('.')}. Chose {', '.join(used)}: "
+            )
+        else:
+            text = f"Memory levers: {', '.join(used)}, as asked: "
+        text += self._lever_costs()
+        others = []
+        for levers in self.search.lever_sets:
+            full = {"offload": "none", "optimizer_states": "fp32", **levers}
+            if levers and any(_field(p, k) != v for k, v in full.items()):
+                others.append(full)
+        parts = [self.compare(" + ".join(_lever_words(ParallelPlan(**lv))), **lv) for lv in others]
+        return (text + " " + "; ".join(parts) + ("." if parts else "")).rstrip()
+
+    def _lever_costs(self) -> str:
+        p, est = self.plan, self.best
+        mem = est.worst_memory
+        parts = []
+        if p.optimizer_states != "fp32":
+            before = recipe(p.precision).optimizer_bytes
+            parts.append(
+                f"torchao's {p.optimizer_states} Adam states keep m and v at 1 byte plus an fp32 "
+                f"scale per 256 values: {state_recipe(p).optimizer_bytes:.2f} optimizer bytes "
+                f"per parameter instead of {before:g}"
+                + (f" ({gib(mem.optimizer)} per GPU)" if p.offload == "none" else "")
+            )
+        host = est.host_memory
+        if host is not None:
+            what = "the optimizer state" if p.offload == "optimizer" else "parameters, gradients "
+            what += "and optimizer state" if p.offload == "all" else ""
+            parts.append(
+                f"offloading {what} puts {gib(host.per_gpu_bytes)} per GPU, "
+                f"{host.per_node_bytes / GiB:,.0f} GiB per node, in host memory "
+                f"({host.node_ram_bytes / GiB:,.0f} GiB in a {host.system}, "
+                f"{host.usable_bytes / GiB:,.0f} usable); the optimizer step runs on the host "
+                f"CPU in {seconds(est.breakdown_s.get('optimizer_s', 0.0))} and the PCIe copies "
+                f"expose {seconds(est.breakdown_s.get('offload_exposed_s', 0.0))} per step"
+            )
+        if p.fp8 != "none":
+            parts.append(self._fp8_words())
+        return "; ".join(parts) + "."
+
+    def _fp8_words(self) -> str:
+        p, m, device = self.plan, self.model, self.cluster.device
+        share = fp8_flops_per_token(m) / training_flops_per_token(m, m.seq_len, "none")
+        return (
+            f"FP8 compute ({p.fp8} scaling, torchao float8) runs the attention projections and "
+            f"MLP linears, {share:.0%} of the model FLOPs; MFU counts those against the FP8 peak "
+            f"({device.peak('fp8') / 1e12:,.0f} TFLOP/s) and the rest (attention core, LM "
+            f"head, routed experts) against bf16 ({device.peak('bf16') / 1e12:,.0f}), an "
+            f"effective peak of {mfu_peak(m, p, device) / 1e12:,.0f} TFLOP/s"
+            + (
+                "; under ZeRO-3 the weights are gathered in FP8 (half the bytes)"
+                if p.fp8 == "tensorwise" and p.zero == 3
+                else ""
+            )
+        )
+
     def rule_of_thumb(self) -> str:
         """Seed 000's staircase applied literally, costed, against the searched layout."""
         outcome = None
+        pins = self.search.lever_pins  # levers asked for apply to it too
         for plan in staircase_plans(self.model, self.cluster, self.result.target):
-            outcome = self.search.evaluate(plan)
+            outcome = self.search.evaluate(plan.with_(**pins))
             if outcome.fits:
                 break
         if outcome is None:
@@ -390,8 +472,9 @@ class _Explainer:
         est = self.best
         mem = self.mem(est)
         usable = est.hbm_bytes / GiB * (1 - self.result.headroom)
+        levers = "".join(f", {w}" for w in _lever_words(est.plan))
         return (
-            f"Memory on the worst stage ({est.worst_stage}, {est.plan.precision}): params "
+            f"Memory on the worst stage ({est.worst_stage}, {est.plan.precision}{levers}): params "
             f"{mem['params']:.2f} + grads {mem['grads']:.2f} + optimizer {mem['optimizer']:.2f} + "
             f"activations {mem['activations']:.2f} + other {mem['other']:.2f} = "
             f"{mem['total']:.1f} GiB of {est.hbm_bytes / GiB:.0f} GiB HBM ({usable:.1f} GiB "
@@ -535,6 +618,18 @@ def staircase_plans(model: ModelSpec, cluster: ClusterSpec, target: Any) -> list
                     recompute="full",
                 )
             )
+    return out
+
+
+def _lever_words(plan: ParallelPlan) -> list[str]:
+    """The memory levers a plan uses, in words ([] for none)."""
+    out = []
+    if plan.optimizer_states != "fp32":
+        out.append(f"{plan.optimizer_states} Adam states")
+    if plan.offload != "none":
+        out.append("offload of " + ("the optimizer" if plan.offload == "optimizer" else "all"))
+    if plan.fp8 != "none":
+        out.append(f"FP8 {plan.fp8} compute")
     return out
 
 

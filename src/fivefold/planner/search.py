@@ -29,7 +29,10 @@ validity) before it is costed. Pruning, cheapest first:
    selective -> full that fits is kept; heavier ones only add compute;
 4. micro-batch monotonicity: if a micro-batch does not fit even with full recompute, larger
    ones do not either.
-What fits in (1 - headroom) x HBM is costed by `fivefold.planner.estimate.estimate` and ranked by
+Memory levers (CPU offload, 8-bit Adam states: `AUTO_LEVERS`) are tried only when nothing fits
+without them, in a second pass over the same layouts (`lever_sets`); FP8 compute only when pinned.
+What fits in (1 - headroom) x HBM (and, with offload, in the node's host RAM) is costed by
+`fivefold.planner.estimate.estimate` and ranked by
 tokens/s at the slow end of its error band (`risk="pessimistic"`, the default: the model's errors
 grow outside the calibrated domain, so a layout far from every published run must be clearly
 faster to win; `fivefold.planner.uncertainty`) or by the predicted tokens/s (`risk="expected"`).
@@ -72,6 +75,17 @@ VPP_CHOICES = (2, 4, 8)
 MAX_MICRO_BATCH = 64
 TIE_FRACTION = 0.005
 KEEP_REJECTED = 40
+# Memory levers (issue 11), tried only when no layout fits without them, cheapest first in
+# what they cost a step; only those fivefold's runtime runs (`ParallelPlan.runtime_problems`).
+# FP8 compute changes the numerics: it is searched only when asked for (pinned, e.g. --fp8).
+LEVER_FIELDS = ("offload", "optimizer_states", "fp8")
+AUTO_LEVERS: tuple[dict[str, str], ...] = (
+    {"optimizer_states": "8bit"},
+    {"offload": "optimizer"},
+    {"offload": "all"},
+    {"optimizer_states": "8bit", "offload": "optimizer"},
+    {"optimizer_states": "8bit", "offload": "all"},
+)
 
 PLAN_FIELDS = tuple(ParallelPlan.__dataclass_fields__)
 FIXABLE = (*PLAN_FIELDS, "dp")  # "dp" pins dp_replicate * dp_shard
@@ -111,6 +125,8 @@ class SearchResult:
     pruned_by_bound: int = 0
     options: PlannerOptions = field(default_factory=PlannerOptions)
     risk: str = DEFAULT_RISK
+    # When only the memory levers made a layout fit: the closest layout without them.
+    without_levers: Outcome | None = None
 
 
 @dataclass(frozen=True)
@@ -264,6 +280,7 @@ class _Search:
     top: int = 5
     options: PlannerOptions = field(default_factory=PlannerOptions)
     risk: str = DEFAULT_RISK
+    lever_sets: tuple[dict[str, str], ...] = ({},)  # memory levers tried on every layout
     outcomes: dict[ParallelPlan, Outcome] = field(default_factory=dict)
     candidates: list[_Candidate] = field(default_factory=list)
     evaluated: int = 0
@@ -272,6 +289,7 @@ class _Search:
 
     def __post_init__(self) -> None:
         self.bounds = Bounds(self.model, self.cluster, self.options)
+        self.lever_pins = {k: self.fixed[k] for k in LEVER_FIELDS if k in self.fixed}
 
     @property
     def budget_bytes(self) -> float:
@@ -338,7 +356,16 @@ class _Search:
                         )
                         if "sp" in self.fixed:
                             base = base.with_(sp=self.fixed["sp"])
-                        self.micro_batches(base)
+                        for levers in self.lever_sets:
+                            self.with_levers(base, {**self.lever_pins, **levers})
+
+    def with_levers(self, base: ParallelPlan, levers: dict[str, str]) -> None:
+        """The micro-batches of `base` with memory levers; none where the levers do not fit
+        this layout (e.g. offload "all" needs ZeRO-3: a rule of the plan, not a rejection)."""
+        plan = base.with_(**levers) if levers else base
+        if levers and plan.problems(runtime=False) and not base.problems(runtime=False):
+            return
+        self.micro_batches(plan)
 
     def micro_batches(self, base: ParallelPlan) -> None:
         for mbs in micro_batch_choices(self.target, base.dp):
@@ -472,6 +499,17 @@ class _Search:
         except ConfigError as err:
             return self.reject(plan, "invalid", str(err))
         worst = worst_stage_bytes(est)
+        if not est.host_fits:
+            host = est.host_memory
+            return self.reject(
+                plan,
+                "memory",
+                f"out of host memory by {_amount(host.overflow_bytes)}: offloading puts "
+                f"{host.per_node_bytes / GiB:,.0f} GiB on each node of "
+                f"{host.usable_bytes / GiB:,.0f} GiB usable ({host.system}, "
+                f"{host.node_ram_bytes / GiB:,.0f} GiB less the reserve for the system)",
+                host.overflow_bytes,
+            )
         if worst > self.budget_bytes:
             outcome = self.reject(
                 plan,
@@ -654,8 +692,32 @@ def _search(
     outcomes = list(state.outcomes.values())
     ranked = rank_fitting([o for o in outcomes if o.fits], risk)
     rejected = nearest_rejected(outcomes)
+    without_levers = None
+    sets = lever_sets(model, cluster, dict(fixed or {})) if not ranked else ()
+    if sets:  # nothing fits: a second pass over the same layouts with the memory levers
+        without_levers = rejected[0] if rejected else None
+        state = _Search(
+            model,
+            cluster,
+            target,
+            headroom,
+            tuple(precisions),
+            dict(fixed or {}),
+            top=top,
+            options=opts,
+            risk=risk,
+            lever_sets=sets,
+        )
+        state.run()
+        outcomes = list(state.outcomes.values())
+        ranked = rank_fitting([o for o in outcomes if o.fits], risk)
+        rejected = nearest_rejected(outcomes) if ranked else rejected
     if not ranked:
-        raise ConfigError(no_layout_message(model, cluster, target, headroom, rejected))
+        message = no_layout_message(model, cluster, target, headroom, rejected)
+        if sets:
+            tried = "; ".join(", ".join(f"{k} {v}" for k, v in lv.items()) for lv in sets)
+            message += f" The memory levers did not make any layout fit either ({tried})."
+        raise ConfigError(message)
     result = SearchResult(
         best=ranked[0].estimate,
         best_plan=ranked[0].plan,
@@ -671,6 +733,7 @@ def _search(
         pruned_by_bound=state.pruned_by_bound,
         options=opts,
         risk=risk,
+        without_levers=without_levers,
     )
     if explain:
         from fivefold.planner.explain import explain_search
@@ -678,6 +741,30 @@ def _search(
         result.explanation = explain_search(model, cluster, result)
     result.elapsed_s = time.perf_counter() - started
     return result
+
+
+def lever_sets(
+    model: ModelSpec, cluster: ClusterSpec, fixed: dict[str, Any]
+) -> tuple[dict[str, str], ...]:
+    """The memory levers the second pass tries (`AUTO_LEVERS`): those not fixed otherwise,
+    that fivefold's runtime runs, and offload only where the catalog has the node's host."""
+    from fivefold.planner.levers import offloads
+    from fivefold.spec.hardware import host
+
+    out = []
+    for levers in AUTO_LEVERS:
+        if any(k in fixed and fixed[k] != v for k, v in levers.items()):
+            continue
+        if all(k in fixed for k in levers):
+            continue  # the first pass had it
+        if ParallelPlan(**levers).runtime_problems(model):
+            continue
+        if "offload" in levers and (
+            host(cluster.gpu) is None or not offloads(ParallelPlan(**levers), cluster.device)
+        ):
+            continue
+        out.append(levers)
+    return tuple(out)
 
 
 def no_layout_message(
