@@ -9,7 +9,9 @@ and the optimizer state bytes measured on the optimizer's tensors (codes, block 
 quantisation maps included) against `fivefold.parallel.lowbit.adam_state_bytes`, the per-tensor
 rule the runtime's memory report uses (8 bytes per element for fp32 m and v; 2 bytes plus two
 fp32 scales per 256-element block for 8-bit/FP8, and the 8-bit code's 256-entry map per
-state; tensors under 4096 elements stay fp32).
+state; tensors under 4096 elements stay fp32), and per parameter against the planner's
+`2 * fivefold.planner.levers.moment_bytes(states)` (which counts every parameter as quantised
+and leaves out the maps, so it is a little lower on a model as small as `tiny`).
 
     PYTHONPATH=src .venv/bin/python benchmarks/optimizer_states.py             # tiny, 300 steps
     PYTHONPATH=src .venv/bin/python benchmarks/optimizer_states.py --preset small --steps 200
@@ -59,6 +61,7 @@ def train(preset: str, steps: int, states: str) -> dict:
     from rich.console import Console
 
     from fivefold.parallel.lowbit import adam_state_bytes, state_bytes
+    from fivefold.planner.levers import moment_bytes
     from fivefold.train.loop import Trainer
     from fivefold.train.runtime import LocalRuntime
 
@@ -75,6 +78,7 @@ def train(preset: str, steps: int, states: str) -> dict:
             "state_bytes": state_bytes(trainer.optimizer),
             "expected_bytes": int(sum(adam_state_bytes(p.numel(), states) for p in params)),
             "params": sum(p.numel() for p in params),
+            "planner_bytes_per_param": 2 * moment_bytes(states),
         }
 
 
@@ -104,7 +108,7 @@ def main() -> None:
     )
     print(
         f"{'states':<6} {'final loss':>10} {'diff':>9} {'max|diff|':>9} {'tail mean':>9} "
-        f"{'state bytes':>12} {'B/param':>7} {'expected':>12}"
+        f"{'state bytes':>12} {'B/param':>7} {'rule':>12} {'planner B/param':>15}"
     )
     rows = []
     for states, run in runs.items():
@@ -114,7 +118,7 @@ def main() -> None:
             f"{states:<6} {run['losses'][-1]:>10.4f} {diff['final_diff']:>+9.4f} "
             f"{diff['tail_max_abs_diff']:>9.4f} {diff['tail_mean']:>9.4f} "
             f"{run['state_bytes']:>12,} {run['state_bytes'] / run['params']:>7.2f} "
-            f"{run['expected_bytes']:>12,}"
+            f"{run['expected_bytes']:>12,} {run['planner_bytes_per_param']:>15.3f}"
         )
     if args.json:
         with open(args.json, "w") as f:
