@@ -50,8 +50,6 @@ def recipe_for(preset: str, steps: int, states: str, run_dir: str):
         "train.tensorboard=false",
         f"train.run_dir={run_dir}",
         "train.resume=false",
-        # the loop's CPU memory step runs torchao's update eagerly; keep it out of the way
-        f"train.memory_step={steps}",
     ]
     return load_run(None, overrides, world_size=1)
 

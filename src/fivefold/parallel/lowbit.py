@@ -164,39 +164,6 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
     return total
 
 
-@torch.no_grad()
-def _eager_step(optimizer) -> None:
-    """torchao's AdamW step (without amsgrad) with its per-parameter update not compiled."""
-    from torchao.optim.adam import single_param_adam
-
-    for group in optimizer.param_groups:
-        beta1, beta2 = group["betas"]
-        for param in group["params"]:
-            if param.grad is None:
-                continue
-            state = optimizer.state[param]
-            if not state:
-                state["step"] = torch.tensor(0.0)
-                state["exp_avg"] = optimizer._new_buffer(param, True)
-                state["exp_avg_sq"] = optimizer._new_buffer(param, False)
-            state["step"] += 1
-            single_param_adam(
-                param.detach(),
-                param.grad,
-                state["step"],
-                state["exp_avg"],
-                state["exp_avg_sq"],
-                None,
-                group["lr"],
-                beta1,
-                beta2,
-                group["weight_decay"],
-                group["eps"],
-                True,
-                False,
-            )
-
-
 @functools.cache
 def lowbit_adamw_class(states: str) -> type[torch.optim.Optimizer]:
     """torchao's AdamW for `states` ("8bit" | "fp8") with checkpoint-neutral state dicts."""
@@ -209,15 +176,18 @@ def lowbit_adamw_class(states: str) -> type[torch.optim.Optimizer]:
         __doc__ = f"torchao {base.__name__}; state dicts in fp32 (fivefold.parallel.lowbit)."
 
         def step(self, closure=None):
-            """torchao's step; under a dispatch mode (the CPU memory tracker), where its
-            compiled update cannot run, the same update eagerly."""
-            from torch.utils._python_dispatch import _get_current_dispatch_mode
+            """torchao's step; under a dispatch mode (the CPU memory tracker), which its
+            compiled update cannot trace through, with that mode paused: the tracker then sees
+            the state change in place but not the update's transient buffers."""
+            from torch.utils._python_dispatch import (
+                _disable_current_modes,
+                _get_current_dispatch_mode,
+            )
 
             if _get_current_dispatch_mode() is None:
                 return super().step(closure)
-            assert closure is None
-            _eager_step(self)
-            return None
+            with _disable_current_modes():
+                return super().step(closure)
 
         def state_dict(self) -> dict[str, Any]:
             return dense_state_dict(super().state_dict())
