@@ -318,7 +318,7 @@ NON_DEFAULT_FLAGS = {
     "cuda_context_bytes": (["--cuda-context-bytes", "1G"], float(2**30)),
     "fragmentation_fraction": (["--fragmentation-fraction", "10%"], 0.10),
     "dp_bucket_bytes": (["--dp-bucket-bytes", "100M"], float(100 * 2**20)),
-    "collective_granularity": (["--collective-granularity", "layer"], "layer"),
+    "collective_granularity": (["--collective-granularity", "bucket"], "bucket"),
     "runtime": (["--runtime", "fivefold-eager"], "fivefold-eager"),
     "checkpoint_early_stop": (["--checkpoint-early-stop"], True),
 }

@@ -41,7 +41,7 @@ DOCUMENTED = {
         dp_overlap=True,
         fused_elementwise=True,
         selective_policy="attention",
-        collective_granularity="bucket",
+        collective_granularity="layer",
     ),
     "nemo-2024": dict(
         attention_kernel="flash",
@@ -50,7 +50,7 @@ DOCUMENTED = {
         dp_overlap=True,
         fused_elementwise=True,
         selective_policy="attention",
-        collective_granularity="bucket",
+        collective_granularity="layer",
     ),
     "torchtitan": dict(
         attention_kernel="flash",
