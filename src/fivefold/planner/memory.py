@@ -867,9 +867,22 @@ def _fsdp_terms(model, plan, counts, chunks, rec) -> dict[str, float]:
     blocks' are gathered one at a time and freed before the loss's backward. ZeRO-0/1/2 gather
     every parameter once per step; with an fp32 compute dtype that gathered copy is the
     recipe's parameter tenant and the sharded fp32 weights at rest come on top
-    (bf16 recipes: the shards are the fp32 master copy, already an optimizer tenant)."""
+    (bf16 recipes: the shards are the fp32 master copy, already an optimizer tenant). ZeRO-3
+    under pipelining keeps whole chunks gathered and their gradients unsharded for the step."""
     out: dict[str, float] = {}
-    if plan.zero == 3:
+    if plan.zero == 3 and plan.pp > 1:
+        # torch's pipeline stages keep each chunk gathered from its first forward to the end of
+        # the step and skip the gradient reduce-scatter until the last micro-batch, so the
+        # whole chunk's weights and its unsharded gradients are held through the step.
+        local = sum(
+            chunk_params(model, plan, counts, c).dense
+            + chunk_params(model, plan, counts, c).experts
+            for c in chunks
+        )
+        out["zero3_gathered_chunks"] = local * compute_bytes(rec)
+        shard = dense_shard_degree(plan)
+        out["zero3_unsharded_grads"] = local * rec.grad_bytes * (1 - 1 / shard)
+    elif plan.zero == 3:
         root = 0.0
         for c in chunks:
             cp = chunk_params(model, plan, counts, c)

@@ -373,7 +373,7 @@ class _Search:
                 continue
             accum = self.target.accumulation(mbs, base.dp)
             if accum is None:
-                plan = base.with_(micro_batch=mbs)
+                plan = _derive(base, micro_batch=mbs)
                 got = mbs * base.dp * max(1, round(self.target.sequences / (mbs * base.dp)))
                 self.reject(
                     plan,
@@ -385,7 +385,7 @@ class _Search:
             if not self.allowed("grad_accum", accum):
                 continue
             if base.pp > 1 and accum < base.pp and "grad_accum" not in self.fixed:
-                plan = base.with_(micro_batch=mbs, grad_accum=accum)
+                plan = _derive(base, micro_batch=mbs, grad_accum=accum)
                 self.reject(
                     plan,
                     "batch",
@@ -397,7 +397,7 @@ class _Search:
             for recompute in RECOMPUTE_POLICIES:
                 if not self.allowed("recompute", recompute):
                     continue
-                plan = base.with_(micro_batch=mbs, grad_accum=accum, recompute=recompute)
+                plan = _derive(base, micro_batch=mbs, grad_accum=accum, recompute=recompute)
                 kinds.append(self.screen(plan))
                 if kinds[-1] == "invalid":
                     break  # the same problem for every policy
@@ -470,7 +470,7 @@ class _Search:
     def lighter_recompute_fits(self, plan: ParallelPlan) -> bool:
         order = RECOMPUTE_POLICIES.index(plan.recompute)
         for lighter in RECOMPUTE_POLICIES[:order]:
-            o = self.outcomes.get(plan.with_(recompute=lighter))
+            o = self.outcomes.get(_derive(plan, recompute=lighter))
             if o is not None and o.fits:
                 return True
         return False
@@ -533,6 +533,15 @@ class _Search:
             f"{self.budget_bytes / GiB:.1f} GiB usable ({hbm / GiB:.0f} GiB HBM less "
             f"{self.headroom:.0%} headroom)"
         )
+
+
+def _derive(plan: ParallelPlan, **changes: Any) -> ParallelPlan:
+    """`plan.with_(**changes)` without `dataclasses.replace`'s per-field work: the plan has no
+    `__post_init__`, so copying its fields and setting the changed ones is the same plan."""
+    new = object.__new__(ParallelPlan)
+    new.__dict__.update(plan.__dict__)
+    new.__dict__.update(changes)
+    return new
 
 
 def _faster(a: Outcome, b: Outcome, risk: str) -> bool:
@@ -626,9 +635,11 @@ def search(
 def _collector_paused() -> Iterator[None]:
     """Python's cyclic garbage collector off for the search, as it was after.
 
-    A search allocates a few hundred thousand short-lived tuples (plans, cache keys, schedule
-    action lists) and no reference cycles; left on, the collector scans them again and again
-    (about a quarter of the search's time on Llama 3 405B at 16,384 GPUs).
+    A search allocates a few hundred thousand tuples (plans, cache keys, schedule action lists)
+    and no reference cycles: what it drops, reference counting frees; what it keeps (caches,
+    the result) lives on. Left on, the collector scans them again and again (about a quarter of
+    the search's time on Llama 3 405B at 16,384 GPUs); re-enabled as is, it would scan them all
+    once more at the next allocation, so they are first moved out of its reach (`gc.freeze`).
     """
     was_enabled = gc.isenabled()
     gc.disable()
@@ -636,6 +647,7 @@ def _collector_paused() -> Iterator[None]:
         yield
     finally:
         if was_enabled:
+            gc.freeze()
             gc.enable()
 
 
