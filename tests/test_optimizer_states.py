@@ -119,3 +119,36 @@ def test_without_a_compiler_cpu_refuses_lowbit_states(monkeypatch):
     assert len(problems) == 1 and "C++ compiler" in problems[0]
     assert "plan.optimizer_states = '8bit' on CPU" in problems[0]
     assert lever_problems(ParallelPlan(), torch.device("cpu")) == []
+
+
+def test_a_run_resumes_with_other_optimizer_states(bench, tmp_path):
+    """The loop end to end: 4 steps with 8-bit states, checkpoint; the same run continued to 6
+    steps with fp32 AdamW starts from the checkpoint's (dequantised) m and v, bitwise, and trains
+    on close to the run that kept 8-bit states."""
+    import torch
+    from rich.console import Console
+
+    from fivefold.checkpoint.dcp_io import read_full_tensors
+    from fivefold.train.loop import Trainer, train
+    from fivefold.train.runtime import LocalRuntime
+
+    def run(states: str, steps: int, where):
+        r = bench.recipe_for("tiny", 12, states, str(where))
+        r.train.stop_at, r.train.save_final, r.train.resume = steps, True, "auto"
+        return r
+
+    train(run("8bit", 4, tmp_path / "a"), console=Console(quiet=True))
+    saved = read_full_tensors(tmp_path / "a" / "ckpt" / "step_4", prefix="optim.state.")
+    resumed = run("fp32", 6, tmp_path / "a")
+    trainer = Trainer(resumed, LocalRuntime(resumed.recipe), Console(quiet=True))
+    trainer.prepare_run_dir()
+    assert trainer.step == 4
+    names = {id(p): n for n, p in trainer.runtime.model.named_parameters()}
+    for param, state in trainer.optimizer.state.items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(state[key], saved[f"{names[id(param)]}.{key}"])
+    fp32_losses = trainer.fit().losses
+    kept = train(run("8bit", 6, tmp_path / "a-copy"), console=Console(quiet=True)).losses[-2:]
+    assert len(fp32_losses) == 2
+    for a, b in zip(fp32_losses, kept, strict=True):
+        assert abs(a - b) < LOSS_BOUND
