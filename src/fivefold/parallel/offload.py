@@ -174,11 +174,3 @@ def _to_host(value: Any) -> Any:
     if isinstance(value, DTensor):
         return as_dtensor(_local(value).to(HOST), value)
     return value.to(HOST)
-
-
-def host_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """The local tensors of the optimizer's state (for tests and the memory report)."""
-    out = []
-    for state in optimizer.state.values():
-        out += [_local(v) for v in state.values() if isinstance(v, torch.Tensor)]
-    return out
