@@ -23,8 +23,6 @@ from __future__ import annotations
 import functools
 import importlib.util
 import logging
-import os
-import shutil
 import warnings
 from typing import Any
 
@@ -52,9 +50,9 @@ def torchao_problems(field: str) -> list[str]:
 
 def compiler_problems(field: str, device: torch.device) -> list[str]:
     """On CPU torchao's update is compiled by inductor into C++: [] when a compiler is found."""
-    if device.type != "cpu" or any(
-        name and shutil.which(name) for name in (os.environ.get("CXX"), "g++", "clang++")
-    ):
+    from fivefold.parallel.compile import has_cpu_compiler
+
+    if device.type != "cpu" or has_cpu_compiler():
         return []
     return [
         f"{field} on CPU: torchao compiles its optimizer update with a C++ compiler (g++, "
