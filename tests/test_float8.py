@@ -78,3 +78,20 @@ def test_layout_rules():
     fp32 = ParallelPlan(fp8="rowwise", precision="fp32").problems()
     assert any("bf16 recipe" in p for p in fp32)
     assert ParallelPlan(dp_shard=2, zero=3, precision="bf16-mixed", fp8="rowwise").problems() == []
+
+
+def test_mfu_peak_counts_the_fp8_share_against_the_fp8_peak():
+    """Llama 3 8B on an H100 with FP8 linears: per token 6 x 32 layers x (Q, O 4096^2 each,
+    K, V 4096 x 1024 each, gate/up/down 3 x 4096 x 14,336) = 41,875,931,136 FLOPs run in FP8
+    (1,978.9 TFLOP/s); the other 9,594,470,400 of the 51,470,401,536 (attention scores, LM
+    head) run in bf16 (989.4 TFLOP/s). MFU's peak is total / (F8 / P8 + rest / P16)."""
+    from fivefold.train.peak import cuda_fp8_peak
+
+    model = model_preset("llama3-8b")
+    plan = ParallelPlan(fp8="rowwise", precision="bf16-mixed")
+    fp8, rest = 41_875_931_136, 9_594_470_400
+    expected = (fp8 + rest) / (fp8 / 1978.9e12 + rest / 989.4e12)
+    peak = cuda_fp8_peak("NVIDIA H100 80GB HBM3", model, plan)
+    assert peak.flops_per_s == pytest.approx(expected, rel=1e-9)
+    assert "fp8 for the converted linears" in peak.label
+    assert not cuda_fp8_peak("NVIDIA A100-SXM4-80GB", model, plan).known  # no FP8 peak

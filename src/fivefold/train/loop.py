@@ -40,7 +40,7 @@ from fivefold.train.metrics import (
     utilization,
 )
 from fivefold.train.optim import build_optimizer
-from fivefold.train.peak import DevicePeak, device_peak
+from fivefold.train.peak import DevicePeak, cuda_fp8_peak, device_peak
 from fivefold.train.profiling import StepProfiler
 from fivefold.train.runtime import Runtime, make_runtime
 from fivefold.train.schedule import build_scheduler
@@ -102,6 +102,9 @@ class Trainer:
         self.peak: DevicePeak = device_peak(
             runtime.device, self._compute_dtype(), cluster=self.recipe.cluster
         )
+        if self.recipe.plan.fp8 != "none":  # refused off CUDA (fivefold.parallel.float8)
+            name = torch.cuda.get_device_name(runtime.device)
+            self.peak = cuda_fp8_peak(name, self.recipe.model, self.recipe.plan)
         self.tokens_per_step = run.global_batch * self.recipe.model.seq_len
         seq = self.recipe.model.seq_len
         self.model_flops_per_token = training_flops_per_token(self.recipe.model, seq)
