@@ -55,6 +55,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fivefold.planner.calibration import EfficiencyModel
+from fivefold.planner.levers import state_recipe
 from fivefold.planner.memory import local_kv_width
 from fivefold.spec.hardware import GPUSpec
 from fivefold.spec.model import ModelSpec
@@ -536,7 +537,8 @@ def optimizer_step_s(
 
 def optimizer_bytes_per_param(plan: ParallelPlan) -> float:
     """Bytes the optimizer step moves per parameter: clipping reads every gradient for the norm
-    and reads and writes it to scale it (`CLIP_PASSES`); Adam reads and writes its state, reads
-    the gradient, writes the parameter."""
-    rec = recipe(plan.precision)
+    and reads and writes it to scale it (`CLIP_PASSES`); Adam reads and writes its state (in
+    `plan.optimizer_states`, `fivefold.planner.levers`), reads the gradient, writes the
+    parameter."""
+    rec = state_recipe(plan)
     return 2 * rec.optimizer_bytes + rec.grad_bytes + rec.param_bytes + CLIP_PASSES * rec.grad_bytes
