@@ -353,6 +353,25 @@ def _layer_costs(
     )
 
 
+def routing_sync_s(
+    model: ModelSpec, plan: ParallelPlan, cluster: ClusterSpec, eff: EfficiencyModel
+) -> float:
+    """Seconds of the small collectives fivefold's runtime adds to a MoE layer's forward, per
+    micro-batch: the load-balancing statistics (per-expert counts and probability sums, fp64)
+    all-reduced over the ranks that see different tokens, and with expert parallelism the
+    per-expert token counts exchanged (an all-to-all of int64) before the dispatch; both
+    latency-bound, on the pipeline's critical path (`estimate` adds them to the stage costs)."""
+    n = C.axis_groups(plan)["dp_cp"][0]
+    total = 0.0
+    if n > 1:
+        stats = (2 * model.experts + 2) * 8.0
+        total += C.all_reduce_time_s(stats, n, C.plan_link(cluster, plan, "dp_cp", eff))
+    if plan.ep > 1:
+        counts = model.experts * 8.0
+        total += C.all_to_all_time_s(counts, plan.ep, C.plan_link(cluster, plan, "ep", eff))
+    return total
+
+
 def fsdp_copy_s(size_bytes: float, device: GPUSpec, eff: EfficiencyModel) -> float:
     """Seconds FSDP2 spends copying `size_bytes` of unsharded tensors around one collective:
     an all-gather's output is copied out into the parameters, the gradients are copied into a
@@ -731,9 +750,14 @@ def estimate(
     boundary = tokens * model.hidden * e / (plan.tp if plan.sp and plan.tp > 1 else 1)
     pp_link = C.pipeline_link(cluster, plan, eff)
     p2p = C.p2p_time_s(boundary, pp_link) if plan.pp > 1 else 0.0
+    routing = 0.0
+    if model.is_moe and opts.runtime == "fivefold-eager":
+        routing = routing_sync_s(model, plan, cluster, eff)
+    rerun = 1.0 if plan.recompute == "full" else 0.0  # full recompute re-runs the forward's
+    pairs = list(zip(chunk_costs, chunk_sigs, strict=True))
     costs = StageCosts(
-        tuple(c.forward_s for c in chunk_costs),
-        tuple(c.backward_input_s for c in chunk_costs),
+        tuple(c.forward_s + sig[1] * routing for c, sig in pairs),
+        tuple(c.backward_input_s + rerun * sig[1] * routing for c, sig in pairs),
         tuple(c.backward_weight_s for c in chunk_costs),
         p2p,
     )
