@@ -362,3 +362,25 @@ def test_moe_routing_collectives_by_hand(profile_path):
     assert a.stage_costs.forward_s[0] - b.stage_costs.forward_s[0] == pytest.approx(
         moe.moe_layers * by_hand
     )
+
+
+def test_dtensor_small_collectives_by_hand(profile_path):
+    """Under TP2 + SP fivefold's runtime all-reduces each norm weight's gradient in the
+    backward (2 per layer + the final norm) and three per-token fp32 vectors in the
+    vocabulary-parallel loss forward: the stage costs carry exactly these latencies."""
+    from dataclasses import replace
+
+    from fivefold.planner.options import PlannerOptions
+
+    cluster = profile_cluster(profile_path, 2)
+    plan = ParallelPlan(tp=2, micro_batch=2, precision="fp32")
+    eager = PlannerOptions.for_device(cluster.device)
+    a = estimate(TINY, cluster, plan, options=eager, efficiency=EFF)
+    b = estimate(TINY, cluster, plan, options=replace(eager, runtime="fused"), efficiency=EFF)
+    tokens = 2 * 128
+    loss = 3 * (1e-4 + tokens * 4 / 1e9)
+    norms = (2 * 2 + 1) * (1e-4 + 64 * 4 / 1e9)
+    assert a.stage_costs.forward_s[0] - b.stage_costs.forward_s[0] == pytest.approx(loss)
+    assert a.stage_costs.backward_input_s[0] - b.stage_costs.backward_input_s[0] == pytest.approx(
+        norms
+    )

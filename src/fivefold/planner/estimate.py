@@ -353,6 +353,31 @@ def _layer_costs(
     )
 
 
+def dtensor_small_collectives_s(
+    model: ModelSpec,
+    plan: ParallelPlan,
+    cluster: ClusterSpec,
+    eff: EfficiencyModel,
+    layers: int,
+    last: bool,
+) -> tuple[float, float]:
+    """(forward, backward) seconds of the latency-bound collectives DTensor tensor parallelism
+    adds per micro-batch in fivefold's runtime: with sequence parallelism each norm weight's
+    gradient is a partial sum all-reduced over the TP group in the backward (two per layer, the
+    final norm on the last stage), and the vocabulary-parallel loss all-reduces the row
+    maximum, the sum of exponentials and the target logit (fp32, one per token) forward."""
+    link = C.plan_link(cluster, plan, "tp", eff)
+    backward = 0.0
+    if plan.sp:
+        norm = C.all_reduce_time_s(model.hidden * recipe(plan.precision).grad_bytes, plan.tp, link)
+        backward = (2 * layers + (1 if last else 0)) * norm
+    forward = 0.0
+    if last:
+        tokens = plan.micro_batch * model.seq_len / plan.cp
+        forward = 3 * C.all_reduce_time_s(tokens * 4.0, plan.tp, link)
+    return forward, backward
+
+
 def routing_sync_s(
     model: ModelSpec, plan: ParallelPlan, cluster: ClusterSpec, eff: EfficiencyModel
 ) -> float:
@@ -530,6 +555,12 @@ def _chunk_costs_of(
         b += one if last else 0.0
         extra = one * (2 if last else 1)
         tp = [tp[0] + extra, tp[1] + extra, tp[2] + size]
+    if plan.tp > 1 and opts.runtime == "fivefold-eager":
+        small_f, small_b = dtensor_small_collectives_s(
+            model, plan, cluster, eff, n_dense + n_moe, last
+        )
+        f, b = f + small_f, b + small_b
+        tp = [tp[0] + small_f + small_b, tp[1] + small_f + small_b, tp[2]]
     return ChunkCosts(
         f, b, w, compute, tuple(tp), tuple(cp), tuple(ep), tuple(zero), tuple(zero_rs)
     )
