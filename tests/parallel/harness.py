@@ -335,7 +335,7 @@ def _train(runtime, recipe, steps: int, micro_batches_of) -> dict:
     from fivefold.train.optim import build_optimizer
 
     cfg = parse_train_config(recipe).train
-    optimizer = build_optimizer(runtime.model_parts, cfg)
+    optimizer = build_optimizer(runtime.model_parts, cfg, recipe.plan)
     losses, norms, aux = [], [], []
     for step in range(steps):
         batch = synthetic_global_batch(step, recipe.model.vocab, recipe.model.seq_len)
@@ -533,8 +533,8 @@ def mixed_precision_run(rd: dict, steps: int, world: int) -> dict:
 
 def eval_and_report_run(rd: dict, world: int) -> dict:
     """One rank: eval_loss and train_step on the same batch at the same weights, four steps
-    (the layout report comes after the fourth: step 3 is the one timed on a CPU), and the
-    global gradient norm."""
+    (the layout report comes after the first step no memory counter slowed: the fourth), and
+    the global gradient norm."""
     from fivefold.spec.recipe import recipe_from_dict
     from fivefold.train.runtime import distributed_runtime
 

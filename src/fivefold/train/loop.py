@@ -91,7 +91,7 @@ class Trainer:
         )
         self.run_dir = self.cfg.path()
         self.data: TrainData = load_train_data(run, runtime.dp_rank, runtime.dp_size)
-        self.optimizer = build_optimizer(runtime.model_parts, self.cfg)
+        self.optimizer = build_optimizer(runtime.model_parts, self.cfg, self.recipe.plan)
         self.scheduler = build_scheduler(self.optimizer, self.cfg)
         self.step = 0
         self.last_checkpoint: Path | None = None
@@ -254,7 +254,7 @@ class Trainer:
 
     def train_one_step(self, micro_batches: list) -> tuple[float, float, float]:
         """Forward/backward, guard, clip, optimizer and schedule; returns (loss, aux, grad norm)."""
-        lr = self.optimizer.param_groups[0]["lr"]
+        lr = float(self.optimizer.param_groups[0]["lr"])  # torchao keeps a tensor
         result = self.runtime.train_step(micro_batches)
         self._guard(result.loss, None, lr)
         grad_norm = self.runtime.clip_grad_norm(self.cfg.grad_clip)
@@ -313,7 +313,7 @@ class Trainer:
                 )
                 tick = time.perf_counter()
                 micro_batches = next(batches)
-                lr = self.optimizer.param_groups[0]["lr"]
+                lr = float(self.optimizer.param_groups[0]["lr"])  # torchao keeps a tensor
                 with profiler.step(self.step + 1):
                     if measure:
                         with track_cpu_peak(
