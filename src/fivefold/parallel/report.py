@@ -3,7 +3,8 @@ tenant) and step time beside the measured ones, so every run checks the planner.
 
 Measured step time: the distributed runtime's is the mean wall time of its `train_step`
 (forward + backward + gradient communication of all micro-batches; the optimizer step is the
-loop's) over the steps after the first, and is compared with the planner's step time less its
+loop's) over the steps after the first that no memory counter slowed (on a CPU the report comes
+at step 4 and times step 3), and is compared with the planner's step time less its
 `optimizer_s` (the report's note says so); a one-process run is timed by the loop over the whole
 step (clipping and the optimizer included) and compared with the whole predicted step.
 
