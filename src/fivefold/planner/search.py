@@ -684,6 +684,7 @@ def _search(
     if not problems:  # what the runtime refuses whatever the search picks around the pins
         pins = lever_probe({k: v for k, v in (fixed or {}).items() if k in PLAN_FIELDS})
         problems += pins.with_(precision="fp32").runtime_problems(model)
+        problems += pins.device_problems(cluster)
         by_precision = [ParallelPlan(precision=p).runtime_problems() for p in precisions]
         if all(by_precision):
             problems += [p for found in by_precision for p in found]
