@@ -106,3 +106,20 @@ def test_tune_chooses_the_largest_micro_batch_under_the_limit(tmp_path, capsys):
     assert "choice: plan.micro_batch = 1, plan.recompute = 'full'" in out
     text = recipe.read_text()
     assert "micro_batch = 1" in text and 'recompute = "full"' in text
+
+
+def test_wandb_without_credentials_is_refused_before_training(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("wandb")
+    for name in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_BASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+    args = ["train", TINY, f"train.runs_dir={str(tmp_path)!r}", "train.trackers=['wandb']"]
+    code, err = _run(args, capsys)
+    assert code == 2
+    assert "'wandb' has no W&B credentials here" in err and "WANDB_MODE=offline" in err
+    assert not (tmp_path / "tiny-cpu").exists()  # refused before any run directory
+    (tmp_path / "netrc").write_text("machine api.wandb.ai login user password " + "k" * 40 + "\n")
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    from fivefold.train.trackers import tracker_problems
+
+    assert tracker_problems(["wandb"]) == []  # `wandb login`'s entry is enough
