@@ -133,3 +133,20 @@ def test_zero_bubble_explanation_prints_no_negative_time(capsys):
     assert code == 0
     assert "with zbv (v = 2 chunks per rank)" in out
     assert "pipeline time (0 s per step" in out and "(-0 " not in out
+
+
+def test_explorer_search_takes_the_risk_setting_as_the_cli_does():
+    from fivefold.explore.api import ApiError, search_view
+
+    body = {"model": {"preset": "llama3-8b"}, "cluster": {"preset": "dgx-h100"}, "top": 2}
+    body["global_batch"] = 64
+    for risk in ("pessimistic", "expected"):
+        answer = search_view({**body, "risk": risk})
+        assert answer["ok"] and answer["risk"] == risk
+        assert answer["best"]["plan"] == search(
+            model_preset("llama3-8b"), cluster_preset("dgx-h100", 8), global_batch=64, risk=risk
+        ).best.plan.to_dict()
+    with pytest.raises(ApiError, match="risk = 'wild': choose 'pessimistic'"):
+        search_view({**body, "risk": "wild"})
+    with pytest.raises(ApiError, match="risk = "):
+        search_view({**body, "risk": ["expected"]})
