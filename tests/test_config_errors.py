@@ -42,6 +42,7 @@ CASES = [
     ("zero-processes", ["--nproc", "0"], "--nproc 0: the number of processes"),
     ("bad-planner-key", ["planner.bogus=1"], "planner.bogus is not a setting"),
     ("bad-planner-value", ["planner.dropout='yes'"], "planner.dropout = 'yes'"),
+    ("zero-planner-bucket", ["planner.dp_bucket_bytes=0"], "a bucket must hold some bytes"),
     ("bad-resume", ["train.resume='sometimes'"], "train.resume = 'sometimes': use \"auto\""),
     ("negative-max-restarts", ["--max-restarts", "-1"], "--max-restarts -1: must be >= 0"),
     ("resume-and-fresh", ["--resume", "--fresh"], "--resume and --fresh contradict"),
@@ -162,6 +163,7 @@ PLAN_CASES = [
     ("nan-headroom", ["--headroom", "nan"], "--headroom = nan: must be at least 0"),
     ("bucket-not-a-size", ["--dp-bucket-bytes", "25X"], "'25X' is not a size"),
     ("nan-fragmentation", ["--fragmentation-fraction", "nan"], "--fragmentation-fraction = nan"),
+    ("zero-bucket", ["--collective-granularity", "bucket", "--dp-bucket-bytes", "0"], "at least 1"),
     ("estimate-with-risk", ["estimate", "--zero", "1", "--risk", "expected"], "--risk: only a"),
 ]
 

@@ -143,9 +143,12 @@ def test_explorer_search_takes_the_risk_setting_as_the_cli_does():
     for risk in ("pessimistic", "expected"):
         answer = search_view({**body, "risk": risk})
         assert answer["ok"] and answer["risk"] == risk
-        assert answer["best"]["plan"] == search(
-            model_preset("llama3-8b"), cluster_preset("dgx-h100", 8), global_batch=64, risk=risk
-        ).best.plan.to_dict()
+        assert (
+            answer["best"]["plan"]
+            == search(
+                model_preset("llama3-8b"), cluster_preset("dgx-h100", 8), global_batch=64, risk=risk
+            ).best.plan.to_dict()
+        )
     with pytest.raises(ApiError, match="risk = 'wild': choose 'pessimistic'"):
         search_view({**body, "risk": "wild"})
     with pytest.raises(ApiError, match="risk = "):

@@ -319,7 +319,7 @@ def planner_from_args(args: argparse.Namespace, cluster: Any, recipe_data: dict[
         elif name == "fragmentation_fraction":
             flags[name] = parse_fraction(raw, flag)
         else:
-            flags[name] = float(parse_size(raw, flag, minimum=0))
+            flags[name] = float(parse_size(raw, flag, minimum=int(name == "dp_bucket_bytes")))
     section = recipe_data.get("planner", {})
     if not isinstance(section, dict):
         raise ConfigError(f"planner = {section!r}: expected a [planner] table of settings.")
