@@ -153,3 +153,17 @@ def test_explorer_search_takes_the_risk_setting_as_the_cli_does():
         search_view({**body, "risk": "wild"})
     with pytest.raises(ApiError, match="risk = "):
         search_view({**body, "risk": ["expected"]})
+
+
+def test_train_help_names_every_train_and_data_field(capsys):
+    from dataclasses import fields
+
+    from fivefold.train.config import DataConfig, TrainConfig
+
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for cls, head in ((TrainConfig, "[train] fields:"), (DataConfig, "[data] fields:")):
+        listed = text.split(head)[1].split("fields:")[0].split("On CPU")[0]
+        missing = [f.name for f in fields(cls) if f.name not in listed]
+        assert missing == [], f"{head} misses {missing}"

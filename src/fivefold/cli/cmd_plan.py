@@ -189,7 +189,8 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
         (
             "--fp8",
             ("none", "tensorwise", "rowwise"),
-            "FP8 linears through torchao float8 (default none); a search uses it only when given",
+            "FP8 linears through torchao float8 (default none; GPUs with FP8, e.g. h100-sxm); "
+            "a search uses it only when given",
         ),
     ):
         lay.add_argument(flag, choices=choices, help=help_text)
