@@ -244,11 +244,13 @@ def _saved_bytes_of_attention(docs: torch.Tensor | None) -> tuple[int, int]:
 @pytest.mark.parametrize("packed", [False, True])
 def test_attention_saves_each_tensor_once(packed):
     # hand count, fp32, B=2 T=24 D=32 Hq=4 Hkv=2 Dh=8: the input x (read by wq, wk, wv), cos and
-    # sin, rotated q and k, v, the attention output (= the input of wo) and its fp32 LSE
+    # sin, rotated q and k, v, the attention output (= the input of wo) and its fp32 LSE; packed,
+    # also the batch's own int64 doc ids (saved by reference, not copied)
     docs = torch.tensor([[0] * 10 + [1] * 14] * 2) if packed else None
     unique, total = _saved_bytes_of_attention(docs)
     b, t = 2, 24
     expected = 4 * b * t * (32 + 2 * 8 + 4 * 8 + 2 * 2 * 8 + 4 * 8) + 4 * b * 4 * t
+    expected += 8 * b * t if packed else 0
     assert unique == expected
     assert total >= unique  # several saves of one storage are fine; copies are not
 

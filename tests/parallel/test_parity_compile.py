@@ -15,6 +15,8 @@ CI_CASES = [
     ParityCase(
         "compile ZeRO-3 x2", {"dp_shard": 2, "zero": 3, "micro_batch": 4}, steps=4, compile=True
     ),
+    # the embedding hands block 0 an AsyncCollectiveTensor and SP gathers inside the block
+    ParityCase("compile TP2+SP", {"tp": 2, "micro_batch": 8}, steps=4, compile=True),
 ]
 
 SLOW_CASES = [
@@ -33,6 +35,19 @@ SLOW_CASES = [
         compile=True,
     ),
     ParityCase("compile CP2 ring", {"cp": 2, "micro_batch": 8}, steps=4, compile=True),
+    ParityCase(
+        "compile TP2 x DP2",
+        {"tp": 2, "sp": False, "dp_replicate": 2, "micro_batch": 4},
+        steps=4,
+        compile=True,
+    ),
+    ParityCase(
+        "compile PP2 x TP2+SP",
+        {"pp": 2, "tp": 2, "micro_batch": 4, "grad_accum": 2},
+        steps=4,
+        compile=True,
+    ),
+    ParityCase("compile TP2+SP x CP2", {"tp": 2, "cp": 2, "micro_batch": 8}, steps=4, compile=True),
 ]
 
 test_parity_ci, test_parity = parity_tests(CI_CASES, SLOW_CASES)

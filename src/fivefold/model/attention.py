@@ -10,15 +10,18 @@ layer reuses them. The attention core picks, per call:
   tokens packed as [B*T, H, Dh] with int32 cumulative document offsets and
   `window_size=(-1, 0)` (causal); written against the documented API, checked for shapes under
   FakeTensorMode only (this machine has no GPU: unmeasured);
-- CPU (and CUDA in fp32, which the flash kernels lack), several documents: SDPA's CPU flash
-  kernel once per document (`is_causal=True`, GQA native; on CUDA the memory-efficient kernel)
-  inside `block_attention`, an autograd function that writes every document's output into one
-  [B, T, H, Dh] buffer and saves that buffer once (the output projection reads it as a view).
-  Written by hand because SDPA's public entry point takes one sequence per call, and
-  FlexAttention has no backward on CPU.
+- CPU (and CUDA in fp32, which the flash kernels lack, and any device under `torch.compile`),
+  several documents: SDPA's CPU flash kernel once per document (`is_causal=True`, GQA native;
+  on CUDA the memory-efficient kernel) inside the `fivefold::document_attention` custom op
+  (with its backward op), which writes every document's output into one [B, T, H, Dh] buffer
+  and saves that buffer once (the output projection reads it as a view). A custom op so that
+  `torch.compile` keeps it as one node that reads the spans from the doc ids when it runs
+  (no graph break, no recompile per packing). Written by hand because SDPA's public entry
+  point takes one sequence per call, and FlexAttention has no backward on CPU.
 
-`block_attention` is the one kernel of this package for attention over spans of a sequence:
-context parallelism (`fivefold.parallel.context_parallel`) reuses it and its per-block pieces
+The per-block pieces are the one kernel of this package for attention over spans of a
+sequence: context parallelism (`fivefold.parallel.context_parallel`) calls them through
+`block_attention`, an autograd function over arbitrary blocks, and through its per-block pieces
 (`block_forward`, `block_backward`, `merge_partial`) with query and key chunks that are not the
 whole sequence. A block pairs a query chunk with a key chunk; its spans are the per-document
 rectangles of that pair (causal on the diagonal, full when the keys precede the queries).
@@ -35,6 +38,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from fivefold.model.rope import apply_rope
 
@@ -80,17 +84,27 @@ class DocumentLayout:
     seq_len: int
     cache: dict[Any, Any] = field(default_factory=dict, repr=False)
     _groups: tuple[tuple[slice, tuple[int, ...]], ...] | None = field(default=None, repr=False)
+    _single: bool | None = field(default=None, repr=False)
 
     @property
     def row_groups(self) -> tuple[tuple[slice, tuple[int, ...]], ...]:
         if self._groups is None:
-            self._groups = _row_groups(self.doc_ids, self.batch, self.seq_len)
+            if self.doc_ids is None:
+                self._groups = _row_groups(None, self.batch, self.seq_len)
+            else:
+                cache = _doc_ids_cache(self.doc_ids)
+                if "groups" not in cache:
+                    cache["groups"] = _row_groups(self.doc_ids, self.batch, self.seq_len)
+                self._groups = cache["groups"]
         return self._groups
 
     @property
     def single_document(self) -> bool:
-        """Every row is one document (SDPA's plain causal mask is exact)."""
-        return all(len(starts) == 1 for _, starts in self.row_groups)
+        """Every row is one document (SDPA's plain causal mask is exact); cached, so that once
+        read eagerly a compiled block sees a plain bool (`fivefold.parallel.compile`)."""
+        if self._single is None:
+            self._single = all(len(starts) == 1 for _, starts in self.row_groups)
+        return self._single
 
     def cu_seqlens(self, device: torch.device) -> tuple[torch.Tensor, int]:
         """(int32 [N+1] cumulative document offsets in the flattened [B*T] tokens, max length)."""
@@ -328,22 +342,113 @@ def _varlen(q, k, v, docs: DocumentLayout) -> torch.Tensor:
     return out.view(batch, seq, heads, dim).transpose(1, 2)
 
 
+_PER_DOC_IDS = WeakTensorKeyDictionary()
+
+
+def _doc_ids_cache(doc_ids: torch.Tensor) -> dict[str, Any]:
+    """What is derived from `doc_ids` on the host, kept while the tensor lives and is unchanged:
+    every layer of a forward, its backward and the `document_attention` op share one read."""
+    if doc_ids.is_inference():  # no version counter to tell a change
+        return {}
+    hit = _PER_DOC_IDS.get(doc_ids)
+    if hit is None or hit[0] != doc_ids._version:
+        hit = (doc_ids._version, {})
+        _PER_DOC_IDS[doc_ids] = hit
+    return hit[1]
+
+
+def _whole_sequence_blocks(doc_ids: torch.Tensor) -> list[Block]:
+    """The document blocks of the full rows of `doc_ids` [B, T] (cached with the tensor)."""
+    cache = _doc_ids_cache(doc_ids)
+    if "blocks" not in cache:
+        batch, seq = doc_ids.shape
+        whole = [Chunk(0, 0, seq)]
+        cache["blocks"] = document_blocks(whole, whole, DocumentLayout(doc_ids, batch, seq))
+    return cache["blocks"]
+
+
+@torch.library.custom_op("fivefold::document_attention", mutates_args=())
+def document_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention within the documents of `doc_ids` [B, T] (runs of equal ids):
+    q [B,Hq,T,Dh], k, v [B,Hkv,T,Dh] -> (out [B,Hq,T,Dh] whose memory is [B,T,Hq,Dh], lse fp32
+    [B,Hq,T]). A custom op so that `torch.compile` keeps it as one opaque node: the document
+    spans are read from `doc_ids` when it runs, so a new packing never recompiles and the
+    block's graph never breaks around attention."""
+    return blocks_forward(q, k, v, _whole_sequence_blocks(doc_ids), q.shape[-1] ** -0.5)
+
+
+@document_attention.register_fake
+def _document_attention_fake(q, k, v, doc_ids):
+    batch, heads, seq, _ = q.shape
+    return _heads_last_buffer(q, heads, seq, q.dtype), q.new_empty(
+        batch, heads, seq, dtype=torch.float32
+    )
+
+
+@torch.library.custom_op("fivefold::document_attention_backward", mutates_args=())
+def document_attention_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    doc_ids: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of `document_attention`, laid out like q and k ([B, T, H, Dh] memory)."""
+    grads = zero_grads(q, k)
+    for block in _whole_sequence_blocks(doc_ids):
+        block_backward(dout, q, k, v, out, lse, block, q.shape[-1] ** -0.5, grads)
+    dq, dk, dv = grads
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+@document_attention_backward.register_fake
+def _document_attention_backward_fake(dout, q, k, v, out, lse, doc_ids):
+    return (
+        _heads_last_buffer(q, q.shape[1], q.shape[2], q.dtype),
+        _heads_last_buffer(k, k.shape[1], k.shape[2], k.dtype),
+        _heads_last_buffer(v, v.shape[1], v.shape[2], v.dtype),
+    )
+
+
+def _document_attention_setup(ctx, inputs, output) -> None:
+    q, k, v, doc_ids = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, doc_ids)
+
+
+def _document_attention_grad(ctx, dout, _dlse):
+    q, k, v, out, lse, doc_ids = ctx.saved_tensors
+    dq, dk, dv = document_attention_backward(dout, q, k, v, out, lse, doc_ids)
+    return dq, dk, dv, None
+
+
+document_attention.register_autograd(
+    _document_attention_grad, setup_context=_document_attention_setup
+)
+
+
 class AttentionCore(nn.Module):
     """Causal attention within documents; q [B,Hq,T,Dh], k, v [B,Hkv,T,Dh] -> [B,Hq,T,Dh].
 
-    `docs` None means one document per row. GQA never copies K/V per query head.
+    `docs` None means one document per row. GQA never copies K/V per query head. Under
+    `torch.compile` nothing here breaks the graph: one-document rows are SDPA in the graph,
+    packed rows the `document_attention` op (CUDA's varlen path runs in eager only).
     """
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: DocumentLayout | None
     ) -> torch.Tensor:
-        gqa = k.shape[1] != q.shape[1]
         if docs is None or docs.single_document:
+            gqa = k.shape[1] != q.shape[1]
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        if q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16):
+        half = q.dtype in (torch.float16, torch.bfloat16)
+        if q.device.type == "cuda" and half and not torch.compiler.is_compiling():
             return _varlen(q, k, v, docs)
-        whole = [Chunk(0, 0, q.shape[2])]
-        return block_attention(q, k, v, document_blocks(whole, whole, docs))
+        return document_attention(q, k, v, docs.doc_ids)[0]
 
 
 class Attention(nn.Module):

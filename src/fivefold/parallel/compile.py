@@ -5,8 +5,11 @@ before FSDP/DDP wrap the blocks, the order torchtitan uses: each block (checkpoi
 included) is replaced in `layers` by its compiled form, so the compiled graph sees the DTensor
 and checkpointing code and FSDP's hooks stay outside it. Graph breaks are allowed (not
 `fullgraph`): host-side code such as the expert-parallel all-to-all split sizes runs eagerly,
-and so does the attention core, whose per-document spans are Python values that change with
-every batch (compiled, each new packing of documents would recompile the block).
+and so does a context-parallel attention core. The single-process core does not break the
+graph: a pre-hook reads the batch's document layout eagerly, so the block branches on a plain
+bool (SDPA `is_causal` in the graph for one-document rows, the `fivefold::document_attention`
+custom op for packed rows). Another pre-hook hands each block plain tensors where tensor
+parallelism produced `AsyncCollectiveTensor`s (see `_wait_async_inputs`).
 The compiled module keeps the block's parameters under `_orig_mod.`, which the deterministic
 initialisation and torch's distributed state dicts strip, so names, initial values and
 checkpoints are those of the uncompiled model.
@@ -22,8 +25,10 @@ import shutil
 
 import torch
 from torch import nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 from fivefold.errors import ConfigError
+from fivefold.model.attention import AttentionCore, DocumentLayout
 
 
 def check_compiler(device: torch.device) -> None:
@@ -39,23 +44,67 @@ def check_compiler(device: torch.device) -> None:
         )
 
 
-def _eager_attention_core(block: nn.Module) -> None:
-    """Run the attention core outside the compiled graph (a graph break on each side).
-
-    The core reads each batch's document boundaries as Python values (`DocumentLayout`); traced,
-    every new packing of documents would recompile the block. Eager, it runs SDPA per document
-    span as in the uncompiled model while the projections, RoPE, norms and MLP stay compiled.
-    """
+def _eager_context_parallel_core(block: nn.Module) -> None:
+    """Run a context-parallel attention core outside the compiled graph (a graph break on each
+    side): it exchanges K/V blocks with hand-written collectives over per-batch document spans
+    (Python values; traced, every new packing of documents would recompile the block)."""
     for name, module in block.named_modules():
-        if name == "attention.core" or name.endswith(".attention.core"):
+        is_core = name == "attention.core" or name.endswith(".attention.core")
+        if is_core and not isinstance(module, AttentionCore):
             module.forward = torch.compiler.disable(module.forward)
+
+
+class _WaitCollective(torch.autograd.Function):
+    """An `AsyncCollectiveTensor` [any shape] -> the same values as a plain tensor, waited;
+    the gradient passes through unchanged."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        waited = x.trigger_wait()
+        return waited.view_as(waited)  # a new tensor object: the wrapper's own stays untouched
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def _wait_async_inputs(module: nn.Module, args: tuple) -> tuple:
+    """Forward pre-hook: hand the compiled block plain tensors, never `AsyncCollectiveTensor`s.
+
+    Tensor parallelism's output styles redistribute asynchronously, so an eager producer (the
+    embedding) hands the first block its activations wrapped in an `AsyncCollectiveTensor`.
+    torch 2.13's AOTAutograd unwraps such a graph input with `trigger_wait()`, whose result
+    does not require grad, and traces the block as if its input needed no gradient: the
+    gradient to the producer was silently dropped (pytorch/pytorch#191113). Waiting here,
+    inside an autograd function, keeps the edge.
+    """
+    return tuple(
+        _WaitCollective.apply(a) if isinstance(a, AsyncCollectiveTensor) else a for a in args
+    )
+
+
+def _read_documents(module: nn.Module, args: tuple) -> None:
+    """Forward pre-hook: read the batch's document layout eagerly (once per forward, cached on
+    the `DocumentLayout`), so the compiled block branches on a plain bool: one-document rows
+    run SDPA inside the graph, packed rows call the eager `packed_attention`."""
+    docs = args[2] if len(args) > 2 else None
+    if isinstance(docs, DocumentLayout):
+        docs.single_document  # noqa: B018 (computes and caches the flag)
+
+
+def _single_process_core(block: nn.Module) -> bool:
+    return any(isinstance(m, AttentionCore) for m in block.modules())
 
 
 def apply_compile(chunk: nn.Module) -> None:
     """Replace each of `chunk.layers` by `torch.compile(block)`, in place."""
     for name, block in list(chunk.layers.named_children()):
-        _eager_attention_core(block)
-        chunk.layers.register_module(name, torch.compile(block))
+        _eager_context_parallel_core(block)
+        compiled = torch.compile(block)
+        compiled.register_forward_pre_hook(_wait_async_inputs)
+        if _single_process_core(block):
+            compiled.register_forward_pre_hook(_read_documents)
+        chunk.layers.register_module(name, compiled)
 
 
 def compile_seconds() -> tuple[float, int]:

@@ -17,7 +17,8 @@ How a step is put together (each piece documented in its module):
    earlier ranks drain: rank r of a 1F1B pipeline idles about r backward passes), the last bucket
    (never hidden), the ZeRO-1/2 parameter all-gather beyond the next step's first forward and
    the warm-up wait before it (rank r idles about r forward passes), and the optimizer step.
-   The slowest rank sets the step time.
+   The slowest rank sets the step time. fivefold's own runtime adds two scalar all-reduces
+   per step (`runtime_sync_s`).
 5. Memory per pipeline rank (`memory`) with the schedule's in-flight micro-batches.
 
 MFU counts model FLOPs (no recompute, causal attention) against the dense peak of the recipe's
@@ -34,8 +35,10 @@ from fivefold.planner import comm as C
 from fivefold.planner.calibration import EfficiencyModel, efficiency_model
 from fivefold.planner.compute import (
     Work,
+    embedding_work,
     head_work,
     layer_work,
+    memory_time_s,
     optimizer_step_s,
 )
 from fivefold.planner.memory import (
@@ -200,6 +203,17 @@ class LayerCosts:
     gather_bytes: float
     reduce_s: float  # ZeRO-3: one reduce-scatter of its gradients
     reduce_bytes: float
+    gather_copy_s: float = 0.0  # ZeRO-3: copying one gather out into the parameters
+    reduce_copy_s: float = 0.0  # ZeRO-3: copying the gradients into one reduce-scatter
+
+
+def per_layer_gathers(plan: ParallelPlan) -> bool:
+    """Whether ZeRO-3 gathers each layer's weights per micro-batch (forward and backward).
+    Under pipelining it does not: torch's pipeline stages keep an FSDP chunk gathered from its
+    first forward to the end of the step and reduce-scatter its gradients after the last
+    backward (`fivefold.parallel.pipeline`), so ZeRO-3 x PP communicates as ZeRO-1 does, once
+    per step (`_tail_costs`)."""
+    return plan.zero == 3 and plan.pp == 1
 
 
 def _layer_key(plan: ParallelPlan) -> ParallelPlan:
@@ -211,7 +225,7 @@ def _layer_key(plan: ParallelPlan) -> ParallelPlan:
         cp_kind=plan.cp_kind,
         ep=plan.ep,
         dp_shard=plan.dp_shard,
-        zero=3 if plan.zero == 3 else 0,
+        zero=3 if per_layer_gathers(plan) else 0,
         micro_batch=plan.micro_batch,
         recompute=plan.recompute,
         precision=plan.precision,
@@ -266,7 +280,7 @@ def _layer_costs(
         ep_bwd = ep_fwd * (2 if key.recompute == "full" else 1)
         ep_bytes = (2 + 2 + (2 if key.recompute == "full" else 0)) * size * (key.ep - 1) / key.ep
     # ZeRO-3 per-layer gather and reduce-scatter.
-    gather = gather_bytes = reduce = reduce_bytes = 0.0
+    gather = gather_bytes = reduce = reduce_bytes = gather_copy = reduce_copy = 0.0
     if key.zero == 3:
         rec = recipe(key.precision)
         lp = layer_params_per_rank(model, moe, t, key.ep)
@@ -282,6 +296,9 @@ def _layer_costs(
             gather_bytes += C.all_gather_bytes(params * compute_bytes(rec), n)
             reduce += C.reduce_scatter_time_s(params * rec.grad_bytes, n, link)
             reduce_bytes += C.all_gather_bytes(params * rec.grad_bytes, n)
+            if opts.runtime == "fivefold-eager":  # FSDP2 copies; flat-buffer frameworks do not
+                gather_copy += fsdp_copy_s(params * compute_bytes(rec), cluster.device, eff)
+                reduce_copy += fsdp_copy_s(params * rec.grad_bytes, cluster.device, eff)
     return LayerCosts(
         work,
         tp_fwd,
@@ -299,7 +316,18 @@ def _layer_costs(
         gather_bytes,
         reduce,
         reduce_bytes,
+        gather_copy,
+        reduce_copy,
     )
+
+
+def fsdp_copy_s(size_bytes: float, device: GPUSpec, eff: EfficiencyModel) -> float:
+    """Seconds FSDP2 spends copying `size_bytes` of unsharded tensors around one collective:
+    an all-gather's output is copied out into the parameters, the gradients are copied into a
+    reduce-scatter's input (read and write each byte once), memory-bound (`memory_time_s`).
+    Counted for fivefold's runtime (FSDP2 for every ZeRO stage); frameworks that gather into
+    and reduce from flat parameter and gradient buffers (Megatron) have no such copies."""
+    return memory_time_s(2 * size_bytes, device, eff)
 
 
 def _cp_costs(model, key, cluster, eff, work: Work, e: int, tokens: float):
@@ -409,8 +437,9 @@ def _chunk_costs_of(
             hide_b = wk.backward_input_s + wk.backward_weight_s if opts.dp_overlap else 0.0
             exposed_f = n * max(0.0, lc.gather_s - hide_f) + lc.gather_s
             exposed_b = n * max(0.0, lc.gather_s + lc.reduce_s - hide_b)
-            f += exposed_f
-            b += exposed_b + lc.reduce_s
+            f += exposed_f + n * lc.gather_copy_s
+            b += exposed_b + lc.reduce_s + n * (lc.gather_copy_s + lc.reduce_copy_s)
+            compute += n * (2 * lc.gather_copy_s + lc.reduce_copy_s)
             gather_share = lc.gather_s / (lc.gather_s + lc.reduce_s)
             zero = [
                 zero[0] + exposed_f + exposed_b * gather_share,
@@ -423,8 +452,10 @@ def _chunk_costs_of(
                 zero_rs[2] + n * lc.reduce_bytes,
             ]
     device = cluster.device
-    if last:
-        hw = head_work(model, plan, device, eff)
+    ends = ([embedding_work(model, plan, device, eff)] if first else []) + (
+        [head_work(model, plan, device, eff)] if last else []
+    )
+    for hw in ends:
         f += hw.forward_s
         b += hw.backward_input_s
         w += hw.backward_weight_s
@@ -567,15 +598,20 @@ def _tail_costs(
                 grad_bytes += C.all_reduce_bytes(size, n)
                 bucket_time = max(bucket_time, C.all_reduce_time_s(min(size, bucket), n, link))
             continue
-        if plan.zero in (1, 2) and n_shard > 1:
+        once_per_step = plan.zero in (1, 2) or (plan.zero == 3 and not per_layer_gathers(plan))
+        if once_per_step and n_shard > 1:
             link = C.plan_link(cluster, plan, shard_group, eff)
             grad_time += C.reduce_scatter_time_s(size, n_shard, link)
+            if opts.runtime == "fivefold-eager":
+                grad_time += fsdp_copy_s(size, cluster.device, eff)
             grad_bytes += C.all_gather_bytes(size, n_shard)
             bucket_time = max(
                 bucket_time, C.reduce_scatter_time_s(min(size, bucket), n_shard, link)
             )
             gsize = params * rec.param_bytes
             gather_time += C.all_gather_time_s(gsize, n_shard, link)
+            if opts.runtime == "fivefold-eager":
+                gather_time += fsdp_copy_s(gsize, cluster.device, eff)
             gather_bytes += C.all_gather_bytes(gsize, n_shard)
         if plan.dp_replicate > 1:  # HSDP (zero 3) or replicas of ZeRO-1/2 shards
             link = C.plan_link(cluster, plan, "dp_replicate", eff)
@@ -652,7 +688,8 @@ def estimate(
             pipeline_s, busy = analytic_pipeline(plan, costs)
             bubble = 1.0 - sum(busy) / len(busy) / pipeline_s
     tails = _rank_tails(model, plan, cluster, eff, opts, chunk_sigs, chunk_costs)
-    step = pipeline_s + max(t.exposed_s for t in tails)
+    sync = runtime_sync_s(plan, cluster, eff, opts)
+    step = pipeline_s + max(t.exposed_s for t in tails) + sync
     memory = all_stage_memory(model, plan, inflight, opts.memory())
     worst = max(range(plan.pp), key=lambda r: memory[r].total)
     global_tokens = plan.global_batch * model.seq_len
@@ -675,6 +712,7 @@ def estimate(
         "dp_grad_exposed_s": slowest_tail.grad_exposed_s,
         "param_gather_exposed_s": slowest_tail.gather_exposed_s,
         "optimizer_s": slowest_tail.optimizer_s,
+        "runtime_sync_s": sync,
     }
     return Estimate(
         model=model,
@@ -697,6 +735,22 @@ def estimate(
         peak_inflight=inflight,
         _simulation=sim,
     )
+
+
+def runtime_sync_s(
+    plan: ParallelPlan, cluster: ClusterSpec, eff: EfficiencyModel, opts: PlannerOptions
+) -> float:
+    """fivefold's runtime (`opts.runtime == "fivefold-eager"`) adds two scalar all-reduces to
+    every step: the global token count over the data-parallel ranks before the first forward
+    (the loss scale) and the loss mean over the world after the last backward; each costs a
+    collective's latency and nothing hides it."""
+    if opts.runtime != "fivefold-eager":
+        return 0.0
+    total = 0.0
+    for n, size in ((plan.dp, 8.0), (plan.world_size, 16.0)):
+        if n > 1:
+            total += C.all_reduce_time_s(size, n, C.group_link(cluster, n, 1, eff))
+    return total
 
 
 def analytic_pipeline(plan: ParallelPlan, costs: StageCosts) -> tuple[float, list[float]]:

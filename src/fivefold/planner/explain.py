@@ -38,6 +38,7 @@ BREAKDOWN_WORDS = {
     "dp_grad_exposed_s": "exposed data-parallel gradient reduction",
     "param_gather_exposed_s": "exposed parameter all-gather",
     "optimizer_s": "optimizer step",
+    "runtime_sync_s": "the runtime's per-step token-count and loss all-reduces",
 }
 
 

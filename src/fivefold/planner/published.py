@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from fivefold.planner.calibration import EfficiencyModel, published_runs
 from fivefold.planner.options import PlannerOptions
+from fivefold.planner.profiles import row_options
 from fivefold.spec.cluster import ClusterSpec, cluster_preset
 from fivefold.spec.model import ModelSpec
 from fivefold.spec.plan import ParallelPlan
@@ -131,7 +132,7 @@ def run_setup(row: dict) -> RunSetup:
     model = _model(row["model"])
     cluster = _cluster(row["cluster"])
     plan = ParallelPlan(**row["plan"])
-    options = PlannerOptions(**row["options"])
+    options = row_options(row, cluster.device)  # its profile, if it names one, + its options
     step = measured_step_s(row, model, plan, cluster.world_size)
     memory = measured_memory_bytes(row)
     return RunSetup(row["id"], row["source_key"], model, cluster, plan, options, step, memory)

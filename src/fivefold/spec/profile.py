@@ -21,8 +21,13 @@ A profile is a TOML file (written by `fivefold.parallel.calibrate`, read here wi
                   over the measured cross-entropy; "optimizer": AdamW's bytes per parameter
                   (`compute.optimizer_bytes_per_param`) over its measured step, gradient
                   clipping and zeroing included.
-    [[overhead]]  threads, layer_forward_s, layer_backward_s: a block's time at a tiny shape
-                  less its kernels there (Python, dispatch, views).
+    [[overhead]]  threads, layer_forward_s, layer_backward_s, moe_forward_s, moe_backward_s:
+                  what one more dense (MoE) layer adds to a model at a shape where the
+                  arithmetic is negligible (Python, autograd, each op's dispatch; a MoE layer's
+                  routing and loop over experts); tp_forward_s, tp_backward_s and
+                  fsdp_forward_s, fsdp_backward_s: the extra of a tensor-parallel layer (DTensor
+                  dispatch, sequence parallel) and of a ZeRO-3 FSDP2 unit (hooks, gathers,
+                  reduce-scatter), measured on a one-rank mesh so no transfer is in them.
     [[collective]] op, ranks, alpha_s, beta_bytes_per_s: time(S) = alpha + S / beta fitted by
                   least squares to the samples, S in nccl-tests' convention (all_reduce: the
                   buffer; all_gather / reduce_scatter / all_to_all: the whole buffer of
@@ -52,7 +57,7 @@ from typing import Any
 from fivefold.errors import ConfigError
 from fivefold.spec.hardware import GPUSpec
 
-FORMAT = 1
+FORMAT = 2  # 2: overhead per layer kind; the optimizer's bytes include clipping
 PROFILE_ENV = "FIVEFOLD_PROFILE"
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 LAYOUTS = ("nt", "nn", "tn")
@@ -164,9 +169,18 @@ class Bandwidth:
 
 @dataclass(frozen=True)
 class Overhead:
+    """Fixed seconds per layer and micro-batch (at a shape with negligible arithmetic): a dense
+    and a MoE layer, and the extra of tensor parallelism and of a ZeRO-3 FSDP2 unit."""
+
     threads: int
     layer_forward_s: float
     layer_backward_s: float
+    moe_forward_s: float
+    moe_backward_s: float
+    tp_forward_s: float
+    tp_backward_s: float
+    fsdp_forward_s: float
+    fsdp_backward_s: float
 
 
 @dataclass(frozen=True)
@@ -508,11 +522,21 @@ class Measured:
         rows, scale = self._at_threads([b for b in self.profile.bandwidth if b.kind == kind])
         return max(r.bytes_per_s for r in rows) * scale
 
-    def layer_overhead_s(self) -> tuple[float, float]:
-        """(forward, backward) fixed seconds per layer; a share of the cores stretches them."""
+    def layer_overhead_s(
+        self, moe: bool = False, tp: bool = False, fsdp: bool = False
+    ) -> tuple[float, float]:
+        """(forward, backward) fixed seconds of one layer and micro-batch: a dense or MoE
+        layer, plus tensor parallelism's and a ZeRO-3 unit's extra when they apply; a share
+        of the cores stretches them (they run on one thread)."""
         rows, _ = self._at_threads(list(self.profile.overhead))
         row = rows[0]
-        return row.layer_forward_s / self.share, row.layer_backward_s / self.share
+        fwd = row.moe_forward_s if moe else row.layer_forward_s
+        bwd = row.moe_backward_s if moe else row.layer_backward_s
+        if tp:
+            fwd, bwd = fwd + row.tp_forward_s, bwd + row.tp_backward_s
+        if fsdp:
+            fwd, bwd = fwd + row.fsdp_forward_s, bwd + row.fsdp_backward_s
+        return fwd / self.share, bwd / self.share
 
     def collective(self, op: str, n: int) -> tuple[float, float]:
         """(alpha s, beta bytes/s) of `op` over `n` ranks. An unmeasured group size scales the

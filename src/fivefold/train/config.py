@@ -266,13 +266,6 @@ def parse_train_config(recipe: Recipe) -> RunConfig:
                 f"micro_batch {plan.micro_batch} x dp {plan.dp} x grad_accum {plan.grad_accum} "
                 f"= {plan.global_batch} sequences; {fix}, or drop train.global_batch."
             )
-        if train.compile and recipe.plan.tp > 1:
-            problems.append(
-                f"train.compile = true with plan.tp = {recipe.plan.tp}: compiled blocks return "
-                "a wrong input gradient under DTensor tensor parallelism on this torch build "
-                "(measured: the embedding's gradient doubled), so fivefold refuses the "
-                "combination; set train.compile = false or plan.tp = 1."
-            )
         if train.eval_every and data is not None and data.val_fraction == 0:
             problems.append(
                 f"train.eval_every = {train.eval_every} needs held-out data: set "
