@@ -225,7 +225,11 @@ def markdown(record: dict) -> str:
     in_source = defaultdict(list)
     for r in rows:
         in_source[r["source"]].append(r["error"])
+    params = record["parameters"]
+    values = [f"`{name}` {get(EfficiencyModel.from_dict(params), name):.4g}" for name in FITTED]
     lines = [
+        "Deployed (all-source) parameters: " + ", ".join(values) + ".",
+        "",
         "| held-out source | rows | held-out mean abs | held-out max abs | in-sample mean abs "
         "| in-sample max abs |",
         "|---|---|---|---|---|---|",
