@@ -1,7 +1,8 @@
 """Training throughput of `fivefold train` against minimal plain-PyTorch loops (CPU).
 
     PYTHONPATH=src .venv/bin/python benchmarks/train_throughput.py [--preset small]
-        [--repeats 5] [--steps 8] [--only single,compile,bf16,dp2,zero3] [--json FILE]
+        [--repeats 5] [--steps 8] [--only single,compile,bf16,dp2,zero3]
+        [--documents whole|packed] [--json FILE]
 
 Each configuration runs fivefold and its baseline in the same processes, interleaved: R repeats
 of (fivefold for S steps, baseline for S steps), tokens/s per repeat, then the medians and their
@@ -13,6 +14,11 @@ ratio (fivefold / baseline; target >= 0.95).
 - baseline: a minimal Llama of the same shapes written here (RMSNorm, RoPE, GQA through SDPA
   with `is_causal=True`, SwiGLU), random tokens of the same batch, cross entropy, clip_grad_norm_
   at 1.0, fused AdamW; tokens/s over its S - 1 steps after the first.
+The computation is the same on both sides: by default (`--documents whole`) fivefold's rows are
+one document each (positions 0..T-1), so its attention is causal over the whole row like the
+baseline's (fivefold then runs SDPA `is_causal=True`, compiled inside each block's graph);
+`--documents packed` keeps the corpus's packed documents, where fivefold attends within each
+document (`fivefold::document_attention`, per-document SDPA calls) and the baseline does not.
 Configurations (the same batch and dtype on both sides):
 - single: one process, fp32 eager;
 - compile: one process, `train.compile = true` against `torch.compile` of the baseline model;
@@ -181,7 +187,30 @@ def plain_loop(spec, cfg: dict, micro_batch: int, world: int):
 
 
 # ---- fivefold -----------------------------------------------------------------------------------
-def fivefold_loop(cfg: dict, preset: str, micro_batch: int, world: int, run_dir: str):
+class WholeRows:
+    """The run's data with every row one document (positions 0..T-1, doc ids 0): attention
+    causal over the whole row, the computation of the baseline; the rest delegates."""
+
+    def __init__(self, data) -> None:
+        self._data = data
+
+    def __getattr__(self, name: str):
+        return getattr(self._data, name)
+
+    def batches(self, micro_batch: int):
+        import torch
+
+        for step in self._data.batches(micro_batch):
+            for batch in step:
+                seq = batch.tokens.shape[1]
+                batch.positions = torch.arange(seq).expand_as(batch.tokens).contiguous()
+                batch.doc_ids = torch.zeros_like(batch.doc_ids)
+            yield step
+
+
+def fivefold_loop(
+    cfg: dict, preset: str, micro_batch: int, world: int, run_dir: str, documents: str
+):
     """A `run(steps) -> tokens/s` closure: a fresh `Trainer.fit()` over one runtime."""
     from rich.console import Console
 
@@ -211,6 +240,8 @@ def fivefold_loop(cfg: dict, preset: str, micro_batch: int, world: int, run_dir:
 
     def run(steps: int) -> float:
         trainer = Trainer(run_config(steps), runtime, Console(quiet=True))
+        if documents == "whole":
+            trainer.data = WholeRows(trainer.data)
         trainer.prepare_run_dir()
         return trainer.fit().tokens_per_s
 
@@ -228,7 +259,9 @@ def measure(rank: int, world: int, name: str, args: dict) -> dict:
     spec = model_preset(args["preset"])
     quiet = contextlib.redirect_stdout(io.StringIO())  # the runtime's layout report
     with quiet, tempfile.TemporaryDirectory(prefix="fivefold-throughput-") as tmp:
-        ours = fivefold_loop(cfg, args["preset"], args["micro_batch"], world, tmp)
+        ours = fivefold_loop(
+            cfg, args["preset"], args["micro_batch"], world, tmp, args["documents"]
+        )
         theirs = plain_loop(spec, cfg, args["micro_batch"], world)
         started = time.perf_counter()
         ours(3), theirs(3)  # warm-up (and cold compile)
@@ -246,6 +279,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--steps", type=int, default=8, help="steps per repeat (>= 3)")
     parser.add_argument("--only", default=",".join(CONFIGS), help="comma-separated subset")
+    parser.add_argument(
+        "--documents",
+        choices=("whole", "packed"),
+        default="whole",
+        help="fivefold's rows: one document each, attention causal over the row as in the "
+        "baseline (whole), or the corpus's packed documents, attention within each (packed)",
+    )
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     if args.steps < 3:
@@ -255,10 +295,12 @@ def main() -> None:
         "micro_batch": args.micro_batch,
         "repeats": args.repeats,
         "steps": args.steps,
+        "documents": args.documents,
     }
     print(
         f"{args.preset}, micro-batch {args.micro_batch} per process, {args.repeats} repeats of "
-        f"{args.steps} steps, interleaved; {os.cpu_count()} CPU cores"
+        f"{args.steps} steps, interleaved; {os.cpu_count()} CPU cores; fivefold's rows: "
+        f"{args.documents} documents"
     )
     results = {}
     for name in args.only.split(","):

@@ -1,8 +1,10 @@
 """`train.compile = true` in one process: blocks compiled, the compile time reported once, the
-losses those of the eager run (inductor reorders float arithmetic, hence a tolerance).
+losses those of the eager run (inductor reorders float arithmetic, hence a tolerance); and the
+attention core under dynamo (no inductor, fast): packed documents through one custom op with no
+graph break and no recompile per packing, one-document rows SDPA inside the graph.
 
-Slow: a cold inductor compile takes tens of seconds on CPU. The multi-rank cases are in
-tests/parallel/test_parity_compile.py (one of them in CI).
+The end-to-end test is slow: a cold inductor compile takes tens of seconds on CPU. The
+multi-rank cases are in tests/parallel/test_parity_compile.py (two of them in CI).
 """
 
 from __future__ import annotations
@@ -11,8 +13,11 @@ import io
 from pathlib import Path
 
 import pytest
+import torch
 from rich.console import Console
 
+from attention_reference import dense_reference_attention
+from fivefold.model.attention import AttentionCore, DocumentLayout, document_attention
 from fivefold.train.entry import load_run
 from fivefold.train.loop import train
 
@@ -48,3 +53,64 @@ def test_compiled_blocks_train_like_eager_and_report_compile_time(tmp_path):
     assert printed.count("torch.compile: ") == 1 and "graph(s) compiled in" in printed
     for a, b in zip(compiled.losses, eager.losses, strict=True):
         assert a == pytest.approx(b, rel=1e-5)
+
+
+def _packed_docs(lengths: list[list[int]]) -> torch.Tensor:
+    """doc ids [B, T] from per-row document lengths."""
+    return torch.stack(
+        [torch.cat([torch.full((n,), d) for d, n in enumerate(row)]) for row in lengths]
+    )
+
+
+def test_document_attention_op_passes_torch_opcheck():
+    # the fake (meta) implementation's shapes and strides, the autograd registration and the
+    # schema, as torch.compile relies on them
+    torch.manual_seed(0)
+    q = torch.randn(2, 12, 4, 8).transpose(1, 2).requires_grad_()
+    k = torch.randn(2, 12, 2, 8).transpose(1, 2).requires_grad_()
+    v = torch.randn(2, 12, 2, 8).transpose(1, 2).requires_grad_()
+    docs = _packed_docs([[5, 7], [3, 4, 5]])
+    torch.library.opcheck(document_attention, (q, k, v, docs))
+
+
+def test_packed_attention_compiles_in_graph_without_recompiling_per_packing():
+    # fullgraph: no graph break around attention; a new packing of documents reuses the graph;
+    # output and gradients those of eager, checked against the dense-mask reference
+    from torch._dynamo.testing import CompileCounter
+
+    core = AttentionCore()
+    counter = CompileCounter()
+    compiled = torch.compile(core, backend=counter, fullgraph=True)
+    torch.manual_seed(0)
+    for lengths in ([[5, 7], [12]], [[3, 4, 5], [6, 6]]):
+        docs_ids = _packed_docs(lengths)
+        q = torch.randn(2, 12, 4, 8).transpose(1, 2).requires_grad_()
+        k = torch.randn(2, 12, 2, 8).transpose(1, 2).requires_grad_()
+        v = torch.randn(2, 12, 2, 8).transpose(1, 2).requires_grad_()
+        docs = DocumentLayout(docs_ids, 2, 12)
+        assert not docs.single_document  # read eagerly, as the block's pre-hook does
+        out = compiled(q, k, v, docs)
+        grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+        expected = dense_reference_attention(q, k, v, docs_ids)
+        ref_grads = torch.autograd.grad(expected.square().sum(), (q, k, v))
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+        for got, want in zip(grads, ref_grads, strict=True):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert counter.frame_count == 1  # one graph for both packings
+
+
+def test_one_document_rows_run_sdpa_inside_the_compiled_graph():
+    from torch._dynamo.testing import CompileCounter
+
+    counter = CompileCounter()
+    compiled = torch.compile(AttentionCore(), backend=counter, fullgraph=True)
+    q = torch.randn(2, 4, 12, 8)
+    kv = torch.randn(2, 2, 12, 8)
+    docs = DocumentLayout(torch.zeros(2, 12, dtype=torch.long), 2, 12)
+    assert docs.single_document
+    out = compiled(q, kv, kv, docs)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q, kv, kv, is_causal=True, enable_gqa=True
+    )
+    torch.testing.assert_close(out, expected)
+    assert counter.frame_count == 1 and counter.op_count >= 1

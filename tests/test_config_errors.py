@@ -40,11 +40,8 @@ CASES = [
     ("unknown-cluster-preset", ["cluster.preset='dgx-z'"], "cluster.preset = 'dgx-z' is unknown"),
     ("tp-not-dividing-heads", ["--nproc", "3", "plan.tp=3"], "plan.tp = 3 must divide model.heads"),
     ("zero-processes", ["--nproc", "0"], "--nproc 0: the number of processes"),
-    (
-        "compile-with-tp",
-        ["--nproc", "2", "plan.tp=2", "train.compile=true"],
-        "train.compile = true with plan.tp = 2",
-    ),
+    ("bad-planner-key", ["planner.bogus=1"], "planner.bogus is not a setting"),
+    ("bad-planner-value", ["planner.dropout='yes'"], "planner.dropout = 'yes'"),
     ("bad-resume", ["train.resume='sometimes'"], "train.resume = 'sometimes': use \"auto\""),
     ("negative-max-restarts", ["--max-restarts", "-1"], "--max-restarts -1: must be >= 0"),
     ("resume-and-fresh", ["--resume", "--fresh"], "--resume and --fresh contradict"),

@@ -21,6 +21,7 @@ from fivefold.spec.model import (
 from fivefold.spec.plan import ParallelPlan
 from fivefold.spec.presets import model_preset
 from fivefold.spec.profile import (
+    COLLECTIVES,
     Matmul,
     parse_profile,
     profile_cluster,
@@ -62,13 +63,13 @@ def synthetic(cores: int = 2) -> dict:
             )
         )  # fmt: skip
     collective = [
-        dict(op=op, ranks=2, alpha_s=1e-4, beta_bytes_per_s=1e9)
+        dict(op=op, ranks=2, world=2, alpha_s=1e-4, beta_bytes_per_s=1e9)
         for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
     ]
     sample = [
         dict(
-            op="all_reduce", ranks=2, size_bytes=1024, time_s=1e-4, algbw_bytes_per_s=1.024e7,
-            busbw_bytes_per_s=1.024e7,
+            op="all_reduce", ranks=2, world=2, size_bytes=1024, time_s=1e-4,
+            algbw_bytes_per_s=1.024e7, busbw_bytes_per_s=1.024e7,
         )
     ]  # fmt: skip
     device = dict(
@@ -320,3 +321,21 @@ def test_zero3_pays_fsdp_copies_by_hand(profile_path):
     params = 64 * (64 + 2 * 32) + 64 * 64 + 3 * 64 * 176 + 2 * 64  # attention, SwiGLU, norms
     assert lc.gather_copy_s == pytest.approx(2 * params * 4 / BW["elementwise_forward"])
     assert lc.reduce_copy_s == pytest.approx(lc.gather_copy_s)
+
+
+def test_collectives_measured_among_as_many_processes_as_the_run(tmp_path):
+    """A 2-rank group measured alone and among 4 processes on 2 cores: a 2-rank run reads the
+    first, a 4-rank run (its 2-rank groups share the cores with the other pair) the second."""
+    data = synthetic()
+    data["device"]["ranks"] = 4
+    data["collective"] = [
+        dict(op=op, ranks=2, world=2, alpha_s=1e-4, beta_bytes_per_s=1e9) for op in COLLECTIVES
+    ] + [dict(op=op, ranks=2, world=4, alpha_s=3e-4, beta_bytes_per_s=4e8) for op in COLLECTIVES]
+    path = tmp_path / "p.toml"
+    path.write_text(parse_profile(data).to_toml())
+    assert profile_device(path, 2).measured.collective("all_gather", 2) == (1e-4, 1e9)
+    assert profile_device(path, 4).measured.collective("all_gather", 2) == (3e-4, 4e8)
+    bad = synthetic()
+    bad["collective"][0]["world"] = 1
+    with pytest.raises(ConfigError, match=r"collective\[0\]\.world"):
+        parse_profile(bad)

@@ -175,13 +175,13 @@ def run_calibration(
             "(size: bytes; time: slowest rank's mean; algbw = size / time; busbw as nccl-tests)"
         )
         console.print(
-            f"{'op':>15} {'ranks':>5} {'size':>10} {'time(us)':>10} {'algbw(GB/s)':>12} "
-            f"{'busbw(GB/s)':>12}"
+            f"{'op':>15} {'ranks':>5} {'procs':>5} {'size':>10} {'time(us)':>10} "
+            f"{'algbw(GB/s)':>12} {'busbw(GB/s)':>12}"
         )
 
         def on_row(s) -> None:
             console.print(
-                f"{s.op:>15} {s.ranks:>5} {s.size_bytes:>10} {s.time_s * 1e6:>10.1f} "
+                f"{s.op:>15} {s.ranks:>5} {s.world:>5} {s.size_bytes:>10} {s.time_s * 1e6:>10.1f} "
                 f"{s.algbw_bytes_per_s / 1e9:>12.3f} {s.busbw_bytes_per_s / 1e9:>12.3f}"
             )
             bar.update(task, what=f"{s.op} {s.ranks} ranks {s.size_bytes} B")
@@ -225,6 +225,7 @@ def print_summary(console, profile) -> None:
             )
     for c in profile.collective:
         console.print(
-            f"{c.op} over {c.ranks} ranks: alpha {c.alpha_s * 1e6:.1f} us, beta "
+            f"{c.op} over {c.ranks} ranks ({c.world} processes): alpha "
+            f"{c.alpha_s * 1e6:.1f} us, beta "
             f"{c.beta_bytes_per_s / 1e9:.3f} GB/s"
         )

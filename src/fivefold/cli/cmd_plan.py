@@ -152,6 +152,26 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="sequence parallelism in the TP group",
     )
+    for flag, choices, help_text in (
+        (
+            "--offload",
+            ("none", "optimizer", "all"),
+            "CPU offload (default none): the optimizer state (zero <= 2), or parameters, "
+            "gradients and optimizer state (zero 3); a search tries it only when nothing fits",
+        ),
+        (
+            "--optimizer-states",
+            ("fp32", "8bit", "fp8"),
+            "Adam's m and v (default fp32): torchao's 8bit/fp8, 1 byte + a scale per 256; a "
+            "search tries 8bit only when nothing fits",
+        ),
+        (
+            "--fp8",
+            ("none", "tensorwise", "rowwise"),
+            "FP8 linears through torchao float8 (default none); a search uses it only when given",
+        ),
+    ):
+        lay.add_argument(flag, choices=choices, help=help_text)
     lay.add_argument(
         "--precision",
         metavar="RECIPE[,RECIPE]",
@@ -173,6 +193,13 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
         help="search: how far the reached global batch may miss the target (default 0.05)",
     )
     b.add_argument("--top", metavar="N", default="5", help="search: alternatives to show (5)")
+    b.add_argument(
+        "--risk",
+        choices=("pessimistic", "expected"),
+        default="pessimistic",
+        help="search: rank by the slow end of each layout's error band (pessimistic, the "
+        "default) or by the prediction itself (expected)",
+    )
     b.add_argument(
         "--out",
         metavar="PATH",
@@ -451,7 +478,7 @@ def pinned_fields(args: argparse.Namespace) -> dict[str, Any]:
         if zero > 3:
             raise ConfigError(f"--zero = {zero}: ZeRO stage must be 0, 1, 2 or 3.")
         out["zero"] = zero
-    for name in ("schedule", "recompute", "sp"):
+    for name in ("schedule", "recompute", "sp", "offload", "optimizer_states", "fp8"):
         if getattr(args, name) is not None:
             out[name] = getattr(args, name)
     if args.dp is not None:
@@ -529,6 +556,9 @@ def layout_from_args(
         "schedule",
         "recompute",
         "sp",
+        "offload",
+        "optimizer_states",
+        "fp8",
     ):
         if name in pins:
             values[name] = pins[name]
@@ -658,11 +688,19 @@ def summary_lines(est_json: dict[str, Any], headroom: float) -> list[str]:
         f"tokens/s {est_json['tokens_per_s']:,.0f}   MFU {est_json['mfu']:.1%}   "
         f"HFU {est_json['hfu']:.1%}   bubble {est_json['bubble_fraction']:.1%}",
         f"memory per GPU, worst stage {est_json.get('worst_stage', 0)} "
-        f"({est_json.get('precision', '')}):",
+        f"({_recipe_words(est_json)}):",
         "  " + memory_bar(mem, est_json["hbm_gib"], headroom),
         "  P params {params:.2f}  G grads {grads:.2f}  O optimizer {optimizer:.2f}  "
         "A activations {activations:.2f}  x other {other:.2f}  (GiB)".format(**mem),
     ]
+    host = est_json.get("host_memory")
+    if host:
+        lines.append(
+            f"  host memory (offloaded): {host['per_gpu_gib']:.1f} GiB per GPU, "
+            f"{host['per_node_gib']:,.0f} GiB per node of {host['usable_gib']:,.0f} GiB usable "
+            f"({host['system']}, {host['node_ram_gib']:,.0f} GiB)"
+            + ("" if host["fits"] else "  DOES NOT FIT")
+        )
     exposed = [c for c in est_json.get("comm", []) if c.get("exposed_s", 0) > 0]
     if exposed:
         parts = [
@@ -671,6 +709,19 @@ def summary_lines(est_json: dict[str, Any], headroom: float) -> list[str]:
         ]
         lines.append("exposed communication per step: " + ", ".join(parts))
     return lines
+
+
+def _recipe_words(est_json: dict[str, Any]) -> str:
+    """'bf16-mixed', with the plan's memory levers: 'bf16-mixed, 8bit Adam states, offload all'."""
+    plan = est_json.get("plan", {})
+    words = [est_json.get("precision", "")]
+    if plan.get("optimizer_states", "fp32") != "fp32":
+        words.append(f"{plan['optimizer_states']} Adam states")
+    if plan.get("offload", "none") != "none":
+        words.append(f"offload {plan['offload']}")
+    if plan.get("fp8", "none") != "none":
+        words.append(f"fp8 {plan['fp8']}")
+    return ", ".join(words)
 
 
 def _describe(plan_dict: dict[str, Any]) -> str:
@@ -697,13 +748,16 @@ def _inputs(args: argparse.Namespace) -> tuple[Any, Any, dict[str, dict], float,
 
 def _estimate_handler(args: argparse.Namespace) -> int:
     from fivefold.planner.estimate import estimate
+    from fivefold.planner.explain import confidence_line
+    from fivefold.planner.uncertainty import band
 
     model, cluster, data, headroom, settings = _inputs(args)
     plan = layout_from_args(args, model, cluster, data.get("plan", {}))
     est = estimate(model, cluster, plan, settings.options)
     out = est.to_json()
+    out["band"] = band(est).to_json()
     usable = out["hbm_gib"] * (1 - headroom)
-    out["fits_with_headroom"] = out["memory_gib"]["total"] <= usable
+    out["fits_with_headroom"] = out["memory_gib"]["total"] <= usable and est.host_fits
     out["headroom"] = headroom
     out["planner"] = settings.to_json()
     if args.json:
@@ -718,11 +772,13 @@ def _estimate_handler(args: argparse.Namespace) -> int:
         f"{verdict}: worst stage {out['memory_gib']['total']:.1f} GiB against "
         f"{usable:.1f} GiB usable ({out['hbm_gib']:.0f} GiB HBM less {headroom:.0%} headroom)"
     )
+    print(confidence_line(est))
     return 0
 
 
 def _search_handler(args: argparse.Namespace) -> int:
     from fivefold.planner.search import search
+    from fivefold.planner.uncertainty import band
 
     model, cluster, data, headroom, settings = _inputs(args)
     tokens, seqs = batch_from_args(args)
@@ -741,6 +797,7 @@ def _search_handler(args: argparse.Namespace) -> int:
         precisions=tuple(precisions_from_args(args)),
         fixed=fixed,
         options=settings.options,
+        risk=args.risk,
     )
     result.explanation.insert(0, settings.describe())
     best = result.best.to_json(timeline=args.json)  # the timeline only where it is printed
@@ -760,6 +817,7 @@ def _search_handler(args: argparse.Namespace) -> int:
         out["alternatives"] = [_brief(a.to_json()) for a in result.alternatives]
         out["rejected"] = [{"plan": p.to_dict(), "reason": r} for p, r in result.rejected]
         out["explanation"] = result.explanation
+        out["band"] = band(result.best).to_json()  # fivefold.planner.uncertainty
         out["search"] = {
             "evaluated": result.evaluated,
             "considered": result.considered,
@@ -768,6 +826,7 @@ def _search_handler(args: argparse.Namespace) -> int:
             "target_tokens": result.target.tokens,
             "batch_tolerance": result.target.tolerance,
             "headroom": headroom,
+            "risk": result.risk,
         }
         out["recipe_path"] = str(recipe_path) if recipe_path else None
         out["planner"] = settings.to_json()
@@ -833,7 +892,7 @@ def _recipe_comparison(
     return (
         f"the recipe's layout ({plan.describe()}): {est.tokens_per_s:,.0f} tokens/s, "
         f"{est.peak_memory_bytes / 2**30:.1f} GiB, {fit}; "
-        f"against the best: {slower_because(est, result.best)}"
+        f"against the best: {slower_because(est, result.best, result.risk)}"
     )
 
 

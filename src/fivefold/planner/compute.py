@@ -25,6 +25,10 @@ The efficiency model (parameters in `fivefold.planner.calibration`, fitted by
   (softmax read and write) plus 5 with dropout. The backward moves twice the forward's bytes. The
   norms and residuals run on T/tp tokens with sequence parallelism, on all T without (replicated
   over the TP group); the loss reads and writes 24 bytes per fp32 logit (forward and backward).
+- The roofline under every memory-side op (`roofline_s`): the element-wise kernels, the
+  attention core (its minimum traffic, `attention_bytes`), the final norm and the loss, the
+  embedding (`embedding_work`) and the optimizer step with gradient clipping each take the
+  larger of their FLOPs at the vector (fp32) rate and their bytes at the achievable bandwidth.
 - A fixed `layer_overhead_s` per layer forward (twice in the backward): kernel launches and
   tails.
 - Recompute: "full" repeats the layer's forward inside the backward (less the block's last
@@ -39,7 +43,9 @@ separately) is timed from the measured GEMM table, each pass on its own shape an
 the exact shape when measured, else interpolated by arithmetic intensity); the attention core
 from its measured forward and backward rates; the element-wise bytes below, the loss and the
 optimizer from bandwidths measured in the same byte accounting (so the unfused-traffic factor
-is already in them); and the per-layer overhead from its measured forward and backward values.
+is already in them); and the fixed cost of a layer from the profile's measured forward and
+backward values for its kind (dense or MoE, plus tensor parallelism's and a ZeRO-3 unit's extra,
+`Measured.layer_overhead_s`).
 
 Written by hand: PyTorch's FLOP counters need the model and a device; the planner needs neither.
 """
@@ -49,6 +55,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fivefold.planner.calibration import EfficiencyModel
+from fivefold.planner.levers import state_recipe
 from fivefold.planner.memory import local_kv_width
 from fivefold.spec.hardware import GPUSpec
 from fivefold.spec.model import ModelSpec
@@ -62,12 +69,12 @@ LOSS_BYTES_PER_LOGIT = 24.0  # fp32: upcast, log-softmax, gradient, cast back
 # FLOPs per element of the memory-side kernels: the compute side of their roofline, on the
 # device's vector (non-tensor-core) fp32 rate. Norm: square, sum, scale, weight; residual add: 1;
 # RoPE: two multiplies and an add; SwiGLU: SiLU (negate, exp, add, divide) and the product;
-# GeLU (tanh form): about 8; the loss: max, subtract, exp, sum, log, pick per logit forward,
-# softmax minus one-hot and scale backward; AdamW: 2 moments, bias corrections, the update and
-# weight decay; clipping: square-and-sum, then scale.
+# GeLU (tanh form): about 8; the loss per logit: max, subtract, exp, sum, log, pick forward;
+# exp back to the softmax, minus one-hot, scale backward; AdamW: 2 moments, bias corrections,
+# the update and weight decay; clipping: square-and-sum, then scale.
 NORM_FLOPS, ADD_FLOPS, ROPE_FLOPS = 4.0, 1.0, 3.0
 ACTIVATION_FLOPS = {"swiglu": 5.0, "gelu": 8.0}
-LOSS_FLOPS_PER_LOGIT = 10.0
+LOSS_FORWARD_FLOPS, LOSS_BACKWARD_FLOPS = 6.0, 4.0  # per logit
 ADAMW_FLOPS_PER_PARAM, CLIP_FLOPS_PER_PARAM = 12.0, 3.0
 CLIP_PASSES = 3  # gradient clipping reads every gradient for the norm, then reads and writes it
 
@@ -483,7 +490,7 @@ def head_work(model: ModelSpec, plan: ParallelPlan, device: GPUSpec, eff: Effici
     gemm = gemm_time_s(tokens, v, h, device, eff, dtype)
     logits = tokens * v
     logit_bytes = logits * LOSS_BYTES_PER_LOGIT
-    fwd_flops, bwd_flops = logits * LOSS_FLOPS_PER_LOGIT * 0.6, logits * LOSS_FLOPS_PER_LOGIT * 0.4
+    fwd_flops, bwd_flops = logits * LOSS_FORWARD_FLOPS, logits * LOSS_BACKWARD_FLOPS
     if device.measured is not None:  # measured loss forward and backward rates
         fwd_loss = roofline_s(fwd_flops, logit_bytes * 10 / 24, device, eff, "loss_forward")
         bwd_loss = roofline_s(bwd_flops, logit_bytes * 14 / 24, device, eff, "loss_backward")
@@ -530,7 +537,8 @@ def optimizer_step_s(
 
 def optimizer_bytes_per_param(plan: ParallelPlan) -> float:
     """Bytes the optimizer step moves per parameter: clipping reads every gradient for the norm
-    and reads and writes it to scale it (`CLIP_PASSES`); Adam reads and writes its state, reads
-    the gradient, writes the parameter."""
-    rec = recipe(plan.precision)
+    and reads and writes it to scale it (`CLIP_PASSES`); Adam reads and writes its state (in
+    `plan.optimizer_states`, `fivefold.planner.levers`), reads the gradient, writes the
+    parameter."""
+    rec = state_recipe(plan)
     return 2 * rec.optimizer_bytes + rec.grad_bytes + rec.param_bytes + CLIP_PASSES * rec.grad_bytes

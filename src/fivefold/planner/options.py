@@ -11,10 +11,12 @@ torchtitan's op-level selective checkpointing instead: in each layer every secon
 and w3 of a Llama block) and every element-wise op are recomputed, the attention output is kept.
 `fused_elementwise=False` describes eager PyTorch, whose unfused norms, RoPE and activations move
 about three times the bytes of fused kernels (see `compute.UNFUSED_TRAFFIC_FACTOR`).
-`collective_granularity` says how the framework issues data-parallel collectives: gradients in
-buckets of `dp_bucket_bytes` ("bucket": DDP, Megatron's distributed optimizer; the default), one
-per layer ("layer": FSDP/FSDP2, what fivefold's ZeRO-2/3 runtime does) or one per tensor
-("parameter": per-parameter hooks); ZeRO-3 gathers at least a layer at a time (`planner/comm.py`).
+`collective_granularity` says how the framework issues data-parallel collectives: one per
+transformer layer ("layer", the default: FSDP/FSDP2, and Megatron's distributed optimizer whose
+buckets of max(40M, 1M x dp) parameters hold about a layer of the calibration rows' sharded
+models), in buckets of `dp_bucket_bytes` ("bucket": torch DDP, 25 MiB) or one per tensor
+("parameter": per-parameter hooks); each collective pays its own latency, and ZeRO-3 gathers at
+least a layer at a time (`planner/comm.py`).
 `runtime="fivefold-eager"` makes the memory model count what fivefold's own eager runtime keeps
 (`fivefold.planner.memory.EagerProfile`; the layout report of every run uses it); the default
 "fused" counts what fused kernels keep.
@@ -51,7 +53,7 @@ class PlannerOptions:
     cuda_context_bytes: float = 0.75 * GiB
     fragmentation_fraction: float = 0.05
     dp_bucket_bytes: float = 25 * MiB
-    collective_granularity: str = "bucket"  # or "layer" (FSDP) or "parameter" (planner/comm.py)
+    collective_granularity: str = "layer"  # or "bucket" (DDP) or "parameter" (planner/comm.py)
     runtime: str = "fused"  # memory: "fivefold-eager" is what fivefold's own runtime keeps
     checkpoint_early_stop: bool = False
 
@@ -132,8 +134,8 @@ OPTION_HELP: dict[str, str] = {
     "selective_policy": "what selective recompute redoes: attention (Megatron) or "
     "alternate-matmul (torchtitan op-level SAC)",
     "dp_bucket_bytes": "gradient bucket size for DP reduction (bytes, e.g. 25M)",
-    "collective_granularity": "DP collectives issued per bucket (DDP, Megatron), per layer "
-    "(FSDP) or per parameter",
+    "collective_granularity": "DP/ZeRO collectives issued per layer (FSDP, Megatron; default), "
+    "per bucket of dp_bucket_bytes (DDP) or per parameter; each pays its ring/tree latency",
     "activation_model": "activation memory: korthikanti (per tensor) or simple (seed 001, k=12)",
     "runtime": "memory counted as fused kernels keep it, or as fivefold's eager runtime does",
     "cuda_context_bytes": "per-GPU CUDA context and library workspaces (bytes, e.g. 768M)",

@@ -28,11 +28,14 @@ A profile is a TOML file (written by `fivefold.parallel.calibrate`, read here wi
                   fsdp_forward_s, fsdp_backward_s: the extra of a tensor-parallel layer (DTensor
                   dispatch, sequence parallel) and of a ZeRO-3 FSDP2 unit (hooks, gathers,
                   reduce-scatter), measured on a one-rank mesh so no transfer is in them.
-    [[collective]] op, ranks, alpha_s, beta_bytes_per_s: time(S) = alpha + S / beta fitted by
-                  least squares to the samples, S in nccl-tests' convention (all_reduce: the
-                  buffer; all_gather / reduce_scatter / all_to_all: the whole buffer of
-                  ranks x the per-rank part; send_recv: the message).
-    [[collective_sample]] op, ranks, size_bytes, time_s, algbw_bytes_per_s, busbw_bytes_per_s
+    [[collective]] op, ranks, world, alpha_s, beta_bytes_per_s: time(S) = alpha + S / beta
+                  fitted by least squares to the samples, S in nccl-tests' convention
+                  (all_reduce: the buffer; all_gather / reduce_scatter / all_to_all: the whole
+                  buffer of ranks x the per-rank part; send_recv: the message); measured with
+                  `world` local processes running, every group of `ranks` at once (a 2-rank
+                  group is slower among 4 processes on 2 cores than alone).
+    [[collective_sample]] op, ranks, world, size_bytes, time_s, algbw_bytes_per_s,
+                  busbw_bytes_per_s
 
 Loading one yields a `GPUSpec` whose peak is the best measured matmul rate per dtype (the source
 says "measured"; nothing is guessed) and a `ClusterSpec` of one node with the local ranks.
@@ -185,8 +188,11 @@ class Overhead:
 
 @dataclass(frozen=True)
 class Collective:
+    """`op` over groups of `ranks` while `world` local processes run (all their groups at once)."""
+
     op: str
     ranks: int
+    world: int
     alpha_s: float
     beta_bytes_per_s: float
 
@@ -195,6 +201,7 @@ class Collective:
 class CollectiveSample:
     op: str
     ranks: int
+    world: int
     size_bytes: int
     time_s: float
     algbw_bytes_per_s: float
@@ -381,6 +388,11 @@ def parse_profile(data: dict[str, Any], path: str = "") -> DeviceProfile:
     for i, row in enumerate(tables["collective"]):
         if row.ranks < 2:
             problems.append(f"profile collective[{i}].ranks = {row.ranks}: must be at least 2.")
+        if row.world < row.ranks:
+            problems.append(
+                f"profile collective[{i}].world = {row.world}: must be at least its ranks "
+                f"({row.ranks})."
+            )
     for table in ("matmul", "attention", "bandwidth", "overhead"):
         if not tables[table]:
             problems.append(f"profile has no [[{table}]] rows; re-run `fivefold calibrate`.")
@@ -539,16 +551,17 @@ class Measured:
         return fwd / self.share, bwd / self.share
 
     def collective(self, op: str, n: int) -> tuple[float, float]:
-        """(alpha s, beta bytes/s) of `op` over `n` ranks. An unmeasured group size scales the
-        nearest measured one as a ring does: alpha with the n - 1 steps, beta so that the bus
-        bandwidth stays the same."""
+        """(alpha s, beta bytes/s) of `op` over `n` ranks, measured with as many local
+        processes running as this run has (else the nearest). An unmeasured group size scales
+        the nearest measured one as a ring does: alpha with the n - 1 steps, beta so that the
+        bus bandwidth stays the same."""
         rows = [c for c in self.profile.collective if c.op == op]
         if not rows:
             raise ConfigError(
                 f"device profile {self.profile.path!r} has no {op} measurement; re-run "
                 "`fivefold calibrate` with --nproc 2 or more."
             )
-        near = min(rows, key=lambda c: (abs(c.ranks - n), -c.ranks))
+        near = min(rows, key=lambda c: (abs(c.ranks - n), abs(c.world - self.ranks), -c.ranks))
         if near.ranks == n:
             return near.alpha_s, near.beta_bytes_per_s
         steps = (n - 1) / (near.ranks - 1)
