@@ -10,7 +10,9 @@ from fivefold.train.entry import FRESH_HELP, RESUME_HELP, resume_overrides
 _DESCRIPTION = """\
 Train the recipe's model on its data with the recipe's parallel plan. A recipe is a TOML file
 (see configs/) with [model] (a preset and/or fields), [plan] (tp, pp, dp_replicate, dp_shard,
-zero, cp, ep, micro_batch, grad_accum, recompute, precision), [train] and [data] sections; any
+zero, cp, ep, micro_batch, grad_accum, recompute, precision, and the memory levers offload
+(none|optimizer|all), optimizer_states (fp32|8bit|fp8; torchao) and fp8 (none|tensorwise|rowwise;
+GPUs of compute capability 8.9+), see docs/memory-levers.md), [train] and [data] sections; any
 field can be overridden on the command line as section.field=value.
 
 [train] fields: name, runs_dir, run_dir, steps, stop_at, lr, min_lr, warmup_steps,
