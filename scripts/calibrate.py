@@ -254,6 +254,11 @@ def markdown(record: dict) -> str:
         f"**{h['max_abs_error'] * 100:.1f} %** | {i['mean_abs_error'] * 100:.1f} % | "
         f"{i['max_abs_error'] * 100:.1f} % |"
     )
+    per_source = [s["mean_abs_error"] for s in loso.values()]
+    lines.append(
+        f"| per source | {len(per_source)} sources | "
+        f"{sum(per_source) / len(per_source) * 100:.1f} % (mean of the means) | | | |"
+    )
     lines += [
         "",
         f"Memory rows (checked, not fitted): {m['rows']} rows, mean abs "

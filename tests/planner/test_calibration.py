@@ -178,6 +178,8 @@ def test_docs_quote_the_recomputed_held_out_errors():
         s_err = [abs(err) for _, err in held_out_errors()[source]]
         assert entry["mean_abs_error"] == pytest.approx(sum(s_err) / len(s_err))
         assert f"| {source} | {len(s_err)} | {entry['mean_abs_error'] * 100:.1f} % |" in text
+    means = [entry["mean_abs_error"] for entry in record["loso"].values()]
+    assert f"| per source | {len(means)} sources | {sum(means) / len(means) * 100:.1f} %" in text
     for s in record["skipped"]:
         assert f"| {s['id']} | {s['source_key']} |" in text
 
