@@ -2,7 +2,7 @@
 own runtime measures, layout by layout.
 
     PYTHONPATH=src .venv/bin/python benchmarks/plan_vs_run.py [--quick] [--only NAME[,NAME]]
-        [--steps 3] [--json FILE] [--list]
+        [--steps 4] [--json FILE] [--list]
 
 Each layout trains a CPU preset (fp32, the embedded corpus) for `--steps` steps on 1, 2 or 4 gloo
 ranks with the real `DistributedRuntime` and the real training loop (`Trainer.fit`, clipping and
@@ -10,10 +10,11 @@ AdamW as in `fivefold train`). The figures are the runtime's own layout report
 (`fivefold.parallel.report.stage_rows`): the measured peak is the loop's and the runtime's
 tensor-storage counter (`fivefold.train.memory`, which also sees the pipeline's receive buffers),
 the prediction the planner's memory model for the recipe's model and plan; the measured step
-time is the runtime's `train_step` (forward, backward, gradient communication), beside the
-planner's `estimate()` step time less its optimizer step where the run's cluster has a device
-peak ("n/a" otherwise). Memory is deterministic; step times depend on the
-machine and its load.
+time is the runtime's `train_step` (forward, backward, gradient communication) of step 3 (step 1
+warms up; steps 2 and 4 run under the memory counters, whose dispatch mode slows every op, and
+are not timed), beside the planner's `estimate()` step time less its optimizer step where the
+run's cluster has a device peak ("n/a" otherwise). Memory is deterministic; step times depend
+on the machine and its load.
 
 Prints one row per (layout, pipeline stage) with the errors (predicted / measured - 1) and the
 mean and worst absolute error; `--json` writes the rows.
@@ -81,6 +82,7 @@ LAYOUTS = [
     Layout("pp2-dualpipev", _pp("dualpipev")),
     Layout("cp2-ring", {"cp": 2}),
     Layout("tp2-pp2-1f1b", {"tp": 2, **_pp("1f1b")}),
+    Layout("pp2-zero3-dp2", {"dp_shard": 2, "zero": 3, **_pp("1f1b")}),
     Layout("moe-1r", {}, TINY_MOE),
     Layout("moe-ep2", {"dp_shard": 2, "zero": 1, "ep": 2, "micro_batch": 1}, TINY_MOE),
 ]
@@ -120,19 +122,45 @@ def run_layout(layout: Layout, steps: int, run_dir: str) -> dict | None:
     stdout, sys.stdout = sys.stdout, quiet  # the runtime prints its own report on rank 0
     try:
         runtime = DistributedRuntime(run.recipe, run.train)
+        cpu_s = _time_cpu(runtime)
         Trainer(run, runtime, Console(file=quiet)).fit()
         result = stage_rows(runtime)
     finally:
         sys.stdout = stdout
+    mine = {
+        "pp": runtime.pp_rank,
+        "cpu_s": cpu_s[TIMED_STEP - 1] if len(cpu_s) >= TIMED_STEP else None,
+    }
     if result is None:
-        return None
+        return {"cpu": mine}
     rows, note = result
     return {
         "layout": layout.name,
         "describe": run.recipe.plan.describe(),
         "rows": rows,
         "note": note,
+        "cpu": mine,
     }
+
+
+TIMED_STEP = 3  # the step the runtime times (1 warms up, 2 and 4 count memory)
+
+
+def _time_cpu(runtime) -> list[float]:
+    """Record this process's CPU seconds (all its threads: compute and gloo's) of every
+    `train_step`: under load, what a step costs this rank, waits for its peers excluded."""
+    seconds: list[float] = []
+    step = runtime.train_step
+
+    def timed(micro_batches):
+        tick = time.process_time()
+        try:
+            return step(micro_batches)
+        finally:
+            seconds.append(time.process_time() - tick)
+
+    runtime.train_step = timed
+    return seconds
 
 
 def _worker(rank: int, world: int, store: str, results, layout: Layout, steps: int, tmp: str):
@@ -178,7 +206,7 @@ def measure(layout: Layout, steps: int, timeout_s: float = 900.0) -> dict:
         ]
         for p in procs:
             p.start()
-        done, report = 0, None
+        done, report, cpu = 0, None, []
         deadline = time.monotonic() + timeout_s
         try:
             while done < layout.world:
@@ -192,6 +220,7 @@ def measure(layout: Layout, steps: int, timeout_s: float = 900.0) -> dict:
                 if status == "error":
                     raise RuntimeError(f"{layout.name}: rank {rank} failed:\n{payload}")
                 done += 1
+                cpu.append(payload["cpu"])
                 report = payload if rank == 0 else report
         finally:
             for p in procs:
@@ -199,6 +228,9 @@ def measure(layout: Layout, steps: int, timeout_s: float = 900.0) -> dict:
                 if p.is_alive():
                     p.kill()
     assert report is not None
+    for row in report["rows"]:  # the busiest rank of each stage
+        stage = [c["cpu_s"] for c in cpu if c["pp"] == row["stage"] and c["cpu_s"] is not None]
+        row["measured_cpu_s"] = max(stage) if stage else None
     return report
 
 
@@ -225,6 +257,8 @@ def flatten(reports: list[dict]) -> list[dict]:
                     "predicted_step_s": row["predicted_step_s"],
                     "measured_step_s": row["measured_step_s"],
                     "step_error": error(row["predicted_step_s"], row["measured_step_s"]),
+                    "measured_cpu_s": row.get("measured_cpu_s"),
+                    "cpu_error": error(row["predicted_step_s"], row.get("measured_cpu_s")),
                     "predicted_tenants": row.get("predicted_tenants", {}),
                     "measured_tenants": row.get("measured_tenants", {}),
                 }
@@ -258,16 +292,18 @@ def summary(rows: list[dict], key: str) -> str:
 def table(rows: list[dict]) -> str:
     lines = [
         f"{'layout':<18} {'stage':>5} {'pred MiB':>9} {'meas MiB':>9} {'error':>8}   "
-        f"{'pred ms':>9} {'meas ms':>9} {'error':>8}"
+        f"{'pred ms':>9} {'meas ms':>9} {'error':>8}   {'cpu ms':>9} {'error':>8}"
     ]
     for r in rows:
         lines.append(
             f"{r['layout']:<18} {r['stage']:>5} {_mib(r['predicted_peak_bytes'])} "
             f"{_mib(r['measured_peak_bytes'])} {_pct(r['memory_error'])}   "
-            f"{_ms(r['predicted_step_s'])} {_ms(r['measured_step_s'])} {_pct(r['step_error'])}"
+            f"{_ms(r['predicted_step_s'])} {_ms(r['measured_step_s'])} {_pct(r['step_error'])}   "
+            f"{_ms(r['measured_cpu_s'])} {_pct(r['cpu_error'])}"
         )
     lines.append(f"peak memory: {summary(rows, 'memory_error')}")
     lines.append(f"step time:   {summary(rows, 'step_error')}")
+    lines.append(f"cpu time:    {summary(rows, 'cpu_error')} (a loaded machine's proxy)")
     return "\n".join(lines)
 
 
@@ -305,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", help="comma-separated layout names (see --list)")
     parser.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}")
-    parser.add_argument("--steps", type=int, default=3, help="training steps per layout (>= 3)")
+    parser.add_argument("--steps", type=int, default=4, help="training steps per layout (>= 4)")
     parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
     parser.add_argument(
         "--tenants", action="store_true", help="also print predicted / measured MiB per tenant"
@@ -317,8 +353,11 @@ def main(argv: list[str] | None = None) -> int:
         for layout in layouts:
             print(f"{layout.name:<18} {layout.world} rank(s)  {layout.model}  {layout.full_plan}")
         return 0
-    if args.steps < 3:
-        parser.error("--steps must be >= 3: the report is taken on step 3 (step 1 is warm-up)")
+    if args.steps < 4:
+        parser.error(
+            "--steps must be >= 4: step 1 is the warm-up, steps 2 and 4 count memory (which "
+            "slows them), step 3 is timed"
+        )
     reports = []
     for layout in layouts:
         started = time.perf_counter()

@@ -73,13 +73,34 @@ def test_full_recompute_flops_are_what_checkpoint_runs():
     assert early_stop_skipped_flops_per_token(moe) > 0
 
 
+def test_layer_overhead_measures_each_layer_kind():
+    """The tiny stand-in keeps the model's op structure; every fixed cost is positive: DTensor
+    dispatch and FSDP2's hooks cost more than a plain layer, a MoE layer more than a dense one,
+    and the one-rank group used for them is gone afterwards."""
+    import torch.distributed as dist
+
+    from fivefold.parallel.calibrate import Budget, measure_overhead, tiny_like
+
+    moe = model_preset("tiny-moe")
+    tiny = tiny_like(moe, 3)
+    assert (tiny.layers, tiny.hidden, tiny.seq_len) == (3, 16, 8)
+    assert (tiny.experts, tiny.top_k, tiny.shared_experts) == (4, 2, 1)
+    torch.set_num_threads(1)
+    row = measure_overhead(model_preset("tiny"), 1, Budget(min_repeats=7), moe)
+    assert not dist.is_initialized()
+    assert row.layer_forward_s > 0 and row.layer_backward_s > 0
+    assert row.tp_forward_s > 0 and row.tp_backward_s > 0
+    assert row.fsdp_forward_s + row.fsdp_backward_s > 0
+    assert row.moe_forward_s + row.moe_backward_s > row.layer_forward_s + row.layer_backward_s
+
+
 def test_calibrate_quick_two_ranks_writes_a_profile_plan_uses(tmp_path):
     out = tmp_path / "profile.toml"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cli = [sys.executable, "-m", "fivefold.cli.main"]
     done = subprocess.run(
         [*cli, "calibrate", str(ROOT / "configs/tiny-cpu.toml"), "--quick", "--nproc", "2",
-         "--out", str(out), "--no-progress"],
+         "--also", "tiny-moe", "--out", str(out), "--no-progress"],
         capture_output=True, text=True, env=env, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
@@ -95,6 +116,8 @@ def test_calibrate_quick_two_ranks_writes_a_profile_plan_uses(tmp_path):
     shapes = {(m.m, m.n, m.k, m.layout) for m in profile.matmul}
     assert {(512, 64, 64, "nt"), (512, 32, 64, "nt"), (64, 64, 512, "tn")} <= shapes
     assert {m.threads for m in profile.matmul} == {1, available_cores()}
+    # --also tiny-moe: its experts' forward, 512 x 2 / 4 tokens each on (64 x 64) weights.
+    assert (256, 64, 64, "nt") in shapes
     plan = subprocess.run(
         [*cli, "plan", "estimate", str(ROOT / "configs/tiny-cpu.toml"), "--cluster", str(out),
          "--gpus", "2", "--dp", "2", "--json"],

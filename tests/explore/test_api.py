@@ -15,6 +15,8 @@ import pytest
 from fivefold.explore.api import json_safe
 from fivefold.explore.rank_grid import rank_grid
 from fivefold.planner.estimate import estimate
+from fivefold.planner.options import PlannerOptions
+from fivefold.planner.profiles import planner_settings, profile, profiles
 from fivefold.planner.search import search
 from fivefold.spec import (
     GPUS,
@@ -302,7 +304,10 @@ def test_search_equals_the_planner(client):
     )
     assert data["best"] == json_safe(result.best.to_json())
     assert data["alternatives"] == [json_safe(a.to_json()) for a in result.alternatives]
-    assert data["explanation"] == list(result.explanation)
+    profile_line = planner_settings(cluster_preset("dgx-h100", 16).device).describe()
+    assert profile_line.startswith("Efficiency profile fivefold:")
+    assert data["explanation"] == [profile_line, *result.explanation]
+    assert data["planner"]["profile"] == "fivefold"
     assert data["describe"] == [e.plan.describe() for e in [result.best, *result.alternatives]]
     assert data["evaluated"] == result.evaluated
     assert data["tie_fraction"] == 0.005  # what the Recommend table's caption states
@@ -392,3 +397,85 @@ def test_cli_port_errors():
     assert busy.returncode == 2
     assert f"--port {port}: cannot listen on 127.0.0.1:{port}" in busy.stderr
     assert "Traceback" not in busy.stderr
+
+
+# ---- efficiency profiles and planner options ------------------------------------------------
+def test_presets_list_profiles_and_every_planner_option(client):
+    status, data = client.get_json("/api/presets")
+    assert status == 200
+    assert list(data["profiles"]) == list(profiles())
+    assert data["default_profile"] == "fivefold"
+    assert data["profiles"]["torchtitan"]["options"]["fused_elementwise"] is False
+    assert data["profiles"]["fivefold"]["options"] is None  # set by the device
+    fields = set(PlannerOptions.__dataclass_fields__)
+    assert set(data["planner_options"]) == fields
+    assert data["planner_options"]["attention_kernel"]["choices"] == ["flash", "classic"]
+    assert data["planner_options"]["dropout"] == {
+        "help": data["planner_options"]["dropout"]["help"],
+        "kind": "bool",
+        "default": False,
+    }
+
+
+def test_estimate_with_a_profile_and_an_option_on_top(client):
+    body = {**LLAMA_16, "planner": {"profile": "megatron-2022", "dropout": False}}
+    status, data = client.post("/api/estimate", body)
+    assert status == 200, data
+    options = PlannerOptions(**{**profile("megatron-2022").options, "dropout": False})
+    cluster = cluster_preset("dgx-h100", 16)
+    expected = estimate(model_preset("llama3-8b"), cluster, LLAMA_16_PLAN, options)
+    assert data["estimate"] == json_safe(expected.to_json())
+    default = estimate(model_preset("llama3-8b"), cluster, LLAMA_16_PLAN)
+    # Classic attention writes and reads the s^2 scores in HBM: slower than flash (its memory
+    # is the same here: selective recompute does not keep the scores).
+    assert expected.step_time_s > default.step_time_s
+    assert expected.peak_memory_bytes == default.peak_memory_bytes
+    assert data["planner"]["profile"] == "megatron-2022"
+    assert data["planner"]["options"]["attention_kernel"] == "classic"
+    assert data["planner"]["overrides"] == {"dropout": False}
+    assert data["planner"]["notes"] == [
+        "dropout = false (planner.dropout, replacing megatron-2022's true)"
+    ]
+
+
+def test_search_with_a_profile_costs_with_its_options(client):
+    body = {
+        "model": {"preset": "llama3-8b", "seq_len": 8192},
+        "cluster": {"preset": "dgx-h100", "gpus": 16},
+        "global_batch": 64,
+        "top": 2,
+        "planner": {"profile": "torchtitan", "headroom": 0.2},
+    }
+    status, data = client.post("/api/search", body)
+    assert status == 200, data
+    options = profile("torchtitan").planner_options(cluster_preset("dgx-h100", 16).device)
+    result = search(
+        model_preset("llama3-8b"),
+        cluster_preset("dgx-h100", 16),
+        global_batch=64,
+        top=2,
+        headroom=0.2,
+        options=options,
+    )
+    assert data["best"] == json_safe(result.best.to_json())
+    assert data["explanation"][0].startswith("Efficiency profile torchtitan:")
+    assert data["planner"]["options"] == json_safe(
+        {k: getattr(options, k) for k in PlannerOptions.__dataclass_fields__}
+    )
+
+
+@pytest.mark.parametrize(
+    ("planner", "words"),
+    [
+        ({"profile": "megatron-2099"}, "planner.profile = 'megatron-2099' is not an efficiency"),
+        ({"attention_kernel": "sparse"}, "planner.attention_kernel = 'sparse': choose one of"),
+        ({"dropout": "yes"}, "planner.dropout = 'yes': expected true or false"),
+        ({"dp_bucket_bytes": -1}, "planner.dp_bucket_bytes = -1.0: must be a finite number >= 0"),
+        ({"bucket": 1}, "planner.bucket is not a setting"),
+        ("torchtitan", "planner = 'torchtitan': expected an object"),
+    ],
+)
+def test_bad_planner_options_name_the_field(client, planner, words):
+    status, data = client.post("/api/estimate", {**LLAMA_16, "planner": planner})
+    assert status == 400
+    assert any(words in p for p in data["problems"]), data

@@ -14,6 +14,7 @@ import sys
 
 from fivefold.explore.api import json_safe
 from fivefold.planner.estimate import estimate
+from fivefold.planner.profiles import planner_settings
 from fivefold.planner.search import search
 from fivefold.spec import (
     ClusterSpec,
@@ -143,22 +144,42 @@ DEFAULT_CLUSTER = cluster_preset("dgx-h100", 16)
 DEFAULT_PLAN = ParallelPlan(tp=2, pp=2, dp_shard=4, zero=1, recompute="selective", grad_accum=16)
 
 
+DEFAULT_FLAGS = [
+    "--model", "llama3-8b", "--seq", "8192", "--cluster", "dgx-h100", "--gpus", "16",
+    "--tp", "2", "--pp", "2", "--schedule", "1f1b", "--dp", "4", "--zero", "1",
+    "--mbs", "1", "--global-batch", "64", "--recompute", "selective",
+    "--precision", "bf16-mixed",
+]  # fmt: skip
+
+
 def test_page_loads_and_matches_plan_estimate_cli(page):
     """The page's opening layout equals `fivefold plan estimate --json` for the same flags."""
-    expected = cli_estimate_json(
-        [
-            "--model", "llama3-8b", "--seq", "8192", "--cluster", "dgx-h100", "--gpus", "16",
-            "--tp", "2", "--pp", "2", "--schedule", "1f1b", "--dp", "4", "--zero", "1",
-            "--mbs", "1", "--global-batch", "64", "--recompute", "selective",
-            "--precision", "bf16-mixed",
-        ]
-    )  # fmt: skip
+    expected = cli_estimate_json(DEFAULT_FLAGS)
     in_process = planner_json(DEFAULT_MODEL, DEFAULT_CLUSTER, DEFAULT_PLAN)
     assert {key: expected[key] for key in in_process} == in_process  # the CLI adds headroom keys
     assert page.locator("#layout-describe").text_content() == DEFAULT_PLAN.describe()
     assert_page_shows(page, expected)
     assert page.locator("#problems").is_hidden()
     screenshot(page, "01-default-layout")
+
+
+def test_efficiency_profile_and_an_option_match_the_cli(page):
+    """Choosing a profile, then replacing one of its options, shows what `plan estimate
+    --profile ... --no-dropout` prints, and the page names the profile and the replacement."""
+    assert page.locator("#planner-facts").get_attribute("data-profile") == "fivefold"
+    set_controls(page, {"planner.profile": "megatron-2022"})
+    expected = cli_estimate_json([*DEFAULT_FLAGS, "--profile", "megatron-2022"])
+    assert_page_shows(page, expected)
+    assert page.locator('[name="planner.attention_kernel"]').input_value() == "classic"
+    assert page.locator("#planner-facts").get_attribute("data-profile") == "megatron-2022"
+    page.click("#planner-details summary")
+    set_controls(page, {"planner.dropout": False})
+    expected = cli_estimate_json([*DEFAULT_FLAGS, "--profile", "megatron-2022", "--no-dropout"])
+    assert_page_shows(page, expected)
+    assert "dropout = false (planner.dropout, replacing megatron-2022's true)" in (
+        page.locator("#planner-facts").text_content()
+    )
+    screenshot(page, "02b-profile-megatron-2022")
 
 
 def test_moving_controls_updates_every_figure(page):
@@ -259,7 +280,9 @@ def test_recommend_runs_the_search_and_applies_a_layout(page):
         assert cells.nth(0).text_content() == fmt_time(expected["step_time_s"])
         assert float(cells.nth(1).get_attribute("data-value")) == expected["tokens_per_s"]
         assert float(cells.nth(3).get_attribute("data-value")) == expected["memory_gib"]["total"]
-    assert page.locator("#explanation li").all_text_contents() == list(result.explanation)
+    profile_line = planner_settings(DEFAULT_CLUSTER.device).describe()
+    shown = page.locator("#explanation li").all_text_contents()
+    assert shown == [profile_line, *result.explanation]
     screenshot(page, "05-recommend")
     # Apply the best layout: the controls take it and the page shows its estimate.
     before = int(page.evaluate("() => Number(document.body.dataset.seq)"))
@@ -278,7 +301,8 @@ def test_export_writes_a_recipe_fivefold_train_reads(page, tmp_path):
     page.click("#export")
     page.wait_for_selector("#card-export:not([hidden])")
     text = page.locator("#export-toml").text_content()
-    recipe = Recipe(DEFAULT_MODEL, DEFAULT_CLUSTER, DEFAULT_PLAN)
+    planner = {"planner": {"profile": "fivefold"}}  # the default profile, stated
+    recipe = Recipe(DEFAULT_MODEL, DEFAULT_CLUSTER, DEFAULT_PLAN, planner)
     assert text.split("\n", 2)[2].lstrip("\n") == dump_recipe(recipe)  # after two header lines
     with page.expect_download() as download:
         page.click("#export-download")

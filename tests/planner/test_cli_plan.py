@@ -300,3 +300,150 @@ def test_help_lists_every_flag(capsys):
         "estimate",
     ):
         assert flag in text, flag
+
+
+# ---- planner options and efficiency profiles -------------------------------------------------
+LLAMA_ESTIMATE = ["plan", "estimate", "--model", "llama3-8b", "--gpus", "16", "--tp", "2"]
+LLAMA_ESTIMATE += ["--mbs", "1", "--global-batch", "64", "--recompute", "none"]
+
+# A value other than the fivefold profile's default for every PlannerOptions field, as a flag.
+NON_DEFAULT_FLAGS = {
+    "activation_model": (["--activation-model", "simple"], "simple"),
+    "attention_kernel": (["--attention-kernel", "classic"], "classic"),
+    "dropout": (["--dropout"], True),
+    "tp_comm_overlap": (["--tp-comm-overlap"], True),
+    "dp_overlap": (["--no-dp-overlap"], False),
+    "fused_elementwise": (["--no-fused-elementwise"], False),
+    "selective_policy": (["--selective-policy", "alternate-matmul"], "alternate-matmul"),
+    "cuda_context_bytes": (["--cuda-context-bytes", "1G"], float(2**30)),
+    "fragmentation_fraction": (["--fragmentation-fraction", "10%"], 0.10),
+    "dp_bucket_bytes": (["--dp-bucket-bytes", "100M"], float(100 * 2**20)),
+    "collective_granularity": (["--collective-granularity", "bucket"], "bucket"),
+    "runtime": (["--runtime", "fivefold-eager"], "fivefold-eager"),
+    "checkpoint_early_stop": (["--checkpoint-early-stop"], True),
+}
+
+
+def test_every_planner_option_has_a_flag_and_a_help_line_with_its_default(capsys):
+    from fivefold.planner.options import PlannerOptions
+
+    assert set(NON_DEFAULT_FLAGS) == set(PlannerOptions.__dataclass_fields__)
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    from fivefold.cli.main import build_parser
+
+    sub = build_parser("plan")._subparsers._group_actions[0].choices["plan"]
+    helps = {a.option_strings[0]: a.help for a in sub._actions if a.option_strings}
+    for name in NON_DEFAULT_FLAGS:
+        flag = "--" + name.replace("_", "-")
+        assert flag in text, flag
+        assert "(default " in helps[flag], flag
+    assert "--profile NAME efficiency profile: megatron-2022, nemo-2024, torchtitan, " in text
+    assert "fivefold (default fivefold)" in text
+
+
+@pytest.mark.parametrize("name", sorted(NON_DEFAULT_FLAGS))
+def test_each_option_flag_reaches_the_estimate_and_is_echoed(capsys, name):
+    from fivefold.planner.options import PlannerOptions
+
+    argv, value = NON_DEFAULT_FLAGS[name]
+    data = _json(capsys, [*LLAMA_ESTIMATE, *argv, "--json"])
+    assert data["planner"]["profile"] == "fivefold"
+    assert data["planner"]["options"][name] == value
+    assert data["planner"]["overrides"] == {name: value}
+    options = PlannerOptions(**{name: value})
+    assert data["planner"]["options"] == {
+        k: getattr(options, k) for k in PlannerOptions.__dataclass_fields__
+    }
+    cluster = cluster_preset("dgx-h100", 16)
+    est = estimate(model_preset("llama3-8b"), cluster, load_plan(data["plan"]), options)
+    assert data["step_time_s"] == est.step_time_s
+    assert data["memory_gib"]["total"] == pytest.approx(est.peak_memory_bytes / 2**30)
+
+
+def test_classic_attention_costs_more_than_flash(capsys):
+    flash = _json(capsys, [*LLAMA_ESTIMATE, "--json"])
+    classic = _json(capsys, [*LLAMA_ESTIMATE, "--attention-kernel", "classic", "--json"])
+    # Without recompute, classic attention keeps b * heads/tp * s^2 scores per layer.
+    assert classic["memory_gib"]["activations"] > 2 * flash["memory_gib"]["activations"]
+    assert classic["step_time_s"] > flash["step_time_s"]
+
+
+def test_profile_recipe_and_flag_precedence_is_stated(capsys, tmp_path):
+    from fivefold.planner.options import PlannerOptions
+    from fivefold.planner.profiles import profile
+
+    recipe = tmp_path / "r.toml"
+    recipe.write_text(
+        '[model]\npreset = "llama3-8b"\n[cluster]\npreset = "dgx-h100"\ngpus = 16\n'
+        "[plan]\ntp = 2\ndp_shard = 8\nzero = 1\ngrad_accum = 8\n"
+        '[planner]\nprofile = "torchtitan"\nattention_kernel = "classic"\ndropout = true\n'
+    )
+    argv = ["plan", "estimate", str(recipe), "--profile", "nemo-2024", "--attention-kernel"]
+    data = _json(capsys, [*argv, "flash", "--json"])
+    planner = data["planner"]
+    assert planner["profile"] == "nemo-2024"
+    expected = PlannerOptions(**{**profile("nemo-2024").options, "dropout": True})
+    assert planner["options"] == {
+        k: getattr(expected, k) for k in PlannerOptions.__dataclass_fields__
+    }
+    assert planner["notes"] == [
+        "attention_kernel = classic (planner.attention_kernel, replacing nemo-2024's flash)",
+        "dropout = true (planner.dropout, replacing nemo-2024's false)",
+        "attention_kernel = flash (--attention-kernel, replacing the recipe's classic)",
+    ]
+    assert main([*argv, "flash"]) == 0
+    text = capsys.readouterr().out
+    assert "Efficiency profile nemo-2024:" in text and "(--attention-kernel, replacing" in text
+
+
+def test_search_with_a_profile_and_its_recipe_round_trip(capsys, tmp_path):
+    from fivefold.planner.profiles import profile
+    from fivefold.planner.search import search
+
+    out = tmp_path / "best.toml"
+    argv = ["plan", "--model", "llama3-8b", "--gpus", "16", "--global-batch", "64"]
+    argv += ["--profile", "megatron-2022", "--no-dropout", "--headroom", "0.2"]
+    data = _json(capsys, [*argv, "--json", "--out", str(out)])
+    cluster = cluster_preset("dgx-h100", 16)
+    options = profile("megatron-2022").planner_options(cluster.device)
+    from dataclasses import replace
+
+    options = replace(options, dropout=False)
+    result = search(
+        model_preset("llama3-8b"), cluster, global_batch=64, headroom=0.2, options=options
+    )
+    assert data["plan"] == result.best_plan.to_dict()
+    assert data["step_time_s"] == result.best.step_time_s
+    assert data["explanation"][0].startswith("Efficiency profile megatron-2022: classic")
+    note = "dropout = false (--no-dropout, replacing megatron-2022's true)"
+    assert note in data["explanation"][0]
+    assert data["planner"]["overrides"] == {"dropout": False}
+    written = out.read_text()
+    assert '[planner]\nprofile = "megatron-2022"\nheadroom = 0.2\ndropout = false\n' in written
+    again = _json(capsys, ["plan", "estimate", str(out), "--json"])
+    assert again["planner"]["options"] == data["planner"]["options"]
+    assert again["step_time_s"] == data["step_time_s"]
+    assert again["headroom"] == 0.2
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["--profile", "megatron"], "--profile = 'megatron' is not an efficiency profile"),
+        (["--dp-bucket-bytes", "lots"], "--dp-bucket-bytes = 'lots' is not a size"),
+        (["--fragmentation-fraction", "2"], "--fragmentation-fraction = 2: must be at least 0"),
+        (["--cuda-context-bytes", "-1"], "--cuda-context-bytes = -1: must be at least 0"),
+        (["planner.dropout=3"], "planner.dropout = 3: expected true or false"),
+        (["planner.headroom=nan"], "planner.headroom = nan: must be a fraction in [0, 1)"),
+        (["planner.atention_kernel=flash"], "planner.atention_kernel is not a setting"),
+    ],
+)
+def test_bad_planner_options_exit_2_naming_the_field(capsys, argv, words):
+    overrides = [a for a in argv if "=" in a]
+    flags = [a for a in argv if "=" not in a]
+    head, rest = LLAMA_ESTIMATE[:2], LLAMA_ESTIMATE[2:]
+    assert main([*head, *overrides, *rest, *flags]) == 2
+    err = capsys.readouterr().err
+    assert words in err, err

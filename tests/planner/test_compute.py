@@ -114,7 +114,50 @@ def test_sequence_parallel_divides_norm_traffic():
 def test_optimizer_step_is_memory_bound():
     plan = ParallelPlan(precision="bf16-mixed")
     t = optimizer_step_s(1e9, plan, H100, EFF)
-    assert t == pytest.approx(1e9 * (2 * 12 + 2 + 2) / (H100.hbm_bw_bytes_per_s * 0.8))
+    # Adam: state read and written, gradient read, parameter written; clipping: the gradient
+    # read for the norm, then read and written to scale it.
+    size = 2 * 12 + 2 + 2 + 3 * 2
+    assert t == pytest.approx(1e9 * size / (H100.hbm_bw_bytes_per_s * 0.8))
+
+
+def test_roofline_takes_the_larger_side():
+    """Each memory-side kernel runs at max(FLOPs / vector rate, bytes / bandwidth)."""
+    from dataclasses import replace
+
+    from fivefold.planner.compute import roofline_s
+
+    bw = H100.hbm_bw_bytes_per_s * 0.8
+    assert roofline_s(1e9, 1e9, H100, EFF) == pytest.approx(1e9 / bw)  # ~0.5 FLOP/byte
+    slow = replace(H100, peak_flops={**H100.peak_flops, "fp32": 1e9})  # 1 GFLOP/s vectors
+    assert roofline_s(1e9, 1e9, slow, EFF) == pytest.approx(1.0)
+
+
+def test_short_attention_is_memory_bound():
+    """Flash attention over 16 tokens moves more bytes than its FLOPs can hide: its time is
+    q, k, v in and the output out at the bandwidth, not the FLOPs at the attention rate."""
+    from fivefold.planner.compute import attention_times_s
+
+    m = model_preset("llama3-8b").with_(seq_len=16)
+    plan = ParallelPlan(micro_batch=1)
+    fwd, bwd = attention_times_s(m, plan, H100, EFF)
+    q, kv = 4096, 1024
+    bw = H100.hbm_bw_bytes_per_s * 0.8
+    assert fwd == pytest.approx(16 * 2 * (2 * q + 2 * kv) / bw)
+    assert bwd == pytest.approx(16 * 2 * (4 * q + 4 * kv) / bw)
+    flops = 4 * 16 * 8 * 128 * 32
+    assert fwd > flops / (H100.peak("bf16") * 0.5)
+
+
+def test_embedding_backward_writes_the_table():
+    from fivefold.planner.compute import embedding_work
+
+    m = model_preset("tiny")  # h 64, V 4096, s 128
+    plan = ParallelPlan(micro_batch=2, precision="fp32")
+    w = embedding_work(m, plan, H100, EFF)
+    bw = H100.hbm_bw_bytes_per_s * 0.8
+    rows = 2 * 128 * 64
+    assert w.forward_s == pytest.approx(2 * rows * 4 / bw)
+    assert w.backward_input_s == pytest.approx((4096 * 64 * 4 + rows * 3 * 4) / bw)
 
 
 def test_full_recompute_early_stop_skips_each_blocks_last_matmul():

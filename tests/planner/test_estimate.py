@@ -100,7 +100,9 @@ def test_pipeline_uses_the_schedule_simulation():
     # Nearly uniform stages: close to the closed form (p-1)/(m+p-1).
     assert est.bubble_fraction == pytest.approx(closed_form_bubble(4, 8), abs=0.03)
     analytic = estimate(LLAMA8, H100x8, plan, pipeline="analytic")
-    assert analytic.step_time_s == pytest.approx(est.step_time_s, rel=0.01)
+    # The first stage also runs the embedding (its backward writes the [V, h] gradient), the
+    # last the head: the closed form for unequal stages is within 2 % of the simulation.
+    assert analytic.step_time_s == pytest.approx(est.step_time_s, rel=0.02)
 
 
 @pytest.mark.parametrize(

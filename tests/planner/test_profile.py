@@ -21,6 +21,7 @@ from fivefold.spec.model import (
 from fivefold.spec.plan import ParallelPlan
 from fivefold.spec.presets import model_preset
 from fivefold.spec.profile import (
+    COLLECTIVES,
     Matmul,
     parse_profile,
     profile_cluster,
@@ -35,6 +36,7 @@ ATT_F, ATT_B = 2e9, 1e9
 BW = {"elementwise_forward": 4e9, "elementwise_backward": 2e9, "loss_forward": 1e9}
 BW |= {"loss_backward": 5e8, "optimizer": 3e9}
 OVER_F, OVER_B = 1e-4, 3e-4
+MOE_F, MOE_B, TP_F, TP_B, FSDP_F, FSDP_B = 5e-4, 9e-4, 2e-4, 4e-4, 3e-5, 7e-5
 
 
 def synthetic(cores: int = 2) -> dict:
@@ -54,22 +56,26 @@ def synthetic(cores: int = 2) -> dict:
         )  # fmt: skip
         rows["bandwidth"] += [dict(kind=k, threads=threads, bytes_per_s=v) for k, v in BW.items()]
         rows["overhead"].append(
-            dict(threads=threads, layer_forward_s=OVER_F, layer_backward_s=OVER_B)
-        )
+            dict(
+                threads=threads, layer_forward_s=OVER_F, layer_backward_s=OVER_B,
+                moe_forward_s=MOE_F, moe_backward_s=MOE_B, tp_forward_s=TP_F,
+                tp_backward_s=TP_B, fsdp_forward_s=FSDP_F, fsdp_backward_s=FSDP_B,
+            )
+        )  # fmt: skip
     collective = [
-        dict(op=op, ranks=2, alpha_s=1e-4, beta_bytes_per_s=1e9)
+        dict(op=op, ranks=2, world=2, alpha_s=1e-4, beta_bytes_per_s=1e9)
         for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
     ]
     sample = [
         dict(
-            op="all_reduce", ranks=2, size_bytes=1024, time_s=1e-4, algbw_bytes_per_s=1.024e7,
-            busbw_bytes_per_s=1.024e7,
+            op="all_reduce", ranks=2, world=2, size_bytes=1024, time_s=1e-4,
+            algbw_bytes_per_s=1.024e7, busbw_bytes_per_s=1.024e7,
         )
     ]  # fmt: skip
     device = dict(
         name="Test CPU", kind="cpu", cores=cores, memory_bytes=8 * 2**30, backend="gloo", ranks=2
     )
-    return dict(format=1, device=device, **rows, collective=collective, collective_sample=sample)
+    return dict(format=2, device=device, **rows, collective=collective, collective_sample=sample)
 
 
 @pytest.fixture
@@ -195,8 +201,8 @@ def test_head_and_optimizer_from_the_profile_by_hand(profile_path):
     assert head.backward_input_s == pytest.approx(
         gemm + 14 * tokens * v / BW["loss_backward"] + norm_b
     )
-    # fp32 AdamW: 2 x 8 bytes of state, 4 of gradient, 4 of parameter.
-    assert optimizer_step_s(1e6, plan, device, EFF) == pytest.approx(1e6 * 24 / BW["optimizer"])
+    # fp32 AdamW: 2 x 8 bytes of state, 4 of gradient, 4 of parameter; clipping 3 x 4.
+    assert optimizer_step_s(1e6, plan, device, EFF) == pytest.approx(1e6 * 36 / BW["optimizer"])
 
 
 def test_collectives_use_the_fitted_alpha_beta(profile_path):
@@ -253,3 +259,83 @@ def test_recipe_cluster_profile_and_plan_cli(profile_path, capsys):
 
     out = json.loads(capsys.readouterr().out)
     assert out["step_time_s"] > 0 and out["cluster"]["profile"] == str(profile_path)
+
+
+def test_layer_overhead_by_layer_kind(profile_path):
+    """A MoE layer has its own fixed cost; tensor parallelism and a ZeRO-3 unit add theirs; four
+    one-thread ranks on two cores get half the machine, so every fixed second takes two."""
+    measured = profile_device(profile_path, 2).measured
+    assert measured.layer_overhead_s() == pytest.approx((OVER_F, OVER_B))
+    assert measured.layer_overhead_s(moe=True) == pytest.approx((MOE_F, MOE_B))
+    both = measured.layer_overhead_s(tp=True, fsdp=True)
+    assert both == pytest.approx((OVER_F + TP_F + FSDP_F, OVER_B + TP_B + FSDP_B))
+    crowded = profile_device(profile_path, 4).measured
+    assert crowded.layer_overhead_s(moe=True, tp=True) == pytest.approx(
+        (2 * (MOE_F + TP_F), 2 * (MOE_B + TP_B))
+    )
+
+
+def test_tensor_parallel_layers_carry_their_extra(tmp_path):
+    """The same TP 2 layer on two profiles that differ only in the TP extra: the layer's forward
+    and input-gradient backward differ by exactly that extra."""
+    data = synthetic()
+    for row in data["overhead"]:
+        row.update(tp_forward_s=0.0, tp_backward_s=0.0)
+    free = tmp_path / "free.toml"
+    free.write_text(parse_profile(data).to_toml())
+    paid = tmp_path / "paid.toml"
+    paid.write_text(parse_profile(synthetic()).to_toml())
+    plan = ParallelPlan(micro_batch=4, tp=2, precision="fp32")
+    a = layer_work(TINY, plan, profile_device(free, 2), EFF)
+    b = layer_work(TINY, plan, profile_device(paid, 2), EFF)
+    assert b.forward_s - a.forward_s == pytest.approx(TP_F)
+    assert b.backward_input_s - a.backward_input_s == pytest.approx(TP_B)
+
+
+def test_zero3_with_pipelining_communicates_once_per_step(profile_path):
+    """torch's pipeline stages keep a ZeRO-3 chunk gathered for the step and reduce-scatter
+    after the last backward: the same communication as ZeRO-1 under the same pipeline."""
+    cluster = profile_cluster(profile_path, 4)
+    base = ParallelPlan(pp=2, dp_shard=2, micro_batch=1, grad_accum=4, precision="fp32")
+    z3 = estimate(TINY, cluster, base.with_(zero=3))
+    z1 = estimate(TINY, cluster, base.with_(zero=1))
+    assert z3.breakdown_s["in_stage_comm_s"] == pytest.approx(0.0, abs=1e-12)  # no layer gathers
+    assert z3.step_time_s == pytest.approx(z1.step_time_s)
+    kinds = {c.kind: c.bytes_per_step for c in z3.comm}
+    assert kinds == pytest.approx({c.kind: c.bytes_per_step for c in z1.comm})
+    # Without pipelining ZeRO-3 gathers every layer in forward and backward of each micro-batch.
+    flat = estimate(TINY, cluster, base.with_(pp=1, dp_shard=4, zero=3))
+    assert flat.breakdown_s["in_stage_comm_s"] > 0
+
+
+def test_zero3_pays_fsdp_copies_by_hand(profile_path):
+    """Each ZeRO-3 gather is copied out into the parameters and each gradient reduce-scatter's
+    input is copied in: 2 bytes moved per byte, at the element-wise bandwidth."""
+    from fivefold.planner.estimate import _layer_costs, _layer_key
+    from fivefold.planner.options import PlannerOptions
+
+    cluster = profile_cluster(profile_path, 2)
+    plan = ParallelPlan(dp_shard=2, zero=3, micro_batch=4, precision="fp32")
+    opts = PlannerOptions.for_device(cluster.device)
+    lc = _layer_costs(TINY, _layer_key(plan), cluster, EFF, opts, False)
+    params = 64 * (64 + 2 * 32) + 64 * 64 + 3 * 64 * 176 + 2 * 64  # attention, SwiGLU, norms
+    assert lc.gather_copy_s == pytest.approx(2 * params * 4 / BW["elementwise_forward"])
+    assert lc.reduce_copy_s == pytest.approx(lc.gather_copy_s)
+
+
+def test_collectives_measured_among_as_many_processes_as_the_run(tmp_path):
+    """A 2-rank group measured alone and among 4 processes on 2 cores: a 2-rank run reads the
+    first, a 4-rank run (its 2-rank groups share the cores with the other pair) the second."""
+    data = synthetic()
+    data["device"]["ranks"] = 4
+    data["collective"] = [
+        dict(op=op, ranks=2, world=2, alpha_s=1e-4, beta_bytes_per_s=1e9) for op in COLLECTIVES
+    ] + [dict(op=op, ranks=2, world=4, alpha_s=3e-4, beta_bytes_per_s=4e8) for op in COLLECTIVES]
+    path = tmp_path / "p.toml"
+    path.write_text(parse_profile(data).to_toml())
+    assert profile_device(path, 2).measured.collective("all_gather", 2) == (1e-4, 1e9)
+    assert profile_device(path, 4).measured.collective("all_gather", 2) == (3e-4, 4e8)
+    bad = synthetic()
+    bad["collective"][0]["world"] = 1
+    with pytest.raises(ConfigError, match=r"collective\[0\]\.world"):
+        parse_profile(bad)

@@ -22,7 +22,8 @@ measured matmul peak MFU and HFU are reported.
 Measured: matmul throughput over the GEMM shapes of the recipe's model (q/k/v/o, MLP, LM head,
 experts; forward and both backward passes; each tensor-parallel split up to --nproc; fp32, and
 bf16 where the CPU has native bf16), its attention core (causal, forward and
-backward), element-wise, loss and optimizer bandwidth, a per-layer overhead, and every
+backward), element-wise, loss and optimizer bandwidth, the fixed cost of a layer (dense, MoE,
+and the extra of tensor parallelism and of a ZeRO-3 unit), and every
 collective the runtime uses (all-reduce, all-gather, reduce-scatter, all-to-all, send/recv) at
 several sizes over --nproc real processes (gloo on CPU; NCCL where every rank has a GPU, a path
 written the same way but not yet run by us), printed like nccl-tests and fitted to the
@@ -36,6 +37,7 @@ _EPILOG = """\
 examples:
   fivefold calibrate                                  # small preset, 2 ranks, default location
   fivefold calibrate configs/tiny-cpu.toml --nproc 4 --out tiny-4.toml
+  fivefold calibrate configs/small-cpu.toml plan.micro_batch=2 --also tiny-moe --nproc 4
   fivefold plan estimate configs/small-cpu.toml --cluster tiny-4.toml --gpus 2
 """
 
@@ -65,6 +67,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help=f"where to write the profile (default: ${PROFILE_ENV}, else "
         "$XDG_CACHE_HOME/fivefold/device-profile.toml)",
+    )
+    parser.add_argument(
+        "--also",
+        action="append",
+        default=[],
+        metavar="PRESET",
+        help="also measure this model preset's matmul shapes, attention and MoE layer overhead "
+        "(repeatable; e.g. --also tiny-moe for benchmarks/plan_vs_run.py's MoE rows)",
     )
     parser.add_argument("--quick", action="store_true", help="fewer shapes and sizes (seconds)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -99,8 +109,11 @@ def handle(args: argparse.Namespace) -> int:
     if out.exists() and out.is_dir():
         raise ConfigError(f"--out {str(out)!r} is a directory; name a .toml file.")
     model, plan = model_and_plan(args.items)
+    also = tuple(_preset(name) for name in args.also)
     console = Console(highlight=False, soft_wrap=True)
-    profile = run_calibration(model, plan, args.nproc, args.quick, console, not args.no_progress)
+    profile = run_calibration(
+        model, plan, args.nproc, args.quick, console, not args.no_progress, also
+    )
     text = profile.to_toml()
     import tomllib
 
@@ -116,7 +129,16 @@ def handle(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_calibration(model, plan, ranks: int, quick: bool, console, progress: bool):
+def _preset(name: str) -> Any:
+    """The model preset `name` (ConfigError naming the choices otherwise)."""
+    from fivefold.spec.presets import model_preset
+
+    return model_preset(name)
+
+
+def run_calibration(
+    model, plan, ranks: int, quick: bool, console, progress: bool, also: tuple = ()
+):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
     from fivefold.parallel import calibrate as cal
@@ -130,7 +152,7 @@ def run_calibration(model, plan, ranks: int, quick: bool, console, progress: boo
         )
     elif quick:
         console.print("bf16: native on this CPU, but --quick measures fp32 only.")
-    steps = cal.compute_steps(model, plan, ranks, quick, bf16)
+    steps = cal.compute_steps(model, plan, ranks, quick, bf16, also)
     total = len(steps) + (comm.steps_count(ranks, quick) if ranks >= 2 else 0)
     bar = Progress(
         TextColumn("[bold]calibrate"),
@@ -153,13 +175,13 @@ def run_calibration(model, plan, ranks: int, quick: bool, console, progress: boo
             "(size: bytes; time: slowest rank's mean; algbw = size / time; busbw as nccl-tests)"
         )
         console.print(
-            f"{'op':>15} {'ranks':>5} {'size':>10} {'time(us)':>10} {'algbw(GB/s)':>12} "
-            f"{'busbw(GB/s)':>12}"
+            f"{'op':>15} {'ranks':>5} {'procs':>5} {'size':>10} {'time(us)':>10} "
+            f"{'algbw(GB/s)':>12} {'busbw(GB/s)':>12}"
         )
 
         def on_row(s) -> None:
             console.print(
-                f"{s.op:>15} {s.ranks:>5} {s.size_bytes:>10} {s.time_s * 1e6:>10.1f} "
+                f"{s.op:>15} {s.ranks:>5} {s.world:>5} {s.size_bytes:>10} {s.time_s * 1e6:>10.1f} "
                 f"{s.algbw_bytes_per_s / 1e9:>12.3f} {s.busbw_bytes_per_s / 1e9:>12.3f}"
             )
             bar.update(task, what=f"{s.op} {s.ranks} ranks {s.size_bytes} B")
@@ -195,11 +217,15 @@ def print_summary(console, profile) -> None:
         console.print(f"bandwidth (GB/s), {t} thread(s): {bws}")
         for o in (o for o in profile.overhead if o.threads == t):
             console.print(
-                f"layer overhead, {t} thread(s): forward {o.layer_forward_s * 1e3:.3f} ms, "
-                f"backward {o.layer_backward_s * 1e3:.3f} ms"
+                f"layer overhead (ms forward / backward), {t} thread(s): dense "
+                f"{o.layer_forward_s * 1e3:.3f} / {o.layer_backward_s * 1e3:.3f}, MoE "
+                f"{o.moe_forward_s * 1e3:.3f} / {o.moe_backward_s * 1e3:.3f}, TP extra "
+                f"{o.tp_forward_s * 1e3:.3f} / {o.tp_backward_s * 1e3:.3f}, ZeRO-3 extra "
+                f"{o.fsdp_forward_s * 1e3:.3f} / {o.fsdp_backward_s * 1e3:.3f}"
             )
     for c in profile.collective:
         console.print(
-            f"{c.op} over {c.ranks} ranks: alpha {c.alpha_s * 1e6:.1f} us, beta "
+            f"{c.op} over {c.ranks} ranks ({c.world} processes): alpha "
+            f"{c.alpha_s * 1e6:.1f} us, beta "
             f"{c.beta_bytes_per_s / 1e9:.3f} GB/s"
         )

@@ -32,6 +32,13 @@ table or a recipe) or flags (--layers --hidden --heads ...); flags override the 
 cluster from a preset and a GPU count (--cluster dgx-h100 --gpus 64) or a description
 (--gpu h100 --gpus-per-node 8 --nvlink-gbps 900 --ib-gbps 50 --gpus 64). A positional recipe
 (e.g. configs/llama3-8b-dgx-h100.toml) gives model, cluster and, for `estimate`, the layout.
+
+What the training software achieves (attention kernel, overlap of TP and DP communication,
+fused kernels, collective granularity) is an efficiency profile: --profile megatron-2022,
+nemo-2024, torchtitan or fivefold (the default: this runtime on the cluster's device). Each
+planner option flag replaces the profile's value (the output says so), as does a recipe's
+[planner] table (profile = "torchtitan", attention_kernel = "classic", headroom = 0.1, ...);
+flags win over the recipe. --json echoes the profile and every option in force.
 """
 
 _EPILOG = """\
@@ -43,6 +50,8 @@ examples:
   fivefold plan estimate --model llama3-8b --gpus 64 --tp 8 --zero 3 --mbs 1 \\
       --global-batch 128 --recompute selective
   fivefold plan estimate configs/llama3-8b-dgx-h100.toml
+  fivefold plan estimate --model llama3-70b --cluster dgx-a100 --gpus 64 --tp 8 --pp 4 \\
+      --mbs 1 --global-batch 128 --recompute full --profile megatron-2022
 """
 
 SIZE_SUFFIXES = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
@@ -51,6 +60,7 @@ DEFAULT_GPUS = 8
 GBPS = 1e9  # --nvlink-gbps / --ib-gbps are gigabytes per second per GPU
 MAX_BATCH_TOKENS = 1 << 30  # tokens per step: 64x Llama 3's 16M; bounds the search
 MAX_BATCH_SEQUENCES = 1 << 24
+DEFAULT_HEADROOM = 0.10
 
 
 # ---- argument parsing ----------------------------------------------------------------------
@@ -142,6 +152,26 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="sequence parallelism in the TP group",
     )
+    for flag, choices, help_text in (
+        (
+            "--offload",
+            ("none", "optimizer", "all"),
+            "CPU offload (default none): the optimizer state (zero <= 2), or parameters, "
+            "gradients and optimizer state (zero 3); a search tries it only when nothing fits",
+        ),
+        (
+            "--optimizer-states",
+            ("fp32", "8bit", "fp8"),
+            "Adam's m and v (default fp32): torchao's 8bit/fp8, 1 byte + a scale per 256; a "
+            "search tries 8bit only when nothing fits",
+        ),
+        (
+            "--fp8",
+            ("none", "tensorwise", "rowwise"),
+            "FP8 linears through torchao float8 (default none); a search uses it only when given",
+        ),
+    ):
+        lay.add_argument(flag, choices=choices, help=help_text)
     lay.add_argument(
         "--precision",
         metavar="RECIPE[,RECIPE]",
@@ -153,8 +183,8 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     b.add_argument(
         "--headroom",
         metavar="FRACTION",
-        default="0.10",
-        help="share of HBM left free (default 0.10; 10%% also accepted)",
+        help="share of HBM left free (default 0.10, or the recipe's [planner] headroom; 10%% "
+        "also accepted)",
     )
     b.add_argument(
         "--batch-tolerance",
@@ -164,12 +194,53 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     )
     b.add_argument("--top", metavar="N", default="5", help="search: alternatives to show (5)")
     b.add_argument(
+        "--risk",
+        choices=("pessimistic", "expected"),
+        default="pessimistic",
+        help="search: rank by the slow end of each layout's error band (pessimistic, the "
+        "default) or by the prediction itself (expected)",
+    )
+    b.add_argument(
         "--out",
         metavar="PATH",
         help="search: also write the chosen layout as a recipe to PATH, in an existing "
         "directory (default: no file is written)",
     )
     b.add_argument("--json", action="store_true", help="print JSON (stable key names)")
+    _add_planner_options(parser)
+
+
+def _add_planner_options(parser: argparse.ArgumentParser) -> None:
+    """--profile and one flag per `PlannerOptions` field (help: `options.OPTION_HELP`)."""
+    from fivefold.planner.options import CHOICES, OPTION_HELP, PlannerOptions
+    from fivefold.planner.profiles import DEFAULT_PROFILE, profiles
+
+    g = parser.add_argument_group(
+        "planner options (what the software achieves; a flag replaces the profile's value; "
+        "defaults shown are the fivefold profile's on a GPU)"
+    )
+    g.add_argument(
+        "--profile",
+        metavar="NAME",
+        help=f"efficiency profile: {', '.join(profiles())} (default {DEFAULT_PROFILE})",
+    )
+    defaults = PlannerOptions()
+    for name, text in OPTION_HELP.items():
+        flag, default = "--" + name.replace("_", "-"), getattr(defaults, name)
+        if isinstance(default, bool):
+            shown = "on" if default else "off"
+            g.add_argument(
+                flag,
+                action=argparse.BooleanOptionalAction,
+                default=None,
+                help=f"{text} (default {shown})",
+            )
+        elif name in CHOICES:
+            g.add_argument(flag, choices=CHOICES[name], help=f"{text} (default {default})")
+        else:
+            unit = "FRACTION" if name == "fragmentation_fraction" else "BYTES"
+            shown = f"{default:g}" if unit == "FRACTION" else f"{default / 2**20:g}M"
+            g.add_argument(flag, metavar=unit, help=f"{text} (default {shown})".replace("%", "%%"))
 
 
 # ---- values ----------------------------------------------------------------------------------
@@ -211,6 +282,32 @@ def parse_gbps(text: str, flag: str) -> float:
     if not value > 0 or not math.isfinite(value):
         raise ConfigError(f"{flag} = {text}: must be a positive number of GB/s per GPU.")
     return value * GBPS
+
+
+def planner_from_args(args: argparse.Namespace, cluster: Any, recipe_data: dict[str, dict]) -> Any:
+    """The profile and options in force (`fivefold.planner.profiles.planner_settings`): the
+    recipe's [planner] table, then --profile and the option flags."""
+    from fivefold.planner.options import OPTION_HELP
+    from fivefold.planner.profiles import planner_settings
+
+    flags: dict[str, Any] = {}
+    spelled: dict[str, str] = {}  # the flag as typed, for the note saying it replaced a value
+    for name in OPTION_HELP:
+        raw, flag = getattr(args, name), "--" + name.replace("_", "-")
+        spelled[name] = "--no-" + flag[2:] if raw is False else flag
+        if raw is None or isinstance(raw, bool) or name not in _NUMERIC_OPTIONS:
+            flags[name] = raw
+        elif name == "fragmentation_fraction":
+            flags[name] = parse_fraction(raw, flag)
+        else:
+            flags[name] = float(parse_size(raw, flag, minimum=0))
+    section = recipe_data.get("planner", {})
+    if not isinstance(section, dict):
+        raise ConfigError(f"planner = {section!r}: expected a [planner] table of settings.")
+    return planner_settings(cluster.device, section, flags, args.profile, spelled)
+
+
+_NUMERIC_OPTIONS = ("cuda_context_bytes", "fragmentation_fraction", "dp_bucket_bytes")
 
 
 # ---- model -----------------------------------------------------------------------------------
@@ -381,7 +478,7 @@ def pinned_fields(args: argparse.Namespace) -> dict[str, Any]:
         if zero > 3:
             raise ConfigError(f"--zero = {zero}: ZeRO stage must be 0, 1, 2 or 3.")
         out["zero"] = zero
-    for name in ("schedule", "recompute", "sp"):
+    for name in ("schedule", "recompute", "sp", "offload", "optimizer_states", "fp8"):
         if getattr(args, name) is not None:
             out[name] = getattr(args, name)
     if args.dp is not None:
@@ -459,6 +556,9 @@ def layout_from_args(
         "schedule",
         "recompute",
         "sp",
+        "offload",
+        "optimizer_states",
+        "fp8",
     ):
         if name in pins:
             values[name] = pins[name]
@@ -547,10 +647,13 @@ def out_path(args: argparse.Namespace, model: Any, cluster: Any) -> Path | None:
     return path
 
 
-def write_recipe(path: Path, model: Any, cluster: Any, plan: Any, header: str) -> Path:
+def write_recipe(
+    path: Path, model: Any, cluster: Any, plan: Any, header: str, planner: dict[str, Any]
+) -> Path:
+    """The layout as a recipe, with the [planner] table (profile and options) it was chosen by."""
     from fivefold.spec.recipe import Recipe, dump_recipe
 
-    text = dump_recipe(Recipe(model, cluster, plan, {}), header=header)
+    text = dump_recipe(Recipe(model, cluster, plan, {"planner": planner}), header=header)
     try:
         path.write_text(text)
     except OSError as err:
@@ -585,11 +688,19 @@ def summary_lines(est_json: dict[str, Any], headroom: float) -> list[str]:
         f"tokens/s {est_json['tokens_per_s']:,.0f}   MFU {est_json['mfu']:.1%}   "
         f"HFU {est_json['hfu']:.1%}   bubble {est_json['bubble_fraction']:.1%}",
         f"memory per GPU, worst stage {est_json.get('worst_stage', 0)} "
-        f"({est_json.get('precision', '')}):",
+        f"({_recipe_words(est_json)}):",
         "  " + memory_bar(mem, est_json["hbm_gib"], headroom),
         "  P params {params:.2f}  G grads {grads:.2f}  O optimizer {optimizer:.2f}  "
         "A activations {activations:.2f}  x other {other:.2f}  (GiB)".format(**mem),
     ]
+    host = est_json.get("host_memory")
+    if host:
+        lines.append(
+            f"  host memory (offloaded): {host['per_gpu_gib']:.1f} GiB per GPU, "
+            f"{host['per_node_gib']:,.0f} GiB per node of {host['usable_gib']:,.0f} GiB usable "
+            f"({host['system']}, {host['node_ram_gib']:,.0f} GiB)"
+            + ("" if host["fits"] else "  DOES NOT FIT")
+        )
     exposed = [c for c in est_json.get("comm", []) if c.get("exposed_s", 0) > 0]
     if exposed:
         parts = [
@@ -600,6 +711,19 @@ def summary_lines(est_json: dict[str, Any], headroom: float) -> list[str]:
     return lines
 
 
+def _recipe_words(est_json: dict[str, Any]) -> str:
+    """'bf16-mixed', with the plan's memory levers: 'bf16-mixed, 8bit Adam states, offload all'."""
+    plan = est_json.get("plan", {})
+    words = [est_json.get("precision", "")]
+    if plan.get("optimizer_states", "fp32") != "fp32":
+        words.append(f"{plan['optimizer_states']} Adam states")
+    if plan.get("offload", "none") != "none":
+        words.append(f"offload {plan['offload']}")
+    if plan.get("fp8", "none") != "none":
+        words.append(f"fp8 {plan['fp8']}")
+    return ", ".join(words)
+
+
 def _describe(plan_dict: dict[str, Any]) -> str:
     from fivefold.spec.plan import ParallelPlan
 
@@ -607,28 +731,40 @@ def _describe(plan_dict: dict[str, Any]) -> str:
 
 
 # ---- handlers ---------------------------------------------------------------------------------
-def _inputs(args: argparse.Namespace) -> tuple[Any, Any, dict[str, dict], float]:
+def _inputs(args: argparse.Namespace) -> tuple[Any, Any, dict[str, dict], float, Any]:
+    """Model, cluster, the recipe's sections, the headroom and the planner settings.
+
+    Headroom: --headroom when given, else the recipe's [planner] headroom, else 0.10."""
     data = recipe_items(args)
     model = model_from_args(args, data)
     cluster = cluster_from_args(args, data)
-    headroom = parse_fraction(args.headroom, "--headroom")
-    return model, cluster, data, headroom
+    settings = planner_from_args(args, cluster, data)
+    if args.headroom is not None:
+        headroom = parse_fraction(args.headroom, "--headroom")
+    else:
+        headroom = DEFAULT_HEADROOM if settings.headroom is None else settings.headroom
+    return model, cluster, data, headroom, settings
 
 
 def _estimate_handler(args: argparse.Namespace) -> int:
     from fivefold.planner.estimate import estimate
+    from fivefold.planner.explain import confidence_line
+    from fivefold.planner.uncertainty import band
 
-    model, cluster, data, headroom = _inputs(args)
+    model, cluster, data, headroom, settings = _inputs(args)
     plan = layout_from_args(args, model, cluster, data.get("plan", {}))
-    est = estimate(model, cluster, plan)
+    est = estimate(model, cluster, plan, settings.options)
     out = est.to_json()
+    out["band"] = band(est).to_json()
     usable = out["hbm_gib"] * (1 - headroom)
-    out["fits_with_headroom"] = out["memory_gib"]["total"] <= usable
+    out["fits_with_headroom"] = out["memory_gib"]["total"] <= usable and est.host_fits
     out["headroom"] = headroom
+    out["planner"] = settings.to_json()
     if args.json:
         print(json.dumps(out, indent=2))
         return 0
     print(f"{model.name} on {cluster.world_size} x {cluster.gpu}: {plan.describe()}")
+    print(settings.describe())
     for line in summary_lines(out, headroom):
         print(line)
     verdict = "fits" if out["fits_with_headroom"] else "DOES NOT FIT"
@@ -636,13 +772,15 @@ def _estimate_handler(args: argparse.Namespace) -> int:
         f"{verdict}: worst stage {out['memory_gib']['total']:.1f} GiB against "
         f"{usable:.1f} GiB usable ({out['hbm_gib']:.0f} GiB HBM less {headroom:.0%} headroom)"
     )
+    print(confidence_line(est))
     return 0
 
 
 def _search_handler(args: argparse.Namespace) -> int:
     from fivefold.planner.search import search
+    from fivefold.planner.uncertainty import band
 
-    model, cluster, data, headroom = _inputs(args)
+    model, cluster, data, headroom, settings = _inputs(args)
     tokens, seqs = batch_from_args(args)
     path = out_path(args, model, cluster)
     if tokens is None and seqs is None and "plan" in data:
@@ -658,7 +796,10 @@ def _search_handler(args: argparse.Namespace) -> int:
         batch_tolerance=parse_fraction(args.batch_tolerance, "--batch-tolerance"),
         precisions=tuple(precisions_from_args(args)),
         fixed=fixed,
+        options=settings.options,
+        risk=args.risk,
     )
+    result.explanation.insert(0, settings.describe())
     best = result.best.to_json(timeline=args.json)  # the timeline only where it is printed
     recipe_path = None
     if path is not None:
@@ -668,12 +809,15 @@ def _search_handler(args: argparse.Namespace) -> int:
             f"{best['tokens_per_s']:,.0f} tokens/s, MFU {best['mfu']:.1%}, worst-stage memory "
             f"{best['memory_gib']['total']:.1f} GiB of {best['hbm_gib']:.0f} GiB."
         )
-        recipe_path = write_recipe(path, model, cluster, result.best_plan, header)
+        recipe_path = write_recipe(
+            path, model, cluster, result.best_plan, header, settings.section(headroom)
+        )
     if args.json:
         out = dict(best)
         out["alternatives"] = [_brief(a.to_json()) for a in result.alternatives]
         out["rejected"] = [{"plan": p.to_dict(), "reason": r} for p, r in result.rejected]
         out["explanation"] = result.explanation
+        out["band"] = band(result.best).to_json()  # fivefold.planner.uncertainty
         out["search"] = {
             "evaluated": result.evaluated,
             "considered": result.considered,
@@ -682,8 +826,10 @@ def _search_handler(args: argparse.Namespace) -> int:
             "target_tokens": result.target.tokens,
             "batch_tolerance": result.target.tolerance,
             "headroom": headroom,
+            "risk": result.risk,
         }
         out["recipe_path"] = str(recipe_path) if recipe_path else None
+        out["planner"] = settings.to_json()
         print(json.dumps(out, indent=2))
         return 0
     print(
@@ -695,7 +841,7 @@ def _search_handler(args: argparse.Namespace) -> int:
     for line in summary_lines(best, headroom):
         print(line)
     if "plan" in data:
-        print(_recipe_comparison(args, model, cluster, data, result))
+        print(_recipe_comparison(args, model, cluster, data, result, settings.options))
     print("\nwhy:")
     for line in result.explanation:
         print(f"  - {line}")
@@ -731,7 +877,7 @@ def _recipe_global_batch(plan_values: dict[str, Any]) -> int:
 
 
 def _recipe_comparison(
-    args: argparse.Namespace, model: Any, cluster: Any, data: dict, result: Any
+    args: argparse.Namespace, model: Any, cluster: Any, data: dict, result: Any, options: Any
 ) -> str:
     """One line on the recipe's own layout against the search's best."""
     from fivefold.planner.estimate import estimate
@@ -739,14 +885,14 @@ def _recipe_comparison(
 
     try:
         plan = layout_from_args(args, model, cluster, data["plan"])
-        est = estimate(model, cluster, plan)
+        est = estimate(model, cluster, plan, options)
     except ConfigError as err:
         return f"the recipe's own layout is not valid: {err}"
     fit = "fits" if est.fits_with(result.headroom) else "does NOT fit"
     return (
         f"the recipe's layout ({plan.describe()}): {est.tokens_per_s:,.0f} tokens/s, "
         f"{est.peak_memory_bytes / 2**30:.1f} GiB, {fit}; "
-        f"against the best: {slower_because(est, result.best)}"
+        f"against the best: {slower_because(est, result.best, result.risk)}"
     )
 
 

@@ -2,8 +2,9 @@
 
 Each command module defines `register(subparsers)`, which adds its parser and sets `handler`
 (a function of the parsed arguments returning an exit code). Modules import torch only inside
-their handlers, so `fivefold plan` stays fast. A `FivefoldError` is printed as one paragraph
-and exits with status 2; it is never a traceback.
+their handlers, and `main` imports only the module of the command asked for (all of them for
+`fivefold --help` or an unknown command), so `fivefold plan` stays fast. A `FivefoldError` is
+printed as one paragraph and exits with status 2; it is never a traceback.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from fivefold import __version__
 from fivefold.errors import FivefoldError
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The `fivefold` parser: every command, or only `command` when it names one."""
     parser = argparse.ArgumentParser(
         prog="fivefold",
         description="Plan and run 5D-parallel LLM training (data, tensor, pipeline, context, "
@@ -27,9 +29,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"fivefold {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for info in sorted(pkgutil.iter_modules(cli_package.__path__), key=lambda i: i.name):
-        if info.name.startswith("cmd_"):
-            importlib.import_module(f"fivefold.cli.{info.name}").register(subparsers)
+    names = sorted(
+        info.name[4:]
+        for info in pkgutil.iter_modules(cli_package.__path__)
+        if info.name.startswith("cmd_")
+    )
+    for name in [command] if command in names else names:
+        importlib.import_module(f"fivefold.cli.cmd_{name}").register(subparsers)
     return parser
 
 
@@ -37,7 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     from fivefold.parallel.threads import passive_wait
 
     passive_wait()  # before any command imports torch (see fivefold.parallel.threads)
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(argv[0] if argv else None)
     args = parser.parse_args(argv)
     if not getattr(args, "handler", None):
         parser.print_help()

@@ -1,9 +1,12 @@
 """The explorer's JSON API: parse and check a request, call the planner, shape the answer.
 
 Every request body is a JSON object using the spec's own field names (the same names as a TOML
-recipe): {"model": {...}, "cluster": {...}, "plan": {...}, "global_batch": sequences}. `model`
-and `cluster` may name a preset (`{"preset": "llama3-8b", "seq_len": 8192}`) and override any
-field. Bandwidths are bytes/s, as in `ClusterSpec`. When `global_batch` is given, the number of
+recipe): {"model": {...}, "cluster": {...}, "plan": {...}, "planner": {...}, "global_batch":
+sequences}. `model` and `cluster` may name a preset (`{"preset": "llama3-8b", "seq_len": 8192}`)
+and override any field. `planner` is the recipe's [planner] table: an efficiency `profile`
+(`fivefold.planner.profiles`) and any planner option on top of it (`{"profile": "torchtitan",
+"attention_kernel": "classic"}`); answers echo the profile and every option in force.
+Bandwidths are bytes/s, as in `ClusterSpec`. When `global_batch` is given, the number of
 micro-batches per step (`plan.grad_accum`) is derived from it, as `fivefold plan estimate
 --global-batch` does: grad_accum = global_batch / (micro_batch * dp).
 
@@ -21,6 +24,14 @@ from typing import Any
 
 from fivefold.errors import ConfigError
 from fivefold.explore.rank_grid import rank_grid
+from fivefold.planner.options import CHOICES, OPTION_HELP, PlannerOptions
+from fivefold.planner.profiles import (
+    DEFAULT_PROFILE,
+    SECTION_KEYS,
+    PlannerSettings,
+    planner_settings,
+    profiles,
+)
 from fivefold.spec.cluster import CLUSTER_PRESETS, ClusterSpec
 from fivefold.spec.hardware import GPU_ALIASES, GPUS, GiB
 from fivefold.spec.model import RECOMPUTE_POLICIES, ModelSpec, param_count
@@ -48,10 +59,11 @@ LIMITS: dict[str, int] = {
     "top": 20,
 }
 SEARCH_LIMIT_WORLD = 32768
-LAYOUT_KEYS = ("model", "cluster", "plan", "global_batch")
+LAYOUT_KEYS = ("model", "cluster", "plan", "planner", "global_batch")
 SEARCH_KEYS = (
     "model",
     "cluster",
+    "planner",
     "global_batch",
     "global_batch_tokens",
     "headroom",
@@ -74,10 +86,11 @@ class Layout:
     model: ModelSpec
     cluster: ClusterSpec
     plan: ParallelPlan
+    planner: PlannerSettings
 
     @property
     def recipe(self) -> Recipe:
-        return Recipe(self.model, self.cluster, self.plan)
+        return Recipe(self.model, self.cluster, self.plan, {"planner": self.planner.section()})
 
 
 # ---- request checking --------------------------------------------------------------------------
@@ -108,6 +121,17 @@ def _section(body: dict[str, Any], name: str, problems: list[str]) -> dict[str, 
     if "preset" in out and not isinstance(out["preset"], str):
         problems.append(f"{name}.preset = {out.pop('preset')!r}: expected a preset name (text).")
     return out
+
+
+def _planner(body: dict[str, Any], cluster: ClusterSpec) -> PlannerSettings:
+    """The request's `planner` table resolved (profile, then its options), or an ApiError."""
+    values = body.get("planner", {})
+    if not isinstance(values, dict):
+        raise ApiError(f"planner = {values!r}: expected an object such as {{'profile': ...}}.")
+    try:
+        return planner_settings(cluster.device, values)
+    except ConfigError as err:
+        raise ApiError(err.problems) from None
 
 
 def _whole(value: Any, field: str, low: int, high: int, problems: list[str]) -> int | None:
@@ -184,7 +208,7 @@ def parse_layout(body: Any) -> Layout:
         recipe = recipe_from_dict({"model": model, "cluster": cluster, "plan": plan})
     except ConfigError as err:
         raise ApiError(err.problems) from None
-    layout = Layout(recipe.model, recipe.cluster, recipe.plan)
+    layout = Layout(recipe.model, recipe.cluster, recipe.plan, _planner(body, recipe.cluster))
     too_big = _limit_problems(layout)
     if too_big:
         raise ApiError(too_big)
@@ -207,7 +231,8 @@ def _estimate_json(layout: Layout) -> dict[str, Any]:
     from fivefold.planner.estimate import estimate
 
     try:
-        return estimate(layout.model, layout.cluster, layout.plan).to_json()
+        options = layout.planner.options
+        return estimate(layout.model, layout.cluster, layout.plan, options).to_json()
     except ConfigError as err:
         raise ApiError(err.problems) from None
 
@@ -239,6 +264,7 @@ def estimate_view(body: Any) -> dict[str, Any]:
             "model": layout.model.to_dict(),
             "cluster": layout.cluster.to_dict(),
             "plan": layout.plan.to_dict(),
+            "planner": layout.planner.to_json(),
         }
     )
 
@@ -267,7 +293,9 @@ def recipe_view(body: Any) -> dict[str, Any]:
     }
 
 
-def _parse_search(body: Any) -> tuple[ModelSpec, ClusterSpec, dict[str, Any]]:
+def _parse_search(
+    body: Any,
+) -> tuple[ModelSpec, ClusterSpec, dict[str, Any], PlannerSettings]:
     body = _require_object(body, SEARCH_KEYS)
     problems: list[str] = []
     model = _section(body, "model", problems)
@@ -327,19 +355,24 @@ def _parse_search(body: Any) -> tuple[ModelSpec, ClusterSpec, dict[str, Any]]:
             f"cluster size {spec_cluster.world_size:,} GPUs is more than the explorer searches "
             f"(at most {SEARCH_LIMIT_WORLD:,}); use `fivefold plan`."
         )
-    return spec_model, spec_cluster, kwargs
+    settings = _planner(body, spec_cluster)
+    kwargs["options"] = settings.options
+    if "headroom" not in body and settings.headroom is not None:
+        kwargs["headroom"] = settings.headroom  # the request's headroom wins over planner's
+    return spec_model, spec_cluster, kwargs, settings
 
 
 def search_view(body: Any) -> dict[str, Any]:
     """POST /api/search: the best layouts for a model, cluster and batch target, explained."""
     from fivefold.planner.search import TIE_FRACTION, search
 
-    model, cluster, kwargs = _parse_search(body)
+    model, cluster, kwargs, settings = _parse_search(body)
     started = time.perf_counter()
     try:
         result = search(model, cluster, **kwargs)
     except ConfigError as err:
         raise ApiError(err.problems) from None
+    result.explanation.insert(0, settings.describe())
     elapsed_s = time.perf_counter() - started
     best = result.best
     return json_safe(
@@ -356,6 +389,7 @@ def search_view(body: Any) -> dict[str, Any]:
             "evaluated": result.evaluated,
             "search_time_s": elapsed_s,
             "tie_fraction": TIE_FRACTION,
+            "planner": settings.to_json(),
         }
     )
 
@@ -384,5 +418,30 @@ def presets_view() -> dict[str, Any]:
             "recompute": list(RECOMPUTE_POLICIES),
             "precisions": {name: r.description for name, r in RECIPES.items()},
             "limits": dict(LIMITS),
+            "profiles": {
+                name: {
+                    "framework": p.framework,
+                    "summary": p.summary,
+                    "source": p.source,
+                    "options": p.options,  # None: fivefold's own, set by the device
+                }
+                for name, p in profiles().items()
+            },
+            "default_profile": DEFAULT_PROFILE,
+            "planner_options": _option_controls(),
+            "planner_keys": list(SECTION_KEYS),
         }
     )
+
+
+def _option_controls() -> dict[str, dict[str, Any]]:
+    """Per planner option: its one-line help, its choices (or kind) and the GPU default."""
+    defaults = PlannerOptions()
+    out = {}
+    for name, text in OPTION_HELP.items():
+        default = getattr(defaults, name)
+        kind = "choice" if name in CHOICES else "bool" if isinstance(default, bool) else "number"
+        out[name] = {"help": text, "kind": kind, "default": default}
+        if kind == "choice":
+            out[name]["choices"] = list(CHOICES[name])
+    return out

@@ -16,7 +16,9 @@ model):
 - bandwidth: the block's element-wise work (norms, RoPE, SwiGLU, residual adds), the
   cross-entropy loss and AdamW (with clipping and zeroing), each in the byte accounting of
   `fivefold.planner.compute`, so the planner's bytes over these rates give time;
-- overhead: one block at a tiny shape, less its kernels at that shape.
+- overhead: what one more layer adds at a shape where its arithmetic is negligible (Python,
+  autograd, each op's dispatch): dense and MoE layers, and the extra of tensor parallelism
+  (DTensor) and of a ZeRO-3 FSDP2 unit, measured on a one-rank mesh.
 The collectives run over real process groups (`fivefold.parallel.calibrate_comm`).
 
 Written by hand: PyTorch has benchmark utilities but nothing that measures a machine into the
@@ -25,6 +27,7 @@ planner's terms.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import platform
@@ -37,6 +40,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from fivefold.model.attention import AttentionCore
 from fivefold.model.loss import cross_entropy_loss
@@ -60,7 +65,6 @@ from fivefold.spec.profile import (
 )
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-TINY = ModelSpec("tiny-overhead", 1, 16, 2, kv_heads=1, ffn=16, vocab=64, seq_len=8)
 
 
 @dataclass(frozen=True)
@@ -371,34 +375,97 @@ def measure_bandwidth(
 
 
 # ---- fixed per-layer overhead ----------------------------------------------------------------
-def block_passes(model: ModelSpec, batch: int, budget: Budget) -> tuple[float, float]:
-    """(forward, backward) seconds of one whole block of `model`."""
+def tiny_like(model: ModelSpec, layers: int) -> ModelSpec:
+    """`model` shrunk until its arithmetic is negligible (width 16, 8 tokens, 64 words) with the
+    same op structure: MLP kind, experts, top-k and shared experts (a MoE layer's routing and
+    its loop over experts cost per op, not per byte)."""
+    return ModelSpec(
+        f"tiny-{model.name}", layers, 16, 2, kv_heads=1, ffn=16, vocab=64, seq_len=8,
+        mlp=model.mlp, experts=model.experts, top_k=model.top_k,
+        expert_ffn=16 if model.is_moe else 0, shared_experts=model.shared_experts,
+    )  # fmt: skip
+
+
+@contextlib.contextmanager
+def local_group() -> Iterator[DeviceMesh]:
+    """A one-rank gloo process group (made here unless one exists) and its 1-D mesh: tensor
+    parallelism and FSDP2 on it run the dispatch and hooks of a real run with no transfers."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    made = not dist.is_initialized()
+    if made:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        if made:
+            dist.destroy_process_group()
+
+
+def model_passes(model: nn.Module, batch: int, seq: int, budget: Budget) -> tuple[float, float]:
+    """(forward, backward) seconds of a whole model on `batch` x `seq` tokens."""
+    from torch.distributed.tensor import DTensor
+
+    tokens = torch.zeros(batch, seq, dtype=torch.long)
+
+    def forward() -> torch.Tensor:
+        out = model(tokens)
+        return (out.to_local() if isinstance(out, DTensor) else out).sum()
+
+    return typical_time_s(forward, budget), _backward_time(forward, torch.tensor(1.0), budget)
+
+
+def per_layer_s(build: Callable[[ModelSpec], nn.Module], spec: ModelSpec, budget: Budget):
+    """(forward, backward) seconds one more layer adds: a 3-layer model less a 1-layer one,
+    halved (the embedding, head and loss cancel)."""
+    one = model_passes(build(replace(spec, layers=1)), 1, spec.seq_len, budget)
+    three = model_passes(build(replace(spec, layers=3)), 1, spec.seq_len, budget)
+    return max(0.0, (three[0] - one[0]) / 2), max(0.0, (three[1] - one[1]) / 2)
+
+
+def measure_overhead(
+    model: ModelSpec, threads: int, budget: Budget, moe: ModelSpec | None = None
+) -> Overhead:
+    """The fixed seconds of one layer, at a shape where its arithmetic is negligible: Python,
+    autograd and the dispatch of each op (`per_layer_s`). Dense and MoE layers apart; and the
+    extra of tensor parallelism (DTensor dispatch and sharding propagation, with sequence
+    parallelism) and of a ZeRO-3 FSDP2 unit (its hooks, gathers in forward and backward, the
+    reduce-scatter), both on a one-rank mesh, so no transfer is timed. The MoE layer is
+    `moe`'s (default `model`'s; a dense model's MoE figures are its dense ones)."""
+    from torch.distributed.fsdp import fully_shard
+
+    from fivefold.model.transformer import Transformer
+    from fivefold.parallel.tensor_parallel import apply_tensor_parallel
+
+    dense = tiny_like(replace(model, experts=0, top_k=0, shared_experts=0, expert_ffn=0), 1)
     torch.manual_seed(0)
-    block = TransformerBlock(0, model)
-    x = torch.randn(batch, model.seq_len, model.hidden, requires_grad=True)
-    positions = torch.arange(model.seq_len).expand(batch, model.seq_len)
-    rope = rope_cos_sin(positions, model.head_dim, model.rope_theta)
-    grad = torch.randn_like(x)
-    fwd = typical_time_s(lambda: block(x, rope, None), budget)
-    return fwd, _backward_time(lambda: block(x, rope, None), grad, budget)
+    plain_f, plain_b = per_layer_s(Transformer, dense, budget)
+    moe = moe if moe is not None else model
+    moe_f, moe_b = per_layer_s(Transformer, tiny_like(moe, 1), budget) if moe.is_moe else (
+        plain_f, plain_b,
+    )  # fmt: skip
+    with local_group() as mesh:
 
+        def tp(spec: ModelSpec) -> nn.Module:
+            net = Transformer(spec)
+            apply_tensor_parallel(net, mesh, spec, sequence_parallel=True)
+            return net
 
-def measure_overhead(threads: int, budget: Budget) -> Overhead:
-    """A tiny block's time less its kernels' (matmuls, attention, element-wise) at that shape."""
-    m, batch = TINY, 1
-    block_f, block_b = block_passes(m, batch, budget)
-    tokens = batch * m.seq_len
-    gemm = {"nt": 0.0, "nn": 0.0, "tn": 0.0}
-    q, kv, o_proj, _head, w13, w2 = linear_shapes(m, tokens, 1)
-    for (t, o, i), count in ((q, 1), (kv, 2), (o_proj, 1), (w13, 2), (w2, 1)):
-        for shape in ((t, o, i, "nt"), (t, i, o, "nn"), (o, i, t, "tn")):
-            rate = measure_matmul(shape, "fp32", threads, budget).flops_per_s
-            gemm[shape[3]] += count * 2.0 * t * o * i / rate
-    attn_f, attn_b = attention_passes(batch, m.heads, m.kv_heads, m.seq_len, m.head_dim, budget)
-    elem_f, elem_b = elementwise_passes(m, batch, budget)
-    forward = max(0.0, block_f - gemm["nt"] - attn_f - elem_f)
-    backward = max(0.0, block_b - gemm["nn"] - gemm["tn"] - attn_b - elem_b)
-    return Overhead(threads, forward, backward)
+        def zero3(spec: ModelSpec) -> nn.Module:
+            net = Transformer(spec)
+            for block in net.layers.values():
+                fully_shard(block, mesh=mesh, reshard_after_forward=True)
+            fully_shard(net, mesh=mesh, reshard_after_forward=False)
+            return net
+
+        tp_f, tp_b = per_layer_s(tp, dense, budget)
+        fsdp_f, fsdp_b = per_layer_s(zero3, dense, budget)
+    return Overhead(
+        threads, plain_f, plain_b, moe_f, moe_b,
+        max(0.0, tp_f - plain_f), max(0.0, tp_b - plain_b),
+        max(0.0, fsdp_f - plain_f), max(0.0, fsdp_b - plain_b),
+    )  # fmt: skip
 
 
 # ---- all compute measurements --------------------------------------------------------------
@@ -410,12 +477,23 @@ class ComputeTables:
     overhead: list[Overhead]
 
 
-def compute_steps(model: ModelSpec, plan: ParallelPlan, ranks: int, quick: bool, bf16: str):
-    """The measurements to make, as (description, thunk returning rows) in order."""
+def compute_steps(
+    model: ModelSpec,
+    plan: ParallelPlan,
+    ranks: int,
+    quick: bool,
+    bf16: str,
+    also: tuple[ModelSpec, ...] = (),
+):
+    """The measurements to make, as (description, thunk returning rows) in order. `also`:
+    further models whose GEMM shapes, attention and (MoE) layer overhead are measured too,
+    for runs of several models on one profile; the bandwidths are `model`'s."""
     budget = QUICK if quick else Budget()
     cores = available_cores()
     dtypes = ["fp32"] + (["bf16"] if bf16 == "native" and not quick else [])
-    shapes = gemm_shapes(model, plan, ranks, quick)
+    models = [model, *also]
+    shapes = sorted({s for m in models for s in gemm_shapes(m, plan, ranks, quick)})
+    moe = next((m for m in models if m.is_moe), model)
     steps: list[tuple[str, Callable[[], list]]] = []
     for threads in thread_counts(cores):
 
@@ -435,19 +513,29 @@ def compute_steps(model: ModelSpec, plan: ParallelPlan, ranks: int, quick: bool,
                         at(lambda s=shape, d=dtype, t=threads: [measure_matmul(s, d, t, budget)]),
                     )
                 )
-        steps.append(
-            (
-                f"attention, {threads}t",
-                at(lambda t=threads: list(measure_attention(model, plan, ranks, t, budget, quick))),
+        for m in models:
+            steps.append(
+                (
+                    f"attention {m.name}, {threads}t",
+                    at(
+                        lambda t=threads, m=m: list(
+                            measure_attention(m, plan, ranks, t, budget, quick)
+                        )
+                    ),
+                )
             )
-        )
         steps.append(
             (
                 f"bandwidth, {threads}t",
                 at(lambda t=threads: measure_bandwidth(model, plan, t, budget)),
             )
         )
-        steps.append((f"overhead, {threads}t", at(lambda t=threads: [measure_overhead(t, budget)])))
+        steps.append(
+            (
+                f"overhead, {threads}t",
+                at(lambda t=threads: [measure_overhead(model, t, budget, moe)]),
+            )
+        )
     return steps
 
 

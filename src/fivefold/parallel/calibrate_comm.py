@@ -4,7 +4,9 @@
 same way but not yet measured by us) and times every collective the runtime uses: all-reduce
 (DDP, TP without SP), all-gather and reduce-scatter (FSDP, TP with SP), all-to-all (EP,
 Ulysses CP) and send/recv (PP, ring CP), at several sizes, on groups of 2, 4, ... ranks (all
-groups of one size run at once, as the axes of a parallel layout do). Each row is the slowest
+groups of one size run at once, as the axes of a parallel layout do), with 2, 4, ... `ranks`
+processes running in turn (a 2-rank group among 4 processes sharing 2 cores is slower than
+alone, and a run of w ranks sees the former). Each row is the slowest
 rank's mean time over a few iterations after a warm-up, the fastest of three such rounds, with
 nccl-tests' algorithm bandwidth (size / time) and bus bandwidth (algbw x 2(n-1)/n for
 all-reduce, x (n-1)/n for all-gather, reduce-scatter and all-to-all, x 1 for send/recv).
@@ -56,10 +58,21 @@ def iterations(size_bytes: int, quick: bool) -> int:
     return 2 if quick else (5 if size_bytes <= 256 * KiB else 2)
 
 
+def worlds(ranks: int) -> list[int]:
+    """The numbers of local processes the collectives are measured with: each group size up to
+    `ranks` (a run of w ranks crowds the cores as w processes do, so its groups are measured
+    among w processes)."""
+    return group_sizes(ranks)
+
+
 def steps_count(ranks: int, quick: bool) -> int:
     """How many rows rank 0 reports (for the progress bar)."""
     sizes = QUICK_SIZES if quick else FULL_SIZES
-    per_group = [(len(COLLECTIVES) if g == 2 else len(COLLECTIVES) - 1) for g in group_sizes(ranks)]
+    per_group = [
+        (len(COLLECTIVES) if g == 2 else len(COLLECTIVES) - 1)
+        for w in worlds(ranks)
+        for g in group_sizes(w)
+    ]
     return sum(per_group) * len(sizes)
 
 
@@ -161,11 +174,21 @@ def _worker(rank: int, world: int, init_file: str, quick: bool, out: Any) -> Non
 def measure_collectives(
     ranks: int, quick: bool, on_row: Callable[[CollectiveSample], None] | None = None
 ) -> tuple[str, list[CollectiveSample]]:
-    """(backend, samples) over `ranks` spawned processes; `on_row` sees each sample as it comes."""
+    """(backend, samples) over 2, 4, ... `ranks` spawned processes in turn (`worlds`); `on_row`
+    sees each sample as it comes."""
+    backend, samples = "none", []
+    for world in worlds(ranks):
+        backend, more = _measure_world(world, quick, on_row)
+        samples += more
+    return backend, samples
+
+
+def _measure_world(
+    ranks: int, quick: bool, on_row: Callable[[CollectiveSample], None] | None
+) -> tuple[str, list[CollectiveSample]]:
+    """(backend, samples) of every group size of `ranks` spawned processes."""
     import multiprocessing as mp
 
-    if ranks < 2:
-        return "none", []
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
@@ -203,7 +226,9 @@ def measure_collectives(
                     continue
                 _, op, g, size, seconds = msg
                 algbw = size / seconds
-                sample = CollectiveSample(op, g, size, seconds, algbw, algbw * bus_factor(op, g))
+                sample = CollectiveSample(
+                    op, g, ranks, size, seconds, algbw, algbw * bus_factor(op, g)
+                )
                 samples.append(sample)
                 if on_row is not None:
                     on_row(sample)
@@ -240,11 +265,14 @@ def fit_alpha_beta(sizes: list[float], times: list[float]) -> tuple[float, float
 
 
 def fit_collectives(samples: list[CollectiveSample]) -> list[Collective]:
-    """One alpha-beta fit per (op, group size)."""
-    keys = sorted({(s.op, s.ranks) for s in samples}, key=lambda k: (COLLECTIVES.index(k[0]), k[1]))
+    """One alpha-beta fit per (op, group size, processes running)."""
+    keys = sorted(
+        {(s.op, s.ranks, s.world) for s in samples},
+        key=lambda k: (COLLECTIVES.index(k[0]), k[1], k[2]),
+    )
     out = []
-    for op, n in keys:
-        rows = [s for s in samples if (s.op, s.ranks) == (op, n)]
+    for op, n, world in keys:
+        rows = [s for s in samples if (s.op, s.ranks, s.world) == (op, n, world)]
         alpha, beta = fit_alpha_beta([r.size_bytes for r in rows], [r.time_s for r in rows])
-        out.append(Collective(op, n, alpha, beta))
+        out.append(Collective(op, n, world, alpha, beta))
     return out

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from fivefold.planner.calibration import EfficiencyModel, efficiency_model
 from fivefold.planner.compute import head_work
 from fivefold.planner.estimate import _layer_costs, _layer_key
+from fivefold.planner.levers import memory_plan
 from fivefold.planner.memory import (
     MemoryOptions,
     chunk_activation_bytes,
@@ -133,11 +134,14 @@ class Bounds:
             plan.pp,
             plan.vpp,
             v,
+            plan.offload,
+            plan.fp8,
         )
 
         def rank_bytes(counts: list[int], chunks: tuple[int, ...]) -> float:
+            held = memory_plan(plan, self.cluster.device)
             return sum(
-                other_terms(self.model, plan, counts, list(chunks), self.memory_options).values()
+                other_terms(self.model, held, counts, list(chunks), self.memory_options).values()
             )
 
         return self._cached(key, lambda: self._first_and_last_rank(plan, v, rank_bytes))
@@ -166,6 +170,8 @@ class Bounds:
             plan.pp,
             plan.vpp,
             v,
+            plan.offload,
+            plan.optimizer_states,
         )
 
         def make():
@@ -176,6 +182,8 @@ class Bounds:
                 dp_shard=plan.dp_shard,
                 cp=plan.cp,
                 precision=plan.precision,
+                offload=memory_plan(plan, self.cluster.device).offload,
+                optimizer_states=plan.optimizer_states,
             )
             return self._first_and_last_rank(
                 plan,

@@ -12,11 +12,29 @@ ring; NCCL runs one ring per NIC, so the node's k members of the group share k N
 bus bandwidth is min(NVLink, k * inter_node_bw * ib_fraction). That is why data parallelism over
 eight GPUs per node can reach hundreds of GB/s although each NIC carries 50 GB/s.
 
-Costs (Thakur, Rabenseifner and Gropp 2005; Chan et al. 2007), per GPU, for S bytes per rank:
-    all-reduce (ring)          2 (n-1) alpha + 2 (n-1)/n * S / B
-    all-gather, reduce-scatter   (n-1) alpha +   (n-1)/n * S / B   (S = the full, gathered size)
+Costs (Thakur, Rabenseifner and Gropp 2005; Chan et al. 2007), per GPU, for S bytes per rank,
+with a group of n ranks on N nodes (k = n / N per node):
+    all-reduce (ring)          L_ring + 2 (n-1)/n * S / B
+    all-reduce (tree)          L_tree + 2 S / (TREE_BW_FRACTION * B)
+    all-gather, reduce-scatter L_ring +   (n-1)/n * S / B   (S = the full, gathered size)
     all-to-all                   (n-1) alpha + max((k-1)/n * S / B_nvlink, (n-k)/n * S / B_ib)
     point-to-point                     alpha + S / B
+Latency as NCCL's own cost model counts it (`src/graph/tuning.cc`, `ncclTopoTuneModel`): a ring
+takes 2(n-1) steps for an all-reduce (n-1 for a gather or scatter), of which 2(N-1) (N-1) cross
+the network at alpha_ib and the rest stay on NVLink at alpha_nvlink; NCCL's double binary tree
+takes 2 ((k-1) alpha_nvlink + floor(log2 N) alpha_ib) and reaches 0.9 of the ring's bus bandwidth
+at half the algorithm bandwidth (2 S / B). NCCL times every algorithm for each call and runs the
+fastest; so does `all_reduce_time_s` (`nccl_algorithm` says which). Only all-reduce has a tree;
+gathers and scatters are rings. Not modelled: NCCL's LL/LL128 protocols (low latency for small
+messages), its per-size tree correction table and NVLS/CollNet (switch offload).
+
+Granularity. A framework does not issue one collective per step: DDP and Megatron's distributed
+optimizer reduce gradients in buckets of `dp_bucket_bytes`, FSDP/ZeRO-3 per layer (the wrapped
+module), DeepSpeed-style per-parameter hooks per tensor. `collective_count` turns the choice
+(`PlannerOptions.collective_granularity`: "bucket" | "layer" | "parameter") into a count and
+`issued_time_s` charges each collective its own latency: count * T(S / count). Over 1,000+ ranks
+the latency term, not the bandwidth, is what makes small per-rank collectives slow.
+
 On a machine measured by `fivefold calibrate` (`fivefold.spec.profile`) every group is local
 (one machine; the link's kind is the backend, e.g. "gloo") and each collective costs
 alpha + S / beta with the alpha and beta fitted to its own measurements on that group size
@@ -26,6 +44,7 @@ Written by hand: no library computes these without a GPU.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from fivefold.planner.calibration import EfficiencyModel
@@ -37,7 +56,8 @@ from fivefold.spec.profile import Measured
 @dataclass(frozen=True)
 class Link:
     """What one rank of a group gets: `kind` "nvlink" | "ib", achieved one-way bus bandwidth in
-    bytes/s, the per-hop latency in seconds, and the group's members per node."""
+    bytes/s, the per-hop latency in seconds (alpha_ib for a group across nodes), the group's
+    members per node, and the NVLink hop latency of the steps that stay inside a node."""
 
     kind: str
     bandwidth: float
@@ -46,6 +66,11 @@ class Link:
     nvlink_bandwidth: float
     ib_bandwidth: float
     measured: Measured | None = field(default=None, compare=False, repr=False)
+    intra_latency_s: float = 0.0
+
+    def nodes(self, n: int) -> int:
+        """Nodes a group of `n` ranks spans on this link (1 on NVLink)."""
+        return 1 if self.kind != "ib" else max(1, math.ceil(n / self.per_node))
 
 
 def measured_link(cluster: ClusterSpec, size: int) -> Link | None:
@@ -83,7 +108,17 @@ def group_link(cluster: ClusterSpec, size: int, stride: int, eff: EfficiencyMode
     if size * stride <= g or cluster.nodes == 1:
         return Link("nvlink", nv, cluster.intra_node_latency_s, size, nv, ib)
     per_node = max(1, min(size, g // stride)) if stride < g else 1
-    return Link("ib", min(nv, per_node * ib), cluster.inter_node_latency_s, per_node, nv, ib)
+    bandwidth = min(nv, per_node * ib)
+    return Link(
+        "ib",
+        bandwidth,
+        cluster.inter_node_latency_s,
+        per_node,
+        nv,
+        ib,
+        None,
+        cluster.intra_node_latency_s,
+    )
 
 
 # ---- the groups of a plan ----------------------------------------------------------------------
@@ -118,7 +153,10 @@ def pipeline_link(cluster: ClusterSpec, plan: ParallelPlan, eff: EfficiencyModel
         nv = nvlink_bandwidth(cluster, eff)
         return Link("nvlink", nv, cluster.intra_node_latency_s, 2, nv, ib_bandwidth(cluster, eff))
     ib = ib_bandwidth(cluster, eff)
-    return Link("ib", ib, cluster.inter_node_latency_s, 1, nvlink_bandwidth(cluster, eff), ib)
+    nv = nvlink_bandwidth(cluster, eff)
+    return Link(
+        "ib", ib, cluster.inter_node_latency_s, 1, nv, ib, None, cluster.intra_node_latency_s
+    )
 
 
 # ---- collective times ----------------------------------------------------------------------------
@@ -142,12 +180,55 @@ def transfer_time_s(size_bytes: float, bandwidth: float, latency_s: float = 0.0)
     return latency_s + size_bytes / bandwidth
 
 
+TREE_BW_FRACTION = 0.9  # NCCL's tree reaches 0.9 of the ring's bus bandwidth (tuning.cc)
+GRANULARITIES = ("bucket", "layer", "parameter")
+TENSORS_PER_LAYER = 9  # a Llama block: two norms, wq, wk, wv, wo, w1, w2, w3
+
+
+def ring_latency_s(n: int, link: Link, all_reduce: bool = True) -> float:
+    """NCCL's ring latency: 2(n-1) steps for an all-reduce (n-1 for a gather or scatter), of
+    which 2(N-1) (N-1) cross nodes at alpha_ib and the rest stay on NVLink."""
+    steps = (2 if all_reduce else 1) * (n - 1)
+    if link.kind != "ib":
+        return steps * link.latency_s
+    inter = (2 if all_reduce else 1) * (link.nodes(n) - 1)
+    return (steps - inter) * link.intra_latency_s + inter * link.latency_s
+
+
+def tree_latency_s(n: int, link: Link) -> float:
+    """NCCL's double-binary-tree all-reduce latency: 2 ((k-1) alpha_nvlink + floor(log2 N)
+    alpha_ib), a chain of k ranks inside each node and a tree over the N nodes."""
+    if link.kind != "ib":
+        return 2 * (n - 1) * link.latency_s
+    nodes = link.nodes(n)
+    per_node = n // nodes
+    return 2 * ((per_node - 1) * link.intra_latency_s + int(math.log2(nodes)) * link.latency_s)
+
+
+def ring_all_reduce_time_s(size_bytes: float, n: int, link: Link) -> float:
+    return ring_latency_s(n, link) + all_reduce_bytes(size_bytes, n) / link.bandwidth
+
+
+def tree_all_reduce_time_s(size_bytes: float, n: int, link: Link) -> float:
+    return tree_latency_s(n, link) + 2 * size_bytes / (TREE_BW_FRACTION * link.bandwidth)
+
+
+def nccl_algorithm(size_bytes: float, n: int, link: Link) -> str:
+    """ "ring" or "tree": the all-reduce algorithm NCCL's cost model picks (the faster one)."""
+    ring = ring_all_reduce_time_s(size_bytes, n, link)
+    return "tree" if tree_all_reduce_time_s(size_bytes, n, link) < ring else "ring"
+
+
 def all_reduce_time_s(size_bytes: float, n: int, link: Link) -> float:
+    """All-reduce of `size_bytes` over `n` ranks with the algorithm NCCL would pick."""
     if n <= 1:
         return 0.0
     if link.measured is not None:
         return _fitted("all_reduce", size_bytes, n, link)
-    return 2 * (n - 1) * link.latency_s + all_reduce_bytes(size_bytes, n) / link.bandwidth
+    ring = ring_all_reduce_time_s(size_bytes, n, link)
+    if link.kind != "ib":
+        return ring  # inside a node the tree is a chain: the ring's latency, less bandwidth
+    return min(ring, tree_all_reduce_time_s(size_bytes, n, link))
 
 
 def all_gather_time_s(size_bytes: float, n: int, link: Link) -> float:
@@ -165,7 +246,32 @@ def _gather_or_scatter(op: str, size_bytes: float, n: int, link: Link) -> float:
         return 0.0
     if link.measured is not None:
         return _fitted(op, size_bytes, n, link)
-    return (n - 1) * link.latency_s + all_gather_bytes(size_bytes, n) / link.bandwidth
+    return ring_latency_s(n, link, all_reduce=False) + all_gather_bytes(size_bytes, n) / (
+        link.bandwidth
+    )
+
+
+def collective_count(
+    size_bytes: float, granularity: str, bucket_bytes: float, layers: float, tensors: int
+) -> int:
+    """How many collectives a framework issues to move `size_bytes` of `layers` layers'
+    gradients or parameters: one per `bucket_bytes` ("bucket"), one per layer ("layer"), one
+    per tensor ("parameter", `tensors` per layer). At least one."""
+    if granularity == "bucket":
+        return max(1, math.ceil(size_bytes / bucket_bytes))
+    if granularity == "layer":
+        return max(1, math.ceil(layers))
+    if granularity == "parameter":
+        return max(1, math.ceil(layers * tensors))
+    raise ValueError(f"granularity {granularity!r} is not one of {GRANULARITIES}")
+
+
+def issued_time_s(op, size_bytes: float, n: int, link: Link, count: int) -> float:
+    """`count` collectives `op` (e.g. `all_reduce_time_s`) of size_bytes / count each: every one
+    pays its own latency."""
+    if n <= 1 or size_bytes <= 0:
+        return 0.0
+    return count * op(size_bytes / count, n, link)
 
 
 def all_to_all_time_s(size_bytes: float, n: int, link: Link) -> float:
@@ -186,3 +292,6 @@ def p2p_time_s(size_bytes: float, link: Link) -> float:
     if link.measured is not None:
         return _fitted("send_recv", size_bytes, 2, link)
     return transfer_time_s(size_bytes, link.bandwidth, link.latency_s)
+
+
+GRANULARITIES = ("bucket", "layer", "parameter")

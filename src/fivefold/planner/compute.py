@@ -25,6 +25,10 @@ The efficiency model (parameters in `fivefold.planner.calibration`, fitted by
   (softmax read and write) plus 5 with dropout. The backward moves twice the forward's bytes. The
   norms and residuals run on T/tp tokens with sequence parallelism, on all T without (replicated
   over the TP group); the loss reads and writes 24 bytes per fp32 logit (forward and backward).
+- The roofline under every memory-side op (`roofline_s`): the element-wise kernels, the
+  attention core (its minimum traffic, `attention_bytes`), the final norm and the loss, the
+  embedding (`embedding_work`) and the optimizer step with gradient clipping each take the
+  larger of their FLOPs at the vector (fp32) rate and their bytes at the achievable bandwidth.
 - A fixed `layer_overhead_s` per layer forward (twice in the backward): kernel launches and
   tails.
 - Recompute: "full" repeats the layer's forward inside the backward (less the block's last
@@ -39,7 +43,9 @@ separately) is timed from the measured GEMM table, each pass on its own shape an
 the exact shape when measured, else interpolated by arithmetic intensity); the attention core
 from its measured forward and backward rates; the element-wise bytes below, the loss and the
 optimizer from bandwidths measured in the same byte accounting (so the unfused-traffic factor
-is already in them); and the per-layer overhead from its measured forward and backward values.
+is already in them); and the fixed cost of a layer from the profile's measured forward and
+backward values for its kind (dense or MoE, plus tensor parallelism's and a ZeRO-3 unit's extra,
+`Measured.layer_overhead_s`).
 
 Written by hand: PyTorch's FLOP counters need the model and a device; the planner needs neither.
 """
@@ -49,6 +55,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fivefold.planner.calibration import EfficiencyModel
+from fivefold.planner.levers import state_recipe
 from fivefold.planner.memory import local_kv_width
 from fivefold.spec.hardware import GPUSpec
 from fivefold.spec.model import ModelSpec
@@ -58,6 +65,18 @@ from fivefold.spec.precision import recipe
 ATTENTION_DTYPE = "bf16"  # attention kernels run in bf16 even under fp8 recipes
 LOSS_BYTES_PER_LOGIT = 24.0  # fp32: upcast, log-softmax, gradient, cast back
 
+
+# FLOPs per element of the memory-side kernels: the compute side of their roofline, on the
+# device's vector (non-tensor-core) fp32 rate. Norm: square, sum, scale, weight; residual add: 1;
+# RoPE: two multiplies and an add; SwiGLU: SiLU (negate, exp, add, divide) and the product;
+# GeLU (tanh form): about 8; the loss per logit: max, subtract, exp, sum, log, pick forward;
+# exp back to the softmax, minus one-hot, scale backward; AdamW: 2 moments, bias corrections,
+# the update and weight decay; clipping: square-and-sum, then scale.
+NORM_FLOPS, ADD_FLOPS, ROPE_FLOPS = 4.0, 1.0, 3.0
+ACTIVATION_FLOPS = {"swiglu": 5.0, "gelu": 8.0}
+LOSS_FORWARD_FLOPS, LOSS_BACKWARD_FLOPS = 6.0, 4.0  # per logit
+ADAMW_FLOPS_PER_PARAM, CLIP_FLOPS_PER_PARAM = 12.0, 3.0
+CLIP_PASSES = 3  # gradient clipping reads every gradient for the norm, then reads and writes it
 
 # Eager PyTorch's unfused kernels move about 3x the bytes of fused ones, counted for a Llama
 # block: RMSNorm as 7 fp32 passes (upcast, pow, mean, rsqrt, mul, cast, weight) against 2 bf16
@@ -180,6 +199,26 @@ def memory_time_s(
     return size_bytes / (device.hbm_bw_bytes_per_s * eff.hbm_fraction)
 
 
+def vector_flops_per_s(device: GPUSpec) -> float:
+    """FLOP/s of element-wise arithmetic: the fp32 figure (CUDA cores on a catalog GPU; the
+    best measured fp32 matmul rate, an upper bound, on a measured device); 0 when unknown."""
+    return device.peak_flops.get("fp32", 0.0)
+
+
+def roofline_s(
+    flops: float,
+    size_bytes: float,
+    device: GPUSpec,
+    eff: EfficiencyModel,
+    kind: str = "elementwise_forward",
+) -> float:
+    """Seconds of one memory-side kernel under the roofline: the larger of its FLOPs at the
+    vector rate and its bytes at the achievable bandwidth of `kind` (`memory_time_s`)."""
+    rate = vector_flops_per_s(device)
+    compute = flops / rate if rate > 0 else 0.0
+    return max(compute, memory_time_s(size_bytes, device, eff, kind))
+
+
 def attention_flops(model: ModelSpec, plan: ParallelPlan) -> float:
     """Causal forward FLOPs of one layer's attention core for one micro-batch on one rank."""
     tokens = plan.micro_batch * model.seq_len / plan.cp
@@ -198,14 +237,30 @@ def attention_times_s(
     """(forward, backward) seconds of the fused attention core: the efficiency model's fraction
     of the bf16 peak and backward ratio, or a measured device's rates (backward: 2x the FLOPs)."""
     flops = attention_flops(model, plan)
+    fwd_bytes, bwd_bytes = attention_bytes(model, plan)
     if device.measured is not None:
         dtype = recipe(plan.precision).compute_dtype
         fwd, bwd = device.measured.attention_flops_per_s(
             model.seq_len / plan.cp, model.head_dim, dtype
         )
-        return flops / fwd, 2.0 * flops / bwd
-    forward = flops / (device.peak(ATTENTION_DTYPE) * eff.attention_peak_fraction)
-    return forward, eff.attention_backward_ratio * forward
+        forward, backward = flops / fwd, 2.0 * flops / bwd
+    else:
+        forward = flops / (device.peak(ATTENTION_DTYPE) * eff.attention_peak_fraction)
+        backward = eff.attention_backward_ratio * forward
+    return (
+        max(forward, memory_time_s(fwd_bytes, device, eff)),
+        max(backward, memory_time_s(bwd_bytes, device, eff, "elementwise_backward")),
+    )
+
+
+def attention_bytes(model: ModelSpec, plan: ParallelPlan) -> tuple[float, float]:
+    """(forward, backward) bytes a fused attention core moves at least, per layer and
+    micro-batch on one rank: forward reads q, k, v and writes the output; backward reads q, k,
+    v, the output and its gradient and writes the gradients of q, k and v."""
+    e = recipe(plan.precision).activation_bytes
+    tokens = plan.micro_batch * model.seq_len / plan.cp
+    q, kv = model.q_width / plan.tp, local_kv_width(model, plan.tp)
+    return tokens * e * (2 * q + 2 * kv), tokens * e * (4 * q + 4 * kv)
 
 
 # ---- one transformer layer --------------------------------------------------------------------
@@ -259,6 +314,21 @@ def layer_elementwise_bytes(
     return total
 
 
+def layer_elementwise_flops(model: ModelSpec, plan: ParallelPlan, moe: bool) -> float:
+    """Vector FLOPs of one layer's forward element-wise kernels on one rank (the compute side of
+    their roofline; the same kernels as `layer_elementwise_bytes`)."""
+    t, h = plan.tp, model.hidden
+    tokens = plan.micro_batch * model.seq_len / plan.cp
+    region_tokens = tokens / t if plan.sp and t > 1 else tokens
+    total = region_tokens * h * (2 * NORM_FLOPS + 2 * ADD_FLOPS)
+    total += tokens * ROPE_FLOPS * (model.q_width / t + local_kv_width(model, t))
+    act = ACTIVATION_FLOPS.get(model.mlp, ACTIVATION_FLOPS["gelu"])
+    if not moe:
+        return total + tokens * act * model.ffn / t
+    fe = model.expert_ffn / t
+    return total + tokens * act * fe * (model.top_k + model.shared_experts)
+
+
 def classic_attention(
     model: ModelSpec,
     plan: ParallelPlan,
@@ -302,7 +372,7 @@ def layer_work(
     elem_bytes = layer_elementwise_bytes(model, plan, moe, opts)
     if not opts.fused_elementwise:
         elem_bytes *= UNFUSED_TRAFFIC_FACTOR
-    elem = memory_time_s(elem_bytes, device, eff)
+    elem = roofline_s(layer_elementwise_flops(model, plan, moe), elem_bytes, device, eff)
     overhead = eff.layer_overhead_s
     forward = gemm + attn_f + elem + overhead
     if plan.recompute == "full":
@@ -369,9 +439,10 @@ def _measured_layer_work(
     gemm_f, gemm_b, gemm_w = passes(gemms)
     attn_f, attn_b = attention_times_s(model, plan, device, eff)
     elem_bytes = layer_elementwise_bytes(model, plan, moe, opts)
-    elem_f = memory_time_s(elem_bytes, device, eff, "elementwise_forward")
-    elem_b = memory_time_s(2 * elem_bytes, device, eff, "elementwise_backward")
-    over_f, over_b = device.measured.layer_overhead_s()
+    elem_flops = layer_elementwise_flops(model, plan, moe)
+    elem_f = roofline_s(elem_flops, elem_bytes, device, eff, "elementwise_forward")
+    elem_b = roofline_s(2 * elem_flops, 2 * elem_bytes, device, eff, "elementwise_backward")
+    over_f, over_b = device.measured.layer_overhead_s(moe, plan.tp > 1, plan.zero == 3)
     forward = gemm_f + attn_f + elem_f + over_f
     if plan.recompute == "full":
         recompute = forward - _early_stop_s(model, plan, device, eff, moe, opts)
@@ -411,39 +482,63 @@ def _alternate(gemms: list) -> list:
 
 
 def head_work(model: ModelSpec, plan: ParallelPlan, device: GPUSpec, eff: EfficiencyModel) -> Work:
-    """The LM head matmul and the cross-entropy loss for one micro-batch on the last stage."""
+    """The final norm, the LM head matmul and the cross-entropy loss for one micro-batch on the
+    last stage; the loss and the norm on their rooflines (`roofline_s`)."""
     dtype = recipe(plan.precision).compute_dtype
     tokens = plan.micro_batch * model.seq_len / plan.cp
     v, h = model.vocab / plan.tp, model.hidden
     gemm = gemm_time_s(tokens, v, h, device, eff, dtype)
-    logit_bytes = tokens * v * LOSS_BYTES_PER_LOGIT
+    logits = tokens * v
+    logit_bytes = logits * LOSS_BYTES_PER_LOGIT
+    fwd_flops, bwd_flops = logits * LOSS_FORWARD_FLOPS, logits * LOSS_BACKWARD_FLOPS
     if device.measured is not None:  # measured loss forward and backward rates
-        fwd_loss = memory_time_s(logit_bytes * 10 / 24, device, eff, "loss_forward")
-        bwd_loss = memory_time_s(logit_bytes * 14 / 24, device, eff, "loss_backward")
+        fwd_loss = roofline_s(fwd_flops, logit_bytes * 10 / 24, device, eff, "loss_forward")
+        bwd_loss = roofline_s(bwd_flops, logit_bytes * 14 / 24, device, eff, "loss_backward")
         gemm_b = gemm_time_s(tokens, h, v, device, eff, dtype, "nn")
         gemm_w = gemm_time_s(v, h, tokens, device, eff, dtype, "tn")
     else:
-        loss = memory_time_s(logit_bytes, device, eff)
-        fwd_loss = loss * 10 / LOSS_BYTES_PER_LOGIT
-        bwd_loss = loss - fwd_loss
+        fwd_loss = roofline_s(fwd_flops, logit_bytes * 10 / LOSS_BYTES_PER_LOGIT, device, eff)
+        bwd_loss = roofline_s(bwd_flops, logit_bytes * 14 / LOSS_BYTES_PER_LOGIT, device, eff)
         gemm_b = gemm_w = gemm
-    norm = memory_time_s(tokens * h * 2 * 2, device, eff)
-    norm_b = 2 * norm
-    if device.measured is not None:
-        norm_b = memory_time_s(2 * tokens * h * 2 * 2, device, eff, "elementwise_backward")
+    norm_flops = tokens * h * NORM_FLOPS
+    norm = roofline_s(norm_flops, tokens * h * 2 * 2, device, eff)
+    norm_b = roofline_s(2 * norm_flops, 2 * tokens * h * 2 * 2, device, eff, "elementwise_backward")
     return Work(gemm + fwd_loss + norm, gemm_b + bwd_loss + norm_b, gemm_w, 0.0, gemm)
+
+
+def embedding_work(
+    model: ModelSpec, plan: ParallelPlan, device: GPUSpec, eff: EfficiencyModel
+) -> Work:
+    """The token embedding on the first stage for one micro-batch: forward gathers a row per
+    token (read and write T x h); backward writes a zeroed [vocab / tp, h] gradient and adds a
+    row per token into it (memory-bound, `roofline_s`)."""
+    rec = recipe(plan.precision)
+    tokens = plan.micro_batch * model.seq_len / plan.cp
+    h = model.hidden
+    rows = tokens * h
+    forward = roofline_s(0.0, 2 * rows * rec.activation_bytes, device, eff)
+    table = model.vocab / plan.tp * h * rec.grad_bytes
+    backward = roofline_s(
+        rows, table + rows * (rec.activation_bytes + 2 * rec.grad_bytes), device, eff,
+        "elementwise_backward",
+    )  # fmt: skip
+    return Work(forward, backward)
 
 
 def optimizer_step_s(
     local_params: float, plan: ParallelPlan, device: GPUSpec, eff: EfficiencyModel
 ) -> float:
-    """Adam over `local_params` parameters: read and write the optimizer state, read the
-    gradient, write the parameter; memory-bound."""
-    return memory_time_s(local_params * optimizer_bytes_per_param(plan), device, eff, "optimizer")
+    """Gradient clipping and AdamW over `local_params` parameters on their roofline: the bytes
+    of `optimizer_bytes_per_param` at the optimizer bandwidth, or the FLOPs at the vector rate."""
+    flops = local_params * (ADAMW_FLOPS_PER_PARAM + CLIP_FLOPS_PER_PARAM)
+    size = local_params * optimizer_bytes_per_param(plan)
+    return roofline_s(flops, size, device, eff, "optimizer")
 
 
 def optimizer_bytes_per_param(plan: ParallelPlan) -> float:
-    """Bytes Adam moves per parameter: reads and writes its state, reads the gradient, writes
-    the parameter."""
-    rec = recipe(plan.precision)
-    return 2 * rec.optimizer_bytes + rec.grad_bytes + rec.param_bytes
+    """Bytes the optimizer step moves per parameter: clipping reads every gradient for the norm
+    and reads and writes it to scale it (`CLIP_PASSES`); Adam reads and writes its state (in
+    `plan.optimizer_states`, `fivefold.planner.levers`), reads the gradient, writes the
+    parameter."""
+    rec = state_recipe(plan)
+    return 2 * rec.optimizer_bytes + rec.grad_bytes + rec.param_bytes + CLIP_PASSES * rec.grad_bytes

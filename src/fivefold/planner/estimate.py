@@ -17,11 +17,17 @@ How a step is put together (each piece documented in its module):
    earlier ranks drain: rank r of a 1F1B pipeline idles about r backward passes), the last bucket
    (never hidden), the ZeRO-1/2 parameter all-gather beyond the next step's first forward and
    the warm-up wait before it (rank r idles about r forward passes), and the optimizer step.
-   The slowest rank sets the step time.
+   The slowest rank sets the step time. fivefold's own runtime adds two scalar all-reduces
+   per step (`runtime_sync_s`).
 5. Memory per pipeline rank (`memory`) with the schedule's in-flight micro-batches.
 
 MFU counts model FLOPs (no recompute, causal attention) against the dense peak of the recipe's
-compute dtype; HFU adds recomputation. Every user mistake raises `ConfigError`.
+compute dtype; HFU adds recomputation. With `plan.fp8` the FLOPs of the FP8 linears count
+against the FP8 peak and the rest against bf16 (`lever_costs.mfu_peak`). The memory levers add
+their terms where they act (`lever_costs`): FP8 GEMMs and casts in the layer costs, "all"
+offload's PCIe copies in the ZeRO-3 gathers and reduce-scatters, the host optimizer step and
+the remaining PCIe copies in the tail (`offload_exposed_s`). Every user mistake raises
+`ConfigError`.
 """
 
 from __future__ import annotations
@@ -31,12 +37,21 @@ from functools import cached_property, lru_cache
 
 from fivefold.errors import ConfigError
 from fivefold.planner import comm as C
+from fivefold.planner import lever_costs as LC
 from fivefold.planner.calibration import EfficiencyModel, efficiency_model
 from fivefold.planner.compute import (
     Work,
+    embedding_work,
     head_work,
     layer_work,
-    optimizer_step_s,
+    memory_time_s,
+)
+from fivefold.planner.levers import (
+    HostMemory,
+    host_memory,
+    memory_plan,
+    node_host,
+    offloads,
 )
 from fivefold.planner.memory import (
     GiB,
@@ -47,6 +62,7 @@ from fivefold.planner.memory import (
     compute_bytes,
     dense_shard_degree,
     expert_shard_degree,
+    fp8_gather_saving,
     layer_params_per_rank,
     local_kv_width,
     params_of,
@@ -60,7 +76,7 @@ from fivefold.spec.model import ModelSpec, training_flops_per_token
 from fivefold.spec.plan import ParallelPlan
 from fivefold.spec.precision import recipe
 
-COMM_KINDS = ("tp", "cp", "ep", "zero-gather", "pp", "dp")
+COMM_KINDS = ("tp", "cp", "ep", "zero-gather", "pp", "dp", "offload")
 
 
 @dataclass(frozen=True)
@@ -106,11 +122,16 @@ class Estimate:
     stage_costs: StageCosts
     layer_counts: list[int]
     peak_inflight: list[int]
+    host_memory: HostMemory | None = None  # offloaded state against the node's host RAM
     _simulation: Simulation | None = field(default=None, repr=False)
 
     @property
     def fits(self) -> bool:
-        return self.memory[self.worst_stage].total <= self.hbm_bytes
+        return self.memory[self.worst_stage].total <= self.hbm_bytes and self.host_fits
+
+    @property
+    def host_fits(self) -> bool:
+        return self.host_memory is None or self.host_memory.fits
 
     @property
     def worst_memory(self) -> StageMemory:
@@ -169,6 +190,7 @@ class Estimate:
             "layers_per_stage": list(self.layer_counts),
             "timeline": self.timeline() if timeline else [],
             "precision": self.plan.precision,
+            "host_memory": self.host_memory.to_json() if self.host_memory else None,
             "plan": self.plan.to_dict(),
             "model": self.model.to_dict(),
             "cluster": self.cluster.to_dict(),
@@ -200,6 +222,17 @@ class LayerCosts:
     gather_bytes: float
     reduce_s: float  # ZeRO-3: one reduce-scatter of its gradients
     reduce_bytes: float
+    gather_copy_s: float = 0.0  # ZeRO-3: copying one gather out into the parameters
+    reduce_copy_s: float = 0.0  # ZeRO-3: copying the gradients into one reduce-scatter
+
+
+def per_layer_gathers(plan: ParallelPlan) -> bool:
+    """Whether ZeRO-3 gathers each layer's weights per micro-batch (forward and backward).
+    Under pipelining it does not: torch's pipeline stages keep an FSDP chunk gathered from its
+    first forward to the end of the step and reduce-scatter its gradients after the last
+    backward (`fivefold.parallel.pipeline`), so ZeRO-3 x PP communicates as ZeRO-1 does, once
+    per step (`_tail_costs`)."""
+    return plan.zero == 3 and plan.pp == 1
 
 
 def _layer_key(plan: ParallelPlan) -> ParallelPlan:
@@ -211,10 +244,12 @@ def _layer_key(plan: ParallelPlan) -> ParallelPlan:
         cp_kind=plan.cp_kind,
         ep=plan.ep,
         dp_shard=plan.dp_shard,
-        zero=3 if plan.zero == 3 else 0,
+        zero=3 if per_layer_gathers(plan) else 0,
         micro_batch=plan.micro_batch,
         recompute=plan.recompute,
         precision=plan.precision,
+        offload="all" if plan.offload == "all" else "none",
+        fp8=plan.fp8,
     )
 
 
@@ -229,6 +264,8 @@ def _layer_costs(
 ) -> LayerCosts:
     device = cluster.device
     work = layer_work(model, key, device, eff, moe, opts.compute())
+    if key.fp8 != "none":
+        work = work + LC.fp8_layer_delta(model, key, device, eff, moe, opts.selective_policy)
     e = recipe(key.precision).activation_bytes
     tokens = key.micro_batch * model.seq_len / key.cp
     t = key.tp
@@ -266,7 +303,7 @@ def _layer_costs(
         ep_bwd = ep_fwd * (2 if key.recompute == "full" else 1)
         ep_bytes = (2 + 2 + (2 if key.recompute == "full" else 0)) * size * (key.ep - 1) / key.ep
     # ZeRO-3 per-layer gather and reduce-scatter.
-    gather = gather_bytes = reduce = reduce_bytes = 0.0
+    gather = gather_bytes = reduce = reduce_bytes = gather_copy = reduce_copy = 0.0
     if key.zero == 3:
         rec = recipe(key.precision)
         lp = layer_params_per_rank(model, moe, t, key.ep)
@@ -278,10 +315,22 @@ def _layer_costs(
             if n <= 1 or params == 0:
                 continue
             link = C.plan_link(cluster, key, group, eff)
-            gather += C.all_gather_time_s(params * compute_bytes(rec), n, link)
-            gather_bytes += C.all_gather_bytes(params * compute_bytes(rec), n)
-            reduce += C.reduce_scatter_time_s(params * rec.grad_bytes, n, link)
-            reduce_bytes += C.all_gather_bytes(params * rec.grad_bytes, n)
+            # FSDP gathers a wrapped layer at once; per-parameter hooks issue one per tensor.
+            count = C.TENSORS_PER_LAYER if opts.collective_granularity == "parameter" else 1
+            size = params * compute_bytes(rec)
+            if group == "dp_shard_cp":  # FP8 all-gather of the converted linears
+                size -= fp8_gather_saving(model, key)
+            gather += C.issued_time_s(C.all_gather_time_s, size, n, link, count)
+            gather_bytes += C.all_gather_bytes(size, n)
+            size = params * rec.grad_bytes
+            reduce += C.issued_time_s(C.reduce_scatter_time_s, size, n, link, count)
+            reduce_bytes += C.all_gather_bytes(size, n)
+            if offloads(key, device):  # each shard crosses PCIe around its collective
+                h2d, d2h = LC.offload_layer_s(params / n, key, device)
+                gather, reduce = gather + h2d, reduce + d2h
+            if opts.runtime == "fivefold-eager":  # FSDP2 copies; flat-buffer frameworks do not
+                gather_copy += fsdp_copy_s(params * compute_bytes(rec), cluster.device, eff)
+                reduce_copy += fsdp_copy_s(params * rec.grad_bytes, cluster.device, eff)
     return LayerCosts(
         work,
         tp_fwd,
@@ -299,7 +348,18 @@ def _layer_costs(
         gather_bytes,
         reduce,
         reduce_bytes,
+        gather_copy,
+        reduce_copy,
     )
+
+
+def fsdp_copy_s(size_bytes: float, device: GPUSpec, eff: EfficiencyModel) -> float:
+    """Seconds FSDP2 spends copying `size_bytes` of unsharded tensors around one collective:
+    an all-gather's output is copied out into the parameters, the gradients are copied into a
+    reduce-scatter's input (read and write each byte once), memory-bound (`memory_time_s`).
+    Counted for fivefold's runtime (FSDP2 for every ZeRO stage); frameworks that gather into
+    and reduce from flat parameter and gradient buffers (Megatron) have no such copies."""
+    return memory_time_s(2 * size_bytes, device, eff)
 
 
 def _cp_costs(model, key, cluster, eff, work: Work, e: int, tokens: float):
@@ -409,8 +469,9 @@ def _chunk_costs_of(
             hide_b = wk.backward_input_s + wk.backward_weight_s if opts.dp_overlap else 0.0
             exposed_f = n * max(0.0, lc.gather_s - hide_f) + lc.gather_s
             exposed_b = n * max(0.0, lc.gather_s + lc.reduce_s - hide_b)
-            f += exposed_f
-            b += exposed_b + lc.reduce_s
+            f += exposed_f + n * lc.gather_copy_s
+            b += exposed_b + lc.reduce_s + n * (lc.gather_copy_s + lc.reduce_copy_s)
+            compute += n * (2 * lc.gather_copy_s + lc.reduce_copy_s)
             gather_share = lc.gather_s / (lc.gather_s + lc.reduce_s)
             zero = [
                 zero[0] + exposed_f + exposed_b * gather_share,
@@ -423,8 +484,10 @@ def _chunk_costs_of(
                 zero_rs[2] + n * lc.reduce_bytes,
             ]
     device = cluster.device
-    if last:
-        hw = head_work(model, plan, device, eff)
+    ends = ([embedding_work(model, plan, device, eff)] if first else []) + (
+        [head_work(model, plan, device, eff)] if last else []
+    )
+    for hw in ends:
         f += hw.forward_s
         b += hw.backward_input_s
         w += hw.backward_weight_s
@@ -465,10 +528,14 @@ class Tail:
     gather_time_s: float
     gather_bytes: float
     optimizer_s: float
+    offload_exposed_s: float = 0.0  # PCIe copies outside the layers' gathers (`lever_costs`)
+    offload_time_s: float = 0.0
+    offload_bytes: float = 0.0
 
     @property
     def exposed_s(self) -> float:
-        return self.grad_exposed_s + self.gather_exposed_s + self.optimizer_s
+        exposed = self.grad_exposed_s + self.gather_exposed_s + self.optimizer_s
+        return exposed + self.offload_exposed_s
 
 
 def _rank_tails(
@@ -509,8 +576,11 @@ def _rank_tails(
                 chunk_costs[c].backward_input_s + chunk_costs[c].backward_weight_s for c in chunks
             )
             first_forward = sum(chunk_costs[c].forward_s for c in chunks)
-            base = shared[sig] = (raw, last_backward, first_forward)
-        raw, last_backward, first_forward = base
+            opt_params = _optimizer_params(
+                plan, sum(p.dense for p in params), sum(p.experts for p in params)
+            )
+            base = shared[sig] = (raw, last_backward, first_forward, opt_params)
+        raw, last_backward, first_forward, opt_params = base
         grad_time, grad_bytes, bucket_time, gather_time, gather_bytes, opt = raw
         # Overlap window: the rank's last micro-batch backward, and the time it idles while the
         # ranks before it finish their backwards (about `rank` chunk backwards in the loop
@@ -523,12 +593,27 @@ def _rank_tails(
         warmup = rank * mean_forward if loop else 0.0
         gather_window = first_forward + warmup
         gather_exposed = max(0.0, gather_time - gather_window) if opts.dp_overlap else gather_time
+        offload = LC.offload_tail(opt_params, plan, cluster, window)
         tails.append(
             Tail(
-                grad_exposed, grad_time, grad_bytes, gather_exposed, gather_time, gather_bytes, opt
+                grad_exposed,
+                grad_time,
+                grad_bytes,
+                gather_exposed,
+                gather_time,
+                gather_bytes,
+                opt,
+                *offload,
             )
         )
     return tails
+
+
+def _optimizer_params(plan: ParallelPlan, dense: float, experts: float) -> float:
+    """Parameters whose optimizer state a rank holds, of its `dense` and `experts` ones."""
+    if plan.zero == 0:
+        return dense + experts
+    return dense / dense_shard_degree(plan) + experts / expert_shard_degree(plan)
 
 
 @lru_cache(maxsize=65536)
@@ -547,13 +632,15 @@ def _tail_costs(
     s_dense, s_exp = dense_shard_degree(plan), expert_shard_degree(plan)
     groups = C.axis_groups(plan)
     grad_time = grad_bytes = gather_time = gather_bytes = bucket_time = 0.0
-    bucket = opts.dp_bucket_bytes
-    for params, shard_group, shard in (
-        (dense, "dp_shard_cp", s_dense),
-        (experts, "expert_shard", s_exp),
+    for params, shard_group, shard, moe in (
+        (dense, "dp_shard_cp", s_dense, False),
+        (experts, "expert_shard", s_exp, True),
     ):
         if params == 0:
             continue
+        lp = layer_params_per_rank(model, moe, plan.tp, plan.ep)
+        layers = params / ((lp.experts if moe else lp.dense + lp.replicated) or params)
+
         size = params * rec.grad_bytes
         n_shard = groups[shard_group][0]
         if plan.zero == 0:  # plain all-reduce over every replica
@@ -563,32 +650,48 @@ def _tail_costs(
                 n, stride = plan.dp_replicate * n_shard, groups["expert_shard"][1]
             if n > 1:
                 link = C.group_link(cluster, n, stride, eff)
-                grad_time += C.all_reduce_time_s(size, n, link)
+                total, last = _issued(C.all_reduce_time_s, size, n, link, opts, layers)
+                grad_time += total
                 grad_bytes += C.all_reduce_bytes(size, n)
-                bucket_time = max(bucket_time, C.all_reduce_time_s(min(size, bucket), n, link))
+                bucket_time = max(bucket_time, last)
             continue
-        if plan.zero in (1, 2) and n_shard > 1:
+        once_per_step = plan.zero in (1, 2) or (plan.zero == 3 and not per_layer_gathers(plan))
+        if once_per_step and n_shard > 1:
             link = C.plan_link(cluster, plan, shard_group, eff)
-            grad_time += C.reduce_scatter_time_s(size, n_shard, link)
+            total, last = _issued(C.reduce_scatter_time_s, size, n_shard, link, opts, layers)
+            grad_time += total
+            if opts.runtime == "fivefold-eager":
+                grad_time += fsdp_copy_s(size, cluster.device, eff)
             grad_bytes += C.all_gather_bytes(size, n_shard)
-            bucket_time = max(
-                bucket_time, C.reduce_scatter_time_s(min(size, bucket), n_shard, link)
-            )
+            bucket_time = max(bucket_time, last)
             gsize = params * rec.param_bytes
-            gather_time += C.all_gather_time_s(gsize, n_shard, link)
+            gather_time += _issued(C.all_gather_time_s, gsize, n_shard, link, opts, layers)[0]
+            if opts.runtime == "fivefold-eager":
+                gather_time += fsdp_copy_s(gsize, cluster.device, eff)
             gather_bytes += C.all_gather_bytes(gsize, n_shard)
         if plan.dp_replicate > 1:  # HSDP (zero 3) or replicas of ZeRO-1/2 shards
             link = C.plan_link(cluster, plan, "dp_replicate", eff)
             shard_size = size / max(1, shard if plan.zero >= 2 else 1)
-            grad_time += C.all_reduce_time_s(shard_size, plan.dp_replicate, link)
-            grad_bytes += C.all_reduce_bytes(shard_size, plan.dp_replicate)
-            bucket_time = max(
-                bucket_time,
-                C.all_reduce_time_s(min(shard_size, bucket), plan.dp_replicate, link),
+            total, last = _issued(
+                C.all_reduce_time_s, shard_size, plan.dp_replicate, link, opts, layers
             )
-    local = dense / (s_dense if plan.zero >= 1 else 1) + experts / (s_exp if plan.zero >= 1 else 1)
-    opt = optimizer_step_s(local, plan, cluster.device, eff)
+            grad_time += total
+            grad_bytes += C.all_reduce_bytes(shard_size, plan.dp_replicate)
+            bucket_time = max(bucket_time, last)
+    local = _optimizer_params(plan, dense, experts)
+    opt = LC.optimizer_s(local, plan, cluster, eff)
     return grad_time, grad_bytes, bucket_time, gather_time, gather_bytes, opt
+
+
+def _issued(
+    op, size: float, n: int, link: C.Link, opts: PlannerOptions, layers: float
+) -> tuple[float, float]:
+    """(time of every collective, time of the last one) moving `size` bytes of `layers` layers
+    at the options' collective granularity (`comm.collective_count`)."""
+    count = C.collective_count(
+        size, opts.collective_granularity, opts.dp_bucket_bytes, layers, C.TENSORS_PER_LAYER
+    )
+    return C.issued_time_s(op, size, n, link, count), op(size / count, n, link)
 
 
 # ---- the estimate ------------------------------------------------------------------------------
@@ -652,11 +755,16 @@ def estimate(
             pipeline_s, busy = analytic_pipeline(plan, costs)
             bubble = 1.0 - sum(busy) / len(busy) / pipeline_s
     tails = _rank_tails(model, plan, cluster, eff, opts, chunk_sigs, chunk_costs)
-    step = pipeline_s + max(t.exposed_s for t in tails)
-    memory = all_stage_memory(model, plan, inflight, opts.memory())
+    sync = runtime_sync_s(plan, cluster, eff, opts)
+    step = pipeline_s + max(t.exposed_s for t in tails) + sync
+    memory = all_stage_memory(model, memory_plan(plan, device), inflight, opts.memory())
     worst = max(range(plan.pp), key=lambda r: memory[r].total)
+    host = None
+    if offloads(plan, device):
+        per_gpu = max(mem.host_bytes for mem in memory)
+        host = host_memory(per_gpu, cluster.gpus_per_node, cluster.gpu, device)
     global_tokens = plan.global_batch * model.seq_len
-    peak = device.peak(recipe(plan.precision).compute_dtype) * cluster.world_size
+    peak = LC.mfu_peak(model, plan, device) * cluster.world_size
     model_flops = training_flops_per_token(model, model.seq_len, "none") * global_tokens
     hw_flops = training_flops_per_token(
         model, model.seq_len, plan.recompute, early_stop=opts.checkpoint_early_stop
@@ -675,6 +783,8 @@ def estimate(
         "dp_grad_exposed_s": slowest_tail.grad_exposed_s,
         "param_gather_exposed_s": slowest_tail.gather_exposed_s,
         "optimizer_s": slowest_tail.optimizer_s,
+        "offload_exposed_s": slowest_tail.offload_exposed_s,
+        "runtime_sync_s": sync,
     }
     return Estimate(
         model=model,
@@ -695,8 +805,25 @@ def estimate(
         stage_costs=costs,
         layer_counts=counts,
         peak_inflight=inflight,
+        host_memory=host,
         _simulation=sim,
     )
+
+
+def runtime_sync_s(
+    plan: ParallelPlan, cluster: ClusterSpec, eff: EfficiencyModel, opts: PlannerOptions
+) -> float:
+    """fivefold's runtime (`opts.runtime == "fivefold-eager"`) adds two scalar all-reduces to
+    every step: the global token count over the data-parallel ranks before the first forward
+    (the loss scale) and the loss mean over the world after the last backward; each costs a
+    collective's latency and nothing hides it."""
+    if opts.runtime != "fivefold-eager":
+        return 0.0
+    total = 0.0
+    for n, size in ((plan.dp, 8.0), (plan.world_size, 16.0)):
+        if n > 1:
+            total += C.all_reduce_time_s(size, n, C.group_link(cluster, n, 1, eff))
+    return total
 
 
 def analytic_pipeline(plan: ParallelPlan, costs: StageCosts) -> tuple[float, list[float]]:
@@ -749,6 +876,16 @@ def _validate(
     opts.validate()
     device: GPUSpec = cluster.device
     device.peak(recipe(plan.precision).compute_dtype)  # "unknown peak" for e.g. the CPU
+    if plan.fp8 != "none":
+        device.peak("fp8")  # FP8 compute needs an FP8 peak (not on an A100)
+    if offloads(plan, device):
+        node_host(cluster.gpu, device)  # the host RAM and bandwidth offload is planned with
+    elif plan.offload != "none" and device.measured and device.measured.profile.kind != "cpu":
+        raise ConfigError(
+            f"plan.offload = {plan.offload!r}: the device profile of {device.name} has no PCIe "
+            "or host-memory figures to plan offload with; set plan.offload = 'none', or plan "
+            "on the catalog GPU (--gpu) whose node the catalog describes."
+        )
     if device.hbm_bytes <= 0 or device.hbm_bw_bytes_per_s <= 0:
         raise ConfigError(
             f"cluster.gpu = {cluster.gpu!r} has no HBM capacity or bandwidth in the catalog; "
@@ -804,4 +941,10 @@ def _comm_summary(
         dp_group,
         (tail.grad_exposed_s + rs[0], tail.grad_time_s + rs[1], tail.grad_bytes + rs[2]),
     )
+    if tail.offload_time_s > 0:  # "all" offload's per-layer copies are in the zero-gather times
+        out.append(
+            CommCost(
+                "offload", "pcie", tail.offload_bytes, tail.offload_time_s, tail.offload_exposed_s
+            )
+        )
     return out

@@ -12,21 +12,32 @@ The staircase (seed 000, "Vizz AI"), one step per line, each argued against its 
 6. context parallelism for long sequences and expert parallelism for MoE models: when they are
    used, what they split, and what happens without them;
 7. activation recomputation: why this policy;
+   then the memory levers (CPU offload, 8-bit Adam states, FP8 compute): none when the layout
+   fits without them; when only they make it fit, what nothing fits without and what they cost;
 8. the staircase taken literally (`staircase_plans`: TP fills the node, fewest stages that fit,
    ZeRO-1, full recompute, ...), costed against the searched layout;
-then the nearest rejected layouts with their reason: "out of memory by X GiB" or "Y % slower
-because ...". "The best layout with TP = 8" is found by the search's own bounded search
-restricted to TP = 8 (`_Search.best_with`), so every comparison is between optimised layouts.
+then how confident the prediction is (`fivefold.planner.uncertainty`: its error band from the
+leave-one-source-out residuals, widened outside the calibrated domain, and the closest published
+run), the published layouts of this very model and cluster priced beside the chosen one, and the
+nearest rejected layouts with their reason: "out of memory by X GiB" or "Y % slower
+because ...". With `risk = "pessimistic"` a layout predicted faster can rank lower: the
+explanation then says so ("faster as predicted, but ... at its band's slow end").
+"The best layout with TP = 8" is found by the search's own bounded search restricted to TP = 8
+(`_Search.best_with`), so every comparison is between optimised layouts.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from fivefold.planner import uncertainty as U
+from fivefold.planner.lever_costs import fp8_flops_per_token, mfu_peak
+from fivefold.planner.levers import state_recipe
 from fivefold.spec.cluster import ClusterSpec
 from fivefold.spec.hardware import GiB
-from fivefold.spec.model import ModelSpec
+from fivefold.spec.model import ModelSpec, training_flops_per_token
 from fivefold.spec.plan import ParallelPlan
+from fivefold.spec.precision import recipe
 
 TIE_FRACTION = 0.005  # the search's tie band (fivefold.planner.search.TIE_FRACTION)
 COMPARE_BUDGET = 8  # full estimates per "best layout with ..." comparison
@@ -38,6 +49,8 @@ BREAKDOWN_WORDS = {
     "dp_grad_exposed_s": "exposed data-parallel gradient reduction",
     "param_gather_exposed_s": "exposed parameter all-gather",
     "optimizer_s": "optimizer step",
+    "offload_exposed_s": "exposed CPU-offload copies over PCIe",
+    "runtime_sync_s": "the runtime's per-step token-count and loss all-reduces",
 }
 
 
@@ -64,9 +77,19 @@ def gib(x_bytes: float) -> str:
     return f"{x_bytes / 2**20:.1f} MiB"
 
 
-def slower_because(est: Any, best: Any) -> str:
-    """'12.3 % slower because its pipeline bubble is 2.1 s longer' (est against best)."""
+def slower_because(est: Any, best: Any, risk: str = "expected") -> str:
+    """'12.3 % slower because its pipeline bubble is 2.1 s longer' (est against best); with
+    risk "pessimistic", why a layout predicted faster ranks lower."""
     slower = 1 - est.tokens_per_s / best.tokens_per_s
+    if risk != "expected" and slower < -TIE_FRACTION:
+        ranked = 1 - U.rank_tokens_per_s(est, risk) / U.rank_tokens_per_s(best, risk)
+        if ranked > 0:
+            d = U.band(est).distance
+            return (
+                f"{-slower:.1%} faster as predicted, but {d:.1f} doublings outside the "
+                f"calibrated domain it is {ranked:.1%} slower at its band's slow end (risk = "
+                f"{risk})"
+            )
     diffs = {k: est.breakdown_s.get(k, 0.0) - best.breakdown_s.get(k, 0.0) for k in BREAKDOWN_WORDS}
     key = max(diffs, key=lambda k: diffs[k])
     if abs(slower) < 0.0005:
@@ -115,12 +138,15 @@ class _Explainer:
         other = self.best_with(**fields)
         if other is not None:
             est = other.estimate
-            return f"{label}: {slower_because(est, self.best)} ({est.plan.describe()})"
+            return f"{label}: {self.slower(est)} ({est.plan.describe()})"
         miss = self.nearest_oom(**fields)
         if miss is not None:
             reason = miss.reason.rstrip(".")
             return f"{label}: nothing fits; the closest, {miss.plan.describe()}, is {reason}"
         return f"{label}: no valid layout"
+
+    def slower(self, est: Any) -> str:
+        return slower_because(est, self.best, getattr(self.result, "risk", "expected"))
 
     def mem(self, est: Any) -> dict[str, float]:
         return est.worst_memory.gib()
@@ -136,8 +162,11 @@ class _Explainer:
             self.context_parallel(),
             self.expert_parallel(),
             self.recompute(),
+            self.levers(),
             self.rule_of_thumb(),
             self.memory(),
+            self.confidence(),
+            *self.published_comparison(),
         ]
         out += self.runners_up()
         return [line for line in out if line]
@@ -341,11 +370,86 @@ class _Explainer:
             words.append(f"{policy}: " + self._outcome_words(o))
         return text + "; ".join(words) + "."
 
+    def levers(self) -> str:
+        """The memory levers: why none, or what nothing fits without and what they cost."""
+        p, est, result = self.plan, self.best, self.result
+        used = _lever_words(p)
+        hbm = est.hbm_bytes / GiB
+        usable = hbm * (1 - result.headroom)
+        if not used:
+            return (
+                f"Memory levers: none; the layout fits in {hbm:.0f} GiB of HBM without CPU "
+                "offload or 8-bit optimizer states, so the step pays for neither (the search "
+                "tries them only when nothing fits; FP8 compute only when asked for, --fp8)."
+            )
+        miss = result.without_levers
+        if miss is not None:
+            text = (
+                f"Memory levers: nothing fits in {hbm:.0f} GiB of HBM ({usable:.1f} GiB usable) "
+                f"without them; the closest, {miss.plan.describe()}, is "
+                f"{miss.reason.rstrip('.')}. Chose {', '.join(used)}: "
+            )
+        else:
+            text = f"Memory levers: {', '.join(used)}, as asked: "
+        text += self._lever_costs()
+        others = []
+        for levers in self.search.lever_sets:
+            full = {"offload": "none", "optimizer_states": "fp32", **levers}
+            if levers and any(_field(p, k) != v for k, v in full.items()):
+                others.append(full)
+        parts = [self.compare(" + ".join(_lever_words(ParallelPlan(**lv))), **lv) for lv in others]
+        return (text + " " + "; ".join(parts) + ("." if parts else "")).rstrip()
+
+    def _lever_costs(self) -> str:
+        p, est = self.plan, self.best
+        mem = est.worst_memory
+        parts = []
+        if p.optimizer_states != "fp32":
+            before = recipe(p.precision).optimizer_bytes
+            parts.append(
+                f"torchao's {p.optimizer_states} Adam states keep m and v at 1 byte plus an fp32 "
+                f"scale per 256 values: {state_recipe(p).optimizer_bytes:.2f} optimizer bytes "
+                f"per parameter instead of {before:g}"
+                + (f" ({gib(mem.optimizer)} per GPU)" if p.offload == "none" else "")
+            )
+        host = est.host_memory
+        if host is not None:
+            what = "the optimizer state" if p.offload == "optimizer" else "parameters, gradients "
+            what += "and optimizer state" if p.offload == "all" else ""
+            parts.append(
+                f"offloading {what} puts {gib(host.per_gpu_bytes)} per GPU, "
+                f"{host.per_node_bytes / GiB:,.0f} GiB per node, in host memory "
+                f"({host.node_ram_bytes / GiB:,.0f} GiB in a {host.system}, "
+                f"{host.usable_bytes / GiB:,.0f} usable); the optimizer step runs on the host "
+                f"CPU in {seconds(est.breakdown_s.get('optimizer_s', 0.0))} and the PCIe copies "
+                f"expose {seconds(est.breakdown_s.get('offload_exposed_s', 0.0))} per step"
+            )
+        if p.fp8 != "none":
+            parts.append(self._fp8_words())
+        return "; ".join(parts) + "."
+
+    def _fp8_words(self) -> str:
+        p, m, device = self.plan, self.model, self.cluster.device
+        share = fp8_flops_per_token(m) / training_flops_per_token(m, m.seq_len, "none")
+        return (
+            f"FP8 compute ({p.fp8} scaling, torchao float8) runs the attention projections and "
+            f"MLP linears, {share:.0%} of the model FLOPs; MFU counts those against the FP8 peak "
+            f"({device.peak('fp8') / 1e12:,.0f} TFLOP/s) and the rest (attention core, LM "
+            f"head, routed experts) against bf16 ({device.peak('bf16') / 1e12:,.0f}), an "
+            f"effective peak of {mfu_peak(m, p, device) / 1e12:,.0f} TFLOP/s"
+            + (
+                "; under ZeRO-3 the weights are gathered in FP8 (half the bytes)"
+                if p.fp8 == "tensorwise" and p.zero == 3
+                else ""
+            )
+        )
+
     def rule_of_thumb(self) -> str:
         """Seed 000's staircase applied literally, costed, against the searched layout."""
         outcome = None
+        pins = self.search.lever_pins  # levers asked for apply to it too
         for plan in staircase_plans(self.model, self.cluster, self.result.target):
-            outcome = self.search.evaluate(plan)
+            outcome = self.search.evaluate(plan.with_(**pins))
             if outcome.fits:
                 break
         if outcome is None:
@@ -362,17 +466,15 @@ class _Explainer:
             return f"{rule} finds nothing that fits; closest {outcome.plan.describe()}: " + (
                 outcome.reason.rstrip(".") + "."
             )
-        return (
-            f"{rule} gives {outcome.plan.describe()}: "
-            f"{slower_because(outcome.estimate, self.best)}."
-        )
+        return f"{rule} gives {outcome.plan.describe()}: {self.slower(outcome.estimate)}."
 
     def memory(self) -> str:
         est = self.best
         mem = self.mem(est)
         usable = est.hbm_bytes / GiB * (1 - self.result.headroom)
+        levers = "".join(f", {w}" for w in _lever_words(est.plan))
         return (
-            f"Memory on the worst stage ({est.worst_stage}, {est.plan.precision}): params "
+            f"Memory on the worst stage ({est.worst_stage}, {est.plan.precision}{levers}): params "
             f"{mem['params']:.2f} + grads {mem['grads']:.2f} + optimizer {mem['optimizer']:.2f} + "
             f"activations {mem['activations']:.2f} + other {mem['other']:.2f} = "
             f"{mem['total']:.1f} GiB of {est.hbm_bytes / GiB:.0f} GiB HBM ({usable:.1f} GiB "
@@ -380,10 +482,22 @@ class _Explainer:
             f"{est.tokens_per_s:,.0f} tokens/s, MFU {est.mfu:.1%}."
         )
 
+    def confidence(self) -> str:
+        """The chosen layout's band, whether it lies outside the calibrated domain, and the
+        closest published run."""
+        return confidence_line(self.best, getattr(self.result, "risk", U.DEFAULT_RISK))
+
+    def published_comparison(self) -> list[str]:
+        """Each published layout of this model on this cluster, priced beside the chosen one."""
+        return [
+            published_line(setup, self.best)
+            for setup in U.published_layouts(self.model, self.cluster)
+        ]
+
     def runners_up(self) -> list[str]:
         out = []
         for alt in self.result.alternatives[:3]:
-            out.append(f"Runner-up {alt.plan.describe()}: {slower_because(alt, self.best)}.")
+            out.append(f"Runner-up {alt.plan.describe()}: {self.slower(alt)}.")
         shapes = set()
         for plan, reason in self.result.rejected:
             shape = (plan.tp, plan.pp)
@@ -396,12 +510,80 @@ class _Explainer:
 
     def _outcome_words(self, outcome: Any, memory_too: bool = False) -> str:
         if outcome.fits:
-            words = slower_because(outcome.estimate, self.best)
+            words = self.slower(outcome.estimate)
             if memory_too:
                 delta = outcome.estimate.peak_memory_bytes - self.best.peak_memory_bytes
                 words += f", {'+' if delta >= 0 else '-'}{gib(abs(delta))} per GPU"
             return words
         return (outcome.reason or outcome.kind).rstrip(".")
+
+
+def price(est: Any) -> str:
+    """'step 5.23 s, MFU 49.0 % (band 39.3-68.0 %)'."""
+    lo, hi = U.band(est).mfu_range(est.mfu)
+    return f"step {seconds(est.step_time_s)}, MFU {est.mfu:.1%} (band {lo:.1%}-{hi:.1%})"
+
+
+def confidence_line(est: Any, risk: str | None = None) -> str:
+    """The prediction's band, the calibrated domain and the closest published run; with a
+    search's `risk`, what the search ranked by."""
+    b = U.band(est)
+    r_lo, r_hi = U.residual_range()
+    sources = U.held_out_residuals()
+    rows = sum(len(v) for v in sources.values())
+    text = (
+        f"Confidence: predicted {price(est)}. The planner's errors on {rows} published rows "
+        f"it was not fitted to ({len(sources)} sources, {U.residual_kind()}) run from "
+        f"{r_lo:+.1%} to {r_hi:+.1%} of the step time, so the measured step should lie in "
+        f"{seconds(b.low_s)}-{seconds(b.high_s)}. "
+    )
+    words = U.calibrated_domain().describe(
+        U.layout_point(est.model, est.plan), est.cluster.device.arch
+    )
+    if words:
+        text += (
+            f"OUTSIDE the calibrated domain by {b.distance:.1f} doublings ({'; '.join(words)}): "
+            f"the band is widened by {U.WIDENING_PER_DOUBLING:.0%} per doubling, so treat the "
+            "figure as a model's extrapolation. "
+        )
+    else:
+        text += "Inside the calibrated domain (every degree, tokens per GPU, size and GPU type "
+        text += "within the published rows' ranges). "
+    if risk is not None:
+        ranked = "the slow end of the band" if risk == "pessimistic" else "the prediction"
+        text += f"Ranked by {ranked} (risk = {risk}). "
+    setup, dist = U.nearest_run(est.model, est.cluster, est.plan)
+    return text + f"Closest published run: {run_words(setup)} (distance {dist:.1f})."
+
+
+def run_words(setup: Any) -> str:
+    """'row 32 (Llama 3 paper Table 4 ...): llama3-405b on 16,384 x h100-sxm, TP8+SP, PP16 ...'"""
+    return (
+        f"row {setup.row} ({_source(setup)}): {setup.model.name} on "
+        f"{setup.cluster.world_size:,} x {setup.cluster.gpu}, {setup.plan.describe()}"
+    )
+
+
+def published_line(setup: Any, chosen: Any) -> str:
+    """The published layout of this model and cluster, predicted and measured, beside `chosen`."""
+    from fivefold.planner.estimate import estimate
+
+    est = estimate(setup.model, setup.cluster, setup.plan, setup.options, runtime=False)
+    measured_mfu = est.mfu * est.step_time_s / setup.measured_step_s
+    ratio = chosen.tokens_per_s / est.tokens_per_s - 1
+    return (
+        f"Published layout, {run_words(setup)}: predicted {price(est)}; measured step "
+        f"{seconds(setup.measured_step_s)}, MFU {measured_mfu:.1%} (our FLOP count). The chosen "
+        f"layout: {price(chosen)}, predicted {ratio:+.1%} tokens/s against the published one."
+    )
+
+
+def _source(setup: Any) -> str:
+    source = getattr(setup, "source", None)
+    if source:
+        return str(source)
+    row = next(r for r in U.published_runs() if str(r["id"]) == str(setup.row))
+    return U.source_key(row)
 
 
 def staircase_plans(model: ModelSpec, cluster: ClusterSpec, target: Any) -> list[ParallelPlan]:
@@ -436,6 +618,18 @@ def staircase_plans(model: ModelSpec, cluster: ClusterSpec, target: Any) -> list
                     recompute="full",
                 )
             )
+    return out
+
+
+def _lever_words(plan: ParallelPlan) -> list[str]:
+    """The memory levers a plan uses, in words ([] for none)."""
+    out = []
+    if plan.optimizer_states != "fp32":
+        out.append(f"{plan.optimizer_states} Adam states")
+    if plan.offload != "none":
+        out.append("offload of " + ("the optimizer" if plan.offload == "optimizer" else "all"))
+    if plan.fp8 != "none":
+        out.append(f"FP8 {plan.fp8} compute")
     return out
 
 

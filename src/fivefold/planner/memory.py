@@ -52,6 +52,11 @@ what a split input-gradient backward keeps for its weight-gradient action
 
 The simple model of seed 001 (`activation_model="simple"`): k * L * B * S * d * e with k = 12.
 
+Memory levers (`fivefold.planner.levers`): `plan.optimizer_states` changes the optimizer bytes
+per parameter (torchao's 8-bit / FP8 Adam states), `plan.offload` moves tenants to host memory
+(`StageMemory.host_bytes`, not part of `total`; "all" adds the `offload_staging` buffers), and
+FP8 all-gather (`plan.fp8 = "tensorwise"` under ZeRO-3) gathers the converted linears in 1 byte.
+
 "Other" terms, each explicit (`StageMemory.other_terms`): the CUDA context and library
 workspaces (`cuda_context_bytes`, 0.75 GiB by default: 0.5-1 GiB is what a CUDA 12 context with
 cuBLAS and NCCL reserves); the last stage's logits and loss buffers for one micro-batch,
@@ -73,6 +78,13 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from fivefold.errors import ConfigError
+from fivefold.planner.levers import (
+    gathers_fp8,
+    master_bytes,
+    resting_param_bytes,
+    split_state,
+    state_recipe,
+)
 from fivefold.planner.partition import stage_layer_counts
 from fivefold.spec.model import (
     ModelSpec,
@@ -375,12 +387,28 @@ def expert_shard_degree(plan: ParallelPlan) -> int:
 def chunk_state_bytes(
     model: ModelSpec, plan: ParallelPlan, counts: list[int], chunk: int
 ) -> Tenants:
-    """Parameter, gradient and optimizer bytes of one virtual stage on one rank."""
+    """Parameter, gradient and optimizer bytes of one virtual stage on one rank's device."""
+    return chunk_state(model, plan, counts, chunk)[0]
+
+
+def chunk_state(
+    model: ModelSpec, plan: ParallelPlan, counts: list[int], chunk: int
+) -> tuple[Tenants, float]:
+    """(device tenants, offloaded host bytes) of one virtual stage's model state on one rank,
+    with the plan's optimizer states and offload (`fivefold.planner.levers`)."""
     cp = chunk_params(model, plan, counts, chunk)
-    rec = recipe(plan.precision)
-    dense = model_state_bytes(cp.dense, rec, plan.zero, dense_shard_degree(plan))
-    experts = model_state_bytes(cp.experts, rec, plan.zero, expert_shard_degree(plan))
-    return dense + experts
+    rec = state_recipe(plan)
+    dense_shard, expert_shard = dense_shard_degree(plan), expert_shard_degree(plan)
+    total = model_state_bytes(cp.dense, rec, plan.zero, dense_shard)
+    total = total + model_state_bytes(cp.experts, rec, plan.zero, expert_shard)
+    if plan.offload == "none":
+        return total, 0.0
+    host_params = 0.0  # "optimizer" offload of a recipe without a master copy
+    if master_bytes(rec) <= 0:
+        for n, shard in ((cp.dense, dense_shard), (cp.experts, expert_shard)):
+            host_params += n * rec.param_bytes / zero_divisors(plan.zero, shard)[2]
+    device, host = split_state(total.params, total.grads, total.optimizer, host_params, plan)
+    return Tenants(*device), host
 
 
 # ---- activations ------------------------------------------------------------------------------
@@ -548,6 +576,7 @@ class StageMemory:
     # freed).
     grads_at_peak: float = 1.0
     optimizer_phase: float = 0.0
+    host_bytes: float = 0.0  # model state offloaded to host memory (`levers`), not in `total`
 
     @property
     def other(self) -> float:
@@ -598,8 +627,10 @@ def stage_memory(
     counts = counts or stage_layer_counts(model, plan.pp * plan.vpp)
     chunks = chunks_of_rank(plan, rank)
     state = Tenants(0.0, 0.0, 0.0)
+    host = 0.0
     for c in chunks:
-        state = state + chunk_state_bytes(model, plan, counts, c)
+        on_device, on_host = chunk_state(model, plan, counts, c)
+        state, host = state + on_device, host + on_host
     per_chunk = [chunk_activation_bytes(model, plan, counts, c, opts) for c in chunks]
     acts = max(per_chunk) * inflight
     grads_at_peak = 1.0
@@ -628,7 +659,9 @@ def stage_memory(
     if not opts.eager:
         tensors = state.total + acts + sum(other.values())
         other["fragmentation"] = opts.fragmentation_fraction * tensors
-        return StageMemory(rank, state.params, state.grads, state.optimizer, acts, other)
+        return StageMemory(
+            rank, state.params, state.grads, state.optimizer, acts, other, host_bytes=host
+        )
     at_rest = other.get("fsdp_param_shards", state.params)  # the weights between steps
     rest = at_rest + state.grads + state.optimizer
     tensors = state.total + acts + sum(other.values()) - (1 - grads_at_peak) * state.grads
@@ -642,6 +675,7 @@ def stage_memory(
         other,
         grads_at_peak,
         rest * (1 + opts.fragmentation_fraction) + opts.cuda_context_bytes,
+        host,
     )
 
 
@@ -803,9 +837,14 @@ def other_terms(
             out.update(_fsdp_terms(model, plan, counts, chunks, rec))
     elif plan.zero == 3:
         largest = max(chunk_params(model, plan, counts, c).max_layer for c in chunks)
-        out["zero3_gathered_layers"] = largest * (2 * compute_bytes(rec) + rec.grad_bytes)
+        gathered = largest * compute_bytes(rec) - fp8_gather_saving(model, plan)
+        out["zero3_gathered_layers"] = 2 * gathered + largest * rec.grad_bytes
     elif plan.dp * plan.cp > 1:
         out["dp_grad_buckets"] = 2 * opts.dp_bucket_bytes
+    if plan.offload == "all":  # FSDP2 offload: the shards crossing PCIe (`levers`)
+        largest = max(chunk_params(model, plan, counts, c).max_layer for c in chunks)
+        shard = largest / dense_shard_degree(plan)
+        out["offload_staging"] = shard * (2 * resting_param_bytes(rec) + rec.grad_bytes)
     if plan.sp and plan.tp > 1 and not opts.eager:  # eager: counted per layer
         out["sp_gathered_input"] = e * tokens * model.hidden
     if plan.cp > 1:
@@ -828,9 +867,22 @@ def _fsdp_terms(model, plan, counts, chunks, rec) -> dict[str, float]:
     blocks' are gathered one at a time and freed before the loss's backward. ZeRO-0/1/2 gather
     every parameter once per step; with an fp32 compute dtype that gathered copy is the
     recipe's parameter tenant and the sharded fp32 weights at rest come on top
-    (bf16 recipes: the shards are the fp32 master copy, already an optimizer tenant)."""
+    (bf16 recipes: the shards are the fp32 master copy, already an optimizer tenant). ZeRO-3
+    under pipelining keeps whole chunks gathered and their gradients unsharded for the step."""
     out: dict[str, float] = {}
-    if plan.zero == 3:
+    if plan.zero == 3 and plan.pp > 1:
+        # torch's pipeline stages keep each chunk gathered from its first forward to the end of
+        # the step and skip the gradient reduce-scatter until the last micro-batch, so the
+        # whole chunk's weights and its unsharded gradients are held through the step.
+        local = sum(
+            chunk_params(model, plan, counts, c).dense
+            + chunk_params(model, plan, counts, c).experts
+            for c in chunks
+        )
+        out["zero3_gathered_chunks"] = local * compute_bytes(rec)
+        shard = dense_shard_degree(plan)
+        out["zero3_unsharded_grads"] = local * rec.grad_bytes * (1 - 1 / shard)
+    elif plan.zero == 3:
         root = 0.0
         for c in chunks:
             cp = chunk_params(model, plan, counts, c)
@@ -847,6 +899,15 @@ def _fsdp_terms(model, plan, counts, chunks, rec) -> dict[str, float]:
         shard = dense_shard_degree(plan) if plan.zero >= 1 else 1
         out["fsdp_param_shards"] = local * rec.param_bytes / shard
     return out
+
+
+def fp8_gather_saving(model: ModelSpec, plan: ParallelPlan) -> float:
+    """Bytes by which FP8 all-gather shrinks one gathered layer: its converted linears (the
+    TP-sharded matrices of `layer_params_per_rank`) at 1 byte instead of the compute dtype's."""
+    if not gathers_fp8(plan):
+        return 0.0
+    lp = layer_params_per_rank(model, model.is_moe, plan.tp, plan.ep)
+    return lp.dense * (compute_bytes(recipe(plan.precision)) - 1)
 
 
 def compute_bytes(rec: PrecisionRecipe) -> int:

@@ -11,6 +11,12 @@ torchtitan's op-level selective checkpointing instead: in each layer every secon
 and w3 of a Llama block) and every element-wise op are recomputed, the attention output is kept.
 `fused_elementwise=False` describes eager PyTorch, whose unfused norms, RoPE and activations move
 about three times the bytes of fused kernels (see `compute.UNFUSED_TRAFFIC_FACTOR`).
+`collective_granularity` says how the framework issues data-parallel collectives: one per
+transformer layer ("layer", the default: FSDP/FSDP2, and Megatron's distributed optimizer whose
+buckets of max(40M, 1M x dp) parameters hold about a layer of the calibration rows' sharded
+models), in buckets of `dp_bucket_bytes` ("bucket": torch DDP, 25 MiB) or one per tensor
+("parameter": per-parameter hooks); each collective pays its own latency, and ZeRO-3 gathers at
+least a layer at a time (`planner/comm.py`).
 `runtime="fivefold-eager"` makes the memory model count what fivefold's own eager runtime keeps
 (`fivefold.planner.memory.EagerProfile`; the layout report of every run uses it); the default
 "fused" counts what fused kernels keep.
@@ -18,11 +24,20 @@ about three times the bytes of fused kernels (see `compute.UNFUSED_TRAFFIC_FACTO
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, fields
 
 from fivefold.errors import ConfigError
-from fivefold.planner.compute import ComputeOptions
-from fivefold.planner.memory import GiB, MemoryOptions, MiB
+from fivefold.planner.comm import GRANULARITIES
+from fivefold.planner.compute import SELECTIVE_POLICIES, ComputeOptions
+from fivefold.planner.memory import (
+    ACTIVATION_MODELS,
+    ATTENTION_KERNELS,
+    RUNTIMES,
+    GiB,
+    MemoryOptions,
+    MiB,
+)
 from fivefold.spec.hardware import GPUSpec
 
 
@@ -38,6 +53,7 @@ class PlannerOptions:
     cuda_context_bytes: float = 0.75 * GiB
     fragmentation_fraction: float = 0.05
     dp_bucket_bytes: float = 25 * MiB
+    collective_granularity: str = "layer"  # or "bucket" (DDP) or "parameter" (planner/comm.py)
     runtime: str = "fused"  # memory: "fivefold-eager" is what fivefold's own runtime keeps
     checkpoint_early_stop: bool = False
 
@@ -77,7 +93,52 @@ class PlannerOptions:
             checkpoint_early_stop=self.checkpoint_early_stop,
         )
 
+    def problems(self, where: str = "planner") -> list[str]:
+        """Every wrong value, each naming `where.field` and what it may be."""
+        out = []
+        for f in fields(self):
+            value, name = getattr(self, f.name), f"{where}.{f.name}"
+            if f.name in CHOICES and value not in CHOICES[f.name]:
+                out.append(f"{name} = {value!r}: choose one of {', '.join(CHOICES[f.name])}.")
+            elif f.type == "bool" and not isinstance(value, bool):
+                out.append(f"{name} = {value!r}: expected true or false.")
+            elif f.type == "float":
+                ok = isinstance(value, int | float) and not isinstance(value, bool)
+                upper = 1.0 if f.name == "fragmentation_fraction" else math.inf
+                if not (ok and math.isfinite(value) and 0 <= value < upper):
+                    bound = "in [0, 1)" if upper == 1.0 else "a finite number >= 0"
+                    out.append(f"{name} = {value!r}: must be {bound}.")
+        return out
+
     def validate(self) -> None:
-        problems = self.memory().problems()
+        problems = self.problems()
         if problems:
             raise ConfigError(problems)
+
+
+CHOICES: dict[str, tuple[str, ...]] = {
+    "activation_model": ACTIVATION_MODELS,
+    "attention_kernel": ATTENTION_KERNELS,
+    "selective_policy": SELECTIVE_POLICIES,
+    "collective_granularity": GRANULARITIES,
+    "runtime": RUNTIMES,
+}
+
+# One line per option: what it means (the CLI's --help, the explorer's tooltips, the docs).
+OPTION_HELP: dict[str, str] = {
+    "attention_kernel": "flash keeps no s^2 scores; classic stores them in HBM (Megatron pre-2023)",
+    "dropout": "dropout after attention and MLP (GPT-3 style masks kept for the backward)",
+    "tp_comm_overlap": "TP collectives hidden behind the GEMMs (Megatron --tp-comm-overlap)",
+    "dp_overlap": "DP/ZeRO gradient reduction overlapped with the backward (DDP, FSDP)",
+    "fused_elementwise": "fused norm/RoPE/activation kernels (false: eager PyTorch, ~3x bytes)",
+    "selective_policy": "what selective recompute redoes: attention (Megatron) or "
+    "alternate-matmul (torchtitan op-level SAC)",
+    "dp_bucket_bytes": "gradient bucket size for DP reduction (bytes, e.g. 25M)",
+    "collective_granularity": "DP/ZeRO collectives issued per layer (FSDP, Megatron; default), "
+    "per bucket of dp_bucket_bytes (DDP) or per parameter; each pays its ring/tree latency",
+    "activation_model": "activation memory: korthikanti (per tensor) or simple (seed 001, k=12)",
+    "runtime": "memory counted as fused kernels keep it, or as fivefold's eager runtime does",
+    "cuda_context_bytes": "per-GPU CUDA context and library workspaces (bytes, e.g. 768M)",
+    "fragmentation_fraction": "allocator fragmentation added to every stage's memory (0.05 = 5%)",
+    "checkpoint_early_stop": "recompute stops at the last tensor the backward needs (PyTorch)",
+}

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from fivefold.planner.calibration import EfficiencyModel, published_runs
 from fivefold.planner.options import PlannerOptions
+from fivefold.planner.profiles import row_options
 from fivefold.spec.cluster import ClusterSpec, cluster_preset
 from fivefold.spec.model import ModelSpec
 from fivefold.spec.plan import ParallelPlan
@@ -75,7 +76,7 @@ def run_setup(row: dict) -> RunSetup:
     if row["cluster"].get("gpu"):  # the source's GPU differs from the preset's (rows 60-61)
         cluster = cluster.with_(gpu=row["cluster"]["gpu"])
     plan = ParallelPlan(**row["plan"])
-    options = PlannerOptions(**row["options"])
+    options = row_options(row, cluster.device)  # its profile, if it names one, + its options
     step = measured_step_s(row, model, plan, cluster.world_size)
     return RunSetup(row["id"], model, cluster, plan, options, step)
 

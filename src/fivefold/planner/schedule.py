@@ -514,9 +514,11 @@ def _action_count(schedule: Schedule) -> int:
 @lru_cache(maxsize=8192)
 def _simulate_cached(schedule: Schedule, costs: StageCosts) -> Simulation:
     m = schedule.microbatches
-    extrapolate = _action_count(schedule) > EXACT_ACTION_LIMIT
+    short = _extrapolation_microbatches(schedule)
+    # When the shorter run is already m micro-batches, extrapolating gives the exact run's
+    # step (at twice its cost): run it exactly instead.
+    extrapolate = _action_count(schedule) > EXACT_ACTION_LIMIT and short < m
     if extrapolate:
-        short = _extrapolation_microbatches(schedule)
         first = _build_cached(schedule.name, schedule.pp, schedule.vpp, short)
         second = _build_cached(schedule.name, schedule.pp, schedule.vpp, short + schedule.pp)
         t1 = max(_run(first, costs)[1])

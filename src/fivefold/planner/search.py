@@ -29,15 +29,23 @@ validity) before it is costed. Pruning, cheapest first:
    selective -> full that fits is kept; heavier ones only add compute;
 4. micro-batch monotonicity: if a micro-batch does not fit even with full recompute, larger
    ones do not either.
-What fits in (1 - headroom) x HBM is costed by `fivefold.planner.estimate.estimate` and ranked by
-predicted tokens/s. Layouts within `TIE_FRACTION` of the fastest count as a tie, broken by the
-smaller worst-stage memory (a practitioner keeps the headroom). Rejections keep their reason;
+Memory levers (CPU offload, 8-bit Adam states: `AUTO_LEVERS`) are tried only when nothing fits
+without them, in a second pass over the same layouts (`lever_sets`); FP8 compute only when pinned.
+What fits in (1 - headroom) x HBM (and, with offload, in the node's host RAM) is costed by
+`fivefold.planner.estimate.estimate` and ranked by
+tokens/s at the slow end of its error band (`risk="pessimistic"`, the default: the model's errors
+grow outside the calibrated domain, so a layout far from every published run must be clearly
+faster to win; `fivefold.planner.uncertainty`) or by the predicted tokens/s (`risk="expected"`).
+Layouts within `TIE_FRACTION` of the fastest count as a tie, broken by the smaller worst-stage
+memory (a practitioner keeps the headroom). Rejections keep their reason;
 the nearest ones (smallest memory overflow first) are returned with the result.
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
+import gc
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -46,7 +54,14 @@ from typing import Any
 
 from fivefold.errors import ConfigError
 from fivefold.planner.bounds import Bounds
+from fivefold.planner.options import PlannerOptions
 from fivefold.planner.schedule import build_schedule
+from fivefold.planner.uncertainty import (
+    DEFAULT_RISK,
+    rank_factor,
+    rank_tokens_per_s,
+    risk_problems,
+)
 from fivefold.spec.cluster import ClusterSpec
 from fivefold.spec.hardware import GiB
 from fivefold.spec.model import RECOMPUTE_POLICIES, ModelSpec
@@ -60,6 +75,17 @@ VPP_CHOICES = (2, 4, 8)
 MAX_MICRO_BATCH = 64
 TIE_FRACTION = 0.005
 KEEP_REJECTED = 40
+# Memory levers (issue 11), tried only when no layout fits without them, cheapest first in
+# what they cost a step; only those fivefold's runtime runs (`ParallelPlan.runtime_problems`).
+# FP8 compute changes the numerics: it is searched only when asked for (pinned, e.g. --fp8).
+LEVER_FIELDS = ("offload", "optimizer_states", "fp8")
+AUTO_LEVERS: tuple[dict[str, str], ...] = (
+    {"optimizer_states": "8bit"},
+    {"offload": "optimizer"},
+    {"offload": "all"},
+    {"optimizer_states": "8bit", "offload": "optimizer"},
+    {"optimizer_states": "8bit", "offload": "all"},
+)
 
 PLAN_FIELDS = tuple(ParallelPlan.__dataclass_fields__)
 FIXABLE = (*PLAN_FIELDS, "dp")  # "dp" pins dp_replicate * dp_shard
@@ -97,6 +123,10 @@ class SearchResult:
     outcomes: dict[ParallelPlan, Outcome] = field(default_factory=dict, repr=False)
     search_state: Any = field(default=None, repr=False)  # the _Search, for the explanation
     pruned_by_bound: int = 0
+    options: PlannerOptions = field(default_factory=PlannerOptions)
+    risk: str = DEFAULT_RISK
+    # When only the memory levers made a layout fit: the closest layout without them.
+    without_levers: Outcome | None = None
 
 
 @dataclass(frozen=True)
@@ -248,6 +278,9 @@ class _Search:
     precisions: tuple[str, ...]
     fixed: dict[str, Any]
     top: int = 5
+    options: PlannerOptions = field(default_factory=PlannerOptions)
+    risk: str = DEFAULT_RISK
+    lever_sets: tuple[dict[str, str], ...] = ({},)  # memory levers tried on every layout
     outcomes: dict[ParallelPlan, Outcome] = field(default_factory=dict)
     candidates: list[_Candidate] = field(default_factory=list)
     evaluated: int = 0
@@ -255,7 +288,8 @@ class _Search:
     pruned_by_bound: int = 0
 
     def __post_init__(self) -> None:
-        self.bounds = Bounds(self.model, self.cluster)
+        self.bounds = Bounds(self.model, self.cluster, self.options)
+        self.lever_pins = {k: self.fixed[k] for k in LEVER_FIELDS if k in self.fixed}
 
     @property
     def budget_bytes(self) -> float:
@@ -322,7 +356,16 @@ class _Search:
                         )
                         if "sp" in self.fixed:
                             base = base.with_(sp=self.fixed["sp"])
-                        self.micro_batches(base)
+                        for levers in self.lever_sets:
+                            self.with_levers(base, {**self.lever_pins, **levers})
+
+    def with_levers(self, base: ParallelPlan, levers: dict[str, str]) -> None:
+        """The micro-batches of `base` with memory levers; none where the levers do not fit
+        this layout (e.g. offload "all" needs ZeRO-3: a rule of the plan, not a rejection)."""
+        plan = base.with_(**levers) if levers else base
+        if levers and plan.problems(runtime=False) and not base.problems(runtime=False):
+            return
+        self.micro_batches(plan)
 
     def micro_batches(self, base: ParallelPlan) -> None:
         for mbs in micro_batch_choices(self.target, base.dp):
@@ -330,7 +373,7 @@ class _Search:
                 continue
             accum = self.target.accumulation(mbs, base.dp)
             if accum is None:
-                plan = base.with_(micro_batch=mbs)
+                plan = _derive(base, micro_batch=mbs)
                 got = mbs * base.dp * max(1, round(self.target.sequences / (mbs * base.dp)))
                 self.reject(
                     plan,
@@ -342,7 +385,7 @@ class _Search:
             if not self.allowed("grad_accum", accum):
                 continue
             if base.pp > 1 and accum < base.pp and "grad_accum" not in self.fixed:
-                plan = base.with_(micro_batch=mbs, grad_accum=accum)
+                plan = _derive(base, micro_batch=mbs, grad_accum=accum)
                 self.reject(
                     plan,
                     "batch",
@@ -354,7 +397,7 @@ class _Search:
             for recompute in RECOMPUTE_POLICIES:
                 if not self.allowed("recompute", recompute):
                     continue
-                plan = base.with_(micro_batch=mbs, grad_accum=accum, recompute=recompute)
+                plan = _derive(base, micro_batch=mbs, grad_accum=accum, recompute=recompute)
                 kinds.append(self.screen(plan))
                 if kinds[-1] == "invalid":
                     break  # the same problem for every policy
@@ -373,7 +416,8 @@ class _Search:
             ).kind
         step = self.bounds.step(plan)
         tokens = plan.global_batch * self.model.seq_len
-        self.candidates.append(_Candidate(tokens / step if step > 0 else math.inf, plan))
+        factor = rank_factor(self.model, self.cluster, plan, self.risk)  # bounds the ranked key
+        self.candidates.append(_Candidate(factor * tokens / step if step > 0 else math.inf, plan))
         return "candidate"
 
     def cost_candidates(self) -> None:
@@ -392,19 +436,21 @@ class _Search:
                 continue  # same layout, less recompute, already fits: strictly faster
             outcome = self.estimate(cand.plan)
             if outcome.fits:
-                bisect.insort(found, -tokens_per_s(outcome.estimate))
+                bisect.insort(found, -rank_tokens_per_s(outcome.estimate, self.risk))
 
     def best_with(self, keep: Callable[[ParallelPlan], bool], budget: int = 60) -> Outcome | None:
         """The fastest fitting layout among those `keep` accepts: the same bounded search,
         restricted (at most `budget` more full estimates)."""
         best: Outcome | None = None
         for o in self.outcomes.values():
-            if o.fits and keep(o.plan) and (best is None or _faster(o, best)):
+            if o.fits and keep(o.plan) and (best is None or _faster(o, best, self.risk)):
                 best = o
         for cand in self.candidates:  # sorted by bound, best first
             if not keep(cand.plan):
                 continue
-            if best is not None and cand.upper_tokens_per_s <= tokens_per_s(best.estimate):
+            if best is not None and cand.upper_tokens_per_s <= rank_tokens_per_s(
+                best.estimate, self.risk
+            ):
                 break
             if cand.plan in self.outcomes or self.lighter_recompute_fits(cand.plan):
                 continue
@@ -412,7 +458,7 @@ class _Search:
                 break
             budget -= 1
             o = self.estimate(cand.plan)
-            if o.fits and (best is None or _faster(o, best)):
+            if o.fits and (best is None or _faster(o, best, self.risk)):
                 best = o
         return best
 
@@ -424,7 +470,7 @@ class _Search:
     def lighter_recompute_fits(self, plan: ParallelPlan) -> bool:
         order = RECOMPUTE_POLICIES.index(plan.recompute)
         for lighter in RECOMPUTE_POLICIES[:order]:
-            o = self.outcomes.get(plan.with_(recompute=lighter))
+            o = self.outcomes.get(_derive(plan, recompute=lighter))
             if o is not None and o.fits:
                 return True
         return False
@@ -449,10 +495,21 @@ class _Search:
 
         self.evaluated += 1
         try:
-            est = estimate(self.model, self.cluster, plan)
+            est = estimate(self.model, self.cluster, plan, self.options)
         except ConfigError as err:
             return self.reject(plan, "invalid", str(err))
         worst = worst_stage_bytes(est)
+        if not est.host_fits:
+            host = est.host_memory
+            return self.reject(
+                plan,
+                "memory",
+                f"out of host memory by {_amount(host.overflow_bytes)}: offloading puts "
+                f"{host.per_node_bytes / GiB:,.0f} GiB on each node of "
+                f"{host.usable_bytes / GiB:,.0f} GiB usable ({host.system}, "
+                f"{host.node_ram_bytes / GiB:,.0f} GiB less the reserve for the system)",
+                host.overflow_bytes,
+            )
         if worst > self.budget_bytes:
             outcome = self.reject(
                 plan,
@@ -478,8 +535,17 @@ class _Search:
         )
 
 
-def _faster(a: Outcome, b: Outcome) -> bool:
-    return tokens_per_s(a.estimate) > tokens_per_s(b.estimate)
+def _derive(plan: ParallelPlan, **changes: Any) -> ParallelPlan:
+    """`plan.with_(**changes)` without `dataclasses.replace`'s per-field work: the plan has no
+    `__post_init__`, so copying its fields and setting the changed ones is the same plan."""
+    new = object.__new__(ParallelPlan)
+    new.__dict__.update(plan.__dict__)
+    new.__dict__.update(changes)
+    return new
+
+
+def _faster(a: Outcome, b: Outcome, risk: str) -> bool:
+    return rank_tokens_per_s(a.estimate, risk) > rank_tokens_per_s(b.estimate, risk)
 
 
 def _inflight(plan: ParallelPlan) -> list[int]:
@@ -504,14 +570,16 @@ def worst_stage(est: Any) -> int:
 
 
 # ---- ranking -------------------------------------------------------------------------------
-def rank_fitting(outcomes: list[Outcome]) -> list[Outcome]:
-    """Fastest first; within TIE_FRACTION of the fastest, the smaller memory wins the top spot."""
-    fits = sorted(outcomes, key=lambda o: -tokens_per_s(o.estimate))
+def rank_fitting(outcomes: list[Outcome], risk: str = DEFAULT_RISK) -> list[Outcome]:
+    """Fastest first by the risk's key (`uncertainty.rank_tokens_per_s`); within TIE_FRACTION of
+    the fastest, the smaller memory wins the top spot."""
+    key = {id(o): rank_tokens_per_s(o.estimate, risk) for o in outcomes}
+    fits = sorted(outcomes, key=lambda o: -key[id(o)])
     if not fits:
         return fits
-    fastest = tokens_per_s(fits[0].estimate)
-    tied = [o for o in fits if tokens_per_s(o.estimate) >= fastest * (1 - TIE_FRACTION)]
-    winner = min(tied, key=lambda o: (worst_stage_bytes(o.estimate), -tokens_per_s(o.estimate)))
+    fastest = key[id(fits[0])]
+    tied = [o for o in fits if key[id(o)] >= fastest * (1 - TIE_FRACTION)]
+    winner = min(tied, key=lambda o: (worst_stage_bytes(o.estimate), -key[id(o)]))
     return [winner] + [o for o in fits if o is not winner]
 
 
@@ -535,18 +603,76 @@ def search(
     precisions: tuple[str, ...] | list[str] = ("bf16-mixed",),
     fixed: dict[str, Any] | None = None,
     explain: bool = True,
+    options: PlannerOptions | None = None,
+    risk: str = DEFAULT_RISK,
 ) -> SearchResult:
     """Search every valid layout of `model` on `cluster`; see the module docstring.
 
-    `fixed` pins plan fields (e.g. {"tp": 8}); `precisions` lists the recipes to consider.
-    Raises `ConfigError` when the inputs are wrong or no layout fits, with what came closest.
+    `fixed` pins plan fields (e.g. {"tp": 8}); `precisions` lists the recipes to consider;
+    `options` are the software assumptions every candidate is costed with (default
+    `PlannerOptions.for_device(cluster.device)`, as `estimate` uses); `risk` is "pessimistic"
+    (rank by the slow end of each layout's error band, the default) or "expected". Raises
+    `ConfigError` when the inputs are wrong or no layout fits, with what came closest.
     """
+    with _collector_paused():
+        return _search(
+            model,
+            cluster,
+            global_batch_tokens=global_batch_tokens,
+            global_batch=global_batch,
+            headroom=headroom,
+            top=top,
+            batch_tolerance=batch_tolerance,
+            precisions=precisions,
+            fixed=fixed,
+            explain=explain,
+            options=options,
+            risk=risk,
+        )
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off for the search, as it was after.
+
+    A search allocates a few hundred thousand tuples (plans, cache keys, schedule action lists)
+    and no reference cycles: what it drops, reference counting frees; what it keeps (caches,
+    the result) lives on. Left on, the collector scans them again and again (about a quarter of
+    the search's time on Llama 3 405B at 16,384 GPUs); re-enabled as is, it would scan them all
+    once more at the next allocation, so they are first moved out of its reach (`gc.freeze`).
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.freeze()
+            gc.enable()
+
+
+def _search(
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    *,
+    global_batch_tokens: int | None,
+    global_batch: int | None,
+    headroom: float,
+    top: int,
+    batch_tolerance: float,
+    precisions: tuple[str, ...] | list[str],
+    fixed: dict[str, Any] | None,
+    explain: bool,
+    options: PlannerOptions | None,
+    risk: str,
+) -> SearchResult:
     started = time.perf_counter()
     problems = model.problems() + cluster.problems()
     if not 0 <= headroom < 1:
         problems.append(f"headroom = {headroom}: must be in [0, 1), e.g. 0.1 for 10 %.")
     if top < 1:
         problems.append(f"top = {top}: must be at least 1.")
+    problems += risk_problems(risk)
     for p in precisions:
         if p not in RECIPES:
             problems.append(f"precision {p!r} is unknown; choose from {', '.join(RECIPES)}.")
@@ -561,6 +687,8 @@ def search(
         by_precision = [ParallelPlan(precision=p).runtime_problems() for p in precisions]
         if all(by_precision):
             problems += [p for found in by_precision for p in found]
+    opts = options or PlannerOptions.for_device(cluster.device)
+    problems += opts.memory().problems()
     if problems:
         raise ConfigError(problems)
     if cluster.device.hbm_bytes <= 0:
@@ -569,13 +697,39 @@ def search(
             "planned for it; pick a GPU type such as h100-sxm."
         )
     target = batch_target(model, global_batch_tokens, global_batch, batch_tolerance)
-    state = _Search(model, cluster, target, headroom, tuple(precisions), dict(fixed or {}), top=top)
+    state = _Search(
+        model, cluster, target, headroom, tuple(precisions), dict(fixed or {}), top, opts, risk
+    )
     state.run()
     outcomes = list(state.outcomes.values())
-    ranked = rank_fitting([o for o in outcomes if o.fits])
+    ranked = rank_fitting([o for o in outcomes if o.fits], risk)
     rejected = nearest_rejected(outcomes)
+    without_levers = None
+    sets = lever_sets(model, cluster, dict(fixed or {})) if not ranked else ()
+    if sets:  # nothing fits: a second pass over the same layouts with the memory levers
+        without_levers = rejected[0] if rejected else None
+        state = _Search(
+            model,
+            cluster,
+            target,
+            headroom,
+            tuple(precisions),
+            dict(fixed or {}),
+            top=top,
+            options=opts,
+            risk=risk,
+            lever_sets=sets,
+        )
+        state.run()
+        outcomes = list(state.outcomes.values())
+        ranked = rank_fitting([o for o in outcomes if o.fits], risk)
+        rejected = nearest_rejected(outcomes) if ranked else rejected
     if not ranked:
-        raise ConfigError(no_layout_message(model, cluster, target, headroom, rejected))
+        message = no_layout_message(model, cluster, target, headroom, rejected)
+        if sets:
+            tried = "; ".join(", ".join(f"{k} {v}" for k, v in lv.items()) for lv in sets)
+            message += f" The memory levers did not make any layout fit either ({tried})."
+        raise ConfigError(message)
     result = SearchResult(
         best=ranked[0].estimate,
         best_plan=ranked[0].plan,
@@ -589,6 +743,9 @@ def search(
         outcomes=state.outcomes,
         search_state=state,
         pruned_by_bound=state.pruned_by_bound,
+        options=opts,
+        risk=risk,
+        without_levers=without_levers,
     )
     if explain:
         from fivefold.planner.explain import explain_search
@@ -596,6 +753,30 @@ def search(
         result.explanation = explain_search(model, cluster, result)
     result.elapsed_s = time.perf_counter() - started
     return result
+
+
+def lever_sets(
+    model: ModelSpec, cluster: ClusterSpec, fixed: dict[str, Any]
+) -> tuple[dict[str, str], ...]:
+    """The memory levers the second pass tries (`AUTO_LEVERS`): those not fixed otherwise,
+    that fivefold's runtime runs, and offload only where the catalog has the node's host."""
+    from fivefold.planner.levers import offloads
+    from fivefold.spec.hardware import host
+
+    out = []
+    for levers in AUTO_LEVERS:
+        if any(k in fixed and fixed[k] != v for k, v in levers.items()):
+            continue
+        if all(k in fixed for k in levers):
+            continue  # the first pass had it
+        if ParallelPlan(**levers).runtime_problems(model):
+            continue
+        if "offload" in levers and (
+            host(cluster.gpu) is None or not offloads(ParallelPlan(**levers), cluster.device)
+        ):
+            continue
+        out.append(levers)
+    return tuple(out)
 
 
 def no_layout_message(
@@ -622,7 +803,7 @@ def no_layout_message(
 
 def iter_fitting(result: SearchResult) -> Iterator[Outcome]:
     """Every fitting outcome of a search, fastest first."""
-    yield from rank_fitting([o for o in result.outcomes.values() if o.fits])
+    yield from rank_fitting([o for o in result.outcomes.values() if o.fits], result.risk)
 
 
 def _amount(num_bytes: float) -> str:

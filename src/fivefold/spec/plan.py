@@ -212,6 +212,13 @@ class ParallelPlan:
                 "layers run inside a bf16 recipe; use plan.precision = 'bf16-mixed' (or another "
                 "bf16 recipe), or plan.fp8 = 'none'."
             )
+        if self.optimizer_states != "fp32" and precision_recipe(self.precision).optimizer_bytes < 8:
+            out.append(
+                f"plan.optimizer_states = {self.optimizer_states!r} with plan.precision = "
+                f"{self.precision!r}: that recipe's optimizer bytes already describe a compressed "
+                "optimizer (no fp32 m and v to quantise); set plan.optimizer_states = 'fp32', or "
+                "use a recipe with fp32 Adam states such as 'bf16-mixed'."
+            )
         if self.zero == 0 and self.dp_shard > 1:
             out.append(
                 f"plan.dp_shard = {self.dp_shard} with plan.zero = 0: stage 0 shards nothing; "

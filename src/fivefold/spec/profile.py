@@ -21,13 +21,21 @@ A profile is a TOML file (written by `fivefold.parallel.calibrate`, read here wi
                   over the measured cross-entropy; "optimizer": AdamW's bytes per parameter
                   (`compute.optimizer_bytes_per_param`) over its measured step, gradient
                   clipping and zeroing included.
-    [[overhead]]  threads, layer_forward_s, layer_backward_s: a block's time at a tiny shape
-                  less its kernels there (Python, dispatch, views).
-    [[collective]] op, ranks, alpha_s, beta_bytes_per_s: time(S) = alpha + S / beta fitted by
-                  least squares to the samples, S in nccl-tests' convention (all_reduce: the
-                  buffer; all_gather / reduce_scatter / all_to_all: the whole buffer of
-                  ranks x the per-rank part; send_recv: the message).
-    [[collective_sample]] op, ranks, size_bytes, time_s, algbw_bytes_per_s, busbw_bytes_per_s
+    [[overhead]]  threads, layer_forward_s, layer_backward_s, moe_forward_s, moe_backward_s:
+                  what one more dense (MoE) layer adds to a model at a shape where the
+                  arithmetic is negligible (Python, autograd, each op's dispatch; a MoE layer's
+                  routing and loop over experts); tp_forward_s, tp_backward_s and
+                  fsdp_forward_s, fsdp_backward_s: the extra of a tensor-parallel layer (DTensor
+                  dispatch, sequence parallel) and of a ZeRO-3 FSDP2 unit (hooks, gathers,
+                  reduce-scatter), measured on a one-rank mesh so no transfer is in them.
+    [[collective]] op, ranks, world, alpha_s, beta_bytes_per_s: time(S) = alpha + S / beta
+                  fitted by least squares to the samples, S in nccl-tests' convention
+                  (all_reduce: the buffer; all_gather / reduce_scatter / all_to_all: the whole
+                  buffer of ranks x the per-rank part; send_recv: the message); measured with
+                  `world` local processes running, every group of `ranks` at once (a 2-rank
+                  group is slower among 4 processes on 2 cores than alone).
+    [[collective_sample]] op, ranks, world, size_bytes, time_s, algbw_bytes_per_s,
+                  busbw_bytes_per_s
 
 Loading one yields a `GPUSpec` whose peak is the best measured matmul rate per dtype (the source
 says "measured"; nothing is guessed) and a `ClusterSpec` of one node with the local ranks.
@@ -52,7 +60,7 @@ from typing import Any
 from fivefold.errors import ConfigError
 from fivefold.spec.hardware import GPUSpec
 
-FORMAT = 1
+FORMAT = 2  # 2: overhead per layer kind; the optimizer's bytes include clipping
 PROFILE_ENV = "FIVEFOLD_PROFILE"
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 LAYOUTS = ("nt", "nn", "tn")
@@ -164,15 +172,27 @@ class Bandwidth:
 
 @dataclass(frozen=True)
 class Overhead:
+    """Fixed seconds per layer and micro-batch (at a shape with negligible arithmetic): a dense
+    and a MoE layer, and the extra of tensor parallelism and of a ZeRO-3 FSDP2 unit."""
+
     threads: int
     layer_forward_s: float
     layer_backward_s: float
+    moe_forward_s: float
+    moe_backward_s: float
+    tp_forward_s: float
+    tp_backward_s: float
+    fsdp_forward_s: float
+    fsdp_backward_s: float
 
 
 @dataclass(frozen=True)
 class Collective:
+    """`op` over groups of `ranks` while `world` local processes run (all their groups at once)."""
+
     op: str
     ranks: int
+    world: int
     alpha_s: float
     beta_bytes_per_s: float
 
@@ -181,6 +201,7 @@ class Collective:
 class CollectiveSample:
     op: str
     ranks: int
+    world: int
     size_bytes: int
     time_s: float
     algbw_bytes_per_s: float
@@ -367,6 +388,11 @@ def parse_profile(data: dict[str, Any], path: str = "") -> DeviceProfile:
     for i, row in enumerate(tables["collective"]):
         if row.ranks < 2:
             problems.append(f"profile collective[{i}].ranks = {row.ranks}: must be at least 2.")
+        if row.world < row.ranks:
+            problems.append(
+                f"profile collective[{i}].world = {row.world}: must be at least its ranks "
+                f"({row.ranks})."
+            )
     for table in ("matmul", "attention", "bandwidth", "overhead"):
         if not tables[table]:
             problems.append(f"profile has no [[{table}]] rows; re-run `fivefold calibrate`.")
@@ -508,23 +534,34 @@ class Measured:
         rows, scale = self._at_threads([b for b in self.profile.bandwidth if b.kind == kind])
         return max(r.bytes_per_s for r in rows) * scale
 
-    def layer_overhead_s(self) -> tuple[float, float]:
-        """(forward, backward) fixed seconds per layer; a share of the cores stretches them."""
+    def layer_overhead_s(
+        self, moe: bool = False, tp: bool = False, fsdp: bool = False
+    ) -> tuple[float, float]:
+        """(forward, backward) fixed seconds of one layer and micro-batch: a dense or MoE
+        layer, plus tensor parallelism's and a ZeRO-3 unit's extra when they apply; a share
+        of the cores stretches them (they run on one thread)."""
         rows, _ = self._at_threads(list(self.profile.overhead))
         row = rows[0]
-        return row.layer_forward_s / self.share, row.layer_backward_s / self.share
+        fwd = row.moe_forward_s if moe else row.layer_forward_s
+        bwd = row.moe_backward_s if moe else row.layer_backward_s
+        if tp:
+            fwd, bwd = fwd + row.tp_forward_s, bwd + row.tp_backward_s
+        if fsdp:
+            fwd, bwd = fwd + row.fsdp_forward_s, bwd + row.fsdp_backward_s
+        return fwd / self.share, bwd / self.share
 
     def collective(self, op: str, n: int) -> tuple[float, float]:
-        """(alpha s, beta bytes/s) of `op` over `n` ranks. An unmeasured group size scales the
-        nearest measured one as a ring does: alpha with the n - 1 steps, beta so that the bus
-        bandwidth stays the same."""
+        """(alpha s, beta bytes/s) of `op` over `n` ranks, measured with as many local
+        processes running as this run has (else the nearest). An unmeasured group size scales
+        the nearest measured one as a ring does: alpha with the n - 1 steps, beta so that the
+        bus bandwidth stays the same."""
         rows = [c for c in self.profile.collective if c.op == op]
         if not rows:
             raise ConfigError(
                 f"device profile {self.profile.path!r} has no {op} measurement; re-run "
                 "`fivefold calibrate` with --nproc 2 or more."
             )
-        near = min(rows, key=lambda c: (abs(c.ranks - n), -c.ranks))
+        near = min(rows, key=lambda c: (abs(c.ranks - n), abs(c.world - self.ranks), -c.ranks))
         if near.ranks == n:
             return near.alpha_s, near.beta_bytes_per_s
         steps = (n - 1) / (near.ranks - 1)

@@ -1,11 +1,13 @@
-"""TOML recipes: `[model]`, `[cluster]`, `[plan]` and free sections (`[train]`, `[data]`, ...).
+"""TOML recipes: `[model]`, `[cluster]`, `[plan]`; free sections `[train]`, `[data]`, `[planner]`.
 
 A recipe may name presets (`[model] preset = "small"`, `[cluster] preset = "dgx-h100"` with
 `gpus = 64`, or a measured machine: `[cluster] profile = "device-profile.toml"`, whose local
 ranks default to the run's processes) and override any field. Command-line overrides are
 `section.field=value` with the value parsed as a TOML literal (`plan.tp=2`, `train.lr=3e-4`,
 `model.mlp=gelu`); a bare word that is not a TOML literal is taken as a string.
-Every problem is reported at once.
+Every problem is reported at once. The free sections are validated by the layer that reads
+them: `[train]` and `[data]` by `fivefold.train.config`, `[planner]` (the efficiency profile,
+the planner's options and the search's headroom) by `fivefold.planner.profiles.planner_settings`.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from fivefold.spec.presets import MODEL_PRESETS
 
 T = TypeVar("T")
 _CORE_SECTIONS = ("model", "cluster", "plan")
-SECTIONS = (*_CORE_SECTIONS, "train", "data")  # [train] and [data]: fivefold.train.config
+SECTIONS = (*_CORE_SECTIONS, "train", "data", "planner")  # free sections: module docstring
 
 
 @dataclass

@@ -145,6 +145,62 @@ const PLAN_FIELDS = [
   "micro_batch", "recompute", "precision",
 ];
 
+// Planner options shown in MiB (the API takes bytes, as PlannerOptions does).
+const PLANNER_MIB = ["dp_bucket_bytes", "cuda_context_bytes"];
+
+/** One control per planner option, from /api/presets (its help as the tooltip). */
+function buildPlannerControls(presets) {
+  fillSelect(field("planner.profile"), Object.keys(presets.profiles));
+  const box = $("#planner-options");
+  for (const [name, o] of Object.entries(presets.planner_options)) {
+    const words = name.replaceAll("_", " ");
+    const label = el("label", { title: o.help }, box);
+    if (o.kind === "bool") {
+      label.className = "check";
+      el("input", { type: "checkbox", name: `planner.${name}` }, label);
+      label.append(` ${words}`);
+      continue;
+    }
+    const mib = PLANNER_MIB.includes(name);
+    label.append(mib ? `${words.replace(" bytes", "")} (MiB) ` : `${words} `);
+    if (o.kind === "choice") {
+      fillSelect(el("select", { name: `planner.${name}` }, label), o.choices);
+    } else {
+      const attrs = { type: "number", name: `planner.${name}`, min: "0", step: "any" };
+      if (mib) attrs["data-scale"] = String(2 ** 20);
+      el("input", attrs, label);
+    }
+  }
+}
+
+/** Set every planner option control to the profile's value (fivefold: the GPU defaults). */
+function applyProfile(name) {
+  const profile = state.presets.profiles[name];
+  if (!profile) return;
+  for (const [key, o] of Object.entries(state.presets.planner_options)) {
+    const own = profile.options && key in profile.options ? profile.options[key] : o.default;
+    writeField(`planner.${key}`, own);
+  }
+}
+
+/** The request's planner table: the profile and every option as the controls show it. */
+function plannerRequest() {
+  const out = { profile: field("planner.profile").value };
+  for (const key of Object.keys(state.presets.planner_options)) {
+    out[key] = readField(field(`planner.${key}`));
+  }
+  return out;
+}
+
+function renderPlanner(planner) {
+  const node = $("#planner-facts");
+  if (!planner) { node.textContent = ""; return; }
+  const summary = state.presets.profiles[planner.profile]?.summary || "";
+  node.textContent = `${planner.profile}: ${summary}.` +
+    (planner.notes.length ? ` Replaced: ${planner.notes.join("; ")}.` : "");
+  node.dataset.profile = planner.profile;
+}
+
 /** The request body for /api/estimate and /api/recipe, in the spec's own field names. */
 function layoutRequest() {
   const body = { model: {}, cluster: {}, plan: {} };
@@ -161,6 +217,7 @@ function layoutRequest() {
   for (const f of CLUSTER_FIELDS) body.cluster[f] = readField(field(`cluster.${f}`));
   for (const f of PLAN_FIELDS) body.plan[f] = readField(field(`plan.${f}`));
   body.global_batch = readField(field("global_batch"));
+  body.planner = plannerRequest();
   // An empty box is a mistake the server words for us; send it as-is rather than guessing.
   return body;
 }
@@ -169,7 +226,7 @@ function searchRequest() {
   const body = layoutRequest();
   return {
     model: body.model, cluster: body.cluster, global_batch: body.global_batch, top: 5,
-    precisions: [body.plan.precision],
+    precisions: [body.plan.precision], planner: body.planner,
   };
 }
 
@@ -310,6 +367,7 @@ function render(answer) {
   el("span", {}, facts, `${fmt.int(layout.tokens_per_step)} tokens per step · gradient accumulation `);
   el("b", { id: "grad-accum", "data-value": String(layout.grad_accum) }, facts, String(layout.grad_accum));
   el("span", {}, facts, ` micro-batches of ${answer.plan.micro_batch} on each of ${layout.dp} DP ranks`);
+  renderPlanner(answer.planner);
   renderKpis(est);
   renderBreakdown(est);
   renderMemory(est);
@@ -821,6 +879,7 @@ async function start() {
   fillSelect(field("plan.cp_kind"), presets.cp_kinds);
   fillSelect(field("plan.recompute"), presets.recompute);
   fillSelect(field("plan.precision"), Object.keys(presets.precisions));
+  buildPlannerControls(presets);
 
   const d = DEFAULT_LAYOUT;
   $("#model-preset").value = d.modelPreset;
@@ -832,6 +891,8 @@ async function start() {
   applyClusterPreset(d.clusterPreset);
   applyPlan({ ...d.plan, grad_accum: 1 });
   writeField("global_batch", d.globalBatch);
+  field("planner.profile").value = presets.default_profile;
+  applyProfile(presets.default_profile);
 
   const form = $("#form");
   // "input" fires for every edit of a box, select or checkbox; "change" would fire again on blur.
@@ -867,6 +928,8 @@ function onControl(target) {
       const heads = Number(field("model.heads").value);
       if (heads >= 1) writeField("model.head_dim", Math.floor(Number(field("model.hidden").value) / heads));
     }
+  } else if (target.name === "planner.profile") {
+    applyProfile(target.value);
   } else if (target.id === "cluster-preset") {
     if (target.value !== "custom") applyClusterPreset(target.value);
   } else if (target.name && target.name.startsWith("cluster.") && target.name !== "cluster.nodes") {

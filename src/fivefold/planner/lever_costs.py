@@ -1,0 +1,197 @@
+"""Seconds of the memory levers (issue 11): FP8 linears, CPU offload transfers, the host step.
+
+Written by hand (the planner never imports torch), from the libraries' code:
+
+FP8 compute (`plan.fp8`, torchao's float8 training, torchao/float8/float8_linear.py). The
+linears torchao converts (`levers.fp8_linear_params`: attention projections, dense MLP, shared
+experts, a router with a multiple of 16 experts; never the routed experts or the LM head) run
+their three GEMMs (forward, input gradient, weight gradient) at the device's FP8 peak with the
+same efficiency model as bf16 (`compute.gemm_time_s(..., "fp8")`). Every operand is cast
+dynamically: an amax pass reading the bf16 tensor (2 bytes per element) and a scale-and-cast
+pass (read 2, write 1), `CAST_BYTES` = 5 bytes per element, memory-bound at HBM speed. Per
+linear with input X (T x k), weight W (k x n) and output gradient G (T x n): forward casts X and
+W; the input-gradient pass G and W; the weight-gradient pass G again (the other axis) and X
+(`matmul_with_hp_or_float8_args` casts each operand per use). Under ZeRO-3 with tensorwise
+scaling the weights arrive as float8 (FP8 all-gather): each gather casts the local shard
+(k n / shard) instead, in the forward and in the backward. torch.compile can fuse the amax into
+the producer; eager casts are counted. Recompute: "full" repeats the forward's delta,
+"alternate-matmul" half of it, "selective" (the attention core) none.
+
+MFU with FP8 (`mfu_peak`): each FLOP is counted against the peak of the dtype it runs in, FP8
+FLOPs (6 x converted parameters per token) against the FP8 peak and the rest (attention core,
+routed experts, LM head) against the bf16 peak. That is MFU = (F8 / P8 + F16 / P16) / (step x
+GPUs), i.e. the model FLOPs over the step against a peak of F / (F8 / P8 + F16 / P16); HFU uses
+the same peak.
+
+CPU offload (`plan.offload`), at the catalog's PCIe bandwidth per GPU and direction
+(`spec.hardware`) times `PCIE_FRACTION` (pinned-memory copies reach about 80 % of a x16 link's
+line rate), and the host memory bandwidth of the node times `HOST_BW_FRACTION` (a two-socket
+server's STREAM triad reaches about 70 % of its theoretical DDR bandwidth), shared by the
+node's GPUs, which all step at once. Assumptions, both as named constants.
+
+- "optimizer" (ZeRO-Offload, Ren et al. 2021, sec. 4.1): after the backward the rank's
+  gradient shard goes device-to-host, overlapped with the backward as the data-parallel
+  reduction is (the same window: the last micro-batch's backward and the pipeline drain);
+  then the Adam step on the host (memory-bound, `compute.optimizer_bytes_per_param` bytes per
+  parameter); then the updated parameters (compute dtype) host-to-device, exposed (the next
+  forward needs them; ZeRO-Offload's delayed parameter update, which hides the step, changes
+  the training semantics and is not modelled).
+- "all" (FSDP2 `CPUOffloadPolicy`): each layer's parameter shard is copied host-to-device in
+  the all-gather stream right before its gather (non-blocking, pinned) and each gradient shard
+  device-to-host right after its reduce-scatter, so both join the ZeRO-3 per-layer gather and
+  reduce-scatter times that hide behind the neighbouring layers' compute (estimate's layer
+  costs). When gradients accumulate (micro-batches 2..m), FSDP2 copies without overlap and
+  adds them on the CPU (`_fsdp_collectives.py`: non_blocking only when no gradient exists yet):
+  (m - 1) x (the transfer of the rank's gradient shards + the host add, 3 accesses of each
+  gradient at the host's bandwidth) is exposed. The optimizer step runs on the host after the
+  backward, exposed.
+"""
+
+from __future__ import annotations
+
+from fivefold.planner.calibration import EfficiencyModel
+from fivefold.planner.compute import (
+    Work,
+    gemm_time_s,
+    memory_time_s,
+    optimizer_bytes_per_param,
+    optimizer_step_s,
+)
+from fivefold.planner.levers import (
+    fp8_linear_params,
+    gathers_fp8,
+    node_host,
+    offloads,
+    resting_param_bytes,
+    router_converted,
+)
+from fivefold.planner.memory import dense_shard_degree, local_kv_width
+from fivefold.spec.cluster import ClusterSpec
+from fivefold.spec.hardware import GPUSpec
+from fivefold.spec.model import ModelSpec, training_flops_per_token
+from fivefold.spec.plan import ParallelPlan
+from fivefold.spec.precision import recipe
+
+CAST_BYTES = 5.0  # per element: amax read (2) + cast read (2) and write (1)
+PCIE_FRACTION = 0.8
+HOST_BW_FRACTION = 0.7
+
+
+# ---- FP8 linears -----------------------------------------------------------------------------
+def fp8_gemms(model: ModelSpec, plan: ParallelPlan, moe: bool) -> list[tuple[float, float, float]]:
+    """Forward GEMMs (m, n, k) of one layer's converted linears on one rank, fused as
+    `compute.layer_gemms` writes them (Q, K and V as one)."""
+    t = plan.tp
+    h = model.hidden
+    tokens = plan.micro_batch * model.seq_len / plan.cp
+    q = model.q_width / t
+    out = [(tokens, q + 2 * local_kv_width(model, t), h), (tokens, h, q)]
+    width = model.ffn / t if not moe else model.shared_experts * model.expert_ffn / t
+    if width:
+        up = 2 * width if (moe or model.mlp == "swiglu") else width
+        out += [(tokens, up, h), (tokens, h, width)]
+    if moe and router_converted(model):
+        out.append((tokens, model.experts, h))
+    return out
+
+
+def fp8_layer_delta(
+    model: ModelSpec,
+    plan: ParallelPlan,
+    device: GPUSpec,
+    eff: EfficiencyModel,
+    moe: bool,
+    selective_policy: str = "attention",
+) -> Work:
+    """What FP8 changes in one layer's `Work` for one micro-batch on one rank (negative where
+    it saves): the converted GEMMs at the FP8 instead of the bf16 rate, plus their casts."""
+    gemm = cast_f = cast_b = cast_w = 0.0
+    shard = dense_shard_degree(plan) if gathers_fp8(plan) else 1
+    for m, n, k in fp8_gemms(model, plan, moe):
+        gemm += gemm_time_s(m, n, k, device, eff, "fp8") - gemm_time_s(m, n, k, device, eff)
+        weight = k * n / shard  # the local weight, or its shard cast before an FP8 all-gather
+        cast_f += CAST_BYTES * (m * k + weight)
+        cast_b += CAST_BYTES * (m * n + weight)
+        cast_w += CAST_BYTES * (m * n + m * k)
+    forward = gemm + memory_time_s(cast_f, device, eff)
+    recompute = 0.0
+    if plan.recompute == "full":
+        recompute = forward
+    elif plan.recompute == "selective" and selective_policy == "alternate-matmul":
+        recompute = forward / 2
+    backward = gemm + memory_time_s(cast_b, device, eff) + recompute
+    weight_s = gemm + memory_time_s(cast_w, device, eff)
+    return Work(forward, backward, weight_s, recompute, gemm)
+
+
+def fp8_flops_per_token(model: ModelSpec) -> float:
+    """Model FLOPs per trained token in converted linears (6 per parameter and token)."""
+    dense = model.layers - model.moe_layers
+    params = dense * fp8_linear_params(model, False)
+    params += model.moe_layers * fp8_linear_params(model, True)
+    return 6.0 * params
+
+
+def mfu_peak(model: ModelSpec, plan: ParallelPlan, device: GPUSpec) -> float:
+    """Per-GPU peak FLOP/s MFU and HFU are counted against (module docstring)."""
+    base = device.peak(recipe(plan.precision).compute_dtype)
+    if plan.fp8 == "none":
+        return base
+    total = training_flops_per_token(model, model.seq_len, "none")
+    fp8 = fp8_flops_per_token(model)
+    return total / (fp8 / device.peak("fp8") + (total - fp8) / base)
+
+
+# ---- offload ---------------------------------------------------------------------------------
+def pcie_s(size_bytes: float, device: GPUSpec) -> float:
+    """Seconds to move `size_bytes` one way over the GPU's host link."""
+    if size_bytes <= 0:
+        return 0.0
+    return size_bytes / (device.pcie_bw_bytes_per_s * PCIE_FRACTION)
+
+
+def host_stream_s(size_bytes: float, cluster: ClusterSpec) -> float:
+    """Seconds for every GPU of a node to stream `size_bytes` each through host memory."""
+    spec = node_host(cluster.gpu, cluster.device)
+    return size_bytes * cluster.gpus_per_node / (spec.mem_bw_bytes_per_s * HOST_BW_FRACTION)
+
+
+def optimizer_s(
+    local_params: float, plan: ParallelPlan, cluster: ClusterSpec, eff: EfficiencyModel
+) -> float:
+    """The optimizer step over the rank's `local_params`: on the device, or with offload on the
+    host CPU (memory-bound at the node's host bandwidth, shared by its GPUs)."""
+    if not offloads(plan, cluster.device):
+        return optimizer_step_s(local_params, plan, cluster.device, eff)
+    return host_stream_s(local_params * optimizer_bytes_per_param(plan), cluster)
+
+
+def offload_layer_s(shard_params: float, plan: ParallelPlan, device: GPUSpec) -> tuple:
+    """ "all" offload, one layer: (host-to-device seconds of its parameter shard before a
+    gather, device-to-host seconds of its gradient shard after the reduce-scatter)."""
+    rec = recipe(plan.precision)
+    return (
+        pcie_s(shard_params * resting_param_bytes(rec), device),
+        pcie_s(shard_params * rec.grad_bytes, device),
+    )
+
+
+def offload_tail(
+    opt_params: float, plan: ParallelPlan, cluster: ClusterSpec, window_s: float
+) -> tuple[float, float, float]:
+    """(exposed seconds, transfer seconds, bytes over PCIe) a rank spends per step on offload
+    outside the per-layer costs, for the `opt_params` parameters whose optimizer state it holds
+    (module docstring); `window_s`: the backward time the gradient copy may hide behind."""
+    device = cluster.device
+    if not offloads(plan, device):
+        return 0.0, 0.0, 0.0
+    rec = recipe(plan.precision)
+    grads = opt_params * rec.grad_bytes
+    if plan.offload == "optimizer":
+        params = opt_params * rec.param_bytes
+        d2h, h2d = pcie_s(grads, device), pcie_s(params, device)
+        return max(0.0, d2h - window_s) + h2d, d2h + h2d, grads + params
+    accumulating = plan.grad_accum - 1
+    copy = pcie_s(grads, device)
+    add = host_stream_s(3 * grads, cluster)
+    return accumulating * (copy + add), accumulating * copy, accumulating * grads

@@ -1,0 +1,190 @@
+"""Memory levers (issue 11) in bytes: low-precision Adam states, CPU offload, FP8 all-gather.
+
+Written by hand from the libraries' code (the planner never imports torch):
+
+- `plan.optimizer_states` "8bit" / "fp8": torchao 0.18's `AdamW8bit` / `AdamWFp8`
+  (torchao/optim/adam.py, subclass_8bit.py, subclass_fp8.py) keep Adam's m and v as one byte per
+  element (uint8 codes into a 256-entry fp32 lookup table, or float8 e4m3) plus one fp32 scale per
+  block of `TORCHAO_BLOCK` = 256 elements (the default `block_size` of both): 1 + 4/256 =
+  1.015625 bytes per state element instead of 4. The master weights the recipe keeps (fp32 for
+  "bf16-mixed": its 12 optimizer bytes are 4 master + 4 m + 4 v) are unchanged:
+  bf16-mixed goes from 12 to 4 + 2 x 1.015625 = 6.03125 bytes per parameter. torchao quantises
+  only tensors of at least 4,096 elements whose size is a multiple of the block; smaller ones
+  (norm weights of hidden < 4,096, biases) keep fp32 states. The planner counts every parameter
+  as quantised: norms are 2h of a layer's ~12h^2 parameters (< 0.02 % at h = 4,096).
+  The lookup table (1 KiB per tensor) and the step counter are not counted.
+- `plan.offload`: "optimizer" keeps the optimizer tenant (master weights, m, v) in host memory
+  and runs the step on the host CPU (ZeRO-Offload, Ren et al. 2021, sec. 4.1); recipes without a
+  master copy (fp32, bf16-no-master) also keep a host copy of the parameters the step updates.
+  The device keeps the parameters and gradients of the ZeRO stage. "all" is FSDP2's
+  `CPUOffloadPolicy` (torch/distributed/fsdp/_fully_shard/_fsdp_api.py, _fsdp_param.py,
+  _fsdp_collectives.py): the sharded parameters, gradients and optimizer state live in host
+  memory; a parameter shard is copied host-to-device right before its all-gather, a gradient
+  shard device-to-host right after its reduce-scatter. The device therefore still holds what
+  ZeRO-3 holds beyond the shards (the gathered layers in the compute dtype, one layer's
+  unsharded gradient before its reduce-scatter: `memory.other_terms`' "zero3_gathered_layers")
+  plus `offload_staging`: the two gathered layers' shards in their resting dtype as copied in,
+  and one layer's gradient shard before it is copied out.
+  Offloaded bytes are counted per GPU (`StageMemory.host_bytes`) and per node
+  (`HostMemory`: GPUs per node x the worst pipeline rank, an upper bound when a node holds
+  ranks of several stages), against the catalog host RAM of the node less
+  `HOST_RESERVED_FRACTION` (the operating system, the page cache of the data, the training
+  processes' own memory). On a device without a host link (a CPU) the host is the device:
+  offload moves nothing.
+- `plan.fp8` "tensorwise" under ZeRO-3: torchao's FP8 all-gather
+  (`enable_fsdp_float8_all_gather`, torchao/float8/fsdp_utils.py) gathers the converted linears'
+  weights as float8 (1 byte instead of 2), so the gathered-layer buffers and the ZeRO-3 gathers
+  hold half the bytes for them. torchao's `Float8Linear` saves its high-precision input and
+  weight for the backward (float8_linear.py, `ctx.save_for_backward(input_hp, weight_hp_t)`) and
+  re-casts them there, so the stored activations do not change; the float8 copies live only
+  inside one linear's forward or backward (transient, not counted).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from fivefold.errors import ConfigError
+from fivefold.spec.hardware import HOSTS, GPUSpec, HostSpec, host
+from fivefold.spec.model import ModelSpec, attention_params, dense_mlp_params, expert_params
+from fivefold.spec.plan import ParallelPlan
+from fivefold.spec.precision import PrecisionRecipe, recipe
+
+TORCHAO_BLOCK = 256  # torchao 0.18 AdamW8bit / AdamWFp8 default block_size
+FP32_MOMENTS_BYTES = 8.0  # Adam's m and v in fp32, what the recipes' optimizer bytes include
+HOST_RESERVED_FRACTION = 0.2  # of host RAM, never planned for offloaded state
+FP8_ALIGNMENT = 16  # torchao converts a linear only when both its dims are multiples of 16
+
+
+def moment_bytes(states: str) -> float:
+    """Bytes per element of one Adam moment (m or v)."""
+    if states == "fp32":
+        return 4.0
+    return 1.0 + 4.0 / TORCHAO_BLOCK  # one byte + an fp32 scale per block
+
+
+def master_bytes(rec: PrecisionRecipe) -> float:
+    """Bytes per parameter of the recipe's master copy: its optimizer bytes less fp32 m and v."""
+    return rec.optimizer_bytes - FP32_MOMENTS_BYTES
+
+
+def state_recipe(plan: ParallelPlan) -> PrecisionRecipe:
+    """The plan's precision recipe with Adam's moments in `plan.optimizer_states`."""
+    rec = recipe(plan.precision)
+    if plan.optimizer_states == "fp32":
+        return rec
+    assert master_bytes(rec) >= 0, "ParallelPlan.problems refuses compressed-optimizer recipes"
+    return replace(
+        rec,
+        name=f"{rec.name}+{plan.optimizer_states}-states",
+        optimizer_bytes=master_bytes(rec) + 2 * moment_bytes(plan.optimizer_states),
+    )
+
+
+def offloads(plan: ParallelPlan, device: GPUSpec) -> bool:
+    """Whether the plan moves tenants off the device (a device with a host link)."""
+    return plan.offload != "none" and device.pcie_bw_bytes_per_s > 0
+
+
+def memory_plan(plan: ParallelPlan, device: GPUSpec) -> ParallelPlan:
+    """The plan whose memory the device holds: without offload where there is no separate host
+    (the CPU holds the "offloaded" state in the same memory)."""
+    return plan if plan.offload == "none" or offloads(plan, device) else plan.with_(offload="none")
+
+
+def split_state(
+    params: float, grads: float, optimizer: float, host_params: float, plan: ParallelPlan
+) -> tuple[tuple[float, float, float], float]:
+    """((params, grads, optimizer) on the device, bytes on the host) of one rank's model state;
+    `host_params`: the host copy of the parameters "optimizer" offload keeps for recipes
+    without a master copy (see the module docstring)."""
+    if plan.offload == "all":
+        return (0.0, 0.0, 0.0), params + grads + optimizer
+    if plan.offload == "optimizer":
+        return (params, grads, 0.0), optimizer + host_params
+    return (params, grads, optimizer), 0.0
+
+
+def resting_param_bytes(rec: PrecisionRecipe) -> float:
+    """Bytes per parameter of the sharded weights at rest (FSDP2's fp32 shard is the master
+    copy when the recipe has one), what "all" offload copies host-to-device per gather."""
+    return 4.0 if master_bytes(rec) > 0 else rec.param_bytes
+
+
+def fp8_linear_params(model: ModelSpec, moe: bool) -> float:
+    """Parameters of one layer in linears torchao converts to Float8Linear: the attention
+    projections, the dense MLP (or the shared experts), the router when its expert count is a
+    multiple of 16; never the routed experts (grouped weights, not nn.Linear) or the LM head."""
+    out = float(attention_params(model))
+    if not moe:
+        return out + dense_mlp_params(model)
+    out += model.shared_experts * expert_params(model)
+    return out + (model.hidden * model.experts if router_converted(model) else 0)
+
+
+def router_converted(model: ModelSpec) -> bool:
+    """torchao converts the router (hidden -> experts) only with both dims multiples of 16."""
+    return model.experts % FP8_ALIGNMENT == 0 and model.hidden % FP8_ALIGNMENT == 0
+
+
+def gathers_fp8(plan: ParallelPlan) -> bool:
+    """FSDP2 gathers the converted weights as float8 (tensorwise scaling under ZeRO-3)."""
+    return plan.fp8 == "tensorwise" and plan.zero == 3
+
+
+# ---- host memory -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class HostMemory:
+    """Offloaded bytes against a node's host RAM."""
+
+    per_gpu_bytes: float  # the worst pipeline rank's offloaded state
+    gpus_per_node: int
+    node_ram_bytes: float
+    system: str
+
+    @property
+    def per_node_bytes(self) -> float:
+        return self.per_gpu_bytes * self.gpus_per_node
+
+    @property
+    def usable_bytes(self) -> float:
+        return self.node_ram_bytes * (1 - HOST_RESERVED_FRACTION)
+
+    @property
+    def fits(self) -> bool:
+        return self.per_node_bytes <= self.usable_bytes
+
+    @property
+    def overflow_bytes(self) -> float:
+        return max(0.0, self.per_node_bytes - self.usable_bytes)
+
+    def to_json(self) -> dict:
+        gib = 2**30
+        return {
+            "per_gpu_gib": self.per_gpu_bytes / gib,
+            "per_node_gib": self.per_node_bytes / gib,
+            "node_ram_gib": self.node_ram_bytes / gib,
+            "usable_gib": self.usable_bytes / gib,
+            "fits": self.fits,
+            "system": self.system,
+        }
+
+
+def node_host(gpu_name: str, device: GPUSpec) -> HostSpec:
+    """The catalog host of the node, or a `ConfigError` saying there is none to plan with."""
+    spec = host(gpu_name)
+    if spec is None or device.pcie_bw_bytes_per_s <= 0:
+        raise ConfigError(
+            f"plan.offload needs the host of a {gpu_name} node (host RAM, memory bandwidth, "
+            "PCIe), which the catalog does not have (fivefold.spec.hardware.HOSTS: "
+            f"{', '.join(sorted(HOSTS))}); set plan.offload = 'none' or choose a GPU "
+            "whose system is catalogued."
+        )
+    return spec
+
+
+def host_memory(
+    per_gpu_bytes: float, gpus_per_node: int, gpu_name: str, device: GPUSpec
+) -> HostMemory:
+    spec = node_host(gpu_name, device)
+    return HostMemory(per_gpu_bytes, gpus_per_node, spec.ram_bytes, spec.system)
