@@ -78,6 +78,7 @@ def test_packed_attention_compiles_in_graph_without_recompiling_per_packing():
     # output and gradients those of eager, checked against the dense-mask reference
     from torch._dynamo.testing import CompileCounter
 
+    torch._dynamo.reset()  # no cache entries left by other tests
     core = AttentionCore()
     counter = CompileCounter()
     compiled = torch.compile(core, backend=counter, fullgraph=True)
@@ -102,6 +103,7 @@ def test_packed_attention_compiles_in_graph_without_recompiling_per_packing():
 def test_one_document_rows_run_sdpa_inside_the_compiled_graph():
     from torch._dynamo.testing import CompileCounter
 
+    torch._dynamo.reset()
     counter = CompileCounter()
     compiled = torch.compile(AttentionCore(), backend=counter, fullgraph=True)
     q = torch.randn(2, 4, 12, 8)
