@@ -47,7 +47,6 @@ SLOW_CASES = [
         steps=4,
         compile=True,
     ),
-    ParityCase("compile TP2+SP x CP2", {"tp": 2, "cp": 2, "micro_batch": 8}, steps=4, compile=True),
 ]
 
 test_parity_ci, test_parity = parity_tests(CI_CASES, SLOW_CASES)
