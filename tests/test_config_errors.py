@@ -45,6 +45,8 @@ CASES = [
         ["--nproc", "4", "plan.tp=2", "plan.cp=2", "train.compile=true"],
         "train.compile = true with plan.tp = 2 and plan.cp = 2",
     ),
+    ("bad-planner-key", ["planner.bogus=1"], "planner.bogus is not a setting"),
+    ("bad-planner-value", ["planner.dropout='yes'"], "planner.dropout = 'yes'"),
     ("bad-resume", ["train.resume='sometimes'"], "train.resume = 'sometimes': use \"auto\""),
     ("negative-max-restarts", ["--max-restarts", "-1"], "--max-restarts -1: must be >= 0"),
     ("resume-and-fresh", ["--resume", "--fresh"], "--resume and --fresh contradict"),

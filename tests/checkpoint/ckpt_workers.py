@@ -85,7 +85,7 @@ class Trainee:
             from fivefold.train.runtime import distributed_runtime
 
             self.runtime = distributed_runtime(self.recipe)
-        self.optimizer = build_optimizer(self.runtime.model_parts, self.cfg)
+        self.optimizer = build_optimizer(self.runtime.model_parts, self.cfg, self.recipe.plan)
         self.scheduler = build_scheduler(self.optimizer, self.cfg)
         self.step = 0
 

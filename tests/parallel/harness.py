@@ -335,7 +335,7 @@ def _train(runtime, recipe, steps: int, micro_batches_of) -> dict:
     from fivefold.train.optim import build_optimizer
 
     cfg = parse_train_config(recipe).train
-    optimizer = build_optimizer(runtime.model_parts, cfg)
+    optimizer = build_optimizer(runtime.model_parts, cfg, recipe.plan)
     losses, norms, aux = [], [], []
     for step in range(steps):
         batch = synthetic_global_batch(step, recipe.model.vocab, recipe.model.seq_len)
@@ -532,8 +532,9 @@ def mixed_precision_run(rd: dict, steps: int, world: int) -> dict:
 
 
 def eval_and_report_run(rd: dict, world: int) -> dict:
-    """One rank: eval_loss and train_step on the same batch at the same weights, three steps
-    (the layout report comes after the third), and the global gradient norm."""
+    """One rank: eval_loss and train_step on the same batch at the same weights, four steps
+    (the layout report comes after the first step no memory counter slowed: the fourth), and
+    the global gradient norm."""
     from fivefold.spec.recipe import recipe_from_dict
     from fivefold.train.runtime import distributed_runtime
 
@@ -543,7 +544,7 @@ def eval_and_report_run(rd: dict, world: int) -> dict:
     batch = synthetic_global_batch(0, recipe.model.vocab, recipe.model.seq_len)
     mine = rank_micro_batches(batch, runtime.dp_rank, runtime.dp_size, plan.grad_accum)
     out = {"eval": runtime.eval_loss(mine), "train": [], "norm": []}
-    for _ in range(3):
+    for _ in range(4):
         out["train"].append(runtime.train_step(mine).loss)
         out["norm"].append(runtime.clip_grad_norm(0.0))
         for part in runtime.model_parts:

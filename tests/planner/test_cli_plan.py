@@ -447,3 +447,20 @@ def test_bad_planner_options_exit_2_naming_the_field(capsys, argv, words):
     assert main([*head, *overrides, *rest, *flags]) == 2
     err = capsys.readouterr().err
     assert words in err, err
+
+
+def test_plan_imports_neither_torch_nor_other_commands():
+    """`fivefold plan` loads only its own command module (process start is part of the 1 s)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from fivefold.cli.main import main\n"
+        "main(['plan', '--model', 'llama3-8b', '--gpus', '8', '--global-batch', '32', '--json'])\n"
+        "loaded = [m for m in sys.modules if m.startswith(('torch', 'fivefold.cli.cmd_'))]\n"
+        "print(sorted(loaded), file=sys.stderr)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.strip().splitlines()[-1] == "['fivefold.cli.cmd_plan']"

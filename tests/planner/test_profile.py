@@ -339,3 +339,48 @@ def test_collectives_measured_among_as_many_processes_as_the_run(tmp_path):
     bad["collective"][0]["world"] = 1
     with pytest.raises(ConfigError, match=r"collective\[0\]\.world"):
         parse_profile(bad)
+
+
+def test_moe_routing_collectives_by_hand(profile_path):
+    """fivefold's runtime adds to each MoE layer's forward an all-reduce of the load-balancing
+    statistics (2E + 2 fp64) over the ranks with different tokens and, under EP, an all-to-all
+    of the E per-expert counts (int64); both on the stage's critical path."""
+    from dataclasses import replace
+
+    from fivefold.planner.estimate import routing_sync_s
+    from fivefold.planner.options import PlannerOptions
+
+    moe = model_preset("tiny-moe")  # 4 experts
+    cluster = profile_cluster(profile_path, 2)
+    plan = ParallelPlan(dp_shard=2, zero=1, ep=2, micro_batch=2, precision="fp32")
+    by_hand = (1e-4 + 80 / 1e9) + (1e-4 + 32 / 1e9)
+    assert routing_sync_s(moe, plan, cluster, EFF) == pytest.approx(by_hand)
+    eager = PlannerOptions.for_device(cluster.device)
+    fused = replace(eager, runtime="fused")
+    a = estimate(moe, cluster, plan, options=eager, efficiency=EFF)
+    b = estimate(moe, cluster, plan, options=fused, efficiency=EFF)
+    assert a.stage_costs.forward_s[0] - b.stage_costs.forward_s[0] == pytest.approx(
+        moe.moe_layers * by_hand
+    )
+
+
+def test_dtensor_small_collectives_by_hand(profile_path):
+    """Under TP2 + SP fivefold's runtime all-reduces each norm weight's gradient in the
+    backward (2 per layer + the final norm) and three per-token fp32 vectors in the
+    vocabulary-parallel loss forward: the stage costs carry exactly these latencies."""
+    from dataclasses import replace
+
+    from fivefold.planner.options import PlannerOptions
+
+    cluster = profile_cluster(profile_path, 2)
+    plan = ParallelPlan(tp=2, micro_batch=2, precision="fp32")
+    eager = PlannerOptions.for_device(cluster.device)
+    a = estimate(TINY, cluster, plan, options=eager, efficiency=EFF)
+    b = estimate(TINY, cluster, plan, options=replace(eager, runtime="fused"), efficiency=EFF)
+    tokens = 2 * 128
+    loss = 3 * (1e-4 + tokens * 4 / 1e9)
+    norms = (2 * 2 + 1) * (1e-4 + 64 * 4 / 1e9)
+    assert a.stage_costs.forward_s[0] - b.stage_costs.forward_s[0] == pytest.approx(loss)
+    assert a.stage_costs.backward_input_s[0] - b.stage_costs.backward_input_s[0] == pytest.approx(
+        norms
+    )

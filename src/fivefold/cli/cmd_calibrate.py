@@ -60,7 +60,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "preset, micro-batch 1) and section.field=value overrides (e.g. plan.micro_batch=4)",
     )
     parser.add_argument(
-        "--nproc", type=int, default=2, help="local ranks for the collectives (default 2)"
+        "--nproc",
+        type=int,
+        default=2,
+        help="local ranks for the collectives, measured among 2, 4, ... up to NPROC processes "
+        "in turn (default 2)",
     )
     parser.add_argument(
         "--out",

@@ -10,7 +10,9 @@ from fivefold.train.entry import FRESH_HELP, RESUME_HELP, resume_overrides
 _DESCRIPTION = """\
 Train the recipe's model on its data with the recipe's parallel plan. A recipe is a TOML file
 (see configs/) with [model] (a preset and/or fields), [plan] (tp, pp, dp_replicate, dp_shard,
-zero, cp, ep, micro_batch, grad_accum, recompute, precision), [train] and [data] sections; any
+zero, cp, ep, micro_batch, grad_accum, recompute, precision, and the memory levers offload
+(none|optimizer|all), optimizer_states (fp32|8bit|fp8; torchao) and fp8 (none|tensorwise|rowwise;
+GPUs of compute capability 8.9+), see docs/memory-levers.md), [train] and [data] sections; any
 field can be overridden on the command line as section.field=value.
 
 [train] fields: name, runs_dir, run_dir, steps, stop_at, lr, min_lr, warmup_steps,
@@ -180,14 +182,38 @@ def auto_plan_overrides(recipe_path: str | None, overrides: list[str], nproc: in
         )
     plan = plan_from_dict(data.get("plan", {}))
     global_batch = int(data.get("train", {}).get("global_batch") or 0) or plan.global_batch
+    headroom = planner_section_settings(data, cluster.device).headroom
     result = search(  # ConfigError when nothing fits, naming what came closest
-        model, cluster, global_batch=global_batch, precisions=(plan.precision,)
+        model,
+        cluster,
+        global_batch=global_batch,
+        precisions=(plan.precision,),
+        **({} if headroom is None else {"headroom": headroom}),
     )
     print(
         f"--plan auto: {result.best_plan.describe()} (planned for {nproc} x "
         f"{cluster.device.name}, {cluster.name})"
     )
     return [f"plan.{key}={_toml(value)}" for key, value in result.best_plan.to_dict().items()]
+
+
+def planner_section_settings(data: dict, device):
+    """The recipe's `[planner]` table, validated (ConfigError naming `planner.x` otherwise).
+
+    A run is predicted as what it is, fivefold's own runtime (the `fivefold` efficiency
+    profile), so a table describing other software is said to play no part in the
+    prediction beside the run; `--plan auto` uses its `headroom`.
+    """
+    from fivefold.planner.profiles import DEFAULT_PROFILE, planner_settings
+
+    section = data.get("planner") or {}
+    settings = planner_settings(device, section)
+    if settings.profile != DEFAULT_PROFILE or settings.overrides:
+        print(
+            f"note: [planner] ({settings.describe()}) is for `fivefold plan`; this run's "
+            f"predictions model fivefold's own runtime (profile {DEFAULT_PROFILE!r})."
+        )
+    return settings
 
 
 def _toml(value: object) -> str:
@@ -213,6 +239,8 @@ def handle(args: argparse.Namespace) -> int:
     if args.plan == "auto":
         overrides += auto_plan_overrides(recipe_path, overrides, args.nproc)
     run = check_layout(recipe_path, overrides, args.nproc)  # validate before launching
+    if args.plan != "auto":  # auto has checked (and used) the table already
+        _check_planner_table(recipe_path, overrides, run)
     if args.dry_run:
         print(dry_run_report(run, args.nproc))
         return 0
@@ -221,6 +249,14 @@ def handle(args: argparse.Namespace) -> int:
     from fivefold.train.loop import train
 
     return train(run).exit_code  # 128 + signal number after Ctrl-C / SIGTERM, else 0
+
+
+def _check_planner_table(recipe_path: str | None, overrides: list[str], run) -> None:
+    from fivefold.train.entry import recipe_data
+
+    data = recipe_data(recipe_path, overrides)
+    if data.get("planner"):
+        planner_section_settings(data, run.recipe.cluster.device)
 
 
 def dry_run_report(run, nproc: int) -> str:

@@ -47,7 +47,7 @@ from fivefold.model.attention import AttentionCore
 from fivefold.model.loss import cross_entropy_loss
 from fivefold.model.norms import RMSNorm
 from fivefold.model.rope import apply_rope, rope_cos_sin
-from fivefold.model.transformer import TransformerBlock
+from fivefold.model.transformer import Transformer, TransformerBlock
 from fivefold.planner.compute import (
     ComputeOptions,
     layer_elementwise_bytes,
@@ -416,29 +416,49 @@ def model_passes(model: nn.Module, batch: int, seq: int, budget: Budget) -> tupl
     return typical_time_s(forward, budget), _backward_time(forward, torch.tensor(1.0), budget)
 
 
-def per_layer_s(build: Callable[[ModelSpec], nn.Module], spec: ModelSpec, budget: Budget):
+def per_layer_s(
+    build: Callable[[ModelSpec], nn.Module], spec: ModelSpec, budget: Budget, batch: int = 1
+):
     """(forward, backward) seconds one more layer adds: a 3-layer model less a 1-layer one,
     halved (the embedding, head and loss cancel)."""
-    one = model_passes(build(replace(spec, layers=1)), 1, spec.seq_len, budget)
-    three = model_passes(build(replace(spec, layers=3)), 1, spec.seq_len, budget)
+    one = model_passes(build(replace(spec, layers=1)), batch, spec.seq_len, budget)
+    three = model_passes(build(replace(spec, layers=3)), batch, spec.seq_len, budget)
     return max(0.0, (three[0] - one[0]) / 2), max(0.0, (three[1] - one[1]) / 2)
 
 
+def tp_extra_s(
+    tp: Callable[[ModelSpec], nn.Module], dense: ModelSpec, budget: Budget, batch: int
+) -> tuple[float, float]:
+    """(forward, backward) seconds tensor parallelism adds to one layer, at the model's own
+    shape (DTensor's redistributions copy activations, so part of the extra grows with them)
+    when three layers fit under `OPTIMIZER_MAX_PARAMS`, else at the tiny shape."""
+    layer = sum(p.numel() for p in TransformerBlock(0, dense).parameters())
+    spec, b = (dense, batch) if 3 * layer <= OPTIMIZER_MAX_PARAMS else (tiny_like(dense, 1), 1)
+    plain = per_layer_s(Transformer, spec, budget, b)
+    with_tp = per_layer_s(tp, spec, budget, b)
+    return max(0.0, with_tp[0] - plain[0]), max(0.0, with_tp[1] - plain[1])
+
+
 def measure_overhead(
-    model: ModelSpec, threads: int, budget: Budget, moe: ModelSpec | None = None
+    model: ModelSpec,
+    threads: int,
+    budget: Budget,
+    moe: ModelSpec | None = None,
+    batch: int = 1,
 ) -> Overhead:
     """The fixed seconds of one layer, at a shape where its arithmetic is negligible: Python,
     autograd and the dispatch of each op (`per_layer_s`). Dense and MoE layers apart; and the
-    extra of tensor parallelism (DTensor dispatch and sharding propagation, with sequence
-    parallelism) and of a ZeRO-3 FSDP2 unit (its hooks, gathers in forward and backward, the
-    reduce-scatter), both on a one-rank mesh, so no transfer is timed. The MoE layer is
-    `moe`'s (default `model`'s; a dense model's MoE figures are its dense ones)."""
+    extra of tensor parallelism (DTensor dispatch, sharding propagation and redistribution
+    copies with sequence parallelism, `tp_extra_s`, at `batch` sequences) and of a ZeRO-3
+    FSDP2 unit (its hooks; the copies around its collectives are counted by bytes in the
+    planner), both on a one-rank mesh, so no transfer is timed. The MoE layer is `moe`'s
+    (default `model`'s; a dense model's MoE figures are its dense ones)."""
     from torch.distributed.fsdp import fully_shard
 
-    from fivefold.model.transformer import Transformer
     from fivefold.parallel.tensor_parallel import apply_tensor_parallel
 
-    dense = tiny_like(replace(model, experts=0, top_k=0, shared_experts=0, expert_ffn=0), 1)
+    full = replace(model, experts=0, top_k=0, shared_experts=0, expert_ffn=0, dense_layers=0)
+    dense = tiny_like(full, 1)
     torch.manual_seed(0)
     plain_f, plain_b = per_layer_s(Transformer, dense, budget)
     moe = moe if moe is not None else model
@@ -459,11 +479,10 @@ def measure_overhead(
             fully_shard(net, mesh=mesh, reshard_after_forward=False)
             return net
 
-        tp_f, tp_b = per_layer_s(tp, dense, budget)
+        tp_f, tp_b = tp_extra_s(tp, full, budget, batch)
         fsdp_f, fsdp_b = per_layer_s(zero3, dense, budget)
     return Overhead(
-        threads, plain_f, plain_b, moe_f, moe_b,
-        max(0.0, tp_f - plain_f), max(0.0, tp_b - plain_b),
+        threads, plain_f, plain_b, moe_f, moe_b, tp_f, tp_b,
         max(0.0, fsdp_f - plain_f), max(0.0, fsdp_b - plain_b),
     )  # fmt: skip
 
@@ -533,7 +552,7 @@ def compute_steps(
         steps.append(
             (
                 f"overhead, {threads}t",
-                at(lambda t=threads: [measure_overhead(model, t, budget, moe)]),
+                at(lambda t=threads: [measure_overhead(model, t, budget, moe, plan.micro_batch)]),
             )
         )
     return steps

@@ -33,12 +33,14 @@ from fivefold.errors import ConfigError
 from fivefold.model.attention import AttentionCore, DocumentLayout
 
 
+def has_cpu_compiler() -> bool:
+    """Whether inductor can build C++ kernels on this machine (g++, clang++ or $CXX found)."""
+    return any(c and shutil.which(c) for c in (os.environ.get("CXX"), "g++", "clang++"))
+
+
 def check_compiler(device: torch.device) -> None:
     """`ConfigError` when inductor cannot build kernels for `device` (CPU without g++/$CXX)."""
-    if device.type != "cpu":
-        return
-    compilers = [os.environ.get("CXX"), "g++", "clang++"]
-    if not any(c and shutil.which(c) for c in compilers):
+    if device.type == "cpu" and not has_cpu_compiler():
         raise ConfigError(
             "train.compile = true on CPU needs a C++ compiler for inductor (g++, clang++ or "
             "$CXX) and none was found; install one (e.g. apt-get install g++) or set "

@@ -18,6 +18,9 @@ with the data-parallel ones.
   the sync would keep whole unsharded gradients across the accumulation).
 - HSDP: dp_replicate > 1 with dp_shard > 1 (ZeRO-3): sharded over dp_shard x cp, replicated
   over dp_replicate (2-D mesh).
+- plan.offload = "all" (ZeRO-3): FSDP2's `CPUOffloadPolicy` on every wrap, so the sharded
+  parameters, their gradients and the optimizer state live in host memory
+  (`fivefold.parallel.offload`; "optimizer" offload is the optimizer's, not FSDP's).
 
 Gradients are reduced with a plain SUM (divide factor 1): the runtime scales each rank's loss by
 1 / (tokens in the global batch), so the summed gradient is that of the global mean loss.
@@ -63,13 +66,21 @@ def _wrap(
     plan: ParallelPlan,
     mp: MixedPrecisionPolicy,
     reshard_after_forward: bool,
+    device: torch.device,
 ) -> None:
     if plan.zero == 0:
         from torch.distributed._composable.replicate_with_fsdp import replicate
 
         replicate(module, mesh=mesh, mp_policy=mp)
-    else:
-        fully_shard(module, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+        return
+    extra = {}
+    if plan.offload == "all":
+        from fivefold.parallel.offload import cpu_offload_policy
+
+        extra["offload_policy"] = cpu_offload_policy(device)
+    fully_shard(
+        module, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward, **extra
+    )
 
 
 def apply_data_parallel(
@@ -92,13 +103,13 @@ def apply_data_parallel(
     for block in model.layers.values():
         moe = getattr(block, "moe", None)
         if expert_mesh is not None and moe is not None:
-            _wrap(moe.experts, expert_mesh, plan, mp, reshard)
+            _wrap(moe.experts, expert_mesh, plan, mp, reshard, device)
             wrapped.append(moe.experts)
-        _wrap(block, mesh, plan, mp, reshard)
+        _wrap(block, mesh, plan, mp, reshard, device)
         wrapped.append(block)
     # The root keeps its (small) parameters gathered after forward: the head runs first in
     # backward, so re-sharding them would only add an all-gather.
-    _wrap(model, mesh, plan, mp, False)
+    _wrap(model, mesh, plan, mp, False, device)
     wrapped.append(model)
     for module in wrapped:
         module.set_gradient_divide_factor(1.0)

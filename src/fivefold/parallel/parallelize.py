@@ -1,6 +1,7 @@
 """Apply a `ParallelPlan` to a model chunk in the one fixed order:
 
-    PP split -> TP/SP -> EP -> CP -> activation checkpointing -> torch.compile -> FSDP/DDP
+    PP split -> FP8 linears -> TP/SP -> EP -> CP -> activation checkpointing -> torch.compile
+    -> FSDP/DDP
 
 (the pipeline split is done by the caller, `split_model_for_pipeline`, because it decides which
 chunks exist). Each step only swaps parameters for DTensors or swaps sub-modules
@@ -75,6 +76,10 @@ def parallelize_chunk(
 ) -> list[FSDPModule]:
     """TP/SP, EP, CP, recompute, torch.compile per block (`compile`) and FSDP/DDP on one chunk,
     in place; returns the DP modules."""
+    if plan.fp8 != "none":
+        from fivefold.parallel.float8 import apply_float8
+
+        apply_float8(chunk, plan, device)
     if plan.tp > 1:
         from fivefold.parallel.tensor_parallel import apply_tensor_parallel
 

@@ -3,7 +3,8 @@ tenant) and step time beside the measured ones, so every run checks the planner.
 
 Measured step time: the distributed runtime's is the mean wall time of its `train_step`
 (forward + backward + gradient communication of all micro-batches; the optimizer step is the
-loop's) over the steps after the first, and is compared with the planner's step time less its
+loop's) over the steps after the first that no memory counter slowed (on a CPU the report comes
+at step 4 and times step 3), and is compared with the planner's step time less its
 `optimizer_s` (the report's note says so); a one-process run is timed by the loop over the whole
 step (clipping and the optimizer included) and compared with the whole predicted step.
 
@@ -81,7 +82,8 @@ def memory_only_prediction(
     spec: Any, plan: Any, fsdp_wrapped: bool = True, cuda: bool = False
 ) -> list[dict]:
     """The planner's per-stage memory of this runtime (GiB dicts, "other" holds the buffers);
-    a CPU has no CUDA context and no caching-allocator fragmentation."""
+    a CPU has no CUDA context and no caching-allocator fragmentation, and its offloaded state
+    stays in the memory the run measures."""
     from fivefold.planner.memory import MemoryOptions, all_stage_memory
     from fivefold.planner.schedule import build_schedule
 
@@ -98,8 +100,12 @@ def memory_only_prediction(
             cuda_context_bytes=0.0,
             fragmentation_fraction=0.0,
         )
+    if not cuda and plan.offload == "all":
+        plan = plan.with_(offload="none")  # FSDP2's offload to the CPU it runs on moves nothing
     out = []
     for stage in all_stage_memory(spec, plan, inflight, options):
+        if not cuda:  # the "host" is this memory: offload="optimizer"'s host copies count here
+            stage = replace(stage, optimizer=stage.optimizer + stage.host_bytes, host_bytes=0.0)
         gib = stage.gib()
         gib["grads"] *= stage.grads_at_peak  # FSDP2 allocates them in a chunk's first backward
         out.append(gib)

@@ -349,8 +349,15 @@ class DistributedRuntime:
         assert self._track_peak is not None
         with self._track_peak(self.model_parts, None) as reading:
             yield
-        params = sum(_local_numel(p) for part in self.model_parts for p in part.parameters())
-        adam = 2 * 4 * params  # AdamW m and v (fp32), which this block does not see
+        from fivefold.parallel.lowbit import adam_state_bytes
+
+        adam = int(  # AdamW m and v, which this block does not see
+            sum(
+                adam_state_bytes(_local_numel(p), self.plan.optimizer_states)
+                for part in self.model_parts
+                for p in part.parameters()
+            )
+        )
         tenants = {**reading.tenants, "optimizer": reading.tenants.get("optimizer", 0) + adam}
         self.record_peak_memory(reading.peak_bytes + adam, tenants)
 

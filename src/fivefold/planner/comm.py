@@ -292,6 +292,3 @@ def p2p_time_s(size_bytes: float, link: Link) -> float:
     if link.measured is not None:
         return _fitted("send_recv", size_bytes, 2, link)
     return transfer_time_s(size_bytes, link.bandwidth, link.latency_s)
-
-
-GRANULARITIES = ("bucket", "layer", "parameter")

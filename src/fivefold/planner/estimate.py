@@ -353,6 +353,50 @@ def _layer_costs(
     )
 
 
+def dtensor_small_collectives_s(
+    model: ModelSpec,
+    plan: ParallelPlan,
+    cluster: ClusterSpec,
+    eff: EfficiencyModel,
+    layers: int,
+    last: bool,
+) -> tuple[float, float]:
+    """(forward, backward) seconds of the latency-bound collectives DTensor tensor parallelism
+    adds per micro-batch in fivefold's runtime: with sequence parallelism each norm weight's
+    gradient is a partial sum all-reduced over the TP group in the backward (two per layer, the
+    final norm on the last stage), and the vocabulary-parallel loss all-reduces the row
+    maximum, the sum of exponentials and the target logit (fp32, one per token) forward."""
+    link = C.plan_link(cluster, plan, "tp", eff)
+    backward = 0.0
+    if plan.sp:
+        norm = C.all_reduce_time_s(model.hidden * recipe(plan.precision).grad_bytes, plan.tp, link)
+        backward = (2 * layers + (1 if last else 0)) * norm
+    forward = 0.0
+    if last:
+        tokens = plan.micro_batch * model.seq_len / plan.cp
+        forward = 3 * C.all_reduce_time_s(tokens * 4.0, plan.tp, link)
+    return forward, backward
+
+
+def routing_sync_s(
+    model: ModelSpec, plan: ParallelPlan, cluster: ClusterSpec, eff: EfficiencyModel
+) -> float:
+    """Seconds of the small collectives fivefold's runtime adds to a MoE layer's forward, per
+    micro-batch: the load-balancing statistics (per-expert counts and probability sums, fp64)
+    all-reduced over the ranks that see different tokens, and with expert parallelism the
+    per-expert token counts exchanged (an all-to-all of int64) before the dispatch; both
+    latency-bound, on the pipeline's critical path (`estimate` adds them to the stage costs)."""
+    n = C.axis_groups(plan)["dp_cp"][0]
+    total = 0.0
+    if n > 1:
+        stats = (2 * model.experts + 2) * 8.0
+        total += C.all_reduce_time_s(stats, n, C.plan_link(cluster, plan, "dp_cp", eff))
+    if plan.ep > 1:
+        counts = model.experts * 8.0
+        total += C.all_to_all_time_s(counts, plan.ep, C.plan_link(cluster, plan, "ep", eff))
+    return total
+
+
 def fsdp_copy_s(size_bytes: float, device: GPUSpec, eff: EfficiencyModel) -> float:
     """Seconds FSDP2 spends copying `size_bytes` of unsharded tensors around one collective:
     an all-gather's output is copied out into the parameters, the gradients are copied into a
@@ -511,6 +555,12 @@ def _chunk_costs_of(
         b += one if last else 0.0
         extra = one * (2 if last else 1)
         tp = [tp[0] + extra, tp[1] + extra, tp[2] + size]
+    if plan.tp > 1 and opts.runtime == "fivefold-eager":
+        small_f, small_b = dtensor_small_collectives_s(
+            model, plan, cluster, eff, n_dense + n_moe, last
+        )
+        f, b = f + small_f, b + small_b
+        tp = [tp[0] + small_f + small_b, tp[1] + small_f + small_b, tp[2]]
     return ChunkCosts(
         f, b, w, compute, tuple(tp), tuple(cp), tuple(ep), tuple(zero), tuple(zero_rs)
     )
@@ -731,9 +781,14 @@ def estimate(
     boundary = tokens * model.hidden * e / (plan.tp if plan.sp and plan.tp > 1 else 1)
     pp_link = C.pipeline_link(cluster, plan, eff)
     p2p = C.p2p_time_s(boundary, pp_link) if plan.pp > 1 else 0.0
+    routing = 0.0
+    if model.is_moe and opts.runtime == "fivefold-eager":
+        routing = routing_sync_s(model, plan, cluster, eff)
+    rerun = 1.0 if plan.recompute == "full" else 0.0  # full recompute re-runs the forward's
+    pairs = list(zip(chunk_costs, chunk_sigs, strict=True))
     costs = StageCosts(
-        tuple(c.forward_s for c in chunk_costs),
-        tuple(c.backward_input_s for c in chunk_costs),
+        tuple(c.forward_s + sig[1] * routing for c, sig in pairs),
+        tuple(c.backward_input_s + rerun * sig[1] * routing for c, sig in pairs),
         tuple(c.backward_weight_s for c in chunk_costs),
         p2p,
     )

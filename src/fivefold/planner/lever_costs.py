@@ -4,7 +4,7 @@ Written by hand (the planner never imports torch), from the libraries' code:
 
 FP8 compute (`plan.fp8`, torchao's float8 training, torchao/float8/float8_linear.py). The
 linears torchao converts (`levers.fp8_linear_params`: attention projections, dense MLP, shared
-experts, a router with a multiple of 16 experts; never the routed experts or the LM head) run
+experts; never the router, the routed experts or the LM head) run
 their three GEMMs (forward, input gradient, weight gradient) at the device's FP8 peak with the
 same efficiency model as bf16 (`compute.gemm_time_s(..., "fp8")`). Every operand is cast
 dynamically: an amax pass reading the bf16 tensor (2 bytes per element) and a scale-and-cast
@@ -63,7 +63,6 @@ from fivefold.planner.levers import (
     node_host,
     offloads,
     resting_param_bytes,
-    router_converted,
 )
 from fivefold.planner.memory import dense_shard_degree, local_kv_width
 from fivefold.spec.cluster import ClusterSpec
@@ -90,8 +89,6 @@ def fp8_gemms(model: ModelSpec, plan: ParallelPlan, moe: bool) -> list[tuple[flo
     if width:
         up = 2 * width if (moe or model.mlp == "swiglu") else width
         out += [(tokens, up, h), (tokens, h, width)]
-    if moe and router_converted(model):
-        out.append((tokens, model.experts, h))
     return out
 
 

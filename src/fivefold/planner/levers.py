@@ -53,7 +53,6 @@ from fivefold.spec.precision import PrecisionRecipe, recipe
 TORCHAO_BLOCK = 256  # torchao 0.18 AdamW8bit / AdamWFp8 default block_size
 FP32_MOMENTS_BYTES = 8.0  # Adam's m and v in fp32, what the recipes' optimizer bytes include
 HOST_RESERVED_FRACTION = 0.2  # of host RAM, never planned for offloaded state
-FP8_ALIGNMENT = 16  # torchao converts a linear only when both its dims are multiples of 16
 
 
 def moment_bytes(states: str) -> float:
@@ -113,18 +112,13 @@ def resting_param_bytes(rec: PrecisionRecipe) -> float:
 
 def fp8_linear_params(model: ModelSpec, moe: bool) -> float:
     """Parameters of one layer in linears torchao converts to Float8Linear: the attention
-    projections, the dense MLP (or the shared experts), the router when its expert count is a
-    multiple of 16; never the routed experts (grouped weights, not nn.Linear) or the LM head."""
+    projections and the dense MLP (or the shared experts); never the MoE router (its softmax
+    decides routing: `fivefold.parallel.float8` keeps it in high precision), the routed experts
+    (grouped weights, not nn.Linear) or the LM head."""
     out = float(attention_params(model))
     if not moe:
         return out + dense_mlp_params(model)
-    out += model.shared_experts * expert_params(model)
-    return out + (model.hidden * model.experts if router_converted(model) else 0)
-
-
-def router_converted(model: ModelSpec) -> bool:
-    """torchao converts the router (hidden -> experts) only with both dims multiples of 16."""
-    return model.experts % FP8_ALIGNMENT == 0 and model.hidden % FP8_ALIGNMENT == 0
+    return out + model.shared_experts * expert_params(model)
 
 
 def gathers_fp8(plan: ParallelPlan) -> bool:

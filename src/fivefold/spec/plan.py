@@ -282,12 +282,7 @@ class ParallelPlan:
                 "DeepSeek-V3's, for the memory arithmetic of `fivefold.planner.memory`); use "
                 "'fp32' or a bf16 recipe such as 'bf16-mixed'."
             )
-        for field, default in (("offload", "none"), ("optimizer_states", "fp32"), ("fp8", "none")):
-            if getattr(self, field) != default:
-                out.append(
-                    f"plan.{field} = {getattr(self, field)!r}: fivefold's runtime does not run "
-                    f"this memory lever yet (planning only); set plan.{field} = {default!r}."
-                )
+        out += self._lever_runtime_problems()
         if m is None:
             return out
         if m.tied_embeddings and self.pp > 1:
@@ -302,6 +297,24 @@ class ParallelPlan:
                 f"plan.tp = {self.tp} with a MoE model (model.experts = {m.experts}): fivefold's "
                 "runtime does not tensor-parallelise MoE layers; set plan.tp = 1 and shard the "
                 "experts with plan.ep (and the rest with dp_shard / cp)."
+            )
+        return out
+
+    def _lever_runtime_problems(self) -> list[str]:
+        """The memory levers' layout limits in fivefold's runtime (what a device cannot run,
+        FP8 off FP8 GPUs or torchao missing, is `fivefold.train.optim.lever_problems`)."""
+        out = []
+        if self.offload == "all" and self.world_size == 1:
+            out.append(
+                "plan.offload = 'all' in a single process: parameters and gradients are "
+                "offloaded by FSDP2, which fivefold runs only on several processes; use "
+                "plan.offload = 'optimizer' (the optimizer step on the host), or dp_shard >= 2."
+            )
+        if self.fp8 != "none" and self.tp > 1:
+            out.append(
+                f"plan.fp8 = {self.fp8!r} with plan.tp = {self.tp}: fivefold's tensor-parallel "
+                "styles are not torchao's float8 ones, so FP8 linears are not tensor-parallel; "
+                "set plan.tp = 1 (shard with dp_shard / zero 3 instead) or plan.fp8 = 'none'."
             )
         return out
 

@@ -109,16 +109,28 @@ def check_layout(
 ) -> RunConfig:
     """`load_run` for `world_size` processes, and the plan's degrees must multiply to it: what
     the launchers call before starting anything (ConfigError otherwise). With `local`, the run
-    is on this machine, whose memory must hold it (`machine_memory_problems`)."""
+    is on this machine, whose memory must hold it (`machine_memory_problems`) and whose device
+    must run the plan's memory levers (`fivefold.train.optim.lever_problems`)."""
     from fivefold.parallel.mesh import ParallelDims
 
     run = load_run(recipe_path, overrides, world_size=world_size)
     ParallelDims.from_plan(run.recipe.plan, world_size)
     if local:
+        from fivefold.train.optim import lever_problems
+
         problems = machine_memory_problems(run.recipe, run.train.device)
+        problems += lever_problems(run.recipe.plan, local_device(run.train.device))
         if problems:
             raise ConfigError(problems)
     return run
+
+
+def local_device(name: str):
+    """The device `train.device` names on this machine (first GPU for "cuda"), no side effects."""
+    import torch
+
+    cuda = name in ("cuda", "auto") and torch.cuda.is_available()
+    return torch.device("cuda", 0) if cuda else torch.device("cpu")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -40,7 +40,7 @@ from fivefold.train.metrics import (
     utilization,
 )
 from fivefold.train.optim import build_optimizer
-from fivefold.train.peak import DevicePeak, device_peak
+from fivefold.train.peak import DevicePeak, cuda_fp8_peak, device_peak
 from fivefold.train.profiling import StepProfiler
 from fivefold.train.runtime import Runtime, make_runtime
 from fivefold.train.schedule import build_scheduler
@@ -91,7 +91,7 @@ class Trainer:
         )
         self.run_dir = self.cfg.path()
         self.data: TrainData = load_train_data(run, runtime.dp_rank, runtime.dp_size)
-        self.optimizer = build_optimizer(runtime.model_parts, self.cfg)
+        self.optimizer = build_optimizer(runtime.model_parts, self.cfg, self.recipe.plan)
         self.scheduler = build_scheduler(self.optimizer, self.cfg)
         self.step = 0
         self.last_checkpoint: Path | None = None
@@ -102,6 +102,9 @@ class Trainer:
         self.peak: DevicePeak = device_peak(
             runtime.device, self._compute_dtype(), cluster=self.recipe.cluster
         )
+        if self.recipe.plan.fp8 != "none":  # refused off CUDA (fivefold.parallel.float8)
+            name = torch.cuda.get_device_name(runtime.device)
+            self.peak = cuda_fp8_peak(name, self.recipe.model, self.recipe.plan)
         self.tokens_per_step = run.global_batch * self.recipe.model.seq_len
         seq = self.recipe.model.seq_len
         self.model_flops_per_token = training_flops_per_token(self.recipe.model, seq)
@@ -254,7 +257,7 @@ class Trainer:
 
     def train_one_step(self, micro_batches: list) -> tuple[float, float, float]:
         """Forward/backward, guard, clip, optimizer and schedule; returns (loss, aux, grad norm)."""
-        lr = self.optimizer.param_groups[0]["lr"]
+        lr = float(self.optimizer.param_groups[0]["lr"])  # torchao keeps a tensor
         result = self.runtime.train_step(micro_batches)
         self._guard(result.loss, None, lr)
         grad_norm = self.runtime.clip_grad_norm(self.cfg.grad_clip)
@@ -313,7 +316,7 @@ class Trainer:
                 )
                 tick = time.perf_counter()
                 micro_batches = next(batches)
-                lr = self.optimizer.param_groups[0]["lr"]
+                lr = float(self.optimizer.param_groups[0]["lr"])  # torchao keeps a tensor
                 with profiler.step(self.step + 1):
                     if measure:
                         with track_cpu_peak(

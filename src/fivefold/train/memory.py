@@ -171,12 +171,27 @@ class StorageCounter(TorchDispatchMode):
 
 
 def optimizer_tensors(optimizer: torch.optim.Optimizer | None) -> Iterator[torch.Tensor]:
+    """The optimizer's state tensors (a quantised state as the tensors inside it) and what it
+    holds besides (`held_tensors()`: e.g. host master weights under CPU offload)."""
     if optimizer is None:
         return
     for state in optimizer.state.values():
         for value in state.values():
             if isinstance(value, torch.Tensor):
-                yield value
+                yield from _inner_tensors(value)
+    held = getattr(optimizer, "held_tensors", None)
+    if callable(held):
+        yield from held()
+
+
+def _inner_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """A tensor subclass without storage of its own (torchao's OptimState8bit) as its parts."""
+    local = getattr(tensor, "_local_tensor", tensor)
+    flatten = getattr(type(local), "__tensor_flatten__", None)
+    if flatten is None or type(local) is torch.Tensor:
+        return [tensor]
+    names, _ = flatten(local)
+    return [getattr(local, name) for name in names]
 
 
 def parameters(modules: Iterable[nn.Module]) -> list[torch.Tensor]:

@@ -5,6 +5,12 @@ biases) are not, as in GPT-2/Llama training recipes. Parameters shared by severa
 embeddings) appear once. The update runs torch's fused AdamW kernel (one kernel over all
 parameters, CPU and CUDA, DTensor shards included) where every parameter's device has one, else
 the foreach (multi-tensor) implementation.
+
+The plan's memory levers choose the optimizer: `plan.optimizer_states` = "8bit" | "fp8" takes
+torchao's low-bit AdamW (`fivefold.parallel.lowbit`), `plan.offload` = "optimizer" runs the step
+on host copies (`fivefold.parallel.offload.HostOffloadOptimizer`), and tensorwise FP8 under FSDP2
+precomputes the weights' scales after each step (`fivefold.parallel.float8`). `lever_problems`
+is what a machine cannot run of them, asked before any process starts.
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from fivefold.errors import ConfigError
+from fivefold.spec.plan import ParallelPlan
 from fivefold.train.config import TrainConfig
 
 
@@ -46,13 +54,53 @@ def kernel_choice(groups: list[dict]) -> dict[str, bool]:
     return {"fused": True} if fused else {"foreach": True}
 
 
-def build_optimizer(model_parts: Iterable[nn.Module], cfg: TrainConfig) -> torch.optim.AdamW:
-    """AdamW with the config's peak lr, betas, eps and weight decay (fused, else foreach)."""
-    groups = param_groups(model_parts, cfg.weight_decay)
-    return torch.optim.AdamW(
-        groups,
-        lr=cfg.lr,
-        betas=(cfg.beta1, cfg.beta2),
-        eps=cfg.eps,
-        **kernel_choice(groups),
-    )
+def lever_problems(plan: ParallelPlan, device: torch.device) -> list[str]:
+    """What `device` (and this installation) cannot run of the plan's memory levers: FP8
+    compute off FP8 GPUs, torchao's optimizers without torchao (or, on CPU, without a C++
+    compiler for its compiled update). Layout rules are
+    `ParallelPlan.problems`; this is the device half, asked by the launchers (`check_layout`)
+    before any process starts and again where each lever is applied."""
+    from fivefold.parallel.float8 import float8_problems
+    from fivefold.parallel.lowbit import compiler_problems, torchao_problems
+
+    out = float8_problems(plan.fp8, device)
+    if plan.optimizer_states != "fp32":
+        field = f"plan.optimizer_states = {plan.optimizer_states!r}"
+        out += torchao_problems(field) + compiler_problems(field, device)
+    return list(dict.fromkeys(out))
+
+
+def _adamw(groups: list[dict], cfg: TrainConfig, states: str) -> torch.optim.Optimizer:
+    """AdamW with the config's peak lr, betas, eps (weight decay per group) and `states`."""
+    hyper = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps}
+    if states == "fp32":
+        return torch.optim.AdamW(groups, **hyper, **kernel_choice(groups))
+    from fivefold.parallel.lowbit import lowbit_adamw_class, torchao_problems
+
+    problems = torchao_problems(f"plan.optimizer_states = {states!r}")
+    if problems:
+        raise ConfigError(problems)
+    return lowbit_adamw_class(states)(groups, **hyper)
+
+
+def build_optimizer(
+    model_parts: Iterable[nn.Module], cfg: TrainConfig, plan: ParallelPlan | None = None
+) -> torch.optim.Optimizer:
+    """AdamW over the parts' parameters as the plan's levers ask (default: fp32 states, fused
+    else foreach, on the parameters' device)."""
+    plan = plan or ParallelPlan()
+    parts = list(model_parts)
+    groups = param_groups(parts, cfg.weight_decay)
+    if plan.offload == "optimizer":
+        from fivefold.parallel.offload import HostOffloadOptimizer
+
+        optimizer = HostOffloadOptimizer(
+            groups, lambda host: _adamw(host, cfg, plan.optimizer_states)
+        )
+    else:
+        optimizer = _adamw(groups, cfg, plan.optimizer_states)
+    from fivefold.parallel.float8 import needs_scale_precompute, precompute_scales
+
+    if needs_scale_precompute(plan):
+        optimizer.register_step_post_hook(lambda *_: precompute_scales(parts))
+    return optimizer

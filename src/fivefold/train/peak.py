@@ -17,8 +17,12 @@ from dataclasses import dataclass
 
 import torch
 
+from fivefold.planner.lever_costs import mfu_peak
 from fivefold.spec.cluster import ClusterSpec
 from fivefold.spec.hardware import GPUS
+from fivefold.spec.model import ModelSpec
+from fivefold.spec.plan import ParallelPlan
+from fivefold.spec.precision import recipe
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -125,6 +129,23 @@ def profile_peak(cluster: ClusterSpec, dtype: str) -> DevicePeak:
         dtype,
         f"calibrated CPU {dtype} matmul peak ({flops / 1e9:.0f} GFLOP/s per rank, {threads} "
         f"thread(s); {where})",
+        spec.source,
+    )
+
+
+def cuda_fp8_peak(device_name: str, model: ModelSpec, plan: ParallelPlan) -> DevicePeak:
+    """The peak a step with `plan.fp8` linears is measured against: the FP8 share of its
+    FLOPs at the FP8 peak, the rest at the recipe's (`fivefold.planner.lever_costs.mfu_peak`,
+    the planner's own count), so MFU = (F8 / P8 + F16 / P16) / step time per GPU."""
+    dtype = recipe(plan.precision).compute_dtype
+    key = catalog_key_for_cuda(device_name)
+    if key is None or "fp8" not in GPUS[key].peak_flops or dtype not in GPUS[key].peak_flops:
+        return DevicePeak(None, "fp8", f"unknown fp8 peak ({device_name})", "not in the catalog")
+    spec = GPUS[key]
+    return DevicePeak(
+        mfu_peak(model, plan, spec),
+        "fp8",
+        f"{key} dense peak, fp8 for the converted linears' FLOPs and {dtype} for the rest",
         spec.source,
     )
 

@@ -43,6 +43,10 @@ class LocalRuntime:
         self.dp_rank, self.dp_size, self.world_size, self.is_main = 0, 1, 1, True
         torch.manual_seed(train.seed)
         model = build_model(recipe.model)
+        if recipe.plan.fp8 != "none":
+            from fivefold.parallel.float8 import apply_float8
+
+            apply_float8(model, recipe.plan, self.device)
         model.to_empty(device=self.device)
         model.init_weights(seed=train.seed)
         apply_recompute(model, recipe.plan.recompute)

@@ -1,0 +1,122 @@
+"""FP8 compute of the linear layers (`plan.fp8`) through torchao's float8 training.
+
+`apply_float8` swaps each eligible `nn.Linear` of a chunk for torchao's `Float8Linear`
+(`convert_to_float8_training` with `Float8LinearConfig.from_recipe_name("tensorwise" |
+"rowwise")`): dynamic scaling, matmuls through `torch._scaled_mm`. It runs on the meta model,
+before FSDP wraps it (fivefold refuses fp8 with TP, see `ParallelPlan.runtime_problems`), as
+torchtitan's float8 converter does. With tensorwise scaling and FSDP2 (zero >= 1) the weights are
+cast to FP8 before the all-gather (`enable_fsdp_float8_all_gather`), and their scales are
+precomputed for all layers in one all-reduce after each optimizer step
+(`precompute_float8_dynamic_scale_for_fsdp`, registered by `fivefold.train.optim`).
+
+Kept in high precision: the output head (its logits feed the loss directly), MoE routers (their
+softmax decides routing) and any linear whose dimensions are not multiples of 16 (`_scaled_mm`
+needs them). No kernel here is hand-written.
+
+FP8 GEMMs need a GPU of compute capability 8.9 or newer (Ada, Hopper, Blackwell);
+`float8_problems` refuses every other device, CPU included, before any process starts. On CPU
+only the conversion itself is exercised (tests/test_float8.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from fivefold.errors import ConfigError
+from fivefold.spec.plan import ParallelPlan
+
+MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (sm89), Hopper (sm90) and newer
+HIGH_PRECISION_NAMES = ("output", "router")  # module names never converted
+FP8_DIM_MULTIPLE = 16  # torch._scaled_mm: both GEMM dimensions of a weight multiples of 16
+
+
+def float8_problems(fp8: str, device: torch.device) -> list[str]:
+    """Why `plan.fp8 = fp8` cannot run on `device` (empty when it can or when fp8 is off)."""
+    if fp8 == "none":
+        return []
+    if device.type != "cuda":
+        return [
+            f"plan.fp8 = {fp8!r} on {device.type}: FP8 matrix multiplies need a GPU with FP8 "
+            f"tensor cores (CUDA compute capability {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} or "
+            "newer); the CPU has no FP8 arithmetic. Set plan.fp8 = 'none' (the planner still "
+            "plans FP8 runs with `fivefold plan`)."
+        ]
+    capability = torch.cuda.get_device_capability(device)
+    if capability < MIN_CAPABILITY:
+        return [
+            f"plan.fp8 = {fp8!r}: {torch.cuda.get_device_name(device)} has compute capability "
+            f"{capability[0]}.{capability[1]}; FP8 matrix multiplies need "
+            f"{MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} or newer (e.g. L4, L40S, H100, H200, "
+            "B200). Set plan.fp8 = 'none'."
+        ]
+    from fivefold.parallel.lowbit import torchao_problems
+
+    return torchao_problems(f"plan.fp8 = {fp8!r}")
+
+
+def keeps_high_precision(module: nn.Module, fqn: str) -> bool:
+    """True for the linears that stay in the recipe's dtype (see the module docstring)."""
+    if not isinstance(module, nn.Linear):
+        return True
+    if fqn.rsplit(".", 1)[-1] in HIGH_PRECISION_NAMES:
+        return True
+    out_features, in_features = module.weight.shape
+    return bool(in_features % FP8_DIM_MULTIPLE or out_features % FP8_DIM_MULTIPLE)
+
+
+def float8_config(recipe: str, fsdp: bool):
+    """torchao's Float8LinearConfig of `recipe` ("tensorwise" | "rowwise"); FP8 all-gather for
+    tensorwise scaling under FSDP2 (rowwise scales are per row of the gathered weight, so its
+    weights are gathered in high precision)."""
+    from fivefold.parallel.lowbit import import_torchao
+
+    import_torchao()
+    from torchao.float8 import Float8LinearConfig
+
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    if recipe == "tensorwise" and fsdp:
+        config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
+    return config
+
+
+def apply_float8(chunk: nn.Module, plan: ParallelPlan, device: torch.device) -> list[str]:
+    """Swap the chunk's eligible linears for Float8Linear in place (ConfigError on a device
+    without FP8); returns the converted FQNs. Works on the meta device."""
+    if plan.fp8 == "none":
+        return []
+    problems = float8_problems(plan.fp8, device)
+    if problems:
+        raise ConfigError(problems)
+    return convert_linears(chunk, plan.fp8, fsdp=plan.zero >= 1)
+
+
+def convert_linears(chunk: nn.Module, recipe: str, fsdp: bool) -> list[str]:
+    """The conversion alone (no device check: tests run it on CPU); returns the converted FQNs."""
+    config = float8_config(recipe, fsdp)
+    from torchao.float8 import convert_to_float8_training
+
+    convert_to_float8_training(
+        chunk,
+        module_filter_fn=lambda module, fqn: not keeps_high_precision(module, fqn),
+        config=config,
+    )
+    from torchao.float8.float8_linear import Float8Linear
+
+    return [name for name, module in chunk.named_modules() if isinstance(module, Float8Linear)]
+
+
+def needs_scale_precompute(plan: ParallelPlan) -> bool:
+    """Tensorwise FP8 all-gather under FSDP2: scales are computed after each optimizer step."""
+    return plan.fp8 == "tensorwise" and plan.zero >= 1
+
+
+def precompute_scales(model_parts: Iterable[nn.Module]) -> None:
+    """After an optimizer step: every FP8 weight's scale in one all-reduce per chunk."""
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    for part in model_parts:
+        precompute_float8_dynamic_scale_for_fsdp(part)

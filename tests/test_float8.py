@@ -1,0 +1,97 @@
+"""FP8 compute (`plan.fp8`): which linears torchao's conversion swaps, and the refusals.
+
+Only the conversion runs on CPU (no FP8 matmul): on the meta model, as the runtime does it.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from fivefold.errors import ConfigError
+from fivefold.model import build_model
+from fivefold.parallel.float8 import convert_linears, float8_problems, keeps_high_precision
+from fivefold.spec.plan import ParallelPlan
+from fivefold.spec.presets import model_preset
+
+pytest.importorskip("torchao")
+
+
+def _meta_model(name: str, **changes):
+    from dataclasses import replace
+
+    with torch.device("meta"):
+        return build_model(replace(model_preset(name), **changes))
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_conversion_keeps_head_and_odd_dims_in_high_precision(recipe):
+    from torchao.float8.float8_linear import Float8Linear
+
+    model = _meta_model("tiny", ffn=168)  # 168 = 10.5 x 16: the MLP stays high precision
+    converted = convert_linears(model, recipe, fsdp=True)
+    expected = [f"layers.{i}.attention.{w}" for i in range(2) for w in ("wq", "wk", "wv", "wo")]
+    assert converted == expected
+    assert type(model.output) is torch.nn.Linear
+    assert type(model.layers["0"].feed_forward.w1) is torch.nn.Linear
+    assert isinstance(model.layers["1"].attention.wo, Float8Linear)
+    # parameter names are unchanged, so initialisation and checkpoints are those of the model
+    assert [n for n, _ in model.named_parameters()] == [
+        n for n, _ in _meta_model("tiny", ffn=168).named_parameters()
+    ]
+    config = model.layers["0"].attention.wq.config
+    assert config.enable_fsdp_float8_all_gather is (recipe == "tensorwise")
+
+
+def test_moe_router_and_shared_experts():
+    model = _meta_model("tiny-moe")
+    converted = convert_linears(model, "rowwise", fsdp=False)
+    assert not any("router" in name or name == "output" for name in converted)
+    assert "layers.0.moe.shared_expert.w1" in converted  # 64 x 64: eligible
+    assert keeps_high_precision(model.layers["0"].moe.router, "layers.0.moe.router")
+
+
+def test_refused_on_cpu_before_any_process():
+    problems = float8_problems("tensorwise", torch.device("cpu"))
+    assert len(problems) == 1 and "plan.fp8" in problems[0] and "8.9" in problems[0]
+    assert float8_problems("none", torch.device("cpu")) == []
+    from fivefold.train.entry import check_layout
+
+    with pytest.raises(ConfigError, match=re.escape("plan.fp8 = 'rowwise' on cpu")):
+        check_layout(
+            None,
+            [
+                "model.preset=tiny",
+                "plan.precision=bf16-mixed",
+                "plan.fp8=rowwise",
+                "train.device=cpu",
+            ],
+            1,
+        )
+
+
+def test_layout_rules():
+    tp = ParallelPlan(tp=2, precision="bf16-mixed", fp8="tensorwise").problems()
+    assert any("plan.fp8 = 'tensorwise' with plan.tp = 2" in p for p in tp)
+    fp32 = ParallelPlan(fp8="rowwise", precision="fp32").problems()
+    assert any("bf16 recipe" in p for p in fp32)
+    assert ParallelPlan(dp_shard=2, zero=3, precision="bf16-mixed", fp8="rowwise").problems() == []
+
+
+def test_mfu_peak_counts_the_fp8_share_against_the_fp8_peak():
+    """Llama 3 8B on an H100 with FP8 linears: per token 6 x 32 layers x (Q, O 4096^2 each,
+    K, V 4096 x 1024 each, gate/up/down 3 x 4096 x 14,336) = 41,875,931,136 FLOPs run in FP8
+    (1,978.9 TFLOP/s); the other 9,594,470,400 of the 51,470,401,536 (attention scores, LM
+    head) run in bf16 (989.4 TFLOP/s). MFU's peak is total / (F8 / P8 + rest / P16)."""
+    from fivefold.train.peak import cuda_fp8_peak
+
+    model = model_preset("llama3-8b")
+    plan = ParallelPlan(fp8="rowwise", precision="bf16-mixed")
+    fp8, rest = 41_875_931_136, 9_594_470_400
+    expected = (fp8 + rest) / (fp8 / 1978.9e12 + rest / 989.4e12)
+    peak = cuda_fp8_peak("NVIDIA H100 80GB HBM3", model, plan)
+    assert peak.flops_per_s == pytest.approx(expected, rel=1e-9)
+    assert "fp8 for the converted linears" in peak.label
+    assert not cuda_fp8_peak("NVIDIA A100-SXM4-80GB", model, plan).known  # no FP8 peak
