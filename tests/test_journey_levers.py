@@ -128,7 +128,8 @@ def test_wandb_without_credentials_is_refused_before_training(tmp_path, monkeypa
 def test_zero_bubble_explanation_prints_no_negative_time(capsys):
     # zbv's bubble in the breakdown is 0 less a rounding error (-1.7e-13 s): once "-0 us"
     args = ["plan", "--model", "llama3-70b", "--gpus", "64", "--global-batch-tokens", "4M"]
-    code = main([*args, "--offload", "optimizer", "--optimizer-states", "8bit"])
+    layout = ["--tp", "4", "--pp", "2", "--schedule", "zbv", "--zero", "2", "--mbs", "1"]
+    code = main([*args, *layout, "--offload", "optimizer", "--optimizer-states", "8bit"])
     out = capsys.readouterr().out
     assert code == 0
     assert "with zbv (v = 2 chunks per rank)" in out
