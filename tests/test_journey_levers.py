@@ -168,3 +168,16 @@ def test_train_help_names_every_train_and_data_field(capsys):
         listed = text.split(head)[1].split("fields:")[0].split("On CPU")[0]
         missing = [f.name for f in fields(cls) if f.name not in listed]
         assert missing == [], f"{head} misses {missing}"
+
+
+def test_tune_measures_the_recipe_with_its_memory_levers():
+    from fivefold.cli.cmd_tune import tune_policy
+
+    def peak(*overrides: str) -> int:
+        return tune_policy(TINY, list(overrides), "none", 2**30, 1)[0].measured
+
+    fp32 = peak()
+    # m and v of `tiny` (616,768 parameters): 4,934,144 bytes in fp32, 1,328,192 in 8 bits
+    # (docs/memory-levers.md); offloading the step adds a 4-byte host master per parameter
+    assert fp32 - peak("plan.optimizer_states='8bit'") == 4_934_144 - 1_328_192
+    assert peak("plan.offload='optimizer'") - fp32 == 616_768 * 4

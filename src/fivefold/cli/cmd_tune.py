@@ -229,7 +229,7 @@ def _second_step_peak(run) -> int:
     from fivefold.train.runtime import LocalRuntime
 
     runtime = LocalRuntime(run.recipe)
-    optimizer = build_optimizer(runtime.model_parts, run.train)
+    optimizer = build_optimizer(runtime.model_parts, run.train, run.recipe.plan)  # its levers
     batches = load_train_data(run, 0, 1).batches(run.recipe.plan.micro_batch)
 
     def step() -> None:
