@@ -91,6 +91,8 @@ def test_layer_overhead_measures_each_layer_kind():
     assert row.layer_forward_s > 0 and row.layer_backward_s > 0
     assert row.tp_forward_s > 0 and row.tp_backward_s > 0
     assert row.fsdp_forward_s + row.fsdp_backward_s > 0
+    assert row.replicate_forward_s + row.replicate_backward_s > 0
+    assert row.shard_forward_s + row.shard_backward_s > 0
     assert row.moe_forward_s + row.moe_backward_s > row.layer_forward_s + row.layer_backward_s
 
 

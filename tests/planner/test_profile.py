@@ -37,6 +37,7 @@ BW = {"elementwise_forward": 4e9, "elementwise_backward": 2e9, "loss_forward": 1
 BW |= {"loss_backward": 5e8, "optimizer": 3e9}
 OVER_F, OVER_B = 1e-4, 3e-4
 MOE_F, MOE_B, TP_F, TP_B, FSDP_F, FSDP_B = 5e-4, 9e-4, 2e-4, 4e-4, 3e-5, 7e-5
+REP_F, REP_B, SHARD_F, SHARD_B = 1e-5, 6e-5, 2e-5, 5e-5  # ZeRO-0 and ZeRO-1/2 units
 
 
 def synthetic(cores: int = 2) -> dict:
@@ -60,6 +61,8 @@ def synthetic(cores: int = 2) -> dict:
                 threads=threads, layer_forward_s=OVER_F, layer_backward_s=OVER_B,
                 moe_forward_s=MOE_F, moe_backward_s=MOE_B, tp_forward_s=TP_F,
                 tp_backward_s=TP_B, fsdp_forward_s=FSDP_F, fsdp_backward_s=FSDP_B,
+                replicate_forward_s=REP_F, replicate_backward_s=REP_B,
+                shard_forward_s=SHARD_F, shard_backward_s=SHARD_B,
             )
         )  # fmt: skip
     collective = [
@@ -75,7 +78,7 @@ def synthetic(cores: int = 2) -> dict:
     device = dict(
         name="Test CPU", kind="cpu", cores=cores, memory_bytes=8 * 2**30, backend="gloo", ranks=2
     )
-    return dict(format=2, device=device, **rows, collective=collective, collective_sample=sample)
+    return dict(format=3, device=device, **rows, collective=collective, collective_sample=sample)
 
 
 @pytest.fixture
@@ -169,8 +172,9 @@ def test_layer_times_from_the_profile_by_hand(profile_path):
     attn = tokens * attention_score_flops_per_token(TINY, 128)
     h, q, kv, f = 64, 64, 32, 176
     elem = tokens * (2 * 2 * e * h + 2 * 3 * e * h + 2 * e * (q + kv) + 3 * e * f)
-    forward = gemm_flops / GEMM + attn / ATT_F + elem / BW["elementwise_forward"] + OVER_F
-    backward = gemm_flops / GEMM + 2 * attn / ATT_B + 2 * elem / BW["elementwise_backward"] + OVER_B
+    over_f, over_b = OVER_F + REP_F, OVER_B + REP_B  # ZeRO-0: the block is a `replicate` unit
+    forward = gemm_flops / GEMM + attn / ATT_F + elem / BW["elementwise_forward"] + over_f
+    backward = gemm_flops / GEMM + 2 * attn / ATT_B + 2 * elem / BW["elementwise_backward"] + over_b
     work = layer_work(TINY, plan, device, EFF)
     assert work.forward_s == pytest.approx(forward)
     assert work.backward_input_s == pytest.approx(backward)
@@ -267,8 +271,15 @@ def test_layer_overhead_by_layer_kind(profile_path):
     measured = profile_device(profile_path, 2).measured
     assert measured.layer_overhead_s() == pytest.approx((OVER_F, OVER_B))
     assert measured.layer_overhead_s(moe=True) == pytest.approx((MOE_F, MOE_B))
-    both = measured.layer_overhead_s(tp=True, fsdp=True)
+    both = measured.layer_overhead_s(tp=True, zero=3)
     assert both == pytest.approx((OVER_F + TP_F + FSDP_F, OVER_B + TP_B + FSDP_B))
+    assert measured.layer_overhead_s(zero=0) == pytest.approx((OVER_F + REP_F, OVER_B + REP_B))
+    for zero in (1, 2):
+        assert measured.layer_overhead_s(zero=zero) == pytest.approx(
+            (OVER_F + SHARD_F, OVER_B + SHARD_B)
+        )
+    two = measured.layer_overhead_s(moe=True, zero=1, units=2)
+    assert two == pytest.approx((MOE_F + 2 * SHARD_F, MOE_B + 2 * SHARD_B))
     crowded = profile_device(profile_path, 4).measured
     assert crowded.layer_overhead_s(moe=True, tp=True) == pytest.approx(
         (2 * (MOE_F + TP_F), 2 * (MOE_B + TP_B))
@@ -290,6 +301,39 @@ def test_tensor_parallel_layers_carry_their_extra(tmp_path):
     b = layer_work(TINY, plan, profile_device(paid, 2), EFF)
     assert b.forward_s - a.forward_s == pytest.approx(TP_F)
     assert b.backward_input_s - a.backward_input_s == pytest.approx(TP_B)
+
+
+@pytest.mark.parametrize(
+    ("zero", "ep", "moe", "units", "extra"),
+    [
+        (0, 1, False, 1, (REP_F, REP_B)),
+        (1, 1, False, 1, (SHARD_F, SHARD_B)),
+        (2, 1, False, 1, (SHARD_F, SHARD_B)),
+        (3, 1, False, 1, (FSDP_F, FSDP_B)),
+        (1, 2, True, 2, (SHARD_F, SHARD_B)),  # EP experts are a unit of their own
+        (1, 1, True, 1, (SHARD_F, SHARD_B)),
+    ],
+)
+def test_data_parallel_unit_hooks_by_hand(tmp_path, zero, ep, moe, units, extra):
+    """Each block is one data-parallel unit of the plan's ZeRO level (two under EP: the experts
+    apart): two profiles that differ only in the units' extra give layer times that differ by
+    exactly units x that extra, forward and input-gradient backward."""
+    data = synthetic()
+    for row in data["overhead"]:
+        row.update({f"{k}_{p}_s": 0.0 for k in ("fsdp", "replicate", "shard") for p in (
+            "forward", "backward")})  # fmt: skip
+    free = tmp_path / "free.toml"
+    free.write_text(parse_profile(data).to_toml())
+    paid = tmp_path / "paid.toml"
+    paid.write_text(parse_profile(synthetic()).to_toml())
+    spec = model_preset("tiny-moe") if moe else TINY
+    plan = ParallelPlan(dp_shard=2, zero=zero, ep=ep, micro_batch=4, precision="fp32")
+    if zero == 0:
+        plan = ParallelPlan(dp_replicate=2, ep=ep, micro_batch=4, precision="fp32")
+    a = layer_work(spec, plan, profile_device(free, 2), EFF, moe=moe)
+    b = layer_work(spec, plan, profile_device(paid, 2), EFF, moe=moe)
+    assert b.forward_s - a.forward_s == pytest.approx(units * extra[0])
+    assert b.backward_input_s - a.backward_input_s == pytest.approx(units * extra[1])
 
 
 def test_zero3_with_pipelining_communicates_once_per_step(profile_path):

@@ -225,7 +225,10 @@ def print_summary(console, profile) -> None:
                 f"{o.layer_forward_s * 1e3:.3f} / {o.layer_backward_s * 1e3:.3f}, MoE "
                 f"{o.moe_forward_s * 1e3:.3f} / {o.moe_backward_s * 1e3:.3f}, TP extra "
                 f"{o.tp_forward_s * 1e3:.3f} / {o.tp_backward_s * 1e3:.3f}, ZeRO-3 extra "
-                f"{o.fsdp_forward_s * 1e3:.3f} / {o.fsdp_backward_s * 1e3:.3f}"
+                f"{o.fsdp_forward_s * 1e3:.3f} / {o.fsdp_backward_s * 1e3:.3f}, ZeRO-1/2 "
+                f"extra {o.shard_forward_s * 1e3:.3f} / {o.shard_backward_s * 1e3:.3f}, "
+                f"ZeRO-0 extra {o.replicate_forward_s * 1e3:.3f} / "
+                f"{o.replicate_backward_s * 1e3:.3f}"
             )
     for c in profile.collective:
         console.print(

@@ -18,7 +18,8 @@ model):
   `fivefold.planner.compute`, so the planner's bytes over these rates give time;
 - overhead: what one more layer adds at a shape where its arithmetic is negligible (Python,
   autograd, each op's dispatch): dense and MoE layers, and the extra of tensor parallelism
-  (DTensor) and of a ZeRO-3 FSDP2 unit, measured on a one-rank mesh.
+  (DTensor) and of a data-parallel unit (FSDP2's hooks for ZeRO-3, ZeRO-1/2 and `replicate` for
+  ZeRO-0), measured on a one-rank mesh.
 The collectives run over real process groups (`fivefold.parallel.calibrate_comm`).
 
 Written by hand: PyTorch has benchmark utilities but nothing that measures a machine into the
@@ -449,12 +450,12 @@ def measure_overhead(
     """The fixed seconds of one layer, at a shape where its arithmetic is negligible: Python,
     autograd and the dispatch of each op (`per_layer_s`). Dense and MoE layers apart; and the
     extra of tensor parallelism (DTensor dispatch, sharding propagation and redistribution
-    copies with sequence parallelism, `tp_extra_s`, at `batch` sequences) and of a ZeRO-3
-    FSDP2 unit (its hooks; the copies around its collectives are counted by bytes in the
-    planner), both on a one-rank mesh, so no transfer is timed. The MoE layer is `moe`'s
+    copies with sequence parallelism, `tp_extra_s`, at `batch` sequences) and of a
+    data-parallel unit wrapped as the runtime wraps it for ZeRO-3, ZeRO-0 (`replicate`) and
+    ZeRO-1/2 (`fully_shard` kept gathered after forward): their hooks; the copies around the
+    collectives are counted by bytes in the planner. All on a one-rank mesh, so no transfer is
+    timed. The MoE layer is `moe`'s
     (default `model`'s; a dense model's MoE figures are its dense ones)."""
-    from torch.distributed.fsdp import fully_shard
-
     from fivefold.parallel.tensor_parallel import apply_tensor_parallel
 
     full = replace(model, experts=0, top_k=0, shared_experts=0, expert_ffn=0, dense_layers=0)
@@ -472,19 +473,33 @@ def measure_overhead(
             apply_tensor_parallel(net, mesh, spec, sequence_parallel=True)
             return net
 
-        def zero3(spec: ModelSpec) -> nn.Module:
-            net = Transformer(spec)
-            for block in net.layers.values():
-                fully_shard(block, mesh=mesh, reshard_after_forward=True)
-            fully_shard(net, mesh=mesh, reshard_after_forward=False)
-            return net
+        def wrapped(zero: int) -> Callable[[ModelSpec], nn.Module]:
+            def build(spec: ModelSpec) -> nn.Module:
+                net = Transformer(spec)
+                for block in net.layers.values():
+                    _wrap_unit(block, mesh, zero, reshard=zero == 3)
+                _wrap_unit(net, mesh, zero, reshard=False)
+                return net
+
+            return build
 
         tp_f, tp_b = tp_extra_s(tp, full, budget, batch)
-        fsdp_f, fsdp_b = per_layer_s(zero3, dense, budget)
-    return Overhead(
-        threads, plain_f, plain_b, moe_f, moe_b, tp_f, tp_b,
-        max(0.0, fsdp_f - plain_f), max(0.0, fsdp_b - plain_b),
-    )  # fmt: skip
+        units = [per_layer_s(wrapped(z), dense, budget) for z in (3, 0, 1)]
+    extra = [max(0.0, t - p) for f, b in units for t, p in ((f, plain_f), (b, plain_b))]
+    return Overhead(threads, plain_f, plain_b, moe_f, moe_b, tp_f, tp_b, *extra)
+
+
+def _wrap_unit(module: nn.Module, mesh: DeviceMesh, zero: int, reshard: bool) -> None:
+    """Wrap `module` as the runtime does for ZeRO `zero` (`fivefold.parallel.data_parallel`):
+    FSDP2's `replicate` for ZeRO-0, else `fully_shard`."""
+    from torch.distributed.fsdp import fully_shard
+
+    if zero == 0:
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+
+        replicate(module, mesh=mesh)
+    else:
+        fully_shard(module, mesh=mesh, reshard_after_forward=reshard)
 
 
 # ---- all compute measurements --------------------------------------------------------------

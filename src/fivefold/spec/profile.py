@@ -27,7 +27,10 @@ A profile is a TOML file (written by `fivefold.parallel.calibrate`, read here wi
                   routing and loop over experts); tp_forward_s, tp_backward_s and
                   fsdp_forward_s, fsdp_backward_s: the extra of a tensor-parallel layer (DTensor
                   dispatch, sequence parallel) and of a ZeRO-3 FSDP2 unit (hooks, gathers,
-                  reduce-scatter), measured on a one-rank mesh so no transfer is in them.
+                  reduce-scatter); replicate_forward_s, replicate_backward_s and
+                  shard_forward_s, shard_backward_s: the extra of a ZeRO-0 unit (FSDP2's
+                  `replicate`) and of a ZeRO-1/2 unit (`fully_shard` kept gathered after
+                  forward), all measured on a one-rank mesh so no transfer is in them.
     [[collective]] op, ranks, world, alpha_s, beta_bytes_per_s: time(S) = alpha + S / beta
                   fitted by least squares to the samples, S in nccl-tests' convention
                   (all_reduce: the buffer; all_gather / reduce_scatter / all_to_all: the whole
@@ -60,7 +63,7 @@ from typing import Any
 from fivefold.errors import ConfigError
 from fivefold.spec.hardware import GPUSpec
 
-FORMAT = 2  # 2: overhead per layer kind; the optimizer's bytes include clipping
+FORMAT = 3  # 2: overhead per layer kind, clipping in the optimizer; 3: ZeRO-0/1/2 units
 PROFILE_ENV = "FIVEFOLD_PROFILE"
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 LAYOUTS = ("nt", "nn", "tn")
@@ -173,7 +176,9 @@ class Bandwidth:
 @dataclass(frozen=True)
 class Overhead:
     """Fixed seconds per layer and micro-batch (at a shape with negligible arithmetic): a dense
-    and a MoE layer, and the extra of tensor parallelism and of a ZeRO-3 FSDP2 unit."""
+    and a MoE layer, and the extra of tensor parallelism and of a data-parallel unit: ZeRO-3
+    (`fsdp_*`, FSDP2 re-sharding after forward), ZeRO-1/2 (`shard_*`, kept gathered) and
+    ZeRO-0 (`replicate_*`, FSDP2's `replicate`)."""
 
     threads: int
     layer_forward_s: float
@@ -184,6 +189,18 @@ class Overhead:
     tp_backward_s: float
     fsdp_forward_s: float
     fsdp_backward_s: float
+    replicate_forward_s: float
+    replicate_backward_s: float
+    shard_forward_s: float
+    shard_backward_s: float
+
+    def data_parallel_s(self, zero: int) -> tuple[float, float]:
+        """(forward, backward) extra of one data-parallel unit wrapped for ZeRO `zero`."""
+        if zero >= 3:
+            return self.fsdp_forward_s, self.fsdp_backward_s
+        if zero >= 1:
+            return self.shard_forward_s, self.shard_backward_s
+        return self.replicate_forward_s, self.replicate_backward_s
 
 
 @dataclass(frozen=True)
@@ -535,19 +552,22 @@ class Measured:
         return max(r.bytes_per_s for r in rows) * scale
 
     def layer_overhead_s(
-        self, moe: bool = False, tp: bool = False, fsdp: bool = False
+        self, moe: bool = False, tp: bool = False, zero: int | None = None, units: int = 1
     ) -> tuple[float, float]:
         """(forward, backward) fixed seconds of one layer and micro-batch: a dense or MoE
-        layer, plus tensor parallelism's and a ZeRO-3 unit's extra when they apply; a share
-        of the cores stretches them (they run on one thread)."""
+        layer, plus tensor parallelism's extra and, when `zero` is given, that of `units`
+        data-parallel units wrapped for that ZeRO level (the runtime wraps every block, and
+        under EP a MoE block's experts apart: two); a share of the cores stretches them (they
+        run on one thread)."""
         rows, _ = self._at_threads(list(self.profile.overhead))
         row = rows[0]
         fwd = row.moe_forward_s if moe else row.layer_forward_s
         bwd = row.moe_backward_s if moe else row.layer_backward_s
         if tp:
             fwd, bwd = fwd + row.tp_forward_s, bwd + row.tp_backward_s
-        if fsdp:
-            fwd, bwd = fwd + row.fsdp_forward_s, bwd + row.fsdp_backward_s
+        if zero is not None:
+            dp_f, dp_b = row.data_parallel_s(zero)
+            fwd, bwd = fwd + units * dp_f, bwd + units * dp_b
         return fwd / self.share, bwd / self.share
 
     def collective(self, op: str, n: int) -> tuple[float, float]:
