@@ -96,6 +96,29 @@ def test_layer_overhead_measures_each_layer_kind():
     assert row.moe_forward_s + row.moe_backward_s > row.layer_forward_s + row.layer_backward_s
 
 
+def test_grouped_matmul_passes_compute_what_autograd_does():
+    """The three timed `_grouped_mm` passes give, group by group, the forward of the experts
+    and the two gradients autograd computes for it, and their rows count 2 rows n k FLOPs."""
+    from fivefold.parallel.calibrate import Budget, _grouped_operands, measure_grouped
+
+    groups, tokens, n, k = 2, 16, 8, 4
+    fwd, dgrad, wgrad = (
+        _grouped_operands(groups, tokens, n, k, layout, torch.float32)()
+        for layout in ("nt", "nn", "tn")
+    )
+    gen = torch.Generator().manual_seed(0)
+    x, g = torch.randn(tokens, k, generator=gen), torch.randn(tokens, n, generator=gen)
+    w = torch.randn(groups, n, k, generator=gen)
+    for e in range(groups):
+        rows = slice(e * 8, (e + 1) * 8)
+        torch.testing.assert_close(fwd[rows], x[rows] @ w[e].T)
+        torch.testing.assert_close(dgrad[rows], g[rows] @ w[e])
+        torch.testing.assert_close(wgrad[e], g[rows].T @ x[rows])
+    rows = measure_grouped((groups, tokens, n, k), "fp32", 1, Budget(1, 1, 0.0))
+    assert [r.layout for r in rows] == ["nt", "nn", "tn"]
+    assert all(r.tokens == tokens and r.flops_per_s > 0 for r in rows)
+
+
 def test_calibrate_quick_two_ranks_writes_a_profile_plan_uses(tmp_path):
     out = tmp_path / "profile.toml"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -118,8 +141,10 @@ def test_calibrate_quick_two_ranks_writes_a_profile_plan_uses(tmp_path):
     shapes = {(m.m, m.n, m.k, m.layout) for m in profile.matmul}
     assert {(512, 64, 64, "nt"), (512, 32, 64, "nt"), (64, 64, 512, "tn")} <= shapes
     assert {m.threads for m in profile.matmul} == {1, available_cores()}
-    # --also tiny-moe: its experts' forward, 512 x 2 / 4 tokens each on (64 x 64) weights.
-    assert (256, 64, 64, "nt") in shapes
+    # --also tiny-moe: its experts as grouped matmuls, 512 x 2 routed rows over 4 experts (2
+    # under EP 2) on (64 x 64) weights, every pass.
+    grouped = {(g.groups, g.tokens, g.n, g.k, g.layout) for g in profile.grouped_matmul}
+    assert {(e, 1024, 64, 64, lay) for e in (4, 2) for lay in ("nt", "nn", "tn")} == grouped
     plan = subprocess.run(
         [*cli, "plan", "estimate", str(ROOT / "configs/tiny-cpu.toml"), "--cluster", str(out),
          "--gpus", "2", "--dp", "2", "--json"],

@@ -428,3 +428,53 @@ def test_dtensor_small_collectives_by_hand(profile_path):
     assert a.stage_costs.backward_input_s[0] - b.stage_costs.backward_input_s[0] == pytest.approx(
         norms
     )
+
+
+def _grouped_rows(rate_by_groups: dict[int, float]) -> list[dict]:
+    """tiny-moe's expert projections (1024 routed rows at micro-batch 4, 64 x 64) measured at
+    the given rates, every pass, one thread (the synthetic profile's rows repeat at 2)."""
+    return [
+        dict(dtype="fp32", threads=t, groups=g, tokens=1024, n=64, k=64, layout=layout,
+             flops_per_s=rate)
+        for t in (1, 2) for g, rate in rate_by_groups.items() for layout in ("nt", "nn", "tn")
+    ]  # fmt: skip
+
+
+def test_grouped_expert_matmuls_by_hand(tmp_path):
+    """A MoE layer's routed experts are three `_grouped_mm` calls (w1, w3, w2) over tokens x
+    top_k rows: 1024 rows x 64 x 64 each for tiny-moe at micro-batch 4, 2 x 1024 x 64 x 64
+    FLOPs per pass. Timed at the measured grouped rate of the rank's number of experts (4, or
+    2 under EP 2); without grouped rows, as that many per-expert matmuls at the GEMM rate."""
+    moe = model_preset("tiny-moe")
+    flops = 3 * 2 * 1024 * 64 * 64
+    plain = tmp_path / "plain.toml"
+    plain.write_text(parse_profile(synthetic()).to_toml())
+    data = synthetic()
+    data["grouped_matmul"] = _grouped_rows({4: 1e9, 2: 4e9})
+    grouped = tmp_path / "grouped.toml"
+    grouped.write_text(parse_profile(data).to_toml())
+    for ep, rate in ((1, 1e9), (2, 4e9)):
+        plan = ParallelPlan(dp_shard=2, zero=1, ep=ep, micro_batch=4, precision="fp32")
+        a = layer_work(moe, plan, profile_device(plain, 2), EFF, moe=True)
+        b = layer_work(moe, plan, profile_device(grouped, 2), EFF, moe=True)
+        for got, ref in ((b.forward_s, a.forward_s), (b.backward_input_s, a.backward_input_s)):
+            assert got - ref == pytest.approx(flops / rate - flops / GEMM)
+        assert b.backward_weight_s - a.backward_weight_s == pytest.approx(
+            flops / rate - flops / GEMM
+        )
+    measured = profile_device(grouped, 2).measured
+    assert measured.grouped_time_s(4, 1024, 64, 64, "fp32", "tn") == pytest.approx(
+        2 * 1024 * 64 * 64 / 1e9
+    )
+    assert measured.grouped_time_s(2, 1024, 64, 64, "fp32", "nn") == pytest.approx(
+        2 * 1024 * 64 * 64 / 4e9
+    )
+    fallback = profile_device(plain, 2).measured
+    assert fallback.grouped_time_s(4, 1024, 64, 64, "fp32", "nt") == pytest.approx(
+        2 * 1024 * 64 * 64 / GEMM
+    )
+    bad = synthetic()
+    bad["grouped_matmul"] = _grouped_rows({4: 1e9})
+    bad["grouped_matmul"][0]["layout"] = "xx"
+    with pytest.raises(ConfigError, match=r"grouped_matmul\[0\]\.layout"):
+        parse_profile(bad)

@@ -209,6 +209,11 @@ def print_summary(console, profile) -> None:
                     f"matmul {dtype}, {t} thread(s): best {max(rates) / 1e9:.1f} GFLOP/s, "
                     f"worst {min(rates) / 1e9:.1f} GFLOP/s over {len(rates)} shapes"
                 )
+        for g in (g for g in profile.grouped_matmul if g.threads == t):
+            console.print(
+                f"grouped matmul {g.dtype} {g.groups} experts x {g.tokens} rows x {g.n} x {g.k} "
+                f"{g.layout}, {t} thread(s): {g.flops_per_s / 1e9:.1f} GFLOP/s"
+            )
         for a in (a for a in profile.attention if a.threads == t):
             console.print(
                 f"attention {a.heads}/{a.kv_heads} heads x seq {a.seq} x {a.head_dim}, {t} "

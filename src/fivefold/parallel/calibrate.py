@@ -6,11 +6,13 @@ other work the slow repeats are the other work's, not the kernel's), each repeat
 cold caches (`flush_caches`: in a training step the rest of the model passes through the caches
 between two uses of a weight; warm-cache GEMMs of these sizes run about 10 % faster than in the
 model):
-- matmul: every GEMM the model runs (wq, wk, wv, wo, w1, w3, w2, the LM head; experts and the
-  router for MoE) at the recipe's tokens per micro-batch (and half of them, what context
+- matmul: every GEMM the model runs (wq, wk, wv, wo, w1, w3, w2, the LM head; the router and
+  shared experts for MoE) at the recipe's tokens per micro-batch (and half of them, what context
   parallelism leaves) and at each tensor-parallel split up to the ranks, in all three passes with
   the operand layouts autograd uses: forward x W^T, input gradient g W, weight gradient g^T x;
   per dtype (fp32; bf16 only where the CPU has native bf16, `bf16_support`);
+- grouped matmul: a MoE layer's experts as `torch._grouped_mm` runs them (w1, w3, w2; all
+  three passes) at each expert-parallel split, at the model's expert shapes;
 - attention: the model's own attention core (causal SDPA with native GQA, one document per
   row), forward and backward, at each TP split and CP share;
 - bandwidth: the block's element-wise work (norms, RoPE, SwiGLU, residual adds), the
@@ -57,9 +59,11 @@ from fivefold.planner.compute import (
 from fivefold.spec.model import ModelSpec
 from fivefold.spec.plan import ParallelPlan
 from fivefold.spec.profile import (
+    LAYOUTS,
     Attention,
     Bandwidth,
     DeviceProfile,
+    GroupedMatmul,
     Matmul,
     Overhead,
     available_cores,
@@ -176,10 +180,9 @@ def linear_shapes(model: ModelSpec, tokens: int, tp: int) -> list[tuple[int, int
     """(tokens, out, in) of every linear layer of one block and the head, split `tp` ways."""
     h, q, kv = model.hidden, model.q_width // tp, model.kv_width // tp
     out = [(tokens, q, h), (tokens, kv, h), (tokens, h, q), (tokens, model.vocab // tp, h)]
-    if model.is_moe:
+    if model.is_moe:  # the routed experts are grouped matmuls (`grouped_shapes`)
         fe = model.expert_ffn // tp
-        per_expert = max(1, tokens * model.top_k // model.experts)
-        out += [(tokens, model.experts, h), (per_expert, fe, h), (per_expert, h, fe)]
+        out += [(tokens, model.experts, h)]
         if model.shared_experts:
             width = model.shared_experts * fe
             out += [(tokens, width, h), (tokens, h, width)]
@@ -221,6 +224,55 @@ def measure_matmul(shape: tuple, dtype: str, threads: int, budget: Budget) -> Ma
     m, n, k, layout = shape
     seconds = typical_time_s(_operands(m, n, k, layout, TORCH_DTYPES[dtype]), budget)
     return Matmul(dtype, threads, m, n, k, layout, 2.0 * m * n * k / seconds)
+
+
+# ---- grouped expert matmuls -------------------------------------------------------------------
+def grouped_shapes(model: ModelSpec, plan: ParallelPlan, ranks: int, quick: bool) -> list[tuple]:
+    """(groups, tokens, n, k) of a MoE layer's three expert projections (w1, w3 share a shape)
+    at the recipe's micro-batch (and half of it, what CP leaves), for each expert-parallel split
+    up to `ranks`: experts / ep groups over tokens x top_k routed rows (balanced routing)."""
+    if not model.is_moe:
+        return []
+    full = plan.micro_batch * model.seq_len
+    token_counts = [full] if quick else sorted({full, max(1, full // 2)})
+    eps = [e for e in (1, 2, 4, 8) if e <= max(1, ranks) and model.experts % e == 0]
+    h, fe = model.hidden, model.expert_ffn
+    out = set()
+    for tokens in token_counts:
+        for ep in eps:
+            groups, rows = model.experts // ep, tokens * model.top_k
+            out |= {(groups, rows, fe, h), (groups, rows, h, fe)}
+    return sorted(out)
+
+
+def _grouped_operands(groups: int, tokens: int, n: int, k: int, layout: str, dtype):
+    """`torch._grouped_mm` as the experts' autograd runs it (`fivefold.model.moe`): forward
+    x [T, k] @ W[g, n, k]^T; input gradient g [T, n] @ W [g, n, k]; weight gradient
+    g[T, n]^T @ x [T, k] per group -> [g, n, k]; `tokens` split evenly over the groups."""
+    gen = torch.Generator().manual_seed(0)
+    rows = max(1, tokens // groups)
+    offs = torch.arange(1, groups + 1, dtype=torch.int32) * rows
+    x = torch.randn(rows * groups, k, generator=gen).to(dtype)
+    g = torch.randn(rows * groups, n, generator=gen).to(dtype)
+    w = torch.randn(groups, n, k, generator=gen).to(dtype)
+    if layout == "nt":
+        return lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+    if layout == "nn":
+        return lambda: torch._grouped_mm(g, w, offs=offs)
+    return lambda: torch._grouped_mm(g.t(), x, offs=offs)
+
+
+def measure_grouped(shape: tuple, dtype: str, threads: int, budget: Budget) -> list:
+    """The three passes of one grouped expert projection, as `GroupedMatmul` rows."""
+    groups, tokens, n, k = shape
+    rows = max(1, tokens // groups) * groups
+    out = []
+    for layout in LAYOUTS:
+        fn = _grouped_operands(groups, tokens, n, k, layout, TORCH_DTYPES[dtype])
+        seconds = typical_time_s(fn, budget)
+        flops = 2.0 * rows * n * k
+        out.append(GroupedMatmul(dtype, threads, groups, rows, n, k, layout, flops / seconds))
+    return out
 
 
 # ---- attention ----------------------------------------------------------------------------------
@@ -506,6 +558,7 @@ def _wrap_unit(module: nn.Module, mesh: DeviceMesh, zero: int, reshard: bool) ->
 @dataclass
 class ComputeTables:
     matmul: list[Matmul]
+    grouped_matmul: list[GroupedMatmul]
     attention: list[Attention]
     bandwidth: list[Bandwidth]
     overhead: list[Overhead]
@@ -527,6 +580,7 @@ def compute_steps(
     dtypes = ["fp32"] + (["bf16"] if bf16 == "native" and not quick else [])
     models = [model, *also]
     shapes = sorted({s for m in models for s in gemm_shapes(m, plan, ranks, quick)})
+    grouped = sorted({s for m in models for s in grouped_shapes(m, plan, ranks, quick)})
     moe = next((m for m in models if m.is_moe), model)
     steps: list[tuple[str, Callable[[], list]]] = []
     for threads in thread_counts(cores):
@@ -545,6 +599,14 @@ def compute_steps(
                     (
                         label,
                         at(lambda s=shape, d=dtype, t=threads: [measure_matmul(s, d, t, budget)]),
+                    )
+                )
+            for shape in grouped:
+                label = f"grouped matmul {dtype} {shape[0]} x {shape[1]}x{shape[2]}x{shape[3]}"
+                steps.append(
+                    (
+                        f"{label}, {threads}t",
+                        at(lambda s=shape, d=dtype, t=threads: measure_grouped(s, d, t, budget)),
                     )
                 )
         for m in models:
@@ -576,6 +638,7 @@ def compute_steps(
 def sort_rows(rows: list) -> ComputeTables:
     return ComputeTables(
         [r for r in rows if isinstance(r, Matmul)],
+        [r for r in rows if isinstance(r, GroupedMatmul)],
         [r for r in rows if isinstance(r, Attention)],
         [r for r in rows if isinstance(r, Bandwidth)],
         [r for r in rows if isinstance(r, Overhead)],
@@ -605,6 +668,7 @@ def build_profile(
         torch=torch.__version__,
         created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         matmul=tuple(tables.matmul),
+        grouped_matmul=tuple(tables.grouped_matmul),
         attention=tuple(tables.attention),
         bandwidth=tuple(tables.bandwidth),
         overhead=tuple(tables.overhead),

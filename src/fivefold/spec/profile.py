@@ -9,6 +9,11 @@ A profile is a TOML file (written by `fivefold.parallel.calibrate`, read here wi
                   torch, created
     [[matmul]]    dtype, threads, m, n, k, layout ("nt" forward x W^T, "nn" input gradient
                   g W, "tn" weight gradient g^T x), flops_per_s (2mnk / best time)
+    [[grouped_matmul]] dtype, threads, groups, tokens, n, k, layout, flops_per_s: a MoE layer's
+                  experts as the model runs them, one `torch._grouped_mm` over `groups`
+                  experts of equal share of `tokens` routed rows, for the projection of forward
+                  shape (tokens x k) @ (k x n) per expert; layout "nt" forward, "nn" input
+                  gradient, "tn" weight gradient (per-expert g^T x), each 2 tokens n k FLOPs
     [[attention]] dtype, threads, batch, heads, kv_heads, seq, head_dim, forward_flops_per_s,
                   backward_flops_per_s (causal: forward 4 * batch * heads * seq^2/2 * head_dim
                   FLOPs, backward twice that, over the measured seconds of the model's own
@@ -154,6 +159,21 @@ class Matmul:
 
 
 @dataclass(frozen=True)
+class GroupedMatmul:
+    """One pass of a `torch._grouped_mm` projection: `tokens` rows split evenly over `groups`
+    experts, each (tokens / groups x k) @ (k x n) in its forward shape; 2 tokens n k FLOPs."""
+
+    dtype: str
+    threads: int
+    groups: int
+    tokens: int
+    n: int
+    k: int
+    layout: str
+    flops_per_s: float
+
+
+@dataclass(frozen=True)
 class Attention:
     dtype: str
     threads: int
@@ -227,6 +247,7 @@ class CollectiveSample:
 
 _ROWS: dict[str, type] = {
     "matmul": Matmul,
+    "grouped_matmul": GroupedMatmul,
     "attention": Attention,
     "bandwidth": Bandwidth,
     "overhead": Overhead,
@@ -250,6 +271,7 @@ class DeviceProfile:
     torch: str = ""
     created: str = ""
     matmul: tuple[Matmul, ...] = ()
+    grouped_matmul: tuple[GroupedMatmul, ...] = ()
     attention: tuple[Attention, ...] = ()
     bandwidth: tuple[Bandwidth, ...] = ()
     overhead: tuple[Overhead, ...] = ()
@@ -391,6 +413,13 @@ def parse_profile(data: dict[str, Any], path: str = "") -> DeviceProfile:
             head[key] = str(dev[key])
     tables = {name: _rows(data, name, cls, problems) for name, cls in _ROWS.items()}
     _check_choices(tables["matmul"], "layout", LAYOUTS, "matmul", problems)
+    _check_choices(tables["grouped_matmul"], "layout", LAYOUTS, "grouped_matmul", problems)
+    _positive(
+        tables["grouped_matmul"],
+        ("threads", "groups", "tokens", "n", "k", "flops_per_s"),
+        "grouped_matmul",
+        problems,
+    )
     _check_choices(tables["bandwidth"], "kind", BANDWIDTH_KINDS, "bandwidth", problems)
     _check_choices(tables["collective"], "op", COLLECTIVES, "collective", problems)
     _positive(tables["matmul"], ("threads", "m", "n", "k", "flops_per_s"), "matmul", problems)
@@ -534,6 +563,30 @@ class Measured:
         probe = Matmul(dtype, 1, max(1, round(m)), max(1, round(n)), max(1, round(k)), layout, 0)
         pts = sorted((r.intensity, r.flops_per_s) for r in same)
         return _interp(probe.intensity, [p[0] for p in pts], [p[1] for p in pts]) * scale
+
+    def grouped_time_s(
+        self, groups: float, tokens: float, n: float, k: float, dtype: str, layout: str
+    ) -> float:
+        """Seconds of one pass ("nt", "nn", "tn") of a grouped projection: `tokens` rows over
+        `groups` experts, forward shape (tokens / groups x k) @ (k x n) each. From the measured
+        grouped rate at the nearest shape of that layout (log distance in groups, tokens, n,
+        k); a profile without grouped rows times `groups` separate matmuls instead."""
+        flops = 2.0 * tokens * n * k
+        if flops <= 0:
+            return 0.0
+        dtype = dtype if any(r.dtype == dtype for r in self.profile.grouped_matmul) else "fp32"
+        rows = [r for r in self.profile.grouped_matmul if r.dtype == dtype]
+        rows, scale = self._at_threads([r for r in rows if r.layout == layout])
+        if rows:
+
+            def distance(r: GroupedMatmul) -> float:
+                pairs = ((r.groups, groups), (r.tokens, tokens), (r.n, n), (r.k, k))
+                return sum(abs(math.log(a / max(b, 1e-9))) for a, b in pairs)
+
+            return flops / (min(rows, key=distance).flops_per_s * scale)
+        m = tokens / groups
+        shape = {"nt": (m, n, k), "nn": (m, k, n), "tn": (n, k, m)}[layout]
+        return groups * 2.0 * m * n * k / self.gemm_flops_per_s(*shape, dtype, layout)
 
     def attention_flops_per_s(self, seq: float, head_dim: float, dtype: str) -> tuple[float, float]:
         """(forward, backward) rate of the attention core at the nearest measured shape."""
