@@ -119,6 +119,28 @@ def test_grouped_matmul_passes_compute_what_autograd_does():
     assert all(r.tokens == tokens and r.flops_per_s > 0 for r in rows)
 
 
+def test_cp_attention_blocks_are_rank_zeros_share_of_causal_attention():
+    """The CP block attention calibrate times is rank 0's share of the whole causal attention:
+    its load-balanced query chunks against every rank's keys give exactly those rows of
+    single-process causal SDPA; and its rate counts the planner's FLOPs."""
+    import torch.nn.functional as F
+
+    from fivefold.model.attention import block_attention
+    from fivefold.parallel.calibrate import Budget, cp_attention_passes, cp_rank_blocks
+    from fivefold.parallel.context_parallel import load_balanced_indices
+
+    batch, heads, seq, cp, d = 2, 4, 32, 2, 8
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(batch, heads, seq, d, generator=gen) for _ in range(3))
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    order = torch.cat([load_balanced_indices(seq, r, cp) for r in range(cp)])
+    mine = load_balanced_indices(seq, 0, cp)
+    out = block_attention(q[:, :, mine], k[:, :, order], v[:, :, order], cp_rank_blocks(2, seq, cp))
+    torch.testing.assert_close(out, ref[:, :, mine])
+    fwd, bwd = cp_attention_passes(batch, heads, 2, seq, cp, d, Budget(1, 1, 0.0))
+    assert fwd > 0 and bwd > 0
+
+
 def test_calibrate_quick_two_ranks_writes_a_profile_plan_uses(tmp_path):
     out = tmp_path / "profile.toml"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

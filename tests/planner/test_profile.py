@@ -52,7 +52,7 @@ def synthetic(cores: int = 2) -> dict:
         rows["attention"].append(
             dict(
                 dtype="fp32", threads=threads, batch=4, heads=4, kv_heads=2, seq=128, head_dim=16,
-                forward_flops_per_s=ATT_F, backward_flops_per_s=ATT_B,
+                cp=1, forward_flops_per_s=ATT_F, backward_flops_per_s=ATT_B,
             )
         )  # fmt: skip
         rows["bandwidth"] += [dict(kind=k, threads=threads, bytes_per_s=v) for k, v in BW.items()]
@@ -478,3 +478,29 @@ def test_grouped_expert_matmuls_by_hand(tmp_path):
     bad["grouped_matmul"][0]["layout"] = "xx"
     with pytest.raises(ConfigError, match=r"grouped_matmul\[0\]\.layout"):
         parse_profile(bad)
+
+
+def test_context_parallel_attention_uses_the_block_rates_by_hand(tmp_path):
+    """Ring and all-gather CP run the runtime's block kernels: the attention of a CP 2 layer is
+    its FLOPs (64 local tokens of tiny's 128 attending 64 keys on average: 4 b h 64 64 d) at
+    the cp = 2 rows' rates; Ulysses attends whole sequences on fewer heads (cp = 1 rows)."""
+    data = synthetic()
+    data["attention"] += [
+        dict(dtype="fp32", threads=t, batch=4, heads=4, kv_heads=2, seq=64, head_dim=16, cp=2,
+             forward_flops_per_s=5e8, backward_flops_per_s=4e8)
+        for t in (1, 2)
+    ]  # fmt: skip
+    path = tmp_path / "p.toml"
+    path.write_text(parse_profile(data).to_toml())
+    device = profile_device(path, 2)
+    flops = 4.0 * 4 * 4 * 64 * 64 * 16
+    for kind, (fwd, bwd) in (("ring", (5e8, 4e8)), ("allgather", (5e8, 4e8))):
+        plan = ParallelPlan(cp=2, cp_kind=kind, micro_batch=4, precision="fp32")
+        work = layer_work(TINY, plan, device, EFF)
+        assert work.attention_forward_s == pytest.approx(flops / fwd)
+        assert work.attention_backward_s == pytest.approx(2 * flops / bwd)
+    plan = ParallelPlan(cp=2, cp_kind="ulysses", micro_batch=4, precision="fp32")
+    work = layer_work(TINY, plan, device, EFF)
+    assert work.attention_forward_s == pytest.approx(flops / ATT_F)
+    one = layer_work(TINY, ParallelPlan(micro_batch=4, precision="fp32"), device, EFF)
+    assert one.attention_forward_s == pytest.approx(2 * flops / ATT_F)  # 128 x 64 keys

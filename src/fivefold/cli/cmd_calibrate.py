@@ -216,7 +216,8 @@ def print_summary(console, profile) -> None:
             )
         for a in (a for a in profile.attention if a.threads == t):
             console.print(
-                f"attention {a.heads}/{a.kv_heads} heads x seq {a.seq} x {a.head_dim}, {t} "
+                f"attention {a.heads}/{a.kv_heads} heads x seq {a.seq} x {a.head_dim}"
+                f"{f' (CP{a.cp} blocks)' if a.cp > 1 else ''}, {t} "
                 f"thread(s): forward {a.forward_flops_per_s / 1e9:.1f}, backward "
                 f"{a.backward_flops_per_s / 1e9:.1f} GFLOP/s"
             )

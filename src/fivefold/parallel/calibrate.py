@@ -14,7 +14,9 @@ model):
 - grouped matmul: a MoE layer's experts as `torch._grouped_mm` runs them (w1, w3, w2; all
   three passes) at each expert-parallel split, at the model's expert shapes;
 - attention: the model's own attention core (causal SDPA with native GQA, one document per
-  row), forward and backward, at each TP split and CP share;
+  row), forward and backward, at each TP split; and one rank's share of context-parallel
+  attention at each CP split (the runtime's block kernels over its load-balanced chunks, with
+  their log-sum-exp merges);
 - bandwidth: the block's element-wise work (norms, RoPE, SwiGLU, residual adds), the
   cross-entropy loss and AdamW (with clipping and zeroing), each in the byte accounting of
   `fivefold.planner.compute`, so the planner's bytes over these rates give time;
@@ -309,22 +311,68 @@ def _backward_time(forward: Callable[[], torch.Tensor], grad: torch.Tensor, budg
     return lower_quartile(times[1:])
 
 
-def attention_flops(batch: int, heads: int, seq: int, head_dim: int) -> float:
-    """Causal forward FLOPs: QK^T and AV over seq/2 keys per query (the planner's count)."""
-    return 4.0 * batch * seq * (seq / 2) * head_dim * heads
+def cp_rank_blocks(batch: int, seq: int, cp: int) -> list:
+    """CP rank 0's attention blocks (one document per row): its two load-balanced query chunks
+    against the keys of every rank laid out in rank order, as the runtime builds them."""
+    from fivefold.model.attention import DocumentLayout, document_blocks
+    from fivefold.parallel.context_parallel import local_chunks, rank_order_chunks
+
+    chunk = seq // (2 * cp)
+    layout = DocumentLayout(None, batch, seq)
+    return document_blocks(local_chunks(0, cp, chunk), rank_order_chunks(cp, chunk), layout)
+
+
+def cp_attention_passes(
+    batch: int, heads: int, kv_heads: int, seq: int, cp: int, head_dim: int, budget: Budget
+) -> tuple[float, float]:
+    """(forward, backward) seconds of one rank's share of context-parallel attention over a
+    `seq`-token sequence split `cp` ways, as the runtime computes it
+    (`fivefold.parallel.context_parallel`): the rank's two load-balanced chunks of queries
+    against every chunk of keys, one document per row, through the model's block kernels
+    (causal on the diagonal, full below) and their log-sum-exp merges. Rank 0's blocks; every
+    rank does the same work. No transfer is timed."""
+    from fivefold.model.attention import block_attention
+
+    chunk = seq // (2 * cp)
+    blocks = cp_rank_blocks(batch, seq, cp)
+    gen = torch.Generator().manual_seed(0)
+
+    def leaf(tokens: int, h: int) -> torch.Tensor:
+        return torch.randn(batch, tokens, h, head_dim, generator=gen).requires_grad_(True)
+
+    q, k, v = leaf(2 * chunk, heads), leaf(seq, kv_heads), leaf(seq, kv_heads)
+    grad = torch.randn(batch, heads, 2 * chunk, head_dim, generator=gen)
+
+    def forward() -> torch.Tensor:
+        return block_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), blocks)
+
+    return typical_time_s(forward, budget), _backward_time(forward, grad, budget)
+
+
+def attention_flops(batch: int, heads: int, seq: int, head_dim: int, cp: int = 1) -> float:
+    """Causal forward FLOPs of one rank's `seq` tokens of a sequence `cp` times as long: QK^T
+    and AV over cp * seq / 2 keys per query on average (the planner's count)."""
+    return 4.0 * batch * seq * (cp * seq / 2) * head_dim * heads
 
 
 def measure_attention(
     model: ModelSpec, plan: ParallelPlan, ranks: int, threads: int, budget: Budget, quick: bool
 ) -> Iterator[Attention]:
-    cps = [1] if quick else [c for c in (1, 2) if c <= max(1, ranks)]
+    """The single-process core at each TP split (cp = 1 rows) and, up to `ranks`, the block
+    attention of ring / all-gather context parallelism at each CP split (cp > 1 rows)."""
+    s = model.seq_len
+    cps = [1] if quick else [c for c in (1, 2, 4) if c <= max(1, ranks) and s % (2 * c) == 0]
     for tp in tp_degrees(model, ranks):
         for cp in cps:
-            heads, kv, seq = model.heads // tp, model.kv_heads // tp, model.seq_len // cp
-            fwd, bwd = attention_passes(plan.micro_batch, heads, kv, seq, model.head_dim, budget)
-            flops = attention_flops(plan.micro_batch, heads, seq, model.head_dim)
+            heads, kv, seq = model.heads // tp, model.kv_heads // tp, s // cp
+            shape = (plan.micro_batch, heads, kv)
+            if cp == 1:
+                fwd, bwd = attention_passes(*shape, s, model.head_dim, budget)
+            else:
+                fwd, bwd = cp_attention_passes(*shape, s, cp, model.head_dim, budget)
+            flops = attention_flops(plan.micro_batch, heads, seq, model.head_dim, cp)
             yield Attention(
-                "fp32", threads, plan.micro_batch, heads, kv, seq, model.head_dim,
+                "fp32", threads, plan.micro_batch, heads, kv, seq, model.head_dim, cp,
                 flops / fwd, 2 * flops / bwd,
             )  # fmt: skip
 

@@ -237,13 +237,16 @@ def attention_times_s(
     model: ModelSpec, plan: ParallelPlan, device: GPUSpec, eff: EfficiencyModel
 ) -> tuple[float, float]:
     """(forward, backward) seconds of the fused attention core: the efficiency model's fraction
-    of the bf16 peak and backward ratio, or a measured device's rates (backward: 2x the FLOPs)."""
+    of the bf16 peak and backward ratio, or a measured device's rates (backward: 2x the FLOPs);
+    under ring or all-gather context parallelism the rates measured for the runtime's block
+    kernels at that cp (smaller blocks, their log-sum-exp merges and Python per block)."""
     flops = attention_flops(model, plan)
     fwd_bytes, bwd_bytes = attention_bytes(model, plan)
     if device.measured is not None:
         dtype = recipe(plan.precision).compute_dtype
+        blocks = plan.cp if plan.cp_kind in ("ring", "allgather") else 1  # block kernels
         fwd, bwd = device.measured.attention_flops_per_s(
-            model.seq_len / plan.cp, model.head_dim, dtype
+            model.seq_len / plan.cp, model.head_dim, dtype, blocks
         )
         forward, backward = flops / fwd, 2.0 * flops / bwd
     else:

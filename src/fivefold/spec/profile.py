@@ -14,10 +14,13 @@ A profile is a TOML file (written by `fivefold.parallel.calibrate`, read here wi
                   experts of equal share of `tokens` routed rows, for the projection of forward
                   shape (tokens x k) @ (k x n) per expert; layout "nt" forward, "nn" input
                   gradient, "tn" weight gradient (per-expert g^T x), each 2 tokens n k FLOPs
-    [[attention]] dtype, threads, batch, heads, kv_heads, seq, head_dim, forward_flops_per_s,
-                  backward_flops_per_s (causal: forward 4 * batch * heads * seq^2/2 * head_dim
-                  FLOPs, backward twice that, over the measured seconds of the model's own
-                  attention core)
+    [[attention]] dtype, threads, batch, heads, kv_heads, seq, head_dim, cp,
+                  forward_flops_per_s, backward_flops_per_s: cp = 1, the model's own attention
+                  core on `seq` tokens (causal: forward 4 * batch * heads * seq^2/2 * head_dim
+                  FLOPs, backward twice that, over its measured seconds); cp > 1, one rank's
+                  share of context-parallel attention with `seq` = its tokens (the sequence
+                  over cp): the runtime's block kernels over the load-balanced chunks and their
+                  log-sum-exp merges, 4 * batch * heads * seq * (cp * seq / 2) * head_dim FLOPs
     [[bandwidth]] kind, threads, bytes_per_s. "elementwise_forward" / "elementwise_backward":
                   the bytes `fivefold.planner.compute.layer_elementwise_bytes` counts (once
                   forward, twice backward) over the measured time of the block's norms, RoPE,
@@ -182,6 +185,7 @@ class Attention:
     kv_heads: int
     seq: int
     head_dim: int
+    cp: int
     forward_flops_per_s: float
     backward_flops_per_s: float
 
@@ -425,7 +429,7 @@ def parse_profile(data: dict[str, Any], path: str = "") -> DeviceProfile:
     _positive(tables["matmul"], ("threads", "m", "n", "k", "flops_per_s"), "matmul", problems)
     _positive(
         tables["attention"],
-        ("threads", "seq", "head_dim", "forward_flops_per_s", "backward_flops_per_s"),
+        ("threads", "seq", "head_dim", "cp", "forward_flops_per_s", "backward_flops_per_s"),
         "attention",
         problems,
     )
@@ -588,12 +592,17 @@ class Measured:
         shape = {"nt": (m, n, k), "nn": (m, k, n), "tn": (n, k, m)}[layout]
         return groups * 2.0 * m * n * k / self.gemm_flops_per_s(*shape, dtype, layout)
 
-    def attention_flops_per_s(self, seq: float, head_dim: float, dtype: str) -> tuple[float, float]:
-        """(forward, backward) rate of the attention core at the nearest measured shape."""
+    def attention_flops_per_s(
+        self, seq: float, head_dim: float, dtype: str, cp: int = 1
+    ) -> tuple[float, float]:
+        """(forward, backward) rate of attention on `seq` local tokens at the nearest measured
+        shape: context parallelism's block attention over `cp` ranks (the rows of the nearest
+        measured cp), else the single-process core (cp = 1)."""
         rows = [a for a in self.profile.attention if a.dtype == dtype] or list(
             self.profile.attention
         )
-        rows, scale = self._at_threads(rows)
+        near = min({a.cp for a in rows}, key=lambda c: (abs(c - cp), c))
+        rows, scale = self._at_threads([a for a in rows if a.cp == near])
         best = min(
             rows,
             key=lambda a: abs(math.log(a.seq / seq)) + abs(math.log(a.head_dim / head_dim)),
