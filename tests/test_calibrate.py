@@ -93,6 +93,7 @@ def test_layer_overhead_measures_each_layer_kind():
     assert row.fsdp_forward_s + row.fsdp_backward_s > 0
     assert row.replicate_forward_s + row.replicate_backward_s > 0
     assert row.shard_forward_s + row.shard_backward_s > 0
+    assert row.ep_forward_s + row.ep_backward_s > 0
     assert row.moe_forward_s + row.moe_backward_s > row.layer_forward_s + row.layer_backward_s
 
 

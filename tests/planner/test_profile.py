@@ -38,6 +38,7 @@ BW |= {"loss_backward": 5e8, "optimizer": 3e9}
 OVER_F, OVER_B = 1e-4, 3e-4
 MOE_F, MOE_B, TP_F, TP_B, FSDP_F, FSDP_B = 5e-4, 9e-4, 2e-4, 4e-4, 3e-5, 7e-5
 REP_F, REP_B, SHARD_F, SHARD_B = 1e-5, 6e-5, 2e-5, 5e-5  # ZeRO-0 and ZeRO-1/2 units
+EP_F, EP_B = 6e-4, 8e-4  # a MoE layer under expert parallelism
 
 
 def synthetic(cores: int = 2) -> dict:
@@ -63,6 +64,7 @@ def synthetic(cores: int = 2) -> dict:
                 tp_backward_s=TP_B, fsdp_forward_s=FSDP_F, fsdp_backward_s=FSDP_B,
                 replicate_forward_s=REP_F, replicate_backward_s=REP_B,
                 shard_forward_s=SHARD_F, shard_backward_s=SHARD_B,
+                ep_forward_s=EP_F, ep_backward_s=EP_B,
             )
         )  # fmt: skip
     collective = [
@@ -280,6 +282,9 @@ def test_layer_overhead_by_layer_kind(profile_path):
         )
     two = measured.layer_overhead_s(moe=True, zero=1, units=2)
     assert two == pytest.approx((MOE_F + 2 * SHARD_F, MOE_B + 2 * SHARD_B))
+    ep = measured.layer_overhead_s(moe=True, ep=True)
+    assert ep == pytest.approx((MOE_F + EP_F, MOE_B + EP_B))
+    assert measured.layer_overhead_s(ep=True) == pytest.approx((OVER_F, OVER_B))  # dense layer
     crowded = profile_device(profile_path, 4).measured
     assert crowded.layer_overhead_s(moe=True, tp=True) == pytest.approx(
         (2 * (MOE_F + TP_F), 2 * (MOE_B + TP_B))
@@ -504,3 +509,22 @@ def test_context_parallel_attention_uses_the_block_rates_by_hand(tmp_path):
     assert work.attention_forward_s == pytest.approx(flops / ATT_F)
     one = layer_work(TINY, ParallelPlan(micro_batch=4, precision="fp32"), device, EFF)
     assert one.attention_forward_s == pytest.approx(2 * flops / ATT_F)  # 128 x 64 keys
+
+
+def test_expert_parallel_layers_carry_their_extra(tmp_path):
+    """A MoE layer under EP 2 on two profiles that differ only in the EP extra: its forward and
+    input-gradient backward differ by exactly that extra; without EP, not at all."""
+    moe = model_preset("tiny-moe")
+    data = synthetic()
+    for row in data["overhead"]:
+        row.update(ep_forward_s=0.0, ep_backward_s=0.0)
+    free = tmp_path / "free.toml"
+    free.write_text(parse_profile(data).to_toml())
+    paid = tmp_path / "paid.toml"
+    paid.write_text(parse_profile(synthetic()).to_toml())
+    for ep, extra in ((2, (EP_F, EP_B)), (1, (0.0, 0.0))):
+        plan = ParallelPlan(dp_shard=2, zero=1, ep=ep, micro_batch=4, precision="fp32")
+        a = layer_work(moe, plan, profile_device(free, 2), EFF, moe=True)
+        b = layer_work(moe, plan, profile_device(paid, 2), EFF, moe=True)
+        assert b.forward_s - a.forward_s == pytest.approx(extra[0], abs=1e-15)
+        assert b.backward_input_s - a.backward_input_s == pytest.approx(extra[1], abs=1e-15)

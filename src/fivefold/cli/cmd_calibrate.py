@@ -234,7 +234,8 @@ def print_summary(console, profile) -> None:
                 f"{o.fsdp_forward_s * 1e3:.3f} / {o.fsdp_backward_s * 1e3:.3f}, ZeRO-1/2 "
                 f"extra {o.shard_forward_s * 1e3:.3f} / {o.shard_backward_s * 1e3:.3f}, "
                 f"ZeRO-0 extra {o.replicate_forward_s * 1e3:.3f} / "
-                f"{o.replicate_backward_s * 1e3:.3f}"
+                f"{o.replicate_backward_s * 1e3:.3f}, EP extra (MoE) "
+                f"{o.ep_forward_s * 1e3:.3f} / {o.ep_backward_s * 1e3:.3f}"
             )
     for c in profile.collective:
         console.print(

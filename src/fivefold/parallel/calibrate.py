@@ -22,8 +22,8 @@ model):
   `fivefold.planner.compute`, so the planner's bytes over these rates give time;
 - overhead: what one more layer adds at a shape where its arithmetic is negligible (Python,
   autograd, each op's dispatch): dense and MoE layers, and the extra of tensor parallelism
-  (DTensor) and of a data-parallel unit (FSDP2's hooks for ZeRO-3, ZeRO-1/2 and `replicate` for
-  ZeRO-0), measured on a one-rank mesh.
+  (DTensor), of expert parallelism on a MoE layer and of a data-parallel unit (FSDP2's hooks
+  for ZeRO-3, ZeRO-1/2 and `replicate` for ZeRO-0), measured on a one-rank mesh.
 The collectives run over real process groups (`fivefold.parallel.calibrate_comm`).
 
 Written by hand: PyTorch has benchmark utilities but nothing that measures a machine into the
@@ -553,9 +553,11 @@ def measure_overhead(
     copies with sequence parallelism, `tp_extra_s`, at `batch` sequences) and of a
     data-parallel unit wrapped as the runtime wraps it for ZeRO-3, ZeRO-0 (`replicate`) and
     ZeRO-1/2 (`fully_shard` kept gathered after forward): their hooks; the copies around the
-    collectives are counted by bytes in the planner. All on a one-rank mesh, so no transfer is
-    timed. The MoE layer is `moe`'s
+    collectives are counted by bytes in the planner; and of a MoE layer under expert
+    parallelism (the all-to-all dispatcher, DTensor expert shards, the global load-balancing
+    loss). All on a one-rank mesh, so no transfer is timed. The MoE layer is `moe`'s
     (default `model`'s; a dense model's MoE figures are its dense ones)."""
+    from fivefold.parallel.expert_parallel import apply_expert_parallel
     from fivefold.parallel.tensor_parallel import apply_tensor_parallel
 
     full = replace(model, experts=0, top_k=0, shared_experts=0, expert_ffn=0, dense_layers=0)
@@ -583,9 +585,18 @@ def measure_overhead(
 
             return build
 
+        def ep(spec: ModelSpec) -> nn.Module:
+            net = Transformer(spec)
+            apply_expert_parallel(net, mesh, aux_group=mesh.get_group(), expert_grad_scale=1.0)
+            return net
+
         tp_f, tp_b = tp_extra_s(tp, full, budget, batch)
         units = [per_layer_s(wrapped(z), dense, budget) for z in (3, 0, 1)]
+        ep_f, ep_b = per_layer_s(ep, tiny_like(moe, 1), budget) if moe.is_moe else (
+            moe_f, moe_b,
+        )  # fmt: skip
     extra = [max(0.0, t - p) for f, b in units for t, p in ((f, plain_f), (b, plain_b))]
+    extra += [max(0.0, ep_f - moe_f), max(0.0, ep_b - moe_b)]
     return Overhead(threads, plain_f, plain_b, moe_f, moe_b, tp_f, tp_b, *extra)
 
 

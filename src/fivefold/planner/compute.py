@@ -46,8 +46,9 @@ the exact shape when measured, else interpolated by arithmetic intensity); the a
 from its measured forward and backward rates; the element-wise bytes below, the loss and the
 optimizer from bandwidths measured in the same byte accounting (so the unfused-traffic factor
 is already in them); and the fixed cost of a layer from the profile's measured forward and
-backward values for its kind (dense or MoE, plus tensor parallelism's extra and that of the
-data-parallel units the runtime wraps it in for the plan's ZeRO level, `Measured.layer_overhead_s`).
+backward values for its kind (dense or MoE, plus tensor and expert parallelism's extra and
+that of the data-parallel units the runtime wraps it in for the plan's ZeRO level,
+`Measured.layer_overhead_s`).
 
 Written by hand: PyTorch's FLOP counters need the model and a device; the planner needs neither.
 """
@@ -454,7 +455,9 @@ def _measured_layer_work(
     elem_f = roofline_s(elem_flops, elem_bytes, device, eff, "elementwise_forward")
     elem_b = roofline_s(2 * elem_flops, 2 * elem_bytes, device, eff, "elementwise_backward")
     units = 2 if moe and plan.ep > 1 else 1  # the runtime wraps EP experts apart
-    over_f, over_b = device.measured.layer_overhead_s(moe, plan.tp > 1, plan.zero, units)
+    over_f, over_b = device.measured.layer_overhead_s(
+        moe, plan.tp > 1, plan.zero, units, plan.ep > 1
+    )
     forward = gemm_f + attn_f + elem_f + over_f
     if plan.recompute == "full":
         recompute = forward - _early_stop_s(model, plan, device, eff, moe, opts)

@@ -38,7 +38,10 @@ A profile is a TOML file (written by `fivefold.parallel.calibrate`, read here wi
                   reduce-scatter); replicate_forward_s, replicate_backward_s and
                   shard_forward_s, shard_backward_s: the extra of a ZeRO-0 unit (FSDP2's
                   `replicate`) and of a ZeRO-1/2 unit (`fully_shard` kept gathered after
-                  forward), all measured on a one-rank mesh so no transfer is in them.
+                  forward); ep_forward_s, ep_backward_s: the extra of a MoE layer under expert
+                  parallelism (the all-to-all dispatcher's Python and host syncs, the experts
+                  as DTensor shards, the global load-balancing loss); all measured on a
+                  one-rank mesh so no transfer is in them.
     [[collective]] op, ranks, world, alpha_s, beta_bytes_per_s: time(S) = alpha + S / beta
                   fitted by least squares to the samples, S in nccl-tests' convention
                   (all_reduce: the buffer; all_gather / reduce_scatter / all_to_all: the whole
@@ -200,9 +203,9 @@ class Bandwidth:
 @dataclass(frozen=True)
 class Overhead:
     """Fixed seconds per layer and micro-batch (at a shape with negligible arithmetic): a dense
-    and a MoE layer, and the extra of tensor parallelism and of a data-parallel unit: ZeRO-3
-    (`fsdp_*`, FSDP2 re-sharding after forward), ZeRO-1/2 (`shard_*`, kept gathered) and
-    ZeRO-0 (`replicate_*`, FSDP2's `replicate`)."""
+    and a MoE layer, and the extra of tensor parallelism, of expert parallelism (`ep_*`, MoE
+    layers) and of a data-parallel unit: ZeRO-3 (`fsdp_*`, FSDP2 re-sharding after forward),
+    ZeRO-1/2 (`shard_*`, kept gathered) and ZeRO-0 (`replicate_*`, FSDP2's `replicate`)."""
 
     threads: int
     layer_forward_s: float
@@ -217,6 +220,8 @@ class Overhead:
     replicate_backward_s: float
     shard_forward_s: float
     shard_backward_s: float
+    ep_forward_s: float
+    ep_backward_s: float
 
     def data_parallel_s(self, zero: int) -> tuple[float, float]:
         """(forward, backward) extra of one data-parallel unit wrapped for ZeRO `zero`."""
@@ -614,10 +619,16 @@ class Measured:
         return max(r.bytes_per_s for r in rows) * scale
 
     def layer_overhead_s(
-        self, moe: bool = False, tp: bool = False, zero: int | None = None, units: int = 1
+        self,
+        moe: bool = False,
+        tp: bool = False,
+        zero: int | None = None,
+        units: int = 1,
+        ep: bool = False,
     ) -> tuple[float, float]:
         """(forward, backward) fixed seconds of one layer and micro-batch: a dense or MoE
-        layer, plus tensor parallelism's extra and, when `zero` is given, that of `units`
+        layer, plus tensor parallelism's extra, expert parallelism's on a MoE layer (`ep`)
+        and, when `zero` is given, that of `units`
         data-parallel units wrapped for that ZeRO level (the runtime wraps every block, and
         under EP a MoE block's experts apart: two); a share of the cores stretches them (they
         run on one thread)."""
@@ -627,6 +638,8 @@ class Measured:
         bwd = row.moe_backward_s if moe else row.layer_backward_s
         if tp:
             fwd, bwd = fwd + row.tp_forward_s, bwd + row.tp_backward_s
+        if ep and moe:
+            fwd, bwd = fwd + row.ep_forward_s, bwd + row.ep_backward_s
         if zero is not None:
             dp_f, dp_b = row.data_parallel_s(zero)
             fwd, bwd = fwd + units * dp_f, bwd + units * dp_b
