@@ -156,6 +156,9 @@ def test_calibrate_quick_two_ranks_writes_a_profile_plan_uses(tmp_path):
     profile = parse_profile(tomllib.loads(out.read_text()))
     assert profile.ranks == 2 and profile.backend == "gloo" and profile.model == "tiny"
     assert {c.op for c in profile.collective} == set(COLLECTIVES)
+    # the memory-bound work measured alone and on both processes at once, every kind
+    shared = {(b.kind, b.processes) for b in profile.bandwidth}
+    assert {(k, n) for k, _ in shared for n in (1, 2)} == shared and len(shared) == 10
     assert len(profile.collective_sample) == steps_count(2, quick=True)
     for s in profile.collective_sample:
         assert s.algbw_bytes_per_s == pytest.approx(s.size_bytes / s.time_s)

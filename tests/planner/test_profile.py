@@ -56,7 +56,9 @@ def synthetic(cores: int = 2) -> dict:
                 cp=1, forward_flops_per_s=ATT_F, backward_flops_per_s=ATT_B,
             )
         )  # fmt: skip
-        rows["bandwidth"] += [dict(kind=k, threads=threads, bytes_per_s=v) for k, v in BW.items()]
+        rows["bandwidth"] += [
+            dict(kind=k, threads=threads, processes=1, bytes_per_s=v) for k, v in BW.items()
+        ]
         rows["overhead"].append(
             dict(
                 threads=threads, layer_forward_s=OVER_F, layer_backward_s=OVER_B,
@@ -528,3 +530,27 @@ def test_expert_parallel_layers_carry_their_extra(tmp_path):
         b = layer_work(moe, plan, profile_device(paid, 2), EFF, moe=True)
         assert b.forward_s - a.forward_s == pytest.approx(extra[0], abs=1e-15)
         assert b.backward_input_s - a.backward_input_s == pytest.approx(extra[1], abs=1e-15)
+
+
+def test_bandwidth_measured_with_as_many_processes_streaming_as_the_run(tmp_path):
+    """Rows measured alone and with 2 processes streaming at once: a 1-rank run reads the
+    first, a 2-rank run the second, a 4-rank run (one-thread ranks on 2 cores: half the
+    machine each) the nearest, 2, at half the rate; the optimizer step follows."""
+    data = synthetic()
+    data["bandwidth"] += [
+        dict(kind=k, threads=t, processes=2, bytes_per_s=v / 2)
+        for t in (1, 2)
+        for k, v in BW.items()
+    ]
+    path = tmp_path / "p.toml"
+    path.write_text(parse_profile(data).to_toml())
+    one = profile_device(path, 1).measured  # 1 or 2 threads: the same synthetic rates
+    assert one.bandwidth("optimizer") == pytest.approx(BW["optimizer"])
+    two = profile_device(path, 2).measured
+    assert two.bandwidth("elementwise_forward") == pytest.approx(BW["elementwise_forward"] / 2)
+    four = profile_device(path, 4).measured
+    assert four.bandwidth("loss_backward") == pytest.approx(BW["loss_backward"] / 2 * 0.5)
+    plan = ParallelPlan(micro_batch=4, precision="fp32")
+    assert optimizer_step_s(1e6, plan, profile_device(path, 2), EFF) == pytest.approx(
+        1e6 * 36 / (BW["optimizer"] / 2)
+    )

@@ -191,7 +191,8 @@ def run_calibration(
             bar.update(task, what=f"{s.op} {s.ranks} ranks {s.size_bytes} B")
             bar.advance(task)
 
-        backend, samples = comm.measure_collectives(ranks, quick, on_row)
+        backend, samples, shared = comm.measure_collectives(ranks, quick, on_row, (model, plan))
+        rows += shared
     if ranks < 2:
         console.print("collectives: not measured with --nproc 1 (plans then need one rank).")
     fits = comm.fit_collectives(samples)
@@ -221,10 +222,13 @@ def print_summary(console, profile) -> None:
                 f"thread(s): forward {a.forward_flops_per_s / 1e9:.1f}, backward "
                 f"{a.backward_flops_per_s / 1e9:.1f} GFLOP/s"
             )
-        bws = ", ".join(
-            f"{b.kind} {b.bytes_per_s / 1e9:.2f}" for b in profile.bandwidth if b.threads == t
-        )
-        console.print(f"bandwidth (GB/s), {t} thread(s): {bws}")
+        for n in sorted({b.processes for b in profile.bandwidth if b.threads == t}):
+            bws = ", ".join(
+                f"{b.kind} {b.bytes_per_s / 1e9:.2f}"
+                for b in profile.bandwidth
+                if (b.threads, b.processes) == (t, n)
+            )
+            console.print(f"bandwidth (GB/s), {t} thread(s), {n} process(es) at once: {bws}")
         for o in (o for o in profile.overhead if o.threads == t):
             console.print(
                 f"layer overhead (ms forward / backward), {t} thread(s): dense "

@@ -19,7 +19,9 @@ model):
   their log-sum-exp merges);
 - bandwidth: the block's element-wise work (norms, RoPE, SwiGLU, residual adds), the
   cross-entropy loss and AdamW (with clipping and zeroing), each in the byte accounting of
-  `fivefold.planner.compute`, so the planner's bytes over these rates give time;
+  `fivefold.planner.compute`, so the planner's bytes over these rates give time; alone here,
+  and on every rank at once in the collective benchmark's worlds (`calibrate_comm`), since
+  the ranks of a run share the memory bandwidth;
 - overhead: what one more layer adds at a shape where its arithmetic is negligible (Python,
   autograd, each op's dispatch): dense and MoE layers, and the extra of tensor parallelism
   (DTensor), of expert parallelism on a MoE layer and of a data-parallel unit (FSDP2's hooks
@@ -455,9 +457,11 @@ def optimizer_time_s(model: ModelSpec, budget: Budget) -> tuple[float, int]:
 
 
 def measure_bandwidth(
-    model: ModelSpec, plan: ParallelPlan, threads: int, budget: Budget
+    model: ModelSpec, plan: ParallelPlan, threads: int, budget: Budget, processes: int = 1
 ) -> list[Bandwidth]:
-    """Bandwidths in the planner's byte accounting (`fivefold.planner.compute`)."""
+    """Bandwidths in the planner's byte accounting (`fivefold.planner.compute`); `processes`:
+    how many local processes run this at once (`fivefold.parallel.calibrate_comm` runs it on
+    every rank of its worlds, so the rows see memory bandwidth shared as a run shares it)."""
     dense = replace(model, experts=0, top_k=0, shared_experts=0, dense_layers=0)
     one = ParallelPlan(micro_batch=plan.micro_batch, precision="fp32")
     elem_bytes = layer_elementwise_bytes(dense, one, False, ComputeOptions())
@@ -467,11 +471,11 @@ def measure_bandwidth(
     logits = tokens * model.vocab
     opt_s, params = optimizer_time_s(dense, budget)
     return [
-        Bandwidth("elementwise_forward", threads, elem_bytes / fwd),
-        Bandwidth("elementwise_backward", threads, 2 * elem_bytes / bwd),
-        Bandwidth("loss_forward", threads, 10 * logits / loss_f),
-        Bandwidth("loss_backward", threads, 14 * logits / loss_b),
-        Bandwidth("optimizer", threads, params * optimizer_bytes_per_param(one) / opt_s),
+        Bandwidth("elementwise_forward", threads, processes, elem_bytes / fwd),
+        Bandwidth("elementwise_backward", threads, processes, 2 * elem_bytes / bwd),
+        Bandwidth("loss_forward", threads, processes, 10 * logits / loss_f),
+        Bandwidth("loss_backward", threads, processes, 14 * logits / loss_b),
+        Bandwidth("optimizer", threads, processes, params * optimizer_bytes_per_param(one) / opt_s),
     ]
 
 

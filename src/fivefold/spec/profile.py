@@ -21,9 +21,12 @@ A profile is a TOML file (written by `fivefold.parallel.calibrate`, read here wi
                   share of context-parallel attention with `seq` = its tokens (the sequence
                   over cp): the runtime's block kernels over the load-balanced chunks and their
                   log-sum-exp merges, 4 * batch * heads * seq * (cp * seq / 2) * head_dim FLOPs
-    [[bandwidth]] kind, threads, bytes_per_s. "elementwise_forward" / "elementwise_backward":
-                  the bytes `fivefold.planner.compute.layer_elementwise_bytes` counts (once
-                  forward, twice backward) over the measured time of the block's norms, RoPE,
+    [[bandwidth]] kind, threads, processes, bytes_per_s, measured while `processes` local
+                  processes ran the same work at once (1: alone; more: memory bandwidth
+                  shared by the ranks of a run as they share it). "elementwise_forward" /
+                  "elementwise_backward": the bytes
+                  `fivefold.planner.compute.layer_elementwise_bytes` counts (once forward,
+                  twice backward) over the measured time of the block's norms, RoPE,
                   activation and residual adds; "loss_forward" / "loss_backward": 10 and 14
                   bytes per fp32 logit (`compute.LOSS_BYTES_PER_LOGIT` = 24 split as there)
                   over the measured cross-entropy; "optimizer": AdamW's bytes per parameter
@@ -197,6 +200,7 @@ class Attention:
 class Bandwidth:
     kind: str
     threads: int
+    processes: int
     bytes_per_s: float
 
 
@@ -438,7 +442,7 @@ def parse_profile(data: dict[str, Any], path: str = "") -> DeviceProfile:
         "attention",
         problems,
     )
-    _positive(tables["bandwidth"], ("threads", "bytes_per_s"), "bandwidth", problems)
+    _positive(tables["bandwidth"], ("threads", "processes", "bytes_per_s"), "bandwidth", problems)
     _positive(tables["collective"], ("beta_bytes_per_s",), "collective", problems)
     for i, row in enumerate(tables["collective"]):
         if row.ranks < 2:
@@ -615,8 +619,11 @@ class Measured:
         return best.forward_flops_per_s * scale, best.backward_flops_per_s * scale
 
     def bandwidth(self, kind: str) -> float:
+        """Bytes/s of `kind` for this rank: the rows at the nearest thread count measured with
+        as many processes streaming at once as this run has ranks (else the nearest)."""
         rows, scale = self._at_threads([b for b in self.profile.bandwidth if b.kind == kind])
-        return max(r.bytes_per_s for r in rows) * scale
+        near = min({r.processes for r in rows}, key=lambda n: (abs(n - self.ranks), n))
+        return max(r.bytes_per_s for r in rows if r.processes == near) * scale
 
     def layer_overhead_s(
         self,
