@@ -142,6 +142,31 @@ def test_cp_attention_blocks_are_rank_zeros_share_of_causal_attention():
     assert fwd > 0 and bwd > 0
 
 
+def test_paired_extra_recovers_a_known_per_layer_cost():
+    """A variant whose every block burns 3 ms of this thread's CPU in its forward: the paired
+    measurement finds 3 ms per layer forward and nothing backward (thread CPU clock)."""
+    import time
+
+    from fivefold.model.transformer import Transformer
+    from fivefold.parallel.calibrate import Budget, paired_extra_s, tiny_like
+
+    def burn(*_) -> None:
+        start = time.thread_time()
+        while time.thread_time() - start < 3e-3:
+            pass
+
+    def slow(spec):
+        net = Transformer(spec)
+        for block in net.layers.values():
+            block.register_forward_hook(burn)
+        return net
+
+    torch.set_num_threads(1)
+    fwd, bwd = paired_extra_s(Transformer, slow, tiny_like(model_preset("tiny"), 1), Budget())
+    assert fwd == pytest.approx(3e-3, abs=0.5e-3)
+    assert bwd == pytest.approx(0.0, abs=0.5e-3)
+
+
 def test_calibrate_quick_two_ranks_writes_a_profile_plan_uses(tmp_path):
     out = tmp_path / "profile.toml"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -539,9 +539,45 @@ def tp_extra_s(
     when three layers fit under `OPTIMIZER_MAX_PARAMS`, else at the tiny shape."""
     layer = sum(p.numel() for p in TransformerBlock(0, dense).parameters())
     spec, b = (dense, batch) if 3 * layer <= OPTIMIZER_MAX_PARAMS else (tiny_like(dense, 1), 1)
-    plain = per_layer_s(Transformer, spec, budget, b)
-    with_tp = per_layer_s(tp, spec, budget, b)
-    return max(0.0, with_tp[0] - plain[0]), max(0.0, with_tp[1] - plain[1])
+    return paired_extra_s(Transformer, tp, spec, budget, b)
+
+
+def paired_extra_s(
+    base: Callable[[ModelSpec], nn.Module],
+    variant: Callable[[ModelSpec], nn.Module],
+    spec: ModelSpec,
+    budget: Budget,
+    batch: int = 1,
+) -> tuple[float, float]:
+    """(forward, backward) seconds `variant` adds to one layer over `base`, at `spec`'s shape:
+    1- and 3-layer models of each, timed one pass each in turn, round after round; per round
+    ((variant 3 - variant 1) - (base 3 - base 1)) / 2, and the median over the rounds. Other
+    work on the machine slows the four alike within a round, so its drifts cancel (two
+    separate per-layer figures subtracted swung by several ms per layer under load)."""
+    from torch.distributed.tensor import DTensor
+
+    tokens = torch.zeros(batch, spec.seq_len, dtype=torch.long)
+    models = [build(replace(spec, layers=n)) for build in (base, variant) for n in (1, 3)]
+
+    def one_pass(model: nn.Module) -> tuple[float, float]:
+        now = clock()
+        tick = now()
+        out = model(tokens)
+        loss = (out.to_local() if isinstance(out, DTensor) else out).sum()
+        forward = now() - tick
+        flush_caches()
+        tick = now()
+        loss.backward()
+        return forward, now() - tick
+
+    for model in models:  # warm-up
+        one_pass(model)
+    rounds = []
+    for _ in range(max(7, budget.min_repeats)):
+        b1, b3, v1, v3 = (one_pass(m) for m in models)
+        rounds.append(tuple(((v3[i] - v1[i]) - (b3[i] - b1[i])) / 2 for i in (0, 1)))
+    fwd, bwd = (statistics.median(r[i] for r in rounds) for i in (0, 1))
+    return max(0.0, fwd), max(0.0, bwd)
 
 
 def measure_overhead(
