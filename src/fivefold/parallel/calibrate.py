@@ -595,7 +595,8 @@ def measure_overhead(
     ZeRO-1/2 (`fully_shard` kept gathered after forward): their hooks; the copies around the
     collectives are counted by bytes in the planner; and of a MoE layer under expert
     parallelism (the all-to-all dispatcher, DTensor expert shards, the global load-balancing
-    loss). All on a one-rank mesh, so no transfer is timed. The MoE layer is `moe`'s
+    loss). Each extra paired against the plain model (`paired_extra_s`), all on a one-rank
+    mesh, so no transfer is timed. The MoE layer is `moe`'s
     (default `model`'s; a dense model's MoE figures are its dense ones)."""
     from fivefold.parallel.expert_parallel import apply_expert_parallel
     from fivefold.parallel.tensor_parallel import apply_tensor_parallel
@@ -631,13 +632,12 @@ def measure_overhead(
             return net
 
         tp_f, tp_b = tp_extra_s(tp, full, budget, batch)
-        units = [per_layer_s(wrapped(z), dense, budget) for z in (3, 0, 1)]
-        ep_f, ep_b = per_layer_s(ep, tiny_like(moe, 1), budget) if moe.is_moe else (
-            moe_f, moe_b,
-        )  # fmt: skip
-    extra = [max(0.0, t - p) for f, b in units for t, p in ((f, plain_f), (b, plain_b))]
-    extra += [max(0.0, ep_f - moe_f), max(0.0, ep_b - moe_b)]
-    return Overhead(threads, plain_f, plain_b, moe_f, moe_b, tp_f, tp_b, *extra)
+        units = [paired_extra_s(Transformer, wrapped(z), dense, budget) for z in (3, 0, 1)]
+        ep_extra = (
+            paired_extra_s(Transformer, ep, tiny_like(moe, 1), budget) if moe.is_moe else (0, 0)
+        )
+    extra = [t for unit in units for t in unit]
+    return Overhead(threads, plain_f, plain_b, moe_f, moe_b, tp_f, tp_b, *extra, *ep_extra)
 
 
 def _wrap_unit(module: nn.Module, mesh: DeviceMesh, zero: int, reshard: bool) -> None:
