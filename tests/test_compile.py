@@ -78,6 +78,7 @@ def test_packed_attention_compiles_in_graph_without_recompiling_per_packing():
     # output and gradients those of eager, checked against the dense-mask reference
     from torch._dynamo.testing import CompileCounter
 
+    torch._dynamo.reset()  # no cache entries left by other tests
     core = AttentionCore()
     counter = CompileCounter()
     compiled = torch.compile(core, backend=counter, fullgraph=True)
@@ -102,6 +103,7 @@ def test_packed_attention_compiles_in_graph_without_recompiling_per_packing():
 def test_one_document_rows_run_sdpa_inside_the_compiled_graph():
     from torch._dynamo.testing import CompileCounter
 
+    torch._dynamo.reset()
     counter = CompileCounter()
     compiled = torch.compile(AttentionCore(), backend=counter, fullgraph=True)
     q = torch.randn(2, 4, 12, 8)
@@ -114,3 +116,39 @@ def test_one_document_rows_run_sdpa_inside_the_compiled_graph():
     )
     torch.testing.assert_close(out, expected)
     assert counter.frame_count == 1 and counter.op_count >= 1
+
+
+def test_compiled_blocks_stay_compiled_after_a_step_under_a_dispatch_mode():
+    # the loop measures one step's memory under a TorchDispatchMode; torch 2.13's dynamo would
+    # then skip the blocks' code for good (every later step eager): calls under a mode must
+    # bypass dynamo, and later calls run the compiled graph
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from fivefold.parallel.compile import apply_compile
+    from tiny_models import TINY, make
+
+    class PassThrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    runs = {"compiled": 0}
+
+    def backend(gm, example_inputs):
+        def run(*args):
+            runs["compiled"] += 1
+            return gm(*args)
+
+        return run
+
+    torch._dynamo.reset()
+    model = make(TINY.with_(layers=2))
+    apply_compile(model, backend=backend)
+    tokens = torch.randint(0, 128, (2, 16))
+    with PassThrough():
+        eager = model(tokens)
+    assert runs["compiled"] == 0
+    compiled = model(tokens)
+    again = model(tokens)
+    assert runs["compiled"] == 4  # two blocks, two calls
+    torch.testing.assert_close(compiled, eager)
+    torch.testing.assert_close(again, eager)

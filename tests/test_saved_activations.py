@@ -40,7 +40,9 @@ def saved_bytes(preset: str, layer: int, batch: int, recompute: str) -> int:
     # The RoPE tables are built once per forward by the model and shared by its layers: the
     # planner counts them once per chunk, not here.
     rope = rope_cos_sin(positions, spec.head_dim, spec.rope_theta)
-    shared = {x.data_ptr(), *(t.untyped_storage().data_ptr() for t in rope)}
+    # The doc ids are the batch's own tensor, saved by reference by the attention op.
+    shared = {x.data_ptr(), doc_ids.untyped_storage().data_ptr()}
+    shared |= {t.untyped_storage().data_ptr() for t in rope}
     saved: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:

@@ -42,12 +42,17 @@ SLOW_CASES = [
         compile=True,
     ),
     ParityCase(
+        "compile TP2+SP x ZeRO-3 x2",
+        {"tp": 2, "dp_shard": 2, "zero": 3, "micro_batch": 4},
+        steps=4,
+        compile=True,
+    ),
+    ParityCase(
         "compile PP2 x TP2+SP",
         {"pp": 2, "tp": 2, "micro_batch": 4, "grad_accum": 2},
         steps=4,
         compile=True,
     ),
-    ParityCase("compile TP2+SP x CP2", {"tp": 2, "cp": 2, "micro_batch": 8}, steps=4, compile=True),
 ]
 
 test_parity_ci, test_parity = parity_tests(CI_CASES, SLOW_CASES)

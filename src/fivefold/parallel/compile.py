@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import os
 import shutil
+from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack as _dispatch_mode_stack
 
 from fivefold.errors import ConfigError
 from fivefold.model.attention import AttentionCore, DocumentLayout
@@ -98,11 +100,30 @@ def _single_process_core(block: nn.Module) -> bool:
     return any(isinstance(m, AttentionCore) for m in block.modules())
 
 
-def apply_compile(chunk: nn.Module) -> None:
-    """Replace each of `chunk.layers` by `torch.compile(block)`, in place."""
+def _eager_under_dispatch_modes(compiled: nn.Module, block: nn.Module) -> None:
+    """Call `block` itself, bypassing dynamo, while a TorchDispatchMode is active.
+
+    The loop measures one step's CPU memory under a dispatch mode, where dynamo runs the frame
+    eagerly anyway; but torch 2.13's dynamo then marks the code object as skipped for good, so
+    every later step ran eagerly too (pytorch/pytorch#190286). Not entering dynamo keeps the
+    compiled blocks compiled after the measured step.
+    """
+    compiled_forward = compiled.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if _dispatch_mode_stack():
+            return block(*args, **kwargs)
+        return compiled_forward(*args, **kwargs)
+
+    compiled.forward = forward
+
+
+def apply_compile(chunk: nn.Module, backend: Any = "inductor") -> None:
+    """Replace each of `chunk.layers` by `torch.compile(block, backend=backend)`, in place."""
     for name, block in list(chunk.layers.named_children()):
         _eager_context_parallel_core(block)
-        compiled = torch.compile(block)
+        compiled = torch.compile(block, backend=backend)
+        _eager_under_dispatch_modes(compiled, block)
         compiled.register_forward_pre_hook(_wait_async_inputs)
         if _single_process_core(block):
             compiled.register_forward_pre_hook(_read_documents)

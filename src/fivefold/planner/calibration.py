@@ -18,9 +18,10 @@ The planner turns FLOPs and bytes into seconds with a handful of physical consta
   rate, fixed from nccl-tests reference numbers (8x A100 NVLink3: 230-250 GB/s bus bandwidth of
   300 GB/s per direction; InfiniBand NDR/HDR: about 90 % of line rate).
 
-`scripts/calibrate.py` fits the fitted ones on the published runs in
+`scripts/calibrate.py` fits the fitted ones on every published run in
 `planner/data/published_runs.json` and writes `planner/data/efficiency.json`, which this module
-reads. The JSON records which rows were used for the fit and which were held out.
+reads. The JSON also records the leave-one-source-out check: for each source, the error of a
+fit on all the other sources for each of its rows (`held_out_errors()`).
 """
 
 from __future__ import annotations
@@ -102,3 +103,18 @@ def calibration_record() -> dict:
 def published_runs() -> list[dict]:
     """The published measurements the model is calibrated and checked against."""
     return json.loads(PUBLISHED_RUNS_FILE.read_text())["runs"]
+
+
+def skipped_runs() -> list[dict]:
+    """Rows of the shared table the planner cannot express, each with its reason."""
+    return json.loads(PUBLISHED_RUNS_FILE.read_text()).get("skipped", [])
+
+
+def held_out_errors() -> dict[str, list[tuple[str, float]]]:
+    """Leave-one-source-out residuals from `data/efficiency.json`: {source: [(row id,
+    predicted/measured - 1 of step time by a fit on all the other sources), ...]}."""
+    loso = calibration_record().get("loso", {})
+    return {
+        source: [(h["row"], h["error"]) for h in entry["held_out"]]
+        for source, entry in loso.items()
+    }

@@ -1,11 +1,13 @@
 """The published runs as fivefold specs, and the planner's error against each of them.
 
 `planner/data/published_runs.json` holds the rows of ../shared/calibration/published_runs.md
-that the planner can express, each with its source, the configuration as spec fields, the
-planner options that describe the software (attention kernel, communication overlap), the
-measured figure, and the stated assumptions where the source is silent. This module turns a row
-into (model, cluster, plan, options), converts the measured figure into a step time with the
-row's FLOP convention, and compares it with `estimate()`.
+that the planner can express, each with its source (`source`, and `source_key` naming the
+publication it is held out with), the configuration as spec fields, the planner options that
+describe the software (attention kernel, communication overlap), the measured figure with its
+FLOP convention, an optional per-GPU memory figure, and the assumptions where the source is
+silent. Rows it cannot express are listed under `skipped`, each with the reason. This module
+turns a row into (model, cluster, plan, options), converts the measured figure into a step time
+with the row's convention, and compares it (and the memory figure) with `estimate()`.
 """
 
 from __future__ import annotations
@@ -20,30 +22,45 @@ from fivefold.spec.model import ModelSpec
 from fivefold.spec.plan import ParallelPlan
 from fivefold.spec.presets import model_preset
 
+GB = 1e9
+GiB = 2**30
+MEMORY_UNITS = {"GB": GB, "GiB": GiB}
+
 
 @dataclass(frozen=True)
 class RunSetup:
-    row: int
+    row: str
+    source: str  # the row's `source_key`: rows of one publication are held out together
     model: ModelSpec
     cluster: ClusterSpec
     plan: ParallelPlan
     options: PlannerOptions
     measured_step_s: float
+    measured_memory_bytes: float | None  # per-GPU peak the source reports, if any
 
 
 @dataclass(frozen=True)
 class RunError:
     """Predicted against measured step time for one published row; error = pred/meas - 1."""
 
-    row: int
+    row: str
+    source: str
     measured_step_s: float
     predicted_step_s: float
     measured_text: str
     predicted_mfu: float
+    measured_memory_bytes: float | None = None
+    predicted_memory_bytes: float | None = None
 
     @property
     def error(self) -> float:
         return self.predicted_step_s / self.measured_step_s - 1.0
+
+    @property
+    def memory_error(self) -> float | None:
+        if self.measured_memory_bytes is None or self.predicted_memory_bytes is None:
+            return None
+        return self.predicted_memory_bytes / self.measured_memory_bytes - 1.0
 
 
 def _model(values: dict) -> ModelSpec:
@@ -54,31 +71,71 @@ def _model(values: dict) -> ModelSpec:
     return ModelSpec(**values)
 
 
+def _cluster(values: dict) -> ClusterSpec:
+    """The preset at the row's GPU count, with the row's overrides (a different GPU, a slower
+    inter-node fabric) applied on top."""
+    values = dict(values)
+    cluster = cluster_preset(values.pop("preset"), values.pop("gpus"))
+    return cluster.with_(**values) if values else cluster
+
+
+def dgxc_model_flops_per_sequence(model: ModelSpec) -> float:
+    """NVIDIA dgxc's model FLOPs of one sequence (GQA, SwiGLU, full non-causal attention):
+    s (12 L h^2 (1 + kv/a + s/h) + 18 L ffn h + 6 V h)."""
+    s, h, layers = model.seq_len, model.hidden, model.layers
+    attn = 12 * layers * h**2 * (1 + model.kv_heads / model.heads + s / h)
+    return s * (attn + 18 * layers * model.ffn * h + 6 * model.vocab * h)
+
+
+def nanotron_model_flops_per_token(model: ModelSpec) -> float:
+    """nanotron's model FLOPs per token: 6 x the matmul parameters (projections, MLP, LM head)
+    plus 12 L s (heads x head_dim) for non-causal attention scores."""
+    h, layers, q = model.hidden, model.layers, model.heads * model.head_dim
+    kv = model.kv_heads * model.head_dim
+    matmul_params = layers * (2 * h * q + 2 * h * kv + 3 * h * model.ffn) + model.vocab * h
+    return 6 * matmul_params + 12 * layers * model.seq_len * q
+
+
 def measured_step_s(row: dict, model: ModelSpec, plan: ParallelPlan, gpus: int) -> float:
     """The row's measurement as seconds per optimizer step (see the conventions in the JSON)."""
     measured = row["measured"]
+    convention, value = measured["convention"], measured["value"]
     batch = plan.global_batch
     s, h, layers, vocab = model.seq_len, model.hidden, model.layers, model.vocab
-    if measured["convention"] == "megatron-sc21-hardware":
+    if convention == "measured step time":
+        return value
+    if convention == "measured tokens/s":
+        return batch * s / gpus / value
+    if convention == "megatron-sc21-hardware":
         flops = 96 * batch * s * layers * h**2 * (1 + s / (6 * h) + vocab / (16 * layers * h))
-        return flops / (measured["value"] * 1e12 * gpus)
-    if measured["convention"] == "megatron-mcore-model":
+    elif convention == "megatron-mcore-model":
         flops = 72 * batch * s * layers * h**2 * (1 + s / (6 * h) + vocab / (12 * layers * h))
-        return flops / (measured["value"] * 1e12 * gpus)
-    if measured["convention"] == "measured tokens/s":
-        return batch * s / gpus / measured["value"]
-    raise ValueError(f"unknown FLOP convention {measured['convention']!r} in row {row['id']}")
+    elif convention == "dgxc-model":
+        flops = batch * dgxc_model_flops_per_sequence(model)
+    elif convention == "nanotron-mfu":
+        flops = batch * s * nanotron_model_flops_per_token(model)
+        return flops / (value / 100 * 989.4e12 * gpus)  # MFU in % of the H100 bf16 dense peak
+    else:
+        raise ValueError(f"unknown FLOP convention {convention!r} in row {row['id']}")
+    return flops / (value * 1e12 * gpus)
+
+
+def measured_memory_bytes(row: dict) -> float | None:
+    memory = row.get("memory")
+    if not memory:
+        return None
+    value = memory.get("value_gib", memory.get("value_gb"))
+    return value * MEMORY_UNITS[memory["unit"]]
 
 
 def run_setup(row: dict) -> RunSetup:
     model = _model(row["model"])
-    cluster = cluster_preset(row["cluster"]["preset"], row["cluster"]["gpus"])
-    if row["cluster"].get("gpu"):  # the source's GPU differs from the preset's (rows 60-61)
-        cluster = cluster.with_(gpu=row["cluster"]["gpu"])
+    cluster = _cluster(row["cluster"])
     plan = ParallelPlan(**row["plan"])
     options = row_options(row, cluster.device)  # its profile, if it names one, + its options
     step = measured_step_s(row, model, plan, cluster.world_size)
-    return RunSetup(row["id"], model, cluster, plan, options, step)
+    memory = measured_memory_bytes(row)
+    return RunSetup(row["id"], row["source_key"], model, cluster, plan, options, step, memory)
 
 
 def run_setups() -> list[RunSetup]:
@@ -86,14 +143,19 @@ def run_setups() -> list[RunSetup]:
 
 
 def run_errors(
-    efficiency: EfficiencyModel | None = None, pipeline: str = "simulate"
+    efficiency: EfficiencyModel | None = None,
+    pipeline: str = "simulate",
+    rows: set[str] | None = None,
 ) -> list[RunError]:
-    """Predicted vs measured step time for every published row."""
+    """Predicted vs measured step time (and memory, where published) for every published row,
+    or for the rows whose ids are in `rows`."""
     from fivefold.planner.estimate import estimate
 
     out = []
-    rows = {row["id"]: row for row in published_runs()}
-    for setup in run_setups():
+    texts = {row["id"]: row["measured"]["text"] for row in published_runs()}
+    for setup in _cached_setups():
+        if rows is not None and setup.row not in rows:
+            continue
         # Runs of other software (Megatron-LM, ...): not held to fivefold's runtime rules.
         est = estimate(
             setup.model,
@@ -107,10 +169,22 @@ def run_errors(
         out.append(
             RunError(
                 setup.row,
+                setup.source,
                 setup.measured_step_s,
                 est.step_time_s,
-                rows[setup.row]["measured"]["text"],
+                texts[setup.row],
                 est.mfu,
+                setup.measured_memory_bytes,
+                est.peak_memory_bytes if setup.measured_memory_bytes else None,
             )
         )
     return out
+
+
+_SETUPS: list[RunSetup] = []
+
+
+def _cached_setups() -> list[RunSetup]:
+    if not _SETUPS:
+        _SETUPS.extend(run_setups())
+    return _SETUPS
