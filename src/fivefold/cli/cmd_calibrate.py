@@ -20,10 +20,12 @@ default location, when a profile exists there) use to predict step time, and aga
 measured matmul peak MFU and HFU are reported.
 
 Measured: matmul throughput over the GEMM shapes of the recipe's model (q/k/v/o, MLP, LM head,
-experts; forward and both backward passes; each tensor-parallel split up to --nproc; fp32, and
-bf16 where the CPU has native bf16), its attention core (causal, forward and
-backward), element-wise, loss and optimizer bandwidth, the fixed cost of a layer (dense, MoE,
-and the extra of tensor parallelism and of a ZeRO-3 unit), and every
+router; forward and both backward passes; each tensor-parallel split up to --nproc; fp32, and
+bf16 where the CPU has native bf16), the experts' grouped matmuls at each expert-parallel
+split, its attention core (causal, forward and backward) and each context-parallel split's
+block attention, element-wise, loss and optimizer bandwidth (alone and with every process of
+a run streaming at once), the fixed cost of a layer (dense, MoE, and the extra of tensor and
+expert parallelism and of a ZeRO-3, ZeRO-1/2 and ZeRO-0 unit), and every
 collective the runtime uses (all-reduce, all-gather, reduce-scatter, all-to-all, send/recv) at
 several sizes over --nproc real processes (gloo on CPU; NCCL where every rank has a GPU, a path
 written the same way but not yet run by us), printed like nccl-tests and fitted to the
