@@ -95,7 +95,8 @@ def test_pipeline_uses_the_schedule_simulation():
     plan = ParallelPlan(pp=4, dp_shard=2, zero=1, grad_accum=8)
     est = estimate(LLAMA8, H100x8, plan)
     sim = simulate(build_schedule("1f1b", 4, 1, 8), est.stage_costs)
-    assert est.bubble_fraction == pytest.approx(sim.bubble_fraction)
+    critical_idle = sim.step_time_s - max(sim.busy_s)
+    assert est.bubble_fraction == pytest.approx(critical_idle / sim.step_time_s)
     assert est.peak_inflight == [4, 3, 2, 1]
     # Nearly uniform stages: close to the closed form (p-1)/(m+p-1).
     assert est.bubble_fraction == pytest.approx(closed_form_bubble(4, 8), abs=0.03)
@@ -223,3 +224,13 @@ def test_parameter_gather_hides_behind_first_forward_and_warm_up():
         assert tail.gather_exposed_s == pytest.approx(max(0.0, tail.gather_time_s - window))
     assert tails[0].gather_exposed_s > 0.0  # the first rank cannot hide the whole gather
     assert tails[3].gather_exposed_s < tails[0].gather_exposed_s
+
+
+def test_bubble_fraction_and_seconds_are_one_figure():
+    """zbv v=2 on uneven chunks: the fraction was mean idle, the seconds the busiest rank's idle."""
+    plan = ParallelPlan(pp=4, vpp=2, schedule="zbv", dp_shard=4, zero=1, grad_accum=16)
+    est = estimate(LLAMA8, cluster_preset("dgx-h100", 16), plan)
+    b = est.breakdown_s
+    pipeline_s = b["compute_s"] + b["in_stage_comm_s"] + b["pipeline_bubble_s"]
+    assert b["pipeline_bubble_s"] == pytest.approx(est.bubble_fraction * pipeline_s, rel=1e-12)
+    assert min(b.values()) >= 0.0

@@ -112,7 +112,7 @@ class Estimate:
     tokens_per_s: float
     mfu: float
     hfu: float
-    bubble_fraction: float
+    bubble_fraction: float  # busiest rank's idle / pipeline time = pipeline_bubble_s / that time
     memory: list[StageMemory]
     worst_stage: int
     hbm_bytes: float
@@ -797,7 +797,6 @@ def estimate(
         pipeline_s = m * (
             costs.forward_s[0] + costs.backward_input_s[0] + costs.backward_weight_s[0]
         )
-        bubble = 0.0
         inflight = [1]
         busy = [pipeline_s]
     else:
@@ -805,10 +804,9 @@ def estimate(
         inflight = list(sched.peak_inflight)
         if pipeline == "simulate":
             sim = simulate(sched, costs)
-            pipeline_s, bubble, busy = sim.step_time_s, sim.bubble_fraction, list(sim.busy_s)
+            pipeline_s, busy = sim.step_time_s, list(sim.busy_s)
         else:
             pipeline_s, busy = analytic_pipeline(plan, costs)
-            bubble = 1.0 - sum(busy) / len(busy) / pipeline_s
     tails = _rank_tails(model, plan, cluster, eff, opts, chunk_sigs, chunk_costs)
     sync = runtime_sync_s(plan, cluster, eff, opts)
     step = pipeline_s + max(t.exposed_s for t in tails) + sync
@@ -829,12 +827,15 @@ def estimate(
         m * sum(chunk_costs[c].compute_s for c in chunks_of_rank(plan, r)) for r in range(plan.pp)
     ]
     busiest = max(range(plan.pp), key=lambda r: busy[r])
+    # The step pays the busiest rank's idle time; the fraction and the seconds are that one figure.
+    bubble_s = max(pipeline_s - busy[busiest], 0.0)
+    bubble = bubble_s / pipeline_s if pipeline_s > 0 else 0.0
     comm = _comm_summary(plan, cluster, eff, chunk_costs, tails, busiest, m, p2p, boundary, pp_link)
     slowest_tail = max(tails, key=lambda t: t.exposed_s)
     breakdown = {
         "compute_s": rank_compute[busiest],
-        "in_stage_comm_s": busy[busiest] - rank_compute[busiest],
-        "pipeline_bubble_s": pipeline_s - busy[busiest],
+        "in_stage_comm_s": max(busy[busiest] - rank_compute[busiest], 0.0),
+        "pipeline_bubble_s": bubble_s,
         "dp_grad_exposed_s": slowest_tail.grad_exposed_s,
         "param_gather_exposed_s": slowest_tail.gather_exposed_s,
         "optimizer_s": slowest_tail.optimizer_s,
