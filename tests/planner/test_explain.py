@@ -97,3 +97,15 @@ def test_moe_explanation_argues_expert_parallelism():
 def test_dense_model_says_ep_is_not_needed(llama70b):
     line = next(x for x in llama70b.explanation if x.startswith("Expert parallelism"))
     assert "not needed" in line and "dense" in line
+
+
+def test_interleaved_pipeline_counts_chunks_not_stages(capsys):
+    from fivefold.cli.main import main
+
+    argv = ["plan", "--model", "llama3-8b", "--gpus", "16", "--pp", "2", "--vpp", "2"]
+    assert main([*argv, "--schedule", "zbv", "--grad-accum", "16"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if "Pipeline: PP" in x)
+    # 2 stages x v=2 = 4 chunks; the layer split has one entry per chunk
+    split = re.search(r"PP = 2 stages in 4 chunks \(([\d/]+) layers each\), 2 per rank", line)
+    assert split is not None, line
+    assert len(split.group(1).split("/")) == 4

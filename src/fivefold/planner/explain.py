@@ -237,11 +237,12 @@ class _Explainer:
                 "there is no bubble. "
             )
         else:
-            bubble_s = max(est.breakdown_s.get("pipeline_bubble_s", 0.0), 0.0)  # no "-0 us"
+            bubble_s = est.breakdown_s.get("pipeline_bubble_s", 0.0)
+            split = f"({_layers_text(est)} layers each)"
+            if p.vpp > 1:
+                split = f"in {p.pp * p.vpp} chunks {split}, {p.vpp} per rank,"
             text = (
-                f"Pipeline: PP = {p.pp} stages ({_layers_text(est)} layers each) with "
-                f"{p.schedule}"
-                + (f" (v = {p.vpp} chunks per rank)" if p.vpp > 1 else "")
+                f"Pipeline: PP = {p.pp} stages {split} with {p.schedule}"
                 + f" over {p.grad_accum} micro-batches: the bubble is "
                 f"{est.bubble_fraction:.1%} of the pipeline time ({seconds(bubble_s)} per step; "
                 f"1F1B's (p-1)/(m+p-1) = {(p.pp - 1) / (p.grad_accum + p.pp - 1):.1%}). "
