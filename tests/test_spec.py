@@ -104,3 +104,17 @@ def test_plan_world_size_mismatch_names_the_numbers():
     recipe = load_recipe(None, ["model.preset=small", "plan.dp_replicate=4"], default_world=4)
     problems = plan.problems(recipe.model, recipe.cluster)
     assert any("= 8, but the cluster has 4 GPUs" in p for p in problems)
+
+
+def test_wrong_type_for_a_field_with_choices_names_them():
+    data = {
+        "model": {"preset": "tiny"},
+        "cluster": {"preset": "cpu", "nodes": 1, "gpus_per_node": 1},
+        "plan": {"offload": 1, "zero": "3", "tp": "2"},
+    }
+    with pytest.raises(ConfigError) as err:
+        recipe_from_dict(data)
+    text = str(err.value)
+    assert "plan.offload = 1: expected a string; choose one of 'none', 'optimizer', 'all'." in text
+    assert "plan.zero = '3': expected a whole number; choose one of 0, 1, 2, 3." in text
+    assert "plan.tp = '2': expected a whole number." in text  # no fixed set of values

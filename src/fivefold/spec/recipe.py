@@ -22,11 +22,32 @@ from typing import Any, TypeVar
 
 from fivefold.errors import ConfigError
 from fivefold.spec.cluster import CLUSTER_PRESETS, ClusterSpec, cluster_preset
-from fivefold.spec.model import MLP_KINDS, ModelSpec, default_ffn
-from fivefold.spec.plan import ParallelPlan
+from fivefold.spec.model import MLP_KINDS, RECOMPUTE_POLICIES, ModelSpec, default_ffn
+from fivefold.spec.plan import (
+    CP_KINDS,
+    FP8_RECIPES,
+    OFFLOAD_KINDS,
+    OPTIMIZER_STATES,
+    SCHEDULES,
+    ParallelPlan,
+)
+from fivefold.spec.precision import RECIPES
 from fivefold.spec.presets import MODEL_PRESETS
 
 T = TypeVar("T")
+
+# Fields with a fixed set of values: a value of the wrong type is told the choices too.
+FIELD_CHOICES: dict[str, tuple[Any, ...]] = {
+    "model.mlp": MLP_KINDS,
+    "plan.schedule": SCHEDULES,
+    "plan.cp_kind": CP_KINDS,
+    "plan.zero": (0, 1, 2, 3),
+    "plan.recompute": RECOMPUTE_POLICIES,
+    "plan.precision": tuple(RECIPES),
+    "plan.offload": OFFLOAD_KINDS,
+    "plan.optimizer_states": OPTIMIZER_STATES,
+    "plan.fp8": FP8_RECIPES,
+}
 _CORE_SECTIONS = ("model", "cluster", "plan")
 SECTIONS = (*_CORE_SECTIONS, "train", "data", "planner")  # free sections: module docstring
 
@@ -107,7 +128,10 @@ def build(cls: type[T], values: dict[str, Any], section: str, problems: list[str
             continue
         coerced = _coerce(value, hints[key])
         if coerced is _BAD:
-            problems.append(f"{section}.{key} = {value!r}: expected {_type_name(hints[key])}.")
+            text = f"{section}.{key} = {value!r}: expected {_type_name(hints[key])}"
+            if choices := FIELD_CHOICES.get(f"{section}.{key}"):
+                text += f"; choose one of {', '.join(map(repr, choices))}"
+            problems.append(text + ".")
             continue
         kwargs[key] = coerced
     try:
