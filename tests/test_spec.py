@@ -1,11 +1,14 @@
 """Parameter and FLOP counts against published and hand-derived values; recipe round trip."""
 
+import dataclasses
+
 import pytest
 
 from fivefold.errors import ConfigError
 from fivefold.spec import (
     MODEL_PRESETS,
     ParallelPlan,
+    cluster_preset,
     dump_recipe,
     load_recipe,
     model_preset,
@@ -118,3 +121,21 @@ def test_wrong_type_for_a_field_with_choices_names_them():
     assert "plan.offload = 1: expected a string; choose one of 'none', 'optimizer', 'all'." in text
     assert "plan.zero = '3': expected a whole number; choose one of 0, 1, 2, 3." in text
     assert "plan.tp = '2': expected a whole number." in text  # no fixed set of values
+
+
+def test_plan_reports_cross_field_and_layout_problems_together():
+    plan = ParallelPlan(tp=3, fp8="tensorwise", precision="fp32")
+    problems = plan.problems(model_preset("llama3-8b"), cluster_preset("dgx-h100", 8))
+    text = "\n".join(problems)
+    assert "plan.fp8 = 'tensorwise' with plan.precision = 'fp32'" in text  # the plan alone
+    assert "plan.tp = 3 must divide model.heads = 32" in text  # the plan against the model
+    assert "plan.tp = 3 must divide the 8 GPUs of a node" in text  # ... against the cluster
+    # A field bad alone still stops the checks that would read it, without crashing.
+    bad = ParallelPlan(tp="3", fp8="e4m3")  # type: ignore[arg-type]
+    assert len(bad.problems(model_preset("llama3-8b"), cluster_preset("dgx-h100", 8))) == 2
+    # validate: a bad model keeps the plan's own problems, not its checks against that model.
+    broken = dataclasses.replace(model_preset("llama3-8b"), heads=0)
+    with pytest.raises(ConfigError) as err:
+        plan.validate(broken, cluster_preset("dgx-h100", 8))
+    assert "plan.fp8 = 'tensorwise' with plan.precision = 'fp32'" in str(err.value)
+    assert "model.heads" in str(err.value)

@@ -121,9 +121,10 @@ class ParallelPlan:
         estimates of runs made by other software (the published runs the planner is checked
         against) pass False.
         """
-        out = self._own_problems()
+        out = self._field_problems()
         if out:
-            return out
+            return out  # every check below reads these fields
+        out = self._own_problems()
         if runtime:
             out += self.runtime_problems(model)
         if cluster is not None:
@@ -140,17 +141,20 @@ class ParallelPlan:
         runtime: bool = True,
     ) -> None:
         """Raise one `ConfigError` listing every problem of this plan, the model and the cluster."""
-        problems = []
-        if model is not None:
-            problems += model.problems()
-        if cluster is not None:
-            problems += cluster.problems()
-        if not problems:
-            problems = self.problems(model, cluster, runtime=runtime)
+        model_problems = model.problems() if model is not None else []
+        cluster_problems = cluster.problems() if cluster is not None else []
+        problems = model_problems + cluster_problems
+        # The plan's checks against a model or cluster read their fields: only those that are valid.
+        problems += self.problems(
+            None if model_problems else model,
+            None if cluster_problems else cluster,
+            runtime=runtime,
+        )
         if problems:
             raise ConfigError(problems)
 
-    def _own_problems(self) -> list[str]:
+    def _field_problems(self) -> list[str]:
+        """Each field alone: its type, range or set of choices."""
         out = []
         for f in (
             "tp",
@@ -193,8 +197,11 @@ class ParallelPlan:
                 out.append(
                     f"plan.{field} = {getattr(self, field)!r}: choose one of {', '.join(choices)}."
                 )
-        if out:
-            return out
+        return out
+
+    def _own_problems(self) -> list[str]:
+        """The plan's fields against each other (every field valid alone)."""
+        out = []
         if self.offload == "all" and self.zero != 3:
             out.append(
                 f"plan.offload = 'all' with plan.zero = {self.zero}: parameters and gradients "
