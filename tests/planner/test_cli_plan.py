@@ -464,3 +464,15 @@ def test_plan_imports_neither_torch_nor_other_commands():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stderr.strip().splitlines()[-1] == "['fivefold.cli.cmd_plan']"
+
+
+def test_written_recipe_keeps_whole_byte_counts_whole(capsys, tmp_path):
+    out = tmp_path / "plan.toml"
+    argv = ["plan", "--model", "llama3-8b", "--gpus", "16", "--dp-bucket-bytes", "10M"]
+    data = _json(capsys, [*argv, "--cuda-context-bytes", "1G", "--json", "--out", str(out)])
+    written = out.read_text()
+    assert "\ndp_bucket_bytes = 10485760\n" in written  # 10 x 2**20, not 10485760.0
+    assert "\ncuda_context_bytes = 1073741824\n" in written
+    again = _json(capsys, ["plan", "estimate", str(out), "--json"])
+    assert again["planner"]["options"] == data["planner"]["options"]
+    assert again["step_time_s"] == data["step_time_s"]

@@ -667,13 +667,18 @@ def out_path(args: argparse.Namespace, model: Any, cluster: Any) -> Path | None:
     return path
 
 
+def _whole(value: Any) -> Any:
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
 def write_recipe(
     path: Path, model: Any, cluster: Any, plan: Any, header: str, planner: dict[str, Any]
 ) -> Path:
     """The layout as a recipe, with the [planner] table (profile and options) it was chosen by."""
     from fivefold.spec.recipe import Recipe, dump_recipe
 
-    text = dump_recipe(Recipe(model, cluster, plan, {"planner": planner}), header=header)
+    whole = {k: _whole(v) for k, v in planner.items()}  # 10485760, not 10485760.0
+    text = dump_recipe(Recipe(model, cluster, plan, {"planner": whole}), header=header)
     try:
         path.write_text(text)
     except OSError as err:
