@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from fivefold.cli.cmd_tune import GIB, POLICIES, choose, tune_policy
+from fivefold.cli.cmd_tune import GIB, POLICIES, Trial, choose, nothing_fits, tune_policy
 from fivefold.cli.main import main
 from fivefold.train.entry import load_run
 
@@ -90,3 +90,25 @@ def test_write_updates_the_recipe(tmp_path, capsys):
 def test_bad_arguments_exit_2(capsys, args, words):
     assert main(["tune", str(TINY), *args]) == 2
     assert words in capsys.readouterr().err
+
+
+def test_nothing_fits_names_the_limit_to_raise_and_the_policies_left():
+    trials = [Trial("none", 1, 3 * GIB, None, False), Trial("selective", 1, GIB + 1, None, False)]
+    text = nothing_fits(trials, GIB)
+    # least peak 1 GiB + 1 byte = 1.000000001 GiB, rounded up to the next 0.001 GiB
+    assert "its least measured peak is 1.000 GiB (recompute 'selective')" in text
+    assert "Raise --memory-limit to at least 1.001" in text
+    assert "try recompute full (--policies full)" in text
+    oom = nothing_fits([Trial("none", 1, None, None, False)], None)
+    assert "out of GPU memory under recompute none" in oom
+    assert "try recompute selective or full (--policies selective,full)" in oom
+    assert "recompute" not in nothing_fits([Trial("full", 1, GIB, None, False)], 1).split(")")[1]
+
+
+def test_nothing_fits_exits_2_with_the_measured_peak(capsys):
+    assert main(["tune", str(TINY), "--memory-limit", "0.001", "--policies", "none"]) == 2
+    err = capsys.readouterr().err
+    assert "--memory-limit 0.001: nothing fits, not even micro-batch 1" in err
+    peak = float(err.split("least measured peak is ")[1].split(" GiB")[0])
+    assert peak > 0.001  # the tiny preset's micro-batch 1 (cf. LIMIT_GIB, which fits 4)
+    assert "Raise --memory-limit to at least" in err and "--policies selective,full" in err

@@ -132,8 +132,7 @@ def handle(args: argparse.Namespace) -> int:
     console.print(format_trials(trials, limit), markup=False)
     choice = choose(trials)
     if choice is None:
-        console.print("nothing fits: not even micro-batch 1 under the policies tried")
-        return 1
+        raise ConfigError(nothing_fits(trials, limit))
     console.print(
         f"choice: plan.micro_batch = {choice.micro_batch}, plan.recompute = "
         f"{choice.policy!r} (measured peak {choice.measured / GIB:.3f} GiB)"
@@ -147,6 +146,27 @@ def handle(args: argparse.Namespace) -> int:
                 "so adjust it or plan.grad_accum"
             )
     return 0
+
+
+def nothing_fits(trials: list[Trial], limit: int | None) -> str:
+    """What to change when not even micro-batch 1 fits: the limit to raise, the policies left."""
+    tried = sorted({t.policy for t in trials}, key=POLICIES.index)
+    left = POLICIES[POLICIES.index(tried[-1]) + 1 :]  # only more recompute saves memory
+    also = f"try recompute {' or '.join(left)} (--policies {','.join(left)}), " if left else ""
+    also += "shorten model.seq_len or shrink the model"
+    if limit is None:
+        return (
+            f"nothing fits: micro-batch 1 runs out of GPU memory under recompute "
+            f"{', '.join(tried)}; {also}, or spread the model over more GPUs with a layout "
+            "from `fivefold plan` (tune runs one process)."
+        )
+    least = min((t for t in trials if t.measured is not None), key=lambda t: t.measured)
+    need = math.ceil(least.measured / GIB * 1000) / 1000
+    return (
+        f"--memory-limit {limit / GIB:.4g}: nothing fits, not even micro-batch 1; its least "
+        f"measured peak is {least.measured / GIB:.3f} GiB (recompute {least.policy!r}). Raise "
+        f"--memory-limit to at least {need:g}, or {also}."
+    )
 
 
 def _policies(text: str) -> list[str]:
