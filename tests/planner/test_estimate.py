@@ -234,3 +234,11 @@ def test_bubble_fraction_and_seconds_are_one_figure():
     pipeline_s = b["compute_s"] + b["in_stage_comm_s"] + b["pipeline_bubble_s"]
     assert b["pipeline_bubble_s"] == pytest.approx(est.bubble_fraction * pipeline_s, rel=1e-12)
     assert min(b.values()) >= 0.0
+
+
+def test_no_negative_rounding_residue_in_the_breakdown():
+    """PP1 DP16 on llama3-8b left in_stage_comm_s = busy - compute = -4.4e-16 (float residue)."""
+    plan = ParallelPlan(dp_shard=16, zero=1, grad_accum=4)
+    est = estimate(LLAMA8, cluster_preset("dgx-h100", 16), plan)
+    assert est.breakdown_s["in_stage_comm_s"] == 0.0  # no TP/CP/EP: nothing inside the stage
+    assert est.breakdown_s["pipeline_bubble_s"] == 0.0
