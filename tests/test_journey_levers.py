@@ -132,8 +132,9 @@ def test_zero_bubble_explanation_prints_no_negative_time(capsys):
     code = main([*args, *layout, "--offload", "optimizer", "--optimizer-states", "8bit"])
     out = capsys.readouterr().out
     assert code == 0
-    assert "with zbv (v = 2 chunks per rank)" in out
-    assert "pipeline time (0 s per step" in out and "(-0 " not in out
+    assert "PP = 2 stages in 4 chunks (21/20/20/19 layers each), 2 per rank, with zbv" in out
+    # the fraction and the seconds are one figure: once "1.4% of the pipeline time (0 s ..."
+    assert "bubble is 0.0% of the pipeline time (0 s per step" in out and "(-0 " not in out
 
 
 def test_explorer_search_takes_the_risk_setting_as_the_cli_does():
