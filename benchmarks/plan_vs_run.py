@@ -83,6 +83,12 @@ LAYOUTS = [
     Layout("cp2-ring", {"cp": 2}),
     Layout("tp2-pp2-1f1b", {"tp": 2, **_pp("1f1b")}),
     Layout("pp2-zero3-dp2", {"dp_shard": 2, "zero": 3, **_pp("1f1b")}),
+    Layout("1r-8bit-states", {"optimizer_states": "8bit"}),
+    Layout(
+        "dp2-zero1-offload-opt",
+        {"dp_shard": 2, "zero": 1, "micro_batch": 1, "offload": "optimizer"},
+    ),
+    Layout("dp2-zero3-offload-all", {"dp_shard": 2, "zero": 3, "micro_batch": 1, "offload": "all"}),
     Layout("moe-1r", {}, TINY_MOE),
     Layout("moe-ep2", {"dp_shard": 2, "zero": 1, "ep": 2, "micro_batch": 1}, TINY_MOE),
 ]

@@ -1,9 +1,9 @@
 """The planner's per-stage peak memory equals what fivefold's runtime measures, within 5 %.
 
-Trains six layouts of the small preset on CPU for three steps with the real runtime and loop
-(through `benchmarks/plan_vs_run.py`, the full 21-layout benchmark; pp2-zbv for a split
+Trains seven layouts of the small preset on CPU for three steps with the real runtime and loop
+(through `benchmarks/plan_vs_run.py`, the full 24-layout benchmark; pp2-zbv for a split
 backward, receive buffers and a rank with two chunks; pp2-zero3-dp2 for ZeRO-3 chunks kept
-gathered through a pipelined step) and compares, per pipeline
+gathered through a pipelined step; dp2-zero1-offload-opt for the optimizer's host copies) and compares, per pipeline
 stage, the runtime's measured peak (its tensor-storage counter) with the planner's prediction
 under `runtime = "fivefold-eager"`.
 """
@@ -20,7 +20,15 @@ import pytest
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 if str(BENCHMARKS) not in sys.path:
     sys.path.insert(0, str(BENCHMARKS))
-CI_LAYOUTS = ("1r", "dp2-zero3-accum2", "tp2-sp", "pp2-1f1b", "pp2-zbv", "pp2-zero3-dp2")
+CI_LAYOUTS = (
+    "1r",
+    "dp2-zero3-accum2",
+    "tp2-sp",
+    "pp2-1f1b",
+    "pp2-zbv",
+    "pp2-zero3-dp2",
+    "dp2-zero1-offload-opt",
+)
 TOLERANCE = 0.05
 
 
