@@ -642,7 +642,8 @@ def _rank_tails(
         # the drain, the warm-up time rank r waits for its first activation (r chunk forwards).
         warmup = rank * mean_forward if loop else 0.0
         gather_window = first_forward + warmup
-        gather_exposed = max(0.0, gather_time - gather_window) if opts.dp_overlap else gather_time
+        hidden = opts.dp_overlap and opts.param_gather_overlap
+        gather_exposed = max(0.0, gather_time - gather_window) if hidden else gather_time
         offload = LC.offload_tail(opt_params, plan, cluster, window)
         tails.append(
             Tail(

@@ -17,6 +17,9 @@ buckets of max(40M, 1M x dp) parameters hold about a layer of the calibration ro
 models), in buckets of `dp_bucket_bytes` ("bucket": torch DDP, 25 MiB) or one per tensor
 ("parameter": per-parameter hooks); each collective pays its own latency, and ZeRO-3 gathers at
 least a layer at a time (`planner/comm.py`).
+`param_gather_overlap=False` exposes the all-gather of ZeRO-1/2's updated parameters in full:
+nanotron's ZeRO-1 runs it synchronously at the end of the optimizer step; Megatron's
+`--overlap-param-gather` and FSDP2's prefetch hide it behind the next forward (the default).
 `runtime="fivefold-eager"` makes the memory model count what fivefold's own eager runtime keeps
 (`fivefold.planner.memory.EagerProfile`; the layout report of every run uses it); the default
 "fused" counts what fused kernels keep.
@@ -48,6 +51,7 @@ class PlannerOptions:
     dropout: bool = False
     tp_comm_overlap: bool = False
     dp_overlap: bool = True
+    param_gather_overlap: bool = True  # ZeRO-1/2 gather behind the next forward (estimate.py)
     fused_elementwise: bool = True
     selective_policy: str = "attention"  # or "alternate-matmul" (torchtitan's op-level SAC)
     cuda_context_bytes: float = 0.75 * GiB
@@ -130,6 +134,8 @@ OPTION_HELP: dict[str, str] = {
     "dropout": "dropout after attention and MLP (GPT-3 style masks kept for the backward)",
     "tp_comm_overlap": "TP collectives hidden behind the GEMMs (Megatron --tp-comm-overlap)",
     "dp_overlap": "DP/ZeRO gradient reduction overlapped with the backward (DDP, FSDP)",
+    "param_gather_overlap": "ZeRO-1/2 parameter all-gather overlapped with the next forward "
+    "(Megatron --overlap-param-gather); false: after the optimizer step (nanotron, DeepSpeed)",
     "fused_elementwise": "fused norm/RoPE/activation kernels (false: eager PyTorch, ~3x bytes)",
     "selective_policy": "what selective recompute redoes: attention (Megatron) or "
     "alternate-matmul (torchtitan op-level SAC)",
