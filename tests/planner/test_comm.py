@@ -224,3 +224,28 @@ def test_zero1_gather_after_the_step_is_exposed_in_full():
     assert exposed.breakdown_s["param_gather_exposed_s"] == pytest.approx(by_hand, rel=1e-6)
     assert hidden.breakdown_s["param_gather_exposed_s"] == 0.0
     assert exposed.step_time_s - hidden.step_time_s == pytest.approx(by_hand, rel=1e-6)
+
+
+def test_deduplicated_dispatch_sends_one_network_copy_per_node():
+    from fivefold.planner.comm import deduplicated_dispatch_time_s
+
+    # EP 64 over 8 nodes, 1 GB of tokens per rank, top-8 routing. The all-to-all sends one
+    # copy per expert, 56/64 of 8 GB over the NIC; DeepEP one per remote node reached:
+    # 7 (1 - (7/8)^8) = 4.59 copies of 1 GB, the rest forwarded over NVLink (7/8 of 8 GB).
+    link = group_link(H100x64, 64, 1, EFF)
+    assert (link.kind, link.per_node, link.nodes(64)) == ("ib", 8, 8)
+    remote = 7 * (1 - (7 / 8) ** 8)
+    by_hand = 63 * A_IB + max(7 / 8 * 8e9 / NV, remote * 1e9 / IB)
+    assert deduplicated_dispatch_time_s(1e9, 8, 64, link) == pytest.approx(by_hand)
+    assert remote * 1e9 / IB > 7 / 8 * 8e9 / NV  # the network side bounds it
+    plain = all_to_all_time_s(8e9, 64, link)
+    assert plain == pytest.approx(63 * A_IB + 56 / 64 * 8e9 / IB)
+    assert by_hand / plain == pytest.approx((63 * A_IB + remote * 1e9 / IB) / plain)
+    assert by_hand < 0.7 * plain
+    # Inside one node there is nothing to deduplicate; top-1 routing gains nothing either.
+    nv = group_link(H100x64, 8, 1, EFF)
+    assert deduplicated_dispatch_time_s(1e9, 8, 8, nv) == all_to_all_time_s(8e9, 8, nv)
+    assert deduplicated_dispatch_time_s(1e9, 1, 64, link) == pytest.approx(
+        63 * A_IB + 7 / 8 * 1e9 / IB
+    )
+    assert deduplicated_dispatch_time_s(1e9, 8, 1, link) == 0.0

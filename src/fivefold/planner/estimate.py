@@ -299,7 +299,11 @@ def _layer_costs(
     if moe and key.ep > 1:
         link = C.plan_link(cluster, key, "ep", eff)
         size = tokens * model.top_k * model.hidden * e
-        ep_fwd = 2 * C.all_to_all_time_s(size, key.ep, link)
+        if opts.ep_dispatch == "deepep":
+            one = C.deduplicated_dispatch_time_s(size / model.top_k, model.top_k, key.ep, link)
+        else:
+            one = C.all_to_all_time_s(size, key.ep, link)
+        ep_fwd = 2 * one
         ep_bwd = ep_fwd * (2 if key.recompute == "full" else 1)
         ep_bytes = (2 + 2 + (2 if key.recompute == "full" else 0)) * size * (key.ep - 1) / key.ep
     # ZeRO-3 per-layer gather and reduce-scatter.
