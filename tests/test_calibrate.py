@@ -91,7 +91,80 @@ def test_layer_overhead_measures_each_layer_kind():
     assert row.layer_forward_s > 0 and row.layer_backward_s > 0
     assert row.tp_forward_s > 0 and row.tp_backward_s > 0
     assert row.fsdp_forward_s + row.fsdp_backward_s > 0
+    assert row.replicate_forward_s + row.replicate_backward_s > 0
+    assert row.shard_forward_s + row.shard_backward_s > 0
+    assert row.ep_forward_s + row.ep_backward_s > 0
     assert row.moe_forward_s + row.moe_backward_s > row.layer_forward_s + row.layer_backward_s
+
+
+def test_grouped_matmul_passes_compute_what_autograd_does():
+    """The three timed `_grouped_mm` passes give, group by group, the forward of the experts
+    and the two gradients autograd computes for it, and their rows count 2 rows n k FLOPs."""
+    from fivefold.parallel.calibrate import Budget, _grouped_operands, measure_grouped
+
+    groups, tokens, n, k = 2, 16, 8, 4
+    fwd, dgrad, wgrad = (
+        _grouped_operands(groups, tokens, n, k, layout, torch.float32)()
+        for layout in ("nt", "nn", "tn")
+    )
+    gen = torch.Generator().manual_seed(0)
+    x, g = torch.randn(tokens, k, generator=gen), torch.randn(tokens, n, generator=gen)
+    w = torch.randn(groups, n, k, generator=gen)
+    for e in range(groups):
+        rows = slice(e * 8, (e + 1) * 8)
+        torch.testing.assert_close(fwd[rows], x[rows] @ w[e].T)
+        torch.testing.assert_close(dgrad[rows], g[rows] @ w[e])
+        torch.testing.assert_close(wgrad[e], g[rows].T @ x[rows])
+    rows = measure_grouped((groups, tokens, n, k), "fp32", 1, Budget(1, 1, 0.0))
+    assert [r.layout for r in rows] == ["nt", "nn", "tn"]
+    assert all(r.tokens == tokens and r.flops_per_s > 0 for r in rows)
+
+
+def test_cp_attention_blocks_are_rank_zeros_share_of_causal_attention():
+    """The CP block attention calibrate times is rank 0's share of the whole causal attention:
+    its load-balanced query chunks against every rank's keys give exactly those rows of
+    single-process causal SDPA; and its rate counts the planner's FLOPs."""
+    import torch.nn.functional as F
+
+    from fivefold.model.attention import block_attention
+    from fivefold.parallel.calibrate import Budget, cp_attention_passes, cp_rank_blocks
+    from fivefold.parallel.context_parallel import load_balanced_indices
+
+    batch, heads, seq, cp, d = 2, 4, 32, 2, 8
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(batch, heads, seq, d, generator=gen) for _ in range(3))
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    order = torch.cat([load_balanced_indices(seq, r, cp) for r in range(cp)])
+    mine = load_balanced_indices(seq, 0, cp)
+    out = block_attention(q[:, :, mine], k[:, :, order], v[:, :, order], cp_rank_blocks(2, seq, cp))
+    torch.testing.assert_close(out, ref[:, :, mine])
+    fwd, bwd = cp_attention_passes(batch, heads, 2, seq, cp, d, Budget(1, 1, 0.0))
+    assert fwd > 0 and bwd > 0
+
+
+def test_paired_extra_recovers_a_known_per_layer_cost():
+    """A variant whose every block burns 3 ms of this thread's CPU in its forward: the paired
+    measurement finds 3 ms per layer forward and nothing backward (thread CPU clock)."""
+    import time
+
+    from fivefold.model.transformer import Transformer
+    from fivefold.parallel.calibrate import Budget, paired_extra_s, tiny_like
+
+    def burn(*_) -> None:
+        start = time.thread_time()
+        while time.thread_time() - start < 3e-3:
+            pass
+
+    def slow(spec):
+        net = Transformer(spec)
+        for block in net.layers.values():
+            block.register_forward_hook(burn)
+        return net
+
+    torch.set_num_threads(1)
+    fwd, bwd = paired_extra_s(Transformer, slow, tiny_like(model_preset("tiny"), 1), Budget())
+    assert fwd == pytest.approx(3e-3, abs=0.5e-3)
+    assert bwd == pytest.approx(0.0, abs=0.5e-3)
 
 
 def test_calibrate_quick_two_ranks_writes_a_profile_plan_uses(tmp_path):
@@ -108,6 +181,9 @@ def test_calibrate_quick_two_ranks_writes_a_profile_plan_uses(tmp_path):
     profile = parse_profile(tomllib.loads(out.read_text()))
     assert profile.ranks == 2 and profile.backend == "gloo" and profile.model == "tiny"
     assert {c.op for c in profile.collective} == set(COLLECTIVES)
+    # the memory-bound work measured alone and on both processes at once, every kind
+    shared = {(b.kind, b.processes) for b in profile.bandwidth}
+    assert {(k, n) for k, _ in shared for n in (1, 2)} == shared and len(shared) == 10
     assert len(profile.collective_sample) == steps_count(2, quick=True)
     for s in profile.collective_sample:
         assert s.algbw_bytes_per_s == pytest.approx(s.size_bytes / s.time_s)
@@ -116,8 +192,10 @@ def test_calibrate_quick_two_ranks_writes_a_profile_plan_uses(tmp_path):
     shapes = {(m.m, m.n, m.k, m.layout) for m in profile.matmul}
     assert {(512, 64, 64, "nt"), (512, 32, 64, "nt"), (64, 64, 512, "tn")} <= shapes
     assert {m.threads for m in profile.matmul} == {1, available_cores()}
-    # --also tiny-moe: its experts' forward, 512 x 2 / 4 tokens each on (64 x 64) weights.
-    assert (256, 64, 64, "nt") in shapes
+    # --also tiny-moe: its experts as grouped matmuls, 512 x 2 routed rows over 4 experts (2
+    # under EP 2) on (64 x 64) weights, every pass.
+    grouped = {(g.groups, g.tokens, g.n, g.k, g.layout) for g in profile.grouped_matmul}
+    assert {(e, 1024, 64, 64, lay) for e in (4, 2) for lay in ("nt", "nn", "tn")} == grouped
     plan = subprocess.run(
         [*cli, "plan", "estimate", str(ROOT / "configs/tiny-cpu.toml"), "--cluster", str(out),
          "--gpus", "2", "--dp", "2", "--json"],

@@ -47,6 +47,7 @@ CASES = [
     ),
     ("bad-planner-key", ["planner.bogus=1"], "planner.bogus is not a setting"),
     ("bad-planner-value", ["planner.dropout='yes'"], "planner.dropout = 'yes'"),
+    ("zero-planner-bucket", ["planner.dp_bucket_bytes=0"], "a bucket must hold some bytes"),
     ("bad-resume", ["train.resume='sometimes'"], "train.resume = 'sometimes': use \"auto\""),
     ("negative-max-restarts", ["--max-restarts", "-1"], "--max-restarts -1: must be >= 0"),
     ("resume-and-fresh", ["--resume", "--fresh"], "--resume and --fresh contradict"),
@@ -87,6 +88,28 @@ CASES = [
         "of activations for micro-batches",
     ),
     ("degrees-not-the-processes", ["--nproc", "3", "plan.dp_replicate=2"], "multiply to"),
+    # memory levers (issue 11)
+    ("offload-all-without-zero3", ["plan.offload='all'"], "set plan.zero = 3"),
+    ("offload-all-one-process", ["plan.zero=3", "plan.offload='all'"], "in a single process"),
+    (
+        "offload-optimizer-with-zero3",
+        ["--nproc", "2", "plan.dp_shard=2", "plan.zero=3", "plan.offload='optimizer'"],
+        "set plan.offload = 'all', or zero <= 2",
+    ),
+    ("offload-not-a-string", ["plan.offload=1"], "plan.offload = 1: expected a string"),
+    ("unknown-offload", ["plan.offload='gpu'"], "plan.offload = 'gpu': choose one of none"),
+    ("unknown-optimizer-states", ["plan.optimizer_states='4bit'"], "choose one of fp32, 8bit"),
+    ("fp8-with-fp32", ["plan.fp8='tensorwise'"], "FP8 linear layers run inside a bf16 recipe"),
+    (
+        "fp8-on-cpu",
+        ["plan.fp8='rowwise'", "plan.precision='bf16-mixed'"],
+        "plan.fp8 = 'rowwise' on cpu: the CPU has no FP8 arithmetic",
+    ),
+    (
+        "fp8-with-tp",
+        ["--nproc", "2", "plan.tp=2", "plan.fp8='rowwise'", "plan.precision='bf16-mixed'"],
+        "not tensor-parallel",
+    ),
 ]
 
 
@@ -132,6 +155,21 @@ PLAN_CASES = [
     ("fp8-compute", ["--precision", "fp8-mixed"], "computes in fp8"),
     ("unknown-section", ["foo.bar=1"], "[foo] is not a recipe section"),
     ("estimate-layout-not-dividing", ["estimate", "--gpus", "24", "--tp", "8", "--pp", "2"], "16"),
+    # memory levers and planner options (issues 10, 11)
+    ("fp8-on-a100", ["--cluster", "dgx-a100", "--fp8", "rowwise"], "has no FP8 matrix units"),
+    (
+        "fp8-on-a100-estimate",
+        ["estimate", "--cluster", "dgx-a100", "--fp8", "rowwise", "--zero", "1"],
+        "plan.fp8 = 'rowwise' on a100-80gb: it has no FP8 matrix units",
+    ),
+    ("offload-all-zero1", ["estimate", "--zero", "1", "--offload", "all"], "set plan.zero = 3"),
+    ("fp8-with-fp32", ["--fp8", "tensorwise", "--precision", "fp32"], "inside a bf16 recipe"),
+    ("unknown-profile", ["--profile", "nope"], "'nope' is not an efficiency profile"),
+    ("nan-headroom", ["--headroom", "nan"], "--headroom = nan: must be at least 0"),
+    ("bucket-not-a-size", ["--dp-bucket-bytes", "25X"], "'25X' is not a size"),
+    ("nan-fragmentation", ["--fragmentation-fraction", "nan"], "--fragmentation-fraction = nan"),
+    ("zero-bucket", ["--collective-granularity", "bucket", "--dp-bucket-bytes", "0"], "at least 1"),
+    ("estimate-with-risk", ["estimate", "--zero", "1", "--risk", "expected"], "--risk: only a"),
 ]
 
 
@@ -141,11 +179,21 @@ def test_bad_plan_input_exits_2_at_once(case, args, expected, tmp_path, capsys):
 
     model = [] if "--model" in args else ["--model", "llama3-8b"]
     start = time.perf_counter()
-    code, err = run_cli(["plan", *model, *args, "--out", str(tmp_path / "p.toml")], capsys)
+    out = [] if "estimate" in args else ["--out", str(tmp_path / "p.toml")]  # a search's flag
+    code, err = run_cli(["plan", *model, *args, *out], capsys)
     assert code == 2, err
     assert time.perf_counter() - start < 10  # refused at once, never searched
     assert expected in err and err.startswith("fivefold plan: error: ")
     assert "Traceback" not in err
+
+
+def test_plan_estimate_refuses_search_flags_rather_than_ignoring_them(tmp_path, capsys):
+    out = tmp_path / "e.toml"
+    args = ["plan", "estimate", "--model", "tiny", "--gpus", "1", "--top", "3", "--out", str(out)]
+    code, err = run_cli(args, capsys)
+    assert code == 2
+    assert "--top, --out: only a search uses them" in err
+    assert not out.exists()
 
 
 def test_plan_out_into_a_missing_directory_is_refused_before_searching(tmp_path, capsys):

@@ -37,6 +37,8 @@ BW = {"elementwise_forward": 4e9, "elementwise_backward": 2e9, "loss_forward": 1
 BW |= {"loss_backward": 5e8, "optimizer": 3e9}
 OVER_F, OVER_B = 1e-4, 3e-4
 MOE_F, MOE_B, TP_F, TP_B, FSDP_F, FSDP_B = 5e-4, 9e-4, 2e-4, 4e-4, 3e-5, 7e-5
+REP_F, REP_B, SHARD_F, SHARD_B = 1e-5, 6e-5, 2e-5, 5e-5  # ZeRO-0 and ZeRO-1/2 units
+EP_F, EP_B = 6e-4, 8e-4  # a MoE layer under expert parallelism
 
 
 def synthetic(cores: int = 2) -> dict:
@@ -51,15 +53,20 @@ def synthetic(cores: int = 2) -> dict:
         rows["attention"].append(
             dict(
                 dtype="fp32", threads=threads, batch=4, heads=4, kv_heads=2, seq=128, head_dim=16,
-                forward_flops_per_s=ATT_F, backward_flops_per_s=ATT_B,
+                cp=1, forward_flops_per_s=ATT_F, backward_flops_per_s=ATT_B,
             )
         )  # fmt: skip
-        rows["bandwidth"] += [dict(kind=k, threads=threads, bytes_per_s=v) for k, v in BW.items()]
+        rows["bandwidth"] += [
+            dict(kind=k, threads=threads, processes=1, bytes_per_s=v) for k, v in BW.items()
+        ]
         rows["overhead"].append(
             dict(
                 threads=threads, layer_forward_s=OVER_F, layer_backward_s=OVER_B,
                 moe_forward_s=MOE_F, moe_backward_s=MOE_B, tp_forward_s=TP_F,
                 tp_backward_s=TP_B, fsdp_forward_s=FSDP_F, fsdp_backward_s=FSDP_B,
+                replicate_forward_s=REP_F, replicate_backward_s=REP_B,
+                shard_forward_s=SHARD_F, shard_backward_s=SHARD_B,
+                ep_forward_s=EP_F, ep_backward_s=EP_B,
             )
         )  # fmt: skip
     collective = [
@@ -75,7 +82,7 @@ def synthetic(cores: int = 2) -> dict:
     device = dict(
         name="Test CPU", kind="cpu", cores=cores, memory_bytes=8 * 2**30, backend="gloo", ranks=2
     )
-    return dict(format=2, device=device, **rows, collective=collective, collective_sample=sample)
+    return dict(format=3, device=device, **rows, collective=collective, collective_sample=sample)
 
 
 @pytest.fixture
@@ -169,8 +176,9 @@ def test_layer_times_from_the_profile_by_hand(profile_path):
     attn = tokens * attention_score_flops_per_token(TINY, 128)
     h, q, kv, f = 64, 64, 32, 176
     elem = tokens * (2 * 2 * e * h + 2 * 3 * e * h + 2 * e * (q + kv) + 3 * e * f)
-    forward = gemm_flops / GEMM + attn / ATT_F + elem / BW["elementwise_forward"] + OVER_F
-    backward = gemm_flops / GEMM + 2 * attn / ATT_B + 2 * elem / BW["elementwise_backward"] + OVER_B
+    over_f, over_b = OVER_F + REP_F, OVER_B + REP_B  # ZeRO-0: the block is a `replicate` unit
+    forward = gemm_flops / GEMM + attn / ATT_F + elem / BW["elementwise_forward"] + over_f
+    backward = gemm_flops / GEMM + 2 * attn / ATT_B + 2 * elem / BW["elementwise_backward"] + over_b
     work = layer_work(TINY, plan, device, EFF)
     assert work.forward_s == pytest.approx(forward)
     assert work.backward_input_s == pytest.approx(backward)
@@ -267,8 +275,18 @@ def test_layer_overhead_by_layer_kind(profile_path):
     measured = profile_device(profile_path, 2).measured
     assert measured.layer_overhead_s() == pytest.approx((OVER_F, OVER_B))
     assert measured.layer_overhead_s(moe=True) == pytest.approx((MOE_F, MOE_B))
-    both = measured.layer_overhead_s(tp=True, fsdp=True)
+    both = measured.layer_overhead_s(tp=True, zero=3)
     assert both == pytest.approx((OVER_F + TP_F + FSDP_F, OVER_B + TP_B + FSDP_B))
+    assert measured.layer_overhead_s(zero=0) == pytest.approx((OVER_F + REP_F, OVER_B + REP_B))
+    for zero in (1, 2):
+        assert measured.layer_overhead_s(zero=zero) == pytest.approx(
+            (OVER_F + SHARD_F, OVER_B + SHARD_B)
+        )
+    two = measured.layer_overhead_s(moe=True, zero=1, units=2)
+    assert two == pytest.approx((MOE_F + 2 * SHARD_F, MOE_B + 2 * SHARD_B))
+    ep = measured.layer_overhead_s(moe=True, ep=True)
+    assert ep == pytest.approx((MOE_F + EP_F, MOE_B + EP_B))
+    assert measured.layer_overhead_s(ep=True) == pytest.approx((OVER_F, OVER_B))  # dense layer
     crowded = profile_device(profile_path, 4).measured
     assert crowded.layer_overhead_s(moe=True, tp=True) == pytest.approx(
         (2 * (MOE_F + TP_F), 2 * (MOE_B + TP_B))
@@ -290,6 +308,39 @@ def test_tensor_parallel_layers_carry_their_extra(tmp_path):
     b = layer_work(TINY, plan, profile_device(paid, 2), EFF)
     assert b.forward_s - a.forward_s == pytest.approx(TP_F)
     assert b.backward_input_s - a.backward_input_s == pytest.approx(TP_B)
+
+
+@pytest.mark.parametrize(
+    ("zero", "ep", "moe", "units", "extra"),
+    [
+        (0, 1, False, 1, (REP_F, REP_B)),
+        (1, 1, False, 1, (SHARD_F, SHARD_B)),
+        (2, 1, False, 1, (SHARD_F, SHARD_B)),
+        (3, 1, False, 1, (FSDP_F, FSDP_B)),
+        (1, 2, True, 2, (SHARD_F, SHARD_B)),  # EP experts are a unit of their own
+        (1, 1, True, 1, (SHARD_F, SHARD_B)),
+    ],
+)
+def test_data_parallel_unit_hooks_by_hand(tmp_path, zero, ep, moe, units, extra):
+    """Each block is one data-parallel unit of the plan's ZeRO level (two under EP: the experts
+    apart): two profiles that differ only in the units' extra give layer times that differ by
+    exactly units x that extra, forward and input-gradient backward."""
+    data = synthetic()
+    for row in data["overhead"]:
+        row.update({f"{k}_{p}_s": 0.0 for k in ("fsdp", "replicate", "shard") for p in (
+            "forward", "backward")})  # fmt: skip
+    free = tmp_path / "free.toml"
+    free.write_text(parse_profile(data).to_toml())
+    paid = tmp_path / "paid.toml"
+    paid.write_text(parse_profile(synthetic()).to_toml())
+    spec = model_preset("tiny-moe") if moe else TINY
+    plan = ParallelPlan(dp_shard=2, zero=zero, ep=ep, micro_batch=4, precision="fp32")
+    if zero == 0:
+        plan = ParallelPlan(dp_replicate=2, ep=ep, micro_batch=4, precision="fp32")
+    a = layer_work(spec, plan, profile_device(free, 2), EFF, moe=moe)
+    b = layer_work(spec, plan, profile_device(paid, 2), EFF, moe=moe)
+    assert b.forward_s - a.forward_s == pytest.approx(units * extra[0])
+    assert b.backward_input_s - a.backward_input_s == pytest.approx(units * extra[1])
 
 
 def test_zero3_with_pipelining_communicates_once_per_step(profile_path):
@@ -383,4 +434,123 @@ def test_dtensor_small_collectives_by_hand(profile_path):
     assert a.stage_costs.forward_s[0] - b.stage_costs.forward_s[0] == pytest.approx(loss)
     assert a.stage_costs.backward_input_s[0] - b.stage_costs.backward_input_s[0] == pytest.approx(
         norms
+    )
+
+
+def _grouped_rows(rate_by_groups: dict[int, float]) -> list[dict]:
+    """tiny-moe's expert projections (1024 routed rows at micro-batch 4, 64 x 64) measured at
+    the given rates, every pass, one thread (the synthetic profile's rows repeat at 2)."""
+    return [
+        dict(dtype="fp32", threads=t, groups=g, tokens=1024, n=64, k=64, layout=layout,
+             flops_per_s=rate)
+        for t in (1, 2) for g, rate in rate_by_groups.items() for layout in ("nt", "nn", "tn")
+    ]  # fmt: skip
+
+
+def test_grouped_expert_matmuls_by_hand(tmp_path):
+    """A MoE layer's routed experts are three `_grouped_mm` calls (w1, w3, w2) over tokens x
+    top_k rows: 1024 rows x 64 x 64 each for tiny-moe at micro-batch 4, 2 x 1024 x 64 x 64
+    FLOPs per pass. Timed at the measured grouped rate of the rank's number of experts (4, or
+    2 under EP 2); without grouped rows, as that many per-expert matmuls at the GEMM rate."""
+    moe = model_preset("tiny-moe")
+    flops = 3 * 2 * 1024 * 64 * 64
+    plain = tmp_path / "plain.toml"
+    plain.write_text(parse_profile(synthetic()).to_toml())
+    data = synthetic()
+    data["grouped_matmul"] = _grouped_rows({4: 1e9, 2: 4e9})
+    grouped = tmp_path / "grouped.toml"
+    grouped.write_text(parse_profile(data).to_toml())
+    for ep, rate in ((1, 1e9), (2, 4e9)):
+        plan = ParallelPlan(dp_shard=2, zero=1, ep=ep, micro_batch=4, precision="fp32")
+        a = layer_work(moe, plan, profile_device(plain, 2), EFF, moe=True)
+        b = layer_work(moe, plan, profile_device(grouped, 2), EFF, moe=True)
+        for got, ref in ((b.forward_s, a.forward_s), (b.backward_input_s, a.backward_input_s)):
+            assert got - ref == pytest.approx(flops / rate - flops / GEMM)
+        assert b.backward_weight_s - a.backward_weight_s == pytest.approx(
+            flops / rate - flops / GEMM
+        )
+    measured = profile_device(grouped, 2).measured
+    assert measured.grouped_time_s(4, 1024, 64, 64, "fp32", "tn") == pytest.approx(
+        2 * 1024 * 64 * 64 / 1e9
+    )
+    assert measured.grouped_time_s(2, 1024, 64, 64, "fp32", "nn") == pytest.approx(
+        2 * 1024 * 64 * 64 / 4e9
+    )
+    fallback = profile_device(plain, 2).measured
+    assert fallback.grouped_time_s(4, 1024, 64, 64, "fp32", "nt") == pytest.approx(
+        2 * 1024 * 64 * 64 / GEMM
+    )
+    bad = synthetic()
+    bad["grouped_matmul"] = _grouped_rows({4: 1e9})
+    bad["grouped_matmul"][0]["layout"] = "xx"
+    with pytest.raises(ConfigError, match=r"grouped_matmul\[0\]\.layout"):
+        parse_profile(bad)
+
+
+def test_context_parallel_attention_uses_the_block_rates_by_hand(tmp_path):
+    """Ring and all-gather CP run the runtime's block kernels: the attention of a CP 2 layer is
+    its FLOPs (64 local tokens of tiny's 128 attending 64 keys on average: 4 b h 64 64 d) at
+    the cp = 2 rows' rates; Ulysses attends whole sequences on fewer heads (cp = 1 rows)."""
+    data = synthetic()
+    data["attention"] += [
+        dict(dtype="fp32", threads=t, batch=4, heads=4, kv_heads=2, seq=64, head_dim=16, cp=2,
+             forward_flops_per_s=5e8, backward_flops_per_s=4e8)
+        for t in (1, 2)
+    ]  # fmt: skip
+    path = tmp_path / "p.toml"
+    path.write_text(parse_profile(data).to_toml())
+    device = profile_device(path, 2)
+    flops = 4.0 * 4 * 4 * 64 * 64 * 16
+    for kind, (fwd, bwd) in (("ring", (5e8, 4e8)), ("allgather", (5e8, 4e8))):
+        plan = ParallelPlan(cp=2, cp_kind=kind, micro_batch=4, precision="fp32")
+        work = layer_work(TINY, plan, device, EFF)
+        assert work.attention_forward_s == pytest.approx(flops / fwd)
+        assert work.attention_backward_s == pytest.approx(2 * flops / bwd)
+    plan = ParallelPlan(cp=2, cp_kind="ulysses", micro_batch=4, precision="fp32")
+    work = layer_work(TINY, plan, device, EFF)
+    assert work.attention_forward_s == pytest.approx(flops / ATT_F)
+    one = layer_work(TINY, ParallelPlan(micro_batch=4, precision="fp32"), device, EFF)
+    assert one.attention_forward_s == pytest.approx(2 * flops / ATT_F)  # 128 x 64 keys
+
+
+def test_expert_parallel_layers_carry_their_extra(tmp_path):
+    """A MoE layer under EP 2 on two profiles that differ only in the EP extra: its forward and
+    input-gradient backward differ by exactly that extra; without EP, not at all."""
+    moe = model_preset("tiny-moe")
+    data = synthetic()
+    for row in data["overhead"]:
+        row.update(ep_forward_s=0.0, ep_backward_s=0.0)
+    free = tmp_path / "free.toml"
+    free.write_text(parse_profile(data).to_toml())
+    paid = tmp_path / "paid.toml"
+    paid.write_text(parse_profile(synthetic()).to_toml())
+    for ep, extra in ((2, (EP_F, EP_B)), (1, (0.0, 0.0))):
+        plan = ParallelPlan(dp_shard=2, zero=1, ep=ep, micro_batch=4, precision="fp32")
+        a = layer_work(moe, plan, profile_device(free, 2), EFF, moe=True)
+        b = layer_work(moe, plan, profile_device(paid, 2), EFF, moe=True)
+        assert b.forward_s - a.forward_s == pytest.approx(extra[0], abs=1e-15)
+        assert b.backward_input_s - a.backward_input_s == pytest.approx(extra[1], abs=1e-15)
+
+
+def test_bandwidth_measured_with_as_many_processes_streaming_as_the_run(tmp_path):
+    """Rows measured alone and with 2 processes streaming at once: a 1-rank run reads the
+    first, a 2-rank run the second, a 4-rank run (one-thread ranks on 2 cores: half the
+    machine each) the nearest, 2, at half the rate; the optimizer step follows."""
+    data = synthetic()
+    data["bandwidth"] += [
+        dict(kind=k, threads=t, processes=2, bytes_per_s=v / 2)
+        for t in (1, 2)
+        for k, v in BW.items()
+    ]
+    path = tmp_path / "p.toml"
+    path.write_text(parse_profile(data).to_toml())
+    one = profile_device(path, 1).measured  # 1 or 2 threads: the same synthetic rates
+    assert one.bandwidth("optimizer") == pytest.approx(BW["optimizer"])
+    two = profile_device(path, 2).measured
+    assert two.bandwidth("elementwise_forward") == pytest.approx(BW["elementwise_forward"] / 2)
+    four = profile_device(path, 4).measured
+    assert four.bandwidth("loss_backward") == pytest.approx(BW["loss_backward"] / 2 * 0.5)
+    plan = ParallelPlan(micro_batch=4, precision="fp32")
+    assert optimizer_step_s(1e6, plan, profile_device(path, 2), EFF) == pytest.approx(
+        1e6 * 36 / (BW["optimizer"] / 2)
     )

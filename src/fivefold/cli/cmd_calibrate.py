@@ -20,10 +20,12 @@ default location, when a profile exists there) use to predict step time, and aga
 measured matmul peak MFU and HFU are reported.
 
 Measured: matmul throughput over the GEMM shapes of the recipe's model (q/k/v/o, MLP, LM head,
-experts; forward and both backward passes; each tensor-parallel split up to --nproc; fp32, and
-bf16 where the CPU has native bf16), its attention core (causal, forward and
-backward), element-wise, loss and optimizer bandwidth, the fixed cost of a layer (dense, MoE,
-and the extra of tensor parallelism and of a ZeRO-3 unit), and every
+router; forward and both backward passes; each tensor-parallel split up to --nproc; fp32, and
+bf16 where the CPU has native bf16), the experts' grouped matmuls at each expert-parallel
+split, its attention core (causal, forward and backward) and each context-parallel split's
+block attention, element-wise, loss and optimizer bandwidth (alone and with every process of
+a run streaming at once), the fixed cost of a layer (dense, MoE, and the extra of tensor and
+expert parallelism and of a ZeRO-3, ZeRO-1/2 and ZeRO-0 unit), and every
 collective the runtime uses (all-reduce, all-gather, reduce-scatter, all-to-all, send/recv) at
 several sizes over --nproc real processes (gloo on CPU; NCCL where every rank has a GPU, a path
 written the same way but not yet run by us), printed like nccl-tests and fitted to the
@@ -191,7 +193,8 @@ def run_calibration(
             bar.update(task, what=f"{s.op} {s.ranks} ranks {s.size_bytes} B")
             bar.advance(task)
 
-        backend, samples = comm.measure_collectives(ranks, quick, on_row)
+        backend, samples, shared = comm.measure_collectives(ranks, quick, on_row, (model, plan))
+        rows += shared
     if ranks < 2:
         console.print("collectives: not measured with --nproc 1 (plans then need one rank).")
     fits = comm.fit_collectives(samples)
@@ -209,23 +212,36 @@ def print_summary(console, profile) -> None:
                     f"matmul {dtype}, {t} thread(s): best {max(rates) / 1e9:.1f} GFLOP/s, "
                     f"worst {min(rates) / 1e9:.1f} GFLOP/s over {len(rates)} shapes"
                 )
+        for g in (g for g in profile.grouped_matmul if g.threads == t):
+            console.print(
+                f"grouped matmul {g.dtype} {g.groups} experts x {g.tokens} rows x {g.n} x {g.k} "
+                f"{g.layout}, {t} thread(s): {g.flops_per_s / 1e9:.1f} GFLOP/s"
+            )
         for a in (a for a in profile.attention if a.threads == t):
             console.print(
-                f"attention {a.heads}/{a.kv_heads} heads x seq {a.seq} x {a.head_dim}, {t} "
+                f"attention {a.heads}/{a.kv_heads} heads x seq {a.seq} x {a.head_dim}"
+                f"{f' (CP{a.cp} blocks)' if a.cp > 1 else ''}, {t} "
                 f"thread(s): forward {a.forward_flops_per_s / 1e9:.1f}, backward "
                 f"{a.backward_flops_per_s / 1e9:.1f} GFLOP/s"
             )
-        bws = ", ".join(
-            f"{b.kind} {b.bytes_per_s / 1e9:.2f}" for b in profile.bandwidth if b.threads == t
-        )
-        console.print(f"bandwidth (GB/s), {t} thread(s): {bws}")
+        for n in sorted({b.processes for b in profile.bandwidth if b.threads == t}):
+            bws = ", ".join(
+                f"{b.kind} {b.bytes_per_s / 1e9:.2f}"
+                for b in profile.bandwidth
+                if (b.threads, b.processes) == (t, n)
+            )
+            console.print(f"bandwidth (GB/s), {t} thread(s), {n} process(es) at once: {bws}")
         for o in (o for o in profile.overhead if o.threads == t):
             console.print(
                 f"layer overhead (ms forward / backward), {t} thread(s): dense "
                 f"{o.layer_forward_s * 1e3:.3f} / {o.layer_backward_s * 1e3:.3f}, MoE "
                 f"{o.moe_forward_s * 1e3:.3f} / {o.moe_backward_s * 1e3:.3f}, TP extra "
                 f"{o.tp_forward_s * 1e3:.3f} / {o.tp_backward_s * 1e3:.3f}, ZeRO-3 extra "
-                f"{o.fsdp_forward_s * 1e3:.3f} / {o.fsdp_backward_s * 1e3:.3f}"
+                f"{o.fsdp_forward_s * 1e3:.3f} / {o.fsdp_backward_s * 1e3:.3f}, ZeRO-1/2 "
+                f"extra {o.shard_forward_s * 1e3:.3f} / {o.shard_backward_s * 1e3:.3f}, "
+                f"ZeRO-0 extra {o.replicate_forward_s * 1e3:.3f} / "
+                f"{o.replicate_backward_s * 1e3:.3f}, EP extra (MoE) "
+                f"{o.ep_forward_s * 1e3:.3f} / {o.ep_backward_s * 1e3:.3f}"
             )
     for c in profile.collective:
         console.print(

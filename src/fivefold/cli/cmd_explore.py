@@ -24,11 +24,15 @@ def register(subparsers) -> None:
         description=(
             "Serve a local web page (http://127.0.0.1:PORT/) where you pick a model, a cluster and "
             "a layout (TP, PP with its schedule, DP with ZeRO, CP, EP, micro-batch, recompute, "
-            "precision) and see the planner's per-GPU memory per pipeline stage against HBM, the "
+            "precision; an efficiency profile and every planner option, as `fivefold plan "
+            "--profile ...`) and see the planner's per-GPU memory per pipeline stage against "
+            "HBM, the "
             "pipeline timeline, the rank grid mapped onto nodes, communication per link, a ring "
             "all-reduce step by step, step time, tokens/s and MFU. Recommend runs the layout "
             "search; Export writes the layout as a TOML recipe for `fivefold train`. Every "
-            "number comes from the same planner as `fivefold plan`. The server listens on "
+            "number comes from the same planner as `fivefold plan`. The memory levers "
+            "(plan.offload, optimizer_states, fp8) have no control on the page yet: its JSON "
+            "API (POST /api/estimate) takes them in `plan`. The server listens on "
             "127.0.0.1 only and needs no network."
         ),
     )

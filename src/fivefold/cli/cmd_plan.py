@@ -81,8 +81,29 @@ def _plan_handler(args: argparse.Namespace) -> int:
     items = list(args.items or [])
     if items and items[0] == "estimate":
         args.items = items[1:]
+        _refuse_search_flags(args)
         return _estimate_handler(args)
     return _search_handler(args)
+
+
+def _refuse_search_flags(args: argparse.Namespace) -> None:
+    """`plan estimate` costs the given layout: a search-only flag would be silently ignored."""
+    given = [
+        flag
+        for flag, value in (
+            ("--top", args.top),
+            ("--risk", args.risk),
+            ("--out", args.out),
+            ("--batch-tolerance", args.batch_tolerance),
+        )
+        if value is not None
+    ]
+    if given:
+        raise ConfigError(
+            f"{', '.join(given)}: only a search uses {'it' if len(given) == 1 else 'them'}; "
+            "`plan estimate` costs the one layout given. Drop the flag, or run `fivefold plan` "
+            "(without estimate) to search."
+        )
 
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
@@ -168,7 +189,8 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
         (
             "--fp8",
             ("none", "tensorwise", "rowwise"),
-            "FP8 linears through torchao float8 (default none); a search uses it only when given",
+            "FP8 linears through torchao float8 (default none; GPUs with FP8, e.g. h100-sxm); "
+            "a search uses it only when given",
         ),
     ):
         lay.add_argument(flag, choices=choices, help=help_text)
@@ -189,14 +211,12 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     b.add_argument(
         "--batch-tolerance",
         metavar="FRACTION",
-        default="0.05",
         help="search: how far the reached global batch may miss the target (default 0.05)",
     )
-    b.add_argument("--top", metavar="N", default="5", help="search: alternatives to show (5)")
+    b.add_argument("--top", metavar="N", help="search: alternatives to show (5)")
     b.add_argument(
         "--risk",
         choices=("pessimistic", "expected"),
-        default="pessimistic",
         help="search: rank by the slow end of each layout's error band (pessimistic, the "
         "default) or by the prediction itself (expected)",
     )
@@ -300,7 +320,7 @@ def planner_from_args(args: argparse.Namespace, cluster: Any, recipe_data: dict[
         elif name == "fragmentation_fraction":
             flags[name] = parse_fraction(raw, flag)
         else:
-            flags[name] = float(parse_size(raw, flag, minimum=0))
+            flags[name] = float(parse_size(raw, flag, minimum=int(name == "dp_bucket_bytes")))
     section = recipe_data.get("planner", {})
     if not isinstance(section, dict):
         raise ConfigError(f"planner = {section!r}: expected a [planner] table of settings.")
@@ -792,12 +812,12 @@ def _search_handler(args: argparse.Namespace) -> int:
         global_batch_tokens=tokens,
         global_batch=seqs,
         headroom=headroom,
-        top=parse_size(args.top, "--top"),
-        batch_tolerance=parse_fraction(args.batch_tolerance, "--batch-tolerance"),
+        top=parse_size(args.top or "5", "--top"),
+        batch_tolerance=parse_fraction(args.batch_tolerance or "0.05", "--batch-tolerance"),
         precisions=tuple(precisions_from_args(args)),
         fixed=fixed,
         options=settings.options,
-        risk=args.risk,
+        risk=args.risk or "pessimistic",
     )
     result.explanation.insert(0, settings.describe())
     best = result.best.to_json(timeline=args.json)  # the timeline only where it is printed

@@ -12,15 +12,18 @@ Train the recipe's model on its data with the recipe's parallel plan. A recipe i
 (see configs/) with [model] (a preset and/or fields), [plan] (tp, pp, dp_replicate, dp_shard,
 zero, cp, ep, micro_batch, grad_accum, recompute, precision, and the memory levers offload
 (none|optimizer|all), optimizer_states (fp32|8bit|fp8; torchao) and fp8 (none|tensorwise|rowwise;
-GPUs of compute capability 8.9+), see docs/memory-levers.md), [train] and [data] sections; any
-field can be overridden on the command line as section.field=value.
+GPUs of compute capability 8.9+), see docs/memory-levers.md), [train] and [data] sections, and
+optionally [cluster] (what the planner's predictions are for) and [planner] (its efficiency
+profile and options, as `fivefold plan --profile`); any field can be overridden on the command
+line as section.field=value.
 
 [train] fields: name, runs_dir, run_dir, steps, stop_at, lr, min_lr, warmup_steps,
 lr_schedule (cosine|linear|constant), weight_decay, betas, eps, grad_clip (0 = off),
 global_batch (sequences; must equal micro_batch x dp x grad_accum), seed, device
 (auto|cpu|cuda), log_every, eval_every, eval_batches, ckpt_every, save_final,
 keep_checkpoints, ckpt_async, resume ("auto"|true|false), tensorboard, progress, max_time_s,
-memory_step.
+memory_step, compile (torch.compile per block), profile ({start_step, steps}: a torch.profiler
+trace, docs/profiling.md), trackers (["wandb", "mlflow"]).
 [data] fields: shards (a prepared directory), inputs (.txt/.jsonl files), tokenizer,
 cache_dir, val_fraction. Without [data] the model trains on the embedded corpus.
 

@@ -16,6 +16,7 @@ process only: the plan's degrees must be 1 (multi-rank layouts are not tuned yet
 from __future__ import annotations
 
 import argparse
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,7 +51,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("recipe", help="recipe TOML file")
-    parser.add_argument("overrides", nargs="*", help="section.field=value, as for train")
+    # REMAINDER keeps options written after an override; `_reparse` reads them (intermixed)
+    parser.add_argument(
+        "overrides", nargs=argparse.REMAINDER, help="section.field=value, as for train"
+    )
+    _add_options(parser)
+    parser.set_defaults(handler=handle)
+
+
+def _add_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--memory-limit",
         type=float,
@@ -68,7 +77,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--write", action="store_true", help="write the choice into the recipe file"
     )
-    parser.set_defaults(handler=handle)
+
+
+def _reparse(args: argparse.Namespace) -> argparse.Namespace:
+    """Options among the overrides (`tune R plan.x=1 --memory-limit 2`): parse them, intermixed."""
+    inner = argparse.ArgumentParser(prog="fivefold tune")
+    inner.add_argument("overrides", nargs="*")
+    _add_options(inner)
+    later = inner.parse_intermixed_args(args.overrides)
+    merged = argparse.Namespace(**vars(args))
+    for key, value in vars(later).items():
+        if key == "overrides" or value != inner.get_default(key):
+            setattr(merged, key, value)
+    return merged
 
 
 @dataclass
@@ -88,11 +109,14 @@ def handle(args: argparse.Namespace) -> int:
     from fivefold.parallel.threads import configure_threads
 
     console = Console(highlight=False)
+    args = _reparse(args)
     policies = _policies(args.policies)
     if args.max_micro_batch < 1:
         raise ConfigError("--max-micro-batch must be at least 1.")
-    if args.memory_limit < 0:
-        raise ConfigError("--memory-limit must be a positive number of GiB, e.g. 2.")
+    if not math.isfinite(args.memory_limit) or args.memory_limit < 0:
+        raise ConfigError(
+            f"--memory-limit {args.memory_limit}: must be a positive number of GiB, e.g. 2."
+        )
     base = _load(args.recipe, args.overrides, 1, policies[0])
     configure_threads()
     device = _device(base)
@@ -205,7 +229,7 @@ def _second_step_peak(run) -> int:
     from fivefold.train.runtime import LocalRuntime
 
     runtime = LocalRuntime(run.recipe)
-    optimizer = build_optimizer(runtime.model_parts, run.train)
+    optimizer = build_optimizer(runtime.model_parts, run.train, run.recipe.plan)  # its levers
     batches = load_train_data(run, 0, 1).batches(run.recipe.plan.micro_batch)
 
     def step() -> None:

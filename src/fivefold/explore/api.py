@@ -5,7 +5,8 @@ recipe): {"model": {...}, "cluster": {...}, "plan": {...}, "planner": {...}, "gl
 sequences}. `model` and `cluster` may name a preset (`{"preset": "llama3-8b", "seq_len": 8192}`)
 and override any field. `planner` is the recipe's [planner] table: an efficiency `profile`
 (`fivefold.planner.profiles`) and any planner option on top of it (`{"profile": "torchtitan",
-"attention_kernel": "classic"}`); answers echo the profile and every option in force.
+"attention_kernel": "classic"}`); answers echo the profile and every option in force. A search
+takes `risk` ("pessimistic", the default, or "expected") as `fivefold plan --risk` does.
 Bandwidths are bytes/s, as in `ClusterSpec`. When `global_batch` is given, the number of
 micro-batches per step (`plan.grad_accum`) is derived from it, as `fivefold plan estimate
 --global-batch` does: grad_accum = global_batch / (micro_batch * dp).
@@ -32,6 +33,7 @@ from fivefold.planner.profiles import (
     planner_settings,
     profiles,
 )
+from fivefold.planner.uncertainty import risk_problems
 from fivefold.spec.cluster import CLUSTER_PRESETS, ClusterSpec
 from fivefold.spec.hardware import GPU_ALIASES, GPUS, GiB
 from fivefold.spec.model import RECOMPUTE_POLICIES, ModelSpec, param_count
@@ -69,6 +71,7 @@ SEARCH_KEYS = (
     "headroom",
     "top",
     "precisions",
+    "risk",
 )
 
 
@@ -323,6 +326,13 @@ def _parse_search(
         kwargs["headroom"] = float(headroom)
     top = _whole(body.get("top", 5), "top", 1, LIMITS["top"], problems)
     kwargs["top"] = top
+    if "risk" in body:  # as `fivefold plan --risk`
+        risk_found = risk_problems(
+            body["risk"] if isinstance(body["risk"], str) else repr(body["risk"])
+        )
+        problems += risk_found
+        if not risk_found:
+            kwargs["risk"] = body["risk"]
     if "precisions" in body:
         precisions = body["precisions"]
         if (
@@ -389,6 +399,7 @@ def search_view(body: Any) -> dict[str, Any]:
             "evaluated": result.evaluated,
             "search_time_s": elapsed_s,
             "tie_fraction": TIE_FRACTION,
+            "risk": result.risk,
             "planner": settings.to_json(),
         }
     )

@@ -6,19 +6,26 @@ other work the slow repeats are the other work's, not the kernel's), each repeat
 cold caches (`flush_caches`: in a training step the rest of the model passes through the caches
 between two uses of a weight; warm-cache GEMMs of these sizes run about 10 % faster than in the
 model):
-- matmul: every GEMM the model runs (wq, wk, wv, wo, w1, w3, w2, the LM head; experts and the
-  router for MoE) at the recipe's tokens per micro-batch (and half of them, what context
+- matmul: every GEMM the model runs (wq, wk, wv, wo, w1, w3, w2, the LM head; the router and
+  shared experts for MoE) at the recipe's tokens per micro-batch (and half of them, what context
   parallelism leaves) and at each tensor-parallel split up to the ranks, in all three passes with
   the operand layouts autograd uses: forward x W^T, input gradient g W, weight gradient g^T x;
   per dtype (fp32; bf16 only where the CPU has native bf16, `bf16_support`);
+- grouped matmul: a MoE layer's experts as `torch._grouped_mm` runs them (w1, w3, w2; all
+  three passes) at each expert-parallel split, at the model's expert shapes;
 - attention: the model's own attention core (causal SDPA with native GQA, one document per
-  row), forward and backward, at each TP split and CP share;
+  row), forward and backward, at each TP split; and one rank's share of context-parallel
+  attention at each CP split (the runtime's block kernels over its load-balanced chunks, with
+  their log-sum-exp merges);
 - bandwidth: the block's element-wise work (norms, RoPE, SwiGLU, residual adds), the
   cross-entropy loss and AdamW (with clipping and zeroing), each in the byte accounting of
-  `fivefold.planner.compute`, so the planner's bytes over these rates give time;
+  `fivefold.planner.compute`, so the planner's bytes over these rates give time; alone here,
+  and on every rank at once in the collective benchmark's worlds (`calibrate_comm`), since
+  the ranks of a run share the memory bandwidth;
 - overhead: what one more layer adds at a shape where its arithmetic is negligible (Python,
   autograd, each op's dispatch): dense and MoE layers, and the extra of tensor parallelism
-  (DTensor) and of a ZeRO-3 FSDP2 unit, measured on a one-rank mesh.
+  (DTensor), of expert parallelism on a MoE layer and of a data-parallel unit (FSDP2's hooks
+  for ZeRO-3, ZeRO-1/2 and `replicate` for ZeRO-0), measured on a one-rank mesh.
 The collectives run over real process groups (`fivefold.parallel.calibrate_comm`).
 
 Written by hand: PyTorch has benchmark utilities but nothing that measures a machine into the
@@ -56,9 +63,11 @@ from fivefold.planner.compute import (
 from fivefold.spec.model import ModelSpec
 from fivefold.spec.plan import ParallelPlan
 from fivefold.spec.profile import (
+    LAYOUTS,
     Attention,
     Bandwidth,
     DeviceProfile,
+    GroupedMatmul,
     Matmul,
     Overhead,
     available_cores,
@@ -175,10 +184,9 @@ def linear_shapes(model: ModelSpec, tokens: int, tp: int) -> list[tuple[int, int
     """(tokens, out, in) of every linear layer of one block and the head, split `tp` ways."""
     h, q, kv = model.hidden, model.q_width // tp, model.kv_width // tp
     out = [(tokens, q, h), (tokens, kv, h), (tokens, h, q), (tokens, model.vocab // tp, h)]
-    if model.is_moe:
+    if model.is_moe:  # the routed experts are grouped matmuls (`grouped_shapes`)
         fe = model.expert_ffn // tp
-        per_expert = max(1, tokens * model.top_k // model.experts)
-        out += [(tokens, model.experts, h), (per_expert, fe, h), (per_expert, h, fe)]
+        out += [(tokens, model.experts, h)]
         if model.shared_experts:
             width = model.shared_experts * fe
             out += [(tokens, width, h), (tokens, h, width)]
@@ -222,6 +230,55 @@ def measure_matmul(shape: tuple, dtype: str, threads: int, budget: Budget) -> Ma
     return Matmul(dtype, threads, m, n, k, layout, 2.0 * m * n * k / seconds)
 
 
+# ---- grouped expert matmuls -------------------------------------------------------------------
+def grouped_shapes(model: ModelSpec, plan: ParallelPlan, ranks: int, quick: bool) -> list[tuple]:
+    """(groups, tokens, n, k) of a MoE layer's three expert projections (w1, w3 share a shape)
+    at the recipe's micro-batch (and half of it, what CP leaves), for each expert-parallel split
+    up to `ranks`: experts / ep groups over tokens x top_k routed rows (balanced routing)."""
+    if not model.is_moe:
+        return []
+    full = plan.micro_batch * model.seq_len
+    token_counts = [full] if quick else sorted({full, max(1, full // 2)})
+    eps = [e for e in (1, 2, 4, 8) if e <= max(1, ranks) and model.experts % e == 0]
+    h, fe = model.hidden, model.expert_ffn
+    out = set()
+    for tokens in token_counts:
+        for ep in eps:
+            groups, rows = model.experts // ep, tokens * model.top_k
+            out |= {(groups, rows, fe, h), (groups, rows, h, fe)}
+    return sorted(out)
+
+
+def _grouped_operands(groups: int, tokens: int, n: int, k: int, layout: str, dtype):
+    """`torch._grouped_mm` as the experts' autograd runs it (`fivefold.model.moe`): forward
+    x [T, k] @ W[g, n, k]^T; input gradient g [T, n] @ W [g, n, k]; weight gradient
+    g[T, n]^T @ x [T, k] per group -> [g, n, k]; `tokens` split evenly over the groups."""
+    gen = torch.Generator().manual_seed(0)
+    rows = max(1, tokens // groups)
+    offs = torch.arange(1, groups + 1, dtype=torch.int32) * rows
+    x = torch.randn(rows * groups, k, generator=gen).to(dtype)
+    g = torch.randn(rows * groups, n, generator=gen).to(dtype)
+    w = torch.randn(groups, n, k, generator=gen).to(dtype)
+    if layout == "nt":
+        return lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+    if layout == "nn":
+        return lambda: torch._grouped_mm(g, w, offs=offs)
+    return lambda: torch._grouped_mm(g.t(), x, offs=offs)
+
+
+def measure_grouped(shape: tuple, dtype: str, threads: int, budget: Budget) -> list:
+    """The three passes of one grouped expert projection, as `GroupedMatmul` rows."""
+    groups, tokens, n, k = shape
+    rows = max(1, tokens // groups) * groups
+    out = []
+    for layout in LAYOUTS:
+        fn = _grouped_operands(groups, tokens, n, k, layout, TORCH_DTYPES[dtype])
+        seconds = typical_time_s(fn, budget)
+        flops = 2.0 * rows * n * k
+        out.append(GroupedMatmul(dtype, threads, groups, rows, n, k, layout, flops / seconds))
+    return out
+
+
 # ---- attention ----------------------------------------------------------------------------------
 def attention_passes(
     batch: int, heads: int, kv_heads: int, seq: int, head_dim: int, budget: Budget
@@ -256,22 +313,68 @@ def _backward_time(forward: Callable[[], torch.Tensor], grad: torch.Tensor, budg
     return lower_quartile(times[1:])
 
 
-def attention_flops(batch: int, heads: int, seq: int, head_dim: int) -> float:
-    """Causal forward FLOPs: QK^T and AV over seq/2 keys per query (the planner's count)."""
-    return 4.0 * batch * seq * (seq / 2) * head_dim * heads
+def cp_rank_blocks(batch: int, seq: int, cp: int) -> list:
+    """CP rank 0's attention blocks (one document per row): its two load-balanced query chunks
+    against the keys of every rank laid out in rank order, as the runtime builds them."""
+    from fivefold.model.attention import DocumentLayout, document_blocks
+    from fivefold.parallel.context_parallel import local_chunks, rank_order_chunks
+
+    chunk = seq // (2 * cp)
+    layout = DocumentLayout(None, batch, seq)
+    return document_blocks(local_chunks(0, cp, chunk), rank_order_chunks(cp, chunk), layout)
+
+
+def cp_attention_passes(
+    batch: int, heads: int, kv_heads: int, seq: int, cp: int, head_dim: int, budget: Budget
+) -> tuple[float, float]:
+    """(forward, backward) seconds of one rank's share of context-parallel attention over a
+    `seq`-token sequence split `cp` ways, as the runtime computes it
+    (`fivefold.parallel.context_parallel`): the rank's two load-balanced chunks of queries
+    against every chunk of keys, one document per row, through the model's block kernels
+    (causal on the diagonal, full below) and their log-sum-exp merges. Rank 0's blocks; every
+    rank does the same work. No transfer is timed."""
+    from fivefold.model.attention import block_attention
+
+    chunk = seq // (2 * cp)
+    blocks = cp_rank_blocks(batch, seq, cp)
+    gen = torch.Generator().manual_seed(0)
+
+    def leaf(tokens: int, h: int) -> torch.Tensor:
+        return torch.randn(batch, tokens, h, head_dim, generator=gen).requires_grad_(True)
+
+    q, k, v = leaf(2 * chunk, heads), leaf(seq, kv_heads), leaf(seq, kv_heads)
+    grad = torch.randn(batch, heads, 2 * chunk, head_dim, generator=gen)
+
+    def forward() -> torch.Tensor:
+        return block_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), blocks)
+
+    return typical_time_s(forward, budget), _backward_time(forward, grad, budget)
+
+
+def attention_flops(batch: int, heads: int, seq: int, head_dim: int, cp: int = 1) -> float:
+    """Causal forward FLOPs of one rank's `seq` tokens of a sequence `cp` times as long: QK^T
+    and AV over cp * seq / 2 keys per query on average (the planner's count)."""
+    return 4.0 * batch * seq * (cp * seq / 2) * head_dim * heads
 
 
 def measure_attention(
     model: ModelSpec, plan: ParallelPlan, ranks: int, threads: int, budget: Budget, quick: bool
 ) -> Iterator[Attention]:
-    cps = [1] if quick else [c for c in (1, 2) if c <= max(1, ranks)]
+    """The single-process core at each TP split (cp = 1 rows) and, up to `ranks`, the block
+    attention of ring / all-gather context parallelism at each CP split (cp > 1 rows)."""
+    s = model.seq_len
+    cps = [1] if quick else [c for c in (1, 2, 4) if c <= max(1, ranks) and s % (2 * c) == 0]
     for tp in tp_degrees(model, ranks):
         for cp in cps:
-            heads, kv, seq = model.heads // tp, model.kv_heads // tp, model.seq_len // cp
-            fwd, bwd = attention_passes(plan.micro_batch, heads, kv, seq, model.head_dim, budget)
-            flops = attention_flops(plan.micro_batch, heads, seq, model.head_dim)
+            heads, kv, seq = model.heads // tp, model.kv_heads // tp, s // cp
+            shape = (plan.micro_batch, heads, kv)
+            if cp == 1:
+                fwd, bwd = attention_passes(*shape, s, model.head_dim, budget)
+            else:
+                fwd, bwd = cp_attention_passes(*shape, s, cp, model.head_dim, budget)
+            flops = attention_flops(plan.micro_batch, heads, seq, model.head_dim, cp)
             yield Attention(
-                "fp32", threads, plan.micro_batch, heads, kv, seq, model.head_dim,
+                "fp32", threads, plan.micro_batch, heads, kv, seq, model.head_dim, cp,
                 flops / fwd, 2 * flops / bwd,
             )  # fmt: skip
 
@@ -354,9 +457,11 @@ def optimizer_time_s(model: ModelSpec, budget: Budget) -> tuple[float, int]:
 
 
 def measure_bandwidth(
-    model: ModelSpec, plan: ParallelPlan, threads: int, budget: Budget
+    model: ModelSpec, plan: ParallelPlan, threads: int, budget: Budget, processes: int = 1
 ) -> list[Bandwidth]:
-    """Bandwidths in the planner's byte accounting (`fivefold.planner.compute`)."""
+    """Bandwidths in the planner's byte accounting (`fivefold.planner.compute`); `processes`:
+    how many local processes run this at once (`fivefold.parallel.calibrate_comm` runs it on
+    every rank of its worlds, so the rows see memory bandwidth shared as a run shares it)."""
     dense = replace(model, experts=0, top_k=0, shared_experts=0, dense_layers=0)
     one = ParallelPlan(micro_batch=plan.micro_batch, precision="fp32")
     elem_bytes = layer_elementwise_bytes(dense, one, False, ComputeOptions())
@@ -366,11 +471,11 @@ def measure_bandwidth(
     logits = tokens * model.vocab
     opt_s, params = optimizer_time_s(dense, budget)
     return [
-        Bandwidth("elementwise_forward", threads, elem_bytes / fwd),
-        Bandwidth("elementwise_backward", threads, 2 * elem_bytes / bwd),
-        Bandwidth("loss_forward", threads, 10 * logits / loss_f),
-        Bandwidth("loss_backward", threads, 14 * logits / loss_b),
-        Bandwidth("optimizer", threads, params * optimizer_bytes_per_param(one) / opt_s),
+        Bandwidth("elementwise_forward", threads, processes, elem_bytes / fwd),
+        Bandwidth("elementwise_backward", threads, processes, 2 * elem_bytes / bwd),
+        Bandwidth("loss_forward", threads, processes, 10 * logits / loss_f),
+        Bandwidth("loss_backward", threads, processes, 14 * logits / loss_b),
+        Bandwidth("optimizer", threads, processes, params * optimizer_bytes_per_param(one) / opt_s),
     ]
 
 
@@ -434,9 +539,45 @@ def tp_extra_s(
     when three layers fit under `OPTIMIZER_MAX_PARAMS`, else at the tiny shape."""
     layer = sum(p.numel() for p in TransformerBlock(0, dense).parameters())
     spec, b = (dense, batch) if 3 * layer <= OPTIMIZER_MAX_PARAMS else (tiny_like(dense, 1), 1)
-    plain = per_layer_s(Transformer, spec, budget, b)
-    with_tp = per_layer_s(tp, spec, budget, b)
-    return max(0.0, with_tp[0] - plain[0]), max(0.0, with_tp[1] - plain[1])
+    return paired_extra_s(Transformer, tp, spec, budget, b)
+
+
+def paired_extra_s(
+    base: Callable[[ModelSpec], nn.Module],
+    variant: Callable[[ModelSpec], nn.Module],
+    spec: ModelSpec,
+    budget: Budget,
+    batch: int = 1,
+) -> tuple[float, float]:
+    """(forward, backward) seconds `variant` adds to one layer over `base`, at `spec`'s shape:
+    1- and 3-layer models of each, timed one pass each in turn, round after round; per round
+    ((variant 3 - variant 1) - (base 3 - base 1)) / 2, and the median over the rounds. Other
+    work on the machine slows the four alike within a round, so its drifts cancel (two
+    separate per-layer figures subtracted swung by several ms per layer under load)."""
+    from torch.distributed.tensor import DTensor
+
+    tokens = torch.zeros(batch, spec.seq_len, dtype=torch.long)
+    models = [build(replace(spec, layers=n)) for build in (base, variant) for n in (1, 3)]
+
+    def one_pass(model: nn.Module) -> tuple[float, float]:
+        now = clock()
+        tick = now()
+        out = model(tokens)
+        loss = (out.to_local() if isinstance(out, DTensor) else out).sum()
+        forward = now() - tick
+        flush_caches()
+        tick = now()
+        loss.backward()
+        return forward, now() - tick
+
+    for model in models:  # warm-up
+        one_pass(model)
+    rounds = []
+    for _ in range(max(7, budget.min_repeats)):
+        b1, b3, v1, v3 = (one_pass(m) for m in models)
+        rounds.append(tuple(((v3[i] - v1[i]) - (b3[i] - b1[i])) / 2 for i in (0, 1)))
+    fwd, bwd = (statistics.median(r[i] for r in rounds) for i in (0, 1))
+    return max(0.0, fwd), max(0.0, bwd)
 
 
 def measure_overhead(
@@ -449,12 +590,15 @@ def measure_overhead(
     """The fixed seconds of one layer, at a shape where its arithmetic is negligible: Python,
     autograd and the dispatch of each op (`per_layer_s`). Dense and MoE layers apart; and the
     extra of tensor parallelism (DTensor dispatch, sharding propagation and redistribution
-    copies with sequence parallelism, `tp_extra_s`, at `batch` sequences) and of a ZeRO-3
-    FSDP2 unit (its hooks; the copies around its collectives are counted by bytes in the
-    planner), both on a one-rank mesh, so no transfer is timed. The MoE layer is `moe`'s
+    copies with sequence parallelism, `tp_extra_s`, at `batch` sequences) and of a
+    data-parallel unit wrapped as the runtime wraps it for ZeRO-3, ZeRO-0 (`replicate`) and
+    ZeRO-1/2 (`fully_shard` kept gathered after forward): their hooks; the copies around the
+    collectives are counted by bytes in the planner; and of a MoE layer under expert
+    parallelism (the all-to-all dispatcher, DTensor expert shards, the global load-balancing
+    loss). Each extra paired against the plain model (`paired_extra_s`), all on a one-rank
+    mesh, so no transfer is timed. The MoE layer is `moe`'s
     (default `model`'s; a dense model's MoE figures are its dense ones)."""
-    from torch.distributed.fsdp import fully_shard
-
+    from fivefold.parallel.expert_parallel import apply_expert_parallel
     from fivefold.parallel.tensor_parallel import apply_tensor_parallel
 
     full = replace(model, experts=0, top_k=0, shared_experts=0, expert_ffn=0, dense_layers=0)
@@ -472,25 +616,48 @@ def measure_overhead(
             apply_tensor_parallel(net, mesh, spec, sequence_parallel=True)
             return net
 
-        def zero3(spec: ModelSpec) -> nn.Module:
+        def wrapped(zero: int) -> Callable[[ModelSpec], nn.Module]:
+            def build(spec: ModelSpec) -> nn.Module:
+                net = Transformer(spec)
+                for block in net.layers.values():
+                    _wrap_unit(block, mesh, zero, reshard=zero == 3)
+                _wrap_unit(net, mesh, zero, reshard=False)
+                return net
+
+            return build
+
+        def ep(spec: ModelSpec) -> nn.Module:
             net = Transformer(spec)
-            for block in net.layers.values():
-                fully_shard(block, mesh=mesh, reshard_after_forward=True)
-            fully_shard(net, mesh=mesh, reshard_after_forward=False)
+            apply_expert_parallel(net, mesh, aux_group=mesh.get_group(), expert_grad_scale=1.0)
             return net
 
         tp_f, tp_b = tp_extra_s(tp, full, budget, batch)
-        fsdp_f, fsdp_b = per_layer_s(zero3, dense, budget)
-    return Overhead(
-        threads, plain_f, plain_b, moe_f, moe_b, tp_f, tp_b,
-        max(0.0, fsdp_f - plain_f), max(0.0, fsdp_b - plain_b),
-    )  # fmt: skip
+        units = [paired_extra_s(Transformer, wrapped(z), dense, budget) for z in (3, 0, 1)]
+        ep_extra = (
+            paired_extra_s(Transformer, ep, tiny_like(moe, 1), budget) if moe.is_moe else (0, 0)
+        )
+    extra = [t for unit in units for t in unit]
+    return Overhead(threads, plain_f, plain_b, moe_f, moe_b, tp_f, tp_b, *extra, *ep_extra)
+
+
+def _wrap_unit(module: nn.Module, mesh: DeviceMesh, zero: int, reshard: bool) -> None:
+    """Wrap `module` as the runtime does for ZeRO `zero` (`fivefold.parallel.data_parallel`):
+    FSDP2's `replicate` for ZeRO-0, else `fully_shard`."""
+    from torch.distributed.fsdp import fully_shard
+
+    if zero == 0:
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+
+        replicate(module, mesh=mesh)
+    else:
+        fully_shard(module, mesh=mesh, reshard_after_forward=reshard)
 
 
 # ---- all compute measurements --------------------------------------------------------------
 @dataclass
 class ComputeTables:
     matmul: list[Matmul]
+    grouped_matmul: list[GroupedMatmul]
     attention: list[Attention]
     bandwidth: list[Bandwidth]
     overhead: list[Overhead]
@@ -512,6 +679,7 @@ def compute_steps(
     dtypes = ["fp32"] + (["bf16"] if bf16 == "native" and not quick else [])
     models = [model, *also]
     shapes = sorted({s for m in models for s in gemm_shapes(m, plan, ranks, quick)})
+    grouped = sorted({s for m in models for s in grouped_shapes(m, plan, ranks, quick)})
     moe = next((m for m in models if m.is_moe), model)
     steps: list[tuple[str, Callable[[], list]]] = []
     for threads in thread_counts(cores):
@@ -530,6 +698,14 @@ def compute_steps(
                     (
                         label,
                         at(lambda s=shape, d=dtype, t=threads: [measure_matmul(s, d, t, budget)]),
+                    )
+                )
+            for shape in grouped:
+                label = f"grouped matmul {dtype} {shape[0]} x {shape[1]}x{shape[2]}x{shape[3]}"
+                steps.append(
+                    (
+                        f"{label}, {threads}t",
+                        at(lambda s=shape, d=dtype, t=threads: measure_grouped(s, d, t, budget)),
                     )
                 )
         for m in models:
@@ -561,6 +737,7 @@ def compute_steps(
 def sort_rows(rows: list) -> ComputeTables:
     return ComputeTables(
         [r for r in rows if isinstance(r, Matmul)],
+        [r for r in rows if isinstance(r, GroupedMatmul)],
         [r for r in rows if isinstance(r, Attention)],
         [r for r in rows if isinstance(r, Bandwidth)],
         [r for r in rows if isinstance(r, Overhead)],
@@ -590,6 +767,7 @@ def build_profile(
         torch=torch.__version__,
         created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         matmul=tuple(tables.matmul),
+        grouped_matmul=tuple(tables.grouped_matmul),
         attention=tuple(tables.attention),
         bandwidth=tuple(tables.bandwidth),
         overhead=tuple(tables.overhead),

@@ -10,7 +10,9 @@ alone, and a run of w ranks sees the former). Each row is the slowest
 rank's mean time over a few iterations after a warm-up, the fastest of three such rounds, with
 nccl-tests' algorithm bandwidth (size / time) and bus bandwidth (algbw x 2(n-1)/n for
 all-reduce, x (n-1)/n for all-gather, reduce-scatter and all-to-all, x 1 for send/recv).
-`fit_alpha_beta` fits time = alpha + size / beta by least squares on relative error.
+`fit_alpha_beta` fits time = alpha + size / beta by least squares on relative error. On a CPU
+each world then runs the memory-bound benchmarks on all its processes at once (`memory`), as
+the ranks of a run share the memory bandwidth.
 
 Written by hand: nccl-tests needs CUDA; torch has no collective benchmark.
 """
@@ -119,7 +121,9 @@ def _sync(device: Any) -> None:
         torch.cuda.synchronize(device)
 
 
-def _worker(rank: int, world: int, init_file: str, quick: bool, out: Any) -> None:
+def _worker(
+    rank: int, world: int, init_file: str, quick: bool, out: Any, memory: tuple | None = None
+) -> None:
     import torch
     import torch.distributed as dist
 
@@ -158,6 +162,8 @@ def _worker(rank: int, world: int, init_file: str, quick: bool, out: Any) -> Non
                         rounds.append(float(took.item()))
                     if rank == 0:
                         out.put(("row", op, g, size, min(rounds)))
+        if memory is not None and not cuda:
+            _shared_bandwidth(rank, world, quick, memory, out)
         dist.barrier()
         dist.destroy_process_group()
         if rank == 0:
@@ -170,23 +176,49 @@ def _worker(rank: int, world: int, init_file: str, quick: bool, out: Any) -> Non
         os._exit(0)  # spawn workers can abort at interpreter exit otherwise (see notes)
 
 
+def _shared_bandwidth(rank: int, world: int, quick: bool, memory: tuple, out: Any) -> None:
+    """Every rank measures the memory-bound work at once (after a barrier, the same sequence
+    of kernels), so each sees the bandwidth the others leave it; rank 0 reports its rows."""
+    import torch
+    import torch.distributed as dist
+
+    from fivefold.parallel.calibrate import QUICK, Budget, measure_bandwidth
+
+    model, plan = memory
+    dist.barrier()
+    rows = measure_bandwidth(
+        model, plan, torch.get_num_threads(), QUICK if quick else Budget(), processes=world
+    )
+    if rank == 0:
+        out.put(("bandwidth", rows))
+
+
 # ---- the parent -------------------------------------------------------------------------------
 def measure_collectives(
-    ranks: int, quick: bool, on_row: Callable[[CollectiveSample], None] | None = None
-) -> tuple[str, list[CollectiveSample]]:
-    """(backend, samples) over 2, 4, ... `ranks` spawned processes in turn (`worlds`); `on_row`
-    sees each sample as it comes."""
-    backend, samples = "none", []
+    ranks: int,
+    quick: bool,
+    on_row: Callable[[CollectiveSample], None] | None = None,
+    memory: tuple | None = None,
+) -> tuple[str, list[CollectiveSample], list]:
+    """(backend, samples, bandwidth rows) over 2, 4, ... `ranks` spawned processes in turn
+    (`worlds`); `on_row` sees each sample as it comes. `memory` = (model, plan): on a CPU every
+    world also measures the memory-bound work on all its processes at once
+    (`fivefold.parallel.calibrate.measure_bandwidth`, rows tagged with the world)."""
+    backend, samples, bandwidth = "none", [], []
     for world in worlds(ranks):
-        backend, more = _measure_world(world, quick, on_row)
+        backend, more, rows = _measure_world(world, quick, on_row, memory)
         samples += more
-    return backend, samples
+        bandwidth += rows
+    return backend, samples, bandwidth
 
 
 def _measure_world(
-    ranks: int, quick: bool, on_row: Callable[[CollectiveSample], None] | None
-) -> tuple[str, list[CollectiveSample]]:
-    """(backend, samples) of every group size of `ranks` spawned processes."""
+    ranks: int,
+    quick: bool,
+    on_row: Callable[[CollectiveSample], None] | None,
+    memory: tuple | None = None,
+) -> tuple[str, list[CollectiveSample], list]:
+    """(backend, samples, bandwidth rows) of every group size of `ranks` spawned processes."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -194,12 +226,13 @@ def _measure_world(
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         procs = [
-            ctx.Process(target=_worker, args=(r, ranks, init_file, quick, out), daemon=True)
+            ctx.Process(target=_worker, args=(r, ranks, init_file, quick, out, memory), daemon=True)
             for r in range(ranks)
         ]
         for p in procs:
             p.start()
         samples: list[CollectiveSample] = []
+        bandwidth: list = []
         backend = ""
         deadline = time.monotonic() + TIMEOUT_S
         try:
@@ -224,6 +257,9 @@ def _measure_world(
                 if msg[0] == "done":
                     backend = msg[1]
                     continue
+                if msg[0] == "bandwidth":
+                    bandwidth = msg[1]
+                    continue
                 _, op, g, size, seconds = msg
                 algbw = size / seconds
                 sample = CollectiveSample(
@@ -237,7 +273,7 @@ def _measure_world(
                 p.join(timeout=10)
                 if p.is_alive():
                     p.kill()
-    return backend, samples
+    return backend, samples, bandwidth
 
 
 def fit_alpha_beta(sizes: list[float], times: list[float]) -> tuple[float, float]:

@@ -40,10 +40,11 @@ warnings.filterwarnings("ignore", message=r"OptimState\w+ does not implement _st
 
 def torchao_problems(field: str) -> list[str]:
     """[] when torchao can be imported, else the message naming `field` and the install."""
-    if importlib.util.find_spec("torchao") is not None:
+    why = _torchao_import_error()
+    if why is None:
         return []
     return [
-        f"{field} needs torchao, which is not installed: `{INSTALL_HINT}` (torchao 0.18.0), "
+        f"{field} needs torchao, which {why}: `{INSTALL_HINT}` (torchao 0.18.0), "
         "or set it back to its default."
     ]
 
@@ -66,6 +67,13 @@ def import_torchao() -> None:
     problems = torchao_problems("this plan")
     if problems:
         raise ConfigError(problems)
+
+
+def _torchao_import_error() -> str | None:
+    """None once torchao is imported (its import-time log lines silenced), else why it is not:
+    not installed, or installed but failing to import (e.g. built for another PyTorch)."""
+    if importlib.util.find_spec("torchao") is None:
+        return "is not installed"
     quiet = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
     levels = [logger.level for logger in quiet]
     try:
@@ -74,9 +82,12 @@ def import_torchao() -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             import torchao  # noqa: F401
+    except Exception as err:  # a broken install fails in many ways; all mean the same here
+        return f"is installed but fails to import ({type(err).__name__}: {err}); reinstall it"
     finally:
         for logger, level in zip(quiet, levels, strict=True):
             logger.setLevel(level)
+    return None
 
 
 def _dense(value: Any) -> Any:

@@ -38,13 +38,16 @@ The efficiency model (parameters in `fivefold.planner.calibration`, fitted by
 
 A device measured by `fivefold calibrate` (`device.measured`, `fivefold.spec.profile`) replaces
 the efficiency model by its measurements: every matmul as eager code runs it (wq, wk, wv
-separately) is timed from the measured GEMM table, each pass on its own shape and operand layout
-(forward x W^T on (m, n, k), input gradient g W on (m, k, n), weight gradient g^T x on (n, k, m);
+separately; a MoE layer's routed experts as the model's three `torch._grouped_mm` calls,
+`expert_projections`, from the measured grouped table) is timed from the measured GEMM table,
+each pass on its own shape and operand layout (forward x W^T on (m, n, k), input gradient g W
+on (m, k, n), weight gradient g^T x on (n, k, m);
 the exact shape when measured, else interpolated by arithmetic intensity); the attention core
 from its measured forward and backward rates; the element-wise bytes below, the loss and the
 optimizer from bandwidths measured in the same byte accounting (so the unfused-traffic factor
 is already in them); and the fixed cost of a layer from the profile's measured forward and
-backward values for its kind (dense or MoE, plus tensor parallelism's and a ZeRO-3 unit's extra,
+backward values for its kind (dense or MoE, plus tensor and expert parallelism's extra and
+that of the data-parallel units the runtime wraps it in for the plan's ZeRO level,
 `Measured.layer_overhead_s`).
 
 Written by hand: PyTorch's FLOP counters need the model and a device; the planner needs neither.
@@ -235,13 +238,16 @@ def attention_times_s(
     model: ModelSpec, plan: ParallelPlan, device: GPUSpec, eff: EfficiencyModel
 ) -> tuple[float, float]:
     """(forward, backward) seconds of the fused attention core: the efficiency model's fraction
-    of the bf16 peak and backward ratio, or a measured device's rates (backward: 2x the FLOPs)."""
+    of the bf16 peak and backward ratio, or a measured device's rates (backward: 2x the FLOPs);
+    under ring or all-gather context parallelism the rates measured for the runtime's block
+    kernels at that cp (smaller blocks, their log-sum-exp merges and Python per block)."""
     flops = attention_flops(model, plan)
     fwd_bytes, bwd_bytes = attention_bytes(model, plan)
     if device.measured is not None:
         dtype = recipe(plan.precision).compute_dtype
+        blocks = plan.cp if plan.cp_kind in ("ring", "allgather") else 1  # block kernels
         fwd, bwd = device.measured.attention_flops_per_s(
-            model.seq_len / plan.cp, model.head_dim, dtype
+            model.seq_len / plan.cp, model.head_dim, dtype, blocks
         )
         forward, backward = flops / fwd, 2.0 * flops / bwd
     else:
@@ -437,12 +443,21 @@ def _measured_layer_work(
         return fwd, dgrad, wgrad
 
     gemm_f, gemm_b, gemm_w = passes(gemms)
+    if moe:
+        grouped = device.measured.grouped_time_s
+        for shape in expert_projections(model, plan):
+            gemm_f += grouped(*shape, dtype, "nt")
+            gemm_b += grouped(*shape, dtype, "nn")
+            gemm_w += grouped(*shape, dtype, "tn")
     attn_f, attn_b = attention_times_s(model, plan, device, eff)
     elem_bytes = layer_elementwise_bytes(model, plan, moe, opts)
     elem_flops = layer_elementwise_flops(model, plan, moe)
     elem_f = roofline_s(elem_flops, elem_bytes, device, eff, "elementwise_forward")
     elem_b = roofline_s(2 * elem_flops, 2 * elem_bytes, device, eff, "elementwise_backward")
-    over_f, over_b = device.measured.layer_overhead_s(moe, plan.tp > 1, plan.zero == 3)
+    units = 2 if moe and plan.ep > 1 else 1  # the runtime wraps EP experts apart
+    over_f, over_b = device.measured.layer_overhead_s(
+        moe, plan.tp > 1, plan.zero, units, plan.ep > 1
+    )
     forward = gemm_f + attn_f + elem_f + over_f
     if plan.recompute == "full":
         recompute = forward - _early_stop_s(model, plan, device, eff, moe, opts)
@@ -457,10 +472,9 @@ def _measured_layer_work(
 
 
 def _split_fused(model: ModelSpec, plan: ParallelPlan, gemms: list, moe: bool) -> list:
-    """The per-matrix matmuls in execution order (wq, wk, wv, wo, w1, w3, w2) of a dense layer,
-    as eager code runs them; MoE layers keep the grouped list."""
-    if moe:
-        return gemms
+    """The per-matrix matmuls in execution order as eager code runs them (wq, wk, wv, wo, then
+    w1, w3, w2 of a dense layer, or the router and the shared experts' w1, w3, w2 of a MoE
+    layer); the routed experts are grouped matmuls apart (`expert_projections`)."""
     t = plan.tp
     tokens, h = gemms[0][0], model.hidden
     kv = local_kv_width(model, t)
@@ -470,10 +484,26 @@ def _split_fused(model: ModelSpec, plan: ParallelPlan, gemms: list, moe: bool) -
         (tokens, kv, h, 1.0),
         gemms[1],
     ]
+    if moe:
+        out.append(gemms[2])  # the router
+        width = model.shared_experts * model.expert_ffn / t
+        if width:
+            out += [(tokens, width, h, 1.0), (tokens, width, h, 1.0), (tokens, h, width, 1.0)]
+        return out
     f = model.ffn / t
     if model.mlp == "swiglu":
         return [*out, (tokens, f, h, 1.0), (tokens, f, h, 1.0), gemms[3]]
     return [*out, gemms[2], gemms[3]]
+
+
+def expert_projections(model: ModelSpec, plan: ParallelPlan) -> list[tuple[float, ...]]:
+    """The routed experts' three grouped matmuls (w1, w3, w2) of one MoE layer on one rank as
+    (groups, tokens, n, k): the rank's experts / ep groups share tokens x top_k rows (every
+    rank's tokens routed to these experts, balanced), forward shape (rows x k) @ (k x n)."""
+    groups = model.experts / plan.ep
+    rows = plan.micro_batch * model.seq_len / plan.cp * model.top_k
+    fe, h = model.expert_ffn / plan.tp, model.hidden
+    return [(groups, rows, fe, h), (groups, rows, fe, h), (groups, rows, h, fe)]
 
 
 def _alternate(gemms: list) -> list:

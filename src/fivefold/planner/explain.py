@@ -237,7 +237,7 @@ class _Explainer:
                 "there is no bubble. "
             )
         else:
-            bubble_s = est.breakdown_s.get("pipeline_bubble_s", 0.0)
+            bubble_s = max(est.breakdown_s.get("pipeline_bubble_s", 0.0), 0.0)  # no "-0 us"
             text = (
                 f"Pipeline: PP = {p.pp} stages ({_layers_text(est)} layers each) with "
                 f"{p.schedule}"

@@ -115,6 +115,8 @@ class PlannerOptions:
                 if not (ok and math.isfinite(value) and 0 <= value < upper):
                     bound = "in [0, 1)" if upper == 1.0 else "a finite number >= 0"
                     out.append(f"{name} = {value!r}: must be {bound}.")
+                elif f.name == "dp_bucket_bytes" and value == 0:
+                    out.append(f"{name} = 0: a bucket must hold some bytes, e.g. 25M (25 MiB).")
         return out
 
     def validate(self) -> None:

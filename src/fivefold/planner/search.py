@@ -682,8 +682,9 @@ def _search(
                 f"fixed plan field {name!r} is not a plan setting; known: {', '.join(FIXABLE)}."
             )
     if not problems:  # what the runtime refuses whatever the search picks around the pins
-        pins = ParallelPlan(**{k: v for k, v in (fixed or {}).items() if k in PLAN_FIELDS})
+        pins = lever_probe({k: v for k, v in (fixed or {}).items() if k in PLAN_FIELDS})
         problems += pins.with_(precision="fp32").runtime_problems(model)
+        problems += pins.device_problems(cluster)
         by_precision = [ParallelPlan(precision=p).runtime_problems() for p in precisions]
         if all(by_precision):
             problems += [p for found in by_precision for p in found]
@@ -755,6 +756,13 @@ def _search(
     return result
 
 
+def lever_probe(fields: dict[str, Any]) -> ParallelPlan:
+    """A plan of `fields` on the smallest layout their own rules allow (offload "all" needs
+    ZeRO-3 over at least 2 ranks), so that only what the runtime refuses for every layout counts."""
+    base: dict[str, Any] = {"zero": 3, "dp_shard": 2} if fields.get("offload") == "all" else {}
+    return ParallelPlan(**{**base, **fields})
+
+
 def lever_sets(
     model: ModelSpec, cluster: ClusterSpec, fixed: dict[str, Any]
 ) -> tuple[dict[str, str], ...]:
@@ -769,7 +777,7 @@ def lever_sets(
             continue
         if all(k in fixed for k in levers):
             continue  # the first pass had it
-        if ParallelPlan(**levers).runtime_problems(model):
+        if lever_probe(levers).runtime_problems(model):
             continue
         if "offload" in levers and (
             host(cluster.gpu) is None or not offloads(ParallelPlan(**levers), cluster.device)

@@ -318,8 +318,26 @@ class ParallelPlan:
             )
         return out
 
+    def device_problems(self, cluster: ClusterSpec) -> list[str]:
+        """What the cluster's device cannot compute, whatever the degrees: FP8 linears off
+        GPUs with FP8 matrix units (no fp8 peak in the catalog or the device profile)."""
+        if self.fp8 == "none" or "fp8" in cluster.device.peak_flops:
+            return []
+        cpu = cluster.gpu == "cpu"
+        return [
+            f"plan.fp8 = {self.fp8!r} on {cluster.gpu}: "
+            + ("the CPU has no FP8 arithmetic" if cpu else "it has no FP8 matrix units")
+            + "; FP8 training needs a GPU of CUDA compute capability 8.9 or newer (e.g. "
+            "h100-sxm, h200, b200). Set plan.fp8 = 'none'"
+            + (
+                " (`fivefold plan` still plans FP8 runs on such GPUs)."
+                if cpu
+                else ", or choose such a GPU."
+            )
+        ]
+
     def _cluster_problems(self, cluster: ClusterSpec) -> list[str]:
-        out = []
+        out = self.device_problems(cluster)
         if self.world_size != cluster.world_size:
             out.append(
                 f"plan degrees multiply to pp {self.pp} x dp_replicate {self.dp_replicate} x "

@@ -9,13 +9,24 @@ A profile is a TOML file (written by `fivefold.parallel.calibrate`, read here wi
                   torch, created
     [[matmul]]    dtype, threads, m, n, k, layout ("nt" forward x W^T, "nn" input gradient
                   g W, "tn" weight gradient g^T x), flops_per_s (2mnk / best time)
-    [[attention]] dtype, threads, batch, heads, kv_heads, seq, head_dim, forward_flops_per_s,
-                  backward_flops_per_s (causal: forward 4 * batch * heads * seq^2/2 * head_dim
-                  FLOPs, backward twice that, over the measured seconds of the model's own
-                  attention core)
-    [[bandwidth]] kind, threads, bytes_per_s. "elementwise_forward" / "elementwise_backward":
-                  the bytes `fivefold.planner.compute.layer_elementwise_bytes` counts (once
-                  forward, twice backward) over the measured time of the block's norms, RoPE,
+    [[grouped_matmul]] dtype, threads, groups, tokens, n, k, layout, flops_per_s: a MoE layer's
+                  experts as the model runs them, one `torch._grouped_mm` over `groups`
+                  experts of equal share of `tokens` routed rows, for the projection of forward
+                  shape (tokens x k) @ (k x n) per expert; layout "nt" forward, "nn" input
+                  gradient, "tn" weight gradient (per-expert g^T x), each 2 tokens n k FLOPs
+    [[attention]] dtype, threads, batch, heads, kv_heads, seq, head_dim, cp,
+                  forward_flops_per_s, backward_flops_per_s: cp = 1, the model's own attention
+                  core on `seq` tokens (causal: forward 4 * batch * heads * seq^2/2 * head_dim
+                  FLOPs, backward twice that, over its measured seconds); cp > 1, one rank's
+                  share of context-parallel attention with `seq` = its tokens (the sequence
+                  over cp): the runtime's block kernels over the load-balanced chunks and their
+                  log-sum-exp merges, 4 * batch * heads * seq * (cp * seq / 2) * head_dim FLOPs
+    [[bandwidth]] kind, threads, processes, bytes_per_s, measured while `processes` local
+                  processes ran the same work at once (1: alone; more: memory bandwidth
+                  shared by the ranks of a run as they share it). "elementwise_forward" /
+                  "elementwise_backward": the bytes
+                  `fivefold.planner.compute.layer_elementwise_bytes` counts (once forward,
+                  twice backward) over the measured time of the block's norms, RoPE,
                   activation and residual adds; "loss_forward" / "loss_backward": 10 and 14
                   bytes per fp32 logit (`compute.LOSS_BYTES_PER_LOGIT` = 24 split as there)
                   over the measured cross-entropy; "optimizer": AdamW's bytes per parameter
@@ -27,7 +38,13 @@ A profile is a TOML file (written by `fivefold.parallel.calibrate`, read here wi
                   routing and loop over experts); tp_forward_s, tp_backward_s and
                   fsdp_forward_s, fsdp_backward_s: the extra of a tensor-parallel layer (DTensor
                   dispatch, sequence parallel) and of a ZeRO-3 FSDP2 unit (hooks, gathers,
-                  reduce-scatter), measured on a one-rank mesh so no transfer is in them.
+                  reduce-scatter); replicate_forward_s, replicate_backward_s and
+                  shard_forward_s, shard_backward_s: the extra of a ZeRO-0 unit (FSDP2's
+                  `replicate`) and of a ZeRO-1/2 unit (`fully_shard` kept gathered after
+                  forward); ep_forward_s, ep_backward_s: the extra of a MoE layer under expert
+                  parallelism (the all-to-all dispatcher's Python and host syncs, the experts
+                  as DTensor shards, the global load-balancing loss); all measured on a
+                  one-rank mesh so no transfer is in them.
     [[collective]] op, ranks, world, alpha_s, beta_bytes_per_s: time(S) = alpha + S / beta
                   fitted by least squares to the samples, S in nccl-tests' convention
                   (all_reduce: the buffer; all_gather / reduce_scatter / all_to_all: the whole
@@ -60,7 +77,7 @@ from typing import Any
 from fivefold.errors import ConfigError
 from fivefold.spec.hardware import GPUSpec
 
-FORMAT = 2  # 2: overhead per layer kind; the optimizer's bytes include clipping
+FORMAT = 3  # 2: overhead per layer kind, clipping in the optimizer; 3: ZeRO-0/1/2 units
 PROFILE_ENV = "FIVEFOLD_PROFILE"
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 LAYOUTS = ("nt", "nn", "tn")
@@ -151,6 +168,21 @@ class Matmul:
 
 
 @dataclass(frozen=True)
+class GroupedMatmul:
+    """One pass of a `torch._grouped_mm` projection: `tokens` rows split evenly over `groups`
+    experts, each (tokens / groups x k) @ (k x n) in its forward shape; 2 tokens n k FLOPs."""
+
+    dtype: str
+    threads: int
+    groups: int
+    tokens: int
+    n: int
+    k: int
+    layout: str
+    flops_per_s: float
+
+
+@dataclass(frozen=True)
 class Attention:
     dtype: str
     threads: int
@@ -159,6 +191,7 @@ class Attention:
     kv_heads: int
     seq: int
     head_dim: int
+    cp: int
     forward_flops_per_s: float
     backward_flops_per_s: float
 
@@ -167,13 +200,16 @@ class Attention:
 class Bandwidth:
     kind: str
     threads: int
+    processes: int
     bytes_per_s: float
 
 
 @dataclass(frozen=True)
 class Overhead:
     """Fixed seconds per layer and micro-batch (at a shape with negligible arithmetic): a dense
-    and a MoE layer, and the extra of tensor parallelism and of a ZeRO-3 FSDP2 unit."""
+    and a MoE layer, and the extra of tensor parallelism, of expert parallelism (`ep_*`, MoE
+    layers) and of a data-parallel unit: ZeRO-3 (`fsdp_*`, FSDP2 re-sharding after forward),
+    ZeRO-1/2 (`shard_*`, kept gathered) and ZeRO-0 (`replicate_*`, FSDP2's `replicate`)."""
 
     threads: int
     layer_forward_s: float
@@ -184,6 +220,20 @@ class Overhead:
     tp_backward_s: float
     fsdp_forward_s: float
     fsdp_backward_s: float
+    replicate_forward_s: float
+    replicate_backward_s: float
+    shard_forward_s: float
+    shard_backward_s: float
+    ep_forward_s: float
+    ep_backward_s: float
+
+    def data_parallel_s(self, zero: int) -> tuple[float, float]:
+        """(forward, backward) extra of one data-parallel unit wrapped for ZeRO `zero`."""
+        if zero >= 3:
+            return self.fsdp_forward_s, self.fsdp_backward_s
+        if zero >= 1:
+            return self.shard_forward_s, self.shard_backward_s
+        return self.replicate_forward_s, self.replicate_backward_s
 
 
 @dataclass(frozen=True)
@@ -210,6 +260,7 @@ class CollectiveSample:
 
 _ROWS: dict[str, type] = {
     "matmul": Matmul,
+    "grouped_matmul": GroupedMatmul,
     "attention": Attention,
     "bandwidth": Bandwidth,
     "overhead": Overhead,
@@ -233,6 +284,7 @@ class DeviceProfile:
     torch: str = ""
     created: str = ""
     matmul: tuple[Matmul, ...] = ()
+    grouped_matmul: tuple[GroupedMatmul, ...] = ()
     attention: tuple[Attention, ...] = ()
     bandwidth: tuple[Bandwidth, ...] = ()
     overhead: tuple[Overhead, ...] = ()
@@ -374,16 +426,23 @@ def parse_profile(data: dict[str, Any], path: str = "") -> DeviceProfile:
             head[key] = str(dev[key])
     tables = {name: _rows(data, name, cls, problems) for name, cls in _ROWS.items()}
     _check_choices(tables["matmul"], "layout", LAYOUTS, "matmul", problems)
+    _check_choices(tables["grouped_matmul"], "layout", LAYOUTS, "grouped_matmul", problems)
+    _positive(
+        tables["grouped_matmul"],
+        ("threads", "groups", "tokens", "n", "k", "flops_per_s"),
+        "grouped_matmul",
+        problems,
+    )
     _check_choices(tables["bandwidth"], "kind", BANDWIDTH_KINDS, "bandwidth", problems)
     _check_choices(tables["collective"], "op", COLLECTIVES, "collective", problems)
     _positive(tables["matmul"], ("threads", "m", "n", "k", "flops_per_s"), "matmul", problems)
     _positive(
         tables["attention"],
-        ("threads", "seq", "head_dim", "forward_flops_per_s", "backward_flops_per_s"),
+        ("threads", "seq", "head_dim", "cp", "forward_flops_per_s", "backward_flops_per_s"),
         "attention",
         problems,
     )
-    _positive(tables["bandwidth"], ("threads", "bytes_per_s"), "bandwidth", problems)
+    _positive(tables["bandwidth"], ("threads", "processes", "bytes_per_s"), "bandwidth", problems)
     _positive(tables["collective"], ("beta_bytes_per_s",), "collective", problems)
     for i, row in enumerate(tables["collective"]):
         if row.ranks < 2:
@@ -518,12 +577,41 @@ class Measured:
         pts = sorted((r.intensity, r.flops_per_s) for r in same)
         return _interp(probe.intensity, [p[0] for p in pts], [p[1] for p in pts]) * scale
 
-    def attention_flops_per_s(self, seq: float, head_dim: float, dtype: str) -> tuple[float, float]:
-        """(forward, backward) rate of the attention core at the nearest measured shape."""
+    def grouped_time_s(
+        self, groups: float, tokens: float, n: float, k: float, dtype: str, layout: str
+    ) -> float:
+        """Seconds of one pass ("nt", "nn", "tn") of a grouped projection: `tokens` rows over
+        `groups` experts, forward shape (tokens / groups x k) @ (k x n) each. From the measured
+        grouped rate at the nearest shape of that layout (log distance in groups, tokens, n,
+        k); a profile without grouped rows times `groups` separate matmuls instead."""
+        flops = 2.0 * tokens * n * k
+        if flops <= 0:
+            return 0.0
+        dtype = dtype if any(r.dtype == dtype for r in self.profile.grouped_matmul) else "fp32"
+        rows = [r for r in self.profile.grouped_matmul if r.dtype == dtype]
+        rows, scale = self._at_threads([r for r in rows if r.layout == layout])
+        if rows:
+
+            def distance(r: GroupedMatmul) -> float:
+                pairs = ((r.groups, groups), (r.tokens, tokens), (r.n, n), (r.k, k))
+                return sum(abs(math.log(a / max(b, 1e-9))) for a, b in pairs)
+
+            return flops / (min(rows, key=distance).flops_per_s * scale)
+        m = tokens / groups
+        shape = {"nt": (m, n, k), "nn": (m, k, n), "tn": (n, k, m)}[layout]
+        return groups * 2.0 * m * n * k / self.gemm_flops_per_s(*shape, dtype, layout)
+
+    def attention_flops_per_s(
+        self, seq: float, head_dim: float, dtype: str, cp: int = 1
+    ) -> tuple[float, float]:
+        """(forward, backward) rate of attention on `seq` local tokens at the nearest measured
+        shape: context parallelism's block attention over `cp` ranks (the rows of the nearest
+        measured cp), else the single-process core (cp = 1)."""
         rows = [a for a in self.profile.attention if a.dtype == dtype] or list(
             self.profile.attention
         )
-        rows, scale = self._at_threads(rows)
+        near = min({a.cp for a in rows}, key=lambda c: (abs(c - cp), c))
+        rows, scale = self._at_threads([a for a in rows if a.cp == near])
         best = min(
             rows,
             key=lambda a: abs(math.log(a.seq / seq)) + abs(math.log(a.head_dim / head_dim)),
@@ -531,23 +619,37 @@ class Measured:
         return best.forward_flops_per_s * scale, best.backward_flops_per_s * scale
 
     def bandwidth(self, kind: str) -> float:
+        """Bytes/s of `kind` for this rank: the rows at the nearest thread count measured with
+        as many processes streaming at once as this run has ranks (else the nearest)."""
         rows, scale = self._at_threads([b for b in self.profile.bandwidth if b.kind == kind])
-        return max(r.bytes_per_s for r in rows) * scale
+        near = min({r.processes for r in rows}, key=lambda n: (abs(n - self.ranks), n))
+        return max(r.bytes_per_s for r in rows if r.processes == near) * scale
 
     def layer_overhead_s(
-        self, moe: bool = False, tp: bool = False, fsdp: bool = False
+        self,
+        moe: bool = False,
+        tp: bool = False,
+        zero: int | None = None,
+        units: int = 1,
+        ep: bool = False,
     ) -> tuple[float, float]:
         """(forward, backward) fixed seconds of one layer and micro-batch: a dense or MoE
-        layer, plus tensor parallelism's and a ZeRO-3 unit's extra when they apply; a share
-        of the cores stretches them (they run on one thread)."""
+        layer, plus tensor parallelism's extra, expert parallelism's on a MoE layer (`ep`)
+        and, when `zero` is given, that of `units`
+        data-parallel units wrapped for that ZeRO level (the runtime wraps every block, and
+        under EP a MoE block's experts apart: two); a share of the cores stretches them (they
+        run on one thread)."""
         rows, _ = self._at_threads(list(self.profile.overhead))
         row = rows[0]
         fwd = row.moe_forward_s if moe else row.layer_forward_s
         bwd = row.moe_backward_s if moe else row.layer_backward_s
         if tp:
             fwd, bwd = fwd + row.tp_forward_s, bwd + row.tp_backward_s
-        if fsdp:
-            fwd, bwd = fwd + row.fsdp_forward_s, bwd + row.fsdp_backward_s
+        if ep and moe:
+            fwd, bwd = fwd + row.ep_forward_s, bwd + row.ep_backward_s
+        if zero is not None:
+            dp_f, dp_b = row.data_parallel_s(zero)
+            fwd, bwd = fwd + units * dp_f, bwd + units * dp_b
         return fwd / self.share, bwd / self.share
 
     def collective(self, op: str, n: int) -> tuple[float, float]:

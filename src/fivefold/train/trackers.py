@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import netrc
 import os
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 from fivefold.spec.recipe import Recipe
 from fivefold.train.metrics import StepMetrics, TensorBoardWriter, scalars
@@ -52,9 +54,30 @@ def tracker_problems(names: list) -> list[str]:
                 f"train.trackers: {name!r} needs the {OPTIONAL[name]} package, which is not "
                 f"installed; pip install 'fivefold[{name}]', or drop it from train.trackers."
             )
+    if "wandb" in names and not _wandb_can_log():
+        out.append(
+            "train.trackers: 'wandb' has no W&B credentials here (no WANDB_API_KEY, no entry "
+            "for the W&B host in ~/.netrc): run `wandb login`, or set WANDB_MODE=offline to log "
+            "into the run directory (`wandb sync` uploads later)."
+        )
     if len({str(n) for n in names}) != len(names):
         out.append(f"train.trackers = {names!r}: name each tracker once.")
     return out
+
+
+def _wandb_can_log() -> bool:
+    """Whether wandb.init will start without asking for a key: offline or disabled mode, an API
+    key in the environment, or `wandb login`'s entry for the W&B host in the netrc file."""
+    if os.environ.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun"):
+        return True
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    path = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
+    try:
+        return netrc.netrc(path).authenticators(host or "") is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
 
 
 class WandbTracker:
