@@ -207,3 +207,22 @@ def test_torchtitan_rows_run_on_the_gpu_the_source_describes():
         assert setups[row].cluster.inter_node_bw == 50e9  # "400 Gb/s per GPU"
     # The Megatron rows keep the catalog H100 SXM of the dgx-h100 preset.
     assert setups["39"].cluster.device.hbm_bw_bytes_per_s == 3.35e12
+
+
+def test_nanotron_64_node_collapse_is_beyond_the_collective_model():
+    """docs/planner.md section 5: nanotron's 64-node cells lose far more than their collectives
+    can cost. nanotron reduces gradients in torch DDP buckets (bucket_cap_mb 25), so its rows
+    say "bucket"; even with every DP/ZeRO collective exposed (no overlap) and issued per tensor
+    at the cluster's link figures, the 1.34B cell stays more than 40 % fast."""
+    from dataclasses import replace
+
+    from fivefold.planner.estimate import estimate
+
+    nanotron = [s for s in run_setups() if s.source == "nanotron"]
+    assert {s.options.collective_granularity for s in nanotron} == {"bucket"}
+    (setup,) = [s for s in nanotron if s.row == "nanotron-64n-1.34b"]
+    worst = replace(setup.options, dp_overlap=False, collective_granularity="parameter")
+    est = estimate(setup.model, setup.cluster, setup.plan, worst, None, runtime=False)
+    exposed = est.breakdown_s["dp_grad_exposed_s"] + est.breakdown_s["param_gather_exposed_s"]
+    assert 0.0 < exposed < 0.1  # seconds of DP collectives, all on the critical path
+    assert est.step_time_s < 0.6 * setup.measured_step_s  # 0.381 s measured

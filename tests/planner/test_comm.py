@@ -191,3 +191,61 @@ def test_calibration_rows_at_scale_keep_dp_communication_small():
         est = estimate(s.model, s.cluster, s.plan, s.options, runtime=False)
         exposed = est.breakdown_s["dp_grad_exposed_s"] + est.breakdown_s["param_gather_exposed_s"]
         assert 0 <= exposed < 0.16 * est.step_time_s, s.row
+
+
+def test_zero1_gather_after_the_step_is_exposed_in_full():
+    # ZeRO-1 over 16 H100s (2 nodes): the updated bf16 parameters are all-gathered once per
+    # step in 25 MiB buckets. Overlapped (Megatron --overlap-param-gather) they hide behind the
+    # next forward; nanotron gathers them synchronously after the optimizer step, so all of it
+    # is exposed: count x (14 alpha_nv + 1 alpha_ib) + (n-1)/n S / min(NVLink, 8 NICs).
+    import math
+
+    from fivefold.planner.estimate import estimate
+    from fivefold.planner.options import PlannerOptions
+    from fivefold.spec.model import param_count
+
+    model, cluster = model_preset("llama3-8b"), cluster_preset("dgx-h100", 16)
+    plan = ParallelPlan(dp_shard=16, zero=1, micro_batch=1, grad_accum=1)
+    opts = PlannerOptions(collective_granularity="bucket")
+    hidden = estimate(model, cluster, plan, opts, EFF, runtime=False)
+    exposed = estimate(
+        model,
+        cluster,
+        plan,
+        PlannerOptions(collective_granularity="bucket", param_gather_overlap=False),
+        EFF,
+        runtime=False,
+    )
+    (gather,) = [c for c in exposed.comm if c.kind == "zero-gather"]
+    size = gather.bytes_per_step * 16 / 15  # the gathered bf16 parameters of one rank
+    assert size == pytest.approx(2 * param_count(model), rel=0.02)
+    count = math.ceil(size / opts.dp_bucket_bytes)
+    by_hand = count * (14 * A_NV + A_IB) + 15 / 16 * size / min(NV, 8 * IB)
+    assert exposed.breakdown_s["param_gather_exposed_s"] == pytest.approx(by_hand, rel=1e-6)
+    assert hidden.breakdown_s["param_gather_exposed_s"] == 0.0
+    assert exposed.step_time_s - hidden.step_time_s == pytest.approx(by_hand, rel=1e-6)
+
+
+def test_deduplicated_dispatch_sends_one_network_copy_per_node():
+    from fivefold.planner.comm import deduplicated_dispatch_time_s
+
+    # EP 64 over 8 nodes, 1 GB of tokens per rank, top-8 routing. The all-to-all sends one
+    # copy per expert, 56/64 of 8 GB over the NIC; DeepEP one per remote node reached:
+    # 7 (1 - (7/8)^8) = 4.59 copies of 1 GB, the rest forwarded over NVLink (7/8 of 8 GB).
+    link = group_link(H100x64, 64, 1, EFF)
+    assert (link.kind, link.per_node, link.nodes(64)) == ("ib", 8, 8)
+    remote = 7 * (1 - (7 / 8) ** 8)
+    by_hand = 63 * A_IB + max(7 / 8 * 8e9 / NV, remote * 1e9 / IB)
+    assert deduplicated_dispatch_time_s(1e9, 8, 64, link) == pytest.approx(by_hand)
+    assert remote * 1e9 / IB > 7 / 8 * 8e9 / NV  # the network side bounds it
+    plain = all_to_all_time_s(8e9, 64, link)
+    assert plain == pytest.approx(63 * A_IB + 56 / 64 * 8e9 / IB)
+    assert by_hand / plain == pytest.approx((63 * A_IB + remote * 1e9 / IB) / plain)
+    assert by_hand < 0.7 * plain
+    # Inside one node there is nothing to deduplicate; top-1 routing gains nothing either.
+    nv = group_link(H100x64, 8, 1, EFF)
+    assert deduplicated_dispatch_time_s(1e9, 8, 8, nv) == all_to_all_time_s(8e9, 8, nv)
+    assert deduplicated_dispatch_time_s(1e9, 1, 64, link) == pytest.approx(
+        63 * A_IB + 7 / 8 * 1e9 / IB
+    )
+    assert deduplicated_dispatch_time_s(1e9, 8, 1, link) == 0.0

@@ -18,6 +18,8 @@ with a group of n ranks on N nodes (k = n / N per node):
     all-reduce (tree)          L_tree + 2 S / (TREE_BW_FRACTION * B)
     all-gather, reduce-scatter L_ring +   (n-1)/n * S / B   (S = the full, gathered size)
     all-to-all                   (n-1) alpha + max((k-1)/n * S / B_nvlink, (n-k)/n * S / B_ib)
+    dispatch, deduplicated     (n-1) alpha + max((k-1)/k * S / B_nvlink, R * S / (top_k B_ib))
+        (DeepEP: one network copy per remote node reached, R = (N-1)(1 - (1 - 1/N)^top_k))
     point-to-point                     alpha + S / B
 Latency as NCCL's own cost model counts it (`src/graph/tuning.cc`, `ncclTopoTuneModel`): a ring
 takes 2(n-1) steps for an all-reduce (n-1 for a gather or scatter), of which 2(N-1) (N-1) cross
@@ -285,6 +287,28 @@ def all_to_all_time_s(size_bytes: float, n: int, link: Link) -> float:
         return (n - 1) * link.latency_s + (n - 1) / n * size_bytes / link.nvlink_bandwidth
     on_node = (k - 1) / n * size_bytes / link.nvlink_bandwidth
     off_node = (n - k) / n * size_bytes / link.ib_bandwidth
+    return (n - 1) * link.latency_s + max(on_node, off_node)
+
+
+EP_DISPATCHES = ("alltoall", "deepep")
+
+
+def deduplicated_dispatch_time_s(token_bytes: float, top_k: int, n: int, link: Link) -> float:
+    """DeepEP's dispatch (or combine) of a rank's tokens, `token_bytes` in all, each routed to
+    `top_k` experts of an EP group of n ranks on N nodes (DeepSeek-V3 report, section 3.2.2): a
+    token crosses the network once per remote node holding one of its experts, then is
+    forwarded over NVLink to those experts. With uniform routing a token reaches
+    N (1 - (1 - 1/N)^top_k) nodes, (N-1)/N of them remote; the plain all-to-all sends one copy
+    per expert instead. Inside one node (or on a measured machine) it is that all-to-all."""
+    if n <= 1:
+        return 0.0
+    if link.measured is not None or link.kind != "ib":
+        return all_to_all_time_s(token_bytes * top_k, n, link)
+    nodes = link.nodes(n)
+    k = min(link.per_node, n)
+    remote_nodes = (nodes - 1) * (1 - (1 - 1 / nodes) ** top_k)
+    off_node = remote_nodes * token_bytes / link.ib_bandwidth
+    on_node = (k - 1) / k * top_k * token_bytes / link.nvlink_bandwidth
     return (n - 1) * link.latency_s + max(on_node, off_node)
 
 

@@ -299,7 +299,11 @@ def _layer_costs(
     if moe and key.ep > 1:
         link = C.plan_link(cluster, key, "ep", eff)
         size = tokens * model.top_k * model.hidden * e
-        ep_fwd = 2 * C.all_to_all_time_s(size, key.ep, link)
+        if opts.ep_dispatch == "deepep":
+            one = C.deduplicated_dispatch_time_s(size / model.top_k, model.top_k, key.ep, link)
+        else:
+            one = C.all_to_all_time_s(size, key.ep, link)
+        ep_fwd = 2 * one
         ep_bwd = ep_fwd * (2 if key.recompute == "full" else 1)
         ep_bytes = (2 + 2 + (2 if key.recompute == "full" else 0)) * size * (key.ep - 1) / key.ep
     # ZeRO-3 per-layer gather and reduce-scatter.
@@ -642,7 +646,8 @@ def _rank_tails(
         # the drain, the warm-up time rank r waits for its first activation (r chunk forwards).
         warmup = rank * mean_forward if loop else 0.0
         gather_window = first_forward + warmup
-        gather_exposed = max(0.0, gather_time - gather_window) if opts.dp_overlap else gather_time
+        hidden = opts.dp_overlap and opts.param_gather_overlap
+        gather_exposed = max(0.0, gather_time - gather_window) if hidden else gather_time
         offload = LC.offload_tail(opt_params, plan, cluster, window)
         tails.append(
             Tail(

@@ -17,6 +17,11 @@ buckets of max(40M, 1M x dp) parameters hold about a layer of the calibration ro
 models), in buckets of `dp_bucket_bytes` ("bucket": torch DDP, 25 MiB) or one per tensor
 ("parameter": per-parameter hooks); each collective pays its own latency, and ZeRO-3 gathers at
 least a layer at a time (`planner/comm.py`).
+`ep_dispatch="deepep"` prices the MoE dispatch and combine as DeepEP sends them: one network
+copy of a token per remote node reached, not one per expert (`planner/comm.py`).
+`param_gather_overlap=False` exposes the all-gather of ZeRO-1/2's updated parameters in full:
+nanotron's ZeRO-1 runs it synchronously at the end of the optimizer step; Megatron's
+`--overlap-param-gather` and FSDP2's prefetch hide it behind the next forward (the default).
 `runtime="fivefold-eager"` makes the memory model count what fivefold's own eager runtime keeps
 (`fivefold.planner.memory.EagerProfile`; the layout report of every run uses it); the default
 "fused" counts what fused kernels keep.
@@ -28,7 +33,7 @@ import math
 from dataclasses import dataclass, fields
 
 from fivefold.errors import ConfigError
-from fivefold.planner.comm import GRANULARITIES
+from fivefold.planner.comm import EP_DISPATCHES, GRANULARITIES
 from fivefold.planner.compute import SELECTIVE_POLICIES, ComputeOptions
 from fivefold.planner.memory import (
     ACTIVATION_MODELS,
@@ -48,12 +53,14 @@ class PlannerOptions:
     dropout: bool = False
     tp_comm_overlap: bool = False
     dp_overlap: bool = True
+    param_gather_overlap: bool = True  # ZeRO-1/2 gather behind the next forward (estimate.py)
     fused_elementwise: bool = True
     selective_policy: str = "attention"  # or "alternate-matmul" (torchtitan's op-level SAC)
     cuda_context_bytes: float = 0.75 * GiB
     fragmentation_fraction: float = 0.05
     dp_bucket_bytes: float = 25 * MiB
     collective_granularity: str = "layer"  # or "bucket" (DDP) or "parameter" (planner/comm.py)
+    ep_dispatch: str = "alltoall"  # or "deepep": one network copy per node (planner/comm.py)
     runtime: str = "fused"  # memory: "fivefold-eager" is what fivefold's own runtime keeps
     checkpoint_early_stop: bool = False
 
@@ -123,6 +130,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "attention_kernel": ATTENTION_KERNELS,
     "selective_policy": SELECTIVE_POLICIES,
     "collective_granularity": GRANULARITIES,
+    "ep_dispatch": EP_DISPATCHES,
     "runtime": RUNTIMES,
 }
 
@@ -132,12 +140,16 @@ OPTION_HELP: dict[str, str] = {
     "dropout": "dropout after attention and MLP (GPT-3 style masks kept for the backward)",
     "tp_comm_overlap": "TP collectives hidden behind the GEMMs (Megatron --tp-comm-overlap)",
     "dp_overlap": "DP/ZeRO gradient reduction overlapped with the backward (DDP, FSDP)",
+    "param_gather_overlap": "ZeRO-1/2 parameter all-gather overlapped with the next forward "
+    "(Megatron --overlap-param-gather); false: after the optimizer step (nanotron, DeepSpeed)",
     "fused_elementwise": "fused norm/RoPE/activation kernels (false: eager PyTorch, ~3x bytes)",
     "selective_policy": "what selective recompute redoes: attention (Megatron) or "
     "alternate-matmul (torchtitan op-level SAC)",
     "dp_bucket_bytes": "gradient bucket size for DP reduction (bytes, e.g. 25M)",
     "collective_granularity": "DP/ZeRO collectives issued per layer (FSDP, Megatron; default), "
     "per bucket of dp_bucket_bytes (DDP) or per parameter; each pays its ring/tree latency",
+    "ep_dispatch": "EP token dispatch: alltoall (one copy per expert) or deepep (one network "
+    "copy per node reached, forwarded over NVLink)",
     "activation_model": "activation memory: korthikanti (per tensor) or simple (seed 001, k=12)",
     "runtime": "memory counted as fused kernels keep it, or as fivefold's eager runtime does",
     "cuda_context_bytes": "per-GPU CUDA context and library workspaces (bytes, e.g. 768M)",
