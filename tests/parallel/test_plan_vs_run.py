@@ -3,9 +3,9 @@
 Trains seven layouts of the small preset on CPU for three steps with the real runtime and loop
 (through `benchmarks/plan_vs_run.py`, the full 24-layout benchmark; pp2-zbv for a split
 backward, receive buffers and a rank with two chunks; pp2-zero3-dp2 for ZeRO-3 chunks kept
-gathered through a pipelined step; dp2-zero1-offload-opt for the optimizer's host copies) and compares, per pipeline
-stage, the runtime's measured peak (its tensor-storage counter) with the planner's prediction
-under `runtime = "fivefold-eager"`.
+gathered through a pipelined step; dp2-zero1-offload-opt for the optimizer's host copies) and
+compares, per pipeline stage, the runtime's measured peak (its tensor-storage counter) with the
+planner's prediction under `runtime = "fivefold-eager"`.
 """
 
 from __future__ import annotations

@@ -833,13 +833,13 @@ def estimate(
     ]
     busiest = max(range(plan.pp), key=lambda r: busy[r])
     # The step pays the busiest rank's idle time; the fraction and the seconds are that one figure.
-    bubble_s = max(pipeline_s - busy[busiest], 0.0)
+    bubble_s = _excess(pipeline_s, busy[busiest])
     bubble = bubble_s / pipeline_s if pipeline_s > 0 else 0.0
     comm = _comm_summary(plan, cluster, eff, chunk_costs, tails, busiest, m, p2p, boundary, pp_link)
     slowest_tail = max(tails, key=lambda t: t.exposed_s)
     breakdown = {
         "compute_s": rank_compute[busiest],
-        "in_stage_comm_s": max(busy[busiest] - rank_compute[busiest], 0.0),
+        "in_stage_comm_s": _excess(busy[busiest], rank_compute[busiest]),
         "pipeline_bubble_s": bubble_s,
         "dp_grad_exposed_s": slowest_tail.grad_exposed_s,
         "param_gather_exposed_s": slowest_tail.gather_exposed_s,
@@ -869,6 +869,12 @@ def estimate(
         host_memory=host,
         _simulation=sim,
     )
+
+
+def _excess(total_s: float, part_s: float) -> float:
+    """`total_s - part_s`, with float residue (either sign, within 1e-9 relative) as 0."""
+    excess = total_s - part_s
+    return 0.0 if excess <= 1e-9 * max(abs(total_s), abs(part_s)) else excess
 
 
 def runtime_sync_s(
