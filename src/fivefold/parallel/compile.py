@@ -14,6 +14,15 @@ The compiled module keeps the block's parameters under `_orig_mod.`, which the d
 initialisation and torch's distributed state dicts strip, so names, initial values and
 checkpoints are those of the uncompiled model.
 
+Across processes of a distributed run, inductor's FX graph cache and AOTAutograd's cache are
+turned off (`_cache_graphs_per_process`): a compiled graph holding a functional collective
+carries its process group's name, a per-process counter ("15"), yet torch 2.13 looked such a
+graph up under a key that a rank of another TP group (or a run of another layout sharing the
+cache directory) also computes. Loaded there, the graph failed with "Could not resolve the
+process group registered under the name 15" or, worse, could resolve to a different group
+(rank-specific code under a shared key: pytorch/pytorch#188332). Each process lowers its own
+graphs; the C++ kernels, whose cache key is their source, are still reused across runs.
+
 On CPU inductor generates C++ and needs a compiler (g++ or $CXX). Compilation happens at the
 first forward of each block; `compile_seconds()` is the time torch spent compiling so far.
 """
@@ -25,6 +34,8 @@ import shutil
 from typing import Any
 
 import torch
+import torch._functorch.config
+import torch._inductor.config
 from torch import nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack as _dispatch_mode_stack
@@ -118,8 +129,17 @@ def _eager_under_dispatch_modes(compiled: nn.Module, block: nn.Module) -> None:
     compiled.forward = forward
 
 
+def _cache_graphs_per_process() -> None:
+    """Turn off the on-disk caches of whole compiled graphs when this process is one rank of
+    several (see the module docstring); a single process keeps them."""
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        torch._inductor.config.fx_graph_cache = False
+        torch._functorch.config.enable_autograd_cache = False
+
+
 def apply_compile(chunk: nn.Module, backend: Any = "inductor") -> None:
     """Replace each of `chunk.layers` by `torch.compile(block, backend=backend)`, in place."""
+    _cache_graphs_per_process()
     for name, block in list(chunk.layers.named_children()):
         _eager_context_parallel_core(block)
         compiled = torch.compile(block, backend=backend)
