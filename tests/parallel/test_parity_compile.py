@@ -2,8 +2,8 @@
 single-process run compiled the same way (same tolerances as every parity case).
 
 The first compile of a block's graph takes tens of seconds on a loaded 2-core machine; inductor's
-on-disk cache of C++ kernels makes later processes with the same kernels fast (multi-rank runs
-do not reuse cached whole graphs, see `fivefold.parallel.compile`).
+on-disk cache makes later processes with the same graph fast, so the CI case shares its graphs
+with its reference (multi-rank runs skip AOTAutograd's cache, see `fivefold.parallel.compile`).
 """
 
 from __future__ import annotations
