@@ -40,11 +40,6 @@ CASES = [
     ("unknown-cluster-preset", ["cluster.preset='dgx-z'"], "cluster.preset = 'dgx-z' is unknown"),
     ("tp-not-dividing-heads", ["--nproc", "3", "plan.tp=3"], "plan.tp = 3 must divide model.heads"),
     ("zero-processes", ["--nproc", "0"], "--nproc 0: the number of processes"),
-    (
-        "compile-with-tp-and-cp",
-        ["--nproc", "4", "plan.tp=2", "plan.cp=2", "train.compile=true"],
-        "train.compile = true with plan.tp = 2 and plan.cp = 2",
-    ),
     ("bad-planner-key", ["planner.bogus=1"], "planner.bogus is not a setting"),
     ("bad-planner-value", ["planner.dropout='yes'"], "planner.dropout = 'yes'"),
     ("zero-planner-bucket", ["planner.dp_bucket_bytes=0"], "a bucket must hold some bytes"),

@@ -14,6 +14,17 @@ The compiled module keeps the block's parameters under `_orig_mod.`, which the d
 initialisation and torch's distributed state dicts strip, so names, initial values and
 checkpoints are those of the uncompiled model.
 
+Across processes of a distributed run AOTAutograd's on-disk cache is turned off
+(`_no_autograd_cache_across_ranks`). Its key hashes dynamo's graph and the inputs' metadata
+(a DTensor's DeviceMesh is the same on every rank), not the process group names that the
+compiled code holds (per-process counters such as "15"). With TP x CP the CP core's graph break
+makes torch compile TP's input hook as a graph of its own, and ranks of the two TP groups
+computed one key for it: a warm run had a rank load the entry the other group wrote and fail
+with "Could not resolve the process group registered under the name 15" (across layouts
+sharing a cache the name could even resolve to a wrong group). Measured on torch 2.13: turning
+off this cache alone fixes it. Inductor's FX graph cache stays on: its key hashes the graph
+AOTAutograd traced, group names included, so a hit holds the code this process would generate.
+
 On CPU inductor generates C++ and needs a compiler (g++ or $CXX). Compilation happens at the
 first forward of each block; `compile_seconds()` is the time torch spent compiling so far.
 """
@@ -25,6 +36,7 @@ import shutil
 from typing import Any
 
 import torch
+import torch._functorch.config
 from torch import nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack as _dispatch_mode_stack
@@ -118,8 +130,16 @@ def _eager_under_dispatch_modes(compiled: nn.Module, block: nn.Module) -> None:
     compiled.forward = forward
 
 
+def _no_autograd_cache_across_ranks() -> None:
+    """Turn off AOTAutograd's on-disk cache when this process is one rank of several (see the
+    module docstring); a single process keeps it."""
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        torch._functorch.config.enable_autograd_cache = False
+
+
 def apply_compile(chunk: nn.Module, backend: Any = "inductor") -> None:
     """Replace each of `chunk.layers` by `torch.compile(block, backend=backend)`, in place."""
+    _no_autograd_cache_across_ranks()
     for name, block in list(chunk.layers.named_children()):
         _eager_context_parallel_core(block)
         compiled = torch.compile(block, backend=backend)

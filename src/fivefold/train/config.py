@@ -266,15 +266,6 @@ def parse_train_config(recipe: Recipe) -> RunConfig:
                 f"micro_batch {plan.micro_batch} x dp {plan.dp} x grad_accum {plan.grad_accum} "
                 f"= {plan.global_batch} sequences; {fix}, or drop train.global_batch."
             )
-        if train.compile and recipe.plan.tp > 1 and recipe.plan.cp > 1:
-            problems.append(
-                f"train.compile = true with plan.tp = {recipe.plan.tp} and plan.cp = "
-                f"{recipe.plan.cp}: the context-parallel attention core breaks the compiled "
-                "graph, torch then compiles tensor parallelism's input hook on its own, and "
-                "inductor's cache hands that graph, with its process-group name, to ranks of "
-                "another TP group (measured on torch 2.13); set train.compile = false, or "
-                "plan.tp = 1 or plan.cp = 1."
-            )
         if train.eval_every and data is not None and data.val_fraction == 0:
             problems.append(
                 f"train.eval_every = {train.eval_every} needs held-out data: set "
