@@ -554,3 +554,21 @@ def test_bandwidth_measured_with_as_many_processes_streaming_as_the_run(tmp_path
     assert optimizer_step_s(1e6, plan, profile_device(path, 2), EFF) == pytest.approx(
         1e6 * 36 / (BW["optimizer"] / 2)
     )
+
+
+def test_published_band_does_not_apply_to_a_measured_device(profile_path):
+    """The published GPU runs' residuals say nothing about fivefold's own runtime on a
+    calibrated CPU: no band, ranking by the prediction, and the confidence line says where
+    this device's errors are checked instead."""
+    from fivefold.planner import uncertainty as U
+    from fivefold.planner.explain import confidence_line
+
+    cluster = profile_cluster(profile_path, 2)
+    plan = ParallelPlan(dp_shard=2, zero=3, micro_batch=4, precision="fp32")
+    est = estimate(TINY, cluster, plan)
+    assert U.band(est) is None
+    assert U.band_json(est)["step_time_s"] is None
+    assert U.rank_factor(TINY, cluster, plan, "pessimistic") == 1.0
+    assert U.rank_tokens_per_s(est, "pessimistic") == est.tokens_per_s
+    line = confidence_line(est, "pessimistic")
+    assert "benchmarks/plan_vs_run.py" in line and "band" not in line

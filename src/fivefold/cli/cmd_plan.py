@@ -774,13 +774,13 @@ def _inputs(args: argparse.Namespace) -> tuple[Any, Any, dict[str, dict], float,
 def _estimate_handler(args: argparse.Namespace) -> int:
     from fivefold.planner.estimate import estimate
     from fivefold.planner.explain import confidence_line
-    from fivefold.planner.uncertainty import band
+    from fivefold.planner.uncertainty import band_json
 
     model, cluster, data, headroom, settings = _inputs(args)
     plan = layout_from_args(args, model, cluster, data.get("plan", {}))
     est = estimate(model, cluster, plan, settings.options)
     out = est.to_json()
-    out["band"] = band(est).to_json()
+    out["band"] = band_json(est)
     usable = out["hbm_gib"] * (1 - headroom)
     out["fits_with_headroom"] = out["memory_gib"]["total"] <= usable and est.host_fits
     out["headroom"] = headroom
@@ -803,7 +803,7 @@ def _estimate_handler(args: argparse.Namespace) -> int:
 
 def _search_handler(args: argparse.Namespace) -> int:
     from fivefold.planner.search import search
-    from fivefold.planner.uncertainty import band
+    from fivefold.planner.uncertainty import band_json
 
     model, cluster, data, headroom, settings = _inputs(args)
     tokens, seqs = batch_from_args(args)
@@ -842,7 +842,7 @@ def _search_handler(args: argparse.Namespace) -> int:
         out["alternatives"] = [_brief(a.to_json()) for a in result.alternatives]
         out["rejected"] = [{"plan": p.to_dict(), "reason": r} for p, r in result.rejected]
         out["explanation"] = result.explanation
-        out["band"] = band(result.best).to_json()  # fivefold.planner.uncertainty
+        out["band"] = band_json(result.best)  # fivefold.planner.uncertainty
         out["search"] = {
             "evaluated": result.evaluated,
             "considered": result.considered,

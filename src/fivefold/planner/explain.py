@@ -84,7 +84,7 @@ def slower_because(est: Any, best: Any, risk: str = "expected") -> str:
     if risk != "expected" and slower < -TIE_FRACTION:
         ranked = 1 - U.rank_tokens_per_s(est, risk) / U.rank_tokens_per_s(best, risk)
         if ranked > 0:
-            d = U.band(est).distance
+            d = U.domain_distance(est.model, est.cluster, est.plan)
             return (
                 f"{-slower:.1%} faster as predicted, but {d:.1f} doublings outside the "
                 f"calibrated domain it is {ranked:.1%} slower at its band's slow end (risk = "
@@ -520,15 +520,28 @@ class _Explainer:
 
 
 def price(est: Any) -> str:
-    """'step 5.23 s, MFU 49.0 % (band 39.3-68.0 %)'."""
-    lo, hi = U.band(est).mfu_range(est.mfu)
-    return f"step {seconds(est.step_time_s)}, MFU {est.mfu:.1%} (band {lo:.1%}-{hi:.1%})"
+    """'step 5.23 s, MFU 49.0 % (band 39.3-68.0 %)' (no band on a measured device)."""
+    b = U.band(est)
+    text = f"step {seconds(est.step_time_s)}, MFU {est.mfu:.1%}"
+    if b is None:
+        return text
+    lo, hi = b.mfu_range(est.mfu)
+    return text + f" (band {lo:.1%}-{hi:.1%})"
 
 
 def confidence_line(est: Any, risk: str | None = None) -> str:
     """The prediction's band, the calibrated domain and the closest published run; with a
-    search's `risk`, what the search ranked by."""
+    search's `risk`, what the search ranked by. On a measured device, where the published
+    runs' errors say nothing, where its own errors are recorded instead."""
     b = U.band(est)
+    if b is None:
+        return (
+            f"Confidence: predicted {price(est)} on {est.cluster.device.name}, a device measured "
+            "by `fivefold calibrate`. The published GPU runs' errors do not apply to it: the "
+            "step-time model of fivefold's own runtime on such a machine is checked by "
+            "`benchmarks/plan_vs_run.py` (docs/planner.md, 'Plan vs run on CPU'), where the "
+            "prediction errs low on multi-rank layouts; layouts are ranked by the prediction."
+        )
     r_lo, r_hi = U.residual_range()
     sources = U.held_out_residuals()
     rows = sum(len(v) for v in sources.values())

@@ -273,16 +273,38 @@ def band_of(
     )
 
 
-def band(est: Any) -> Band:
-    """The band of an `Estimate`."""
+def published_band_applies(cluster: ClusterSpec) -> bool:
+    """Whether the published runs' residuals say anything about `cluster`: they do for catalog
+    GPUs; a device measured by `fivefold calibrate` runs fivefold's own runtime, whose errors
+    are those of `benchmarks/plan_vs_run.py` on that machine (docs/planner.md), not these."""
+    return cluster.device.measured is None
+
+
+def band(est: Any) -> Band | None:
+    """The band of an `Estimate` (None on a measured device: `published_band_applies`)."""
+    if not published_band_applies(est.cluster):
+        return None
     d = domain_distance(est.model, est.cluster, est.plan)
     return band_of(est.step_time_s, residual_range(), d)
 
 
+def band_json(est: Any) -> dict:
+    """`band(est)` for `--json`, or why there is none."""
+    b = band(est)
+    if b is not None:
+        return b.to_json()
+    return {
+        "step_time_s": None,
+        "why_none": "a measured device: checked against fivefold's own runs "
+        "(benchmarks/plan_vs_run.py), not against published GPU runs",
+    }
+
+
 def rank_factor(model: ModelSpec, cluster: ClusterSpec, plan: ParallelPlan, risk: str) -> float:
-    """Ranked tokens/s over predicted tokens/s: 1 for "expected", predicted step / the band's
-    slow end for "pessimistic" (known before the estimate, so the search's bounds use it too)."""
-    if risk == "expected":
+    """Ranked tokens/s over predicted tokens/s: 1 for "expected" and on a measured device
+    (no published band applies), predicted step / the band's slow end for "pessimistic"
+    (known before the estimate, so the search's bounds use it too)."""
+    if risk == "expected" or not published_band_applies(cluster):
         return 1.0
     r_lo, _ = residual_range()
     return (1 + r_lo) / (1 + WIDENING_PER_DOUBLING) ** domain_distance(model, cluster, plan)
