@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from fivefold.cli.intermixed import merge_intermixed
 from fivefold.errors import ConfigError
 from fivefold.train.entry import FRESH_HELP, RESUME_HELP, resume_overrides
 
@@ -136,12 +137,7 @@ def reparse_items(args: argparse.Namespace) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_arguments(inner)
-    later = inner.parse_intermixed_args(args.items)
-    merged = argparse.Namespace(**vars(args))
-    for key, value in vars(later).items():
-        if key == "items" or value != inner.get_default(key):
-            setattr(merged, key, value)
-    return merged
+    return merge_intermixed(args, inner, "items")
 
 
 def _flag_overrides(args: argparse.Namespace) -> list[str]:

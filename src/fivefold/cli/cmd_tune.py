@@ -21,6 +21,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from fivefold.cli.intermixed import merge_intermixed
 from fivefold.errors import ConfigError
 
 GIB = 2**30
@@ -84,12 +85,7 @@ def _reparse(args: argparse.Namespace) -> argparse.Namespace:
     inner = argparse.ArgumentParser(prog="fivefold tune")
     inner.add_argument("overrides", nargs="*")
     _add_options(inner)
-    later = inner.parse_intermixed_args(args.overrides)
-    merged = argparse.Namespace(**vars(args))
-    for key, value in vars(later).items():
-        if key == "overrides" or value != inner.get_default(key):
-            setattr(merged, key, value)
-    return merged
+    return merge_intermixed(args, inner, "overrides")
 
 
 @dataclass
