@@ -32,6 +32,7 @@ the remaining PCIe copies in the tail (`offload_exposed_s`). Every user mistake 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from functools import cached_property, lru_cache
 
@@ -903,6 +904,10 @@ def estimate(
         m * sum(chunk_costs[c].compute_s for c in chunks_of_rank(plan, r)) for r in range(plan.pp)
     ]
     busiest = max(range(plan.pp), key=lambda r: busy[r])
+    in_stage = _excess(busy[busiest], rank_compute[busiest])
+    shared = shared_cores_step_s(plan, device, rank_compute, in_stage, step - pipeline_s)
+    core_sharing = min(0.0, shared - step)
+    step += core_sharing
     # The step pays the busiest rank's idle time; the fraction and the seconds are that one figure.
     bubble_s = _excess(pipeline_s, busy[busiest])
     bubble = bubble_s / pipeline_s if pipeline_s > 0 else 0.0
@@ -910,13 +915,14 @@ def estimate(
     slowest_tail = max(tails, key=lambda t: t.exposed_s)
     breakdown = {
         "compute_s": rank_compute[busiest],
-        "in_stage_comm_s": _excess(busy[busiest], rank_compute[busiest]),
+        "in_stage_comm_s": in_stage,
         "pipeline_bubble_s": bubble_s,
         "dp_grad_exposed_s": slowest_tail.grad_exposed_s,
         "param_gather_exposed_s": slowest_tail.gather_exposed_s,
         "optimizer_s": slowest_tail.optimizer_s,
         "offload_exposed_s": slowest_tail.offload_exposed_s,
         "runtime_sync_s": sync,
+        "core_sharing_s": core_sharing,
     }
     return Estimate(
         model=model,
@@ -940,6 +946,32 @@ def estimate(
         host_memory=host,
         _simulation=sim,
     )
+
+
+def shared_cores_step_s(
+    plan: ParallelPlan,
+    device: GPUSpec,
+    rank_compute: list[float],
+    in_stage_s: float,
+    after_s: float,
+) -> float:
+    """On a CPU whose ranks outnumber its cores (a measured device with a core share below
+    one), the step when the cores never idle (infinite elsewhere; `estimate` takes the smaller
+    of this and its pipeline's step). The shared rates assume every rank computes all the
+    time, but a rank waiting for a pipeline neighbour sleeps and leaves its core to the others:
+    so every rank's compute at full speed, over the cores; plus the busiest rank's in-stage
+    collectives (`in_stage_s`, priced among as many processes as cores: the share of it that
+    is transfer, not waiting for a peer's core, which the compute term already counts); plus
+    `after_s`, what all ranks do together after the pipeline (gradient reduction, the
+    runtime's synchronisations). `rank_compute`: each pipeline rank's compute at the shared
+    rates, seconds."""
+    measured = device.measured
+    if measured is None or measured.profile.kind != "cpu" or measured.share >= 1:
+        return math.inf
+    ranks_per_stage = plan.world_size // plan.pp
+    full_speed = sum(rank_compute) * ranks_per_stage * measured.share
+    cores = full_speed * measured.threads / measured.profile.cores
+    return cores + in_stage_s * measured.share + after_s
 
 
 def _excess(total_s: float, part_s: float) -> float:

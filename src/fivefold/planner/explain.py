@@ -51,6 +51,8 @@ BREAKDOWN_WORDS = {
     "optimizer_s": "optimizer step",
     "offload_exposed_s": "exposed CPU-offload copies over PCIe",
     "runtime_sync_s": "the runtime's per-step token-count and loss all-reduces",
+    "core_sharing_s": "time given back by ranks that wait while others use their cores "
+    "(a CPU with fewer cores than ranks; negative)",
 }
 
 

@@ -386,7 +386,7 @@ function renderBreakdown(est) {
   const extra = Object.keys(parts).filter((k) => !BREAKDOWN.some(([key]) => key === k))
     .map((k, i) => [k, k.replace(/_s$/, "").replace(/_/g, " "), ["#9d755d", "#72b7b2", "#eeca3b"][i % 3]]);
   const all = [...known, ...extra];
-  const total = all.reduce((acc, [key]) => acc + parts[key], 0) || 1;
+  const total = all.reduce((acc, [key]) => acc + Math.max(0, parts[key]), 0) || 1;
   for (const [key, label, colour] of all) {
     const seconds = parts[key];
     if (!(seconds > 0)) continue;
