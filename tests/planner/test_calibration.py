@@ -312,6 +312,7 @@ def test_what_if_is_priced_by_the_estimator():
         ([{"text": "x", "why": "y"}], "unknown keys"),
         ([{"text": "x", "what_if": {"layout": {"tp": 2}}}], "patches ['layout']"),
         ([{"text": "x", "what_if": {"efficiency": {"gemm_speed": 1}}}], "no parameters"),
+        ([{"text": "x", "what_if": {"plan": 2}}], "what_if.plan: expected a table"),
     ],
 )
 def test_unknowns_are_validated_by_the_loader(unknowns, message):
@@ -322,11 +323,10 @@ def test_unknowns_are_validated_by_the_loader(unknowns, message):
         run_setup(row)
 
 
-def test_a_what_if_that_breaks_the_layout_is_caught_by_the_loader():
+def test_a_what_if_that_breaks_the_layout_is_rejected_when_priced():
     from fivefold.errors import ConfigError
-    from fivefold.planner.published import run_setup
+    from fivefold.planner.published import what_if_error
 
-    row = {**{r["id"]: r for r in published_runs()}["39"]}
-    row["unknowns"] = [{"text": "x", "what_if": {"plan": {"tp": 3}}}]
+    row = {r["id"]: r for r in published_runs()}["39"]
     with pytest.raises(ConfigError, match="plan degrees multiply"):
-        run_setup(row)
+        what_if_error(row, {"plan": {"tp": 3}}, efficiency_model())
