@@ -98,7 +98,8 @@ def test_nanotron_mfu_to_step_time_by_hand():
     assert step == pytest.approx(2.889, abs=0.001)
     setup = {x.row: x for x in run_setups()}["nanotron-1n-1.34b"]
     assert setup.measured_step_s == pytest.approx(step)
-    assert setup.measured_memory_bytes == pytest.approx(41.76e9)
+    # nanotron's "GB" column is max_memory_allocated() (or reserved) / 1024**3: GiB.
+    assert setup.measured_memory_bytes == pytest.approx(41.76 * 2**30)
 
 
 def test_rows_map_to_their_published_layouts():
@@ -277,7 +278,7 @@ def test_unknowns_table_in_the_docs_is_the_one_the_script_computes():
 
 def test_what_if_is_priced_by_the_estimator():
     """Row 39 with micro-batch 2: the what-if error is the estimator's on the changed plan; a
-    memory unit of GiB scales the measured figure by 2^30 / 10^9."""
+    memory unit of GB instead of GiB scales the measured figure by 10^9 / 2^30."""
     from dataclasses import replace
 
     from fivefold.planner.estimate import estimate
@@ -294,9 +295,9 @@ def test_what_if_is_priced_by_the_estimator():
     assert err.measured_step_s == pytest.approx(setup.measured_step_s)  # same global batch
     base = what_if_error(rows["39"], {}, eff)
     assert err.predicted_step_s < base.predicted_step_s  # less of the reduce-scatter exposed
-    row = rows["nanotron-1n-3.57b"]
-    gib = what_if_error(row, {"memory": {"unit": "GiB"}}, eff)
-    gb = what_if_error(row, {}, eff)
+    row = rows["nanotron-1n-3.57b"]  # recorded in GiB
+    gib = what_if_error(row, {}, eff)
+    gb = what_if_error(row, {"memory": {"unit": "GB"}}, eff)
     assert gib.measured_memory_bytes == pytest.approx(gb.measured_memory_bytes * 2**30 / 1e9)
     assert gib.predicted_memory_bytes == pytest.approx(gb.predicted_memory_bytes)
     tighter = eff.with_(hbm_fraction=0.2)
