@@ -13,8 +13,11 @@ the prediction the planner's memory model for the recipe's model and plan; the m
 time is the runtime's `train_step` (forward, backward, gradient communication) of step 3 (step 1
 warms up; steps 2 and 4 run under the memory counters, whose dispatch mode slows every op, and
 are not timed), beside the planner's `estimate()` step time less its optimizer step where the
-run's cluster has a device peak ("n/a" otherwise). Memory is deterministic; step times depend
-on the machine and its load.
+run's cluster has a device peak ("n/a" otherwise). The measured step time is the median, over
+the steps no memory counter runs on (3, 5, 6, ... with the default 8 steps), of the slowest
+rank's `train_step` wall time in the stage: a single step swings by 10-30 % on a 2-core machine
+(a gloo collective stalls for 3-4 ms about one call in twenty). Memory is deterministic; step
+times depend on the machine and its load.
 
 Prints one row per (layout, pipeline stage) with the errors (predicted / measured - 1) and the
 mean and worst absolute error; `--json` writes the rows.
@@ -28,6 +31,7 @@ import json
 import multiprocessing as mp
 import os
 import queue
+import statistics
 import sys
 import tempfile
 import time
@@ -128,7 +132,7 @@ def run_layout(layout: Layout, steps: int, run_dir: str) -> dict | None:
     stdout, sys.stdout = sys.stdout, quiet  # the runtime prints its own report on rank 0
     try:
         runtime = DistributedRuntime(run.recipe, run.train)
-        cpu_s = _time_cpu(runtime)
+        wall_s, cpu_s = _time_steps(runtime)
         Trainer(run, runtime, Console(file=quiet)).fit()
         result = stage_rows(runtime)
     finally:
@@ -136,6 +140,7 @@ def run_layout(layout: Layout, steps: int, run_dir: str) -> dict | None:
     mine = {
         "pp": runtime.pp_rank,
         "cpu_s": cpu_s[TIMED_STEP - 1] if len(cpu_s) >= TIMED_STEP else None,
+        "wall_s": [t for i, t in enumerate(wall_s, 1) if i not in UNTIMED_STEPS],
     }
     if result is None:
         return {"cpu": mine}
@@ -150,23 +155,27 @@ def run_layout(layout: Layout, steps: int, run_dir: str) -> dict | None:
 
 
 TIMED_STEP = 3  # the step the runtime times (1 warms up, 2 and 4 count memory)
+UNTIMED_STEPS = (1, 2, 4)
 
 
-def _time_cpu(runtime) -> list[float]:
-    """Record this process's CPU seconds (all its threads: compute and gloo's) of every
-    `train_step`: under load, what a step costs this rank, waits for its peers excluded."""
-    seconds: list[float] = []
+def _time_steps(runtime) -> tuple[list[float], list[float]]:
+    """Record the wall seconds and this process's CPU seconds (all its threads: compute and
+    gloo's; under load, what a step costs this rank, waits for its peers excluded) of every
+    `train_step`."""
+    wall: list[float] = []
+    cpu: list[float] = []
     step = runtime.train_step
 
     def timed(micro_batches):
-        tick = time.process_time()
+        tick, cpu_tick = time.perf_counter(), time.process_time()
         try:
             return step(micro_batches)
         finally:
-            seconds.append(time.process_time() - tick)
+            wall.append(time.perf_counter() - tick)
+            cpu.append(time.process_time() - cpu_tick)
 
     runtime.train_step = timed
-    return seconds
+    return wall, cpu
 
 
 def _worker(rank: int, world: int, store: str, results, layout: Layout, steps: int, tmp: str):
@@ -178,7 +187,10 @@ def _worker(rank: int, world: int, store: str, results, layout: Layout, steps: i
         import torch
         import torch.distributed as dist
 
+        from fivefold.parallel.host_memory import keep_freed_memory
+
         torch.set_num_threads(1)
+        keep_freed_memory()  # as `fivefold train` does
         dist.init_process_group(
             "gloo",
             store=dist.FileStore(store, world),
@@ -235,8 +247,12 @@ def measure(layout: Layout, steps: int, timeout_s: float = 900.0) -> dict:
                     p.kill()
     assert report is not None
     for row in report["rows"]:  # the busiest rank of each stage
-        stage = [c["cpu_s"] for c in cpu if c["pp"] == row["stage"] and c["cpu_s"] is not None]
-        row["measured_cpu_s"] = max(stage) if stage else None
+        stage = [c for c in cpu if c["pp"] == row["stage"]]
+        cpus = [c["cpu_s"] for c in stage if c["cpu_s"] is not None]
+        row["measured_cpu_s"] = max(cpus) if cpus else None
+        steps = [max(per_step) for per_step in zip(*(c["wall_s"] for c in stage), strict=True)]
+        if steps:
+            row["measured_step_s"] = statistics.median(steps)
     return report
 
 
@@ -347,7 +363,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", help="comma-separated layout names (see --list)")
     parser.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}")
-    parser.add_argument("--steps", type=int, default=4, help="training steps per layout (>= 4)")
+    parser.add_argument(
+        "--steps", type=int, default=8, help="training steps per layout (>= 4; 8 times five)"
+    )
     parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
     parser.add_argument(
         "--tenants", action="store_true", help="also print predicted / measured MiB per tenant"

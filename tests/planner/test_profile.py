@@ -70,19 +70,19 @@ def synthetic(cores: int = 2) -> dict:
             )
         )  # fmt: skip
     collective = [
-        dict(op=op, ranks=2, world=2, alpha_s=1e-4, beta_bytes_per_s=1e9)
+        dict(op=op, ranks=2, world=2, gap_s=0.0, alpha_s=1e-4, beta_bytes_per_s=1e9)
         for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
     ]
     sample = [
         dict(
-            op="all_reduce", ranks=2, world=2, size_bytes=1024, time_s=1e-4,
+            op="all_reduce", ranks=2, world=2, gap_s=0.0, size_bytes=1024, time_s=1e-4,
             algbw_bytes_per_s=1.024e7, busbw_bytes_per_s=1.024e7,
         )
     ]  # fmt: skip
     device = dict(
         name="Test CPU", kind="cpu", cores=cores, memory_bytes=8 * 2**30, backend="gloo", ranks=2
     )
-    return dict(format=3, device=device, **rows, collective=collective, collective_sample=sample)
+    return dict(format=4, device=device, **rows, collective=collective, collective_sample=sample)
 
 
 @pytest.fixture
@@ -380,8 +380,12 @@ def test_collectives_measured_among_as_many_processes_as_the_run(tmp_path):
     data = synthetic()
     data["device"]["ranks"] = 4
     data["collective"] = [
-        dict(op=op, ranks=2, world=2, alpha_s=1e-4, beta_bytes_per_s=1e9) for op in COLLECTIVES
-    ] + [dict(op=op, ranks=2, world=4, alpha_s=3e-4, beta_bytes_per_s=4e8) for op in COLLECTIVES]
+        dict(op=op, ranks=2, world=2, gap_s=0.0, alpha_s=1e-4, beta_bytes_per_s=1e9)
+        for op in COLLECTIVES
+    ] + [
+        dict(op=op, ranks=2, world=4, gap_s=0.0, alpha_s=3e-4, beta_bytes_per_s=4e8)
+        for op in COLLECTIVES
+    ]
     path = tmp_path / "p.toml"
     path.write_text(parse_profile(data).to_toml())
     assert profile_device(path, 2).measured.collective("all_gather", 2) == (1e-4, 1e9)
@@ -390,6 +394,26 @@ def test_collectives_measured_among_as_many_processes_as_the_run(tmp_path):
     bad["collective"][0]["world"] = 1
     with pytest.raises(ConfigError, match=r"collective\[0\]\.world"):
         parse_profile(bad)
+
+
+def test_collectives_interpolate_in_the_compute_gap(tmp_path):
+    """Collectives measured back to back (gap 0) and after a 2 ms GEMM: a plan whose GEMM takes
+    0.5 ms reads alpha and 1/beta a quarter of the way between, clamped beyond the ends; no gap
+    given reads the longest measured."""
+    data = synthetic()
+    data["collective"] = [
+        dict(op="all_gather", ranks=2, world=2, gap_s=0.0, alpha_s=1e-4, beta_bytes_per_s=1e9),
+        dict(op="all_gather", ranks=2, world=2, gap_s=2e-3, alpha_s=9e-4, beta_bytes_per_s=5e8),
+    ]
+    path = tmp_path / "p.toml"
+    path.write_text(parse_profile(data).to_toml())
+    measured = profile_device(path, 2).measured
+    alpha, beta = measured.collective("all_gather", 2, 0.5e-3)
+    assert alpha == pytest.approx(1e-4 + 0.25 * 8e-4)
+    assert 1 / beta == pytest.approx(1e-9 + 0.25 * (2e-9 - 1e-9))
+    assert measured.collective("all_gather", 2, 5e-3) == (9e-4, 5e8)
+    assert measured.collective("all_gather", 2) == (9e-4, 5e8)
+    assert measured.collective("all_gather", 2, 0.0) == (1e-4, 1e9)
 
 
 def test_moe_routing_collectives_by_hand(profile_path):

@@ -28,8 +28,10 @@ a run streaming at once), the fixed cost of a layer (dense, MoE, and the extra o
 expert parallelism and of a ZeRO-3, ZeRO-1/2 and ZeRO-0 unit), and every
 collective the runtime uses (all-reduce, all-gather, reduce-scatter, all-to-all, send/recv) at
 several sizes over --nproc real processes (gloo on CPU; NCCL where every rank has a GPU, a path
-written the same way but not yet run by us), printed like nccl-tests and fitted to the
-planner's alpha-beta model. The defaults take one to two minutes on two cores; --quick
+written the same way but not yet run by us), each issued as a step issues it (back to back,
+and after each model's MLP GEMM on every rank: on a CPU a collective costs more after
+compute), printed like nccl-tests and fitted to the planner's alpha-beta model. The defaults
+take one to two minutes on two cores; --quick
 measures fewer shapes and sizes for a fast, rougher profile. Calibrate on an idle machine: other
 work slows the multi-threaded and collective measurements (one-thread kernels are timed on the
 thread's CPU clock and are robust to it).
@@ -117,6 +119,9 @@ def handle(args: argparse.Namespace) -> int:
     model, plan = model_and_plan(args.items)
     also = tuple(_preset(name) for name in args.also)
     console = Console(highlight=False, soft_wrap=True)
+    from fivefold.parallel.host_memory import keep_freed_memory
+
+    keep_freed_memory()  # as training runs keep it: kernels timed without fresh page faults
     profile = run_calibration(
         model, plan, args.nproc, args.quick, console, not args.no_progress, also
     )
@@ -159,7 +164,8 @@ def run_calibration(
     elif quick:
         console.print("bf16: native on this CPU, but --quick measures fp32 only.")
     steps = cal.compute_steps(model, plan, ranks, quick, bf16, also)
-    total = len(steps) + (comm.steps_count(ranks, quick) if ranks >= 2 else 0)
+    gemms = tuple(comm.gaps([model, *also], plan.micro_batch))
+    total = len(steps) + (comm.steps_count(ranks, quick, len(gemms)) if ranks >= 2 else 0)
     bar = Progress(
         TextColumn("[bold]calibrate"),
         BarColumn(),
@@ -178,22 +184,26 @@ def run_calibration(
             bar.advance(task)
         console.print(
             f"collectives over {ranks} rank(s) "
-            "(size: bytes; time: slowest rank's mean; algbw = size / time; busbw as nccl-tests)"
+            "(gap: each rank's compute before each call; size: bytes; time: what one call adds, "
+            "the slowest rank's mean; algbw = size / time; busbw as nccl-tests)"
         )
         console.print(
-            f"{'op':>15} {'ranks':>5} {'procs':>5} {'size':>10} {'time(us)':>10} "
+            f"{'op':>15} {'ranks':>5} {'procs':>5} {'gap(ms)':>7} {'size':>10} {'time(us)':>10} "
             f"{'algbw(GB/s)':>12} {'busbw(GB/s)':>12}"
         )
 
         def on_row(s) -> None:
             console.print(
-                f"{s.op:>15} {s.ranks:>5} {s.world:>5} {s.size_bytes:>10} {s.time_s * 1e6:>10.1f} "
+                f"{s.op:>15} {s.ranks:>5} {s.world:>5} {s.gap_s * 1e3:>7.2f} {s.size_bytes:>10} "
+                f"{s.time_s * 1e6:>10.1f} "
                 f"{s.algbw_bytes_per_s / 1e9:>12.3f} {s.busbw_bytes_per_s / 1e9:>12.3f}"
             )
             bar.update(task, what=f"{s.op} {s.ranks} ranks {s.size_bytes} B")
             bar.advance(task)
 
-        backend, samples, shared = comm.measure_collectives(ranks, quick, on_row, (model, plan))
+        backend, samples, shared = comm.measure_collectives(
+            ranks, quick, on_row, (model, plan), gemms
+        )
         rows += shared
     if ranks < 2:
         console.print("collectives: not measured with --nproc 1 (plans then need one rank).")
@@ -245,7 +255,8 @@ def print_summary(console, profile) -> None:
             )
     for c in profile.collective:
         console.print(
-            f"{c.op} over {c.ranks} ranks ({c.world} processes): alpha "
+            f"{c.op} over {c.ranks} ranks ({c.world} processes, after "
+            f"{c.gap_s * 1e3:.2f} ms of compute): alpha "
             f"{c.alpha_s * 1e6:.1f} us, beta "
             f"{c.beta_bytes_per_s / 1e9:.3f} GB/s"
         )

@@ -6,9 +6,20 @@ same way but not yet measured by us) and times every collective the runtime uses
 Ulysses CP) and send/recv (PP, ring CP), at several sizes, on groups of 2, 4, ... ranks (all
 groups of one size run at once, as the axes of a parallel layout do), with 2, 4, ... `ranks`
 processes running in turn (a 2-rank group among 4 processes sharing 2 cores is slower than
-alone, and a run of w ranks sees the former). Each row is the slowest
-rank's mean time over a few iterations after a warm-up, the fastest of three such rounds, with
-nccl-tests' algorithm bandwidth (size / time) and bus bandwidth (algbw x 2(n-1)/n for
+alone, and a run of w ranks sees the former).
+
+Each collective is timed **as a training step issues it** (`issued_time_s`): every rank
+computes a GEMM, then the collective; iterations with and without the collective alternate, and
+the time of one collective is the mean difference, on the slowest rank. The GEMMs (`gaps`):
+none (back to back), and each calibrated model's first MLP projection at the recipe's
+micro-batch; each row carries its GEMM's measured seconds (`gap_s`) and the planner
+interpolates between them by its own plan's GEMM (`fivefold.planner.estimate.
+collective_gap_s`). A step pays the mean, not the best case: on a CPU the ranks
+reach each collective at slightly different times and the transport's threads compete with the
+peers' compute for the cores, so an issued collective costs several times its back-to-back
+time (on 2 cores, a 512 KiB all-gather between GEMMs: about 1.2 ms mean against 0.3 ms
+back-to-back; its latency has a tail of 3-4 ms stalls in about one call in twenty). The rows
+carry nccl-tests' algorithm bandwidth (size / time) and bus bandwidth (algbw x 2(n-1)/n for
 all-reduce, x (n-1)/n for all-gather, reduce-scatter and all-to-all, x 1 for send/recv).
 `fit_alpha_beta` fits time = alpha + size / beta by least squares on relative error. On a CPU
 each world then runs the memory-bound benchmarks on all its processes at once (`memory`), as
@@ -41,8 +52,8 @@ KiB = 1024
 FULL_SIZES = tuple(KiB * 4**i for i in range(8))  # 1 KiB .. 16 MiB
 QUICK_SIZES = (4 * KiB, 64 * KiB, 1024 * KiB)
 TIMEOUT_S = 300.0
-ROUNDS = 3  # of `iterations` calls each; the fastest round's mean stands (other work on the
-# machine only ever slows a round down)
+MIN_ISSUED_S = 1e-6  # floor of a measured difference (noise can make a tiny one negative)
+DEFAULT_GEMM = (512, 512, 512)  # (m, n, k) between collectives when no model is given
 
 
 def group_sizes(ranks: int) -> list[int]:
@@ -57,7 +68,8 @@ def group_sizes(ranks: int) -> list[int]:
 
 
 def iterations(size_bytes: int, quick: bool) -> int:
-    return 2 if quick else (5 if size_bytes <= 256 * KiB else 2)
+    """Pairs (with and without the collective) timed per size: enough to average the stalls."""
+    return 3 if quick else (24 if size_bytes <= 1024 * KiB else 8)
 
 
 def worlds(ranks: int) -> list[int]:
@@ -67,15 +79,28 @@ def worlds(ranks: int) -> list[int]:
     return group_sizes(ranks)
 
 
-def steps_count(ranks: int, quick: bool) -> int:
-    """How many rows rank 0 reports (for the progress bar)."""
+def gaps(models: list, micro_batch: int) -> list[tuple[int, int, int] | None]:
+    """The GEMM (m, n, k) each rank computes before a collective, in turn: none (back to back),
+    then each model's first MLP projection at `micro_batch` sequences, (tokens, ffn, hidden)
+    (the compute between two of a layer's collectives grows with it); `DEFAULT_GEMM` when no
+    model is given."""
+    out: list[tuple[int, int, int] | None] = [None]
+    for model in models:
+        shape = (micro_batch * model.seq_len, max(1, model.ffn or model.expert_ffn), model.hidden)
+        if shape not in out:
+            out.append(shape)
+    return out if len(out) > 1 else [None, DEFAULT_GEMM]
+
+
+def steps_count(ranks: int, quick: bool, gemms: int = 2) -> int:
+    """How many rows rank 0 reports (for the progress bar), over `gemms` compute gaps."""
     sizes = QUICK_SIZES if quick else FULL_SIZES
     per_group = [
         (len(COLLECTIVES) if g == 2 else len(COLLECTIVES) - 1)
         for w in worlds(ranks)
         for g in group_sizes(w)
     ]
-    return sum(per_group) * len(sizes)
+    return sum(per_group) * len(sizes) * gemms
 
 
 # ---- one rank ---------------------------------------------------------------------------------
@@ -121,13 +146,82 @@ def _sync(device: Any) -> None:
         torch.cuda.synchronize(device)
 
 
+def _gemm(shape: tuple[int, int, int] | None, device: Any) -> Callable[[], None]:
+    """The GEMM each rank computes before a collective (nothing for `None`)."""
+    import torch
+
+    if shape is None:
+        return lambda: None
+    m, n, k = shape
+    x, w = torch.randn(m, k, device=device), torch.randn(n, k, device=device)
+    return lambda: torch.mm(x, w.t())
+
+
+def _slowest(value: float, device: Any) -> float:
+    import torch
+    import torch.distributed as dist
+
+    out = torch.tensor([value], device=device)
+    dist.all_reduce(out, op=dist.ReduceOp.MAX)
+    return float(out.item())
+
+
+def gap_time_s(gemm: Callable[[], None], device: Any, repeats: int = 10) -> float:
+    """Mean seconds of `gemm` with every rank computing it at once, on the slowest rank."""
+    import torch.distributed as dist
+
+    gemm()
+    _sync(device)
+    dist.barrier()
+    tick = time.perf_counter()
+    for _ in range(repeats):
+        gemm()
+    _sync(device)
+    return _slowest((time.perf_counter() - tick) / repeats, device)
+
+
+def issued_time_s(
+    collective: Callable[[], None], gemm: Callable[[], None], pairs: int, device: Any
+) -> float:
+    """Seconds one collective adds to a rank that computes `gemm` before it, as in a step:
+    `pairs` iterations of gemm + collective alternating with gemm alone (after a barrier and a
+    warm-up of each), the difference of their means on this rank, then the slowest rank's."""
+    import torch.distributed as dist
+
+    gemm()
+    collective()
+    _sync(device)
+    dist.barrier()
+    with_op = alone = 0.0
+    for _ in range(pairs):
+        tick = time.perf_counter()
+        gemm()
+        collective()
+        _sync(device)
+        mid = time.perf_counter()
+        gemm()
+        _sync(device)
+        with_op += mid - tick
+        alone += time.perf_counter() - mid
+    return max(MIN_ISSUED_S, _slowest((with_op - alone) / pairs, device))
+
+
 def _worker(
-    rank: int, world: int, init_file: str, quick: bool, out: Any, memory: tuple | None = None
+    rank: int,
+    world: int,
+    init_file: str,
+    quick: bool,
+    out: Any,
+    memory: tuple | None = None,
+    gemms: tuple = (None, DEFAULT_GEMM),
 ) -> None:
     import torch
     import torch.distributed as dist
 
+    from fivefold.parallel.host_memory import keep_freed_memory
+
     try:
+        keep_freed_memory()
         cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world
         device = torch.device(f"cuda:{rank}" if cuda else "cpu")
         if cuda:
@@ -141,27 +235,20 @@ def _worker(
             world_size=world,
         )
         sizes = QUICK_SIZES if quick else FULL_SIZES
-        for g in group_sizes(world):
-            group = dist.new_subgroups(g)[0] if g < world else dist.group.WORLD
-            ops = [op for op in COLLECTIVES if op != "send_recv" or g == 2]
-            for op in ops:
-                for size in sizes:
-                    fn = _op(op, size, group, device)
-                    fn()
-                    n_iter = iterations(size, quick)
-                    rounds = []
-                    for _ in range(ROUNDS):
-                        _sync(device)
-                        dist.barrier(group=group)
-                        tick = time.perf_counter()
-                        for _ in range(n_iter):
-                            fn()
-                        _sync(device)
-                        took = torch.tensor([(time.perf_counter() - tick) / n_iter], device=device)
-                        dist.all_reduce(took, op=dist.ReduceOp.MAX)  # the slowest rank anywhere
-                        rounds.append(float(took.item()))
-                    if rank == 0:
-                        out.put(("row", op, g, size, min(rounds)))
+        groups = {
+            g: dist.new_subgroups(g)[0] if g < world else dist.group.WORLD
+            for g in group_sizes(world)
+        }
+        for shape in gemms:
+            gemm = _gemm(shape, device)
+            gap = gap_time_s(gemm, device) if shape is not None else 0.0
+            for g, group in groups.items():
+                for op in (op for op in COLLECTIVES if op != "send_recv" or g == 2):
+                    for size in sizes:
+                        fn = _op(op, size, group, device)
+                        seconds = issued_time_s(fn, gemm, iterations(size, quick), device)
+                        if rank == 0:
+                            out.put(("row", op, g, gap, size, seconds))
         if memory is not None and not cuda:
             _shared_bandwidth(rank, world, quick, memory, out)
         dist.barrier()
@@ -199,14 +286,16 @@ def measure_collectives(
     quick: bool,
     on_row: Callable[[CollectiveSample], None] | None = None,
     memory: tuple | None = None,
+    gemms: tuple = (None, DEFAULT_GEMM),
 ) -> tuple[str, list[CollectiveSample], list]:
     """(backend, samples, bandwidth rows) over 2, 4, ... `ranks` spawned processes in turn
-    (`worlds`); `on_row` sees each sample as it comes. `memory` = (model, plan): on a CPU every
-    world also measures the memory-bound work on all its processes at once
+    (`worlds`), each collective issued after each of `gemms` (`gaps`); `on_row` sees
+    each sample as it comes. `memory` = (model, plan): on a CPU every world also measures the
+    memory-bound work on all its processes at once
     (`fivefold.parallel.calibrate.measure_bandwidth`, rows tagged with the world)."""
     backend, samples, bandwidth = "none", [], []
     for world in worlds(ranks):
-        backend, more, rows = _measure_world(world, quick, on_row, memory)
+        backend, more, rows = _measure_world(world, quick, on_row, memory, gemms)
         samples += more
         bandwidth += rows
     return backend, samples, bandwidth
@@ -217,6 +306,7 @@ def _measure_world(
     quick: bool,
     on_row: Callable[[CollectiveSample], None] | None,
     memory: tuple | None = None,
+    gemms: tuple = (None, DEFAULT_GEMM),
 ) -> tuple[str, list[CollectiveSample], list]:
     """(backend, samples, bandwidth rows) of every group size of `ranks` spawned processes."""
     import multiprocessing as mp
@@ -226,7 +316,11 @@ def _measure_world(
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         procs = [
-            ctx.Process(target=_worker, args=(r, ranks, init_file, quick, out, memory), daemon=True)
+            ctx.Process(
+                target=_worker,
+                args=(r, ranks, init_file, quick, out, memory, gemms),
+                daemon=True,
+            )
             for r in range(ranks)
         ]
         for p in procs:
@@ -260,10 +354,10 @@ def _measure_world(
                 if msg[0] == "bandwidth":
                     bandwidth = msg[1]
                     continue
-                _, op, g, size, seconds = msg
+                _, op, g, gap, size, seconds = msg
                 algbw = size / seconds
                 sample = CollectiveSample(
-                    op, g, ranks, size, seconds, algbw, algbw * bus_factor(op, g)
+                    op, g, ranks, gap, size, seconds, algbw, algbw * bus_factor(op, g)
                 )
                 samples.append(sample)
                 if on_row is not None:
@@ -301,14 +395,14 @@ def fit_alpha_beta(sizes: list[float], times: list[float]) -> tuple[float, float
 
 
 def fit_collectives(samples: list[CollectiveSample]) -> list[Collective]:
-    """One alpha-beta fit per (op, group size, processes running)."""
+    """One alpha-beta fit per (op, group size, processes running, compute gap)."""
     keys = sorted(
-        {(s.op, s.ranks, s.world) for s in samples},
-        key=lambda k: (COLLECTIVES.index(k[0]), k[1], k[2]),
+        {(s.op, s.ranks, s.world, s.gap_s) for s in samples},
+        key=lambda k: (COLLECTIVES.index(k[0]), k[1], k[2], k[3]),
     )
     out = []
-    for op, n, world in keys:
-        rows = [s for s in samples if (s.op, s.ranks, s.world) == (op, n, world)]
+    for op, n, world, gap in keys:
+        rows = [s for s in samples if (s.op, s.ranks, s.world, s.gap_s) == (op, n, world, gap)]
         alpha, beta = fit_alpha_beta([r.size_bytes for r in rows], [r.time_s for r in rows])
-        out.append(Collective(op, n, world, alpha, beta))
+        out.append(Collective(op, n, world, gap, alpha, beta))
     return out

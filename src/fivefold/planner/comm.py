@@ -40,7 +40,10 @@ the latency term, not the bandwidth, is what makes small per-rank collectives sl
 On a machine measured by `fivefold calibrate` (`fivefold.spec.profile`) every group is local
 (one machine; the link's kind is the backend, e.g. "gloo") and each collective costs
 alpha + S / beta with the alpha and beta fitted to its own measurements on that group size
-(`Measured.collective`), S in the nccl-tests convention used above.
+(`Measured.collective`), S in the nccl-tests convention used above, as issued after the
+link's `gap_s` of compute on every rank (the estimator passes its plan's, `estimate.
+collective_gap_s`): on a CPU a collective issued between GEMMs costs several times one issued
+back to back.
 Written by hand: no library computes these without a GPU.
 """
 
@@ -69,23 +72,25 @@ class Link:
     ib_bandwidth: float
     measured: Measured | None = field(default=None, compare=False, repr=False)
     intra_latency_s: float = 0.0
+    gap_s: float | None = None  # measured devices: compute before each collective (None: longest)
 
     def nodes(self, n: int) -> int:
         """Nodes a group of `n` ranks spans on this link (1 on NVLink)."""
         return 1 if self.kind != "ib" else max(1, math.ceil(n / self.per_node))
 
 
-def measured_link(cluster: ClusterSpec, size: int) -> Link | None:
-    """The link of a group of `size` ranks on a measured machine, or None for a GPU cluster."""
+def measured_link(cluster: ClusterSpec, size: int, gap_s: float | None = None) -> Link | None:
+    """The link of a group of `size` ranks on a measured machine, its collectives issued after
+    `gap_s` seconds of compute, or None for a GPU cluster."""
     measured = cluster.device.measured
     if measured is None:
         return None
-    return Link(measured.profile.backend, 0.0, 0.0, size, 0.0, 0.0, measured)
+    return Link(measured.profile.backend, 0.0, 0.0, size, 0.0, 0.0, measured, gap_s=gap_s)
 
 
 def _fitted(op: str, size_bytes: float, n: int, link: Link) -> float:
     assert link.measured is not None
-    alpha, beta = link.measured.collective(op, n)
+    alpha, beta = link.measured.collective(op, n, link.gap_s)
     return alpha + size_bytes / beta
 
 
@@ -99,9 +104,12 @@ def ib_bandwidth(cluster: ClusterSpec, eff: EfficiencyModel) -> float:
     return cluster.inter_node_bw * eff.ib_fraction
 
 
-def group_link(cluster: ClusterSpec, size: int, stride: int, eff: EfficiencyModel) -> Link:
-    """The link a group of `size` ranks, `stride` apart in node-major order, communicates over."""
-    local = measured_link(cluster, size)
+def group_link(
+    cluster: ClusterSpec, size: int, stride: int, eff: EfficiencyModel, gap_s: float | None = None
+) -> Link:
+    """The link a group of `size` ranks, `stride` apart in node-major order, communicates over
+    (`gap_s`: compute before each collective, for a measured device)."""
+    local = measured_link(cluster, size, gap_s)
     if local is not None:
         return local
     g = cluster.gpus_per_node
@@ -139,15 +147,23 @@ def axis_groups(plan: ParallelPlan) -> dict[str, tuple[int, int]]:
     }
 
 
-def plan_link(cluster: ClusterSpec, plan: ParallelPlan, group: str, eff: EfficiencyModel) -> Link:
+def plan_link(
+    cluster: ClusterSpec,
+    plan: ParallelPlan,
+    group: str,
+    eff: EfficiencyModel,
+    gap_s: float | None = None,
+) -> Link:
     size, stride = axis_groups(plan)[group]
-    return group_link(cluster, size, stride, eff)
+    return group_link(cluster, size, stride, eff, gap_s)
 
 
-def pipeline_link(cluster: ClusterSpec, plan: ParallelPlan, eff: EfficiencyModel) -> Link:
+def pipeline_link(
+    cluster: ClusterSpec, plan: ParallelPlan, eff: EfficiencyModel, gap_s: float | None = None
+) -> Link:
     """Neighbouring pipeline stages are world/pp ranks apart; across nodes each GPU uses its own
     NIC."""
-    local = measured_link(cluster, 2)
+    local = measured_link(cluster, 2, gap_s)
     if local is not None:
         return local
     stride = plan.tp * plan.cp * plan.dp

@@ -226,6 +226,24 @@ class LayerCosts:
     reduce_copy_s: float = 0.0  # ZeRO-3: copying the gradients into one reduce-scatter
 
 
+@lru_cache(maxsize=4096)
+def collective_gap_s(
+    model: ModelSpec, plan: ParallelPlan, cluster: ClusterSpec, eff: EfficiencyModel
+) -> float | None:
+    """Seconds a rank of `plan` computes before a typical collective, on a device measured by
+    `fivefold calibrate` (None on a GPU cluster): half of one layer's forward at the
+    micro-batch (tensor parallelism issues two collectives per layer forward, data parallelism
+    one per layer backward, twice as long). The profile prices a collective after that much
+    compute (`Measured.collective`: between its measured gaps, and as after the longest, its
+    model's MLP GEMM, beyond it)."""
+    device = cluster.device
+    if device.measured is None:
+        return None
+    key = replace(plan, recompute="none", fp8="none")
+    moe = model.is_moe and not model.dense_layers
+    return layer_work(model, key, device, eff, moe).forward_s / 2
+
+
 def per_layer_gathers(plan: ParallelPlan) -> bool:
     """Whether ZeRO-3 gathers each layer's weights per micro-batch (forward and backward).
     Under pipelining it does not: torch's pipeline stages keep an FSDP chunk gathered from its
@@ -269,10 +287,11 @@ def _layer_costs(
     e = recipe(key.precision).activation_bytes
     tokens = key.micro_batch * model.seq_len / key.cp
     t = key.tp
+    gap = collective_gap_s(model, key, cluster, eff)
     # Tensor parallelism: 2 collectives forward, 2 backward, 2 more with full recompute.
     tp_fwd = tp_bwd = tp_time = tp_bytes = 0.0
     if t > 1:
-        link = C.plan_link(cluster, key, "tp", eff)
+        link = C.plan_link(cluster, key, "tp", eff, gap)
         size = tokens * model.hidden * e
         if key.sp:
             one = 2 * C.all_gather_time_s(size, t, link)  # an all-gather and a reduce-scatter
@@ -293,11 +312,13 @@ def _layer_costs(
     # Context parallelism.
     cp_fwd = cp_bwd = cp_time = cp_bytes = 0.0
     if key.cp > 1:
-        cp_fwd, cp_bwd, cp_time, cp_bytes = _cp_costs(model, key, cluster, eff, work, e, tokens)
+        cp_fwd, cp_bwd, cp_time, cp_bytes = _cp_costs(
+            model, key, cluster, eff, work, e, tokens, gap, opts.runtime == "fivefold-eager"
+        )
     # Expert parallelism: dispatch and combine all-to-alls, forward and backward.
     ep_fwd = ep_bwd = ep_bytes = 0.0
     if moe and key.ep > 1:
-        link = C.plan_link(cluster, key, "ep", eff)
+        link = C.plan_link(cluster, key, "ep", eff, gap)
         size = tokens * model.top_k * model.hidden * e
         if opts.ep_dispatch == "deepep":
             one = C.deduplicated_dispatch_time_s(size / model.top_k, model.top_k, key.ep, link)
@@ -318,7 +339,7 @@ def _layer_costs(
             n = C.axis_groups(key)[group][0]
             if n <= 1 or params == 0:
                 continue
-            link = C.plan_link(cluster, key, group, eff)
+            link = C.plan_link(cluster, key, group, eff, gap)
             # FSDP gathers a wrapped layer at once; per-parameter hooks issue one per tensor.
             count = C.TENSORS_PER_LAYER if opts.collective_granularity == "parameter" else 1
             size = params * compute_bytes(rec)
@@ -370,7 +391,7 @@ def dtensor_small_collectives_s(
     gradient is a partial sum all-reduced over the TP group in the backward (two per layer, the
     final norm on the last stage), and the vocabulary-parallel loss all-reduces the row
     maximum, the sum of exponentials and the target logit (fp32, one per token) forward."""
-    link = C.plan_link(cluster, plan, "tp", eff)
+    link = C.plan_link(cluster, plan, "tp", eff, collective_gap_s(model, plan, cluster, eff))
     backward = 0.0
     if plan.sp:
         norm = C.all_reduce_time_s(model.hidden * recipe(plan.precision).grad_bytes, plan.tp, link)
@@ -391,13 +412,14 @@ def routing_sync_s(
     per-expert token counts exchanged (an all-to-all of int64) before the dispatch; both
     latency-bound, on the pipeline's critical path (`estimate` adds them to the stage costs)."""
     n = C.axis_groups(plan)["dp_cp"][0]
+    gap = collective_gap_s(model, plan, cluster, eff)
     total = 0.0
     if n > 1:
         stats = (2 * model.experts + 2) * 8.0
-        total += C.all_reduce_time_s(stats, n, C.plan_link(cluster, plan, "dp_cp", eff))
+        total += C.all_reduce_time_s(stats, n, C.plan_link(cluster, plan, "dp_cp", eff, gap))
     if plan.ep > 1:
         counts = model.experts * 8.0
-        total += C.all_to_all_time_s(counts, plan.ep, C.plan_link(cluster, plan, "ep", eff))
+        total += C.all_to_all_time_s(counts, plan.ep, C.plan_link(cluster, plan, "ep", eff, gap))
     return total
 
 
@@ -410,11 +432,25 @@ def fsdp_copy_s(size_bytes: float, device: GPUSpec, eff: EfficiencyModel) -> flo
     return memory_time_s(2 * size_bytes, device, eff)
 
 
-def _cp_costs(model, key, cluster, eff, work: Work, e: int, tokens: float):
-    """(exposed fwd, exposed bwd, transfer time, bytes) of context parallelism for one layer."""
+def _cp_costs(
+    model,
+    key,
+    cluster,
+    eff,
+    work: Work,
+    e: int,
+    tokens: float,
+    gap: float | None,
+    eager: bool = False,
+):
+    """(exposed fwd, exposed bwd, transfer time, bytes) of context parallelism for one layer
+    (`gap`: compute before each collective, `collective_gap_s`; `eager`: fivefold's own ring,
+    `_ring_costs`)."""
     cp = key.cp
-    link = C.plan_link(cluster, key, "cp", eff)
+    link = C.plan_link(cluster, key, "cp", eff, gap)
     kv_block = tokens * 2 * local_kv_width(model, key.tp) * e
+    if key.cp_kind == "ring" and eager:
+        return _ring_costs(key, work, kv_block, e, link)
     if key.cp_kind == "ring":
         step_f = C.p2p_time_s(kv_block, link)
         step_b = C.p2p_time_s(2 * kv_block, link)  # K, V and their gradients travel back
@@ -434,6 +470,25 @@ def _cp_costs(model, key, cluster, eff, work: Work, e: int, tokens: float):
     fwd = C.all_to_all_time_s(size, cp, link)
     bwd = fwd * (2 if key.recompute == "full" else 1)
     return fwd, bwd, fwd + bwd, 2 * size * (cp - 1) / cp
+
+
+def _ring_costs(key: ParallelPlan, work: Work, kv_block: float, e: int, link: C.Link):
+    """(exposed fwd, exposed bwd, transfer time, bytes) of fivefold's ring attention for one
+    layer (`fivefold.parallel.context_parallel._RingAttention`): forward, cp - 1 exchanges of a
+    K/V block; backward, the K/V ring again (cp - 1) and cp exchanges of the block's fp32
+    dK/dV (the last hop brings a rank's own block home). Each exchange hides behind the block
+    attention computed meanwhile, except on a CPU, where the transport needs the cores that
+    compute: there all of it is exposed."""
+    cp = key.cp
+    grads = kv_block * 4 / e
+    kv_f = (cp - 1) * C.p2p_time_s(kv_block, link)
+    kv_b = kv_f + cp * C.p2p_time_s(grads, link)
+    cpu = link.measured is not None and link.measured.profile.kind == "cpu"
+    fwd = kv_f if cpu else max(0.0, kv_f - work.attention_forward_s * (cp - 1) / cp)
+    bwd = kv_b if cpu else max(0.0, kv_b - work.attention_backward_s)
+    if key.recompute == "full":
+        bwd += fwd
+    return fwd, bwd, kv_f + kv_b, 2 * (cp - 1) * kv_block + cp * grads
 
 
 # ---- chunk (virtual stage) costs ---------------------------------------------------------------
@@ -542,7 +597,7 @@ def _chunk_costs_of(
         compute += hw.total_s
     if plan.tp > 1 and (first or last):
         # The embedding's (and the head's) entry into / exit from the sequence-parallel region.
-        link = C.plan_link(cluster, plan, "tp", eff)
+        link = C.plan_link(cluster, plan, "tp", eff, collective_gap_s(model, plan, cluster, eff))
         size = (
             plan.micro_batch
             * model.seq_len
@@ -617,22 +672,19 @@ def _rank_tails(
         base = shared.get(sig)
         if base is None:
             params = [params_of(model, plan.tp, plan.ep, *chunk_sigs[c], pipelined) for c in chunks]
-            raw = _tail_costs(
-                model,
-                key,
-                cluster,
-                eff,
-                opts,
-                sum(p.dense for p in params),
-                sum(p.experts for p in params),
-            )
+            dense, experts = sum(p.dense for p in params), sum(p.experts for p in params)
+            units = None
+            if opts.runtime == "fivefold-eager":
+                units = runtime_units(plan, [chunk_sigs[c] for c in chunks])
+                if plan.ep == 1:  # the experts are reduced with their block
+                    dense, experts = dense + experts, 0.0
+            gap = collective_gap_s(model, plan, cluster, eff)
+            raw = _tail_costs(model, key, cluster, eff, opts, dense, experts, units, gap)
             last_backward = sum(
                 chunk_costs[c].backward_input_s + chunk_costs[c].backward_weight_s for c in chunks
             )
             first_forward = sum(chunk_costs[c].forward_s for c in chunks)
-            opt_params = _optimizer_params(
-                plan, sum(p.dense for p in params), sum(p.experts for p in params)
-            )
+            opt_params = _optimizer_params(plan, dense, experts)
             base = shared[sig] = (raw, last_backward, first_forward, opt_params)
         raw, last_backward, first_forward, opt_params = base
         grad_time, grad_bytes, bucket_time, gather_time, gather_bytes, opt = raw
@@ -664,6 +716,17 @@ def _rank_tails(
     return tails
 
 
+def runtime_units(plan: ParallelPlan, sigs: list[tuple[int, int, bool, bool]]) -> tuple[int, int]:
+    """(dense, expert) data-parallel units fivefold's runtime wraps on a rank holding chunks of
+    signatures (dense layers, MoE layers, first, last): every block and every chunk's root
+    (`fivefold.parallel.data_parallel.apply_data_parallel`), and under expert parallelism each
+    MoE block's experts apart. Each unit reduces its gradients in one collective per step (or
+    micro-batch) and gathers its parameters in one."""
+    blocks = sum(n_dense + n_moe for n_dense, n_moe, _, _ in sigs)
+    experts = sum(n_moe for _, n_moe, _, _ in sigs) if plan.ep > 1 else 0
+    return blocks + len(sigs), experts
+
+
 def _optimizer_params(plan: ParallelPlan, dense: float, experts: float) -> float:
     """Parameters whose optimizer state a rank holds, of its `dense` and `experts` ones."""
     if plan.zero == 0:
@@ -680,9 +743,14 @@ def _tail_costs(
     opts: PlannerOptions,
     dense: float,
     experts: float,
+    units: tuple[int, int] | None = None,
+    gap: float | None = None,
 ) -> tuple[float, float, float, float, float, float]:
     """(gradient time, gradient bytes, last-bucket time, parameter all-gather time and bytes,
-    optimizer step) for a rank holding `dense` and `experts` local parameters."""
+    optimizer step) for a rank holding `dense` and `experts` local parameters; `units`: the
+    (dense, expert) units fivefold's runtime issues one collective each for (`runtime_units`),
+    else the layers the parameters make up; `gap`: compute before each collective
+    (`collective_gap_s`)."""
     rec = recipe(plan.precision)
     s_dense, s_exp = dense_shard_degree(plan), expert_shard_degree(plan)
     groups = C.axis_groups(plan)
@@ -695,6 +763,8 @@ def _tail_costs(
             continue
         lp = layer_params_per_rank(model, moe, plan.tp, plan.ep)
         layers = params / ((lp.experts if moe else lp.dense + lp.replicated) or params)
+        if units is not None:
+            layers = units[1] if moe else units[0]
 
         size = params * rec.grad_bytes
         n_shard = groups[shard_group][0]
@@ -704,7 +774,7 @@ def _tail_costs(
             else:
                 n, stride = plan.dp_replicate * n_shard, groups["expert_shard"][1]
             if n > 1:
-                link = C.group_link(cluster, n, stride, eff)
+                link = C.group_link(cluster, n, stride, eff, gap)
                 total, last = _issued(C.all_reduce_time_s, size, n, link, opts, layers)
                 grad_time += total
                 grad_bytes += C.all_reduce_bytes(size, n)
@@ -712,7 +782,7 @@ def _tail_costs(
             continue
         once_per_step = plan.zero in (1, 2) or (plan.zero == 3 and not per_layer_gathers(plan))
         if once_per_step and n_shard > 1:
-            link = C.plan_link(cluster, plan, shard_group, eff)
+            link = C.plan_link(cluster, plan, shard_group, eff, gap)
             total, last = _issued(C.reduce_scatter_time_s, size, n_shard, link, opts, layers)
             grad_time += total
             if opts.runtime == "fivefold-eager":
@@ -725,7 +795,7 @@ def _tail_costs(
                 gather_time += fsdp_copy_s(gsize, cluster.device, eff)
             gather_bytes += C.all_gather_bytes(gsize, n_shard)
         if plan.dp_replicate > 1:  # HSDP (zero 3) or replicas of ZeRO-1/2 shards
-            link = C.plan_link(cluster, plan, "dp_replicate", eff)
+            link = C.plan_link(cluster, plan, "dp_replicate", eff, gap)
             shard_size = size / max(1, shard if plan.zero >= 2 else 1)
             total, last = _issued(
                 C.all_reduce_time_s, shard_size, plan.dp_replicate, link, opts, layers
@@ -784,7 +854,8 @@ def estimate(
     tokens = plan.micro_batch * model.seq_len / plan.cp
     e = recipe(plan.precision).activation_bytes
     boundary = tokens * model.hidden * e / (plan.tp if plan.sp and plan.tp > 1 else 1)
-    pp_link = C.pipeline_link(cluster, plan, eff)
+    gap = collective_gap_s(model, plan, cluster, eff)
+    pp_link = C.pipeline_link(cluster, plan, eff, gap)
     p2p = C.p2p_time_s(boundary, pp_link) if plan.pp > 1 else 0.0
     routing = 0.0
     if model.is_moe and opts.runtime == "fivefold-eager":
@@ -813,7 +884,7 @@ def estimate(
         else:
             pipeline_s, busy = analytic_pipeline(plan, costs)
     tails = _rank_tails(model, plan, cluster, eff, opts, chunk_sigs, chunk_costs)
-    sync = runtime_sync_s(plan, cluster, eff, opts)
+    sync = runtime_sync_s(plan, cluster, eff, opts, gap)
     step = pipeline_s + max(t.exposed_s for t in tails) + sync
     memory = all_stage_memory(model, memory_plan(plan, device), inflight, opts.memory())
     worst = max(range(plan.pp), key=lambda r: memory[r].total)
@@ -878,7 +949,11 @@ def _excess(total_s: float, part_s: float) -> float:
 
 
 def runtime_sync_s(
-    plan: ParallelPlan, cluster: ClusterSpec, eff: EfficiencyModel, opts: PlannerOptions
+    plan: ParallelPlan,
+    cluster: ClusterSpec,
+    eff: EfficiencyModel,
+    opts: PlannerOptions,
+    gap: float | None = None,
 ) -> float:
     """fivefold's runtime (`opts.runtime == "fivefold-eager"`) adds two scalar all-reduces to
     every step: the global token count over the data-parallel ranks before the first forward
@@ -889,7 +964,7 @@ def runtime_sync_s(
     total = 0.0
     for n, size in ((plan.dp, 8.0), (plan.world_size, 16.0)):
         if n > 1:
-            total += C.all_reduce_time_s(size, n, C.group_link(cluster, n, 1, eff))
+            total += C.all_reduce_time_s(size, n, C.group_link(cluster, n, 1, eff, gap))
     return total
 
 

@@ -45,13 +45,16 @@ A profile is a TOML file (written by `fivefold.parallel.calibrate`, read here wi
                   parallelism (the all-to-all dispatcher's Python and host syncs, the experts
                   as DTensor shards, the global load-balancing loss); all measured on a
                   one-rank mesh so no transfer is in them.
-    [[collective]] op, ranks, world, alpha_s, beta_bytes_per_s: time(S) = alpha + S / beta
-                  fitted by least squares to the samples, S in nccl-tests' convention
+    [[collective]] op, ranks, world, gap_s, alpha_s, beta_bytes_per_s: time(S) = alpha + S /
+                  beta fitted by least squares to the samples, S in nccl-tests' convention
                   (all_reduce: the buffer; all_gather / reduce_scatter / all_to_all: the whole
                   buffer of ranks x the per-rank part; send_recv: the message); measured with
                   `world` local processes running, every group of `ranks` at once (a 2-rank
-                  group is slower among 4 processes on 2 cores than alone).
-    [[collective_sample]] op, ranks, world, size_bytes, time_s, algbw_bytes_per_s,
+                  group is slower among 4 processes on 2 cores than alone), each collective
+                  issued after `gap_s` seconds of a GEMM on every rank (0: back to back), as
+                  a step issues them (`fivefold.parallel.calibrate_comm.issued_time_s`): on a
+                  CPU a collective costs more the longer the ranks computed before it.
+    [[collective_sample]] op, ranks, world, gap_s, size_bytes, time_s, algbw_bytes_per_s,
                   busbw_bytes_per_s
 
 Loading one yields a `GPUSpec` whose peak is the best measured matmul rate per dtype (the source
@@ -66,6 +69,7 @@ in threads) and multiplies compute rates by the share.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import tomllib
@@ -77,7 +81,8 @@ from typing import Any
 from fivefold.errors import ConfigError
 from fivefold.spec.hardware import GPUSpec
 
-FORMAT = 3  # 2: overhead per layer kind, clipping in the optimizer; 3: ZeRO-0/1/2 units
+FORMAT = 4  # 2: overhead per layer kind, clipping in the optimizer; 3: ZeRO-0/1/2 units;
+# 4: collectives timed as issued, after a GEMM of `gap_s`
 PROFILE_ENV = "FIVEFOLD_PROFILE"
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 LAYOUTS = ("nt", "nn", "tn")
@@ -238,11 +243,13 @@ class Overhead:
 
 @dataclass(frozen=True)
 class Collective:
-    """`op` over groups of `ranks` while `world` local processes run (all their groups at once)."""
+    """`op` over groups of `ranks` while `world` local processes run (all their groups at once),
+    each issued after `gap_s` seconds of compute on every rank."""
 
     op: str
     ranks: int
     world: int
+    gap_s: float
     alpha_s: float
     beta_bytes_per_s: float
 
@@ -252,6 +259,7 @@ class CollectiveSample:
     op: str
     ranks: int
     world: int
+    gap_s: float
     size_bytes: int
     time_s: float
     algbw_bytes_per_s: float
@@ -652,11 +660,13 @@ class Measured:
             fwd, bwd = fwd + units * dp_f, bwd + units * dp_b
         return fwd / self.share, bwd / self.share
 
-    def collective(self, op: str, n: int) -> tuple[float, float]:
-        """(alpha s, beta bytes/s) of `op` over `n` ranks, measured with as many local
-        processes running as this run has (else the nearest). An unmeasured group size scales
-        the nearest measured one as a ring does: alpha with the n - 1 steps, beta so that the
-        bus bandwidth stays the same."""
+    def collective(self, op: str, n: int, gap_s: float | None = None) -> tuple[float, float]:
+        """(alpha s, beta bytes/s) of `op` over `n` ranks, each issued after `gap_s` seconds of
+        compute (None: the longest gap measured), measured with as many local processes running
+        as this run has (else the nearest): linear in the gap between the two measured gaps
+        around it, clamped at the ends. An unmeasured group size scales the nearest measured
+        one as a ring does: alpha with the n - 1 steps, beta so that the bus bandwidth stays
+        the same."""
         rows = [c for c in self.profile.collective if c.op == op]
         if not rows:
             raise ConfigError(
@@ -664,8 +674,28 @@ class Measured:
                 "`fivefold calibrate` with --nproc 2 or more."
             )
         near = min(rows, key=lambda c: (abs(c.ranks - n), abs(c.world - self.ranks), -c.ranks))
+        rows = sorted(
+            (c for c in rows if (c.ranks, c.world) == (near.ranks, near.world)),
+            key=lambda c: c.gap_s,
+        )
+        gap = rows[-1].gap_s if gap_s is None else gap_s
+        alpha, beta = _between(gap, rows)
         if near.ranks == n:
-            return near.alpha_s, near.beta_bytes_per_s
+            return alpha, beta
         steps = (n - 1) / (near.ranks - 1)
-        beta = near.beta_bytes_per_s * bus_factor(op, near.ranks) / bus_factor(op, n)
-        return near.alpha_s * (1 if op == "send_recv" else steps), beta
+        beta *= bus_factor(op, near.ranks) / bus_factor(op, n)
+        return alpha * (1 if op == "send_recv" else steps), beta
+
+
+def _between(gap: float, rows: list[Collective]) -> tuple[float, float]:
+    """(alpha s, beta bytes/s) at `gap` seconds of compute: alpha and 1 / beta linear between
+    the two rows (ascending in gap) around it, a row's own values at or beyond the ends."""
+    if gap <= rows[0].gap_s:
+        return rows[0].alpha_s, rows[0].beta_bytes_per_s
+    for lo, hi in itertools.pairwise(rows):
+        if gap < hi.gap_s:
+            w = (gap - lo.gap_s) / (hi.gap_s - lo.gap_s)
+            alpha = lo.alpha_s + w * (hi.alpha_s - lo.alpha_s)
+            inv = 1 / lo.beta_bytes_per_s + w * (1 / hi.beta_bytes_per_s - 1 / lo.beta_bytes_per_s)
+            return alpha, 1.0 / inv
+    return rows[-1].alpha_s, rows[-1].beta_bytes_per_s

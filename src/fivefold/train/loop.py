@@ -544,9 +544,11 @@ def train(
     """Train `run` to `train.steps` (resuming per `train.resume`); returns the summary. Rank 0
     prints. A run whose newest checkpoint is already at its last step prints one line saying so
     and returns a summary with no losses (stop_reason "already_complete")."""
+    from fivefold.parallel.host_memory import keep_freed_memory
     from fivefold.parallel.threads import configure_threads
 
     configure_threads()
+    keep_freed_memory()
     stop = StopRequest()
     # Set-up on N ranks: a signal ends the process at once (nothing to save yet; a rank may be
     # blocked in C++ where no handler runs). `fit` installs the graceful handlers.
