@@ -8,11 +8,17 @@ FLOP convention, an optional per-GPU memory figure, and the assumptions where th
 silent. Rows it cannot express are listed under `skipped`, each with the reason. This module
 turns a row into (model, cluster, plan, options), converts the measured figure into a step time
 with the row's convention, and compares it (and the memory figure) with `estimate()`.
+
+A row the planner misses beyond the targets carries `unknowns`: what its source does not state
+that decides the figure, each entry a `text` and, where the unknown can be expressed, a
+`what_if`: a patch of the row (`model`, `cluster`, `plan`, `options`, `memory`, ... fields, and
+`efficiency` parameters) whose error `what_if_error` computes with the estimator, so the move an
+unknown could make is never quoted by hand.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fivefold.planner.calibration import EfficiencyModel, published_runs
 from fivefold.planner.options import PlannerOptions
@@ -128,7 +134,79 @@ def measured_memory_bytes(row: dict) -> float | None:
     return value * MEMORY_UNITS[memory["unit"]]
 
 
+# What a `what_if` may patch: the row's own sections, and the efficiency model's parameters.
+WHAT_IF_SECTIONS = ("model", "cluster", "plan", "options", "measured", "memory", "efficiency")
+
+
+def check_unknowns(row: dict) -> None:
+    """Raise ValueError unless the row's `unknowns` (if any) are a non-empty list of entries,
+    each with a non-empty `text` and an optional `what_if` that patches only known sections,
+    each with a table of fields. (A patched layout the planner rejects raises ConfigError when
+    it is priced, by `what_if_error`.)"""
+    if "unknowns" not in row:
+        return
+    entries = row["unknowns"]
+    where = f"row {row['id']} unknowns"
+    if not isinstance(entries, list) or not entries:
+        raise ValueError(f"{where}: expected a non-empty list of {{text, what_if}} entries")
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, dict) or not str(entry.get("text", "")).strip():
+            raise ValueError(f"{where}[{i}]: every entry needs a non-empty 'text'")
+        extra = set(entry) - {"text", "what_if"}
+        if extra:
+            raise ValueError(f"{where}[{i}]: unknown keys {sorted(extra)}; use text, what_if")
+        what_if = entry.get("what_if")
+        if what_if is None:
+            continue
+        bad = set(what_if) - set(WHAT_IF_SECTIONS) if isinstance(what_if, dict) else {"?"}
+        if not what_if or bad:
+            raise ValueError(
+                f"{where}[{i}].what_if patches {sorted(bad) or 'nothing'}; "
+                f"patch some of {', '.join(WHAT_IF_SECTIONS)}"
+            )
+        for section, values in what_if.items():
+            if not isinstance(values, dict) or not values:
+                raise ValueError(f"{where}[{i}].what_if.{section}: expected a table of fields")
+        patched_efficiency(EfficiencyModel(), what_if)
+
+
+def patched_row(row: dict, what_if: dict) -> dict:
+    """`row` with each section of `what_if` (but `efficiency`) merged over the row's section."""
+    out = {k: v for k, v in row.items() if k != "unknowns"}
+    for section, values in what_if.items():
+        if section != "efficiency":
+            out[section] = {**row.get(section, {}), **values}
+    return out
+
+
+def patched_efficiency(efficiency: EfficiencyModel, what_if: dict) -> EfficiencyModel:
+    """`efficiency` with the what-if's `efficiency` parameters (`gemm_peak_fraction` merged per
+    architecture); ValueError on a name the model does not have."""
+    values = dict(what_if.get("efficiency", {}))
+    unknown = set(values) - set(EfficiencyModel.__dataclass_fields__)
+    if unknown:
+        raise ValueError(f"what_if.efficiency: no parameters {sorted(unknown)}")
+    if "gemm_peak_fraction" in values:
+        table = {**dict(efficiency.gemm_peak_fraction), **values["gemm_peak_fraction"]}
+        values["gemm_peak_fraction"] = tuple(sorted(table.items()))
+    return replace(efficiency, **values)
+
+
+def what_if_label(what_if: dict) -> str:
+    """The patch in words, e.g. "plan.micro_batch = 2, options.tp_comm_overlap = false"."""
+    parts = []
+    for section, values in what_if.items():
+        for key, value in values.items():
+            if isinstance(value, dict):
+                value = ", ".join(f"{k} {v}" for k, v in value.items())
+            elif isinstance(value, bool):
+                value = str(value).lower()
+            parts.append(f"{section}.{key} = {value}")
+    return ", ".join(parts)
+
+
 def run_setup(row: dict) -> RunSetup:
+    check_unknowns(row)
     model = _model(row["model"])
     cluster = _cluster(row["cluster"])
     plan = ParallelPlan(**row["plan"])
@@ -149,36 +227,39 @@ def run_errors(
 ) -> list[RunError]:
     """Predicted vs measured step time (and memory, where published) for every published row,
     or for the rows whose ids are in `rows`."""
+    texts = {row["id"]: row["measured"]["text"] for row in published_runs()}
+    return [
+        _error(setup, texts[setup.row], efficiency, pipeline)
+        for setup in _cached_setups()
+        if rows is None or setup.row in rows
+    ]
+
+
+def what_if_error(row: dict, what_if: dict, efficiency: EfficiencyModel) -> RunError:
+    """The row's error with `what_if` applied to the row and to `efficiency`."""
+    setup = run_setup(patched_row(row, what_if))
+    return _error(setup, row["measured"]["text"], patched_efficiency(efficiency, what_if))
+
+
+def _error(
+    setup: RunSetup, text: str, efficiency: EfficiencyModel | None, pipeline: str = "simulate"
+) -> RunError:
     from fivefold.planner.estimate import estimate
 
-    out = []
-    texts = {row["id"]: row["measured"]["text"] for row in published_runs()}
-    for setup in _cached_setups():
-        if rows is not None and setup.row not in rows:
-            continue
-        # Runs of other software (Megatron-LM, ...): not held to fivefold's runtime rules.
-        est = estimate(
-            setup.model,
-            setup.cluster,
-            setup.plan,
-            setup.options,
-            efficiency,
-            pipeline,
-            runtime=False,
-        )
-        out.append(
-            RunError(
-                setup.row,
-                setup.source,
-                setup.measured_step_s,
-                est.step_time_s,
-                texts[setup.row],
-                est.mfu,
-                setup.measured_memory_bytes,
-                est.peak_memory_bytes if setup.measured_memory_bytes else None,
-            )
-        )
-    return out
+    # Runs of other software (Megatron-LM, ...): not held to fivefold's runtime rules.
+    est = estimate(
+        setup.model, setup.cluster, setup.plan, setup.options, efficiency, pipeline, runtime=False
+    )
+    return RunError(
+        setup.row,
+        setup.source,
+        setup.measured_step_s,
+        est.step_time_s,
+        text,
+        est.mfu,
+        setup.measured_memory_bytes,
+        est.peak_memory_bytes if setup.measured_memory_bytes else None,
+    )
 
 
 _SETUPS: list[RunSetup] = []
