@@ -596,3 +596,81 @@ def test_published_band_does_not_apply_to_a_measured_device(profile_path):
     assert U.rank_tokens_per_s(est, "pessimistic") == est.tokens_per_s
     line = confidence_line(est, "pessimistic")
     assert "benchmarks/plan_vs_run.py" in line and "band" not in line
+
+
+def test_runtime_units_one_collective_per_wrapped_module():
+    """fivefold's runtime wraps every block and each chunk's root (and, under EP, each MoE
+    block's experts apart): a rank holding chunks of 3 and 2 blocks issues 3 + 2 + 2 roots."""
+    from fivefold.planner.estimate import runtime_units
+
+    dense = ParallelPlan(pp=2, vpp=2, schedule="interleaved-1f1b", micro_batch=1, grad_accum=4)
+    assert runtime_units(dense, [(3, 0, True, False), (2, 0, False, False)]) == (7, 0)
+    moe = ParallelPlan(dp_shard=2, zero=1, ep=2)
+    assert runtime_units(moe, [(0, 2, True, True)]) == (3, 2)
+    assert runtime_units(ParallelPlan(dp_shard=2, zero=1), [(0, 2, True, True)]) == (3, 0)
+
+
+def test_zero1_reduces_once_per_unit_on_a_measured_device(profile_path):
+    """tiny-moe (2 MoE layers) at ZeRO-1 x EP2 on 2 ranks: the dense gradients leave in 3
+    reduce-scatters (2 blocks and the root), each paying its own latency, not one per
+    `layer's worth` of parameters (the embedding and head are 13 layers' worth)."""
+    from fivefold.planner.estimate import _tail_costs
+    from fivefold.planner.options import PlannerOptions
+
+    moe = model_preset("tiny-moe")
+    cluster = profile_cluster(profile_path, 2)
+    opts = PlannerOptions.for_device(cluster.device)
+    plan = ParallelPlan(dp_shard=2, zero=1, ep=2, micro_batch=1, precision="fp32")
+    dense = 574_272.0  # any parameter count: only the count of collectives matters here
+    grad, *_ = _tail_costs(moe, plan, cluster, EFF, opts, dense, 0.0, (3, 2))
+    size = dense * 4
+    copy = 2 * size / BW["elementwise_forward"]  # FSDP2's copy into the reduce-scatter input
+    assert grad == pytest.approx(3 * (1e-4 + size / 3 / 1e9) + copy)
+
+
+def test_fivefold_ring_exchanges_by_hand(profile_path):
+    """fivefold's ring attention on CP 2 (`_RingAttention`): forward one K/V exchange; backward
+    one K/V exchange and two fp32 dK/dV exchanges; on a CPU nothing hides behind attention."""
+    from fivefold.planner.compute import Work
+    from fivefold.planner.estimate import _ring_costs
+
+    cluster = profile_cluster(profile_path, 2)
+    plan = ParallelPlan(cp=2, micro_batch=1, precision="bf16-mixed")
+    link = C.plan_link(cluster, plan, "cp", EFF)
+    kv = 128 * 2 * 32 * 2.0  # tokens x (K, V) x kv width x bf16
+    work = Work(attention_forward_s=1.0, attention_backward_s=2.0)
+    fwd, bwd, time_s, sent = _ring_costs(plan, work, kv, 2, link)
+    p2p = 1e-4 + kv / 1e9
+    grads = 1e-4 + 2 * kv / 1e9
+    assert fwd == pytest.approx(p2p)
+    assert bwd == pytest.approx(p2p + 2 * grads)
+    assert time_s == pytest.approx(fwd + bwd)
+    assert sent == pytest.approx(2 * kv + 2 * 2 * kv)
+
+
+def test_shared_cores_give_a_waiting_rank_core_to_the_others(profile_path):
+    """4 ranks on 2 cores (share 0.5, one thread each): the step is at most every rank's
+    compute at full speed over the cores, plus the busiest rank's in-stage collectives at the
+    share, plus what follows the pipeline; nothing changes when every rank has a core."""
+    from fivefold.planner.estimate import shared_cores_step_s
+
+    plan = ParallelPlan(pp=2, dp_shard=2, zero=1, micro_batch=1, grad_accum=4)
+    crowded = profile_device(profile_path, 4)
+    assert crowded.measured.share == 0.5
+    by_hand = (0.6 + 0.4) * 2 * 0.5 * 1 / 2 + 0.1 * 0.5 + 0.05
+    assert shared_cores_step_s(plan, crowded, [0.6, 0.4], 0.1, 0.05) == pytest.approx(by_hand)
+    alone = profile_device(profile_path, 2)
+    assert shared_cores_step_s(plan, alone, [0.6, 0.4], 0.1, 0.05) == math.inf
+
+
+def test_collective_gap_is_half_a_layer_forward(profile_path):
+    """The compute that prices a plan's collectives on a measured device: half of one layer's
+    forward at its micro-batch; none on a GPU cluster."""
+    from fivefold.planner.estimate import collective_gap_s
+    from fivefold.spec.cluster import cluster_preset
+
+    cluster = profile_cluster(profile_path, 2)
+    plan = ParallelPlan(tp=2, micro_batch=2, precision="fp32")
+    forward = layer_work(TINY, plan, cluster.device, EFF).forward_s
+    assert collective_gap_s(TINY, plan, cluster, EFF) == pytest.approx(forward / 2)
+    assert collective_gap_s(TINY, plan, cluster_preset("dgx-h100", 8), EFF) is None

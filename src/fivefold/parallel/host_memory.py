@@ -2,13 +2,16 @@
 
 glibc hands freed blocks above its mmap threshold (128 KiB, raised dynamically up to 32 MiB)
 and the free top of its heap back to the kernel. A training step frees its activations and
-allocates them again the next step, so on a CPU every step page-faults them in afresh: on the
-small preset (fp32, micro-batch 2, one rank, 2 cores) 267 ms a step against 236 ms with the
-memory kept (measured here). PyTorch's CPU performance guide advises preloading jemalloc or
-tcmalloc for this; glibc's own `mallopt` does it in-process, with no preload: the mmap
-threshold at its maximum (32 MiB; larger blocks are still mapped and unmapped) and the trim
-threshold and top pad at 1 GiB (freed memory stays in the heap). The peak is unchanged: a step
-reaches it again anyway. Nothing happens on a C library without `mallopt` (musl, macOS).
+allocates them again the next step, so on a CPU every step can page-fault them in afresh: on
+the small preset (fp32, micro-batch 2, one rank, 2 cores) about 245 ms a step against 229 ms
+with the memory kept (measured here, median of five steps). PyTorch's CPU performance guide
+advises preloading jemalloc or tcmalloc for this; glibc's own `mallopt` does it in-process,
+with no preload: the mmap, trim and top-pad thresholds at 1 GiB, so blocks up to 1 GiB come
+from the heap and freed memory stays in it. The peak is unchanged: a step reaches it again
+anyway. Nothing happens on a C library without `mallopt` (musl, macOS).
+
+Measured only on whole steps (the figure above): a micro-benchmark of freeing one block and
+allocating it again depends on the heap's layout and glibc's dynamic threshold either way.
 
 Written by hand: torch exposes no allocator setting for the CPU.
 """
@@ -21,22 +24,17 @@ import ctypes.util
 M_TRIM_THRESHOLD = -1
 M_TOP_PAD = -2
 M_MMAP_THRESHOLD = -3
-MMAP_THRESHOLD_MAX = 32 * 2**20  # glibc's limit on 64-bit (4 MiB x sizeof(long))
 KEEP_BYTES = 2**30
 
 
-def keep_freed_memory() -> bool:
-    """Set glibc's thresholds so freed memory stays in the process; True when glibc took them."""
-    name = ctypes.util.find_library("c")
+def keep_freed_memory() -> None:
+    """Set glibc's thresholds so freed memory stays in the process (glibc's `mallopt` accepts
+    any value and reports nothing useful; elsewhere there is no `mallopt` and nothing
+    happens)."""
     try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
+        mallopt = ctypes.CDLL(ctypes.util.find_library("c")).mallopt
     except (OSError, AttributeError, TypeError):
-        return False
+        return
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    settings = (
-        (M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX),
-        (M_TRIM_THRESHOLD, KEEP_BYTES),
-        (M_TOP_PAD, KEEP_BYTES),
-    )
-    return all(mallopt(option, value) == 1 for option, value in settings)
+    for option in (M_MMAP_THRESHOLD, M_TRIM_THRESHOLD, M_TOP_PAD):
+        mallopt(option, KEEP_BYTES)
