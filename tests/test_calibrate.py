@@ -184,7 +184,10 @@ def test_calibrate_quick_two_ranks_writes_a_profile_plan_uses(tmp_path):
     # the memory-bound work measured alone and on both processes at once, every kind
     shared = {(b.kind, b.processes) for b in profile.bandwidth}
     assert {(k, n) for k, _ in shared for n in (1, 2)} == shared and len(shared) == 10
-    assert len(profile.collective_sample) == steps_count(2, quick=True)
+    # issued back to back and after tiny's MLP GEMM (tiny-moe's has the same shape: one gap)
+    gaps = sorted({c.gap_s for c in profile.collective})
+    assert len(gaps) == 2 and gaps[0] == 0.0 and gaps[1] > 0.0
+    assert len(profile.collective_sample) == steps_count(2, quick=True, gemms=2)
     for s in profile.collective_sample:
         assert s.algbw_bytes_per_s == pytest.approx(s.size_bytes / s.time_s)
         assert s.busbw_bytes_per_s == pytest.approx(s.algbw_bytes_per_s * bus_factor(s.op, 2))
@@ -209,3 +212,14 @@ def test_calibrate_quick_two_ranks_writes_a_profile_plan_uses(tmp_path):
         [*cli, "calibrate", "--nproc", "0", "--out", str(out)], capture_output=True, text=True
     )
     assert bad.returncode == 2 and "--nproc 0" in bad.stderr
+
+
+def test_collectives_are_issued_after_each_models_mlp_gemm():
+    """Back to back, then after each calibrated model's first MLP projection at the micro-batch:
+    small at micro-batch 2 is (512 tokens, ffn 688, hidden 256); tiny-moe (2 x 128 tokens, ffn
+    176, hidden 64); a repeated shape is measured once."""
+    from fivefold.parallel.calibrate_comm import DEFAULT_GEMM, gaps
+
+    small, moe = model_preset("small"), model_preset("tiny-moe")
+    assert gaps([small, moe, small], 2) == [None, (512, 688, 256), (256, 176, 64)]
+    assert gaps([], 2) == [None, DEFAULT_GEMM]
