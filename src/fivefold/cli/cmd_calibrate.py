@@ -31,8 +31,8 @@ several sizes over --nproc real processes (gloo on CPU; NCCL where every rank ha
 written the same way but not yet run by us), each issued as a step issues it (back to back,
 and after each model's MLP GEMM on every rank: on a CPU a collective costs more after
 compute), printed like nccl-tests and fitted to the planner's alpha-beta model. The defaults
-take one to two minutes on two cores; --quick
-measures fewer shapes and sizes for a fast, rougher profile. Calibrate on an idle machine: other
+take about 25 s on two cores (--nproc 4 with --also tiny-moe: 80 s); --quick measures fewer
+shapes and sizes for a fast, rougher profile. Calibrate on an idle machine: other
 work slows the multi-threaded and collective measurements (one-thread kernels are timed on the
 thread's CPU clock and are robust to it).
 """
@@ -81,8 +81,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="append",
         default=[],
         metavar="PRESET",
-        help="also measure this model preset's matmul shapes, attention and MoE layer overhead "
-        "(repeatable; e.g. --also tiny-moe for benchmarks/plan_vs_run.py's MoE rows)",
+        help="also measure this model preset's matmul shapes, attention, MoE layer overhead "
+        "and collectives after its MLP GEMM (repeatable; e.g. --also tiny-moe for "
+        "benchmarks/plan_vs_run.py's MoE rows)",
     )
     parser.add_argument("--quick", action="store_true", help="fewer shapes and sizes (seconds)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
