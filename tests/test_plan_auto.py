@@ -48,3 +48,18 @@ def test_plan_auto_without_a_profile_says_how_to_measure_one(tmp_path, monkeypat
     assert main([*args, "--dry-run"]) == 2
     err = capsys.readouterr().err
     assert "fivefold calibrate" in err and "--nproc 2" in err and "Traceback" not in err
+
+
+def test_a_stale_default_profile_is_left_out_with_a_note(tmp_path, monkeypatch, capsys):
+    """A profile at the default location that this version cannot read (format 3, written
+    before collectives carried their compute gap) does not stop a CPU run nobody pointed at
+    it: the run goes on without it and says how to measure again."""
+    path = tmp_path / "device-profile.toml"
+    path.write_text(parse_profile(synthetic()).to_toml().replace("format = 4", "format = 3"))
+    monkeypatch.setenv("FIVEFOLD_PROFILE", str(path))
+    args = ["train", str(CONFIGS / "tiny-cpu.toml"), "--dry-run", f'train.run_dir="{tmp_path}"']
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    assert "not using the device profile" in captured.err and "format = 3" in captured.err
+    assert "fivefold calibrate" in captured.err
+    assert "device profile:" not in captured.out

@@ -75,13 +75,28 @@ def recipe_data(recipe_path: str | Path | None, overrides: list[str]) -> dict[st
 
 
 def with_default_profile(data: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """A CPU run without a [cluster] uses the calibrated profile at the default location."""
-    from fivefold.spec.profile import default_profile_path
+    """A CPU run without a [cluster] uses the calibrated profile at the default location. One
+    this fivefold cannot read (written by an older version, or damaged) is left out with a note
+    on stderr saying how to measure again: the user did not name it, so it must not stop the
+    run (a profile named in the recipe or with --cluster still does)."""
+    from fivefold.spec.profile import default_profile_path, load_profile
 
     if "cluster" in data or not _trains_on_cpu(data):
         return data
     path = default_profile_path()
-    return merge(data, {"cluster": {"profile": str(path)}}) if path.is_file() else data
+    if not path.is_file():
+        return data
+    try:
+        load_profile(path)
+    except ConfigError as err:
+        if os.environ.get("RANK", "0") == "0":
+            print(
+                f"note: not using the device profile {str(path)!r} ({err.problems[0]}); "
+                "`fivefold calibrate` measures this machine again.",
+                file=sys.stderr,
+            )
+        return data
+    return merge(data, {"cluster": {"profile": str(path)}})
 
 
 def load_run(
