@@ -178,7 +178,16 @@ def _time_steps(runtime) -> tuple[list[float], list[float]]:
     return wall, cpu
 
 
-def _worker(rank: int, world: int, store: str, results, layout: Layout, steps: int, tmp: str):
+def _worker(
+    rank: int,
+    world: int,
+    store: str,
+    results,
+    layout: Layout,
+    steps: int,
+    tmp: str,
+    keep_memory: bool = True,
+):
     os.environ.update(
         OMP_NUM_THREADS="1", RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
     )
@@ -190,7 +199,8 @@ def _worker(rank: int, world: int, store: str, results, layout: Layout, steps: i
         from fivefold.parallel.host_memory import keep_freed_memory
 
         torch.set_num_threads(1)
-        keep_freed_memory()  # as `fivefold train` does
+        if keep_memory:
+            keep_freed_memory()  # as `fivefold train` does
         dist.init_process_group(
             "gloo",
             store=dist.FileStore(store, world),
@@ -207,8 +217,10 @@ def _worker(rank: int, world: int, store: str, results, layout: Layout, steps: i
     os._exit(0)  # a normal exit can abort in gloo's destructors
 
 
-def measure(layout: Layout, steps: int, timeout_s: float = 900.0) -> dict:
-    """Run `layout` on its ranks (forked from a torch-preloaded forkserver); rank 0's rows."""
+def measure(layout: Layout, steps: int, timeout_s: float = 900.0, keep_memory: bool = True) -> dict:
+    """Run `layout` on its ranks (forked from a torch-preloaded forkserver); rank 0's rows.
+    `keep_memory`: the ranks keep freed host memory as `fivefold train` does
+    (`fivefold.parallel.host_memory`; False for `benchmarks/host_memory.py`'s baseline)."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "fivefold.parallel.runtime", "fivefold.train.loop"])
     results = ctx.Queue()
@@ -217,7 +229,16 @@ def measure(layout: Layout, steps: int, timeout_s: float = 900.0) -> dict:
         procs = [
             ctx.Process(
                 target=_worker,
-                args=(r, layout.world, store, results, layout, steps, os.path.join(tmp, "run")),
+                args=(
+                    r,
+                    layout.world,
+                    store,
+                    results,
+                    layout,
+                    steps,
+                    os.path.join(tmp, "run"),
+                    keep_memory,
+                ),
                 daemon=True,
             )
             for r in range(layout.world)
