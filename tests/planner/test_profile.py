@@ -269,6 +269,24 @@ def test_recipe_cluster_profile_and_plan_cli(profile_path, capsys):
     assert out["step_time_s"] > 0 and out["cluster"]["profile"] == str(profile_path)
 
 
+def test_plan_says_when_ranks_share_the_cores(profile_path, capsys):
+    """Four ranks on the profile's two cores, pipelined: the step is shorter than its parts
+    added up, and `fivefold plan` says by how much (the breakdown's core_sharing_s)."""
+    from fivefold.cli.main import main
+
+    args = ["plan", "estimate", "--model", "tiny", "--cluster", str(profile_path), "--gpus", "4",
+            "--pp", "2", "--dp", "2", "--zero", "1", "--mbs", "1", "--grad-accum", "4",
+            "--precision", "fp32"]  # fmt: skip
+    assert main([*args, "--json"]) == 0
+    import json
+
+    sharing = json.loads(capsys.readouterr().out)["breakdown_s"]["core_sharing_s"]
+    assert sharing < 0
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert f"the step is {-sharing * 1e3:,.1f} ms shorter" in out
+
+
 def test_layer_overhead_by_layer_kind(profile_path):
     """A MoE layer has its own fixed cost; tensor parallelism and a ZeRO-3 unit add theirs; four
     one-thread ranks on two cores get half the machine, so every fixed second takes two."""

@@ -733,6 +733,13 @@ def summary_lines(est_json: dict[str, Any], headroom: float) -> list[str]:
             for c in sorted(exposed, key=lambda c: -c["exposed_s"])
         ]
         lines.append("exposed communication per step: " + ", ".join(parts))
+    sharing = est_json.get("breakdown_s", {}).get("core_sharing_s", 0.0)
+    if sharing < 0:
+        lines.append(
+            "ranks outnumber the cores: a rank waiting for a neighbour or a collective leaves "
+            f"its core to the others; the step is {-sharing * 1e3:,.1f} ms shorter than its "
+            "compute and communication added up"
+        )
     return lines
 
 
