@@ -85,6 +85,18 @@ def synthetic(cores: int = 2) -> dict:
     return dict(format=4, device=device, **rows, collective=collective, collective_sample=sample)
 
 
+def without_overheads(tmp_path, *kinds: str):
+    """(free, paid): profiles written under `tmp_path` that differ only in the overhead rows'
+    `{kind}_forward_s` / `{kind}_backward_s` extras, zero in `free`, as `synthetic` in `paid`."""
+    data = synthetic()
+    for row in data["overhead"]:
+        row.update({f"{k}_{p}_s": 0.0 for k in kinds for p in ("forward", "backward")})
+    free, paid = tmp_path / "free.toml", tmp_path / "paid.toml"
+    free.write_text(parse_profile(data).to_toml())
+    paid.write_text(parse_profile(synthetic()).to_toml())
+    return free, paid
+
+
 @pytest.fixture
 def profile_path(tmp_path):
     path = tmp_path / "profile.toml"
@@ -314,13 +326,7 @@ def test_layer_overhead_by_layer_kind(profile_path):
 def test_tensor_parallel_layers_carry_their_extra(tmp_path):
     """The same TP 2 layer on two profiles that differ only in the TP extra: the layer's forward
     and input-gradient backward differ by exactly that extra."""
-    data = synthetic()
-    for row in data["overhead"]:
-        row.update(tp_forward_s=0.0, tp_backward_s=0.0)
-    free = tmp_path / "free.toml"
-    free.write_text(parse_profile(data).to_toml())
-    paid = tmp_path / "paid.toml"
-    paid.write_text(parse_profile(synthetic()).to_toml())
+    free, paid = without_overheads(tmp_path, "tp")
     plan = ParallelPlan(micro_batch=4, tp=2, precision="fp32")
     a = layer_work(TINY, plan, profile_device(free, 2), EFF)
     b = layer_work(TINY, plan, profile_device(paid, 2), EFF)
@@ -343,14 +349,7 @@ def test_data_parallel_unit_hooks_by_hand(tmp_path, zero, ep, moe, units, extra)
     """Each block is one data-parallel unit of the plan's ZeRO level (two under EP: the experts
     apart): two profiles that differ only in the units' extra give layer times that differ by
     exactly units x that extra, forward and input-gradient backward."""
-    data = synthetic()
-    for row in data["overhead"]:
-        row.update({f"{k}_{p}_s": 0.0 for k in ("fsdp", "replicate", "shard") for p in (
-            "forward", "backward")})  # fmt: skip
-    free = tmp_path / "free.toml"
-    free.write_text(parse_profile(data).to_toml())
-    paid = tmp_path / "paid.toml"
-    paid.write_text(parse_profile(synthetic()).to_toml())
+    free, paid = without_overheads(tmp_path, "fsdp", "replicate", "shard")
     spec = model_preset("tiny-moe") if moe else TINY
     plan = ParallelPlan(dp_shard=2, zero=zero, ep=ep, micro_batch=4, precision="fp32")
     if zero == 0:
@@ -559,13 +558,7 @@ def test_expert_parallel_layers_carry_their_extra(tmp_path):
     """A MoE layer under EP 2 on two profiles that differ only in the EP extra: its forward and
     input-gradient backward differ by exactly that extra; without EP, not at all."""
     moe = model_preset("tiny-moe")
-    data = synthetic()
-    for row in data["overhead"]:
-        row.update(ep_forward_s=0.0, ep_backward_s=0.0)
-    free = tmp_path / "free.toml"
-    free.write_text(parse_profile(data).to_toml())
-    paid = tmp_path / "paid.toml"
-    paid.write_text(parse_profile(synthetic()).to_toml())
+    free, paid = without_overheads(tmp_path, "ep")
     for ep, extra in ((2, (EP_F, EP_B)), (1, (0.0, 0.0))):
         plan = ParallelPlan(dp_shard=2, zero=1, ep=ep, micro_batch=4, precision="fp32")
         a = layer_work(moe, plan, profile_device(free, 2), EFF, moe=True)

@@ -665,6 +665,7 @@ def _rank_tails(
     mean_backward = sum(c.backward_input_s + c.backward_weight_s for c in chunk_costs)
     mean_backward /= len(chunk_costs)
     mean_forward = sum(c.forward_s for c in chunk_costs) / len(chunk_costs)
+    gap = collective_gap_s(model, plan, cluster, eff)
     shared: dict[tuple, tuple] = {}
     tails = []
     for rank in range(plan.pp):
@@ -679,7 +680,6 @@ def _rank_tails(
                 units = runtime_units(plan, [chunk_sigs[c] for c in chunks])
                 if plan.ep == 1:  # the experts are reduced with their block
                     dense, experts = dense + experts, 0.0
-            gap = collective_gap_s(model, plan, cluster, eff)
             raw = _tail_costs(model, key, cluster, eff, opts, dense, experts, units, gap)
             last_backward = sum(
                 chunk_costs[c].backward_input_s + chunk_costs[c].backward_weight_s for c in chunks
