@@ -57,7 +57,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "overrides", nargs=argparse.REMAINDER, help="section.field=value, as for train"
     )
     _add_options(parser)
-    parser.set_defaults(handler=handle)
+    parser.set_defaults(handler=handle, imports_torch=True)
 
 
 def _add_options(parser: argparse.ArgumentParser) -> None:

@@ -3,8 +3,10 @@
 Each command module defines `register(subparsers)`, which adds its parser and sets `handler`
 (a function of the parsed arguments returning an exit code). Modules import torch only inside
 their handlers, and `main` imports only the module of the command asked for (all of them for
-`fivefold --help` or an unknown command), so `fivefold plan` stays fast. A `FivefoldError` is
-printed as one paragraph and exits with status 2; it is never a traceback.
+`fivefold --help` or an unknown command), so `fivefold plan` stays fast. The parser is built,
+and torch imported first for a command that sets `imports_torch`, with Ctrl-C held until they
+have loaded (`fivefold.parallel.shielded_import`). A `FivefoldError` is printed as one
+paragraph and exits with status 2; an interrupt exits with 130; neither is ever a traceback.
 """
 
 from __future__ import annotations
@@ -44,22 +46,32 @@ def main(argv: list[str] | None = None) -> int:
 
     passive_wait()  # before any command imports torch (see fivefold.parallel.threads)
     argv = sys.argv[1:] if argv is None else argv
-    parser = build_parser(argv[0] if argv else None)
-    args = parser.parse_args(argv)
-    if not getattr(args, "handler", None):
-        parser.print_help()
-        return 0
+    command = argv[0] if argv else "command"
     try:
-        return int(args.handler(args) or 0)
+        return _run(argv)
     except FivefoldError as err:
-        print(f"fivefold {args.command}: error: {err}", file=sys.stderr)
+        print(f"fivefold {command}: error: {err}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # the reader went away (e.g. `| head`): not an error of ours
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except KeyboardInterrupt:
-        print(f"fivefold {args.command}: interrupted", file=sys.stderr)
+        print(f"fivefold {command}: interrupted", file=sys.stderr)
         return 130
+
+
+def _run(argv: list[str]) -> int:
+    from fivefold.parallel.shielded_import import signals_held
+
+    with signals_held():
+        parser = build_parser(argv[0] if argv else None)
+        args = parser.parse_args(argv)
+        if getattr(args, "imports_torch", False):
+            import torch  # noqa: F401
+    if not getattr(args, "handler", None):
+        parser.print_help()
+        return 0
+    return int(args.handler(args) or 0)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import logging
 import sys
 
 from fivefold.parallel.rank_report import write_failures
+from fivefold.parallel.shielded_import import signals_held
 
 QUIET_LOGGERS = "torch.distributed.elastic"
 
@@ -41,6 +42,8 @@ def root_exit_code(failures: dict) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     try:
+        with signals_held():
+            import torch.distributed.run  # noqa: F401
         return _run(argv)
     except KeyboardInterrupt:  # SIGINT before torchrun installed its handlers: no worker yet
         return 128 + 2
