@@ -975,7 +975,7 @@ def shared_cores_step_s(
 
 
 def _excess(total_s: float, part_s: float) -> float:
-    """`total_s - part_s`, with float residue (either sign, within 1e-9 relative) as 0."""
+    """`total_s - part_s` when it exceeds float residue (1e-9 relative), else 0."""
     excess = total_s - part_s
     return 0.0 if excess <= 1e-9 * max(abs(total_s), abs(part_s)) else excess
 

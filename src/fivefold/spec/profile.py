@@ -643,10 +643,9 @@ class Measured:
     ) -> tuple[float, float]:
         """(forward, backward) fixed seconds of one layer and micro-batch: a dense or MoE
         layer, plus tensor parallelism's extra, expert parallelism's on a MoE layer (`ep`)
-        and, when `zero` is given, that of `units`
-        data-parallel units wrapped for that ZeRO level (the runtime wraps every block, and
-        under EP a MoE block's experts apart: two); a share of the cores stretches them (they
-        run on one thread)."""
+        and, when `zero` is given, that of `units` data-parallel units wrapped for that ZeRO
+        level (the runtime wraps every block, and under EP a MoE block's experts apart: two);
+        a share of the cores stretches them (they run on one thread)."""
         rows, _ = self._at_threads(list(self.profile.overhead))
         row = rows[0]
         fwd = row.moe_forward_s if moe else row.layer_forward_s
