@@ -60,3 +60,11 @@ def test_cli_reports_the_rule_not_memory(capsys):
     err = capsys.readouterr().err
     assert "plan.tp = 5 must divide model.heads = 32" in err
     assert "fits" not in err and "memory levers" not in err and "Traceback" not in err
+
+
+def test_a_pinned_dp_no_shape_reaches_names_the_product_rule():
+    err = searched(tp=2, dp=3)  # before: "No candidate layout exists ... memory levers"
+    assert err.problems[1] == next(
+        p for p in rules(ParallelPlan(tp=2, dp_replicate=3)) if p.startswith("plan degrees")
+    )
+    assert "= 6, but the cluster has 64 GPUs" in err.problems[1]

@@ -320,6 +320,9 @@ class _Search:
                     if not (tp_found and cp_found and pp_found) and self.broken(tp, cp, pp, dp):
                         continue
                     self.shape(tp, cp, pp, dp)
+        if not self.outcomes and not self.candidates:  # e.g. a pinned dp no shape reaches
+            tp, cp, pp = (self.fixed.get(k, 1) for k in ("tp", "cp", "pp"))
+            self.broken(tp, cp, pp, self.fixed.get("dp", max(1, world // (tp * cp * pp))))
         self.cost_candidates()
 
     def broken(self, tp: int, cp: int, pp: int, dp: int) -> bool:
