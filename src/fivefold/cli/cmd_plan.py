@@ -28,7 +28,8 @@ that `fivefold train` reads. Layout flags (--tp, --pp, ...) pin those fields in 
 `fivefold plan estimate` costs one given layout instead of searching.
 
 The model comes from a preset (--model llama3-8b), a TOML file (--model my.toml, a [model]
-table or a recipe) or flags (--layers --hidden --heads ...); flags override the preset. The
+table or a recipe), a Hugging Face config (--hf-config config.json: Llama, Mistral, Qwen2/3,
+Mixtral, DeepSeek-V3) or flags (--layers --hidden --heads ...); flags override the preset. The
 cluster from a preset and a GPU count (--cluster dgx-h100 --gpus 64) or a description
 (--gpu h100 --gpus-per-node 8 --nvlink-gbps 900 --ib-gbps 50 --gpus 64). A positional recipe
 (e.g. configs/llama3-8b-dgx-h100.toml) gives model, cluster and, for `estimate`, the layout.
@@ -47,6 +48,8 @@ examples:
       --global-batch-tokens 4M
   fivefold plan --model llama3-405b --cluster dgx-h100 --gpus 16384 --global-batch-tokens 16M
   fivefold plan --model llama3-70b --gpus 64 --tp 8 --json        # pin TP, print JSON
+  fivefold plan --hf-config config.json --gpus 64 --seq 8K --global-batch-tokens 4M \
+      --tokens 1T --gpu-hour-price 2.5                            # time, cost, failures
   fivefold plan estimate --model llama3-8b --gpus 64 --tp 8 --zero 3 --mbs 1 \\
       --global-batch 128 --recompute selective
   fivefold plan estimate configs/llama3-8b-dgx-h100.toml
@@ -117,6 +120,12 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     )
     m = parser.add_argument_group("model (a preset or TOML file, and/or flags)")
     m.add_argument("--model", metavar="PRESET|FILE", help="preset name or TOML file")
+    m.add_argument(
+        "--hf-config",
+        metavar="CONFIG.json",
+        help="a Hugging Face config.json (llama, mistral, qwen2, qwen3, mixtral, deepseek_v3): "
+        "the model it describes, flags on top (as [model] hf_config = ...)",
+    )
     for flag, help_text in (
         ("--layers", "transformer layers"),
         ("--hidden", "hidden size"),
@@ -461,7 +470,11 @@ def model_from_args(args: argparse.Namespace, recipe_data: dict[str, dict]) -> A
     from fivefold.spec.recipe import model_from_dict, read_toml
 
     values: dict[str, Any] = dict(recipe_data.get("model", {}))
-    if args.model:
+    if args.hf_config:
+        if args.model:
+            raise ConfigError("--model and --hf-config both name a model; give one of them.")
+        values = {"hf_config": args.hf_config}
+    elif args.model:
         if args.model in MODEL_PRESETS:
             values = {"preset": args.model}
         elif args.model.endswith(".toml") or Path(args.model).is_file():

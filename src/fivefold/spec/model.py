@@ -52,6 +52,20 @@ MODEL_LIMITS = {
 }
 
 
+# Attention-variant fields at the values that mean "Llama's attention" (`ModelSpec.to_dict`).
+_PLAIN_VARIANTS = {
+    "rope_scaling_type": "llama3",
+    "qkv_bias": False,
+    "qk_norm": False,
+    "sliding_window": 0,
+    "sliding_layers": 0,
+    "attention": "gqa",
+    "q_lora_rank": 0,
+    "kv_lora_rank": 0,
+    "qk_rope_head_dim": 0,
+}
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """A decoder-only transformer. Sizes are counts (not bytes); `seq_len` is in tokens."""
@@ -137,9 +151,12 @@ class ModelSpec:
         return replace(self, **changes)
 
     def to_dict(self) -> dict:
+        """Every field, less the attention variants a Llama-style model leaves at their plain
+        values (so recipes and checkpoint metadata of such models list only what they use)."""
         data = asdict(self)
         data.pop("notes")
-        return data
+        plain = _PLAIN_VARIANTS | {"v_head_dim": self.head_dim}
+        return {k: v for k, v in data.items() if k not in plain or plain[k] != v}
 
     # ---- validation ------------------------------------------------------------------------
     def _attention_problems(self) -> list[str]:
