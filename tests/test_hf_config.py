@@ -89,17 +89,17 @@ def test_forward_flops_equal_torchs_count(name):
 
 def test_family_features_read_by_hand():
     mistral = _spec("mistral-7b")
-    assert (mistral.sliding_window, mistral.sliding_layers) == (4096, 32)
+    assert (mistral.sliding_window, mistral.windowed_layers) == (4096, 32)
     assert _spec("qwen2-7b").sliding_window == 0  # use_sliding_window = false
     tiny_qwen2 = _spec("tiny-qwen2")  # window in the layers from max_window_layers = 1 on
-    assert (tiny_qwen2.sliding_window, tiny_qwen2.sliding_layers) == (16, 2)
+    assert (tiny_qwen2.sliding_window, tiny_qwen2.windowed_layers) == (16, 2)
     assert tiny_qwen2.qkv_bias and tiny_qwen2.tied_embeddings
     qwen3 = _spec("qwen3-8b")
     assert qwen3.qk_norm and qwen3.head_dim == 128 and not qwen3.qkv_bias
     mixtral = _spec("mixtral-8x7b")
     assert (mixtral.experts, mixtral.top_k, mixtral.expert_ffn) == (8, 2, 14336)
     v3 = _spec("deepseek-v3")
-    assert v3.attention == "mla" and v3.head_dim == 192 and v3.v_head_dim == 128
+    assert v3.attention == "mla" and v3.head_dim == 192 and v3.value_dim == 128
     assert (v3.q_lora_rank, v3.kv_lora_rank, v3.qk_rope_head_dim) == (1536, 512, 64)
     assert (v3.experts, v3.top_k, v3.shared_experts, v3.dense_layers) == (256, 8, 1, 3)
     assert (v3.rope_scaling_type, v3.rope_scaling_factor, v3.rope_original_seq_len) == (

@@ -286,14 +286,14 @@ def attention_gemms(
     nope = model.head_dim - model.qk_rope_head_dim
     out = [
         (tokens, model.kv_lora_rank + model.qk_rope_head_dim, h, 1.0),
-        (tokens, heads * (nope + model.v_head_dim), model.kv_lora_rank, 1.0),
+        (tokens, heads * (nope + model.value_dim), model.kv_lora_rank, 1.0),
     ]
     rank = model.q_lora_rank
     if rank:
         out += [(tokens, rank, h, 1.0), (tokens, heads * model.head_dim, rank, 1.0)]
     else:
         out.append((tokens, heads * model.head_dim, h, 1.0))
-    return [*out, (tokens, h, heads * model.v_head_dim, 1.0)]
+    return [*out, (tokens, h, heads * model.value_dim, 1.0)]
 
 
 def layer_gemms(

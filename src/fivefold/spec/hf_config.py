@@ -121,7 +121,7 @@ def _sliding(config: dict[str, Any], family: str, layers: int) -> tuple[int, int
     if types is not None:
         count = sum(1 for kind in types if kind == "sliding_attention")
         return (int(window), count) if count else (0, 0)
-    return int(window), layers
+    return int(window), 0  # 0: every layer
 
 
 def _family_problems(config: dict[str, Any], family: str) -> list[str]:

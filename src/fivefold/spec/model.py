@@ -15,7 +15,7 @@ Conventions:
   `q_lora_rank` bottleneck (0: one projection), keys and values from a shared rank
   `kv_lora_rank` latent plus a `qk_rope_head_dim` RoPE key shared by all heads; each head's
   query/key is `qk_nope_head_dim + qk_rope_head_dim` wide (= `head_dim`) and its value
-  `v_head_dim`. Biases and norm weights count as parameters, not as matmul FLOPs.
+  `v_head_dim` (`value_dim`). Biases and norm weights count as parameters, not as matmul FLOPs.
 - FLOPs count one multiply-add as 2 FLOPs. Attention scores are counted causally: a token at
   position t attends to t+1 keys, so a sequence of length s costs s(s+1)/2 score pairs per head
   (we use s/2 pairs per token, the large-s value used by Megatron and the seeds, divided by two);
@@ -63,6 +63,7 @@ _PLAIN_VARIANTS = {
     "q_lora_rank": 0,
     "kv_lora_rank": 0,
     "qk_rope_head_dim": 0,
+    "v_head_dim": 0,
 }
 
 
@@ -97,7 +98,7 @@ class ModelSpec:
     q_lora_rank: int = 0  # MLA: query bottleneck rank (0 = one hidden x heads*head_dim matrix)
     kv_lora_rank: int = 0  # MLA: rank of the shared key/value latent
     qk_rope_head_dim: int = 0  # MLA: RoPE part of each query/key head (shared key across heads)
-    v_head_dim: int = 0  # MLA: value width per head (0 = head_dim)
+    v_head_dim: int = 0  # MLA: value width per head (0 = head_dim; `value_dim`)
     experts: int = 0  # routed experts per MoE layer; 0 = dense model
     top_k: int = 0
     expert_ffn: int = 0
@@ -111,10 +112,6 @@ class ModelSpec:
             object.__setattr__(self, "kv_heads", self.heads)
         if self.head_dim == 0 and self.heads > 0:
             object.__setattr__(self, "head_dim", self.hidden // self.heads)
-        if self.v_head_dim == 0:
-            object.__setattr__(self, "v_head_dim", self.head_dim)
-        if self.sliding_window > 0 and self.sliding_layers == 0:
-            object.__setattr__(self, "sliding_layers", self.layers)
 
     # ---- shape helpers -------------------------------------------------------------------
     @property
@@ -135,10 +132,22 @@ class ModelSpec:
         return self.attention == "mla"
 
     @property
+    def value_dim(self) -> int:
+        """Width of one value head: v_head_dim under MLA when set, else head_dim."""
+        return self.v_head_dim if self.is_mla and self.v_head_dim else self.head_dim
+
+    @property
+    def windowed_layers(self) -> int:
+        """Layers attending in the sliding window (sliding_layers, 0 meaning all of them)."""
+        if not self.sliding_window:
+            return 0
+        return self.sliding_layers or self.layers
+
+    @property
     def kv_head_width(self) -> float:
         """Mean width of one key head and one value head: head_dim, or with MLA (where values
-        are v_head_dim wide) (head_dim + v_head_dim) / 2, so 2 x kv_width = K + V."""
-        return (self.head_dim + self.v_head_dim) / 2 if self.is_mla else self.head_dim
+        are `value_dim` wide) (head_dim + value_dim) / 2, so 2 x kv_width = K + V."""
+        return (self.head_dim + self.value_dim) / 2 if self.is_mla else self.head_dim
 
     @property
     def kv_width(self) -> int:
@@ -155,7 +164,7 @@ class ModelSpec:
         values (so recipes and checkpoint metadata of such models list only what they use)."""
         data = asdict(self)
         data.pop("notes")
-        plain = _PLAIN_VARIANTS | {"v_head_dim": self.head_dim}
+        plain = _PLAIN_VARIANTS
         return {k: v for k, v in data.items() if k not in plain or plain[k] != v}
 
     # ---- validation ------------------------------------------------------------------------
@@ -176,10 +185,10 @@ class ModelSpec:
                     "model.q_lora_rank / kv_lora_rank / qk_rope_head_dim describe multi-head "
                     'latent attention: set model.attention = "mla" or leave them at 0.'
                 )
-            if self.v_head_dim != self.head_dim:
+            if self.v_head_dim:
                 out.append(
-                    f"model.v_head_dim = {self.v_head_dim} differs from head_dim = "
-                    f'{self.head_dim}: only model.attention = "mla" has its own value width.'
+                    f'model.v_head_dim = {self.v_head_dim}: only model.attention = "mla" has '
+                    "its own value width; leave it at 0 (= head_dim)."
                 )
             return out
         if self.kv_heads != self.heads:
@@ -334,8 +343,8 @@ def attention_matrices(m: ModelSpec) -> list[tuple[int, int]]:
     return [
         *query,
         (m.kv_lora_rank + m.qk_rope_head_dim, h),
-        (m.heads * (nope + m.v_head_dim), m.kv_lora_rank),
-        (h, m.heads * m.v_head_dim),
+        (m.heads * (nope + m.value_dim), m.kv_lora_rank),
+        (h, m.heads * m.value_dim),
     ]
 
 
@@ -414,18 +423,18 @@ def attention_score_flops_per_token(m: ModelSpec, seq_len: int, causal: bool = T
     head_dim and v_head_dim).
     """
     keys = attention_keys_per_query(seq_len, 0, causal)
-    return 2.0 * m.heads * (m.head_dim + m.v_head_dim) * keys
+    return 2.0 * m.heads * (m.head_dim + m.value_dim) * keys
 
 
 def attention_flops_all_layers(m: ModelSpec, seq_len: int, causal: bool = True) -> float:
     """Forward attention-score FLOPs per token summed over the layers, sliding-window layers
     counted over their window."""
     full = attention_score_flops_per_token(m, seq_len, causal)
-    if not m.sliding_layers:
+    if not m.windowed_layers:
         return m.layers * full
     window = attention_keys_per_query(seq_len, m.sliding_window, causal)
     windowed = full * window / attention_keys_per_query(seq_len, 0, causal)
-    return (m.layers - m.sliding_layers) * full + m.sliding_layers * windowed
+    return (m.layers - m.windowed_layers) * full + m.windowed_layers * windowed
 
 
 def layer_matmul_flops_per_token(m: ModelSpec, moe: bool) -> float:
