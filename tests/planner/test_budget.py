@@ -179,3 +179,25 @@ def test_recipe_carries_tokens(capsys, tmp_path):
     out = tmp_path / "out.toml"
     main(["plan", str(recipe), "--global-batch-tokens", "4M", "--out", str(out)])
     assert "tokens = 1000000000000" in Path(out).read_text()
+
+
+def test_a_run_without_ckpt_every_prints_the_suggestion():
+    from fivefold.spec.recipe import recipe_from_dict
+    from fivefold.train.loop import _checkpoint_suggestion
+
+    recipe = recipe_from_dict(
+        {
+            "model": {"preset": "llama3-8b"},
+            "cluster": {"preset": "dgx-h100", "gpus": 8},
+            "plan": {"dp_shard": 8, "zero": 3},
+        }
+    )
+    # 8,030,261,248 params x 14 B = 112.4 GB saved by one node at 0.9765625 GB/s = 115.1 s;
+    # MTBF 1 / (8 x 1.9733e-5) h = 6,334.6 h; sqrt(2 x 115.1 s x 22.80e6 s) = 72,462 s = 36,231
+    # steps of 2 s
+    save = 8_030_261_248 * 14 / 0.9765625e9
+    mtbf = 3600 * 54 * 24 * 16384 / (8 * 419)
+    steps = round(math.sqrt(2 * save * mtbf) / 2.0)
+    assert steps == 36_231
+    assert f"train.ckpt_every = {steps} " in _checkpoint_suggestion(recipe, 2.0)
+    assert "none (no step-time prediction)" in _checkpoint_suggestion(recipe, None)
