@@ -440,11 +440,13 @@ def budget_of(est: Any, inputs: Any) -> Any:
 
 def _brief_budget(b: Any) -> str:
     """'  41.2 d  63,258 GPU-h  goodput 97.1%' for an alternative's line ('' without one)."""
+    from fivefold.planner.budget import DAY_S
+
     if b is None:
         return ""
     if not b.progresses:
         return "  never finishes"
-    return f"  {b.wall_s / 86400:6.1f} d  {b.gpu_hours:>9,.0f} GPU-h  goodput {b.goodput:.1%}"
+    return f"  {b.wall_s / DAY_S:6.1f} d  {b.gpu_hours:>9,.0f} GPU-h  goodput {b.goodput:.1%}"
 
 
 # ---- model -----------------------------------------------------------------------------------
