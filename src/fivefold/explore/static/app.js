@@ -189,9 +189,10 @@ function plannerRequest() {
   for (const key of Object.keys(state.presets.planner_options)) {
     out[key] = readField(field(`planner.${key}`));
   }
-  for (const key of BUDGET_FIELDS) {
+  const tokens = readField(field("planner.tokens"));
+  for (const key of BUDGET_FIELDS) {  // a price alone means nothing without tokens
     const value = readField(field(`planner.${key}`));
-    if (value !== null) out[key] = value;
+    if (value !== null && tokens !== null) out[key] = value;
   }
   return out;
 }
