@@ -284,6 +284,10 @@ def dry_run_report(run, nproc: int) -> str:
     lines.append(
         f"  step time: {step_s:.3f} s" if step_s is not None else "  step time: not predicted"
     )
+    if not run.train.ckpt_every:
+        from fivefold.train.loop import _checkpoint_suggestion
+
+        lines.append("  " + _checkpoint_suggestion(recipe, step_s))
     lines.append("dry run: nothing started; train with the same command without --dry-run")
     return "\n".join(lines)
 

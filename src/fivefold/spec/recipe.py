@@ -191,6 +191,9 @@ def expand_model(values: dict[str, Any], problems: list[str]) -> dict[str, Any] 
     """
     values = dict(values)
     preset = values.pop("preset", None)
+    hf_config = values.pop("hf_config", None)
+    if hf_config is not None:
+        return _expand_hf_config(hf_config, preset, values, problems)
     if preset is None:
         if "ffn" not in values and isinstance(values.get("hidden"), int):
             mlp = values.get("mlp", "swiglu")
@@ -206,6 +209,31 @@ def expand_model(values: dict[str, Any], problems: list[str]) -> dict[str, Any] 
         base.pop("head_dim")
     if "heads" in values and "kv_heads" not in values and base["kv_heads"] == base["heads"]:
         base.pop("kv_heads")
+    return {**base, **values}
+
+
+def _expand_hf_config(
+    path: Any, preset: Any, values: dict[str, Any], problems: list[str]
+) -> dict[str, Any] | None:
+    """[model] hf_config = "config.json": the model a Hugging Face config describes
+    (`fivefold.spec.hf_config`), the other fields given overriding it (e.g. seq_len)."""
+    from fivefold.spec.hf_config import read_hf_config, spec_from_hf_config
+
+    if preset is not None:
+        problems.append(
+            f"model.hf_config and model.preset = {preset!r} both name a model; keep one."
+        )
+        return None
+    if not isinstance(path, str):
+        problems.append(f"model.hf_config = {path!r}: give the path of a config.json.")
+        return None
+    try:
+        base = spec_from_hf_config(read_hf_config(path), path).to_dict()
+    except ConfigError as err:
+        problems.extend(err.problems)
+        return None
+    if "heads" in values or "hidden" in values:
+        base.pop("head_dim")
     return {**base, **values}
 
 

@@ -116,6 +116,8 @@ def load_run(
             "the product of the plan's degrees, or lower the degrees."
         )
         raise ConfigError([*err.problems, hint]) from None
+    if recipe.model.runtime_problems():  # `fivefold plan` plans these; a run cannot build them
+        raise ConfigError(recipe.model.runtime_problems())
     return parse_train_config(recipe)
 
 
