@@ -18,7 +18,12 @@ from typing import Any
 
 from fivefold.errors import ConfigError, FivefoldError
 from fivefold.spec.recipe import merge, parse_overrides, read_toml, recipe_from_dict
-from fivefold.train.config import RunConfig, machine_memory_problems, parse_train_config
+from fivefold.train.config import (
+    RunConfig,
+    machine_memory_problems,
+    parse_train_config,
+    section_problems,
+)
 
 RECIPE_SUFFIXES = (".toml",)
 RESUME_HELP = (
@@ -109,13 +114,14 @@ def load_run(
     try:
         recipe = recipe_from_dict(with_default_profile(data), world)
     except ConfigError as err:
-        if named_cluster or not any(p.startswith("plan degrees") for p in err.problems):
-            raise
-        hint = (
-            f"this run has {world} process(es): start `fivefold train` with --nproc equal to "
-            "the product of the plan's degrees, or lower the degrees."
-        )
-        raise ConfigError([*err.problems, hint]) from None
+        problems = list(err.problems)
+        if not named_cluster and any(p.startswith("plan degrees") for p in problems):
+            problems.append(
+                f"this run has {world} process(es): start `fivefold train` with --nproc equal "
+                "to the product of the plan's degrees, or lower the degrees."
+            )
+        problems += section_problems(data)  # the [train]/[data] mistakes too, all at once
+        raise ConfigError(problems) from None
     return parse_train_config(recipe)
 
 
