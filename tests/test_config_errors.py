@@ -75,12 +75,12 @@ CASES = [
     (
         "model-beyond-this-machine",
         ["model.vocab=16000000", "model.hidden=1024"],
-        "more than this machine's",
+        "this run does not fit: the planner predicts a peak of",
     ),
     (
         "micro-batch-beyond-this-machine",
         ["plan.micro_batch=131072", "model.seq_len=4096"],
-        "of activations for micro-batches",
+        "lower plan.micro_batch (raise plan.grad_accum to keep the batch)",
     ),
     ("degrees-not-the-processes", ["--nproc", "3", "plan.dp_replicate=2"], "multiply to"),
     # memory levers (issue 11)

@@ -19,7 +19,6 @@ from typing import Any
 
 from fivefold.checkpoint.elastic import resume_mode
 from fivefold.errors import ConfigError
-from fivefold.spec.model import param_count
 from fivefold.spec.recipe import Recipe, build, unknown_field
 from fivefold.train.trackers import tracker_problems
 
@@ -295,54 +294,3 @@ def _build_sections(
     problems += train.problems() if train is not None else []
     problems += data.problems() if data is not None else []
     return train, data
-
-
-def machine_memory_bytes() -> int | None:
-    """This machine's memory for processes: physical RAM, or the cgroup limit when lower."""
-    try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
-    try:
-        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
-        if limit.isdigit():
-            total = min(total, int(limit))
-    except OSError:
-        pass
-    return total
-
-
-def machine_memory_problems(recipe: Recipe, device: str) -> list[str]:
-    """A run on this machine's CPU: refuse at once what cannot fit in its memory.
-
-    A lower bound of what all the run's processes hold together: one copy of the fp32 weights,
-    gradients and Adam m and v (16 bytes per parameter; sharding splits them, never shrinks
-    them), and for one micro-batch of every data-parallel rank each block's input and the
-    logits at 2 bytes per element (bf16 at the least).
-    """
-    if device == "cuda":
-        return []
-    if device == "auto":
-        import torch
-
-        if torch.cuda.is_available():
-            return []
-    ram = machine_memory_bytes()
-    if ram is None:
-        return []
-    m, plan = recipe.model, recipe.plan
-    params = param_count(m)
-    states = 16 * params
-    tokens = plan.micro_batch * plan.dp * m.seq_len
-    activations = 2 * tokens * (m.hidden * m.layers + m.vocab)
-    need = states + activations
-    if need <= ram:
-        return []
-    gib = 2**30
-    return [
-        f"this run needs at least {need / gib:,.1f} GiB of memory, more than this machine's "
-        f"{ram / gib:,.1f} GiB: {states / gib:,.1f} GiB of fp32 weights, gradients and Adam "
-        f"state for {params:,} parameters and {activations / gib:,.1f} GiB of activations for "
-        f"micro-batches of {tokens:,} tokens in all; make the model smaller (model.hidden, "
-        "model.layers, model.vocab) or lower plan.micro_batch or model.seq_len."
-    ]

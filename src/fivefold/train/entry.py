@@ -20,7 +20,6 @@ from fivefold.errors import ConfigError, FivefoldError
 from fivefold.spec.recipe import merge, parse_overrides, read_toml, recipe_from_dict
 from fivefold.train.config import (
     RunConfig,
-    machine_memory_problems,
     parse_train_config,
     section_problems,
 )
@@ -130,17 +129,20 @@ def check_layout(
 ) -> RunConfig:
     """`load_run` for `world_size` processes, and the plan's degrees must multiply to it: what
     the launchers call before starting anything (ConfigError otherwise). With `local`, the run
-    is on this machine, whose memory must hold it (`machine_memory_problems`) and whose device
-    must run the plan's memory levers (`fivefold.train.optim.lever_problems`)."""
+    is on this machine: the paths it names must be there, its predicted memory must fit what
+    the machine has free (`fivefold.train.prestart`) and its device must run the plan's memory
+    levers (`fivefold.train.optim.lever_problems`); every problem in one error."""
     from fivefold.parallel.mesh import ParallelDims
 
     run = load_run(recipe_path, overrides, world_size=world_size)
     ParallelDims.from_plan(run.recipe.plan, world_size)
     if local:
         from fivefold.train.optim import lever_problems
+        from fivefold.train.prestart import prestart_problems
 
-        problems = machine_memory_problems(run.recipe, run.train.device)
-        problems += lever_problems(run.recipe.plan, local_device(run.train.device))
+        device = local_device(run.train.device)
+        problems = prestart_problems(run, world_size, cuda=device.type == "cuda")
+        problems += lever_problems(run.recipe.plan, device)
         if problems:
             raise ConfigError(problems)
     return run
