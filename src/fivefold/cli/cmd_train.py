@@ -244,7 +244,8 @@ def handle(args: argparse.Namespace) -> int:
         print(dry_run_report(run, args.nproc))
         return 0
     if args.nproc > 1 or args.max_restarts > 0:
-        return _launch(args.nproc, recipe_path, overrides, args.max_restarts)
+        note = _memory_note(run, args.nproc)
+        return _launch(args.nproc, recipe_path, overrides, args.max_restarts, note)
     from fivefold.train.loop import train
 
     return train(run).exit_code  # 128 + signal number after Ctrl-C / SIGTERM, else 0
@@ -288,7 +289,18 @@ def dry_run_report(run, nproc: int) -> str:
     return "\n".join(lines)
 
 
-def _launch(nproc: int, recipe_path: str | None, overrides: list[str], max_restarts: int) -> int:
+def _memory_note(run, nproc: int) -> str:
+    """The planner's predicted peak against the free memory, said if a rank is SIGKILLed."""
+    from fivefold.train.entry import local_device
+    from fivefold.train.prestart import memory_fit
+
+    fit = memory_fit(run, nproc, cuda=local_device(run.train.device).type == "cuda")
+    return fit.describe() if fit is not None else ""
+
+
+def _launch(
+    nproc: int, recipe_path: str | None, overrides: list[str], max_restarts: int, note: str = ""
+) -> int:
     try:
         from fivefold.parallel.launch import launch_local
     except ImportError:
@@ -297,4 +309,4 @@ def _launch(nproc: int, recipe_path: str | None, overrides: list[str], max_resta
             "not available in this installation; train with --nproc 1, or start `torchrun "
             "--nproc-per-node N -m fivefold.train RECIPE` yourself."
         ) from None
-    return int(launch_local(nproc, recipe_path, overrides, max_restarts))
+    return int(launch_local(nproc, recipe_path, overrides, max_restarts, memory_note=note))

@@ -191,8 +191,11 @@ def main(argv: list[str] | None = None) -> int:
     """Train; returns the exit status: 0, 2 after a user error, 128 + signal when interrupted.
     Under `fivefold train --nproc N` the message goes to the launcher, which prints it once
     (`fivefold.parallel.rank_report`); otherwise this process prints it."""
+    from fivefold.parallel.rank_report import attempt, mark_attempt
+
     args = build_parser().parse_args(argv)
     try:
+        mark_attempt()
         from fivefold.train.loop import train
 
         recipe_path, overrides = split_recipe_and_overrides(args.items)
@@ -207,16 +210,26 @@ def main(argv: list[str] | None = None) -> int:
         return _report(
             "interrupted", f"interrupted after step {summary.end_step}", summary.exit_code
         )
+    if attempt() > 0 and int(os.environ.get("RANK", "0")) == 0:  # after a restart: say where
+        _report("resumed", _resumed(summary), 0)
     return 0
+
+
+def _resumed(summary) -> str:
+    """'resumed from step M and completed step N' (or where and why it stopped)."""
+    text = f"resumed from step {summary.start_step} and "
+    if summary.stop_reason in ("completed", "already_complete"):
+        return text + f"completed step {summary.end_step}"
+    return text + f"stopped after step {summary.end_step} ({summary.stop_reason})"
 
 
 def _report(kind: str, message: str, code: int) -> int:
     """Hand `message` to the launcher, or print it (errors only; rank 0 already printed where
     an interrupted run stopped). Returns `code`."""
-    from fivefold.parallel.rank_report import RankReport, write_report
+    from fivefold.parallel.rank_report import RankReport, attempt, write_report
 
     rank = int(os.environ.get("RANK", "0"))
-    if not write_report(RankReport(rank, kind, message, code)) and kind == "error":
+    if not write_report(RankReport(rank, kind, message, code, attempt())) and kind == "error":
         prefix = f"[rank {rank}] " if world_size_from_env() > 1 else ""
         print(f"{prefix}fivefold train: error: {message}", file=sys.stderr)
     return code
