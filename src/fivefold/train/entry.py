@@ -192,11 +192,13 @@ def main(argv: list[str] | None = None) -> int:
     Under `fivefold train --nproc N` the message goes to the launcher, which prints it once
     (`fivefold.parallel.rank_report`); otherwise this process prints it."""
     from fivefold.parallel.rank_report import attempt, mark_attempt
+    from fivefold.parallel.shielded_import import signals_held
 
     args = build_parser().parse_args(argv)
     try:
         mark_attempt()
-        from fivefold.train.loop import train
+        with signals_held():  # a signal since the process started is acted on here
+            from fivefold.train.loop import train
 
         recipe_path, overrides = split_recipe_and_overrides(args.items)
         overrides += resume_overrides(args.resume, args.fresh)
