@@ -44,7 +44,11 @@ earlier checkpoints; --resume insists on resuming and says so when there is noth
 Stopping: Ctrl-C (SIGINT) or SIGTERM stops every rank after the step it is in, writes that
 step's checkpoint and exits with status 128 + signal (130, 143); the same command continues. A
 second signal more than 2 s later stops at once. Exit status 2: a user error (recipe, data,
-checkpoint), printed once even when the ranks found it; a rank that crashed: its status.
+checkpoint), printed once even when the ranks found it, every problem at once and a misspelt
+name with the closest one; a rank that crashed: its status (for SIGKILL, whether the kernel's
+out-of-memory killer did it). With --max-restarts the last attempt decides: 0 when it completes,
+the restarts noted. Before anything starts the paths the recipe names and the predicted memory
+(--dry-run's peak per rank x the local ranks) against the memory free are checked.
 --dry-run prints the resolved recipe, the layout and the planner's predictions and exits.
 """
 
