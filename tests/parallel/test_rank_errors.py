@@ -92,7 +92,7 @@ def test_only_the_last_attempt_decides_and_the_restart_is_told() -> None:
     )
     again = RankReport(1, "error", "data.shards: missing", 2, 1)
     message, code = summarize([lost, again], 2, 2, {1: 2}, last=1)
-    assert code == 2 and message.endswith("data.shards: missing (found by rank 1)")
+    assert code == 2 and message.startswith("data.shards: missing (found by rank 1) Before that,")
 
 
 def test_a_sigkilled_rank_is_explained_by_the_oom_killer_count() -> None:

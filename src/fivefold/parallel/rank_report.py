@@ -128,12 +128,13 @@ def summarize(
     final = [r for r in reports if r.attempt == last]
     message, code = _final_attempt(final, world, exit_code, failures or {}, sigkill_note)
     if history:
-        message = f"{history} {message}" if message else history
+        message = f"{message} Before that, {history}" if message else f"note: {history}"
     return message, code
 
 
 def _restarts(reports: list[RankReport], last: int) -> str | None:
-    """'restarted N time(s): attempt 1 stopped (...); attempt 2 resumed from step M ...'."""
+    """'torchrun restarted the ranks N time(s) ...: attempt 1 stopped (why); attempt 2 resumed
+    from step M and completed step N.' (None without a restart)."""
     if last == 0:
         return None
     parts = []
@@ -145,9 +146,7 @@ def _restarts(reports: list[RankReport], last: int) -> str | None:
     if resumed:
         parts.append(f"attempt {last + 1} {resumed[0]}")
     times = "time" if last == 1 else "times"
-    return (
-        f"note: torchrun restarted the ranks {last} {times} (--max-restarts): {'; '.join(parts)}."
-    )
+    return f"torchrun restarted the ranks {last} {times} (--max-restarts): {'; '.join(parts)}."
 
 
 def _final_attempt(

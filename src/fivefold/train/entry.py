@@ -18,11 +18,7 @@ from typing import Any
 
 from fivefold.errors import ConfigError, FivefoldError
 from fivefold.spec.recipe import merge, parse_overrides, read_toml, recipe_from_dict
-from fivefold.train.config import (
-    RunConfig,
-    parse_train_config,
-    section_problems,
-)
+from fivefold.train.config import RunConfig, parse_train_config, section_problems
 
 RECIPE_SUFFIXES = (".toml",)
 RESUME_HELP = (
@@ -217,8 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _resumed(summary) -> str:
-    """'resumed from step M and completed step N' (or where and why it stopped)."""
+def _resumed(summary: Any) -> str:
+    """'resumed from step M and completed step N' (or where and why it stopped), from a
+    `TrainSummary`."""
     text = f"resumed from step {summary.start_step} and "
     if summary.stop_reason in ("completed", "already_complete"):
         return text + f"completed step {summary.end_step}"
