@@ -59,6 +59,14 @@ def test_a_run_that_cannot_fit_is_refused_with_the_planners_numbers(
     assert "lower plan.micro_batch (raise plan.grad_accum" in err and "fewer ranks" in err
 
 
+def test_a_dry_run_prints_the_prediction_then_what_is_wrong(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(machine_memory, "available_bytes", lambda: GIB)
+    code = main(["train", TINY, *FOUR_RANKS, "plan.micro_batch=256", "--dry-run"])
+    out, err = capsys.readouterr()
+    assert code == 2
+    assert "stage 0: peak memory" in out and "this run does not fit" in err
+
+
 def test_a_run_that_fits_is_not_refused(monkeypatch, tmp_path) -> None:
     from fivefold.train.entry import check_layout
 

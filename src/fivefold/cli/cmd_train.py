@@ -228,7 +228,7 @@ def _toml(value: object) -> str:
 
 
 def handle(args: argparse.Namespace) -> int:
-    from fivefold.train.entry import check_layout, split_recipe_and_overrides
+    from fivefold.train.entry import check_layout, local_problems, split_recipe_and_overrides
 
     args = reparse_items(args)
     recipe_path, overrides = split_recipe_and_overrides(args.items)
@@ -241,11 +241,14 @@ def handle(args: argparse.Namespace) -> int:
         raise ConfigError(max_restarts_problems(args.max_restarts))
     if args.plan == "auto":
         overrides += auto_plan_overrides(recipe_path, overrides, args.nproc)
-    run = check_layout(recipe_path, overrides, args.nproc)  # validate before launching
+    # validate before launching (a dry run shows its predictions first, then what is wrong)
+    run = check_layout(recipe_path, overrides, args.nproc, local=not args.dry_run)
     if args.plan != "auto":  # auto has checked (and used) the table already
         _check_planner_table(recipe_path, overrides, run)
     if args.dry_run:
         print(dry_run_report(run, args.nproc))
+        if problems := local_problems(run, args.nproc):
+            raise ConfigError(problems)
         return 0
     if args.nproc > 1 or args.max_restarts > 0:
         note = _memory_note(run, args.nproc)

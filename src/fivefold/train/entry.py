@@ -132,16 +132,20 @@ def check_layout(
 
     run = load_run(recipe_path, overrides, world_size=world_size)
     ParallelDims.from_plan(run.recipe.plan, world_size)
-    if local:
-        from fivefold.train.optim import lever_problems
-        from fivefold.train.prestart import prestart_problems
-
-        device = local_device(run.train.device)
-        problems = prestart_problems(run, world_size, cuda=device.type == "cuda")
-        problems += lever_problems(run.recipe.plan, device)
-        if problems:
-            raise ConfigError(problems)
+    if local and (problems := local_problems(run, world_size)):
+        raise ConfigError(problems)
     return run
+
+
+def local_problems(run: RunConfig, world_size: int) -> list[str]:
+    """Why `run` cannot start on this machine with `world_size` local processes: paths, the
+    checkpoint, memory (`fivefold.train.prestart`) and the plan's memory levers."""
+    from fivefold.train.optim import lever_problems
+    from fivefold.train.prestart import prestart_problems
+
+    device = local_device(run.train.device)
+    problems = prestart_problems(run, world_size, cuda=device.type == "cuda")
+    return problems + lever_problems(run.recipe.plan, device)
 
 
 def local_device(name: str):
