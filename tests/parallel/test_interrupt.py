@@ -259,6 +259,28 @@ def test_a_signal_during_the_first_imports_waits_for_the_handler(module, args, t
     assert "step" not in done.stdout  # nothing trained
 
 
+def test_a_hold_begun_by_an_entry_lasts_until_its_first_block_ends() -> None:
+    """`hold_signals` at an entry's first line; a block inside the first `signals_held` block
+    ends nothing; the outer block's end delivers the signal once, to the handler it replaced."""
+    from fivefold.parallel.shielded_import import hold_signals, signals_held
+
+    got: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: got.append(signum))
+    try:
+        hold_signals()
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)
+        assert got == []
+        with signals_held():
+            with signals_held():
+                pass
+            time.sleep(0.05)
+            assert got == []
+        assert got == [signal.SIGINT]
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 @contextlib.contextmanager
 def busy_cores(count: int = 2, limit_s: float = 240.0):
     """`count` processes spinning on a CPU each (killed on leaving, or after `limit_s`)."""
