@@ -157,7 +157,7 @@ def _cached_input_shards(run: RunConfig, tokenizer: TextTokenizer) -> Path:
 def load_train_data(run: RunConfig, dp_rank: int = 0, dp_size: int = 1) -> TrainData:
     """Tokenizer, shards, train/val packing and the sampler for `run` (DataError if unusable)."""
     if problems := path_problems(run):
-        raise DataError("; ".join(problems) if len(problems) > 1 else problems[0])
+        raise DataError("; ".join(problems))
     tokenizer = load_tokenizer_for(run)
     shards = shards_for(run, tokenizer)
     seq_len = run.recipe.model.seq_len
