@@ -125,14 +125,12 @@ def planner_settings(
     (default `--field-name`). Raises one ConfigError listing every problem, each naming the
     field (planner.x for the recipe, the flag for the command line).
     """
-    from fivefold.spec.recipe import build
+    from fivefold.spec.recipe import build, unknown_field
 
     section = dict(section or {})
     problems: list[str] = []
     for key in [k for k in section if k not in SECTION_KEYS]:
-        problems.append(
-            f"planner.{key} is not a setting; known planner fields: {', '.join(SECTION_KEYS)}."
-        )
+        problems.append(unknown_field("planner", key, SECTION_KEYS))
         section.pop(key)
     headroom = _headroom(section.pop("headroom", None), problems)
     for key in BUDGET_KEYS:

@@ -492,6 +492,8 @@ def print_header(trainer: Trainer, prediction: dict[str, Any] | None, why_not: s
     out.print(f"MFU against: {trainer.peak.label}")
     if recipe.cluster.profile:
         out.print(f"device profile: {recipe.cluster.profile}")
+    if repeat := trainer.data.repeat_note():
+        out.print(f"[yellow]{repeat}[/yellow]", highlight=False)
     if prediction is not None:
         mem = prediction.get("memory_gib", {}).get("total")
         out.print(
