@@ -189,6 +189,16 @@ HARMLESS_CONFIG_FIELDS = frozenset(
 
 def spec_from_llama_config(config: dict[str, Any], where: str = CONFIG_FILE) -> ModelSpec:
     """A ModelSpec equal to a Llama `config.json`; CheckpointError naming what cannot be kept."""
+    typed = {key: int for key in _INT_FIELDS} | {key: float for key in _FLOAT_FIELDS}
+    wrong = [
+        f"{key} = {config[key]!r} is not {'an integer' if kind is int else 'a number'}"
+        for key, kind in typed.items()
+        if config.get(key) is not None and not _is_number(config[key], kind)
+    ]
+    if wrong:  # before anything reads them as numbers
+        raise CheckpointError(
+            f"{where} cannot be imported: " + "; ".join(wrong) + "; write each as a JSON number."
+        )
     problems = []
     unknown = sorted(set(config) - LLAMA_MODEL_FIELDS - HARMLESS_CONFIG_FIELDS)
     if unknown:
@@ -208,7 +218,11 @@ def spec_from_llama_config(config: dict[str, Any], where: str = CONFIG_FILE) -> 
         if config.get(key):
             problems.append(f"{key} = true (fivefold has no biases)")
     rope, rope_problems = _rope_settings(config)
-    problems += rope_problems
+    problems += rope_problems + [
+        f"RoPE setting {key} = {value!r} is not a number"
+        for key, value in rope.items()
+        if not _is_number(value, float)
+    ]
     missing = [
         k
         for k in (
@@ -224,31 +238,47 @@ def spec_from_llama_config(config: dict[str, Any], where: str = CONFIG_FILE) -> 
         problems.append(f"missing fields {', '.join(missing)}")
     if problems:
         raise CheckpointError(f"{where} cannot be imported: " + "; ".join(problems) + ".")
-    try:
-        rope = {k: int(v) if k == "rope_original_seq_len" else float(v) for k, v in rope.items()}
-        heads = int(config["num_attention_heads"])
-        spec = ModelSpec(
-            name=str(config.get("fivefold_model_name", "hf-llama")),
-            layers=int(config["num_hidden_layers"]),
-            hidden=int(config["hidden_size"]),
-            heads=heads,
-            kv_heads=int(config.get("num_key_value_heads") or heads),
-            ffn=int(config["intermediate_size"]),
-            vocab=int(config["vocab_size"]),
-            seq_len=int(config.get("max_position_embeddings", 2048)),
-            tied_embeddings=bool(config.get("tie_word_embeddings", False)),
-            head_dim=int(config.get("head_dim") or int(config["hidden_size"]) // heads),
-            norm_eps=float(config.get("rms_norm_eps", 1e-5)),
-            **rope,
-        )
-    except (TypeError, ValueError, ZeroDivisionError) as err:
-        raise CheckpointError(
-            f"{where} cannot be imported: a size or rate is not a number ({err}); fix the "
-            "config's value."
-        ) from None
+    rope = {k: int(v) if k == "rope_original_seq_len" else float(v) for k, v in rope.items()}
+    heads = int(config["num_attention_heads"])
+    if heads < 1:
+        raise CheckpointError(f"{where}: num_attention_heads = {heads} must be at least 1.")
+    spec = ModelSpec(
+        name=str(config.get("fivefold_model_name", "hf-llama")),
+        layers=int(config["num_hidden_layers"]),
+        hidden=int(config["hidden_size"]),
+        heads=heads,
+        kv_heads=int(config.get("num_key_value_heads") or heads),
+        ffn=int(config["intermediate_size"]),
+        vocab=int(config["vocab_size"]),
+        seq_len=int(config.get("max_position_embeddings", 2048)),
+        tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+        head_dim=int(config.get("head_dim") or int(config["hidden_size"]) // heads),
+        norm_eps=float(config.get("rms_norm_eps", 1e-5)),
+        **rope,
+    )
     if spec.problems():
         raise CheckpointError(f"{where} describes an invalid model: " + " ".join(spec.problems()))
     return spec
+
+
+_INT_FIELDS = (
+    "num_hidden_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "vocab_size",
+    "max_position_embeddings",
+    "head_dim",
+)
+_FLOAT_FIELDS = ("rms_norm_eps", "attention_dropout")
+
+
+def _is_number(value: Any, kind: type) -> bool:
+    """Whether a JSON value is an integer (`kind` int; 4096.0 counts) or any finite-typed number."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    return kind is float or float(value).is_integer()
 
 
 _LLAMA3_KEYS = {  # HF key -> ModelSpec field
