@@ -112,3 +112,27 @@ def test_one_measured_peak_per_run_even_past_30_s(tmp_path, monkeypatch) -> None
     assert len(calls) == 1 and summary.peak_label == "fake peak #1"
     text = out.getvalue()
     assert "MFU against: fake peak #1" in text and "(vs fake peak #1)" in text
+
+
+def test_the_progress_bar_runs_a_clock_inside_each_step() -> None:
+    """The bar moved once per step: a long step looked hung. It shows the seconds in the step."""
+    now = [100.0]
+    reporter = ConsoleReporter(
+        Console(file=io.StringIO(), force_terminal=True, width=200),
+        1000, 0, 25, progress=True, clock=lambda: now[0],
+    )  # fmt: skip
+
+    def shown() -> str:
+        progress = reporter._progress
+        out = Console(file=io.StringIO(), width=200, color_system=None)
+        out.print(progress.make_tasks_table(progress.tasks))
+        return out.file.getvalue()
+
+    try:
+        now[0] = 175.0
+        assert "step 1: 75 s" in shown()
+        reporter.update(_metrics(1))
+        now[0] = 187.4
+        assert "step 2: 12 s" in shown()
+    finally:
+        reporter.stop()

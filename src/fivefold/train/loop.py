@@ -27,7 +27,12 @@ from fivefold.spec.recipe import dump_recipe
 from fivefold.train import checkpoint as ckpt
 from fivefold.train.config import RunConfig
 from fivefold.train.inputs import TrainData, load_train_data
-from fivefold.train.interrupt import StopRequest, die_on_signals, stop_on_signals
+from fivefold.train.interrupt import (
+    StopRequest,
+    acknowledge,
+    die_on_signals,
+    stop_on_signals,
+)
 from fivefold.train.memory import PeakReading, track_cpu_peak
 from fivefold.train.metrics import (
     ConsoleReporter,
@@ -576,6 +581,8 @@ def _train(
     prediction, why_not = planner_prediction(run) if runtime.is_main else (None, "")
     if runtime.is_main:
         print_header(trainer, prediction, why_not)
+    if runtime.is_main:  # said at once: a step may take minutes
+        trainer.stop.announce = lambda signum: acknowledge(signum, trainer.step + 1)
     with stop_on_signals(trainer.stop):  # Ctrl-C: stop after a step, with a checkpoint
         summary = trainer.fit()
     summary.prediction = prediction
