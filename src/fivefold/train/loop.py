@@ -8,6 +8,7 @@ prints and writes files; every rank checkpoints its own state.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import math
 import os
@@ -470,6 +471,11 @@ def planner_prediction(run: RunConfig) -> tuple[dict[str, Any] | None, str]:
         return None, f"{type(err).__name__}: {err}"
 
 
+def tensorboard_installed() -> bool:
+    """Whether `torch.utils.tensorboard` can write events (the optional `tensorboard` package)."""
+    return importlib.util.find_spec("tensorboard") is not None
+
+
 def print_header(trainer: Trainer, prediction: dict[str, Any] | None, why_not: str) -> None:
     out, recipe, run = trainer.console, trainer.recipe, trainer.run
     model, plan = recipe.model, recipe.plan
@@ -494,6 +500,14 @@ def print_header(trainer: Trainer, prediction: dict[str, Any] | None, why_not: s
         f"{trainer.cfg.lr:g} (warmup {trainer.cfg.warmup_steps}, {trainer.cfg.lr_schedule} to "
         f"{trainer.cfg.min_lr:g}); data: {trainer.data.describe()}"
     )
+    note = trainer.data.eval_note(trainer.cfg.eval_every, run.data.val_fraction)
+    if note:
+        out.print(f"[yellow]{note}[/yellow]", highlight=False)
+    if trainer.cfg.tensorboard and not tensorboard_installed():
+        out.print(
+            "[dim]TensorBoard: no events written (tensorboard is not installed: pip install "
+            "'fivefold[tensorboard]'; train.tensorboard=false silences this)[/dim]"
+        )
     out.print(f"MFU against: {trainer.peak.label}")
     if recipe.cluster.profile:
         out.print(f"device profile: {recipe.cluster.profile}")
