@@ -604,8 +604,11 @@ def layout_from_args(
     values.setdefault("sp", values.get("tp", 1) > 1)
     if values.get("pp", 1) > 1 and values.get("schedule") in ("zbv", "dualpipev"):
         values.setdefault("vpp", 2)
+    tokens, seqs = batch_from_args(args)
+    if "grad_accum" not in values and tokens is None and seqs is None and has_recipe(args):
+        # A recipe's batch is the one `fivefold train` runs: grad_accum at its default.
+        values["grad_accum"] = ParallelPlan().grad_accum
     if "grad_accum" not in values:
-        tokens, seqs = batch_from_args(args)
         target = batch_target(model, tokens, seqs)
         mbs = values.get("micro_batch", 1)
         dp = values["dp_replicate"] * values["dp_shard"]
@@ -626,6 +629,12 @@ def layout_from_args(
 
 
 # ---- recipes ----------------------------------------------------------------------------------
+def has_recipe(args: argparse.Namespace) -> bool:
+    """Whether the command names a recipe file (its first item is not an override)."""
+    items = args.items or []
+    return bool(items) and "=" not in items[0]
+
+
 def recipe_items(args: argparse.Namespace) -> dict[str, dict]:
     """The positional recipe and overrides as raw sections (validated later, field by field)."""
     from fivefold.spec.recipe import SECTIONS, merge, parse_overrides, read_toml
@@ -674,11 +683,16 @@ def _whole(value: Any) -> Any:
 def write_recipe(
     path: Path, model: Any, cluster: Any, plan: Any, header: str, planner: dict[str, Any]
 ) -> Path:
-    """The layout as a recipe, with the [planner] table (profile and options) it was chosen by."""
+    """The layout as a recipe, with the [planner] table (profile and options) it was chosen by,
+    and [train] and [data] at their defaults, written out."""
     from fivefold.spec.recipe import Recipe, dump_recipe
+
+    from fivefold.cli.recipe_text import data_section, train_section
 
     whole = {k: _whole(v) for k, v in planner.items()}  # 10485760, not 10485760.0
     text = dump_recipe(Recipe(model, cluster, plan, {"planner": whole}), header=header)
+    run = ["", *train_section({"name": model.name}), "", *data_section({})]
+    text += "\n".join(run) + "\n"  # complete: `fivefold train` and `launch --slurm` take it
     try:
         path.write_text(text)
     except OSError as err:
