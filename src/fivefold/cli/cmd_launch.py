@@ -22,7 +22,9 @@ Start a multi-process training run of a recipe.
             torchrun over the node's GPUs with c10d rendezvous on the first node. The plan's
             degrees (pp x dp_replicate x dp_shard x cp x tp) must multiply to
             nodes x gpus-per-node (--nodes defaults to what the plan needs); the recipe is
-            checked before the script is printed, and must have [train] or [data]. Every
+            checked before the script is printed, and must have [train] or [data]. The time
+            limit is the planner's predicted run time x 1.25 + 30 min unless --time is given
+            (the script and stderr say which, and warn when --time is shorter). Every
             value in a directive is checked (job name, time, partition), every shell value is
             quoted, and the ranks run this Python (the nodes need the same path).
   --nproc N start N processes on this machine with torchrun (gloo on CPU, NCCL on CUDA); the
@@ -246,7 +248,7 @@ def _slurm_seconds(text: str) -> float:
     days, _, clock = text.rpartition("-")
     parts = [int(p) for p in clock.split(":")]
     if days:  # D-H, D-H:M, D-H:M:S
-        h, m, sec = (parts + [0, 0])[:3]
+        h, m, sec = [*parts, 0, 0][:3]
     else:  # M, M:S, H:M:S
         h, m, sec = ([0, *parts, 0] if len(parts) < 3 else parts)[:3]
     return ((int(days or 0) * 24 + h) * 60 + m) * 60 + sec

@@ -685,9 +685,8 @@ def write_recipe(
 ) -> Path:
     """The layout as a recipe, with the [planner] table (profile and options) it was chosen by,
     and [train] and [data] at their defaults, written out."""
-    from fivefold.spec.recipe import Recipe, dump_recipe
-
     from fivefold.cli.recipe_text import data_section, train_section
+    from fivefold.spec.recipe import Recipe, dump_recipe
 
     whole = {k: _whole(v) for k, v in planner.items()}  # 10485760, not 10485760.0
     text = dump_recipe(Recipe(model, cluster, plan, {"planner": whole}), header=header)
