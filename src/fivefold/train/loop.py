@@ -27,6 +27,7 @@ from fivefold.spec.model import param_count, training_flops_per_token
 from fivefold.spec.recipe import dump_recipe
 from fivefold.train import checkpoint as ckpt
 from fivefold.train.config import RunConfig
+from fivefold.train.entry import profile_origin
 from fivefold.train.inputs import TrainData, load_train_data
 from fivefold.train.interrupt import (
     StopRequest,
@@ -509,8 +510,8 @@ def print_header(trainer: Trainer, prediction: dict[str, Any] | None, why_not: s
             "'fivefold[tensorboard]'; train.tensorboard=false silences this)[/dim]"
         )
     out.print(f"MFU against: {trainer.peak.label}")
-    if recipe.cluster.profile:
-        out.print(f"device profile: {recipe.cluster.profile}")
+    if recipe.cluster.profile or trainer.runtime.device.type == "cpu":
+        out.print(f"device profile: {profile_origin(recipe.cluster.profile)}", markup=False)
     if prediction is not None:
         mem = prediction.get("memory_gib", {}).get("total")
         out.print(
