@@ -4,8 +4,8 @@ MFU = achieved model FLOP/s / (peak FLOP/s x devices), where model FLOPs per tok
 `fivefold.spec.model.training_flops_per_token` (forward + backward, causal attention, no
 recompute). HFU counts the recomputed forward work as well, as it runs: torch's checkpoint skips
 each block's last matmul (`early_stop=True`). The peak comes from `fivefold.train.peak`, one
-figure per run, and its label travels with every printed MFU (on CPU it is a measured matmul
-peak, the device profile's when `fivefold calibrate` wrote one, not a datasheet figure).
+figure per run, and its label travels with every printed MFU (on CPU the device profile's
+measured matmul peak when the run has one, else a fixed stated reference; not a datasheet).
 """
 
 from __future__ import annotations
