@@ -138,7 +138,7 @@ def test_the_progress_bar_runs_a_clock_inside_each_step() -> None:
         reporter.stop()
 
 
-def test_the_header_says_which_device_profile_and_where_it_came_from(tmp_path, monkeypatch):
+def test_the_header_says_which_device_profile_and_where_it_came_from(tmp_path, monkeypatch, capsys):
     """A profile at the default location changed every later CPU run's predictions and MFU
     basis without a word. The header names it and its origin, or says there is none."""
     import fivefold.train.loop as loop
@@ -169,6 +169,10 @@ def test_the_header_says_which_device_profile_and_where_it_came_from(tmp_path, m
         loop.train(run, console=Console(file=out, width=400))
         return out.getvalue()
 
+    # `plan` on a measured machine says which profile its figures come from, too.
+    assert main(["plan", "estimate", str(CONFIGS / "tiny-cpu.toml"), "--cluster", str(named),
+                 "--gpus", "1"]) == 0  # fmt: skip
+    assert f"device profile: {named}" in capsys.readouterr().out
     shown = header()  # no [cluster]: the profile at the default location, said so
     assert f"device profile: {installed} (the default location, used by every CPU run" in shown
     assert "MFU against: calibrated CPU fp32 matmul peak" in shown

@@ -809,6 +809,7 @@ def _estimate_handler(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=2))
         return 0
     print(f"{model.name} on {cluster.world_size} x {cluster.gpu}: {plan.describe()}")
+    _print_profile(cluster)
     print(settings.describe())
     for line in summary_lines(out, headroom):
         print(line)
@@ -882,6 +883,7 @@ def _search_handler(args: argparse.Namespace) -> int:
         f"({cluster.nodes} nodes x {cluster.gpus_per_node}), global batch "
         f"{result.target.sequences:g} sequences = {result.target.tokens:,.0f} tokens"
     )
+    _print_profile(cluster)
     print(f"best layout: {_describe(best['plan'])}")
     for line in summary_lines(best, headroom):
         print(line)
@@ -907,6 +909,16 @@ def _search_handler(args: argparse.Namespace) -> int:
     else:
         print("write this layout as a recipe for `fivefold train` with --out PATH")
     return 0
+
+
+def _print_profile(cluster: Any) -> None:
+    """Say which device profile a measured machine's figures come from, and when it was made."""
+    if not cluster.profile:
+        return
+    from fivefold.spec.profile import load_profile
+
+    created = load_profile(cluster.profile).created
+    print(f"device profile: {cluster.profile}" + (f" (measured {created})" if created else ""))
 
 
 def _recipe_global_batch(plan_values: dict[str, Any]) -> int:
