@@ -242,3 +242,4 @@ def test_header_warns_of_a_tail_eval_split_and_missing_tensorboard(
     assert "eval: the held-out split is the last 10% of the corpus" in shown
     assert f"(the end of {corpus[-1]})" in shown
     assert ("TensorBoard: no events written" in shown) is not installed
+    assert installed or "pip install 'fivefold[tensorboard]'" in shown

@@ -461,8 +461,8 @@ def planner_prediction(run: RunConfig) -> tuple[dict[str, Any] | None, str]:
     recipe = run.recipe
     if recipe.cluster.gpu == "cpu" and not recipe.cluster.profile:
         return None, (
-            "no device profile for this CPU; `fivefold calibrate` writes one, then runs predict "
-            "their step time"
+            "no device profile for this CPU; `fivefold calibrate --out PROFILE.toml` writes one, "
+            'and runs naming it ([cluster] profile = "PROFILE.toml") predict their step time'
         )
     try:
         return estimate(recipe.model, recipe.cluster, recipe.plan).to_json(), ""
@@ -503,11 +503,13 @@ def print_header(trainer: Trainer, prediction: dict[str, Any] | None, why_not: s
     )
     note = trainer.data.eval_note(trainer.cfg.eval_every, run.data.val_fraction)
     if note:
-        out.print(f"[yellow]{note}[/yellow]", highlight=False)
+        out.print(note, style="yellow", markup=False, highlight=False)
     if trainer.cfg.tensorboard and not tensorboard_installed():
         out.print(
-            "[dim]TensorBoard: no events written (tensorboard is not installed: pip install "
-            "'fivefold[tensorboard]'; train.tensorboard=false silences this)[/dim]"
+            "TensorBoard: no events written (tensorboard is not installed: pip install "
+            "'fivefold[tensorboard]'; train.tensorboard=false silences this)",
+            style="dim",
+            markup=False,
         )
     out.print(f"MFU against: {trainer.peak.label}")
     if recipe.cluster.profile or trainer.runtime.device.type == "cpu":
