@@ -73,8 +73,9 @@ def _predict(recipe: Any, cuda: bool, fsdp_wrapped: bool) -> tuple[list[dict] | 
             memory,
             None,
             (
-                f"no step-time prediction: {cluster.gpu} has no device peak (run `fivefold "
-                "calibrate` to measure this machine)"
+                f"no step-time prediction: {cluster.gpu} has no device peak (`fivefold "
+                "calibrate --out PROFILE.toml` measures this machine; name it as [cluster] "
+                "profile)"
             ),
         )
     try:

@@ -524,7 +524,7 @@ def print_header(trainer: Trainer, prediction: dict[str, Any] | None, why_not: s
             else f"planner predicts: {prediction}"
         )
     else:
-        out.print(f"[dim]planner: no prediction ({why_not})[/dim]")
+        out.print(f"planner: no prediction ({why_not})", style="dim", markup=False)
 
 
 def print_footer(trainer: Trainer, s: TrainSummary) -> None:
