@@ -22,8 +22,9 @@ Find the layout (tensor, pipeline with its schedule, data with its ZeRO stage, c
 expert parallelism, micro-batch, gradient accumulation, recompute, precision) that trains the
 model fastest on the cluster without running out of memory, and say why. Prints the layout, the
 per-GPU memory of the worst pipeline stage against HBM, step time, tokens/s, MFU, HFU, the
-pipeline bubble and the reasoning; with --out PATH it also writes the layout as a TOML recipe
-that `fivefold train` reads. Layout flags (--tp, --pp, ...) pin those fields in the search.
+pipeline bubble and the reasoning; with --out PATH it also writes the layout as a complete
+TOML recipe ([train] and [data] at their defaults, each marked so) that `fivefold train` and
+`fivefold launch --slurm` take. Layout flags (--tp, --pp, ...) pin those fields in the search.
 
 `fivefold plan estimate` costs one given layout instead of searching.
 
@@ -31,7 +32,9 @@ The model comes from a preset (--model llama3-8b), a TOML file (--model my.toml,
 table or a recipe) or flags (--layers --hidden --heads ...); flags override the preset. The
 cluster from a preset and a GPU count (--cluster dgx-h100 --gpus 64) or a description
 (--gpu h100 --gpus-per-node 8 --nvlink-gbps 900 --ib-gbps 50 --gpus 64). A positional recipe
-(e.g. configs/llama3-8b-dgx-h100.toml) gives model, cluster and, for `estimate`, the layout.
+(e.g. configs/llama3-8b-dgx-h100.toml) gives model, cluster and, for `estimate`, the layout
+and its batch: grad_accum as the recipe sets it (its default, 1, when unset), the batch
+`fivefold train` runs, unless --global-batch or --global-batch-tokens is given.
 
 What the training software achieves (attention kernel, overlap of TP and DP communication,
 fused kernels, collective granularity) is an efficiency profile: --profile megatron-2022,
@@ -223,8 +226,8 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     b.add_argument(
         "--out",
         metavar="PATH",
-        help="search: also write the chosen layout as a recipe to PATH, in an existing "
-        "directory (default: no file is written)",
+        help="search: also write the chosen layout as a complete recipe ([train] and [data] "
+        "at their defaults) to PATH, in an existing directory (default: no file is written)",
     )
     b.add_argument("--json", action="store_true", help="print JSON (stable key names)")
     _add_planner_options(parser)
