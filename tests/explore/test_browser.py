@@ -50,6 +50,7 @@ READ_FIGURES = """() => {
   }));
   const comm = Array.from(document.querySelectorAll("#comm-table tr.comm-row")).map((tr) => ({
     kind: tr.dataset.kind, link: tr.dataset.link,
+    linkModel: tr.querySelector(".link-model")?.textContent ?? null,
     cells: Object.fromEntries(Array.from(tr.querySelectorAll("td[data-field]"))
       .map((td) => [td.dataset.field, { value: td.dataset.value, text: td.textContent }])),
   }));
@@ -110,6 +111,7 @@ def assert_page_shows(page, expected: dict) -> None:
     entries = sorted(expected["comm"], key=lambda e: (e["link"], e["kind"]))
     assert [(r["kind"], r["link"]) for r in rows] == [(e["kind"], e["link"]) for e in entries]
     for row, entry in zip(rows, entries, strict=True):
+        assert row["linkModel"] == entry["link_model"]  # how the planner priced that link
         cells = row["cells"]
         assert float(cells["bytes_per_step"]["value"]) == entry["bytes_per_step"]
         assert cells["bytes_per_step"]["text"] == fmt_bytes(entry["bytes_per_step"])

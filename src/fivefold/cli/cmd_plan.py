@@ -745,7 +745,8 @@ def summary_lines(est_json: dict[str, Any], headroom: float) -> list[str]:
     exposed = [c for c in est_json.get("comm", []) if c.get("exposed_s", 0) > 0]
     if exposed:
         parts = [
-            f"{c['kind']} {c['exposed_s'] * 1e3:,.1f} ms on {c['link']}"
+            f"{c['kind']} {c['exposed_s'] * 1e3:,.1f} ms "
+            + (f"({c['link_model']})" if c.get("link_model") else f"on {c['link']}")
             for c in sorted(exposed, key=lambda c: -c["exposed_s"])
         ]
         lines.append("exposed communication per step: " + ", ".join(parts))

@@ -501,7 +501,8 @@ function renderComm(est) {
     for (const r of list) {
       exposedTotal += r.exposed_s;
       const tr = el("tr", { class: "comm-row", "data-kind": r.kind, "data-link": r.link }, body);
-      el("td", { class: "indent" }, tr, COMM_LABEL[r.kind] || r.kind);
+      const what = el("td", { class: "indent" }, tr, COMM_LABEL[r.kind] || r.kind);
+      if (r.link_model) el("div", { class: "link-model" }, what, r.link_model);  // how it is priced
       el("td", { class: "num", "data-field": "bytes_per_step", "data-value": String(r.bytes_per_step) }, tr, fmt.bytes(r.bytes_per_step));
       el("td", { class: "num", "data-field": "time_s", "data-value": String(r.time_s) }, tr, fmt.time(r.time_s));
       el("td", { class: "num", "data-field": "exposed_s", "data-value": String(r.exposed_s) }, tr, fmt.time(r.exposed_s));
