@@ -56,6 +56,10 @@ def test_launch_slurm_takes_plans_recipe_and_times_it_by_the_prediction(planned,
     limit = f"{days}-{limit}" if days else limit
     assert f"#SBATCH --time={limit}\n" in captured.out
     assert f"20,000 steps x {step_s:.3f} s predicted" in captured.err
+    assert ("longer than most partitions allow" in captured.err) is (days >= 7)
+    steps = math.ceil(8 * 86400 / step_s)  # eight days: said to be too long for most queues
+    assert main(["launch", "--slurm", str(planned), f"train.steps={steps}"]) == 0
+    assert "longer than most partitions allow" in capsys.readouterr().err
     # A limit given by hand is kept, and said to be shorter than the prediction.
     assert main(["launch", "--slurm", "--time", "00:30:00", str(planned), "train.steps=20000"]) == 0
     captured = capsys.readouterr()

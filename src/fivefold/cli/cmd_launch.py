@@ -14,6 +14,7 @@ from fivefold.parallel.launch import SLURM_MAX_RESTARTS
 DEFAULT_TIME = "04:00:00"  # sbatch --time when the planner has no prediction
 TIME_MARGIN = 1.25  # the predicted run time is multiplied by this ...
 TIME_EXTRA_S = 1800  # ... and this is added (start-up, checkpoints, the first steps)
+LONG_JOB_S = 7 * 86400  # beyond a week, say that partitions rarely allow it
 
 _DESCRIPTION = """\
 Start a multi-process training run of a recipe.
@@ -239,8 +240,14 @@ def _time_limit(run: Any, planner: dict, given: str | None) -> tuple[str, str]:
         short = _slurm_seconds(given) < seconds
         warn = "; SHORTER: the job ends before the run (resubmit it to resume)" if short else ""
         return given, f"as given; {predicted}{warn}"
-    limit = _slurm_time(seconds * TIME_MARGIN + TIME_EXTRA_S)
-    return limit, f"{predicted}, x {TIME_MARGIN} + {TIME_EXTRA_S // 60} min"
+    limit_s = seconds * TIME_MARGIN + TIME_EXTRA_S
+    long = (
+        "; longer than most partitions allow: give a shorter --time and resubmit, the run "
+        "resumes from its newest checkpoint (set train.ckpt_every)"
+        if limit_s > LONG_JOB_S
+        else ""
+    )
+    return _slurm_time(limit_s), f"{predicted}, x {TIME_MARGIN} + {TIME_EXTRA_S // 60} min{long}"
 
 
 def _slurm_seconds(text: str) -> float:
