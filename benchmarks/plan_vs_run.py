@@ -352,14 +352,15 @@ def table(rows: list[dict]) -> str:
 
 def tenant_table(rows: list[dict]) -> str:
     """Predicted / measured MiB per tenant (activations include the planner's buffers)."""
-    names = ("params", "grads", "optimizer", "activations")
-    lines = [f"{'layout':<18} {'stage':>5} " + " ".join(f"{n:>19}" for n in names)]
+    names = ("params", "grads", "optimizer", "activations", "params+grads+activations")
+    lines = [f"{'layout':<18} {'stage':>5} " + " ".join(f"{n[:19]:>19}" for n in names)]
     for r in rows:
+        # Multi-process rows compare the optimizer and one sum (parallel.report.WRAPPED_GROUPS).
         pred, meas = r["predicted_tenants"], r["measured_tenants"]
         cells = [
-            f"{pred.get(n, 0) / 2**20:8.1f} / {meas.get(n, 0) / 2**20:8.1f}"
-            if n in meas
-            else f"{pred.get(n, 0) / 2**20:8.1f} / {'n/a':>8}"
+            f"{pred[n] / 2**20:8.1f} / {meas[n] / 2**20:8.1f}"
+            if n in meas and n in pred
+            else f"{'n/a':>8} / {'n/a':>8}"
             for n in names
         ]
         lines.append(f"{r['layout']:<18} {r['stage']:>5} " + " ".join(cells))

@@ -178,6 +178,9 @@ def test_calibrate_quick_two_ranks_writes_a_profile_plan_uses(tmp_path):
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "busbw" in done.stdout and f"wrote {out}" in done.stdout
+    # The estimate comes before anything is measured, with the count it rests on.
+    assert done.stdout.startswith("calibrate: ") or "\ncalibrate: " in done.stdout
+    assert f"collective ones over up to 2 rank(s) on {available_cores()} core(s)" in done.stdout
     profile = parse_profile(tomllib.loads(out.read_text()))
     assert profile.ranks == 2 and profile.backend == "gloo" and profile.model == "tiny"
     assert {c.op for c in profile.collective} == set(COLLECTIVES)
@@ -223,3 +226,45 @@ def test_collectives_are_issued_after_each_models_mlp_gemm():
     small, moe = model_preset("small"), model_preset("tiny-moe")
     assert gaps([small, moe, small], 2) == [None, (512, 688, 256), (256, 176, 64)]
     assert gaps([], 2) == [None, DEFAULT_GEMM]
+
+
+def test_calibrate_time_estimate_up_front():
+    """The help said about 25 s; a small recipe on 4 ranks took 3 min 22 s on a loaded 2-core
+    machine. The estimate counts the measurements: the defaults (246 kernels, 80 collective
+    rows on 2 ranks) about 25 s idle; small on 4 ranks (366, 224; 4 ranks share 2 cores)."""
+    from fivefold.cli.cmd_calibrate import COLLECTIVE_S, KERNEL_S, LOADED, duration, estimate_s
+
+    assert estimate_s(246, 80, 2, 2) == pytest.approx(246 * KERNEL_S + 80 * COLLECTIVE_S)
+    assert 20 <= estimate_s(246, 80, 2, 2) <= 30
+    small4 = estimate_s(366, 224, 4, 2)
+    assert small4 == pytest.approx(366 * KERNEL_S + 224 * COLLECTIVE_S * 2)
+    assert small4 * LOADED == pytest.approx(202, rel=0.15)  # the 3 min 22 s seen under load
+    assert [duration(s) for s in (12.4, 202, 3900)] == ["12 s", "3 min 22 s", "1 h 05 min"]
+
+
+def test_calibrate_writes_out_by_default_and_the_default_location_only_when_asked(
+    tmp_path, monkeypatch, capsys
+):
+    """It wrote ~/.cache/fivefold/device-profile.toml, which every later CPU run picked up."""
+    from fivefold.cli import cmd_calibrate
+    from fivefold.cli.main import main
+
+    monkeypatch.syspath_prepend(str(ROOT / "tests" / "planner"))
+    from test_profile import synthetic
+
+    fake = parse_profile(synthetic())
+    monkeypatch.setattr(cmd_calibrate, "run_calibration", lambda *a, **k: fake)
+    installed = tmp_path / "cache" / "device-profile.toml"
+    monkeypatch.setenv("FIVEFOLD_PROFILE", str(installed))
+    monkeypatch.chdir(tmp_path)
+    assert main(["calibrate", "--no-progress"]) == 0
+    assert (tmp_path / "device-profile.toml").is_file() and not installed.exists()
+    assert "CPU runs use no profile unless named" in capsys.readouterr().out
+    assert main(["calibrate", "--no-progress", "--out", "mine.toml"]) == 0
+    assert (tmp_path / "mine.toml").is_file() and not installed.exists()
+    capsys.readouterr()
+    assert main(["calibrate", "--no-progress", "--install"]) == 0
+    assert installed.is_file()
+    assert "every CPU run without a [cluster] now uses it" in capsys.readouterr().out
+    with pytest.raises(SystemExit):  # one place or the other
+        main(["calibrate", "--install", "--out", "x.toml"])

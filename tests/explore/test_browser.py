@@ -15,7 +15,7 @@ import sys
 from fivefold.explore.api import json_safe
 from fivefold.planner.estimate import estimate
 from fivefold.planner.profiles import planner_settings
-from fivefold.planner.search import search
+from fivefold.planner.search import TIE_FRACTION, search
 from fivefold.spec import (
     ClusterSpec,
     ModelSpec,
@@ -27,7 +27,7 @@ from fivefold.spec import (
 )
 from fivefold.spec.recipe import Recipe
 
-from .conftest import screenshot
+from .conftest import screenshot, unfilled_placeholders
 from .formatting import fmt_bytes, fmt_gib, fmt_int, fmt_pct, fmt_time
 
 TENANTS = ("params", "grads", "optimizer", "activations", "other")
@@ -282,6 +282,10 @@ def test_recommend_runs_the_search_and_applies_a_layout(page):
         assert cells.nth(0).text_content() == fmt_time(expected["step_time_s"])
         assert float(cells.nth(1).get_attribute("data-value")) == expected["tokens_per_s"]
         assert float(cells.nth(3).get_attribute("data-value")) == expected["memory_gib"]["total"]
+    # The sentence under the table fills in the tie threshold (it once showed "${...}").
+    assert unfilled_placeholders(page) == []
+    sub = page.locator("#recommend-sub").text_content()
+    assert f"within {100 * TIE_FRACTION:.1f}% of it (a tie)" in sub
     profile_line = planner_settings(DEFAULT_CLUSTER.device).describe()
     shown = page.locator("#explanation li").all_text_contents()
     assert shown == [profile_line, *result.explanation]

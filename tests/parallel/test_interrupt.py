@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from fivefold.train.interrupt import StopRequest, acknowledge
+
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 TINY = str(CONFIGS / "tiny-cpu.toml")
 LAYOUTS = {
@@ -163,9 +165,27 @@ def interrupt_once(
     assert last >= at_step
     assert _newest_checkpoint_step(run.run_dir) == last  # the step it stopped at, on every rank
     assert out.count("interrupted after step") == 1, out[-2000:]
+    # Said when the signal came (rank 0 only), not when the step ended.
+    said = f"{signal.Signals(sig).name} received: stopping after step "
+    assert out.count(said) == 1, out[-2000:]
+    assert out.index(said) < out.index("interrupted after step")
     from fivefold.checkpoint.manifest import step_dir_name, verify_checkpoint
 
     assert verify_checkpoint(run.run_dir / "ckpt" / step_dir_name(last)).ok
+
+
+def test_the_first_signal_is_acknowledged_at_once_and_only_once() -> None:
+    said: list[int] = []
+    request = StopRequest(announce=said.append)
+    request.handle(signal.SIGINT)
+    request.handle(signal.SIGINT)  # the same Ctrl-C delivered twice (within the grace)
+    assert request.signal == signal.SIGINT and said == [signal.SIGINT]
+    read, write = os.pipe()
+    acknowledge(signal.SIGTERM, 42, fd=write)
+    os.close(write)
+    text = os.read(read, 1000).decode()
+    os.close(read)
+    assert text.strip().startswith("SIGTERM received: stopping after step 42 with a checkpoint")
 
 
 @pytest.mark.parametrize(

@@ -191,6 +191,16 @@ HARMLESS_CONFIG_FIELDS = frozenset(
 def spec_from_llama_config(config: dict[str, Any], where: str = CONFIG_FILE) -> ModelSpec:
     """A ModelSpec equal to a Llama `config.json` (read by `fivefold.spec.hf_config`, which
     plans any supported family); CheckpointError naming what fivefold cannot train or load."""
+    typed = {key: int for key in _INT_FIELDS} | {key: float for key in _FLOAT_FIELDS}
+    wrong = [
+        f"{key} = {config[key]!r} is not {'an integer' if kind is int else 'a number'}"
+        for key, kind in typed.items()
+        if config.get(key) is not None and not _is_number(config[key], kind)
+    ]
+    if wrong:  # before anything reads them as numbers
+        raise CheckpointError(
+            f"{where} cannot be imported: " + "; ".join(wrong) + "; write each as a JSON number."
+        )
     problems = []
     unknown = sorted(set(config) - LLAMA_MODEL_FIELDS - HARMLESS_CONFIG_FIELDS)
     if unknown:
@@ -230,6 +240,26 @@ def _rope_type(config: dict[str, Any]) -> str:
         if isinstance(settings, dict) and ("rope_type" in settings or "type" in settings):
             return str(settings.get("rope_type", settings.get("type")))
     return "default"
+
+
+_INT_FIELDS = (
+    "num_hidden_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "vocab_size",
+    "max_position_embeddings",
+    "head_dim",
+)
+_FLOAT_FIELDS = ("rms_norm_eps", "attention_dropout", "rope_theta")
+
+
+def _is_number(value: Any, kind: type) -> bool:
+    """Whether a JSON value is an integer (`kind` int; 4096.0 counts) or any finite-typed number."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    return kind is float or float(value).is_integer()
 
 
 def _rope_config(spec: ModelSpec) -> dict[str, Any]:

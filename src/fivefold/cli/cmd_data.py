@@ -47,7 +47,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=4096,
         metavar="N",
         help="vocabulary size, at most the model's vocab (default: 4096, the "
-        "tiny/small presets' vocab; at least 257)",
+        "tiny/small presets' vocab; at least 257, at most 2^24)",
     )
     tok.set_defaults(handler=_tokenizer)
 

@@ -22,8 +22,9 @@ Find the layout (tensor, pipeline with its schedule, data with its ZeRO stage, c
 expert parallelism, micro-batch, gradient accumulation, recompute, precision) that trains the
 model fastest on the cluster without running out of memory, and say why. Prints the layout, the
 per-GPU memory of the worst pipeline stage against HBM, step time, tokens/s, MFU, HFU, the
-pipeline bubble and the reasoning; with --out PATH it also writes the layout as a TOML recipe
-that `fivefold train` reads. Layout flags (--tp, --pp, ...) pin those fields in the search.
+pipeline bubble and the reasoning; with --out PATH it also writes the layout as a complete
+TOML recipe ([train] and [data] at their defaults, each marked so) that `fivefold train` and
+`fivefold launch --slurm` take. Layout flags (--tp, --pp, ...) pin those fields in the search.
 
 `fivefold plan estimate` costs one given layout instead of searching.
 
@@ -32,7 +33,9 @@ table or a recipe), a Hugging Face config (--hf-config config.json: Llama, Mistr
 Mixtral, DeepSeek-V3) or flags (--layers --hidden --heads ...); flags override the preset. The
 cluster from a preset and a GPU count (--cluster dgx-h100 --gpus 64) or a description
 (--gpu h100 --gpus-per-node 8 --nvlink-gbps 900 --ib-gbps 50 --gpus 64). A positional recipe
-(e.g. configs/llama3-8b-dgx-h100.toml) gives model, cluster and, for `estimate`, the layout.
+(e.g. configs/llama3-8b-dgx-h100.toml) gives model, cluster and, for `estimate`, the layout
+and its batch: grad_accum as the recipe sets it (its default, 1, when unset), the batch
+`fivefold train` runs, unless --global-batch or --global-batch-tokens is given.
 
 What the training software achieves (attention kernel, overlap of TP and DP communication,
 fused kernels, collective granularity) is an efficiency profile: --profile megatron-2022,
@@ -232,8 +235,8 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     b.add_argument(
         "--out",
         metavar="PATH",
-        help="search: also write the chosen layout as a recipe to PATH, in an existing "
-        "directory (default: no file is written)",
+        help="search: also write the chosen layout as a complete recipe ([train] and [data] "
+        "at their defaults) to PATH, in an existing directory (default: no file is written)",
     )
     b.add_argument("--json", action="store_true", help="print JSON (stable key names)")
     _add_budget_options(parser)
@@ -727,8 +730,11 @@ def layout_from_args(
     values.setdefault("sp", values.get("tp", 1) > 1)
     if values.get("pp", 1) > 1 and values.get("schedule") in ("zbv", "dualpipev"):
         values.setdefault("vpp", 2)
+    tokens, seqs = batch_from_args(args)
+    if "grad_accum" not in values and tokens is None and seqs is None and has_recipe(args):
+        # A recipe's batch is the one `fivefold train` runs: grad_accum at its default.
+        values["grad_accum"] = ParallelPlan().grad_accum
     if "grad_accum" not in values:
-        tokens, seqs = batch_from_args(args)
         target = batch_target(model, tokens, seqs)
         mbs = values.get("micro_batch", 1)
         dp = values["dp_replicate"] * values["dp_shard"]
@@ -749,6 +755,12 @@ def layout_from_args(
 
 
 # ---- recipes ----------------------------------------------------------------------------------
+def has_recipe(args: argparse.Namespace) -> bool:
+    """Whether the command names a recipe file (its first item is not an override)."""
+    items = args.items or []
+    return bool(items) and "=" not in items[0]
+
+
 def recipe_items(args: argparse.Namespace) -> dict[str, dict]:
     """The positional recipe and overrides as raw sections (validated later, field by field)."""
     from fivefold.spec.recipe import SECTIONS, merge, parse_overrides, read_toml
@@ -797,11 +809,15 @@ def _whole(value: Any) -> Any:
 def write_recipe(
     path: Path, model: Any, cluster: Any, plan: Any, header: str, planner: dict[str, Any]
 ) -> Path:
-    """The layout as a recipe, with the [planner] table (profile and options) it was chosen by."""
+    """The layout as a recipe, with the [planner] table (profile and options) it was chosen by,
+    and [train] and [data] at their defaults, written out."""
+    from fivefold.cli.recipe_text import data_section, train_section
     from fivefold.spec.recipe import Recipe, dump_recipe
 
     whole = {k: _whole(v) for k, v in planner.items()}  # 10485760, not 10485760.0
     text = dump_recipe(Recipe(model, cluster, plan, {"planner": whole}), header=header)
+    run = ["", *train_section({"name": model.name}), "", *data_section({})]
+    text += "\n".join(run) + "\n"  # complete: `fivefold train` and `launch --slurm` take it
     try:
         path.write_text(text)
     except OSError as err:
@@ -924,6 +940,7 @@ def _estimate_handler(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=2))
         return 0
     print(f"{model.name} on {cluster.world_size} x {cluster.gpu}: {plan.describe()}")
+    _print_profile(cluster)
     print(settings.describe())
     for line in summary_lines(out, headroom):
         print(line)
@@ -1007,6 +1024,7 @@ def _search_handler(args: argparse.Namespace) -> int:
         f"({cluster.nodes} nodes x {cluster.gpus_per_node}), global batch "
         f"{result.target.sequences:g} sequences = {result.target.tokens:,.0f} tokens"
     )
+    _print_profile(cluster)
     print(f"best layout: {_describe(best['plan'])}")
     for line in summary_lines(best, headroom):
         print(line)
@@ -1043,6 +1061,16 @@ def _budget_section(data: dict[str, dict]) -> dict[str, Any]:
 
     section = data.get("planner", {})
     return {k: section[k] for k in BUDGET_KEYS if isinstance(section, dict) and k in section}
+
+
+def _print_profile(cluster: Any) -> None:
+    """Say which device profile a measured machine's figures come from, and when it was made."""
+    if not cluster.profile:
+        return
+    from fivefold.spec.profile import load_profile
+
+    created = load_profile(cluster.profile).created
+    print(f"device profile: {cluster.profile}" + (f" (measured {created})" if created else ""))
 
 
 def _recipe_global_batch(plan_values: dict[str, Any]) -> int:

@@ -174,8 +174,8 @@ def auto_plan_overrides(recipe_path: str | None, overrides: list[str], nproc: in
     if not cluster.device.hbm_bytes:
         raise ConfigError(
             f"--plan auto on {cluster.gpu!r} needs a measured device: run `fivefold calibrate "
-            f"RECIPE --nproc {nproc}` first (it writes {default_profile_path()}, which CPU runs "
-            'then use), or name a profile as [cluster] profile = "PATH".'
+            f"RECIPE --nproc {nproc} --install` first (it writes {default_profile_path()}, "
+            'which CPU runs then use), or name a profile as [cluster] profile = "PATH".'
         )
     if cluster.world_size != nproc:
         raise ConfigError(

@@ -205,6 +205,8 @@ def spec_from_hf_config(
         raise ConfigError(f"{where} cannot be read: " + "; ".join(problems) + ".")
     try:
         heads = int(config["num_attention_heads"])
+        if heads < 1:
+            raise ConfigError(f"{where}: num_attention_heads = {heads} must be at least 1.")
         hidden = int(config["hidden_size"])
         layers = int(config["num_hidden_layers"])
         window, sliding = _sliding(config, family, layers)

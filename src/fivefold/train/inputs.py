@@ -77,10 +77,24 @@ class TrainData:
             if (i + 1) * micro_batch <= len(self.val)
         ]
 
+    def eval_note(self, eval_every: int, val_fraction: float) -> str | None:
+        """A warning for held-out losses on a user corpus: the split is the corpus tail (the end
+        of the last input file), which may be unlike the rest (a licence, an index)."""
+        if self.val is None or not eval_every or _is_default(self.shards):
+            return None
+        inputs = self.shards.manifest.get("inputs") or []
+        last = f" (the end of {inputs[-1]['path']})" if inputs else ""
+        return (
+            f"eval: the held-out split is the last {val_fraction:.0%} of the corpus, "
+            f"{len(self.val)} samples{last}; if the corpus ends with text unlike the rest (a "
+            "licence, an index), the eval loss stays flat: put a representative file last, or "
+            "change data.val_fraction."
+        )
+
     def describe(self) -> str:
         source = self.shards.manifest.get("inputs") or []
         name = "embedded corpus" if _is_default(self.shards) else str(self.shards.path)
-        val = f", {len(self.val)} held out" if self.val is not None else ""
+        val = f", {len(self.val)} held out (the tail)" if self.val is not None else ""
         return (
             f"{name} ({self.shards.num_tokens:,} tokens, {self.shards.num_documents} documents"
             f"{f', {len(source)} files' if source else ''}; {len(self.train)} training samples"

@@ -8,6 +8,7 @@ prints and writes files; every rank checkpoints its own state.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import math
 import os
@@ -26,8 +27,14 @@ from fivefold.spec.model import param_count, training_flops_per_token
 from fivefold.spec.recipe import dump_recipe
 from fivefold.train import checkpoint as ckpt
 from fivefold.train.config import RunConfig
+from fivefold.train.entry import profile_origin
 from fivefold.train.inputs import TrainData, load_train_data
-from fivefold.train.interrupt import StopRequest, die_on_signals, stop_on_signals
+from fivefold.train.interrupt import (
+    StopRequest,
+    acknowledge,
+    die_on_signals,
+    stop_on_signals,
+)
 from fivefold.train.memory import PeakReading, track_cpu_peak
 from fivefold.train.metrics import (
     ConsoleReporter,
@@ -454,8 +461,8 @@ def planner_prediction(run: RunConfig) -> tuple[dict[str, Any] | None, str]:
     recipe = run.recipe
     if recipe.cluster.gpu == "cpu" and not recipe.cluster.profile:
         return None, (
-            "no device profile for this CPU; `fivefold calibrate` writes one, then runs predict "
-            "their step time"
+            "no device profile for this CPU; `fivefold calibrate --out PROFILE.toml` writes one, "
+            'and runs naming it ([cluster] profile = "PROFILE.toml") predict their step time'
         )
     try:
         return estimate(recipe.model, recipe.cluster, recipe.plan).to_json(), ""
@@ -463,6 +470,11 @@ def planner_prediction(run: RunConfig) -> tuple[dict[str, Any] | None, str]:
         return None, str(err).splitlines()[0]
     except Exception as err:  # the planner must never stop a training run
         return None, f"{type(err).__name__}: {err}"
+
+
+def tensorboard_installed() -> bool:
+    """Whether `torch.utils.tensorboard` can write events (the optional `tensorboard` package)."""
+    return importlib.util.find_spec("tensorboard") is not None
 
 
 def print_header(trainer: Trainer, prediction: dict[str, Any] | None, why_not: str) -> None:
@@ -489,9 +501,19 @@ def print_header(trainer: Trainer, prediction: dict[str, Any] | None, why_not: s
         f"{trainer.cfg.lr:g} (warmup {trainer.cfg.warmup_steps}, {trainer.cfg.lr_schedule} to "
         f"{trainer.cfg.min_lr:g}); data: {trainer.data.describe()}"
     )
+    note = trainer.data.eval_note(trainer.cfg.eval_every, run.data.val_fraction)
+    if note:
+        out.print(note, style="yellow", markup=False, highlight=False)
+    if trainer.cfg.tensorboard and not tensorboard_installed():
+        out.print(
+            "TensorBoard: no events written (tensorboard is not installed: pip install "
+            "'fivefold[tensorboard]'; train.tensorboard=false silences this)",
+            style="dim",
+            markup=False,
+        )
     out.print(f"MFU against: {trainer.peak.label}")
-    if recipe.cluster.profile:
-        out.print(f"device profile: {recipe.cluster.profile}")
+    if recipe.cluster.profile or trainer.runtime.device.type == "cpu":
+        out.print(f"device profile: {profile_origin(recipe.cluster.profile)}", markup=False)
     if repeat := trainer.data.repeat_note():
         out.print(f"[yellow]{repeat}[/yellow]", highlight=False)
     if prediction is not None:
@@ -504,7 +526,7 @@ def print_header(trainer: Trainer, prediction: dict[str, Any] | None, why_not: s
             else f"planner predicts: {prediction}"
         )
     else:
-        out.print(f"[dim]planner: no prediction ({why_not})[/dim]")
+        out.print(f"planner: no prediction ({why_not})", style="dim", markup=False)
     if prediction is not None and not trainer.cfg.ckpt_every:
         out.print(_checkpoint_suggestion(recipe, prediction.get("step_time_s")), markup=False)
 
@@ -594,6 +616,8 @@ def _train(
     prediction, why_not = planner_prediction(run) if runtime.is_main else (None, "")
     if runtime.is_main:
         print_header(trainer, prediction, why_not)
+    if runtime.is_main:  # said at once: a step may take minutes
+        trainer.stop.announce = lambda signum: acknowledge(signum, trainer.step + 1)
     with stop_on_signals(trainer.stop):  # Ctrl-C: stop after a step, with a checkpoint
         summary = trainer.fit()
     summary.prediction = prediction

@@ -4,8 +4,8 @@ MFU = achieved model FLOP/s / (peak FLOP/s x devices), where model FLOPs per tok
 `fivefold.spec.model.training_flops_per_token` (forward + backward, causal attention, no
 recompute). HFU counts the recomputed forward work as well, as it runs: torch's checkpoint skips
 each block's last matmul (`early_stop=True`). The peak comes from `fivefold.train.peak`, one
-figure per run, and its label travels with every printed MFU (on CPU it is a measured matmul
-peak, the device profile's when `fivefold calibrate` wrote one, not a datasheet figure).
+figure per run, and its label travels with every printed MFU (on CPU the device profile's
+measured matmul peak when the run has one, else a fixed stated reference; not a datasheet).
 """
 
 from __future__ import annotations
@@ -19,7 +19,17 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    ProgressColumn,
+    SpinnerColumn,
+    Task,
+    TextColumn,
+    TimeRemainingColumn,
+)
+from rich.text import Text
 
 GiB = 2**30
 LOG_INTERVAL_S = 30.0  # the console never stays silent longer than this while steps complete
@@ -162,6 +172,19 @@ class TensorBoardWriter:
             self._writer.close()
 
 
+class StepClockColumn(ProgressColumn):
+    """Seconds since the last step ended: the bar moves once per step, and a step may take
+    minutes; the display refreshes on its own thread, so this clock runs inside the step."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        super().__init__()
+        self._clock = clock
+
+    def render(self, task: Task) -> Text:
+        elapsed = self._clock() - task.fields["step_began"]
+        return Text(f"step {task.completed + 1}: {elapsed:.0f} s", style="progress.elapsed")
+
+
 class ConsoleReporter:
     """A rich progress bar with loss, lr, tokens/s and MFU (on a terminal), and log lines
     printed above it, terminal or not: after the first step of the invocation, every
@@ -185,16 +208,18 @@ class ConsoleReporter:
         self._progress: Progress | None = None
         if progress and console.is_terminal:
             self._progress = Progress(
+                SpinnerColumn(),
                 TextColumn("[bold]train"),
                 BarColumn(),
                 MofNCompleteColumn(),
+                StepClockColumn(clock),
                 TextColumn("{task.fields[status]}"),
                 TimeRemainingColumn(),
                 console=console,
                 transient=True,
             )
             self._task = self._progress.add_task(
-                "train", total=total_steps, completed=start_step, status=""
+                "train", total=total_steps, completed=start_step, status="", step_began=clock()
             )
             self._progress.start()
 
@@ -206,9 +231,9 @@ class ConsoleReporter:
             f"loss {m.loss:.3f}  lr {m.lr:.2e}  {format_tokens_per_s(m.tokens_per_s)} tok/s  "
             f"MFU {format_mfu(m.mfu)}"
         )
-        if self._progress is not None:
-            self._progress.update(self._task, completed=m.step, status=status)
         now = self._clock()
+        if self._progress is not None:
+            self._progress.update(self._task, completed=m.step, status=status, step_began=now)
         due = (
             self._last_line_at is None
             or m.step % self.log_every == 0

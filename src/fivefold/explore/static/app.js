@@ -839,7 +839,7 @@ async function recommend() {
   }
   const layouts = [answer.best, ...answer.alternatives].filter(Boolean);
   $("#recommend-sub").textContent = `${fmt.int(answer.evaluated)} layouts evaluated in ${fmt.time(answer.search_time_s)}` +
-    (answer.best ? "; the recommended first: the fastest, or among layouts within ${(100 * answer.tie_fraction).toFixed(1)}% of it (a tie) the one with the least memory per GPU; the rest by predicted tokens/s. Apply puts a layout into the controls." : "; none fits.");
+    (answer.best ? `; the recommended first: the fastest, or among layouts within ${(100 * answer.tie_fraction).toFixed(1)}% of it (a tie) the one with the least memory per GPU; the rest by predicted tokens/s. Apply puts a layout into the controls.` : "; none fits.");
   layouts.forEach((est, i) => {
     const tr = el("tr", { class: i === 0 ? "best" : "", "data-rank": i }, body);
     el("td", {}, tr, String(i + 1));
