@@ -353,11 +353,13 @@ class ParallelPlan:
                 f"{cluster.gpus_per_node}); change a degree so the product equals "
                 f"{cluster.world_size}."
             )
-        if self.tp > cluster.gpus_per_node or cluster.gpus_per_node % self.tp:
+        domain = cluster.nvlink_gpus
+        if self.tp > domain or domain % self.tp:
+            where = "a node" if domain == cluster.gpus_per_node else "an NVLink domain"
             out.append(
-                f"plan.tp = {self.tp} must divide the {cluster.gpus_per_node} "
-                f"{'GPUs' if cluster.gpu != 'cpu' else 'processes'} of a node: tensor parallelism "
-                "is on the critical path and must stay inside a node"
+                f"plan.tp = {self.tp} must divide the {domain} "
+                f"{'GPUs' if cluster.gpu != 'cpu' else 'processes'} of {where}: tensor "
+                f"parallelism is on the critical path and must stay inside {where}"
                 + (" (on NVLink)." if cluster.device.nvlink_bw_bytes_per_s else ".")
             )
         return out
