@@ -15,8 +15,9 @@ error that says so. An unknown device is an error that says so, never a guessed
 peak: `catalog_key_for_device` maps the name torch gives a GPU to its entry (most specific name
 first) and a GPU it does not know runs as `unknown-gpu`, which predicts no time. `nvlink_domain`
 is the NVLink fabric of the GPU's system when it spans nodes (GB200 NVL72: 72 GPUs in 18 trays
-of 4), the default of `ClusterSpec.nvlink_domain`. A machine measured by `fivefold calibrate` (a CPU included) is not in the catalog: its
-`GPUSpec` comes from a device profile (`fivefold.spec.profile`) and carries the measured tables.
+of 4), the default of `ClusterSpec.nvlink_domain`. A machine measured by `fivefold calibrate`
+(a CPU included) is not in the catalog: its `GPUSpec` comes from a device profile
+(`fivefold.spec.profile`) and carries the measured tables.
 """
 
 from __future__ import annotations
