@@ -156,14 +156,15 @@ def auto_plan_overrides(recipe_path: str | None, overrides: list[str], nproc: in
 
     The recipe's own degrees are ignored (the search chooses them); its model, cluster, global
     batch (`train.global_batch`, else its plan's micro_batch x dp x grad_accum) and precision
-    are kept. A CPU run plans against the calibrated device profile (`fivefold calibrate`).
+    are kept. A GPU run without [cluster] plans for the GPU it finds; a CPU run against the
+    calibrated device profile (`fivefold calibrate`).
     """
     from fivefold.planner.search import search
     from fivefold.spec.profile import default_profile_path
     from fivefold.spec.recipe import cluster_from_dict, model_from_dict, plan_from_dict
     from fivefold.train.entry import recipe_data, with_default_profile
 
-    data = with_default_profile(recipe_data(recipe_path, overrides))
+    data = with_default_profile(recipe_data(recipe_path, overrides), nproc)  # or this GPU's
     model = model_from_dict(data.get("model", {}))
     local = {"name": "local-cpu", "gpu": "cpu", "gpus": nproc}
     cluster = cluster_from_dict(data.get("cluster") or local, default_world=nproc)

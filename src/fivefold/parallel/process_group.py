@@ -67,11 +67,11 @@ def pick_device(name: str) -> torch.device:
     "auto" and available; made the current device), else cpu."""
     import torch
 
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("train.device = 'cuda' but no CUDA device is available; use 'auto'.")
-    if not (name == "cuda" or (name == "auto" and torch.cuda.is_available())):
+    from fivefold.parallel.device import local_rank, uses_cuda
+
+    if not uses_cuda(name):
         return torch.device("cpu")
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    device = torch.device("cuda", local_rank())
     torch.cuda.set_device(device)
     return device
 

@@ -141,6 +141,26 @@ CLUSTER_PRESETS = {
 }
 
 
+def cluster_for_gpu(gpu_name: str, gpus: int, per_node: int, name: str = "") -> ClusterSpec:
+    """`gpus` of catalog GPU `gpu_name` in nodes of `per_node` (a run on the GPUs it found):
+    links from the GPU's own system (its preset: NVLink and NIC per GPU, NVLink domain), else
+    its NVLink figure (PCIe both ways for a card without NVLink) and the default NIC."""
+    from fivefold.spec.hardware import GPUS
+
+    base = next((make() for make in CLUSTER_PRESETS.values() if make().gpu == gpu_name), None)
+    if base is None:
+        device = GPUS[gpu_name]
+        link = device.nvlink_bw_bytes_per_s or 2 * device.pcie_bw_bytes_per_s
+        base = ClusterSpec(gpu=gpu_name, intra_node_bw=link or ClusterSpec.intra_node_bw)
+    domain = base.nvlink_domain if base.nvlink_domain % per_node == 0 else 0
+    return base.with_(
+        name=name or base.name,
+        nodes=max(1, gpus // per_node),
+        gpus_per_node=per_node,
+        nvlink_domain=domain,
+    )
+
+
 def cluster_preset(name: str, gpus: int = 8) -> ClusterSpec:
     if name not in CLUSTER_PRESETS:
         raise ConfigError(

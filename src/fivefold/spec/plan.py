@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, replace
 
 from fivefold.errors import ConfigError
 from fivefold.spec.cluster import ClusterSpec
+from fivefold.spec.hardware import UNKNOWN_GPU
 from fivefold.spec.model import RECOMPUTE_POLICIES, ModelSpec
 from fivefold.spec.precision import RECIPES
 from fivefold.spec.precision import recipe as precision_recipe
@@ -327,8 +328,11 @@ class ParallelPlan:
 
     def device_problems(self, cluster: ClusterSpec) -> list[str]:
         """What the cluster's device cannot compute, whatever the degrees: FP8 linears off
-        GPUs with FP8 matrix units (no fp8 peak in the catalog or the device profile)."""
+        GPUs with FP8 matrix units (no fp8 peak in the catalog or the device profile). A GPU
+        outside the catalog is asked at start-up instead (its compute capability)."""
         if self.fp8 == "none" or "fp8" in cluster.device.peak_flops:
+            return []
+        if cluster.gpu == UNKNOWN_GPU and not cluster.profile:
             return []
         cpu = cluster.gpu == "cpu"
         return [

@@ -302,13 +302,10 @@ def machine_memory_problems(recipe: Recipe, device: str) -> list[str]:
     them), and for one micro-batch of every data-parallel rank each block's input and the
     logits at 2 bytes per element (bf16 at the least).
     """
-    if device == "cuda":
-        return []
-    if device == "auto":
-        import torch
+    from fivefold.parallel.device import uses_cuda
 
-        if torch.cuda.is_available():
-            return []
+    if uses_cuda(device):
+        return []
     ram = machine_memory_bytes()
     if ram is None:
         return []

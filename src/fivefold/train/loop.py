@@ -451,7 +451,11 @@ def planner_prediction(run: RunConfig) -> tuple[dict[str, Any] | None, str]:
         from fivefold.planner.estimate import estimate
     except ImportError:
         return None, "planner not available"
+    from fivefold.parallel.device import unknown_gpu_reason
+
     recipe = run.recipe
+    if unknown_gpu_reason(recipe.cluster):
+        return None, unknown_gpu_reason(recipe.cluster).removeprefix("no step-time prediction: ")
     if recipe.cluster.gpu == "cpu" and not recipe.cluster.profile:
         return None, (
             "no device profile for this CPU; `fivefold calibrate` writes one, then runs predict "

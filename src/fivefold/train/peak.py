@@ -26,6 +26,7 @@ from fivefold.spec.precision import recipe
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
+
 @dataclass(frozen=True)
 class DevicePeak:
     """A dense peak in FLOP/s (None when unknown) and how it was obtained."""
