@@ -84,7 +84,7 @@ def test_v100_is_unknown_and_has_no_native_bf16(monkeypatch):
     run = load_run(None, TINY, world_size=1)
     assert run.recipe.cluster.gpu == UNKNOWN_GPU
     assert run.recipe.plan.precision == "fp32"  # the CPU's default, not emulated bf16
-    with pytest.raises(ConfigError, match="bf16-mixed.*only emulates"):
+    with pytest.raises(ConfigError, match=r"bf16-mixed.*only emulates"):
         resolve_precision("bf16-mixed", torch.device("cuda", 0))
 
 
@@ -112,7 +112,7 @@ def test_the_cpu_path_is_unchanged(monkeypatch, tmp_path):
     assert (run.recipe.cluster.name, run.recipe.cluster.gpu) == ("local-cpu", "cpu")
     assert run.recipe.plan.precision == "fp32"
     assert not uses_cuda("auto") and not uses_cuda("cpu")
-    with pytest.raises(ConfigError, match="train.device = 'cuda' but no CUDA device"):
+    with pytest.raises(ConfigError, match=r"train\.device = 'cuda' but no CUDA device"):
         uses_cuda("cuda")
 
 
