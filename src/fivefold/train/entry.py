@@ -136,13 +136,18 @@ def check_layout(
     recipe_path: str | Path | None, overrides: list[str], world_size: int, local: bool = True
 ) -> RunConfig:
     """`load_run` for `world_size` processes, and the plan's degrees must multiply to it: what
-    the launchers call before starting anything (ConfigError otherwise). With `local`, the run
+    the launchers call before starting anything (ConfigError otherwise), and this torch must
+    have the APIs the recipe needs (`fivefold.model.torch_features`). With `local`, the run
     is on this machine, whose memory must hold it (`machine_memory_problems`) and whose device
     must run the plan's memory levers (`fivefold.train.optim.lever_problems`)."""
+    from fivefold.model.torch_features import torch_problems
     from fivefold.parallel.mesh import ParallelDims
 
     run = load_run(recipe_path, overrides, world_size=world_size)
     ParallelDims.from_plan(run.recipe.plan, world_size)
+    missing = torch_problems(run.recipe.model, run.recipe.plan)  # this torch's APIs
+    if missing:
+        raise ConfigError(missing)
     if local:
         from fivefold.train.optim import lever_problems
 
