@@ -104,7 +104,9 @@ def test_nccl_groups_get_the_shorter_timeout_after_the_first_step(monkeypatch):
 
 def test_a_cpu_run_keeps_its_gloo_timeout(tmp_path):
     store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timedelta(seconds=600))
+    dist.init_process_group(
+        "gloo", store=store, rank=0, world_size=1, timeout=timedelta(seconds=600)
+    )
     try:
         assert pg.process_groups() == [dist.group.WORLD]
         assert pg.shorten_timeout_after_first_step(torch.device("cpu")) is None
