@@ -25,6 +25,7 @@ from fivefold.errors import FivefoldError, TrainingError
 from fivefold.spec.model import param_count, training_flops_per_token
 from fivefold.spec.recipe import dump_recipe
 from fivefold.train import checkpoint as ckpt
+from fivefold.train.collect import ScheduledCollection
 from fivefold.train.config import RunConfig
 from fivefold.train.inputs import TrainData, load_train_data
 from fivefold.train.interrupt import StopRequest, die_on_signals, stop_on_signals
@@ -305,6 +306,8 @@ class Trainer:
         started = time.perf_counter()
         batches = self.data.batches(self.run.recipe.plan.micro_batch)
         step_s = 0.0
+        collector = ScheduledCollection(self.cfg.gc_every)  # gc between steps, all ranks alike
+        collector.start()
         try:
             while self.step < self.last_step:
                 if self._stop_agreed():
@@ -315,6 +318,7 @@ class Trainer:
                     self.cfg.memory_step - 1, self.last_step - start_step - 1
                 )
                 tick = time.perf_counter()
+                collector.step(self.step + 1)
                 micro_batches = next(batches)
                 lr = float(self.optimizer.param_groups[0]["lr"])  # torchao keeps a tensor
                 with profiler.step(self.step + 1):
@@ -363,6 +367,7 @@ class Trainer:
                 self.save({"loss": losses[-1]})
             self.checkpoints.close()  # an asynchronous save is committed before the run ends
         finally:
+            collector.stop()
             profiler.close()
             reporter.stop()
             if jsonl is not None:
