@@ -155,7 +155,8 @@ def global_load_balancing_loss(routing: Routing, group: dist.ProcessGroup) -> to
     probs = routing.probs  # [N, E] fp32
     chosen = routing.expert_indices.flatten()  # [N*K]
     f64 = {"dtype": torch.float64, "device": probs.device}  # every piece on the router's device
-    counts = torch.zeros(num_experts, **f64).index_add_(0, chosen, torch.ones(chosen.numel(), **f64))
+    ones = torch.ones(chosen.numel(), **f64)
+    counts = torch.zeros(num_experts, **f64).index_add_(0, chosen, ones)  # [E], no host sync
     stats = torch.cat(  # [2E + 2]: counts, probability sums, tokens, assignments
         [
             counts,
