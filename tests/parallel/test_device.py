@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from fivefold.errors import ConfigError
+from fivefold.parallel import device as device_module
 from fivefold.parallel.device import local_cluster_table, local_gpu, real_bf16, uses_cuda
 from fivefold.parallel.precision import resolve_precision
 from fivefold.parallel.report import predictions_for
@@ -34,7 +35,8 @@ def fake_gpu(monkeypatch, name: str, memory_gib: float, capability=(9, 0), count
         "is_bf16_supported",
         lambda including_emulation=True: capability >= (8, 0) or including_emulation,
     )
-    for var in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_RANK", "RANK"):
+    monkeypatch.setattr(cuda, "is_initialized", lambda: True)  # torch, not nvidia-smi, asked
+    for var in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_RANK", "RANK", "CUDA_VISIBLE_DEVICES"):
         monkeypatch.delenv(var, raising=False)
 
 
@@ -121,3 +123,29 @@ def test_train_device_cpu_on_a_gpu_machine_stays_on_the_cpu(monkeypatch, tmp_pat
     monkeypatch.setenv("FIVEFOLD_PROFILE", str(tmp_path / "none.toml"))
     run = load_run(None, [*TINY, "train.device='cpu'"], world_size=1)
     assert (run.recipe.cluster.gpu, run.recipe.plan.precision) == ("cpu", "fp32")
+
+
+def test_a_launcher_reads_the_gpu_with_nvidia_smi_and_creates_no_cuda_context(monkeypatch):
+    fake_gpu(monkeypatch, "unused", 1.0)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-5a1b,GPU-77c0")
+
+    def no_context(*args, **kwargs):
+        raise AssertionError("torch would create a CUDA context in the launcher")
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", no_context)
+    calls = []
+
+    def smi(command, **kwargs):
+        calls.append(command)
+        return SimpleNamespace(stdout="NVIDIA A100-SXM4-80GB, 81920, 8.0\n")
+
+    monkeypatch.setattr(device_module.subprocess, "run", smi)
+    gpu = local_gpu(1)
+    assert (gpu.name, gpu.catalog_key, gpu.bf16) == ("NVIDIA A100-SXM4-80GB", "a100-80gb", True)
+    assert gpu.total_memory_bytes == 81920 * 2**20
+    assert calls[0][1] == "--id=GPU-77c0"  # CUDA's index 1 of the visible GPUs
+
+    monkeypatch.setattr(device_module.subprocess, "run", lambda *a, **k: SimpleNamespace(
+        stdout="Tesla T4, 15360, 7.5\n"))  # fmt: skip
+    assert local_gpu(0).bf16 is False  # sm75 emulates bf16

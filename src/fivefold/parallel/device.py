@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import subprocess
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,16 +81,43 @@ class LocalGPU:
 
 
 def local_gpu(index: int | None = None) -> LocalGPU | None:
-    """This process's GPU (`LOCAL_RANK` unless `index`), or None without CUDA."""
+    """This process's GPU (`LOCAL_RANK` unless `index`), or None without CUDA.
+
+    A process that has not touched CUDA and is no torchrun worker (a launcher checking the
+    run before starting its ranks) asks `nvidia-smi` first: torch would create a CUDA context
+    on GPU 0 that the launcher then holds, several hundred MiB, for the whole run."""
     import torch
 
     if not torch.cuda.is_available():
         return None
     index = local_rank() if index is None else index
+    if not torch.cuda.is_initialized() and "LOCAL_RANK" not in os.environ:
+        found = _nvidia_smi_gpu(index)
+        if found is not None:
+            return found
     index = index if index < torch.cuda.device_count() else 0
     name = torch.cuda.get_device_name(index)
     memory = int(torch.cuda.get_device_properties(index).total_memory)
     return LocalGPU(name, memory, catalog_key_for_device(name, memory), real_bf16())
+
+
+def _nvidia_smi_gpu(index: int) -> LocalGPU | None:
+    """GPU `index` (as CUDA numbers the visible ones) read by nvidia-smi, which creates no CUDA
+    context; None where nvidia-smi is absent or says nothing usable (e.g. a ROCm machine)."""
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")]
+    which = visible[index] if index < len(visible) and visible[index] else str(index)
+    query = "--query-gpu=name,memory.total,compute_cap"
+    command = ["nvidia-smi", f"--id={which}", query, "--format=csv,noheader,nounits"]
+    try:
+        out = subprocess.run(command, capture_output=True, text=True, timeout=30, check=True)
+        name, mib, capability = (
+            x.strip() for x in out.stdout.strip().splitlines()[0].rsplit(",", 2)
+        )
+        memory = int(float(mib)) * 2**20
+        native_bf16 = tuple(int(x) for x in capability.split(".")) >= BF16_MIN_CAPABILITY
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+    return LocalGPU(name, memory, catalog_key_for_device(name, memory), native_bf16)
 
 
 def local_cluster_table(world: int, local_world: int | None = None) -> dict[str, Any]:

@@ -58,9 +58,10 @@ def _native_bf16(data: dict[str, dict[str, Any]]) -> bool:
     """Whether this run's device computes bf16 natively (a GPU from Ampere on)."""
     if _trains_on_cpu(data):
         return False
-    from fivefold.parallel.device import real_bf16
+    from fivefold.parallel.device import local_gpu
 
-    return real_bf16()
+    gpu = local_gpu()
+    return gpu is not None and gpu.bf16
 
 
 def recipe_data(recipe_path: str | Path | None, overrides: list[str]) -> dict[str, dict[str, Any]]:
