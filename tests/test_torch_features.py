@@ -3,8 +3,6 @@ torch, the start-up check that names a missing one, and torch 2.11's varlen_attn
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 import torch
 import torch.nn.attention.varlen as varlen_module
@@ -19,14 +17,12 @@ TORCH_213 = torch.__version__.startswith("2.13")
 
 
 @pytest.fixture
-def features(monkeypatch):
-    """Edit what `torch_features()` reports for one test; the cache is rebuilt after it."""
-    table = dict(tf.torch_features())
-    tf.torch_features.cache_clear()
-    monkeypatch.setattr(tf, "torch_features", lambda: table)
-    yield table
-    monkeypatch.undo()
-    tf.torch_features.cache_clear()
+def missing(monkeypatch):
+    """Feature keys this test makes absent; the rest are probed as they are."""
+    absent: set[str] = set()
+    real = tf.available
+    monkeypatch.setattr(tf, "available", lambda key: key not in absent and real(key))
+    return absent
 
 
 def packed_docs(rows: list[list[int]]) -> DocumentLayout:
@@ -34,10 +30,6 @@ def packed_docs(rows: list[list[int]]) -> DocumentLayout:
     docs = DocumentLayout(torch.tensor(rows), len(rows), len(rows[0]))
     assert docs.row_groups and docs.cu_seqlens(torch.device("cpu"))[1] > 0
     return docs
-
-
-def without(table: dict, key: str) -> None:
-    table[key] = replace(table[key], available=False)
 
 
 @pytest.mark.skipif(not TORCH_213, reason="the figures CI checks are torch 2.13's")
@@ -54,20 +46,20 @@ def test_a_varlen_attn_without_enable_gqa_is_detected(monkeypatch):
     def varlen_211(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
         return real(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=window_size)
 
-    tf.torch_features.cache_clear()
+    tf.available.cache_clear()
     monkeypatch.setattr(varlen_module, "varlen_attn", varlen_211)
     try:
         assert tf.has("varlen_attn") and not tf.varlen_supports_gqa()
     finally:
         monkeypatch.undo()
-        tf.torch_features.cache_clear()
+        tf.available.cache_clear()
     assert tf.varlen_supports_gqa() == TORCH_213
 
 
-def test_packed_gqa_attention_repeats_kv_where_varlen_lacks_gqa(monkeypatch, features):
+def test_packed_gqa_attention_repeats_kv_where_varlen_lacks_gqa(monkeypatch, missing):
     """torch 2.11 on a GPU (2026-11-26): `varlen_attn() got an unexpected keyword argument
     'enable_gqa'`. Without the argument the kernel gets K/V with one head per query head."""
-    without(features, "varlen_attn_gqa")
+    missing.add("varlen_attn_gqa")
     real, seen = varlen_module.varlen_attn, []
 
     def varlen_211(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
@@ -84,8 +76,8 @@ def test_packed_gqa_attention_repeats_kv_where_varlen_lacks_gqa(monkeypatch, fea
     assert seen == [((32, 4, 8), (32, 4, 8), (32, 4, 8))]  # 2 KV heads repeated to 4
 
 
-def test_no_varlen_attn_takes_the_per_document_kernel(monkeypatch, features):
-    without(features, "varlen_attn")
+def test_no_varlen_attn_takes_the_per_document_kernel(monkeypatch, missing):
+    missing.add("varlen_attn")
     called = []
     monkeypatch.setattr(varlen_module, "varlen_attn", lambda *a, **k: called.append(1))
     docs = packed_docs([[0] * 5 + [1] * 11])
@@ -108,13 +100,13 @@ def test_required_features_follow_the_recipe():
     }
 
 
-def test_a_missing_api_fails_at_start_up_in_one_line(features, capsys):
-    without(features, "schedule_dualpipev")
+def test_a_missing_api_fails_at_start_up_in_one_line(missing, capsys):
+    missing.add("schedule_dualpipev")
     plan = ParallelPlan(pp=2, schedule="dualpipev")
     (line,) = tf.torch_problems(model_preset("tiny"), plan)
     assert line.startswith("plan.schedule = 'dualpipev' needs ")
     assert "ScheduleDualPipeV, which torch " in line and ">=2.11,<2.14" in line
-    without(features, "grouped_mm")
+    missing.add("grouped_mm")
     code = main(["train", "model.preset='tiny-moe'", "--dry-run"])
     err = capsys.readouterr().err
     assert code == 2 and "model.experts = " in err and "torch._grouped_mm" in err
