@@ -53,17 +53,20 @@ def restart_count() -> int:
 
 def pg_timeout_s() -> float:
     """Seconds a collective may wait for the slowest rank before it fails (the PG timeout)."""
-    raw = os.environ.get(PG_TIMEOUT_ENV)
+    return _seconds_env(PG_TIMEOUT_ENV, DEFAULT_PG_TIMEOUT_S, "the process-group timeout", 600)
+
+
+def _seconds_env(name: str, default: float, what: str, example: int) -> float:
+    """A positive number of seconds from environment variable `name` (ConfigError otherwise)."""
+    raw = os.environ.get(name)
     if raw is None:
-        return DEFAULT_PG_TIMEOUT_S
+        return default
     try:
         value = float(raw)
     except ValueError:
         value = -1.0
     if value <= 0:
-        raise ConfigError(
-            f"{PG_TIMEOUT_ENV} = {raw!r}: give the process-group timeout in seconds, e.g. 600."
-        )
+        raise ConfigError(f"{name} = {raw!r}: give {what} in seconds, e.g. {example}.")
     return value
 
 
@@ -134,11 +137,6 @@ def set_nccl_env(trace_dir: str | os.PathLike | None = None) -> dict[str, str]:
     return {name: os.environ.setdefault(name, value) for name, value in wanted.items()}
 
 
-def set_flight_recorder_env() -> None:
-    """`set_nccl_env` with the default trace directory (kept for callers of the old name)."""
-    set_nccl_env()
-
-
 STEP_TIMEOUT_ENV = "FIVEFOLD_PG_STEP_TIMEOUT_S"
 DEFAULT_STEP_TIMEOUT_S = 300.0
 _shortened_to_s: float | None = None  # the timeout every NCCL group has since the first step
@@ -147,19 +145,10 @@ _shortened_to_s: float | None = None  # the timeout every NCCL group has since t
 def step_timeout_s() -> float:
     """Seconds a collective may wait once the first step is done ($FIVEFOLD_PG_STEP_TIMEOUT_S,
     default 300 s, never above the start-up timeout)."""
-    raw = os.environ.get(STEP_TIMEOUT_ENV)
-    if raw is None:
-        return min(DEFAULT_STEP_TIMEOUT_S, pg_timeout_s())
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if value <= 0:
-        raise ConfigError(
-            f"{STEP_TIMEOUT_ENV} = {raw!r}: give the collective timeout after the first step in "
-            "seconds, e.g. 300."
-        )
-    return value
+    default = min(DEFAULT_STEP_TIMEOUT_S, pg_timeout_s())
+    return _seconds_env(
+        STEP_TIMEOUT_ENV, default, "the collective timeout after the first step", 300
+    )
 
 
 def current_timeout_s() -> float:
