@@ -109,3 +109,12 @@ def test_an_nvlink_domain_must_hold_whole_nodes():
         cluster_from_dict({"gpu": "gb200", "gpus": 8, "gpus_per_node": 4, "nvlink_domain": 6})
     assert ClusterSpec(gpu="gb200", nodes=2, gpus_per_node=4, nvlink_domain=72).problems() == []
     assert ClusterSpec().nvlink_gpus == 8  # 0: one node
+
+
+def test_plan_takes_an_nvlink_domain_from_the_command_line(capsys):
+    from fivefold.cli.main import main
+
+    args = ["plan", "--model", "llama3-405b", "--gpu", "b200", "--gpus", "64", "--tp", "16"]
+    assert main([*args, "--nvlink-domain", "64"]) == 0
+    assert "best layout: TP16+SP" in capsys.readouterr().out
+    assert main(args) == 2  # eight GPUs per node, one node per NVLink domain: TP16 cannot stay
