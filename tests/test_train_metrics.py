@@ -27,7 +27,11 @@ def test_throughput_meter_sums_counted_steps():
     ("name", "key"),
     [
         ("NVIDIA H100 80GB HBM3", "h100-sxm"),
-        ("NVIDIA H100 PCIe", None),  # lower peak than the SXM part: not guessed
+        ("NVIDIA H100 PCIe", "h100-pcie"),  # its own, lower peak: never the SXM part's
+        ("NVIDIA GB200", "gb200"),  # not read as B200
+        ("NVIDIA H20", "h20"),
+        ("NVIDIA H200 NVL", None),  # the PCIe H200: not catalogued, not guessed
+        ("NVIDIA GH200 480GB", None),
         ("NVIDIA H200", "h200"),
         ("NVIDIA A100-SXM4-80GB", "a100-80gb"),
         ("NVIDIA A100-SXM4-40GB", "a100-40gb"),

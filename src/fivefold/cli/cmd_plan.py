@@ -159,6 +159,12 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--gpus-per-node", metavar="N", help="GPUs per node (default 8)")
     c.add_argument("--nvlink-gbps", metavar="GB/s", help="NVLink GB/s per GPU (e.g. 900)")
     c.add_argument("--ib-gbps", metavar="GB/s", help="inter-node GB/s per GPU (e.g. 50)")
+    c.add_argument(
+        "--nvlink-domain",
+        metavar="N",
+        help="GPUs one NVLink fabric joins across nodes (gb200-nvl72: 72; default one node): "
+        "TP and the groups inside it stay on NVLink",
+    )
     lay = parser.add_argument_group("layout (for estimate; a search keeps given fields fixed)")
     for flag, help_text in (
         ("--tp", "tensor-parallel degree (inside a node)"),
@@ -571,6 +577,8 @@ def cluster_from_args(args: argparse.Namespace, recipe_data: dict[str, dict]) ->
         cluster = cluster.with_(intra_node_bw=parse_gbps(args.nvlink_gbps, "--nvlink-gbps"))
     if args.ib_gbps is not None:
         cluster = cluster.with_(inter_node_bw=parse_gbps(args.ib_gbps, "--ib-gbps"))
+    if getattr(args, "nvlink_domain", None) is not None:
+        cluster = cluster.with_(nvlink_domain=parse_size(args.nvlink_domain, "--nvlink-domain"))
     problems = cluster.problems()
     if problems:
         raise ConfigError(problems)

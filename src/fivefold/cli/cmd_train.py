@@ -23,13 +23,16 @@ lr_schedule (cosine|linear|constant), weight_decay, betas, eps, grad_clip (0 = o
 global_batch (sequences; must equal micro_batch x dp x grad_accum), seed, device
 (auto|cpu|cuda), log_every, eval_every, eval_batches, ckpt_every, save_final,
 keep_checkpoints, ckpt_async, resume ("auto"|true|false), tensorboard, progress, max_time_s,
-memory_step, compile (torch.compile per block), profile ({start_step, steps}: a torch.profiler
-trace, docs/profiling.md), trackers (["wandb", "mlflow"]).
+memory_step, gc_every (Python's garbage collector every N steps; 0 = automatic), compile
+(torch.compile per block), profile ({start_step, steps}: a torch.profiler trace,
+docs/profiling.md), trackers (["wandb", "mlflow"]).
 [data] fields: shards (a prepared directory), inputs (.txt/.jsonl files), tokenizer,
 cache_dir, val_fraction. Without [data] the model trains on the embedded corpus.
 
-On CPU a recipe that does not set plan.precision trains in fp32; a bf16 recipe runs bf16
-autocast. Each run writes runs/<name>/: metrics.jsonl (one line per step: loss, grad_norm, lr,
+On CPU (or a GPU without native bf16) a recipe that does not set plan.precision trains in
+fp32; a bf16 recipe runs bf16 autocast. Without [cluster] a GPU run is planned for the GPU it
+finds (its catalog entry by name; an unknown one predicts memory, not time). Each run writes
+runs/<name>/: metrics.jsonl (one line per step: loss, grad_norm, lr,
 tokens_per_s, mfu, hfu, peak_memory_bytes, ...; on the layout-report step, plan_vs_run: the
 planner's per-stage peak memory, tenant by tenant, and step time beside the measured ones),
 recipe.toml (as resolved), summary.json, ckpt/step_<n>/ and TensorBoard events when
@@ -160,14 +163,15 @@ def auto_plan_overrides(recipe_path: str | None, overrides: list[str], nproc: in
 
     The recipe's own degrees are ignored (the search chooses them); its model, cluster, global
     batch (`train.global_batch`, else its plan's micro_batch x dp x grad_accum) and precision
-    are kept. A CPU run plans against the calibrated device profile (`fivefold calibrate`).
+    are kept. A GPU run without [cluster] plans for the GPU it finds; a CPU run against the
+    calibrated device profile (`fivefold calibrate`).
     """
     from fivefold.planner.search import search
     from fivefold.spec.profile import default_profile_path
     from fivefold.spec.recipe import cluster_from_dict, model_from_dict, plan_from_dict
     from fivefold.train.entry import recipe_data, with_default_profile
 
-    data = with_default_profile(recipe_data(recipe_path, overrides))
+    data = with_default_profile(recipe_data(recipe_path, overrides), nproc)  # or this GPU's
     model = model_from_dict(data.get("model", {}))
     local = {"name": "local-cpu", "gpu": "cpu", "gpus": nproc}
     cluster = cluster_from_dict(data.get("cluster") or local, default_world=nproc)

@@ -41,6 +41,7 @@ from torch import nn
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from fivefold.model.rope import apply_rope
+from fivefold.model.torch_features import has, varlen_supports_gqa
 
 
 # ---- documents -----------------------------------------------------------------------------------
@@ -335,9 +336,13 @@ def _varlen(q, k, v, docs: DocumentLayout) -> torch.Tensor:
     def packed(x: torch.Tensor) -> torch.Tensor:  # [B, H, T, Dh] -> [B*T, H, Dh]
         return x.transpose(1, 2).reshape(batch * seq, x.shape[1], dim)
 
+    gqa = k.shape[1] != heads
+    if gqa and not varlen_supports_gqa():  # torch 2.11: K/V repeated for each query head
+        k, v = (x.repeat_interleave(heads // k.shape[1], dim=1) for x in (k, v))
+        gqa = False
     out = varlen_attn(
         packed(q), packed(k), packed(v), cu_seqlens, cu_seqlens, max_len, max_len,
-        window_size=(-1, 0), enable_gqa=k.shape[1] != heads,
+        window_size=(-1, 0), **({"enable_gqa": True} if gqa else {}),
     )  # fmt: skip
     return out.view(batch, seq, heads, dim).transpose(1, 2)
 
@@ -446,7 +451,8 @@ class AttentionCore(nn.Module):
             gqa = k.shape[1] != q.shape[1]
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         half = q.dtype in (torch.float16, torch.bfloat16)
-        if q.device.type == "cuda" and half and not torch.compiler.is_compiling():
+        eager = not torch.compiler.is_compiling()
+        if q.device.type == "cuda" and half and eager and has("varlen_attn"):
             return _varlen(q, k, v, docs)
         return document_attention(q, k, v, docs.doc_ids)[0]
 

@@ -153,17 +153,21 @@ def global_load_balancing_loss(routing: Routing, group: dist.ProcessGroup) -> to
     """
     num_experts = routing.num_experts
     probs = routing.probs  # [N, E] fp32
-    counts = torch.bincount(routing.expert_indices.flatten(), minlength=num_experts)
-    stats = torch.cat(
+    chosen = routing.expert_indices.flatten()  # [N*K]
+    f64 = {"dtype": torch.float64, "device": probs.device}  # every piece on the router's device
+    ones = torch.ones(chosen.numel(), **f64)
+    counts = torch.zeros(num_experts, **f64).index_add_(0, chosen, ones)  # [E], no host sync
+    stats = torch.cat(  # [2E + 2]: counts, probability sums, tokens, assignments
         [
-            counts.to(torch.float64),
+            counts,
             probs.detach().sum(0).to(torch.float64),
-            torch.tensor([probs.shape[0], routing.expert_indices.numel()], dtype=torch.float64),
+            torch.tensor([probs.shape[0], chosen.numel()], **f64),
         ]
     )
     dist.all_reduce(stats, group=group)
-    global_counts, global_prob_sum = stats[:num_experts], stats[num_experts : 2 * num_experts]
-    global_tokens, global_assignments = stats[-2], stats[-1]
+    global_counts, global_prob_sum, global_tokens, global_assignments = stats.split(
+        [num_experts, num_experts, 1, 1]
+    )
     fraction = (global_counts / global_assignments).to(probs.dtype)
     local_mean = probs.mean(0)
     global_mean = (global_prob_sum / global_tokens).to(probs.dtype)

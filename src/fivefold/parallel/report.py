@@ -68,6 +68,11 @@ def _predict(recipe: Any, cuda: bool, fsdp_wrapped: bool) -> tuple[list[dict] | 
         memory = memory_only_prediction(spec, plan, fsdp_wrapped=fsdp_wrapped, cuda=cuda)
     except Exception as err:  # a planner gap must not stop training
         return None, None, f"memory model: {str(err).splitlines()[0]}"
+    from fivefold.parallel.device import unknown_gpu_reason
+
+    unknown = unknown_gpu_reason(cluster)
+    if unknown:
+        return memory, None, unknown
     if not cluster.device.peak_flops:
         return (
             memory,

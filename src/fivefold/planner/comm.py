@@ -4,7 +4,9 @@ Placement. Ranks are placed node-major and the mesh is, outer to inner, pp, dp_r
 dp_shard, cp, tp (`fivefold.spec.plan`), so the ranks of a group along one axis are `stride`
 apart, where the stride is the product of the inner degrees (tp: 1, cp: tp, dp_shard: tp*cp, ...).
 A group of `size` ranks `stride` apart stays in one node when size * stride <= gpus_per_node;
-otherwise it spans nodes with k = max(1, gpus_per_node // stride) members per node.
+otherwise it spans nodes with k = max(1, gpus_per_node // stride) members per node. Where one
+NVLink fabric joins several nodes (`ClusterSpec.nvlink_domain`, GB200 NVL72) the domain takes
+the node's place: a group inside it stays on NVLink.
 
 Bandwidth. NVLink moves ring traffic one way, so a GPU gets half the marketed (bidirectional)
 `intra_node_bw`, times `nvlink_fraction`. A ring that crosses nodes leaves each node once per
@@ -126,10 +128,10 @@ def group_link(
     local = measured_link(cluster, size, gap_s)
     if local is not None:
         return local
-    g = cluster.gpus_per_node
+    g = cluster.nvlink_gpus  # a node, or an NVLink domain of several (GB200 NVL72: 72)
     nv = nvlink_bandwidth(cluster, eff)
     ib = ib_bandwidth(cluster, eff)
-    if size * stride <= g or cluster.nodes == 1:
+    if size * stride <= g or cluster.world_size <= g:
         return Link("nvlink", nv, cluster.intra_node_latency_s, size, nv, ib)
     per_node = max(1, min(size, g // stride)) if stride < g else 1
     bandwidth = min(nv, per_node * ib)

@@ -187,10 +187,12 @@ class _Explainer:
                 "the critical path of every layer"
             )
         if p.tp > 1:
-            text = (
-                f"Tensor parallelism: TP = {p.tp} inside a node of {c.gpus_per_node} GPUs "
-                f"({links}). "
+            where = (
+                f"a node of {c.gpus_per_node} GPUs"
+                if c.nvlink_gpus == c.gpus_per_node
+                else f"an NVLink domain of {c.nvlink_gpus} GPUs"
             )
+            text = f"Tensor parallelism: TP = {p.tp} inside {where} ({links}). "
         else:
             text = (
                 f"Tensor parallelism: none (TP = 1). TP would stay inside a node of "

@@ -187,7 +187,7 @@ def divisors(n: int) -> list[int]:
 
 def tp_choices(model: ModelSpec, cluster: ClusterSpec) -> list[int]:
     out = []
-    for tp in divisors(cluster.gpus_per_node):
+    for tp in divisors(cluster.nvlink_gpus):  # one node, or a larger NVLink domain (NVL72)
         if cluster.world_size % tp or model.heads % tp or model.ffn % tp:
             continue
         kv_ok = model.kv_heads % tp == 0 if tp <= model.kv_heads else tp % model.kv_heads == 0

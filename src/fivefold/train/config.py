@@ -61,6 +61,9 @@ class TrainConfig:
     progress: bool = True  # rich progress bar on the console
     max_time_s: float = 0.0  # stop (and checkpoint) after this much wall time; 0 = no limit
     memory_step: int = 2  # CPU: the step whose peak memory is measured by tracking allocations
+    # Python's cyclic garbage collector runs every N steps on all ranks at once (not whenever its
+    # thresholds trip, at a different moment on each rank); 0 = Python's automatic collection
+    gc_every: int = 50
     # torch.compile (inductor) each transformer block; on CPU it needs a C++ compiler (g++)
     compile: bool = False
     # {start_step = N, steps = K}: a torch.profiler trace of steps N..N+K-1 into <run_dir>/profile
@@ -126,7 +129,7 @@ class TrainConfig:
         for name in ("log_every", "eval_batches", "memory_step"):
             if getattr(self, name) < 1:
                 out.append(f"train.{name} = {getattr(self, name)}: must be at least 1.")
-        for name in ("eval_every", "ckpt_every", "keep_checkpoints"):
+        for name in ("eval_every", "ckpt_every", "keep_checkpoints", "gc_every"):
             if getattr(self, name) < 0:
                 out.append(f"train.{name} = {getattr(self, name)}: must be >= 0 (0 turns it off).")
         try:

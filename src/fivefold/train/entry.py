@@ -3,8 +3,9 @@
 The same entry serves one process and every rank under torchrun (`torchrun --nproc-per-node 4
 -m fivefold.train recipe.toml`): `make_runtime` picks the runtime from the environment. The CLI
 command `fivefold train` calls `load_run` and `train` from here too, so both read recipes the
-same way: on a machine (or `train.device`) without CUDA, a recipe that does not name
-`plan.precision` trains in fp32, and a recipe without a [cluster] uses the device profile at the
+same way: on a machine (or `train.device`) without CUDA, or on a GPU without native bf16, a
+recipe that does not name `plan.precision` trains in fp32; a recipe without a [cluster] runs on
+the GPU it finds (`fivefold.parallel.device`) or, on a CPU, uses the device profile at the
 default location (`fivefold.spec.profile.default_profile_path`) when one exists there.
 """
 
@@ -48,14 +49,19 @@ def world_size_from_env() -> int:
 
 
 def _trains_on_cpu(data: dict[str, dict[str, Any]]) -> bool:
-    device = data.get("train", {}).get("device", "auto")
-    if device == "cpu":
-        return True
-    if device == "cuda":
-        return False
-    import torch
+    from fivefold.parallel.device import uses_cuda
 
-    return not torch.cuda.is_available()
+    return not uses_cuda(data.get("train", {}).get("device", "auto"))
+
+
+def _native_bf16(data: dict[str, dict[str, Any]]) -> bool:
+    """Whether this run's device computes bf16 natively (a GPU from Ampere on)."""
+    if _trains_on_cpu(data):
+        return False
+    from fivefold.parallel.device import local_gpu
+
+    gpu = local_gpu()
+    return gpu is not None and gpu.bf16
 
 
 def recipe_data(recipe_path: str | Path | None, overrides: list[str]) -> dict[str, dict[str, Any]]:
@@ -69,20 +75,28 @@ def recipe_data(recipe_path: str | Path | None, overrides: list[str]) -> dict[st
         )
     data = merge(data, parse_overrides(overrides))
     plan = data.get("plan", {})
-    if isinstance(plan, dict) and "precision" not in plan and _trains_on_cpu(data):
+    if isinstance(plan, dict) and "precision" not in plan and not _native_bf16(data):
         data = merge(data, {"plan": {"precision": "fp32"}})
     return data
 
 
-def with_default_profile(data: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """A CPU run without a [cluster] uses the calibrated profile at the default location. One
+def with_default_profile(
+    data: dict[str, dict[str, Any]], world: int | None = None
+) -> dict[str, dict[str, Any]]:
+    """A run without a [cluster] is planned for the machine it runs on. On a GPU: the cluster
+    the device describes (`fivefold.parallel.device.local_cluster_table`, `world` processes,
+    default the torchrun world). On a CPU: the calibrated profile at the default location; one
     this fivefold cannot read (written by an older version, or damaged) is left out with a note
     on stderr saying how to measure again: the user did not name it, so it must not stop the
     run (a profile named in the recipe or with --cluster still does)."""
     from fivefold.spec.profile import default_profile_path, load_profile
 
-    if "cluster" in data or not _trains_on_cpu(data):
+    if "cluster" in data:
         return data
+    if not _trains_on_cpu(data):
+        from fivefold.parallel.device import local_cluster_table
+
+        return merge(data, {"cluster": local_cluster_table(world or world_size_from_env())})
     path = default_profile_path()
     if not path.is_file():
         return data
@@ -131,7 +145,7 @@ def load_run(
     data = recipe_data(recipe_path, overrides)
     named_cluster = "cluster" in data
     try:
-        recipe = recipe_from_dict(with_default_profile(data), world)
+        recipe = recipe_from_dict(with_default_profile(data, world), world)
     except ConfigError as err:
         problems = list(err.problems)
         if not named_cluster and any(p.startswith("plan degrees") for p in problems):
@@ -150,15 +164,20 @@ def check_layout(
     recipe_path: str | Path | None, overrides: list[str], world_size: int, local: bool = True
 ) -> RunConfig:
     """`load_run` for `world_size` processes, and the plan's degrees must multiply to it: what
-    the launchers call before starting anything (ConfigError otherwise). With `local`, the run
+    the launchers call before starting anything (ConfigError otherwise), and this torch must
+    have the APIs the recipe needs (`fivefold.model.torch_features`). With `local`, the run
     is on this machine: the paths it names must be there, its predicted memory must fit what
     the machine has free (`fivefold.train.prestart`) and its device must run the plan's memory
     levers (`fivefold.train.optim.lever_problems`); every problem in one error."""
+    from fivefold.model.torch_features import torch_problems
     from fivefold.parallel.mesh import ParallelDims
 
     run = load_run(recipe_path, overrides, world_size=world_size)
     ParallelDims.from_plan(run.recipe.plan, world_size)
-    if local and (problems := local_problems(run, world_size)):
+    problems = torch_problems(run.recipe.model, run.recipe.plan)  # this torch's APIs
+    if local:
+        problems += local_problems(run, world_size)
+    if problems:
         raise ConfigError(problems)
     return run
 
@@ -178,8 +197,9 @@ def local_device(name: str):
     """The device `train.device` names on this machine (first GPU for "cuda"), no side effects."""
     import torch
 
-    cuda = name in ("cuda", "auto") and torch.cuda.is_available()
-    return torch.device("cuda", 0) if cuda else torch.device("cpu")
+    from fivefold.parallel.device import uses_cuda
+
+    return torch.device("cuda", 0) if uses_cuda(name) else torch.device("cpu")
 
 
 def build_parser() -> argparse.ArgumentParser:

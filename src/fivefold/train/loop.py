@@ -26,6 +26,7 @@ from fivefold.errors import FivefoldError, TrainingError
 from fivefold.spec.model import param_count, training_flops_per_token
 from fivefold.spec.recipe import dump_recipe
 from fivefold.train import checkpoint as ckpt
+from fivefold.train.collect import ScheduledCollection
 from fivefold.train.config import RunConfig
 from fivefold.train.entry import profile_origin
 from fivefold.train.inputs import TrainData, load_train_data
@@ -312,6 +313,8 @@ class Trainer:
         started = time.perf_counter()
         batches = self.data.batches(self.run.recipe.plan.micro_batch)
         step_s = 0.0
+        collector = ScheduledCollection(self.cfg.gc_every)  # gc between steps, all ranks alike
+        collector.start()
         try:
             while self.step < self.last_step:
                 if self._stop_agreed():
@@ -322,6 +325,7 @@ class Trainer:
                     self.cfg.memory_step - 1, self.last_step - start_step - 1
                 )
                 tick = time.perf_counter()
+                collector.step(self.step + 1)
                 micro_batches = next(batches)
                 lr = float(self.optimizer.param_groups[0]["lr"])  # torchao keeps a tensor
                 with profiler.step(self.step + 1):
@@ -370,6 +374,7 @@ class Trainer:
                 self.save({"loss": losses[-1]})
             self.checkpoints.close()  # an asynchronous save is committed before the run ends
         finally:
+            collector.stop()
             profiler.close()
             reporter.stop()
             if jsonl is not None:
@@ -458,7 +463,11 @@ def planner_prediction(run: RunConfig) -> tuple[dict[str, Any] | None, str]:
         from fivefold.planner.estimate import estimate
     except ImportError:
         return None, "planner not available"
+    from fivefold.parallel.device import unknown_gpu_reason
+
     recipe = run.recipe
+    if unknown_gpu_reason(recipe.cluster):
+        return None, unknown_gpu_reason(recipe.cluster).removeprefix("no step-time prediction: ")
     if recipe.cluster.gpu == "cpu" and not recipe.cluster.profile:
         return None, (
             "no device profile for this CPU; `fivefold calibrate --out PROFILE.toml` writes one, "

@@ -18,24 +18,12 @@ import torch
 
 from fivefold.planner.lever_costs import mfu_peak
 from fivefold.spec.cluster import ClusterSpec
-from fivefold.spec.hardware import GPUS
+from fivefold.spec.hardware import GPUS, catalog_key_for_device
 from fivefold.spec.model import ModelSpec
 from fivefold.spec.plan import ParallelPlan
 from fivefold.spec.precision import recipe
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-# Substrings of torch.cuda.get_device_name() -> catalog key. Order matters: first match wins.
-# PCIe and NVL variants have lower peaks than the SXM parts in the catalog, so they stay unknown.
-_CUDA_NAME_PATTERNS: tuple[tuple[tuple[str, ...], tuple[str, ...], str], ...] = (
-    # (all of these, none of these, catalog key)
-    (("H100",), ("PCIE", "NVL"), "h100-sxm"),
-    (("H200",), ("NVL",), "h200"),
-    (("H800",), ("PCIE", "NVL"), "h800"),
-    (("B200",), (), "b200"),
-    (("A100", "80GB"), ("PCIE",), "a100-80gb"),
-    (("A100", "40GB"), ("PCIE",), "a100-40gb"),
-)
 
 
 @dataclass(frozen=True)
@@ -53,12 +41,9 @@ class DevicePeak:
 
 
 def catalog_key_for_cuda(device_name: str) -> str | None:
-    """Catalog key for a CUDA device name such as 'NVIDIA H100 80GB HBM3', or None."""
-    upper = device_name.upper()
-    for needed, excluded, key in _CUDA_NAME_PATTERNS:
-        if all(s in upper for s in needed) and not any(s in upper for s in excluded):
-            return key
-    return None
+    """Catalog key for a CUDA device name such as 'NVIDIA H100 80GB HBM3', or None
+    (`fivefold.spec.hardware.catalog_key_for_device`, the one mapping)."""
+    return catalog_key_for_device(device_name)
 
 
 def cuda_peak(device_name: str, dtype: str) -> DevicePeak:
