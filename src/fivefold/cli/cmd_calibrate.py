@@ -156,8 +156,15 @@ def run_calibration(
     from fivefold.parallel import calibrate as cal
     from fivefold.parallel import calibrate_comm as comm
 
-    bf16 = cal.bf16_support()
-    if bf16 != "native":
+    cuda = measuring_device(cal)
+    bf16 = cal.cuda_bf16_support() if cuda else cal.bf16_support()
+    if cuda:  # every local GPU is a rank of the collectives (NCCL); one GPU measures none
+        ranks = min(ranks, torch_cuda_count())
+        fp8 = "bf16 and fp8" if cal.fp8_supported() else "bf16 (no native fp8 here)"
+        console.print(
+            f"measuring the GPU {cal.measured_device_name()}: {fp8} matmuls, timed by CUDA events"
+        )
+    elif bf16 != "native":
         console.print(
             "bf16: this CPU has neither amx_bf16 nor avx512_bf16, so torch emulates bf16 "
             "matmuls (often many times slower than fp32): bf16 is not measured; plan fp32."
@@ -166,7 +173,7 @@ def run_calibration(
         console.print("bf16: native on this CPU, but --quick measures fp32 only.")
     steps = cal.compute_steps(model, plan, ranks, quick, bf16, also)
     gemms = tuple(comm.gaps([model, *also], plan.micro_batch))
-    total = len(steps) + (comm.steps_count(ranks, quick, len(gemms)) if ranks >= 2 else 0)
+    total = len(steps) + (comm.steps_count(ranks, quick, len(gemms), cuda) if ranks >= 2 else 0)
     bar = Progress(
         TextColumn("[bold]calibrate"),
         BarColumn(),
@@ -207,9 +214,28 @@ def run_calibration(
         )
         rows += shared
     if ranks < 2:
-        console.print("collectives: not measured with --nproc 1 (plans then need one rank).")
+        why = "one GPU here" if cuda else "--nproc 1"
+        console.print(f"collectives: not measured with {why} (plans then need one rank).")
     fits = comm.fit_collectives(samples)
     return cal.build_profile(model, ranks, bf16, cal.sort_rows(rows), backend, samples, fits)
+
+
+def measuring_device(cal) -> bool:
+    """Measure the GPU when torch sees one (True), else the CPU. A local check: the one
+    device resolution of train/plan is to serve here too once it exists."""
+    import torch
+
+    if torch.cuda.is_available():
+        cal.use_device("cuda")
+        return True
+    cal.use_device("cpu")
+    return False
+
+
+def torch_cuda_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
 
 
 def print_summary(console, profile) -> None:
