@@ -147,9 +147,9 @@ def test_each_trial_is_printed_as_it_ends_and_the_model_and_data_are_built_once(
     printed: list[str] = []  # what stdout held when each trial started
     second_step_peak = cmd_tune._second_step_peak
 
-    def spy(session, micro_batch):
+    def spy(session, run):
         printed.append(capsys.readouterr().out)
-        return second_step_peak(session, micro_batch)
+        return second_step_peak(session, run)
 
     monkeypatch.setattr(cmd_tune, "_second_step_peak", spy)
     args = ["tune", str(TINY), "--memory-limit", "1", "--policies", "none,full"]

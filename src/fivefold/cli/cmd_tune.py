@@ -248,9 +248,10 @@ class TuneSession:
             self.policy = policy
         return _load(self.recipe, self.overrides, micro_batch, policy)
 
-    def batches(self, micro_batch: int):
-        """Steps of one micro-batch of `micro_batch` sequences each."""
-        return replace(self.data, global_batch=micro_batch).batches(micro_batch)
+    def batches(self, run):
+        """Steps of `run`'s micro-batches (its micro-batch size and accumulation)."""
+        data = replace(self.data, global_batch=run.global_batch)
+        return data.batches(run.recipe.plan.micro_batch)
 
 
 def tune_policy(
@@ -266,7 +267,7 @@ def tune_policy(
     micro_batch = 1
     while micro_batch <= max_micro_batch:
         run = session.run_for(micro_batch, policy)
-        measured = measure_peak(session, micro_batch)
+        measured = measure_peak(session, run)
         fits = measured is not None and (limit is None or measured <= limit)
         trials.append(Trial(policy, micro_batch, measured, predicted_peak(run), fits))
         if on_trial is not None:
@@ -277,13 +278,14 @@ def tune_policy(
     return trials
 
 
-def measure_peak(session: TuneSession, micro_batch: int) -> int | None:
-    """Peak bytes of the second training step at `micro_batch` in this process; None on CUDA
-    out of memory (the step's tensors and gradients are freed before the next trial)."""
+def measure_peak(session: TuneSession, run) -> int | None:
+    """Peak bytes of the second training step of `run` (its micro-batch and accumulation) on
+    the session's model; None on CUDA out of memory (the step's tensors and gradients are
+    freed before the next trial)."""
     import torch
 
     try:
-        return _second_step_peak(session, micro_batch)
+        return _second_step_peak(session, run)
     except torch.OutOfMemoryError:
         return None
     finally:
@@ -292,13 +294,13 @@ def measure_peak(session: TuneSession, micro_batch: int) -> int | None:
             torch.cuda.empty_cache()
 
 
-def _second_step_peak(session: TuneSession, micro_batch: int) -> int:
+def _second_step_peak(session: TuneSession, run) -> int:
     import torch
 
     from fivefold.train.memory import track_cpu_peak
 
     runtime, optimizer = session.runtime, session.optimizer
-    batches = session.batches(micro_batch)
+    batches = session.batches(run)
 
     def step() -> None:
         runtime.train_step(next(batches))

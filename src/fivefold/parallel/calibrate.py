@@ -440,28 +440,34 @@ def attention_flops(batch: int, heads: int, seq: int, head_dim: int, cp: int = 1
     return 4.0 * batch * seq * (cp * seq / 2) * head_dim * heads
 
 
-# Model-independent attention shapes per device kind: (batch, heads, kv heads), the sequence
-# lengths and head widths (`Measured.attention_flops_per_s` interpolates over them in log space).
+# Model-independent attention shapes per device kind: (heads, kv heads), the batch sizes, the
+# sequence lengths and head widths, at most `ATTENTION_GRID_TOKENS` tokens per batch
+# (`Measured.attention_flops_per_s` interpolates over (seq, head width, batch x heads) in log
+# space: a CPU's kernels gain much from more rows of queries).
 ATTENTION_GRID = {
-    ("cpu", False): ((1, 8, 4), (128, 512, 2048), (32, 128)),
-    ("cpu", True): ((1, 8, 4), (256, 1024), (64,)),
-    ("cuda", False): ((2, 16, 4), (1024, 4096, 16384, 65536), (64, 128)),
-    ("cuda", True): ((2, 16, 4), (1024, 8192, 65536), (128,)),
+    ("cpu", False): ((8, 4), (1, 4), (128, 512, 2048), (32, 128)),
+    ("cpu", True): ((8, 4), (1, 4), (256, 1024), (64,)),
+    ("cuda", False): ((16, 4), (1, 4), (1024, 4096, 16384, 65536), (64, 128)),
+    ("cuda", True): ((16, 4), (1, 4), (1024, 8192, 65536), (128,)),
 }
+ATTENTION_GRID_TOKENS = {"cpu": 2048, "cuda": 65536}
+
+
+def attention_grid(kind: str, quick: bool) -> list[tuple[int, int, int, int, int]]:
+    """(batch, heads, kv heads, seq, head_dim) of the device's attention grid."""
+    (heads, kv), batches, seqs, dims = ATTENTION_GRID[kind, quick]
+    cap = ATTENTION_GRID_TOKENS[kind]
+    return [(b, heads, kv, s, d) for b in batches for s in seqs for d in dims if b * s <= cap]
 
 
 def measure_attention_grid(
     kind: str, threads: int, budget: Budget, quick: bool, dtype: str = "fp32"
 ) -> Iterator[Attention]:
-    """The attention core (cp = 1) over the device's `ATTENTION_GRID`."""
-    (batch, heads, kv), seqs, dims = ATTENTION_GRID[kind, quick]
-    for seq in seqs:
-        for dim in dims:
-            fwd, bwd = attention_passes(batch, heads, kv, seq, dim, budget, TORCH_DTYPES[dtype])
-            flops = attention_flops(batch, heads, seq, dim)
-            yield Attention(
-                dtype, threads, batch, heads, kv, seq, dim, 1, flops / fwd, 2 * flops / bwd
-            )
+    """The attention core (cp = 1) over the device's `attention_grid`."""
+    for batch, heads, kv, seq, dim in attention_grid(kind, quick):
+        fwd, bwd = attention_passes(batch, heads, kv, seq, dim, budget, TORCH_DTYPES[dtype])
+        flops = attention_flops(batch, heads, seq, dim)
+        yield Attention(dtype, threads, batch, heads, kv, seq, dim, 1, flops / fwd, 2 * flops / bwd)
 
 
 def measure_attention(

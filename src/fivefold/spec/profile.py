@@ -650,21 +650,25 @@ class Measured:
         return groups * 2.0 * m * n * k / self.gemm_flops_per_s(*shape, dtype, layout)
 
     def attention_flops_per_s(
-        self, seq: float, head_dim: float, dtype: str, cp: int = 1
+        self, seq: float, head_dim: float, dtype: str, cp: int = 1, rows: float = 0.0
     ) -> tuple[float, float]:
         """(forward, backward) rate of attention on `seq` local tokens as a function of its
         shape: the rows of the nearest measured cp (context parallelism's block attention over
         `cp` ranks; cp = 1 the single-process core, over the device grid and the calibrated
-        models), interpolated in log space over (seq, head_dim) as GEMM rates are
-        (`log_shape_interp`)."""
-        rows = [a for a in self.profile.attention if a.dtype == dtype] or list(
+        models), interpolated in log space over (seq, head_dim, batch x heads) as GEMM rates
+        are (`log_shape_interp`); `rows` = batch x heads of the query (0: not used)."""
+        table = [a for a in self.profile.attention if a.dtype == dtype] or list(
             self.profile.attention
         )
-        near = min({a.cp for a in rows}, key=lambda c: (abs(c - cp), c))
-        rows, scale = self._at_threads([a for a in rows if a.cp == near])
-        where = (max(1.0, seq), max(1.0, head_dim))
-        fwd = log_shape_interp(where, [((a.seq, a.head_dim), a.forward_flops_per_s) for a in rows])
-        bwd = log_shape_interp(where, [((a.seq, a.head_dim), a.backward_flops_per_s) for a in rows])
+        near = min({a.cp for a in table}, key=lambda c: (abs(c - cp), c))
+        table, scale = self._at_threads([a for a in table if a.cp == near])
+
+        def shape(a: Attention) -> tuple[float, ...]:
+            return (a.seq, a.head_dim, a.batch * a.heads)[: 3 if rows > 0 else 2]
+
+        where = (max(1.0, seq), max(1.0, head_dim), max(1.0, rows))[: 3 if rows > 0 else 2]
+        fwd = log_shape_interp(where, [(shape(a), a.forward_flops_per_s) for a in table])
+        bwd = log_shape_interp(where, [(shape(a), a.backward_flops_per_s) for a in table])
         return fwd * scale, bwd * scale
 
     def bandwidth(self, kind: str) -> float:
