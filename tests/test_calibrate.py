@@ -25,7 +25,13 @@ from fivefold.spec.model import (
     training_flops_per_token,
 )
 from fivefold.spec.presets import model_preset
-from fivefold.spec.profile import COLLECTIVES, available_cores, bus_factor, parse_profile
+from fivefold.spec.profile import (
+    BANDWIDTH_KINDS,
+    COLLECTIVES,
+    available_cores,
+    bus_factor,
+    parse_profile,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -311,3 +317,22 @@ def test_nccl_collectives_reach_one_gib():
     assert max(sizes_for(quick=True, cuda=True)) == 2**30
     assert max(sizes_for(quick=False)) == 16 * 2**20  # gloo: as before
     assert steps_count(2, True, 2, cuda=True) == 5 * 3 * 2  # five ops, three sizes, two gaps
+
+
+def test_a_cpu_run_leaves_a_gpu_profile_at_the_default_location_alone(tmp_path, monkeypatch):
+    from fivefold.train.entry import with_default_profile
+
+    profile = cal.DeviceProfile(
+        name="NVIDIA H200", kind="cuda", cores=16, memory_bytes=150 * 10**9, backend="nccl",
+        ranks=1, matmul=(cal.Matmul("bf16", 1, 512, 512, 512, "nt", 1e14),),
+        attention=(cal.Attention("bf16", 1, 1, 8, 8, 1024, 128, 1, 1e14, 1e14),),
+        bandwidth=tuple(cal.Bandwidth(k, 1, 1, 1e12) for k in BANDWIDTH_KINDS),
+        overhead=(cal.Overhead(1, *([0.0] * 14)),),
+    )  # fmt: skip
+    path = tmp_path / "device-profile.toml"
+    path.write_text(profile.to_toml())
+    monkeypatch.setenv("FIVEFOLD_PROFILE", str(path))
+    data = {"train": {"device": "cpu"}}
+    assert with_default_profile(data) == data  # measured on a GPU: not this CPU's
+    path.write_text(profile.to_toml().replace('kind = "cuda"', 'kind = "cpu"'))
+    assert with_default_profile(data)["cluster"] == {"profile": str(path)}

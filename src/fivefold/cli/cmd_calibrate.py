@@ -21,16 +21,21 @@ measured matmul peak MFU and HFU are reported.
 
 Measured: matmul throughput over the GEMM shapes of the recipe's model (q/k/v/o, MLP, LM head,
 router; forward and both backward passes; each tensor-parallel split up to --nproc; fp32, and
-bf16 where the CPU has native bf16), the experts' grouped matmuls at each expert-parallel
-split, its attention core (causal, forward and backward) and each context-parallel split's
-block attention, element-wise, loss and optimizer bandwidth (alone and with every process of
+bf16 where the CPU has native bf16) and over a grid of shapes independent of the model (the
+planner interpolates any model's shapes among them, so one profile serves every model), the
+experts' grouped matmuls at each expert-parallel split, its attention core (causal, forward
+and backward; and over a grid of lengths, head widths and batches) and each context-parallel
+split's block attention, element-wise, loss and optimizer bandwidth (alone and with every process of
 a run streaming at once), the fixed cost of a layer (dense, MoE, and the extra of tensor and
 expert parallelism and of a ZeRO-3, ZeRO-1/2 and ZeRO-0 unit), and every
 collective the runtime uses (all-reduce, all-gather, reduce-scatter, all-to-all, send/recv) at
-several sizes over --nproc real processes (gloo on CPU; NCCL where every rank has a GPU, a path
-written the same way but not yet run by us), each issued as a step issues it (back to back,
+several sizes over --nproc real processes (gloo on CPU; NCCL among the local GPUs, up to
+1 GiB), each issued as a step issues it (back to back,
 and after each model's MLP GEMM on every rank: on a CPU a collective costs more after
-compute), printed like nccl-tests and fitted to the planner's alpha-beta model. The defaults
+compute), printed like nccl-tests and fitted to the planner's alpha-beta model. Where torch
+sees a GPU, the GPU is measured (CUDA events; GEMMs in bf16 and, on compute capability 8.9+,
+FP8; attention in bf16; HBM bandwidths; NCCL when there are 2 or more GPUs): written, not yet
+run on one by us. The defaults
 take about 25 s on two cores (--nproc 4 with --also tiny-moe: 80 s); --quick measures fewer
 shapes and sizes for a fast, rougher profile. Calibrate on an idle machine: other
 work slows the multi-threaded and collective measurements (one-thread kernels are timed on the

@@ -33,7 +33,8 @@ Find, by running real training steps on this machine, the largest micro-batch th
 recipe's layout and the cheapest recompute policy (none < selective < full) that reaches it.
 Micro-batches 1, 2, 4, ... are tried per policy until a step runs out of GPU memory or its
 measured peak exceeds --memory-limit (required on CPU). Prints the measured peak of every try
-beside the planner's prediction. --write updates plan.micro_batch and plan.recompute in the
+beside the planner's prediction as the try ends; the model, optimizer and data are built once
+and reused by every try. --write updates plan.micro_batch and plan.recompute in the
 recipe file. One process: every plan degree (dp_replicate, dp_shard, tp, pp, cp, ep) must be 1.
 """
 

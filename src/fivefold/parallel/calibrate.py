@@ -86,6 +86,7 @@ class Budget:
 
 
 QUICK = Budget(2, 4, 0.03)
+GRID = Budget(2, 4, 0.02)  # the device grid's points: many, and interpolated between
 
 
 def lower_quartile(times: list[float]) -> float:
@@ -802,10 +803,8 @@ def compute_steps(
     cores = available_cores()
     dtypes = ["fp32"] + (["bf16"] if bf16 == "native" and not quick else [])
     models = [model, *also]
-    shapes = sorted(
-        {s for m in models for s in gemm_shapes(m, plan, ranks, quick)}
-        | set(device_grid_shapes("cpu", quick))
-    )
+    own = {s for m in models for s in gemm_shapes(m, plan, ranks, quick)}
+    shapes = sorted(own | set(device_grid_shapes("cpu", quick)))
     grouped = sorted({s for m in models for s in grouped_shapes(m, plan, ranks, quick)})
     moe = next((m for m in models if m.is_moe), model)
     steps: list[tuple[str, Callable[[], list]]] = []
@@ -824,7 +823,11 @@ def compute_steps(
                 steps.append(
                     (
                         label,
-                        at(lambda s=shape, d=dtype, t=threads: [measure_matmul(s, d, t, budget)]),
+                        at(
+                            lambda s=shape, d=dtype, t=threads: [
+                                measure_matmul(s, d, t, budget if s in own else GRID)
+                            ]
+                        ),
                     )
                 )
             for shape in grouped:
@@ -838,7 +841,7 @@ def compute_steps(
         steps.append(
             (
                 f"attention grid, {threads}t",
-                at(lambda t=threads: list(measure_attention_grid("cpu", t, budget, quick))),
+                at(lambda t=threads: list(measure_attention_grid("cpu", t, GRID, quick))),
             )
         )
         for m in models:
