@@ -336,3 +336,21 @@ def test_a_cpu_run_leaves_a_gpu_profile_at_the_default_location_alone(tmp_path, 
     assert with_default_profile(data) == data  # measured on a GPU: not this CPU's
     path.write_text(profile.to_toml().replace('kind = "cuda"', 'kind = "cpu"'))
     assert with_default_profile(data)["cluster"] == {"profile": str(path)}
+
+
+def test_every_gpu_measurement_keeps_its_tensors_on_the_measured_device(monkeypatch):
+    """The GPU steps run on the meta device (no GPU here): a tensor made on the host among
+    them would fail as it would beside CUDA tensors (a device mismatch). Rows come back for
+    every step: grid and model GEMMs, the grouped experts, attention, bandwidth, overhead."""
+    monkeypatch.setattr(cal, "_device", torch.device("meta"))
+    monkeypatch.setitem(cal.FLUSH_BYTES, "meta", 1024)
+    monkeypatch.setitem(cal.DEVICE_GRID, ("cuda", True), ((64,), (64,)))
+    monkeypatch.setitem(cal.ATTENTION_GRID, ("cuda", True), ((4, 2), (1,), (128,), (32,)))
+    plan = cal.ParallelPlan(micro_batch=2, precision="bf16-mixed")
+    steps = cal.cuda_steps(model_preset("tiny"), plan, 2, True, (model_preset("tiny-moe"),))
+    # (the MoE layer's launch cost needs a real device: its routing counts tokens, bincount)
+    rows = [row for label, thunk in steps if label != "overhead" for row in thunk()]
+    assert {type(r).__name__ for r in rows} == {
+        "Matmul", "GroupedMatmul", "Attention", "Bandwidth"
+    }  # fmt: skip
+    assert all(r.dtype == "bf16" for r in rows if hasattr(r, "dtype"))

@@ -512,7 +512,7 @@ def elementwise_passes(model: ModelSpec, batch: int, budget: Budget) -> tuple[fl
     def leaf(*shape: int) -> torch.Tensor:
         return _rand(gen, *shape).requires_grad_(True)
 
-    norm1, norm2 = RMSNorm(h, model.norm_eps), RMSNorm(h, model.norm_eps)
+    norm1, norm2 = (RMSNorm(h, model.norm_eps).to(_device) for _ in range(2))
     x, attn, mlp = leaf(b, s, h), leaf(b, s, h), leaf(b, s, h)
     q, k = leaf(b, s, model.heads, d), leaf(b, s, model.kv_heads, d)
     gate, up = leaf(b, s, model.ffn), leaf(b, s, model.ffn)
