@@ -104,8 +104,8 @@ def use_device(device: str | torch.device) -> None:
     """Measure on `device` from now on ("cpu", or "cuda": CUDA events time each kernel)."""
     global _device, _flush_buffer
     _device, _flush_buffer = torch.device(device), None
-    if _device.type == "cuda":
-        torch.cuda.set_device(_device)
+    if _device.type == "cuda" and _device.index is None:
+        _device = torch.device("cuda", torch.cuda.current_device())
 
 
 def _rand(gen: torch.Generator, *shape: int) -> torch.Tensor:
