@@ -36,8 +36,10 @@ compute), printed like nccl-tests and fitted to the planner's alpha-beta model. 
 sees a GPU, the GPU is measured (CUDA events; GEMMs in bf16 and, on compute capability 8.9+,
 FP8; attention in bf16; HBM bandwidths; NCCL when there are 2 or more GPUs): written, not yet
 run on one by us. The defaults
-take about 25 s on two cores (--nproc 4 with --also tiny-moe: 80 s); --quick measures fewer
-shapes and sizes for a fast, rougher profile. Calibrate on an idle machine: other
+cost about 65 s of CPU time on two cores with native bf16 (42 s before the grids, which took
+25 s of wall time idle): expect about 40 s idle; measured only under a load average of 15-19,
+where they took 5-8 min. --quick measures fewer shapes and sizes for a fast, rougher profile
+(18 s of CPU time; 48 s under that load). Calibrate on an idle machine: other
 work slows the multi-threaded and collective measurements (one-thread kernels are timed on the
 thread's CPU clock and are robust to it).
 """
