@@ -57,14 +57,20 @@ A profile is a TOML file (written by `fivefold.parallel.calibrate`, read here wi
     [[collective_sample]] op, ranks, world, gap_s, size_bytes, time_s, algbw_bytes_per_s,
                   busbw_bytes_per_s
 
+The matmul and attention rows hold the model's shapes and a model-independent grid of shapes
+(`fivefold.parallel.calibrate.DEVICE_GRID`, `ATTENTION_GRID`); the planner reads rates as
+functions of shape, interpolated among the rows in log space (`log_shape_interp`), so one
+profile serves every model. A CUDA profile (kind "cuda") has bf16 and, where the GPU has it,
+fp8 ("fp8": `torch._scaled_mm`) matmul rows, all at threads = 1.
+
 Loading one yields a `GPUSpec` whose peak is the best measured matmul rate per dtype (the source
 says "measured"; nothing is guessed) and a `ClusterSpec` of one node with the local ranks.
 
-Processes share the machine's cores: a run of R ranks gives each max(1, cores // R) threads
-(`threads_per_rank`, the launcher's rule; $OMP_NUM_THREADS when set, as torch does) and, when
-R x threads exceeds the cores, each rank a cores / (R x threads) share of the machine. The
-device for R ranks reads the rows measured at that thread count (or scales the nearest linearly
-in threads) and multiplies compute rates by the share.
+On a CPU, processes share the machine's cores: a run of R ranks gives each max(1, cores // R)
+threads (`threads_per_rank`, the launcher's rule; $OMP_NUM_THREADS when set, as torch does)
+and, when R x threads exceeds the cores, each rank a cores / (R x threads) share of the
+machine. The device for R ranks reads the rows measured at that thread count (or scales the
+nearest linearly in threads) and multiplies compute rates by the share.
 """
 
 from __future__ import annotations
