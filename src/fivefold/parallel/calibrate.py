@@ -27,6 +27,12 @@ model):
   (DTensor), of expert parallelism on a MoE layer and of a data-parallel unit (FSDP2's hooks
   for ZeRO-3, ZeRO-1/2 and `replicate` for ZeRO-0), measured on a one-rank mesh.
 The collectives run over real process groups (`fivefold.parallel.calibrate_comm`).
+Besides the model's own shapes, a model-independent grid of GEMM and attention shapes
+(`DEVICE_GRID`, `ATTENTION_GRID`) that the planner interpolates any model among.
+
+On a GPU (`use_device("cuda")`, `cuda_steps`) kernels are timed by CUDA events after an L2
+flush: GEMMs in bf16 and FP8 (compute capability 8.9+), grouped experts and attention in bf16,
+the bandwidths in HBM (fused AdamW), a layer's launch cost; the rows carry threads = 1.
 
 Written by hand: PyTorch has benchmark utilities but nothing that measures a machine into the
 planner's terms.
