@@ -101,7 +101,6 @@ BANDWIDTH_KINDS = (
     "loss_backward",
     "optimizer",
 )
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 NEIGHBOURS = 4  # measured GEMM shapes a rate is interpolated from (`Measured.gemm_flops_per_s`)
 
 
@@ -167,18 +166,6 @@ class Matmul:
     k: int
     layout: str
     flops_per_s: float
-
-    @property
-    def intensity(self) -> float:
-        """FLOP per byte with every operand and the output moved once."""
-        e = DTYPE_BYTES.get(self.dtype, 4)
-        return (
-            2.0
-            * self.m
-            * self.n
-            * self.k
-            / (e * (self.m * self.k + self.k * self.n + self.m * self.n))
-        )
 
 
 @dataclass(frozen=True)
@@ -563,21 +550,6 @@ def log_shape_interp(
     weights = [1.0 / d2 for d2, _ in near]
     logs = sum(w * math.log(v) for w, (_, v) in zip(weights, near, strict=True))
     return math.exp(logs / sum(weights))
-
-
-def _interp(x: float, xs: list[float], ys: list[float]) -> float:
-    """Piecewise-linear in log(x), clamped at the ends; xs ascending."""
-    if x <= xs[0]:
-        return ys[0]
-    if x >= xs[-1]:
-        return ys[-1]
-    lx = math.log(x)
-    for i in range(1, len(xs)):
-        if x <= xs[i]:
-            a, b = math.log(xs[i - 1]), math.log(xs[i])
-            w = (lx - a) / (b - a) if b > a else 1.0
-            return ys[i - 1] + w * (ys[i] - ys[i - 1])
-    return ys[-1]
 
 
 class Measured:
