@@ -15,7 +15,9 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from fivefold.model import build_model
-from fivefold.parallel.calibrate_comm import fit_alpha_beta, steps_count
+from fivefold.parallel import calibrate as cal
+from fivefold.parallel.calibrate import attention_grid, device_grid_shapes
+from fivefold.parallel.calibrate_comm import fit_alpha_beta, sizes_for, steps_count
 from fivefold.parallel.checkpointing import apply_recompute
 from fivefold.spec.model import (
     attention_score_flops_per_token,
@@ -23,7 +25,13 @@ from fivefold.spec.model import (
     training_flops_per_token,
 )
 from fivefold.spec.presets import model_preset
-from fivefold.spec.profile import COLLECTIVES, available_cores, bus_factor, parse_profile
+from fivefold.spec.profile import (
+    BANDWIDTH_KINDS,
+    COLLECTIVES,
+    available_cores,
+    bus_factor,
+    parse_profile,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -198,6 +206,10 @@ def test_calibrate_quick_two_ranks_writes_a_profile_plan_uses(tmp_path):
     shapes = {(m.m, m.n, m.k, m.layout) for m in profile.matmul}
     assert {(512, 64, 64, "nt"), (512, 32, 64, "nt"), (64, 64, 512, "tn")} <= shapes
     assert {m.threads for m in profile.matmul} == {1, available_cores()}
+    # and the model-independent grids every other model is interpolated over
+    assert set(device_grid_shapes("cpu", quick=True)) <= shapes
+    attention = {(a.batch, a.heads, a.kv_heads, a.seq, a.head_dim) for a in profile.attention}
+    assert set(attention_grid("cpu", quick=True)) <= attention
     # --also tiny-moe: its experts as grouped matmuls, 512 x 2 routed rows over 4 experts (2
     # under EP 2) on (64 x 64) weights, every pass.
     grouped = {(g.groups, g.tokens, g.n, g.k, g.layout) for g in profile.grouped_matmul}
@@ -268,3 +280,122 @@ def test_calibrate_writes_out_by_default_and_the_default_location_only_when_aske
     assert "every CPU run without a [cluster] now uses it" in capsys.readouterr().out
     with pytest.raises(SystemExit):  # one place or the other
         main(["calibrate", "--install", "--out", "x.toml"])
+
+
+# ---- the CUDA path, without a GPU: torch.cuda monkeypatched, nothing launched ----------------
+class _FakeEvent:
+    """A CUDA event whose elapsed time is 2.5 ms between any two."""
+
+    def __init__(self, enable_timing: bool = False):
+        assert enable_timing
+
+    def record(self) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, other: _FakeEvent) -> float:
+        return 2.5
+
+
+@pytest.fixture
+def on_fake_gpu(monkeypatch):
+    """Kernels "on" an H200: the calibrate module's device is cuda, torch.cuda answers as one."""
+    monkeypatch.setattr(cal, "_device", torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "NVIDIA H200")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: (9, 0))
+
+    class Props:
+        total_memory = 150_000_000_000
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *_: Props())
+
+
+def test_kernels_on_a_gpu_are_timed_by_cuda_events(on_fake_gpu):
+    ran = []
+    assert cal.timed_s(lambda: ran.append(1)) == pytest.approx(2.5e-3)  # ms -> s
+    assert ran == [1]
+    assert cal.fp8_supported() == hasattr(torch, "_scaled_mm")  # capability 9.0
+
+
+def test_the_gpu_steps_measure_bf16_and_fp8_gemms_attention_bandwidth_and_launches(on_fake_gpu):
+    model = model_preset("small")
+    plan = cal.ParallelPlan(micro_batch=2, precision="bf16-mixed")
+    labels = [label for label, _ in cal.compute_steps(model, plan, 1, True, "native")]
+    grid = device_grid_shapes("cuda", quick=True)
+    for m, n, k, layout in grid:
+        assert f"matmul bf16 {m}x{n}x{k} {layout}" in labels
+        if cal.fp8_supported():
+            assert f"matmul fp8 {m}x{n}x{k} {layout}" in labels
+    # small at micro-batch 2: 512 tokens; its wk forward (512 x 128 x 256) is measured too,
+    # the LM head's 512 x 4096 x 256 as well; nothing per thread count (a GPU has none)
+    assert "matmul bf16 512x128x256 nt" in labels and "matmul bf16 512x4096x256 nt" in labels
+    assert not any(label.endswith("t") and ", " in label for label in labels)
+    assert labels[-3:] == ["attention small", "bandwidth", "overhead"]
+    assert "attention grid" in labels
+    assert len(grid) == 3 * 3 * 3 * 3  # 3 m x 3 n x 3 k x 3 layouts
+
+
+def test_a_gpu_profile_names_the_gpu_its_memory_and_nccl(on_fake_gpu):
+    tables = cal.sort_rows([])
+    profile = cal.build_profile(model_preset("small"), 1, "native", tables, "none", [], [])
+    assert (profile.kind, profile.name, profile.backend) == ("cuda", "NVIDIA H200", "nccl")
+    assert profile.memory_bytes == 150_000_000_000
+
+
+def test_calibrate_measures_the_gpu_when_torch_sees_one(monkeypatch):
+    from fivefold.cli import cmd_calibrate
+
+    chosen = []
+    monkeypatch.setattr(cal, "use_device", chosen.append)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert cmd_calibrate.measuring_device(cal) is True
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cmd_calibrate.measuring_device(cal) is False
+    assert chosen == ["cuda", "cpu"]
+
+
+def test_nccl_collectives_reach_one_gib():
+    assert max(sizes_for(quick=False, cuda=True)) == 2**30
+    assert max(sizes_for(quick=True, cuda=True)) == 2**30
+    assert max(sizes_for(quick=False)) == 16 * 2**20  # gloo: as before
+    assert steps_count(2, True, 2, cuda=True) == 5 * 3 * 2  # five ops, three sizes, two gaps
+
+
+def test_a_cpu_run_leaves_a_gpu_profile_at_the_default_location_alone(tmp_path, monkeypatch):
+    from fivefold.train.entry import with_default_profile
+
+    profile = cal.DeviceProfile(
+        name="NVIDIA H200", kind="cuda", cores=16, memory_bytes=150 * 10**9, backend="nccl",
+        ranks=1, matmul=(cal.Matmul("bf16", 1, 512, 512, 512, "nt", 1e14),),
+        attention=(cal.Attention("bf16", 1, 1, 8, 8, 1024, 128, 1, 1e14, 1e14),),
+        bandwidth=tuple(cal.Bandwidth(k, 1, 1, 1e12) for k in BANDWIDTH_KINDS),
+        overhead=(cal.Overhead(1, *([0.0] * 14)),),
+    )  # fmt: skip
+    path = tmp_path / "device-profile.toml"
+    path.write_text(profile.to_toml())
+    monkeypatch.setenv("FIVEFOLD_PROFILE", str(path))
+    data = {"train": {"device": "cpu"}}
+    assert with_default_profile(data) == data  # measured on a GPU: not this CPU's
+    path.write_text(profile.to_toml().replace('kind = "cuda"', 'kind = "cpu"'))
+    assert with_default_profile(data)["cluster"] == {"profile": str(path)}
+
+
+def test_every_gpu_measurement_keeps_its_tensors_on_the_measured_device(monkeypatch):
+    """The GPU steps run on the meta device (no GPU here): a tensor made on the host among
+    them would fail as it would beside CUDA tensors (a device mismatch). Rows come back for
+    every step: grid and model GEMMs, the grouped experts, attention, bandwidth, overhead."""
+    monkeypatch.setattr(cal, "_device", torch.device("meta"))
+    monkeypatch.setitem(cal.FLUSH_BYTES, "meta", 1024)
+    monkeypatch.setitem(cal.DEVICE_GRID, ("cuda", True), ((64,), (64,)))
+    monkeypatch.setitem(cal.ATTENTION_GRID, ("cuda", True), ((4, 2), (1,), (128,), (32,)))
+    plan = cal.ParallelPlan(micro_batch=2, precision="bf16-mixed")
+    steps = cal.cuda_steps(model_preset("tiny"), plan, 2, True, (model_preset("tiny-moe"),))
+    # (the MoE layer's launch cost needs a real device: its routing counts tokens, bincount)
+    rows = [row for label, thunk in steps if label != "overhead" for row in thunk()]
+    assert {type(r).__name__ for r in rows} == {
+        "Matmul", "GroupedMatmul", "Attention", "Bandwidth"
+    }  # fmt: skip
+    assert all(r.dtype == "bf16" for r in rows if hasattr(r, "dtype"))

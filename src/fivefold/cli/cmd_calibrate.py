@@ -28,25 +28,32 @@ peak MFU and HFU are reported (without a profile a CPU run's MFU is against a fi
 
 Measured: matmul throughput over the GEMM shapes of the recipe's model (q/k/v/o, MLP, LM head,
 router; forward and both backward passes; each tensor-parallel split up to --nproc; fp32, and
-bf16 where the CPU has native bf16), the experts' grouped matmuls at each expert-parallel
-split, its attention core (causal, forward and backward) and each context-parallel split's
-block attention, element-wise, loss and optimizer bandwidth (alone and with every process of
+bf16 where the CPU has native bf16) and over a grid of shapes independent of the model (the
+planner interpolates any model's shapes among them, so one profile serves every model), the
+experts' grouped matmuls at each expert-parallel split, its attention core (causal, forward
+and backward; and over a grid of lengths, head widths and batches) and each context-parallel
+split's block attention, element-wise, loss and optimizer bandwidth (alone and with every process of
 a run streaming at once), the fixed cost of a layer (dense, MoE, and the extra of tensor and
 expert parallelism and of a ZeRO-3, ZeRO-1/2 and ZeRO-0 unit), and every
 collective the runtime uses (all-reduce, all-gather, reduce-scatter, all-to-all, send/recv) at
-several sizes over --nproc real processes (gloo on CPU; NCCL where every rank has a GPU, a path
-written the same way but not yet run by us), each issued as a step issues it (back to back,
+several sizes over --nproc real processes (gloo on CPU; NCCL among the local GPUs, up to
+1 GiB), each issued as a step issues it (back to back,
 and after each model's MLP GEMM on every rank: on a CPU a collective costs more after
-compute), printed like nccl-tests and fitted to the planner's alpha-beta model. It prints
-its time estimate before it starts (the defaults: about 25 s on two idle cores; more ranks
-than cores, a larger model or other work make it longer) and a progress bar with the time
-left; --quick measures fewer shapes and sizes for a fast, rougher profile. Calibrate on an
-idle machine: other work slows the multi-threaded and collective measurements (one-thread
-kernels are timed on the thread's CPU clock and are robust to it).
+compute), printed like nccl-tests and fitted to the planner's alpha-beta model. Where torch
+sees a GPU, the GPU is measured (CUDA events; GEMMs in bf16 and, on compute capability 8.9+,
+FP8; attention in bf16; HBM bandwidths; NCCL when there are 2 or more GPUs): written, not yet
+run on one by us. The defaults
+cost about 65 s of CPU time on two cores with native bf16 (42 s before the grids, which took
+25 s of wall time idle): expect about 40 s idle; measured only under a load average of 15-19,
+where they took 5-8 min. --quick measures fewer shapes and sizes for a fast, rougher profile
+(18 s of CPU time; 48 s under that load). Calibrate on an idle machine: other
+work slows the multi-threaded and collective measurements (one-thread kernels are timed on the
+thread's CPU clock and are robust to it).
 
 The profile is written to --out (default ./device-profile.toml) and used where it is named.
 --install writes it to the default location instead, which every CPU run without a [cluster]
-then uses (each run's header says which profile it uses and where it came from).
+then uses (each run's header says which profile it uses and where it came from). Before it
+starts, calibrate prints its time estimate; a progress bar shows the time left.
 """
 
 _EPILOG = """\
@@ -206,8 +213,15 @@ def run_calibration(
     from fivefold.parallel import calibrate_comm as comm
     from fivefold.spec.profile import available_cores
 
-    bf16 = cal.bf16_support()
-    if bf16 != "native":
+    cuda = measuring_device(cal)
+    bf16 = cal.cuda_bf16_support() if cuda else cal.bf16_support()
+    if cuda:  # every local GPU is a rank of the collectives (NCCL); one GPU measures none
+        ranks = min(ranks, torch_cuda_count())
+        fp8 = "bf16 and fp8" if cal.fp8_supported() else "bf16 (no native fp8 here)"
+        console.print(
+            f"measuring the GPU {cal.measured_device_name()}: {fp8} matmuls, timed by CUDA events"
+        )
+    elif bf16 != "native":
         console.print(
             "bf16: this CPU has neither amx_bf16 nor avx512_bf16, so torch emulates bf16 "
             "matmuls (often many times slower than fp32): bf16 is not measured; plan fp32."
@@ -216,7 +230,7 @@ def run_calibration(
         console.print("bf16: native on this CPU, but --quick measures fp32 only.")
     steps = cal.compute_steps(model, plan, ranks, quick, bf16, also)
     gemms = tuple(comm.gaps([model, *also], plan.micro_batch))
-    collectives = comm.steps_count(ranks, quick, len(gemms)) if ranks >= 2 else 0
+    collectives = comm.steps_count(ranks, quick, len(gemms), cuda) if ranks >= 2 else 0
     total = len(steps) + collectives
     idle = estimate_s(len(steps), collectives, ranks, available_cores())
     console.print(
@@ -267,9 +281,28 @@ def run_calibration(
         )
         rows += shared
     if ranks < 2:
-        console.print("collectives: not measured with --nproc 1 (plans then need one rank).")
+        why = "one GPU here" if cuda else "--nproc 1"
+        console.print(f"collectives: not measured with {why} (plans then need one rank).")
     fits = comm.fit_collectives(samples)
     return cal.build_profile(model, ranks, bf16, cal.sort_rows(rows), backend, samples, fits)
+
+
+def measuring_device(cal) -> bool:
+    """Measure the GPU when torch sees one (True), else the CPU: the device resolution every
+    run uses (`fivefold.parallel.device.uses_cuda`)."""
+    from fivefold.parallel.device import uses_cuda
+
+    if uses_cuda("auto"):
+        cal.use_device("cuda")
+        return True
+    cal.use_device("cpu")
+    return False
+
+
+def torch_cuda_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
 
 
 def print_summary(console, profile) -> None:

@@ -249,7 +249,11 @@ def attention_times_s(
         dtype = recipe(plan.precision).compute_dtype
         blocks = plan.cp if plan.cp_kind in ("ring", "allgather") else 1  # block kernels
         fwd, bwd = device.measured.attention_flops_per_s(
-            model.seq_len / plan.cp, model.head_dim, dtype, blocks
+            model.seq_len / plan.cp,
+            model.head_dim,
+            dtype,
+            blocks,
+            plan.micro_batch * model.heads / plan.tp,
         )
         forward, backward = flops / fwd, 2.0 * flops / bwd
     else:
