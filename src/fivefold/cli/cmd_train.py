@@ -284,8 +284,22 @@ def dry_run_report(run, nproc: int) -> str:
     lines.append(
         f"  step time: {step_s:.3f} s" if step_s is not None else "  step time: not predicted"
     )
+    if nproc > 1:
+        lines.append(_plan_check_lines(recipe, nproc))
     lines.append("dry run: nothing started; train with the same command without --dry-run")
     return "\n".join(lines)
+
+
+def _plan_check_lines(recipe, nproc: int) -> str:
+    """`fivefold plan check`'s table for this layout on `nproc` ranks (fake tensors)."""
+    import time
+
+    from fivefold.cli.plan_check_report import format_checks
+    from fivefold.train.plan_check import check_plan
+
+    started = time.perf_counter()
+    checks = check_plan(recipe, nproc)
+    return format_checks(recipe, nproc, checks, time.perf_counter() - started)
 
 
 def _launch(nproc: int, recipe_path: str | None, overrides: list[str], max_restarts: int) -> int:

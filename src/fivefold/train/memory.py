@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch._guards import active_fake_mode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
@@ -136,6 +137,8 @@ class StorageCounter(TorchDispatchMode):
     # ---- the dispatch mode and the resize wrapper ---------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if active_fake_mode() is not self._fake_mode_on_entry:
+            return out  # DTensor's sharding propagation computing shapes: no memory in a run
         for leaf in tree_flatten(out)[0]:
             if isinstance(leaf, torch.Tensor):
                 self.add(leaf)
@@ -151,6 +154,7 @@ class StorageCounter(TorchDispatchMode):
             return result
 
         self._original_resize = original
+        self._fake_mode_on_entry = active_fake_mode()
         torch.UntypedStorage.resize_ = resize_
         return super().__enter__()
 
