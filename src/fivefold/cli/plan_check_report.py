@@ -12,14 +12,14 @@ from fivefold.errors import ConfigError
 
 GIB = 1024**3
 TARGET = 0.05  # the memory model's promise: predicted peak within 5 % of the checked one
-TENANT_NAMES = {
-    "_MemRefType.PARAM": "params",
-    "_MemRefType.GRAD": "grads",
-    "_MemRefType.OPT": "optimizer",
-    "_MemRefType.ACT": "activations",
-    "_MemRefType.TEMP": "temporaries",
-    "_MemRefType.BUFFER": "buffers",
-    "_MemRefType.OTH": "other",
+TRACKER_TENANTS = {  # torch's MemTracker categories, in our words
+    "param": "params",
+    "grad": "grads",
+    "optstate": "optimizer",
+    "activation": "activations",
+    "temp": "temporaries",
+    "buffer": "buffers",
+    "other": "other",
 }
 
 
@@ -67,12 +67,16 @@ def format_checks(recipe: Any, world: int, checks: list, seconds: float) -> str:
         flag = "" if abs(c.error) <= TARGET else "  beyond 5 %"
         lines.append(
             f"  {c.stage:>5} {c.rank:>5} {c.predicted_gib['total']:>6.2f} GiB "
-            f"{c.counted_bytes / GIB:>6.2f} GiB {c.tracker_bytes / GIB:>7.2f} GiB "
+            f"{c.counted_bytes / GIB:>6.2f} GiB {_tracker_cell(c):>11} "
             f"{100 * c.error:>+7.1f}% {c.seconds:>6.1f}s {c.host_peak_mib:>5.0f} MiB{flag}"
         )
         lines += _tenant_lines(c)
     lines.append(f"  checked in {seconds:.1f} s")
     return "\n".join(lines)
+
+
+def _tracker_cell(check: Any) -> str:
+    return f"{check.tracker_bytes / GIB:.2f} GiB" if check.tracker_bytes else "-"
 
 
 def _tenant_lines(check: Any) -> list[str]:
@@ -81,10 +85,10 @@ def _tenant_lines(check: Any) -> list[str]:
     )
     counted = ", ".join(f"{k} {v / GIB:.2f}" for k, v in check.counted_tenants.items() if v)
     tracker = ", ".join(
-        f"{TENANT_NAMES.get(k, k)} {v / GIB:.2f}" for k, v in check.tracker_tenants.items() if v
+        f"{TRACKER_TENANTS.get(k, k)} {v / GIB:.2f}" for k, v in check.tracker_tenants.items() if v
     )
     return [
         f"        predicted GiB:  {predicted}",
         f"        counted GiB:    {counted}",
-        f"        MemTracker GiB: {tracker}",
+        f"        MemTracker GiB: {tracker or check.tracker_note}",
     ]

@@ -136,6 +136,8 @@ class StorageCounter(TorchDispatchMode):
 
     # ---- the dispatch mode and the resize wrapper ---------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops._c10d_functional.wait_tensor.default and active_fake_mode():
+            return args[0]  # its fake kernel returns a new tensor; a real wait returns its input
         out = func(*args, **(kwargs or {}))
         if active_fake_mode() is not self._fake_mode_on_entry:
             return out  # DTensor's sharding propagation computing shapes: no memory in a run

@@ -13,6 +13,7 @@ because no library provides it):
 - Weights are not initialised (values are irrelevant); losses and token counts are data that a
   fake tensor does not have, so the loss scale uses the batch's token count.
 - DTensor derives output shapes under a fake mode of its own, as in a real run.
+- Expert routing is data too: every EP rank sends and receives balanced all-to-all splits.
 - Pipelining exchanges a vote and the stages' tensor metadata as values over point-to-point
   messages, which a fake group cannot carry: every stage infers its own metadata, told by
   `_hidden_meta` what its neighbour sends (the hidden states [b, T/cp/tp_sp, hidden], fp32).
@@ -37,6 +38,10 @@ from typing import Any
 from fivefold.spec.recipe import Recipe
 
 GIB = 1024**3
+PIPELINE_TRACKER_NOTE = (
+    "torch's MemTracker cannot follow a pipeline stage's backward (its module hooks meet "
+    "torch.autograd.grad on the stage's received input); fivefold's counter only"
+)
 
 
 @dataclass
@@ -54,6 +59,7 @@ class RankCheck:
     seconds: float = 0.0
     host_peak_mib: float = 0.0
     problem: str = ""
+    tracker_note: str = ""
 
     @property
     def error(self) -> float | None:
@@ -129,7 +135,6 @@ def _check_rank(recipe: Recipe, rank: int, world: int) -> dict[str, Any]:
 
 
 def _measure(recipe: Recipe, rank: int, world: int) -> dict[str, Any]:
-    import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
@@ -142,20 +147,24 @@ def _measure(recipe: Recipe, rank: int, world: int) -> dict[str, Any]:
         optimizer = _optimizer(runtime, recipe)
         batches = _micro_batches(recipe)
         _make_optimizer_state(runtime, optimizer)
-        tracker = _tracker_class(MemTracker)()
-        tracker.track_external(*runtime.model_parts, optimizer)
-        with track_cpu_peak(runtime.model_parts, optimizer) as reading, tracker:
+        tracker = _tracker_class(MemTracker)() if recipe.plan.pp == 1 else None
+        if tracker is not None:
+            tracker.track_external(*runtime.model_parts, optimizer)
+        counting = track_cpu_peak(runtime.model_parts, optimizer)
+        with counting as reading, tracker or contextlib.nullcontext():
             _step(runtime, optimizer, batches)
-        peak = tracker.get_tracker_snapshot("peak")
-    tenants = {str(k): int(v) for snap in peak.values() for k, v in snap.items()}
-    total = tenants.pop("Total", 0)
-    del torch
-    return {
+    result: dict[str, Any] = {
         "counted_bytes": int(reading.peak_bytes),
         "counted_tenants": dict(reading.tenants),
-        "tracker_bytes": int(total),
-        "tracker_tenants": tenants,
     }
+    if tracker is None:
+        result["tracker_note"] = PIPELINE_TRACKER_NOTE
+        return result
+    peak = tracker.get_tracker_snapshot("peak")
+    tenants = {str(k).split(".")[-1].lower(): int(v) for s in peak.values() for k, v in s.items()}
+    result["tracker_bytes"] = tenants.pop("total", 0)
+    result["tracker_tenants"] = tenants
+    return result
 
 
 def _tracker_class(base: type) -> type:
@@ -279,6 +288,7 @@ def fake_world(recipe: Recipe, rank: int, world: int) -> Iterator[None]:
         _patch_device_mesh(patch)
         _patch_sharding_propagation(patch)
         _patch_pipelining(patch, recipe)
+        _patch_expert_dispatch(patch)
         yield
     finally:
         for owner, name, value in reversed(saved):
@@ -328,6 +338,18 @@ def _patch_sharding_propagation(patch) -> None:
 
     own_mode = FakeTensorMode(allow_non_fake_inputs=True)
     patch(_sharding_prop, "detect_fake_mode", lambda *args, **kwargs: own_mode)
+
+
+def _patch_expert_dispatch(patch) -> None:
+    """Routing is data a fake tensor does not have: the all-to-all splits become the balanced
+    ones (each EP rank sends an equal share of its N*K token copies to every rank)."""
+    from fivefold.parallel.expert_parallel import AllToAllDispatcher
+
+    def balanced(self, counts, recv_counts, copies: int) -> tuple[list[int], list[int]]:
+        share = [copies // self.ep + (1 if r < copies % self.ep else 0) for r in range(self.ep)]
+        return share, list(share)
+
+    patch(AllToAllDispatcher, "splits", balanced)
 
 
 def _hidden_meta(recipe: Recipe, requires_grad: bool):
