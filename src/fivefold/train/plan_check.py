@@ -28,6 +28,7 @@ import contextlib
 import functools
 import inspect
 import multiprocessing
+import os
 import resource
 import time
 from collections.abc import Iterator
@@ -100,7 +101,7 @@ def check_plan(
     recipe: Recipe, world: int | None = None, timeout_s: float = 600.0
 ) -> list[RankCheck]:
     """Check every representative rank of `recipe` in a world of `world` ranks (default: the
-    cluster's GPUs), each in a fresh process."""
+    cluster's GPUs), each in a fresh process, as many at once as this machine has cores."""
     from fivefold.parallel.report import memory_only_prediction
 
     predicted = memory_only_prediction(recipe.model, recipe.plan, fsdp_wrapped=True, cuda=False)
@@ -109,14 +110,16 @@ def check_plan(
     out = []
     context = multiprocessing.get_context("spawn")
     world = world or recipe.cluster.world_size
-    for stage, rank in representative_ranks(recipe.plan, world):
-        with context.Pool(1) as pool:
-            job = pool.apply_async(_check_rank, (recipe, rank, world))
+    ranks = representative_ranks(recipe.plan, world)
+    workers = max(1, min(len(ranks), os.cpu_count() or 1))
+    with context.Pool(workers, maxtasksperchild=1) as pool:  # a fresh fake world per rank
+        jobs = [pool.apply_async(_check_rank, (recipe, rank, world)) for _, rank in ranks]
+        for (stage, rank), job in zip(ranks, jobs, strict=True):
             try:
                 result = job.get(timeout=timeout_s)
             except multiprocessing.TimeoutError:
                 result = {"problem": f"no result within {timeout_s:.0f} s"}
-        out.append(RankCheck(rank=rank, stage=stage, predicted_gib=predicted[stage], **result))
+            out.append(RankCheck(rank=rank, stage=stage, predicted_gib=predicted[stage], **result))
     return out
 
 
