@@ -89,7 +89,21 @@ def _plan_handler(args: argparse.Namespace) -> int:
         args.items = items[1:]
         _refuse_search_flags(args)
         return _estimate_handler(args)
+    if items and items[0] == "check":
+        return _check_handler(items[1:], args.json)
     return _search_handler(args)
+
+
+def _check_handler(items: list[str], as_json: bool) -> int:
+    """`plan check RECIPE [OVERRIDE ...]`: the layout built at full scale under fake tensors."""
+    from fivefold.cli.plan_check_report import run_check
+    from fivefold.spec.recipe import load_recipe
+
+    if not items or "=" in items[0]:
+        raise ConfigError(
+            "plan check needs a recipe: fivefold plan check RECIPE.toml [section.field=value ...]"
+        )
+    return run_check(load_recipe(items[0], items[1:]), as_json)
 
 
 def _refuse_search_flags(args: argparse.Namespace) -> None:
@@ -116,10 +130,11 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "items",
         nargs="*",
-        metavar="[estimate] [RECIPE] [OVERRIDE ...]",
-        help="'estimate' to cost one layout instead of searching; then an optional TOML recipe "
-        "(its [model], [cluster] and, for estimate, [plan]) and section.field=value overrides "
-        "(plan.tp=4)",
+        metavar="[estimate|check] [RECIPE] [OVERRIDE ...]",
+        help="'estimate' to cost one layout instead of searching, 'check' to build the "
+        "recipe's layout at full scale under fake tensors and measure its memory beside the "
+        "prediction; then an optional TOML recipe (its [model], [cluster] and, for estimate "
+        "and check, [plan]) and section.field=value overrides (plan.tp=4)",
     )
     m = parser.add_argument_group("model (a preset or TOML file, and/or flags)")
     m.add_argument("--model", metavar="PRESET|FILE", help="preset name or TOML file")

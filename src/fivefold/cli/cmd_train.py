@@ -300,6 +300,8 @@ def dry_run_report(run, nproc: int) -> str:
         from fivefold.train.loop import _checkpoint_suggestion
 
         lines.append("  " + _checkpoint_suggestion(recipe, step_s))
+    if nproc > 1:
+        lines.append(_plan_check_lines(recipe, nproc))
     lines.append("dry run: nothing started; train with the same command without --dry-run")
     return "\n".join(lines)
 
@@ -311,6 +313,18 @@ def _memory_note(run, nproc: int) -> str:
 
     fit = memory_fit(run, nproc, cuda=local_device(run.train.device).type == "cuda")
     return fit.describe() if fit is not None else ""
+
+
+def _plan_check_lines(recipe, nproc: int) -> str:
+    """`fivefold plan check`'s table for this layout on `nproc` ranks (fake tensors)."""
+    import time
+
+    from fivefold.cli.plan_check_report import format_checks
+    from fivefold.train.plan_check import check_plan
+
+    started = time.perf_counter()
+    checks = check_plan(recipe, nproc)
+    return format_checks(recipe, nproc, checks, time.perf_counter() - started)
 
 
 def _launch(
