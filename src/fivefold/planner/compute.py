@@ -13,9 +13,10 @@ The efficiency model (parameters in `fivefold.planner.calibration`, fitted by
   approach the architecture's fraction; thin ones (small h/tp, few tokens per expert) are
   bandwidth-bound. The backward runs two GEMMs of the same size per forward GEMM: the input
   gradient (in the "B" pass) and the weight gradient (the "W" pass).
-- Attention core. Fused (flash) kernels: 4 * T * (s/2) * head_dim * heads/tp causal FLOPs forward
-  at `attention_peak_fraction` of peak, the backward `attention_backward_ratio` (2.5) times the
-  forward time. Classic kernels (Megatron 2021: QK^T and AV as batched GEMMs over the full s x s
+- Attention core. Fused (flash) kernels: 4 * pairs * head_dim * heads/tp causal FLOPs forward,
+  pairs = b/cp * s^2/2 with one document per sequence, or per document with the training data's
+  document length (`model.doc_len`, `causal_pairs_per_sequence`), at `attention_peak_fraction`
+  of peak, the backward `attention_backward_ratio` (2.5) times the forward time. Classic kernels (Megatron 2021: QK^T and AV as batched GEMMs over the full s x s
   matrix, then a fused scale-mask-softmax and dropout in HBM) are two batched GEMMs of shape
   (s, s, head_dim) plus the element-wise passes over the s^2 scores.
 - Element-wise kernels are bound by HBM bandwidth at `hbm_fraction`. Per token per layer, forward:
@@ -61,7 +62,7 @@ from fivefold.planner.calibration import EfficiencyModel
 from fivefold.planner.levers import state_recipe
 from fivefold.planner.memory import local_kv_width
 from fivefold.spec.hardware import GPUSpec
-from fivefold.spec.model import ModelSpec
+from fivefold.spec.model import ModelSpec, causal_pairs_per_sequence
 from fivefold.spec.plan import ParallelPlan
 from fivefold.spec.precision import recipe
 
@@ -223,9 +224,11 @@ def roofline_s(
 
 
 def attention_flops(model: ModelSpec, plan: ParallelPlan) -> float:
-    """Causal forward FLOPs of one layer's attention core for one micro-batch on one rank."""
-    tokens = plan.micro_batch * model.seq_len / plan.cp
-    return 4.0 * tokens * (model.seq_len / 2) * model.head_dim * model.heads / plan.tp
+    """Causal forward FLOPs of one layer's attention core for one micro-batch on one rank,
+    per document (`fivefold.spec.model.causal_pairs_per_sequence`: s^2/2 pairs per sequence
+    with one document, fewer with `model.doc_len`), the pairs split evenly over cp ranks."""
+    pairs = plan.micro_batch * causal_pairs_per_sequence(model.seq_len, model.doc_len) / plan.cp
+    return 4.0 * pairs * model.head_dim * model.heads / plan.tp
 
 
 def flash_attention_forward_s(
