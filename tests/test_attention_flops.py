@@ -22,7 +22,6 @@ from fivefold.train.data import TokenShards, prepare_shards
 from fivefold.train.data.batching import Batch
 from fivefold.train.data.shards import document_length_stats
 from fivefold.train.metrics import StepMetrics, attention_keys, document_pairs, utilization
-
 from test_data import CharTokenizer, private_cache, write_jsonl  # noqa: F401
 
 LLAMA_1B = ModelSpec(

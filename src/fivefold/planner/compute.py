@@ -16,9 +16,10 @@ The efficiency model (parameters in `fivefold.planner.calibration`, fitted by
 - Attention core. Fused (flash) kernels: 4 * pairs * head_dim * heads/tp causal FLOPs forward,
   pairs = b/cp * s^2/2 with one document per sequence, or per document with the training data's
   document length (`model.doc_len`, `causal_pairs_per_sequence`), at `attention_peak_fraction`
-  of peak, the backward `attention_backward_ratio` (2.5) times the forward time. Classic kernels (Megatron 2021: QK^T and AV as batched GEMMs over the full s x s
-  matrix, then a fused scale-mask-softmax and dropout in HBM) are two batched GEMMs of shape
-  (s, s, head_dim) plus the element-wise passes over the s^2 scores.
+  of peak, the backward `attention_backward_ratio` (2.5) times the forward time. Classic
+  kernels (Megatron 2021: QK^T and AV as batched GEMMs over the full s x s matrix, then a
+  fused scale-mask-softmax and dropout in HBM) are two batched GEMMs of shape (s, s, head_dim)
+  plus the element-wise passes over the s^2 scores.
 - Element-wise kernels are bound by HBM bandwidth at `hbm_fraction`. Per token per layer, forward:
   two RMSNorms (read and write h each), two residual adds (read 2h, write h), RoPE on q and k
   (read and write), the MLP activation (SwiGLU: read 2f, write f; GeLU: read f, write f), with

@@ -4,8 +4,9 @@ MFU = achieved model FLOP/s / (peak FLOP/s x devices), where model FLOPs per tok
 `fivefold.spec.model.training_flops_per_token` (forward + backward, no recompute) with attention
 counted per document, from the step's own document boundaries (`attention_keys`: L^2/2 pairs
 per document of L tokens, `ATTENTION_CONVENTION`), the work the document-masked kernels do, so
-a packed long sequence of short documents never reads above 100 %. HFU counts the recomputed forward work as well, as it runs: torch's checkpoint skips
-each block's last matmul (`early_stop=True`). The peak comes from `fivefold.train.peak`, one
+a packed long sequence of short documents never reads above 100 %. HFU counts the recomputed
+forward work as well, as it runs: torch's checkpoint skips each block's last matmul
+(`early_stop=True`). The peak comes from `fivefold.train.peak`, one
 figure per run, and its label travels with every printed MFU (on CPU it is a measured matmul
 peak, the device profile's when `fivefold calibrate` wrote one, not a datasheet figure).
 """
