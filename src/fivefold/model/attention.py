@@ -6,12 +6,18 @@ forward (one device-to-host copy of the doc ids when they live on an accelerator
 layer reuses them. The attention core picks, per call:
 
 - one document in every row (or no doc ids): SDPA `is_causal=True, enable_gqa=True`, one call;
-- CUDA in fp16/bf16, several documents: `torch.nn.attention.varlen.varlen_attn` over the
-  tokens packed as [B*T, H, Dh] with int32 cumulative document offsets and
-  `window_size=(-1, 0)` (causal); written against the documented API, checked for shapes under
-  FakeTensorMode only (this machine has no GPU: unmeasured);
-- CPU (and CUDA in fp32, which the flash kernels lack, and any device under `torch.compile`),
-  several documents: SDPA's CPU flash kernel once per document (`is_causal=True`, GQA native;
+- CUDA under `torch.compile`, several documents: FlexAttention (`flex_attention`, GQA native,
+  no K/V copies) with a document-causal `BlockMask` that `DocumentLayout.flex_block_mask`
+  builds once per forward on the host from the document starts (which 128 x 128 tiles are
+  empty, full or partial; no T x T mask) before the compiled blocks run, so the block's graph
+  holds one flex attention node and no per-document loop, and a new packing neither breaks
+  the graph nor recompiles (the mask function is a closure over the doc ids, a graph input);
+- CUDA in eager mode, fp16/bf16, several documents: `torch.nn.attention.varlen.varlen_attn`
+  over the tokens packed as [B*T, H, Dh] with int32 cumulative document offsets and
+  `window_size=(-1, 0)` (causal), GQA native where the installed torch has `enable_gqa`
+  (2.13), else K/V heads repeated (2.11; `varlen_has_gqa`); both CUDA paths are written
+  against the documented APIs and checked under FakeTensorMode here (no GPU);
+- CPU (and CUDA in eager fp32, which the flash kernels lack), several documents: SDPA's CPU flash kernel once per document (`is_causal=True`, GQA native;
   on CUDA the memory-efficient kernel) inside the `fivefold::document_attention` custom op
   (with its backward op), which writes every document's output into one [B, T, H, Dh] buffer
   and saves that buffer once (the output projection reads it as a view). A custom op so that
@@ -30,11 +36,14 @@ Tensors inside are [B, H, T, Dh] views whose memory is [B, T, H, Dh].
 
 from __future__ import annotations
 
+import functools
+import inspect
 import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -119,6 +128,73 @@ class DocumentLayout:
             cu = torch.tensor(offsets, dtype=torch.int32).to(device, non_blocking=True)
             self.cache[key] = (cu, max(lengths))
         return self.cache[key]
+
+    def flex_block_mask(self, device: torch.device) -> Any:
+        """The document-causal FlexAttention `BlockMask` of this batch on `device` (cached):
+        tiles from the host's document starts (`flex_tiles`), the mask function a closure over
+        the device's doc ids. Built eagerly, before any compiled block runs."""
+        key = ("flex", str(device))
+        if key not in self.cache:
+            self.cache[key] = _document_block_mask(self, device)
+        return self.cache[key]
+
+
+FLEX_BLOCK = 128  # FlexAttention's default tile on CUDA
+
+
+def flex_tiles(starts: tuple[int, ...], seq_len: int, block: int = FLEX_BLOCK) -> tuple:
+    """(partial [nb, nb], full [nb, nb]) bool tiles of one row of documents starting at `starts`.
+
+    Query tile i meets key tile j (j <= i) when they share a document: the document of j's last
+    token is at least that of i's first. A tile is full (no mask needed) when j < i and both
+    lie inside one document; the diagonal and every other meeting tile are partial.
+    """
+    doc = np.zeros(seq_len, dtype=np.int64)
+    doc[list(starts[1:])] = 1
+    doc = np.cumsum(doc)
+    tiles = -(-seq_len // block)
+    first = doc[np.arange(tiles) * block]
+    last = doc[np.minimum(np.arange(1, tiles + 1) * block, seq_len) - 1]
+    i, j = np.arange(tiles)[:, None], np.arange(tiles)[None, :]
+    meet = (j <= i) & (last[None, :] >= first[:, None])
+    inside = first == last
+    full = (j < i) & inside[:, None] & inside[None, :] & (first[:, None] == first[None, :])
+    return meet & ~full, full
+
+
+def _tile_lists(tiles: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """bool [B, nb, nb] -> (int32 counts [B, 1, nb], int32 ascending indices [B, 1, nb, nb])."""
+    counts = tiles.sum(-1, dtype=np.int32)[:, None]
+    order = np.argsort(~tiles, axis=-1, kind="stable").astype(np.int32)[:, None]
+    return torch.from_numpy(counts), torch.from_numpy(order)
+
+
+def _document_block_mask(docs: DocumentLayout, device: torch.device) -> Any:
+    from torch.nn.attention.flex_attention import BlockMask
+
+    partial, full = [], []
+    for rows, starts in docs.row_groups:
+        p, f = flex_tiles(starts, docs.seq_len)
+        count = len(range(*rows.indices(docs.batch)))
+        partial += [p] * count
+        full += [f] * count
+    kv_num, kv_idx = _tile_lists(np.stack(partial))
+    full_num, full_idx = _tile_lists(np.stack(full))
+    ids = docs.doc_ids.to(device, non_blocking=True)
+
+    def same_document_causal(b, h, q_idx, kv_idx):
+        return (ids[b, q_idx] == ids[b, kv_idx]) & (q_idx >= kv_idx)
+
+    mask = BlockMask.from_kv_blocks(  # on the host, query-side tiles included
+        kv_num_blocks=kv_num,
+        kv_indices=kv_idx,
+        full_kv_num_blocks=full_num,
+        full_kv_indices=full_idx,
+        BLOCK_SIZE=FLEX_BLOCK,
+        mask_mod=same_document_causal,
+        seq_lengths=(docs.seq_len, docs.seq_len),
+    )
+    return mask.to(device)
 
 
 def _row_groups(
@@ -325,21 +401,46 @@ def block_attention(q, k, v, blocks: list[Block], scale: float | None = None) ->
 
 
 # ---- the single-process core ---------------------------------------------------------------------
+@functools.cache
+def varlen_has_gqa() -> bool:
+    """Whether this torch's `varlen_attn` takes `enable_gqa` (2.13 does, 2.11 does not)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    return "enable_gqa" in inspect.signature(varlen_attn).parameters
+
+
 def _varlen(q, k, v, docs: DocumentLayout) -> torch.Tensor:
     """CUDA: causal attention per document with `varlen_attn`; q [B,Hq,T,Dh] -> [B,Hq,T,Dh]."""
     from torch.nn.attention.varlen import varlen_attn
 
     batch, heads, seq, dim = q.shape
     cu_seqlens, max_len = docs.cu_seqlens(q.device)
+    gqa = {}
+    if k.shape[1] != heads:
+        if varlen_has_gqa():
+            gqa = {"enable_gqa": True}
+        else:  # torch 2.11: no GQA in varlen_attn, each K/V head repeated per query group
+            k, v = _expand_heads(k, heads), _expand_heads(v, heads)
 
     def packed(x: torch.Tensor) -> torch.Tensor:  # [B, H, T, Dh] -> [B*T, H, Dh]
         return x.transpose(1, 2).reshape(batch * seq, x.shape[1], dim)
 
     out = varlen_attn(
         packed(q), packed(k), packed(v), cu_seqlens, cu_seqlens, max_len, max_len,
-        window_size=(-1, 0), enable_gqa=k.shape[1] != heads,
+        window_size=(-1, 0), **gqa,
     )  # fmt: skip
     return out.view(batch, seq, heads, dim).transpose(1, 2)
+
+
+def flex_document_attention(q, k, v, docs: DocumentLayout) -> torch.Tensor:
+    """Causal attention within documents by FlexAttention with the batch's `BlockMask`:
+    q [B,Hq,T,Dh], k, v [B,Hkv,T,Dh] -> [B,Hq,T,Dh]; GQA native. Under `torch.compile` (CUDA)
+    it becomes one fused kernel with its backward; run eagerly it is torch's reference
+    (forward only on CPU), which the tests use to check it."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    mask = docs.flex_block_mask(q.device)
+    return flex_attention(q, k, v, block_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
 
 
 _PER_DOC_IDS = WeakTensorKeyDictionary()
@@ -431,12 +532,25 @@ document_attention.register_autograd(
 )
 
 
+def packed_kernel(device: torch.device, dtype: torch.dtype, compiling: bool) -> str:
+    """Which kernel runs several documents per row: "flex" (CUDA, compiled), "varlen" (CUDA,
+    eager, fp16/bf16) or "document_attention" (the custom op: CPU, and CUDA eager fp32)."""
+    if device.type == "cuda":
+        if compiling:
+            return "flex"
+        if dtype in (torch.float16, torch.bfloat16):
+            return "varlen"
+    return "document_attention"
+
+
 class AttentionCore(nn.Module):
     """Causal attention within documents; q [B,Hq,T,Dh], k, v [B,Hkv,T,Dh] -> [B,Hq,T,Dh].
 
-    `docs` None means one document per row. GQA never copies K/V per query head. Under
-    `torch.compile` nothing here breaks the graph: one-document rows are SDPA in the graph,
-    packed rows the `document_attention` op (CUDA's varlen path runs in eager only).
+    `docs` None means one document per row. GQA never copies K/V per query head (but in
+    eager CUDA on a torch whose `varlen_attn` lacks GQA). Under `torch.compile` nothing here
+    breaks the graph: one-document rows are SDPA in the graph, packed rows FlexAttention on
+    CUDA (its `BlockMask` built before the block, `fivefold.parallel.compile`) and the
+    `document_attention` op on CPU.
     """
 
     def forward(
@@ -445,8 +559,10 @@ class AttentionCore(nn.Module):
         if docs is None or docs.single_document:
             gqa = k.shape[1] != q.shape[1]
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        half = q.dtype in (torch.float16, torch.bfloat16)
-        if q.device.type == "cuda" and half and not torch.compiler.is_compiling():
+        kernel = packed_kernel(q.device, q.dtype, torch.compiler.is_compiling())
+        if kernel == "flex":
+            return flex_document_attention(q, k, v, docs)
+        if kernel == "varlen":
             return _varlen(q, k, v, docs)
         return document_attention(q, k, v, docs.doc_ids)[0]
 

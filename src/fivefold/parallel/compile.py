@@ -104,8 +104,9 @@ def _read_documents(module: nn.Module, args: tuple) -> None:
     the `DocumentLayout`), so the compiled block branches on a plain bool: one-document rows
     run SDPA inside the graph, packed rows call the eager `packed_attention`."""
     docs = args[2] if len(args) > 2 else None
-    if isinstance(docs, DocumentLayout):
-        docs.single_document  # noqa: B018 (computes and caches the flag)
+    if isinstance(docs, DocumentLayout) and not docs.single_document:  # computed and cached
+        if args[0].device.type == "cuda":  # the compiled block's FlexAttention mask
+            docs.flex_block_mask(args[0].device)
 
 
 def _single_process_core(block: nn.Module) -> bool:
