@@ -17,8 +17,9 @@ layer reuses them. The attention core picks, per call:
   `window_size=(-1, 0)` (causal), GQA native where the installed torch has `enable_gqa`
   (2.13), else K/V heads repeated (2.11; `varlen_has_gqa`); both CUDA paths are written
   against the documented APIs and checked under FakeTensorMode here (no GPU);
-- CPU (and CUDA in eager fp32, which the flash kernels lack), several documents: SDPA's CPU flash kernel once per document (`is_causal=True`, GQA native;
-  on CUDA the memory-efficient kernel) inside the `fivefold::document_attention` custom op
+- CPU (and CUDA in eager fp32, which the flash kernels lack), several documents: SDPA's CPU
+  flash kernel once per document (`is_causal=True`, GQA native; on CUDA the memory-efficient
+  kernel) inside the `fivefold::document_attention` custom op
   (with its backward op), which writes every document's output into one [B, T, H, Dh] buffer
   and saves that buffer once (the output projection reads it as a view). A custom op so that
   `torch.compile` keeps it as one node that reads the spans from the doc ids when it runs
