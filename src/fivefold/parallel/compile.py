@@ -9,8 +9,8 @@ and so does a context-parallel attention core. The single-process core does not 
 graph: a pre-hook reads the batch's document layout eagerly, so the block branches on a plain
 bool (SDPA `is_causal` in the graph for one-document rows; for packed rows the
 `fivefold::document_attention` custom op on CPU, FlexAttention on CUDA with the batch's
-`BlockMask`, which the pre-hook builds). Another pre-hook hands each block plain tensors where tensor
-parallelism produced `AsyncCollectiveTensor`s (see `_wait_async_inputs`).
+`BlockMask`, which the pre-hook builds). Another pre-hook hands each block plain tensors where
+tensor parallelism produced `AsyncCollectiveTensor`s (see `_wait_async_inputs`).
 The compiled module keeps the block's parameters under `_orig_mod.`, which the deterministic
 initialisation and torch's distributed state dicts strip, so names, initial values and
 checkpoints are those of the uncompiled model.
