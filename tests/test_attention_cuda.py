@@ -6,6 +6,7 @@ CPU, built on fake CUDA tensors), the compiled path traced whole (no graph break
 from __future__ import annotations
 
 import warnings
+from itertools import pairwise
 
 import numpy as np
 import pytest
@@ -197,3 +198,127 @@ def test_varlen_gqa_detected_from_the_signature():
     if (major, minor) >= (2, 13):
         assert varlen_has_gqa()
     assert varlen_has_gqa() is ("enable_gqa" in varlen_attn.__code__.co_varnames)
+
+
+# ---- context parallelism's blocks on CUDA ------------------------------------------------------
+def _ring_blocks(ids: torch.Tensor, cp: int = 2):
+    """Rank 0's blocks of load-balanced CP over `cp` ranks: (q chunks local, all chunks)."""
+    from fivefold.parallel.context_parallel import local_chunks, rank_order_chunks
+
+    batch, seq = ids.shape
+    chunk = seq // (2 * cp)
+    docs = DocumentLayout(ids, batch, seq)
+    mine = local_chunks(0, cp, chunk)
+    return docs, mine, rank_order_chunks(cp, chunk)
+
+
+def test_varlen_sequences_hand_derived():
+    # one row, documents [0, 3) and [3, 8); queries 4..7 (doc 1) against keys 0..3: doc 0's keys
+    # 0..2 have no queries, doc 1's key 3 meets all four queries (full, keys precede)
+    from fivefold.model.attention import Chunk, document_blocks, varlen_sequences
+
+    docs = DocumentLayout(torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1]]), 1, 8)
+    (off,) = document_blocks([Chunk(0, 4, 4)], [Chunk(0, 0, 4)], docs)
+    assert varlen_sequences(off.spans, 1, 4, 4) == ((0, 0, 4), (0, 3, 4))
+    # two rows: [0,2)+[2,6) and [0,6); queries 0..5 against themselves (causal, diagonal)
+    two = DocumentLayout(torch.tensor([[0, 0, 1, 1, 1, 1], [0] * 6]), 2, 6)
+    (diag,) = document_blocks([Chunk(0, 0, 6)], [Chunk(0, 0, 6)], two)
+    assert varlen_sequences(diag.spans, 2, 6, 6) == ((0, 2, 6, 12),) * 2
+    # queries 3..5 against keys 0..2: row 0 doc 1 (keys 2, queries 3..5) after doc 0's keys
+    # 0..1 alone; row 1 one document
+    (past,) = document_blocks([Chunk(0, 3, 3)], [Chunk(0, 0, 3)], two)
+    assert varlen_sequences(past.spans, 2, 3, 3) == ((0, 0, 3, 6), (0, 2, 3, 6))
+
+
+def _varlen_reference(q, k, v, cu_q, cu_k, causal):
+    """Attention of each varlen sequence on its own keys (SDPA per sequence, CPU): packed
+    q [Nq, Hq, Dh], k, v [Nk, Hkv, Dh] -> (out [Nq, Hq, Dh], lse [Hq, Nq]; 0 and -inf without
+    keys)."""
+    out = q.new_zeros(q.shape)
+    lse = q.new_full((q.shape[1], q.shape[0]), -torch.inf)
+    for (q0, q1), (k0, k1) in zip(pairwise(cu_q), pairwise(cu_k), strict=True):
+        if q1 > q0 and k1 > k0:
+            qs, ks, vs = (x.transpose(0, 1)[None] for x in (q[q0:q1], k[k0:k1], v[k0:k1]))
+            scores = qs @ ks.repeat_interleave(q.shape[1] // k.shape[1], 1).transpose(-1, -2)
+            scores = scores * q.shape[-1] ** -0.5
+            if causal:
+                scores = scores.masked_fill(torch.ones_like(scores, dtype=bool).triu(1), -torch.inf)
+            lse[:, q0:q1] = scores.logsumexp(-1)[0]
+            out[q0:q1] = (scores.softmax(-1) @ vs.repeat_interleave(2, 1))[0].transpose(0, 1)
+    return out, lse
+
+
+def test_ring_block_sequences_equal_the_span_kernel_on_cpu():
+    """What one flash varlen call computes per block, emulated on CPU from the block's
+    sequences, equals the per-span CPU kernel: output and log-sum-exp, every block of a
+    load-balanced CP rank over three rows of packed documents."""
+    from fivefold.model.attention import block_forward, document_blocks, varlen_sequences
+
+    torch.manual_seed(0)
+    ids = _ids([5, 30, 13], [48], [20, 4, 24])
+    docs, mine, every = _ring_blocks(ids, cp=2)
+    q = torch.randn(3, 24, HQ, DH).transpose(1, 2)  # rank 0's 24 tokens: chunks 0 and 3
+    k, v = (torch.randn(3, 48, HKV, DH).transpose(1, 2) for _ in range(2))
+    blocks = document_blocks(mine, every, docs)
+    assert {b.spans[0].causal for b in blocks} == {True, False}
+    for block in blocks:
+        qb, kb, vb = q[:, :, block.q], k[:, :, block.k], v[:, :, block.k]
+        cu_q, cu_k = varlen_sequences(block.spans, 3, qb.shape[2], kb.shape[2])
+        packed = [x.transpose(1, 2).reshape(-1, x.shape[1], DH) for x in (qb, kb, vb)]
+        out, lse = _varlen_reference(*packed, cu_q, cu_k, block.spans[0].causal)
+        want_out, want_lse = block_forward(q, k, v, block, DH**-0.5)
+        b, h, t = want_lse.shape
+        torch.testing.assert_close(out.view(b, t, h, DH).transpose(1, 2), want_out)
+        torch.testing.assert_close(lse.view(h, b, t).transpose(0, 1), want_lse)
+
+
+class _OpLog(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the aten ops that run (names), passing each through."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_ring_blocks_on_cuda_one_flash_call_per_block_gqa_native_grads_in_bf16():
+    from fivefold.model.attention import (
+        _device_offsets,
+        block_backward,
+        block_forward,
+        document_blocks,
+        zero_grads,
+    )
+
+    ids = _ids([5, 30, 13], [48])
+    docs, mine, every = _ring_blocks(ids, cp=2)
+    blocks = document_blocks(mine, every, docs)
+    _device_offsets.cache_clear()
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        bf16 = dict(device=CUDA, dtype=torch.bfloat16)
+        q = torch.randn(2, 24, HQ, DH, **bf16).transpose(1, 2)
+        k, v = (torch.randn(2, 48, HKV, DH, **bf16).transpose(1, 2) for _ in range(2))
+        with _OpLog() as forward:  # the blocks one by one (fake CUDA cannot run the merge's
+            # indexing on a CPU-only torch; the merge is the CPU path's, checked above)
+            outs = [block_forward(q, k, v, block, DH**-0.5) for block in blocks]
+        out = torch.randn(2, 24, HQ, DH, **bf16).transpose(1, 2)  # the merged results
+        lse = torch.randn(2, HQ, 24, device=CUDA)
+        grads = zero_grads(q, k)
+        with _OpLog() as backward:
+            for block in blocks:
+                block_backward(out, q, k, v, out, lse, block, DH**-0.5, grads)
+    _device_offsets.cache_clear()
+    assert len(blocks) == 5  # chunk 0 on itself; chunk 3 on chunks 0, 1, 2 and on itself
+    for block, (block_out, block_lse) in zip(blocks, outs, strict=True):
+        rows = block.q.stop - block.q.start
+        assert block_out.shape == (2, HQ, rows, DH) and block_out.dtype == torch.bfloat16
+        assert block_lse.shape == (2, HQ, rows) and block_lse.dtype == torch.float32
+    assert [g.dtype for g in grads] == [torch.bfloat16] * 3  # no fp32 gradient buffers
+    assert grads[1].shape == (2, HKV, 48, DH)
+    assert forward.ops.count("_flash_attention_forward.default") == len(blocks)
+    assert backward.ops.count("_flash_attention_backward.default") == len(blocks)
+    for log in (forward.ops, backward.ops):
+        assert not any("efficient" in op or "repeat" in op or "expand" in op for op in log)

@@ -296,6 +296,108 @@ def _span_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
     )  # fmt: skip
 
 
+# ---- CUDA: one flash varlen call per block ------------------------------------------------------
+def varlen_sequences(
+    spans: tuple[Span, ...], batch: int, q_len: int, k_len: int
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The block's tokens as flash-attention varlen sequences: (cumulative query offsets,
+    cumulative key offsets), both over the flattened [batch * len] tokens of the block.
+
+    Every row's query and key tokens are cut at the documents of its spans, in order; query
+    tokens of documents the key chunk lacks form sequences without keys (their output 0, their
+    log-sum-exp -inf after `_flash_block_forward`), key tokens of documents the query chunk lacks
+    sequences without queries, so both chunks are covered, in place, and never mix documents.
+    """
+    cu_q, cu_k = [0], [0]
+
+    def add(nq: int, nk: int) -> None:
+        cu_q.append(cu_q[-1] + nq)
+        cu_k.append(cu_k[-1] + nk)
+
+    for row in range(batch):
+        qpos = kpos = 0
+        for s in sorted((s for s in spans if s.rows.start <= row < s.rows.stop), key=_q_start):
+            if s.q.start > qpos:
+                add(s.q.start - qpos, 0)
+            if s.k.start > kpos:
+                add(0, s.k.start - kpos)
+            add(s.q.stop - s.q.start, s.k.stop - s.k.start)
+            qpos, kpos = s.q.stop, s.k.stop
+        if qpos < q_len:
+            add(q_len - qpos, 0)
+        if kpos < k_len:
+            add(0, k_len - kpos)
+    return tuple(cu_q), tuple(cu_k)
+
+
+def _q_start(span: Span) -> int:
+    return span.q.start
+
+
+@functools.lru_cache(maxsize=512)
+def _device_offsets(offsets: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """int32 offsets on `device`, copied once per packing (every layer and the backward reuse
+    them)."""
+    return torch.tensor(offsets, dtype=torch.int32).to(device, non_blocking=True)
+
+
+def uses_flash_blocks(q: torch.Tensor) -> bool:
+    """Whether blocks run as one flash varlen call each (CUDA in fp16/bf16; GQA native, the
+    gradients kept in q's dtype) rather than one call per document span."""
+    return q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16)
+
+
+def _varlen_args(block: Block, batch: int, q_len: int, k_len: int, device: torch.device):
+    cu_q, cu_k = varlen_sequences(block.spans, batch, q_len, k_len)
+    longest_q = max(b - a for a, b in itertools.pairwise(cu_q))
+    longest_k = max(b - a for a, b in itertools.pairwise(cu_k))
+    return _device_offsets(cu_q, device), _device_offsets(cu_k, device), longest_q, longest_k
+
+
+def _tokens_first(x: torch.Tensor) -> torch.Tensor:
+    """[B, H, T, Dh] (memory [B, T, H, Dh]) -> [B*T, H, Dh]: a view for one row or whole rows."""
+    return x.transpose(1, 2).reshape(x.shape[0] * x.shape[2], x.shape[1], x.shape[3])
+
+
+def _rows(x: torch.Tensor, rows: slice) -> torch.Tensor:
+    """x[:, :, rows] of [B, H, T, Dh] (as `narrow`, an op fake CUDA tensors can trace)."""
+    return x.narrow(2, rows.start, rows.stop - rows.start)
+
+
+def _flash_block_forward(q, k, v, block: Block, scale: float):
+    """One block in one `_flash_attention_forward` varlen call: (out [B,Hq,Tq,Dh], lse fp32)."""
+    qb, kb, vb = _rows(q, block.q), _rows(k, block.k), _rows(v, block.k)
+    batch, heads, tq, dim = qb.shape
+    cu_q, cu_k, max_q, max_k = _varlen_args(block, batch, tq, kb.shape[2], q.device)
+    out, lse, _, _, _ = torch.ops.aten._flash_attention_forward(
+        _tokens_first(qb), _tokens_first(kb), _tokens_first(vb), cu_q, cu_k, max_q, max_k,
+        0.0, block.spans[0].causal, False, scale=scale,
+    )  # fmt: skip
+    lse = lse.view(heads, batch, tq).transpose(0, 1)  # [B, Hq, Tq]
+    lse = torch.where(lse == math.inf, -math.inf, lse)  # queries that meet no key here
+    return out.view(batch, tq, heads, dim).transpose(1, 2), lse
+
+
+def _flash_block_backward(dout, q, k, v, out, lse, block: Block, scale: float, grads) -> None:
+    """Add one block's (dq, dk, dv), from one `_flash_attention_backward` call, into `grads`."""
+    qr = block.q
+    qb, kb, vb = _rows(q, qr), _rows(k, block.k), _rows(v, block.k)
+    batch, heads, tq, dim = qb.shape
+    tk, kv_heads = kb.shape[2], kb.shape[1]
+    cu_q, cu_k, max_q, max_k = _varlen_args(block, batch, tq, tk, q.device)
+    lse_b = lse.narrow(2, qr.start, tq).transpose(0, 1).reshape(heads, batch * tq).contiguous()
+    unused = torch.zeros((), dtype=torch.int64, device=q.device)  # dropout's RNG state: none
+    bdq, bdk, bdv = torch.ops.aten._flash_attention_backward(
+        _tokens_first(_rows(dout, qr)), _tokens_first(qb), _tokens_first(kb), _tokens_first(vb),
+        _tokens_first(_rows(out, qr)), lse_b, cu_q, cu_k, max_q, max_k, 0.0,
+        block.spans[0].causal, unused, unused, scale=scale,
+    )  # fmt: skip
+    dq, dk, dv = grads
+    _rows(dq, qr).add_(bdq.view(batch, tq, heads, dim).transpose(1, 2))
+    _rows(dk, block.k).add_(bdk.view(batch, tk, kv_heads, dim).transpose(1, 2))
+    _rows(dv, block.k).add_(bdv.view(batch, tk, kv_heads, dim).transpose(1, 2))
+
+
 def _heads_last_buffer(like: torch.Tensor, heads: int, seq: int, dtype) -> torch.Tensor:
     """Zeros [B, heads, seq, Dh] stored as [B, seq, heads, Dh] (so `.transpose(1, 2)` is free)."""
     batch, _, _, dim = like.shape
@@ -307,6 +409,8 @@ def block_forward(q, k, v, block: Block, scale: float) -> tuple[torch.Tensor, to
 
     Query rows no span covers get out = 0 and lse = -inf, so merging them changes nothing.
     """
+    if uses_flash_blocks(q):
+        return _flash_block_forward(q, k, v, block, scale)
     qb, kb, vb = q[:, :, block.q], k[:, :, block.k], v[:, :, block.k]
     out = _heads_last_buffer(qb, qb.shape[1], qb.shape[2], q.dtype)
     lse = qb.new_full(qb.shape[:-1], -math.inf, dtype=torch.float32)
@@ -323,6 +427,8 @@ def block_backward(dout, q, k, v, out, lse, block: Block, scale: float, grads) -
 
     `out` and `lse` are the merged results of the block's query rows (all of `q`'s rows).
     """
+    if uses_flash_blocks(q):
+        return _flash_block_backward(dout, q, k, v, out, lse, block, scale, grads)
     dq, dk, dv = grads
     for s in block.spans:
         qr, kr = _sub(block.q, s.q), _sub(block.k, s.k)
@@ -365,10 +471,16 @@ def blocks_forward(q, k, v, blocks: list[Block], scale: float):
     return out.to(q.dtype), lse
 
 
+def grad_dtype(q: torch.Tensor) -> torch.dtype:
+    """What block gradients accumulate in: q's dtype where blocks are flash calls (CUDA), else
+    fp32 (the per-span CPU kernels' sums)."""
+    return q.dtype if uses_flash_blocks(q) else torch.float32
+
+
 def zero_grads(q, k) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """fp32 zeros for (dq, dk, dv) laid out like q and k ([B, T, H, Dh] memory)."""
-    dq = _heads_last_buffer(q, q.shape[1], q.shape[2], torch.float32)
-    dk = _heads_last_buffer(k, k.shape[1], k.shape[2], torch.float32)
+    """Zeros in `grad_dtype` for (dq, dk, dv) laid out like q and k ([B, T, H, Dh] memory)."""
+    dq = _heads_last_buffer(q, q.shape[1], q.shape[2], grad_dtype(q))
+    dk = _heads_last_buffer(k, k.shape[1], k.shape[2], grad_dtype(q))
     return dq, dk, torch.zeros_like(dk)
 
 
