@@ -163,3 +163,12 @@ def test_doc_len_does_not_change_what_a_checkpoint_holds():
     saved = LLAMA_1B.to_dict()
     saved.pop("doc_len")  # a checkpoint written before the field existed
     assert spec_mismatches(saved, LLAMA_1B.with_(doc_len=3600).to_dict()) == []
+
+
+def test_measured_attention_rate_read_at_the_document_length():
+    from fivefold.planner.compute import attention_span
+
+    model, plan = LLAMA_1B.with_(seq_len=131072), ParallelPlan(cp=4)
+    assert attention_span(model, plan) == 32768  # one document per sequence: the local chunk
+    assert attention_span(model.with_(doc_len=3600), plan) == 3600
+    assert attention_span(model.with_(doc_len=65536), plan) == 32768

@@ -232,6 +232,13 @@ def attention_flops(model: ModelSpec, plan: ParallelPlan) -> float:
     return 4.0 * pairs * model.head_dim * model.heads / plan.tp
 
 
+def attention_span(model: ModelSpec, plan: ParallelPlan) -> float:
+    """Tokens one attention kernel call spans on a rank: the local sequence s/cp, or a
+    document when `model.doc_len` is shorter (the rate a measured device is read at)."""
+    local = model.seq_len / plan.cp
+    return min(local, model.doc_len) if model.doc_len > 0 else local
+
+
 def flash_attention_forward_s(
     model: ModelSpec, plan: ParallelPlan, device: GPUSpec, eff: EfficiencyModel
 ) -> float:
@@ -251,7 +258,7 @@ def attention_times_s(
         dtype = recipe(plan.precision).compute_dtype
         blocks = plan.cp if plan.cp_kind in ("ring", "allgather") else 1  # block kernels
         fwd, bwd = device.measured.attention_flops_per_s(
-            model.seq_len / plan.cp, model.head_dim, dtype, blocks
+            attention_span(model, plan), model.head_dim, dtype, blocks
         )
         forward, backward = flops / fwd, 2.0 * flops / bwd
     else:
