@@ -229,6 +229,8 @@ def test_collectives_use_the_fitted_alpha_beta(profile_path):
     cluster = profile_cluster(profile_path, 4)
     link = C.group_link(cluster, 2, 1, EFF)
     assert link.kind == "gloo"
+    words = "p2p, fitted to gloo on this machine (fivefold calibrate)"
+    assert C.link_model(link, "p2p", 2) == words  # what the breakdown says of its pricing
     s = 1e6
     assert C.all_reduce_time_s(s, 2, link) == pytest.approx(1e-4 + s / 1e9)
     assert C.all_gather_time_s(s, 2, link) == pytest.approx(1e-4 + s / 1e9)

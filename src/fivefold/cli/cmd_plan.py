@@ -28,7 +28,8 @@ that `fivefold train` reads. Layout flags (--tp, --pp, ...) pin those fields in 
 `fivefold plan estimate` costs one given layout instead of searching.
 
 The model comes from a preset (--model llama3-8b), a TOML file (--model my.toml, a [model]
-table or a recipe) or flags (--layers --hidden --heads ...); flags override the preset. The
+table or a recipe), a Hugging Face config (--hf-config config.json: Llama, Mistral, Qwen2/3,
+Mixtral, DeepSeek-V3) or flags (--layers --hidden --heads ...); flags override the preset. The
 cluster from a preset and a GPU count (--cluster dgx-h100 --gpus 64) or a description
 (--gpu h100 --gpus-per-node 8 --nvlink-gbps 900 --ib-gbps 50 --gpus 64). A positional recipe
 (e.g. configs/llama3-8b-dgx-h100.toml) gives model, cluster and, for `estimate`, the layout.
@@ -47,6 +48,8 @@ examples:
       --global-batch-tokens 4M
   fivefold plan --model llama3-405b --cluster dgx-h100 --gpus 16384 --global-batch-tokens 16M
   fivefold plan --model llama3-70b --gpus 64 --tp 8 --json        # pin TP, print JSON
+  fivefold plan --hf-config config.json --gpus 64 --seq 8K --global-batch-tokens 4M \
+      --tokens 1T --gpu-hour-price 2.5                            # time, cost, failures
   fivefold plan estimate --model llama3-8b --gpus 64 --tp 8 --zero 3 --mbs 1 \\
       --global-batch 128 --recompute selective
   fivefold plan estimate configs/llama3-8b-dgx-h100.toml
@@ -117,6 +120,12 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     )
     m = parser.add_argument_group("model (a preset or TOML file, and/or flags)")
     m.add_argument("--model", metavar="PRESET|FILE", help="preset name or TOML file")
+    m.add_argument(
+        "--hf-config",
+        metavar="CONFIG.json",
+        help="a Hugging Face config.json (llama, mistral, qwen2, qwen3, mixtral, deepseek_v3): "
+        "the model it describes, flags on top (as [model] hf_config = ...)",
+    )
     for flag, help_text in (
         ("--layers", "transformer layers"),
         ("--hidden", "hidden size"),
@@ -234,7 +243,44 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
         "directory (default: no file is written)",
     )
     b.add_argument("--json", action="store_true", help="print JSON (stable key names)")
+    _add_budget_options(parser)
     _add_planner_options(parser)
+
+
+def _add_budget_options(parser: argparse.ArgumentParser) -> None:
+    """The token-budget flags (`fivefold.planner.budget`); each also a [planner] field."""
+    from fivefold.planner.budget import DEFAULT_RESTART_S
+
+    g = parser.add_argument_group(
+        "token budget (days, GPU-hours, cost, failures and checkpoint interval for a number of "
+        "tokens; each also a [planner] field: tokens, gpu_hour_price, failure_rate, "
+        "ckpt_bandwidth in bytes/s per node, restart_overhead_s)"
+    )
+    g.add_argument(
+        "--tokens",
+        metavar="N",
+        help="tokens to train, decimal suffixes: 500B = 5e11 (K, M, B or G, T; or 5e11)",
+    )
+    g.add_argument(
+        "--gpu-hour-price", metavar="USD", help="price of one GPU-hour (default: no cost shown)"
+    )
+    g.add_argument(
+        "--failure-rate",
+        metavar="PER_GPU_HOUR",
+        help="interruptions per GPU-hour (default 1.97e-5: Llama 3's 419 in 54 days on 16,384 "
+        "H100s)",
+    )
+    g.add_argument(
+        "--ckpt-bandwidth",
+        metavar="GB/s",
+        help="checkpoint storage write bandwidth per node (default 0.98: Llama 3's 2 TB/s over "
+        "2,048 nodes)",
+    )
+    g.add_argument(
+        "--restart-overhead",
+        metavar="SECONDS",
+        help=f"time each restart costs before training resumes (default {DEFAULT_RESTART_S:g})",
+    )
 
 
 def _add_planner_options(parser: argparse.ArgumentParser) -> None:
@@ -337,6 +383,79 @@ def planner_from_args(args: argparse.Namespace, cluster: Any, recipe_data: dict[
 _NUMERIC_OPTIONS = ("cuda_context_bytes", "fragmentation_fraction", "dp_bucket_bytes")
 
 
+# ---- token budget ----------------------------------------------------------------------------
+TOKEN_SUFFIXES = {"": 1.0, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
+
+
+def parse_tokens(text: Any, flag: str = "--tokens") -> float:
+    """'500B' -> 5e11, '2T' -> 2e12, '5e11' -> 5e11 (decimal suffixes, as token counts are
+    quoted; sizes elsewhere are binary)."""
+    raw = str(text).strip()
+    match = re.fullmatch(r"([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKmMbBgGtT]?)", raw)
+    if not match:
+        raise ConfigError(
+            f"{flag} = {raw!r} is not a token count; write e.g. 500B, 2T or 5e11 (decimal)."
+        )
+    value = float(match.group(1)) * TOKEN_SUFFIXES[match.group(2).upper()]
+    if not 1 <= value < 1e18:
+        raise ConfigError(f"{flag} = {raw}: give between 1 and 1e18 tokens.")
+    return value
+
+
+def _positive_number(text: Any, flag: str, unit: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ConfigError(f"{flag} = {text!r}: give a number ({unit}).") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise ConfigError(f"{flag} = {text}: must be a number >= 0 ({unit}).")
+    return value
+
+
+def budget_from_args(args: argparse.Namespace, recipe_data: dict[str, dict]) -> Any:
+    """The token-budget inputs (`fivefold.planner.budget.BudgetInputs`) from the flags and the
+    recipe's [planner] table, or None when no token count is given."""
+    from fivefold.planner.budget import budget_inputs
+
+    flags: dict[str, Any] = {}
+    if args.tokens is not None:
+        flags["tokens"] = parse_tokens(args.tokens)
+    for attr, key, unit in (
+        ("gpu_hour_price", "gpu_hour_price", "USD per GPU-hour"),
+        ("failure_rate", "failure_rate", "interruptions per GPU-hour"),
+        ("ckpt_bandwidth", "ckpt_bandwidth", "GB/s per node"),
+        ("restart_overhead", "restart_overhead_s", "seconds"),
+    ):
+        raw = getattr(args, attr)
+        if raw is not None:
+            flags[key] = _positive_number(raw, "--" + attr.replace("_", "-"), unit)
+    if "ckpt_bandwidth" in flags:
+        flags["ckpt_bandwidth"] *= GBPS
+    section = recipe_data.get("planner", {})
+    return budget_inputs(section if isinstance(section, dict) else {}, flags)
+
+
+def budget_of(est: Any, inputs: Any) -> Any:
+    """The token-budget answer (`fivefold.planner.budget.Budget`) of one estimate; None without
+    a token count."""
+    from fivefold.planner.budget import budget
+
+    if inputs is None:
+        return None
+    return budget(est.model, est.cluster, est.plan, est.step_time_s, inputs)
+
+
+def _brief_budget(b: Any) -> str:
+    """'  41.2 d  63,258 GPU-h  goodput 97.1%' for an alternative's line ('' without one)."""
+    from fivefold.planner.budget import DAY_S
+
+    if b is None:
+        return ""
+    if not b.progresses:
+        return "  never finishes"
+    return f"  {b.wall_s / DAY_S:6.1f} d  {b.gpu_hours:>9,.0f} GPU-h  goodput {b.goodput:.1%}"
+
+
 # ---- model -----------------------------------------------------------------------------------
 _MODEL_FLAGS = {
     "layers": "layers",
@@ -360,7 +479,11 @@ def model_from_args(args: argparse.Namespace, recipe_data: dict[str, dict]) -> A
     from fivefold.spec.recipe import model_from_dict, read_toml
 
     values: dict[str, Any] = dict(recipe_data.get("model", {}))
-    if args.model:
+    if args.hf_config:
+        if args.model:
+            raise ConfigError("--model and --hf-config both name a model; give one of them.")
+        values = {"hf_config": args.hf_config}
+    elif args.model:
         if args.model in MODEL_PRESETS:
             values = {"preset": args.model}
         elif args.model.endswith(".toml") or Path(args.model).is_file():
@@ -738,7 +861,8 @@ def summary_lines(est_json: dict[str, Any], headroom: float) -> list[str]:
     exposed = [c for c in est_json.get("comm", []) if c.get("exposed_s", 0) > 0]
     if exposed:
         parts = [
-            f"{c['kind']} {c['exposed_s'] * 1e3:,.1f} ms on {c['link']}"
+            f"{c['kind']} {c['exposed_s'] * 1e3:,.1f} ms "
+            + (f"({c['link_model']})" if c.get("link_model") else f"on {c['link']}")
             for c in sorted(exposed, key=lambda c: -c["exposed_s"])
         ]
         lines.append("exposed communication per step: " + ", ".join(parts))
@@ -788,15 +912,19 @@ def _inputs(args: argparse.Namespace) -> tuple[Any, Any, dict[str, dict], float,
 
 
 def _estimate_handler(args: argparse.Namespace) -> int:
+    from fivefold.planner.budget import budget_lines
     from fivefold.planner.estimate import estimate
     from fivefold.planner.explain import confidence_line
     from fivefold.planner.uncertainty import band_json
 
     model, cluster, data, headroom, settings = _inputs(args)
+    inputs = budget_from_args(args, data)
     plan = layout_from_args(args, model, cluster, data.get("plan", {}))
     est = estimate(model, cluster, plan, settings.options)
+    answer = budget_of(est, inputs)
     out = est.to_json()
     out["band"] = band_json(est)
+    out["budget"] = answer.to_json() if answer else None
     usable = out["hbm_gib"] * (1 - headroom)
     out["fits_with_headroom"] = out["memory_gib"]["total"] <= usable and est.host_fits
     out["headroom"] = headroom
@@ -813,15 +941,19 @@ def _estimate_handler(args: argparse.Namespace) -> int:
         f"{verdict}: worst stage {out['memory_gib']['total']:.1f} GiB against "
         f"{usable:.1f} GiB usable ({out['hbm_gib']:.0f} GiB HBM less {headroom:.0%} headroom)"
     )
+    for line in budget_lines(answer) if answer else []:
+        print(line)
     print(confidence_line(est))
     return 0
 
 
 def _search_handler(args: argparse.Namespace) -> int:
+    from fivefold.planner.budget import budget_lines
     from fivefold.planner.search import search
     from fivefold.planner.uncertainty import band_json
 
     model, cluster, data, headroom, settings = _inputs(args)
+    inputs = budget_from_args(args, data)
     tokens, seqs = batch_from_args(args)
     path = out_path(args, model, cluster)
     if tokens is None and seqs is None and "plan" in data:
@@ -842,6 +974,8 @@ def _search_handler(args: argparse.Namespace) -> int:
     )
     result.explanation.insert(0, settings.describe())
     best = result.best.to_json(timeline=args.json)  # the timeline only where it is printed
+    answer = budget_of(result.best, inputs)
+    alt_budgets = [budget_of(a, inputs) for a in result.alternatives]
     recipe_path = None
     if path is not None:
         header = (
@@ -850,12 +984,16 @@ def _search_handler(args: argparse.Namespace) -> int:
             f"{best['tokens_per_s']:,.0f} tokens/s, MFU {best['mfu']:.1%}, worst-stage memory "
             f"{best['memory_gib']['total']:.1f} GiB of {best['hbm_gib']:.0f} GiB."
         )
-        recipe_path = write_recipe(
-            path, model, cluster, result.best_plan, header, settings.section(headroom)
-        )
+        section = settings.section(headroom) | _budget_section(data)
+        section |= {"tokens": inputs.tokens} if inputs else {}
+        recipe_path = write_recipe(path, model, cluster, result.best_plan, header, section)
     if args.json:
         out = dict(best)
-        out["alternatives"] = [_brief(a.to_json()) for a in result.alternatives]
+        out["budget"] = answer.to_json() if answer else None
+        out["alternatives"] = [
+            _brief(a.to_json()) | {"budget": b.to_json() if b else None}
+            for a, b in zip(result.alternatives, alt_budgets, strict=True)
+        ]
         out["rejected"] = [{"plan": p.to_dict(), "reason": r} for p, r in result.rejected]
         out["explanation"] = result.explanation
         out["band"] = band_json(result.best)  # fivefold.planner.uncertainty
@@ -881,6 +1019,8 @@ def _search_handler(args: argparse.Namespace) -> int:
     print(f"best layout: {_describe(best['plan'])}")
     for line in summary_lines(best, headroom):
         print(line)
+    for line in budget_lines(answer) if answer else []:
+        print(line)
     if "plan" in data:
         print(_recipe_comparison(args, model, cluster, data, result, settings.options))
     print("\nwhy:")
@@ -888,11 +1028,12 @@ def _search_handler(args: argparse.Namespace) -> int:
         print(f"  - {line}")
     if result.alternatives:
         print("\nnext best:")
-        for alt in result.alternatives:
-            j = alt.to_json()
+        for alt, alt_budget in zip(result.alternatives, alt_budgets, strict=True):
+            j = alt.to_json(timeline=False)
             print(
                 f"  {j['tokens_per_s']:>12,.0f} tok/s  MFU {j['mfu']:5.1%}  "
-                f"{j['memory_gib']['total']:5.1f} GiB  {_describe(j['plan'])}"
+                f"{j['memory_gib']['total']:5.1f} GiB{_brief_budget(alt_budget)}  "
+                f"{_describe(j['plan'])}"
             )
     print(
         f"\nsearched {result.considered:,} layouts ({result.evaluated:,} costed in full) in "
@@ -903,6 +1044,14 @@ def _search_handler(args: argparse.Namespace) -> int:
     else:
         print("write this layout as a recipe for `fivefold train` with --out PATH")
     return 0
+
+
+def _budget_section(data: dict[str, dict]) -> dict[str, Any]:
+    """The recipe's token-budget [planner] fields, kept in a recipe written by --out."""
+    from fivefold.planner.budget import BUDGET_KEYS
+
+    section = data.get("planner", {})
+    return {k: section[k] for k in BUDGET_KEYS if isinstance(section, dict) and k in section}
 
 
 def _recipe_global_batch(plan_values: dict[str, Any]) -> int:

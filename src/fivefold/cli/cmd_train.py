@@ -44,7 +44,11 @@ earlier checkpoints; --resume insists on resuming and says so when there is noth
 Stopping: Ctrl-C (SIGINT) or SIGTERM stops every rank after the step it is in, writes that
 step's checkpoint and exits with status 128 + signal (130, 143); the same command continues. A
 second signal more than 2 s later stops at once. Exit status 2: a user error (recipe, data,
-checkpoint), printed once even when the ranks found it; a rank that crashed: its status.
+checkpoint), printed once even when the ranks found it, every problem at once and a misspelt
+name with the closest one; a rank that crashed: its status (for SIGKILL, whether the kernel's
+out-of-memory killer did it). With --max-restarts the last attempt decides: 0 when it completes,
+the restarts noted. Before anything starts the paths the recipe names and the predicted memory
+(--dry-run's peak per rank x the local ranks) against the memory free are checked.
 --dry-run prints the resolved recipe, the layout and the planner's predictions and exits.
 """
 
@@ -224,7 +228,7 @@ def _toml(value: object) -> str:
 
 
 def handle(args: argparse.Namespace) -> int:
-    from fivefold.train.entry import check_layout, split_recipe_and_overrides
+    from fivefold.train.entry import check_layout, local_problems, split_recipe_and_overrides
 
     args = reparse_items(args)
     recipe_path, overrides = split_recipe_and_overrides(args.items)
@@ -237,14 +241,18 @@ def handle(args: argparse.Namespace) -> int:
         raise ConfigError(max_restarts_problems(args.max_restarts))
     if args.plan == "auto":
         overrides += auto_plan_overrides(recipe_path, overrides, args.nproc)
-    run = check_layout(recipe_path, overrides, args.nproc)  # validate before launching
+    # validate before launching (a dry run shows its predictions first, then what is wrong)
+    run = check_layout(recipe_path, overrides, args.nproc, local=not args.dry_run)
     if args.plan != "auto":  # auto has checked (and used) the table already
         _check_planner_table(recipe_path, overrides, run)
     if args.dry_run:
         print(dry_run_report(run, args.nproc))
+        if problems := local_problems(run, args.nproc):
+            raise ConfigError(problems)
         return 0
     if args.nproc > 1 or args.max_restarts > 0:
-        return _launch(args.nproc, recipe_path, overrides, args.max_restarts)
+        note = _memory_note(run, args.nproc)
+        return _launch(args.nproc, recipe_path, overrides, args.max_restarts, note)
     from fivefold.train.loop import train
 
     return train(run).exit_code  # 128 + signal number after Ctrl-C / SIGTERM, else 0
@@ -284,11 +292,26 @@ def dry_run_report(run, nproc: int) -> str:
     lines.append(
         f"  step time: {step_s:.3f} s" if step_s is not None else "  step time: not predicted"
     )
+    if not run.train.ckpt_every:
+        from fivefold.train.loop import _checkpoint_suggestion
+
+        lines.append("  " + _checkpoint_suggestion(recipe, step_s))
     lines.append("dry run: nothing started; train with the same command without --dry-run")
     return "\n".join(lines)
 
 
-def _launch(nproc: int, recipe_path: str | None, overrides: list[str], max_restarts: int) -> int:
+def _memory_note(run, nproc: int) -> str:
+    """The planner's predicted peak against the free memory, said if a rank is SIGKILLed."""
+    from fivefold.train.entry import local_device
+    from fivefold.train.prestart import memory_fit
+
+    fit = memory_fit(run, nproc, cuda=local_device(run.train.device).type == "cuda")
+    return fit.describe() if fit is not None else ""
+
+
+def _launch(
+    nproc: int, recipe_path: str | None, overrides: list[str], max_restarts: int, note: str = ""
+) -> int:
     try:
         from fivefold.parallel.launch import launch_local
     except ImportError:
@@ -297,4 +320,4 @@ def _launch(nproc: int, recipe_path: str | None, overrides: list[str], max_resta
             "not available in this installation; train with --nproc 1, or start `torchrun "
             "--nproc-per-node N -m fivefold.train RECIPE` yourself."
         ) from None
-    return int(launch_local(nproc, recipe_path, overrides, max_restarts))
+    return int(launch_local(nproc, recipe_path, overrides, max_restarts, memory_note=note))

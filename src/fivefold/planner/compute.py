@@ -63,7 +63,7 @@ from fivefold.planner.calibration import EfficiencyModel
 from fivefold.planner.levers import state_recipe
 from fivefold.planner.memory import local_kv_width
 from fivefold.spec.hardware import GPUSpec
-from fivefold.spec.model import ModelSpec, causal_pairs_per_sequence
+from fivefold.spec.model import ModelSpec, attention_flops_all_layers
 from fivefold.spec.plan import ParallelPlan
 from fivefold.spec.precision import recipe
 
@@ -225,11 +225,13 @@ def roofline_s(
 
 
 def attention_flops(model: ModelSpec, plan: ParallelPlan) -> float:
-    """Causal forward FLOPs of one layer's attention core for one micro-batch on one rank,
-    per document (`fivefold.spec.model.causal_pairs_per_sequence`: s^2/2 pairs per sequence
-    with one document, fewer with `model.doc_len`), the pairs split evenly over cp ranks."""
-    pairs = plan.micro_batch * causal_pairs_per_sequence(model.seq_len, model.doc_len) / plan.cp
-    return 4.0 * pairs * model.head_dim * model.heads / plan.tp
+    """Causal forward FLOPs of one layer's attention core for one micro-batch on one rank (the
+    layers' mean where some attend in a sliding window), per document
+    (`fivefold.spec.model.causal_pairs_per_sequence`: s^2/2 pairs per sequence with one
+    document, fewer with `model.doc_len`), split evenly over cp ranks."""
+    tokens = plan.micro_batch * model.seq_len / plan.cp
+    per_layer = attention_flops_all_layers(model, model.seq_len) / model.layers
+    return tokens * per_layer / plan.tp
 
 
 def attention_span(model: ModelSpec, plan: ParallelPlan) -> float:
@@ -281,6 +283,30 @@ def attention_bytes(model: ModelSpec, plan: ParallelPlan) -> tuple[float, float]
 
 
 # ---- one transformer layer --------------------------------------------------------------------
+def attention_gemms(
+    model: ModelSpec, tokens: float, t: int
+) -> list[tuple[float, float, float, float]]:
+    """Forward attention-projection GEMMs of one layer on one TP rank as (m, n, k, count): the
+    fused QKV and O; with MLA (`ModelSpec.attention_matrices`) the key/value latent and query
+    down projections replicated, the per-head up projections and O split by heads."""
+    h = model.hidden
+    if not model.is_mla:
+        q, kv = model.q_width / t, local_kv_width(model, t)
+        return [(tokens, q + 2 * kv, h, 1.0), (tokens, h, q, 1.0)]
+    heads = model.heads / t
+    nope = model.head_dim - model.qk_rope_head_dim
+    out = [
+        (tokens, model.kv_lora_rank + model.qk_rope_head_dim, h, 1.0),
+        (tokens, heads * (nope + model.value_dim), model.kv_lora_rank, 1.0),
+    ]
+    rank = model.q_lora_rank
+    if rank:
+        out += [(tokens, rank, h, 1.0), (tokens, heads * model.head_dim, rank, 1.0)]
+    else:
+        out.append((tokens, heads * model.head_dim, h, 1.0))
+    return [*out, (tokens, h, heads * model.value_dim, 1.0)]
+
+
 def layer_gemms(
     model: ModelSpec, plan: ParallelPlan, moe: bool
 ) -> list[tuple[float, float, float, float]]:
@@ -288,9 +314,7 @@ def layer_gemms(
     t = plan.tp
     h = model.hidden
     tokens = plan.micro_batch * model.seq_len / plan.cp
-    q = model.q_width / t
-    kv = local_kv_width(model, t)
-    out = [(tokens, q + 2 * kv, h, 1.0), (tokens, h, q, 1.0)]
+    out = attention_gemms(model, tokens, t)
     if not moe:
         f = model.ffn / t
         up = 2 * f if model.mlp == "swiglu" else f

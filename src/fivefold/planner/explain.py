@@ -320,7 +320,7 @@ class _Explainer:
             cp_comm = [x for x in self.best.comm if x.kind == "cp"]
             if cp_comm:
                 text += (
-                    f"The key/value exchange ({cp_comm[0].link}) takes "
+                    f"The key/value exchange ({cp_comm[0].link_model or cp_comm[0].link}) takes "
                     f"{seconds(cp_comm[0].time_s)} per step, {seconds(cp_comm[0].exposed_s)} of "
                     "it not hidden behind attention. "
                 )

@@ -18,7 +18,7 @@ from typing import Any
 
 from fivefold.errors import ConfigError, FivefoldError
 from fivefold.spec.recipe import merge, parse_overrides, read_toml, recipe_from_dict
-from fivefold.train.config import RunConfig, machine_memory_problems, parse_train_config
+from fivefold.train.config import RunConfig, parse_train_config, section_problems
 
 RECIPE_SUFFIXES = (".toml",)
 RESUME_HELP = (
@@ -109,13 +109,16 @@ def load_run(
     try:
         recipe = recipe_from_dict(with_default_profile(data), world)
     except ConfigError as err:
-        if named_cluster or not any(p.startswith("plan degrees") for p in err.problems):
-            raise
-        hint = (
-            f"this run has {world} process(es): start `fivefold train` with --nproc equal to "
-            "the product of the plan's degrees, or lower the degrees."
-        )
-        raise ConfigError([*err.problems, hint]) from None
+        problems = list(err.problems)
+        if not named_cluster and any(p.startswith("plan degrees") for p in problems):
+            problems.append(
+                f"this run has {world} process(es): start `fivefold train` with --nproc equal "
+                "to the product of the plan's degrees, or lower the degrees."
+            )
+        problems += section_problems(data)  # the [train]/[data] mistakes too, all at once
+        raise ConfigError(problems) from None
+    if recipe.model.runtime_problems():  # `fivefold plan` plans these; a run cannot build them
+        raise ConfigError(recipe.model.runtime_problems())
     return parse_train_config(recipe)
 
 
@@ -124,20 +127,27 @@ def check_layout(
 ) -> RunConfig:
     """`load_run` for `world_size` processes, and the plan's degrees must multiply to it: what
     the launchers call before starting anything (ConfigError otherwise). With `local`, the run
-    is on this machine, whose memory must hold it (`machine_memory_problems`) and whose device
-    must run the plan's memory levers (`fivefold.train.optim.lever_problems`)."""
+    is on this machine: the paths it names must be there, its predicted memory must fit what
+    the machine has free (`fivefold.train.prestart`) and its device must run the plan's memory
+    levers (`fivefold.train.optim.lever_problems`); every problem in one error."""
     from fivefold.parallel.mesh import ParallelDims
 
     run = load_run(recipe_path, overrides, world_size=world_size)
     ParallelDims.from_plan(run.recipe.plan, world_size)
-    if local:
-        from fivefold.train.optim import lever_problems
-
-        problems = machine_memory_problems(run.recipe, run.train.device)
-        problems += lever_problems(run.recipe.plan, local_device(run.train.device))
-        if problems:
-            raise ConfigError(problems)
+    if local and (problems := local_problems(run, world_size)):
+        raise ConfigError(problems)
     return run
+
+
+def local_problems(run: RunConfig, world_size: int) -> list[str]:
+    """Why `run` cannot start on this machine with `world_size` local processes: paths, the
+    checkpoint, memory (`fivefold.train.prestart`) and the plan's memory levers."""
+    from fivefold.train.optim import lever_problems
+    from fivefold.train.prestart import prestart_problems
+
+    device = local_device(run.train.device)
+    problems = prestart_problems(run, world_size, cuda=device.type == "cuda")
+    return problems + lever_problems(run.recipe.plan, device)
 
 
 def local_device(name: str):
@@ -183,9 +193,14 @@ def main(argv: list[str] | None = None) -> int:
     """Train; returns the exit status: 0, 2 after a user error, 128 + signal when interrupted.
     Under `fivefold train --nproc N` the message goes to the launcher, which prints it once
     (`fivefold.parallel.rank_report`); otherwise this process prints it."""
+    from fivefold.parallel.rank_report import attempt, mark_attempt
+    from fivefold.parallel.shielded_import import signals_held
+
     args = build_parser().parse_args(argv)
     try:
-        from fivefold.train.loop import train
+        mark_attempt()
+        with signals_held():  # a signal since the process started is acted on here
+            from fivefold.train.loop import train
 
         recipe_path, overrides = split_recipe_and_overrides(args.items)
         overrides += resume_overrides(args.resume, args.fresh)
@@ -199,16 +214,27 @@ def main(argv: list[str] | None = None) -> int:
         return _report(
             "interrupted", f"interrupted after step {summary.end_step}", summary.exit_code
         )
+    if attempt() > 0 and int(os.environ.get("RANK", "0")) == 0:  # after a restart: say where
+        _report("resumed", _resumed(summary), 0)
     return 0
+
+
+def _resumed(summary: Any) -> str:
+    """'resumed from step M and completed step N' (or where and why it stopped), from a
+    `TrainSummary`."""
+    text = f"resumed from step {summary.start_step} and "
+    if summary.stop_reason in ("completed", "already_complete"):
+        return text + f"completed step {summary.end_step}"
+    return text + f"stopped after step {summary.end_step} ({summary.stop_reason})"
 
 
 def _report(kind: str, message: str, code: int) -> int:
     """Hand `message` to the launcher, or print it (errors only; rank 0 already printed where
     an interrupted run stopped). Returns `code`."""
-    from fivefold.parallel.rank_report import RankReport, write_report
+    from fivefold.parallel.rank_report import RankReport, attempt, write_report
 
     rank = int(os.environ.get("RANK", "0"))
-    if not write_report(RankReport(rank, kind, message, code)) and kind == "error":
+    if not write_report(RankReport(rank, kind, message, code, attempt())) and kind == "error":
         prefix = f"[rank {rank}] " if world_size_from_env() > 1 else ""
         print(f"{prefix}fivefold train: error: {message}", file=sys.stderr)
     return code

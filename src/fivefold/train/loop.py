@@ -500,6 +500,8 @@ def print_header(trainer: Trainer, prediction: dict[str, Any] | None, why_not: s
     out.print(f"MFU against: {trainer.peak.label}; attention {ATTENTION_CONVENTION}")
     if recipe.cluster.profile:
         out.print(f"device profile: {recipe.cluster.profile}")
+    if repeat := trainer.data.repeat_note():
+        out.print(f"[yellow]{repeat}[/yellow]", highlight=False)
     if prediction is not None:
         mem = prediction.get("memory_gib", {}).get("total")
         out.print(
@@ -511,6 +513,22 @@ def print_header(trainer: Trainer, prediction: dict[str, Any] | None, why_not: s
         )
     else:
         out.print(f"[dim]planner: no prediction ({why_not})[/dim]")
+    if prediction is not None and not trainer.cfg.ckpt_every:
+        out.print(_checkpoint_suggestion(recipe, prediction.get("step_time_s")), markup=False)
+
+
+def _checkpoint_suggestion(recipe: Any, step_time_s: float | None) -> str:
+    """`fivefold.planner.budget.checkpoint_suggestion` for the run, or why there is none."""
+    from fivefold.planner.budget import checkpoint_suggestion
+
+    if not step_time_s or step_time_s <= 0:
+        return "checkpoint suggestion: none (no step-time prediction)"
+    try:
+        return checkpoint_suggestion(
+            recipe.model, recipe.cluster, recipe.plan, step_time_s, recipe.section("planner")
+        )
+    except FivefoldError as err:  # a bad [planner] field must not stop the run here
+        return f"checkpoint suggestion: none ({str(err).splitlines()[0]})"
 
 
 def print_footer(trainer: Trainer, s: TrainSummary) -> None:

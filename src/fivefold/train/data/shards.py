@@ -235,7 +235,7 @@ class TokenShards:
         verify: bool = True,
     ):
         self.path = Path(path)
-        self.manifest = _read_manifest(self.path)
+        self.manifest = read_manifest(self.path)
         self.vocab_size: int = self.manifest["vocab_size"]
         self.eod_id: int = self.manifest["eod_id"]
         self.tokenizer_hash: str = self.manifest["tokenizer_hash"]
@@ -369,7 +369,8 @@ _MANIFEST_KEYS = (
 )
 
 
-def _read_manifest(directory: Path) -> dict:
+def read_manifest(directory: Path) -> dict:
+    """The manifest of a shard directory, checked (DataError naming the fix otherwise)."""
     if not directory.is_dir():
         raise DataError(
             f"shard directory {str(directory)!r} does not exist; create it with "
