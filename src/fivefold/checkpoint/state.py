@@ -32,7 +32,7 @@ from fivefold.errors import CheckpointError
 STATE_FORMAT = "fivefold-state-v1"
 STATE_FILE = "state.json"
 # Fields of the model spec that do not change the tensors a checkpoint holds.
-_SPEC_FIELDS_IGNORED = ("name", "notes")
+_SPEC_FIELDS_IGNORED = ("name", "notes", "doc_len")
 
 
 @dataclass

@@ -158,6 +158,13 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     ):
         m.add_argument(flag, metavar="N", help=help_text)
     m.add_argument("--seq", metavar="TOKENS", help="sequence length, e.g. 8192, 128K")
+    m.add_argument(
+        "--doc-len",
+        metavar="TOKENS",
+        help="mean document length of the training data (token-weighted, as `fivefold data "
+        "prepare` prints it; [model] doc_len): attention is priced per document; default one "
+        "document per sequence",
+    )
     m.add_argument("--mlp", choices=("swiglu", "gelu"), help="MLP kind (default swiglu)")
     m.add_argument(
         "--tied-embeddings", action="store_true", default=None, help="LM head tied to embedding"
@@ -536,6 +543,8 @@ def model_flags(args: argparse.Namespace) -> dict[str, Any]:
             flags[name] = parse_size(raw, "--" + attr.replace("_", "-"), minimum)
     if args.seq is not None:
         flags["seq_len"] = parse_size(args.seq, "--seq")
+    if args.doc_len is not None:
+        flags["doc_len"] = parse_size(args.doc_len, "--doc-len")
     if args.mlp is not None:
         flags["mlp"] = args.mlp
     if args.tied_embeddings:

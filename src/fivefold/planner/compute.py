@@ -13,11 +13,13 @@ The efficiency model (parameters in `fivefold.planner.calibration`, fitted by
   approach the architecture's fraction; thin ones (small h/tp, few tokens per expert) are
   bandwidth-bound. The backward runs two GEMMs of the same size per forward GEMM: the input
   gradient (in the "B" pass) and the weight gradient (the "W" pass).
-- Attention core. Fused (flash) kernels: 4 * T * (s/2) * head_dim * heads/tp causal FLOPs forward
-  at `attention_peak_fraction` of peak, the backward `attention_backward_ratio` (2.5) times the
-  forward time. Classic kernels (Megatron 2021: QK^T and AV as batched GEMMs over the full s x s
-  matrix, then a fused scale-mask-softmax and dropout in HBM) are two batched GEMMs of shape
-  (s, s, head_dim) plus the element-wise passes over the s^2 scores.
+- Attention core. Fused (flash) kernels: 4 * pairs * head_dim * heads/tp causal FLOPs forward,
+  pairs = b/cp * s^2/2 with one document per sequence, or per document with the training data's
+  document length (`model.doc_len`, `causal_pairs_per_sequence`), at `attention_peak_fraction`
+  of peak, the backward `attention_backward_ratio` (2.5) times the forward time. Classic
+  kernels (Megatron 2021: QK^T and AV as batched GEMMs over the full s x s matrix, then a
+  fused scale-mask-softmax and dropout in HBM) are two batched GEMMs of shape (s, s, head_dim)
+  plus the element-wise passes over the s^2 scores.
 - Element-wise kernels are bound by HBM bandwidth at `hbm_fraction`. Per token per layer, forward:
   two RMSNorms (read and write h each), two residual adds (read 2h, write h), RoPE on q and k
   (read and write), the MLP activation (SwiGLU: read 2f, write f; GeLU: read f, write f), with
@@ -224,10 +226,19 @@ def roofline_s(
 
 def attention_flops(model: ModelSpec, plan: ParallelPlan) -> float:
     """Causal forward FLOPs of one layer's attention core for one micro-batch on one rank (the
-    layers' mean where some attend in a sliding window)."""
+    layers' mean where some attend in a sliding window), per document
+    (`fivefold.spec.model.causal_pairs_per_sequence`: s^2/2 pairs per sequence with one
+    document, fewer with `model.doc_len`), split evenly over cp ranks."""
     tokens = plan.micro_batch * model.seq_len / plan.cp
     per_layer = attention_flops_all_layers(model, model.seq_len) / model.layers
     return tokens * per_layer / plan.tp
+
+
+def attention_span(model: ModelSpec, plan: ParallelPlan) -> float:
+    """Tokens one attention kernel call spans on a rank: the local sequence s/cp, or a
+    document when `model.doc_len` is shorter (the rate a measured device is read at)."""
+    local = model.seq_len / plan.cp
+    return min(local, model.doc_len) if model.doc_len > 0 else local
 
 
 def flash_attention_forward_s(
@@ -249,7 +260,7 @@ def attention_times_s(
         dtype = recipe(plan.precision).compute_dtype
         blocks = plan.cp if plan.cp_kind in ("ring", "allgather") else 1  # block kernels
         fwd, bwd = device.measured.attention_flops_per_s(
-            model.seq_len / plan.cp,
+            attention_span(model, plan),
             model.head_dim,
             dtype,
             blocks,

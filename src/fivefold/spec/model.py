@@ -20,7 +20,8 @@ Conventions:
   position t attends to t+1 keys, so a sequence of length s costs s(s+1)/2 score pairs per head
   (we use s/2 pairs per token, the large-s value used by Megatron and the seeds, divided by two);
   inside a window of w keys a token meets min(t, w) keys, s/2 per token while s <= w and
-  w - w^2 / 2s beyond.
+  w - w^2 / 2s beyond. Packed documents (`doc_len`) are counted per document, L^2/2 pairs each
+  (`causal_pairs_per_sequence`).
 """
 
 from __future__ import annotations
@@ -105,6 +106,9 @@ class ModelSpec:
     shared_experts: int = 0
     dense_layers: int = 0  # leading layers that keep the dense MLP in a MoE model
     router_aux_loss_coef: float = 0.01
+    # token-weighted mean document length of the training data (`causal_pairs_per_sequence`);
+    # 0 = one document per sequence
+    doc_len: int = 0
     notes: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -274,6 +278,7 @@ class ModelSpec:
             "kv_lora_rank",
             "qk_rope_head_dim",
             "v_head_dim",
+            "doc_len",
         ):
             if getattr(self, f) < 0:
                 out.append(f"model.{f} = {getattr(self, f)}: must be >= 0.")
@@ -404,6 +409,28 @@ def param_count(m: ModelSpec, active_only: bool = False) -> int:
 RECOMPUTE_POLICIES = ("none", "selective", "full")
 
 
+ATTENTION_CONVENTION = "per document, causal pairs (L^2/2 per document)"
+
+
+def causal_pairs_per_sequence(seq_len: float, doc_len: float = 0) -> float:
+    """Query-key pairs a document-causal mask keeps in one packed sequence of `seq_len` tokens,
+    L^2/2 per document of L tokens (the dense causal count, s^2/2, when a row is one document).
+
+    `doc_len` 0: one document per sequence. Else documents of `doc_len` tokens packed back to
+    back and cut by sequence windows at any offset: two tokens d apart share a document with
+    probability max(0, 1 - d/D), so the expected sum of L^2 is
+    2 * integral_0^m (s - x)(1 - x/D) dx = 2(s m - m^2/2 - s m^2/(2D) + m^3/(3D)), m = min(s, D)
+    (sD - D^2/3 when D <= s; s^2 - s^3/(3D) when D >= s). For lengths that vary, D is their
+    token-weighted mean E[L^2]/E[L] (what `fivefold data prepare` records).
+    """
+    s = float(seq_len)
+    if doc_len <= 0:
+        return s * s / 2
+    d = float(doc_len)
+    m = min(s, d)
+    return s * m - m * m / 2 - s * m * m / (2 * d) + m**3 / (3 * d)
+
+
 def attention_keys_per_query(seq_len: float, window: int = 0, causal: bool = True) -> float:
     """Keys one query meets on average: s/2 causal (s without a mask); in a causal window of w
     keys s/2 while s <= w, else w - w^2 / 2s (the first w tokens ramp up, the rest see w)."""
@@ -414,26 +441,39 @@ def attention_keys_per_query(seq_len: float, window: int = 0, causal: bool = Tru
     return window - window * window / (2 * seq_len)
 
 
-def attention_score_flops_per_token(m: ModelSpec, seq_len: int, causal: bool = True) -> float:
+def attention_keys_per_token(m: ModelSpec, seq_len: int, causal: bool = True) -> float:
+    """Keys each query of a full-attention layer meets on average, per document: pairs per
+    sequence / seq_len (s/2 for one causal document per sequence, s when not causal)."""
+    if not causal:
+        return float(seq_len)
+    return causal_pairs_per_sequence(seq_len, m.doc_len) / seq_len
+
+
+def attention_score_flops_per_token(
+    m: ModelSpec, seq_len: int, causal: bool = True, keys: float | None = None
+) -> float:
     """Forward FLOPs per token of one full-attention layer's QK^T and softmax(.)V (scores, not
     projections).
 
-    Each query meets `seq_len/2` keys on average when causal (`seq_len` when not); each pair costs
-    2 FLOPs per query/key element for QK^T and 2 per value element for AV (head_dim each, MLA:
-    head_dim and v_head_dim).
+    Each query meets `keys` keys on average (default `attention_keys_per_token`: per document,
+    `seq_len/2` with one document per sequence); each pair costs 2 FLOPs per query/key element
+    for QK^T and 2 per value element for AV (head_dim each, MLA: head_dim and v_head_dim).
     """
-    keys = attention_keys_per_query(seq_len, 0, causal)
+    keys = attention_keys_per_token(m, seq_len, causal) if keys is None else keys
     return 2.0 * m.heads * (m.head_dim + m.value_dim) * keys
 
 
-def attention_flops_all_layers(m: ModelSpec, seq_len: int, causal: bool = True) -> float:
+def attention_flops_all_layers(
+    m: ModelSpec, seq_len: int, causal: bool = True, keys: float | None = None
+) -> float:
     """Forward attention-score FLOPs per token summed over the layers, sliding-window layers
-    counted over their window."""
-    full = attention_score_flops_per_token(m, seq_len, causal)
+    counted over their window (or their documents, when those are shorter on average)."""
+    full = attention_score_flops_per_token(m, seq_len, causal, keys)
     if not m.windowed_layers:
         return m.layers * full
     window = attention_keys_per_query(seq_len, m.sliding_window, causal)
-    windowed = full * window / attention_keys_per_query(seq_len, 0, causal)
+    dense = attention_score_flops_per_token(m, seq_len, causal, seq_len / 2 if causal else None)
+    windowed = min(full, dense * window / attention_keys_per_query(seq_len, 0, causal))
     return (m.layers - m.windowed_layers) * full + m.windowed_layers * windowed
 
 
@@ -449,13 +489,16 @@ def head_flops_per_token(m: ModelSpec) -> float:
     return 2.0 * m.vocab * m.hidden
 
 
-def forward_flops_per_token(m: ModelSpec, seq_len: int | None = None, causal: bool = True) -> float:
-    """Model forward FLOPs per token at sequence length `seq_len` (default: m.seq_len)."""
+def forward_flops_per_token(
+    m: ModelSpec, seq_len: int | None = None, causal: bool = True, keys: float | None = None
+) -> float:
+    """Model forward FLOPs per token at sequence length `seq_len` (default: m.seq_len), each
+    query meeting `keys` keys (default `attention_keys_per_token`)."""
     s = seq_len or m.seq_len
     dense = m.layers - m.moe_layers
     total = dense * layer_matmul_flops_per_token(m, moe=False)
     total += m.moe_layers * layer_matmul_flops_per_token(m, moe=True)
-    total += attention_flops_all_layers(m, s, causal)
+    total += attention_flops_all_layers(m, s, causal, keys)
     return total + head_flops_per_token(m)
 
 
@@ -480,8 +523,12 @@ def training_flops_per_token(
     recompute: str = "none",
     causal: bool = True,
     early_stop: bool = False,
+    keys: float | None = None,
 ) -> float:
     """FLOPs per trained token: forward + backward (2x forward) + what recompute repeats.
+
+    `keys`: the keys each query meets (a batch's own documents, `fivefold.train.metrics`);
+    default from `seq_len` and `m.doc_len` (`attention_keys_per_token`).
 
     recompute="none" gives model FLOPs (the MFU numerator). "full" re-runs every layer's forward
     (not the head), less `early_stop_skipped_flops_per_token` with `early_stop` (what torch's
@@ -491,13 +538,13 @@ def training_flops_per_token(
     if recompute not in RECOMPUTE_POLICIES:
         raise ValueError(f"recompute must be one of {RECOMPUTE_POLICIES}, got {recompute!r}")
     s = seq_len or m.seq_len
-    fwd = forward_flops_per_token(m, s, causal)
+    fwd = forward_flops_per_token(m, s, causal, keys)
     extra = 0.0
     if recompute == "full":
         extra = fwd - head_flops_per_token(m)
         extra -= early_stop_skipped_flops_per_token(m) if early_stop else 0.0
     elif recompute == "selective":
-        extra = attention_flops_all_layers(m, s, causal)
+        extra = attention_flops_all_layers(m, s, causal, keys)
     return 3.0 * fwd + extra
 
 

@@ -23,7 +23,7 @@ from rich.console import Console
 
 from fivefold.checkpoint.elastic import resume_mode
 from fivefold.errors import FivefoldError, TrainingError
-from fivefold.spec.model import param_count, training_flops_per_token
+from fivefold.spec.model import ATTENTION_CONVENTION, param_count, training_flops_per_token
 from fivefold.spec.recipe import dump_recipe
 from fivefold.train import checkpoint as ckpt
 from fivefold.train.collect import ScheduledCollection
@@ -43,6 +43,7 @@ from fivefold.train.metrics import (
     JsonlWriter,
     StepMetrics,
     ThroughputMeter,
+    attention_keys,
     format_mfu,
     format_tokens_per_s,
     utilization,
@@ -114,13 +115,19 @@ class Trainer:
             name = torch.cuda.get_device_name(runtime.device)
             self.peak = cuda_fp8_peak(name, self.recipe.model, self.recipe.plan)
         self.tokens_per_step = run.global_batch * self.recipe.model.seq_len
-        seq = self.recipe.model.seq_len
-        self.model_flops_per_token = training_flops_per_token(self.recipe.model, seq)
-        self.hardware_flops_per_token = training_flops_per_token(  # what checkpoint runs
-            self.recipe.model, seq, self.recipe.plan.recompute, early_stop=True
-        )
+        self._count_flops(None)
         self.cpu_peak = PeakReading()
         self.stop = StopRequest()  # `train` installs it as the SIGINT/SIGTERM handler
+
+    def _count_flops(self, keys: float | None) -> None:
+        """Model and hardware (what checkpoint runs) FLOPs per token, attention per document
+        with `keys` keys per query (a step's own documents, `attention_keys`; None: the
+        model's `doc_len`)."""
+        model, seq = self.recipe.model, self.recipe.model.seq_len
+        self.model_flops_per_token = training_flops_per_token(model, seq, keys=keys)
+        self.hardware_flops_per_token = training_flops_per_token(
+            model, seq, self.recipe.plan.recompute, early_stop=True, keys=keys
+        )
 
     def _compute_dtype(self) -> str:
         precision = getattr(self.runtime, "precision", None)
@@ -327,6 +334,7 @@ class Trainer:
                 tick = time.perf_counter()
                 collector.step(self.step + 1)
                 micro_batches = next(batches)
+                self._count_flops(attention_keys(micro_batches, self.recipe.model.seq_len))
                 lr = float(self.optimizer.param_groups[0]["lr"])  # torchao keeps a tensor
                 with profiler.step(self.step + 1):
                     if measure:
@@ -520,7 +528,7 @@ def print_header(trainer: Trainer, prediction: dict[str, Any] | None, why_not: s
             style="dim",
             markup=False,
         )
-    out.print(f"MFU against: {trainer.peak.label}")
+    out.print(f"MFU against: {trainer.peak.label}; attention {ATTENTION_CONVENTION}")
     if recipe.cluster.profile or trainer.runtime.device.type == "cpu":
         out.print(f"device profile: {profile_origin(recipe.cluster.profile)}", markup=False)
     if repeat := trainer.data.repeat_note():

@@ -1,11 +1,14 @@
 """Per-step metrics and where they go: a rich console (progress bar), JSONL, TensorBoard.
 
 MFU = achieved model FLOP/s / (peak FLOP/s x devices), where model FLOPs per token are
-`fivefold.spec.model.training_flops_per_token` (forward + backward, causal attention, no
-recompute). HFU counts the recomputed forward work as well, as it runs: torch's checkpoint skips
-each block's last matmul (`early_stop=True`). The peak comes from `fivefold.train.peak`, one
-figure per run, and its label travels with every printed MFU (on CPU the device profile's
-measured matmul peak when the run has one, else a fixed stated reference; not a datasheet).
+`fivefold.spec.model.training_flops_per_token` (forward + backward, no recompute) with attention
+counted per document, from the step's own document boundaries (`attention_keys`: L^2/2 pairs
+per document of L tokens, `ATTENTION_CONVENTION`), the work the document-masked kernels do, so
+a packed long sequence of short documents never reads above 100 %. HFU counts the recomputed
+forward work as well, as it runs: torch's checkpoint skips each block's last matmul
+(`early_stop=True`). The peak comes from `fivefold.train.peak`, one figure per run, and its
+label travels with every printed MFU (on CPU the device profile's measured matmul peak when the
+run has one, else a fixed stated reference; not a datasheet).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -30,6 +34,8 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 from rich.text import Text
+
+from fivefold.spec.model import ATTENTION_CONVENTION
 
 GiB = 2**30
 LOG_INTERVAL_S = 30.0  # the console never stays silent longer than this while steps complete
@@ -53,6 +59,7 @@ class StepMetrics:
     aux_loss: float = 0.0
     eval_loss: float | None = None
     plan_vs_run: dict | None = None  # the step of the layout report: `parallel.report.record`
+    attention: str = ATTENTION_CONVENTION  # how MFU and HFU count attention FLOPs
 
     def to_json(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None}
@@ -65,6 +72,33 @@ def utilization(
     if not peak_flops_per_s or peak_flops_per_s <= 0 or devices < 1:
         return None
     return tokens_per_s * flops_per_token / (peak_flops_per_s * devices)
+
+
+def document_pairs(doc_ids: Any) -> tuple[float, int]:
+    """(causal pairs L^2/2 summed over the documents of every row, tokens) of `doc_ids` [B, T]
+    (a tensor or array; documents are runs of equal ids, never spanning rows)."""
+    ids = np.asarray(doc_ids.cpu() if hasattr(doc_ids, "cpu") else doc_ids)
+    starts = np.ones(ids.shape, dtype=bool)
+    starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    bounds = np.append(np.flatnonzero(starts), ids.size)
+    lengths = np.diff(bounds).astype(np.float64)
+    return float(np.sum(lengths * lengths) / 2), int(ids.size)
+
+
+def attention_keys(micro_batches: list, seq_len: int) -> float:
+    """Keys each query meets on average over `micro_batches` (objects with `doc_ids` [B, T], or
+    None for one document per row): causal pairs per document / tokens (seq_len/2 when every
+    row is one document)."""
+    pairs, tokens = 0.0, 0
+    for batch in micro_batches:
+        doc_ids = getattr(batch, "doc_ids", None)
+        if doc_ids is None:
+            rows = batch.tokens.shape[0]
+            pairs, tokens = pairs + rows * seq_len * seq_len / 2, tokens + rows * seq_len
+            continue
+        p, t = document_pairs(doc_ids)
+        pairs, tokens = pairs + p, tokens + t
+    return pairs / tokens if tokens else seq_len / 2
 
 
 @dataclass
