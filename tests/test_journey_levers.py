@@ -172,10 +172,13 @@ def test_train_help_names_every_train_and_data_field(capsys):
 
 
 def test_tune_measures_the_recipe_with_its_memory_levers():
-    from fivefold.cli.cmd_tune import tune_policy
+    from fivefold.cli.cmd_tune import TuneSession, _load, tune_policy
 
     def peak(*overrides: str) -> int:
-        return tune_policy(TINY, list(overrides), "none", 2**30, 1)[0].measured
+        session = TuneSession(
+            str(TINY), list(overrides), _load(str(TINY), list(overrides), 1, "none")
+        )
+        return tune_policy(session, "none", 2**30, 1)[0].measured
 
     fp32 = peak()
     # m and v of `tiny` (616,768 parameters): 4,934,144 bytes in fp32, 1,328,192 in 8 bits
