@@ -11,6 +11,7 @@ from typing import Any
 from fivefold.errors import ConfigError
 
 GIB = 1024**3
+MIB = 1024**2
 TARGET = 0.05  # the memory model's promise: predicted peak within 5 % of the checked one
 TRACKER_TENANTS = {  # torch's MemTracker categories, in our words
     "param": "params",
@@ -65,9 +66,10 @@ def format_checks(recipe: Any, world: int, checks: list, seconds: float) -> str:
             lines.append(f"  {c.stage:>5} {c.rank:>5}  could not run: {c.problem}")
             continue
         flag = "" if abs(c.error) <= TARGET else "  beyond 5 %"
+        tracker = _size(c.tracker_bytes) if c.tracker_bytes else "-"
         lines.append(
-            f"  {c.stage:>5} {c.rank:>5} {c.predicted_gib['total']:>6.2f} GiB "
-            f"{c.counted_bytes / GIB:>6.2f} GiB {_tracker_cell(c):>11} "
+            f"  {c.stage:>5} {c.rank:>5} {_size(c.predicted_gib['total'] * GIB):>10} "
+            f"{_size(c.counted_bytes):>10} {tracker:>11} "
             f"{100 * c.error:>+7.1f}% {c.seconds:>6.1f}s {c.host_peak_mib:>5.0f} MiB{flag}"
         )
         lines += _tenant_lines(c)
@@ -75,20 +77,21 @@ def format_checks(recipe: Any, world: int, checks: list, seconds: float) -> str:
     return "\n".join(lines)
 
 
-def _tracker_cell(check: Any) -> str:
-    return f"{check.tracker_bytes / GIB:.2f} GiB" if check.tracker_bytes else "-"
+def _size(nbytes: float) -> str:
+    """Bytes in GiB, or in MiB below 1 GiB (CPU-sized runs)."""
+    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB else f"{nbytes / MIB:.1f} MiB"
 
 
 def _tenant_lines(check: Any) -> list[str]:
     predicted = ", ".join(
-        f"{k} {v:.2f}" for k, v in check.predicted_gib.items() if k != "total" and v
+        f"{k} {_size(v * GIB)}" for k, v in check.predicted_gib.items() if k != "total" and v
     )
-    counted = ", ".join(f"{k} {v / GIB:.2f}" for k, v in check.counted_tenants.items() if v)
+    counted = ", ".join(f"{k} {_size(v)}" for k, v in check.counted_tenants.items() if v)
     tracker = ", ".join(
-        f"{TRACKER_TENANTS.get(k, k)} {v / GIB:.2f}" for k, v in check.tracker_tenants.items() if v
+        f"{TRACKER_TENANTS.get(k, k)} {_size(v)}" for k, v in check.tracker_tenants.items() if v
     )
     return [
-        f"        predicted GiB:  {predicted}",
-        f"        counted GiB:    {counted}",
-        f"        MemTracker GiB: {tracker or check.tracker_note}",
+        f"        predicted:  {predicted}",
+        f"        counted:    {counted}",
+        f"        MemTracker: {tracker or check.tracker_note}",
     ]
