@@ -150,12 +150,14 @@ def _measure(recipe: Recipe, rank: int, world: int) -> dict[str, Any]:
         optimizer = _optimizer(runtime, recipe)
         batches = _micro_batches(recipe)
         _make_optimizer_state(runtime, optimizer)
-        tracker = _tracker_class(MemTracker)() if recipe.plan.pp == 1 else None
-        if tracker is not None:
-            tracker.track_external(*runtime.model_parts, optimizer)
-        counting = track_cpu_peak(runtime.model_parts, optimizer)
-        with counting as reading, tracker or contextlib.nullcontext():
-            _step(runtime, optimizer, batches)
+        with track_cpu_peak(runtime.model_parts, optimizer) as reading:
+            # Made inside the counter: MemTracker keeps the `UntypedStorage.resize_` it finds
+            # when made and restores it around its own, so FSDP2's frees reach both.
+            tracker = _tracker_class(MemTracker)() if recipe.plan.pp == 1 else None
+            if tracker is not None:
+                tracker.track_external(*runtime.model_parts, optimizer)
+            with tracker or contextlib.nullcontext():
+                _step(runtime, optimizer, batches)
     result: dict[str, Any] = {
         "counted_bytes": int(reading.peak_bytes),
         "counted_tenants": dict(reading.tenants),
