@@ -80,21 +80,38 @@ def representative_ranks(plan: Any, world: int) -> list[tuple[int, int]]:
 def micro_batches_to_run(plan: Any) -> int:
     """The fewest micro-batches whose step has the full step's peak: without pipelining one
     micro-batch's activations are freed before the next (gradients accumulate in place), so
-    two; with it, the fewest (a multiple of pp) for which the schedule keeps as many
-    micro-batches in flight on every rank (`fivefold.planner.schedule`)."""
-    from fivefold.planner.schedule import build_schedule
-
+    two; with it, the fewest (a multiple of pp) for which every rank reaches as many
+    micro-batches in flight with the gradients of the same chunks allocated
+    (`_inflight_with_grads`: a forward after a chunk's first backward holds its gradients)."""
     if plan.pp == 1:
         return min(plan.grad_accum, 2)
-    full = build_schedule(plan.schedule, plan.pp, plan.vpp, plan.grad_accum).peak_inflight
+    full = _inflight_with_grads(plan)
     for count in range(plan.pp, plan.grad_accum, plan.pp):
         candidate = plan.with_(grad_accum=count)
-        if candidate.problems():
-            continue
-        inflight = build_schedule(plan.schedule, plan.pp, plan.vpp, count).peak_inflight
-        if inflight == full:
+        if not candidate.problems() and _inflight_with_grads(candidate) == full:
             return count
     return plan.grad_accum
+
+
+def _inflight_with_grads(plan: Any) -> list[dict[frozenset, int]]:
+    """Per pipeline rank, for each set of chunks whose gradients exist (a backward of theirs
+    has ended), the most micro-batches in flight at a forward (`fivefold.planner.schedule`)."""
+    from fivefold.planner.schedule import build_schedule
+
+    schedule = build_schedule(plan.schedule, plan.pp, plan.vpp, plan.grad_accum)
+    release = "W" if schedule.split_backward else "B"
+    out = []
+    for actions in schedule.actions:
+        alive, graded, peaks = 0, frozenset(), {}
+        for action in actions:
+            if action.kind == "F":
+                alive += 1
+                peaks[graded] = max(peaks.get(graded, 0), alive)
+            elif action.kind == release:
+                alive -= 1
+                graded = graded | {action.chunk}
+        out.append(peaks)
+    return out
 
 
 def check_plan(
