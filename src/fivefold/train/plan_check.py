@@ -16,7 +16,8 @@ because no library provides it):
 - Expert routing is data too: every EP rank sends and receives balanced all-to-all splits.
 - Pipelining exchanges a vote and the stages' tensor metadata as values over point-to-point
   messages, which a fake group cannot carry: every stage infers its own metadata, told by
-  `_hidden_meta` what its neighbour sends (the hidden states [b, T/cp/tp_sp, hidden], fp32).
+  `_hidden_meta` what its neighbour sends (the hidden states [b, T/cp/tp_sp, hidden] in the
+  compute dtype).
 - The optimizer state is made first (as a previous step leaves it); then one step is measured.
 The peak is counted twice: by the runtime's own counter (`fivefold.train.memory`) and by torch's
 `MemTracker` (`torch.distributed._tools.mem_tracker`), tenant by tenant.
@@ -121,9 +122,11 @@ def check_plan(
     cluster's GPUs), each in a fresh process, as many at once as this machine has cores."""
     from fivefold.parallel.report import memory_only_prediction
 
-    predicted = memory_only_prediction(recipe.model, recipe.plan, fsdp_wrapped=True, cuda=False)
     run = micro_batches_to_run(recipe.plan)
     recipe = replace(recipe, plan=recipe.plan.with_(grad_accum=run))
+    # Predicted for the micro-batches run: a pipeline keeps per-micro-batch receive slots and
+    # its sent outputs until the step ends, so its peak grows with their count.
+    predicted = memory_only_prediction(recipe.model, recipe.plan, fsdp_wrapped=True, cuda=False)
     out = []
     context = multiprocessing.get_context("spawn")
     world = world or recipe.cluster.world_size
@@ -375,14 +378,18 @@ def _patch_expert_dispatch(patch) -> None:
 
 
 def _hidden_meta(recipe: Recipe, requires_grad: bool):
-    """What a pipeline stage sends its neighbour: fp32 hidden states [b, T/cp/(tp if sp), h]."""
+    """What a pipeline stage sends its neighbour: hidden states [b, T/cp/(tp if sp), h] in the
+    compute dtype (the last block's output: FSDP2 casts the blocks' inputs, not their outputs)."""
     import torch
     from torch.distributed.pipelining._utils import _TensorMeta
+
+    from fivefold.parallel.precision import resolve_precision
 
     spec, plan = recipe.model, recipe.plan
     t = spec.seq_len // plan.cp // (plan.tp if plan.sp else 1)
     shape = torch.Size((plan.micro_batch, t, spec.hidden))
-    return _TensorMeta(shape, (t * spec.hidden, spec.hidden, 1), torch.float32, requires_grad)
+    dtype = resolve_precision(plan.precision, torch.device("cpu")).dtype
+    return _TensorMeta(shape, (t * spec.hidden, spec.hidden, 1), dtype, requires_grad)
 
 
 def _patch_pipelining(patch, recipe: Recipe) -> None:
