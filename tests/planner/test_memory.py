@@ -9,6 +9,7 @@ from fivefold.planner.memory import (
     MemoryOptions,
     all_stage_memory,
     chunk_activation_bytes,
+    chunk_state_bytes,
     layer_activation_bytes,
     layer_params_per_rank,
     model_state_bytes,
@@ -350,3 +351,58 @@ def test_tp_embedding_gradient_is_full_vocabulary_under_eager():
     assert mem.grads * mem.grads_at_peak - mem.grads == 4 * 4096 * 256 / 2
     fused = stage_memory(m, plan, 0, 2)
     assert fused.grads_at_peak == 1.0  # the fused option is unchanged
+
+
+# ---- fivefold-eager under bf16 compute (FSDP2's MixedPrecisionPolicy) ----------------------------
+def test_eager_bf16_state_is_fp32_shards_and_fp32_gradients():
+    # ZeRO-3 over 2 ranks: the fp32 shard is the master (4 B), gradient shards fp32 (4 B), the
+    # optimizer only m and v (8 B); no resting bf16 copy. ZeRO-1 keeps the recipe's gathered
+    # bf16 copy (2 B, unsharded) and its 12 B optimizer tenant (master included), fp32 grads.
+    m = model_preset("small")
+    counts = stage_layer_counts(m, 1)
+    zero3 = ParallelPlan(dp_shard=2, zero=3)
+    held = chunk_state_bytes(m, zero3, counts, 0, eager=True)
+    n = SMALL_PARAMS
+    assert (held.params, held.grads, held.optimizer) == (n * 4 / 2, n * 4 / 2, n * 8 / 2)
+    fused = chunk_state_bytes(m, zero3, counts, 0)
+    assert (fused.params, fused.grads, fused.optimizer) == (n * 2 / 2, n * 2 / 2, n * 12 / 2)
+    zero1 = chunk_state_bytes(m, ParallelPlan(dp_shard=2, zero=1), counts, 0, eager=True)
+    assert (zero1.params, zero1.grads, zero1.optimizer) == (n * 2, n * 4, n * 12 / 2)
+    fp32 = ParallelPlan(dp_shard=2, zero=3, precision="fp32")
+    assert chunk_state_bytes(m, fp32, counts, 0, eager=True) == chunk_state_bytes(
+        m, fp32, counts, 0
+    )
+
+
+def test_eager_pipelined_zero3_peak_holds_unsharded_fp32_gradients():
+    # pp 2, 1F1B, 4 micro-batches: rank 0's peak is the forward of micro-batch 2, after the
+    # backward of micro-batch 0 allocated the chunk's gradients, unsharded (the stages skip the
+    # reduce-scatter until the last micro-batch) and fp32 (FSDP2 reduce dtype): its layers
+    # (4 of the 6: the partition balances the head) and the embedding, 4 B each.
+    m = model_preset("small")
+    plan = ParallelPlan(dp_shard=2, zero=3, pp=2, grad_accum=4)
+    mem = stage_memory(m, plan, 0, 2, EAGER)
+    layer = 2 * 256 + 2 * 256 * 256 + 2 * 256 * 128 + 3 * 256 * 688
+    assert stage_layer_counts(m, 2) == [4, 2]
+    assert mem.grads * mem.grads_at_peak == pytest.approx(4 * (4 * layer + 4096 * 256))
+    assert "zero3_unsharded_grads" not in mem.other_terms
+
+
+def test_eager_rope_copies_per_block_and_loss_parallel_logits():
+    # bf16 compute under FSDP2: each of the 6 blocks keeps bf16 cos and sin [1, 256, 1, 32];
+    # fp32 compute keeps the one fp32 pair. tp 2: loss_parallel holds 16 B per local logit.
+    m = model_preset("small")
+    counts = stage_layer_counts(m, 1)
+    bf16 = ParallelPlan()
+    fp32 = ParallelPlan(precision="fp32")
+    layers = 6 * layer_activation_bytes(m, bf16, options=EAGER)
+    fixed = chunk_activation_bytes(m, bf16, counts, 0, EAGER) - layers
+    final_norm = (2 * 4 * 256 * 256 + 4 * 256) + 2 * 256 * 256
+    assert fixed == final_norm + 6 * 2 * 2 * 256 * 32 + 8 * 256  # + int64 token indices
+    fixed32 = chunk_activation_bytes(m, fp32, counts, 0, EAGER) - 6 * layer_activation_bytes(
+        m, fp32, options=EAGER
+    )
+    assert fixed32 == (2 * 4 * 256 * 256 + 4 * 256) + 4 * 256 * 256 + 2 * 4 * 256 * 32 + 8 * 256
+    tp2 = stage_memory(m, ParallelPlan(tp=2), 0, 1, EAGER)
+    assert tp2.other_terms["logits"] == 256 * 4096 / 2 * 16
+    assert stage_memory(m, ParallelPlan(), 0, 1, EAGER).other_terms["logits"] == 256 * 4096 * 12

@@ -112,12 +112,22 @@ class EagerProfile:
     norm_fp32_saved: int = 2  # RMSNorm keeps its fp32 input and the normalised x before weight
     swiglu_saved: int = 4  # w1 out, w3 out, silu(w1 out), their product (fused: 3)
     rope_tables_per_chunk: bool = True  # fp32 cos and sin [b, s, 1, head_dim], once a forward
+    # FSDP2's `MixedPrecisionPolicy` casts each block's floating-point inputs to the compute
+    # dtype (`cast_forward_inputs`): every block keeps its own cos and sin copy for the rotary
+    # multiply's backward, and the fp32 tables are not kept.
+    rope_cast_per_block: bool = True
+    # With tp > 1 the loss runs under torch's `loss_parallel`, whose backward holds, per logit,
+    # the fp32 log-softmax, a `zeros_like` one-hot gradient, exp(log-softmax) and their sum.
+    loss_parallel_logit_bytes: float = 16.0
     kv_expanded: bool = False  # K and V kept repeated to every query head (was `repeat_kv`)
     mask_bytes: float = 0.0  # a dense document mask kept per sequence, per (query, key) pair
     index_bytes: int = 8  # the embedding keeps its int64 token indices
     # Under TP the vocab-parallel embedding's weight gradient is a view into a full-vocabulary
     # `embedding_dense_backward` output (V x h), which stays allocated while it accumulates.
     embedding_grad_full_vocab: bool = True
+    # FSDP2's reduce dtype under bf16 compute (`MixedPrecisionPolicy(reduce_dtype=fp32)`): the
+    # gradient shards, and the unsharded gradients it accumulates across micro-batches.
+    fsdp_reduce_bytes: float = 4.0
 
 
 EAGER = EagerProfile()
@@ -399,22 +409,40 @@ def expert_shard_degree(plan: ParallelPlan) -> int:
 
 
 def chunk_state_bytes(
-    model: ModelSpec, plan: ParallelPlan, counts: list[int], chunk: int
+    model: ModelSpec, plan: ParallelPlan, counts: list[int], chunk: int, eager: bool = False
 ) -> Tenants:
     """Parameter, gradient and optimizer bytes of one virtual stage on one rank's device."""
-    return chunk_state(model, plan, counts, chunk)[0]
+    return chunk_state(model, plan, counts, chunk, eager)[0]
+
+
+def eager_state_recipe(rec: PrecisionRecipe, plan: ParallelPlan) -> PrecisionRecipe:
+    """The bytes per parameter fivefold's runtime holds for a recipe with an fp32 master copy
+    and a narrower compute dtype: FSDP2's `MixedPrecisionPolicy(reduce_dtype=fp32)` leaves fp32
+    gradient shards (4 B, `EagerProfile.fsdp_reduce_bytes`), and under ZeRO-3 the fp32 shard
+    *is* the master, with no resting compute-dtype copy (parameters 4 B, optimizer the moments
+    only; ZeRO-1/2 keep the gathered compute-dtype copy through the step, the recipe's
+    parameter tenant). Other recipes, and offloaded state, as the recipe says."""
+    master = master_bytes(rec)
+    if master <= 0 or rec.compute_dtype == "fp32" or plan.offload != "none":
+        return rec
+    out = replace(rec, grad_bytes=EAGER.fsdp_reduce_bytes)
+    if plan.zero == 3:
+        out = replace(out, param_bytes=master, optimizer_bytes=rec.optimizer_bytes - master)
+    return out
 
 
 def chunk_state(
-    model: ModelSpec, plan: ParallelPlan, counts: list[int], chunk: int
+    model: ModelSpec, plan: ParallelPlan, counts: list[int], chunk: int, eager: bool = False
 ) -> tuple[Tenants, float]:
     """(device tenants, offloaded host bytes) of one virtual stage's model state on one rank,
-    with the plan's optimizer states and offload (`fivefold.planner.levers`)."""
+    with the plan's optimizer states and offload (`fivefold.planner.levers`); `eager`: as
+    fivefold's runtime holds it (`eager_state_recipe`)."""
     cp = chunk_params(model, plan, counts, chunk)
     rec = state_recipe(plan)
+    held = eager_state_recipe(rec, plan) if eager else rec
     dense_shard, expert_shard = dense_shard_degree(plan), expert_shard_degree(plan)
-    total = model_state_bytes(cp.dense, rec, plan.zero, dense_shard)
-    total = total + model_state_bytes(cp.experts, rec, plan.zero, expert_shard)
+    total = model_state_bytes(cp.dense, held, plan.zero, dense_shard)
+    total = total + model_state_bytes(cp.experts, held, plan.zero, expert_shard)
     if plan.offload == "none":
         return total, 0.0
     host_params = 0.0  # "optimizer" offload of a recipe without a master copy
@@ -565,11 +593,22 @@ def chunk_activation_bytes(
             total += eager_norm_bytes(model, e, sb, sp_div)
         else:
             total += 2 * e * sb * model.hidden / sp_div
-    if opts.eager and EAGER.rope_tables_per_chunk:
-        total += 2 * 4 * sb * model.head_dim  # RoPE cos and sin, shared by the chunk's layers
+    if opts.eager:
+        total += eager_rope_bytes(model, plan, opts, n_dense + n_moe)
     if chunk == 0 and opts.eager:
         total += EAGER.index_bytes * sb
     return total
+
+
+def eager_rope_bytes(model: ModelSpec, plan: ParallelPlan, opts: MemoryOptions, layers: int):
+    """fivefold-eager: the RoPE cos and sin tables [b, s/cp, 1, head_dim] one chunk keeps for a
+    micro-batch: a compute-dtype copy per block where FSDP2 casts the blocks' inputs
+    (`EagerProfile.rope_cast_per_block`), else the fp32 pair shared by the chunk's layers."""
+    rec = recipe(plan.precision)
+    one = 2 * plan.micro_batch * model.seq_len / plan.cp * model.head_dim
+    if opts.fsdp_wrapped and rec.compute_dtype != "fp32" and EAGER.rope_cast_per_block:
+        return layers * one * rec.activation_bytes
+    return one * 4 if EAGER.rope_tables_per_chunk else 0.0
 
 
 # ---- the per-stage total ----------------------------------------------------------------------
@@ -643,7 +682,7 @@ def stage_memory(
     state = Tenants(0.0, 0.0, 0.0)
     host = 0.0
     for c in chunks:
-        on_device, on_host = chunk_state(model, plan, counts, c)
+        on_device, on_host = chunk_state(model, plan, counts, c, opts.eager)
         state, host = state + on_device, host + on_host
     per_chunk = [chunk_activation_bytes(model, plan, counts, c, opts) for c in chunks]
     acts = max(per_chunk) * inflight
@@ -651,11 +690,7 @@ def stage_memory(
     if opts.eager:
         e = recipe(plan.precision).activation_bytes
         kept = [split_backward_bytes(model, plan, counts, c, e) for c in chunks]
-        grads = [
-            chunk_state_bytes(model, plan, counts, c).grads
-            + (eager_embedding_grad_extra(model, plan) if c == 0 else 0.0)
-            for c in chunks
-        ]
+        grads = [eager_accumulated_grads(model, plan, counts, c, opts) for c in chunks]
         boundary = pipeline_boundary_bytes(model, plan)
         acts, with_grads = eager_peak_activations(
             plan, rank, chunks, per_chunk, grads, kept, boundary
@@ -777,12 +812,36 @@ def _walk(
     return acts, with_grads
 
 
+def keeps_unsharded_grads(plan: ParallelPlan, opts: MemoryOptions) -> bool:
+    """fivefold-eager: whether the gradients accumulate unsharded across micro-batches (no
+    FSDP, ZeRO-0/1, or any stage under pipelining: torch's pipeline stages skip FSDP2's
+    reduce-scatter until the last micro-batch); ZeRO-2/3 otherwise reduce-scatter each one."""
+    return not opts.fsdp_wrapped or plan.zero <= 1 or plan.pp > 1
+
+
+def eager_accumulated_grads(
+    model: ModelSpec, plan: ParallelPlan, counts: list[int], chunk: int, opts: MemoryOptions
+) -> float:
+    """fivefold-eager: the gradient bytes virtual stage `chunk` holds once its first backward
+    has run: the sharded gradients, or, where they accumulate unsharded
+    (`keeps_unsharded_grads`), the chunk's local parameters in the gradient dtype, and the
+    first stage's full-vocabulary embedding gradient (`eager_embedding_grad_extra`)."""
+    state = chunk_state_bytes(model, plan, counts, chunk, eager=True)
+    if not keeps_unsharded_grads(plan, opts):
+        return state.grads
+    grad_bytes = eager_state_recipe(state_recipe(plan), plan).grad_bytes
+    cp = chunk_params(model, plan, counts, chunk)
+    held = (cp.dense + cp.experts) * grad_bytes
+    return held + (eager_embedding_grad_extra(model, plan) if chunk == 0 else 0.0)
+
+
 def eager_embedding_grad_extra(model: ModelSpec, plan: ParallelPlan) -> float:
     """fivefold-eager, tp > 1: the bytes by which the first stage's embedding gradient buffer
-    exceeds its V/t x h shard while gradients accumulate (`EagerProfile`)."""
+    exceeds its V/t x h shard while gradients accumulate unsharded (`EagerProfile`), in the
+    dtype they accumulate in (`eager_state_recipe`)."""
     if plan.tp == 1 or not EAGER.embedding_grad_full_vocab:
         return 0.0
-    rec = recipe(plan.precision)
+    rec = eager_state_recipe(state_recipe(plan), plan)
     return rec.grad_bytes * model.vocab * model.hidden * (1 - 1 / plan.tp)
 
 
@@ -832,7 +891,10 @@ def other_terms(
         # GPipe has all m in flight there; the other schedules run the last stage's backward
         # right after its forward.
         waiting = inflight - 1 if plan.schedule == "gpipe" and plan.pp > 1 else 0
-        per_logit = opts.logits_bytes_per_element + 4 * max(0, waiting)
+        per_logit = opts.logits_bytes_per_element
+        if opts.eager and plan.tp > 1:
+            per_logit = EAGER.loss_parallel_logit_bytes
+        per_logit += 4 * max(0, waiting)
         out["logits"] = tokens * model.vocab / plan.tp * per_logit
     if opts.eager and plan.pp > 1:
         # torch.distributed.pipelining keeps each in-flight micro-batch's stage output until its
@@ -882,20 +944,19 @@ def _fsdp_terms(model, plan, counts, chunks, rec) -> dict[str, float]:
     every parameter once per step; with an fp32 compute dtype that gathered copy is the
     recipe's parameter tenant and the sharded fp32 weights at rest come on top
     (bf16 recipes: the shards are the fp32 master copy, already an optimizer tenant). ZeRO-3
-    under pipelining keeps whole chunks gathered and their gradients unsharded for the step."""
+    under pipelining keeps whole chunks gathered for the step (their unsharded gradients are
+    the gradients at the peak, `eager_accumulated_grads`)."""
     out: dict[str, float] = {}
     if plan.zero == 3 and plan.pp > 1:
         # torch's pipeline stages keep each chunk gathered from its first forward to the end of
-        # the step and skip the gradient reduce-scatter until the last micro-batch, so the
-        # whole chunk's weights and its unsharded gradients are held through the step.
+        # the step (and skip the gradient reduce-scatter until the last micro-batch, so the
+        # gradients they hold are unsharded: `eager_accumulated_grads`).
         local = sum(
             chunk_params(model, plan, counts, c).dense
             + chunk_params(model, plan, counts, c).experts
             for c in chunks
         )
         out["zero3_gathered_chunks"] = local * compute_bytes(rec)
-        shard = dense_shard_degree(plan)
-        out["zero3_unsharded_grads"] = local * rec.grad_bytes * (1 - 1 / shard)
     elif plan.zero == 3:
         root = 0.0
         for c in chunks:

@@ -6,7 +6,8 @@ sees torch's allocations and RSS undercounts, so we count tensor storages oursel
 as with gradient accumulation or recompute):
 
 - a `TorchDispatchMode` sees every tensor an operator returns; each storage is counted from the
-  moment it first appears until it is garbage-collected (a weak reference's callback);
+  moment it first appears until it is garbage-collected (a weak reference's callback); DTensor
+  operators are left to DTensor, whose local operators it then sees (temporaries included);
 - resize-aware: `UntypedStorage.resize_` is not an operator, and FSDP2 frees and re-allocates
   its gathered parameters with `storage.resize_(0)` / `resize_(n)`, so the counter wraps it
   while active and counts each storage at its current size;
@@ -39,6 +40,10 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 TENANTS = ("params", "grads", "optimizer", "activations")
+try:
+    from torch.distributed.tensor import DTensor as _DTENSOR
+except ImportError:  # a torch build without distributed support
+    _DTENSOR = None
 
 
 def _storages(tensor: torch.Tensor) -> list[torch.UntypedStorage]:
@@ -136,6 +141,10 @@ class StorageCounter(TorchDispatchMode):
 
     # ---- the dispatch mode and the resize wrapper ---------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if _DTENSOR is not None and any(t is _DTENSOR for t in types):
+            # Let DTensor run first and come back as local ops (torch's MemTracker does the
+            # same): a handler's temporaries (loss_parallel's backward, redistributions) count.
+            return NotImplemented
         if func is torch.ops._c10d_functional.wait_tensor.default and active_fake_mode():
             return args[0]  # its fake kernel returns a new tensor; a real wait returns its input
         out = func(*args, **(kwargs or {}))

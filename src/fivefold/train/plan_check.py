@@ -16,7 +16,8 @@ because no library provides it):
 - Expert routing is data too: every EP rank sends and receives balanced all-to-all splits.
 - Pipelining exchanges a vote and the stages' tensor metadata as values over point-to-point
   messages, which a fake group cannot carry: every stage infers its own metadata, told by
-  `_hidden_meta` what its neighbour sends (the hidden states [b, T/cp/tp_sp, hidden], fp32).
+  `_hidden_meta` what its neighbour sends (the hidden states [b, T/cp/tp_sp, hidden] in the
+  compute dtype).
 - The optimizer state is made first (as a previous step leaves it); then one step is measured.
 The peak is counted twice: by the runtime's own counter (`fivefold.train.memory`) and by torch's
 `MemTracker` (`torch.distributed._tools.mem_tracker`), tenant by tenant.
@@ -80,21 +81,38 @@ def representative_ranks(plan: Any, world: int) -> list[tuple[int, int]]:
 def micro_batches_to_run(plan: Any) -> int:
     """The fewest micro-batches whose step has the full step's peak: without pipelining one
     micro-batch's activations are freed before the next (gradients accumulate in place), so
-    two; with it, the fewest (a multiple of pp) for which the schedule keeps as many
-    micro-batches in flight on every rank (`fivefold.planner.schedule`)."""
-    from fivefold.planner.schedule import build_schedule
-
+    two; with it, the fewest (a multiple of pp) for which every rank reaches as many
+    micro-batches in flight with the gradients of the same chunks allocated
+    (`_inflight_with_grads`: a forward after a chunk's first backward holds its gradients)."""
     if plan.pp == 1:
         return min(plan.grad_accum, 2)
-    full = build_schedule(plan.schedule, plan.pp, plan.vpp, plan.grad_accum).peak_inflight
+    full = _inflight_with_grads(plan)
     for count in range(plan.pp, plan.grad_accum, plan.pp):
         candidate = plan.with_(grad_accum=count)
-        if candidate.problems():
-            continue
-        inflight = build_schedule(plan.schedule, plan.pp, plan.vpp, count).peak_inflight
-        if inflight == full:
+        if not candidate.problems() and _inflight_with_grads(candidate) == full:
             return count
     return plan.grad_accum
+
+
+def _inflight_with_grads(plan: Any) -> list[dict[frozenset, int]]:
+    """Per pipeline rank, for each set of chunks whose gradients exist (a backward of theirs
+    has ended), the most micro-batches in flight at a forward (`fivefold.planner.schedule`)."""
+    from fivefold.planner.schedule import build_schedule
+
+    schedule = build_schedule(plan.schedule, plan.pp, plan.vpp, plan.grad_accum)
+    release = "W" if schedule.split_backward else "B"
+    out = []
+    for actions in schedule.actions:
+        alive, graded, peaks = 0, frozenset(), {}
+        for action in actions:
+            if action.kind == "F":
+                alive += 1
+                peaks[graded] = max(peaks.get(graded, 0), alive)
+            elif action.kind == release:
+                alive -= 1
+                graded = graded | {action.chunk}
+        out.append(peaks)
+    return out
 
 
 def check_plan(
@@ -104,9 +122,11 @@ def check_plan(
     cluster's GPUs), each in a fresh process, as many at once as this machine has cores."""
     from fivefold.parallel.report import memory_only_prediction
 
-    predicted = memory_only_prediction(recipe.model, recipe.plan, fsdp_wrapped=True, cuda=False)
     run = micro_batches_to_run(recipe.plan)
     recipe = replace(recipe, plan=recipe.plan.with_(grad_accum=run))
+    # Predicted for the micro-batches run: a pipeline keeps per-micro-batch receive slots and
+    # its sent outputs until the step ends, so its peak grows with their count.
+    predicted = memory_only_prediction(recipe.model, recipe.plan, fsdp_wrapped=True, cuda=False)
     out = []
     context = multiprocessing.get_context("spawn")
     world = world or recipe.cluster.world_size
@@ -150,12 +170,14 @@ def _measure(recipe: Recipe, rank: int, world: int) -> dict[str, Any]:
         optimizer = _optimizer(runtime, recipe)
         batches = _micro_batches(recipe)
         _make_optimizer_state(runtime, optimizer)
-        tracker = _tracker_class(MemTracker)() if recipe.plan.pp == 1 else None
-        if tracker is not None:
-            tracker.track_external(*runtime.model_parts, optimizer)
-        counting = track_cpu_peak(runtime.model_parts, optimizer)
-        with counting as reading, tracker or contextlib.nullcontext():
-            _step(runtime, optimizer, batches)
+        with track_cpu_peak(runtime.model_parts, optimizer) as reading:
+            # Made inside the counter: MemTracker keeps the `UntypedStorage.resize_` it finds
+            # when made and restores it around its own, so FSDP2's frees reach both.
+            tracker = _tracker_class(MemTracker)() if recipe.plan.pp == 1 else None
+            if tracker is not None:
+                tracker.track_external(*runtime.model_parts, optimizer)
+            with tracker or contextlib.nullcontext():
+                _step(runtime, optimizer, batches)
     result: dict[str, Any] = {
         "counted_bytes": int(reading.peak_bytes),
         "counted_tenants": dict(reading.tenants),
@@ -356,14 +378,18 @@ def _patch_expert_dispatch(patch) -> None:
 
 
 def _hidden_meta(recipe: Recipe, requires_grad: bool):
-    """What a pipeline stage sends its neighbour: fp32 hidden states [b, T/cp/(tp if sp), h]."""
+    """What a pipeline stage sends its neighbour: hidden states [b, T/cp/(tp if sp), h] in the
+    compute dtype (the last block's output: FSDP2 casts the blocks' inputs, not their outputs)."""
     import torch
     from torch.distributed.pipelining._utils import _TensorMeta
+
+    from fivefold.parallel.precision import resolve_precision
 
     spec, plan = recipe.model, recipe.plan
     t = spec.seq_len // plan.cp // (plan.tp if plan.sp else 1)
     shape = torch.Size((plan.micro_batch, t, spec.hidden))
-    return _TensorMeta(shape, (t * spec.hidden, spec.hidden, 1), torch.float32, requires_grad)
+    dtype = resolve_precision(plan.precision, torch.device("cpu")).dtype
+    return _TensorMeta(shape, (t * spec.hidden, spec.hidden, 1), dtype, requires_grad)
 
 
 def _patch_pipelining(patch, recipe: Recipe) -> None:
