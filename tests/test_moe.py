@@ -148,6 +148,23 @@ def test_model_layout_dense_layers_and_aux_sum():
     assert 0.02 <= model.aux_loss().item() < 0.03
 
 
+def test_full_recompute_keeps_the_forward_aux_losses():
+    """Recomputing a MoE block in the backward (full checkpointing) used to re-assign its aux
+    loss, a second graph that kept every block's norm and attention activations alive until the
+    next forward (11 GiB on Mixtral 8x7B); the forward's aux losses now stay as they were."""
+    from fivefold.parallel.checkpointing import apply_recompute
+
+    torch.manual_seed(0)
+    model = make(TINY_MOE.with_(layers=2))
+    apply_recompute(model, "full")
+    tokens = torch.randint(0, 128, (2, 9))
+    loss = cross_entropy_loss(model(tokens), tokens) + model.aux_loss()
+    kept = [moe.aux_loss for moe in model.moe_layers()]
+    loss.backward()
+    assert all(moe.aux_loss is aux for moe, aux in zip(model.moe_layers(), kept, strict=True))
+    assert all(moe.router.weight.grad is not None for moe in model.moe_layers())
+
+
 def test_moe_document_isolation_up_to_rounding():
     model = make(TINY_MOE)
     tokens = torch.randint(0, 128, (1, 20))

@@ -191,7 +191,13 @@ class GroupedExperts(nn.Module):
 
 
 class MoE(nn.Module):
-    """x [B, T, D] -> [B, T, D]; after each forward `aux_loss` holds coef * load-balancing loss."""
+    """x [B, T, D] -> [B, T, D]; after each forward `aux_loss` holds coef * load-balancing loss.
+
+    `collects_aux_loss` is cleared by the enclosing model once its forward ends, so a recompute
+    of the block in the backward (full activation checkpointing) computes the loss again (the
+    checkpoint needs the same saved tensors) but neither replaces the forward's aux loss nor
+    keeps a second graph through the block's activations alive.
+    """
 
     def __init__(
         self,
@@ -214,12 +220,15 @@ class MoE(nn.Module):
         )
         self.dispatcher: TokenDispatcher = LocalDispatcher()
         self.aux_loss: torch.Tensor | None = None
+        self.collects_aux_loss = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, dim = x.shape
         tokens = x.reshape(batch * seq, dim)
         routing = route(self.router(tokens), self.top_k)
-        self.aux_loss = self.aux_loss_coef * load_balancing_loss(routing)
+        aux_loss = self.aux_loss_coef * load_balancing_loss(routing)  # a recompute saves the same
+        if self.collects_aux_loss:
+            self.aux_loss = aux_loss
         grouped, tokens_per_expert, handle = self.dispatcher.dispatch(tokens, routing)
         routed = self.dispatcher.combine(self.experts(grouped, tokens_per_expert), handle)
         out = routed.to(x.dtype)

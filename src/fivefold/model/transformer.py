@@ -111,8 +111,13 @@ class Transformer(nn.Module):
             positions, self.spec.head_dim, self.spec.rope_theta, rope_scaling_of(self.spec)
         )
         docs = None if doc_ids is None else DocumentLayout(doc_ids, batch, seq)
+        moes = self.moe_layers()
+        for moe in moes:
+            moe.collects_aux_loss = True
         for layer in self.layers.values():
             h = layer(h, rope, docs)
+        for moe in moes:  # a recompute in the backward keeps this forward's aux losses
+            moe.collects_aux_loss = False
         if self.norm is not None:
             h = self.norm(h)
         if self.output is None:

@@ -185,7 +185,9 @@ def _global_aux_loss_hook(group: dist.ProcessGroup):
     def hook(moe: MoE, args: Any, output: torch.Tensor) -> None:
         routing = moe.dispatcher.last_routing
         moe.dispatcher.last_routing = None
-        moe.aux_loss = moe.aux_loss_coef * global_load_balancing_loss(routing, group)
+        aux_loss = moe.aux_loss_coef * global_load_balancing_loss(routing, group)
+        if moe.collects_aux_loss:  # not in a recompute (`fivefold.model.moe.MoE`)
+            moe.aux_loss = aux_loss
 
     return hook
 

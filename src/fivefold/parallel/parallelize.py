@@ -57,7 +57,9 @@ def apply_global_aux_loss(chunk: nn.Module, group) -> None:
 
     def hook(moe: nn.Module, args, output) -> None:
         routing, moe.dispatcher.last_routing = moe.dispatcher.last_routing, None
-        moe.aux_loss = moe.aux_loss_coef * global_load_balancing_loss(routing, group)
+        aux_loss = moe.aux_loss_coef * global_load_balancing_loss(routing, group)
+        if moe.collects_aux_loss:  # not in a recompute (`fivefold.model.moe.MoE`)
+            moe.aux_loss = aux_loss
 
     for block in chunk.layers.values():
         moe = getattr(block, "moe", None)
