@@ -39,23 +39,30 @@ def _wrapped(runtime: Any) -> bool:
 def predictions(runtime: Any) -> tuple[list[dict] | None, float | None, str]:
     """(memory per stage in GiB dicts, predicted step time in s, note) for a built runtime; the
     step time is the whole step, optimizer included."""
-    return predictions_for(runtime.recipe, runtime.device.type == "cuda", _wrapped(runtime))
+    compiled = bool(getattr(runtime, "compiled", False))
+    return predictions_for(
+        runtime.recipe, runtime.device.type == "cuda", _wrapped(runtime), compiled
+    )
 
 
 def predictions_for(
-    recipe: Any, cuda: bool, fsdp_wrapped: bool
+    recipe: Any, cuda: bool, fsdp_wrapped: bool, compiled: bool = False
 ) -> tuple[list[dict] | None, float | None, str]:
     """`predictions` before any runtime exists (e.g. `train --dry-run`): `fsdp_wrapped` is true
-    for the distributed runtime (more than one process)."""
-    memory, estimate, note = _predict(recipe, cuda, fsdp_wrapped)
+    for the distributed runtime (more than one process), `compiled` under `train.compile`."""
+    memory, estimate, note = _predict(recipe, cuda, fsdp_wrapped, compiled)
     return memory, estimate.step_time_s if estimate is not None else None, note
 
 
-def _predict(recipe: Any, cuda: bool, fsdp_wrapped: bool) -> tuple[list[dict] | None, Any, str]:
+def _predict(
+    recipe: Any, cuda: bool, fsdp_wrapped: bool, compiled: bool = False
+) -> tuple[list[dict] | None, Any, str]:
     """(memory per stage in GiB dicts, the planner's `Estimate` or None, note)."""
     spec, plan, cluster = recipe.model, recipe.plan, recipe.cluster
     try:
-        memory = memory_only_prediction(spec, plan, fsdp_wrapped=fsdp_wrapped, cuda=cuda)
+        memory = memory_only_prediction(
+            spec, plan, fsdp_wrapped=fsdp_wrapped, cuda=cuda, compiled=compiled
+        )
     except Exception as err:  # a planner gap must not stop training
         return None, None, f"memory model: {str(err).splitlines()[0]}"
     if not cluster.device.peak_flops:
@@ -71,7 +78,9 @@ def _predict(recipe: Any, cuda: bool, fsdp_wrapped: bool) -> tuple[list[dict] | 
         from fivefold.planner.estimate import estimate
         from fivefold.planner.options import PlannerOptions
 
-        options = replace(PlannerOptions.for_device(cluster.device), runtime="fivefold-eager")
+        options = replace(
+            PlannerOptions.for_device(cluster.device), runtime="fivefold-eager", compile=compiled
+        )
         est = estimate(spec, cluster, plan, options=options)
         return memory, est, f"planner estimate for {cluster.device.name}"
     except Exception as err:
@@ -79,11 +88,11 @@ def _predict(recipe: Any, cuda: bool, fsdp_wrapped: bool) -> tuple[list[dict] | 
 
 
 def memory_only_prediction(
-    spec: Any, plan: Any, fsdp_wrapped: bool = True, cuda: bool = False
+    spec: Any, plan: Any, fsdp_wrapped: bool = True, cuda: bool = False, compiled: bool = False
 ) -> list[dict]:
     """The planner's per-stage memory of this runtime (GiB dicts, "other" holds the buffers);
     a CPU has no CUDA context and no caching-allocator fragmentation, and its offloaded state
-    stays in the memory the run measures."""
+    stays in the memory the run measures. `compiled`: the blocks run under torch.compile."""
     from fivefold.planner.memory import MemoryOptions, all_stage_memory
     from fivefold.planner.schedule import build_schedule
 
@@ -92,14 +101,9 @@ def memory_only_prediction(
         inflight = list(
             build_schedule(plan.schedule, plan.pp, plan.vpp, plan.grad_accum).peak_inflight
         )
-    options = MemoryOptions(runtime="fivefold-eager", fsdp_wrapped=fsdp_wrapped)
+    options = MemoryOptions(runtime="fivefold-eager", fsdp_wrapped=fsdp_wrapped, compiled=compiled)
     if not cuda:
-        options = MemoryOptions(
-            runtime="fivefold-eager",
-            fsdp_wrapped=fsdp_wrapped,
-            cuda_context_bytes=0.0,
-            fragmentation_fraction=0.0,
-        )
+        options = replace(options, cuda_context_bytes=0.0, fragmentation_fraction=0.0)
     if not cuda and plan.offload == "all":
         plan = plan.with_(offload="none")  # FSDP2's offload to the CPU it runs on moves nothing
     out = []

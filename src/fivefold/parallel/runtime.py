@@ -88,6 +88,7 @@ class DistributedRuntime:
         self.cp_rank = self.coordinates["cp"]
         torch.manual_seed(train.seed)
 
+        self.compiled = bool(train.compile)  # the memory prediction counts compiled blocks
         self.model_parts: list[nn.Module] = self._build_parts(train.seed, train.compile)
         self._loss_scale = 1.0
         self.pipeline = self._build_pipeline()

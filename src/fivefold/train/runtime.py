@@ -56,6 +56,7 @@ class LocalRuntime:
             check_compiler(self.device)
             apply_compile(model)
         self.model = model
+        self.compiled = bool(train.compile)  # the memory prediction counts compiled blocks
         self.model_parts: list[nn.Module] = [model]
         self._recorded_peak_bytes = 0
         self.peak_tenants: dict[str, int] = {}
