@@ -56,10 +56,21 @@ class Runtime(Protocol):
     def close(self, failed: bool = False) -> None: ...
 
 
+def label_count(batch: Any) -> int:
+    """Tokens of `batch` whose label counts in the loss: the data loader's host-side count
+    (`Batch.label_count`), else counted from its labels (a batch built elsewhere; a device
+    read-back when they live on an accelerator)."""
+    from fivefold.model.loss import IGNORE_INDEX
+
+    count = getattr(batch, "label_count", None)
+    return int(count) if count is not None else int((batch.labels != IGNORE_INDEX).sum())
+
+
 def batch_to(batch: B, device: torch.device) -> B:
     """The same batch (a dataclass, e.g. `fivefold.train.data.Batch`) with every tensor field
-    moved to `device`; other fields (None, ints) are kept. On CUDA the copy goes through pinned
-    host memory without blocking the host."""
+    moved to `device`; other fields (None, ints, host-side NumPy arrays such as the document
+    offsets) are kept. On CUDA the copy goes through pinned host memory without blocking the
+    host."""
 
     def move(tensor: torch.Tensor) -> torch.Tensor:
         if device.type == "cuda" and tensor.device.type == "cpu" and not tensor.is_pinned():

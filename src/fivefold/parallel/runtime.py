@@ -247,7 +247,12 @@ class DistributedRuntime:
     def _forward_loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
         """The micro-batch's scaled loss; the logits die here, not held through the backward
         (the loss keeps what its backward needs)."""
-        logits = model(batch.tokens, positions=batch.positions, doc_ids=batch.doc_ids)
+        logits = model(
+            batch.tokens,
+            positions=batch.positions,
+            doc_ids=batch.doc_ids,
+            cu_seqlens=getattr(batch, "cu_seqlens", None),
+        )
         return cross_entropy_loss(logits, batch.labels, "sum") * self._loss_scale
 
     def _pipeline_step(self, batches: list) -> tuple[torch.Tensor, torch.Tensor]:

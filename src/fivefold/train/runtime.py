@@ -70,7 +70,12 @@ class LocalRuntime:
     def _forward_loss(self, batch) -> tuple[torch.Tensor, torch.Tensor | None]:
         batch = batch_to(batch, self.device)
         with self._autocast():
-            logits = self.model(batch.tokens, positions=batch.positions, doc_ids=batch.doc_ids)
+            logits = self.model(
+                batch.tokens,
+                positions=batch.positions,
+                doc_ids=batch.doc_ids,
+                cu_seqlens=getattr(batch, "cu_seqlens", None),
+            )
         loss = cross_entropy_loss(logits, batch.labels)  # in fp32
         aux = self.model.aux_loss() if self.recipe.model.is_moe else None
         return loss, aux
