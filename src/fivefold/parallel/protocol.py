@@ -22,11 +22,21 @@ B = TypeVar("B")
 
 @dataclass(frozen=True)
 class StepResult:
-    """`loss`: mean token cross-entropy over the whole global batch (same on every rank);
-    `aux_loss`: the MoE load-balancing loss added to it for backward (mean over micro-batches)."""
+    """`loss_tensor`: mean token cross-entropy over the whole global batch (same on every rank);
+    `aux_tensor`: the MoE load-balancing loss added to it for backward (mean over
+    micro-batches). Both 0-d tensors on the runtime's device, so that a step does not wait for
+    the device; `loss` and `aux_loss` read them back (a host sync on an accelerator)."""
 
-    loss: float
-    aux_loss: float = 0.0
+    loss_tensor: torch.Tensor
+    aux_tensor: torch.Tensor
+
+    @property
+    def loss(self) -> float:
+        return float(self.loss_tensor)
+
+    @property
+    def aux_loss(self) -> float:
+        return float(self.aux_tensor)
 
 
 class TrainSettings(Protocol):
@@ -50,6 +60,8 @@ class Runtime(Protocol):
     def train_step(self, micro_batches: list) -> StepResult: ...
 
     def clip_grad_norm(self, max_norm: float) -> float: ...
+
+    def clip_grads(self, max_norm: float) -> torch.Tensor: ...
 
     def peak_memory_bytes(self) -> int: ...
 

@@ -112,6 +112,10 @@ def memory_only_prediction(
             stage = replace(stage, optimizer=stage.optimizer + stage.host_bytes, host_bytes=0.0)
         gib = stage.gib()
         gib["grads"] *= stage.grads_at_peak  # FSDP2 allocates them in a chunk's first backward
+        # What `max_memory_allocated` can see: the total less the CUDA context and the
+        # allocator's fragmentation (equal to the total on a CPU, which has neither).
+        outside = sum(stage.other_terms.get(k, 0.0) for k in ("cuda_context", "fragmentation"))
+        gib["allocated"] = gib["total"] - outside / GIB
         out.append(gib)
     return out
 
@@ -126,6 +130,7 @@ def stage_rows(runtime: Any, step_s: float | None = None) -> tuple[list[dict], s
         "rank": getattr(runtime, "rank", 0),
         "pp": getattr(runtime, "pp_rank", 0),
         "peak_bytes": runtime.peak_memory_bytes(),
+        "reserved_bytes": getattr(runtime, "peak_reserved_bytes", 0),
         "tenants": dict(getattr(runtime, "peak_tenants", {}) or {}),
         "step_s": sum(times) / len(times) if times else step_s,
     }
@@ -135,9 +140,9 @@ def stage_rows(runtime: Any, step_s: float | None = None) -> tuple[list[dict], s
         dist.all_gather_object(gathered, mine)
     if not runtime.is_main:
         return None
-    memory, estimate, note = _predict(
-        runtime.recipe, runtime.device.type == "cuda", _wrapped(runtime)
-    )
+    cuda = runtime.device.type == "cuda"
+    compiled = bool(getattr(runtime, "compiled", False))
+    memory, estimate, note = _predict(runtime.recipe, cuda, _wrapped(runtime), compiled)
     predicted_s = estimate.step_time_s if estimate is not None else None
     if predicted_s is not None and times:
         # The runtime times its own `train_step` (forward, backward, gradient communication):
@@ -151,12 +156,16 @@ def stage_rows(runtime: Any, step_s: float | None = None) -> tuple[list[dict], s
         top = max(ranks, key=lambda g: g["peak_bytes"])
         measured_s = [g["step_s"] for g in ranks if g["step_s"] is not None]
         predicted = memory[stage] if memory and stage < len(memory) else None
+        # Like with like: the allocated peak against the prediction without CUDA context and
+        # fragmentation; the reserved peak plus the context against the whole prediction.
         rows.append(
             {
                 "stage": stage,
                 "ranks": [g["rank"] for g in ranks],
-                "predicted_peak_bytes": predicted["total"] * GIB if predicted else None,
+                "predicted_peak_bytes": predicted["allocated"] * GIB if predicted else None,
                 "measured_peak_bytes": top["peak_bytes"] or None,
+                "predicted_reserved_bytes": predicted["total"] * GIB if predicted else None,
+                "measured_reserved_bytes": top.get("reserved_bytes") or None,
                 "predicted_tenants": _tenant_bytes(predicted),
                 "measured_tenants": top["tenants"],
                 "predicted_step_s": predicted_s,
@@ -190,6 +199,9 @@ def record(rows: list[dict], note: str) -> dict:
     for row in rows:
         entry = dict(row)
         entry["memory_error"] = error(row["predicted_peak_bytes"], row["measured_peak_bytes"])
+        entry["reserved_error"] = error(
+            row.get("predicted_reserved_bytes"), row.get("measured_reserved_bytes")
+        )
         entry["step_error"] = error(row["predicted_step_s"], row["measured_step_s"])
         stages.append(entry)
     return {"note": note, "stages": stages}
@@ -218,6 +230,13 @@ def format_rows(layout: str, rows: list[dict], note: str) -> str:
             f"{_ms(row['predicted_step_s']):>10}  {_ms(row['measured_step_s']):>10}  "
             f"{_pct(error(row['predicted_step_s'], row['measured_step_s'])):>7}"
         )
+        if row.get("measured_reserved_bytes"):
+            pred_all, meas_all = row["predicted_reserved_bytes"], row["measured_reserved_bytes"]
+            lines.append(
+                f"         peak above: allocated, without CUDA context and fragmentation; "
+                f"reserved + context: predicted {_gib(pred_all)}, measured {_gib(meas_all)}, "
+                f"{_pct(error(pred_all, meas_all))}"
+            )
         pred, meas = row["predicted_tenants"], row["measured_tenants"]
         if pred and meas:
             cells = ", ".join(

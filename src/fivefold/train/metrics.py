@@ -38,8 +38,9 @@ class StepMetrics:
     tokens_per_s: float
     mfu: float | None  # fraction of the peak; None when the peak is unknown
     hfu: float | None
-    peak_memory_bytes: int
+    peak_memory_bytes: int  # CUDA: allocated (live tensors) in the measured step
     elapsed_s: float
+    peak_reserved_bytes: int | None = None  # CUDA: the allocator's reserved peak + context
     aux_loss: float = 0.0
     eval_loss: float | None = None
     plan_vs_run: dict | None = None  # the step of the layout report: `parallel.report.record`
