@@ -13,7 +13,7 @@ import math
 import os
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -565,7 +565,12 @@ def planner_prediction(run: RunConfig) -> tuple[dict[str, Any] | None, str]:
             "their step time"
         )
     try:
-        return estimate(recipe.model, recipe.cluster, recipe.plan).to_json(), ""
+        from fivefold.planner.options import PlannerOptions
+
+        options = replace(
+            PlannerOptions.for_device(recipe.cluster.device), compile=run.train.compile
+        )
+        return estimate(recipe.model, recipe.cluster, recipe.plan, options=options).to_json(), ""
     except FivefoldError as err:
         return None, str(err).splitlines()[0]
     except Exception as err:  # the planner must never stop a training run
