@@ -36,7 +36,7 @@ import sys
 import tempfile
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 
 SMALL = "small"
@@ -50,6 +50,7 @@ class Layout:
     name: str
     plan: dict = field(default_factory=dict)
     model: str = SMALL
+    model_set: dict = field(default_factory=dict)  # model.FIELD overrides on the preset
 
     @property
     def full_plan(self) -> dict:
@@ -113,6 +114,7 @@ def _overrides(layout: Layout, steps: int, run_dir: str) -> list[str]:
         "resume": False,
     }
     items = [f"model.preset={json.dumps(layout.model)}"]
+    items += [f"model.{k}={json.dumps(v)}" for k, v in layout.model_set.items()]
     items += [f"plan.{k}={json.dumps(v)}" for k, v in layout.full_plan.items()]
     items += [f"train.{k}={json.dumps(v)}" for k, v in train.items()]
     return items
@@ -352,14 +354,15 @@ def table(rows: list[dict]) -> str:
 
 def tenant_table(rows: list[dict]) -> str:
     """Predicted / measured MiB per tenant (activations include the planner's buffers)."""
-    names = ("params", "grads", "optimizer", "activations")
-    lines = [f"{'layout':<18} {'stage':>5} " + " ".join(f"{n:>19}" for n in names)]
+    names = ("params", "grads", "optimizer", "activations", "params+grads+activations")
+    lines = [f"{'layout':<18} {'stage':>5} " + " ".join(f"{n[:19]:>19}" for n in names)]
     for r in rows:
+        # Multi-process rows compare the optimizer and one sum (parallel.report.WRAPPED_GROUPS).
         pred, meas = r["predicted_tenants"], r["measured_tenants"]
         cells = [
-            f"{pred.get(n, 0) / 2**20:8.1f} / {meas.get(n, 0) / 2**20:8.1f}"
-            if n in meas
-            else f"{pred.get(n, 0) / 2**20:8.1f} / {'n/a':>8}"
+            f"{pred[n] / 2**20:8.1f} / {meas[n] / 2**20:8.1f}"
+            if n in meas and n in pred
+            else f"{'n/a':>8} / {'n/a':>8}"
             for n in names
         ]
         lines.append(f"{r['layout']:<18} {r['stage']:>5} " + " ".join(cells))
@@ -391,9 +394,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--tenants", action="store_true", help="also print predicted / measured MiB per tenant"
     )
+    parser.add_argument(
+        "--model-set",
+        default="",
+        metavar="K=V[,K=V]",
+        help="model fields over each layout's preset, e.g. layers=4,hidden=384,heads=6,"
+        "kv_heads=2,ffn=1024 (a model the device profile was not measured on)",
+    )
     parser.add_argument("--list", action="store_true", help="list the layouts and exit")
     args = parser.parse_args(argv)
     layouts = select(args.only, args.quick)
+    if args.model_set:
+        pairs = dict(item.split("=", 1) for item in args.model_set.split(","))
+        values = {k.strip(): json.loads(v) for k, v in pairs.items()}
+        layouts = [replace(layout, model_set=values) for layout in layouts]
     if args.list:
         for layout in layouts:
             print(f"{layout.name:<18} {layout.world} rank(s)  {layout.model}  {layout.full_plan}")

@@ -75,12 +75,12 @@ CASES = [
     (
         "model-beyond-this-machine",
         ["model.vocab=16000000", "model.hidden=1024"],
-        "more than this machine's",
+        "this run does not fit: the planner predicts a peak of",
     ),
     (
         "micro-batch-beyond-this-machine",
         ["plan.micro_batch=131072", "model.seq_len=4096"],
-        "of activations for micro-batches",
+        "lower plan.micro_batch (raise plan.grad_accum to keep the batch)",
     ),
     ("degrees-not-the-processes", ["--nproc", "3", "plan.dp_replicate=2"], "multiply to"),
     # memory levers (issue 11)
@@ -250,3 +250,26 @@ def test_many_problems_are_reported_at_once(tmp_path, capsys):
     assert err.startswith("fivefold train: error: 3 problems in the configuration:")
     for field in ("train.lr", "train.stepz", "train.device"):
         assert field in err
+
+
+def test_typos_come_with_the_closest_name_and_every_other_problem(tmp_path, capsys):
+    """A typo in an override, a section and a preset beside a layout that needs more processes:
+    one error lists all of them, each misspelling with the name it most likely meant."""
+    code, err = run_cli(
+        ["train", TINY, "plan.tp=2", "train.setps=100", "trian.x=1", "model.preset='tinny'"],
+        capsys,
+    )
+    assert code == 2
+    assert_one_paragraph(err)
+    assert err.startswith("fivefold train: error: 6 problems in the configuration:")
+    assert "train.setps is not a setting; did you mean train.steps?" in err
+    assert "[trian] is not a recipe section" in err and "did you mean [train]?" in err
+    assert "model.preset = 'tinny' is unknown; did you mean 'tiny'?" in err
+    assert "plan degrees multiply to" in err and "--nproc equal to the product" in err
+
+
+def test_an_unknown_field_with_nothing_close_lists_the_known_ones(capsys):
+    code, err = run_cli(["train", TINY, "plan.zzzzzz=1"], capsys)
+    assert code == 2
+    assert "did you mean" not in err
+    assert "plan.zzzzzz is not a setting; known plan fields: " in err and "micro_batch" in err

@@ -112,3 +112,71 @@ def test_one_measured_peak_per_run_even_past_30_s(tmp_path, monkeypatch) -> None
     assert len(calls) == 1 and summary.peak_label == "fake peak #1"
     text = out.getvalue()
     assert "MFU against: fake peak #1" in text and "(vs fake peak #1)" in text
+
+
+def test_the_progress_bar_runs_a_clock_inside_each_step() -> None:
+    """The bar moved once per step: a long step looked hung. It shows the seconds in the step."""
+    now = [100.0]
+    reporter = ConsoleReporter(
+        Console(file=io.StringIO(), force_terminal=True, width=200),
+        1000, 0, 25, progress=True, clock=lambda: now[0],
+    )  # fmt: skip
+
+    def shown() -> str:
+        progress = reporter._progress
+        out = Console(file=io.StringIO(), width=200, color_system=None)
+        out.print(progress.make_tasks_table(progress.tasks))
+        return out.file.getvalue()
+
+    try:
+        now[0] = 175.0
+        assert "step 1: 75 s" in shown()
+        reporter.update(_metrics(1))
+        now[0] = 187.4
+        assert "step 2: 12 s" in shown()
+    finally:
+        reporter.stop()
+
+
+def test_the_header_says_which_device_profile_and_where_it_came_from(tmp_path, monkeypatch, capsys):
+    """A profile at the default location changed every later CPU run's predictions and MFU
+    basis without a word. The header names it and its origin, or says there is none."""
+    import fivefold.train.loop as loop
+    from fivefold.spec.profile import parse_profile
+    from fivefold.train.entry import load_run, profile_origin
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent / "planner"))
+    from test_profile import synthetic
+
+    text = parse_profile(synthetic()).to_toml()
+    installed, named = tmp_path / "default.toml", tmp_path / "named.toml"
+    installed.write_text(text)
+    named.write_text(text)
+    monkeypatch.setenv("FIVEFOLD_PROFILE", str(tmp_path / "absent.toml"))
+    assert profile_origin("").startswith("none (step time is not predicted; MFU is against a")
+    assert profile_origin(str(named)).startswith(f"{named} (named by the recipe")
+    monkeypatch.setenv("FIVEFOLD_PROFILE", str(installed))
+    assert profile_origin(str(installed)).startswith(f"{installed} (the default location")
+
+    def header(*overrides: str) -> str:
+        out = io.StringIO()
+        run = load_run(
+            str(CONFIGS / "tiny-cpu.toml"),
+            ["train.steps=1", "train.warmup_steps=0", f'train.run_dir="{tmp_path / "run"}"',
+             "train.progress=false", "train.tensorboard=false", "train.save_final=false",
+             "train.resume=false", *overrides],
+        )  # fmt: skip
+        loop.train(run, console=Console(file=out, width=400))
+        return out.getvalue()
+
+    # `plan` on a measured machine says which profile its figures come from, too.
+    assert main(["plan", "estimate", str(CONFIGS / "tiny-cpu.toml"), "--cluster", str(named),
+                 "--gpus", "1"]) == 0  # fmt: skip
+    assert f"device profile: {named}" in capsys.readouterr().out
+    shown = header()  # no [cluster]: the profile at the default location, said so
+    assert f"device profile: {installed} (the default location, used by every CPU run" in shown
+    assert "MFU against: calibrated CPU fp32 matmul peak" in shown
+    monkeypatch.setenv("FIVEFOLD_PROFILE", str(tmp_path / "absent.toml"))
+    shown = header()
+    assert "device profile: none (step time is not predicted" in shown
+    assert "MFU against: fixed CPU reference" in shown

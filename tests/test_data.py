@@ -414,6 +414,10 @@ def test_cli_prepare_tokenizer_and_errors(small_tokenizer, tmp_path, capsys):
     assert "gone.jsonl' does not exist" in capsys.readouterr().err
     assert cli_main(["data", "tokenizer", str(docs), "--out", str(tok_path), "--vocab", "10"]) == 2
     assert "too small" in capsys.readouterr().err
+    # A huge vocabulary used to abort the process inside `tokenizers` (SIGABRT).
+    huge = ["data", "tokenizer", str(docs), "--out", str(tok_path), "--vocab", "1000000000"]
+    assert cli_main(huge) == 2
+    assert "--vocab 1,000,000,000 is too large: at most 16,777,216" in capsys.readouterr().err
     missing = tmp_path / "no-such-dir" / "tok.json"  # used to be created silently
     assert cli_main(["data", "tokenizer", str(docs), "--out", str(missing)]) == 2
     assert "no-such-dir' does not exist" in capsys.readouterr().err

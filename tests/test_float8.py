@@ -31,7 +31,7 @@ def test_conversion_keeps_head_and_odd_dims_in_high_precision(recipe):
     from torchao.float8.float8_linear import Float8Linear
 
     model = _meta_model("tiny", ffn=168)  # 168 = 10.5 x 16: the MLP stays high precision
-    converted = convert_linears(model, recipe, fsdp=True)
+    converted = convert_linears(model, recipe, fsdp=True, skip_small=False)
     expected = [f"layers.{i}.attention.{w}" for i in range(2) for w in ("wq", "wk", "wv", "wo")]
     assert converted == expected
     assert type(model.output) is torch.nn.Linear
@@ -45,9 +45,28 @@ def test_conversion_keeps_head_and_odd_dims_in_high_precision(recipe):
     assert config.enable_fsdp_float8_all_gather is (recipe == "tensorwise")
 
 
+@pytest.mark.parametrize(
+    ("recipe", "expected"),
+    [
+        # weights [N, K] of a hidden-2048 layer: wq, wo 2048 x 2048; wk, wv 512 x 2048;
+        # w1, w3 8192 x 2048; w2 2048 x 8192. Tensorwise skips K <= 4096 with N <= 1024 (wk, wv);
+        # rowwise skips N <= 2048 (wq, wk, wv, wo, w2) and keeps w1, w3 (N 8192, K 2048)
+        ("tensorwise", ("attention.wq", "attention.wo", "feed_forward.w1", "feed_forward.w2",
+                        "feed_forward.w3")),
+        ("rowwise", ("feed_forward.w1", "feed_forward.w3")),
+    ],
+)  # fmt: skip
+def test_linears_too_small_to_gain_stay_in_high_precision(recipe, expected):
+    shape = dict(layers=1, hidden=2048, heads=32, kv_heads=8, head_dim=64, ffn=8192, vocab=32000)
+    model = _meta_model("tiny", **shape)
+    converted = convert_linears(model, recipe, fsdp=False)
+    assert sorted(converted) == sorted(f"layers.0.{name}" for name in expected)
+    assert type(model.layers["0"].attention.wk) is torch.nn.Linear
+
+
 def test_moe_router_and_shared_experts():
     model = _meta_model("tiny-moe")
-    converted = convert_linears(model, "rowwise", fsdp=False)
+    converted = convert_linears(model, "rowwise", fsdp=False, skip_small=False)
     assert not any("router" in name or name == "output" for name in converted)
     assert "layers.0.moe.shared_expert.w1" in converted  # 64 x 64: eligible
     assert keeps_high_precision(model.layers["0"].moe.router, "layers.0.moe.router")

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from fivefold.cli.main import main
-from fivefold.spec.profile import parse_profile
+from fivefold.spec.profile import FORMAT, parse_profile
 
 sys.path.insert(0, str(Path(__file__).parent / "planner"))
 from test_profile import synthetic
@@ -55,7 +55,9 @@ def test_a_stale_default_profile_is_left_out_with_a_note(tmp_path, monkeypatch, 
     before collectives carried their compute gap) does not stop a CPU run nobody pointed at
     it: the run goes on without it and says how to measure again."""
     path = tmp_path / "device-profile.toml"
-    path.write_text(parse_profile(synthetic()).to_toml().replace("format = 4", "format = 3"))
+    path.write_text(
+        parse_profile(synthetic()).to_toml().replace(f"format = {FORMAT}", "format = 3")
+    )
     monkeypatch.setenv("FIVEFOLD_PROFILE", str(path))
     args = ["train", str(CONFIGS / "tiny-cpu.toml"), "--dry-run", f'train.run_dir="{tmp_path}"']
     assert main(args) == 0

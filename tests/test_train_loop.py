@@ -6,6 +6,7 @@ Every run is the tiny preset (0.62M parameters, seq 128) for a few steps in fp32
 
 from __future__ import annotations
 
+import io
 import json
 import math
 from pathlib import Path
@@ -17,6 +18,7 @@ from rich.console import Console
 from fivefold.cli.main import main
 from fivefold.errors import TrainingError
 from fivefold.spec.model import param_count
+from fivefold.train import loop
 from fivefold.train.data import Batch
 from fivefold.train.entry import load_run
 from fivefold.train.inputs import load_train_data
@@ -214,3 +216,30 @@ def test_module_entry_runs_and_reports_errors(tmp_path, capsys):
     assert (tmp_path / "tiny-cpu" / "ckpt" / "step_1").is_dir()
     assert entry_main([*args, "train.lr=0"]) == 2
     assert "fivefold train: error: train.lr = 0.0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("installed", [False, True])
+def test_header_warns_of_a_tail_eval_split_and_missing_tensorboard(
+    tmp_path, monkeypatch, installed
+):
+    """A user corpus's held-out split is its tail (once licence text, a flat eval loss), and
+    TensorBoard events were silently not written when the package was missing: both are said."""
+    monkeypatch.setenv("FIVEFOLD_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(loop, "tensorboard_installed", lambda: installed)
+    text = (CONFIGS.parent / "README.md").read_text()
+    corpus = [tmp_path / "a.txt", tmp_path / "LICENSE.txt"]
+    for i, path in enumerate(corpus):
+        path.write_text(text[i * 3000 : (i + 1) * 3000])
+    inputs = "[" + ",".join(f"{str(p)!r}" for p in corpus) + "]"
+    run = tiny_run(
+        tmp_path, "tail", f"data.inputs={inputs}", "train.steps=1", "train.eval_every=1",
+        "train.tensorboard=true", "model.seq_len=32", "data.val_fraction=0.1",
+        "train.warmup_steps=0",
+    )  # fmt: skip
+    out = io.StringIO()
+    train(run, console=Console(file=out, width=400))
+    shown = out.getvalue()
+    assert "eval: the held-out split is the last 10% of the corpus" in shown
+    assert f"(the end of {corpus[-1]})" in shown
+    assert ("TensorBoard: no events written" in shown) is not installed
+    assert installed or "pip install 'fivefold[tensorboard]'" in shown

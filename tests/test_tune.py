@@ -11,7 +11,17 @@ from pathlib import Path
 
 import pytest
 
-from fivefold.cli.cmd_tune import GIB, POLICIES, Trial, choose, nothing_fits, tune_policy
+from fivefold.cli import cmd_tune
+from fivefold.cli.cmd_tune import (
+    GIB,
+    POLICIES,
+    Trial,
+    TuneSession,
+    _load,
+    choose,
+    nothing_fits,
+    tune_policy,
+)
 from fivefold.cli.main import main
 from fivefold.train.entry import load_run
 
@@ -21,7 +31,8 @@ LIMIT_GIB = 0.062  # between the tiny preset's micro-batch 4 and 8 without recom
 
 def test_choice_is_the_largest_measured_fit():
     limit = int(LIMIT_GIB * GIB)
-    trials = [t for p in ("none", "full") for t in tune_policy(str(TINY), [], p, limit, 16)]
+    session = TuneSession(str(TINY), [], _load(str(TINY), [], 1, "none"))
+    trials = [t for p in ("none", "full") for t in tune_policy(session, p, limit, 16)]
     for policy in ("none", "full"):
         mine = [t for t in trials if t.policy == policy]
         assert [t.micro_batch for t in mine] == [2**i for i in range(len(mine))]
@@ -112,3 +123,59 @@ def test_nothing_fits_exits_2_with_the_measured_peak(capsys):
     peak = float(err.split("least measured peak is ")[1].split(" GiB")[0])
     assert peak > 0.001  # the tiny preset's micro-batch 1 (cf. LIMIT_GIB, which fits 4)
     assert "Raise --memory-limit to at least" in err and "--policies selective,full" in err
+
+
+def test_each_trial_is_printed_as_it_ends_and_the_model_and_data_are_built_once(
+    capsys, monkeypatch
+):
+    import fivefold.model as model_pkg
+    import fivefold.train.inputs as inputs
+
+    built = {"model": 0, "data": 0}
+    build_model, load_train_data = model_pkg.build_model, inputs.load_train_data
+
+    def counted_model(*a, **k):
+        built["model"] += 1
+        return build_model(*a, **k)
+
+    def counted_data(*a, **k):
+        built["data"] += 1
+        return load_train_data(*a, **k)
+
+    monkeypatch.setattr(model_pkg, "build_model", counted_model)
+    monkeypatch.setattr(inputs, "load_train_data", counted_data)
+    printed: list[str] = []  # what stdout held when each trial started
+    second_step_peak = cmd_tune._second_step_peak
+
+    def spy(session, run):
+        printed.append(capsys.readouterr().out)
+        return second_step_peak(session, run)
+
+    monkeypatch.setattr(cmd_tune, "_second_step_peak", spy)
+    args = ["tune", str(TINY), "--memory-limit", "1", "--policies", "none,full"]
+    assert main([*args, "--max-micro-batch", "2"]) == 0
+    printed.append(capsys.readouterr().out)
+    assert len(printed) == 5  # four trials (none 1, 2; full 1, 2), then the rest
+    so_far = ""
+    for i, (policy, micro_batch) in enumerate([("none", 1), ("none", 2), ("full", 1), ("full", 2)]):
+        so_far += printed[i + 1]
+        rows = [line.split() for line in so_far.splitlines()]
+        # the trial that just ended is on stdout before the next one starts
+        assert [policy, str(micro_batch)] in [r[:2] for r in rows], so_far
+    assert "tune: building the model and data once on cpu" in printed[0]
+    assert built == {"model": 1, "data": 1}
+
+
+def test_remove_recompute_restores_the_plain_forward():
+    from fivefold.model import build_model
+    from fivefold.parallel.checkpointing import apply_recompute, remove_recompute
+
+    run = _load(str(TINY), [], 1, "none")
+    model = build_model(run.recipe.model)
+    blocks = len(model.layers)
+    assert apply_recompute(model, "selective") == blocks
+    assert remove_recompute(model) == blocks
+    assert apply_recompute(model, "full") == blocks  # re-wrapped: the flag was cleared
+    assert all("forward" in vars(b) for b in model.layers.values())
+    assert remove_recompute(model) == blocks
+    assert not any("forward" in vars(m) for m in model.modules())

@@ -64,3 +64,13 @@ def test_verify_missing_dir_is_a_user_error(tmp_path, capsys):
     assert "does not exist" in err and "Traceback" not in err
     assert main(["ckpt", "ls", str(tmp_path)]) == 2
     assert "holds no checkpoints" in capsys.readouterr().err
+
+
+def test_top_level_help_names_the_ckpt_verbs(run_dir, capsys):
+    """`fivefold --help` said "list and verify checkpoints" while the verb is `ls`."""
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    ckpt_line = next(line for line in capsys.readouterr().out.splitlines() if "ckpt " in line)
+    assert "`ckpt ls DIR`" in ckpt_line and "`ckpt verify DIR`" in ckpt_line
+    assert main(["ckpt", "list", str(run_dir)]) == 0  # the word the old help suggested works too
+    assert capsys.readouterr().out.splitlines()[1].split()[0] == "5"

@@ -110,7 +110,13 @@ def test_moe_export_is_refused(tmp_path):
             },
             "factor: rope_parameters says 4.0, rope_scaling/rope_theta say 8.0",
         ),
-        ({"hidden_size": "sixty-four"}, "not a number"),
+        ({"hidden_size": "sixty-four"}, "hidden_size = 'sixty-four' is not an integer"),
+        ({"hidden_size": "64"}, "hidden_size = '64' is not an integer"),  # a quoted number
+        ({"num_hidden_layers": 2.5}, "num_hidden_layers = 2.5 is not an integer"),
+        ({"rms_norm_eps": "1e-5"}, "rms_norm_eps = '1e-5' is not a number"),
+        ({"attention_dropout": "0.1"}, "attention_dropout = '0.1' is not a number"),
+        ({"rope_theta": "5e5"}, "rope_theta = '5e5' is not a number"),
+        ({"num_attention_heads": 0}, "num_attention_heads = 0 must be at least 1"),
         ({"attention_bias": True}, "attention_bias = true"),
         ({"hidden_act": "gelu"}, "hidden_act = 'gelu'"),
         ({"model_type": "mistral"}, "model_type = 'mistral'"),
@@ -149,6 +155,22 @@ def test_cli_export_import_round_trip(tmp_path, capsys):
     recipe = (tmp_path / "new" / "imported.toml").read_text()
     assert "hidden = 64" in recipe and "resume = true" in recipe
     assert f'tokenizer = "{tmp_path / "new" / "tokenizer.json"}"' in recipe
+    # Complete: the batch and the training settings are written out, each default said to be
+    # one (a run from it once used mbs 1 x accum 1 and lr 3e-4 without a word), and it loads.
+    import tomllib
+
+    from fivefold.cli.recipe_text import TRAIN_FIELDS
+    from fivefold.train.config import TrainConfig
+    from fivefold.train.entry import load_run
+
+    sections = tomllib.loads(recipe)
+    assert sections["plan"] == {"micro_batch": 1, "grad_accum": 1}
+    assert set(TRAIN_FIELDS) | {"run_dir", "resume"} == set(sections["train"])
+    assert sections["train"]["lr"] == TrainConfig().lr
+    assert "lr = 0.0003  # default: peak learning rate" in recipe
+    assert "grad_accum = 1  # default: micro-batches per optimizer step" in recipe
+    run = load_run(tmp_path / "new" / "imported.toml", [], world_size=1)
+    assert run.recipe.model.hidden == 64 and run.train.run_dir == str(tmp_path / "new")
     assert (tmp_path / "new" / "ckpt" / "step_0" / "manifest.json").is_file()
     # a second import into the same run directory is refused with exit status 2
     assert main(["import", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "new")]) == 2

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from fivefold.checkpoint.state import TrainingState, capture_rng, restore_rng
+from fivefold.checkpoint.state import TrainingState, _b64, capture_rng, restore_rng
 from fivefold.errors import CheckpointError
 
 
@@ -54,3 +54,64 @@ def test_garbage_rng_states_are_a_checkpoint_error(corrupt):
     with pytest.raises(CheckpointError, match="saved RNG state is damaged"):
         restore_rng({**capture_rng(), **corrupt})
     torch.set_rng_state(before)
+
+
+class FakeCudaRng:
+    """torch.cuda's RNG calls on a machine with `count` GPUs, this process on `device`."""
+
+    def __init__(self, monkeypatch, count: int, device: int):
+        self.count, self.device, self.set_calls = count, device, []
+        cuda = torch.cuda
+        monkeypatch.setattr(cuda, "is_available", lambda: True)
+        monkeypatch.setattr(cuda, "is_initialized", lambda: True)
+        monkeypatch.setattr(cuda, "device_count", lambda: count)
+        monkeypatch.setattr(cuda, "current_device", lambda: self.device)
+        monkeypatch.setattr(cuda, "get_rng_state", self.get)
+        monkeypatch.setattr(cuda, "set_rng_state", self.set)
+        monkeypatch.setattr(cuda, "get_rng_state_all", lambda: [self.get(i) for i in range(count)])
+
+    def get(self, device="cuda"):
+        index = device if isinstance(device, int) else self.device
+        return torch.full((16,), 10 + index, dtype=torch.uint8)  # each GPU's own state
+
+    def set(self, state, device="cuda"):
+        index = device if isinstance(device, int) else self.device
+        if index >= self.count:  # what torch does for a GPU this machine lacks
+            raise RuntimeError(f"CUDA error: invalid device ordinal {index}")
+        self.set_calls.append((index, int(state[0])))
+
+
+def test_each_rank_saves_the_rng_of_its_own_gpu_only(monkeypatch):
+    fake = FakeCudaRng(monkeypatch, count=8, device=3)
+    saved = capture_rng()["cuda"]
+    assert isinstance(saved, str)  # one GPU's state, not the node's eight
+    fake.device = 0
+    restore_rng({**capture_rng(), "cuda": saved})
+    assert fake.set_calls == [(0, 13)]  # rank's own state onto its own GPU
+
+
+def test_resuming_on_fewer_gpus_restores_by_rank(monkeypatch):
+    """Saved by 8 ranks on an 8-GPU node, resumed by 2 ranks on a 2-GPU machine: each rank
+    takes rank r mod 8's state and puts it on its own GPU (once reported as 'damaged')."""
+    from fivefold.checkpoint.state import rng_for_rank
+
+    fake = FakeCudaRng(monkeypatch, count=8, device=0)
+    per_rank = []
+    for rank in range(8):
+        fake.device = rank
+        per_rank.append(capture_rng())
+    state = TrainingState(step=5, rng=per_rank)
+    fake.count = 2
+    for rank in range(2):
+        fake.device, fake.set_calls = rank, []
+        restore_rng(rng_for_rank(state, rank))
+        assert fake.set_calls == [(rank, 10 + rank)]
+    assert rng_for_rank(state, 9) is per_rank[1]  # more ranks than saved: r mod 8
+
+
+def test_older_checkpoints_with_every_gpus_state_still_resume_on_one_gpu(monkeypatch):
+    fake = FakeCudaRng(monkeypatch, count=8, device=0)
+    older = {**capture_rng(), "cuda": [_b64(fake.get(i)) for i in range(8)]}
+    fake.count, fake.device = 1, 0
+    restore_rng(older)  # torch.cuda.set_rng_state_all would reach GPU 7: invalid ordinal
+    assert fake.set_calls == [(0, 10)]

@@ -90,9 +90,17 @@ def page(browser, server):
     tab.goto(server.url)
     tab.wait_for_selector("body[data-state=ready]")
     yield tab
+    raw = unfilled_placeholders(tab)
     tab.close()
     assert not errors, errors
+    assert not raw, f"the page shows raw template text: {raw}"
     assert not outside, f"the page reached outside the local server: {outside}"
+
+
+def unfilled_placeholders(tab) -> list[str]:
+    """Lines of the page's visible text that hold a JavaScript `${...}` placeholder."""
+    text = tab.evaluate("() => document.body.innerText")
+    return [line for line in text.splitlines() if "${" in line]
 
 
 def screenshot(tab, name: str) -> Path:

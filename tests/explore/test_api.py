@@ -479,3 +479,37 @@ def test_bad_planner_options_name_the_field(client, planner, words):
     status, data = client.post("/api/estimate", {**LLAMA_16, "planner": planner})
     assert status == 400
     assert any(words in p for p in data["problems"]), data
+
+
+# ---- token budget ------------------------------------------------------------------------------
+def test_estimate_and_search_carry_the_token_budget(client):
+    from fivefold.planner.budget import BudgetInputs, budget
+
+    table = {"tokens": 5e11, "gpu_hour_price": 2.5}
+    status, data = client.post("/api/estimate", {**LLAMA_16, "planner": table})
+    assert status == 200, data
+    est = estimate(model_preset("llama3-8b"), cluster_preset("dgx-h100", 16), LLAMA_16_PLAN)
+    expected = budget(est.model, est.cluster, est.plan, est.step_time_s, BudgetInputs(5e11, 2.5))
+    assert data["budget"] == json_safe(expected.to_json())
+    # 5e11 tokens / (64 x 8192 tokens per step) = 953,674.3 -> 953,675 steps
+    assert data["budget"]["steps"] == 953_675
+    assert data["budget"]["cost_usd"] == pytest.approx(2.5 * data["budget"]["gpu_hours"])
+    status, data = client.post("/api/estimate", LLAMA_16)
+    assert data["budget"] is None
+    # the seed scenario: vizz-7b on 64 H100s, 128K tokens, 4M-token batch, 500B tokens
+    body = {
+        "model": {"preset": "vizz-7b", "seq_len": 131072},
+        "cluster": {"preset": "dgx-h100", "gpus": 64},
+        "global_batch": 32,
+        "top": 2,
+        "planner": {"tokens": 5e11},
+    }
+    status, data = client.post("/api/search", body)
+    assert status == 200, data
+    assert len(data["budgets"]) == len(data["describe"]) == 2  # top 2: best and one more
+    first = data["budgets"][0]
+    assert first["steps"] == 119_210 and first["step_time_s"] == data["best"]["step_time_s"]
+    assert first["mtbf_hours"] == pytest.approx(791.83, abs=0.01)
+    assert 0.99 < first["goodput"] < 1 and first["cost_usd"] is None
+    status, data = client.post("/api/estimate", {**LLAMA_16, "planner": {"tokens": "lots"}})
+    assert status == 400 and any("planner.tokens = 'lots'" in p for p in data["problems"])

@@ -15,7 +15,7 @@ import sys
 from fivefold.explore.api import json_safe
 from fivefold.planner.estimate import estimate
 from fivefold.planner.profiles import planner_settings
-from fivefold.planner.search import search
+from fivefold.planner.search import TIE_FRACTION, search
 from fivefold.spec import (
     ClusterSpec,
     ModelSpec,
@@ -27,7 +27,7 @@ from fivefold.spec import (
 )
 from fivefold.spec.recipe import Recipe
 
-from .conftest import screenshot
+from .conftest import screenshot, unfilled_placeholders
 from .formatting import fmt_bytes, fmt_gib, fmt_int, fmt_pct, fmt_time
 
 TENANTS = ("params", "grads", "optimizer", "activations", "other")
@@ -50,6 +50,7 @@ READ_FIGURES = """() => {
   }));
   const comm = Array.from(document.querySelectorAll("#comm-table tr.comm-row")).map((tr) => ({
     kind: tr.dataset.kind, link: tr.dataset.link,
+    linkModel: tr.querySelector(".link-model")?.textContent ?? null,
     cells: Object.fromEntries(Array.from(tr.querySelectorAll("td[data-field]"))
       .map((td) => [td.dataset.field, { value: td.dataset.value, text: td.textContent }])),
   }));
@@ -110,6 +111,7 @@ def assert_page_shows(page, expected: dict) -> None:
     entries = sorted(expected["comm"], key=lambda e: (e["link"], e["kind"]))
     assert [(r["kind"], r["link"]) for r in rows] == [(e["kind"], e["link"]) for e in entries]
     for row, entry in zip(rows, entries, strict=True):
+        assert row["linkModel"] == entry["link_model"]  # how the planner priced that link
         cells = row["cells"]
         assert float(cells["bytes_per_step"]["value"]) == entry["bytes_per_step"]
         assert cells["bytes_per_step"]["text"] == fmt_bytes(entry["bytes_per_step"])
@@ -280,6 +282,10 @@ def test_recommend_runs_the_search_and_applies_a_layout(page):
         assert cells.nth(0).text_content() == fmt_time(expected["step_time_s"])
         assert float(cells.nth(1).get_attribute("data-value")) == expected["tokens_per_s"]
         assert float(cells.nth(3).get_attribute("data-value")) == expected["memory_gib"]["total"]
+    # The sentence under the table fills in the tie threshold (it once showed "${...}").
+    assert unfilled_placeholders(page) == []
+    sub = page.locator("#recommend-sub").text_content()
+    assert f"within {100 * TIE_FRACTION:.1f}% of it (a tie)" in sub
     profile_line = planner_settings(DEFAULT_CLUSTER.device).describe()
     shown = page.locator("#explanation li").all_text_contents()
     assert shown == [profile_line, *result.explanation]
@@ -433,3 +439,17 @@ def test_a_16384_gpu_layout_renders(page):
     assert "first 4096 ranks drawn" in page.locator("#ranks-sub").text_content()
     assert page.locator("#ring-sub").text_content().count("over 128 GPUs (first 16 drawn)") == 1
     screenshot(page, "10-llama3-405b-16384-gpus")
+
+
+def test_token_budget_line_matches_the_cli(page):
+    """Tokens and a GPU-hour price give the budget line `plan estimate --tokens` answers."""
+    assert page.locator("#budget-facts").text_content() == ""
+    set_controls(page, {"planner.tokens": 5e11, "planner.gpu_hour_price": 2.5})
+    flags = [*DEFAULT_FLAGS, "--tokens", "5e11", "--gpu-hour-price", "2.5"]
+    budget = cli_estimate_json(flags)["budget"]
+    node = page.locator("#budget-facts")
+    node.wait_for(state="visible")
+    assert float(node.get_attribute("data-days")) == budget["days"]
+    text = node.text_content()
+    assert f"{budget['steps']:,} steps" in text and f"{budget['days']:.1f} days" in text
+    assert f"${round(budget['cost_usd']):,}" in text and "goodput" in text

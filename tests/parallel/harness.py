@@ -227,6 +227,14 @@ MODELS: dict[str, dict] = {
         "tied_embeddings": True,
     },
     "parity-moe": {"preset": "tiny-moe", "layers": 4, "seq_len": 64, "vocab": 512},
+    "parity-moe-2e": {
+        "preset": "tiny-moe",
+        "layers": 2,
+        "seq_len": 64,
+        "vocab": 512,
+        "experts": 2,
+        "top_k": 1,
+    },
 }
 TRAIN = {
     "lr": 2e-3,

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from fivefold.train.interrupt import StopRequest, acknowledge
+
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 TINY = str(CONFIGS / "tiny-cpu.toml")
 LAYOUTS = {
@@ -163,9 +165,27 @@ def interrupt_once(
     assert last >= at_step
     assert _newest_checkpoint_step(run.run_dir) == last  # the step it stopped at, on every rank
     assert out.count("interrupted after step") == 1, out[-2000:]
+    # Said when the signal came (rank 0 only), not when the step ended.
+    said = f"{signal.Signals(sig).name} received: stopping after step "
+    assert out.count(said) == 1, out[-2000:]
+    assert out.index(said) < out.index("interrupted after step")
     from fivefold.checkpoint.manifest import step_dir_name, verify_checkpoint
 
     assert verify_checkpoint(run.run_dir / "ckpt" / step_dir_name(last)).ok
+
+
+def test_the_first_signal_is_acknowledged_at_once_and_only_once() -> None:
+    said: list[int] = []
+    request = StopRequest(announce=said.append)
+    request.handle(signal.SIGINT)
+    request.handle(signal.SIGINT)  # the same Ctrl-C delivered twice (within the grace)
+    assert request.signal == signal.SIGINT and said == [signal.SIGINT]
+    read, write = os.pipe()
+    acknowledge(signal.SIGTERM, 42, fd=write)
+    os.close(write)
+    text = os.read(read, 1000).decode()
+    os.close(read)
+    assert text.strip().startswith("SIGTERM received: stopping after step 42 with a checkpoint")
 
 
 @pytest.mark.parametrize(
@@ -213,3 +233,90 @@ def test_a_killed_rank_ends_the_job_with_one_message(tmp_path) -> None:
     assert out.count("rank 1 was killed by SIGKILL (exit status 137)") == 1, out[-3000:]
     assert "lost its connection" not in out  # a consequence, not the cause
     assert "ChildFailedError" not in out
+
+
+# ---- a signal during an entry point's first imports ------------------------------------------
+TRIGGER = """
+import os, runpy, signal, sys
+
+
+class Trigger:
+    '''SIGINT to this process when {target!r} is first imported: a Ctrl-C that lands there.'''
+
+    def find_spec(self, name, path=None, target=None):
+        if name == {target!r}:
+            sys.meta_path.remove(self)
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+
+
+sys.meta_path.insert(0, Trigger())
+sys.argv = [{module!r}, *{args!r}]
+runpy.run_module({module!r}, run_name="__main__", alter_sys=True)
+"""
+
+
+@pytest.mark.parametrize(
+    ("module", "args", "target"),
+    [
+        ("fivefold.train", [TINY, "train.steps=1"], "rich"),  # a rank: the CI failure
+        ("fivefold", ["train", TINY, "--dry-run"], "argparse"),  # the launcher / CLI
+        ("fivefold.parallel.agent", ["--standalone", "--nproc-per-node=1", "-m", "x"], "logging"),
+    ],
+)
+def test_a_signal_during_the_first_imports_waits_for_the_handler(module, args, target) -> None:
+    """Every entry holds SIGINT from its first line: one that lands while it imports (here
+    exactly when `target` loads) is acted on where the program handles it: exit 130, no
+    traceback, nothing run."""
+    code = TRIGGER.format(module=module, args=args, target=target)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+    out = done.stdout + done.stderr
+    assert done.returncode == 130, out[-3000:]
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-3000:]
+    assert "step" not in done.stdout  # nothing trained
+
+
+def test_a_hold_begun_by_an_entry_lasts_until_its_first_block_ends() -> None:
+    """`hold_signals` at an entry's first line; a block inside the first `signals_held` block
+    ends nothing; the outer block's end delivers the signal once, to the handler it replaced."""
+    from fivefold.parallel.shielded_import import hold_signals, signals_held
+
+    got: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: got.append(signum))
+    try:
+        hold_signals()
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)
+        assert got == []
+        with signals_held():
+            with signals_held():
+                pass
+            time.sleep(0.05)
+            assert got == []
+        assert got == [signal.SIGINT]
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+@contextlib.contextmanager
+def busy_cores(count: int = 2, limit_s: float = 240.0):
+    """`count` processes spinning on a CPU each (killed on leaving, or after `limit_s`)."""
+    burn = f"import time\nend = time.monotonic() + {limit_s}\nwhile time.monotonic() < end: pass"
+    procs = [subprocess.Popen([sys.executable, "-c", burn]) for _ in range(count)]
+    try:
+        yield
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.parametrize("early_s", [1.0, 3.0])
+def test_interrupt_during_start_up_under_load(tmp_path, early_s) -> None:
+    """The start-up interrupt beside two busy processes (CI's loaded machine, where imports
+    take longer and the signal lands in them)."""
+    with busy_cores():
+        interrupt_once(tmp_path, 2, 0, signal.SIGINT, "launcher", early_s)

@@ -256,3 +256,72 @@ def test_slurm_refuses_a_planner_only_recipe(capsys, tmp_path) -> None:
     code, out, err = _slurm(capsys, "--gpus-per-node", "2", str(recipe))
     assert code == 2 and out == ""
     assert "no [train] or [data] section" in err
+
+
+# ---- restarts: only the last attempt decides --------------------------------------------------
+def _processes_with(token: str, needle: bytes) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"FIVEFOLD_TEST_TOKEN={token}".encode() in environ and needle in environ:
+            found.append(int(entry.name))
+    return found
+
+
+def _logged_steps(metrics: Path) -> list[int]:
+    if not metrics.is_file():
+        return []
+    return [json.loads(line)["step"] for line in metrics.read_text().splitlines() if line]
+
+
+def test_a_restart_that_completes_exits_0_and_says_where_it_resumed(tmp_path) -> None:
+    """`--nproc 2 --max-restarts 1`, rank 1 SIGKILLed after step 2 (both ranks paused first,
+    so the kill lands before the last step): torchrun restarts the group, it resumes from the
+    checkpoint of the last finished step and completes. The job succeeded: exit 0, no error,
+    and one note saying what happened (the first attempt's error is its history)."""
+    import os
+    import signal
+    import time
+    import uuid
+
+    token = uuid.uuid4().hex
+    steps = 8
+    command = [
+        sys.executable, "-m", "fivefold", "train", "--nproc", "2", "--max-restarts", "1",
+        str(CONFIGS / "tiny-cpu.toml"), "plan.tp=2", f"train.steps={steps}",
+        "train.warmup_steps=1", "train.ckpt_every=1", "train.eval_every=0", "train.log_every=1",
+        "train.progress=false", "train.tensorboard=false", f'train.run_dir="{tmp_path}"',
+    ]  # fmt: skip
+    env = {**os.environ, "FIVEFOLD_TEST_TOKEN": token, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while max(_logged_steps(tmp_path / "metrics.jsonl"), default=0) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        ranks = _processes_with(token, b"RANK=0") + _processes_with(token, b"RANK=1")
+        for pid in ranks:
+            os.kill(pid, signal.SIGSTOP)
+        killed_after = max(_logged_steps(tmp_path / "metrics.jsonl"))
+        assert killed_after < steps
+        for pid in _processes_with(token, b"RANK=1"):
+            os.kill(pid, signal.SIGKILL)
+        for pid in _processes_with(token, b"RANK=0"):
+            os.kill(pid, signal.SIGCONT)
+        out, _ = proc.communicate(timeout=400)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-4000:]
+    assert "error:" not in out, out[-4000:]
+    match = re.search(r"attempt 2 resumed from step (\d+) and completed step (\d+)", out)
+    assert match, out[-4000:]
+    resumed, completed = int(match.group(1)), int(match.group(2))
+    assert completed == steps and 1 <= resumed <= killed_after + 1  # a step ahead if it saved
+    assert out.count("note: torchrun restarted the ranks 1 time (--max-restarts): attempt 1") == 1
+    assert _logged_steps(tmp_path / "metrics.jsonl")[-1] == steps

@@ -13,6 +13,12 @@ CI_CASES = [
     ParityCase(
         "EP2 (ZeRO-1 x2)", {"dp_shard": 2, "zero": 1, "ep": 2, "micro_batch": 4}, model="parity-moe"
     ),
+    # one expert per EP rank, sharded by ZeRO-3 over 2 ranks: FSDP splits each expert's width
+    ParityCase(
+        "EP2 x ZeRO-3 x4, 2 experts",
+        {"dp_shard": 4, "zero": 3, "ep": 2, "micro_batch": 2},
+        model="parity-moe-2e",
+    ),
 ]
 
 SLOW_CASES = [

@@ -102,3 +102,33 @@ def test_step_time_compares_like_with_like() -> None:
     assert rows[0]["predicted_step_s"] == pytest.approx(est.step_time_s)
     assert "without the optimizer" not in note
     assert predictions(runtime)[1] == pytest.approx(est.step_time_s)
+
+
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_tenants_are_compared_only_as_both_sides_define_them(wrapped: bool) -> None:
+    """On multi-process (FSDP2) runs the report printed `grads 14.3/0.0`: the counter books the
+    unsharded gradients and gathered weights as activations, the planner as grads and params.
+    There only the optimizer and the sum of the rest are compared; one process compares all."""
+    from fivefold.parallel.report import TENANTS, format_rows, stage_rows
+
+    runtime = _runtime(None)
+    mib = 2**20
+    runtime.peak_tenants = {"params": 5 * mib, "grads": 0, "optimizer": 7 * mib, "activations": mib}
+    if wrapped:
+        runtime.dp_modules = []  # what marks the FSDP2-wrapped runtime
+    rows, note = stage_rows(runtime, step_s=0.5)
+    (row,) = rows
+    predicted, measured = row["predicted_tenants"], row["measured_tenants"]
+    assert set(predicted) == set(measured)
+    assert row["measured_storage_labels"] == runtime.peak_tenants  # the raw split is kept
+    text = format_rows("layout", rows, note)
+    if wrapped:
+        assert set(measured) == {"optimizer", "params+grads+activations"}
+        assert measured == {"optimizer": 7 * mib, "params+grads+activations": 6 * mib}
+        assert "params+grads+activations" in text and "grads 0.0" not in text
+        assert "/7.0, params+grads+activations " in text and text.endswith(
+            "/6.0 (FSDP2's gathered weights: one sum)"
+        )
+    else:
+        assert set(measured) == set(TENANTS) and measured["params"] == 5 * mib
+        assert "grads " in text and "/0.0" in text

@@ -71,3 +71,42 @@ def test_summary_names_the_ranks_and_prefers_the_dead_rank() -> None:
 
 def test_ranks_ended_by_an_interrupt_are_not_failures() -> None:
     assert summarize([], 2, 130, {0: 130, 1: 143}) == (None, 130)
+
+
+def test_only_the_last_attempt_decides_and_the_restart_is_told() -> None:
+    """Attempt 0: rank 1 killed, rank 0 lost its peer (an error report); attempt 1 resumed and
+    completed: exit 0, and the note names both attempts. Had attempt 1 failed, its own
+    reports would decide."""
+    lost = RankReport(0, "error", "rank 0: step 98 lost its connection to another rank", 2, 0)
+    resumed = RankReport(0, "resumed", "resumed from step 96 and completed step 300", 0, 1)
+    message, code = summarize([lost, resumed], 2, 0, last=1)
+    assert code == 0
+    assert message == (
+        "note: torchrun restarted the ranks 1 time (--max-restarts): attempt 1 stopped (rank "
+        "0: step 98 lost its connection to another rank); attempt 2 resumed from step 96 and "
+        "completed step 300."
+    )
+    # a restart whose attempt was killed before any report: the last attempt is the marker's
+    assert summarize([lost], 2, 0, last=2)[0].endswith(
+        "attempt 2 stopped (a rank failed without a message (e.g. it was killed))."
+    )
+    again = RankReport(1, "error", "data.shards: missing", 2, 1)
+    message, code = summarize([lost, again], 2, 2, {1: 2}, last=1)
+    assert code == 2 and message.startswith("data.shards: missing (found by rank 1) Before that,")
+
+
+def test_a_sigkilled_rank_is_explained_by_the_oom_killer_count() -> None:
+    from fivefold.parallel.launch import sigkill_cause
+
+    note = "the planner predicted a peak of 22.97 GiB per rank"
+    rose = sigkill_cause(3, 4, note)
+    assert rose == (
+        "The kernel's out-of-memory killer ended it: its kill count rose by 1 during the run; "
+        + note
+    )
+    message, code = summarize([], 2, 137, {0: 137}, sigkill_note=rose)
+    assert code == 137
+    assert "rank 0 was killed by SIGKILL (exit status 137)" in message
+    assert "Its output above says why" not in message and rose in message
+    assert sigkill_cause(4, 4, "").startswith("Not the kernel's out-of-memory killer")
+    assert sigkill_cause(None, None, "").startswith("The likely cause is the kernel's out-of")

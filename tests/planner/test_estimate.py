@@ -52,7 +52,7 @@ def test_json_contract():
     kinds = {c["kind"] for c in j["comm"]}
     assert {"tp", "pp", "dp", "zero-gather"} <= kinds
     for c in j["comm"]:
-        assert set(c) == {"kind", "link", "bytes_per_step", "time_s", "exposed_s"}
+        assert set(c) == {"kind", "link", "link_model", "bytes_per_step", "time_s", "exposed_s"}
         assert c["link"] in ("nvlink", "ib") and 0 <= c["exposed_s"] <= c["time_s"] + 1e-12
     assert len(j["timeline"]) == 2
     events = j["timeline"][0]

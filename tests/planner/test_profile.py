@@ -156,27 +156,51 @@ def test_device_peak_is_the_best_measured_rate_per_rank_share(profile_path, monk
     assert profile_device(profile_path, 2).measured.share == 0.5
 
 
-def test_gemm_rate_interpolates_by_intensity(tmp_path):
+def test_gemm_rate_is_a_function_of_shape_interpolated_in_log_space(tmp_path):
     data = synthetic()
-    low, high = data["matmul"][0], data["matmul"][1]
     for row in data["matmul"]:
         row["flops_per_s"] = 1e9 if row["m"] == 512 else 1e11
     path = tmp_path / "p.toml"
     path.write_text(parse_profile(data).to_toml())
     measured = profile_device(path, 2).measured
-    i_low = Matmul("fp32", 1, low["m"], low["n"], low["k"], "nt", 1).intensity
-    i_high = Matmul("fp32", 1, high["m"], high["n"], high["k"], "nn", 1).intensity
     assert measured.gemm_flops_per_s(512, 64, 64, "fp32", "nt") == 1e9  # exact shape
-    probe = Matmul("fp32", 1, 1024, 1024, 256, "nt", 1)
-    w = (math.log(probe.intensity) - math.log(i_low)) / (math.log(i_high) - math.log(i_low))
-    expected = 1e9 + w * (1e11 - 1e9)
-    # No "tn" rows: the interpolation uses every layout's rows.
+    # (1024, 1024, 256) from (512, 64, 64) at 1e9 and (4096, 4096, 4096) at 1e11: distances^2
+    # in log space ln2^2 + ln16^2 + ln4^2 and ln4^2 + ln4^2 + ln16^2, log rates weighted by
+    # their inverses. No "tn" rows: every layout's rows are used.
+    d_low = math.log(2) ** 2 + math.log(16) ** 2 + math.log(4) ** 2
+    d_high = 2 * math.log(4) ** 2 + math.log(16) ** 2
+    w_low, w_high = 1 / d_low, 1 / d_high
+    expected = math.exp((w_low * math.log(1e9) + w_high * math.log(1e11)) / (w_low + w_high))
     got = measured.gemm_flops_per_s(1024, 1024, 256, "fp32", "tn")
     assert got == pytest.approx(expected)
-    assert measured.gemm_flops_per_s(1, 1, 1, "fp32", "tn") == 1e9  # clamped below
-    assert measured.gemm_flops_per_s(10**5, 10**5, 10**5, "fp32", "tn") == 1e11  # and above
+    # beyond the measured shapes: clamped to their range, the edge's rate
+    assert measured.gemm_flops_per_s(10**5, 10**5, 10**5, "fp32", "tn") == 1e11
+    assert measured.gemm_flops_per_s(1, 1, 1, "fp32", "tn") == 1e9
     # The same layout is preferred: the only "nn" row sets every "nn" rate.
     assert measured.gemm_flops_per_s(1, 1, 1, "fp32", "nn") == 1e11
+    # An unmeasured dtype reads the bf16 rows, else fp32's.
+    assert measured.gemm_flops_per_s(512, 64, 64, "fp8", "nt") == 1e9
+
+
+def test_a_cuda_profile_is_each_rank_s_own_gpu(tmp_path):
+    data = synthetic(cores=16)
+    data["device"]["kind"] = "cuda"
+    for table in ("matmul", "attention", "bandwidth", "overhead"):
+        data[table] = [r for r in data[table] if r["threads"] == 1]
+    path = tmp_path / "gpu.toml"
+    path.write_text(parse_profile(data).to_toml())
+    four = profile_device(path, 4)
+    assert four.measured.share == 1.0 and four.peak("fp32") == GEMM  # no core share
+    assert four.hbm_bytes == data["device"]["memory_bytes"]  # HBM not divided
+
+
+def test_the_previous_format_is_read_and_older_ones_named(tmp_path):
+    data = synthetic()
+    data["format"] = 4
+    assert parse_profile(data).matmul  # format 4: the same tables
+    data["format"] = 3
+    with pytest.raises(ConfigError, match="reads formats 4, 5; re-run `fivefold calibrate`"):
+        parse_profile(data)
 
 
 def test_layer_times_from_the_profile_by_hand(profile_path):
@@ -229,6 +253,8 @@ def test_collectives_use_the_fitted_alpha_beta(profile_path):
     cluster = profile_cluster(profile_path, 4)
     link = C.group_link(cluster, 2, 1, EFF)
     assert link.kind == "gloo"
+    words = "p2p, fitted to gloo on this machine (fivefold calibrate)"
+    assert C.link_model(link, "p2p", 2) == words  # what the breakdown says of its pricing
     s = 1e6
     assert C.all_reduce_time_s(s, 2, link) == pytest.approx(1e-4 + s / 1e9)
     assert C.all_gather_time_s(s, 2, link) == pytest.approx(1e-4 + s / 1e9)

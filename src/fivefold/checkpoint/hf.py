@@ -31,7 +31,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from fivefold.errors import CheckpointError
+from fivefold.errors import CheckpointError, ConfigError
+from fivefold.spec.hf_config import LLAMA3_KEYS, spec_from_hf_config
 from fivefold.spec.model import ModelSpec
 
 CONFIG_FILE = "config.json"
@@ -188,7 +189,18 @@ HARMLESS_CONFIG_FIELDS = frozenset(
 
 
 def spec_from_llama_config(config: dict[str, Any], where: str = CONFIG_FILE) -> ModelSpec:
-    """A ModelSpec equal to a Llama `config.json`; CheckpointError naming what cannot be kept."""
+    """A ModelSpec equal to a Llama `config.json` (read by `fivefold.spec.hf_config`, which
+    plans any supported family); CheckpointError naming what fivefold cannot train or load."""
+    typed = {key: int for key in _INT_FIELDS} | {key: float for key in _FLOAT_FIELDS}
+    wrong = [
+        f"{key} = {config[key]!r} is not {'an integer' if kind is int else 'a number'}"
+        for key, kind in typed.items()
+        if config.get(key) is not None and not _is_number(config[key], kind)
+    ]
+    if wrong:  # before anything reads them as numbers
+        raise CheckpointError(
+            f"{where} cannot be imported: " + "; ".join(wrong) + "; write each as a JSON number."
+        )
     problems = []
     unknown = sorted(set(config) - LLAMA_MODEL_FIELDS - HARMLESS_CONFIG_FIELDS)
     if unknown:
@@ -207,90 +219,47 @@ def spec_from_llama_config(config: dict[str, Any], where: str = CONFIG_FILE) -> 
     for key in ("attention_bias", "mlp_bias"):
         if config.get(key):
             problems.append(f"{key} = true (fivefold has no biases)")
-    rope, rope_problems = _rope_settings(config)
-    problems += rope_problems
-    missing = [
-        k
-        for k in (
-            "hidden_size",
-            "intermediate_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "vocab_size",
-        )
-        if k not in config
-    ]
-    if missing:
-        problems.append(f"missing fields {', '.join(missing)}")
+    rope_type = _rope_type(config)
+    if rope_type not in ("default", "llama3"):
+        problems.append(f"RoPE type {rope_type!r} (fivefold implements 'default' and 'llama3')")
     if problems:
         raise CheckpointError(f"{where} cannot be imported: " + "; ".join(problems) + ".")
+    name = str(config.get("fivefold_model_name", "hf-llama"))
     try:
-        rope = {k: int(v) if k == "rope_original_seq_len" else float(v) for k, v in rope.items()}
-        heads = int(config["num_attention_heads"])
-        spec = ModelSpec(
-            name=str(config.get("fivefold_model_name", "hf-llama")),
-            layers=int(config["num_hidden_layers"]),
-            hidden=int(config["hidden_size"]),
-            heads=heads,
-            kv_heads=int(config.get("num_key_value_heads") or heads),
-            ffn=int(config["intermediate_size"]),
-            vocab=int(config["vocab_size"]),
-            seq_len=int(config.get("max_position_embeddings", 2048)),
-            tied_embeddings=bool(config.get("tie_word_embeddings", False)),
-            head_dim=int(config.get("head_dim") or int(config["hidden_size"]) // heads),
-            norm_eps=float(config.get("rms_norm_eps", 1e-5)),
-            **rope,
-        )
-    except (TypeError, ValueError, ZeroDivisionError) as err:
-        raise CheckpointError(
-            f"{where} cannot be imported: a size or rate is not a number ({err}); fix the "
-            "config's value."
-        ) from None
-    if spec.problems():
-        raise CheckpointError(f"{where} describes an invalid model: " + " ".join(spec.problems()))
+        spec = spec_from_hf_config({"rms_norm_eps": 1e-5, **config}, where, name)
+    except ConfigError as err:
+        raise CheckpointError(err.problems) from None
+    if spec.runtime_problems():
+        raise CheckpointError(spec.runtime_problems())
     return spec
 
 
-_LLAMA3_KEYS = {  # HF key -> ModelSpec field
-    "factor": "rope_scaling_factor",
-    "low_freq_factor": "rope_low_freq_factor",
-    "high_freq_factor": "rope_high_freq_factor",
-    "original_max_position_embeddings": "rope_original_seq_len",
-}
+def _rope_type(config: dict[str, Any]) -> str:
+    """The RoPE type either spelling names ('default' when neither does)."""
+    for settings in (config.get("rope_parameters"), config.get("rope_scaling")):
+        if isinstance(settings, dict) and ("rope_type" in settings or "type" in settings):
+            return str(settings.get("rope_type", settings.get("type")))
+    return "default"
 
 
-def _rope_settings(config: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
-    """ModelSpec RoPE fields from a Llama config (transformers 5.x `rope_parameters`, 4.x
-    `rope_theta` + `rope_scaling`), and the problems: a rope type other than default/llama3, a
-    llama3 scaling missing a value, or the two spellings disagreeing."""
-    new = config.get("rope_parameters") or {}
-    old = dict(config.get("rope_scaling") or {})
-    if "rope_theta" in config:
-        old["rope_theta"] = config["rope_theta"]
-    if not isinstance(new, dict) or not isinstance(old, dict):
-        return {}, ["rope_parameters / rope_scaling must be objects"]
-    for settings in (new, old):
-        if "type" in settings and "rope_type" not in settings:
-            settings["rope_type"] = settings.pop("type")
-    conflicts = [
-        f"{key}: rope_parameters says {new[key]!r}, rope_scaling/rope_theta say {old[key]!r}"
-        for key in sorted(set(new) & set(old))
-        if new[key] != old[key]
-    ]
-    if conflicts:
-        return {}, ["conflicting RoPE settings (" + "; ".join(conflicts) + ")"]
-    rope = {**old, **new}
-    rope_type = rope.get("rope_type", "default")
-    out: dict[str, Any] = {"rope_theta": rope.get("rope_theta", 10_000.0)}
-    if rope_type == "default":
-        return out, []
-    if rope_type != "llama3":
-        return out, [f"RoPE type {rope_type!r} (fivefold implements 'default' and 'llama3')"]
-    missing = [key for key in _LLAMA3_KEYS if key not in rope]
-    if missing:
-        return out, [f"llama3 RoPE scaling without {', '.join(missing)}"]
-    out |= {field: rope[key] for key, field in _LLAMA3_KEYS.items()}
-    return out, []
+_INT_FIELDS = (
+    "num_hidden_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "vocab_size",
+    "max_position_embeddings",
+    "head_dim",
+)
+_FLOAT_FIELDS = ("rms_norm_eps", "attention_dropout", "rope_theta")
+
+
+def _is_number(value: Any, kind: type) -> bool:
+    """Whether a JSON value is an integer (`kind` int; 4096.0 counts) or any finite-typed number."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    return kind is float or float(value).is_integer()
 
 
 def _rope_config(spec: ModelSpec) -> dict[str, Any]:
@@ -298,7 +267,7 @@ def _rope_config(spec: ModelSpec) -> dict[str, Any]:
     scaling = {}
     if spec.rope_scaling_factor != 1.0:
         scaling = {"rope_type": "llama3"} | {
-            key: getattr(spec, field) for key, field in _LLAMA3_KEYS.items()
+            key: getattr(spec, field) for key, field in LLAMA3_KEYS.items()
         }
     return {
         "rope_theta": spec.rope_theta,

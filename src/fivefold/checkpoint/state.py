@@ -7,8 +7,12 @@ per-parameter hyperparameters (lr, betas, ... keyed by parameter FQN, so they su
 layout), the model spec and the plan that wrote it. It is written once per checkpoint
 (`state.json`, by global rank 0) and read by every rank.
 
-RNG states are stored as base64 bytes (torch, CUDA) and plain integer lists (Python, NumPy).
-On a different world size, rank r restores the saved state of rank r mod (saved world size).
+RNG states are stored as base64 bytes (torch, CUDA) and plain integer lists (Python, NumPy),
+keyed by rank: each rank saves its own generators, CUDA's of the GPU it runs on only (not every
+GPU the node shows), and on a different world size rank r restores the saved state of rank
+r mod (saved world size) onto its own GPU, however many GPUs this machine has. (Checkpoints
+written before kept every visible GPU's state per rank; rank r then takes the entry of its
+device index, modulo their count.)
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from fivefold.errors import CheckpointError
 STATE_FORMAT = "fivefold-state-v1"
 STATE_FILE = "state.json"
 # Fields of the model spec that do not change the tensors a checkpoint holds.
-_SPEC_FIELDS_IGNORED = ("name", "notes")
+_SPEC_FIELDS_IGNORED = ("name", "notes", "doc_len")
 
 
 @dataclass
@@ -176,13 +180,14 @@ def capture_rng() -> dict[str, Any]:
         "numpy": [kind, [int(k) for k in keys], int(pos), int(has_gauss), float(cached)],
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
+        state["cuda"] = _b64(torch.cuda.get_rng_state(torch.cuda.current_device()))
     return state
 
 
 def restore_rng(state: dict[str, Any]) -> None:
-    """Set the global RNGs from a `capture_rng` dict (CUDA only if present and available);
-    CheckpointError if the saved states are not ones these generators accept."""
+    """Set the global RNGs from a `capture_rng` dict (CUDA onto this process's current GPU, if
+    saved and available); CheckpointError if the saved states are not ones these generators
+    accept."""
     try:
         _restore_rng(state)
     except (KeyError, TypeError, ValueError, RuntimeError, binascii.Error) as err:
@@ -200,8 +205,12 @@ def _restore_rng(state: dict[str, Any]) -> None:
     random.setstate((version, tuple(internal), gauss))
     kind, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([_from_b64(s) for s in state["cuda"]])
+    if state.get("cuda") and torch.cuda.is_available():
+        device = torch.cuda.current_device()
+        saved = state["cuda"]
+        if isinstance(saved, list):  # older checkpoints: every visible GPU's state, by index
+            saved = saved[device % len(saved)]
+        torch.cuda.set_rng_state(_from_b64(saved), device)
 
 
 def rng_for_rank(state: TrainingState, rank: int) -> dict[str, Any] | None:

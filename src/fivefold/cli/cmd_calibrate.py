@@ -13,34 +13,54 @@ from typing import Any
 
 from fivefold.errors import ConfigError
 
+DEFAULT_OUT = "device-profile.toml"
+# Seconds per measurement on two idle cores (measured 2026-11-26 on the defaults, 67 s with the
+# machine loaded 2x); a collective's row takes longer by ranks / cores when ranks share cores.
+KERNEL_S = 0.07
+COLLECTIVE_S = 0.12
+LOADED = 2.5  # how much longer on a machine as loaded as the one those figures came from
+
 _DESCRIPTION = """\
 Measure the machine at hand and write a device profile (TOML) that `fivefold plan --cluster
 PROFILE.toml`, recipes (`[cluster] profile = "PROFILE.toml"`) and CPU training runs (the
-default location, when a profile exists there) use to predict step time, and against whose
-measured matmul peak MFU and HFU are reported.
+default location, with --install) use to predict step time, and against whose measured matmul
+peak MFU and HFU are reported (without a profile a CPU run's MFU is against a fixed reference).
 
 Measured: matmul throughput over the GEMM shapes of the recipe's model (q/k/v/o, MLP, LM head,
 router; forward and both backward passes; each tensor-parallel split up to --nproc; fp32, and
-bf16 where the CPU has native bf16), the experts' grouped matmuls at each expert-parallel
-split, its attention core (causal, forward and backward) and each context-parallel split's
-block attention, element-wise, loss and optimizer bandwidth (alone and with every process of
+bf16 where the CPU has native bf16) and over a grid of shapes independent of the model (the
+planner interpolates any model's shapes among them, so one profile serves every model), the
+experts' grouped matmuls at each expert-parallel split, its attention core (causal, forward
+and backward; and over a grid of lengths, head widths and batches) and each context-parallel
+split's block attention, element-wise, loss and optimizer bandwidth (alone and with every process of
 a run streaming at once), the fixed cost of a layer (dense, MoE, and the extra of tensor and
 expert parallelism and of a ZeRO-3, ZeRO-1/2 and ZeRO-0 unit), and every
 collective the runtime uses (all-reduce, all-gather, reduce-scatter, all-to-all, send/recv) at
-several sizes over --nproc real processes (gloo on CPU; NCCL where every rank has a GPU, a path
-written the same way but not yet run by us), each issued as a step issues it (back to back,
+several sizes over --nproc real processes (gloo on CPU; NCCL among the local GPUs, up to
+1 GiB), each issued as a step issues it (back to back,
 and after each model's MLP GEMM on every rank: on a CPU a collective costs more after
-compute), printed like nccl-tests and fitted to the planner's alpha-beta model. The defaults
-take about 25 s on two cores (--nproc 4 with --also tiny-moe: 80 s); --quick measures fewer
-shapes and sizes for a fast, rougher profile. Calibrate on an idle machine: other
+compute), printed like nccl-tests and fitted to the planner's alpha-beta model. Where torch
+sees a GPU, the GPU is measured (CUDA events; GEMMs in bf16 and, on compute capability 8.9+,
+FP8; attention in bf16; HBM bandwidths; NCCL when there are 2 or more GPUs): written, not yet
+run on one by us. The defaults
+cost about 65 s of CPU time on two cores with native bf16 (42 s before the grids, which took
+25 s of wall time idle): expect about 40 s idle; measured only under a load average of 15-19,
+where they took 5-8 min. --quick measures fewer shapes and sizes for a fast, rougher profile
+(18 s of CPU time; 48 s under that load). Calibrate on an idle machine: other
 work slows the multi-threaded and collective measurements (one-thread kernels are timed on the
 thread's CPU clock and are robust to it).
+
+The profile is written to --out (default ./device-profile.toml) and used where it is named.
+--install writes it to the default location instead, which every CPU run without a [cluster]
+then uses (each run's header says which profile it uses and where it came from). Before it
+starts, calibrate prints its time estimate; a progress bar shows the time left.
 """
 
 _EPILOG = """\
 examples:
-  fivefold calibrate                                  # small preset, 2 ranks, default location
+  fivefold calibrate                                  # small preset, 2 ranks, ./device-profile.toml
   fivefold calibrate configs/tiny-cpu.toml --nproc 4 --out tiny-4.toml
+  fivefold calibrate --install                        # CPU runs without [cluster] then use it
   fivefold calibrate configs/small-cpu.toml plan.micro_batch=2 --also tiny-moe --nproc 4
   fivefold plan estimate configs/small-cpu.toml --cluster tiny-4.toml --gpus 2
 """
@@ -70,11 +90,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="local ranks for the collectives, measured among 2, 4, ... up to NPROC processes "
         "in turn (default 2)",
     )
-    parser.add_argument(
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument(
         "--out",
         default=None,
-        help=f"where to write the profile (default: ${PROFILE_ENV}, else "
-        "$XDG_CACHE_HOME/fivefold/device-profile.toml)",
+        metavar="PATH",
+        help=f"where to write the profile (default: {DEFAULT_OUT} in the current directory); "
+        'name it with --cluster PATH or [cluster] profile = "PATH"',
+    )
+    where.add_argument(
+        "--install",
+        action="store_true",
+        help=f"write it to the default location (${PROFILE_ENV}, else "
+        "$XDG_CACHE_HOME/fivefold/device-profile.toml), which every CPU run without a "
+        "[cluster] then uses",
     )
     parser.add_argument(
         "--also",
@@ -114,7 +143,7 @@ def handle(args: argparse.Namespace) -> int:
 
     if args.nproc < 1:
         raise ConfigError(f"--nproc {args.nproc}: the number of ranks must be at least 1.")
-    out = Path(args.out).expanduser() if args.out else default_profile_path()
+    out = default_profile_path() if args.install else Path(args.out or DEFAULT_OUT).expanduser()
     if out.exists() and out.is_dir():
         raise ConfigError(f"--out {str(out)!r} is a directory; name a .toml file.")
     model, plan = model_and_plan(args.items)
@@ -133,12 +162,32 @@ def handle(args: argparse.Namespace) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
     print_summary(console, profile)
+    use = (
+        "every CPU run without a [cluster] now uses it (its header says so)"
+        if args.install
+        else f'recipes: [cluster] profile = "{out}" (CPU runs use no profile unless named)'
+    )
     console.print(
-        f"wrote {out}\nuse it: fivefold plan estimate RECIPE --cluster {out} --gpus N; "
-        f'recipes: [cluster] profile = "{out}"',
+        f"wrote {out}\nuse it: fivefold plan estimate RECIPE --cluster {out} --gpus N; {use}",
         markup=False,
     )
     return 0
+
+
+def estimate_s(kernels: int, collectives: int, ranks: int, cores: int) -> float:
+    """Seconds `fivefold calibrate` takes on idle cores for this many measurements."""
+    shared = max(1.0, ranks / max(cores, 1))
+    return kernels * KERNEL_S + collectives * COLLECTIVE_S * shared
+
+
+def duration(seconds: float) -> str:
+    """12 s, 3 min 20 s, 1 h 05 min."""
+    seconds = round(seconds)
+    if seconds < 60:
+        return f"{seconds} s"
+    if seconds < 3600:
+        return f"{seconds // 60} min {seconds % 60:02d} s"
+    return f"{seconds // 3600} h {seconds % 3600 // 60:02d} min"
 
 
 def _preset(name: str) -> Any:
@@ -151,13 +200,28 @@ def _preset(name: str) -> Any:
 def run_calibration(
     model, plan, ranks: int, quick: bool, console, progress: bool, also: tuple = ()
 ):
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     from fivefold.parallel import calibrate as cal
     from fivefold.parallel import calibrate_comm as comm
+    from fivefold.spec.profile import available_cores
 
-    bf16 = cal.bf16_support()
-    if bf16 != "native":
+    cuda = measuring_device(cal)
+    bf16 = cal.cuda_bf16_support() if cuda else cal.bf16_support()
+    if cuda:  # every local GPU is a rank of the collectives (NCCL); one GPU measures none
+        ranks = min(ranks, torch_cuda_count())
+        fp8 = "bf16 and fp8" if cal.fp8_supported() else "bf16 (no native fp8 here)"
+        console.print(
+            f"measuring the GPU {cal.measured_device_name()}: {fp8} matmuls, timed by CUDA events"
+        )
+    elif bf16 != "native":
         console.print(
             "bf16: this CPU has neither amx_bf16 nor avx512_bf16, so torch emulates bf16 "
             "matmuls (often many times slower than fp32): bf16 is not measured; plan fp32."
@@ -166,11 +230,21 @@ def run_calibration(
         console.print("bf16: native on this CPU, but --quick measures fp32 only.")
     steps = cal.compute_steps(model, plan, ranks, quick, bf16, also)
     gemms = tuple(comm.gaps([model, *also], plan.micro_batch))
-    total = len(steps) + (comm.steps_count(ranks, quick, len(gemms)) if ranks >= 2 else 0)
+    collectives = comm.steps_count(ranks, quick, len(gemms), cuda) if ranks >= 2 else 0
+    total = len(steps) + collectives
+    idle = estimate_s(len(steps), collectives, ranks, available_cores())
+    console.print(
+        f"calibrate: {len(steps)} kernel measurements and {collectives} collective ones over "
+        f"up to {ranks} rank(s) on {available_cores()} core(s): about {duration(idle)} on idle "
+        f"cores, up to {duration(idle * LOADED)} on a loaded machine"
+    )
     bar = Progress(
         TextColumn("[bold]calibrate"),
         BarColumn(),
         MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("left"),
+        TimeRemainingColumn(),
         TextColumn("{task.fields[what]}"),
         console=console,
         transient=True,
@@ -207,9 +281,28 @@ def run_calibration(
         )
         rows += shared
     if ranks < 2:
-        console.print("collectives: not measured with --nproc 1 (plans then need one rank).")
+        why = "one GPU here" if cuda else "--nproc 1"
+        console.print(f"collectives: not measured with {why} (plans then need one rank).")
     fits = comm.fit_collectives(samples)
     return cal.build_profile(model, ranks, bf16, cal.sort_rows(rows), backend, samples, fits)
+
+
+def measuring_device(cal) -> bool:
+    """Measure the GPU when torch sees one (True), else the CPU: the device resolution every
+    run uses (`fivefold.parallel.device.uses_cuda`)."""
+    from fivefold.parallel.device import uses_cuda
+
+    if uses_cuda("auto"):
+        cal.use_device("cuda")
+        return True
+    cal.use_device("cpu")
+    return False
+
+
+def torch_cuda_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
 
 
 def print_summary(console, profile) -> None:

@@ -1,4 +1,4 @@
-"""`fivefold ckpt`: list and verify checkpoints.
+"""`fivefold ckpt`: list (`ls`) and verify checkpoints.
 
 fivefold ckpt ls DIR                 one line per checkpoint: step, size, files, valid?, saved by
 fivefold ckpt verify DIR [--quick]   check every file against manifest.json (sizes, SHA-256)
@@ -22,7 +22,7 @@ _DIR_HELP = (
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "ckpt",
-        help="list and verify checkpoints",
+        help="checkpoints: `ckpt ls DIR` lists them, `ckpt verify DIR` checks them",
         description="Inspect fivefold checkpoints. Each step_<n> directory holds DCP tensor "
         "shards written by every rank, state.json (step, schedule, data position, RNG, model "
         "and plan) and manifest.json (size and SHA-256 of every file). A save becomes visible "
@@ -33,7 +33,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     ls = commands.add_parser(
         "ls",
-        help="list the checkpoints of a run",
+        aliases=["list"],
+        help="list the checkpoints of a run (also `list`)",
         description="List the checkpoints under DIR, oldest first: step, size, number of "
         "files, whether the files match the manifest (sizes only, fast), the world size and "
         "plan that wrote it, and any staging directories of unfinished saves.",

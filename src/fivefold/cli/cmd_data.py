@@ -47,7 +47,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=4096,
         metavar="N",
         help="vocabulary size, at most the model's vocab (default: 4096, the "
-        "tiny/small presets' vocab; at least 257)",
+        "tiny/small presets' vocab; at least 257, at most 2^24)",
     )
     tok.set_defaults(handler=_tokenizer)
 
@@ -138,7 +138,17 @@ def _prepare(args: argparse.Namespace) -> int:
         f"{len(shards.manifest['shards'])} shard(s) ({shards.num_tokens / elapsed:,.0f} tokens/s, "
         f"{elapsed:.1f} s) -> {out}"
     )
+    print(_doc_len_line(shards.document_lengths()))
     return 0
+
+
+def _doc_len_line(stats: dict) -> str:
+    """What the planner takes from the documents' lengths (`fivefold.spec.model.doc_len`)."""
+    return (
+        f"  doc length mean {stats['mean']:,.0f} tokens, token-weighted "
+        f"{stats['token_weighted_mean']:,} (attention is priced per document: fivefold plan "
+        f"--doc-len {stats['token_weighted_mean']}, or [model] doc_len in a recipe)"
+    )
 
 
 def _info(args: argparse.Namespace) -> int:
@@ -153,6 +163,7 @@ def _info(args: argparse.Namespace) -> int:
         f"  documents  {shards.num_documents} (tokens each: min {lengths.min()}, "
         f"median {int(sorted(lengths)[len(lengths) // 2])}, max {lengths.max()})"
     )
+    print(_doc_len_line(shards.document_lengths()))
     print(f"  vocab      {shards.vocab_size} (end-of-document id {shards.eod_id})")
     print(f"  tokenizer  {manifest.get('tokenizer_path') or '?'} ({shards.tokenizer_hash[:12]})")
     print(

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
+
+from fivefold.cli.recipe_text import batch_lines, data_section, toml_value, train_section
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -87,23 +90,29 @@ def _import(args: argparse.Namespace) -> int:
     from fivefold.checkpoint.state import read_state
 
     model = read_state(path).model_spec
+    train = {"run_dir": str(args.out.resolve()), "resume": True}  # resumes from step_0
     lines = [
         f"# Imported from {args.hf.resolve()} by `fivefold import`.",
         f"# Train with: fivefold train {args.out / 'imported.toml'} [section.field=value ...]",
+        "# Defaults are written out (marked `default:`); change them for your run.",
         "",
         "[model]",
-        *(f"{key} = {_toml(value)}" for key, value in model.items()),
+        *(f"{key} = {toml_value(value)}" for key, value in model.items()),
         "",
-        "[train]",
-        f"run_dir = {_toml(str(args.out.resolve()))}",
-        "resume = true",
+        "[plan]  # the layout: add tp, pp, dp_shard, zero, ... (`fivefold plan` picks one)",
+        *batch_lines({}),
         "",
-        "[data]",
-        f"tokenizer = {_toml(str(kept.resolve()))}  # the model's own: its ids are the weights'",
-        *data,
+        *train_section(train),
+        "",
+        *data_section(data),
     ]
+    lines.insert(
+        lines.index("[data]") + 1,
+        f"tokenizer = {toml_value(str(kept.resolve()))}  # the model's own: its ids are the "
+        "weights'",
+    )
     (args.out / "imported.toml").write_text("\n".join(lines) + "\n")
-    trains_on = "the embedded corpus" if not data else "your data"
+    trains_on = "your data" if {"shards", "inputs"} & set(data) else "the embedded corpus"
     print(
         f"imported {args.hf} as {path} (model {model['name']}: {model['layers']} layers, hidden "
         f"{model['hidden']}, vocab {model['vocab']}); tokenizer: {kept}; recipe: "
@@ -136,8 +145,8 @@ def _model_tokenizer(args: argparse.Namespace, vocab: int):
         ) from None
 
 
-def _data_section(args: argparse.Namespace, tokenizer, vocab: int) -> list[str]:
-    """[data] lines for --shards / --inputs; shards of another tokenizer are refused here."""
+def _data_section(args: argparse.Namespace, tokenizer, vocab: int) -> dict[str, Any]:
+    """[data] values for --shards / --inputs; shards of another tokenizer are refused here."""
     from fivefold.errors import DataError
 
     if args.shards is not None:
@@ -146,22 +155,10 @@ def _data_section(args: argparse.Namespace, tokenizer, vocab: int) -> list[str]:
         if not args.shards.is_dir():
             raise DataError(f"--shards {str(args.shards)!r} is not a directory.")
         TokenShards(args.shards, tokenizer=tokenizer, max_vocab=vocab)  # DataError on mismatch
-        return [f"shards = {_toml(str(args.shards.resolve()))}"]
+        return {"shards": str(args.shards.resolve())}
     if args.inputs:
         missing = [str(p) for p in args.inputs if not p.is_file()]
         if missing:
             raise DataError(f"--inputs: {', '.join(missing)} does not exist.")
-        files = ", ".join(_toml(str(p.resolve())) for p in args.inputs)
-        return [f"inputs = [{files}]"]
-    return []
-
-
-def _toml(value: object) -> str:
-    """A TOML literal for the plain values of a model spec."""
-    import json
-
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int | float):
-        return repr(value)
-    return json.dumps(str(value))
+        return {"inputs": [str(p.resolve()) for p in args.inputs]}
+    return {}

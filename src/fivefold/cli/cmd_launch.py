@@ -4,9 +4,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
+import sys
+from typing import Any
 
 from fivefold.errors import ConfigError
 from fivefold.parallel.launch import SLURM_MAX_RESTARTS
+
+DEFAULT_TIME = "04:00:00"  # sbatch --time when the planner has no prediction
+TIME_MARGIN = 1.25  # the predicted run time is multiplied by this ...
+TIME_EXTRA_S = 1800  # ... and this is added (start-up, checkpoints, the first steps)
+LONG_JOB_S = 7 * 86400  # beyond a week, say that partitions rarely allow it
 
 _DESCRIPTION = """\
 Start a multi-process training run of a recipe.
@@ -15,7 +23,9 @@ Start a multi-process training run of a recipe.
             torchrun over the node's GPUs with c10d rendezvous on the first node. The plan's
             degrees (pp x dp_replicate x dp_shard x cp x tp) must multiply to
             nodes x gpus-per-node (--nodes defaults to what the plan needs); the recipe is
-            checked before the script is printed, and must have [train] or [data]. Every
+            checked before the script is printed, and must have [train] or [data]. The time
+            limit is the planner's predicted run time x 1.25 + 30 min unless --time is given
+            (the script and stderr say which, and warn when --time is shorter). Every
             value in a directive is checked (job name, time, partition), every shell value is
             quoted, and the ranks run this Python (the nodes need the same path).
   --nproc N start N processes on this machine with torchrun (gloo on CPU, NCCL on CUDA); the
@@ -73,9 +83,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--partition", default="", help="--slurm: the partition to submit to")
     parser.add_argument(
         "--time",
-        default="04:00:00",
+        default=None,
         metavar="HH:MM:SS",
-        help="--slurm: wall-time limit in sbatch's format (M, H:M:S, D-H:M:S; default 04:00:00)",
+        help="--slurm: wall-time limit in sbatch's format (M, H:M:S, D-H:M:S; default: the "
+        f"planner's predicted run time x {TIME_MARGIN} + {TIME_EXTRA_S // 60} min for start-up "
+        f"and checkpoints, or {DEFAULT_TIME} when it has no prediction; the script says which)",
     )
     parser.add_argument(
         "--job-name",
@@ -183,7 +195,7 @@ def handle(args: argparse.Namespace) -> int:
         nodes=_default_nodes(data, per_node) if args.nodes is None else args.nodes,
         gpus_per_node=per_node,
         job_name=args.job_name or "fivefold",
-        time=args.time,
+        time=args.time or DEFAULT_TIME,
         partition=args.partition,
         max_restarts=restarts,
     )
@@ -193,6 +205,65 @@ def handle(args: argparse.Namespace) -> int:
     _check_allocation(recipe_path, overrides, job.nodes, job.gpus_per_node)
     run = check_layout(recipe_path, overrides, world, local=False)  # runs elsewhere
     name = args.job_name or slurm_job_name(f"fivefold-{run.train.name}")
-    job = dataclasses.replace(job, job_name=name)
-    print(slurm_script(job, recipe_path, overrides, run.recipe.plan.describe()), end="")
+    time_limit, why = _time_limit(run, data.get("planner", {}), args.time)
+    job = dataclasses.replace(job, job_name=name, time=time_limit)
+    print(f"fivefold launch: --time {time_limit}: {why}", file=sys.stderr)
+    description = f"{run.recipe.plan.describe()}; --time {time_limit}: {why}"
+    print(slurm_script(job, recipe_path, overrides, description), end="")
     return 0
+
+
+def predicted_run_s(run: Any, planner: dict) -> tuple[float | None, str]:
+    """(the planner's time for the steps this run takes, in seconds; or None and why not)."""
+    from fivefold.errors import FivefoldError
+    from fivefold.planner.estimate import estimate
+    from fivefold.planner.profiles import planner_settings
+
+    recipe = run.recipe
+    try:
+        settings = planner_settings(recipe.cluster.device, planner)
+        step_s = estimate(recipe.model, recipe.cluster, recipe.plan, settings.options).step_time_s
+    except FivefoldError as err:
+        return None, f"the planner has no prediction ({str(err).splitlines()[0]})"
+    steps = min(run.train.stop_at, run.train.steps) if run.train.stop_at else run.train.steps
+    return steps * step_s, f"{steps:,} steps x {step_s:.3f} s predicted"
+
+
+def _time_limit(run: Any, planner: dict, given: str | None) -> tuple[str, str]:
+    """sbatch's --time and why: as given (warning when the prediction is longer), else the
+    prediction x TIME_MARGIN + TIME_EXTRA_S, else DEFAULT_TIME."""
+    seconds, basis = predicted_run_s(run, planner)
+    if seconds is None:
+        return given or DEFAULT_TIME, ("as given; " if given else "a fixed default; ") + basis
+    predicted = f"{basis} = {_slurm_time(seconds)}"
+    if given:
+        short = _slurm_seconds(given) < seconds
+        warn = "; SHORTER: the job ends before the run (resubmit it to resume)" if short else ""
+        return given, f"as given; {predicted}{warn}"
+    limit_s = seconds * TIME_MARGIN + TIME_EXTRA_S
+    long = (
+        "; longer than most partitions allow: give a shorter --time and resubmit, the run "
+        "resumes from its newest checkpoint (set train.ckpt_every)"
+        if limit_s > LONG_JOB_S
+        else ""
+    )
+    return _slurm_time(limit_s), f"{predicted}, x {TIME_MARGIN} + {TIME_EXTRA_S // 60} min{long}"
+
+
+def _slurm_seconds(text: str) -> float:
+    """sbatch's time formats (M, M:S, H:M:S, D-H, D-H:M, D-H:M:S) in seconds."""
+    days, _, clock = text.rpartition("-")
+    parts = [int(p) for p in clock.split(":")]
+    if days:  # D-H, D-H:M, D-H:M:S
+        h, m, sec = [*parts, 0, 0][:3]
+    else:  # M, M:S, H:M:S
+        h, m, sec = ([0, *parts, 0] if len(parts) < 3 else parts)[:3]
+    return ((int(days or 0) * 24 + h) * 60 + m) * 60 + sec
+
+
+def _slurm_time(seconds: float) -> str:
+    """Seconds as sbatch's D-HH:MM:SS (HH:MM:SS under a day), rounded up to the minute."""
+    minutes = max(1, math.ceil(seconds / 60))
+    days, rest = divmod(minutes, 24 * 60)
+    text = f"{rest // 60:02d}:{rest % 60:02d}:00"
+    return f"{days}-{text}" if days else text

@@ -22,16 +22,20 @@ Find the layout (tensor, pipeline with its schedule, data with its ZeRO stage, c
 expert parallelism, micro-batch, gradient accumulation, recompute, precision) that trains the
 model fastest on the cluster without running out of memory, and say why. Prints the layout, the
 per-GPU memory of the worst pipeline stage against HBM, step time, tokens/s, MFU, HFU, the
-pipeline bubble and the reasoning; with --out PATH it also writes the layout as a TOML recipe
-that `fivefold train` reads. Layout flags (--tp, --pp, ...) pin those fields in the search.
+pipeline bubble and the reasoning; with --out PATH it also writes the layout as a complete
+TOML recipe ([train] and [data] at their defaults, each marked so) that `fivefold train` and
+`fivefold launch --slurm` take. Layout flags (--tp, --pp, ...) pin those fields in the search.
 
 `fivefold plan estimate` costs one given layout instead of searching.
 
 The model comes from a preset (--model llama3-8b), a TOML file (--model my.toml, a [model]
-table or a recipe) or flags (--layers --hidden --heads ...); flags override the preset. The
+table or a recipe), a Hugging Face config (--hf-config config.json: Llama, Mistral, Qwen2/3,
+Mixtral, DeepSeek-V3) or flags (--layers --hidden --heads ...); flags override the preset. The
 cluster from a preset and a GPU count (--cluster dgx-h100 --gpus 64) or a description
 (--gpu h100 --gpus-per-node 8 --nvlink-gbps 900 --ib-gbps 50 --gpus 64). A positional recipe
-(e.g. configs/llama3-8b-dgx-h100.toml) gives model, cluster and, for `estimate`, the layout.
+(e.g. configs/llama3-8b-dgx-h100.toml) gives model, cluster and, for `estimate`, the layout
+and its batch: grad_accum as the recipe sets it (its default, 1, when unset), the batch
+`fivefold train` runs, unless --global-batch or --global-batch-tokens is given.
 
 What the training software achieves (attention kernel, overlap of TP and DP communication,
 fused kernels, collective granularity) is an efficiency profile: --profile megatron-2022,
@@ -47,6 +51,8 @@ examples:
       --global-batch-tokens 4M
   fivefold plan --model llama3-405b --cluster dgx-h100 --gpus 16384 --global-batch-tokens 16M
   fivefold plan --model llama3-70b --gpus 64 --tp 8 --json        # pin TP, print JSON
+  fivefold plan --hf-config config.json --gpus 64 --seq 8K --global-batch-tokens 4M \
+      --tokens 1T --gpu-hour-price 2.5                            # time, cost, failures
   fivefold plan estimate --model llama3-8b --gpus 64 --tp 8 --zero 3 --mbs 1 \\
       --global-batch 128 --recompute selective
   fivefold plan estimate configs/llama3-8b-dgx-h100.toml
@@ -83,7 +89,21 @@ def _plan_handler(args: argparse.Namespace) -> int:
         args.items = items[1:]
         _refuse_search_flags(args)
         return _estimate_handler(args)
+    if items and items[0] == "check":
+        return _check_handler(items[1:], args.json)
     return _search_handler(args)
+
+
+def _check_handler(items: list[str], as_json: bool) -> int:
+    """`plan check RECIPE [OVERRIDE ...]`: the layout built at full scale under fake tensors."""
+    from fivefold.cli.plan_check_report import run_check
+    from fivefold.spec.recipe import load_recipe
+
+    if not items or "=" in items[0]:
+        raise ConfigError(
+            "plan check needs a recipe: fivefold plan check RECIPE.toml [section.field=value ...]"
+        )
+    return run_check(load_recipe(items[0], items[1:]), as_json)
 
 
 def _refuse_search_flags(args: argparse.Namespace) -> None:
@@ -110,13 +130,20 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "items",
         nargs="*",
-        metavar="[estimate] [RECIPE] [OVERRIDE ...]",
-        help="'estimate' to cost one layout instead of searching; then an optional TOML recipe "
-        "(its [model], [cluster] and, for estimate, [plan]) and section.field=value overrides "
-        "(plan.tp=4)",
+        metavar="[estimate|check] [RECIPE] [OVERRIDE ...]",
+        help="'estimate' to cost one layout instead of searching, 'check' to build the "
+        "recipe's layout at full scale under fake tensors and measure its memory beside the "
+        "prediction; then an optional TOML recipe (its [model], [cluster] and, for estimate "
+        "and check, [plan]) and section.field=value overrides (plan.tp=4)",
     )
     m = parser.add_argument_group("model (a preset or TOML file, and/or flags)")
     m.add_argument("--model", metavar="PRESET|FILE", help="preset name or TOML file")
+    m.add_argument(
+        "--hf-config",
+        metavar="CONFIG.json",
+        help="a Hugging Face config.json (llama, mistral, qwen2, qwen3, mixtral, deepseek_v3): "
+        "the model it describes, flags on top (as [model] hf_config = ...)",
+    )
     for flag, help_text in (
         ("--layers", "transformer layers"),
         ("--hidden", "hidden size"),
@@ -131,6 +158,13 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     ):
         m.add_argument(flag, metavar="N", help=help_text)
     m.add_argument("--seq", metavar="TOKENS", help="sequence length, e.g. 8192, 128K")
+    m.add_argument(
+        "--doc-len",
+        metavar="TOKENS",
+        help="mean document length of the training data (token-weighted, as `fivefold data "
+        "prepare` prints it; [model] doc_len): attention is priced per document; default one "
+        "document per sequence",
+    )
     m.add_argument("--mlp", choices=("swiglu", "gelu"), help="MLP kind (default swiglu)")
     m.add_argument(
         "--tied-embeddings", action="store_true", default=None, help="LM head tied to embedding"
@@ -147,6 +181,12 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--gpus-per-node", metavar="N", help="GPUs per node (default 8)")
     c.add_argument("--nvlink-gbps", metavar="GB/s", help="NVLink GB/s per GPU (e.g. 900)")
     c.add_argument("--ib-gbps", metavar="GB/s", help="inter-node GB/s per GPU (e.g. 50)")
+    c.add_argument(
+        "--nvlink-domain",
+        metavar="N",
+        help="GPUs one NVLink fabric joins across nodes (gb200-nvl72: 72; default one node): "
+        "TP and the groups inside it stay on NVLink",
+    )
     lay = parser.add_argument_group("layout (for estimate; a search keeps given fields fixed)")
     for flag, help_text in (
         ("--tp", "tensor-parallel degree (inside a node)"),
@@ -223,11 +263,48 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     b.add_argument(
         "--out",
         metavar="PATH",
-        help="search: also write the chosen layout as a recipe to PATH, in an existing "
-        "directory (default: no file is written)",
+        help="search: also write the chosen layout as a complete recipe ([train] and [data] "
+        "at their defaults) to PATH, in an existing directory (default: no file is written)",
     )
     b.add_argument("--json", action="store_true", help="print JSON (stable key names)")
+    _add_budget_options(parser)
     _add_planner_options(parser)
+
+
+def _add_budget_options(parser: argparse.ArgumentParser) -> None:
+    """The token-budget flags (`fivefold.planner.budget`); each also a [planner] field."""
+    from fivefold.planner.budget import DEFAULT_RESTART_S
+
+    g = parser.add_argument_group(
+        "token budget (days, GPU-hours, cost, failures and checkpoint interval for a number of "
+        "tokens; each also a [planner] field: tokens, gpu_hour_price, failure_rate, "
+        "ckpt_bandwidth in bytes/s per node, restart_overhead_s)"
+    )
+    g.add_argument(
+        "--tokens",
+        metavar="N",
+        help="tokens to train, decimal suffixes: 500B = 5e11 (K, M, B or G, T; or 5e11)",
+    )
+    g.add_argument(
+        "--gpu-hour-price", metavar="USD", help="price of one GPU-hour (default: no cost shown)"
+    )
+    g.add_argument(
+        "--failure-rate",
+        metavar="PER_GPU_HOUR",
+        help="interruptions per GPU-hour (default 1.97e-5: Llama 3's 419 in 54 days on 16,384 "
+        "H100s)",
+    )
+    g.add_argument(
+        "--ckpt-bandwidth",
+        metavar="GB/s",
+        help="checkpoint storage write bandwidth per node (default 0.98: Llama 3's 2 TB/s over "
+        "2,048 nodes)",
+    )
+    g.add_argument(
+        "--restart-overhead",
+        metavar="SECONDS",
+        help=f"time each restart costs before training resumes (default {DEFAULT_RESTART_S:g})",
+    )
 
 
 def _add_planner_options(parser: argparse.ArgumentParser) -> None:
@@ -330,6 +407,79 @@ def planner_from_args(args: argparse.Namespace, cluster: Any, recipe_data: dict[
 _NUMERIC_OPTIONS = ("cuda_context_bytes", "fragmentation_fraction", "dp_bucket_bytes")
 
 
+# ---- token budget ----------------------------------------------------------------------------
+TOKEN_SUFFIXES = {"": 1.0, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
+
+
+def parse_tokens(text: Any, flag: str = "--tokens") -> float:
+    """'500B' -> 5e11, '2T' -> 2e12, '5e11' -> 5e11 (decimal suffixes, as token counts are
+    quoted; sizes elsewhere are binary)."""
+    raw = str(text).strip()
+    match = re.fullmatch(r"([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKmMbBgGtT]?)", raw)
+    if not match:
+        raise ConfigError(
+            f"{flag} = {raw!r} is not a token count; write e.g. 500B, 2T or 5e11 (decimal)."
+        )
+    value = float(match.group(1)) * TOKEN_SUFFIXES[match.group(2).upper()]
+    if not 1 <= value < 1e18:
+        raise ConfigError(f"{flag} = {raw}: give between 1 and 1e18 tokens.")
+    return value
+
+
+def _positive_number(text: Any, flag: str, unit: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ConfigError(f"{flag} = {text!r}: give a number ({unit}).") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise ConfigError(f"{flag} = {text}: must be a number >= 0 ({unit}).")
+    return value
+
+
+def budget_from_args(args: argparse.Namespace, recipe_data: dict[str, dict]) -> Any:
+    """The token-budget inputs (`fivefold.planner.budget.BudgetInputs`) from the flags and the
+    recipe's [planner] table, or None when no token count is given."""
+    from fivefold.planner.budget import budget_inputs
+
+    flags: dict[str, Any] = {}
+    if args.tokens is not None:
+        flags["tokens"] = parse_tokens(args.tokens)
+    for attr, key, unit in (
+        ("gpu_hour_price", "gpu_hour_price", "USD per GPU-hour"),
+        ("failure_rate", "failure_rate", "interruptions per GPU-hour"),
+        ("ckpt_bandwidth", "ckpt_bandwidth", "GB/s per node"),
+        ("restart_overhead", "restart_overhead_s", "seconds"),
+    ):
+        raw = getattr(args, attr)
+        if raw is not None:
+            flags[key] = _positive_number(raw, "--" + attr.replace("_", "-"), unit)
+    if "ckpt_bandwidth" in flags:
+        flags["ckpt_bandwidth"] *= GBPS
+    section = recipe_data.get("planner", {})
+    return budget_inputs(section if isinstance(section, dict) else {}, flags)
+
+
+def budget_of(est: Any, inputs: Any) -> Any:
+    """The token-budget answer (`fivefold.planner.budget.Budget`) of one estimate; None without
+    a token count."""
+    from fivefold.planner.budget import budget
+
+    if inputs is None:
+        return None
+    return budget(est.model, est.cluster, est.plan, est.step_time_s, inputs)
+
+
+def _brief_budget(b: Any) -> str:
+    """'  41.2 d  63,258 GPU-h  goodput 97.1%' for an alternative's line ('' without one)."""
+    from fivefold.planner.budget import DAY_S
+
+    if b is None:
+        return ""
+    if not b.progresses:
+        return "  never finishes"
+    return f"  {b.wall_s / DAY_S:6.1f} d  {b.gpu_hours:>9,.0f} GPU-h  goodput {b.goodput:.1%}"
+
+
 # ---- model -----------------------------------------------------------------------------------
 _MODEL_FLAGS = {
     "layers": "layers",
@@ -353,7 +503,11 @@ def model_from_args(args: argparse.Namespace, recipe_data: dict[str, dict]) -> A
     from fivefold.spec.recipe import model_from_dict, read_toml
 
     values: dict[str, Any] = dict(recipe_data.get("model", {}))
-    if args.model:
+    if args.hf_config:
+        if args.model:
+            raise ConfigError("--model and --hf-config both name a model; give one of them.")
+        values = {"hf_config": args.hf_config}
+    elif args.model:
         if args.model in MODEL_PRESETS:
             values = {"preset": args.model}
         elif args.model.endswith(".toml") or Path(args.model).is_file():
@@ -389,6 +543,8 @@ def model_flags(args: argparse.Namespace) -> dict[str, Any]:
             flags[name] = parse_size(raw, "--" + attr.replace("_", "-"), minimum)
     if args.seq is not None:
         flags["seq_len"] = parse_size(args.seq, "--seq")
+    if args.doc_len is not None:
+        flags["doc_len"] = parse_size(args.doc_len, "--doc-len")
     if args.mlp is not None:
         flags["mlp"] = args.mlp
     if args.tied_embeddings:
@@ -445,6 +601,8 @@ def cluster_from_args(args: argparse.Namespace, recipe_data: dict[str, dict]) ->
         cluster = cluster.with_(intra_node_bw=parse_gbps(args.nvlink_gbps, "--nvlink-gbps"))
     if args.ib_gbps is not None:
         cluster = cluster.with_(inter_node_bw=parse_gbps(args.ib_gbps, "--ib-gbps"))
+    if getattr(args, "nvlink_domain", None) is not None:
+        cluster = cluster.with_(nvlink_domain=parse_size(args.nvlink_domain, "--nvlink-domain"))
     problems = cluster.problems()
     if problems:
         raise ConfigError(problems)
@@ -604,8 +762,11 @@ def layout_from_args(
     values.setdefault("sp", values.get("tp", 1) > 1)
     if values.get("pp", 1) > 1 and values.get("schedule") in ("zbv", "dualpipev"):
         values.setdefault("vpp", 2)
+    tokens, seqs = batch_from_args(args)
+    if "grad_accum" not in values and tokens is None and seqs is None and has_recipe(args):
+        # A recipe's batch is the one `fivefold train` runs: grad_accum at its default.
+        values["grad_accum"] = ParallelPlan().grad_accum
     if "grad_accum" not in values:
-        tokens, seqs = batch_from_args(args)
         target = batch_target(model, tokens, seqs)
         mbs = values.get("micro_batch", 1)
         dp = values["dp_replicate"] * values["dp_shard"]
@@ -626,6 +787,12 @@ def layout_from_args(
 
 
 # ---- recipes ----------------------------------------------------------------------------------
+def has_recipe(args: argparse.Namespace) -> bool:
+    """Whether the command names a recipe file (its first item is not an override)."""
+    items = args.items or []
+    return bool(items) and "=" not in items[0]
+
+
 def recipe_items(args: argparse.Namespace) -> dict[str, dict]:
     """The positional recipe and overrides as raw sections (validated later, field by field)."""
     from fivefold.spec.recipe import SECTIONS, merge, parse_overrides, read_toml
@@ -674,11 +841,15 @@ def _whole(value: Any) -> Any:
 def write_recipe(
     path: Path, model: Any, cluster: Any, plan: Any, header: str, planner: dict[str, Any]
 ) -> Path:
-    """The layout as a recipe, with the [planner] table (profile and options) it was chosen by."""
+    """The layout as a recipe, with the [planner] table (profile and options) it was chosen by,
+    and [train] and [data] at their defaults, written out."""
+    from fivefold.cli.recipe_text import data_section, train_section
     from fivefold.spec.recipe import Recipe, dump_recipe
 
     whole = {k: _whole(v) for k, v in planner.items()}  # 10485760, not 10485760.0
     text = dump_recipe(Recipe(model, cluster, plan, {"planner": whole}), header=header)
+    run = ["", *train_section({"name": model.name}), "", *data_section({})]
+    text += "\n".join(run) + "\n"  # complete: `fivefold train` and `launch --slurm` take it
     try:
         path.write_text(text)
     except OSError as err:
@@ -729,7 +900,8 @@ def summary_lines(est_json: dict[str, Any], headroom: float) -> list[str]:
     exposed = [c for c in est_json.get("comm", []) if c.get("exposed_s", 0) > 0]
     if exposed:
         parts = [
-            f"{c['kind']} {c['exposed_s'] * 1e3:,.1f} ms on {c['link']}"
+            f"{c['kind']} {c['exposed_s'] * 1e3:,.1f} ms "
+            + (f"({c['link_model']})" if c.get("link_model") else f"on {c['link']}")
             for c in sorted(exposed, key=lambda c: -c["exposed_s"])
         ]
         lines.append("exposed communication per step: " + ", ".join(parts))
@@ -779,15 +951,19 @@ def _inputs(args: argparse.Namespace) -> tuple[Any, Any, dict[str, dict], float,
 
 
 def _estimate_handler(args: argparse.Namespace) -> int:
+    from fivefold.planner.budget import budget_lines
     from fivefold.planner.estimate import estimate
     from fivefold.planner.explain import confidence_line
     from fivefold.planner.uncertainty import band_json
 
     model, cluster, data, headroom, settings = _inputs(args)
+    inputs = budget_from_args(args, data)
     plan = layout_from_args(args, model, cluster, data.get("plan", {}))
     est = estimate(model, cluster, plan, settings.options)
+    answer = budget_of(est, inputs)
     out = est.to_json()
     out["band"] = band_json(est)
+    out["budget"] = answer.to_json() if answer else None
     usable = out["hbm_gib"] * (1 - headroom)
     out["fits_with_headroom"] = out["memory_gib"]["total"] <= usable and est.host_fits
     out["headroom"] = headroom
@@ -796,6 +972,7 @@ def _estimate_handler(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=2))
         return 0
     print(f"{model.name} on {cluster.world_size} x {cluster.gpu}: {plan.describe()}")
+    _print_profile(cluster)
     print(settings.describe())
     for line in summary_lines(out, headroom):
         print(line)
@@ -804,15 +981,19 @@ def _estimate_handler(args: argparse.Namespace) -> int:
         f"{verdict}: worst stage {out['memory_gib']['total']:.1f} GiB against "
         f"{usable:.1f} GiB usable ({out['hbm_gib']:.0f} GiB HBM less {headroom:.0%} headroom)"
     )
+    for line in budget_lines(answer) if answer else []:
+        print(line)
     print(confidence_line(est))
     return 0
 
 
 def _search_handler(args: argparse.Namespace) -> int:
+    from fivefold.planner.budget import budget_lines
     from fivefold.planner.search import search
     from fivefold.planner.uncertainty import band_json
 
     model, cluster, data, headroom, settings = _inputs(args)
+    inputs = budget_from_args(args, data)
     tokens, seqs = batch_from_args(args)
     path = out_path(args, model, cluster)
     if tokens is None and seqs is None and "plan" in data:
@@ -833,6 +1014,8 @@ def _search_handler(args: argparse.Namespace) -> int:
     )
     result.explanation.insert(0, settings.describe())
     best = result.best.to_json(timeline=args.json)  # the timeline only where it is printed
+    answer = budget_of(result.best, inputs)
+    alt_budgets = [budget_of(a, inputs) for a in result.alternatives]
     recipe_path = None
     if path is not None:
         header = (
@@ -841,12 +1024,16 @@ def _search_handler(args: argparse.Namespace) -> int:
             f"{best['tokens_per_s']:,.0f} tokens/s, MFU {best['mfu']:.1%}, worst-stage memory "
             f"{best['memory_gib']['total']:.1f} GiB of {best['hbm_gib']:.0f} GiB."
         )
-        recipe_path = write_recipe(
-            path, model, cluster, result.best_plan, header, settings.section(headroom)
-        )
+        section = settings.section(headroom) | _budget_section(data)
+        section |= {"tokens": inputs.tokens} if inputs else {}
+        recipe_path = write_recipe(path, model, cluster, result.best_plan, header, section)
     if args.json:
         out = dict(best)
-        out["alternatives"] = [_brief(a.to_json()) for a in result.alternatives]
+        out["budget"] = answer.to_json() if answer else None
+        out["alternatives"] = [
+            _brief(a.to_json()) | {"budget": b.to_json() if b else None}
+            for a, b in zip(result.alternatives, alt_budgets, strict=True)
+        ]
         out["rejected"] = [{"plan": p.to_dict(), "reason": r} for p, r in result.rejected]
         out["explanation"] = result.explanation
         out["band"] = band_json(result.best)  # fivefold.planner.uncertainty
@@ -869,8 +1056,11 @@ def _search_handler(args: argparse.Namespace) -> int:
         f"({cluster.nodes} nodes x {cluster.gpus_per_node}), global batch "
         f"{result.target.sequences:g} sequences = {result.target.tokens:,.0f} tokens"
     )
+    _print_profile(cluster)
     print(f"best layout: {_describe(best['plan'])}")
     for line in summary_lines(best, headroom):
+        print(line)
+    for line in budget_lines(answer) if answer else []:
         print(line)
     if "plan" in data:
         print(_recipe_comparison(args, model, cluster, data, result, settings.options))
@@ -879,11 +1069,12 @@ def _search_handler(args: argparse.Namespace) -> int:
         print(f"  - {line}")
     if result.alternatives:
         print("\nnext best:")
-        for alt in result.alternatives:
-            j = alt.to_json()
+        for alt, alt_budget in zip(result.alternatives, alt_budgets, strict=True):
+            j = alt.to_json(timeline=False)
             print(
                 f"  {j['tokens_per_s']:>12,.0f} tok/s  MFU {j['mfu']:5.1%}  "
-                f"{j['memory_gib']['total']:5.1f} GiB  {_describe(j['plan'])}"
+                f"{j['memory_gib']['total']:5.1f} GiB{_brief_budget(alt_budget)}  "
+                f"{_describe(j['plan'])}"
             )
     print(
         f"\nsearched {result.considered:,} layouts ({result.evaluated:,} costed in full) in "
@@ -894,6 +1085,24 @@ def _search_handler(args: argparse.Namespace) -> int:
     else:
         print("write this layout as a recipe for `fivefold train` with --out PATH")
     return 0
+
+
+def _budget_section(data: dict[str, dict]) -> dict[str, Any]:
+    """The recipe's token-budget [planner] fields, kept in a recipe written by --out."""
+    from fivefold.planner.budget import BUDGET_KEYS
+
+    section = data.get("planner", {})
+    return {k: section[k] for k in BUDGET_KEYS if isinstance(section, dict) and k in section}
+
+
+def _print_profile(cluster: Any) -> None:
+    """Say which device profile a measured machine's figures come from, and when it was made."""
+    if not cluster.profile:
+        return
+    from fivefold.spec.profile import load_profile
+
+    created = load_profile(cluster.profile).created
+    print(f"device profile: {cluster.profile}" + (f" (measured {created})" if created else ""))
 
 
 def _recipe_global_batch(plan_values: dict[str, Any]) -> int:

@@ -23,13 +23,16 @@ lr_schedule (cosine|linear|constant), weight_decay, betas, eps, grad_clip (0 = o
 global_batch (sequences; must equal micro_batch x dp x grad_accum), seed, device
 (auto|cpu|cuda), log_every, eval_every, eval_batches, ckpt_every, save_final,
 keep_checkpoints, ckpt_async, resume ("auto"|true|false), tensorboard, progress, max_time_s,
-memory_step, compile (torch.compile per block), profile ({start_step, steps}: a torch.profiler
-trace, docs/profiling.md), trackers (["wandb", "mlflow"]).
+memory_step, gc_every (Python's garbage collector every N steps; 0 = automatic), compile
+(torch.compile per block), profile ({start_step, steps}: a torch.profiler trace,
+docs/profiling.md), trackers (["wandb", "mlflow"]).
 [data] fields: shards (a prepared directory), inputs (.txt/.jsonl files), tokenizer,
 cache_dir, val_fraction. Without [data] the model trains on the embedded corpus.
 
-On CPU a recipe that does not set plan.precision trains in fp32; a bf16 recipe runs bf16
-autocast. Each run writes runs/<name>/: metrics.jsonl (one line per step: loss, grad_norm, lr,
+On CPU (or a GPU without native bf16) a recipe that does not set plan.precision trains in
+fp32; a bf16 recipe runs bf16 autocast. Without [cluster] a GPU run is planned for the GPU it
+finds (its catalog entry by name; an unknown one predicts memory, not time). Each run writes
+runs/<name>/: metrics.jsonl (one line per step: loss, grad_norm, lr,
 tokens_per_s, mfu, hfu, peak_memory_bytes, ...; on the layout-report step, plan_vs_run: the
 planner's per-stage peak memory, tenant by tenant, and step time beside the measured ones),
 recipe.toml (as resolved), summary.json, ckpt/step_<n>/ and TensorBoard events when
@@ -44,7 +47,11 @@ earlier checkpoints; --resume insists on resuming and says so when there is noth
 Stopping: Ctrl-C (SIGINT) or SIGTERM stops every rank after the step it is in, writes that
 step's checkpoint and exits with status 128 + signal (130, 143); the same command continues. A
 second signal more than 2 s later stops at once. Exit status 2: a user error (recipe, data,
-checkpoint), printed once even when the ranks found it; a rank that crashed: its status.
+checkpoint), printed once even when the ranks found it, every problem at once and a misspelt
+name with the closest one; a rank that crashed: its status (for SIGKILL, whether the kernel's
+out-of-memory killer did it). With --max-restarts the last attempt decides: 0 when it completes,
+the restarts noted. Before anything starts the paths the recipe names and the predicted memory
+(--dry-run's peak per rank x the local ranks) against the memory free are checked.
 --dry-run prints the resolved recipe, the layout and the planner's predictions and exits.
 """
 
@@ -156,22 +163,23 @@ def auto_plan_overrides(recipe_path: str | None, overrides: list[str], nproc: in
 
     The recipe's own degrees are ignored (the search chooses them); its model, cluster, global
     batch (`train.global_batch`, else its plan's micro_batch x dp x grad_accum) and precision
-    are kept. A CPU run plans against the calibrated device profile (`fivefold calibrate`).
+    are kept. A GPU run without [cluster] plans for the GPU it finds; a CPU run against the
+    calibrated device profile (`fivefold calibrate`).
     """
     from fivefold.planner.search import search
     from fivefold.spec.profile import default_profile_path
     from fivefold.spec.recipe import cluster_from_dict, model_from_dict, plan_from_dict
     from fivefold.train.entry import recipe_data, with_default_profile
 
-    data = with_default_profile(recipe_data(recipe_path, overrides))
+    data = with_default_profile(recipe_data(recipe_path, overrides), nproc)  # or this GPU's
     model = model_from_dict(data.get("model", {}))
     local = {"name": "local-cpu", "gpu": "cpu", "gpus": nproc}
     cluster = cluster_from_dict(data.get("cluster") or local, default_world=nproc)
     if not cluster.device.hbm_bytes:
         raise ConfigError(
             f"--plan auto on {cluster.gpu!r} needs a measured device: run `fivefold calibrate "
-            f"RECIPE --nproc {nproc}` first (it writes {default_profile_path()}, which CPU runs "
-            'then use), or name a profile as [cluster] profile = "PATH".'
+            f"RECIPE --nproc {nproc} --install` first (it writes {default_profile_path()}, "
+            'which CPU runs then use), or name a profile as [cluster] profile = "PATH".'
         )
     if cluster.world_size != nproc:
         raise ConfigError(
@@ -224,7 +232,7 @@ def _toml(value: object) -> str:
 
 
 def handle(args: argparse.Namespace) -> int:
-    from fivefold.train.entry import check_layout, split_recipe_and_overrides
+    from fivefold.train.entry import check_layout, local_problems, split_recipe_and_overrides
 
     args = reparse_items(args)
     recipe_path, overrides = split_recipe_and_overrides(args.items)
@@ -237,14 +245,18 @@ def handle(args: argparse.Namespace) -> int:
         raise ConfigError(max_restarts_problems(args.max_restarts))
     if args.plan == "auto":
         overrides += auto_plan_overrides(recipe_path, overrides, args.nproc)
-    run = check_layout(recipe_path, overrides, args.nproc)  # validate before launching
+    # validate before launching (a dry run shows its predictions first, then what is wrong)
+    run = check_layout(recipe_path, overrides, args.nproc, local=not args.dry_run)
     if args.plan != "auto":  # auto has checked (and used) the table already
         _check_planner_table(recipe_path, overrides, run)
     if args.dry_run:
         print(dry_run_report(run, args.nproc))
+        if problems := local_problems(run, args.nproc):
+            raise ConfigError(problems)
         return 0
     if args.nproc > 1 or args.max_restarts > 0:
-        return _launch(args.nproc, recipe_path, overrides, args.max_restarts)
+        note = _memory_note(run, args.nproc)
+        return _launch(args.nproc, recipe_path, overrides, args.max_restarts, note)
     from fivefold.train.loop import train
 
     return train(run).exit_code  # 128 + signal number after Ctrl-C / SIGTERM, else 0
@@ -286,11 +298,40 @@ def dry_run_report(run, nproc: int) -> str:
     lines.append(
         f"  step time: {step_s:.3f} s" if step_s is not None else "  step time: not predicted"
     )
+    if not run.train.ckpt_every:
+        from fivefold.train.loop import _checkpoint_suggestion
+
+        lines.append("  " + _checkpoint_suggestion(recipe, step_s))
+    if nproc > 1:
+        lines.append(_plan_check_lines(recipe, nproc))
     lines.append("dry run: nothing started; train with the same command without --dry-run")
     return "\n".join(lines)
 
 
-def _launch(nproc: int, recipe_path: str | None, overrides: list[str], max_restarts: int) -> int:
+def _memory_note(run, nproc: int) -> str:
+    """The planner's predicted peak against the free memory, said if a rank is SIGKILLed."""
+    from fivefold.train.entry import local_device
+    from fivefold.train.prestart import memory_fit
+
+    fit = memory_fit(run, nproc, cuda=local_device(run.train.device).type == "cuda")
+    return fit.describe() if fit is not None else ""
+
+
+def _plan_check_lines(recipe, nproc: int) -> str:
+    """`fivefold plan check`'s table for this layout on `nproc` ranks (fake tensors)."""
+    import time
+
+    from fivefold.cli.plan_check_report import format_checks
+    from fivefold.train.plan_check import check_plan
+
+    started = time.perf_counter()
+    checks = check_plan(recipe, nproc)
+    return format_checks(recipe, nproc, checks, time.perf_counter() - started)
+
+
+def _launch(
+    nproc: int, recipe_path: str | None, overrides: list[str], max_restarts: int, note: str = ""
+) -> int:
     try:
         from fivefold.parallel.launch import launch_local
     except ImportError:
@@ -299,4 +340,4 @@ def _launch(nproc: int, recipe_path: str | None, overrides: list[str], max_resta
             "not available in this installation; train with --nproc 1, or start `torchrun "
             "--nproc-per-node N -m fivefold.train RECIPE` yourself."
         ) from None
-    return int(launch_local(nproc, recipe_path, overrides, max_restarts))
+    return int(launch_local(nproc, recipe_path, overrides, max_restarts, memory_note=note))

@@ -18,7 +18,8 @@ from __future__ import annotations
 import argparse
 import math
 import re
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from fivefold.cli.intermixed import merge_intermixed
@@ -32,7 +33,8 @@ Find, by running real training steps on this machine, the largest micro-batch th
 recipe's layout and the cheapest recompute policy (none < selective < full) that reaches it.
 Micro-batches 1, 2, 4, ... are tried per policy until a step runs out of GPU memory or its
 measured peak exceeds --memory-limit (required on CPU). Prints the measured peak of every try
-beside the planner's prediction. --write updates plan.micro_batch and plan.recompute in the
+beside the planner's prediction as the try ends; the model, optimizer and data are built once
+and reused by every try. --write updates plan.micro_batch and plan.recompute in the
 recipe file. One process: every plan degree (dp_replicate, dp_shard, tp, pp, cp, ep) must be 1.
 """
 
@@ -122,10 +124,19 @@ def handle(args: argparse.Namespace) -> int:
             "--memory-limit is required on CPU (nothing runs out of memory there first): give "
             "the GiB a step may use, e.g. --memory-limit 2."
         )
+    _say(console, f"tune: building the model and data once on {device} ...")
+    session = TuneSession(args.recipe, args.overrides, base)
+    for line in trial_header(limit):
+        _say(console, line)
     trials = []
     for policy in policies:
-        trials += tune_policy(args.recipe, args.overrides, policy, limit, args.max_micro_batch)
-    console.print(format_trials(trials, limit), markup=False)
+        trials += tune_policy(
+            session,
+            policy,
+            limit,
+            args.max_micro_batch,
+            lambda t: _say(console, trial_line(t)),
+        )
     choice = choose(trials)
     if choice is None:
         raise ConfigError(nothing_fits(trials, limit))
@@ -142,6 +153,12 @@ def handle(args: argparse.Namespace) -> int:
                 "so adjust it or plan.grad_accum"
             )
     return 0
+
+
+def _say(console, line: str) -> None:
+    """Print one line now (flushed: a piped stdout otherwise holds it until the end)."""
+    console.print(line, markup=False)
+    console.file.flush()
 
 
 def nothing_fits(trials: list[Trial], limit: int | None) -> str:
@@ -206,54 +223,92 @@ def _device(run) -> str:
     return pick_device(run.train.device).type
 
 
+class TuneSession:
+    """The recipe's model, optimizer and data, built once (from `run`, the recipe at
+    micro-batch 1); each trial swaps the recompute policy on that model and draws batches of
+    its micro-batch."""
+
+    def __init__(self, recipe: str, overrides: list[str], run):
+        from fivefold.train.inputs import load_train_data
+        from fivefold.train.optim import build_optimizer
+        from fivefold.train.runtime import LocalRuntime
+
+        self.recipe, self.overrides = recipe, overrides
+        self.runtime = LocalRuntime(run.recipe)
+        self.optimizer = build_optimizer(self.runtime.model_parts, run.train, run.recipe.plan)
+        self.data = load_train_data(run, 0, 1)
+        self.policy = run.recipe.plan.recompute
+
+    def run_for(self, micro_batch: int, policy: str):
+        """The recipe at this trial (what the planner predicts), its policy applied to the model."""
+        from fivefold.parallel.checkpointing import apply_recompute, remove_recompute
+
+        if policy != self.policy:
+            remove_recompute(self.runtime.model)
+            apply_recompute(self.runtime.model, policy)
+            self.policy = policy
+        return _load(self.recipe, self.overrides, micro_batch, policy)
+
+    def batches(self, run):
+        """Steps of `run`'s micro-batches (its micro-batch size and accumulation)."""
+        data = replace(self.data, global_batch=run.global_batch)
+        return data.batches(run.recipe.plan.micro_batch)
+
+
 def tune_policy(
-    recipe: str, overrides: list[str], policy: str, limit: int | None, max_micro_batch: int
+    session: TuneSession,
+    policy: str,
+    limit: int | None,
+    max_micro_batch: int,
+    on_trial: Callable[[Trial], None] | None = None,
 ) -> list[Trial]:
-    """Micro-batches 1, 2, 4, ... under `policy` up to the first that does not fit."""
+    """Micro-batches 1, 2, 4, ... under `policy` up to the first that does not fit; `on_trial`
+    sees each trial as it ends."""
     trials = []
     micro_batch = 1
     while micro_batch <= max_micro_batch:
-        run = _load(recipe, overrides, micro_batch, policy)
-        measured = measure_peak(run)
+        run = session.run_for(micro_batch, policy)
+        measured = measure_peak(session, run)
         fits = measured is not None and (limit is None or measured <= limit)
         trials.append(Trial(policy, micro_batch, measured, predicted_peak(run), fits))
+        if on_trial is not None:
+            on_trial(trials[-1])
         if not fits:
             break
         micro_batch *= 2
     return trials
 
 
-def measure_peak(run) -> int | None:
-    """Peak bytes of the second training step of `run` in this process; None on CUDA OOM."""
+def measure_peak(session: TuneSession, run) -> int | None:
+    """Peak bytes of the second training step of `run` (its micro-batch and accumulation) on
+    the session's model; None on CUDA out of memory (the step's tensors and gradients are
+    freed before the next trial)."""
     import torch
 
     try:
-        return _second_step_peak(run)
+        return _second_step_peak(session, run)
     except torch.OutOfMemoryError:
         return None
-    finally:  # the model and its state are gone with the frame; give the memory back
+    finally:
+        session.optimizer.zero_grad(set_to_none=True)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
 
-def _second_step_peak(run) -> int:
+def _second_step_peak(session: TuneSession, run) -> int:
     import torch
 
-    from fivefold.train.inputs import load_train_data
     from fivefold.train.memory import track_cpu_peak
-    from fivefold.train.optim import build_optimizer
-    from fivefold.train.runtime import LocalRuntime
 
-    runtime = LocalRuntime(run.recipe)
-    optimizer = build_optimizer(runtime.model_parts, run.train, run.recipe.plan)  # its levers
-    batches = load_train_data(run, 0, 1).batches(run.recipe.plan.micro_batch)
+    runtime, optimizer = session.runtime, session.optimizer
+    batches = session.batches(run)
 
     def step() -> None:
         runtime.train_step(next(batches))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    step()  # allocates the optimizer state
+    step()  # the first trial allocates the optimizer state; each, its shapes' buffers
     if runtime.device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(runtime.device)
@@ -289,25 +344,28 @@ def choose(trials: list[Trial]) -> Trial | None:
     return max(fitting, key=lambda t: (t.micro_batch, -POLICIES.index(t.policy)))
 
 
-def format_trials(trials: list[Trial], limit: int | None) -> str:
+def trial_header(limit: int | None) -> list[str]:
+    """The two header lines of the trials' table."""
     budget = f"limit {limit / GIB:.3f} GiB" if limit else "until out of memory"
-    lines = [
+    return [
         f"measured peak per step vs planner ({budget}; GiB)",
         f"{'recompute':<10} {'micro':>5} {'measured':>9} {'planner':>9} {'error':>7}  fits",
     ]
-    for t in trials:
-        measured = "OOM" if t.measured is None else f"{t.measured / GIB:.4f}"
-        predicted = "-" if t.predicted is None else f"{t.predicted / GIB:.4f}"
-        error = (
-            f"{100 * (t.predicted - t.measured) / t.measured:+.1f}%"
-            if t.measured and t.predicted
-            else "-"
-        )
-        lines.append(
-            f"{t.policy:<10} {t.micro_batch:>5} {measured:>9} {predicted:>9} {error:>7}  "
-            f"{'yes' if t.fits else 'no'}"
-        )
-    return "\n".join(lines)
+
+
+def trial_line(t: Trial) -> str:
+    """One trial's row of the table."""
+    measured = "OOM" if t.measured is None else f"{t.measured / GIB:.4f}"
+    predicted = "-" if t.predicted is None else f"{t.predicted / GIB:.4f}"
+    error = (
+        f"{100 * (t.predicted - t.measured) / t.measured:+.1f}%"
+        if t.measured and t.predicted
+        else "-"
+    )
+    return (
+        f"{t.policy:<10} {t.micro_batch:>5} {measured:>9} {predicted:>9} {error:>7}  "
+        f"{'yes' if t.fits else 'no'}"
+    )
 
 
 def write_choice(path: Path, choice: Trial) -> None:

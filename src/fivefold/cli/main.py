@@ -11,19 +11,25 @@ paragraph and exits with status 2; an interrupt exits with 130; neither is ever 
 
 from __future__ import annotations
 
-import argparse
-import importlib
 import os
-import pkgutil
 import sys
+from typing import TYPE_CHECKING
 
-import fivefold.cli as cli_package
-from fivefold import __version__
-from fivefold.errors import FivefoldError
+from fivefold.parallel.shielded_import import hold_signals, signals_held
+
+if TYPE_CHECKING:
+    import argparse
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The `fivefold` parser: every command, or only `command` when it names one."""
+    import argparse
+    import importlib
+    import pkgutil
+
+    import fivefold.cli as cli_package
+    from fivefold import __version__
+
     parser = argparse.ArgumentParser(
         prog="fivefold",
         description="Plan and run 5D-parallel LLM training (data, tensor, pipeline, context, "
@@ -42,6 +48,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    hold_signals()  # until the parser and torch have loaded (kept if `python -m` began it)
+    from fivefold.errors import FivefoldError
     from fivefold.parallel.threads import passive_wait
 
     passive_wait()  # before any command imports torch (see fivefold.parallel.threads)
@@ -61,9 +69,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(argv: list[str]) -> int:
-    from fivefold.parallel.shielded_import import signals_held
-
-    with signals_held():
+    with signals_held():  # ends the hold main began
         parser = build_parser(argv[0] if argv else None)
         args = parser.parse_args(argv)
         if getattr(args, "imports_torch", False):

@@ -6,7 +6,10 @@ sequences}. `model` and `cluster` may name a preset (`{"preset": "llama3-8b", "s
 and override any field. `planner` is the recipe's [planner] table: an efficiency `profile`
 (`fivefold.planner.profiles`) and any planner option on top of it (`{"profile": "torchtitan",
 "attention_kernel": "classic"}`); answers echo the profile and every option in force. A search
-takes `risk` ("pessimistic", the default, or "expected") as `fivefold plan --risk` does.
+takes `risk` ("pessimistic", the default, or "expected") as `fivefold plan --risk` does. A
+`planner` table with `tokens` (and optionally `gpu_hour_price`, `failure_rate`, ...) adds the
+token-budget answer (`fivefold.planner.budget`): `budget` beside an estimate, and `budgets`
+(best first, as `describe`) beside a search; null without `tokens`.
 Bandwidths are bytes/s, as in `ClusterSpec`. When `global_batch` is given, the number of
 micro-batches per step (`plan.grad_accum`) is derived from it, as `fivefold plan estimate
 --global-batch` does: grad_accum = global_batch / (micro_batch * dp).
@@ -230,12 +233,31 @@ def json_safe(value: Any) -> Any:
     return value
 
 
-def _estimate_json(layout: Layout) -> dict[str, Any]:
+def _budget_inputs(body: dict[str, Any]) -> Any:
+    """The request's token-budget inputs (its `planner` table), or None without `tokens`."""
+    from fivefold.planner.budget import budget_inputs
+
+    table = body.get("planner", {})
+    try:
+        return budget_inputs(table if isinstance(table, dict) else {}, {})
+    except ConfigError as err:
+        raise ApiError(err.problems) from None
+
+
+def _budget_json(est: Any, inputs: Any) -> dict[str, Any] | None:
+    """The token-budget answer of one estimate (None without a token count)."""
+    from fivefold.planner.budget import budget
+
+    if inputs is None:
+        return None
+    return budget(est.model, est.cluster, est.plan, est.step_time_s, inputs).to_json()
+
+
+def _estimate(layout: Layout) -> Any:
     from fivefold.planner.estimate import estimate
 
     try:
-        options = layout.planner.options
-        return estimate(layout.model, layout.cluster, layout.plan, options).to_json()
+        return estimate(layout.model, layout.cluster, layout.plan, layout.planner.options)
     except ConfigError as err:
         raise ApiError(err.problems) from None
 
@@ -258,10 +280,13 @@ def layout_summary(layout: Layout) -> dict[str, Any]:
 def estimate_view(body: Any) -> dict[str, Any]:
     """POST /api/estimate: the planner's estimate of one layout, plus its rank grid."""
     layout = parse_layout(body)
+    inputs = _budget_inputs(body)
+    est = _estimate(layout)
     return json_safe(
         {
             "ok": True,
-            "estimate": _estimate_json(layout),
+            "estimate": est.to_json(),
+            "budget": _budget_json(est, inputs),
             "layout": layout_summary(layout),
             "ranks": rank_grid(layout.plan, layout.cluster),
             "model": layout.model.to_dict(),
@@ -377,6 +402,7 @@ def search_view(body: Any) -> dict[str, Any]:
     from fivefold.planner.search import TIE_FRACTION, search
 
     model, cluster, kwargs, settings = _parse_search(body)
+    inputs = _budget_inputs(body)
     started = time.perf_counter()
     try:
         result = search(model, cluster, **kwargs)
@@ -390,6 +416,7 @@ def search_view(body: Any) -> dict[str, Any]:
             "ok": True,
             "best": None if best is None else best.to_json(),
             "alternatives": [alt.to_json() for alt in result.alternatives],
+            "budgets": [_budget_json(e, inputs) for e in [best, *result.alternatives] if e],
             "describe": [est.plan.describe() for est in [best, *result.alternatives] if est],
             "rejected": [
                 {"plan": plan.to_dict(), "describe": plan.describe(), "reason": reason}

@@ -6,13 +6,20 @@ forward (one device-to-host copy of the doc ids when they live on an accelerator
 layer reuses them. The attention core picks, per call:
 
 - one document in every row (or no doc ids): SDPA `is_causal=True, enable_gqa=True`, one call;
-- CUDA in fp16/bf16, several documents: `torch.nn.attention.varlen.varlen_attn` over the
-  tokens packed as [B*T, H, Dh] with int32 cumulative document offsets and
-  `window_size=(-1, 0)` (causal); written against the documented API, checked for shapes under
-  FakeTensorMode only (this machine has no GPU: unmeasured);
-- CPU (and CUDA in fp32, which the flash kernels lack, and any device under `torch.compile`),
-  several documents: SDPA's CPU flash kernel once per document (`is_causal=True`, GQA native;
-  on CUDA the memory-efficient kernel) inside the `fivefold::document_attention` custom op
+- CUDA under `torch.compile`, several documents: FlexAttention (`flex_attention`, GQA native,
+  no K/V copies) with a document-causal `BlockMask` that `DocumentLayout.flex_block_mask`
+  builds once per forward on the host from the document starts (which 128 x 128 tiles are
+  empty, full or partial; no T x T mask) before the compiled blocks run, so the block's graph
+  holds one flex attention node and no per-document loop, and a new packing neither breaks
+  the graph nor recompiles (the mask function is a closure over the doc ids, a graph input);
+- CUDA in eager mode, fp16/bf16, several documents: `torch.nn.attention.varlen.varlen_attn`
+  over the tokens packed as [B*T, H, Dh] with int32 cumulative document offsets and
+  `window_size=(-1, 0)` (causal), GQA native where the installed torch has `enable_gqa`
+  (2.13), else K/V heads repeated (2.11; `torch_features.varlen_supports_gqa`); both CUDA
+  paths are written against the documented APIs and checked under FakeTensorMode here (no GPU);
+- CPU (and CUDA in eager fp32, which the flash kernels lack), several documents: SDPA's CPU
+  flash kernel once per document (`is_causal=True`, GQA native; on CUDA the memory-efficient
+  kernel) inside the `fivefold::document_attention` custom op
   (with its backward op), which writes every document's output into one [B, T, H, Dh] buffer
   and saves that buffer once (the output projection reads it as a view). A custom op so that
   `torch.compile` keeps it as one node that reads the spans from the doc ids when it runs
@@ -30,17 +37,20 @@ Tensors inside are [B, H, T, Dh] views whose memory is [B, T, H, Dh].
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from fivefold.model.rope import apply_rope
+from fivefold.model.torch_features import has, varlen_supports_gqa
 
 
 # ---- documents -----------------------------------------------------------------------------------
@@ -127,6 +137,73 @@ class DocumentLayout:
             cu = torch.tensor(offsets, dtype=torch.int32).to(device, non_blocking=True)
             self.cache[key] = (cu, max(lengths))
         return self.cache[key]
+
+    def flex_block_mask(self, device: torch.device) -> Any:
+        """The document-causal FlexAttention `BlockMask` of this batch on `device` (cached):
+        tiles from the host's document starts (`flex_tiles`), the mask function a closure over
+        the device's doc ids. Built eagerly, before any compiled block runs."""
+        key = ("flex", str(device))
+        if key not in self.cache:
+            self.cache[key] = _document_block_mask(self, device)
+        return self.cache[key]
+
+
+FLEX_BLOCK = 128  # FlexAttention's default tile on CUDA
+
+
+def flex_tiles(starts: tuple[int, ...], seq_len: int, block: int = FLEX_BLOCK) -> tuple:
+    """(partial [nb, nb], full [nb, nb]) bool tiles of one row of documents starting at `starts`.
+
+    Query tile i meets key tile j (j <= i) when they share a document: the document of j's last
+    token is at least that of i's first. A tile is full (no mask needed) when j < i and both
+    lie inside one document; the diagonal and every other meeting tile are partial.
+    """
+    doc = np.zeros(seq_len, dtype=np.int64)
+    doc[list(starts[1:])] = 1
+    doc = np.cumsum(doc)
+    tiles = -(-seq_len // block)
+    first = doc[np.arange(tiles) * block]
+    last = doc[np.minimum(np.arange(1, tiles + 1) * block, seq_len) - 1]
+    i, j = np.arange(tiles)[:, None], np.arange(tiles)[None, :]
+    meet = (j <= i) & (last[None, :] >= first[:, None])
+    inside = first == last
+    full = (j < i) & inside[:, None] & inside[None, :] & (first[:, None] == first[None, :])
+    return meet & ~full, full
+
+
+def _tile_lists(tiles: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """bool [B, nb, nb] -> (int32 counts [B, 1, nb], int32 ascending indices [B, 1, nb, nb])."""
+    counts = tiles.sum(-1, dtype=np.int32)[:, None]
+    order = np.argsort(~tiles, axis=-1, kind="stable").astype(np.int32)[:, None]
+    return torch.from_numpy(counts), torch.from_numpy(order)
+
+
+def _document_block_mask(docs: DocumentLayout, device: torch.device) -> Any:
+    from torch.nn.attention.flex_attention import BlockMask
+
+    partial, full = [], []
+    for rows, starts in docs.row_groups:
+        p, f = flex_tiles(starts, docs.seq_len)
+        count = len(range(*rows.indices(docs.batch)))
+        partial += [p] * count
+        full += [f] * count
+    kv_num, kv_idx = _tile_lists(np.stack(partial))
+    full_num, full_idx = _tile_lists(np.stack(full))
+    ids = docs.doc_ids.to(device, non_blocking=True)
+
+    def same_document_causal(b, h, q_idx, kv_idx):
+        return (ids[b, q_idx] == ids[b, kv_idx]) & (q_idx >= kv_idx)
+
+    mask = BlockMask.from_kv_blocks(  # on the host, query-side tiles included
+        kv_num_blocks=kv_num,
+        kv_indices=kv_idx,
+        full_kv_num_blocks=full_num,
+        full_kv_indices=full_idx,
+        BLOCK_SIZE=FLEX_BLOCK,
+        mask_mod=same_document_causal,
+        seq_lengths=(docs.seq_len, docs.seq_len),
+    )
+    return mask.to(device)
 
 
 def _offset_row_groups(offsets: Any, batch: int, seq_len: int):
@@ -243,6 +320,108 @@ def _span_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
     )  # fmt: skip
 
 
+# ---- CUDA: one flash varlen call per block ------------------------------------------------------
+def varlen_sequences(
+    spans: tuple[Span, ...], batch: int, q_len: int, k_len: int
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The block's tokens as flash-attention varlen sequences: (cumulative query offsets,
+    cumulative key offsets), both over the flattened [batch * len] tokens of the block.
+
+    Every row's query and key tokens are cut at the documents of its spans, in order; query
+    tokens of documents the key chunk lacks form sequences without keys (their output 0, their
+    log-sum-exp -inf after `_flash_block_forward`), key tokens of documents the query chunk lacks
+    sequences without queries, so both chunks are covered, in place, and never mix documents.
+    """
+    cu_q, cu_k = [0], [0]
+
+    def add(nq: int, nk: int) -> None:
+        cu_q.append(cu_q[-1] + nq)
+        cu_k.append(cu_k[-1] + nk)
+
+    for row in range(batch):
+        qpos = kpos = 0
+        for s in sorted((s for s in spans if s.rows.start <= row < s.rows.stop), key=_q_start):
+            if s.q.start > qpos:
+                add(s.q.start - qpos, 0)
+            if s.k.start > kpos:
+                add(0, s.k.start - kpos)
+            add(s.q.stop - s.q.start, s.k.stop - s.k.start)
+            qpos, kpos = s.q.stop, s.k.stop
+        if qpos < q_len:
+            add(q_len - qpos, 0)
+        if kpos < k_len:
+            add(0, k_len - kpos)
+    return tuple(cu_q), tuple(cu_k)
+
+
+def _q_start(span: Span) -> int:
+    return span.q.start
+
+
+@functools.lru_cache(maxsize=512)
+def _device_offsets(offsets: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """int32 offsets on `device`, copied once per packing (every layer and the backward reuse
+    them)."""
+    return torch.tensor(offsets, dtype=torch.int32).to(device, non_blocking=True)
+
+
+def uses_flash_blocks(q: torch.Tensor) -> bool:
+    """Whether blocks run as one flash varlen call each (CUDA in fp16/bf16; GQA native, the
+    gradients kept in q's dtype) rather than one call per document span."""
+    return q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16)
+
+
+def _varlen_args(block: Block, batch: int, q_len: int, k_len: int, device: torch.device):
+    cu_q, cu_k = varlen_sequences(block.spans, batch, q_len, k_len)
+    longest_q = max(b - a for a, b in itertools.pairwise(cu_q))
+    longest_k = max(b - a for a, b in itertools.pairwise(cu_k))
+    return _device_offsets(cu_q, device), _device_offsets(cu_k, device), longest_q, longest_k
+
+
+def _tokens_first(x: torch.Tensor) -> torch.Tensor:
+    """[B, H, T, Dh] (memory [B, T, H, Dh]) -> [B*T, H, Dh]: a view for one row or whole rows."""
+    return x.transpose(1, 2).reshape(x.shape[0] * x.shape[2], x.shape[1], x.shape[3])
+
+
+def _rows(x: torch.Tensor, rows: slice) -> torch.Tensor:
+    """x[:, :, rows] of [B, H, T, Dh] (as `narrow`, an op fake CUDA tensors can trace)."""
+    return x.narrow(2, rows.start, rows.stop - rows.start)
+
+
+def _flash_block_forward(q, k, v, block: Block, scale: float):
+    """One block in one `_flash_attention_forward` varlen call: (out [B,Hq,Tq,Dh], lse fp32)."""
+    qb, kb, vb = _rows(q, block.q), _rows(k, block.k), _rows(v, block.k)
+    batch, heads, tq, dim = qb.shape
+    cu_q, cu_k, max_q, max_k = _varlen_args(block, batch, tq, kb.shape[2], q.device)
+    out, lse, _, _, _ = torch.ops.aten._flash_attention_forward(
+        _tokens_first(qb), _tokens_first(kb), _tokens_first(vb), cu_q, cu_k, max_q, max_k,
+        0.0, block.spans[0].causal, False, scale=scale,
+    )  # fmt: skip
+    lse = lse.view(heads, batch, tq).transpose(0, 1)  # [B, Hq, Tq]
+    lse = torch.where(lse == math.inf, -math.inf, lse)  # queries that meet no key here
+    return out.view(batch, tq, heads, dim).transpose(1, 2), lse
+
+
+def _flash_block_backward(dout, q, k, v, out, lse, block: Block, scale: float, grads) -> None:
+    """Add one block's (dq, dk, dv), from one `_flash_attention_backward` call, into `grads`."""
+    qr = block.q
+    qb, kb, vb = _rows(q, qr), _rows(k, block.k), _rows(v, block.k)
+    batch, heads, tq, dim = qb.shape
+    tk, kv_heads = kb.shape[2], kb.shape[1]
+    cu_q, cu_k, max_q, max_k = _varlen_args(block, batch, tq, tk, q.device)
+    lse_b = lse.narrow(2, qr.start, tq).transpose(0, 1).reshape(heads, batch * tq).contiguous()
+    unused = torch.zeros((), dtype=torch.int64, device=q.device)  # dropout's RNG state: none
+    bdq, bdk, bdv = torch.ops.aten._flash_attention_backward(
+        _tokens_first(_rows(dout, qr)), _tokens_first(qb), _tokens_first(kb), _tokens_first(vb),
+        _tokens_first(_rows(out, qr)), lse_b, cu_q, cu_k, max_q, max_k, 0.0,
+        block.spans[0].causal, unused, unused, scale=scale,
+    )  # fmt: skip
+    dq, dk, dv = grads
+    _rows(dq, qr).add_(bdq.view(batch, tq, heads, dim).transpose(1, 2))
+    _rows(dk, block.k).add_(bdk.view(batch, tk, kv_heads, dim).transpose(1, 2))
+    _rows(dv, block.k).add_(bdv.view(batch, tk, kv_heads, dim).transpose(1, 2))
+
+
 def _heads_last_buffer(like: torch.Tensor, heads: int, seq: int, dtype) -> torch.Tensor:
     """Zeros [B, heads, seq, Dh] stored as [B, seq, heads, Dh] (so `.transpose(1, 2)` is free)."""
     batch, _, _, dim = like.shape
@@ -254,6 +433,8 @@ def block_forward(q, k, v, block: Block, scale: float) -> tuple[torch.Tensor, to
 
     Query rows no span covers get out = 0 and lse = -inf, so merging them changes nothing.
     """
+    if uses_flash_blocks(q):
+        return _flash_block_forward(q, k, v, block, scale)
     qb, kb, vb = q[:, :, block.q], k[:, :, block.k], v[:, :, block.k]
     out = _heads_last_buffer(qb, qb.shape[1], qb.shape[2], q.dtype)
     lse = qb.new_full(qb.shape[:-1], -math.inf, dtype=torch.float32)
@@ -270,6 +451,8 @@ def block_backward(dout, q, k, v, out, lse, block: Block, scale: float, grads) -
 
     `out` and `lse` are the merged results of the block's query rows (all of `q`'s rows).
     """
+    if uses_flash_blocks(q):
+        return _flash_block_backward(dout, q, k, v, out, lse, block, scale, grads)
     dq, dk, dv = grads
     for s in block.spans:
         qr, kr = _sub(block.q, s.q), _sub(block.k, s.k)
@@ -312,10 +495,16 @@ def blocks_forward(q, k, v, blocks: list[Block], scale: float):
     return out.to(q.dtype), lse
 
 
+def grad_dtype(q: torch.Tensor) -> torch.dtype:
+    """What block gradients accumulate in: q's dtype where blocks are flash calls (CUDA), else
+    fp32 (the per-span CPU kernels' sums)."""
+    return q.dtype if uses_flash_blocks(q) else torch.float32
+
+
 def zero_grads(q, k) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """fp32 zeros for (dq, dk, dv) laid out like q and k ([B, T, H, Dh] memory)."""
-    dq = _heads_last_buffer(q, q.shape[1], q.shape[2], torch.float32)
-    dk = _heads_last_buffer(k, k.shape[1], k.shape[2], torch.float32)
+    """Zeros in `grad_dtype` for (dq, dk, dv) laid out like q and k ([B, T, H, Dh] memory)."""
+    dq = _heads_last_buffer(q, q.shape[1], q.shape[2], grad_dtype(q))
+    dk = _heads_last_buffer(k, k.shape[1], k.shape[2], grad_dtype(q))
     return dq, dk, torch.zeros_like(dk)
 
 
@@ -355,15 +544,32 @@ def _varlen(q, k, v, docs: DocumentLayout) -> torch.Tensor:
 
     batch, heads, seq, dim = q.shape
     cu_seqlens, max_len = docs.cu_seqlens(q.device)
+    gqa = {}
+    if k.shape[1] != heads:
+        if varlen_supports_gqa():
+            gqa = {"enable_gqa": True}
+        else:  # torch 2.11: no GQA in varlen_attn, each K/V head repeated per query group
+            k, v = _expand_heads(k, heads), _expand_heads(v, heads)
 
     def packed(x: torch.Tensor) -> torch.Tensor:  # [B, H, T, Dh] -> [B*T, H, Dh]
         return x.transpose(1, 2).reshape(batch * seq, x.shape[1], dim)
 
     out = varlen_attn(
         packed(q), packed(k), packed(v), cu_seqlens, cu_seqlens, max_len, max_len,
-        window_size=(-1, 0), enable_gqa=k.shape[1] != heads,
+        window_size=(-1, 0), **gqa,
     )  # fmt: skip
     return out.view(batch, seq, heads, dim).transpose(1, 2)
+
+
+def flex_document_attention(q, k, v, docs: DocumentLayout) -> torch.Tensor:
+    """Causal attention within documents by FlexAttention with the batch's `BlockMask`:
+    q [B,Hq,T,Dh], k, v [B,Hkv,T,Dh] -> [B,Hq,T,Dh]; GQA native. Under `torch.compile` (CUDA)
+    it becomes one fused kernel with its backward; run eagerly it is torch's reference
+    (forward only on CPU), which the tests use to check it."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    mask = docs.flex_block_mask(q.device)
+    return flex_attention(q, k, v, block_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
 
 
 _PER_DOC_IDS = WeakTensorKeyDictionary()
@@ -455,12 +661,25 @@ document_attention.register_autograd(
 )
 
 
+def packed_kernel(device: torch.device, dtype: torch.dtype, compiling: bool) -> str:
+    """Which kernel runs several documents per row: "flex" (CUDA, compiled), "varlen" (CUDA,
+    eager, fp16/bf16) or "document_attention" (the custom op: CPU, and CUDA eager fp32)."""
+    if device.type == "cuda":
+        if compiling:
+            return "flex"
+        if dtype in (torch.float16, torch.bfloat16) and has("varlen_attn"):
+            return "varlen"
+    return "document_attention"
+
+
 class AttentionCore(nn.Module):
     """Causal attention within documents; q [B,Hq,T,Dh], k, v [B,Hkv,T,Dh] -> [B,Hq,T,Dh].
 
-    `docs` None means one document per row. GQA never copies K/V per query head. Under
-    `torch.compile` nothing here breaks the graph: one-document rows are SDPA in the graph,
-    packed rows the `document_attention` op (CUDA's varlen path runs in eager only).
+    `docs` None means one document per row. GQA never copies K/V per query head (but in
+    eager CUDA on a torch whose `varlen_attn` lacks GQA). Under `torch.compile` nothing here
+    breaks the graph: one-document rows are SDPA in the graph, packed rows FlexAttention on
+    CUDA (its `BlockMask` built before the block, `fivefold.parallel.compile`) and the
+    `document_attention` op on CPU.
     """
 
     def forward(
@@ -469,8 +688,10 @@ class AttentionCore(nn.Module):
         if docs is None or docs.single_document:
             gqa = k.shape[1] != q.shape[1]
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        half = q.dtype in (torch.float16, torch.bfloat16)
-        if q.device.type == "cuda" and half and not torch.compiler.is_compiling():
+        kernel = packed_kernel(q.device, q.dtype, torch.compiler.is_compiling())
+        if kernel == "flex":
+            return flex_document_attention(q, k, v, docs)
+        if kernel == "varlen":
             return _varlen(q, k, v, docs)
         return document_attention(q, k, v, docs.doc_ids)[0]
 

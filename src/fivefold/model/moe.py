@@ -47,6 +47,14 @@ def route(router_logits: torch.Tensor, top_k: int) -> Routing:
     return Routing(expert_indices, gates, probs, router_logits.shape[-1])
 
 
+def expert_counts(expert_indices: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Assignments per expert [num_experts] (int64) of any-shaped expert ids; a fixed-size
+    result (unlike `bincount`, whose size depends on the ids), so shapes never wait for data."""
+    flat = expert_indices.flatten()
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device)
+    return counts.scatter_add_(0, flat, torch.ones_like(flat))
+
+
 def load_balancing_loss(routing: Routing) -> torch.Tensor:
     """E * sum_e f_e * P_e (Switch Transformer, generalised to top-k); 1.0 when perfectly balanced.
 
@@ -54,7 +62,7 @@ def load_balancing_loss(routing: Routing) -> torch.Tensor:
     P_e: mean router probability of expert e over the N tokens (carries the gradient).
     """
     num_experts = routing.num_experts
-    counts = torch.bincount(routing.expert_indices.flatten(), minlength=num_experts)
+    counts = expert_counts(routing.expert_indices, num_experts)
     fraction = counts.to(routing.probs.dtype) / routing.expert_indices.numel()
     mean_prob = routing.probs.mean(dim=0)
     return num_experts * torch.sum(fraction * mean_prob)
@@ -91,7 +99,7 @@ class LocalDispatcher:
         flat_experts = routing.expert_indices.flatten()  # [N*K], slot = token * K + k
         order = torch.argsort(flat_experts, stable=True)
         grouped = tokens[order // top_k]  # [N*K, D]
-        tokens_per_expert = torch.bincount(flat_experts, minlength=routing.num_experts)
+        tokens_per_expert = expert_counts(flat_experts, routing.num_experts)
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
         return grouped, tokens_per_expert, _LocalHandle(inverse, routing.gates)

@@ -149,7 +149,7 @@ class Transformer(nn.Module):
 
 def build_model(spec: ModelSpec) -> Transformer:
     """The model for `spec` on the meta device (no memory); call `to_empty` then `init_weights`."""
-    problems = spec.problems()
+    problems = spec.problems() or spec.runtime_problems()
     if problems:
         raise ConfigError(problems)
     with torch.device("meta"):

@@ -12,16 +12,19 @@ checkpoint and exit, then kills the ones left.
 
 from __future__ import annotations
 
-import logging
 import sys
 
-from fivefold.parallel.rank_report import write_failures
-from fivefold.parallel.shielded_import import signals_held
+from fivefold.parallel.shielded_import import hold_signals, signals_held
+
+if __name__ == "__main__":
+    hold_signals()  # before any other import: a signal waits for `main`, which handles it
 
 QUIET_LOGGERS = "torch.distributed.elastic"
 
 
 def _quiet_elastic_logs() -> None:
+    import logging
+
     for name in list(logging.root.manager.loggerDict):
         if name.startswith(QUIET_LOGGERS):
             logging.getLogger(name).setLevel(logging.CRITICAL)
@@ -53,6 +56,8 @@ def _run(argv: list[str] | None) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
+
+    from fivefold.parallel.rank_report import write_failures
 
     args = get_args_parser().parse_args(argv)
     _quiet_elastic_logs()

@@ -27,6 +27,12 @@ model):
   (DTensor), of expert parallelism on a MoE layer and of a data-parallel unit (FSDP2's hooks
   for ZeRO-3, ZeRO-1/2 and `replicate` for ZeRO-0), measured on a one-rank mesh.
 The collectives run over real process groups (`fivefold.parallel.calibrate_comm`).
+Besides the model's own shapes, a model-independent grid of GEMM and attention shapes
+(`DEVICE_GRID`, `ATTENTION_GRID`) that the planner interpolates any model among.
+
+On a GPU (`use_device("cuda")`, `cuda_steps`) kernels are timed by CUDA events after an L2
+flush: GEMMs in bf16 and FP8 (compute capability 8.9+), grouped experts and attention in bf16,
+the bandwidths in HBM (fused AdamW), a layer's launch cost; the rows carry threads = 1.
 
 Written by hand: PyTorch has benchmark utilities but nothing that measures a machine into the
 planner's terms.
@@ -86,6 +92,7 @@ class Budget:
 
 
 QUICK = Budget(2, 4, 0.03)
+GRID = Budget(2, 4, 0.02)  # the device grid's points: many, and interpolated between
 
 
 def lower_quartile(times: list[float]) -> float:
@@ -94,16 +101,49 @@ def lower_quartile(times: list[float]) -> float:
     return statistics.median(ordered[: max(1, (len(ordered) + 1) // 2)])
 
 
-FLUSH_BYTES = 64 * 2**20  # more than the last-level cache of the CPUs we run on
+FLUSH_BYTES = {"cpu": 64 * 2**20, "cuda": 256 * 2**20}  # more than the last-level cache
 _flush_buffer: torch.Tensor | None = None
+_device = torch.device("cpu")  # where kernels are measured (`use_device`)
+
+
+def use_device(device: str | torch.device) -> None:
+    """Measure on `device` from now on ("cpu", or "cuda": CUDA events time each kernel)."""
+    global _device, _flush_buffer
+    _device, _flush_buffer = torch.device(device), None
+    if _device.type == "cuda" and _device.index is None:
+        _device = torch.device("cuda", torch.cuda.current_device())
+
+
+def _rand(gen: torch.Generator, *shape: int) -> torch.Tensor:
+    """Standard normal values on the measuring device; a GPU's are drawn there (its operands
+    are too large to draw on the host quickly), from torch's global generator."""
+    if _device.type == "cpu":
+        return torch.randn(*shape, generator=gen)
+    return torch.randn(*shape, device=_device)
 
 
 def flush_caches() -> None:
-    """Write a buffer larger than the last-level cache, evicting the kernel's operands."""
+    """Write a buffer larger than the last-level cache (L2 on a GPU), evicting the operands."""
     global _flush_buffer
     if _flush_buffer is None:
-        _flush_buffer = torch.zeros(FLUSH_BYTES // 4)
+        _flush_buffer = torch.zeros(FLUSH_BYTES[_device.type] // 4, device=_device)
     _flush_buffer.add_(1.0)
+
+
+def timed_s(fn: Callable[[], object]) -> float:
+    """Seconds of one `fn()`: on a GPU between two CUDA events around its kernels (the host
+    only queues them), on a CPU by `clock()`."""
+    if _device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    now = clock()
+    tick = now()
+    fn()
+    return now() - tick
 
 
 def clock() -> Callable[[], float]:
@@ -117,15 +157,12 @@ def typical_time_s(fn: Callable[[], object], budget: Budget) -> float:
     """Lower-quartile seconds of `fn()` over the budget's repeats, after one warm-up call."""
     fn()
     times: list[float] = []
-    now = clock()
     started = time.perf_counter()
     while len(times) < budget.min_repeats or (
         len(times) < budget.max_repeats and time.perf_counter() - started < budget.seconds
     ):
         flush_caches()
-        tick = now()
-        fn()
-        times.append(now() - tick)
+        times.append(timed_s(fn))
     return lower_quartile(times)
 
 
@@ -154,6 +191,11 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine() or "cpu"
+
+
+def measured_device_name() -> str:
+    """The name of the device kernels are measured on: the GPU's, else the CPU's."""
+    return torch.cuda.get_device_name(_device) if _device.type == "cuda" else cpu_name()
 
 
 def host_memory_bytes() -> int:
@@ -208,25 +250,69 @@ def gemm_shapes(model: ModelSpec, plan: ParallelPlan, ranks: int, quick: bool) -
     return sorted(shapes)
 
 
+# Model-independent GEMM shapes per device kind (m, and n = k sides): with them every model's
+# shapes fall among measured ones, so one profile serves every model (`Measured.gemm_flops_per_s`
+# interpolates in log space). A CPU's sides stop where one GEMM takes about a second.
+DEVICE_GRID = {
+    ("cpu", False): ((128, 512, 2048), (128, 512, 2048)),
+    ("cpu", True): ((256, 2048), (256, 2048)),
+    ("cuda", False): ((256, 1024, 4096, 16384), (256, 1024, 4096, 16384)),
+    ("cuda", True): ((512, 4096, 16384), (512, 2048, 8192)),
+}
+
+
+def device_grid_shapes(kind: str, quick: bool) -> list[tuple]:
+    """(m, n, k, layout) of the device grid: every m with every (n, k), in each layout."""
+    ms, sides = DEVICE_GRID[kind, quick]
+    return sorted((m, n, k, layout) for m in ms for n in sides for k in sides for layout in LAYOUTS)
+
+
 def _operands(m: int, n: int, k: int, layout: str, dtype: torch.dtype):
     """Tensors laid out as autograd has them for that pass, and the matmul to time."""
     gen = torch.Generator().manual_seed(0)
     if layout == "nt":  # forward: x [m, k] @ W[n, k]^T
-        a, b = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
+        a, b = _rand(gen, m, k), _rand(gen, n, k)
         a, b = a.to(dtype), b.to(dtype)
         return lambda: torch.mm(a, b.t())
     if layout == "nn":  # input gradient: g [m, k] @ W [k, n]
-        a, b = torch.randn(m, k, generator=gen), torch.randn(k, n, generator=gen)
+        a, b = _rand(gen, m, k), _rand(gen, k, n)
         a, b = a.to(dtype), b.to(dtype)
         return lambda: torch.mm(a, b)
-    a, b = torch.randn(k, m, generator=gen), torch.randn(k, n, generator=gen)  # g^T x
+    a, b = _rand(gen, k, m), _rand(gen, k, n)  # g^T x
     a, b = a.to(dtype), b.to(dtype)
     return lambda: torch.mm(a.t(), b)
 
 
+def _fp8_operands(m: int, n: int, k: int):
+    """An FP8 (e4m3) matmul as float8 training runs each of its three passes: `_scaled_mm` of a
+    row-major [m, k] by a column-major [k, n] operand, tensor-wise scales, bf16 output."""
+    a = torch.randn(m, k, device=_device).to(torch.float8_e4m3fn)
+    b = torch.randn(n, k, device=_device).to(torch.float8_e4m3fn)
+    one = torch.ones((), device=_device)
+    return lambda: torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+
+
+def fp8_supported() -> bool:
+    """FP8 matmuls run natively: a CUDA device of compute capability 8.9 or later (Ada,
+    Hopper, Blackwell) and torch's `_scaled_mm`."""
+    return (
+        _device.type == "cuda"
+        and torch.cuda.get_device_capability(_device) >= (8, 9)
+        and hasattr(torch, "_scaled_mm")
+        and hasattr(torch, "float8_e4m3fn")
+    )
+
+
 def measure_matmul(shape: tuple, dtype: str, threads: int, budget: Budget) -> Matmul:
+    """One GEMM pass: (m, n, k) in `layout`'s operand layout (fp8: `_fp8_operands`, whose
+    three passes share one kernel layout; the row keeps the pass's label)."""
     m, n, k, layout = shape
-    seconds = typical_time_s(_operands(m, n, k, layout, TORCH_DTYPES[dtype]), budget)
+    fn = (
+        _fp8_operands(m, n, k)
+        if dtype == "fp8"
+        else _operands(m, n, k, layout, TORCH_DTYPES[dtype])
+    )
+    seconds = typical_time_s(fn, budget)
     return Matmul(dtype, threads, m, n, k, layout, 2.0 * m * n * k / seconds)
 
 
@@ -255,10 +341,10 @@ def _grouped_operands(groups: int, tokens: int, n: int, k: int, layout: str, dty
     g[T, n]^T @ x [T, k] per group -> [g, n, k]; `tokens` split evenly over the groups."""
     gen = torch.Generator().manual_seed(0)
     rows = max(1, tokens // groups)
-    offs = torch.arange(1, groups + 1, dtype=torch.int32) * rows
-    x = torch.randn(rows * groups, k, generator=gen).to(dtype)
-    g = torch.randn(rows * groups, n, generator=gen).to(dtype)
-    w = torch.randn(groups, n, k, generator=gen).to(dtype)
+    offs = torch.arange(1, groups + 1, dtype=torch.int32, device=_device) * rows
+    x = _rand(gen, rows * groups, k).to(dtype)
+    g = _rand(gen, rows * groups, n).to(dtype)
+    w = _rand(gen, groups, n, k).to(dtype)
     if layout == "nt":
         return lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
     if layout == "nn":
@@ -281,7 +367,13 @@ def measure_grouped(shape: tuple, dtype: str, threads: int, budget: Budget) -> l
 
 # ---- attention ----------------------------------------------------------------------------------
 def attention_passes(
-    batch: int, heads: int, kv_heads: int, seq: int, head_dim: int, budget: Budget
+    batch: int,
+    heads: int,
+    kv_heads: int,
+    seq: int,
+    head_dim: int,
+    budget: Budget,
+    dtype: torch.dtype = torch.float32,
 ) -> tuple[float, float]:
     """(forward, backward) seconds of the model's attention core at this shape: one document
     per row (most rows of packed data; SDPA's causal kernel, GQA native), q/k/v laid out
@@ -290,10 +382,10 @@ def attention_passes(
     gen = torch.Generator().manual_seed(0)
 
     def leaf(h: int) -> torch.Tensor:
-        return torch.randn(batch, seq, h, head_dim, generator=gen).requires_grad_(True)
+        return _rand(gen, batch, seq, h, head_dim).to(dtype).requires_grad_(True)
 
     q, k, v = leaf(heads), leaf(kv_heads), leaf(kv_heads)
-    grad = torch.randn(batch, heads, seq, head_dim, generator=gen)
+    grad = _rand(gen, batch, heads, seq, head_dim).to(dtype)
 
     def forward() -> torch.Tensor:
         return core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None)
@@ -303,13 +395,11 @@ def attention_passes(
 
 def _backward_time(forward: Callable[[], torch.Tensor], grad: torch.Tensor, budget: Budget):
     """Lower-quartile seconds of the backward alone of `forward()` (a fresh graph each time)."""
-    times, now = [], clock()
+    times = []
     for _ in range(max(budget.min_repeats, 2) + 1):
         out = forward()
         flush_caches()
-        tick = now()
-        out.backward(grad)
-        times.append(now() - tick)
+        times.append(timed_s(lambda out=out: out.backward(grad)))
     return lower_quartile(times[1:])
 
 
@@ -340,10 +430,10 @@ def cp_attention_passes(
     gen = torch.Generator().manual_seed(0)
 
     def leaf(tokens: int, h: int) -> torch.Tensor:
-        return torch.randn(batch, tokens, h, head_dim, generator=gen).requires_grad_(True)
+        return _rand(gen, batch, tokens, h, head_dim).requires_grad_(True)
 
     q, k, v = leaf(2 * chunk, heads), leaf(seq, kv_heads), leaf(seq, kv_heads)
-    grad = torch.randn(batch, heads, 2 * chunk, head_dim, generator=gen)
+    grad = _rand(gen, batch, heads, 2 * chunk, head_dim)
 
     def forward() -> torch.Tensor:
         return block_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), blocks)
@@ -357,24 +447,62 @@ def attention_flops(batch: int, heads: int, seq: int, head_dim: int, cp: int = 1
     return 4.0 * batch * seq * (cp * seq / 2) * head_dim * heads
 
 
+# Model-independent attention shapes per device kind: (heads, kv heads), the batch sizes, the
+# sequence lengths and head widths, at most `ATTENTION_GRID_TOKENS` tokens per batch
+# (`Measured.attention_flops_per_s` interpolates over (seq, head width, batch x heads) in log
+# space: a CPU's kernels gain much from more rows of queries).
+ATTENTION_GRID = {
+    ("cpu", False): ((8, 4), (1, 4), (128, 512, 2048), (32, 128)),
+    ("cpu", True): ((8, 4), (1, 4), (256, 1024), (64,)),
+    ("cuda", False): ((16, 4), (1, 4), (1024, 4096, 16384, 65536), (64, 128)),
+    ("cuda", True): ((16, 4), (1, 4), (1024, 8192, 65536), (128,)),
+}
+ATTENTION_GRID_TOKENS = {"cpu": 2048, "cuda": 65536}
+
+
+def attention_grid(kind: str, quick: bool) -> list[tuple[int, int, int, int, int]]:
+    """(batch, heads, kv heads, seq, head_dim) of the device's attention grid."""
+    (heads, kv), batches, seqs, dims = ATTENTION_GRID[kind, quick]
+    cap = ATTENTION_GRID_TOKENS[kind]
+    return [(b, heads, kv, s, d) for b in batches for s in seqs for d in dims if b * s <= cap]
+
+
+def measure_attention_grid(
+    kind: str, threads: int, budget: Budget, quick: bool, dtype: str = "fp32"
+) -> Iterator[Attention]:
+    """The attention core (cp = 1) over the device's `attention_grid`."""
+    for batch, heads, kv, seq, dim in attention_grid(kind, quick):
+        fwd, bwd = attention_passes(batch, heads, kv, seq, dim, budget, TORCH_DTYPES[dtype])
+        flops = attention_flops(batch, heads, seq, dim)
+        yield Attention(dtype, threads, batch, heads, kv, seq, dim, 1, flops / fwd, 2 * flops / bwd)
+
+
 def measure_attention(
-    model: ModelSpec, plan: ParallelPlan, ranks: int, threads: int, budget: Budget, quick: bool
+    model: ModelSpec,
+    plan: ParallelPlan,
+    ranks: int,
+    threads: int,
+    budget: Budget,
+    quick: bool,
+    dtype: str = "fp32",
 ) -> Iterator[Attention]:
     """The single-process core at each TP split (cp = 1 rows) and, up to `ranks`, the block
-    attention of ring / all-gather context parallelism at each CP split (cp > 1 rows)."""
+    attention of ring / all-gather context parallelism at each CP split (cp > 1 rows; on a
+    CPU only: a GPU's CP blocks are not measured)."""
     s = model.seq_len
     cps = [1] if quick else [c for c in (1, 2, 4) if c <= max(1, ranks) and s % (2 * c) == 0]
+    cps = cps if _device.type == "cpu" else [1]
     for tp in tp_degrees(model, ranks):
         for cp in cps:
             heads, kv, seq = model.heads // tp, model.kv_heads // tp, s // cp
             shape = (plan.micro_batch, heads, kv)
             if cp == 1:
-                fwd, bwd = attention_passes(*shape, s, model.head_dim, budget)
+                fwd, bwd = attention_passes(*shape, s, model.head_dim, budget, TORCH_DTYPES[dtype])
             else:
                 fwd, bwd = cp_attention_passes(*shape, s, cp, model.head_dim, budget)
             flops = attention_flops(plan.micro_batch, heads, seq, model.head_dim, cp)
             yield Attention(
-                "fp32", threads, plan.micro_batch, heads, kv, seq, model.head_dim, cp,
+                dtype, threads, plan.micro_batch, heads, kv, seq, model.head_dim, cp,
                 flops / fwd, 2 * flops / bwd,
             )  # fmt: skip
 
@@ -388,13 +516,13 @@ def elementwise_passes(model: ModelSpec, batch: int, budget: Budget) -> tuple[fl
     gen = torch.Generator().manual_seed(0)
 
     def leaf(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen).requires_grad_(True)
+        return _rand(gen, *shape).requires_grad_(True)
 
-    norm1, norm2 = RMSNorm(h, model.norm_eps), RMSNorm(h, model.norm_eps)
+    norm1, norm2 = (RMSNorm(h, model.norm_eps).to(_device) for _ in range(2))
     x, attn, mlp = leaf(b, s, h), leaf(b, s, h), leaf(b, s, h)
     q, k = leaf(b, s, model.heads, d), leaf(b, s, model.kv_heads, d)
     gate, up = leaf(b, s, model.ffn), leaf(b, s, model.ffn)
-    cos, sin = rope_cos_sin(torch.arange(s).expand(b, s), d, model.rope_theta)
+    cos, sin = rope_cos_sin(torch.arange(s, device=_device).expand(b, s), d, model.rope_theta)
 
     def forward() -> list[torch.Tensor]:
         xn = norm1(x)
@@ -407,24 +535,22 @@ def elementwise_passes(model: ModelSpec, batch: int, budget: Budget) -> tuple[fl
     outs = forward()
     grads = [torch.randn_like(o) for o in outs]
     fwd = typical_time_s(forward, budget)
-    times, now = [], clock()
+    times = []
     for _ in range(max(budget.min_repeats, 2) + 1):
         outs = forward()
         flush_caches()
-        tick = now()
-        torch.autograd.backward(outs, grads)
-        times.append(now() - tick)
+        times.append(timed_s(lambda outs=outs: torch.autograd.backward(outs, grads)))
     return fwd, lower_quartile(times[1:])
 
 
 def loss_passes(tokens: int, vocab: int, budget: Budget) -> tuple[float, float]:
     """(forward, backward) seconds of the fp32 cross entropy over [tokens, vocab] logits."""
     gen = torch.Generator().manual_seed(0)
-    logits = torch.randn(1, tokens, vocab, generator=gen, requires_grad=True)
-    labels = torch.randint(0, vocab, (1, tokens), generator=gen)
+    logits = _rand(gen, 1, tokens, vocab).requires_grad_(True)
+    labels = torch.randint(0, vocab, (1, tokens), generator=gen).to(_device)
     fwd = typical_time_s(lambda: cross_entropy_loss(logits, labels), budget)
     return fwd, _backward_time(
-        lambda: cross_entropy_loss(logits, labels), torch.tensor(1.0), budget
+        lambda: cross_entropy_loss(logits, labels), torch.tensor(1.0, device=_device), budget
     )
 
 
@@ -441,11 +567,12 @@ def optimizer_time_s(model: ModelSpec, budget: Budget) -> tuple[float, int]:
     room = OPTIMIZER_MAX_PARAMS - sum(math.prod(s) for s in ends)
     blocks = max(1, min(model.layers, room // per_block))
     gen = torch.Generator().manual_seed(0)
-    params = [torch.randn(s, generator=gen) for s in ends + block * blocks]
+    params = [_rand(gen, *s) for s in ends + block * blocks]
     for p in params:
         p.requires_grad_(True)
-        p.grad = torch.randn(p.shape, generator=gen)
-    opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1)
+        p.grad = _rand(gen, *p.shape)
+    fused = {"fused": True} if _device.type == "cuda" else {}  # as training runs it there
+    opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, **fused)
 
     def step() -> None:
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -512,13 +639,15 @@ def model_passes(model: nn.Module, batch: int, seq: int, budget: Budget) -> tupl
     """(forward, backward) seconds of a whole model on `batch` x `seq` tokens."""
     from torch.distributed.tensor import DTensor
 
-    tokens = torch.zeros(batch, seq, dtype=torch.long)
+    tokens = torch.zeros(batch, seq, dtype=torch.long, device=_device)
 
     def forward() -> torch.Tensor:
         out = model(tokens)
         return (out.to_local() if isinstance(out, DTensor) else out).sum()
 
-    return typical_time_s(forward, budget), _backward_time(forward, torch.tensor(1.0), budget)
+    return typical_time_s(forward, budget), _backward_time(
+        forward, torch.tensor(1.0, device=_device), budget
+    )
 
 
 def per_layer_s(
@@ -526,8 +655,8 @@ def per_layer_s(
 ):
     """(forward, backward) seconds one more layer adds: a 3-layer model less a 1-layer one,
     halved (the embedding, head and loss cancel)."""
-    one = model_passes(build(replace(spec, layers=1)), batch, spec.seq_len, budget)
-    three = model_passes(build(replace(spec, layers=3)), batch, spec.seq_len, budget)
+    one = model_passes(build(replace(spec, layers=1)).to(_device), batch, spec.seq_len, budget)
+    three = model_passes(build(replace(spec, layers=3)).to(_device), batch, spec.seq_len, budget)
     return max(0.0, (three[0] - one[0]) / 2), max(0.0, (three[1] - one[1]) / 2)
 
 
@@ -556,7 +685,7 @@ def paired_extra_s(
     separate per-layer figures subtracted swung by several ms per layer under load)."""
     from torch.distributed.tensor import DTensor
 
-    tokens = torch.zeros(batch, spec.seq_len, dtype=torch.long)
+    tokens = torch.zeros(batch, spec.seq_len, dtype=torch.long, device=_device)
     models = [build(replace(spec, layers=n)) for build in (base, variant) for n in (1, 3)]
 
     def one_pass(model: nn.Module) -> tuple[float, float]:
@@ -674,11 +803,14 @@ def compute_steps(
     """The measurements to make, as (description, thunk returning rows) in order. `also`:
     further models whose GEMM shapes, attention and (MoE) layer overhead are measured too,
     for runs of several models on one profile; the bandwidths are `model`'s."""
+    if _device.type == "cuda":
+        return cuda_steps(model, plan, ranks, quick, also)
     budget = QUICK if quick else Budget()
     cores = available_cores()
     dtypes = ["fp32"] + (["bf16"] if bf16 == "native" and not quick else [])
     models = [model, *also]
-    shapes = sorted({s for m in models for s in gemm_shapes(m, plan, ranks, quick)})
+    own = {s for m in models for s in gemm_shapes(m, plan, ranks, quick)}
+    shapes = sorted(own | set(device_grid_shapes("cpu", quick)))
     grouped = sorted({s for m in models for s in grouped_shapes(m, plan, ranks, quick)})
     moe = next((m for m in models if m.is_moe), model)
     steps: list[tuple[str, Callable[[], list]]] = []
@@ -697,7 +829,11 @@ def compute_steps(
                 steps.append(
                     (
                         label,
-                        at(lambda s=shape, d=dtype, t=threads: [measure_matmul(s, d, t, budget)]),
+                        at(
+                            lambda s=shape, d=dtype, t=threads: [
+                                measure_matmul(s, d, t, budget if s in own else GRID)
+                            ]
+                        ),
                     )
                 )
             for shape in grouped:
@@ -708,6 +844,12 @@ def compute_steps(
                         at(lambda s=shape, d=dtype, t=threads: measure_grouped(s, d, t, budget)),
                     )
                 )
+        steps.append(
+            (
+                f"attention grid, {threads}t",
+                at(lambda t=threads: list(measure_attention_grid("cpu", t, GRID, quick))),
+            )
+        )
         for m in models:
             steps.append(
                 (
@@ -734,6 +876,73 @@ def compute_steps(
     return steps
 
 
+def cuda_steps(
+    model: ModelSpec, plan: ParallelPlan, ranks: int, quick: bool, also: tuple = ()
+) -> list[tuple[str, Callable[[], list]]]:
+    """`compute_steps` on a GPU (rows at threads = 1; training there runs bf16-mixed): the
+    device grid and the models' GEMMs in bf16 and, where it runs natively, FP8; the experts'
+    grouped matmuls in bf16; attention (the grid and each model's, bf16, SDPA as the model
+    calls it); the element-wise, loss and optimizer bandwidths (fused AdamW) in HBM; the
+    fixed cost of a dense and a MoE layer (kernel launches of a tiny model). Not measured
+    there: CP block attention and the extra of TP, ZeRO and EP units (0 in the profile)."""
+    budget = QUICK if quick else Budget()
+    models = [model, *also]
+    shapes = sorted(
+        {s for m in models for s in gemm_shapes(m, plan, ranks, quick)}
+        | set(device_grid_shapes("cuda", quick))
+    )
+    grouped = sorted({s for m in models for s in grouped_shapes(m, plan, ranks, quick)})
+    moe = next((m for m in models if m.is_moe), model)
+    steps: list[tuple[str, Callable[[], list]]] = []
+    for dtype in ["bf16"] + (["fp8"] if fp8_supported() else []):
+        for shape in shapes:
+            if dtype == "fp8" and any(x % 16 for x in shape[:3]):  # `_scaled_mm`'s rule
+                continue
+            steps.append(
+                (
+                    f"matmul {dtype} {shape[0]}x{shape[1]}x{shape[2]} {shape[3]}",
+                    lambda s=shape, d=dtype: [measure_matmul(s, d, 1, budget)],
+                )
+            )
+    for shape in grouped:
+        steps.append(
+            (
+                f"grouped matmul bf16 {shape[0]} x {shape[1]}x{shape[2]}x{shape[3]}",
+                lambda s=shape: measure_grouped(s, "bf16", 1, budget),
+            )
+        )
+    steps.append(
+        ("attention grid", lambda: list(measure_attention_grid("cuda", 1, budget, quick, "bf16")))
+    )
+    for m in models:
+        steps.append(
+            (
+                f"attention {m.name}",
+                lambda m=m: list(measure_attention(m, plan, ranks, 1, budget, quick, "bf16")),
+            )
+        )
+    steps.append(("bandwidth", lambda: measure_bandwidth(model, plan, 1, budget)))
+    steps.append(("overhead", lambda: [measure_launch_overhead(model, moe, budget)]))
+    return steps
+
+
+def measure_launch_overhead(model: ModelSpec, moe: ModelSpec, budget: Budget) -> Overhead:
+    """A GPU's fixed seconds of a dense and a MoE layer (`per_layer_s` on tiny models: kernel
+    launches and the host's dispatch); the parallel extras are not measured there (0)."""
+    dense = tiny_like(replace(model, experts=0, top_k=0, shared_experts=0, dense_layers=0), 1)
+    torch.manual_seed(0)
+    plain = per_layer_s(Transformer, dense, budget)
+    moe_s = per_layer_s(Transformer, tiny_like(moe, 1), budget) if moe.is_moe else plain
+    return Overhead(1, *plain, *moe_s, *([0.0] * 10))
+
+
+def cuda_bf16_support() -> str:
+    """ "native" when the GPU computes bf16 in hardware (Ampere and later), else "emulated"."""
+    from fivefold.parallel.device import real_bf16
+
+    return "native" if real_bf16() else "emulated"
+
+
 def sort_rows(rows: list) -> ComputeTables:
     return ComputeTables(
         [r for r in rows if isinstance(r, Matmul)],
@@ -754,13 +963,16 @@ def build_profile(
     collectives: list,
     device_name: str | None = None,
 ) -> DeviceProfile:
-    """The profile of this machine from the measurements."""
+    """The profile of this machine from the measurements: of the GPU measured on (its name and
+    memory) when kernels ran on CUDA, else of the CPU (host memory)."""
+    cuda = _device.type == "cuda"
+    memory = torch.cuda.get_device_properties(_device).total_memory if cuda else host_memory_bytes()
     return DeviceProfile(
-        name=device_name or cpu_name(),
-        kind="cpu",  # the kernels above run on the CPU; GPUs keep their catalog entries
+        name=device_name or measured_device_name(),
+        kind=_device.type,
         cores=available_cores(),
-        memory_bytes=host_memory_bytes(),
-        backend=backend if backend != "none" else "gloo",
+        memory_bytes=memory,
+        backend=backend if backend != "none" else ("nccl" if cuda else "gloo"),
         ranks=max(1, ranks),
         bf16=bf16,
         model=model.name,

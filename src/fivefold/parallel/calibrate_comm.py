@@ -51,6 +51,17 @@ from fivefold.spec.profile import (
 KiB = 1024
 FULL_SIZES = tuple(KiB * 4**i for i in range(8))  # 1 KiB .. 16 MiB
 QUICK_SIZES = (4 * KiB, 64 * KiB, 1024 * KiB)
+CUDA_SIZES = {False: tuple(KiB * 4**i for i in range(11)), True: (64 * KiB, 16 * 2**20, 2**30)}
+# NCCL among GPUs: up to 1 GiB, where the bus bandwidth saturates (quick: three sizes)
+
+
+def sizes_for(quick: bool, cuda: bool = False) -> tuple[int, ...]:
+    """The message sizes measured: 1 KiB .. 16 MiB over gloo, 1 KiB .. 1 GiB over NCCL."""
+    if cuda:
+        return CUDA_SIZES[quick]
+    return QUICK_SIZES if quick else FULL_SIZES
+
+
 TIMEOUT_S = 300.0
 MIN_ISSUED_S = 1e-6  # floor of a measured difference (noise can make a tiny one negative)
 DEFAULT_GEMM = (512, 512, 512)  # (m, n, k) between collectives when no model is given
@@ -92,9 +103,9 @@ def gaps(models: list, micro_batch: int) -> list[tuple[int, int, int] | None]:
     return out if len(out) > 1 else [None, DEFAULT_GEMM]
 
 
-def steps_count(ranks: int, quick: bool, gemms: int = 2) -> int:
+def steps_count(ranks: int, quick: bool, gemms: int = 2, cuda: bool = False) -> int:
     """How many rows rank 0 reports (for the progress bar), over `gemms` compute gaps."""
-    sizes = QUICK_SIZES if quick else FULL_SIZES
+    sizes = sizes_for(quick, cuda)
     per_group = [
         (len(COLLECTIVES) if g == 2 else len(COLLECTIVES) - 1)
         for w in worlds(ranks)
@@ -234,7 +245,7 @@ def _worker(
             rank=rank,
             world_size=world,
         )
-        sizes = QUICK_SIZES if quick else FULL_SIZES
+        sizes = sizes_for(quick, cuda)
         groups = {
             g: dist.new_subgroups(g)[0] if g < world else dist.group.WORLD
             for g in group_sizes(world)
@@ -254,7 +265,7 @@ def _worker(
         dist.barrier()
         dist.destroy_process_group()
         if rank == 0:
-            out.put(("done", "cuda" if cuda else "gloo"))
+            out.put(("done", "nccl" if cuda else "gloo"))
     except Exception as err:  # reported to the parent, which raises
         out.put(("error", rank, f"{type(err).__name__}: {err}"))
     finally:

@@ -55,3 +55,15 @@ def apply_recompute(model: nn.Module, policy: str) -> int:
         checkpoint_module(target)
         wrapped += 1
     return wrapped
+
+
+def remove_recompute(model: nn.Module) -> int:
+    """Undo `apply_recompute` on every module of `model` (each stores its activations again);
+    returns how many modules were unwrapped. `fivefold tune` swaps policies on one model."""
+    unwrapped = 0
+    for module in model.modules():
+        if getattr(module, _WRAPPED, False):
+            del module.forward  # the instance attribute; the class's forward shows again
+            delattr(module, _WRAPPED)
+            unwrapped += 1
+    return unwrapped

@@ -7,9 +7,10 @@ and checkpointing code and FSDP's hooks stay outside it. Graph breaks are allowe
 `fullgraph`): host-side code such as the expert-parallel all-to-all split sizes runs eagerly,
 and so does a context-parallel attention core. The single-process core does not break the
 graph: a pre-hook reads the batch's document layout eagerly, so the block branches on a plain
-bool (SDPA `is_causal` in the graph for one-document rows, the `fivefold::document_attention`
-custom op for packed rows). Another pre-hook hands each block plain tensors where tensor
-parallelism produced `AsyncCollectiveTensor`s (see `_wait_async_inputs`).
+bool (SDPA `is_causal` in the graph for one-document rows; for packed rows the
+`fivefold::document_attention` custom op on CPU, FlexAttention on CUDA with the batch's
+`BlockMask`, which the pre-hook builds). Another pre-hook hands each block plain tensors where
+tensor parallelism produced `AsyncCollectiveTensor`s (see `_wait_async_inputs`).
 The compiled module keeps the block's parameters under `_orig_mod.`, which the deterministic
 initialisation and torch's distributed state dicts strip, so names, initial values and
 checkpoints are those of the uncompiled model.
@@ -102,10 +103,13 @@ def _wait_async_inputs(module: nn.Module, args: tuple) -> tuple:
 def _read_documents(module: nn.Module, args: tuple) -> None:
     """Forward pre-hook: read the batch's document layout eagerly (once per forward, cached on
     the `DocumentLayout`), so the compiled block branches on a plain bool: one-document rows
-    run SDPA inside the graph, packed rows call the eager `packed_attention`."""
+    run SDPA inside the graph, packed rows the `document_attention` op (CPU) or FlexAttention
+    (CUDA), whose `BlockMask` is built here, on the host, before the graph runs."""
     docs = args[2] if len(args) > 2 else None
-    if isinstance(docs, DocumentLayout):
-        docs.single_document  # noqa: B018 (computes and caches the flag)
+    if not isinstance(docs, DocumentLayout) or docs.single_document:  # computed and cached
+        return
+    if args[0].device.type == "cuda":
+        docs.flex_block_mask(args[0].device)
 
 
 def _single_process_core(block: nn.Module) -> bool:

@@ -13,9 +13,12 @@ Documents. No mask is ever built. Once per forward (at the first layer, cached o
 boundaries on the host; from them come the blocks (`fivefold.model.attention.document_blocks`):
 for each pair of a query chunk and a key chunk, the per-document rectangles, causal on the
 diagonal, full where the keys precede the queries, absent where they follow. Every layer reuses
-them; nothing is copied host-to-device per block. The kernels are the model's own block
-kernels (SDPA's CPU flash kernel per span, GQA native; on CUDA the memory-efficient kernel,
-unmeasured here), merged across blocks by log-sum-exp.
+them. The kernels are the model's own block kernels, merged across blocks by log-sum-exp: on
+CPU SDPA's flash kernel per span (GQA native); on CUDA in fp16/bf16 one flash-attention varlen
+call per block (`_flash_attention_forward`/`_backward` with the block's documents as
+sequences, `varlen_sequences`; their int32 offsets copied once per packing), GQA native, no K/V
+copies, the gradients summed in the compute dtype (checked under FakeTensorMode only: no GPU
+here).
 
 Three ways to attend across the group, chosen by `plan.cp_kind`:
 - "ring": K/V blocks travel around the ring (rank r sends to r+1) while each rank attends its
@@ -48,6 +51,7 @@ from fivefold.model.attention import (
     block_backward,
     block_forward,
     document_blocks,
+    grad_dtype,
     merge_partial,
 )
 
@@ -231,13 +235,13 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         steps, group, scale = ctx.steps, ctx.group, ctx.scale
         size = dist.get_world_size(group)
-        dq = torch.zeros_like(q, dtype=torch.float32)
+        dq = torch.zeros_like(q, dtype=grad_dtype(q))  # fp32 but for CUDA's flash blocks
         kv, incoming = [k, v], None
         for step in range(size):
             wait_kv = None
             if step < size - 1:
                 next_kv, wait_kv = _ring_exchange(kv, group)
-            dk, dv = (torch.zeros_like(k, dtype=torch.float32) for _ in range(2))
+            dk, dv = (torch.zeros_like(k, dtype=grad_dtype(q)) for _ in range(2))
             for block in steps[step]:
                 block_backward(dout, q, kv[0], kv[1], out, lse, block, scale, (dq, dk, dv))
             if incoming is not None:  # the block's dK/dV from the ranks that held it before

@@ -67,6 +67,7 @@ def _wrap(
     mp: MixedPrecisionPolicy,
     reshard_after_forward: bool,
     device: torch.device,
+    shard_placement_fn=None,
 ) -> None:
     if plan.zero == 0:
         from torch.distributed._composable.replicate_with_fsdp import replicate
@@ -78,9 +79,26 @@ def _wrap(
         from fivefold.parallel.offload import cpu_offload_policy
 
         extra["offload_policy"] = cpu_offload_policy(device)
+    if shard_placement_fn is not None:
+        extra["shard_placement_fn"] = shard_placement_fn
     fully_shard(
         module, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward, **extra
     )
+
+
+def expert_shard_placement(experts: nn.Module, mesh: DeviceMesh):
+    """FSDP shards dim 0 by default, the expert dimension; after EP a rank may hold fewer
+    experts than the sharding mesh has ranks (one rank then keeps whole experts, the others
+    nothing), so shard the weights' second dimension [E_local, F|D, D|F] instead (as
+    torchtitan does); None keeps the default."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    local = min(
+        (p.to_local() if isinstance(p, DTensor) else p).shape[0] for p in experts.parameters()
+    )
+    if local % mesh.size(-1) == 0:
+        return None
+    return lambda param: Shard(1)
 
 
 def apply_data_parallel(
@@ -103,7 +121,8 @@ def apply_data_parallel(
     for block in model.layers.values():
         moe = getattr(block, "moe", None)
         if expert_mesh is not None and moe is not None:
-            _wrap(moe.experts, expert_mesh, plan, mp, reshard, device)
+            placement = expert_shard_placement(moe.experts, expert_mesh)
+            _wrap(moe.experts, expert_mesh, plan, mp, reshard, device, placement)
             wrapped.append(moe.experts)
         _wrap(block, mesh, plan, mp, reshard, device)
         wrapped.append(block)

@@ -38,7 +38,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from fivefold.model.moe import GroupedExperts, MoE, Routing, grouped_swiglu
+from fivefold.model.moe import GroupedExperts, MoE, Routing, expert_counts, grouped_swiglu
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -111,14 +111,11 @@ class AllToAllDispatcher:
         flat_experts = routing.expert_indices.flatten()  # [N*K], slot = token * K + k
         slot_order = torch.argsort(flat_experts, stable=True)
         sorted_copies = tokens[slot_order // top_k]  # [N*K, D], by global expert id
-        counts = torch.bincount(flat_experts, minlength=routing.num_experts)  # [E]
+        counts = expert_counts(flat_experts, routing.num_experts)  # [E]
         recv_counts = torch.empty_like(counts)
         dist.all_to_all_single(recv_counts, counts, group=self.group)
         recv_counts = recv_counts.view(self.ep, local_experts)  # [source rank, local expert]
-        # the one host read-back of the dispatch: all_to_all_single takes its splits as lists
-        send_splits, recv_splits = torch.stack(
-            [counts.view(self.ep, local_experts).sum(1), recv_counts.sum(1)]
-        ).tolist()
+        send_splits, recv_splits = self.splits(counts, recv_counts, flat_experts.numel())
         received = funcol.all_to_all_single_autograd(
             sorted_copies, recv_splits, send_splits, self.group
         )
@@ -130,6 +127,15 @@ class AllToAllDispatcher:
         local_order = torch.argsort(expert_of_row, stable=True)
         handle = _AllToAllHandle(slot_order, local_order, send_splits, recv_splits, routing.gates)
         return received[local_order], recv_counts.sum(0), handle
+
+    def splits(
+        self, counts: torch.Tensor, recv_counts: torch.Tensor, copies: int
+    ) -> tuple[list[int], list[int]]:
+        """(copies sent to, copies received from) each EP rank, from this rank's counts per
+        expert [E] and the received counts [ep, E/ep]; `copies` (N*K) is their sum. The one host
+        read-back of the dispatch: all_to_all_single takes its splits as lists."""
+        send = counts.view(self.ep, -1).sum(1)
+        return tuple(torch.stack([send, recv_counts.sum(1)]).tolist())
 
     def combine(self, expert_out: torch.Tensor, handle: _AllToAllHandle) -> torch.Tensor:
         """expert_out [M, D] (grouped by local expert) -> [N, D], gate-weighted over K copies."""
@@ -153,17 +159,21 @@ def global_load_balancing_loss(routing: Routing, group: dist.ProcessGroup) -> to
     """
     num_experts = routing.num_experts
     probs = routing.probs  # [N, E] fp32
-    counts = torch.bincount(routing.expert_indices.flatten(), minlength=num_experts)
-    stats = torch.cat(
+    chosen = routing.expert_indices.flatten()  # [N*K]
+    f64 = {"dtype": torch.float64, "device": probs.device}  # every piece on the router's device
+    ones = torch.ones(chosen.numel(), **f64)
+    counts = torch.zeros(num_experts, **f64).index_add_(0, chosen, ones)  # [E], no host sync
+    stats = torch.cat(  # [2E + 2]: counts, probability sums, tokens, assignments
         [
-            counts.to(torch.float64),
+            counts,
             probs.detach().sum(0).to(torch.float64),
-            torch.tensor([probs.shape[0], routing.expert_indices.numel()], dtype=torch.float64),
+            torch.tensor([probs.shape[0], chosen.numel()], **f64),
         ]
     )
     dist.all_reduce(stats, group=group)
-    global_counts, global_prob_sum = stats[:num_experts], stats[num_experts : 2 * num_experts]
-    global_tokens, global_assignments = stats[-2], stats[-1]
+    global_counts, global_prob_sum, global_tokens, global_assignments = stats.split(
+        [num_experts, num_experts, 1, 1]
+    )
     fraction = (global_counts / global_assignments).to(probs.dtype)
     local_mean = probs.mean(0)
     global_mean = (global_prob_sum / global_tokens).to(probs.dtype)

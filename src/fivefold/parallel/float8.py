@@ -10,8 +10,12 @@ precomputed for all layers in one all-reduce after each optimizer step
 (`precompute_float8_dynamic_scale_for_fsdp`, registered by `fivefold.train.optim`).
 
 Kept in high precision: the output head (its logits feed the loss directly), MoE routers (their
-softmax decides routing) and any linear whose dimensions are not multiples of 16 (`_scaled_mm`
-needs them). No kernel here is hand-written.
+softmax decides routing), any linear whose dimensions are not multiples of 16 (`_scaled_mm`
+needs them) and, as torchtitan does, those too small to gain from FP8 by torchao's own
+thresholds for the recipe (`_auto_filter_for_recipe`, measured on H100: tensorwise skips
+K <= 4096 with N <= 1024; rowwise skips N <= 2048, K <= 1024, or N <= 4096 with K <= 2048, for a
+weight [N, K]), where the casts and scales cost more than the faster matmul saves. No kernel
+here is hand-written.
 
 FP8 GEMMs need a GPU of compute capability 8.9 or newer (Ada, Hopper, Blackwell);
 `float8_problems` refuses every other device, CPU included, before any process starts. On CPU
@@ -94,14 +98,26 @@ def apply_float8(chunk: nn.Module, plan: ParallelPlan, device: torch.device) -> 
     return convert_linears(chunk, plan.fp8, fsdp=plan.zero >= 1)
 
 
-def convert_linears(chunk: nn.Module, recipe: str, fsdp: bool) -> list[str]:
-    """The conversion alone (no device check: tests run it on CPU); returns the converted FQNs."""
+def gains_from_fp8(recipe: str):
+    """torchao's filter of the linears large enough to run faster in FP8 under `recipe`:
+    (module, fqn) -> bool (its dimension rules included)."""
+    from torchao.float8 import _auto_filter_for_recipe
+
+    return _auto_filter_for_recipe(recipe, filter_fqns=[])
+
+
+def convert_linears(
+    chunk: nn.Module, recipe: str, fsdp: bool, skip_small: bool = True
+) -> list[str]:
+    """The conversion alone (no device check: tests run it on CPU); returns the converted FQNs.
+    `skip_small` keeps the linears too small to gain in high precision (`gains_from_fp8`)."""
     config = float8_config(recipe, fsdp)
     from torchao.float8 import convert_to_float8_training
 
+    gains = gains_from_fp8(recipe) if skip_small else (lambda module, fqn: True)
     convert_to_float8_training(
         chunk,
-        module_filter_fn=lambda module, fqn: not keeps_high_precision(module, fqn),
+        module_filter_fn=lambda m, fqn: not keeps_high_precision(m, fqn) and gains(m, fqn),
         config=config,
     )
     from torchao.float8.float8_linear import Float8Linear

@@ -32,7 +32,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fivefold.errors import ConfigError, FivefoldError
-from fivefold.parallel.rank_report import REPORT_DIR_ENV, read_failures, read_reports, summarize
+from fivefold.parallel.machine_memory import oom_kill_count
+from fivefold.parallel.rank_report import (
+    REPORT_DIR_ENV,
+    last_attempt,
+    read_failures,
+    read_reports,
+    summarize,
+)
 
 RDZV_PORT = 29500
 SLURM_MAX_RESTARTS = 3  # a cluster job restarts by default: failures are routine at scale
@@ -82,12 +89,19 @@ def torchrun_command(
 
 
 def launch_local(
-    nproc: int, recipe_path: str | Path | None, overrides: list[str], max_restarts: int = 0
+    nproc: int,
+    recipe_path: str | Path | None,
+    overrides: list[str],
+    max_restarts: int = 0,
+    memory_note: str = "",
 ) -> int:
-    """Run the recipe on `nproc` local processes under torchrun; returns torchrun's exit code.
+    """Run the recipe on `nproc` local processes under torchrun; returns the job's exit status
+    (0 when the last attempt completed, even after restarts).
 
     The caller has validated the recipe for `nproc` processes
-    (`fivefold.train.entry.check_layout`), so a layout that does not fit never starts.
+    (`fivefold.train.entry.check_layout`), so a layout that does not fit never starts;
+    `memory_note` (the planner's predicted peak, `MemoryFit.describe`) is said should a rank
+    be killed by SIGKILL.
     """
     if nproc < 1:
         raise ConfigError(f"--nproc {nproc}: the number of processes must be at least 1.")
@@ -102,14 +116,43 @@ def launch_local(
     command = torchrun_command(nproc, recipe_path, overrides, max_restarts)
     with tempfile.TemporaryDirectory(prefix="fivefold-ranks-") as reports:
         env[REPORT_DIR_ENV] = reports
+        kills_before = oom_kill_count()
         code = run_supervised(command, env)
         found = Path(reports)
-        message, code = summarize(read_reports(found), nproc, code, read_failures(found))
+        message, code = summarize(
+            read_reports(found),
+            nproc,
+            code,
+            read_failures(found),
+            last=last_attempt(found),
+            sigkill_note=sigkill_cause(kills_before, oom_kill_count(), memory_note),
+        )
     if message and code == 2:
         raise FivefoldError(message)
     if message:
         print(f"fivefold train: {message}", file=sys.stderr)
     return code
+
+
+def sigkill_cause(kills_before: int | None, kills_after: int | None, memory_note: str) -> str:
+    """Why a rank was killed by SIGKILL, from the out-of-memory killer's count before and after
+    the run (`fivefold.parallel.machine_memory.oom_kill_count`), with the predicted peak."""
+    if kills_before is None or kills_after is None:
+        cause = (
+            "The likely cause is the kernel's out-of-memory killer (fivefold never sends SIGKILL; "
+            "the kernel log, dmesg, says)"
+        )
+    elif kills_after > kills_before:
+        cause = (
+            f"The kernel's out-of-memory killer ended it: its kill count rose by "
+            f"{kills_after - kills_before} during the run"
+        )
+    else:
+        cause = (
+            "Not the kernel's out-of-memory killer (its kill count did not change): something "
+            "outside the run sent SIGKILL"
+        )
+    return f"{cause}; {memory_note}" if memory_note else cause
 
 
 def run_supervised(command: list[str], env: dict[str, str]) -> int:

@@ -7,10 +7,15 @@ and fails to connect ("connectFullMesh ... Connection refused", pytorch/pytorch#
 `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` in torchrun's environment avoids the sharing altogether).
 
 Stuck ranks. A rank that hangs (deadlock, dead peer, lost node) leaves the others waiting in a
-collective. The process group is created with a finite timeout (`pg_timeout_s`, from
-`FIVEFOLD_PG_TIMEOUT_S`, default 600 s), so the wait ends with gloo's "Timed out waiting ..."
-or NCCL's watchdog error; `collective_guard` turns such errors into a `TrainingError` that says
-which rank gave up, in what, after how long, and what to do. The elastic agent then restarts the
+collective. The process group is created with a finite start-up timeout (`pg_timeout_s`, from
+`FIVEFOLD_PG_TIMEOUT_S`, default 600 s: NCCL's set-up, compile, checkpoint loading and the
+first step fit in it); after the first step NCCL groups wait at most `step_timeout_s`
+(`FIVEFOLD_PG_STEP_TIMEOUT_S`, default 300 s; `shorten_timeout_after_first_step`), as
+torchtitan does. The wait ends with gloo's "Timed out waiting ..." or NCCL's watchdog error;
+`collective_guard` turns such errors into a `TrainingError` that says which rank gave up, in
+what, after how long, and what to do. On NCCL the watchdog ends the process itself
+(`TORCH_NCCL_ASYNC_ERROR_HANDLING=3`, `set_nccl_env`) after writing the flight recorder's
+trace of the last collectives into the run's `comm_traces/`. The elastic agent then restarts the
 group (see `fivefold.checkpoint.elastic` for resuming), instead of stalling silently.
 """
 
@@ -48,17 +53,20 @@ def restart_count() -> int:
 
 def pg_timeout_s() -> float:
     """Seconds a collective may wait for the slowest rank before it fails (the PG timeout)."""
-    raw = os.environ.get(PG_TIMEOUT_ENV)
+    return _seconds_env(PG_TIMEOUT_ENV, DEFAULT_PG_TIMEOUT_S, "the process-group timeout", 600)
+
+
+def _seconds_env(name: str, default: float, what: str, example: int) -> float:
+    """A positive number of seconds from environment variable `name` (ConfigError otherwise)."""
+    raw = os.environ.get(name)
     if raw is None:
-        return DEFAULT_PG_TIMEOUT_S
+        return default
     try:
         value = float(raw)
     except ValueError:
         value = -1.0
     if value <= 0:
-        raise ConfigError(
-            f"{PG_TIMEOUT_ENV} = {raw!r}: give the process-group timeout in seconds, e.g. 600."
-        )
+        raise ConfigError(f"{name} = {raw!r}: give {what} in seconds, e.g. {example}.")
     return value
 
 
@@ -67,18 +75,21 @@ def pick_device(name: str) -> torch.device:
     "auto" and available; made the current device), else cpu."""
     import torch
 
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("train.device = 'cuda' but no CUDA device is available; use 'auto'.")
-    if not (name == "cuda" or (name == "auto" and torch.cuda.is_available())):
+    from fivefold.parallel.device import local_rank, uses_cuda
+
+    if not uses_cuda(name):
         return torch.device("cpu")
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    device = torch.device("cuda", local_rank())
     torch.cuda.set_device(device)
     return device
 
 
-def init_distributed(device: torch.device, timeout_s: float | None = None) -> bool:
+def init_distributed(
+    device: torch.device, timeout_s: float | None = None, trace_dir: str | os.PathLike | None = None
+) -> bool:
     """Initialise the default process group from the torchrun env (NCCL on CUDA, gloo on CPU)
-    unless one exists; True if this call created it (see `init_process_group`)."""
+    unless one exists; True if this call created it (see `init_process_group`). On CUDA NCCL's
+    error handling and flight recorder are set first (`set_nccl_env`, traces in `trace_dir`)."""
     import torch.distributed as dist
 
     if dist.is_initialized():
@@ -86,28 +97,102 @@ def init_distributed(device: torch.device, timeout_s: float | None = None) -> bo
     if device.type != "cuda":
         init_process_group("gloo", timeout_s)
         return True
-    set_flight_recorder_env()
+    set_nccl_env(trace_dir)
     init_process_group("nccl", timeout_s, device_id=device)
     return True
 
 
 FLIGHT_RECORDER_DIR_ENV = "FIVEFOLD_COMM_TRACE_DIR"
+ASYNC_ERROR_HANDLING_ENV = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+TEAR_DOWN_WITHOUT_CLEANUP = "3"  # torch's NCCL error handling: end the process, skip NCCL's abort
 
 
-def set_flight_recorder_env() -> None:
-    """NCCL's flight recorder on, dumped on a collective timeout (unless the user set them).
+def set_nccl_env(trace_dir: str | os.PathLike | None = None) -> dict[str, str]:
+    """NCCL's error handling and flight recorder (what a user already set stays); returns the
+    variables as set. Must run before the NCCL group exists.
 
-    Keeps the last 20,000 collectives per rank in a ring buffer (`TORCH_FR_BUFFER_SIZE`) and
-    writes it to `$FIVEFOLD_COMM_TRACE_DIR/rank_<r>` (default `comm_traces/` under the working
-    directory) when the watchdog sees a timeout (`TORCH_NCCL_DUMP_ON_TIMEOUT`); analyse the
-    files with `python -m torch.distributed.flight_recorder.fr_trace`. Must run before the NCCL
-    group exists. Unmeasured here (no GPU).
+    - `TORCH_NCCL_ASYNC_ERROR_HANDLING=3`: when the watchdog sees a collective fail or time out
+      it ends the process at once, without aborting the communicator (which can itself hang),
+      so torchrun's agent sees the failure and restarts the job (torch's documented values:
+      0 nothing, 1 abort and tear down, 2 abort only, 3 tear down only).
+    - The flight recorder keeps the last 20,000 collectives per rank in a ring buffer
+      (`TORCH_FR_BUFFER_SIZE`, and `TORCH_NCCL_TRACE_BUFFER_SIZE` as older torches name it) and
+      writes it on a timeout (`TORCH_NCCL_DUMP_ON_TIMEOUT`) to `<trace_dir>/rank_<r>`
+      (`TORCH_FR_DUMP_TEMP_FILE`, older `TORCH_NCCL_DEBUG_INFO_TEMP_FILE`): `trace_dir` is
+      $FIVEFOLD_COMM_TRACE_DIR, else the run directory's `comm_traces/` as the runtime passes
+      it, else `comm_traces/` here. Read the files with `python -m
+      torch.distributed.flight_recorder.fr_trace`. Unmeasured here (no GPU).
     """
-    trace_dir = os.environ.get(FLIGHT_RECORDER_DIR_ENV, "comm_traces")
+    trace_dir = os.environ.get(FLIGHT_RECORDER_DIR_ENV) or trace_dir or "comm_traces"
     os.makedirs(trace_dir, exist_ok=True)
-    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "20000")
-    os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
-    os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", os.path.join(trace_dir, "rank_"))
+    prefix = os.path.join(os.fspath(trace_dir), "rank_")
+    wanted = {
+        ASYNC_ERROR_HANDLING_ENV: TEAR_DOWN_WITHOUT_CLEANUP,
+        "TORCH_FR_BUFFER_SIZE": "20000",
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": "20000",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_FR_DUMP_TEMP_FILE": prefix,
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix,
+    }
+    return {name: os.environ.setdefault(name, value) for name, value in wanted.items()}
+
+
+STEP_TIMEOUT_ENV = "FIVEFOLD_PG_STEP_TIMEOUT_S"
+DEFAULT_STEP_TIMEOUT_S = 300.0
+_shortened_to_s: float | None = None  # the timeout every NCCL group has since the first step
+
+
+def step_timeout_s() -> float:
+    """Seconds a collective may wait once the first step is done ($FIVEFOLD_PG_STEP_TIMEOUT_S,
+    default 300 s, never above the start-up timeout)."""
+    default = min(DEFAULT_STEP_TIMEOUT_S, pg_timeout_s())
+    return _seconds_env(
+        STEP_TIMEOUT_ENV, default, "the collective timeout after the first step", 300
+    )
+
+
+def current_timeout_s() -> float:
+    """The timeout collectives run under now: the start-up one, or the shorter step one."""
+    return _shortened_to_s if _shortened_to_s is not None else pg_timeout_s()
+
+
+def shorten_timeout_after_first_step(device: torch.device) -> float | None:
+    """NCCL groups: from now on a collective waits `step_timeout_s()`, not the start-up timeout
+    that covered NCCL's set-up, compile, checkpoint loading and the first step. All ranks meet
+    at a barrier first, so none runs a collective under the short timeout while another is
+    still inside the first step. Uses torch's `_set_pg_timeout` where this torch has it
+    (`fivefold.model.torch_features`); gloo groups (CPU runs) keep their timeout. Returns the
+    new timeout, or None when nothing changed."""
+    global _shortened_to_s
+    import torch
+    import torch.distributed as dist
+
+    from fivefold.model.torch_features import has
+
+    if device.type != "cuda" or not dist.is_initialized() or not has("set_pg_timeout"):
+        return None
+    timeout = step_timeout_s()
+    if timeout >= current_timeout_s():
+        return None
+    nccl = [g for g in process_groups() if "nccl" in str(dist.get_backend(g))]
+    if not nccl:
+        return None
+    dist.barrier(device_ids=[device.index or 0])
+    torch.cuda.synchronize(device)
+    for group in nccl:
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout), group)
+    _shortened_to_s = timeout
+    return timeout
+
+
+def process_groups() -> list:
+    """Every process group of this process: the default one and the device meshes' (read from
+    torch's group registry where present, else the default group alone)."""
+    import torch.distributed as dist
+
+    world = getattr(dist.distributed_c10d, "_world", None)
+    groups = list(getattr(world, "pg_map", {}) or {})
+    return groups or [dist.group.WORLD]
 
 
 def init_process_group(backend: str, timeout_s: float | None = None, device_id=None) -> None:
@@ -140,17 +225,21 @@ def init_process_group(backend: str, timeout_s: float | None = None, device_id=N
     )
 
 
+def _timeout_env() -> str:
+    return STEP_TIMEOUT_ENV if _shortened_to_s is not None else PG_TIMEOUT_ENV
+
+
 def describe_collective_failure(err: BaseException, what: str, rank: int) -> str | None:
     """A user-facing explanation if `err` is a collective timeout or a vanished peer."""
     text = str(err)
     if _TIMEOUT.search(text):
         return (
             f"rank {rank}: {what} waited longer than the process-group timeout "
-            f"({pg_timeout_s():.0f} s, {PG_TIMEOUT_ENV}) for another rank, which is stuck or "
+            f"({current_timeout_s():.0f} s, {_timeout_env()}) for another rank, which is stuck or "
             f"dead ({text.strip().splitlines()[0][:200]}). Look at the other ranks' output for "
             "the one that stopped; under torchrun --max-restarts the job restarts and resumes "
             f"from the newest valid checkpoint. If a step legitimately takes longer, raise "
-            f"{PG_TIMEOUT_ENV}."
+            f"{_timeout_env()}."
         )
     if _PEER_GONE.search(text):
         return (

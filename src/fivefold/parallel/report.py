@@ -11,7 +11,9 @@ step (clipping and the optimizer included) and compared with the whole predicted
 Measured peak memory: CUDA's allocator peak; on CPU, the peak of live tensor storage over one
 step (`fivefold.train.memory`, resize-aware, the pipeline's receive buffers included), split
 into parameters, gradients and optimizer state (known from the tensors) and activations (the
-rest: saved tensors, gathered parameters, buffers). The prediction is the planner's memory
+rest: saved tensors, gathered parameters, buffers). Tenants are compared only as both sides
+define them: all four in one process; on FSDP2-wrapped (multi-process) runs the optimizer
+state and the sum of the rest (`WRAPPED_GROUPS`). The prediction is the planner's memory
 model with `runtime = "fivefold-eager"` (what this runtime keeps, see
 `fivefold.planner.memory.EagerProfile`), without the CUDA context and allocator terms on a CPU,
 and the planner's `estimate()` step time where the run's cluster has a device peak. Works for
@@ -29,6 +31,14 @@ import torch.distributed as dist
 GIB = 1024**3
 MIB = 1024**2
 TENANTS = ("params", "grads", "optimizer", "activations")
+# Under FSDP2 (every multi-process run) the weights are gathered and the gradients unsharded
+# into transient storages the counter cannot tell from activations, while the planner books
+# them as parameters and gradients: only the optimizer state has one definition on both sides,
+# so the rest is compared as one sum. One process (no wrapping) compares all four.
+WRAPPED_GROUPS = {
+    "optimizer": ("optimizer",),
+    "params+grads+activations": TENANTS[:2] + TENANTS[3:],
+}
 
 
 def _wrapped(runtime: Any) -> bool:
@@ -65,13 +75,19 @@ def _predict(
         )
     except Exception as err:  # a planner gap must not stop training
         return None, None, f"memory model: {str(err).splitlines()[0]}"
+    from fivefold.parallel.device import unknown_gpu_reason
+
+    unknown = unknown_gpu_reason(cluster)
+    if unknown:
+        return memory, None, unknown
     if not cluster.device.peak_flops:
         return (
             memory,
             None,
             (
-                f"no step-time prediction: {cluster.gpu} has no device peak (run `fivefold "
-                "calibrate` to measure this machine)"
+                f"no step-time prediction: {cluster.gpu} has no device peak (`fivefold "
+                "calibrate --out PROFILE.toml` measures this machine; name it as [cluster] "
+                "profile)"
             ),
         )
     try:
@@ -150,6 +166,7 @@ def stage_rows(runtime: Any, step_s: float | None = None) -> tuple[list[dict], s
         predicted_s -= estimate.breakdown_s.get("optimizer_s", 0.0)
         note += ", step time without the optimizer step (train_step is timed)"
     plan = runtime.recipe.plan
+    wrapped = _wrapped(runtime)
     rows = []
     for stage in range(plan.pp):
         ranks = [g for g in gathered if g["pp"] == stage]
@@ -166,8 +183,9 @@ def stage_rows(runtime: Any, step_s: float | None = None) -> tuple[list[dict], s
                 "measured_peak_bytes": top["peak_bytes"] or None,
                 "predicted_reserved_bytes": predicted["total"] * GIB if predicted else None,
                 "measured_reserved_bytes": top.get("reserved_bytes") or None,
-                "predicted_tenants": _tenant_bytes(predicted),
-                "measured_tenants": top["tenants"],
+                "predicted_tenants": comparable(_tenant_bytes(predicted), wrapped),
+                "measured_tenants": comparable(top["tenants"], wrapped),
+                "measured_storage_labels": top["tenants"],  # the counter's own split
                 "predicted_step_s": predicted_s,
                 "measured_step_s": max(measured_s) if measured_s else None,
             }
@@ -183,6 +201,16 @@ def _tenant_bytes(stage_gib: dict | None) -> dict[str, float]:
     out = {k: stage_gib[k] * GIB for k in TENANTS}
     out["activations"] += stage_gib.get("other", 0.0) * GIB
     return out
+
+
+def comparable(tenants: dict[str, float], wrapped: bool) -> dict[str, float]:
+    """The tenants in the groups both sides define alike (`WRAPPED_GROUPS` under FSDP2)."""
+    if not tenants or not wrapped:
+        return dict(tenants)
+    return {
+        group: sum(tenants.get(name, 0) for name in names)
+        for group, names in WRAPPED_GROUPS.items()
+    }
 
 
 def error(predicted: float | None, measured: float | None) -> float | None:
@@ -241,9 +269,10 @@ def format_rows(layout: str, rows: list[dict], note: str) -> str:
         if pred and meas:
             cells = ", ".join(
                 f"{name} {pred.get(name, 0) / MIB:.1f}/{meas.get(name, 0) / MIB:.1f}"
-                for name in TENANTS
+                for name in pred
             )
-            lines.append(f"         MiB predicted/measured: {cells}")
+            why = "" if set(pred) == set(TENANTS) else " (FSDP2's gathered weights: one sum)"
+            lines.append(f"         MiB predicted/measured: {cells}{why}")
     return "\n".join(lines)
 
 

@@ -25,6 +25,7 @@ import contextlib
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,7 +36,12 @@ from fivefold.model.loss import cross_entropy_loss
 from fivefold.parallel.data_parallel import set_gradient_sync
 from fivefold.parallel.mesh import Meshes, ParallelDims
 from fivefold.parallel.precision import RuntimePrecision, resolve_precision
-from fivefold.parallel.process_group import collective_guard, init_distributed, pick_device
+from fivefold.parallel.process_group import (
+    collective_guard,
+    init_distributed,
+    pick_device,
+    shorten_timeout_after_first_step,
+)
 from fivefold.parallel.protocol import StepResult, TrainSettings, batch_to, label_count
 from fivefold.spec.recipe import Recipe
 
@@ -75,7 +81,7 @@ class DistributedRuntime:
         self.device = pick_device(train.device)
         self.precision: RuntimePrecision = resolve_precision(plan.precision, self.device)
         self._track_peak = track_peak
-        self._owns_group = init_distributed(self.device)
+        self._owns_group = init_distributed(self.device, trace_dir=_comm_trace_dir(train))
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.is_main = self.rank == 0
@@ -388,6 +394,8 @@ class DistributedRuntime:
 
     def _after_step(self, seconds: float, timed: bool = True) -> None:
         self._steps += 1
+        if self._steps == 1:  # NCCL: the start-up timeout gives way to the shorter step one
+            shorten_timeout_after_first_step(self.device)
         timed = timed and self._steps != self._loop_memory_step
         if self._steps > 1 and timed:  # the first step pays one-off set-up costs
             self._step_times_s.append(seconds)
@@ -453,3 +461,9 @@ def _local_numel(param: torch.Tensor) -> int:
     from torch.distributed.tensor import DTensor
 
     return param.to_local().numel() if isinstance(param, DTensor) else param.numel()
+
+
+def _comm_trace_dir(train: TrainSettings) -> Path | None:
+    """`<run dir>/comm_traces`, where NCCL's flight recorder writes on a timeout."""
+    path = getattr(train, "path", None)
+    return Path(path()) / "comm_traces" if callable(path) else None

@@ -4,13 +4,20 @@ Placement. Ranks are placed node-major and the mesh is, outer to inner, pp, dp_r
 dp_shard, cp, tp (`fivefold.spec.plan`), so the ranks of a group along one axis are `stride`
 apart, where the stride is the product of the inner degrees (tp: 1, cp: tp, dp_shard: tp*cp, ...).
 A group of `size` ranks `stride` apart stays in one node when size * stride <= gpus_per_node;
-otherwise it spans nodes with k = max(1, gpus_per_node // stride) members per node.
+otherwise it spans nodes with k = max(1, gpus_per_node // stride) members per node. Where one
+NVLink fabric joins several nodes (`ClusterSpec.nvlink_domain`, GB200 NVL72) the domain takes
+the node's place: a group inside it stays on NVLink.
 
 Bandwidth. NVLink moves ring traffic one way, so a GPU gets half the marketed (bidirectional)
 `intra_node_bw`, times `nvlink_fraction`. A ring that crosses nodes leaves each node once per
 ring; NCCL runs one ring per NIC, so the node's k members of the group share k NICs and the ring's
 bus bandwidth is min(NVLink, k * inter_node_bw * ib_fraction). That is why data parallelism over
 eight GPUs per node can reach hundreds of GB/s although each NIC carries 50 GB/s.
+Point-to-point exchanges get no such sharing: in a ring attention step or a pipeline send every
+rank sends to its neighbour at once, the step waits for its slowest hop, and a hop that leaves
+the node goes through the sending GPU's own NIC: B_p2p = min(NVLink, inter_node_bw * ib_fraction)
+once the group spans nodes (`Link.p2p_bandwidth`). An all-to-all sends the part of its traffic
+that leaves the node, (n-k)/n, through each GPU's own NIC as well.
 
 Costs (Thakur, Rabenseifner and Gropp 2005; Chan et al. 2007), per GPU, for S bytes per rank,
 with a group of n ranks on N nodes (k = n / N per node):
@@ -20,7 +27,7 @@ with a group of n ranks on N nodes (k = n / N per node):
     all-to-all                   (n-1) alpha + max((k-1)/n * S / B_nvlink, (n-k)/n * S / B_ib)
     dispatch, deduplicated     (n-1) alpha + max((k-1)/k * S / B_nvlink, R * S / (top_k B_ib))
         (DeepEP: one network copy per remote node reached, R = (N-1)(1 - (1 - 1/N)^top_k))
-    point-to-point                     alpha + S / B
+    point-to-point                     alpha + S / B_p2p
 Latency as NCCL's own cost model counts it (`src/graph/tuning.cc`, `ncclTopoTuneModel`): a ring
 takes 2(n-1) steps for an all-reduce (n-1 for a gather or scatter), of which 2(N-1) (N-1) cross
 the network at alpha_ib and the rest stay on NVLink at alpha_nvlink; NCCL's double binary tree
@@ -78,6 +85,15 @@ class Link:
         """Nodes a group of `n` ranks spans on this link (1 on NVLink)."""
         return 1 if self.kind != "ib" else max(1, math.ceil(n / self.per_node))
 
+    @property
+    def p2p_bandwidth(self) -> float:
+        """One-way bytes/s of a point-to-point exchange between neighbours of the group: every
+        rank sends at once, so the exchange waits for its slowest hop, and a hop to another node
+        is one GPU's own NIC (`ib_bandwidth`), whatever the other NICs of the node do."""
+        if self.kind == "ib":
+            return min(self.nvlink_bandwidth, self.ib_bandwidth)
+        return self.bandwidth
+
 
 def measured_link(cluster: ClusterSpec, size: int, gap_s: float | None = None) -> Link | None:
     """The link of a group of `size` ranks on a measured machine, its collectives issued after
@@ -112,10 +128,10 @@ def group_link(
     local = measured_link(cluster, size, gap_s)
     if local is not None:
         return local
-    g = cluster.gpus_per_node
+    g = cluster.nvlink_gpus  # a node, or an NVLink domain of several (GB200 NVL72: 72)
     nv = nvlink_bandwidth(cluster, eff)
     ib = ib_bandwidth(cluster, eff)
-    if size * stride <= g or cluster.nodes == 1:
+    if size * stride <= g or cluster.world_size <= g:
         return Link("nvlink", nv, cluster.intra_node_latency_s, size, nv, ib)
     per_node = max(1, min(size, g // stride)) if stride < g else 1
     bandwidth = min(nv, per_node * ib)
@@ -161,20 +177,13 @@ def plan_link(
 def pipeline_link(
     cluster: ClusterSpec, plan: ParallelPlan, eff: EfficiencyModel, gap_s: float | None = None
 ) -> Link:
-    """Neighbouring pipeline stages are world/pp ranks apart; across nodes each GPU uses its own
-    NIC."""
+    """The link of the sends between neighbouring pipeline stages, world/pp ranks apart: "ib" as
+    soon as one boundary crosses nodes (a schedule waits for its slowest boundary), priced by
+    `p2p_time_s` at one GPU's NIC."""
     local = measured_link(cluster, 2, gap_s)
     if local is not None:
         return local
-    stride = plan.tp * plan.cp * plan.dp
-    if stride < cluster.gpus_per_node or cluster.nodes == 1:
-        nv = nvlink_bandwidth(cluster, eff)
-        return Link("nvlink", nv, cluster.intra_node_latency_s, 2, nv, ib_bandwidth(cluster, eff))
-    ib = ib_bandwidth(cluster, eff)
-    nv = nvlink_bandwidth(cluster, eff)
-    return Link(
-        "ib", ib, cluster.inter_node_latency_s, 1, nv, ib, None, cluster.intra_node_latency_s
-    )
+    return plan_link(cluster, plan, "pp", eff)
 
 
 # ---- collective times ----------------------------------------------------------------------------
@@ -329,6 +338,46 @@ def deduplicated_dispatch_time_s(token_bytes: float, top_k: int, n: int, link: L
 
 
 def p2p_time_s(size_bytes: float, link: Link) -> float:
+    """One point-to-point exchange of `size_bytes` per rank between neighbours of a group (a
+    ring attention step, a pipeline send): alpha + S / B at the slowest hop's bandwidth
+    (`Link.p2p_bandwidth`), not the multi-NIC bus bandwidth of a collective."""
     if link.measured is not None:
         return _fitted("send_recv", size_bytes, 2, link)
-    return transfer_time_s(size_bytes, link.bandwidth, link.latency_s)
+    return transfer_time_s(size_bytes, link.p2p_bandwidth, link.latency_s)
+
+
+# ---- the assumption behind a price, in words -------------------------------------------------
+PATTERNS = ("collective", "p2p", "all-to-all", "dispatch")
+
+
+def _gbs(bytes_per_s: float) -> str:
+    return f"{bytes_per_s / 1e9:,.0f} GB/s"
+
+
+def link_model(link: Link, pattern: str, n: int) -> str:
+    """How a `pattern` over a group of `n` ranks on `link` is priced, in words for the breakdown,
+    e.g. "p2p, slowest hop ib 45 GB/s per GPU" (achieved bandwidths: the catalog's times the
+    efficiency model's fractions)."""
+    if pattern not in PATTERNS:
+        raise ValueError(f"pattern {pattern!r} is not one of {PATTERNS}")
+    if link.measured is not None:
+        return f"{pattern}, fitted to {link.kind} on this machine (fivefold calibrate)"
+    if link.kind != "ib":
+        return f"{pattern}, nvlink {_gbs(link.bandwidth)} per GPU"
+    if pattern == "p2p":
+        return f"p2p, slowest hop ib {_gbs(link.p2p_bandwidth)} per GPU"
+    if pattern == "collective":
+        return (
+            f"collective, NCCL rings over ib on {link.per_node} NIC(s) per node, "
+            f"{_gbs(link.bandwidth)} per GPU"
+        )
+    k = min(link.per_node, n)
+    if pattern == "dispatch":
+        return (
+            f"dispatch, one copy per remote node over ib {_gbs(link.ib_bandwidth)} per GPU, "
+            f"nvlink {_gbs(link.nvlink_bandwidth)} inside"
+        )
+    return (
+        f"all-to-all, {n - k}/{n} off node over ib {_gbs(link.ib_bandwidth)} per GPU, "
+        f"nvlink {_gbs(link.nvlink_bandwidth)} inside"
+    )

@@ -13,11 +13,13 @@ The efficiency model (parameters in `fivefold.planner.calibration`, fitted by
   approach the architecture's fraction; thin ones (small h/tp, few tokens per expert) are
   bandwidth-bound. The backward runs two GEMMs of the same size per forward GEMM: the input
   gradient (in the "B" pass) and the weight gradient (the "W" pass).
-- Attention core. Fused (flash) kernels: 4 * T * (s/2) * head_dim * heads/tp causal FLOPs forward
-  at `attention_peak_fraction` of peak, the backward `attention_backward_ratio` (2.5) times the
-  forward time. Classic kernels (Megatron 2021: QK^T and AV as batched GEMMs over the full s x s
-  matrix, then a fused scale-mask-softmax and dropout in HBM) are two batched GEMMs of shape
-  (s, s, head_dim) plus the element-wise passes over the s^2 scores.
+- Attention core. Fused (flash) kernels: 4 * pairs * head_dim * heads/tp causal FLOPs forward,
+  pairs = b/cp * s^2/2 with one document per sequence, or per document with the training data's
+  document length (`model.doc_len`, `causal_pairs_per_sequence`), at `attention_peak_fraction`
+  of peak, the backward `attention_backward_ratio` (2.5) times the forward time. Classic
+  kernels (Megatron 2021: QK^T and AV as batched GEMMs over the full s x s matrix, then a
+  fused scale-mask-softmax and dropout in HBM) are two batched GEMMs of shape (s, s, head_dim)
+  plus the element-wise passes over the s^2 scores.
 - Element-wise kernels are bound by HBM bandwidth at `hbm_fraction`. Per token per layer, forward:
   two RMSNorms (read and write h each), two residual adds (read 2h, write h), RoPE on q and k
   (read and write), the MLP activation (SwiGLU: read 2f, write f; GeLU: read f, write f), with
@@ -61,7 +63,7 @@ from fivefold.planner.calibration import EfficiencyModel
 from fivefold.planner.levers import state_recipe
 from fivefold.planner.memory import local_kv_width
 from fivefold.spec.hardware import GPUSpec
-from fivefold.spec.model import ModelSpec
+from fivefold.spec.model import ModelSpec, attention_flops_all_layers
 from fivefold.spec.plan import ParallelPlan
 from fivefold.spec.precision import recipe
 
@@ -223,9 +225,20 @@ def roofline_s(
 
 
 def attention_flops(model: ModelSpec, plan: ParallelPlan) -> float:
-    """Causal forward FLOPs of one layer's attention core for one micro-batch on one rank."""
+    """Causal forward FLOPs of one layer's attention core for one micro-batch on one rank (the
+    layers' mean where some attend in a sliding window), per document
+    (`fivefold.spec.model.causal_pairs_per_sequence`: s^2/2 pairs per sequence with one
+    document, fewer with `model.doc_len`), split evenly over cp ranks."""
     tokens = plan.micro_batch * model.seq_len / plan.cp
-    return 4.0 * tokens * (model.seq_len / 2) * model.head_dim * model.heads / plan.tp
+    per_layer = attention_flops_all_layers(model, model.seq_len) / model.layers
+    return tokens * per_layer / plan.tp
+
+
+def attention_span(model: ModelSpec, plan: ParallelPlan) -> float:
+    """Tokens one attention kernel call spans on a rank: the local sequence s/cp, or a
+    document when `model.doc_len` is shorter (the rate a measured device is read at)."""
+    local = model.seq_len / plan.cp
+    return min(local, model.doc_len) if model.doc_len > 0 else local
 
 
 def flash_attention_forward_s(
@@ -247,7 +260,11 @@ def attention_times_s(
         dtype = recipe(plan.precision).compute_dtype
         blocks = plan.cp if plan.cp_kind in ("ring", "allgather") else 1  # block kernels
         fwd, bwd = device.measured.attention_flops_per_s(
-            model.seq_len / plan.cp, model.head_dim, dtype, blocks
+            attention_span(model, plan),
+            model.head_dim,
+            dtype,
+            blocks,
+            plan.micro_batch * model.heads / plan.tp,
         )
         forward, backward = flops / fwd, 2.0 * flops / bwd
     else:
@@ -270,6 +287,30 @@ def attention_bytes(model: ModelSpec, plan: ParallelPlan) -> tuple[float, float]
 
 
 # ---- one transformer layer --------------------------------------------------------------------
+def attention_gemms(
+    model: ModelSpec, tokens: float, t: int
+) -> list[tuple[float, float, float, float]]:
+    """Forward attention-projection GEMMs of one layer on one TP rank as (m, n, k, count): the
+    fused QKV and O; with MLA (`ModelSpec.attention_matrices`) the key/value latent and query
+    down projections replicated, the per-head up projections and O split by heads."""
+    h = model.hidden
+    if not model.is_mla:
+        q, kv = model.q_width / t, local_kv_width(model, t)
+        return [(tokens, q + 2 * kv, h, 1.0), (tokens, h, q, 1.0)]
+    heads = model.heads / t
+    nope = model.head_dim - model.qk_rope_head_dim
+    out = [
+        (tokens, model.kv_lora_rank + model.qk_rope_head_dim, h, 1.0),
+        (tokens, heads * (nope + model.value_dim), model.kv_lora_rank, 1.0),
+    ]
+    rank = model.q_lora_rank
+    if rank:
+        out += [(tokens, rank, h, 1.0), (tokens, heads * model.head_dim, rank, 1.0)]
+    else:
+        out.append((tokens, heads * model.head_dim, h, 1.0))
+    return [*out, (tokens, h, heads * model.value_dim, 1.0)]
+
+
 def layer_gemms(
     model: ModelSpec, plan: ParallelPlan, moe: bool
 ) -> list[tuple[float, float, float, float]]:
@@ -277,9 +318,7 @@ def layer_gemms(
     t = plan.tp
     h = model.hidden
     tokens = plan.micro_batch * model.seq_len / plan.cp
-    q = model.q_width / t
-    kv = local_kv_width(model, t)
-    out = [(tokens, q + 2 * kv, h, 1.0), (tokens, h, q, 1.0)]
+    out = attention_gemms(model, tokens, t)
     if not moe:
         f = model.ffn / t
         up = 2 * f if model.mlp == "swiglu" else f

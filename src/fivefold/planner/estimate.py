@@ -83,18 +83,21 @@ COMM_KINDS = ("tp", "cp", "ep", "zero-gather", "pp", "dp", "offload")
 @dataclass(frozen=True)
 class CommCost:
     """One kind of communication over a step, for the worst rank: bytes it sends, the time the
-    transfers take, and the part of that time on the critical path."""
+    transfers take, the part of that time on the critical path, and how the link was priced
+    (`comm.link_model`, e.g. "p2p, slowest hop ib 45 GB/s per GPU")."""
 
     kind: str
     link: str
     bytes_per_step: float
     time_s: float
     exposed_s: float
+    link_model: str = ""
 
     def to_json(self) -> dict:
         return {
             "kind": self.kind,
             "link": self.link,
+            "link_model": self.link_model,
             "bytes_per_step": self.bytes_per_step,
             "time_s": self.time_s,
             "exposed_s": self.exposed_s,
@@ -911,7 +914,9 @@ def estimate(
     # The step pays the busiest rank's idle time; the fraction and the seconds are that one figure.
     bubble_s = _excess(pipeline_s, busy[busiest])
     bubble = bubble_s / pipeline_s if pipeline_s > 0 else 0.0
-    comm = _comm_summary(plan, cluster, eff, chunk_costs, tails, busiest, m, p2p, boundary, pp_link)
+    comm = _comm_summary(
+        plan, cluster, eff, opts, chunk_costs, tails, busiest, m, p2p, boundary, pp_link
+    )
     slowest_tail = max(tails, key=lambda t: t.exposed_s)
     breakdown = {
         "compute_s": rank_compute[busiest],
@@ -1071,6 +1076,7 @@ def _comm_summary(
     plan: ParallelPlan,
     cluster: ClusterSpec,
     eff: EfficiencyModel,
+    opts: PlannerOptions,
     chunk_costs: list[ChunkCosts],
     tails: list[Tail],
     rank: int,
@@ -1081,21 +1087,26 @@ def _comm_summary(
 ) -> list[CommCost]:
     chunks = chunks_of_rank(plan, rank)
     out: list[CommCost] = []
+    cp_pattern = {"ring": "p2p", "allgather": "collective"}.get(plan.cp_kind, "all-to-all")
+    ep_pattern = "dispatch" if opts.ep_dispatch == "deepep" else "all-to-all"
 
-    def add(kind: str, group: str | None, triple: tuple[float, float, float]) -> None:
+    def add(
+        kind: str, group: str, triple: tuple[float, float, float], pattern: str = "collective"
+    ) -> None:
         exposed, time, sent = triple
         if time <= 0 and sent <= 0:
             return
-        link = C.plan_link(cluster, plan, group, eff).kind if group else "nvlink"
-        out.append(CommCost(kind, link, sent, time, exposed))
+        link = C.plan_link(cluster, plan, group, eff)
+        words = C.link_model(link, pattern, C.axis_groups(plan)[group][0])
+        out.append(CommCost(kind, link.kind, sent, time, exposed, words))
 
     def total(attr: str) -> tuple[float, float, float]:
         parts = [getattr(chunk_costs[c], attr) for c in chunks]
         return tuple(m * sum(p[i] for p in parts) for i in range(3))  # type: ignore[return-value]
 
     add("tp", "tp", total("tp"))
-    add("cp", "cp", total("cp"))
-    add("ep", "ep", total("ep"))
+    add("cp", "cp", total("cp"), cp_pattern)
+    add("ep", "ep", total("ep"), ep_pattern)
     tail = tails[rank]
     zero = total("zero")
     zero_gather = (
@@ -1107,7 +1118,8 @@ def _comm_summary(
     if plan.pp > 1:
         hops = 2 * m * plan.vpp
         critical = 2 * (plan.pp * plan.vpp - 1) * p2p
-        out.append(CommCost("pp", pp_link.kind, hops * boundary, hops * p2p, critical))
+        words = C.link_model(pp_link, "p2p", 2)
+        out.append(CommCost("pp", pp_link.kind, hops * boundary, hops * p2p, critical, words))
     dp_group = "dp_cp" if plan.zero == 0 else "dp_shard_cp"
     rs = total("zero_rs")
     add(
@@ -1118,7 +1130,12 @@ def _comm_summary(
     if tail.offload_time_s > 0:  # "all" offload's per-layer copies are in the zero-gather times
         out.append(
             CommCost(
-                "offload", "pcie", tail.offload_bytes, tail.offload_time_s, tail.offload_exposed_s
+                "offload",
+                "pcie",
+                tail.offload_bytes,
+                tail.offload_time_s,
+                tail.offload_exposed_s,
+                "host copies over PCIe",
             )
         )
     return out

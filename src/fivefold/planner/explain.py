@@ -187,10 +187,12 @@ class _Explainer:
                 "the critical path of every layer"
             )
         if p.tp > 1:
-            text = (
-                f"Tensor parallelism: TP = {p.tp} inside a node of {c.gpus_per_node} GPUs "
-                f"({links}). "
+            where = (
+                f"a node of {c.gpus_per_node} GPUs"
+                if c.nvlink_gpus == c.gpus_per_node
+                else f"an NVLink domain of {c.nvlink_gpus} GPUs"
             )
+            text = f"Tensor parallelism: TP = {p.tp} inside {where} ({links}). "
         else:
             text = (
                 f"Tensor parallelism: none (TP = 1). TP would stay inside a node of "
@@ -320,7 +322,7 @@ class _Explainer:
             cp_comm = [x for x in self.best.comm if x.kind == "cp"]
             if cp_comm:
                 text += (
-                    f"The key/value exchange ({cp_comm[0].link}) takes "
+                    f"The key/value exchange ({cp_comm[0].link_model or cp_comm[0].link}) takes "
                     f"{seconds(cp_comm[0].time_s)} per step, {seconds(cp_comm[0].exposed_s)} of "
                     "it not hidden behind attention. "
                 )

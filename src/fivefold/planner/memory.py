@@ -88,6 +88,7 @@ from fivefold.planner.levers import (
 from fivefold.planner.partition import stage_layer_counts
 from fivefold.spec.model import (
     ModelSpec,
+    attention_extra_params,
     attention_params,
     dense_mlp_params,
     expert_params,
@@ -308,8 +309,8 @@ class LayerParams:
 
 def local_kv_width(model: ModelSpec, tp: int) -> float:
     """Key (or value) width per TP rank: kv heads split by tp, one replicated head when tp
-    exceeds them."""
-    return max(model.kv_heads / tp, 1.0) * model.head_dim
+    exceeds them (MLA: the mean of a key and a value head, `ModelSpec.kv_head_width`)."""
+    return max(model.kv_heads / tp, 1.0) * model.kv_head_width
 
 
 def heads_per_rank(model: ModelSpec, tp: int) -> int:
@@ -324,11 +325,24 @@ def qkv_params_per_rank(model: ModelSpec, tp: int) -> float:
     return model.hidden * (model.q_width / tp + 2 * local_kv_width(model, tp))
 
 
+def attention_params_per_rank(model: ModelSpec, tp: int) -> tuple[float, float]:
+    """(TP-sharded, replicated) attention parameters of one layer on one TP rank: Q and O split
+    by heads, K and V by kv heads (one replicated head when tp exceeds them); with MLA the
+    per-head up projections and O split, the down projections (query and key/value latents)
+    replicated. Biases and norms replicated."""
+    h = model.hidden
+    extra = attention_extra_params(model)
+    if model.is_mla:
+        down = model.hidden * (model.q_lora_rank + model.kv_lora_rank + model.qk_rope_head_dim)
+        return (attention_params(model) - down) / tp, down + extra
+    attn = attention_params(model) - 2 * h * model.kv_width  # wq and wo
+    return attn / tp + 2 * h * local_kv_width(model, tp), float(extra)
+
+
 def layer_params_per_rank(model: ModelSpec, moe: bool, tp: int, ep: int) -> LayerParams:
     h = model.hidden
-    attn = attention_params(model) - 2 * h * model.kv_width  # wq and wo
-    attn = attn / tp + 2 * h * local_kv_width(model, tp)
-    norms = 2 * h
+    attn, replicated = attention_params_per_rank(model, tp)
+    norms = 2 * h + replicated
     if not moe:
         return LayerParams(attn + dense_mlp_params(model) / tp, norms, 0.0)
     shared = model.shared_experts * expert_params(model) / tp

@@ -12,7 +12,8 @@ is `fivefold` (`DEFAULT_PROFILE`), which is what every estimate used before prof
 replaces an earlier one field by field, and each replacement is stated in `notes`): the profile
 (the flag `--profile`, else the recipe's `[planner] profile`, else the default), the recipe's
 `[planner]` fields, the command-line option flags. The `[planner]` section may also set
-`headroom` (the search's share of HBM left free).
+`headroom` (the search's share of HBM left free) and the token-budget fields
+(`fivefold.planner.budget.BUDGET_KEYS`: tokens, gpu_hour_price, ...), read there.
 """
 
 from __future__ import annotations
@@ -24,12 +25,14 @@ from pathlib import Path
 from typing import Any
 
 from fivefold.errors import ConfigError
+from fivefold.planner.budget import BUDGET_KEYS
 from fivefold.planner.options import PlannerOptions
 from fivefold.spec.hardware import GPUSpec
 
 PROFILES_FILE = Path(__file__).parent / "data" / "profiles.json"
 OPTION_FIELDS = tuple(f.name for f in fields(PlannerOptions))
-SECTION_KEYS = ("profile", "headroom", *OPTION_FIELDS)  # what a [planner] table may set
+# what a [planner] table may set; the token-budget fields are read by `planner.budget`
+SECTION_KEYS = ("profile", "headroom", *OPTION_FIELDS, *BUDGET_KEYS)
 
 
 @dataclass(frozen=True)
@@ -122,16 +125,16 @@ def planner_settings(
     (default `--field-name`). Raises one ConfigError listing every problem, each naming the
     field (planner.x for the recipe, the flag for the command line).
     """
-    from fivefold.spec.recipe import build
+    from fivefold.spec.recipe import build, unknown_field
 
     section = dict(section or {})
     problems: list[str] = []
     for key in [k for k in section if k not in SECTION_KEYS]:
-        problems.append(
-            f"planner.{key} is not a setting; known planner fields: {', '.join(SECTION_KEYS)}."
-        )
+        problems.append(unknown_field("planner", key, SECTION_KEYS))
         section.pop(key)
     headroom = _headroom(section.pop("headroom", None), problems)
+    for key in BUDGET_KEYS:
+        section.pop(key, None)
     recipe_profile = section.pop("profile", None)
     if profile_flag is not None:
         chosen, where = profile_flag, "--profile"

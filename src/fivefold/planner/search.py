@@ -21,7 +21,9 @@ What is enumerated (outer to inner, so memory can prune whole subtrees early):
   kept when mbs * dp * accum is within `batch_tolerance` (default 5 %) of G.
 
 Every candidate is checked by `ParallelPlan.problems(model, cluster)` (the source of truth for
-validity) before it is costed. Pruning, cheapest first:
+validity) before it is costed. A pinned degree is tried even where the enumeration would skip it,
+so when every layout breaks a rule (tp = 5 and 32 heads) the search says which, in validation's
+words, instead of blaming memory. Pruning, cheapest first:
 1. batch: dp ranks x one sequence already over the target -> the whole (tp, cp, pp) shape goes;
 2. memory lower bound: pipeline rank 0 alone (it holds the embedding and, in every schedule here,
    the most micro-batches in flight) must fit; a miss is a rejection without the full estimate;
@@ -185,7 +187,7 @@ def divisors(n: int) -> list[int]:
 
 def tp_choices(model: ModelSpec, cluster: ClusterSpec) -> list[int]:
     out = []
-    for tp in divisors(cluster.gpus_per_node):
+    for tp in divisors(cluster.nvlink_gpus):  # one node, or a larger NVLink domain (NVL72)
         if cluster.world_size % tp or model.heads % tp or model.ffn % tp:
             continue
         kv_ok = model.kv_heads % tp == 0 if tp <= model.kv_heads else tp % model.kv_heads == 0
@@ -298,21 +300,51 @@ class _Search:
     def allowed(self, name: str, value: Any) -> bool:
         return name not in self.fixed or self.fixed[name] == value
 
+    def tried(self, name: str, found: list[int]) -> list[tuple[int, bool]]:
+        """(value, whether the enumeration found it) of degree `name`: `found`, or the pinned
+        value, even one the enumeration would skip, so that validation says why it cannot run."""
+        if name in self.fixed:
+            return [(self.fixed[name], self.fixed[name] in found)]
+        return [(v, True) for v in found]
+
     def run(self) -> None:
         """Enumerate and screen every candidate, then cost them best bound first."""
         world = self.cluster.world_size
-        for tp in tp_choices(self.model, self.cluster):
-            if not self.allowed("tp", tp):
-                continue
-            for cp in cp_choices(self.model, world // tp):
-                if not self.allowed("cp", cp):
-                    continue
-                for pp in divisors(world // (tp * cp)):
-                    if pp > self.model.layers or not self.allowed("pp", pp):
+        for tp, tp_found in self.tried("tp", tp_choices(self.model, self.cluster)):
+            for cp, cp_found in self.tried("cp", cp_choices(self.model, max(1, world // tp))):
+                pps = [p for p in divisors(max(1, world // (tp * cp))) if p <= self.model.layers]
+                for pp, pp_found in self.tried("pp", pps):
+                    dp = max(1, world // (tp * cp * pp))
+                    if not self.allowed("dp", dp):
                         continue
-                    if self.allowed("dp", world // (tp * cp * pp)):
-                        self.shape(tp, cp, pp, world // (tp * cp * pp))
+                    if not (tp_found and cp_found and pp_found) and self.broken(tp, cp, pp, dp):
+                        continue
+                    self.shape(tp, cp, pp, dp)
+        if not self.outcomes and not self.candidates:  # e.g. a pinned dp no shape reaches
+            tp, cp, pp = (self.fixed.get(k, 1) for k in ("tp", "cp", "pp"))
+            self.broken(tp, cp, pp, self.fixed.get("dp", max(1, world // (tp * cp * pp))))
         self.cost_candidates()
+
+    def broken(self, tp: int, cp: int, pp: int, dp: int) -> bool:
+        """Whether a shape with a pinned degree the enumeration skips breaks a rule of
+        `ParallelPlan.problems` (then rejected as invalid, with the rule's words)."""
+        sp = self.fixed.get("sp", tp > 1)
+        shape = ParallelPlan(tp=tp, sp=sp, cp=cp, pp=pp, dp_replicate=dp)
+        problems = shape.problems(self.model, self.cluster)
+        if problems:
+            self.reject(shape, "invalid", " ".join(problems))
+        return bool(problems)
+
+    def broken_rules(self) -> list[str]:
+        """When every layout tried is invalid (a pinned degree the model or cluster cannot
+        take): the rules (`ParallelPlan.problems`) all of them break, else the first one's;
+        empty when some layout is valid or none was tried."""
+        outcomes = list(self.outcomes.values())
+        if not outcomes or any(o.kind != "invalid" for o in outcomes):
+            return []
+        lists = [o.plan.problems(self.model, self.cluster) for o in outcomes]
+        common = [p for p in lists[0] if all(p in rest for rest in lists[1:])]
+        return common or lists[0]
 
     def shape(self, tp: int, cp: int, pp: int, dp: int) -> None:
         if dp > self.target.sequences * (1 + self.target.tolerance):
@@ -703,6 +735,17 @@ def _search(
     )
     state.run()
     outcomes = list(state.outcomes.values())
+    broken = state.broken_rules()
+    if broken:  # every layout breaks a rule (a pinned degree): no memory lever can help
+        pinned = ", ".join(f"{k} {v}" for k, v in (fixed or {}).items())
+        where = f"{model.name} on {cluster.world_size} x {cluster.gpu}"
+        head = (
+            f"no layout of {where} with the pinned fields ({pinned}) can run: every one "
+            "breaks a rule; change a pinned value."
+            if pinned
+            else f"no layout of {where} can run: every one breaks a rule."
+        )
+        raise ConfigError([head, *broken])
     ranked = rank_fitting([o for o in outcomes if o.fits], risk)
     rejected = nearest_rejected(outcomes)
     without_levers = None

@@ -13,8 +13,11 @@ node-major: ranks [k*gpus_per_node, (k+1)*gpus_per_node) share node k and its NV
 - `profile` names a device profile measured by `fivefold calibrate` (`fivefold.spec.profile`):
   the device is then the measured machine, one node whose `gpus_per_node` are its local ranks,
   and the planner times kernels and collectives from the measurements.
+- `nvlink_domain` is the number of GPUs one NVLink fabric joins when it spans nodes (GB200 NVL72:
+  72 GPUs in trays of 4); 0 means one node. A group inside one domain uses NVLink
+  (`fivefold.planner.comm`), and tensor parallelism may span the domain (`nvlink_gpus`).
 Presets exist for any GPU count: up to one node it is a single partial node, beyond that the
-count must fill whole 8-GPU nodes.
+count must fill whole nodes (8 GPUs; 4 for GB200 NVL72).
 """
 
 from __future__ import annotations
@@ -38,10 +41,17 @@ class ClusterSpec:
     intra_node_latency_s: float = 1e-6
     inter_node_latency_s: float = 5e-6
     profile: str = ""  # a device profile (`fivefold calibrate`): its device replaces `gpu`
+    nvlink_domain: int = 0  # GPUs sharing one NVLink fabric, a multiple of gpus_per_node; 0: a node
 
     @property
     def world_size(self) -> int:
         return self.nodes * self.gpus_per_node
+
+    @property
+    def nvlink_gpus(self) -> int:
+        """GPUs one NVLink domain holds in this cluster: `nvlink_domain` (one node when 0), at
+        most the whole cluster. TP and the groups inside it stay on NVLink."""
+        return min(self.nvlink_domain or self.gpus_per_node, self.world_size)
 
     @property
     def device(self) -> GPUSpec:
@@ -69,6 +79,12 @@ class ClusterSpec:
                 f"{self.gpus_per_node:,}): fivefold plans at most {MAX_GPUS:,} GPUs; check "
                 "--gpus / cluster.gpus."
             )
+        domain = self.nvlink_domain
+        if domain and (domain < self.gpus_per_node or domain % max(1, self.gpus_per_node)):
+            out.append(
+                f"cluster.nvlink_domain = {domain}: an NVLink domain holds whole nodes; give a "
+                f"multiple of cluster.gpus_per_node = {self.gpus_per_node} (or 0 for one node)."
+            )
         for f in ("intra_node_bw", "inter_node_bw"):
             if getattr(self, f) <= 0:
                 out.append(f"cluster.{f} = {getattr(self, f)}: must be a positive bytes/s figure.")
@@ -87,7 +103,7 @@ class ClusterSpec:
         return out
 
 
-def _dgx(name: str, gpu_name: str, nvlink: float, ib: float, per_node: int = 8):
+def _dgx(name: str, gpu_name: str, nvlink: float, ib: float, per_node: int = 8, domain: int = 0):
     def make(gpus: int = per_node, **overrides) -> ClusterSpec:
         from fivefold.errors import ConfigError
 
@@ -100,6 +116,7 @@ def _dgx(name: str, gpu_name: str, nvlink: float, ib: float, per_node: int = 8):
                 f"{(gpus // per_node + 1) * per_node}) or at most {per_node}."
             )
         nodes = max(1, gpus // per_node)
+        overrides.setdefault("nvlink_domain", domain)
         return ClusterSpec(name, gpu_name, nodes, min(gpus, per_node), nvlink, ib, **overrides)
 
     return make
@@ -113,7 +130,35 @@ CLUSTER_PRESETS = {
     "dgx-h200": _dgx("dgx-h200", "h200", 900e9, 50e9),
     "hgx-h800": _dgx("hgx-h800", "h800", 400e9, 50e9),
     "dgx-b200": _dgx("dgx-b200", "b200", 1800e9, 50e9),
+    # GB200 NVL72: trays of 4 GPUs, one NVLink 5 domain of 72 (1.8 TB/s per GPU); one
+    # ConnectX-7 400 Gb/s NIC per GPU beyond the rack.
+    "gb200-nvl72": _dgx("gb200-nvl72", "gb200", 1800e9, 50e9, per_node=4, domain=72),
+    "hgx-h20": _dgx("hgx-h20", "h20", 900e9, 50e9),
+    # AMD Instinct platforms: 8 GPUs fully connected by Infinity Fabric (896 GB/s aggregate per
+    # GPU), one 400 Gb/s NIC per GPU.
+    "amd-mi300x": _dgx("amd-mi300x", "mi300x", 896e9, 50e9),
+    "amd-mi325x": _dgx("amd-mi325x", "mi325x", 896e9, 50e9),
 }
+
+
+def cluster_for_gpu(gpu_name: str, gpus: int, per_node: int, name: str = "") -> ClusterSpec:
+    """`gpus` of catalog GPU `gpu_name` in nodes of `per_node` (a run on the GPUs it found):
+    links from the GPU's own system (its preset: NVLink and NIC per GPU, NVLink domain), else
+    its NVLink figure (PCIe both ways for a card without NVLink) and the default NIC."""
+    from fivefold.spec.hardware import GPUS
+
+    base = next((make() for make in CLUSTER_PRESETS.values() if make().gpu == gpu_name), None)
+    if base is None:
+        device = GPUS[gpu_name]
+        link = device.nvlink_bw_bytes_per_s or 2 * device.pcie_bw_bytes_per_s
+        base = ClusterSpec(gpu=gpu_name, intra_node_bw=link or ClusterSpec.intra_node_bw)
+    domain = base.nvlink_domain if base.nvlink_domain % per_node == 0 else 0
+    return base.with_(
+        name=name or base.name,
+        nodes=max(1, gpus // per_node),
+        gpus_per_node=per_node,
+        nvlink_domain=domain,
+    )
 
 
 def cluster_preset(name: str, gpus: int = 8) -> ClusterSpec:

@@ -1,8 +1,9 @@
 """The accelerator catalog: memory, dense peak FLOP/s per dtype, HBM bandwidth, with sources.
 
 Peaks are *dense* (no 2:4 sparsity) tensor-core figures from the vendor datasheets cited in
-`source`. `hbm_bytes` is the nominal capacity (80 GB parts carry 80 GiB of HBM; the CUDA context
-and allocator reserve are separate terms in the planner). Link figures are the vendor's per-GPU
+`source`. `hbm_bytes` is the nominal capacity (80 GB parts carry 80 GiB of HBM; the H200 the
+143,771 MiB nvidia-smi reports; the CUDA context and allocator reserve are separate terms in the
+planner). Link figures are the vendor's per-GPU
 NVLink bandwidth (both directions added, as marketed) and are only defaults for `ClusterSpec`.
 `arch` names the micro-architecture whose calibrated GEMM efficiency the planner uses
 (`fivefold.planner.calibration`). `pcie_bw_bytes_per_s` is the GPU's host link in ONE direction
@@ -11,12 +12,17 @@ both directions added, 64 / 128 GB/s). `HOSTS` describes the node around the GPU
 system that carries it): host RAM and the CPUs' theoretical memory bandwidth, for CPU offload
 (`fivefold.planner.levers`); a GPU without a sourced host has none, and offloading on it is an
 error that says so. An unknown device is an error that says so, never a guessed
-peak. A machine measured by `fivefold calibrate` (a CPU included) is not in the catalog: its
-`GPUSpec` comes from a device profile (`fivefold.spec.profile`) and carries the measured tables.
+peak: `catalog_key_for_device` maps the name torch gives a GPU to its entry (most specific name
+first) and a GPU it does not know runs as `unknown-gpu`, which predicts no time. `nvlink_domain`
+is the NVLink fabric of the GPU's system when it spans nodes (GB200 NVL72: 72 GPUs in 18 trays
+of 4), the default of `ClusterSpec.nvlink_domain`. A machine measured by `fivefold calibrate`
+(a CPU included) is not in the catalog: its `GPUSpec` comes from a device profile
+(`fivefold.spec.profile`) and carries the measured tables.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -41,6 +47,7 @@ class GPUSpec:
     # The measured tables of a device profile (`fivefold.spec.profile`); None for catalog GPUs.
     measured: Measured | None = field(default=None, compare=False, repr=False)
     pcie_bw_bytes_per_s: float = 0.0  # host link, one direction (0: none, e.g. a CPU)
+    nvlink_domain: int = 0  # GPUs on one NVLink fabric in its system (GB200 NVL72: 72; 0: a node)
 
     def peak(self, dtype: str) -> float:
         """Dense peak FLOP/s for `dtype` ("bf16", "fp16", "fp8", "tf32", "fp32")."""
@@ -72,6 +79,7 @@ def _flops(bf16: float, fp8: float | None, tf32: float, fp32: float) -> dict[str
 # ones "PCIe Gen5: 128 GB/s", both directions added.
 PCIE_GEN4_X16 = 31.5e9
 PCIE_GEN5_X16 = 63.0e9
+H200_HBM_BYTES = 143_771 * 2**20  # nvidia-smi's total on an H200 SXM (140.4 GiB)
 _A100_SRC = "NVIDIA A100 Tensor Core GPU datasheet (2021), SXM column, dense figures"
 _H100_SRC = "NVIDIA H100 Tensor Core GPU datasheet (2023), H100 SXM column, dense (half of sparse)"
 GPUS: dict[str, GPUSpec] = {
@@ -121,11 +129,13 @@ GPUS: dict[str, GPUSpec] = {
         ),
         GPUSpec(
             "h200",
-            141 * 10**9,
+            H200_HBM_BYTES,
             _flops(989.4, 1978.9, 494.7, 66.9),
             4.8e12,
             900e9,
-            "NVIDIA H200 Tensor Core GPU datasheet (2024), SXM column, dense",
+            "NVIDIA H200 Tensor Core GPU datasheet (2024), H200 SXM column, dense (half of "
+            "sparse); memory: the 141 GB of HBM3e as nvidia-smi reports it, 143,771 MiB (measured "
+            "2026-11-26 on one H200; torch sees about 139 GiB of it after the driver's share)",
             "hopper",
             pcie_bw_bytes_per_s=PCIE_GEN5_X16,
         ),
@@ -151,6 +161,89 @@ GPUS: dict[str, GPUSpec] = {
             pcie_bw_bytes_per_s=PCIE_GEN5_X16,
         ),
         GPUSpec(
+            "gb200",
+            186 * 10**9,
+            _flops(2500, 5000, 1250, 80),
+            8.0e12,
+            1800e9,
+            "NVIDIA GB200 NVL72 datasheet (2024): per rack of 72 GPUs 720 PFLOPS fp8 / 360 PFLOPS "
+            "bf16 / 180 PFLOPS tf32 with sparsity (dense: half), 5,760 TFLOPS fp32, 13.4 TB HBM3e "
+            "at 576 TB/s, NVLink 5 130 TB/s: per GPU 2.5 PFLOPS bf16 dense, 186 GB, 8 TB/s, "
+            "1.8 TB/s; one NVLink domain of 72 GPUs (18 compute trays of 4)",
+            "blackwell",
+            pcie_bw_bytes_per_s=PCIE_GEN5_X16,
+            nvlink_domain=72,
+        ),
+        GPUSpec(
+            "h100-pcie",
+            80 * GiB,
+            _flops(756, 1513, 378, 51),
+            2.0e12,
+            600e9,
+            "NVIDIA H100 Tensor Core GPU datasheet (2023), H100 PCIe column, dense (half of "
+            "sparse); NVLink bridge 600 GB/s between pairs",
+            "hopper",
+            pcie_bw_bytes_per_s=PCIE_GEN5_X16,
+        ),
+        GPUSpec(
+            "h100-nvl",
+            94 * 10**9,
+            _flops(835, 1670, 417.5, 60),
+            3.9e12,
+            600e9,
+            "NVIDIA H100 Tensor Core GPU datasheet (2023), H100 NVL column (per GPU), dense "
+            "(half of sparse); NVLink bridge 600 GB/s",
+            "hopper",
+            pcie_bw_bytes_per_s=PCIE_GEN5_X16,
+        ),
+        GPUSpec(
+            "h20",
+            96 * 10**9,
+            _flops(148, 296, 74, 44),
+            4.0e12,
+            900e9,
+            "NVIDIA HGX H20 specifications as published with its launch (2024; no public "
+            "datasheet): 96 GB HBM3 at 4.0 TB/s, 148 TFLOPS bf16 / 296 TFLOPS fp8 dense, 74 "
+            "TFLOPS tf32, 44 TFLOPS fp32, NVLink 900 GB/s",
+            "hopper",
+            pcie_bw_bytes_per_s=PCIE_GEN5_X16,
+        ),
+        GPUSpec(
+            "l40s",
+            48 * 10**9,
+            _flops(362.05, 733, 183, 91.6),
+            864e9,
+            0.0,
+            "NVIDIA L40S datasheet (2023), dense (half of sparse): 48 GB GDDR6 at 864 GB/s, no "
+            "NVLink (GPUs talk over PCIe Gen4 x16)",
+            "ada",
+            pcie_bw_bytes_per_s=PCIE_GEN4_X16,
+        ),
+        GPUSpec(
+            "mi300x",
+            192 * 10**9,
+            _flops(1307.4, 2614.9, 653.7, 163.4),
+            5.3e12,
+            896e9,
+            "AMD Instinct MI300X data sheet (2023): 192 GB HBM3 at 5.3 TB/s, peak dense matrix "
+            "1,307.4 TFLOPS bf16, 2,614.9 fp8, 653.7 tf32, 163.4 fp32; 7 Infinity Fabric links, "
+            "896 GB/s aggregate peer bandwidth",
+            "cdna3",
+            pcie_bw_bytes_per_s=PCIE_GEN5_X16,
+        ),
+        GPUSpec(
+            "mi325x",
+            256 * 10**9,
+            _flops(1307.4, 2614.9, 653.7, 163.4),
+            6.0e12,
+            896e9,
+            "AMD Instinct MI325X data sheet (2024): 256 GB HBM3E at 6 TB/s, peak dense matrix "
+            "1,307.4 TFLOPS bf16, 2,614.9 fp8, 653.7 tf32, 163.4 fp32 (the MI300X's compute); "
+            "896 GB/s aggregate Infinity Fabric",
+            "cdna3",
+            pcie_bw_bytes_per_s=PCIE_GEN5_X16,
+        ),
+        GPUSpec(
             "cpu",
             0,
             {},
@@ -160,9 +253,58 @@ GPUS: dict[str, GPUSpec] = {
             "(fivefold.spec.profile); without one, training on CPU measures a matmul peak at "
             "start-up and labels MFU as relative to that measurement",
         ),
+        GPUSpec(
+            "unknown-gpu",
+            0,
+            {},
+            0.0,
+            0.0,
+            "a GPU not in the catalog: no peak, memory or link figure is assumed for it; name a "
+            "catalogued GPU in [cluster] (gpu = ...) or measure it with `fivefold calibrate`",
+        ),
     )
 }
+UNKNOWN_GPU = "unknown-gpu"
 GPU_ALIASES = {"a100": "a100-80gb", "h100": "h100-sxm", "h100-80gb": "h100-sxm"}
+
+# Device names as `torch.cuda.get_device_name` reports them -> catalog key, most specific first:
+# GB200 before B200, H200 before H20 (GH200 and the H200 NVL PCIe card match neither), the H100
+# NVL and PCIe cards before the SXM part ('NVIDIA H100 80GB HBM3'). "a100" is split by memory.
+_DEVICE_NAMES: tuple[tuple[re.Pattern[str], str], ...] = tuple(
+    (re.compile(pattern), key)
+    for pattern, key in (
+        (r"\bgb200\b", "gb200"),
+        (r"\bb200\b", "b200"),
+        (r"\bh200\b(?!.*\bnvl\b)", "h200"),
+        (r"\bh20\b", "h20"),
+        (r"\bh100\b.*\bnvl\b", "h100-nvl"),
+        (r"\bh100\b.*\bpcie\b", "h100-pcie"),
+        (r"\bh100\b.*\bhbm2e\b", "h100-96gb-hbm2e"),
+        (r"\bh100\b", "h100-sxm"),
+        (r"\bh800\b(?!.*\b(pcie|nvl)\b)", "h800"),
+        (r"\ba100\b", "a100"),
+        (r"\bl40s\b", "l40s"),
+        (r"\bmi325x\b", "mi325x"),
+        (r"\bmi300x\b", "mi300x"),
+    )
+)
+_A100_80GB_MIN_BYTES = 60 * GiB  # between the 40 GB and 80 GB parts
+
+
+def catalog_key_for_device(name: str, total_memory_bytes: int | None = None) -> str | None:
+    """The catalog key of a device named as torch names it ('NVIDIA H100 80GB HBM3' ->
+    'h100-sxm'), or None for a device the catalog does not hold. An A100 is told apart by its
+    memory (`total_memory_bytes`, else the '40GB' / '80GB' in its name)."""
+    lower = name.lower()
+    for pattern, key in _DEVICE_NAMES:
+        if not pattern.search(lower):
+            continue
+        if key != "a100":
+            return key
+        if total_memory_bytes:
+            return "a100-80gb" if total_memory_bytes > _A100_80GB_MIN_BYTES else "a100-40gb"
+        return next((f"a100-{size}" for size in ("80gb", "40gb") if size in lower), None)
+    return None
 
 
 def gpu(name: str) -> GPUSpec:
@@ -218,6 +360,13 @@ HOSTS: dict[str, HostSpec] = {
         2 * TB,
         2 * _DDR5_4800_X8,
         "NVIDIA DGX H200 datasheet (2024): 2 TB system memory, 2x Intel Xeon Platinum 8480C",
+    ),
+    "gb200": HostSpec(
+        "GB200 NVL72 compute tray",
+        2 * 480 * 10**9,
+        2 * 512e9,
+        "NVIDIA GB200 NVL72 datasheet (2024): 36 Grace CPUs with up to 17 TB LPDDR5X at up to "
+        "18.4 TB/s per rack, i.e. 480 GB at 512 GB/s per Grace; a tray holds 2 Graces, 4 GPUs",
     ),
     "b200": HostSpec(
         "DGX B200",

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, replace
 
 from fivefold.errors import ConfigError
 from fivefold.spec.cluster import ClusterSpec
+from fivefold.spec.hardware import UNKNOWN_GPU
 from fivefold.spec.model import RECOMPUTE_POLICIES, ModelSpec
 from fivefold.spec.precision import RECIPES
 from fivefold.spec.precision import recipe as precision_recipe
@@ -327,8 +328,11 @@ class ParallelPlan:
 
     def device_problems(self, cluster: ClusterSpec) -> list[str]:
         """What the cluster's device cannot compute, whatever the degrees: FP8 linears off
-        GPUs with FP8 matrix units (no fp8 peak in the catalog or the device profile)."""
+        GPUs with FP8 matrix units (no fp8 peak in the catalog or the device profile). A GPU
+        outside the catalog is asked at start-up instead (its compute capability)."""
         if self.fp8 == "none" or "fp8" in cluster.device.peak_flops:
+            return []
+        if cluster.gpu == UNKNOWN_GPU and not cluster.profile:
             return []
         cpu = cluster.gpu == "cpu"
         return [
@@ -353,11 +357,13 @@ class ParallelPlan:
                 f"{cluster.gpus_per_node}); change a degree so the product equals "
                 f"{cluster.world_size}."
             )
-        if self.tp > cluster.gpus_per_node or cluster.gpus_per_node % self.tp:
+        domain = cluster.nvlink_gpus
+        if self.tp > domain or domain % self.tp:
+            where = "a node" if domain == cluster.gpus_per_node else "an NVLink domain"
             out.append(
-                f"plan.tp = {self.tp} must divide the {cluster.gpus_per_node} "
-                f"{'GPUs' if cluster.gpu != 'cpu' else 'processes'} of a node: tensor parallelism "
-                "is on the critical path and must stay inside a node"
+                f"plan.tp = {self.tp} must divide the {domain} "
+                f"{'GPUs' if cluster.gpu != 'cpu' else 'processes'} of {where}: tensor "
+                f"parallelism is on the critical path and must stay inside {where}"
                 + (" (on NVLink)." if cluster.device.nvlink_bw_bytes_per_s else ".")
             )
         return out

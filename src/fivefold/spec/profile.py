@@ -57,14 +57,20 @@ A profile is a TOML file (written by `fivefold.parallel.calibrate`, read here wi
     [[collective_sample]] op, ranks, world, gap_s, size_bytes, time_s, algbw_bytes_per_s,
                   busbw_bytes_per_s
 
+The matmul and attention rows hold the model's shapes and a model-independent grid of shapes
+(`fivefold.parallel.calibrate.DEVICE_GRID`, `ATTENTION_GRID`); the planner reads rates as
+functions of shape, interpolated among the rows in log space (`log_shape_interp`), so one
+profile serves every model. A CUDA profile (kind "cuda") has bf16 and, where the GPU has it,
+fp8 ("fp8": `torch._scaled_mm`) matmul rows, all at threads = 1.
+
 Loading one yields a `GPUSpec` whose peak is the best measured matmul rate per dtype (the source
 says "measured"; nothing is guessed) and a `ClusterSpec` of one node with the local ranks.
 
-Processes share the machine's cores: a run of R ranks gives each max(1, cores // R) threads
-(`threads_per_rank`, the launcher's rule; $OMP_NUM_THREADS when set, as torch does) and, when
-R x threads exceeds the cores, each rank a cores / (R x threads) share of the machine. The
-device for R ranks reads the rows measured at that thread count (or scales the nearest linearly
-in threads) and multiplies compute rates by the share.
+On a CPU, processes share the machine's cores: a run of R ranks gives each max(1, cores // R)
+threads (`threads_per_rank`, the launcher's rule; $OMP_NUM_THREADS when set, as torch does)
+and, when R x threads exceeds the cores, each rank a cores / (R x threads) share of the
+machine. The device for R ranks reads the rows measured at that thread count (or scales the
+nearest linearly in threads) and multiplies compute rates by the share.
 """
 
 from __future__ import annotations
@@ -81,8 +87,10 @@ from typing import Any
 from fivefold.errors import ConfigError
 from fivefold.spec.hardware import GPUSpec
 
-FORMAT = 4  # 2: overhead per layer kind, clipping in the optimizer; 3: ZeRO-0/1/2 units;
-# 4: collectives timed as issued, after a GEMM of `gap_s`
+FORMAT = 5  # 2: overhead per layer kind, clipping in the optimizer; 3: ZeRO-0/1/2 units;
+# 4: collectives timed as issued, after a GEMM of `gap_s`; 5: a model-independent grid of GEMM
+# shapes (`DEVICE_GRID`), CUDA profiles (kind "cuda", fp8 rows)
+READS = (4, 5)  # format 4 has the same tables; its GEMM rates cover one model's shapes only
 PROFILE_ENV = "FIVEFOLD_PROFILE"
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 LAYOUTS = ("nt", "nn", "tn")
@@ -93,7 +101,7 @@ BANDWIDTH_KINDS = (
     "loss_backward",
     "optimizer",
 )
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+NEIGHBOURS = 4  # measured GEMM shapes a rate is interpolated from (`Measured.gemm_flops_per_s`)
 
 
 def default_profile_path() -> Path:
@@ -158,18 +166,6 @@ class Matmul:
     k: int
     layout: str
     flops_per_s: float
-
-    @property
-    def intensity(self) -> float:
-        """FLOP per byte with every operand and the output moved once."""
-        e = DTYPE_BYTES.get(self.dtype, 4)
-        return (
-            2.0
-            * self.m
-            * self.n
-            * self.k
-            / (e * (self.m * self.k + self.k * self.n + self.m * self.n))
-        )
 
 
 @dataclass(frozen=True)
@@ -306,9 +302,10 @@ class DeviceProfile:
         measured = Measured(self, max(1, ranks), threads)
         peaks = {dt: measured.peak(dt) for dt in sorted({m.dtype for m in self.matmul})}
         src = self.path or "a device profile"
+        per_rank = self.memory_bytes if self.kind == "cuda" else self.memory_bytes // max(1, ranks)
         return GPUSpec(
             name=self.name,
-            hbm_bytes=self.memory_bytes // max(1, ranks),
+            hbm_bytes=per_rank,  # a GPU's HBM is each rank's own; host memory is shared
             peak_flops=peaks,
             hbm_bw_bytes_per_s=measured.bandwidth("elementwise_forward"),
             nvlink_bw_bytes_per_s=0.0,
@@ -406,10 +403,10 @@ def _check_choices(rows, attr, choices, table, problems) -> None:
 def parse_profile(data: dict[str, Any], path: str = "") -> DeviceProfile:
     """A validated `DeviceProfile` from parsed TOML; one ConfigError names every bad field."""
     problems: list[str] = []
-    if data.get("format") != FORMAT:
+    if data.get("format") not in READS:
         problems.append(
-            f"profile format = {data.get('format')!r}: this fivefold reads format {FORMAT}; "
-            "re-run `fivefold calibrate`."
+            f"profile format = {data.get('format')!r}: this fivefold reads formats "
+            f"{', '.join(map(str, READS))}; re-run `fivefold calibrate`."
         )
     dev = data.get("device")
     if not isinstance(dev, dict):
@@ -532,19 +529,27 @@ def profile_cluster(path: str | Path, ranks: int | None = None, **overrides) -> 
 
 
 # ---- what the planner asks a measured device ---------------------------------------------------
-def _interp(x: float, xs: list[float], ys: list[float]) -> float:
-    """Piecewise-linear in log(x), clamped at the ends; xs ascending."""
-    if x <= xs[0]:
-        return ys[0]
-    if x >= xs[-1]:
-        return ys[-1]
-    lx = math.log(x)
-    for i in range(1, len(xs)):
-        if x <= xs[i]:
-            a, b = math.log(xs[i - 1]), math.log(xs[i])
-            w = (lx - a) / (b - a) if b > a else 1.0
-            return ys[i - 1] + w * (ys[i] - ys[i - 1])
-    return ys[-1]
+def log_shape_interp(
+    shape: tuple[float, ...], points: list[tuple[tuple[float, ...], float]]
+) -> float:
+    """A positive value at `shape` from measured (shape, value) points: each coordinate first
+    clamped into the points' range (beyond the measured shapes, the edge's values), then the
+    value of an equal shape, else exp of the mean log value of the `NEIGHBOURS` nearest points
+    by Euclidean distance in log coordinates, weighted by 1 / distance^2."""
+    lows = [min(p[0][i] for p in points) for i in range(len(shape))]
+    highs = [max(p[0][i] for p in points) for i in range(len(shape))]
+    where = [math.log(min(max(x, lo), hi)) for x, lo, hi in zip(shape, lows, highs, strict=True)]
+    near = []
+    for point, value in points:
+        d2 = sum((math.log(p) - w) ** 2 for p, w in zip(point, where, strict=True))
+        if d2 < 1e-18:
+            return value
+        near.append((d2, value))
+    near.sort()
+    near = near[:NEIGHBOURS]
+    weights = [1.0 / d2 for d2, _ in near]
+    logs = sum(w * math.log(v) for w, (_, v) in zip(weights, near, strict=True))
+    return math.exp(logs / sum(weights))
 
 
 class Measured:
@@ -554,6 +559,9 @@ class Measured:
     def __init__(self, profile: DeviceProfile, ranks: int, threads: int | None = None):
         self.profile = profile
         self.ranks = ranks
+        if profile.kind == "cuda":  # each rank has its own GPU: no thread count, no share
+            self.threads, self.share = 1, 1.0
+            return
         self.threads = threads or threads_per_rank(ranks, profile.cores)
         self.share = min(1.0, profile.cores / (ranks * self.threads))
 
@@ -572,18 +580,28 @@ class Measured:
         rows, scale = self._at_threads([m for m in self.profile.matmul if m.dtype == dtype])
         return max(r.flops_per_s for r in rows) * scale
 
+    def _dtype(self, dtype: str, rows) -> str:
+        """`dtype` when the rows have it, else the first of bf16, fp32 they have."""
+        have = {r.dtype for r in rows}
+        return dtype if dtype in have else next((d for d in ("bf16", "fp32") if d in have), dtype)
+
     def gemm_flops_per_s(self, m: float, n: float, k: float, dtype: str, layout: str) -> float:
-        """The measured rate of this shape; otherwise interpolated over the measured shapes of
-        the dtype by arithmetic intensity (log scale), preferring the same layout."""
-        dtype = dtype if any(r.dtype == dtype for r in self.profile.matmul) else "fp32"
+        """The rate of an (m x k) @ (k x n) matmul, a function of its shape: the measured rate
+        at this shape, else interpolated from the `NEIGHBOURS` nearest measured shapes of the
+        dtype and layout (every layout when it has none) in log space: log rate weighted by
+        1 / d^2, d the distance of (log m, log n, log k). The model-independent grid
+        (`DEVICE_GRID`) makes every model's shapes fall among measured ones; a shape beyond
+        the grid takes the rates at its edge (`log_shape_interp`)."""
+        dtype = self._dtype(dtype, self.profile.matmul)
         rows, scale = self._at_threads([r for r in self.profile.matmul if r.dtype == dtype])
-        for r in rows:
-            if (r.m, r.n, r.k, r.layout) == (round(m), round(n), round(k), layout):
-                return r.flops_per_s * scale
         same = [r for r in rows if r.layout == layout] or rows
-        probe = Matmul(dtype, 1, max(1, round(m)), max(1, round(n)), max(1, round(k)), layout, 0)
-        pts = sorted((r.intensity, r.flops_per_s) for r in same)
-        return _interp(probe.intensity, [p[0] for p in pts], [p[1] for p in pts]) * scale
+        return (
+            log_shape_interp(
+                (max(1.0, m), max(1.0, n), max(1.0, k)),
+                [((r.m, r.n, r.k), r.flops_per_s) for r in same],
+            )
+            * scale
+        )
 
     def grouped_time_s(
         self, groups: float, tokens: float, n: float, k: float, dtype: str, layout: str
@@ -610,21 +628,26 @@ class Measured:
         return groups * 2.0 * m * n * k / self.gemm_flops_per_s(*shape, dtype, layout)
 
     def attention_flops_per_s(
-        self, seq: float, head_dim: float, dtype: str, cp: int = 1
+        self, seq: float, head_dim: float, dtype: str, cp: int = 1, rows: float = 0.0
     ) -> tuple[float, float]:
-        """(forward, backward) rate of attention on `seq` local tokens at the nearest measured
-        shape: context parallelism's block attention over `cp` ranks (the rows of the nearest
-        measured cp), else the single-process core (cp = 1)."""
-        rows = [a for a in self.profile.attention if a.dtype == dtype] or list(
+        """(forward, backward) rate of attention on `seq` local tokens as a function of its
+        shape: the rows of the nearest measured cp (context parallelism's block attention over
+        `cp` ranks; cp = 1 the single-process core, over the device grid and the calibrated
+        models), interpolated in log space over (seq, head_dim, batch x heads) as GEMM rates
+        are (`log_shape_interp`); `rows` = batch x heads of the query (0: not used)."""
+        table = [a for a in self.profile.attention if a.dtype == dtype] or list(
             self.profile.attention
         )
-        near = min({a.cp for a in rows}, key=lambda c: (abs(c - cp), c))
-        rows, scale = self._at_threads([a for a in rows if a.cp == near])
-        best = min(
-            rows,
-            key=lambda a: abs(math.log(a.seq / seq)) + abs(math.log(a.head_dim / head_dim)),
-        )
-        return best.forward_flops_per_s * scale, best.backward_flops_per_s * scale
+        near = min({a.cp for a in table}, key=lambda c: (abs(c - cp), c))
+        table, scale = self._at_threads([a for a in table if a.cp == near])
+
+        def shape(a: Attention) -> tuple[float, ...]:
+            return (a.seq, a.head_dim, a.batch * a.heads)[: 3 if rows > 0 else 2]
+
+        where = (max(1.0, seq), max(1.0, head_dim), max(1.0, rows))[: 3 if rows > 0 else 2]
+        fwd = log_shape_interp(where, [(shape(a), a.forward_flops_per_s) for a in table])
+        bwd = log_shape_interp(where, [(shape(a), a.backward_flops_per_s) for a in table])
+        return fwd * scale, bwd * scale
 
     def bandwidth(self, kind: str) -> float:
         """Bytes/s of `kind` for this rank: the rows at the nearest thread count measured with

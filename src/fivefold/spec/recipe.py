@@ -13,6 +13,7 @@ the planner's options and the search's headroom) by `fivefold.planner.profiles.p
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import tomllib
 import typing
@@ -114,6 +115,22 @@ def merge(base: dict[str, Any], extra: dict[str, dict]) -> dict[str, dict]:
     return out
 
 
+def closest(name: str, known: typing.Iterable[str]) -> str | None:
+    """The known name `name` is most likely a misspelling of (difflib's ratio >= 0.6), or None."""
+    matches = difflib.get_close_matches(name, list(known), n=1)
+    return matches[0] if matches else None
+
+
+def unknown_field(section: str, key: str, known: typing.Iterable[str]) -> str:
+    """'section.key is not a setting; did you mean section.<closest>?' or, with no name close
+    to it, the known fields of `section`."""
+    known = sorted(known)
+    what = f"{section}.{key} is not a setting"
+    if guess := closest(key, known):
+        return f"{what}; did you mean {section}.{guess}?"
+    return f"{what}; known {section} fields: {', '.join(known)}."
+
+
 def build(cls: type[T], values: dict[str, Any], section: str, problems: list[str]) -> T | None:
     """Build dataclass `cls` from `values`, appending unknown-field and type problems."""
     hints = typing.get_type_hints(cls)
@@ -121,10 +138,7 @@ def build(cls: type[T], values: dict[str, Any], section: str, problems: list[str
     kwargs = {}
     for key, value in values.items():
         if key not in known:
-            problems.append(
-                f"{section}.{key} is not a setting; known {section} fields: "
-                f"{', '.join(sorted(known))}."
-            )
+            problems.append(unknown_field(section, key, known))
             continue
         coerced = _coerce(value, hints[key])
         if coerced is _BAD:
@@ -191,15 +205,16 @@ def expand_model(values: dict[str, Any], problems: list[str]) -> dict[str, Any] 
     """
     values = dict(values)
     preset = values.pop("preset", None)
+    hf_config = values.pop("hf_config", None)
+    if hf_config is not None:
+        return _expand_hf_config(hf_config, preset, values, problems)
     if preset is None:
         if "ffn" not in values and isinstance(values.get("hidden"), int):
             mlp = values.get("mlp", "swiglu")
             values["ffn"] = default_ffn(values["hidden"], mlp if mlp in MLP_KINDS else "swiglu")
         return values
     if preset not in MODEL_PRESETS:
-        problems.append(
-            f"model.preset = {preset!r} is unknown; choose one of {', '.join(MODEL_PRESETS)}."
-        )
+        problems.append(_unknown_preset("model", preset, MODEL_PRESETS))
         return None
     base = MODEL_PRESETS[preset].to_dict()
     if "heads" in values or "hidden" in values:
@@ -207,6 +222,38 @@ def expand_model(values: dict[str, Any], problems: list[str]) -> dict[str, Any] 
     if "heads" in values and "kv_heads" not in values and base["kv_heads"] == base["heads"]:
         base.pop("kv_heads")
     return {**base, **values}
+
+
+def _expand_hf_config(
+    path: Any, preset: Any, values: dict[str, Any], problems: list[str]
+) -> dict[str, Any] | None:
+    """[model] hf_config = "config.json": the model a Hugging Face config describes
+    (`fivefold.spec.hf_config`), the other fields given overriding it (e.g. seq_len)."""
+    from fivefold.spec.hf_config import read_hf_config, spec_from_hf_config
+
+    if preset is not None:
+        problems.append(
+            f"model.hf_config and model.preset = {preset!r} both name a model; keep one."
+        )
+        return None
+    if not isinstance(path, str):
+        problems.append(f"model.hf_config = {path!r}: give the path of a config.json.")
+        return None
+    try:
+        base = spec_from_hf_config(read_hf_config(path), path).to_dict()
+    except ConfigError as err:
+        problems.extend(err.problems)
+        return None
+    if "heads" in values or "hidden" in values:
+        base.pop("head_dim")
+    return {**base, **values}
+
+
+def _unknown_preset(section: str, preset: Any, presets: typing.Iterable[str]) -> str:
+    text = f"{section}.preset = {preset!r} is unknown"
+    if isinstance(preset, str) and (guess := closest(preset, presets)):
+        return f"{text}; did you mean {guess!r}?"
+    return f"{text}; choose one of {', '.join(presets)}."
 
 
 def _model_from(values: dict[str, Any], problems: list[str]) -> ModelSpec | None:
@@ -231,10 +278,7 @@ def _cluster_from(
         values = {**base, **values}
     elif preset is not None:
         if preset not in CLUSTER_PRESETS:
-            problems.append(
-                f"cluster.preset = {preset!r} is unknown; choose one of "
-                f"{', '.join(CLUSTER_PRESETS)}."
-            )
+            problems.append(_unknown_preset("cluster", preset, CLUSTER_PRESETS))
             return None
         base = cluster_preset(preset, gpus or 8).to_dict()
         base.update(values)
@@ -289,19 +333,23 @@ def plan_from_dict(values: dict[str, Any]) -> ParallelPlan:
     return plan  # type: ignore[return-value]
 
 
+def section_problem(name: str) -> str:
+    """An unknown section `name` (from a recipe file or an override such as name.x=...)."""
+    what = f"[{name}] is not a recipe section (from the file or an override such as {name}.x=...)"
+    if guess := closest(name, SECTIONS):
+        return f"{what}; did you mean [{guess}]?"
+    return f"{what}; known sections: {', '.join(SECTIONS)}."
+
+
 def recipe_from_dict(data: dict[str, dict[str, Any]], default_world: int | None = None) -> Recipe:
     """Build and validate a recipe; raises one ConfigError listing every problem."""
     problems: list[str] = []
     for name, section in data.items():
         if name not in SECTIONS:
-            problems.append(
-                f"[{name}] is not a recipe section (from the file or an override such as "
-                f"{name}.x=...); known sections: {', '.join(SECTIONS)}."
-            )
+            problems.append(section_problem(name))
         elif not isinstance(section, dict):
             problems.append(f"{name} = {section!r}: expected a [{name}] table of settings.")
-    if problems:
-        raise ConfigError(problems)
+    data = {k: v for k, v in data.items() if k in SECTIONS and isinstance(v, dict)}  # go on
     model = _model_from(data.get("model", {}), problems)
     cluster_values = data.get("cluster", {})
     if not cluster_values:

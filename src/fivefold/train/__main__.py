@@ -1,9 +1,13 @@
 """`python -m fivefold.train recipe.toml [overrides]` (also as `torchrun ... -m fivefold.train`)."""
 
-import os
-import sys
+from fivefold.parallel.shielded_import import hold_signals
 
-from fivefold.parallel.threads import passive_wait
+hold_signals()  # before any other import: a signal waits for `main`, which handles it
+
+import os  # noqa: E402
+import sys  # noqa: E402
+
+from fivefold.parallel.threads import passive_wait  # noqa: E402
 
 passive_wait()  # before torch is imported (see fivefold.parallel.threads)
 

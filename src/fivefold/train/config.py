@@ -19,8 +19,7 @@ from typing import Any
 
 from fivefold.checkpoint.elastic import resume_mode
 from fivefold.errors import ConfigError
-from fivefold.spec.model import param_count
-from fivefold.spec.recipe import Recipe, build
+from fivefold.spec.recipe import Recipe, build, unknown_field
 from fivefold.train.trackers import tracker_problems
 
 LR_SCHEDULES = ("cosine", "linear", "constant")
@@ -62,6 +61,9 @@ class TrainConfig:
     progress: bool = True  # rich progress bar on the console
     max_time_s: float = 0.0  # stop (and checkpoint) after this much wall time; 0 = no limit
     memory_step: int = 2  # CPU: the step whose peak memory is measured by tracking allocations
+    # Python's cyclic garbage collector runs every N steps on all ranks at once (not whenever its
+    # thresholds trip, at a different moment on each rank); 0 = Python's automatic collection
+    gc_every: int = 50
     # torch.compile (inductor) each transformer block; on CPU it needs a C++ compiler (g++)
     compile: bool = False
     # {start_step = N, steps = K}: a torch.profiler trace of steps N..N+K-1 into <run_dir>/profile
@@ -127,7 +129,7 @@ class TrainConfig:
         for name in ("log_every", "eval_batches", "memory_step"):
             if getattr(self, name) < 1:
                 out.append(f"train.{name} = {getattr(self, name)}: must be at least 1.")
-        for name in ("eval_every", "ckpt_every", "keep_checkpoints"):
+        for name in ("eval_every", "ckpt_every", "keep_checkpoints", "gc_every"):
             if getattr(self, name) < 0:
                 out.append(f"train.{name} = {getattr(self, name)}: must be >= 0 (0 turns it off).")
         try:
@@ -152,7 +154,7 @@ class TrainConfig:
             return []
         example = "e.g. train.profile = {start_step = 3, steps = 2}"
         out = [
-            f"train.profile.{key} is not a setting; write start_step and steps, {example}."
+            f"{unknown_field('train.profile', key, PROFILE_KEYS)} A profile reads {example[5:]}."
             for key in self.profile
             if key not in PROFILE_KEYS
         ]
@@ -249,10 +251,8 @@ class RunConfig:
 def parse_train_config(recipe: Recipe) -> RunConfig:
     """Build and cross-check `[train]` and `[data]`; one ConfigError lists every problem."""
     problems: list[str] = []
-    train = build(TrainConfig, recipe.section("train"), "train", problems)
-    data = build(DataConfig, recipe.section("data"), "data", problems)
+    train, data = _build_sections(recipe.sections, problems)
     if train is not None:
-        problems += train.problems()
         if train.global_batch and train.global_batch != recipe.plan.global_batch:
             plan = recipe.plan
             per_step = plan.micro_batch * plan.dp
@@ -271,60 +271,29 @@ def parse_train_config(recipe: Recipe) -> RunConfig:
                 f"train.eval_every = {train.eval_every} needs held-out data: set "
                 "data.val_fraction (e.g. 0.02) or train.eval_every = 0."
             )
-    if data is not None:
-        problems += data.problems()
     if problems:
         raise ConfigError(problems)
     assert train is not None and data is not None
     return RunConfig(recipe, train, data)
 
 
-def machine_memory_bytes() -> int | None:
-    """This machine's memory for processes: physical RAM, or the cgroup limit when lower."""
-    try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
-    try:
-        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
-        if limit.isdigit():
-            total = min(total, int(limit))
-    except OSError:
-        pass
-    return total
+def section_problems(sections: dict[str, Any]) -> list[str]:
+    """The problems of the `[train]` and `[data]` tables on their own (unknown fields with the
+    closest name, types, ranges): reported beside a recipe's other problems when the recipe
+    itself does not load, so one error lists them all."""
+    problems: list[str] = []
+    _build_sections(sections, problems)
+    return problems
 
 
-def machine_memory_problems(recipe: Recipe, device: str) -> list[str]:
-    """A run on this machine's CPU: refuse at once what cannot fit in its memory.
-
-    A lower bound of what all the run's processes hold together: one copy of the fp32 weights,
-    gradients and Adam m and v (16 bytes per parameter; sharding splits them, never shrinks
-    them), and for one micro-batch of every data-parallel rank each block's input and the
-    logits at 2 bytes per element (bf16 at the least).
-    """
-    if device == "cuda":
-        return []
-    if device == "auto":
-        import torch
-
-        if torch.cuda.is_available():
-            return []
-    ram = machine_memory_bytes()
-    if ram is None:
-        return []
-    m, plan = recipe.model, recipe.plan
-    params = param_count(m)
-    states = 16 * params
-    tokens = plan.micro_batch * plan.dp * m.seq_len
-    activations = 2 * tokens * (m.hidden * m.layers + m.vocab)
-    need = states + activations
-    if need <= ram:
-        return []
-    gib = 2**30
-    return [
-        f"this run needs at least {need / gib:,.1f} GiB of memory, more than this machine's "
-        f"{ram / gib:,.1f} GiB: {states / gib:,.1f} GiB of fp32 weights, gradients and Adam "
-        f"state for {params:,} parameters and {activations / gib:,.1f} GiB of activations for "
-        f"micro-batches of {tokens:,} tokens in all; make the model smaller (model.hidden, "
-        "model.layers, model.vocab) or lower plan.micro_batch or model.seq_len."
-    ]
+def _build_sections(
+    sections: dict[str, Any], problems: list[str]
+) -> tuple[TrainConfig | None, DataConfig | None]:
+    tables = {name: sections.get(name) or {} for name in ("train", "data")}
+    if not all(isinstance(table, dict) for table in tables.values()):
+        return None, None  # reported by the recipe's own check
+    train = build(TrainConfig, tables["train"], "train", problems)
+    data = build(DataConfig, tables["data"], "data", problems)
+    problems += train.problems() if train is not None else []
+    problems += data.problems() if data is not None else []
+    return train, data

@@ -3,8 +3,9 @@
 The same entry serves one process and every rank under torchrun (`torchrun --nproc-per-node 4
 -m fivefold.train recipe.toml`): `make_runtime` picks the runtime from the environment. The CLI
 command `fivefold train` calls `load_run` and `train` from here too, so both read recipes the
-same way: on a machine (or `train.device`) without CUDA, a recipe that does not name
-`plan.precision` trains in fp32, and a recipe without a [cluster] uses the device profile at the
+same way: on a machine (or `train.device`) without CUDA, or on a GPU without native bf16, a
+recipe that does not name `plan.precision` trains in fp32; a recipe without a [cluster] runs on
+the GPU it finds (`fivefold.parallel.device`) or, on a CPU, uses the device profile at the
 default location (`fivefold.spec.profile.default_profile_path`) when one exists there.
 """
 
@@ -18,7 +19,7 @@ from typing import Any
 
 from fivefold.errors import ConfigError, FivefoldError
 from fivefold.spec.recipe import merge, parse_overrides, read_toml, recipe_from_dict
-from fivefold.train.config import RunConfig, machine_memory_problems, parse_train_config
+from fivefold.train.config import RunConfig, parse_train_config, section_problems
 
 RECIPE_SUFFIXES = (".toml",)
 RESUME_HELP = (
@@ -48,14 +49,19 @@ def world_size_from_env() -> int:
 
 
 def _trains_on_cpu(data: dict[str, dict[str, Any]]) -> bool:
-    device = data.get("train", {}).get("device", "auto")
-    if device == "cpu":
-        return True
-    if device == "cuda":
-        return False
-    import torch
+    from fivefold.parallel.device import uses_cuda
 
-    return not torch.cuda.is_available()
+    return not uses_cuda(data.get("train", {}).get("device", "auto"))
+
+
+def _native_bf16(data: dict[str, dict[str, Any]]) -> bool:
+    """Whether this run's device computes bf16 natively (a GPU from Ampere on)."""
+    if _trains_on_cpu(data):
+        return False
+    from fivefold.parallel.device import local_gpu
+
+    gpu = local_gpu()
+    return gpu is not None and gpu.bf16
 
 
 def recipe_data(recipe_path: str | Path | None, overrides: list[str]) -> dict[str, dict[str, Any]]:
@@ -69,25 +75,34 @@ def recipe_data(recipe_path: str | Path | None, overrides: list[str]) -> dict[st
         )
     data = merge(data, parse_overrides(overrides))
     plan = data.get("plan", {})
-    if isinstance(plan, dict) and "precision" not in plan and _trains_on_cpu(data):
+    if isinstance(plan, dict) and "precision" not in plan and not _native_bf16(data):
         data = merge(data, {"plan": {"precision": "fp32"}})
     return data
 
 
-def with_default_profile(data: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """A CPU run without a [cluster] uses the calibrated profile at the default location. One
+def with_default_profile(
+    data: dict[str, dict[str, Any]], world: int | None = None
+) -> dict[str, dict[str, Any]]:
+    """A run without a [cluster] is planned for the machine it runs on. On a GPU: the cluster
+    the device describes (`fivefold.parallel.device.local_cluster_table`, `world` processes,
+    default the torchrun world). On a CPU: the calibrated profile at the default location; one
     this fivefold cannot read (written by an older version, or damaged) is left out with a note
     on stderr saying how to measure again: the user did not name it, so it must not stop the
     run (a profile named in the recipe or with --cluster still does)."""
     from fivefold.spec.profile import default_profile_path, load_profile
 
-    if "cluster" in data or not _trains_on_cpu(data):
+    if "cluster" in data:
         return data
+    if not _trains_on_cpu(data):
+        from fivefold.parallel.device import local_cluster_table
+
+        return merge(data, {"cluster": local_cluster_table(world or world_size_from_env())})
     path = default_profile_path()
     if not path.is_file():
         return data
     try:
-        load_profile(path)
+        if load_profile(path).kind != "cpu":  # `fivefold calibrate` on a GPU measured that
+            return data
     except ConfigError as err:
         if os.environ.get("RANK", "0") == "0":
             print(
@@ -99,6 +114,30 @@ def with_default_profile(data: dict[str, dict[str, Any]]) -> dict[str, dict[str,
     return merge(data, {"cluster": {"profile": str(path)}})
 
 
+def profile_origin(profile: str) -> str:
+    """What a CPU run's header says of its device profile: which file, from where, measured
+    when; or that it has none and what that means."""
+    from fivefold.spec.profile import default_profile_path, load_profile
+
+    if not profile:
+        return (
+            "none (step time is not predicted; MFU is against a fixed reference): `fivefold "
+            "calibrate --out PROFILE.toml` measures this machine, then [cluster] profile = "
+            '"PROFILE.toml"'
+        )
+    try:
+        created = load_profile(profile).created
+    except ConfigError:
+        created = ""
+    when = f", measured {created}" if created else ""
+    if Path(profile).resolve() == default_profile_path().resolve():
+        return (
+            f"{profile} (the default location, used by every CPU run without a [cluster]{when}; "
+            "name another with [cluster] profile = PATH, or delete it)"
+        )
+    return f"{profile} (named by the recipe{when})"
+
+
 def load_run(
     recipe_path: str | Path | None, overrides: list[str], world_size: int | None = None
 ) -> RunConfig:
@@ -107,15 +146,18 @@ def load_run(
     data = recipe_data(recipe_path, overrides)
     named_cluster = "cluster" in data
     try:
-        recipe = recipe_from_dict(with_default_profile(data), world)
+        recipe = recipe_from_dict(with_default_profile(data, world), world)
     except ConfigError as err:
-        if named_cluster or not any(p.startswith("plan degrees") for p in err.problems):
-            raise
-        hint = (
-            f"this run has {world} process(es): start `fivefold train` with --nproc equal to "
-            "the product of the plan's degrees, or lower the degrees."
-        )
-        raise ConfigError([*err.problems, hint]) from None
+        problems = list(err.problems)
+        if not named_cluster and any(p.startswith("plan degrees") for p in problems):
+            problems.append(
+                f"this run has {world} process(es): start `fivefold train` with --nproc equal "
+                "to the product of the plan's degrees, or lower the degrees."
+            )
+        problems += section_problems(data)  # the [train]/[data] mistakes too, all at once
+        raise ConfigError(problems) from None
+    if recipe.model.runtime_problems():  # `fivefold plan` plans these; a run cannot build them
+        raise ConfigError(recipe.model.runtime_problems())
     return parse_train_config(recipe)
 
 
@@ -123,29 +165,42 @@ def check_layout(
     recipe_path: str | Path | None, overrides: list[str], world_size: int, local: bool = True
 ) -> RunConfig:
     """`load_run` for `world_size` processes, and the plan's degrees must multiply to it: what
-    the launchers call before starting anything (ConfigError otherwise). With `local`, the run
-    is on this machine, whose memory must hold it (`machine_memory_problems`) and whose device
-    must run the plan's memory levers (`fivefold.train.optim.lever_problems`)."""
+    the launchers call before starting anything (ConfigError otherwise), and this torch must
+    have the APIs the recipe needs (`fivefold.model.torch_features`). With `local`, the run
+    is on this machine: the paths it names must be there, its predicted memory must fit what
+    the machine has free (`fivefold.train.prestart`) and its device must run the plan's memory
+    levers (`fivefold.train.optim.lever_problems`); every problem in one error."""
+    from fivefold.model.torch_features import torch_problems
     from fivefold.parallel.mesh import ParallelDims
 
     run = load_run(recipe_path, overrides, world_size=world_size)
     ParallelDims.from_plan(run.recipe.plan, world_size)
+    problems = torch_problems(run.recipe.model, run.recipe.plan)  # this torch's APIs
     if local:
-        from fivefold.train.optim import lever_problems
-
-        problems = machine_memory_problems(run.recipe, run.train.device)
-        problems += lever_problems(run.recipe.plan, local_device(run.train.device))
-        if problems:
-            raise ConfigError(problems)
+        problems += local_problems(run, world_size)
+    if problems:
+        raise ConfigError(problems)
     return run
+
+
+def local_problems(run: RunConfig, world_size: int) -> list[str]:
+    """Why `run` cannot start on this machine with `world_size` local processes: paths, the
+    checkpoint, memory (`fivefold.train.prestart`) and the plan's memory levers."""
+    from fivefold.train.optim import lever_problems
+    from fivefold.train.prestart import prestart_problems
+
+    device = local_device(run.train.device)
+    problems = prestart_problems(run, world_size, cuda=device.type == "cuda")
+    return problems + lever_problems(run.recipe.plan, device)
 
 
 def local_device(name: str):
     """The device `train.device` names on this machine (first GPU for "cuda"), no side effects."""
     import torch
 
-    cuda = name in ("cuda", "auto") and torch.cuda.is_available()
-    return torch.device("cuda", 0) if cuda else torch.device("cpu")
+    from fivefold.parallel.device import uses_cuda
+
+    return torch.device("cuda", 0) if uses_cuda(name) else torch.device("cpu")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -183,9 +238,14 @@ def main(argv: list[str] | None = None) -> int:
     """Train; returns the exit status: 0, 2 after a user error, 128 + signal when interrupted.
     Under `fivefold train --nproc N` the message goes to the launcher, which prints it once
     (`fivefold.parallel.rank_report`); otherwise this process prints it."""
+    from fivefold.parallel.rank_report import attempt, mark_attempt
+    from fivefold.parallel.shielded_import import signals_held
+
     args = build_parser().parse_args(argv)
     try:
-        from fivefold.train.loop import train
+        mark_attempt()
+        with signals_held():  # a signal since the process started is acted on here
+            from fivefold.train.loop import train
 
         recipe_path, overrides = split_recipe_and_overrides(args.items)
         overrides += resume_overrides(args.resume, args.fresh)
@@ -199,16 +259,27 @@ def main(argv: list[str] | None = None) -> int:
         return _report(
             "interrupted", f"interrupted after step {summary.end_step}", summary.exit_code
         )
+    if attempt() > 0 and int(os.environ.get("RANK", "0")) == 0:  # after a restart: say where
+        _report("resumed", _resumed(summary), 0)
     return 0
+
+
+def _resumed(summary: Any) -> str:
+    """'resumed from step M and completed step N' (or where and why it stopped), from a
+    `TrainSummary`."""
+    text = f"resumed from step {summary.start_step} and "
+    if summary.stop_reason in ("completed", "already_complete"):
+        return text + f"completed step {summary.end_step}"
+    return text + f"stopped after step {summary.end_step} ({summary.stop_reason})"
 
 
 def _report(kind: str, message: str, code: int) -> int:
     """Hand `message` to the launcher, or print it (errors only; rank 0 already printed where
     an interrupted run stopped). Returns `code`."""
-    from fivefold.parallel.rank_report import RankReport, write_report
+    from fivefold.parallel.rank_report import RankReport, attempt, write_report
 
     rank = int(os.environ.get("RANK", "0"))
-    if not write_report(RankReport(rank, kind, message, code)) and kind == "error":
+    if not write_report(RankReport(rank, kind, message, code, attempt())) and kind == "error":
         prefix = f"[rank {rank}] " if world_size_from_env() > 1 else ""
         print(f"{prefix}fivefold train: error: {message}", file=sys.stderr)
     return code

@@ -33,6 +33,7 @@ from fivefold.train.data import (
 )
 from fivefold.train.data.cache import cache_lock
 from fivefold.train.data.corpus import files_digest
+from fivefold.train.data.shards import read_manifest
 
 
 @dataclass
@@ -53,6 +54,18 @@ class TrainData:
             self.train, self.sampler, self.global_batch, micro_batch, self.dp_rank, self.dp_size
         )
 
+    def repeat_note(self) -> str | None:
+        """A warning when one step takes more sequences than the train split holds."""
+        samples = len(self.train)
+        if self.global_batch <= samples:
+            return None
+        return (
+            f"warning: a step takes {self.global_batch:,} sequences but the data holds "
+            f"{samples:,} training samples, so every step repeats samples "
+            f"({self.global_batch / samples:.1f} epochs per step); lower the batch "
+            "(plan.micro_batch, plan.grad_accum) or give more data."
+        )
+
     def eval_batches(self, count: int, micro_batch: int) -> list[Batch]:
         """The first `count` micro-batches of the held-out split (the same every evaluation)."""
         if self.val is None:
@@ -64,10 +77,24 @@ class TrainData:
             if (i + 1) * micro_batch <= len(self.val)
         ]
 
+    def eval_note(self, eval_every: int, val_fraction: float) -> str | None:
+        """A warning for held-out losses on a user corpus: the split is the corpus tail (the end
+        of the last input file), which may be unlike the rest (a licence, an index)."""
+        if self.val is None or not eval_every or _is_default(self.shards):
+            return None
+        inputs = self.shards.manifest.get("inputs") or []
+        last = f" (the end of {inputs[-1]['path']})" if inputs else ""
+        return (
+            f"eval: the held-out split is the last {val_fraction:.0%} of the corpus, "
+            f"{len(self.val)} samples{last}; if the corpus ends with text unlike the rest (a "
+            "licence, an index), the eval loss stays flat: put a representative file last, or "
+            "change data.val_fraction."
+        )
+
     def describe(self) -> str:
         source = self.shards.manifest.get("inputs") or []
         name = "embedded corpus" if _is_default(self.shards) else str(self.shards.path)
-        val = f", {len(self.val)} held out" if self.val is not None else ""
+        val = f", {len(self.val)} held out (the tail)" if self.val is not None else ""
         return (
             f"{name} ({self.shards.num_tokens:,} tokens, {self.shards.num_documents} documents"
             f"{f', {len(source)} files' if source else ''}; {len(self.train)} training samples"
@@ -86,17 +113,41 @@ def load_tokenizer_for(run: RunConfig) -> TextTokenizer:
     return default_tokenizer(max_vocab=vocab)
 
 
-def shards_for(run: RunConfig, tokenizer: TextTokenizer) -> TokenShards:
-    vocab = run.recipe.model.vocab
-    if run.data.shards:
-        path = Path(run.data.shards)
+def path_problems(run: RunConfig) -> list[str]:
+    """Every `[data]` path that cannot be used as named: shards that are not a shard directory,
+    inputs that do not exist, a tokenizer that is missing, unreadable or larger than
+    model.vocab. The launcher checks them before any process starts; `load_train_data` again."""
+    data, out = run.data, []
+    if data.shards:
+        path = Path(data.shards)
         if not path.is_dir():
-            raise DataError(
+            out.append(
                 f"data.shards = {str(path)!r} is not a directory; prepare one with "
                 "`fivefold data prepare INPUTS... --out DIR` or leave data.shards empty for the "
                 "embedded corpus."
             )
-        return TokenShards(path, tokenizer=tokenizer, max_vocab=vocab)
+        else:
+            try:
+                read_manifest(path)
+            except DataError as err:
+                out.append(f"data.shards: {err}")
+    out += [
+        f"data.inputs: {name!r} does not exist; check the path."
+        for name in data.inputs
+        if not Path(name).is_file()
+    ]
+    if data.tokenizer:
+        try:
+            load_tokenizer(Path(data.tokenizer), max_vocab=run.recipe.model.vocab)
+        except DataError as err:
+            out.append(f"data.tokenizer: {err}")
+    return out
+
+
+def shards_for(run: RunConfig, tokenizer: TextTokenizer) -> TokenShards:
+    vocab = run.recipe.model.vocab
+    if run.data.shards:
+        return TokenShards(Path(run.data.shards), tokenizer=tokenizer, max_vocab=vocab)
     if run.data.inputs:
         return TokenShards(
             _cached_input_shards(run, tokenizer), tokenizer=tokenizer, max_vocab=vocab
@@ -107,9 +158,6 @@ def shards_for(run: RunConfig, tokenizer: TextTokenizer) -> TokenShards:
 def _cached_input_shards(run: RunConfig, tokenizer: TextTokenizer) -> Path:
     """Tokenize `data.inputs` once; later runs with the same files and tokenizer reuse it."""
     inputs = [Path(p) for p in run.data.inputs]
-    for path in inputs:
-        if not path.is_file():
-            raise DataError(f"data.inputs: {str(path)!r} does not exist; check the path.")
     root = Path(run.data.cache_dir) if run.data.cache_dir else cache_dir() / "shards"
     out_dir = root / f"inputs-{files_digest(inputs)[:12]}-{tokenizer.hash[:12]}"
     with cache_lock(out_dir.name):
@@ -122,6 +170,8 @@ def _cached_input_shards(run: RunConfig, tokenizer: TextTokenizer) -> Path:
 
 def load_train_data(run: RunConfig, dp_rank: int = 0, dp_size: int = 1) -> TrainData:
     """Tokenizer, shards, train/val packing and the sampler for `run` (DataError if unusable)."""
+    if problems := path_problems(run):
+        raise DataError("; ".join(problems))
     tokenizer = load_tokenizer_for(run)
     shards = shards_for(run, tokenizer)
     seq_len = run.recipe.model.seq_len

@@ -16,10 +16,11 @@ at once.
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import FrameType
 
@@ -28,11 +29,16 @@ REPEAT_GRACE_S = 2.0  # a repeat within this window is the same interrupt delive
 
 
 class StopRequest:
-    """The first stop signal this process received (None: keep training)."""
+    """The first stop signal this process received (None: keep training).
 
-    def __init__(self) -> None:
+    `announce(signum)`, when set, runs inside the handler of the first signal: the run says at
+    once that it stops after the current step (which may take minutes) instead of after it.
+    """
+
+    def __init__(self, announce: Callable[[int], None] | None = None) -> None:
         self.signal: int | None = None
         self._at = 0.0
+        self.announce = announce
 
     @property
     def requested(self) -> bool:
@@ -46,8 +52,21 @@ class StopRequest:
         now = time.monotonic()
         if self.signal is None:
             self.signal, self._at = signum, now
+            if self.announce is not None:
+                self.announce(signum)
         elif now - self._at > REPEAT_GRACE_S:
             raise KeyboardInterrupt(f"second {signal.Signals(signum).name}: stopping at once")
+
+
+def acknowledge(signum: int, step: int, fd: int = 2) -> None:
+    """Say on `fd` (stderr) that the run stops after `step`. A raw write: the handler may run
+    while the main thread is inside a print to the same stream."""
+    name = signal.Signals(signum).name
+    os.write(
+        fd,
+        f"\n{name} received: stopping after step {step} with a checkpoint "
+        f"(send it again to stop at once, without one)\n".encode(),
+    )
 
 
 @contextmanager

@@ -8,6 +8,7 @@ prints and writes files; every rank checkpoints its own state.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import math
 import os
@@ -22,12 +23,19 @@ from rich.console import Console
 
 from fivefold.checkpoint.elastic import resume_mode
 from fivefold.errors import FivefoldError, TrainingError
-from fivefold.spec.model import param_count, training_flops_per_token
+from fivefold.spec.model import ATTENTION_CONVENTION, param_count, training_flops_per_token
 from fivefold.spec.recipe import dump_recipe
 from fivefold.train import checkpoint as ckpt
+from fivefold.train.collect import ScheduledCollection
 from fivefold.train.config import RunConfig
+from fivefold.train.entry import profile_origin
 from fivefold.train.inputs import TrainData, load_train_data
-from fivefold.train.interrupt import StopRequest, die_on_signals, stop_on_signals
+from fivefold.train.interrupt import (
+    StopRequest,
+    acknowledge,
+    die_on_signals,
+    stop_on_signals,
+)
 from fivefold.train.memory import PeakReading, track_cpu_peak, track_cuda_peak
 from fivefold.train.metrics import (
     ConsoleReporter,
@@ -35,6 +43,7 @@ from fivefold.train.metrics import (
     JsonlWriter,
     StepMetrics,
     ThroughputMeter,
+    attention_keys,
     format_mfu,
     format_tokens_per_s,
     utilization,
@@ -92,6 +101,7 @@ class _Pending:
     norm: torch.Tensor
     values: tuple[float, float, float] | None = None
     plan_vs_run: dict | None = None
+    keys: float | None = None  # keys per query of its documents (`attention_keys`)
 
 
 class Trainer:
@@ -120,13 +130,19 @@ class Trainer:
             name = torch.cuda.get_device_name(runtime.device)
             self.peak = cuda_fp8_peak(name, self.recipe.model, self.recipe.plan)
         self.tokens_per_step = run.global_batch * self.recipe.model.seq_len
-        seq = self.recipe.model.seq_len
-        self.model_flops_per_token = training_flops_per_token(self.recipe.model, seq)
-        self.hardware_flops_per_token = training_flops_per_token(  # what checkpoint runs
-            self.recipe.model, seq, self.recipe.plan.recompute, early_stop=True
-        )
+        self._count_flops(None)
         self.cpu_peak = PeakReading()
         self.stop = StopRequest()  # `train` installs it as the SIGINT/SIGTERM handler
+
+    def _count_flops(self, keys: float | None) -> None:
+        """Model and hardware (what checkpoint runs) FLOPs per token, attention per document
+        with `keys` keys per query (a step's own documents, `attention_keys`; None: the
+        model's `doc_len`)."""
+        model, seq = self.recipe.model, self.recipe.model.seq_len
+        self.model_flops_per_token = training_flops_per_token(model, seq, keys=keys)
+        self.hardware_flops_per_token = training_flops_per_token(
+            model, seq, self.recipe.plan.recompute, early_stop=True, keys=keys
+        )
 
     def _compute_dtype(self) -> str:
         precision = getattr(self.runtime, "precision", None)
@@ -386,6 +402,7 @@ class Trainer:
                 loss, aux, grad_norm = p.values
                 losses.append(loss)
                 last = p is done[-1]
+                self._count_flops(p.keys)  # the step's own documents
                 metrics = self._metrics(
                     loss, aux, grad_norm, p.lr, step_s, started, eval_loss if last else None
                 )
@@ -399,6 +416,8 @@ class Trainer:
                     board.write(metrics)
                 reporter.update(metrics)
 
+        collector = ScheduledCollection(self.cfg.gc_every)  # gc between steps, all ranks alike
+        collector.start()
         try:
             while self.step < self.last_step:
                 if self._stop_agreed(not pending):
@@ -406,7 +425,9 @@ class Trainer:
                     break
                 index = self.step - start_step  # 0-based within this invocation
                 reads_back = self._reads_back(index, measured)
+                collector.step(self.step + 1)
                 micro_batches = next(batches)
+                keys = attention_keys(micro_batches, self.recipe.model.seq_len)
                 with profiler.step(self.step + 1):
                     if index == measured:
                         done = self._measured_step(micro_batches, pending)
@@ -414,6 +435,7 @@ class Trainer:
                         done = self._device_step(micro_batches, pending if reads_back else None)
                 # Host syncs only at read-backs: between them the host queues the next steps
                 # while the device works, and step times are measured between read-backs.
+                done.keys = keys
                 done.plan_vs_run = getattr(self.runtime, "plan_vs_run", None)
                 if done.plan_vs_run is not None:
                     self.runtime.plan_vs_run = None
@@ -446,6 +468,7 @@ class Trainer:
                 self.save({"loss": losses[-1]})
             self.checkpoints.close()  # an asynchronous save is committed before the run ends
         finally:
+            collector.stop()
             profiler.close()
             reporter.stop()
             if jsonl is not None:
@@ -558,11 +581,15 @@ def planner_prediction(run: RunConfig) -> tuple[dict[str, Any] | None, str]:
         from fivefold.planner.estimate import estimate
     except ImportError:
         return None, "planner not available"
+    from fivefold.parallel.device import unknown_gpu_reason
+
     recipe = run.recipe
+    if unknown_gpu_reason(recipe.cluster):
+        return None, unknown_gpu_reason(recipe.cluster).removeprefix("no step-time prediction: ")
     if recipe.cluster.gpu == "cpu" and not recipe.cluster.profile:
         return None, (
-            "no device profile for this CPU; `fivefold calibrate` writes one, then runs predict "
-            "their step time"
+            "no device profile for this CPU; `fivefold calibrate --out PROFILE.toml` writes one, "
+            'and runs naming it ([cluster] profile = "PROFILE.toml") predict their step time'
         )
     try:
         from fivefold.planner.options import PlannerOptions
@@ -575,6 +602,11 @@ def planner_prediction(run: RunConfig) -> tuple[dict[str, Any] | None, str]:
         return None, str(err).splitlines()[0]
     except Exception as err:  # the planner must never stop a training run
         return None, f"{type(err).__name__}: {err}"
+
+
+def tensorboard_installed() -> bool:
+    """Whether `torch.utils.tensorboard` can write events (the optional `tensorboard` package)."""
+    return importlib.util.find_spec("tensorboard") is not None
 
 
 def print_header(trainer: Trainer, prediction: dict[str, Any] | None, why_not: str) -> None:
@@ -601,9 +633,21 @@ def print_header(trainer: Trainer, prediction: dict[str, Any] | None, why_not: s
         f"{trainer.cfg.lr:g} (warmup {trainer.cfg.warmup_steps}, {trainer.cfg.lr_schedule} to "
         f"{trainer.cfg.min_lr:g}); data: {trainer.data.describe()}"
     )
-    out.print(f"MFU against: {trainer.peak.label}")
-    if recipe.cluster.profile:
-        out.print(f"device profile: {recipe.cluster.profile}")
+    note = trainer.data.eval_note(trainer.cfg.eval_every, run.data.val_fraction)
+    if note:
+        out.print(note, style="yellow", markup=False, highlight=False)
+    if trainer.cfg.tensorboard and not tensorboard_installed():
+        out.print(
+            "TensorBoard: no events written (tensorboard is not installed: pip install "
+            "'fivefold[tensorboard]'; train.tensorboard=false silences this)",
+            style="dim",
+            markup=False,
+        )
+    out.print(f"MFU against: {trainer.peak.label}; attention {ATTENTION_CONVENTION}")
+    if recipe.cluster.profile or trainer.runtime.device.type == "cpu":
+        out.print(f"device profile: {profile_origin(recipe.cluster.profile)}", markup=False)
+    if repeat := trainer.data.repeat_note():
+        out.print(f"[yellow]{repeat}[/yellow]", highlight=False)
     if prediction is not None:
         mem = prediction.get("memory_gib", {}).get("total")
         out.print(
@@ -614,7 +658,23 @@ def print_header(trainer: Trainer, prediction: dict[str, Any] | None, why_not: s
             else f"planner predicts: {prediction}"
         )
     else:
-        out.print(f"[dim]planner: no prediction ({why_not})[/dim]")
+        out.print(f"planner: no prediction ({why_not})", style="dim", markup=False)
+    if prediction is not None and not trainer.cfg.ckpt_every:
+        out.print(_checkpoint_suggestion(recipe, prediction.get("step_time_s")), markup=False)
+
+
+def _checkpoint_suggestion(recipe: Any, step_time_s: float | None) -> str:
+    """`fivefold.planner.budget.checkpoint_suggestion` for the run, or why there is none."""
+    from fivefold.planner.budget import checkpoint_suggestion
+
+    if not step_time_s or step_time_s <= 0:
+        return "checkpoint suggestion: none (no step-time prediction)"
+    try:
+        return checkpoint_suggestion(
+            recipe.model, recipe.cluster, recipe.plan, step_time_s, recipe.section("planner")
+        )
+    except FivefoldError as err:  # a bad [planner] field must not stop the run here
+        return f"checkpoint suggestion: none ({str(err).splitlines()[0]})"
 
 
 def print_footer(trainer: Trainer, s: TrainSummary) -> None:
@@ -691,6 +751,8 @@ def _train(
     prediction, why_not = planner_prediction(run) if runtime.is_main else (None, "")
     if runtime.is_main:
         print_header(trainer, prediction, why_not)
+    if runtime.is_main:  # said at once: a step may take minutes
+        trainer.stop.announce = lambda signum: acknowledge(signum, trainer.step + 1)
     with stop_on_signals(trainer.stop):  # Ctrl-C: stop after a step, with a checkpoint
         summary = trainer.fit()
     summary.prediction = prediction

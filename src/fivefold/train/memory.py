@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch._guards import active_fake_mode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
@@ -139,7 +140,11 @@ class StorageCounter(TorchDispatchMode):
 
     # ---- the dispatch mode and the resize wrapper ---------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops._c10d_functional.wait_tensor.default and active_fake_mode():
+            return args[0]  # its fake kernel returns a new tensor; a real wait returns its input
         out = func(*args, **(kwargs or {}))
+        if active_fake_mode() is not self._fake_mode_on_entry:
+            return out  # DTensor's sharding propagation computing shapes: no memory in a run
         for leaf in tree_flatten(out)[0]:
             if isinstance(leaf, torch.Tensor):
                 self.add(leaf)
@@ -155,6 +160,7 @@ class StorageCounter(TorchDispatchMode):
             return result
 
         self._original_resize = original
+        self._fake_mode_on_entry = active_fake_mode()
         torch.UntypedStorage.resize_ = resize_
         return super().__enter__()
 

@@ -1,11 +1,14 @@
 """Per-step metrics and where they go: a rich console (progress bar), JSONL, TensorBoard.
 
 MFU = achieved model FLOP/s / (peak FLOP/s x devices), where model FLOPs per token are
-`fivefold.spec.model.training_flops_per_token` (forward + backward, causal attention, no
-recompute). HFU counts the recomputed forward work as well, as it runs: torch's checkpoint skips
-each block's last matmul (`early_stop=True`). The peak comes from `fivefold.train.peak`, one
-figure per run, and its label travels with every printed MFU (on CPU it is a measured matmul
-peak, the device profile's when `fivefold calibrate` wrote one, not a datasheet figure).
+`fivefold.spec.model.training_flops_per_token` (forward + backward, no recompute) with attention
+counted per document, from the step's own document boundaries (`attention_keys`: L^2/2 pairs
+per document of L tokens, `ATTENTION_CONVENTION`), the work the document-masked kernels do, so
+a packed long sequence of short documents never reads above 100 %. HFU counts the recomputed
+forward work as well, as it runs: torch's checkpoint skips each block's last matmul
+(`early_stop=True`). The peak comes from `fivefold.train.peak`, one figure per run, and its
+label travels with every printed MFU (on CPU the device profile's measured matmul peak when the
+run has one, else a fixed stated reference; not a datasheet).
 """
 
 from __future__ import annotations
@@ -18,8 +21,21 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    ProgressColumn,
+    SpinnerColumn,
+    Task,
+    TextColumn,
+    TimeRemainingColumn,
+)
+from rich.text import Text
+
+from fivefold.spec.model import ATTENTION_CONVENTION
 
 GiB = 2**30
 LOG_INTERVAL_S = 30.0  # the console never stays silent longer than this while steps complete
@@ -44,6 +60,7 @@ class StepMetrics:
     aux_loss: float = 0.0
     eval_loss: float | None = None
     plan_vs_run: dict | None = None  # the step of the layout report: `parallel.report.record`
+    attention: str = ATTENTION_CONVENTION  # how MFU and HFU count attention FLOPs
 
     def to_json(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None}
@@ -56,6 +73,36 @@ def utilization(
     if not peak_flops_per_s or peak_flops_per_s <= 0 or devices < 1:
         return None
     return tokens_per_s * flops_per_token / (peak_flops_per_s * devices)
+
+
+def document_pairs(doc_ids: Any, offsets: Any = None) -> tuple[float, int]:
+    """(causal pairs L^2/2 summed over the documents of every row, tokens) of `doc_ids` [B, T]
+    (a tensor or array; documents are runs of equal ids, never spanning rows), or of their
+    host-side cumulative offsets [N+1] when given (`Batch.cu_seqlens`: nothing read back)."""
+    from fivefold.train.data.batching import document_offsets
+
+    if offsets is None:
+        offsets = document_offsets(
+            np.asarray(doc_ids.cpu() if hasattr(doc_ids, "cpu") else doc_ids)
+        )
+    lengths = np.diff(np.asarray(offsets)).astype(np.float64)
+    return float(np.sum(lengths * lengths) / 2), int(offsets[-1])
+
+
+def attention_keys(micro_batches: list, seq_len: int) -> float:
+    """Keys each query meets on average over `micro_batches` (objects with `doc_ids` [B, T], or
+    None for one document per row): causal pairs per document / tokens (seq_len/2 when every
+    row is one document)."""
+    pairs, tokens = 0.0, 0
+    for batch in micro_batches:
+        doc_ids = getattr(batch, "doc_ids", None)
+        if doc_ids is None:
+            rows = batch.tokens.shape[0]
+            pairs, tokens = pairs + rows * seq_len * seq_len / 2, tokens + rows * seq_len
+            continue
+        p, t = document_pairs(doc_ids, getattr(batch, "cu_seqlens", None))
+        pairs, tokens = pairs + p, tokens + t
+    return pairs / tokens if tokens else seq_len / 2
 
 
 @dataclass
@@ -163,6 +210,19 @@ class TensorBoardWriter:
             self._writer.close()
 
 
+class StepClockColumn(ProgressColumn):
+    """Seconds since the last step ended: the bar moves once per step, and a step may take
+    minutes; the display refreshes on its own thread, so this clock runs inside the step."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        super().__init__()
+        self._clock = clock
+
+    def render(self, task: Task) -> Text:
+        elapsed = self._clock() - task.fields["step_began"]
+        return Text(f"step {task.completed + 1}: {elapsed:.0f} s", style="progress.elapsed")
+
+
 class ConsoleReporter:
     """A rich progress bar with loss, lr, tokens/s and MFU (on a terminal), and log lines
     printed above it, terminal or not: after the first step of the invocation, every
@@ -186,16 +246,18 @@ class ConsoleReporter:
         self._progress: Progress | None = None
         if progress and console.is_terminal:
             self._progress = Progress(
+                SpinnerColumn(),
                 TextColumn("[bold]train"),
                 BarColumn(),
                 MofNCompleteColumn(),
+                StepClockColumn(clock),
                 TextColumn("{task.fields[status]}"),
                 TimeRemainingColumn(),
                 console=console,
                 transient=True,
             )
             self._task = self._progress.add_task(
-                "train", total=total_steps, completed=start_step, status=""
+                "train", total=total_steps, completed=start_step, status="", step_began=clock()
             )
             self._progress.start()
 
@@ -207,9 +269,9 @@ class ConsoleReporter:
             f"loss {m.loss:.3f}  lr {m.lr:.2e}  {format_tokens_per_s(m.tokens_per_s)} tok/s  "
             f"MFU {format_mfu(m.mfu)}"
         )
-        if self._progress is not None:
-            self._progress.update(self._task, completed=m.step, status=status)
         now = self._clock()
+        if self._progress is not None:
+            self._progress.update(self._task, completed=m.step, status=status, step_began=now)
         due = (
             self._last_line_at is None
             or m.step % self.log_every == 0

@@ -5,38 +5,25 @@ figures, each with its datasheet as source); a device the catalog does not know 
 peak" and no MFU, never a guess. A CPU has no catalog figure: with a device profile
 (`fivefold calibrate`, named by the recipe's `cluster.profile` or found at the default location)
 the peak is the profile's best measured matmul rate per rank, the same figure the planner's MFU
-uses; without one we measure one at start-up: the best of a few square matmuls in the compute
-dtype, with the threads torch uses. MFU on CPU is therefore "relative to the measured matmul
-peak" and labelled so wherever it is printed. A run keeps one peak from start to end.
+uses; without one it is a fixed reference per thread (`CPU_REFERENCE_FLOPS_PER_THREAD`), the
+same in every run, so MFU compares across runs. The basis is labelled wherever MFU is printed.
+A run keeps one peak from start to end.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
 
 from fivefold.planner.lever_costs import mfu_peak
 from fivefold.spec.cluster import ClusterSpec
-from fivefold.spec.hardware import GPUS
+from fivefold.spec.hardware import GPUS, catalog_key_for_device
 from fivefold.spec.model import ModelSpec
 from fivefold.spec.plan import ParallelPlan
 from fivefold.spec.precision import recipe
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-# Substrings of torch.cuda.get_device_name() -> catalog key. Order matters: first match wins.
-# PCIe and NVL variants have lower peaks than the SXM parts in the catalog, so they stay unknown.
-_CUDA_NAME_PATTERNS: tuple[tuple[tuple[str, ...], tuple[str, ...], str], ...] = (
-    # (all of these, none of these, catalog key)
-    (("H100",), ("PCIE", "NVL"), "h100-sxm"),
-    (("H200",), ("NVL",), "h200"),
-    (("H800",), ("PCIE", "NVL"), "h800"),
-    (("B200",), (), "b200"),
-    (("A100", "80GB"), ("PCIE",), "a100-80gb"),
-    (("A100", "40GB"), ("PCIE",), "a100-40gb"),
-)
 
 
 @dataclass(frozen=True)
@@ -54,12 +41,9 @@ class DevicePeak:
 
 
 def catalog_key_for_cuda(device_name: str) -> str | None:
-    """Catalog key for a CUDA device name such as 'NVIDIA H100 80GB HBM3', or None."""
-    upper = device_name.upper()
-    for needed, excluded, key in _CUDA_NAME_PATTERNS:
-        if all(s in upper for s in needed) and not any(s in upper for s in excluded):
-            return key
-    return None
+    """Catalog key for a CUDA device name such as 'NVIDIA H100 80GB HBM3', or None
+    (`fivefold.spec.hardware.catalog_key_for_device`, the one mapping)."""
+    return catalog_key_for_device(device_name)
 
 
 def cuda_peak(device_name: str, dtype: str) -> DevicePeak:
@@ -70,49 +54,25 @@ def cuda_peak(device_name: str, dtype: str) -> DevicePeak:
     return DevicePeak(spec.peak_flops[dtype], dtype, f"{key} dense {dtype} peak", spec.source)
 
 
-def measure_matmul_flops(
-    dtype: str = "fp32", size: int = 1024, min_repeats: int = 5, budget_s: float = 0.3
-) -> float:
-    """Best FLOP/s of (size x size) @ (size x size) CPU matmuls (2 * size^3 FLOPs each).
-
-    Repeats at least `min_repeats` times and until `budget_s` has passed (at most 50 times):
-    the best of many is the least disturbed by other processes sharing the cores.
-    """
-    torch_dtype = TORCH_DTYPES[dtype]
-    gen = torch.Generator().manual_seed(0)
-    a = torch.randn(size, size, generator=gen).to(torch_dtype)
-    b = torch.randn(size, size, generator=gen).to(torch_dtype)
-    torch.mm(a, b)  # warm-up: thread pool, packing buffers
-    best_s, started, repeats = float("inf"), time.perf_counter(), 0
-    while repeats < min_repeats or (time.perf_counter() - started < budget_s and repeats < 50):
-        tick = time.perf_counter()
-        torch.mm(a, b)
-        best_s = min(best_s, time.perf_counter() - tick)
-        repeats += 1
-    return 2.0 * size**3 / best_s
+# Without a device profile, a CPU's MFU is against this fixed reference per thread the rank
+# uses, not a measurement: a peak measured at each start differed by 40 % between runs of one
+# recipe (and by 3x under load), so MFU could not be compared from run to run. The figure is
+# the fp32 FMA rate of one AVX2 core at 3 GHz (2 FMA units x 8 lanes x 2 FLOPs x 3e9); a
+# profile's measured peak replaces it (`fivefold calibrate`).
+CPU_REFERENCE_FLOPS_PER_THREAD = 96e9
 
 
-# Best CPU matmul FLOP/s measured so far in this process, per (dtype, threads).
-_best_cpu_flops: dict[tuple[str, int], float] = {}
-
-
-def cpu_peak(dtype: str, refresh: bool = False) -> DevicePeak:
-    """The best matmul rate measured so far (measured now if never, or again if `refresh`).
-
-    On a machine shared with other work one measurement can land in a busy moment; the loop
-    refreshes it now and then (a short re-measurement) and the best figure so far stands.
-    """
+def cpu_peak(dtype: str) -> DevicePeak:
+    """The fixed reference `CPU_REFERENCE_FLOPS_PER_THREAD` x this process's torch threads."""
     threads = torch.get_num_threads()
-    key = (dtype, threads)
-    if refresh or key not in _best_cpu_flops:
-        measured = measure_matmul_flops(dtype, budget_s=0.1 if key in _best_cpu_flops else 0.3)
-        _best_cpu_flops[key] = max(_best_cpu_flops.get(key, 0.0), measured)
-    flops = _best_cpu_flops[key]
+    flops = CPU_REFERENCE_FLOPS_PER_THREAD * threads
     return DevicePeak(
         flops,
         dtype,
-        f"measured CPU {dtype} matmul peak ({flops / 1e9:.0f} GFLOP/s, {threads} threads)",
-        "best 1024^3 torch.mm rate measured in this process (start-up, then re-checked)",
+        f"fixed CPU reference {flops / 1e9:.0f} GFLOP/s per rank ({threads} thread(s) x "
+        f"{CPU_REFERENCE_FLOPS_PER_THREAD / 1e9:.0f}; no device profile, so not this CPU's "
+        "measured peak)",
+        "one AVX2 core's fp32 FMA rate at 3 GHz per thread (fivefold.train.peak)",
     )
 
 
@@ -150,16 +110,13 @@ def cuda_fp8_peak(device_name: str, model: ModelSpec, plan: ParallelPlan) -> Dev
     )
 
 
-def device_peak(
-    device: torch.device, dtype: str, refresh: bool = False, cluster: ClusterSpec | None = None
-) -> DevicePeak:
+def device_peak(device: torch.device, dtype: str, cluster: ClusterSpec | None = None) -> DevicePeak:
     """The dense peak of `device` for compute dtype `dtype` ("fp32", "bf16", ...): a CPU with a
-    calibrated `cluster.profile` reads it; otherwise `refresh` re-measures a CPU (catalog
-    figures never change)."""
+    calibrated `cluster.profile` reads it; another CPU gets the fixed reference (`cpu_peak`)."""
     if device.type == "cuda":
         return cuda_peak(torch.cuda.get_device_name(device), dtype)
     if device.type == "cpu" and cluster is not None and cluster.profile:
         return profile_peak(cluster, dtype)
     if device.type == "cpu" and dtype in TORCH_DTYPES:
-        return cpu_peak(dtype, refresh)
+        return cpu_peak(dtype)
     return DevicePeak(None, dtype, f"unknown peak ({device.type})", "no measurement")

@@ -189,7 +189,28 @@ function plannerRequest() {
   for (const key of Object.keys(state.presets.planner_options)) {
     out[key] = readField(field(`planner.${key}`));
   }
+  const tokens = readField(field("planner.tokens"));
+  for (const key of BUDGET_FIELDS) {  // a price alone means nothing without tokens
+    const value = readField(field(`planner.${key}`));
+    if (value !== null && tokens !== null) out[key] = value;
+  }
   return out;
+}
+
+// The token-budget fields of the planner table (fivefold.planner.budget); empty = not sent.
+const BUDGET_FIELDS = ["tokens", "gpu_hour_price"];
+
+/** The token-budget answer (days, GPU-hours, cost, failures, checkpoint interval, goodput). */
+function renderBudget(b) {
+  const node = $("#budget-facts");
+  if (!b) { node.textContent = ""; delete node.dataset.days; return; }
+  if (b.days === null) { node.textContent = "Token budget: the run never finishes at this failure rate."; return; }
+  const cost = b.cost_usd === null ? "no price given" : `$${fmt.int(b.cost_usd)}`;
+  node.dataset.days = String(b.days);
+  node.textContent = `Token budget: ${fmt.int(b.steps)} steps, ${b.days.toFixed(1)} days, ` +
+    `${fmt.int(b.gpu_hours)} GPU-hours, ${cost}; ${b.interruptions.toFixed(1)} expected ` +
+    `interruptions; checkpoint ${b.checkpoint_gb.toFixed(1)} GB every ` +
+    `${fmt.int(b.checkpoint_interval_steps)} steps; goodput ${fmt.pct(b.goodput)}.`;
 }
 
 function renderPlanner(planner) {
@@ -368,6 +389,7 @@ function render(answer) {
   el("b", { id: "grad-accum", "data-value": String(layout.grad_accum) }, facts, String(layout.grad_accum));
   el("span", {}, facts, ` micro-batches of ${answer.plan.micro_batch} on each of ${layout.dp} DP ranks`);
   renderPlanner(answer.planner);
+  renderBudget(answer.budget);
   renderKpis(est);
   renderBreakdown(est);
   renderMemory(est);
@@ -501,7 +523,8 @@ function renderComm(est) {
     for (const r of list) {
       exposedTotal += r.exposed_s;
       const tr = el("tr", { class: "comm-row", "data-kind": r.kind, "data-link": r.link }, body);
-      el("td", { class: "indent" }, tr, COMM_LABEL[r.kind] || r.kind);
+      const what = el("td", { class: "indent" }, tr, COMM_LABEL[r.kind] || r.kind);
+      if (r.link_model) el("div", { class: "link-model" }, what, r.link_model);  // how it is priced
       el("td", { class: "num", "data-field": "bytes_per_step", "data-value": String(r.bytes_per_step) }, tr, fmt.bytes(r.bytes_per_step));
       el("td", { class: "num", "data-field": "time_s", "data-value": String(r.time_s) }, tr, fmt.time(r.time_s));
       el("td", { class: "num", "data-field": "exposed_s", "data-value": String(r.exposed_s) }, tr, fmt.time(r.exposed_s));
@@ -816,7 +839,7 @@ async function recommend() {
   }
   const layouts = [answer.best, ...answer.alternatives].filter(Boolean);
   $("#recommend-sub").textContent = `${fmt.int(answer.evaluated)} layouts evaluated in ${fmt.time(answer.search_time_s)}` +
-    (answer.best ? "; the recommended first: the fastest, or among layouts within ${(100 * answer.tie_fraction).toFixed(1)}% of it (a tie) the one with the least memory per GPU; the rest by predicted tokens/s. Apply puts a layout into the controls." : "; none fits.");
+    (answer.best ? `; the recommended first: the fastest, or among layouts within ${(100 * answer.tie_fraction).toFixed(1)}% of it (a tie) the one with the least memory per GPU; the rest by predicted tokens/s. Apply puts a layout into the controls.` : "; none fits.");
   layouts.forEach((est, i) => {
     const tr = el("tr", { class: i === 0 ? "best" : "", "data-rank": i }, body);
     el("td", {}, tr, String(i + 1));

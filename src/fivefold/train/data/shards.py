@@ -4,7 +4,9 @@ A shard directory holds
 
 - `manifest.json`: format version, token dtype, vocabulary size, end-of-document id, the
   tokenizer's hash, token and document counts, the inputs (path, size, SHA-256) and per shard its
-  file names, counts and a BLAKE2b checksum of the token file;
+  file names, counts and a BLAKE2b checksum of the token file; `document_lengths`: the mean,
+  mean square, maximum and token-weighted mean (E[L^2]/E[L], what `fivefold plan --doc-len` and
+  `[model] doc_len` take) of the documents' lengths in tokens, end-of-document token included;
 - `shard-NNNNN.tokens.bin`: the token stream, little-endian uint16 (uint32 when the vocabulary
   exceeds 65,536): every document's tokens followed by the end-of-document token;
 - `shard-NNNNN.offsets.bin`: little-endian int64 document start offsets into that shard's stream,
@@ -44,6 +46,20 @@ _ENCODE_BATCH_CHARS = 1 << 22
 def token_dtype(vocab_size: int) -> np.dtype:
     """uint16 while every id fits, else uint32 (little-endian)."""
     return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
+
+
+def document_length_stats(lengths: np.ndarray) -> dict[str, float]:
+    """Mean, mean square, max and token-weighted mean (E[L^2]/E[L]) of document `lengths`."""
+    lengths = np.asarray(lengths, dtype=np.float64)
+    if lengths.size == 0:
+        return {"mean": 0.0, "mean_square": 0.0, "max": 0, "token_weighted_mean": 0}
+    mean, mean_square = float(lengths.mean()), float(np.mean(lengths * lengths))
+    return {
+        "mean": round(mean, 3),
+        "mean_square": round(mean_square, 3),
+        "max": int(lengths.max()),
+        "token_weighted_mean": round(mean_square / mean),
+    }
 
 
 def _fix_hint(directory: Path) -> str:
@@ -176,6 +192,10 @@ def _write_shards(
             }
         )
     shards = writer.close()
+    lengths = np.concatenate(
+        [np.diff(np.fromfile(directory / s["offsets"], dtype=OFFSET_DTYPE)) for s in shards]
+        or [np.zeros(0)]
+    )
     return {
         "format": FORMAT_NAME,
         "version": FORMAT_VERSION,
@@ -186,6 +206,7 @@ def _write_shards(
         "tokenizer_path": str(tokenizer.path) if tokenizer.path else None,
         "num_tokens": sum(s["num_tokens"] for s in shards),
         "num_documents": sum(s["num_documents"] for s in shards),
+        "document_lengths": document_length_stats(lengths),
         "prepare_time_s": round(time.perf_counter() - started, 3),
         "inputs": input_records,
         "shards": shards,
@@ -214,7 +235,7 @@ class TokenShards:
         verify: bool = True,
     ):
         self.path = Path(path)
-        self.manifest = _read_manifest(self.path)
+        self.manifest = read_manifest(self.path)
         self.vocab_size: int = self.manifest["vocab_size"]
         self.eod_id: int = self.manifest["eod_id"]
         self.tokenizer_hash: str = self.manifest["tokenizer_hash"]
@@ -235,6 +256,13 @@ class TokenShards:
             self.check_tokenizer(tokenizer)
         if max_vocab is not None:
             self.check_fits(max_vocab)
+
+    def document_lengths(self) -> dict[str, float]:
+        """`document_length_stats` of these shards (recorded by prepare; computed for shards
+        prepared before it recorded them)."""
+        return self.manifest.get("document_lengths") or document_length_stats(
+            np.diff(self.doc_starts)
+        )
 
     def tokens(self, start: int, stop: int) -> np.ndarray:
         """Tokens `[start, stop)` of the stream as int64, read from the memory maps."""
@@ -341,7 +369,8 @@ _MANIFEST_KEYS = (
 )
 
 
-def _read_manifest(directory: Path) -> dict:
+def read_manifest(directory: Path) -> dict:
+    """The manifest of a shard directory, checked (DataError naming the fix otherwise)."""
     if not directory.is_dir():
         raise DataError(
             f"shard directory {str(directory)!r} does not exist; create it with "

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from fivefold.errors import DataError
+from fivefold.spec.model import MODEL_LIMITS
 from fivefold.train.data.cache import atomic_write_text, cache_dir, cache_lock
 from fivefold.train.data.corpus import embedded_corpus_files, files_digest
 from fivefold.train.data.documents import check_inputs, iter_documents
@@ -89,6 +90,12 @@ def train_tokenizer(
         raise DataError(
             f"vocab size {vocab_size} is too small: a byte-level BPE needs at least "
             f"{MIN_VOCAB_SIZE} tokens (256 bytes + {EOD_TOKEN}); use e.g. --vocab 4096."
+        )
+    if vocab_size > MODEL_LIMITS["vocab"]:  # `tokenizers` aborts the process on sizes near 1e9
+        raise DataError(
+            f"--vocab {vocab_size:,} is too large: at most {MODEL_LIMITS['vocab']:,} tokens "
+            "(the largest vocabulary a model may have); published models use 32K-256K, "
+            "e.g. --vocab 32000."
         )
     inputs = check_inputs(inputs)
     backend = Tokenizer(models.BPE())

@@ -1,0 +1,160 @@
+"""The torch APIs fivefold uses that differ across the supported range (torch 2.11 to 2.13; CI
+installs 2.13), detected by looking at this installation, never by version number.
+
+`available(key)` probes one feature (on demand: some of these imports take seconds) and
+`torch_features()` all of them; the small helpers (`varlen_supports_gqa`, ...) are what the
+code paths ask; `torch_problems(recipe)` is the start-up check: for each feature the
+recipe needs and this torch lacks, one line naming the API and the setting that needs it (the
+launchers raise it as a ConfigError, exit 2, before any process starts, never mid-step).
+Features with a fallback are not problems: without `varlen_attn` packed documents take the
+per-document kernel, without its `enable_gqa` (torch 2.11) K/V heads are repeated for the call,
+without `_set_pg_timeout` the start-up collective timeout is kept for the whole run.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+SUPPORTED_RANGE = ">=2.11,<2.14"  # pyproject's dependency; CI installs 2.13.0
+
+
+@dataclass(frozen=True)
+class Feature:
+    """One API: where it lives and what in fivefold uses it."""
+
+    api: str  # e.g. "torch.nn.attention.varlen.varlen_attn(enable_gqa=)"
+    available: bool
+    used_for: str
+
+
+def _attr(module: str, name: str) -> Any:
+    """`module.name`, or None when the module or the attribute is absent."""
+    try:
+        return getattr(importlib.import_module(module), name, None)
+    except ImportError:
+        return None
+
+
+def _has_parameter(fn: Any, name: str) -> bool:
+    try:
+        return fn is not None and name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _varlen() -> Any:
+    return _attr("torch.nn.attention.varlen", "varlen_attn")
+
+
+_SCHEDULES = "torch.distributed.pipelining.schedules"
+_C10D = "torch.distributed.distributed_c10d"
+# key -> (the API, what fivefold uses it for, how to find it); probed one by one, on demand:
+# importing some of these modules takes seconds, and most runs need few of them.
+FEATURES: dict[str, tuple[str, str, Callable[[], bool]]] = {
+    "varlen_attn": (
+        "torch.nn.attention.varlen.varlen_attn",
+        "packed documents on CUDA (else the per-document kernel)",
+        lambda: _varlen() is not None,
+    ),
+    "varlen_attn_gqa": (
+        "torch.nn.attention.varlen.varlen_attn(enable_gqa=)",
+        "GQA in packed-document attention on CUDA without repeating K/V",
+        lambda: _has_parameter(_varlen(), "enable_gqa"),
+    ),
+    "flex_attention": (
+        "torch.nn.attention.flex_attention.flex_attention",
+        "document masks under torch.compile",
+        lambda: _attr("torch.nn.attention.flex_attention", "flex_attention") is not None,
+    ),
+    "grouped_mm": (
+        "torch._grouped_mm",
+        "MoE experts (model.experts > 0)",
+        lambda: hasattr(torch, "_grouped_mm"),
+    ),
+    "fully_shard": (
+        "torch.distributed.fsdp.fully_shard",
+        "ZeRO (plan.zero >= 1) and every multi-process run",
+        lambda: _attr("torch.distributed.fsdp", "fully_shard") is not None,
+    ),
+    "replicate_with_fsdp": (
+        "torch.distributed._composable.replicate_with_fsdp.replicate",
+        "plain data parallelism (plan.zero = 0 with plan.dp_shard > 1)",
+        lambda: _attr("torch.distributed._composable.replicate_with_fsdp", "replicate") is not None,
+    ),
+    "schedule_zbv": (
+        f"{_SCHEDULES}.ScheduleZBVZeroBubble",
+        "plan.schedule = 'zbv'",
+        lambda: _attr(_SCHEDULES, "ScheduleZBVZeroBubble") is not None,
+    ),
+    "schedule_dualpipev": (
+        f"{_SCHEDULES}.ScheduleDualPipeV",
+        "plan.schedule = 'dualpipev'",
+        lambda: _attr(_SCHEDULES, "ScheduleDualPipeV") is not None,
+    ),
+    "dcp_state_dict": (
+        "torch.distributed.checkpoint.state_dict.get_state_dict",
+        "checkpoints (train.ckpt_every)",
+        lambda: _attr("torch.distributed.checkpoint.state_dict", "get_state_dict") is not None,
+    ),
+    "set_pg_timeout": (
+        f"{_C10D}._set_pg_timeout",
+        "the shorter NCCL timeout after the first step (else the start-up one stays)",
+        lambda: _attr(_C10D, "_set_pg_timeout") is not None,
+    ),
+    "bf16_native_check": (
+        "torch.cuda.is_bf16_supported(including_emulation=)",
+        "telling native bf16 from emulated (else compute capability >= 8.0)",
+        lambda: _has_parameter(torch.cuda.is_bf16_supported, "including_emulation"),
+    ),
+}
+
+
+@functools.cache
+def available(key: str) -> bool:
+    """Whether this torch has feature `key` (cached: the installation does not change)."""
+    return bool(FEATURES[key][2]())
+
+
+def torch_features() -> dict[str, Feature]:
+    """Every feature by key, each probed (imports every module concerned)."""
+    return {key: Feature(api, available(key), use) for key, (api, use, _) in FEATURES.items()}
+
+
+def has(key: str) -> bool:
+    return available(key)
+
+
+def varlen_supports_gqa() -> bool:
+    """Whether `varlen_attn` takes `enable_gqa` (absent in torch 2.11: repeat K/V instead)."""
+    return has("varlen_attn_gqa")
+
+
+def required_features(model: Any, plan: Any) -> dict[str, str]:
+    """Feature key -> the setting that needs it, for a (model, plan) with no fallback."""
+    out: dict[str, str] = {"dcp_state_dict": "checkpointing"}
+    if plan.world_size > 1:
+        out["fully_shard"] = f"a run of {plan.world_size} processes"
+    if getattr(model, "experts", 0):
+        out["grouped_mm"] = f"model.experts = {model.experts}"
+    if plan.zero == 0 and plan.dp_shard * plan.dp_replicate > 1:
+        out["replicate_with_fsdp"] = "plan.zero = 0 with data parallelism"
+    if plan.pp > 1 and plan.schedule in ("zbv", "dualpipev"):
+        out[f"schedule_{plan.schedule}"] = f"plan.schedule = {plan.schedule!r}"
+    return out
+
+
+def torch_problems(model: Any, plan: Any) -> list[str]:
+    """One line per API the recipe needs and this torch lacks (empty when it runs)."""
+    return [
+        f"{setting} needs {FEATURES[key][0]}, which torch {torch.__version__} lacks; install a "
+        f"torch in fivefold's supported range ({SUPPORTED_RANGE}, 2.13 as CI tests) that has it."
+        for key, setting in required_features(model, plan).items()
+        if not available(key)
+    ]

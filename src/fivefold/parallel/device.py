@@ -1,0 +1,146 @@
+"""Where a run executes, found rather than told: the one resolution of `train.device` and of
+the cluster a recipe without `[cluster]` runs on.
+
+- `uses_cuda(setting)`: `train.device` ("auto" | "cpu" | "cuda") as cuda or not; "cuda" without
+  a CUDA device is a ConfigError. Every part that asks (recipe defaults, the machine-memory and
+  lever checks, the runtimes, `tune`, the layout report) asks this function.
+- `local_gpu()`: the GPU this process would use (`torch.cuda.get_device_name`, its memory,
+  its catalog entry by `fivefold.spec.hardware.catalog_key_for_device`, whether bf16 is native).
+- `local_cluster_table(world, local_world)`: the `[cluster]` a GPU run without one gets: the
+  catalog GPU found (`unknown-gpu` when the catalog does not know it: memory is still predicted,
+  step time is not), `world` GPUs in nodes of `local_world` (torchrun's LOCAL_WORLD_SIZE), links
+  from the GPU's own system (`fivefold.spec.cluster.cluster_for_gpu`). A CPU run keeps its own
+  path (the calibrated profile, else the measured CPU).
+
+Native bf16 only: `torch.cuda.is_bf16_supported(including_emulation=False)` where this torch has
+the argument, else compute capability 8.0 or newer. A V100 or T4 emulates bf16 slowly; a run
+there defaults to fp32 as on a CPU.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import subprocess
+from dataclasses import dataclass
+from typing import Any
+
+from fivefold.errors import ConfigError
+from fivefold.spec.cluster import cluster_for_gpu
+from fivefold.spec.hardware import UNKNOWN_GPU, catalog_key_for_device
+
+DEVICE_SETTINGS = ("auto", "cpu", "cuda")
+BF16_MIN_CAPABILITY = (8, 0)  # Ampere and newer run bf16 on their tensor cores
+
+
+def uses_cuda(setting: str) -> bool:
+    """Whether `train.device = setting` runs on CUDA on this machine (no side effects)."""
+    if setting == "cpu":
+        return False
+    import torch
+
+    available = torch.cuda.is_available()
+    if setting == "cuda" and not available:
+        raise ConfigError("train.device = 'cuda' but no CUDA device is available; use 'auto'.")
+    return available if setting in DEVICE_SETTINGS else False
+
+
+def local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def local_world_size(world: int) -> int:
+    """Processes on this node: torchrun's LOCAL_WORLD_SIZE, else all of `world` (a launcher
+    checking the processes it is about to start on this machine)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+
+
+def real_bf16() -> bool:
+    """Whether the current CUDA device computes bf16 natively (not emulated, as a V100 or T4
+    does): `is_bf16_supported(including_emulation=False)`, else compute capability >= 8.0."""
+    import torch
+
+    check = torch.cuda.is_bf16_supported
+    if "including_emulation" in inspect.signature(check).parameters:
+        return bool(check(including_emulation=False))
+    return tuple(torch.cuda.get_device_capability()) >= BF16_MIN_CAPABILITY
+
+
+@dataclass(frozen=True)
+class LocalGPU:
+    """The GPU this process uses, as torch reports it."""
+
+    name: str  # torch.cuda.get_device_name, e.g. "NVIDIA H200"
+    total_memory_bytes: int
+    catalog_key: str | None  # None: not in the catalog
+    bf16: bool  # native bf16
+
+    def describe(self) -> str:
+        known = self.catalog_key or "not in the catalog"
+        return f"{self.name} ({known}, {self.total_memory_bytes / 2**30:.1f} GiB)"
+
+
+def local_gpu(index: int | None = None) -> LocalGPU | None:
+    """This process's GPU (`LOCAL_RANK` unless `index`), or None without CUDA.
+
+    A process that has not touched CUDA and is no torchrun worker (a launcher checking the
+    run before starting its ranks) asks `nvidia-smi` first: torch would create a CUDA context
+    on GPU 0 that the launcher then holds, several hundred MiB, for the whole run."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    index = local_rank() if index is None else index
+    if not torch.cuda.is_initialized() and "LOCAL_RANK" not in os.environ:
+        found = _nvidia_smi_gpu(index)
+        if found is not None:
+            return found
+    index = index if index < torch.cuda.device_count() else 0
+    name = torch.cuda.get_device_name(index)
+    memory = int(torch.cuda.get_device_properties(index).total_memory)
+    return LocalGPU(name, memory, catalog_key_for_device(name, memory), real_bf16())
+
+
+def _nvidia_smi_gpu(index: int) -> LocalGPU | None:
+    """GPU `index` (as CUDA numbers the visible ones) read by nvidia-smi, which creates no CUDA
+    context; None where nvidia-smi is absent or says nothing usable (e.g. a ROCm machine)."""
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")]
+    which = visible[index] if index < len(visible) and visible[index] else str(index)
+    query = "--query-gpu=name,memory.total,compute_cap"
+    command = ["nvidia-smi", f"--id={which}", query, "--format=csv,noheader,nounits"]
+    try:
+        out = subprocess.run(command, capture_output=True, text=True, timeout=30, check=True)
+        name, mib, capability = (
+            x.strip() for x in out.stdout.strip().splitlines()[0].rsplit(",", 2)
+        )
+        memory = int(float(mib)) * 2**20
+        native_bf16 = tuple(int(x) for x in capability.split(".")) >= BF16_MIN_CAPABILITY
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+    return LocalGPU(name, memory, catalog_key_for_device(name, memory), native_bf16)
+
+
+def local_cluster_table(world: int, local_world: int | None = None) -> dict[str, Any]:
+    """The `[cluster]` table of `world` processes on this machine's GPU, `local_world` per node
+    (default: `local_world_size(world)`); ConfigError without CUDA."""
+    gpu = local_gpu()
+    if gpu is None:
+        raise ConfigError("no CUDA device is available to describe; use train.device = 'cpu'.")
+    per_node = local_world or local_world_size(world)
+    if per_node < 1 or world % per_node:
+        per_node = world  # uneven nodes are torchrun's to refuse; plan for one
+    cluster = cluster_for_gpu(gpu.catalog_key or UNKNOWN_GPU, world, per_node, gpu.name)
+    table = cluster.to_dict()
+    table.pop("profile")
+    return table
+
+
+def unknown_gpu_reason(cluster: Any) -> str | None:
+    """Why no step time is predicted on `cluster`'s GPU when the catalog does not know it."""
+    if cluster.gpu != UNKNOWN_GPU or cluster.profile:
+        return None
+    return (
+        f"no step-time prediction: {cluster.name} is not in the GPU catalog, so its peak is "
+        "unknown (name a catalogued GPU in [cluster] gpu = ..., or measure this machine with "
+        "`fivefold calibrate`)"
+    )

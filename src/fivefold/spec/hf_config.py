@@ -1,0 +1,242 @@
+"""A `ModelSpec` from a Hugging Face `config.json`: Llama, Mistral, Qwen2, Qwen3, Mixtral and
+DeepSeek-V3 (no torch, no transformers).
+
+What each family adds to the Llama decoder, read here the way `transformers` builds it:
+- llama: GQA, RoPE (default or llama3 scaling), tied embeddings; `attention_bias` / `mlp_bias`
+  (biases on every projection) are refused.
+- mistral: a sliding window in every layer (`sliding_window`, 4096 when the key is absent, none
+  when null).
+- qwen2: biases on Q, K and V; a window (when `use_sliding_window`) in the layers from
+  `max_window_layers` on, or as `layer_types` lists them.
+- qwen3: RMSNorm of each query and key head, `head_dim` of its own; the window as qwen2.
+- mixtral: `num_local_experts` routed SwiGLU experts of width `intermediate_size`, top
+  `num_experts_per_tok`, a linear router; a window when `sliding_window` is set.
+- deepseek_v3: multi-head latent attention (`q_lora_rank`, `kv_lora_rank`, `qk_nope_head_dim`,
+  `qk_rope_head_dim`, `v_head_dim`), `first_k_dense_replace` dense leading layers of width
+  `intermediate_size`, then `n_routed_experts` experts of width `moe_intermediate_size` (top
+  `num_experts_per_tok`) plus `n_shared_experts` always-on ones; yarn RoPE scaling. The router's
+  score-correction bias is a buffer, not a parameter, and the multi-token-prediction layers
+  (`num_nextn_predict_layers`) are not part of the model `transformers` builds, so neither is
+  counted.
+Fields that do not change the model's shapes (ids, dtypes, routing details, quantization of the
+published weights) are ignored. RoPE comes as transformers 5.x `rope_parameters` or 4.x
+`rope_theta` + `rope_scaling`; the two spellings must agree.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from fivefold.errors import ConfigError
+from fivefold.spec.model import ROPE_SCALING_TYPES, ModelSpec
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "deepseek_v3")
+LLAMA3_KEYS = {  # HF rope key -> ModelSpec field
+    "factor": "rope_scaling_factor",
+    "low_freq_factor": "rope_low_freq_factor",
+    "high_freq_factor": "rope_high_freq_factor",
+    "original_max_position_embeddings": "rope_original_seq_len",
+}
+_SCALED_KEYS = {  # what the other scalings carry that a ModelSpec keeps
+    "factor": "rope_scaling_factor",
+    "original_max_position_embeddings": "rope_original_seq_len",
+}
+_MISTRAL_DEFAULT_WINDOW = 4096  # MistralConfig's default when the key is absent
+
+
+def read_hf_config(path: str | Path) -> dict[str, Any]:
+    """The JSON object in `path` (a config.json, or a directory holding one)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.json"
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(
+            f"hf_config {str(path)!r} does not exist; give a Hugging Face config.json."
+        ) from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ConfigError(f"hf_config {str(path)!r} is not a readable JSON file ({err}).") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"hf_config {str(path)!r} must hold a JSON object.")
+    return data
+
+
+def rope_settings(config: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """ModelSpec RoPE fields (theta, scaling type, factor, ...) from a config, and the problems:
+    an unknown scaling type, a llama3 scaling missing a value, the two spellings disagreeing."""
+    new = config.get("rope_parameters") or {}
+    old = dict(config.get("rope_scaling") or {})
+    if "rope_theta" in config:
+        old["rope_theta"] = config["rope_theta"]
+    if not isinstance(new, dict) or not isinstance(old, dict):
+        return {}, ["rope_parameters / rope_scaling must be objects"]
+    new = dict(new)
+    for settings in (new, old):
+        if "type" in settings and "rope_type" not in settings:
+            settings["rope_type"] = settings.pop("type")
+    conflicts = [
+        f"{key}: rope_parameters says {new[key]!r}, rope_scaling/rope_theta say {old[key]!r}"
+        for key in sorted(set(new) & set(old))
+        if new[key] != old[key]
+    ]
+    if conflicts:
+        return {}, ["conflicting RoPE settings (" + "; ".join(conflicts) + ")"]
+    rope = {**old, **new}
+    rope_type = rope.get("rope_type", "default")
+    out: dict[str, Any] = {"rope_theta": rope.get("rope_theta", 10_000.0)}
+    if rope_type == "default":
+        return out, []
+    if rope_type not in ROPE_SCALING_TYPES:
+        return out, [f"RoPE type {rope_type!r} (known: default, {', '.join(ROPE_SCALING_TYPES)})"]
+    keys = LLAMA3_KEYS if rope_type == "llama3" else _SCALED_KEYS
+    required = list(LLAMA3_KEYS) if rope_type == "llama3" else ["factor"]
+    missing = [key for key in required if key not in rope]
+    if missing:
+        return out, [f"{rope_type} RoPE scaling without {', '.join(missing)}"]
+    out["rope_scaling_type"] = rope_type
+    out |= {field: rope[key] for key, field in keys.items() if key in rope}
+    return out, []
+
+
+def _sliding(config: dict[str, Any], family: str, layers: int) -> tuple[int, int]:
+    """(window, layers that use it) as `transformers` sets them up for the family."""
+    types = config.get("layer_types")
+    if family in ("qwen2", "qwen3"):
+        window = config.get("sliding_window") if config.get("use_sliding_window") else None
+        if types is None:
+            first = int(config.get("max_window_layers", 28))
+            count = max(0, layers - first) if window else 0
+            return (int(window), count) if count else (0, 0)
+    elif family == "mistral":
+        window = config.get("sliding_window", _MISTRAL_DEFAULT_WINDOW)
+    elif family == "mixtral":
+        window = config.get("sliding_window")
+    else:
+        return 0, 0
+    if not window:
+        return 0, 0
+    if types is not None:
+        count = sum(1 for kind in types if kind == "sliding_attention")
+        return (int(window), count) if count else (0, 0)
+    return int(window), 0  # 0: every layer
+
+
+def _family_problems(config: dict[str, Any], family: str) -> list[str]:
+    out = []
+    if family not in FAMILIES:
+        return [
+            f"model_type = {family!r}: fivefold reads {', '.join(FAMILIES)} configs; describe "
+            "the model in [model] fields instead"
+        ]
+    if config.get("hidden_act", "silu") != "silu":
+        out.append(f"hidden_act = {config.get('hidden_act')!r} (these families' MLP is SwiGLU)")
+    if config.get("mlp_bias"):
+        out.append("mlp_bias = true (biases on the MLP are not modelled)")
+    if config.get("attention_bias") and family != "qwen2":
+        out.append("attention_bias = true (a bias on every attention projection is not modelled)")
+    if family == "deepseek_v3" and int(config.get("moe_layer_freq", 1)) != 1:
+        out.append(f"moe_layer_freq = {config['moe_layer_freq']} (fivefold reads 1)")
+    missing = [
+        key
+        for key in (
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "vocab_size",
+        )
+        if key not in config
+    ]
+    if missing:
+        out.append(f"missing fields {', '.join(missing)}")
+    return out
+
+
+def _moe_fields(config: dict[str, Any], family: str, layers: int) -> dict[str, Any]:
+    if family == "mixtral":
+        return {
+            "experts": int(config.get("num_local_experts", 8)),
+            "top_k": int(config.get("num_experts_per_tok", 2)),
+            "expert_ffn": int(config["intermediate_size"]),
+            "router_aux_loss_coef": float(config.get("router_aux_loss_coef", 0.001)),
+        }
+    if family == "deepseek_v3" and config.get("n_routed_experts"):
+        dense = min(int(config.get("first_k_dense_replace", 0)), layers)
+        if dense >= layers:
+            return {}
+        return {
+            "experts": int(config["n_routed_experts"]),
+            "top_k": int(config.get("num_experts_per_tok", 8)),
+            "expert_ffn": int(config["moe_intermediate_size"]),
+            "shared_experts": int(config.get("n_shared_experts") or 0),
+            "dense_layers": dense,
+        }
+    return {}
+
+
+def _mla_fields(config: dict[str, Any]) -> dict[str, Any]:
+    """DeepSeek's attention: head_dim = qk_nope_head_dim + qk_rope_head_dim (transformers'
+    `config.head_dim` there is the RoPE part alone, not read)."""
+    rope = int(config.get("qk_rope_head_dim", 64))
+    return {
+        "attention": "mla",
+        "head_dim": int(config.get("qk_nope_head_dim", 128)) + rope,
+        "qk_rope_head_dim": rope,
+        "v_head_dim": int(config.get("v_head_dim") or 128),
+        "q_lora_rank": int(config.get("q_lora_rank") or 0),
+        "kv_lora_rank": int(config.get("kv_lora_rank", 512)),
+        "kv_heads": int(config["num_attention_heads"]),
+    }
+
+
+def spec_from_hf_config(
+    config: dict[str, Any], where: str = "config.json", name: str | None = None
+) -> ModelSpec:
+    """The ModelSpec `transformers` would build from `config` (module docstring); ConfigError
+    naming what cannot be read. `name` defaults to the config's `_name_or_path` or family."""
+    family = config.get("model_type")
+    problems = _family_problems(config, family)
+    rope, rope_problems = rope_settings(config)
+    problems += rope_problems
+    if problems:
+        raise ConfigError(f"{where} cannot be read: " + "; ".join(problems) + ".")
+    try:
+        heads = int(config["num_attention_heads"])
+        if heads < 1:
+            raise ConfigError(f"{where}: num_attention_heads = {heads} must be at least 1.")
+        hidden = int(config["hidden_size"])
+        layers = int(config["num_hidden_layers"])
+        window, sliding = _sliding(config, family, layers)
+        fields: dict[str, Any] = {
+            "name": name or str(config.get("_name_or_path") or f"hf-{family}"),
+            "layers": layers,
+            "hidden": hidden,
+            "heads": heads,
+            "kv_heads": int(config.get("num_key_value_heads") or heads),
+            "ffn": int(config["intermediate_size"]),
+            "vocab": int(config["vocab_size"]),
+            "seq_len": int(config.get("max_position_embeddings", 2048)),
+            "tied_embeddings": bool(config.get("tie_word_embeddings", False)),
+            "head_dim": int(config.get("head_dim") or hidden // heads),
+            "norm_eps": float(config.get("rms_norm_eps", 1e-6)),
+            "qkv_bias": family == "qwen2",
+            "qk_norm": family == "qwen3",
+            "sliding_window": window,
+            "sliding_layers": sliding,
+            **{k: int(v) if k == "rope_original_seq_len" else v for k, v in rope.items()},
+            **_moe_fields(config, family, layers),
+        }
+        if family == "deepseek_v3":
+            fields |= _mla_fields(config)
+        spec = ModelSpec(**fields)
+    except (TypeError, ValueError, ZeroDivisionError, KeyError) as err:
+        raise ConfigError(
+            f"{where} cannot be read: a size or rate is not a number ({err}); fix the config's "
+            "value."
+        ) from None
+    if spec.problems():
+        raise ConfigError([f"{where} describes an invalid model:", *spec.problems()])
+    return spec

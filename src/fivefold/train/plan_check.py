@@ -1,0 +1,395 @@
+"""Check a plan at its full scale on one CPU: fivefold's own runtime (the same `parallelize` path:
+FSDP2, DTensor TP/SP, `torch.distributed.pipelining`, CP, EP, recompute, precision) built for the
+recipe's whole world size under a fake process group and fake tensors, one training step run
+on one rank of each pipeline stage, each rank's peak measured beside the planner's prediction.
+
+No arithmetic runs and no memory is held: parameters, activations and collectives are
+`FakeTensorMode` tensors on a `"fake"` process group (the route torchtitan documents for
+checking a large job on one machine). Each rank runs in its own process (a fresh fake world).
+
+Where the fake world differs from a real one, and what this module does about it (written here
+because no library provides it):
+- `DeviceMesh` keeps a real tensor of ranks; its methods run with fake tensors switched off.
+- Weights are not initialised (values are irrelevant); losses and token counts are data that a
+  fake tensor does not have, so the loss scale uses the batch's token count.
+- DTensor derives output shapes under a fake mode of its own, as in a real run.
+- Expert routing is data too: every EP rank sends and receives balanced all-to-all splits.
+- Pipelining exchanges a vote and the stages' tensor metadata as values over point-to-point
+  messages, which a fake group cannot carry: every stage infers its own metadata, told by
+  `_hidden_meta` what its neighbour sends (the hidden states [b, T/cp/tp_sp, hidden], fp32).
+- The optimizer state is made first (as a previous step leaves it); then one step is measured.
+The peak is counted twice: by the runtime's own counter (`fivefold.train.memory`) and by torch's
+`MemTracker` (`torch.distributed._tools.mem_tracker`), tenant by tenant.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import multiprocessing
+import os
+import resource
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field, replace
+from types import SimpleNamespace
+from typing import Any
+
+from fivefold.spec.recipe import Recipe
+
+GIB = 1024**3
+PIPELINE_TRACKER_NOTE = (
+    "torch's MemTracker cannot follow a pipeline stage's backward (its module hooks meet "
+    "torch.autograd.grad on the stage's received input); fivefold's counter only"
+)
+
+
+@dataclass
+class RankCheck:
+    """One checked rank: bytes counted by the runtime and by torch's tracker beside the
+    prediction (GiB dict with the keys of `fivefold plan --json`'s memory)."""
+
+    rank: int
+    stage: int
+    predicted_gib: dict[str, float]
+    counted_bytes: int = 0
+    counted_tenants: dict[str, int] = field(default_factory=dict)
+    tracker_bytes: int = 0
+    tracker_tenants: dict[str, int] = field(default_factory=dict)
+    seconds: float = 0.0
+    host_peak_mib: float = 0.0
+    problem: str = ""
+    tracker_note: str = ""
+
+    @property
+    def error(self) -> float | None:
+        """Relative error of the prediction against the counted peak (None when unmeasured)."""
+        if not self.counted_bytes:
+            return None
+        return self.predicted_gib["total"] * GIB / self.counted_bytes - 1.0
+
+
+def representative_ranks(plan: Any, world: int) -> list[tuple[int, int]]:
+    """(pipeline stage, global rank) for one rank per stage: the first rank of each stage (the
+    other axes place the same shapes on every rank; pp is the outermost mesh axis)."""
+    per_stage = world // plan.pp
+    return [(stage, stage * per_stage) for stage in range(plan.pp)]
+
+
+def micro_batches_to_run(plan: Any) -> int:
+    """The fewest micro-batches whose step has the full step's peak: without pipelining one
+    micro-batch's activations are freed before the next (gradients accumulate in place), so
+    two; with it, the fewest (a multiple of pp) for which the schedule keeps as many
+    micro-batches in flight on every rank (`fivefold.planner.schedule`)."""
+    from fivefold.planner.schedule import build_schedule
+
+    if plan.pp == 1:
+        return min(plan.grad_accum, 2)
+    full = build_schedule(plan.schedule, plan.pp, plan.vpp, plan.grad_accum).peak_inflight
+    for count in range(plan.pp, plan.grad_accum, plan.pp):
+        candidate = plan.with_(grad_accum=count)
+        if candidate.problems():
+            continue
+        inflight = build_schedule(plan.schedule, plan.pp, plan.vpp, count).peak_inflight
+        if inflight == full:
+            return count
+    return plan.grad_accum
+
+
+def check_plan(
+    recipe: Recipe, world: int | None = None, timeout_s: float = 600.0
+) -> list[RankCheck]:
+    """Check every representative rank of `recipe` in a world of `world` ranks (default: the
+    cluster's GPUs), each in a fresh process, as many at once as this machine has cores."""
+    from fivefold.parallel.report import memory_only_prediction
+
+    predicted = memory_only_prediction(recipe.model, recipe.plan, fsdp_wrapped=True, cuda=False)
+    run = micro_batches_to_run(recipe.plan)
+    recipe = replace(recipe, plan=recipe.plan.with_(grad_accum=run))
+    out = []
+    context = multiprocessing.get_context("spawn")
+    world = world or recipe.cluster.world_size
+    ranks = representative_ranks(recipe.plan, world)
+    workers = max(1, min(len(ranks), os.cpu_count() or 1))
+    with context.Pool(workers, maxtasksperchild=1) as pool:  # a fresh fake world per rank
+        jobs = [pool.apply_async(_check_rank, (recipe, rank, world)) for _, rank in ranks]
+        for (stage, rank), job in zip(ranks, jobs, strict=True):
+            try:
+                result = job.get(timeout=timeout_s)
+            except multiprocessing.TimeoutError:
+                result = {"problem": f"no result within {timeout_s:.0f} s"}
+            out.append(RankCheck(rank=rank, stage=stage, predicted_gib=predicted[stage], **result))
+    return out
+
+
+def _check_rank(recipe: Recipe, rank: int, world: int) -> dict[str, Any]:
+    """Build and step `rank` of the fake world (runs in a child process); a dict of RankCheck
+    fields. A component that cannot run under fake tensors is reported, not raised."""
+    start = time.perf_counter()
+    try:
+        result = _measure(recipe, rank, world)
+    except Exception as err:  # reported to the user with the component that failed
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        result = {"problem": f"{type(err).__name__}: {first[:300]}"}
+    result["seconds"] = time.perf_counter() - start
+    result["host_peak_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return result
+
+
+def _measure(recipe: Recipe, rank: int, world: int) -> dict[str, Any]:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from fivefold.train.memory import track_cpu_peak
+
+    fake_tensors = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
+    with fake_world(recipe, rank, world), fake_tensors:
+        runtime = _CheckedRuntime(recipe)
+        optimizer = _optimizer(runtime, recipe)
+        batches = _micro_batches(recipe)
+        _make_optimizer_state(runtime, optimizer)
+        tracker = _tracker_class(MemTracker)() if recipe.plan.pp == 1 else None
+        if tracker is not None:
+            tracker.track_external(*runtime.model_parts, optimizer)
+        counting = track_cpu_peak(runtime.model_parts, optimizer)
+        with counting as reading, tracker or contextlib.nullcontext():
+            _step(runtime, optimizer, batches)
+    result: dict[str, Any] = {
+        "counted_bytes": int(reading.peak_bytes),
+        "counted_tenants": dict(reading.tenants),
+    }
+    if tracker is None:
+        result["tracker_note"] = PIPELINE_TRACKER_NOTE
+        return result
+    peak = tracker.get_tracker_snapshot("peak")
+    tenants = {str(k).split(".")[-1].lower(): int(v) for s in peak.values() for k, v in s.items()}
+    result["tracker_bytes"] = tenants.pop("total", 0)
+    result["tracker_tenants"] = tenants
+    return result
+
+
+def _tracker_class(base: type) -> type:
+    class EveryMicroBatchTracker(base):
+        """torch's MemTracker, which refuses a root module called twice in one step (it takes
+        it for a second iteration): each micro-batch's forward starts that module's statistics
+        anew; the whole step's peak is unaffected."""
+
+        def _pre_fw_hook(self, module, inputs) -> None:
+            if module in self.memory_tracking and not self._mod_tracker.is_bw:
+                name = self._mod_tracker.get_known_fqn(module)
+                if set(self._mod_tracker.parents) - {name} == {"Global"}:
+                    del self.memory_tracking[module]
+            super()._pre_fw_hook(module, inputs)
+
+        def _update_peak_stats(self, peak_state) -> None:
+            """Only the whole step's peak: torch's per-module peaks walk every module at every
+            op (minutes on a 32-layer model), and this check reads none of them."""
+            for device, snapshot in self._curr_mem_snap.items():
+                if self._peak_mem.get(device, 0) < snapshot["Total"]:
+                    self._peak_mem[device] = snapshot["Total"]
+                    self._peak_mem_snap[device] = dict(snapshot)
+
+    return EveryMicroBatchTracker
+
+
+def _step(runtime: Any, optimizer: Any, batches: list) -> None:
+    """One training step as the loop runs it (clipping's norm included, no value read)."""
+    from fivefold.parallel.grad_norm import clip_grads, global_grad_norm
+
+    runtime.train_step(batches)
+    grads = runtime._grads()
+    clip_grads(grads, 1.0, global_grad_norm(grads, runtime.plan.pp))
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _make_optimizer_state(runtime: Any, optimizer: Any) -> None:
+    """The optimizer state a previous step leaves (AdamW makes it in its first step)."""
+    import torch
+
+    params = [p for part in runtime.model_parts for p in part.parameters()]
+    for param in params:
+        param.grad = torch.zeros_like(param)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _optimizer(runtime: Any, recipe: Recipe) -> Any:
+    from fivefold.train.config import TrainConfig
+    from fivefold.train.optim import build_optimizer
+
+    return build_optimizer(runtime.model_parts, TrainConfig(), recipe.plan)
+
+
+def _micro_batches(recipe: Recipe) -> list:
+    """grad_accum micro-batches of one document per row (full sequences), on the CPU."""
+    import torch
+
+    from fivefold.train.data.batching import Batch
+
+    b, t = recipe.plan.micro_batch, recipe.model.seq_len
+    out = []
+    for _ in range(recipe.plan.grad_accum):
+        tokens = torch.zeros(b, t, dtype=torch.long)
+        positions = torch.arange(t).expand(b, t).clone()
+        out.append(Batch(tokens, tokens.clone(), positions, None))
+    return out
+
+
+def _settings() -> SimpleNamespace:
+    """The [train] settings the runtime reads (`fivefold.parallel.protocol.TrainSettings`)."""
+    return SimpleNamespace(device="cpu", seed=0, steps=1, memory_step=0, compile=False)
+
+
+def _checked_runtime_class():
+    from fivefold.parallel.runtime import DistributedRuntime
+
+    class CheckedRuntime(DistributedRuntime):
+        """The distributed runtime with the two value reads a fake tensor cannot answer
+        replaced: the global token count (every label counts) and the reported loss."""
+
+        def __init__(self, recipe: Recipe) -> None:
+            super().__init__(recipe, _settings())
+
+        def _global_token_count(self, micro_batches: list) -> int:
+            return sum(b.labels.numel() for b in micro_batches) * self.dims.dp
+
+        def _global_mean(self, loss_local, aux_local) -> tuple[float, float]:
+            return 0.0, 0.0
+
+        def _after_step(self, seconds: float, timed: bool = True) -> None:
+            self._steps += 1  # no layout report: it gathers measured values over the group
+
+    return CheckedRuntime
+
+
+def _CheckedRuntime(recipe: Recipe) -> Any:
+    return _checked_runtime_class()(recipe)
+
+
+@contextlib.contextmanager
+def fake_world(recipe: Recipe, rank: int, world: int) -> Iterator[None]:
+    """This process as `rank` of a fake world of `world` ranks, with the patches the module
+    docstring lists; undone on exit."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import fivefold.model.init as model_init
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    saved: list[tuple[Any, str, Any]] = []
+    absent = object()
+
+    def patch(owner: Any, name: str, value: Any) -> None:
+        saved.append((owner, name, vars(owner).get(name, absent)))
+        setattr(owner, name, value)
+
+    try:
+        patch(model_init, "init_module_weights", lambda *args, **kwargs: None)
+        _patch_device_mesh(patch)
+        _patch_sharding_propagation(patch)
+        _patch_pipelining(patch, recipe)
+        _patch_expert_dispatch(patch)
+        yield
+    finally:
+        for owner, name, value in reversed(saved):
+            if value is absent:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, value)
+        dist.destroy_process_group()
+
+
+def _real_tensors(fn):
+    """`fn` with fake tensors switched off (DeviceMesh's rank tensor is real)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with unset_fake_temporarily():
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def _patch_device_mesh(patch) -> None:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from fivefold.parallel.mesh import ParallelDims
+
+    patch(ParallelDims, "build_meshes", _real_tensors(ParallelDims.build_meshes))
+
+    for name, attr in list(vars(DeviceMesh).items()):
+        if isinstance(attr, property):
+            setter = attr.fset and _real_tensors(attr.fset)
+            patch(DeviceMesh, name, property(_real_tensors(attr.fget), setter))
+        elif isinstance(attr, staticmethod | classmethod):
+            patch(DeviceMesh, name, type(attr)(_real_tensors(attr.__func__)))
+        elif inspect.isfunction(attr) and name != "__repr__":
+            patch(DeviceMesh, name, _real_tensors(attr))
+
+
+def _patch_sharding_propagation(patch) -> None:
+    """DTensor derives output shapes by running ops at the global shape under the active fake
+    mode, or a fresh one when none is active (as in a real run, where they hold no memory);
+    here the active mode is the check's own, so give the derivation a mode of its own, which
+    the counters skip."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.tensor import _sharding_prop
+
+    own_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    patch(_sharding_prop, "detect_fake_mode", lambda *args, **kwargs: own_mode)
+
+
+def _patch_expert_dispatch(patch) -> None:
+    """Routing is data a fake tensor does not have: the all-to-all splits become the balanced
+    ones (each EP rank sends an equal share of its N*K token copies to every rank)."""
+    from fivefold.parallel.expert_parallel import AllToAllDispatcher
+
+    def balanced(self, counts, recv_counts, copies: int) -> tuple[list[int], list[int]]:
+        share = [copies // self.ep + (1 if r < copies % self.ep else 0) for r in range(self.ep)]
+        return share, list(share)
+
+    patch(AllToAllDispatcher, "splits", balanced)
+
+
+def _hidden_meta(recipe: Recipe, requires_grad: bool):
+    """What a pipeline stage sends its neighbour: fp32 hidden states [b, T/cp/(tp if sp), h]."""
+    import torch
+    from torch.distributed.pipelining._utils import _TensorMeta
+
+    spec, plan = recipe.model, recipe.plan
+    t = spec.seq_len // plan.cp // (plan.tp if plan.sp else 1)
+    shape = torch.Size((plan.micro_batch, t, spec.hidden))
+    return _TensorMeta(shape, (t * spec.hidden, spec.hidden, 1), torch.float32, requires_grad)
+
+
+def _patch_pipelining(patch, recipe: Recipe) -> None:
+    """Stages infer their metadata locally (see the module docstring)."""
+    from torch.distributed.pipelining import schedules, stage
+    from torch.distributed.pipelining._utils import (
+        InferenceMode,
+        _StageBackwardMeta,
+        _StageForwardMeta,
+    )
+
+    def local_inference(self, stages, has_backward, p2p_done=False) -> None:
+        for each in stages:
+            each._inference_mode = InferenceMode.DYNAMIC
+
+    def receive_meta(self, src_stage: int):
+        if src_stage < self.stage_index:
+            return _StageForwardMeta((_hidden_meta(recipe, True),))
+        return _StageBackwardMeta((_hidden_meta(recipe, False),))
+
+    for cls in list(vars(schedules).values()):
+        if isinstance(cls, type) and "_warmup_p2p" in vars(cls):
+            patch(cls, "_warmup_p2p", local_inference)
+    patch(stage.PipelineStage, "_recv_meta", receive_meta)
+    patch(stage.PipelineStage, "_send_meta", lambda self, meta, dst_stage: None)
+
+
+def as_json(checks: list[RankCheck]) -> list[dict[str, Any]]:
+    return [{**asdict(c), "error": c.error} for c in checks]

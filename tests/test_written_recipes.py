@@ -1,0 +1,81 @@
+"""The recipes fivefold writes run as they say: `plan --out` writes [train] and [data] (so
+`launch --slurm` takes it), `launch --slurm` derives its time limit from the prediction, and a
+recipe's batch is the same to `plan estimate` and to `fivefold train`."""
+
+from __future__ import annotations
+
+import json
+import math
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from fivefold.cli.cmd_launch import TIME_EXTRA_S, TIME_MARGIN
+from fivefold.cli.main import main
+from fivefold.cli.recipe_text import TRAIN_FIELDS
+from fivefold.planner.estimate import estimate
+from fivefold.spec import load_recipe
+from fivefold.train.config import TrainConfig
+from fivefold.train.entry import check_layout, load_run
+
+PLAN = ["plan", "--model", "vizz-7b", "--cluster", "dgx-h100", "--gpus", "16", "--seq", "8K"]
+
+
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("plan") / "recipe.toml"
+    assert main([*PLAN, "--global-batch-tokens", "1M", "--out", str(path)]) == 0
+    return path
+
+
+def test_plan_out_writes_every_section_with_its_defaults(planned):
+    data = tomllib.loads(planned.read_text())
+    assert set(data) == {"model", "cluster", "plan", "planner", "train", "data"}
+    assert set(data["train"]) == set(TRAIN_FIELDS)
+    defaults = TrainConfig()
+    assert data["train"]["name"] == "vizz-7b"
+    for key in TRAIN_FIELDS[1:]:
+        assert data["train"][key] == getattr(defaults, key), key
+    text = planned.read_text()
+    assert "steps = 100  # default: optimizer steps" in text  # each default says it is one
+    assert "as written, the run trains on the embedded corpus" in text
+    # It loads and validates as a 16-rank training run (not on this machine).
+    run = check_layout(planned, [], 16, local=False)
+    assert run.recipe.plan == load_recipe(planned).plan and run.train.steps == 100
+
+
+def test_launch_slurm_takes_plans_recipe_and_times_it_by_the_prediction(planned, capsys):
+    assert main(["launch", "--slurm", str(planned), "train.steps=20000"]) == 0
+    captured = capsys.readouterr()
+    recipe = load_recipe(planned)
+    step_s = estimate(recipe.model, recipe.cluster, recipe.plan).step_time_s
+    minutes = math.ceil((20000 * step_s * TIME_MARGIN + TIME_EXTRA_S) / 60)
+    days, rest = divmod(minutes, 1440)
+    limit = f"{rest // 60:02d}:{rest % 60:02d}:00"
+    limit = f"{days}-{limit}" if days else limit
+    assert f"#SBATCH --time={limit}\n" in captured.out
+    assert f"20,000 steps x {step_s:.3f} s predicted" in captured.err
+    assert ("longer than most partitions allow" in captured.err) is (days >= 7)
+    steps = math.ceil(8 * 86400 / step_s)  # eight days: said to be too long for most queues
+    assert main(["launch", "--slurm", str(planned), f"train.steps={steps}"]) == 0
+    assert "longer than most partitions allow" in capsys.readouterr().err
+    # A limit given by hand is kept, and said to be shorter than the prediction.
+    assert main(["launch", "--slurm", "--time", "00:30:00", str(planned), "train.steps=20000"]) == 0
+    captured = capsys.readouterr()
+    assert "#SBATCH --time=00:30:00\n" in captured.out
+    assert "SHORTER: the job ends before the run" in captured.err
+
+
+def test_a_recipes_batch_is_the_same_to_plan_estimate_and_to_train(tmp_path, capsys):
+    """micro_batch 4 and no grad_accum: `train` runs accum 1; `plan estimate` planned 4,096."""
+    path = tmp_path / "r.toml"
+    path.write_text('[model]\npreset = "tiny"\n\n[plan]\nmicro_batch = 4\n')
+    assert main(["plan", "estimate", str(path), "--gpus", "1", "--json"]) == 0
+    planned = json.loads(capsys.readouterr().out)["plan"]
+    trained = load_run(path, [], world_size=1).recipe.plan
+    assert (planned["micro_batch"], planned["grad_accum"]) == (4, trained.grad_accum) == (4, 1)
+    # Flags still set the batch when the command has no recipe, or when asked.
+    flags = ["--gpus", "1", "--global-batch", "16", "--json"]
+    assert main(["plan", "estimate", str(path), *flags]) == 0
+    assert json.loads(capsys.readouterr().out)["plan"]["grad_accum"] == 4
