@@ -198,13 +198,15 @@ class WholeRows:
         return getattr(self._data, name)
 
     def batches(self, micro_batch: int):
+        import numpy as np
         import torch
 
         for step in self._data.batches(micro_batch):
             for batch in step:
-                seq = batch.tokens.shape[1]
+                rows, seq = batch.tokens.shape
                 batch.positions = torch.arange(seq).expand_as(batch.tokens).contiguous()
                 batch.doc_ids = torch.zeros_like(batch.doc_ids)
+                batch.cu_seqlens = np.arange(0, rows * seq + 1, seq, dtype=np.int32)
             yield step
 
 

@@ -323,6 +323,7 @@ NON_DEFAULT_FLAGS = {
     "ep_dispatch": (["--ep-dispatch", "deepep"], "deepep"),
     "runtime": (["--runtime", "fivefold-eager"], "fivefold-eager"),
     "checkpoint_early_stop": (["--checkpoint-early-stop"], True),
+    "compile": (["--compile"], True),
 }
 
 

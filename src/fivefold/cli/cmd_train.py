@@ -280,7 +280,9 @@ def dry_run_report(run, nproc: int) -> str:
 
     recipe = run.recipe
     cuda = pick_device(run.train.device).type == "cuda"
-    memory, step_s, note = predictions_for(recipe, cuda, fsdp_wrapped=nproc > 1)
+    memory, step_s, note = predictions_for(
+        recipe, cuda, fsdp_wrapped=nproc > 1, compiled=run.train.compile
+    )
     dims = ParallelDims.from_plan(recipe.plan, nproc)
     lines = [
         dump_recipe(recipe, "Recipe as resolved (presets expanded, overrides applied).").rstrip(),

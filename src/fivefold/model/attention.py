@@ -84,14 +84,18 @@ class DocumentLayout:
     """The documents of a batch, computed once per forward and shared by every layer.
 
     doc_ids: LongTensor [B, T] (documents are runs of equal ids) or None (one document per row).
+    `offsets`: the same documents as host-side cumulative offsets in the flattened [B*T] tokens
+    (NumPy int32 [N+1], `fivefold.train.data.Batch.cu_seqlens`), or None.
     `row_groups` are (batch rows, document starts) with consecutive rows of equal boundaries
-    merged, read from `doc_ids` on first use (one host copy). `cache` holds what a context-
-    parallel core derives from it for this forward (global boundaries, ring blocks).
+    merged, read from `offsets` when given (no device read-back), else from `doc_ids` on first
+    use (one host copy). `cache` holds what a context-parallel core derives from it for this
+    forward (global boundaries, ring blocks).
     """
 
     doc_ids: torch.Tensor | None
     batch: int
     seq_len: int
+    offsets: Any = None
     cache: dict[Any, Any] = field(default_factory=dict, repr=False)
     _groups: tuple[tuple[slice, tuple[int, ...]], ...] | None = field(default=None, repr=False)
     _single: bool | None = field(default=None, repr=False)
@@ -99,7 +103,11 @@ class DocumentLayout:
     @property
     def row_groups(self) -> tuple[tuple[slice, tuple[int, ...]], ...]:
         if self._groups is None:
-            if self.doc_ids is None:
+            if self.offsets is not None:
+                self._groups = _offset_row_groups(self.offsets, self.batch, self.seq_len)
+                if self.doc_ids is not None:  # the `document_attention` op reads it there
+                    _doc_ids_cache(self.doc_ids).setdefault("groups", self._groups)
+            elif self.doc_ids is None:
                 self._groups = _row_groups(None, self.batch, self.seq_len)
             else:
                 cache = _doc_ids_cache(self.doc_ids)
@@ -198,6 +206,17 @@ def _document_block_mask(docs: DocumentLayout, device: torch.device) -> Any:
     return mask.to(device)
 
 
+def _offset_row_groups(offsets: Any, batch: int, seq_len: int):
+    """`_row_groups` from host-side cumulative document offsets [N+1] in the [B*T] tokens."""
+    flat = [int(o) for o in offsets]
+    if flat[-1] != batch * seq_len:
+        raise ValueError(f"document offsets end at {flat[-1]}, not at B*T = {batch * seq_len}")
+    per_row: list[list[int]] = [[] for _ in range(batch)]
+    for offset in flat[:-1]:
+        per_row[offset // seq_len].append(offset % seq_len)
+    return _merge_rows(per_row)
+
+
 def _row_groups(
     doc_ids: torch.Tensor | None, batch: int, seq_len: int
 ) -> tuple[tuple[slice, tuple[int, ...]], ...]:
@@ -209,6 +228,11 @@ def _row_groups(
     per_row: list[list[int]] = [[0] for _ in range(batch)]
     for r, c in zip(row.tolist(), col.tolist(), strict=True):
         per_row[r].append(c + 1)
+    return _merge_rows(per_row)
+
+
+def _merge_rows(per_row: list[list[int]]) -> tuple[tuple[slice, tuple[int, ...]], ...]:
+    """(rows, document starts) per run of consecutive rows with the same starts."""
     groups: list[tuple[slice, tuple[int, ...]]] = []
     for r, starts in enumerate(per_row):
         if groups and groups[-1][1] == tuple(starts):

@@ -7,6 +7,8 @@ its original string keys so parameter names (and thus initial values) stay the s
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -62,12 +64,15 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Decoder-only LM: forward(tokens [B, T], positions=None, doc_ids=None) -> fp32 [B, T, V].
+    """Decoder-only LM: forward(tokens [B, T], positions=None, doc_ids=None, cu_seqlens=None)
+    -> fp32 [B, T, V].
 
     Without `tok_embeddings` the input is hidden states [B, T, D]; without `output` the result is
     hidden states [B, T, D] (after `norm` if present). `positions` default to 0..T-1 per row.
     The RoPE tables and the document layout are computed here, once per forward, and passed to
-    every layer (doc ids are read on the host at most once per forward).
+    every layer (doc ids are read on the host at most once per forward; never when the batch
+    brings its host-side document offsets, `cu_seqlens`: NumPy int32 [N+1] in the [B*T]
+    tokens, `fivefold.train.data.Batch.cu_seqlens`).
     With tied embeddings `output.weight` is `tok_embeddings.weight` (re-tied after `to_empty`).
     """
 
@@ -99,6 +104,7 @@ class Transformer(nn.Module):
         tokens: torch.Tensor,
         positions: torch.Tensor | None = None,
         doc_ids: torch.Tensor | None = None,
+        cu_seqlens: Any = None,
     ) -> torch.Tensor:
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         if positions is None:
@@ -110,7 +116,9 @@ class Transformer(nn.Module):
         rope = rope_cos_sin(
             positions, self.spec.head_dim, self.spec.rope_theta, rope_scaling_of(self.spec)
         )
-        docs = None if doc_ids is None else DocumentLayout(doc_ids, batch, seq)
+        docs = None
+        if doc_ids is not None or cu_seqlens is not None:  # host offsets: no read-back
+            docs = DocumentLayout(doc_ids, batch, seq, cu_seqlens)
         moes = self.moe_layers()
         for moe in moes:
             moe.collects_aux_loss = True

@@ -103,6 +103,8 @@ def shard_batch_for_cp(batch: Any, cp_rank: int, cp_size: int) -> Any:
         for f in fields
         if getattr(batch, f, None) is not None
     }
+    if getattr(batch, "cu_seqlens", None) is not None:  # whole-sequence offsets: not this shard
+        changes["cu_seqlens"] = None
     return dataclasses.replace(batch, **changes)
 
 

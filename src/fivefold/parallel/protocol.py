@@ -22,11 +22,21 @@ B = TypeVar("B")
 
 @dataclass(frozen=True)
 class StepResult:
-    """`loss`: mean token cross-entropy over the whole global batch (same on every rank);
-    `aux_loss`: the MoE load-balancing loss added to it for backward (mean over micro-batches)."""
+    """`loss_tensor`: mean token cross-entropy over the whole global batch (same on every rank);
+    `aux_tensor`: the MoE load-balancing loss added to it for backward (mean over
+    micro-batches). Both 0-d tensors on the runtime's device, so that a step does not wait for
+    the device; `loss` and `aux_loss` read them back (a host sync on an accelerator)."""
 
-    loss: float
-    aux_loss: float = 0.0
+    loss_tensor: torch.Tensor
+    aux_tensor: torch.Tensor
+
+    @property
+    def loss(self) -> float:
+        return float(self.loss_tensor)
+
+    @property
+    def aux_loss(self) -> float:
+        return float(self.aux_tensor)
 
 
 class TrainSettings(Protocol):
@@ -51,15 +61,28 @@ class Runtime(Protocol):
 
     def clip_grad_norm(self, max_norm: float) -> float: ...
 
+    def clip_grads(self, max_norm: float) -> torch.Tensor: ...
+
     def peak_memory_bytes(self) -> int: ...
 
     def close(self, failed: bool = False) -> None: ...
 
 
+def label_count(batch: Any) -> int:
+    """Tokens of `batch` whose label counts in the loss: the data loader's host-side count
+    (`Batch.label_count`), else counted from its labels (a batch built elsewhere; a device
+    read-back when they live on an accelerator)."""
+    from fivefold.model.loss import IGNORE_INDEX
+
+    count = getattr(batch, "label_count", None)
+    return int(count) if count is not None else int((batch.labels != IGNORE_INDEX).sum())
+
+
 def batch_to(batch: B, device: torch.device) -> B:
     """The same batch (a dataclass, e.g. `fivefold.train.data.Batch`) with every tensor field
-    moved to `device`; other fields (None, ints) are kept. On CUDA the copy goes through pinned
-    host memory without blocking the host."""
+    moved to `device`; other fields (None, ints, host-side NumPy arrays such as the document
+    offsets) are kept. On CUDA the copy goes through pinned host memory without blocking the
+    host."""
 
     def move(tensor: torch.Tensor) -> torch.Tensor:
         if device.type == "cuda" and tensor.device.type == "cpu" and not tensor.is_pinned():

@@ -49,23 +49,30 @@ def _wrapped(runtime: Any) -> bool:
 def predictions(runtime: Any) -> tuple[list[dict] | None, float | None, str]:
     """(memory per stage in GiB dicts, predicted step time in s, note) for a built runtime; the
     step time is the whole step, optimizer included."""
-    return predictions_for(runtime.recipe, runtime.device.type == "cuda", _wrapped(runtime))
+    compiled = bool(getattr(runtime, "compiled", False))
+    return predictions_for(
+        runtime.recipe, runtime.device.type == "cuda", _wrapped(runtime), compiled
+    )
 
 
 def predictions_for(
-    recipe: Any, cuda: bool, fsdp_wrapped: bool
+    recipe: Any, cuda: bool, fsdp_wrapped: bool, compiled: bool = False
 ) -> tuple[list[dict] | None, float | None, str]:
     """`predictions` before any runtime exists (e.g. `train --dry-run`): `fsdp_wrapped` is true
-    for the distributed runtime (more than one process)."""
-    memory, estimate, note = _predict(recipe, cuda, fsdp_wrapped)
+    for the distributed runtime (more than one process), `compiled` under `train.compile`."""
+    memory, estimate, note = _predict(recipe, cuda, fsdp_wrapped, compiled)
     return memory, estimate.step_time_s if estimate is not None else None, note
 
 
-def _predict(recipe: Any, cuda: bool, fsdp_wrapped: bool) -> tuple[list[dict] | None, Any, str]:
+def _predict(
+    recipe: Any, cuda: bool, fsdp_wrapped: bool, compiled: bool = False
+) -> tuple[list[dict] | None, Any, str]:
     """(memory per stage in GiB dicts, the planner's `Estimate` or None, note)."""
     spec, plan, cluster = recipe.model, recipe.plan, recipe.cluster
     try:
-        memory = memory_only_prediction(spec, plan, fsdp_wrapped=fsdp_wrapped, cuda=cuda)
+        memory = memory_only_prediction(
+            spec, plan, fsdp_wrapped=fsdp_wrapped, cuda=cuda, compiled=compiled
+        )
     except Exception as err:  # a planner gap must not stop training
         return None, None, f"memory model: {str(err).splitlines()[0]}"
     from fivefold.parallel.device import unknown_gpu_reason
@@ -87,7 +94,9 @@ def _predict(recipe: Any, cuda: bool, fsdp_wrapped: bool) -> tuple[list[dict] | 
         from fivefold.planner.estimate import estimate
         from fivefold.planner.options import PlannerOptions
 
-        options = replace(PlannerOptions.for_device(cluster.device), runtime="fivefold-eager")
+        options = replace(
+            PlannerOptions.for_device(cluster.device), runtime="fivefold-eager", compile=compiled
+        )
         est = estimate(spec, cluster, plan, options=options)
         return memory, est, f"planner estimate for {cluster.device.name}"
     except Exception as err:
@@ -95,11 +104,11 @@ def _predict(recipe: Any, cuda: bool, fsdp_wrapped: bool) -> tuple[list[dict] | 
 
 
 def memory_only_prediction(
-    spec: Any, plan: Any, fsdp_wrapped: bool = True, cuda: bool = False
+    spec: Any, plan: Any, fsdp_wrapped: bool = True, cuda: bool = False, compiled: bool = False
 ) -> list[dict]:
     """The planner's per-stage memory of this runtime (GiB dicts, "other" holds the buffers);
     a CPU has no CUDA context and no caching-allocator fragmentation, and its offloaded state
-    stays in the memory the run measures."""
+    stays in the memory the run measures. `compiled`: the blocks run under torch.compile."""
     from fivefold.planner.memory import MemoryOptions, all_stage_memory
     from fivefold.planner.schedule import build_schedule
 
@@ -108,14 +117,9 @@ def memory_only_prediction(
         inflight = list(
             build_schedule(plan.schedule, plan.pp, plan.vpp, plan.grad_accum).peak_inflight
         )
-    options = MemoryOptions(runtime="fivefold-eager", fsdp_wrapped=fsdp_wrapped)
+    options = MemoryOptions(runtime="fivefold-eager", fsdp_wrapped=fsdp_wrapped, compiled=compiled)
     if not cuda:
-        options = MemoryOptions(
-            runtime="fivefold-eager",
-            fsdp_wrapped=fsdp_wrapped,
-            cuda_context_bytes=0.0,
-            fragmentation_fraction=0.0,
-        )
+        options = replace(options, cuda_context_bytes=0.0, fragmentation_fraction=0.0)
     if not cuda and plan.offload == "all":
         plan = plan.with_(offload="none")  # FSDP2's offload to the CPU it runs on moves nothing
     out = []
@@ -124,6 +128,10 @@ def memory_only_prediction(
             stage = replace(stage, optimizer=stage.optimizer + stage.host_bytes, host_bytes=0.0)
         gib = stage.gib()
         gib["grads"] *= stage.grads_at_peak  # FSDP2 allocates them in a chunk's first backward
+        # What `max_memory_allocated` can see: the total less the CUDA context and the
+        # allocator's fragmentation (equal to the total on a CPU, which has neither).
+        outside = sum(stage.other_terms.get(k, 0.0) for k in ("cuda_context", "fragmentation"))
+        gib["allocated"] = gib["total"] - outside / GIB
         out.append(gib)
     return out
 
@@ -138,6 +146,7 @@ def stage_rows(runtime: Any, step_s: float | None = None) -> tuple[list[dict], s
         "rank": getattr(runtime, "rank", 0),
         "pp": getattr(runtime, "pp_rank", 0),
         "peak_bytes": runtime.peak_memory_bytes(),
+        "reserved_bytes": getattr(runtime, "peak_reserved_bytes", 0),
         "tenants": dict(getattr(runtime, "peak_tenants", {}) or {}),
         "step_s": sum(times) / len(times) if times else step_s,
     }
@@ -147,9 +156,9 @@ def stage_rows(runtime: Any, step_s: float | None = None) -> tuple[list[dict], s
         dist.all_gather_object(gathered, mine)
     if not runtime.is_main:
         return None
-    memory, estimate, note = _predict(
-        runtime.recipe, runtime.device.type == "cuda", _wrapped(runtime)
-    )
+    cuda = runtime.device.type == "cuda"
+    compiled = bool(getattr(runtime, "compiled", False))
+    memory, estimate, note = _predict(runtime.recipe, cuda, _wrapped(runtime), compiled)
     predicted_s = estimate.step_time_s if estimate is not None else None
     if predicted_s is not None and times:
         # The runtime times its own `train_step` (forward, backward, gradient communication):
@@ -164,12 +173,16 @@ def stage_rows(runtime: Any, step_s: float | None = None) -> tuple[list[dict], s
         top = max(ranks, key=lambda g: g["peak_bytes"])
         measured_s = [g["step_s"] for g in ranks if g["step_s"] is not None]
         predicted = memory[stage] if memory and stage < len(memory) else None
+        # Like with like: the allocated peak against the prediction without CUDA context and
+        # fragmentation; the reserved peak plus the context against the whole prediction.
         rows.append(
             {
                 "stage": stage,
                 "ranks": [g["rank"] for g in ranks],
-                "predicted_peak_bytes": predicted["total"] * GIB if predicted else None,
+                "predicted_peak_bytes": predicted["allocated"] * GIB if predicted else None,
                 "measured_peak_bytes": top["peak_bytes"] or None,
+                "predicted_reserved_bytes": predicted["total"] * GIB if predicted else None,
+                "measured_reserved_bytes": top.get("reserved_bytes") or None,
                 "predicted_tenants": comparable(_tenant_bytes(predicted), wrapped),
                 "measured_tenants": comparable(top["tenants"], wrapped),
                 "measured_storage_labels": top["tenants"],  # the counter's own split
@@ -214,6 +227,9 @@ def record(rows: list[dict], note: str) -> dict:
     for row in rows:
         entry = dict(row)
         entry["memory_error"] = error(row["predicted_peak_bytes"], row["measured_peak_bytes"])
+        entry["reserved_error"] = error(
+            row.get("predicted_reserved_bytes"), row.get("measured_reserved_bytes")
+        )
         entry["step_error"] = error(row["predicted_step_s"], row["measured_step_s"])
         stages.append(entry)
     return {"note": note, "stages": stages}
@@ -242,6 +258,13 @@ def format_rows(layout: str, rows: list[dict], note: str) -> str:
             f"{_ms(row['predicted_step_s']):>10}  {_ms(row['measured_step_s']):>10}  "
             f"{_pct(error(row['predicted_step_s'], row['measured_step_s'])):>7}"
         )
+        if row.get("measured_reserved_bytes"):
+            pred_all, meas_all = row["predicted_reserved_bytes"], row["measured_reserved_bytes"]
+            lines.append(
+                f"         peak above: allocated, without CUDA context and fragmentation; "
+                f"reserved + context: predicted {_gib(pred_all)}, measured {_gib(meas_all)}, "
+                f"{_pct(error(pred_all, meas_all))}"
+            )
         pred, meas = row["predicted_tenants"], row["measured_tenants"]
         if pred and meas:
             cells = ", ".join(

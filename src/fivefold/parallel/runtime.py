@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fivefold.model.loss import IGNORE_INDEX, cross_entropy_loss
+from fivefold.model.loss import cross_entropy_loss
 from fivefold.parallel.data_parallel import set_gradient_sync
 from fivefold.parallel.mesh import Meshes, ParallelDims
 from fivefold.parallel.precision import RuntimePrecision, resolve_precision
@@ -42,7 +42,7 @@ from fivefold.parallel.process_group import (
     pick_device,
     shorten_timeout_after_first_step,
 )
-from fivefold.parallel.protocol import StepResult, TrainSettings, batch_to
+from fivefold.parallel.protocol import StepResult, TrainSettings, batch_to, label_count
 from fivefold.spec.recipe import Recipe
 
 # How the runtime measures its own CPU peak when the loop does not: a context manager over
@@ -94,6 +94,7 @@ class DistributedRuntime:
         self.cp_rank = self.coordinates["cp"]
         torch.manual_seed(train.seed)
 
+        self.compiled = bool(train.compile)  # the memory prediction counts compiled blocks
         self.model_parts: list[nn.Module] = self._build_parts(train.seed, train.compile)
         self._loss_scale = 1.0
         self.pipeline = self._build_pipeline()
@@ -105,10 +106,13 @@ class DistributedRuntime:
         # On CPU the loop counts memory in step `memory_step` and the runtime in the report's
         # step, each with a dispatch mode that slows every op: neither step is timed, so the
         # report waits for one step after the warm-up that no counter slowed.
-        self._loop_memory_step = train.memory_step if self.device.type == "cpu" else 0
+        # On CUDA the loop measures step `memory_step` from reset peak statistics: the report
+        # waits for it the same way.
+        self._loop_memory_step = train.memory_step
         self._report_at = min(4 if self._loop_memory_step == 2 else 3, train.steps)
         self._peak_bytes = 0
         self.peak_tenants: dict[str, int] = {}  # the measured peak split into tenants (CPU)
+        self.peak_reserved_bytes = 0  # CUDA: reserved peak + context of the measured step
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         if self.is_main:
@@ -200,11 +204,14 @@ class DistributedRuntime:
         """A float64 accumulator on the device (NCCL reduces device tensors only)."""
         return torch.zeros((), dtype=torch.float64, device=self.device)
 
-    def _global_token_count(self, micro_batches: list) -> int:
-        local = sum(int((b.labels != IGNORE_INDEX).sum()) for b in micro_batches)
-        count = torch.tensor([local], dtype=torch.float64, device=self.device)
+    def _global_token_count(self, micro_batches: list) -> torch.Tensor:
+        """The labelled tokens of the global batch (at least 1) as a 0-d float64 tensor on the
+        device: counted on the host per rank (`label_count`), summed by an all-reduce that the
+        host does not wait for."""
+        local = sum(label_count(b) for b in micro_batches)
+        count = torch.tensor([local], dtype=torch.float64).to(self.device, non_blocking=True)
         dist.all_reduce(count, group=self.meshes.dp.get_group())
-        return max(1, int(count.item()))
+        return count[0].clamp_min(1)
 
     def train_step(self, micro_batches: list):
         """Forward and backward over this rank's micro-batches (see the module docstring).
@@ -220,7 +227,12 @@ class DistributedRuntime:
         start = time.perf_counter()
         for part in self.model_parts:
             part.train()
-        self._loss_scale = 1.0 / self._global_token_count(micro_batches)
+        timed = self.device.type == "cuda" and self._steps < self._report_at
+        if timed:  # synchronise only to time the steps the layout report compares
+            torch.cuda.synchronize(self.device)
+            start = time.perf_counter()
+        # fp32, as the Python float it replaces: the losses it scales keep their dtype.
+        self._loss_scale = (1.0 / self._global_token_count(micro_batches)).float()
         batches = [self._prepare(b) for b in micro_batches]
         with self._memory_tracker(measure):
             if self.pipeline is not None:
@@ -228,9 +240,11 @@ class DistributedRuntime:
             else:
                 loss_local, aux_local = self._local_step(batches)
         loss, aux = self._global_mean(loss_local, aux_local)
+        if timed:
+            torch.cuda.synchronize(self.device)
         self._after_step(time.perf_counter() - start, timed=not measure)
 
-        return StepResult(loss=loss, aux_loss=aux)
+        return StepResult(loss, aux)
 
     def _local_step(self, batches: list) -> tuple[torch.Tensor, torch.Tensor]:
         model = self.model_parts[0]
@@ -252,7 +266,12 @@ class DistributedRuntime:
     def _forward_loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
         """The micro-batch's scaled loss; the logits die here, not held through the backward
         (the loss keeps what its backward needs)."""
-        logits = model(batch.tokens, positions=batch.positions, doc_ids=batch.doc_ids)
+        logits = model(
+            batch.tokens,
+            positions=batch.positions,
+            doc_ids=batch.doc_ids,
+            cu_seqlens=getattr(batch, "cu_seqlens", None),
+        )
         return cross_entropy_loss(logits, batch.labels, "sum") * self._loss_scale
 
     def _pipeline_step(self, batches: list) -> tuple[torch.Tensor, torch.Tensor]:
@@ -280,12 +299,13 @@ class DistributedRuntime:
 
     def _global_mean(
         self, loss_local: torch.Tensor, aux_local: torch.Tensor
-    ) -> tuple[float, float]:
-        """Sum the per-rank contributions over the world; TP ranks hold identical copies."""
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sum the per-rank contributions over the world; TP ranks hold identical copies. 0-d
+        tensors on the device: the host does not wait for them."""
         both = torch.stack([loss_local, aux_local])
         dist.all_reduce(both)
         both /= self.plan.tp
-        return float(both[0]), float(both[1])
+        return both[0], both[1]
 
     @torch.no_grad()
     def eval_loss(self, batches: list) -> float:
@@ -300,7 +320,7 @@ class DistributedRuntime:
             if self.pipeline is not None:
                 with self._loss_context():
                     mean = self.pipeline.eval(batches)  # the same on every pipeline rank
-                tokens = sum(int((b.labels != IGNORE_INDEX).sum()) for b in batches)
+                tokens = sum(label_count(b) for b in batches)
                 if self.pipeline.has_last and tokens:  # one copy per pipeline in the world sum
                     total += mean * tokens * scale
             else:
@@ -313,7 +333,7 @@ class DistributedRuntime:
                         loss = cross_entropy_loss(logits, batch.labels, "sum")
                         total += _scalar(loss).double() * scale
             loss, _ = self._global_mean(total, self._zero())
-            return loss
+            return float(loss)
         finally:
             for part in self.model_parts:
                 part.train()
@@ -325,8 +345,9 @@ class DistributedRuntime:
         ]
 
     @torch.no_grad()
-    def clip_grad_norm(self, max_norm: float) -> float:
-        """Global L2 norm over every shard, stage and rank; clips to `max_norm` when it is > 0."""
+    def clip_grads(self, max_norm: float) -> torch.Tensor:
+        """Global L2 norm over every shard, stage and rank (a 0-d tensor on the device: no
+        host sync); clips to `max_norm` when it is > 0."""
         from fivefold.parallel.grad_norm import clip_grads, global_grad_norm
 
         grads = self._grads()
@@ -334,7 +355,11 @@ class DistributedRuntime:
             total = global_grad_norm(grads, self.plan.pp)
         if max_norm > 0:
             clip_grads(grads, max_norm, total)
-        return float(total)
+        return total
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """`clip_grads`, read back as a float."""
+        return float(self.clip_grads(max_norm))
 
     # ---- measurements ------------------------------------------------------------------------
     def _measures_memory_now(self) -> bool:
@@ -383,17 +408,22 @@ class DistributedRuntime:
                 self.plan_vs_run = record(*result)
                 print(self.last_report, flush=True)
 
-    def record_peak_memory(self, peak_bytes: int, tenants: dict[str, int] | None = None) -> None:
-        """A measurement of this rank's peak (CPU; the loop's or the step's own) and its split
-        into tenants (`fivefold.train.memory.TENANTS`); the layout report keeps the largest."""
+    def record_peak_memory(
+        self, peak_bytes: int, tenants: dict[str, int] | None = None, reserved_bytes: int = 0
+    ) -> None:
+        """A measurement of this rank's peak (CPU: the loop's or the step's own; CUDA: the
+        loop's, from reset statistics) with its split into tenants
+        (`fivefold.train.memory.TENANTS`) and the reserved peak plus the CUDA context; the
+        layout report keeps the largest."""
         if int(peak_bytes) > self._peak_bytes:
             self._peak_bytes = int(peak_bytes)
             self.peak_tenants = dict(tenants or {})
+            self.peak_reserved_bytes = int(reserved_bytes)
 
     def peak_memory_bytes(self) -> int:
-        if self.device.type == "cuda":
-            return int(torch.cuda.max_memory_allocated(self.device))
-        return self._peak_bytes
+        if self._peak_bytes or self.device.type != "cuda":
+            return self._peak_bytes
+        return int(torch.cuda.max_memory_allocated(self.device))
 
     def any_rank(self, flag: bool) -> bool:
         """True on every rank when `flag` is true on any (collective: one tiny all-reduce).

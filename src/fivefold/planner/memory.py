@@ -131,6 +131,35 @@ class EagerProfile:
 
 
 EAGER = EagerProfile()
+
+
+@dataclass(frozen=True)
+class CompiledProfile:
+    """What a block compiled by inductor (`train.compile`) keeps instead of eager autograd's
+    tensors: AOTAutograd's partitioner saves a smaller set and recomputes point-wise ops in the
+    backward. Read off the compiled block's saved tensors on CPU (torch 2.13, fp32 and bf16
+    autocast, FP8 through torchao's emulated casts; tests/test_saved_activations.py), one field
+    per mechanism as in `EagerProfile`. Attention (q, k, v, its output, the fp32 log-sum-exp)
+    is kept as in eager mode."""
+
+    # RMSNorm keeps no normalised copy: the attention norm reads the block input (fp32), the
+    # MLP norm's input (the residual sum) is recomputed from the output projection's output,
+    # kept in the activation dtype; each norm keeps its reciprocal RMS and its output.
+    norm_inputs_fp32: int = 1
+    norm_inputs_activation_dtype: int = 1
+    swiglu_saved: int = 3  # w1 out, w3 out and their product; silu(w1 out) is recomputed
+    # Under autocast (one process, fp32 weights, bf16 compute) every linear's bf16 weight copy
+    # is kept for the backward, e bytes per weight of the block.
+    autocast_weight_copies: bool = True
+    # FP8 linears (torchao's `matmul_with_hp_or_float8_args` saves its high-precision input
+    # and the weight parameter itself, so no weight copy): under compile the inputs that only
+    # converted linears read are not kept at all but recomputed from the norms' inputs and
+    # re-cast in the backward: both norm outputs and the SwiGLU product.
+    fp8_recomputed: tuple[str, ...] = ("attention_norm", "mlp_norm", "swiglu_product")
+    fp8_tensorwise_scale_bytes: int = 4  # tensorwise: one fp32 scale per converted linear
+
+
+COMPILED = CompiledProfile()
 SIMPLE_K = 12  # seed 001's per-block multiplier
 
 
@@ -148,6 +177,7 @@ class MemoryOptions:
     selective_policy: str = "attention"  # or "alternate-matmul" (torchtitan's op-level SAC)
     runtime: str = "fused"  # or "fivefold-eager": what fivefold's own eager runtime keeps
     fsdp_wrapped: bool = True  # fivefold-eager: the chunks are FSDP2-wrapped (multi-process)
+    compiled: bool = False  # fivefold-eager: the blocks run under torch.compile (`COMPILED`)
 
     @property
     def eager(self) -> bool:
@@ -478,6 +508,8 @@ def layer_activation_bytes(
     if policy == "selective" and opts.selective_policy == "alternate-matmul" and not moe:
         return _alternate_matmul_bytes(model, plan, e, sb, replicated_div)
     if opts.eager:
+        if opts.compiled and policy != "full":
+            return _compiled_bytes(model, plan, moe, policy, e, sb, replicated_div, opts)
         return _eager_bytes(model, plan, moe, policy, e, sb, replicated_div)
     return _stored_bytes(model, plan, moe, opts, policy, e, sb, replicated_div)
 
@@ -488,6 +520,62 @@ def eager_norm_bytes(model: ModelSpec, e: float, sb: float, rdiv: int) -> float:
     output the next matmul keeps, gathered to the full sequence under TP+SP."""
     h = model.hidden
     return (EAGER.norm_fp32_saved * 4 * sb * h + 4 * sb) / rdiv + e * sb * h
+
+
+def compiled_norm_bytes(model: ModelSpec, e: float, sb: float, rdiv: int) -> float:
+    """A compiled block's two RMSNorms (`CompiledProfile`): the block input in fp32 and the
+    output projection's output in the activation dtype (the MLP norm's input is recomputed
+    from it), /tp under SP; per norm the fp32 reciprocal RMS per token and the output the next
+    matmul keeps (gathered under TP+SP)."""
+    h = model.hidden
+    inputs = COMPILED.norm_inputs_fp32 * 4 + COMPILED.norm_inputs_activation_dtype * e
+    return (inputs * sb * h + 2 * 4 * sb) / rdiv + 2 * e * sb * h
+
+
+def fp8_recomputed_bytes(model: ModelSpec, plan: ParallelPlan, e: float, sb: float) -> float:
+    """Bytes per dense layer that FP8 linears under compile do not keep
+    (`CompiledProfile.fp8_recomputed`, less the tensorwise scales they keep; 0 without FP8)."""
+    if plan.fp8 == "none":
+        return 0.0
+    widths = {
+        "attention_norm": model.hidden,
+        "mlp_norm": model.hidden,
+        "swiglu_product": model.ffn / plan.tp if model.mlp == "swiglu" else 0.0,
+    }
+    dropped = e * sb * sum(widths[name] for name in COMPILED.fp8_recomputed)
+    if plan.fp8 == "tensorwise":
+        linears = 4 + (3 if model.mlp == "swiglu" else 2)  # q, k, v, o and the MLP's
+        dropped -= linears * COMPILED.fp8_tensorwise_scale_bytes
+    return dropped
+
+
+def autocast_weight_bytes(model: ModelSpec, plan: ParallelPlan, moe: bool, e: float) -> float:
+    """A compiled block under autocast (one process: tp = ep = 1), `CompiledProfile.
+    autocast_weight_copies`: its linears' weight copies in the compute dtype, e bytes per
+    weight (the router's included), none for the linears FP8 converts (attention, and the
+    dense MLP or the shared experts)."""
+    if not COMPILED.autocast_weight_copies or e >= 4:  # the process keeps fp32 weights
+        return 0.0
+    lp = layer_params_per_rank(model, moe, 1, 1)
+    weights = lp.dense + lp.experts + (model.hidden * model.experts if moe else 0.0)
+    if plan.fp8 != "none":
+        mlp = model.shared_experts * expert_params(model) if moe else dense_mlp_params(model)
+        weights -= attention_params(model) + mlp
+    return e * weights
+
+
+def _compiled_bytes(model, plan, moe, policy, e, sb, rdiv, opts) -> float:
+    """What a compiled block keeps (`CompiledProfile`): the eager count with the compiled norms
+    and SwiGLU; MoE layers keep their eager expert part (the expert loop breaks the graph)."""
+    total = _eager_bytes(model, plan, moe, policy, e, sb, rdiv)
+    total += compiled_norm_bytes(model, e, sb, rdiv) - 2 * eager_norm_bytes(model, e, sb, rdiv)
+    if not opts.fsdp_wrapped:  # FSDP2 casts the weights it gathers; autocast copies them
+        total += autocast_weight_bytes(model, plan, moe, e)
+    if moe:
+        return total
+    if model.mlp == "swiglu":
+        total -= (EAGER.swiglu_saved - COMPILED.swiglu_saved) * e * sb * model.ffn / plan.tp
+    return total - fp8_recomputed_bytes(model, plan, e, sb)
 
 
 def _eager_bytes(model, plan, moe, policy, e, sb, rdiv) -> float:

@@ -24,7 +24,10 @@ nanotron's ZeRO-1 runs it synchronously at the end of the optimizer step; Megatr
 `--overlap-param-gather` and FSDP2's prefetch hide it behind the next forward (the default).
 `runtime="fivefold-eager"` makes the memory model count what fivefold's own eager runtime keeps
 (`fivefold.planner.memory.EagerProfile`; the layout report of every run uses it); the default
-"fused" counts what fused kernels keep.
+"fused" counts what fused kernels keep. `compile=True` says the blocks run under torch.compile
+(`train.compile`): with `runtime="fivefold-eager"` the memory model counts what inductor's
+compiled blocks keep (`fivefold.planner.memory.CompiledProfile`, with FP8 tensorwise inputs in
+one byte); the "fused" model already counts fused kernels and is unchanged by it.
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ class PlannerOptions:
     ep_dispatch: str = "alltoall"  # or "deepep": one network copy per node (planner/comm.py)
     runtime: str = "fused"  # memory: "fivefold-eager" is what fivefold's own runtime keeps
     checkpoint_early_stop: bool = False
+    compile: bool = False  # memory: the blocks run under torch.compile (train.compile)
 
     @classmethod
     def for_device(cls, device: GPUSpec) -> PlannerOptions:
@@ -89,6 +93,7 @@ class PlannerOptions:
             dp_bucket_bytes=self.dp_bucket_bytes,
             selective_policy=self.selective_policy,
             runtime=self.runtime,
+            compiled=self.compile,
         )
 
     def compute(self) -> ComputeOptions:
@@ -155,4 +160,6 @@ OPTION_HELP: dict[str, str] = {
     "cuda_context_bytes": "per-GPU CUDA context and library workspaces (bytes, e.g. 768M)",
     "fragmentation_fraction": "allocator fragmentation added to every stage's memory (0.05 = 5%)",
     "checkpoint_early_stop": "recompute stops at the last tensor the backward needs (PyTorch)",
+    "compile": "blocks run under torch.compile (train.compile): with runtime fivefold-eager, "
+    "memory counts what inductor keeps (and FP8 tensorwise inputs in 1 byte)",
 }

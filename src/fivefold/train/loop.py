@@ -14,7 +14,7 @@ import math
 import os
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +36,7 @@ from fivefold.train.interrupt import (
     die_on_signals,
     stop_on_signals,
 )
-from fivefold.train.memory import PeakReading, track_cpu_peak
+from fivefold.train.memory import PeakReading, track_cpu_peak, track_cuda_peak
 from fivefold.train.metrics import (
     ConsoleReporter,
     GiB,
@@ -87,6 +87,21 @@ class TrainSummary:
         """Mean loss of the last `steps` steps (less noisy than the last one)."""
         tail = self.losses[-steps:]
         return sum(tail) / len(tail)
+
+
+@dataclass
+class _Pending:
+    """A step whose loss, aux loss and gradient norm (0-d device tensors) wait for the next
+    read-back; `values` are the three floats once read."""
+
+    step: int
+    lr: float
+    loss: torch.Tensor
+    aux: torch.Tensor
+    norm: torch.Tensor
+    values: tuple[float, float, float] | None = None
+    plan_vs_run: dict | None = None
+    keys: float | None = None  # keys per query of its documents (`attention_keys`)
 
 
 class Trainer:
@@ -244,8 +259,12 @@ class Trainer:
         )
 
     # ---- one step -------------------------------------------------------------------------
-    def _guard(self, loss: float, grad_norm: float | None, lr: float) -> None:
-        """Stop with a TrainingError naming the step and the way out when a value is not finite."""
+    def _guard(
+        self, loss: float, grad_norm: float | None, lr: float, step: int | None = None
+    ) -> None:
+        """Stop with a TrainingError naming the step and the way out when a value is not finite.
+        `step`: an earlier step whose values are read back only now (its optimizer step ran);
+        None: the step about to take its optimizer step."""
         if math.isfinite(loss) and (grad_norm is None or math.isfinite(grad_norm)):
             return
         what = (
@@ -253,6 +272,13 @@ class Trainer:
             if not math.isfinite(loss)
             else f"the gradient norm is {grad_norm}"
         )
+        when = "so training stopped before the optimizer step"
+        if step is not None:
+            when = (
+                f"read back at step {self.step + 1} (values are read back from the device every "
+                f"train.log_every = {self.cfg.log_every} steps and at checkpoints), so training "
+                "stopped there"
+            )
         where = (
             f"the last good checkpoint is {self.last_checkpoint} (continue from it with --resume)"
             if self.last_checkpoint is not None
@@ -264,24 +290,62 @@ class Trainer:
             else "enable clipping with train.grad_clip = 1.0"
         )
         raise TrainingError(
-            f"step {self.step + 1}: {what}, so training stopped before the optimizer step; "
+            f"step {step or self.step + 1}: {what}, {when}; "
             f"{where}. Try a lower learning rate (train.lr = {self.cfg.lr:g}, this step used "
             f"{lr:.3g}), a longer train.warmup_steps, or {clip}; plan.precision = 'fp32' rules "
             "out bf16 overflow."
         )
 
     def train_one_step(self, micro_batches: list) -> tuple[float, float, float]:
-        """Forward/backward, guard, clip, optimizer and schedule; returns (loss, aux, grad norm)."""
+        """Forward/backward, guard, clip, optimizer and schedule; returns (loss, aux, grad norm)
+        read back from the device (one host sync)."""
+        done = self._device_step(micro_batches, [])
+        assert done.values is not None
+        return done.values
+
+    def _device_step(self, micro_batches: list, pending: list[_Pending] | None) -> _Pending:
+        """One step whose loss, aux loss and gradient norm stay on the device, unless
+        `pending` is not None: then they are read back with the `pending` steps' (one host
+        sync, `_read_back`) and guarded before the optimizer step."""
         lr = float(self.optimizer.param_groups[0]["lr"])  # torchao keeps a tensor
         result = self.runtime.train_step(micro_batches)
-        self._guard(result.loss, None, lr)
-        grad_norm = self.runtime.clip_grad_norm(self.cfg.grad_clip)
-        self._guard(result.loss, grad_norm, lr)
+        norm = self.runtime.clip_grads(self.cfg.grad_clip)
+        done = _Pending(self.step + 1, lr, result.loss_tensor, result.aux_tensor, norm)
+        if pending is not None:
+            self._read_back([*pending, done])
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.step += 1
-        return result.loss, result.aux_loss, grad_norm
+        return done
+
+    def _read_back(self, steps: list[_Pending]) -> None:
+        """Read the steps' values from the device in one copy and guard them in order (the
+        last one before its optimizer step when it has not taken it yet)."""
+        stacked = torch.stack([v.double() for p in steps for v in (p.loss, p.aux, p.norm)])
+        flat = stacked.tolist()
+        for i, p in enumerate(steps):
+            p.values = (flat[3 * i], flat[3 * i + 1], flat[3 * i + 2])
+            ahead = i == len(steps) - 1 and p.step == self.step + 1
+            self._guard(p.values[0], p.values[2], p.lr, None if ahead else p.step)
+
+    def _reads_back(self, index: int, measured: int) -> bool:
+        """Whether step `index` (0-based within this invocation) reads its values back from the
+        device, the only host syncs of the loop: log steps, the last step, checkpoints,
+        evaluations, the first three steps (compile report, layout report), the measured step
+        and the one before it (the throughput meter counts neither), the distributed
+        runtime's report step. The same on every rank (a stop request is agreed after the next
+        read-back)."""
+        step, cfg = self.step + 1, self.cfg
+        return bool(
+            index <= 2
+            or step >= self.last_step
+            or step % cfg.log_every == 0
+            or (cfg.ckpt_every and step % cfg.ckpt_every == 0)
+            or (cfg.eval_every and step % cfg.eval_every == 0)
+            or index in (measured - 1, measured)
+            or step == getattr(self.runtime, "_report_at", 0)
+        )
 
     # ---- the loop -------------------------------------------------------------------------
     @property
@@ -319,58 +383,80 @@ class Trainer:
         stop_reason = "completed"
         started = time.perf_counter()
         batches = self.data.batches(self.run.recipe.plan.micro_batch)
+        measured = min(self.cfg.memory_step - 1, self.last_step - start_step - 1)
+        pending: list[_Pending] = []  # steps whose values are still on the device
+        since = time.perf_counter()  # the last read-back: step times are measured between them
         step_s = 0.0
+
+        def emit(done: list[_Pending], eval_loss: float | None, index: int) -> None:
+            """Metrics of the steps just read back; their time is that since the last
+            read-back, shared evenly (one step's own time when every step reads back)."""
+            nonlocal since, step_s
+            now = time.perf_counter()
+            step_s = (now - since) / len(done)
+            since = now
+            counted = index > 0 and index != measured
+            for p in done:
+                if counted:
+                    meter.add(self.tokens_per_step, step_s)
+                loss, aux, grad_norm = p.values
+                losses.append(loss)
+                last = p is done[-1]
+                self._count_flops(p.keys)  # the step's own documents
+                metrics = self._metrics(
+                    loss, aux, grad_norm, p.lr, step_s, started, eval_loss if last else None
+                )
+                metrics.step = p.step
+                metrics.plan_vs_run = p.plan_vs_run
+                if last and metrics.plan_vs_run is None:
+                    metrics.plan_vs_run = self._plan_vs_run(index, meter, step_s)
+                if jsonl is not None:
+                    jsonl.write(metrics.to_json())
+                if board is not None and p.step % self.cfg.log_every == 0:
+                    board.write(metrics)
+                reporter.update(metrics)
+
         collector = ScheduledCollection(self.cfg.gc_every)  # gc between steps, all ranks alike
         collector.start()
         try:
             while self.step < self.last_step:
-                if self._stop_agreed():
+                if self._stop_agreed(not pending):
                     stop_reason = "interrupted"
                     break
                 index = self.step - start_step  # 0-based within this invocation
-                measure = self.runtime.device.type == "cpu" and index == min(
-                    self.cfg.memory_step - 1, self.last_step - start_step - 1
-                )
-                tick = time.perf_counter()
+                reads_back = self._reads_back(index, measured)
                 collector.step(self.step + 1)
                 micro_batches = next(batches)
-                self._count_flops(attention_keys(micro_batches, self.recipe.model.seq_len))
-                lr = float(self.optimizer.param_groups[0]["lr"])  # torchao keeps a tensor
+                keys = attention_keys(micro_batches, self.recipe.model.seq_len)
                 with profiler.step(self.step + 1):
-                    if measure:
-                        with track_cpu_peak(
-                            self.runtime.model_parts, self.optimizer
-                        ) as self.cpu_peak:
-                            loss, aux, grad_norm = self.train_one_step(micro_batches)
-                        record = getattr(self.runtime, "record_peak_memory", None)
-                        if record is not None:
-                            record(self.cpu_peak.peak_bytes, self.cpu_peak.tenants)
+                    if index == measured:
+                        done = self._measured_step(micro_batches, pending)
                     else:
-                        loss, aux, grad_norm = self.train_one_step(micro_batches)
-                # No device synchronisation: reading back the loss and the gradient norm already
-                # waits for each step's backward; the optimizer's kernels run on while the next
-                # batch is prepared and are counted in the next step's time.
-                step_s = time.perf_counter() - tick
-                if index > 0 and not measure:
-                    meter.add(self.tokens_per_step, step_s)
+                        done = self._device_step(micro_batches, pending if reads_back else None)
+                # Host syncs only at read-backs: between them the host queues the next steps
+                # while the device works, and step times are measured between read-backs.
+                done.keys = keys
+                done.plan_vs_run = getattr(self.runtime, "plan_vs_run", None)
+                if done.plan_vs_run is not None:
+                    self.runtime.plan_vs_run = None
+                pending.append(done)
+                if not reads_back and index != measured:
+                    continue
                 if index == 0 and self.cfg.compile:
-                    self._report_compile(step_s)
-                losses.append(loss)
+                    self._report_compile(time.perf_counter() - since)
                 eval_loss = self._maybe_eval()
                 if eval_loss is not None:
                     evals[self.step] = eval_loss
-                metrics = self._metrics(loss, aux, grad_norm, lr, step_s, started, eval_loss)
-                metrics.plan_vs_run = self._plan_vs_run(index, meter, step_s)
-                if jsonl is not None:
-                    jsonl.write(metrics.to_json())
-                if board is not None and self.step % self.cfg.log_every == 0:
-                    board.write(metrics)
-                reporter.update(metrics)
+                emit(pending, eval_loss, index)
+                pending = []
                 if self.cfg.ckpt_every and self.step % self.cfg.ckpt_every == 0:
-                    self.save({"loss": loss})
+                    self.save({"loss": losses[-1]})
                 if self.cfg.max_time_s and time.perf_counter() - started > self.cfg.max_time_s:
                     stop_reason = "max_time_s"
                     break
+            if pending:  # a stop between read-backs
+                self._read_back(pending)
+                emit(pending, None, self.step - start_step - 1)
             if (
                 (self.cfg.save_final or stop_reason == "interrupted")
                 and losses
@@ -409,11 +495,34 @@ class Trainer:
             exit_code=self.stop.exit_code() if stop_reason == "interrupted" else 0,
         )
 
-    def _stop_agreed(self) -> bool:
-        """Whether any rank was asked to stop (collective on N ranks: one small all-reduce),
-        so all ranks leave the loop after the same step and can checkpoint it together."""
+    def _measured_step(self, micro_batches: list, pending: list[_Pending]) -> _Pending:
+        """The step whose peak memory is measured (its values read back): CPU, tensor storages
+        counted (`track_cpu_peak`); CUDA, the allocator's statistics reset before it
+        (`track_cuda_peak`), so start-up, checkpoint loading, compilation and evaluation are
+        not in its peak. The reading goes to the runtime's layout report."""
+        device = self.runtime.device
+        if device.type == "cuda":
+            tracker = track_cuda_peak(device)
+        elif device.type == "cpu":
+            tracker = track_cpu_peak(self.runtime.model_parts, self.optimizer)
+        else:
+            return self._device_step(micro_batches, pending)
+        with tracker as reading:
+            done = self._device_step(micro_batches, pending)
+        self.cpu_peak = reading
+        record = getattr(self.runtime, "record_peak_memory", None)
+        if record is not None:
+            record(reading.peak_bytes, reading.tenants, reading.reserved_bytes)
+        return done
+
+    def _stop_agreed(self, at_read_back: bool) -> bool:
+        """Whether any rank was asked to stop. On N ranks a collective (one small all-reduce
+        and its read-back), asked only right after a read-back (`at_read_back`), so all ranks
+        leave the loop after the same step and can checkpoint it together."""
         agree = getattr(self.runtime, "any_rank", None)
-        return agree(self.stop.requested) if agree is not None else self.stop.requested
+        if agree is None:
+            return self.stop.requested
+        return agree(self.stop.requested) if at_read_back else False
 
     def _plan_vs_run(self, index: int, meter: ThroughputMeter, step_s: float) -> dict | None:
         """The planner-vs-measured record of this step, if it is the layout-report step: the
@@ -459,6 +568,7 @@ class Trainer:
             mfu=utilization(rate, self.model_flops_per_token, self.peak.flops_per_s, devices),
             hfu=utilization(rate, self.hardware_flops_per_token, self.peak.flops_per_s, devices),
             peak_memory_bytes=self._peak_memory(),
+            peak_reserved_bytes=getattr(self.runtime, "peak_reserved_bytes", 0) or None,
             elapsed_s=time.perf_counter() - started,
             eval_loss=eval_loss,
         )
@@ -482,7 +592,12 @@ def planner_prediction(run: RunConfig) -> tuple[dict[str, Any] | None, str]:
             'and runs naming it ([cluster] profile = "PROFILE.toml") predict their step time'
         )
     try:
-        return estimate(recipe.model, recipe.cluster, recipe.plan).to_json(), ""
+        from fivefold.planner.options import PlannerOptions
+
+        options = replace(
+            PlannerOptions.for_device(recipe.cluster.device), compile=run.train.compile
+        )
+        return estimate(recipe.model, recipe.cluster, recipe.plan, options=options).to_json(), ""
     except FivefoldError as err:
         return None, str(err).splitlines()[0]
     except Exception as err:  # the planner must never stop a training run
@@ -573,6 +688,9 @@ def print_footer(trainer: Trainer, s: TrainSummary) -> None:
         f"loss {s.first_loss:.3f} -> {s.last_loss:.3f} (mean of last 10: {s.tail_loss():.3f})"
     )
     mem = f"{s.peak_memory_bytes / GiB:.3f} GiB" if s.peak_memory_bytes else "not measured"
+    reserved = getattr(trainer.runtime, "peak_reserved_bytes", 0)
+    if reserved:  # CUDA: the allocated peak above; the allocator's reservation and context
+        mem += f" allocated, {reserved / GiB:.3f} GiB reserved + CUDA context"
     out.print(
         f"throughput {format_tokens_per_s(s.tokens_per_s)} tokens/s, MFU {format_mfu(s.mfu)} "
         f"(vs {s.peak_label}); peak memory {mem}"

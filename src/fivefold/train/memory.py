@@ -1,6 +1,10 @@
 """Peak memory of a training step, counted the way the allocator sees it, tenant by tenant.
 
-On CUDA, `torch.cuda.max_memory_allocated` is exact and free. On CPU neither it nor tracemalloc
+On CUDA, `torch.cuda.max_memory_allocated` is exact and free: `track_cuda_peak` resets the
+peak statistics before the measured step (so that start-up, checkpoint loading, compilation and
+evaluation are not in it) and reads the allocated peak (live tensors, comparable with a
+prediction without CUDA context and fragmentation) and the reserved peak plus the context
+(comparable with the whole prediction). On CPU neither it nor tracemalloc
 sees torch's allocations and RSS undercounts, so we count tensor storages ourselves, as PyTorch's
 `MemTracker` does (which cannot be used here: it refuses a module called more than once per step,
 as with gradient accumulation or recompute):
@@ -226,6 +230,9 @@ class PeakReading:
     start_bytes: int = 0  # parameters, gradients and optimizer state before the block
     method: str = ""
     tenants: dict[str, int] = field(default_factory=dict)
+    # CUDA: the caching allocator's peak reserved bytes plus the CUDA context and libraries
+    # (the device's used memory less what the allocator reserves); 0 on CPU.
+    reserved_bytes: int = 0
 
 
 @contextmanager
@@ -261,3 +268,18 @@ def track_cpu_peak(
             hook.remove()
     reading.peak_bytes = counter.peak_bytes
     reading.tenants = counter.peak_tenants()
+
+
+@contextmanager
+def track_cuda_peak(device: torch.device) -> Iterator[PeakReading]:
+    """Measure the enclosed block's CUDA peak from freshly reset statistics: `peak_bytes` =
+    `max_memory_allocated`, `reserved_bytes` = `max_memory_reserved` plus the memory the
+    device uses outside the allocator (CUDA context, cuBLAS/NCCL workspaces; read with
+    `mem_get_info`, so other processes on the same GPU count too). Host queries only."""
+    reading = PeakReading(method="CUDA allocator peak statistics, reset before the step")
+    torch.cuda.reset_peak_memory_stats(device)
+    yield reading
+    free, total = torch.cuda.mem_get_info(device)
+    outside = max(0, total - free - torch.cuda.memory_reserved(device))
+    reading.peak_bytes = int(torch.cuda.max_memory_allocated(device))
+    reading.reserved_bytes = int(torch.cuda.max_memory_reserved(device)) + outside

@@ -54,8 +54,9 @@ class StepMetrics:
     tokens_per_s: float
     mfu: float | None  # fraction of the peak; None when the peak is unknown
     hfu: float | None
-    peak_memory_bytes: int
+    peak_memory_bytes: int  # CUDA: allocated (live tensors) in the measured step
     elapsed_s: float
+    peak_reserved_bytes: int | None = None  # CUDA: the allocator's reserved peak + context
     aux_loss: float = 0.0
     eval_loss: float | None = None
     plan_vs_run: dict | None = None  # the step of the layout report: `parallel.report.record`
@@ -74,15 +75,18 @@ def utilization(
     return tokens_per_s * flops_per_token / (peak_flops_per_s * devices)
 
 
-def document_pairs(doc_ids: Any) -> tuple[float, int]:
+def document_pairs(doc_ids: Any, offsets: Any = None) -> tuple[float, int]:
     """(causal pairs L^2/2 summed over the documents of every row, tokens) of `doc_ids` [B, T]
-    (a tensor or array; documents are runs of equal ids, never spanning rows)."""
-    ids = np.asarray(doc_ids.cpu() if hasattr(doc_ids, "cpu") else doc_ids)
-    starts = np.ones(ids.shape, dtype=bool)
-    starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
-    bounds = np.append(np.flatnonzero(starts), ids.size)
-    lengths = np.diff(bounds).astype(np.float64)
-    return float(np.sum(lengths * lengths) / 2), int(ids.size)
+    (a tensor or array; documents are runs of equal ids, never spanning rows), or of their
+    host-side cumulative offsets [N+1] when given (`Batch.cu_seqlens`: nothing read back)."""
+    from fivefold.train.data.batching import document_offsets
+
+    if offsets is None:
+        offsets = document_offsets(
+            np.asarray(doc_ids.cpu() if hasattr(doc_ids, "cpu") else doc_ids)
+        )
+    lengths = np.diff(np.asarray(offsets)).astype(np.float64)
+    return float(np.sum(lengths * lengths) / 2), int(offsets[-1])
 
 
 def attention_keys(micro_batches: list, seq_len: int) -> float:
@@ -96,7 +100,7 @@ def attention_keys(micro_batches: list, seq_len: int) -> float:
             rows = batch.tokens.shape[0]
             pairs, tokens = pairs + rows * seq_len * seq_len / 2, tokens + rows * seq_len
             continue
-        p, t = document_pairs(doc_ids)
+        p, t = document_pairs(doc_ids, getattr(batch, "cu_seqlens", None))
         pairs, tokens = pairs + p, tokens + t
     return pairs / tokens if tokens else seq_len / 2
 

@@ -10,8 +10,7 @@ checking a large job on one machine). Each rank runs in its own process (a fresh
 Where the fake world differs from a real one, and what this module does about it (written here
 because no library provides it):
 - `DeviceMesh` keeps a real tensor of ranks; its methods run with fake tensors switched off.
-- Weights are not initialised (values are irrelevant); losses and token counts are data that a
-  fake tensor does not have, so the loss scale uses the batch's token count.
+- Weights are not initialised (values are irrelevant); every label counts in the loss scale.
 - DTensor derives output shapes under a fake mode of its own, as in a real run.
 - Expert routing is data too: every EP rank sends and receives balanced all-to-all splits.
 - Pipelining exchanges a vote and the stages' tensor metadata as values over point-to-point
@@ -217,12 +216,10 @@ def _tracker_class(base: type) -> type:
 
 
 def _step(runtime: Any, optimizer: Any, batches: list) -> None:
-    """One training step as the loop runs it (clipping's norm included, no value read)."""
-    from fivefold.parallel.grad_norm import clip_grads, global_grad_norm
-
+    """One training step as the loop runs it (the gradient norm and clipping included; no value
+    is read back)."""
     runtime.train_step(batches)
-    grads = runtime._grads()
-    clip_grads(grads, 1.0, global_grad_norm(grads, runtime.plan.pp))
+    runtime.clip_grads(1.0)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
@@ -256,7 +253,7 @@ def _micro_batches(recipe: Recipe) -> list:
     for _ in range(recipe.plan.grad_accum):
         tokens = torch.zeros(b, t, dtype=torch.long)
         positions = torch.arange(t).expand(b, t).clone()
-        out.append(Batch(tokens, tokens.clone(), positions, None))
+        out.append(Batch(tokens, tokens.clone(), positions, None, label_count=b * t))
     return out
 
 
@@ -269,20 +266,14 @@ def _checked_runtime_class():
     from fivefold.parallel.runtime import DistributedRuntime
 
     class CheckedRuntime(DistributedRuntime):
-        """The distributed runtime with the two value reads a fake tensor cannot answer
-        replaced: the global token count (every label counts) and the reported loss."""
+        """The distributed runtime without its layout report, which gathers measured values
+        over the group."""
 
         def __init__(self, recipe: Recipe) -> None:
             super().__init__(recipe, _settings())
 
-        def _global_token_count(self, micro_batches: list) -> int:
-            return sum(b.labels.numel() for b in micro_batches) * self.dims.dp
-
-        def _global_mean(self, loss_local, aux_local) -> tuple[float, float]:
-            return 0.0, 0.0
-
         def _after_step(self, seconds: float, timed: bool = True) -> None:
-            self._steps += 1  # no layout report: it gathers measured values over the group
+            self._steps += 1
 
     return CheckedRuntime
 

@@ -18,11 +18,11 @@ import torch
 from torch import nn
 
 from fivefold.errors import ConfigError
-from fivefold.model.loss import IGNORE_INDEX, cross_entropy_loss
+from fivefold.model.loss import cross_entropy_loss
 from fivefold.parallel.checkpointing import apply_recompute
 from fivefold.parallel.precision import RuntimePrecision, resolve_precision
 from fivefold.parallel.process_group import pick_device
-from fivefold.parallel.protocol import Runtime, StepResult, batch_to
+from fivefold.parallel.protocol import Runtime, StepResult, batch_to, label_count
 from fivefold.spec.recipe import Recipe
 from fivefold.train.config import parse_train_config
 
@@ -56,9 +56,11 @@ class LocalRuntime:
             check_compiler(self.device)
             apply_compile(model)
         self.model = model
+        self.compiled = bool(train.compile)  # the memory prediction counts compiled blocks
         self.model_parts: list[nn.Module] = [model]
         self._recorded_peak_bytes = 0
         self.peak_tenants: dict[str, int] = {}
+        self.peak_reserved_bytes = 0  # CUDA: reserved peak + context of the measured step
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
 
@@ -69,7 +71,12 @@ class LocalRuntime:
     def _forward_loss(self, batch) -> tuple[torch.Tensor, torch.Tensor | None]:
         batch = batch_to(batch, self.device)
         with self._autocast():
-            logits = self.model(batch.tokens, positions=batch.positions, doc_ids=batch.doc_ids)
+            logits = self.model(
+                batch.tokens,
+                positions=batch.positions,
+                doc_ids=batch.doc_ids,
+                cu_seqlens=getattr(batch, "cu_seqlens", None),
+            )
         loss = cross_entropy_loss(logits, batch.labels)  # in fp32
         aux = self.model.aux_loss() if self.recipe.model.is_moe else None
         return loss, aux
@@ -81,7 +88,7 @@ class LocalRuntime:
         the gradient is that of the mean over all tokens of the global batch.
         """
         self.model.train()
-        counts = [int((b.labels != IGNORE_INDEX).sum()) for b in micro_batches]
+        counts = [label_count(b) for b in micro_batches]  # on the host: no device sync
         total = max(1, sum(counts))
         loss_sum = torch.zeros((), device=self.device)
         aux_sum = torch.zeros((), device=self.device)
@@ -93,13 +100,13 @@ class LocalRuntime:
                 aux_sum += aux.detach() / len(micro_batches)
             objective.backward()
             loss_sum += loss.detach() * (count / total)
-        return StepResult(loss=float(loss_sum), aux_loss=float(aux_sum))
+        return StepResult(loss_sum, aux_sum)
 
     @torch.no_grad()
     def eval_loss(self, batches: list) -> float:
         """Mean token loss over `batches` without gradients (the held-out loss)."""
         self.model.eval()
-        counts = [int((b.labels != IGNORE_INDEX).sum()) for b in batches]
+        counts = [label_count(b) for b in batches]
         total = max(1, sum(counts))
         loss_sum = 0.0
         for batch, count in zip(batches, counts, strict=True):
@@ -108,25 +115,34 @@ class LocalRuntime:
         self.model.train()
         return loss_sum
 
-    def clip_grad_norm(self, max_norm: float) -> float:
-        """Global L2 norm of all gradients before clipping; clips to `max_norm` if it is > 0."""
+    def clip_grads(self, max_norm: float) -> torch.Tensor:
+        """Global L2 norm of all gradients before clipping (a 0-d tensor on the device: no host
+        sync); clips to `max_norm` if it is > 0."""
         params = [p for p in self.model.parameters() if p.grad is not None]
         limit = max_norm if max_norm > 0 else float("inf")
-        return float(torch.nn.utils.clip_grad_norm_(params, limit, foreach=True))
+        return torch.nn.utils.clip_grad_norm_(params, limit, foreach=True)
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """`clip_grads`, read back as a float."""
+        return float(self.clip_grads(max_norm))
 
     def peak_memory_bytes(self) -> int:
-        """CUDA: the allocator's peak since start. CPU: the loop's measurement of one step
-        (`record_peak_memory`), 0 before it."""
-        if self.device.type == "cuda":
-            return int(torch.cuda.max_memory_allocated(self.device))
-        return self._recorded_peak_bytes
+        """The loop's measurement of one step (`record_peak_memory`: CPU tensor storages, or
+        CUDA's allocated peak from statistics reset before that step); before it, CUDA: the
+        allocator's peak since start-up, CPU: 0."""
+        if self._recorded_peak_bytes or self.device.type != "cuda":
+            return self._recorded_peak_bytes
+        return int(torch.cuda.max_memory_allocated(self.device))
 
-    def record_peak_memory(self, peak_bytes: int, tenants: dict[str, int] | None = None) -> None:
-        """Keep the loop's CPU measurement (tensor storages counted over one step) and its
-        split into tenants."""
+    def record_peak_memory(
+        self, peak_bytes: int, tenants: dict[str, int] | None = None, reserved_bytes: int = 0
+    ) -> None:
+        """Keep the loop's measurement of one step, its split into tenants (CPU) and the
+        reserved peak plus CUDA context (CUDA)."""
         if int(peak_bytes) > self._recorded_peak_bytes:
             self._recorded_peak_bytes = int(peak_bytes)
             self.peak_tenants = dict(tenants or {})
+            self.peak_reserved_bytes = int(reserved_bytes)
 
     def close(self, failed: bool = False) -> None:
         """Nothing to release in one process (`failed`: the run ended by an exception)."""

@@ -26,11 +26,16 @@ if TYPE_CHECKING:
 
 @dataclass
 class Batch:
-    """One micro-batch; every field a LongTensor `[B, T]` except `sample_ids` `[B]`.
+    """One micro-batch; every tensor field a LongTensor `[B, T]` except `sample_ids` `[B]`.
 
     `labels` are the next tokens of the stream (the end-of-document token separates documents),
     `positions` restart at 0 at each document start, `doc_ids` number the documents within each
     row, `sample_ids` are the samples' indices in their split (for checks and debugging).
+    Computed here, on the host, so that no step reads them back from the device:
+    `cu_seqlens` (a NumPy int32 array `[N + 1]`: host memory, which `batch_to` leaves there)
+    are the cumulative offsets of the batch's N documents in its tokens flattened to
+    `[B * T]` (0 first, B * T last; every row starts a document), and `label_count` is the
+    number of labels that count in the loss (not `IGNORE_INDEX`).
     """
 
     tokens: torch.Tensor
@@ -38,26 +43,43 @@ class Batch:
     positions: torch.Tensor
     doc_ids: torch.Tensor
     sample_ids: torch.Tensor | None = None
+    cu_seqlens: np.ndarray | None = None
+    label_count: int | None = None
 
     @property
     def num_tokens(self) -> int:
         return self.tokens.numel()
 
 
+def document_offsets(doc_ids: np.ndarray) -> np.ndarray:
+    """int32 `[N + 1]` cumulative offsets of the documents of `doc_ids` `[B, T]` (runs of equal
+    ids; every row starts one) in the tokens flattened to `[B * T]`."""
+    rows, seq = doc_ids.shape
+    starts = np.ones((rows, seq), dtype=bool)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    offsets = np.flatnonzero(starts.reshape(-1))
+    return np.append(offsets, rows * seq).astype(np.int32)
+
+
 def collate(seqs: PackedSequences, sample_ids: np.ndarray) -> Batch:
     """Stack samples `sample_ids` of `seqs` into a `Batch` of `len(sample_ids)` rows."""
     import torch
 
+    from fivefold.model.loss import IGNORE_INDEX
+
     samples = [seqs[int(i)] for i in sample_ids]
     windows = np.stack([s.tokens for s in samples])  # [B, T+1]
-    doc_ids = np.stack([s.doc_ids for s in samples])
+    doc_ids = np.stack([s.doc_ids for s in samples])[:, :-1]
     positions = np.stack([s.positions for s in samples])
+    labels = windows[:, 1:]
     return Batch(
         tokens=torch.from_numpy(windows[:, :-1].copy()),
-        labels=torch.from_numpy(windows[:, 1:].copy()),
+        labels=torch.from_numpy(labels.copy()),
         positions=torch.from_numpy(positions[:, :-1].copy()),
-        doc_ids=torch.from_numpy(doc_ids[:, :-1].copy()),
+        doc_ids=torch.from_numpy(doc_ids.copy()),
         sample_ids=torch.from_numpy(np.asarray(sample_ids, dtype=np.int64)),
+        cu_seqlens=document_offsets(doc_ids),
+        label_count=int(np.count_nonzero(labels != IGNORE_INDEX)),
     )
 
 
