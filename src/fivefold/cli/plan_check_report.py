@@ -13,14 +13,14 @@ from fivefold.errors import ConfigError
 GIB = 1024**3
 MIB = 1024**2
 TARGET = 0.05  # the memory model's promise: predicted peak within 5 % of the checked one
-TRACKER_TENANTS = {  # torch's MemTracker categories, in our words
+TRACKER_TENANTS = {  # torch's MemTracker categories (`_MemRefType` names), in our words
     "param": "params",
     "grad": "grads",
-    "optstate": "optimizer",
-    "activation": "activations",
+    "opt": "optimizer",
+    "act": "activations",
     "temp": "temporaries",
     "buffer": "buffers",
-    "other": "other",
+    "oth": "other",
 }
 
 
@@ -84,7 +84,9 @@ def _size(nbytes: float) -> str:
 
 def _tenant_lines(check: Any) -> list[str]:
     predicted = ", ".join(
-        f"{k} {_size(v * GIB)}" for k, v in check.predicted_gib.items() if k != "total" and v
+        f"{k} {_size(v * GIB)}"
+        for k, v in check.predicted_gib.items()
+        if k not in ("total", "allocated") and v
     )
     counted = ", ".join(f"{k} {_size(v)}" for k, v in check.counted_tenants.items() if v)
     tracker = ", ".join(
