@@ -30,6 +30,7 @@ import inspect
 import multiprocessing
 import os
 import resource
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
@@ -146,8 +147,9 @@ def _check_rank(recipe: Recipe, rank: int, world: int) -> dict[str, Any]:
     """Build and step `rank` of the fake world (runs in a child process); a dict of RankCheck
     fields. A component that cannot run under fake tensors is reported, not raised."""
     start = time.perf_counter()
-    try:
-        result = _measure(recipe, rank, world)
+    try:  # the runtime's layout line goes to stderr: stdout is the table (or --json's JSON)
+        with contextlib.redirect_stdout(sys.stderr):
+            result = _measure(recipe, rank, world)
     except Exception as err:  # reported to the user with the component that failed
         first = str(err).strip().splitlines()[0] if str(err).strip() else ""
         result = {"problem": f"{type(err).__name__}: {first[:300]}"}
