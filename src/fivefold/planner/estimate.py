@@ -74,6 +74,7 @@ from fivefold.spec.geometry import (
     chunks_of_rank,
     dense_shard_degree,
     expert_shard_degree,
+    is_v_shaped,
 )
 from fivefold.spec.hardware import GPUSpec
 from fivefold.spec.model import ModelSpec, training_flops_per_token
@@ -667,7 +668,7 @@ def _rank_tails(
     the same kind of chunks share the costs; only their drain idle time differs."""
     key = replace(plan, grad_accum=1, micro_batch=1, recompute="none", schedule="1f1b", vpp=1)
     pipelined = len(chunk_sigs) > 1
-    loop = plan.schedule in ("gpipe", "1f1b", "interleaved-1f1b") and plan.pp > 1
+    loop = plan.pp > 1 and not is_v_shaped(plan.schedule, plan.pp)
     mean_backward = sum(c.backward_input_s + c.backward_weight_s for c in chunk_costs)
     mean_backward /= len(chunk_costs)
     mean_forward = sum(c.forward_s for c in chunk_costs) / len(chunk_costs)
