@@ -120,7 +120,7 @@ def rank_coordinates(d: Degrees, rank: int) -> dict[str, int]:
         size = getattr(d, axis)
         out[axis.value] = rest % size
         rest //= size
-    return {axis.value: out[axis] for axis in MESH_ORDER}
+    return {axis.value: out[axis.value] for axis in MESH_ORDER}
 
 
 def dense_shard_degree(d: Degrees) -> int:
