@@ -22,9 +22,9 @@ from fivefold.model import build_model, cross_entropy_loss
 from fivefold.parallel.pipeline import (
     PipelineRunner,
     split_model_for_pipeline,
-    stage_indices,
     stage_layer_ranges,
 )
+from fivefold.spec.geometry import chunks_of_rank
 from fivefold.spec.model import ModelSpec
 from fivefold.spec.plan import ParallelPlan
 from fivefold.train.data import Batch
@@ -249,10 +249,9 @@ def test_split_covers_every_parameter_once_with_original_names():
 
 
 def test_stage_placement_and_layer_ranges():
-    v_plan = ParallelPlan(pp=4, vpp=2, schedule="zbv", grad_accum=8)
-    assert [stage_indices(v_plan, r) for r in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
-    loop = v_plan.with_(schedule="interleaved-1f1b")
-    assert [stage_indices(loop, r) for r in range(4)] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert [chunks_of_rank("zbv", 4, 2, r) for r in range(4)] == [(0, 7), (1, 6), (2, 5), (3, 4)]
+    loop = [chunks_of_rank("interleaved-1f1b", 4, 2, r) for r in range(4)]
+    assert loop == [(0, 4), (1, 5), (2, 6), (3, 7)]
     # The LM head (2 * 97 * 32 FLOPs/token) is small next to a layer here: 8 layers over 2
     # stages split 4 + 4; a big vocabulary moves layers off the last stage.
     assert [len(r) for r in stage_layer_ranges(DENSE, ParallelPlan(pp=2))] == [4, 4]

@@ -8,18 +8,18 @@ import pytest
 from fivefold.errors import ConfigError
 from fivefold.planner import schedule as sched_mod
 from fivefold.planner.schedule import (
-    SCHEDULE_NAMES,
     StageCosts,
     build_schedule,
     closed_form_bubble,
     simulate,
 )
+from fivefold.spec.geometry import SCHEDULES
 
 VPP = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2, "zbv": 2, "dualpipev": 2}
 
 
 def _valid_cases():
-    for name, pp, m in itertools.product(SCHEDULE_NAMES, (1, 2, 3, 4, 8), (1, 2, 4, 8, 12, 16)):
+    for name, pp, m in itertools.product(SCHEDULES, (1, 2, 3, 4, 8), (1, 2, 4, 8, 12, 16)):
         for vpp in (VPP[name], 3) if name == "interleaved-1f1b" else (VPP[name],):
             if name == "interleaved-1f1b" and m % pp:
                 continue
@@ -171,7 +171,7 @@ def test_unbalanced_stages_slowest_sets_the_pace():
     assert one.busy_s == pytest.approx((48.0, 48.0, 72.0, 48.0))
 
 
-@pytest.mark.parametrize("name", SCHEDULE_NAMES)
+@pytest.mark.parametrize("name", SCHEDULES)
 def test_long_schedules_extrapolate_to_the_full_run(name, monkeypatch):
     rng = random.Random(7)
     pp = 4

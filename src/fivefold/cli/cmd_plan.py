@@ -127,6 +127,8 @@ def _refuse_search_flags(args: argparse.Namespace) -> None:
 
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
+    from fivefold.spec.geometry import OFFLOAD_KINDS, RECOMPUTE_POLICIES, SCHEDULES
+
     parser.add_argument(
         "items",
         nargs="*",
@@ -203,10 +205,10 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
         lay.add_argument(flag, metavar="N", help=help_text)
     lay.add_argument(
         "--schedule",
-        choices=("gpipe", "1f1b", "interleaved-1f1b", "zbv", "dualpipev"),
+        choices=SCHEDULES,
         help="pipeline schedule",
     )
-    lay.add_argument("--recompute", choices=("none", "selective", "full"), help="recompute")
+    lay.add_argument("--recompute", choices=RECOMPUTE_POLICIES, help="recompute")
     lay.add_argument(
         "--sp",
         action=argparse.BooleanOptionalAction,
@@ -216,7 +218,7 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     for flag, choices, help_text in (
         (
             "--offload",
-            ("none", "optimizer", "all"),
+            OFFLOAD_KINDS,
             "CPU offload (default none): the optimizer state (zero <= 2), or parameters, "
             "gradients and optimizer state (zero 3); a search tries it only when nothing fits",
         ),
@@ -713,6 +715,7 @@ def layout_from_args(
 ) -> Any:
     """The one layout `plan estimate` costs, from the recipe's [plan] and the flags."""
     from fivefold.planner.search import batch_target
+    from fivefold.spec.geometry import is_v_shaped
     from fivefold.spec.plan import ParallelPlan
     from fivefold.spec.recipe import build
 
@@ -760,7 +763,7 @@ def layout_from_args(
             raise ConfigError(f"--dp-shard = {shard} must divide the data-parallel degree {dp}.")
         values["dp_shard"], values["dp_replicate"] = shard, dp // shard
     values.setdefault("sp", values.get("tp", 1) > 1)
-    if values.get("pp", 1) > 1 and values.get("schedule") in ("zbv", "dualpipev"):
+    if is_v_shaped(values.get("schedule", ""), values.get("pp", 1)):
         values.setdefault("vpp", 2)
     tokens, seqs = batch_from_args(args)
     if "grad_accum" not in values and tokens is None and seqs is None and has_recipe(args):

@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from fivefold.spec.geometry import is_v_shaped
+
 SUPPORTED_RANGE = ">=2.11,<2.14"  # pyproject's dependency; CI installs 2.13.0
 
 
@@ -145,7 +147,7 @@ def required_features(model: Any, plan: Any) -> dict[str, str]:
         out["grouped_mm"] = f"model.experts = {model.experts}"
     if plan.zero == 0 and plan.dp_shard * plan.dp_replicate > 1:
         out["replicate_with_fsdp"] = "plan.zero = 0 with data parallelism"
-    if plan.pp > 1 and plan.schedule in ("zbv", "dualpipev"):
+    if is_v_shaped(plan.schedule, plan.pp):
         out[f"schedule_{plan.schedule}"] = f"plan.schedule = {plan.schedule!r}"
     return out
 

@@ -1,9 +1,8 @@
 """`ParallelDims`: the five parallel degrees of a plan, checked against the world size, and the
 one `DeviceMesh` they describe.
 
-Mesh axes, outer to inner: pp, dp_replicate, dp_shard, cp, tp (TP innermost, so a TP group is a
-run of consecutive ranks and stays inside a node). Rank r has coordinates in that row-major
-order. From the 5-D mesh we derive the flattened groups the runtime needs:
+Mesh axes, rank coordinates and group sizes are `fivefold.spec.geometry`'s (pp outermost, tp
+innermost). From the 5-D mesh we derive the flattened groups the runtime needs:
 
 - ``dp``          = dp_replicate x dp_shard: the data-parallel coordinate used to slice the batch;
 - ``dp_shard_cp`` = dp_shard x cp: the axis FSDP shards over (CP ranks hold the same weights, so
@@ -17,8 +16,7 @@ order. From the 5-D mesh we derive the flattened groups the runtime needs:
                     ``edp_replicate`` = dp_replicate. Expert weights are split over ``ep`` and
                     data-parallel over edp_replicate x edp_shard.
 
-Only `build_meshes` touches torch; the rest is pure Python so it can be tested and used to print
-layouts without a process group.
+Only `build_meshes` touches torch.
 """
 
 from __future__ import annotations
@@ -27,12 +25,21 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from fivefold.errors import ConfigError
+from fivefold.spec.geometry import (
+    MESH_ORDER,
+    dense_shard_degree,
+    ep_fits,
+    expert_shard_degree,
+    mesh_shape,
+    mesh_size,
+    rank_coordinates,
+)
 from fivefold.spec.plan import ParallelPlan
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+AXES = tuple(axis.value for axis in MESH_ORDER)  # the mesh's dimension names, as torch keeps them
 
 
 @dataclass(frozen=True)
@@ -54,15 +61,12 @@ class ParallelDims:
         return dims
 
     @property
-    def shape(self) -> tuple[int, int, int, int, int]:
-        return (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
+    def shape(self) -> tuple[int, ...]:
+        return mesh_shape(self)
 
     @property
     def world_size(self) -> int:
-        out = 1
-        for size in self.shape:
-            out *= size
-        return out
+        return mesh_size(self)
 
     @property
     def dp(self) -> int:
@@ -89,7 +93,7 @@ class ParallelDims:
                 f"(`fivefold train --nproc {self.world_size}`) or change the plan's degrees so "
                 f"they multiply to {world_size}."
             )
-        if (self.dp_shard * self.cp) % self.ep:
+        if not ep_fits(self.ep, self.dp_shard, self.cp):
             raise ConfigError(
                 f"plan.ep = {self.ep} must divide dp_shard * cp = {self.dp_shard * self.cp}: "
                 "expert parallelism borrows its ranks from the sharded data-parallel and context "
@@ -98,18 +102,11 @@ class ParallelDims:
 
     def coordinates(self, rank: int) -> dict[str, int]:
         """Row-major coordinates of `rank` on the five axes (pp outermost, tp innermost)."""
-        if not 0 <= rank < self.world_size:
-            raise ValueError(f"rank {rank} outside a world of {self.world_size}")
-        out: dict[str, int] = {}
-        rest = rank
-        for axis, size in zip(reversed(AXES), reversed(self.shape), strict=True):
-            out[axis] = rest % size
-            rest //= size
-        return {axis: out[axis] for axis in AXES}
+        return rank_coordinates(self, rank)
 
     def dp_rank(self, rank: int) -> int:
         """Data-parallel index of `rank` (dp_replicate outer, dp_shard inner)."""
-        c = self.coordinates(rank)
+        c = rank_coordinates(self, rank)
         return c["dp_replicate"] * self.dp_shard + c["dp_shard"]
 
     def describe(self) -> str:
@@ -129,11 +126,11 @@ class ParallelDims:
         hsdp = None
         if self.dp_replicate > 1:
             hsdp = dp_cp._unflatten(
-                0, (self.dp_replicate, self.dp_shard * self.cp), ("hsdp_replicate", "hsdp_shard")
+                0, (self.dp_replicate, dense_shard_degree(self)), ("hsdp_replicate", "hsdp_shard")
             )
         expert = None
         if self.ep > 1:
-            outer = self.dp_shard * self.cp // self.ep
+            outer = expert_shard_degree(self)
             expert = dp_cp._unflatten(
                 0, (self.dp_replicate, outer, self.ep), ("edp_replicate", "edp_shard", "ep")
             )

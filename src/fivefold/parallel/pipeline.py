@@ -3,7 +3,7 @@
 - `split_model_for_pipeline(model, plan, pp_rank)`: the chunks (virtual stages) this rank owns.
   The cut is the planner's (`fivefold.planner.partition.stage_layer_counts`: balanced by forward
   FLOPs with the LM head counted on the last stage), and so is the placement
-  (`fivefold.planner.schedule.chunk_rank`: chunk c on rank c % pp, or the V of zbv/dualpipev).
+  (`fivefold.spec.geometry.chunks_of_rank`: chunk c on rank c % pp, or the V of zbv/dualpipev).
   A chunk is a copy of the `Transformer` without the parts it does not own, so its parameter
   names are those of the full model and `init_weights` gives every rank the same values as the
   single-process model. Call it on the meta model, before the other parallelisms are applied.
@@ -45,25 +45,19 @@ from torch import nn
 
 from fivefold.model.loss import IGNORE_INDEX, cross_entropy_loss
 from fivefold.planner.partition import stage_layer_counts
-from fivefold.planner.schedule import chunk_rank
+from fivefold.spec.geometry import ScheduleName, chunks_of_rank
 from fivefold.spec.plan import ParallelPlan
 
 SCHEDULE_CLASSES = {
-    "gpipe": "ScheduleGPipe",
-    "1f1b": "Schedule1F1B",
-    "interleaved-1f1b": "ScheduleInterleaved1F1B",
-    "zbv": "ScheduleZBVZeroBubble",
-    "dualpipev": "ScheduleDualPipeV",
+    ScheduleName.GPIPE: "ScheduleGPipe",
+    ScheduleName.ONE_F_ONE_B: "Schedule1F1B",
+    ScheduleName.INTERLEAVED_1F1B: "ScheduleInterleaved1F1B",
+    ScheduleName.ZBV: "ScheduleZBVZeroBubble",
+    ScheduleName.DUALPIPEV: "ScheduleDualPipeV",
 }
 
 
 # ---- splitting -----------------------------------------------------------------------------------
-def stage_indices(plan: ParallelPlan, pp_rank: int) -> list[int]:
-    """The virtual stages (chunks) pipeline rank `pp_rank` holds, in model order."""
-    stages = plan.pp * plan.vpp
-    return [c for c in range(stages) if chunk_rank(plan.schedule, plan.pp, c) == pp_rank]
-
-
 def stage_layer_ranges(model_spec: Any, plan: ParallelPlan) -> list[range]:
     """Layer indices of every virtual stage, in model order (the planner's partition)."""
     counts = stage_layer_counts(model_spec, plan.pp * plan.vpp)
@@ -80,7 +74,7 @@ def split_model_for_pipeline(model: nn.Module, plan: ParallelPlan, pp_rank: int)
     ranges = stage_layer_ranges(spec, plan)
     last = len(ranges) - 1
     chunks = []
-    for index in stage_indices(plan, pp_rank):
+    for index in chunks_of_rank(plan.schedule, plan.pp, plan.vpp, pp_rank):
         chunk = copy.deepcopy(model)
         keep = {str(i) for i in ranges[index]}
         for name in list(chunk.layers.keys()):
@@ -264,7 +258,7 @@ class PipelineRunner:
         self._evaluating = False
         self.group = pp_mesh.get_group() if hasattr(pp_mesh, "get_group") else pp_mesh
         pp_rank = dist.get_rank(self.group)
-        indices = stage_indices(plan, pp_rank)
+        indices = list(chunks_of_rank(plan.schedule, plan.pp, plan.vpp, pp_rank))
         if len(chunks) != len(indices):
             raise ValueError(
                 f"pipeline rank {pp_rank} should hold {len(indices)} chunks (stages {indices}) "

@@ -39,21 +39,9 @@ from fivefold.planner.memory import (
 from fivefold.planner.options import PlannerOptions
 from fivefold.planner.partition import stage_layer_counts
 from fivefold.spec.cluster import ClusterSpec
+from fivefold.spec.geometry import chunks_of_rank, is_v_shaped
 from fivefold.spec.model import ModelSpec
 from fivefold.spec.plan import ParallelPlan
-
-V_SCHEDULES = ("zbv", "dualpipev")
-
-
-def rank_chunks(v_shaped: bool, pp: int, vpp: int, rank: int) -> tuple[int, ...]:
-    """Virtual stages of pipeline rank `rank` (the placement `memory.chunks_of_rank` uses)."""
-    if v_shaped and pp > 1:
-        return (rank, 2 * pp - 1 - rank)
-    return tuple(range(rank, pp * vpp, pp))
-
-
-def is_v_shaped(plan: ParallelPlan) -> bool:
-    return plan.schedule in V_SCHEDULES and plan.pp > 1
 
 
 @dataclass
@@ -93,7 +81,7 @@ class Bounds:
     def memory(self, plan: ParallelPlan, inflight: list[int]) -> float:
         """Bytes the first or the last pipeline rank needs (the larger): `stage_memory`'s sum
         for those two ranks, assembled from cached pieces."""
-        v = is_v_shaped(plan)
+        v = is_v_shaped(plan.schedule, plan.pp)
         state = self._state(plan, v)
         acts = self._activations(plan, v)
         other = self._other(plan, v)
@@ -112,10 +100,11 @@ class Bounds:
         rank_bytes: Callable[[list[int], tuple[int, ...]], float],
     ) -> tuple[float, float]:
         """`rank_bytes(layers per virtual stage, the rank's virtual stages)` for the first and
-        the last pipeline rank (`v`: the V-shaped chunk placement)."""
+        the last pipeline rank (`v`: the V-shaped chunk placement, part of the callers' keys)."""
         counts = stage_layer_counts(self.model, plan.pp * plan.vpp)
         first, last = (
-            rank_bytes(counts, rank_chunks(v, plan.pp, plan.vpp, r)) for r in (0, plan.pp - 1)
+            rank_bytes(counts, chunks_of_rank(plan.schedule, plan.pp, plan.vpp, r))
+            for r in (0, plan.pp - 1)
         )
         return first, last
 
@@ -240,10 +229,10 @@ class Bounds:
         if plan.pp == 1:
             f, b = self._chunk_times(layer_key, plan.vpp)
             return m * (sum(f) + sum(b))
-        v = is_v_shaped(plan)
+        v = is_v_shaped(plan.schedule, plan.pp)
         profile = self._cached(
             ("profile", layer_key, plan.pp, plan.vpp, v),
-            lambda: self._pipeline_profile(layer_key, plan.pp, plan.vpp, v),
+            lambda: self._pipeline_profile(layer_key, plan.pp, plan.vpp, plan.schedule),
         )
         return max(fixed + m * unit for fixed, unit in profile)
 
@@ -288,9 +277,10 @@ class Bounds:
         return self._cached(("chunks", layer_key, stages), make)
 
     def _pipeline_profile(
-        self, layer_key: ParallelPlan, pp: int, vpp: int, v: bool
+        self, layer_key: ParallelPlan, pp: int, vpp: int, schedule: str
     ) -> tuple[tuple[float, float], ...]:
         """Per rank (fixed seconds, seconds per micro-batch): step >= fixed + m * unit."""
+        v = is_v_shaped(schedule, pp)
         forward, backward = self._chunk_times(layer_key, pp * vpp)
         f_before, b_before = [0.0], [0.0]
         for f, b in zip(forward, backward, strict=True):
@@ -298,7 +288,7 @@ class Bounds:
             b_before.append(b_before[-1] + b)
         out = []
         for rank in range(pp):
-            mine = rank_chunks(v, pp, vpp, rank)
+            mine = chunks_of_rank(schedule, pp, vpp, rank)
             unit = sum(forward[c] + backward[c] for c in mine)
             first = mine[0]
             out.append((f_before[first] + (0.0 if v else b_before[first]), unit))

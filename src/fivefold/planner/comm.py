@@ -1,7 +1,7 @@
 """Communication costs: which link a process group uses, and alpha-beta times of collectives.
 
 Placement. Ranks are placed node-major and the mesh is, outer to inner, pp, dp_replicate,
-dp_shard, cp, tp (`fivefold.spec.plan`), so the ranks of a group along one axis are `stride`
+dp_shard, cp, tp (`fivefold.spec.geometry`), so the ranks of a group along one axis are `stride`
 apart, where the stride is the product of the inner degrees (tp: 1, cp: tp, dp_shard: tp*cp, ...).
 A group of `size` ranks `stride` apart stays in one node when size * stride <= gpus_per_node;
 otherwise it spans nodes with k = max(1, gpus_per_node // stride) members per node. Where one
@@ -61,6 +61,7 @@ from dataclasses import dataclass, field
 
 from fivefold.planner.calibration import EfficiencyModel
 from fivefold.spec.cluster import ClusterSpec
+from fivefold.spec.geometry import axis_groups
 from fivefold.spec.plan import ParallelPlan
 from fivefold.spec.profile import Measured
 
@@ -147,22 +148,7 @@ def group_link(
     )
 
 
-# ---- the groups of a plan ----------------------------------------------------------------------
-def axis_groups(plan: ParallelPlan) -> dict[str, tuple[int, int]]:
-    """(size, stride) of every process group the cost model uses."""
-    tp, cp = plan.tp, plan.cp
-    return {
-        "tp": (tp, 1),
-        "cp": (cp, tp),
-        "ep": (plan.ep, tp),  # the inner ep ranks of dp_shard x cp
-        "dp_shard_cp": (plan.dp_shard * cp, tp),
-        "dp_cp": (plan.dp * cp, tp),
-        "dp_replicate": (plan.dp_replicate, tp * cp * plan.dp_shard),
-        "expert_shard": (max(1, plan.dp_shard * cp // plan.ep), tp * plan.ep),
-        "pp": (plan.pp, tp * cp * plan.dp),
-    }
-
-
+# ---- the groups of a plan (`fivefold.spec.geometry.axis_groups`) -------------------------------
 def plan_link(
     cluster: ClusterSpec,
     plan: ParallelPlan,

@@ -59,10 +59,7 @@ from fivefold.planner.memory import (
     StageMemory,
     all_stage_memory,
     chunk_layers,
-    chunks_of_rank,
     compute_bytes,
-    dense_shard_degree,
-    expert_shard_degree,
     fp8_gather_saving,
     layer_params_per_rank,
     local_kv_width,
@@ -72,6 +69,13 @@ from fivefold.planner.options import PlannerOptions
 from fivefold.planner.partition import stage_layer_counts
 from fivefold.planner.schedule import Simulation, StageCosts, build_schedule, simulate
 from fivefold.spec.cluster import ClusterSpec
+from fivefold.spec.geometry import (
+    chunk_rank,
+    chunks_of_rank,
+    dense_shard_degree,
+    expert_shard_degree,
+    is_v_shaped,
+)
 from fivefold.spec.hardware import GPUSpec
 from fivefold.spec.model import ModelSpec, training_flops_per_token
 from fivefold.spec.plan import ParallelPlan
@@ -664,7 +668,7 @@ def _rank_tails(
     the same kind of chunks share the costs; only their drain idle time differs."""
     key = replace(plan, grad_accum=1, micro_batch=1, recompute="none", schedule="1f1b", vpp=1)
     pipelined = len(chunk_sigs) > 1
-    loop = plan.schedule in ("gpipe", "1f1b", "interleaved-1f1b") and plan.pp > 1
+    loop = plan.pp > 1 and not is_v_shaped(plan.schedule, plan.pp)
     mean_backward = sum(c.backward_input_s + c.backward_weight_s for c in chunk_costs)
     mean_backward /= len(chunk_costs)
     mean_forward = sum(c.forward_s for c in chunk_costs) / len(chunk_costs)
@@ -672,7 +676,7 @@ def _rank_tails(
     shared: dict[tuple, tuple] = {}
     tails = []
     for rank in range(plan.pp):
-        chunks = chunks_of_rank(plan, rank)
+        chunks = chunks_of_rank(plan.schedule, plan.pp, plan.vpp, rank)
         sig = tuple(chunk_sigs[c] for c in chunks)
         base = shared.get(sig)
         if base is None:
@@ -903,9 +907,8 @@ def estimate(
         model, model.seq_len, plan.recompute, early_stop=opts.checkpoint_early_stop
     )
     hw_flops *= global_tokens
-    rank_compute = [
-        m * sum(chunk_costs[c].compute_s for c in chunks_of_rank(plan, r)) for r in range(plan.pp)
-    ]
+    placed = [chunks_of_rank(plan.schedule, plan.pp, plan.vpp, r) for r in range(plan.pp)]
+    rank_compute = [m * sum(chunk_costs[c].compute_s for c in chunks) for chunks in placed]
     busiest = max(range(plan.pp), key=lambda r: busy[r])
     in_stage = _excess(busy[busiest], rank_compute[busiest])
     shared = shared_cores_step_s(plan, device, rank_compute, in_stage, step - pipeline_s)
@@ -1019,7 +1022,7 @@ def analytic_pipeline(plan: ParallelPlan, costs: StageCosts) -> tuple[float, lis
     m, p, v = plan.grad_accum, plan.pp, plan.vpp
     work = [0.0] * p
     for chunk in range(p * v):
-        rank = chunks_of_rank_index(plan, chunk)
+        rank = chunk_rank(plan.schedule, plan.pp, chunk)
         work[rank] += (
             costs.forward_s[chunk] + costs.backward_input_s[chunk] + costs.backward_weight_s[chunk]
         )
@@ -1035,13 +1038,6 @@ def analytic_pipeline(plan: ParallelPlan, costs: StageCosts) -> tuple[float, lis
     b = sum(costs.backward_input_s) / n
     w = sum(costs.backward_weight_s) / n
     return m * max(work) + (p - 1) * max(0.0, f + b - 2 * w) + 2 * (n - 1) * d, busy
-
-
-def chunks_of_rank_index(plan: ParallelPlan, chunk: int) -> int:
-    """The pipeline rank holding virtual stage `chunk`."""
-    if plan.schedule in ("zbv", "dualpipev"):
-        return chunk if chunk < plan.pp else 2 * plan.pp - 1 - chunk
-    return chunk % plan.pp
 
 
 def _validate(
@@ -1085,7 +1081,7 @@ def _comm_summary(
     boundary: float,
     pp_link: C.Link,
 ) -> list[CommCost]:
-    chunks = chunks_of_rank(plan, rank)
+    chunks = chunks_of_rank(plan.schedule, plan.pp, plan.vpp, rank)
     out: list[CommCost] = []
     cp_pattern = {"ring": "p2p", "allgather": "collective"}.get(plan.cp_kind, "all-to-all")
     ep_pattern = "dispatch" if opts.ep_dispatch == "deepep" else "all-to-all"

@@ -86,6 +86,12 @@ from fivefold.planner.levers import (
     state_recipe,
 )
 from fivefold.planner.partition import stage_layer_counts
+from fivefold.spec.geometry import (
+    chunk_rank,
+    chunks_of_rank,
+    dense_shard_degree,
+    expert_shard_degree,
+)
 from fivefold.spec.model import (
     ModelSpec,
     attention_extra_params,
@@ -428,16 +434,6 @@ def params_of(
     return ChunkParams(dense, experts, largest)
 
 
-def dense_shard_degree(plan: ParallelPlan) -> int:
-    """ZeRO sharding degree of dense weights: dp_shard x cp (the runtime's dp_shard_cp)."""
-    return plan.dp_shard * plan.cp
-
-
-def expert_shard_degree(plan: ParallelPlan) -> int:
-    """ZeRO sharding degree of routed experts: dp_shard x cp / ep (dp_shard_mod_ep)."""
-    return max(1, plan.dp_shard * plan.cp // plan.ep)
-
-
 def chunk_state_bytes(
     model: ModelSpec, plan: ParallelPlan, counts: list[int], chunk: int, eager: bool = False
 ) -> Tenants:
@@ -744,14 +740,6 @@ class StageMemory:
         return {k: v / GiB for k, v in self.other_terms.items()}
 
 
-def chunks_of_rank(plan: ParallelPlan, rank: int) -> list[int]:
-    """Virtual stages held by pipeline rank `rank` (loop placement, or the V of zbv/dualpipev)."""
-    chunks = plan.pp * plan.vpp
-    if plan.schedule in ("zbv", "dualpipev") and plan.pp > 1:
-        return [rank, 2 * plan.pp - 1 - rank]
-    return [c for c in range(chunks) if c % plan.pp == rank]
-
-
 def stage_memory(
     model: ModelSpec,
     plan: ParallelPlan,
@@ -766,7 +754,7 @@ def stage_memory(
     if problems:
         raise ConfigError(problems)
     counts = counts or stage_layer_counts(model, plan.pp * plan.vpp)
-    chunks = chunks_of_rank(plan, rank)
+    chunks = list(chunks_of_rank(plan.schedule, plan.pp, plan.vpp, rank))
     state = Tenants(0.0, 0.0, 0.0)
     host = 0.0
     for c in chunks:
@@ -837,8 +825,6 @@ def eager_peak_activations(
     `pipeline_boundary_bytes`)."""
     if plan.pp == 1:
         return max(per_chunk), tuple(chunks) if plan.grad_accum > 1 else ()
-    from fivefold.planner.schedule import chunk_rank
-
     last = plan.pp * plan.vpp - 1
     kept = retained or [0.0] * len(chunks)
     grads = grads or [0.0] * len(chunks)
@@ -1094,7 +1080,8 @@ def rank_signature(plan: ParallelPlan, counts: tuple[int, ...], rank: int) -> tu
     """What a rank's costs depend on: per chunk, its layer count and whether it is the first or
     the last virtual stage. Ranks with equal signatures hold equal work and memory."""
     last = len(counts) - 1
-    return tuple((counts[c], c == 0, c == last) for c in chunks_of_rank(plan, rank))
+    chunks = chunks_of_rank(plan.schedule, plan.pp, plan.vpp, rank)
+    return tuple((counts[c], c == 0, c == last) for c in chunks)
 
 
 def all_stage_memory(

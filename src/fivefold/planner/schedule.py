@@ -3,7 +3,7 @@
 A schedule is what each pipeline rank computes, in order: `Action(kind, microbatch, chunk)` with
 kind "F" (forward), "B" (backward; with `split_backward` only the input gradient) and "W" (weight
 gradient, only when `split_backward`). `chunk` is the virtual stage index along the model,
-0..pp*vpp-1; which rank holds a chunk depends on the schedule (`Schedule.rank_of`).
+0..pp*vpp-1; which rank holds a chunk depends on the schedule (`fivefold.spec.geometry`).
 
 Schedules (written from the papers, not from a library; the runtime maps them onto
 `torch.distributed.pipelining` where it can, so this module knows nothing about costs):
@@ -45,9 +45,8 @@ from functools import cached_property, lru_cache
 from typing import NamedTuple
 
 from fivefold.errors import ConfigError
+from fivefold.spec.geometry import SCHEDULES, V_SHAPED, ScheduleName, chunk_rank, chunks_of_rank
 
-SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved-1f1b", "zbv", "dualpipev")
-V_SHAPED = ("zbv", "dualpipev")
 KINDS = ("F", "B", "W")
 _F, _B, _W = 0, 1, 2
 
@@ -90,21 +89,10 @@ class Schedule:
         """The pipeline rank that holds virtual stage `chunk`."""
         return chunk_rank(self.name, self.pp, chunk)
 
-    def chunks_of(self, rank: int) -> list[int]:
-        """The virtual stages rank `rank` holds, in model order."""
-        return [c for c in range(self.num_chunks) if self.rank_of(c) == rank]
-
     @property
     def peak_inflight(self) -> list[int]:
         """Per rank, the most (micro-batch, chunk) activations alive at once (cost-independent)."""
         return list(_peak_inflight(self))
-
-
-def chunk_rank(name: str, pp: int, chunk: int) -> int:
-    """Rank of virtual stage `chunk`: c % pp in a loop, or the V shape (c, then 2pp-1-c)."""
-    if name in V_SHAPED:
-        return chunk if chunk < pp else 2 * pp - 1 - chunk
-    return chunk % pp
 
 
 # ---- building ------------------------------------------------------------------------------
@@ -120,16 +108,16 @@ def build_schedule(name: str, pp: int, vpp: int = 1, microbatches: int = 1) -> S
 
 def _check(name: str, pp: int, vpp: int, m: int) -> None:
     problems = []
-    if name not in SCHEDULE_NAMES:
-        problems.append(f"schedule = {name!r}: choose one of {', '.join(SCHEDULE_NAMES)}.")
+    if name not in SCHEDULES:
+        problems.append(f"schedule = {name!r}: choose one of {', '.join(SCHEDULES)}.")
     for label, value in (("pp", pp), ("vpp", vpp), ("microbatches (grad_accum)", m)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             problems.append(f"{label} = {value!r}: must be a whole number >= 1.")
     if problems:
         raise ConfigError(problems)
-    if name in ("gpipe", "1f1b") and vpp != 1:
+    if name in (ScheduleName.GPIPE, ScheduleName.ONE_F_ONE_B) and vpp != 1:
         problems.append(f"schedule {name!r} has one chunk per rank: set vpp = 1 (got {vpp}).")
-    if name == "interleaved-1f1b":
+    if name == ScheduleName.INTERLEAVED_1F1B:
         if vpp < 2:
             problems.append(f"schedule 'interleaved-1f1b' needs vpp >= 2 (got {vpp}).")
         if m % pp:
@@ -140,7 +128,7 @@ def _check(name: str, pp: int, vpp: int, m: int) -> None:
     if name in V_SHAPED:
         if vpp != 2:
             problems.append(f"schedule {name!r} is V-shaped: set vpp = 2 (got {vpp}).")
-        least = 2 * pp - 1 if name == "zbv" else 2 * pp
+        least = 2 * pp - 1 if name == ScheduleName.ZBV else 2 * pp
         if m < least:
             problems.append(
                 f"microbatches (grad_accum) = {m}: {name} with pp = {pp} needs at least {least}; "
@@ -187,8 +175,8 @@ def _interleaved_rank(pp: int, vpp: int, m: int, rank: int) -> list[Action]:
 class _VBuilder:
     """Appends actions for the two chunks of one rank of a V schedule, counting micro-batches."""
 
-    def __init__(self, pp: int, rank: int):
-        self.chunks = (rank, 2 * pp - 1 - rank)
+    def __init__(self, name: str, pp: int, rank: int):
+        self.chunks = chunks_of_rank(name, pp, 2, rank)
         self.next = {(kind, side): 0 for kind in KINDS for side in (0, 1)}
         self.pending_w: list[tuple[int, int]] = []  # (side, microbatch) with B done, W not yet
         self.out: list[Action] = []
@@ -229,7 +217,7 @@ class _VBuilder:
 
 
 def _zbv_rank(pp: int, vpp: int, m: int, rank: int) -> list[Action]:
-    v = _VBuilder(pp, rank)
+    v = _VBuilder(ScheduleName.ZBV, pp, rank)
     for _ in range(2 * (pp - rank) - 1):
         v.forward(0)
     for _ in range(rank):
@@ -261,7 +249,7 @@ def _zbv_rank(pp: int, vpp: int, m: int, rank: int) -> list[Action]:
 
 
 def _dualpipev_rank(pp: int, vpp: int, m: int, rank: int) -> list[Action]:
-    v = _VBuilder(pp, rank)
+    v = _VBuilder(ScheduleName.DUALPIPEV, pp, rank)
     for _ in range(2 * (pp - rank - 1)):  # 1: forwards of the first chunk
         v.forward(0)
     for _ in range(rank + 1):  # 2: paired forwards
@@ -298,11 +286,11 @@ def _dualpipev_rank(pp: int, vpp: int, m: int, rank: int) -> list[Action]:
 
 
 _BUILDERS = {
-    "gpipe": _gpipe_rank,
-    "1f1b": _one_f_one_b_rank,
-    "interleaved-1f1b": _interleaved_rank,
-    "zbv": _zbv_rank,
-    "dualpipev": _dualpipev_rank,
+    ScheduleName.GPIPE: _gpipe_rank,
+    ScheduleName.ONE_F_ONE_B: _one_f_one_b_rank,
+    ScheduleName.INTERLEAVED_1F1B: _interleaved_rank,
+    ScheduleName.ZBV: _zbv_rank,
+    ScheduleName.DUALPIPEV: _dualpipev_rank,
 }
 
 
@@ -352,13 +340,13 @@ def _peak_inflight(schedule: Schedule) -> tuple[int, ...]:
     """
     p, m, v = schedule.pp, schedule.microbatches, schedule.vpp
     name = schedule.name
-    if name == "gpipe":
+    if name == ScheduleName.GPIPE:
         return (m,) * p
-    if name == "1f1b":
+    if name == ScheduleName.ONE_F_ONE_B:
         return tuple(min(p - i, m) for i in range(p))
-    if name == "interleaved-1f1b":
+    if name == ScheduleName.INTERLEAVED_1F1B:
         return tuple(min((v - 1) * p + 2 * (p - 1 - i) + 1, m * v) for i in range(p))
-    if name == "zbv":
+    if name == ScheduleName.ZBV:
         return (2 * p,) * p
     return (2 * p + 1,) * p
 

@@ -65,6 +65,7 @@ from fivefold.planner.uncertainty import (
     risk_problems,
 )
 from fivefold.spec.cluster import ClusterSpec
+from fivefold.spec.geometry import ep_fits
 from fivefold.spec.hardware import GiB
 from fivefold.spec.model import RECOMPUTE_POLICIES, ModelSpec
 from fivefold.spec.plan import ParallelPlan
@@ -239,7 +240,7 @@ def hsdp_shards(dp: int, cp: int, tp: int, gpus_per_node: int) -> list[int]:
 def ep_choices(model: ModelSpec, dp_shard: int, cp: int) -> list[int]:
     if not model.is_moe:
         return [1]
-    return [ep for ep in divisors(model.experts) if (dp_shard * cp) % ep == 0]
+    return [ep for ep in divisors(model.experts) if ep_fits(ep, dp_shard, cp)]
 
 
 def schedule_choices(model: ModelSpec, pp: int) -> list[tuple[str, int]]:

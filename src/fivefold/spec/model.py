@@ -29,6 +29,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field, fields, replace
 
+from fivefold.spec.geometry import RECOMPUTE_POLICIES
+
 MLP_KINDS = ("swiglu", "gelu")
 ATTENTION_KINDS = ("gqa", "mla")
 # RoPE scalings a config may name (how a factor > 1 stretches the frequencies); the runtime
@@ -406,9 +408,6 @@ def param_count(m: ModelSpec, active_only: bool = False) -> int:
 
 
 # ---- FLOPs -------------------------------------------------------------------------------------
-RECOMPUTE_POLICIES = ("none", "selective", "full")
-
-
 ATTENTION_CONVENTION = "per document, causal pairs (L^2/2 per document)"
 
 

@@ -1,9 +1,9 @@
 """`ParallelPlan`: how a model is split over the GPUs of a cluster, and its validation.
 
-Degrees multiply to the world size: pp * dp_replicate * dp_shard * cp * tp. The mesh order, outer
-to inner, is pp, dp_replicate, dp_shard, cp, tp (TP innermost so it stays inside a node). ZeRO
-shards over the dp_shard x cp ranks (those that hold different data or sequence shards);
-dp_replicate > 1 with dp_shard > 1 and zero = 3 is HSDP. EP borrows its ranks from dp_shard * cp.
+Degrees multiply to the world size: pp * dp_replicate * dp_shard * cp * tp, laid out on the mesh
+of `fivefold.spec.geometry` (pp outermost, tp innermost). ZeRO shards over the dp_shard x cp ranks
+(those that hold different data or sequence shards); dp_replicate > 1 with dp_shard > 1 and
+zero = 3 is HSDP. EP borrows its ranks from dp_shard * cp.
 Batch sizes are in sequences: global batch = micro_batch * dp * grad_accum, and with pipelining the
 grad_accum micro-batches are the pipeline's micro-batches.
 """
@@ -14,23 +14,28 @@ from dataclasses import asdict, dataclass, replace
 
 from fivefold.errors import ConfigError
 from fivefold.spec.cluster import ClusterSpec
+from fivefold.spec.geometry import (
+    CP_KINDS,
+    OFFLOAD_KINDS,
+    SCHEDULES,
+    V_SHAPED,
+    ScheduleName,
+    ep_fits,
+    mesh_size,
+)
 from fivefold.spec.hardware import UNKNOWN_GPU
 from fivefold.spec.model import RECOMPUTE_POLICIES, ModelSpec
 from fivefold.spec.precision import RECIPES
 from fivefold.spec.precision import recipe as precision_recipe
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zbv", "dualpipev")
-CP_KINDS = ("ring", "allgather", "ulysses")
-# Memory levers (issue 11). offload: "optimizer" keeps the fp32 master weights and the optimizer
-# state in host memory and runs the optimizer step on the host CPU (ZeRO-Offload, DeepSpeed's
-# offload_optimizer); "all" also keeps the sharded parameters and gradients there (FSDP2's
-# CPUOffloadPolicy, DeepSpeed's offload_param), so it needs zero = 3.
-OFFLOAD_KINDS = ("none", "optimizer", "all")
+# Memory levers: offload (`geometry.Offload`); "optimizer" keeps the fp32 master weights and the
+# optimizer state in host memory and runs the optimizer step on the host CPU (ZeRO-Offload,
+# DeepSpeed's offload_optimizer); "all" also keeps the sharded parameters and gradients there
+# (FSDP2's CPUOffloadPolicy, DeepSpeed's offload_param), so it needs zero = 3.
 # Adam's m and v: fp32, or torchao's block-quantised AdamW8bit / AdamWFp8 (1 byte + scales).
 OPTIMIZER_STATES = ("fp32", "8bit", "fp8")
 # FP8 compute of the linear layers through torchao's float8 training (dynamic scaling).
 FP8_RECIPES = ("none", "tensorwise", "rowwise")
-TWO_STAGES_PER_RANK = ("zbv", "dualpipev")  # V-shaped schedules: exactly 2 chunks per rank
 RUNTIME_COMPUTE_DTYPES = ("fp32", "bf16")  # what fivefold's runtime computes in
 PLAN_LIMIT = 1 << 17  # the largest degree or micro-batch (cf. spec.cluster.MAX_GPUS)
 # Micro-batches per step: the pipeline schedule is simulated (and drawn) micro-batch by
@@ -65,7 +70,7 @@ class ParallelPlan:
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp * self.cp * self.tp
+        return mesh_size(self)
 
     @property
     def global_batch(self) -> int:
@@ -241,7 +246,7 @@ class ParallelPlan:
             out.append(f"plan.vpp = {self.vpp} needs plan.pp > 1: virtual stages split a pipeline.")
         if self.pp > 1:
             out += self._schedule_problems()
-        if self.ep > 1 and (self.dp_shard * self.cp) % self.ep:
+        if self.ep > 1 and not ep_fits(self.ep, self.dp_shard, self.cp):
             out.append(
                 f"plan.ep = {self.ep} must divide dp_shard * cp = {self.dp_shard * self.cp}: "
                 "expert parallelism borrows its ranks from the sharded data-parallel and context "
@@ -252,12 +257,12 @@ class ParallelPlan:
     def _schedule_problems(self) -> list[str]:
         out = []
         m = self.grad_accum
-        if self.schedule in ("gpipe", "1f1b") and self.vpp != 1:
+        if self.schedule in (ScheduleName.GPIPE, ScheduleName.ONE_F_ONE_B) and self.vpp != 1:
             out.append(
                 f"plan.schedule = {self.schedule!r} runs one stage per rank: set plan.vpp = 1, or "
                 "use 'interleaved-1f1b' for vpp > 1."
             )
-        if self.schedule == "interleaved-1f1b":
+        if self.schedule == ScheduleName.INTERLEAVED_1F1B:
             if self.vpp < 2:
                 out.append("plan.schedule = 'interleaved-1f1b' needs plan.vpp >= 2.")
             if m % self.pp:
@@ -265,7 +270,7 @@ class ParallelPlan:
                     f"plan.grad_accum = {m} (micro-batches) must be a multiple of plan.pp = "
                     f"{self.pp} for the interleaved 1F1B schedule."
                 )
-        if self.schedule in TWO_STAGES_PER_RANK:
+        if self.schedule in V_SHAPED:
             if self.vpp != 2:
                 out.append(
                     f"plan.schedule = {self.schedule!r} is V-shaped with exactly two stages per "

@@ -1,0 +1,180 @@
+"""The layout's geometry: mesh axes and their order, rank coordinates, process groups, shard
+degrees, which pipeline rank holds which chunk, and the names of a plan's choices.
+
+Pure Python (no torch), read by the plan's validation, the planner, the runtime's mesh, the
+explorer's rank grid and the CLI. Degrees come from any object with the fields pp,
+dp_replicate, dp_shard, cp, tp and ep (a `ParallelPlan`, the runtime's `ParallelDims`).
+
+Mesh axes, outer to inner: pp, dp_replicate, dp_shard, cp, tp (TP innermost, so a TP group is a
+run of consecutive ranks and stays inside a node); rank r has row-major coordinates in that
+order. A process group is `size` ranks `stride` apart (`axis_groups`): the five axes and the
+flattened views the runtime builds, dp = dp_replicate x dp_shard, dp_shard_cp = dp_shard x cp
+(what ZeRO shards dense weights over), dp_cp = dp x cp, ep = the inner ep ranks of
+dp_shard x cp (expert parallelism borrows its ranks there, so ep must divide dp_shard x cp) and
+expert_shard = the rest of dp_shard x cp (what ZeRO shards routed experts over).
+
+Chunk placement: a pipeline of pp ranks runs pp * vpp chunks (virtual stages, in model order).
+The loop schedules put chunk c on rank c % pp; the V-shaped ones (two chunks per rank) put rank
+i's chunks at i and 2 pp - 1 - i, so the first and the last chunk share rank 0.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from functools import lru_cache
+from typing import Protocol
+
+
+class ScheduleName(StrEnum):
+    """Pipeline schedules (`fivefold.planner.schedule` builds their action lists)."""
+
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+    INTERLEAVED_1F1B = "interleaved-1f1b"
+    ZBV = "zbv"
+    DUALPIPEV = "dualpipev"
+
+
+class CpKind(StrEnum):
+    """How context-parallel ranks exchange keys and values."""
+
+    RING = "ring"
+    ALLGATHER = "allgather"
+    ULYSSES = "ulysses"
+
+
+class Recompute(StrEnum):
+    """Activation recompute policies, cheapest first (each recomputes more)."""
+
+    NONE = "none"
+    SELECTIVE = "selective"
+    FULL = "full"
+
+
+class Offload(StrEnum):
+    """What lives in host memory: nothing, the optimizer (ZeRO-Offload), or also the sharded
+    parameters and gradients (FSDP2's CPUOffloadPolicy; needs zero = 3)."""
+
+    NONE = "none"
+    OPTIMIZER = "optimizer"
+    ALL = "all"
+
+
+# The values as plain strings, in order: for messages, TOML / JSON and argparse choices.
+SCHEDULES: tuple[str, ...] = tuple(s.value for s in ScheduleName)
+CP_KINDS: tuple[str, ...] = tuple(k.value for k in CpKind)
+RECOMPUTE_POLICIES: tuple[str, ...] = tuple(r.value for r in Recompute)
+OFFLOAD_KINDS: tuple[str, ...] = tuple(o.value for o in Offload)
+
+V_SHAPED = (ScheduleName.ZBV, ScheduleName.DUALPIPEV)  # exactly two chunks per rank, in a V
+
+
+class Axis(StrEnum):
+    """The mesh axes, declared outer to inner."""
+
+    PP = "pp"
+    DP_REPLICATE = "dp_replicate"
+    DP_SHARD = "dp_shard"
+    CP = "cp"
+    TP = "tp"
+
+
+MESH_ORDER: tuple[Axis, ...] = tuple(Axis)  # outer to inner: tp varies fastest with the rank
+
+
+class Degrees(Protocol):
+    """The parallel degrees of a layout (`ParallelPlan`, `ParallelDims`)."""
+
+    @property
+    def pp(self) -> int: ...
+    @property
+    def dp_replicate(self) -> int: ...
+    @property
+    def dp_shard(self) -> int: ...
+    @property
+    def cp(self) -> int: ...
+    @property
+    def tp(self) -> int: ...
+    @property
+    def ep(self) -> int: ...
+
+
+# ---- ranks and groups --------------------------------------------------------------------------
+def mesh_shape(d: Degrees) -> tuple[int, ...]:
+    """The degrees in `MESH_ORDER`."""
+    return tuple(getattr(d, axis) for axis in MESH_ORDER)
+
+
+def mesh_size(d: Degrees) -> int:
+    """Ranks in the mesh: pp x dp_replicate x dp_shard x cp x tp."""
+    return d.pp * d.dp_replicate * d.dp_shard * d.cp * d.tp
+
+
+def rank_coordinates(d: Degrees, rank: int) -> dict[str, int]:
+    """Row-major coordinates of `rank` on the mesh axes, in `MESH_ORDER` (tp innermost)."""
+    if not 0 <= rank < mesh_size(d):
+        raise ValueError(f"rank {rank} outside a world of {mesh_size(d)}")
+    out: dict[str, int] = {}
+    rest = rank
+    for axis in reversed(MESH_ORDER):
+        size = getattr(d, axis)
+        out[axis.value] = rest % size
+        rest //= size
+    return {axis.value: out[axis.value] for axis in MESH_ORDER}
+
+
+def dense_shard_degree(d: Degrees) -> int:
+    """Ranks ZeRO shards dense weights over: dp_shard x cp (the runtime's dp_shard_cp)."""
+    return d.dp_shard * d.cp
+
+
+def expert_shard_degree(d: Degrees) -> int:
+    """Ranks ZeRO shards routed experts over: dp_shard x cp / ep (the runtime's edp_shard)."""
+    return max(1, d.dp_shard * d.cp // d.ep)
+
+
+def ep_fits(ep: int, dp_shard: int, cp: int) -> bool:
+    """Whether `ep` divides dp_shard x cp, the ranks expert parallelism borrows."""
+    return (dp_shard * cp) % ep == 0
+
+
+def axis_groups(d: Degrees) -> dict[str, tuple[int, int]]:
+    """(size, stride) of every process group: `size` ranks, `stride` apart in rank order."""
+    tp, cp, dp = d.tp, d.cp, d.dp_replicate * d.dp_shard
+    return {
+        "tp": (tp, 1),
+        "cp": (cp, tp),
+        "ep": (d.ep, tp),  # the inner ep ranks of dp_shard x cp
+        "dp": (dp, tp * cp),
+        "dp_shard_cp": (dense_shard_degree(d), tp),
+        "dp_cp": (dp * cp, tp),
+        "dp_replicate": (d.dp_replicate, tp * cp * d.dp_shard),
+        "expert_shard": (expert_shard_degree(d), tp * d.ep),
+        "pp": (d.pp, tp * cp * dp),
+    }
+
+
+def group_index(size: int, stride: int, rank: int) -> int:
+    """Which group of `size` ranks `stride` apart holds `rank`: 0 .. groups-1, numbered in the
+    order of each group's first rank."""
+    return rank // (size * stride) * stride + rank % stride
+
+
+# ---- chunk placement ---------------------------------------------------------------------------
+def is_v_shaped(schedule: str, pp: int) -> bool:
+    """Whether a pipeline of `pp` ranks places its chunks in a V (zbv, dualpipev)."""
+    return schedule in V_SHAPED and pp > 1
+
+
+def chunk_rank(schedule: str, pp: int, chunk: int) -> int:
+    """The pipeline rank holding virtual stage `chunk`: chunk % pp, or the V (chunk, then
+    2 pp - 1 - chunk)."""
+    if is_v_shaped(schedule, pp):
+        return chunk if chunk < pp else 2 * pp - 1 - chunk
+    return chunk % pp
+
+
+@lru_cache(maxsize=4096)
+def chunks_of_rank(schedule: str, pp: int, vpp: int, rank: int) -> tuple[int, ...]:
+    """The virtual stages pipeline rank `rank` holds, in model order."""
+    return tuple(c for c in range(pp * vpp) if chunk_rank(schedule, pp, c) == rank)
