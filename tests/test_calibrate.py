@@ -15,9 +15,9 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from fivefold.model import build_model
-from fivefold.parallel import calibrate as cal
-from fivefold.parallel.calibrate import attention_grid, device_grid_shapes
-from fivefold.parallel.calibrate_comm import fit_alpha_beta, sizes_for, steps_count
+from fivefold.calibration import compute as cal
+from fivefold.calibration.compute import attention_grid, device_grid_shapes
+from fivefold.calibration.comm import fit_alpha_beta, sizes_for, steps_count
 from fivefold.parallel.checkpointing import apply_recompute
 from fivefold.spec.model import (
     attention_score_flops_per_token,
@@ -87,7 +87,7 @@ def test_layer_overhead_measures_each_layer_kind():
     and the one-rank group used for them is gone afterwards."""
     import torch.distributed as dist
 
-    from fivefold.parallel.calibrate import Budget, measure_overhead, tiny_like
+    from fivefold.calibration.compute import Budget, measure_overhead, tiny_like
 
     moe = model_preset("tiny-moe")
     tiny = tiny_like(moe, 3)
@@ -108,7 +108,7 @@ def test_layer_overhead_measures_each_layer_kind():
 def test_grouped_matmul_passes_compute_what_autograd_does():
     """The three timed `_grouped_mm` passes give, group by group, the forward of the experts
     and the two gradients autograd computes for it, and their rows count 2 rows n k FLOPs."""
-    from fivefold.parallel.calibrate import Budget, _grouped_operands, measure_grouped
+    from fivefold.calibration.compute import Budget, _grouped_operands, measure_grouped
 
     groups, tokens, n, k = 2, 16, 8, 4
     fwd, dgrad, wgrad = (
@@ -135,7 +135,7 @@ def test_cp_attention_blocks_are_rank_zeros_share_of_causal_attention():
     import torch.nn.functional as F
 
     from fivefold.model.attention import block_attention
-    from fivefold.parallel.calibrate import Budget, cp_attention_passes, cp_rank_blocks
+    from fivefold.calibration.compute import Budget, cp_attention_passes, cp_rank_blocks
     from fivefold.parallel.context_parallel import load_balanced_indices
 
     batch, heads, seq, cp, d = 2, 4, 32, 2, 8
@@ -157,7 +157,7 @@ def test_paired_extra_recovers_a_known_per_layer_cost():
     import time
 
     from fivefold.model.transformer import Transformer
-    from fivefold.parallel.calibrate import Budget, paired_extra_s, tiny_like
+    from fivefold.calibration.compute import Budget, paired_extra_s, tiny_like
 
     def burn(*_) -> None:
         start = time.thread_time()
@@ -234,7 +234,7 @@ def test_collectives_are_issued_after_each_models_mlp_gemm():
     """Back to back, then after each calibrated model's first MLP projection at the micro-batch:
     small at micro-batch 2 is (512 tokens, ffn 688, hidden 256); tiny-moe (2 x 128 tokens, ffn
     176, hidden 64); a repeated shape is measured once."""
-    from fivefold.parallel.calibrate_comm import DEFAULT_GEMM, gaps
+    from fivefold.calibration.comm import DEFAULT_GEMM, gaps
 
     small, moe = model_preset("small"), model_preset("tiny-moe")
     assert gaps([small, moe, small], 2) == [None, (512, 688, 256), (256, 176, 64)]

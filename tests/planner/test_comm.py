@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fivefold.planner.calibration import EfficiencyModel
+from fivefold.planner.efficiency import EfficiencyModel
 from fivefold.planner.comm import (
     all_gather_bytes,
     all_gather_time_s,

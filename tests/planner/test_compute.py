@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fivefold.planner.calibration import EfficiencyModel
+from fivefold.planner.efficiency import EfficiencyModel
 from fivefold.planner.compute import (
     ComputeOptions,
     flash_attention_forward_s,

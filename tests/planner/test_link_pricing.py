@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from fivefold.planner.calibration import EfficiencyModel
+from fivefold.planner.efficiency import EfficiencyModel
 from fivefold.planner.comm import (
     all_gather_time_s,
     link_model,

@@ -1,7 +1,7 @@
 """`fivefold calibrate`: measure this machine into a device profile the planner and runs read.
 
-The measurements are `fivefold.parallel.calibrate` (kernels) and
-`fivefold.parallel.calibrate_comm` (collectives over spawned ranks); the profile format is
+The measurements are `fivefold.calibration.compute` (kernels) and
+`fivefold.calibration.comm` (collectives over spawned ranks); the profile format is
 `fivefold.spec.profile`. Torch is imported only inside the handler.
 """
 
@@ -149,7 +149,7 @@ def handle(args: argparse.Namespace) -> int:
     model, plan = model_and_plan(args.items)
     also = tuple(_preset(name) for name in args.also)
     console = Console(highlight=False, soft_wrap=True)
-    from fivefold.parallel.host_memory import keep_freed_memory
+    from fivefold.launch.host_memory import keep_freed_memory
 
     keep_freed_memory()  # as training runs keep it: kernels timed without fresh page faults
     profile = run_calibration(
@@ -209,8 +209,8 @@ def run_calibration(
         TimeRemainingColumn,
     )
 
-    from fivefold.parallel import calibrate as cal
-    from fivefold.parallel import calibrate_comm as comm
+    from fivefold.calibration import compute as cal
+    from fivefold.calibration import comm
     from fivefold.spec.profile import available_cores
 
     cuda = measuring_device(cal)

@@ -39,7 +39,7 @@ from functools import cached_property, lru_cache
 from fivefold.errors import ConfigError
 from fivefold.planner import comm as C
 from fivefold.planner import lever_costs as LC
-from fivefold.planner.calibration import EfficiencyModel, efficiency_model
+from fivefold.planner.efficiency import EfficiencyModel, efficiency_model
 from fivefold.planner.compute import (
     Work,
     embedding_work,

@@ -49,7 +49,7 @@ node's GPUs, which all step at once. Assumptions, both as named constants.
 
 from __future__ import annotations
 
-from fivefold.planner.calibration import EfficiencyModel
+from fivefold.planner.efficiency import EfficiencyModel
 from fivefold.planner.compute import (
     Work,
     gemm_time_s,

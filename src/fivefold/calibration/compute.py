@@ -26,7 +26,7 @@ model):
   autograd, each op's dispatch): dense and MoE layers, and the extra of tensor parallelism
   (DTensor), of expert parallelism on a MoE layer and of a data-parallel unit (FSDP2's hooks
   for ZeRO-3, ZeRO-1/2 and `replicate` for ZeRO-0), measured on a one-rank mesh.
-The collectives run over real process groups (`fivefold.parallel.calibrate_comm`).
+The collectives run over real process groups (`fivefold.calibration.comm`).
 Besides the model's own shapes, a model-independent grid of GEMM and attention shapes
 (`DEVICE_GRID`, `ATTENTION_GRID`) that the planner interpolates any model among.
 
@@ -587,7 +587,7 @@ def measure_bandwidth(
     model: ModelSpec, plan: ParallelPlan, threads: int, budget: Budget, processes: int = 1
 ) -> list[Bandwidth]:
     """Bandwidths in the planner's byte accounting (`fivefold.planner.compute`); `processes`:
-    how many local processes run this at once (`fivefold.parallel.calibrate_comm` runs it on
+    how many local processes run this at once (`fivefold.calibration.comm` runs it on
     every rank of its worlds, so the rows see memory bandwidth shared as a run shares it)."""
     dense = replace(model, experts=0, top_k=0, shared_experts=0, dense_layers=0)
     one = ParallelPlan(micro_batch=plan.micro_batch, precision="fp32")
