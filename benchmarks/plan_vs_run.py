@@ -8,7 +8,7 @@ Each layout trains a CPU preset (fp32, the embedded corpus) for `--steps` steps 
 ranks with the real `DistributedRuntime` and the real training loop (`Trainer.fit`, clipping and
 AdamW as in `fivefold train`). The figures are the runtime's own layout report
 (`fivefold.parallel.report.stage_rows`): the measured peak is the loop's and the runtime's
-tensor-storage counter (`fivefold.train.memory_counter`, which also sees the pipeline's receive buffers),
+storage counter (`fivefold.train.memory_counter`, which also sees the pipeline's receive buffers),
 the prediction the planner's memory model for the recipe's model and plan; the measured step
 time is the runtime's `train_step` (forward, backward, gradient communication) of step 3 (step 1
 warms up; steps 2 and 4 run under the memory counters, whose dispatch mode slows every op, and

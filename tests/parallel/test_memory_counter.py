@@ -1,4 +1,4 @@
-"""The CPU peak-memory counter (`fivefold.train.memory_counter`): resize-aware, split into tenants, and
+"""The CPU memory counter (`fivefold.train.memory_counter`): resize-aware, split into tenants, and
 byte for byte what PyTorch's `MemTracker` reports on real layouts (1 rank, DP2 ZeRO-3 whose
 FSDP2 frees gathered parameters with `storage.resize_(0)`, DP2 ZeRO-0)."""
 

@@ -374,8 +374,8 @@ def test_classic_attention_costs_more_than_flash(capsys):
 
 
 def test_profile_recipe_and_flag_precedence_is_stated(capsys, tmp_path):
-    from fivefold.planner.options import PlannerOptions
     from fivefold.planner.frameworks import profile
+    from fivefold.planner.options import PlannerOptions
 
     recipe = tmp_path / "r.toml"
     recipe.write_text(

@@ -14,7 +14,6 @@ import pytest
 from fivefold.errors import ConfigError
 from fivefold.planner.efficiency import published_runs
 from fivefold.planner.estimate import estimate
-from fivefold.planner.options import PlannerOptions
 from fivefold.planner.frameworks import (
     DEFAULT_PROFILE,
     PROFILES_FILE,
@@ -23,6 +22,7 @@ from fivefold.planner.frameworks import (
     profiles,
     row_options,
 )
+from fivefold.planner.options import PlannerOptions
 from fivefold.planner.published import run_setup
 from fivefold.spec import cluster_preset
 from fivefold.spec.hardware import gpu

@@ -4,7 +4,7 @@ For each recompute policy (none, selective, full: cheapest first) real training 
 a growing micro-batch (1, 2, 4, ...) in one process until a step runs out of memory (CUDA) or
 its measured peak exceeds `--memory-limit` GiB (any device). The peak is the runtime's own:
 CUDA's allocator peak (`torch.cuda.max_memory_allocated`) or, on CPU, the live tensor storage
-counted over one step (`fivefold.train.memory_counter.track_cpu_peak`, as `fivefold train` reports it);
+counted over one step (`fivefold.train.memory_counter.track_cpu_peak`, as in `fivefold train`);
 the second step is measured, after the first has allocated the optimizer state. Beside each
 measurement the planner's predicted peak (`fivefold.parallel.report.memory_only_prediction`).
 

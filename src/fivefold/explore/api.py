@@ -28,7 +28,6 @@ from typing import Any
 
 from fivefold.errors import ConfigError
 from fivefold.explore.rank_grid import rank_grid
-from fivefold.planner.options import CHOICES, OPTION_HELP, PlannerOptions
 from fivefold.planner.frameworks import (
     DEFAULT_PROFILE,
     SECTION_KEYS,
@@ -36,6 +35,7 @@ from fivefold.planner.frameworks import (
     planner_settings,
     profiles,
 )
+from fivefold.planner.options import CHOICES, OPTION_HELP, PlannerOptions
 from fivefold.planner.uncertainty import risk_problems
 from fivefold.spec.cluster import CLUSTER_PRESETS, ClusterSpec
 from fivefold.spec.hardware import GPU_ALIASES, GPUS, GiB

@@ -21,8 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from fivefold.planner.efficiency import EfficiencyModel, published_runs
-from fivefold.planner.options import PlannerOptions
 from fivefold.planner.frameworks import row_options
+from fivefold.planner.options import PlannerOptions
 from fivefold.spec.cluster import ClusterSpec, cluster_preset
 from fivefold.spec.model import ModelSpec
 from fivefold.spec.plan import ParallelPlan

@@ -1,6 +1,6 @@
 """Device profiles: what `fivefold calibrate` measured on a machine, as data the planner reads.
 
-A profile is a TOML file (written by `fivefold.calibration.compute`, read here without torch):
+A profile is a TOML file (written by `fivefold.calibration`, read here without torch):
 
     format = 1
     [device]      name, kind ("cpu" | "cuda"), cores, memory_bytes (host memory or HBM),
@@ -58,7 +58,7 @@ A profile is a TOML file (written by `fivefold.calibration.compute`, read here w
                   busbw_bytes_per_s
 
 The matmul and attention rows hold the model's shapes and a model-independent grid of shapes
-(`fivefold.calibration.compute.DEVICE_GRID`, `ATTENTION_GRID`); the planner reads rates as
+(`fivefold.calibration.matmul.DEVICE_GRID`, `attention.ATTENTION_GRID`); the planner reads rates as
 functions of shape, interpolated among the rows in log space (`log_shape_interp`), so one
 profile serves every model. A CUDA profile (kind "cuda") has bf16 and, where the GPU has it,
 fp8 ("fp8": `torch._scaled_mm`) matmul rows, all at threads = 1.

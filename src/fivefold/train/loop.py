@@ -36,6 +36,7 @@ from fivefold.train.interrupt import (
     die_on_signals,
     stop_on_signals,
 )
+from fivefold.train.lr_schedule import build_scheduler
 from fivefold.train.memory_counter import PeakReading, track_cpu_peak, track_cuda_peak
 from fivefold.train.metrics import (
     ConsoleReporter,
@@ -52,7 +53,6 @@ from fivefold.train.optim import build_optimizer
 from fivefold.train.peak import DevicePeak, cuda_fp8_peak, device_peak
 from fivefold.train.profiling import StepProfiler
 from fivefold.train.runtime import Runtime, make_runtime
-from fivefold.train.lr_schedule import build_scheduler
 from fivefold.train.trackers import Trackers
 
 

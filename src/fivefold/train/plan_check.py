@@ -18,7 +18,7 @@ because no library provides it):
   `_hidden_meta` what its neighbour sends (the hidden states [b, T/cp/tp_sp, hidden] in the
   compute dtype).
 - The optimizer state is made first (as a previous step leaves it); then one step is measured.
-The peak is counted twice: by the runtime's own counter (`fivefold.train.memory_counter`) and by torch's
+The peak is counted twice: by the runtime's counter (`fivefold.train.memory_counter`) and by torch's
 `MemTracker` (`torch.distributed._tools.mem_tracker`), tenant by tenant.
 """
 
