@@ -1,4 +1,4 @@
-"""Keeping freed host memory (`fivefold.parallel.host_memory.keep_freed_memory`, what `fivefold
+"""Keeping freed host memory (`fivefold.launch.host_memory.keep_freed_memory`, what `fivefold
 train` does on every rank) against glibc's defaults, on whole CPU training steps.
 
 Each trial trains one layout of `benchmarks/plan_vs_run.py` (default `1r`: the small preset,

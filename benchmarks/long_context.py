@@ -10,7 +10,7 @@ cases run `DistributedRuntime` with `cp = 4` (ring attention) on 4 gloo processe
 
 Memory is measured the way the runtime's layout report does it (`DistributedRuntime.
 _memory_tracker`): the live tensor storages of one `train_step` (forward + backward) counted by
-`fivefold.train.memory.track_cpu_peak` from the parameters on, plus AdamW's m and v (8 bytes
+`fivefold.train.memory_counter.track_cpu_peak` from the parameters on, plus AdamW's m and v (8 bytes
 per parameter). It is deterministic. The prediction is the planner's, through the function the
 layout report uses (`fivefold.parallel.report.predictions`: the memory model of fivefold's
 eager runtime, no CUDA context, no fragmentation on CPU); the error is
@@ -67,7 +67,7 @@ def measured_step(runtime, batch, with_time: bool) -> tuple[int, float | None]:
     """(peak bytes of one train_step with AdamW's m and v added, seconds of an untracked step)."""
     import torch.distributed as dist
 
-    from fivefold.train.memory import track_cpu_peak
+    from fivefold.train.memory_counter import track_cpu_peak
 
     parts = runtime.model_parts
     params = sum(

@@ -8,7 +8,7 @@ Each layout trains a CPU preset (fp32, the embedded corpus) for `--steps` steps 
 ranks with the real `DistributedRuntime` and the real training loop (`Trainer.fit`, clipping and
 AdamW as in `fivefold train`). The figures are the runtime's own layout report
 (`fivefold.parallel.report.stage_rows`): the measured peak is the loop's and the runtime's
-tensor-storage counter (`fivefold.train.memory`, which also sees the pipeline's receive buffers),
+storage counter (`fivefold.train.memory_counter`, which also sees the pipeline's receive buffers),
 the prediction the planner's memory model for the recipe's model and plan; the measured step
 time is the runtime's `train_step` (forward, backward, gradient communication) of step 3 (step 1
 warms up; steps 2 and 4 run under the memory counters, whose dispatch mode slows every op, and
@@ -198,7 +198,7 @@ def _worker(
         import torch
         import torch.distributed as dist
 
-        from fivefold.parallel.host_memory import keep_freed_memory
+        from fivefold.launch.host_memory import keep_freed_memory
 
         torch.set_num_threads(1)
         if keep_memory:
@@ -222,7 +222,7 @@ def _worker(
 def measure(layout: Layout, steps: int, timeout_s: float = 900.0, keep_memory: bool = True) -> dict:
     """Run `layout` on its ranks (forked from a torch-preloaded forkserver); rank 0's rows.
     `keep_memory`: the ranks keep freed host memory as `fivefold train` does
-    (`fivefold.parallel.host_memory`; False for `benchmarks/host_memory.py`'s baseline)."""
+    (`fivefold.launch.host_memory`; False for `benchmarks/host_memory.py`'s baseline)."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "fivefold.parallel.runtime", "fivefold.train.loop"])
     results = ctx.Queue()

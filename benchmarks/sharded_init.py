@@ -6,7 +6,7 @@ Each rank builds the real `DistributedRuntime` (meta model -> FSDP2 `fully_shard
 at the root -> `to_empty` -> `init_weights`, which draws only the rank's own shards; see
 `fivefold.model.init`) and measures, during that construction:
 - peak live tensor storage: every storage an operator returns, counted from its creation to its
-  release (`fivefold.train.memory.StorageCounter`, the runtime's CPU memory counter);
+  release (`fivefold.train.memory_counter.StorageCounter`, the runtime's CPU memory counter);
 - peak RSS growth (`ru_maxrss` after minus before; pages the allocator touched, a cross-check
   that sees allocations outside operators too);
 and compares the peak with its budget, (this rank's parameter shard + one full layer) in fp32:
@@ -36,7 +36,7 @@ def measure(rank: int, world: int, preset: str, zero: int) -> dict:
 
     from fivefold.spec.model import layer_params, param_count
     from fivefold.spec.recipe import recipe_from_dict
-    from fivefold.train.memory import StorageCounter
+    from fivefold.train.memory_counter import StorageCounter
     from fivefold.train.runtime import distributed_runtime
 
     plan = {"precision": "fp32", "dp_shard": world, "zero": zero, "micro_batch": 1}

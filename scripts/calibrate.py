@@ -42,7 +42,7 @@ from collections import defaultdict
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from fivefold.planner.calibration import (
+from fivefold.planner.efficiency import (
     EFFICIENCY_FILE,
     FITTED,
     EfficiencyModel,

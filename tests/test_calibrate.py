@@ -14,20 +14,28 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from fivefold.calibration import attention, compute, matmul, timing
+from fivefold.calibration.attention import attention_grid
+from fivefold.calibration.comm import fit_alpha_beta, sizes_for, steps_count
+from fivefold.calibration.matmul import device_grid_shapes
+from fivefold.calibration.tables import build_profile, sort_rows
 from fivefold.model import build_model
-from fivefold.parallel import calibrate as cal
-from fivefold.parallel.calibrate import attention_grid, device_grid_shapes
-from fivefold.parallel.calibrate_comm import fit_alpha_beta, sizes_for, steps_count
 from fivefold.parallel.checkpointing import apply_recompute
 from fivefold.spec.model import (
     attention_score_flops_per_token,
     early_stop_skipped_flops_per_token,
     training_flops_per_token,
 )
+from fivefold.spec.plan import ParallelPlan
 from fivefold.spec.presets import model_preset
 from fivefold.spec.profile import (
     BANDWIDTH_KINDS,
     COLLECTIVES,
+    Attention,
+    Bandwidth,
+    DeviceProfile,
+    Matmul,
+    Overhead,
     available_cores,
     bus_factor,
     parse_profile,
@@ -87,7 +95,8 @@ def test_layer_overhead_measures_each_layer_kind():
     and the one-rank group used for them is gone afterwards."""
     import torch.distributed as dist
 
-    from fivefold.parallel.calibrate import Budget, measure_overhead, tiny_like
+    from fivefold.calibration.overhead import measure_overhead, tiny_like
+    from fivefold.calibration.timing import Budget
 
     moe = model_preset("tiny-moe")
     tiny = tiny_like(moe, 3)
@@ -108,7 +117,8 @@ def test_layer_overhead_measures_each_layer_kind():
 def test_grouped_matmul_passes_compute_what_autograd_does():
     """The three timed `_grouped_mm` passes give, group by group, the forward of the experts
     and the two gradients autograd computes for it, and their rows count 2 rows n k FLOPs."""
-    from fivefold.parallel.calibrate import Budget, _grouped_operands, measure_grouped
+    from fivefold.calibration.matmul import _grouped_operands, measure_grouped
+    from fivefold.calibration.timing import Budget
 
     groups, tokens, n, k = 2, 16, 8, 4
     fwd, dgrad, wgrad = (
@@ -134,8 +144,9 @@ def test_cp_attention_blocks_are_rank_zeros_share_of_causal_attention():
     single-process causal SDPA; and its rate counts the planner's FLOPs."""
     import torch.nn.functional as F
 
+    from fivefold.calibration.attention import cp_attention_passes, cp_rank_blocks
+    from fivefold.calibration.timing import Budget
     from fivefold.model.attention import block_attention
-    from fivefold.parallel.calibrate import Budget, cp_attention_passes, cp_rank_blocks
     from fivefold.parallel.context_parallel import load_balanced_indices
 
     batch, heads, seq, cp, d = 2, 4, 32, 2, 8
@@ -156,8 +167,9 @@ def test_paired_extra_recovers_a_known_per_layer_cost():
     tolerance is what a loaded machine adds to the unburnt rest, seen up to +0.6 ms)."""
     import time
 
+    from fivefold.calibration.overhead import paired_extra_s, tiny_like
+    from fivefold.calibration.timing import Budget
     from fivefold.model.transformer import Transformer
-    from fivefold.parallel.calibrate import Budget, paired_extra_s, tiny_like
 
     def burn(*_) -> None:
         start = time.thread_time()
@@ -234,7 +246,7 @@ def test_collectives_are_issued_after_each_models_mlp_gemm():
     """Back to back, then after each calibrated model's first MLP projection at the micro-batch:
     small at micro-batch 2 is (512 tokens, ffn 688, hidden 256); tiny-moe (2 x 128 tokens, ffn
     176, hidden 64); a repeated shape is measured once."""
-    from fivefold.parallel.calibrate_comm import DEFAULT_GEMM, gaps
+    from fivefold.calibration.comm import DEFAULT_GEMM, gaps
 
     small, moe = model_preset("small"), model_preset("tiny-moe")
     assert gaps([small, moe, small], 2) == [None, (512, 688, 256), (256, 176, 64)]
@@ -302,8 +314,8 @@ class _FakeEvent:
 
 @pytest.fixture
 def on_fake_gpu(monkeypatch):
-    """Kernels "on" an H200: the calibrate module's device is cuda, torch.cuda answers as one."""
-    monkeypatch.setattr(cal, "_device", torch.device("cuda"))
+    """Kernels "on" an H200: the measured device is cuda, torch.cuda answers as one."""
+    monkeypatch.setattr(timing, "_device", torch.device("cuda"))
     monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "NVIDIA H200")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: (9, 0))
@@ -316,19 +328,19 @@ def on_fake_gpu(monkeypatch):
 
 def test_kernels_on_a_gpu_are_timed_by_cuda_events(on_fake_gpu):
     ran = []
-    assert cal.timed_s(lambda: ran.append(1)) == pytest.approx(2.5e-3)  # ms -> s
+    assert timing.timed_s(lambda: ran.append(1)) == pytest.approx(2.5e-3)  # ms -> s
     assert ran == [1]
-    assert cal.fp8_supported() == hasattr(torch, "_scaled_mm")  # capability 9.0
+    assert matmul.fp8_supported() == hasattr(torch, "_scaled_mm")  # capability 9.0
 
 
 def test_the_gpu_steps_measure_bf16_and_fp8_gemms_attention_bandwidth_and_launches(on_fake_gpu):
     model = model_preset("small")
-    plan = cal.ParallelPlan(micro_batch=2, precision="bf16-mixed")
-    labels = [label for label, _ in cal.compute_steps(model, plan, 1, True, "native")]
+    plan = ParallelPlan(micro_batch=2, precision="bf16-mixed")
+    labels = [label for label, _ in compute.compute_steps(model, plan, 1, True, "native")]
     grid = device_grid_shapes("cuda", quick=True)
     for m, n, k, layout in grid:
         assert f"matmul bf16 {m}x{n}x{k} {layout}" in labels
-        if cal.fp8_supported():
+        if matmul.fp8_supported():
             assert f"matmul fp8 {m}x{n}x{k} {layout}" in labels
     # small at micro-batch 2: 512 tokens; its wk forward (512 x 128 x 256) is measured too,
     # the LM head's 512 x 4096 x 256 as well; nothing per thread count (a GPU has none)
@@ -340,8 +352,8 @@ def test_the_gpu_steps_measure_bf16_and_fp8_gemms_attention_bandwidth_and_launch
 
 
 def test_a_gpu_profile_names_the_gpu_its_memory_and_nccl(on_fake_gpu):
-    tables = cal.sort_rows([])
-    profile = cal.build_profile(model_preset("small"), 1, "native", tables, "none", [], [])
+    tables = sort_rows([])
+    profile = build_profile(model_preset("small"), 1, "native", tables, "none", [], [])
     assert (profile.kind, profile.name, profile.backend) == ("cuda", "NVIDIA H200", "nccl")
     assert profile.memory_bytes == 150_000_000_000
 
@@ -350,11 +362,11 @@ def test_calibrate_measures_the_gpu_when_torch_sees_one(monkeypatch):
     from fivefold.cli import cmd_calibrate
 
     chosen = []
-    monkeypatch.setattr(cal, "use_device", chosen.append)
+    monkeypatch.setattr(timing, "use_device", chosen.append)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert cmd_calibrate.measuring_device(cal) is True
+    assert cmd_calibrate.measuring_device(timing) is True
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert cmd_calibrate.measuring_device(cal) is False
+    assert cmd_calibrate.measuring_device(timing) is False
     assert chosen == ["cuda", "cpu"]
 
 
@@ -368,12 +380,12 @@ def test_nccl_collectives_reach_one_gib():
 def test_a_cpu_run_leaves_a_gpu_profile_at_the_default_location_alone(tmp_path, monkeypatch):
     from fivefold.train.entry import with_default_profile
 
-    profile = cal.DeviceProfile(
+    profile = DeviceProfile(
         name="NVIDIA H200", kind="cuda", cores=16, memory_bytes=150 * 10**9, backend="nccl",
-        ranks=1, matmul=(cal.Matmul("bf16", 1, 512, 512, 512, "nt", 1e14),),
-        attention=(cal.Attention("bf16", 1, 1, 8, 8, 1024, 128, 1, 1e14, 1e14),),
-        bandwidth=tuple(cal.Bandwidth(k, 1, 1, 1e12) for k in BANDWIDTH_KINDS),
-        overhead=(cal.Overhead(1, *([0.0] * 14)),),
+        ranks=1, matmul=(Matmul("bf16", 1, 512, 512, 512, "nt", 1e14),),
+        attention=(Attention("bf16", 1, 1, 8, 8, 1024, 128, 1, 1e14, 1e14),),
+        bandwidth=tuple(Bandwidth(k, 1, 1, 1e12) for k in BANDWIDTH_KINDS),
+        overhead=(Overhead(1, *([0.0] * 14)),),
     )  # fmt: skip
     path = tmp_path / "device-profile.toml"
     path.write_text(profile.to_toml())
@@ -388,12 +400,12 @@ def test_every_gpu_measurement_keeps_its_tensors_on_the_measured_device(monkeypa
     """The GPU steps run on the meta device (no GPU here): a tensor made on the host among
     them would fail as it would beside CUDA tensors (a device mismatch). Rows come back for
     every step: grid and model GEMMs, the grouped experts, attention, bandwidth, overhead."""
-    monkeypatch.setattr(cal, "_device", torch.device("meta"))
-    monkeypatch.setitem(cal.FLUSH_BYTES, "meta", 1024)
-    monkeypatch.setitem(cal.DEVICE_GRID, ("cuda", True), ((64,), (64,)))
-    monkeypatch.setitem(cal.ATTENTION_GRID, ("cuda", True), ((4, 2), (1,), (128,), (32,)))
-    plan = cal.ParallelPlan(micro_batch=2, precision="bf16-mixed")
-    steps = cal.cuda_steps(model_preset("tiny"), plan, 2, True, (model_preset("tiny-moe"),))
+    monkeypatch.setattr(timing, "_device", torch.device("meta"))
+    monkeypatch.setitem(timing.FLUSH_BYTES, "meta", 1024)
+    monkeypatch.setitem(matmul.DEVICE_GRID, ("cuda", True), ((64,), (64,)))
+    monkeypatch.setitem(attention.ATTENTION_GRID, ("cuda", True), ((4, 2), (1,), (128,), (32,)))
+    plan = ParallelPlan(micro_batch=2, precision="bf16-mixed")
+    steps = compute.cuda_steps(model_preset("tiny"), plan, 2, True, (model_preset("tiny-moe"),))
     # (the MoE layer's launch cost needs a real device: its routing counts tokens, bincount)
     rows = [row for label, thunk in steps if label != "overhead" for row in thunk()]
     assert {type(r).__name__ for r in rows} == {

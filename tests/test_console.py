@@ -9,7 +9,7 @@ from pathlib import Path
 from rich.console import Console
 
 from fivefold.cli.main import main
-from fivefold.parallel import threads
+from fivefold.launch import threads
 from fivefold.spec import profile
 from fivefold.train.metrics import ConsoleReporter, StepMetrics
 
@@ -69,7 +69,7 @@ def test_cgroup_quota_caps_the_threads(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(profile, "cgroup_cpu_limit", lambda: 2.5)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     assert profile.available_cores() == 3  # 8 cores visible, 2.5 CPUs of quota
-    from fivefold.parallel.launch import threads_per_rank
+    from fivefold.launch.launcher import threads_per_rank
 
     assert threads_per_rank(2) == 1 and threads_per_rank(1) == 3
 

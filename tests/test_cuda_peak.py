@@ -15,7 +15,7 @@ from fivefold.parallel.report import format_rows, memory_only_prediction, record
 from fivefold.planner.memory import MemoryOptions, all_stage_memory
 from fivefold.spec.plan import ParallelPlan
 from fivefold.spec.presets import MODEL_PRESETS
-from fivefold.train.memory import track_cuda_peak
+from fivefold.train.memory_counter import track_cuda_peak
 
 GIB = 2**30
 

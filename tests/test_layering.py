@@ -1,7 +1,8 @@
 """The import direction of the design, read from the source (every import, lazy ones included).
 
     errors -> spec -> planner            (pure Python: never torch)
-                   -> model -> parallel -> checkpoint -> train -> explore -> cli
+                   -> launch             (process start-up and the host: torch only lazily)
+                   -> model -> parallel -> calibration, checkpoint -> train -> explore -> cli
 
 A package may import only packages on a lower layer (spec and planner: no torch at all), so
 `parallel/` never reaches into `train/` or `checkpoint/`, and the planner stays fast.
@@ -21,7 +22,9 @@ LAYERS = {
     "spec": 1,
     "planner": 2,
     "model": 2,
+    "launch": 2,
     "parallel": 3,
+    "calibration": 4,
     "checkpoint": 4,
     "train": 5,
     "explore": 6,

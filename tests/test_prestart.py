@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from fivefold.cli.main import main
-from fivefold.parallel import machine_memory
+from fivefold.launch import machine_memory
 from fivefold.parallel.report import predictions_for
 from fivefold.train.entry import load_run
 from fivefold.train.prestart import GIB, MemoryFit
@@ -26,7 +26,7 @@ def refuse_starts(monkeypatch) -> None:
     def started(*args, **kwargs):
         raise AssertionError("the run was started")
 
-    monkeypatch.setattr("fivefold.parallel.launch.launch_local", started)
+    monkeypatch.setattr("fivefold.launch.launcher.launch_local", started)
     monkeypatch.setattr("fivefold.train.loop.train", started)
 
 

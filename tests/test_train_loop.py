@@ -23,8 +23,8 @@ from fivefold.train.data import Batch
 from fivefold.train.entry import load_run
 from fivefold.train.inputs import load_train_data
 from fivefold.train.loop import train
+from fivefold.train.lr_schedule import lr_at
 from fivefold.train.runtime import LocalRuntime
-from fivefold.train.schedule import lr_at
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 TINY = CONFIGS / "tiny-cpu.toml"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fivefold.train.memory import StorageCounter, track_cpu_peak
+from fivefold.train.memory_counter import StorageCounter, track_cpu_peak
 from fivefold.train.metrics import ThroughputMeter, utilization
 from fivefold.train.peak import catalog_key_for_cuda, cuda_peak, device_peak
 

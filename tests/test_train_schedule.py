@@ -10,8 +10,8 @@ import torch
 from fivefold.model import build_model
 from fivefold.spec.presets import model_preset
 from fivefold.train.config import TrainConfig
+from fivefold.train.lr_schedule import build_scheduler, lr_at
 from fivefold.train.optim import build_optimizer
-from fivefold.train.schedule import build_scheduler, lr_at
 
 
 def cfg(**kw) -> TrainConfig:

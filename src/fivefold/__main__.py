@@ -1,6 +1,6 @@
 """`python -m fivefold`: the `fivefold` command (`fivefold.cli.main`)."""
 
-from fivefold.parallel.shielded_import import hold_signals
+from fivefold.launch.shielded_import import hold_signals
 
 hold_signals()  # before any other import: a Ctrl-C from here on reaches main's handler
 

@@ -72,8 +72,8 @@ class Trainee:
     def __init__(self, plan: dict, world: int, moe: bool = False):
         from fivefold.spec.recipe import recipe_from_dict
         from fivefold.train.config import parse_train_config
+        from fivefold.train.lr_schedule import build_scheduler
         from fivefold.train.optim import build_optimizer
-        from fivefold.train.schedule import build_scheduler
 
         self.recipe = recipe_from_dict(recipe_dict(plan, moe), default_world=world)
         self.cfg = parse_train_config(self.recipe).train

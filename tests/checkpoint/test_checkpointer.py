@@ -21,8 +21,8 @@ from fivefold.model import build_model, cross_entropy_loss
 from fivefold.spec.model import ModelSpec
 from fivefold.train.config import TrainConfig
 from fivefold.train.data.sampler import GlobalSampler
+from fivefold.train.lr_schedule import build_scheduler
 from fivefold.train.optim import build_optimizer
-from fivefold.train.schedule import build_scheduler
 
 SPEC = ModelSpec(
     "ckpt-test",

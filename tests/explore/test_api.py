@@ -15,8 +15,8 @@ import pytest
 from fivefold.explore.api import json_safe
 from fivefold.explore.rank_grid import rank_grid
 from fivefold.planner.estimate import estimate
+from fivefold.planner.frameworks import planner_settings, profile, profiles
 from fivefold.planner.options import PlannerOptions
-from fivefold.planner.profiles import planner_settings, profile, profiles
 from fivefold.planner.search import search
 from fivefold.spec import (
     GPUS,

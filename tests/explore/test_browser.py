@@ -14,7 +14,7 @@ import sys
 
 from fivefold.explore.api import json_safe
 from fivefold.planner.estimate import estimate
-from fivefold.planner.profiles import planner_settings
+from fivefold.planner.frameworks import planner_settings
 from fivefold.planner.search import TIE_FRACTION, search
 from fivefold.spec import (
     ClusterSpec,

@@ -11,7 +11,7 @@ import torch
 from fivefold.errors import ConfigError
 from fivefold.parallel import device as device_module
 from fivefold.parallel.device import local_cluster_table, local_gpu, real_bf16, uses_cuda
-from fivefold.parallel.precision import resolve_precision
+from fivefold.parallel.mixed_precision import resolve_precision
 from fivefold.parallel.report import predictions_for
 from fivefold.spec.hardware import GPUS, UNKNOWN_GPU, GiB
 from fivefold.train.entry import check_layout, load_run

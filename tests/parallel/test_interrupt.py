@@ -149,7 +149,7 @@ def interrupt_once(
             run.wait_for_step(at_step)
         else:
             time.sleep(early_s)
-        pid = run.proc.pid if target == "launcher" else run.pid_of("fivefold.parallel.agent")
+        pid = run.proc.pid if target == "launcher" else run.pid_of("fivefold.launch.agent")
         os.kill(pid, sig)
         code, out, seconds = run.finish()
     finally:
@@ -261,7 +261,7 @@ runpy.run_module({module!r}, run_name="__main__", alter_sys=True)
     [
         ("fivefold.train", [TINY, "train.steps=1"], "rich"),  # a rank: the CI failure
         ("fivefold", ["train", TINY, "--dry-run"], "argparse"),  # the launcher / CLI
-        ("fivefold.parallel.agent", ["--standalone", "--nproc-per-node=1", "-m", "x"], "logging"),
+        ("fivefold.launch.agent", ["--standalone", "--nproc-per-node=1", "-m", "x"], "logging"),
     ],
 )
 def test_a_signal_during_the_first_imports_waits_for_the_handler(module, args, target) -> None:
@@ -282,7 +282,7 @@ def test_a_signal_during_the_first_imports_waits_for_the_handler(module, args, t
 def test_a_hold_begun_by_an_entry_lasts_until_its_first_block_ends() -> None:
     """`hold_signals` at an entry's first line; a block inside the first `signals_held` block
     ends nothing; the outer block's end delivers the signal once, to the handler it replaced."""
-    from fivefold.parallel.shielded_import import hold_signals, signals_held
+    from fivefold.launch.shielded_import import hold_signals, signals_held
 
     got: list[int] = []
     previous = signal.signal(signal.SIGINT, lambda signum, frame: got.append(signum))

@@ -14,8 +14,8 @@ import pytest
 
 from fivefold.cli.main import main
 from fivefold.errors import ConfigError
-from fivefold.parallel import launch
-from fivefold.parallel.launch import launch_local, torchrun_command
+from fivefold.launch import launcher as launch
+from fivefold.launch.launcher import launch_local, torchrun_command
 from fivefold.train.entry import check_layout
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -77,7 +77,7 @@ def test_launchers_check_the_layout_before_starting(capsys) -> None:
 
 def test_torchrun_command_is_this_python_running_the_agent_and_train_module() -> None:
     cmd = torchrun_command(4, "r.toml", ["plan.tp=2"])
-    assert cmd[:3] == [sys.executable, "-m", "fivefold.parallel.agent"]
+    assert cmd[:3] == [sys.executable, "-m", "fivefold.launch.agent"]
     assert "--standalone" in cmd and "--nproc-per-node=4" in cmd
     assert "--max-restarts=0" in cmd  # no restart unless asked
     assert cmd[-4:] == ["-m", "fivefold.train", "r.toml", "plan.tp=2"]
@@ -122,7 +122,7 @@ def test_max_restarts_reaches_the_torchrun_command(
     monkeypatch.setattr(launch, "run_supervised", recorded)
     assert main(cli_args) == 0
     (command,) = recorded.commands
-    assert command[:3] == [sys.executable, "-m", "fivefold.parallel.agent"]
+    assert command[:3] == [sys.executable, "-m", "fivefold.launch.agent"]
     assert f"--nproc-per-node={expected_nproc}" in command
     assert [a for a in command if a.startswith("--max-restarts")] == [
         f"--max-restarts={expected_restarts}"

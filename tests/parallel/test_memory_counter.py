@@ -1,4 +1,4 @@
-"""The CPU peak-memory counter (`fivefold.train.memory`): resize-aware, split into tenants, and
+"""The CPU memory counter (`fivefold.train.memory_counter`): resize-aware, split into tenants, and
 byte for byte what PyTorch's `MemTracker` reports on real layouts (1 rank, DP2 ZeRO-3 whose
 FSDP2 frees gathered parameters with `storage.resize_(0)`, DP2 ZeRO-0)."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from harness import run_ranks
 
-from fivefold.train.memory import StorageCounter, track_cpu_peak
+from fivefold.train.memory_counter import StorageCounter, track_cpu_peak
 
 
 def test_resize_is_counted_at_the_storage_size() -> None:

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from fivefold.parallel.rank_report import RankReport, summarize
+from fivefold.launch.rank_report import RankReport, summarize
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 TINY = str(CONFIGS / "tiny-cpu.toml")
@@ -96,7 +96,7 @@ def test_only_the_last_attempt_decides_and_the_restart_is_told() -> None:
 
 
 def test_a_sigkilled_rank_is_explained_by_the_oom_killer_count() -> None:
-    from fivefold.parallel.launch import sigkill_cause
+    from fivefold.launch.launcher import sigkill_cause
 
     note = "the planner predicted a peak of 22.97 GiB per rank"
     rose = sigkill_cause(3, 4, note)

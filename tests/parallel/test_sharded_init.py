@@ -64,7 +64,7 @@ def _sharded_init(rank: int, world: int, layout: str, block_elements: int) -> di
 
     from fivefold.parallel.expert_parallel import apply_expert_parallel
     from fivefold.parallel.tensor_parallel import apply_tensor_parallel
-    from fivefold.train.memory import StorageCounter
+    from fivefold.train.memory_counter import StorageCounter
 
     init_mod.BLOCK_ELEMENTS = block_elements
     spec = TINY_MOE if layout == "ep" else TINY

@@ -20,7 +20,7 @@ LOADED = True
 CALLER = """
 import sys
 sys.path.insert(0, {where!r})
-from fivefold.parallel.shielded_import import signals_held
+from fivefold.launch.shielded_import import signals_held
 try:
     with signals_held():
         import slow_module
@@ -51,7 +51,7 @@ def test_sigterm_during_the_import_keeps_its_default_action_after_it(tmp_path) -
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_the_previous_handlers_are_back_after_the_import(sig) -> None:
-    from fivefold.parallel.shielded_import import signals_held
+    from fivefold.launch.shielded_import import signals_held
 
     before = signal.getsignal(sig)
     with signals_held():

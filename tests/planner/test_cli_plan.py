@@ -374,8 +374,8 @@ def test_classic_attention_costs_more_than_flash(capsys):
 
 
 def test_profile_recipe_and_flag_precedence_is_stated(capsys, tmp_path):
+    from fivefold.planner.frameworks import profile
     from fivefold.planner.options import PlannerOptions
-    from fivefold.planner.profiles import profile
 
     recipe = tmp_path / "r.toml"
     recipe.write_text(
@@ -402,7 +402,7 @@ def test_profile_recipe_and_flag_precedence_is_stated(capsys, tmp_path):
 
 
 def test_search_with_a_profile_and_its_recipe_round_trip(capsys, tmp_path):
-    from fivefold.planner.profiles import profile
+    from fivefold.planner.frameworks import profile
     from fivefold.planner.search import search
 
     out = tmp_path / "best.toml"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from fivefold.planner.calibration import EfficiencyModel
 from fivefold.planner.comm import (
     all_gather_bytes,
     all_gather_time_s,
@@ -22,6 +21,7 @@ from fivefold.planner.comm import (
     ring_latency_s,
     tree_latency_s,
 )
+from fivefold.planner.efficiency import EfficiencyModel
 from fivefold.spec import ParallelPlan, cluster_preset, model_preset
 
 EFF = EfficiencyModel(nvlink_fraction=0.8, ib_fraction=0.9)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from fivefold.planner.calibration import EfficiencyModel
 from fivefold.planner.compute import (
     ComputeOptions,
     flash_attention_forward_s,
@@ -16,6 +15,7 @@ from fivefold.planner.compute import (
     memory_time_s,
     optimizer_step_s,
 )
+from fivefold.planner.efficiency import EfficiencyModel
 from fivefold.spec import ParallelPlan, gpu, model_preset
 from fivefold.spec.model import forward_flops_per_token, training_flops_per_token
 

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from fivefold.errors import ConfigError
-from fivefold.planner.calibration import EfficiencyModel
+from fivefold.planner.efficiency import EfficiencyModel
 from fivefold.planner.estimate import estimate
 from fivefold.planner.memory import GiB
 from fivefold.planner.options import PlannerOptions
@@ -207,7 +207,7 @@ def test_parameter_gather_hides_behind_first_forward_and_warm_up():
     """ZeRO-1 parameter all-gather (hand-derived from the stage costs): rank r of a 1F1B pipeline
     hides it behind its first forward and the r chunk forwards it waits for before that."""
     from fivefold.planner import estimate as E
-    from fivefold.planner.calibration import efficiency_model
+    from fivefold.planner.efficiency import efficiency_model
     from fivefold.planner.memory import chunk_layers
 
     model = model_preset("llama3-70b").with_(seq_len=2048)

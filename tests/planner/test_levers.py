@@ -16,8 +16,8 @@ import pytest
 from fivefold.cli.main import main
 from fivefold.errors import ConfigError
 from fivefold.planner.bounds import Bounds
-from fivefold.planner.calibration import efficiency_model
 from fivefold.planner.compute import gemm_time_s
+from fivefold.planner.efficiency import efficiency_model
 from fivefold.planner.estimate import _layer_costs, _layer_key, estimate
 from fivefold.planner.lever_costs import (
     HOST_BW_FRACTION,

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import pytest
 
-from fivefold.planner.calibration import EfficiencyModel
 from fivefold.planner.comm import (
     all_gather_time_s,
     link_model,
@@ -19,6 +18,7 @@ from fivefold.planner.comm import (
     pipeline_link,
     plan_link,
 )
+from fivefold.planner.efficiency import EfficiencyModel
 from fivefold.planner.estimate import estimate
 from fivefold.planner.options import PlannerOptions
 from fivefold.planner.search import search

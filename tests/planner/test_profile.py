@@ -10,8 +10,8 @@ import pytest
 
 from fivefold.errors import ConfigError
 from fivefold.planner import comm as C
-from fivefold.planner.calibration import EfficiencyModel
 from fivefold.planner.compute import ComputeOptions, head_work, layer_work, optimizer_step_s
+from fivefold.planner.efficiency import EfficiencyModel
 from fivefold.planner.estimate import estimate
 from fivefold.spec.model import (
     attention_score_flops_per_token,

@@ -10,7 +10,7 @@ import pytest
 
 from fivefold.planner.bounds import Bounds
 from fivefold.planner.estimate import estimate
-from fivefold.planner.profiles import profile
+from fivefold.planner.frameworks import profile
 from fivefold.planner.search import TIE_FRACTION, Outcome, _derive, rank_fitting, search
 from fivefold.planner.uncertainty import rank_tokens_per_s
 from fivefold.spec import ParallelPlan, cluster_preset, model_preset

@@ -1,8 +1,8 @@
 """`fivefold calibrate`: measure this machine into a device profile the planner and runs read.
 
-The measurements are `fivefold.parallel.calibrate` (kernels) and
-`fivefold.parallel.calibrate_comm` (collectives over spawned ranks); the profile format is
-`fivefold.spec.profile`. Torch is imported only inside the handler.
+The measurements are `fivefold.calibration` (kernels: `compute`; collectives over spawned
+ranks: `comm`); the profile format is `fivefold.spec.profile`. Torch is imported only inside
+the handler.
 """
 
 from __future__ import annotations
@@ -149,7 +149,7 @@ def handle(args: argparse.Namespace) -> int:
     model, plan = model_and_plan(args.items)
     also = tuple(_preset(name) for name in args.also)
     console = Console(highlight=False, soft_wrap=True)
-    from fivefold.parallel.host_memory import keep_freed_memory
+    from fivefold.launch.host_memory import keep_freed_memory
 
     keep_freed_memory()  # as training runs keep it: kernels timed without fresh page faults
     profile = run_calibration(
@@ -209,17 +209,20 @@ def run_calibration(
         TimeRemainingColumn,
     )
 
-    from fivefold.parallel import calibrate as cal
-    from fivefold.parallel import calibrate_comm as comm
+    from fivefold.calibration import comm, timing
+    from fivefold.calibration.compute import compute_steps
+    from fivefold.calibration.machine import bf16_support, cuda_bf16_support, measured_device_name
+    from fivefold.calibration.matmul import fp8_supported
+    from fivefold.calibration.tables import build_profile, sort_rows
     from fivefold.spec.profile import available_cores
 
-    cuda = measuring_device(cal)
-    bf16 = cal.cuda_bf16_support() if cuda else cal.bf16_support()
+    cuda = measuring_device(timing)
+    bf16 = cuda_bf16_support() if cuda else bf16_support()
     if cuda:  # every local GPU is a rank of the collectives (NCCL); one GPU measures none
         ranks = min(ranks, torch_cuda_count())
-        fp8 = "bf16 and fp8" if cal.fp8_supported() else "bf16 (no native fp8 here)"
+        fp8 = "bf16 and fp8" if fp8_supported() else "bf16 (no native fp8 here)"
         console.print(
-            f"measuring the GPU {cal.measured_device_name()}: {fp8} matmuls, timed by CUDA events"
+            f"measuring the GPU {measured_device_name()}: {fp8} matmuls, timed by CUDA events"
         )
     elif bf16 != "native":
         console.print(
@@ -228,7 +231,7 @@ def run_calibration(
         )
     elif quick:
         console.print("bf16: native on this CPU, but --quick measures fp32 only.")
-    steps = cal.compute_steps(model, plan, ranks, quick, bf16, also)
+    steps = compute_steps(model, plan, ranks, quick, bf16, also)
     gemms = tuple(comm.gaps([model, *also], plan.micro_batch))
     collectives = comm.steps_count(ranks, quick, len(gemms), cuda) if ranks >= 2 else 0
     total = len(steps) + collectives
@@ -284,18 +287,18 @@ def run_calibration(
         why = "one GPU here" if cuda else "--nproc 1"
         console.print(f"collectives: not measured with {why} (plans then need one rank).")
     fits = comm.fit_collectives(samples)
-    return cal.build_profile(model, ranks, bf16, cal.sort_rows(rows), backend, samples, fits)
+    return build_profile(model, ranks, bf16, sort_rows(rows), backend, samples, fits)
 
 
-def measuring_device(cal) -> bool:
+def measuring_device(timing) -> bool:
     """Measure the GPU when torch sees one (True), else the CPU: the device resolution every
     run uses (`fivefold.parallel.device.uses_cuda`)."""
     from fivefold.parallel.device import uses_cuda
 
     if uses_cuda("auto"):
-        cal.use_device("cuda")
+        timing.use_device("cuda")
         return True
-    cal.use_device("cpu")
+    timing.use_device("cpu")
     return False
 
 

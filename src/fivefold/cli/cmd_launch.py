@@ -9,7 +9,7 @@ import sys
 from typing import Any
 
 from fivefold.errors import ConfigError
-from fivefold.parallel.launch import SLURM_MAX_RESTARTS
+from fivefold.launch.launcher import SLURM_MAX_RESTARTS
 
 DEFAULT_TIME = "04:00:00"  # sbatch --time when the planner has no prediction
 TIME_MARGIN = 1.25  # the predicted run time is multiplied by this ...
@@ -177,7 +177,7 @@ def _check_allocation(recipe_path: str, overrides: list[str], nodes: int, per_no
 
 
 def handle(args: argparse.Namespace) -> int:
-    from fivefold.parallel.launch import SlurmJob, launch_local, slurm_job_name, slurm_script
+    from fivefold.launch.launcher import SlurmJob, launch_local, slurm_job_name, slurm_script
     from fivefold.train.entry import check_layout, split_recipe_and_overrides
 
     recipe_path, overrides = split_recipe_and_overrides(args.items)
@@ -217,7 +217,7 @@ def predicted_run_s(run: Any, planner: dict) -> tuple[float | None, str]:
     """(the planner's time for the steps this run takes, in seconds; or None and why not)."""
     from fivefold.errors import FivefoldError
     from fivefold.planner.estimate import estimate
-    from fivefold.planner.profiles import planner_settings
+    from fivefold.planner.frameworks import planner_settings
 
     recipe = run.recipe
     try:

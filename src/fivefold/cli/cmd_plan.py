@@ -311,8 +311,8 @@ def _add_budget_options(parser: argparse.ArgumentParser) -> None:
 
 def _add_planner_options(parser: argparse.ArgumentParser) -> None:
     """--profile and one flag per `PlannerOptions` field (help: `options.OPTION_HELP`)."""
+    from fivefold.planner.frameworks import DEFAULT_PROFILE, profiles
     from fivefold.planner.options import CHOICES, OPTION_HELP, PlannerOptions
-    from fivefold.planner.profiles import DEFAULT_PROFILE, profiles
 
     g = parser.add_argument_group(
         "planner options (what the software achieves; a flag replaces the profile's value; "
@@ -384,10 +384,10 @@ def parse_gbps(text: str, flag: str) -> float:
 
 
 def planner_from_args(args: argparse.Namespace, cluster: Any, recipe_data: dict[str, dict]) -> Any:
-    """The profile and options in force (`fivefold.planner.profiles.planner_settings`): the
+    """The profile and options in force (`fivefold.planner.frameworks.planner_settings`): the
     recipe's [planner] table, then --profile and the option flags."""
+    from fivefold.planner.frameworks import planner_settings
     from fivefold.planner.options import OPTION_HELP
-    from fivefold.planner.profiles import planner_settings
 
     flags: dict[str, Any] = {}
     spelled: dict[str, str] = {}  # the flag as typed, for the note saying it replaced a value

@@ -211,7 +211,7 @@ def planner_section_settings(data: dict, device):
     profile), so a table describing other software is said to play no part in the
     prediction beside the run; `--plan auto` uses its `headroom`.
     """
-    from fivefold.planner.profiles import DEFAULT_PROFILE, planner_settings
+    from fivefold.planner.frameworks import DEFAULT_PROFILE, planner_settings
 
     section = data.get("planner") or {}
     settings = planner_settings(device, section)
@@ -240,7 +240,7 @@ def handle(args: argparse.Namespace) -> int:
     if args.nproc < 1:
         raise ConfigError(f"--nproc {args.nproc}: the number of processes must be at least 1.")
     if args.max_restarts < 0:
-        from fivefold.parallel.launch import max_restarts_problems
+        from fivefold.launch.launcher import max_restarts_problems
 
         raise ConfigError(max_restarts_problems(args.max_restarts))
     if args.plan == "auto":
@@ -333,10 +333,10 @@ def _launch(
     nproc: int, recipe_path: str | None, overrides: list[str], max_restarts: int, note: str = ""
 ) -> int:
     try:
-        from fivefold.parallel.launch import launch_local
+        from fivefold.launch.launcher import launch_local
     except ImportError:
         raise ConfigError(
-            f"--nproc {nproc} needs the parallel launcher (fivefold.parallel.launch), which is "
+            f"--nproc {nproc} needs the parallel launcher (fivefold.launch.launcher), which is "
             "not available in this installation; train with --nproc 1, or start `torchrun "
             "--nproc-per-node N -m fivefold.train RECIPE` yourself."
         ) from None

@@ -4,7 +4,7 @@ For each recompute policy (none, selective, full: cheapest first) real training 
 a growing micro-batch (1, 2, 4, ...) in one process until a step runs out of memory (CUDA) or
 its measured peak exceeds `--memory-limit` GiB (any device). The peak is the runtime's own:
 CUDA's allocator peak (`torch.cuda.max_memory_allocated`) or, on CPU, the live tensor storage
-counted over one step (`fivefold.train.memory.track_cpu_peak`, as `fivefold train` reports it);
+counted over one step (`fivefold.train.memory_counter.track_cpu_peak`, as in `fivefold train`);
 the second step is measured, after the first has allocated the optimizer state. Beside each
 measurement the planner's predicted peak (`fivefold.parallel.report.memory_only_prediction`).
 
@@ -104,7 +104,7 @@ class Trial:
 def handle(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from fivefold.parallel.threads import configure_threads
+    from fivefold.launch.threads import configure_threads
 
     console = Console(highlight=False)
     args = _reparse(args)
@@ -298,7 +298,7 @@ def measure_peak(session: TuneSession, run) -> int | None:
 def _second_step_peak(session: TuneSession, run) -> int:
     import torch
 
-    from fivefold.train.memory import track_cpu_peak
+    from fivefold.train.memory_counter import track_cpu_peak
 
     runtime, optimizer = session.runtime, session.optimizer
     batches = session.batches(run)

@@ -5,7 +5,7 @@ Each command module defines `register(subparsers)`, which adds its parser and se
 their handlers, and `main` imports only the module of the command asked for (all of them for
 `fivefold --help` or an unknown command), so `fivefold plan` stays fast. The parser is built,
 and torch imported first for a command that sets `imports_torch`, with Ctrl-C held until they
-have loaded (`fivefold.parallel.shielded_import`). A `FivefoldError` is printed as one
+have loaded (`fivefold.launch.shielded_import`). A `FivefoldError` is printed as one
 paragraph and exits with status 2; an interrupt exits with 130; neither is ever a traceback.
 """
 
@@ -15,7 +15,7 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from fivefold.parallel.shielded_import import hold_signals, signals_held
+from fivefold.launch.shielded_import import hold_signals, signals_held
 
 if TYPE_CHECKING:
     import argparse
@@ -50,9 +50,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     hold_signals()  # until the parser and torch have loaded (kept if `python -m` began it)
     from fivefold.errors import FivefoldError
-    from fivefold.parallel.threads import passive_wait
+    from fivefold.launch.threads import passive_wait
 
-    passive_wait()  # before any command imports torch (see fivefold.parallel.threads)
+    passive_wait()  # before any command imports torch (see fivefold.launch.threads)
     argv = sys.argv[1:] if argv is None else argv
     command = argv[0] if argv else "command"
     try:

@@ -4,7 +4,7 @@ Every request body is a JSON object using the spec's own field names (the same n
 recipe): {"model": {...}, "cluster": {...}, "plan": {...}, "planner": {...}, "global_batch":
 sequences}. `model` and `cluster` may name a preset (`{"preset": "llama3-8b", "seq_len": 8192}`)
 and override any field. `planner` is the recipe's [planner] table: an efficiency `profile`
-(`fivefold.planner.profiles`) and any planner option on top of it (`{"profile": "torchtitan",
+(`fivefold.planner.frameworks`) and any planner option on top of it (`{"profile": "torchtitan",
 "attention_kernel": "classic"}`); answers echo the profile and every option in force. A search
 takes `risk` ("pessimistic", the default, or "expected") as `fivefold plan --risk` does. A
 `planner` table with `tokens` (and optionally `gpu_hour_price`, `failure_rate`, ...) adds the
@@ -28,14 +28,14 @@ from typing import Any
 
 from fivefold.errors import ConfigError
 from fivefold.explore.rank_grid import rank_grid
-from fivefold.planner.options import CHOICES, OPTION_HELP, PlannerOptions
-from fivefold.planner.profiles import (
+from fivefold.planner.frameworks import (
     DEFAULT_PROFILE,
     SECTION_KEYS,
     PlannerSettings,
     planner_settings,
     profiles,
 )
+from fivefold.planner.options import CHOICES, OPTION_HELP, PlannerOptions
 from fivefold.planner.uncertainty import risk_problems
 from fivefold.spec.cluster import CLUSTER_PRESETS, ClusterSpec
 from fivefold.spec.hardware import GPU_ALIASES, GPUS, GiB

@@ -1,7 +1,6 @@
 """fivefold.parallel: a `ParallelPlan` run for real on torch.distributed: gloo on CPU, NCCL on GPU.
 
     runtime = DistributedRuntime(recipe, train_settings)   # under torchrun (`make_runtime`)
-    launch_local(nproc, recipe_path, overrides) -> exit code   # `fivefold train --nproc N`
     ParallelDims.from_plan(plan, world_size).build_meshes("cpu")   # the 5-D mesh
 
 Modules, one concept each: `mesh` (degrees and the DeviceMesh), `tensor_parallel` (TP + SP),
@@ -9,10 +8,11 @@ Modules, one concept each: `mesh` (degrees and the DeviceMesh), `tensor_parallel
 `pipeline`, `context_parallel` and `expert_parallel` (PP, CP ring attention, MoE all-to-all),
 `parallelize` (the fixed order PP -> TP -> EP -> CP -> AC -> FSDP/DDP), `runtime` (the train
 step, loss and gradient norm over the whole layout), `protocol` (the Runtime protocol and
-`StepResult` the loop speaks), `process_group` (start-up, timeouts, the device), `precision` (the
-one precision resolution), `grad_norm`, `report` (predicted vs measured per stage) and `launch`
-(torchrun, sbatch). Names are imported lazily: `import fivefold.parallel`
-does not import torch.
+`StepResult` the loop speaks), `process_group` (start-up, timeouts, the device),
+`mixed_precision` (the one precision resolution), `grad_norm` and `report` (predicted vs
+measured per stage). Starting the processes is `fivefold.launch`; measuring this machine,
+`fivefold.calibration`. Names are imported lazily: `import fivefold.parallel` does not import
+torch.
 """
 
 from __future__ import annotations
@@ -22,8 +22,6 @@ from typing import Any
 _EXPORTS = {
     "DistributedRuntime": "fivefold.parallel.runtime",
     "ParallelDims": "fivefold.parallel.mesh",
-    "launch_local": "fivefold.parallel.launch",
-    "slurm_script": "fivefold.parallel.launch",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -35,7 +35,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from fivefold.parallel.precision import resolve_precision
+from fivefold.parallel.mixed_precision import resolve_precision
 from fivefold.spec.plan import ParallelPlan
 
 

@@ -291,7 +291,7 @@ class PipelineRunner:
             loss_fn=self._schedule_loss,
             scale_grads=scale_grads,
         )
-        for chunk in self.chunks:  # seen by the CPU memory counter (`fivefold.train.memory`)
+        for chunk in self.chunks:  # seen by the memory counter (`fivefold.train.memory_counter`)
             chunk.held_tensors = self.held_tensors
 
     def held_tensors(self) -> list[torch.Tensor]:

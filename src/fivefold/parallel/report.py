@@ -9,7 +9,7 @@ at step 4 and times step 3), and is compared with the planner's step time less i
 step (clipping and the optimizer included) and compared with the whole predicted step.
 
 Measured peak memory: CUDA's allocator peak; on CPU, the peak of live tensor storage over one
-step (`fivefold.train.memory`, resize-aware, the pipeline's receive buffers included), split
+step (`fivefold.train.memory_counter`, resize-aware, the pipeline's receive buffers included), split
 into parameters, gradients and optimizer state (known from the tensors) and activations (the
 rest: saved tensors, gathered parameters, buffers). Tenants are compared only as both sides
 define them: all four in one process; on FSDP2-wrapped (multi-process) runs the optimizer

@@ -35,7 +35,7 @@ from torch import nn
 from fivefold.model.loss import cross_entropy_loss
 from fivefold.parallel.data_parallel import set_gradient_sync
 from fivefold.parallel.mesh import Meshes, ParallelDims
-from fivefold.parallel.precision import RuntimePrecision, resolve_precision
+from fivefold.parallel.mixed_precision import RuntimePrecision, resolve_precision
 from fivefold.parallel.process_group import (
     collective_guard,
     init_distributed,
@@ -47,7 +47,7 @@ from fivefold.spec.recipe import Recipe
 
 # How the runtime measures its own CPU peak when the loop does not: a context manager over
 # (modules, optimizer) whose value has `peak_bytes` (the loop passes
-# `fivefold.train.memory.track_cpu_peak`; None measures nothing).
+# `fivefold.train.memory_counter.track_cpu_peak`; None measures nothing).
 PeakTracker = Callable[[list[nn.Module], Any], AbstractContextManager[Any]]
 
 
@@ -413,7 +413,7 @@ class DistributedRuntime:
     ) -> None:
         """A measurement of this rank's peak (CPU: the loop's or the step's own; CUDA: the
         loop's, from reset statistics) with its split into tenants
-        (`fivefold.train.memory.TENANTS`) and the reserved peak plus the CUDA context; the
+        (`fivefold.train.memory_counter.TENANTS`) and the reserved peak plus the CUDA context; the
         layout report keeps the largest."""
         if int(peak_bytes) > self._peak_bytes:
             self._peak_bytes = int(peak_bytes)

@@ -25,8 +25,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from fivefold.planner.calibration import EfficiencyModel, efficiency_model
 from fivefold.planner.compute import head_work
+from fivefold.planner.efficiency import EfficiencyModel, efficiency_model
 from fivefold.planner.estimate import _layer_costs, _layer_key
 from fivefold.planner.levers import memory_plan
 from fivefold.planner.memory import (

@@ -59,7 +59,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from fivefold.planner.calibration import EfficiencyModel
+from fivefold.planner.efficiency import EfficiencyModel
 from fivefold.spec.cluster import ClusterSpec
 from fivefold.spec.geometry import axis_groups
 from fivefold.spec.plan import ParallelPlan

@@ -3,7 +3,7 @@
 Everything is per rank and per micro-batch of b sequences; a rank holds T = b * s / cp tokens of
 each sequence (context parallelism splits the sequence) and 1/tp of each matrix.
 
-The efficiency model (parameters in `fivefold.planner.calibration`, fitted by
+The efficiency model (parameters in `fivefold.planner.efficiency`, fitted by
 `scripts/calibrate.py`):
 
 - GEMMs. A matmul of (m x k) by (k x n) does 2mnk FLOPs and moves e(mk + kn + mn) bytes, an
@@ -59,7 +59,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fivefold.planner.calibration import EfficiencyModel
+from fivefold.planner.efficiency import EfficiencyModel
 from fivefold.planner.levers import state_recipe
 from fivefold.planner.memory import local_kv_width
 from fivefold.spec.hardware import GPUSpec

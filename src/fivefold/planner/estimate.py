@@ -39,7 +39,6 @@ from functools import cached_property, lru_cache
 from fivefold.errors import ConfigError
 from fivefold.planner import comm as C
 from fivefold.planner import lever_costs as LC
-from fivefold.planner.calibration import EfficiencyModel, efficiency_model
 from fivefold.planner.compute import (
     Work,
     embedding_work,
@@ -47,6 +46,7 @@ from fivefold.planner.compute import (
     layer_work,
     memory_time_s,
 )
+from fivefold.planner.efficiency import EfficiencyModel, efficiency_model
 from fivefold.planner.levers import (
     HostMemory,
     host_memory,

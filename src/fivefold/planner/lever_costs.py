@@ -49,7 +49,6 @@ node's GPUs, which all step at once. Assumptions, both as named constants.
 
 from __future__ import annotations
 
-from fivefold.planner.calibration import EfficiencyModel
 from fivefold.planner.compute import (
     Work,
     gemm_time_s,
@@ -57,6 +56,7 @@ from fivefold.planner.compute import (
     optimizer_bytes_per_param,
     optimizer_step_s,
 )
+from fivefold.planner.efficiency import EfficiencyModel
 from fivefold.planner.levers import (
     fp8_linear_params,
     gathers_fp8,

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from fivefold.planner.calibration import EfficiencyModel, published_runs
+from fivefold.planner.efficiency import EfficiencyModel, published_runs
+from fivefold.planner.frameworks import row_options
 from fivefold.planner.options import PlannerOptions
-from fivefold.planner.profiles import row_options
 from fivefold.spec.cluster import ClusterSpec, cluster_preset
 from fivefold.spec.model import ModelSpec
 from fivefold.spec.plan import ParallelPlan

@@ -1,7 +1,7 @@
 """How far to trust one prediction: an error band, the calibrated domain, the nearest published run.
 
 Residuals. r = predicted / measured - 1 of the step time on rows the model was *not* fitted to:
-`fivefold.planner.calibration.held_out_errors()` -> {source: [(row, r)]}, leave-one-source-out
+`fivefold.planner.efficiency.held_out_errors()` -> {source: [(row, r)]}, leave-one-source-out
 (each publication's rows predicted by the model fitted on the others). Until that function
 exists, the held-out split recorded in `data/efficiency.json` stands in, grouped by source the
 same way (`held_out_residuals`).
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from fivefold.planner.calibration import calibration_record, published_runs
+from fivefold.planner.efficiency import calibration_record, published_runs
 from fivefold.spec.cluster import ClusterSpec
 from fivefold.spec.model import ModelSpec, param_count
 from fivefold.spec.plan import ParallelPlan
@@ -59,9 +59,9 @@ DIMENSION_WORDS = {
 # ---- residuals ---------------------------------------------------------------------------------
 def residual_kind() -> str:
     """How the residuals were held out: by whole source, or by the fit's held-out rows."""
-    from fivefold.planner import calibration
+    from fivefold.planner import efficiency
 
-    if hasattr(calibration, "held_out_errors"):
+    if hasattr(efficiency, "held_out_errors"):
         return "leave-one-source-out"
     return "rows held out of the fit"
 
@@ -69,11 +69,11 @@ def residual_kind() -> str:
 def held_out_residuals() -> dict[str, list[tuple[str, float]]]:
     """{source: [(row, r)]}: the calibration's leave-one-source-out errors when it has them,
     else the held-out rows of `data/efficiency.json` grouped by the rows' source."""
-    from fivefold.planner import calibration
+    from fivefold.planner import efficiency
 
-    if not hasattr(calibration, "held_out_errors"):
+    if not hasattr(efficiency, "held_out_errors"):
         return _recorded_held_out()
-    loso = calibration.held_out_errors()
+    loso = efficiency.held_out_errors()
     return {str(k): [(str(row), float(r)) for row, r in v] for k, v in loso.items()}
 
 

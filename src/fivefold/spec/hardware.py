@@ -6,7 +6,7 @@ Peaks are *dense* (no 2:4 sparsity) tensor-core figures from the vendor datashee
 planner). Link figures are the vendor's per-GPU
 NVLink bandwidth (both directions added, as marketed) and are only defaults for `ClusterSpec`.
 `arch` names the micro-architecture whose calibrated GEMM efficiency the planner uses
-(`fivefold.planner.calibration`). `pcie_bw_bytes_per_s` is the GPU's host link in ONE direction
+(`fivefold.planner.efficiency`). `pcie_bw_bytes_per_s` is the GPU's host link in ONE direction
 (a PCIe x16 link's line rate: Gen4 32 GB/s, Gen5 64 GB/s per direction; the datasheets quote
 both directions added, 64 / 128 GB/s). `HOSTS` describes the node around the GPU (the DGX
 system that carries it): host RAM and the CPUs' theoretical memory bandwidth, for CPU offload

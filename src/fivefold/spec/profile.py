@@ -1,6 +1,6 @@
 """Device profiles: what `fivefold calibrate` measured on a machine, as data the planner reads.
 
-A profile is a TOML file (written by `fivefold.parallel.calibrate`, read here without torch):
+A profile is a TOML file (written by `fivefold.calibration`, read here without torch):
 
     format = 1
     [device]      name, kind ("cpu" | "cuda"), cores, memory_bytes (host memory or HBM),
@@ -52,13 +52,13 @@ A profile is a TOML file (written by `fivefold.parallel.calibrate`, read here wi
                   `world` local processes running, every group of `ranks` at once (a 2-rank
                   group is slower among 4 processes on 2 cores than alone), each collective
                   issued after `gap_s` seconds of a GEMM on every rank (0: back to back), as
-                  a step issues them (`fivefold.parallel.calibrate_comm.issued_time_s`): on a
+                  a step issues them (`fivefold.calibration.comm.issued_time_s`): on a
                   CPU a collective costs more the longer the ranks computed before it.
     [[collective_sample]] op, ranks, world, gap_s, size_bytes, time_s, algbw_bytes_per_s,
                   busbw_bytes_per_s
 
 The matmul and attention rows hold the model's shapes and a model-independent grid of shapes
-(`fivefold.parallel.calibrate.DEVICE_GRID`, `ATTENTION_GRID`); the planner reads rates as
+(`fivefold.calibration.matmul.DEVICE_GRID`, `attention.ATTENTION_GRID`); the planner reads rates as
 functions of shape, interpolated among the rows in log space (`log_shape_interp`), so one
 profile serves every model. A CUDA profile (kind "cuda") has bf16 and, where the GPU has it,
 fp8 ("fp8": `torch._scaled_mm`) matmul rows, all at threads = 1.

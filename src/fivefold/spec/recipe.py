@@ -7,7 +7,7 @@ ranks default to the run's processes) and override any field. Command-line overr
 `model.mlp=gelu`); a bare word that is not a TOML literal is taken as a string.
 Every problem is reported at once. The free sections are validated by the layer that reads
 them: `[train]` and `[data]` by `fivefold.train.config`, `[planner]` (the efficiency profile,
-the planner's options and the search's headroom) by `fivefold.planner.profiles.planner_settings`.
+the planner's options and the search's headroom) by `fivefold.planner.frameworks.planner_settings`.
 """
 
 from __future__ import annotations

@@ -1,15 +1,15 @@
 """`python -m fivefold.train recipe.toml [overrides]` (also as `torchrun ... -m fivefold.train`)."""
 
-from fivefold.parallel.shielded_import import hold_signals
+from fivefold.launch.shielded_import import hold_signals
 
 hold_signals()  # before any other import: a signal waits for `main`, which handles it
 
 import os  # noqa: E402
 import sys  # noqa: E402
 
-from fivefold.parallel.threads import passive_wait  # noqa: E402
+from fivefold.launch.threads import passive_wait  # noqa: E402
 
-passive_wait()  # before torch is imported (see fivefold.parallel.threads)
+passive_wait()  # before torch is imported (see fivefold.launch.threads)
 
 from fivefold.train.entry import main  # noqa: E402
 

@@ -237,9 +237,9 @@ def resume_overrides(resume: bool, fresh: bool) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     """Train; returns the exit status: 0, 2 after a user error, 128 + signal when interrupted.
     Under `fivefold train --nproc N` the message goes to the launcher, which prints it once
-    (`fivefold.parallel.rank_report`); otherwise this process prints it."""
-    from fivefold.parallel.rank_report import attempt, mark_attempt
-    from fivefold.parallel.shielded_import import signals_held
+    (`fivefold.launch.rank_report`); otherwise this process prints it."""
+    from fivefold.launch.rank_report import attempt, mark_attempt
+    from fivefold.launch.shielded_import import signals_held
 
     args = build_parser().parse_args(argv)
     try:
@@ -276,7 +276,7 @@ def _resumed(summary: Any) -> str:
 def _report(kind: str, message: str, code: int) -> int:
     """Hand `message` to the launcher, or print it (errors only; rank 0 already printed where
     an interrupted run stopped). Returns `code`."""
-    from fivefold.parallel.rank_report import RankReport, attempt, write_report
+    from fivefold.launch.rank_report import RankReport, attempt, write_report
 
     rank = int(os.environ.get("RANK", "0"))
     if not write_report(RankReport(rank, kind, message, code, attempt())) and kind == "error":

@@ -36,7 +36,8 @@ from fivefold.train.interrupt import (
     die_on_signals,
     stop_on_signals,
 )
-from fivefold.train.memory import PeakReading, track_cpu_peak, track_cuda_peak
+from fivefold.train.lr_schedule import build_scheduler
+from fivefold.train.memory_counter import PeakReading, track_cpu_peak, track_cuda_peak
 from fivefold.train.metrics import (
     ConsoleReporter,
     GiB,
@@ -52,7 +53,6 @@ from fivefold.train.optim import build_optimizer
 from fivefold.train.peak import DevicePeak, cuda_fp8_peak, device_peak
 from fivefold.train.profiling import StepProfiler
 from fivefold.train.runtime import Runtime, make_runtime
-from fivefold.train.schedule import build_scheduler
 from fivefold.train.trackers import Trackers
 
 
@@ -719,8 +719,8 @@ def train(
     """Train `run` to `train.steps` (resuming per `train.resume`); returns the summary. Rank 0
     prints. A run whose newest checkpoint is already at its last step prints one line saying so
     and returns a summary with no losses (stop_reason "already_complete")."""
-    from fivefold.parallel.host_memory import keep_freed_memory
-    from fivefold.parallel.threads import configure_threads
+    from fivefold.launch.host_memory import keep_freed_memory
+    from fivefold.launch.threads import configure_threads
 
     configure_threads()
     keep_freed_memory()

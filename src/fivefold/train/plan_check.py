@@ -18,7 +18,7 @@ because no library provides it):
   `_hidden_meta` what its neighbour sends (the hidden states [b, T/cp/tp_sp, hidden] in the
   compute dtype).
 - The optimizer state is made first (as a previous step leaves it); then one step is measured.
-The peak is counted twice: by the runtime's own counter (`fivefold.train.memory`) and by torch's
+The peak is counted twice: by the runtime's counter (`fivefold.train.memory_counter`) and by torch's
 `MemTracker` (`torch.distributed._tools.mem_tracker`), tenant by tenant.
 """
 
@@ -163,7 +163,7 @@ def _measure(recipe: Recipe, rank: int, world: int) -> dict[str, Any]:
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    from fivefold.train.memory import track_cpu_peak
+    from fivefold.train.memory_counter import track_cpu_peak
 
     fake_tensors = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
     with fake_world(recipe, rank, world), fake_tensors:
@@ -376,7 +376,7 @@ def _hidden_meta(recipe: Recipe, requires_grad: bool):
     import torch
     from torch.distributed.pipelining._utils import _TensorMeta
 
-    from fivefold.parallel.precision import resolve_precision
+    from fivefold.parallel.mixed_precision import resolve_precision
 
     spec, plan = recipe.model, recipe.plan
     t = spec.seq_len // plan.cp // (plan.tp if plan.sp else 1)

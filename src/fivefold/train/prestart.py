@@ -100,7 +100,7 @@ def _fix(largest: str, ranks: int, cuda: bool) -> str:
 def memory_fit(run: RunConfig, nproc: int, cuda: bool) -> MemoryFit | None:
     """The planner's prediction for `nproc` local ranks against this machine's free memory;
     None when the planner has no prediction for this recipe."""
-    from fivefold.parallel.machine_memory import available_bytes, gpu_free_bytes
+    from fivefold.launch.machine_memory import available_bytes, gpu_free_bytes
     from fivefold.parallel.report import predictions_for
 
     memory, _, _ = predictions_for(run.recipe, cuda, fsdp_wrapped=nproc > 1)

@@ -20,7 +20,7 @@ from torch import nn
 from fivefold.errors import ConfigError
 from fivefold.model.loss import cross_entropy_loss
 from fivefold.parallel.checkpointing import apply_recompute
-from fivefold.parallel.precision import RuntimePrecision, resolve_precision
+from fivefold.parallel.mixed_precision import RuntimePrecision, resolve_precision
 from fivefold.parallel.process_group import pick_device
 from fivefold.parallel.protocol import Runtime, StepResult, batch_to, label_count
 from fivefold.spec.recipe import Recipe
@@ -152,7 +152,7 @@ def distributed_runtime(recipe: Recipe) -> Runtime:
     """This rank's `DistributedRuntime` (under torchrun) with the run's [train] settings and the
     loop's CPU memory tracker."""
     from fivefold.parallel.runtime import DistributedRuntime
-    from fivefold.train.memory import track_cpu_peak
+    from fivefold.train.memory_counter import track_cpu_peak
 
     return DistributedRuntime(recipe, parse_train_config(recipe).train, track_cpu_peak)
 

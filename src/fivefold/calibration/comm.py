@@ -229,7 +229,7 @@ def _worker(
     import torch
     import torch.distributed as dist
 
-    from fivefold.parallel.host_memory import keep_freed_memory
+    from fivefold.launch.host_memory import keep_freed_memory
 
     try:
         keep_freed_memory()
@@ -280,7 +280,8 @@ def _shared_bandwidth(rank: int, world: int, quick: bool, memory: tuple, out: An
     import torch
     import torch.distributed as dist
 
-    from fivefold.parallel.calibrate import QUICK, Budget, measure_bandwidth
+    from fivefold.calibration.bandwidth import measure_bandwidth
+    from fivefold.calibration.timing import QUICK, Budget
 
     model, plan = memory
     dist.barrier()
@@ -303,7 +304,7 @@ def measure_collectives(
     (`worlds`), each collective issued after each of `gemms` (`gaps`); `on_row` sees
     each sample as it comes. `memory` = (model, plan): on a CPU every world also measures the
     memory-bound work on all its processes at once
-    (`fivefold.parallel.calibrate.measure_bandwidth`, rows tagged with the world)."""
+    (`fivefold.calibration.bandwidth.measure_bandwidth`, rows tagged with the world)."""
     backend, samples, bandwidth = "none", [], []
     for world in worlds(ranks):
         backend, more, rows = _measure_world(world, quick, on_row, memory, gemms)

@@ -12,10 +12,9 @@ from pathlib import Path
 import pytest
 
 from fivefold.errors import ConfigError
-from fivefold.planner.calibration import published_runs
+from fivefold.planner.efficiency import published_runs
 from fivefold.planner.estimate import estimate
-from fivefold.planner.options import PlannerOptions
-from fivefold.planner.profiles import (
+from fivefold.planner.frameworks import (
     DEFAULT_PROFILE,
     PROFILES_FILE,
     planner_settings,
@@ -23,6 +22,7 @@ from fivefold.planner.profiles import (
     profiles,
     row_options,
 )
+from fivefold.planner.options import PlannerOptions
 from fivefold.planner.published import run_setup
 from fivefold.spec import cluster_preset
 from fivefold.spec.hardware import gpu
@@ -68,7 +68,7 @@ def test_the_shipped_profiles_and_the_default():
     assert list(profiles()) == ["megatron-2022", "nemo-2024", "torchtitan", "fivefold"]
     assert DEFAULT_PROFILE == "fivefold"
     data = json.loads(PROFILES_FILE.read_text())
-    assert "fivefold.planner.profiles.DEFAULT_PROFILE" in data["description"]
+    assert "fivefold.planner.frameworks.DEFAULT_PROFILE" in data["description"]
 
 
 @pytest.mark.parametrize("name", sorted(DOCUMENTED))

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from fivefold.planner.calibration import (
+from fivefold.planner.efficiency import (
     FITTED,
     EfficiencyModel,
     calibration_record,

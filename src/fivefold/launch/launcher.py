@@ -6,13 +6,13 @@ torchrun sets and picks gloo on CPU or NCCL on CUDA. The plan is checked against
 processes before anything starts, so a layout that does not fit is one clear error, not N
 tracebacks.
 
-Locally the agent (`fivefold.parallel.agent`, torchrun's own agent with quiet failures) runs in
+Locally the agent (`fivefold.launch.agent`, torchrun's own agent with quiet failures) runs in
 its own session, so the terminal's Ctrl-C reaches only this launcher, which forwards SIGINT /
 SIGTERM to the agent once; the agent forwards it to the ranks, which finish their step, agree to
 stop, checkpoint and exit (`fivefold.train.interrupt`). Should anything be left after
 `SHUTDOWN_GRACE_S`, the launcher kills the agent and every process it started (found in /proc,
 since torchrun puts each worker in a session of its own). Errors the ranks found come back as
-files (`fivefold.parallel.rank_report`) and are printed once.
+files (`fivefold.launch.rank_report`) and are printed once.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fivefold.errors import ConfigError, FivefoldError
-from fivefold.parallel.machine_memory import oom_kill_count
-from fivefold.parallel.rank_report import (
+from fivefold.launch.machine_memory import oom_kill_count
+from fivefold.launch.rank_report import (
     REPORT_DIR_ENV,
     last_attempt,
     read_failures,
@@ -74,13 +74,13 @@ def torchrun_command(
     nproc: int, recipe_path: str | Path | None, overrides: list[str], max_restarts: int = 0
 ) -> list[str]:
     """The local torchrun command line (one node, a free rendezvous port), through the quiet
-    agent (`fivefold.parallel.agent`, torchrun's options). With `max_restarts` > 0 torchrun
+    agent (`fivefold.launch.agent`, torchrun's options). With `max_restarts` > 0 torchrun
     restarts the whole group after a rank fails, up to that many times, and the restarted run
     resumes from the newest valid checkpoint."""
     return [
         sys.executable,
         "-m",
-        "fivefold.parallel.agent",
+        "fivefold.launch.agent",
         "--standalone",
         f"--nproc-per-node={nproc}",
         f"--max-restarts={max_restarts}",
@@ -107,7 +107,7 @@ def launch_local(
         raise ConfigError(f"--nproc {nproc}: the number of processes must be at least 1.")
     if max_restarts_problems(max_restarts):
         raise ConfigError(max_restarts_problems(max_restarts))
-    from fivefold.parallel.threads import passive_wait
+    from fivefold.launch.threads import passive_wait
 
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(threads_per_rank(nproc)))
@@ -136,7 +136,7 @@ def launch_local(
 
 def sigkill_cause(kills_before: int | None, kills_after: int | None, memory_note: str) -> str:
     """Why a rank was killed by SIGKILL, from the out-of-memory killer's count before and after
-    the run (`fivefold.parallel.machine_memory.oom_kill_count`), with the predicted peak."""
+    the run (`fivefold.launch.machine_memory.oom_kill_count`), with the predicted peak."""
     if kills_before is None or kills_after is None:
         cause = (
             "The likely cause is the kernel's out-of-memory killer (fivefold never sends SIGKILL; "

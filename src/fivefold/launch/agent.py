@@ -1,11 +1,11 @@
-"""`python -m fivefold.parallel.agent [torchrun options] -m fivefold.train ...`: torchrun, minus
+"""`python -m fivefold.launch.agent [torchrun options] -m fivefold.train ...`: torchrun, minus
 the noise.
 
 It is torchrun's own elastic agent (`torch.distributed.run.run`, same options, same restarts),
 with two differences: a job stopped by a signal or ended by a failed rank exits with a status
 and no Python traceback (SIGINT/SIGTERM: 128 + the signal number; a failed rank: its exit
 status), and the agent's per-worker log lines are off, since the ranks (or the launcher, see
-`fivefold.parallel.rank_report`) say what went wrong. On SIGINT/SIGTERM the agent forwards the
+`fivefold.launch.rank_report`) say what went wrong. On SIGINT/SIGTERM the agent forwards the
 signal to every worker, waits `TORCH_ELASTIC_SHUTDOWN_TIMEOUT` seconds (default 30) for them to
 checkpoint and exit, then kills the ones left.
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import sys
 
-from fivefold.parallel.shielded_import import hold_signals, signals_held
+from fivefold.launch.shielded_import import hold_signals, signals_held
 
 if __name__ == "__main__":
     hold_signals()  # before any other import: a signal waits for `main`, which handles it
@@ -57,7 +57,7 @@ def _run(argv: list[str] | None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
-    from fivefold.parallel.rank_report import write_failures
+    from fivefold.launch.rank_report import write_failures
 
     args = get_args_parser().parse_args(argv)
     _quiet_elastic_logs()

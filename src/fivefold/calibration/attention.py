@@ -1,0 +1,153 @@
+"""Attention: the model's core at each TP split, a CP rank's block attention, the device grid."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from fivefold.calibration.matmul import tp_degrees
+from fivefold.calibration.timing import (
+    TORCH_DTYPES,
+    Budget,
+    backward_time_s,
+    measured_device,
+    randn_on_device,
+    typical_time_s,
+)
+from fivefold.model.attention import AttentionCore
+from fivefold.spec.model import ModelSpec
+from fivefold.spec.plan import ParallelPlan
+from fivefold.spec.profile import Attention
+
+
+# ---- attention ----------------------------------------------------------------------------------
+def attention_passes(
+    batch: int,
+    heads: int,
+    kv_heads: int,
+    seq: int,
+    head_dim: int,
+    budget: Budget,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[float, float]:
+    """(forward, backward) seconds of the model's attention core at this shape: one document
+    per row (most rows of packed data; SDPA's causal kernel, GQA native), q/k/v laid out
+    [B, T, H, Dh] in memory as the projections leave them."""
+    core = AttentionCore()
+    gen = torch.Generator().manual_seed(0)
+
+    def leaf(h: int) -> torch.Tensor:
+        return randn_on_device(gen, batch, seq, h, head_dim).to(dtype).requires_grad_(True)
+
+    q, k, v = leaf(heads), leaf(kv_heads), leaf(kv_heads)
+    grad = randn_on_device(gen, batch, heads, seq, head_dim).to(dtype)
+
+    def forward() -> torch.Tensor:
+        return core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None)
+
+    return typical_time_s(forward, budget), backward_time_s(forward, grad, budget)
+
+
+def cp_rank_blocks(batch: int, seq: int, cp: int) -> list:
+    """CP rank 0's attention blocks (one document per row): its two load-balanced query chunks
+    against the keys of every rank laid out in rank order, as the runtime builds them."""
+    from fivefold.model.attention import DocumentLayout, document_blocks
+    from fivefold.parallel.context_parallel import local_chunks, rank_order_chunks
+
+    chunk = seq // (2 * cp)
+    layout = DocumentLayout(None, batch, seq)
+    return document_blocks(local_chunks(0, cp, chunk), rank_order_chunks(cp, chunk), layout)
+
+
+def cp_attention_passes(
+    batch: int, heads: int, kv_heads: int, seq: int, cp: int, head_dim: int, budget: Budget
+) -> tuple[float, float]:
+    """(forward, backward) seconds of one rank's share of context-parallel attention over a
+    `seq`-token sequence split `cp` ways, as the runtime computes it
+    (`fivefold.parallel.context_parallel`): the rank's two load-balanced chunks of queries
+    against every chunk of keys, one document per row, through the model's block kernels
+    (causal on the diagonal, full below) and their log-sum-exp merges. Rank 0's blocks; every
+    rank does the same work. No transfer is timed."""
+    from fivefold.model.attention import block_attention
+
+    chunk = seq // (2 * cp)
+    blocks = cp_rank_blocks(batch, seq, cp)
+    gen = torch.Generator().manual_seed(0)
+
+    def leaf(tokens: int, h: int) -> torch.Tensor:
+        return randn_on_device(gen, batch, tokens, h, head_dim).requires_grad_(True)
+
+    q, k, v = leaf(2 * chunk, heads), leaf(seq, kv_heads), leaf(seq, kv_heads)
+    grad = randn_on_device(gen, batch, heads, 2 * chunk, head_dim)
+
+    def forward() -> torch.Tensor:
+        return block_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), blocks)
+
+    return typical_time_s(forward, budget), backward_time_s(forward, grad, budget)
+
+
+def attention_flops(batch: int, heads: int, seq: int, head_dim: int, cp: int = 1) -> float:
+    """Causal forward FLOPs of one rank's `seq` tokens of a sequence `cp` times as long: QK^T
+    and AV over cp * seq / 2 keys per query on average (the planner's count)."""
+    return 4.0 * batch * seq * (cp * seq / 2) * head_dim * heads
+
+
+# Model-independent attention shapes per device kind: (heads, kv heads), the batch sizes, the
+# sequence lengths and head widths, at most `ATTENTION_GRID_TOKENS` tokens per batch
+# (`Measured.attention_flops_per_s` interpolates over (seq, head width, batch x heads) in log
+# space: a CPU's kernels gain much from more rows of queries).
+ATTENTION_GRID = {
+    ("cpu", False): ((8, 4), (1, 4), (128, 512, 2048), (32, 128)),
+    ("cpu", True): ((8, 4), (1, 4), (256, 1024), (64,)),
+    ("cuda", False): ((16, 4), (1, 4), (1024, 4096, 16384, 65536), (64, 128)),
+    ("cuda", True): ((16, 4), (1, 4), (1024, 8192, 65536), (128,)),
+}
+ATTENTION_GRID_TOKENS = {"cpu": 2048, "cuda": 65536}
+
+
+def attention_grid(kind: str, quick: bool) -> list[tuple[int, int, int, int, int]]:
+    """(batch, heads, kv heads, seq, head_dim) of the device's attention grid."""
+    (heads, kv), batches, seqs, dims = ATTENTION_GRID[kind, quick]
+    cap = ATTENTION_GRID_TOKENS[kind]
+    return [(b, heads, kv, s, d) for b in batches for s in seqs for d in dims if b * s <= cap]
+
+
+def measure_attention_grid(
+    kind: str, threads: int, budget: Budget, quick: bool, dtype: str = "fp32"
+) -> Iterator[Attention]:
+    """The attention core (cp = 1) over the device's `attention_grid`."""
+    for batch, heads, kv, seq, dim in attention_grid(kind, quick):
+        fwd, bwd = attention_passes(batch, heads, kv, seq, dim, budget, TORCH_DTYPES[dtype])
+        flops = attention_flops(batch, heads, seq, dim)
+        yield Attention(dtype, threads, batch, heads, kv, seq, dim, 1, flops / fwd, 2 * flops / bwd)
+
+
+def measure_attention(
+    model: ModelSpec,
+    plan: ParallelPlan,
+    ranks: int,
+    threads: int,
+    budget: Budget,
+    quick: bool,
+    dtype: str = "fp32",
+) -> Iterator[Attention]:
+    """The single-process core at each TP split (cp = 1 rows) and, up to `ranks`, the block
+    attention of ring / all-gather context parallelism at each CP split (cp > 1 rows; on a
+    CPU only: a GPU's CP blocks are not measured)."""
+    s = model.seq_len
+    cps = [1] if quick else [c for c in (1, 2, 4) if c <= max(1, ranks) and s % (2 * c) == 0]
+    cps = cps if measured_device().type == "cpu" else [1]
+    for tp in tp_degrees(model, ranks):
+        for cp in cps:
+            heads, kv, seq = model.heads // tp, model.kv_heads // tp, s // cp
+            shape = (plan.micro_batch, heads, kv)
+            if cp == 1:
+                fwd, bwd = attention_passes(*shape, s, model.head_dim, budget, TORCH_DTYPES[dtype])
+            else:
+                fwd, bwd = cp_attention_passes(*shape, s, cp, model.head_dim, budget)
+            flops = attention_flops(plan.micro_batch, heads, seq, model.head_dim, cp)
+            yield Attention(
+                dtype, threads, plan.micro_batch, heads, kv, seq, model.head_dim, cp,
+                flops / fwd, 2 * flops / bwd,
+            )  # fmt: skip
