@@ -93,7 +93,12 @@ class DeviceRates(ABC):
 
     @abstractmethod
     def layer_overhead_s(
-        self, moe: bool, tp: bool, zero: int | None, units: int, ep: bool
+        self,
+        moe: bool = False,
+        tp: bool = False,
+        zero: int | None = None,
+        units: int = 1,
+        ep: bool = False,
     ) -> tuple[float, float]:
         """(forward, backward) fixed seconds of one layer and micro-batch beyond its kernels."""
 
@@ -173,7 +178,12 @@ class CatalogRates(DeviceRates):
         return forward, self.eff.attention_backward_ratio * forward
 
     def layer_overhead_s(
-        self, moe: bool, tp: bool, zero: int | None, units: int, ep: bool
+        self,
+        moe: bool = False,
+        tp: bool = False,
+        zero: int | None = None,
+        units: int = 1,
+        ep: bool = False,
     ) -> tuple[float, float]:
         """`layer_overhead_s` forward, twice that backward, whatever the layer."""
         return self.eff.layer_overhead_s, 2 * self.eff.layer_overhead_s
@@ -325,7 +335,12 @@ class MeasuredRates(DeviceRates):
         return flops / fwd, 2.0 * flops / bwd
 
     def layer_overhead_s(
-        self, moe: bool, tp: bool, zero: int | None, units: int, ep: bool
+        self,
+        moe: bool = False,
+        tp: bool = False,
+        zero: int | None = None,
+        units: int = 1,
+        ep: bool = False,
     ) -> tuple[float, float]:
         """A dense or MoE layer, plus tensor parallelism's extra, expert parallelism's on a MoE
         layer (`ep`) and, when `zero` is given, that of `units` data-parallel units wrapped for
