@@ -37,14 +37,7 @@ from fivefold.spec.hardware import GPUSpec
 from fivefold.spec.model import ModelSpec
 from fivefold.spec.plan import ParallelPlan
 from fivefold.spec.precision import recipe
-from fivefold.spec.profile import (
-    Attention,
-    Collective,
-    DeviceProfile,
-    GroupedMatmul,
-    RankProfile,
-    bus_factor,
-)
+from fivefold.spec.profile import Attention, Collective, GroupedMatmul, RankProfile, bus_factor
 
 ATTENTION_DTYPE = "bf16"  # attention kernels run in bf16 even under fp8 recipes
 NEIGHBOURS = 4  # measured shapes a rate is interpolated from (`log_shape_interp`)
@@ -62,7 +55,9 @@ class DeviceRates(ABC):
         """FLOP/s of one (m x k) @ (k x n) matmul; `layout` "nt" (forward x W^T), "nn" (input
         gradient g W) or "tn" (weight gradient g^T x)."""
 
-    def gemm_s(self, m: float, n: float, k: float, dtype: str = "bf16", layout: str = "nt"):
+    def gemm_s(
+        self, m: float, n: float, k: float, dtype: str = "bf16", layout: str = "nt"
+    ) -> float:
         """Seconds of one (m x k) @ (k x n) matmul (0 for an empty one)."""
         if m <= 0 or n <= 0 or k <= 0:
             return 0.0
@@ -102,31 +97,31 @@ class DeviceRates(ABC):
     ) -> tuple[float, float]:
         """(forward, backward) fixed seconds of one layer and micro-batch beyond its kernels."""
 
+    @abstractmethod
     def kernel_options(self, opts: Options) -> Options:
-        """The compute options (`compute.ComputeOptions`) whose kernel choices these rates
-        tell apart: all of them."""
-        return opts
+        """`opts` (`compute.ComputeOptions`) with the kernel choices these rates cannot tell
+        apart set to the ones they describe."""
 
+    @abstractmethod
     def local_link(self, size: int, gap_s: float | None) -> FittedLink | None:
         """The link of a group of `size` local ranks when this device priced its own
         collectives (None: the cluster's placement decides, `comm.group_link`)."""
-        return None
 
+    @abstractmethod
     def collective_gap_s(self, layer_forward_s: Callable[[], float]) -> float | None:
         """Compute seconds before a typical collective when they change its price (None: they
         do not); `layer_forward_s` gives one layer's forward."""
-        return None
 
+    @abstractmethod
     def shared_cores_step_s(
         self, ranks_per_stage: int, rank_compute: list[float], in_stage_s: float, after_s: float
     ) -> float:
         """The step when ranks share cores that never idle (`estimate.shared_cores_step_s`);
         infinite where ranks do not share cores."""
-        return math.inf
 
+    @abstractmethod
     def runtime_options(self) -> dict[str, Any]:
         """`PlannerOptions` fields fivefold's runtime sets on this device (beyond defaults)."""
-        return {}
 
     @abstractmethod
     def check_offload(self, plan: ParallelPlan, cluster: ClusterSpec) -> None:
@@ -188,6 +183,28 @@ class CatalogRates(DeviceRates):
         """`layer_overhead_s` forward, twice that backward, whatever the layer."""
         return self.eff.layer_overhead_s, 2 * self.eff.layer_overhead_s
 
+    def kernel_options(self, opts: Options) -> Options:
+        """All of them: attention kernels and fusion are the options' to choose."""
+        return opts
+
+    def local_link(self, size: int, gap_s: float | None) -> None:
+        """None: the group's place on the cluster's links decides (`comm.group_link`)."""
+        return None
+
+    def collective_gap_s(self, layer_forward_s: Callable[[], float]) -> None:
+        """None: the catalog's collectives cost the same after any compute."""
+        return None
+
+    def shared_cores_step_s(
+        self, ranks_per_stage: int, rank_compute: list[float], in_stage_s: float, after_s: float
+    ) -> float:
+        """Infinite: every GPU is its own."""
+        return math.inf
+
+    def runtime_options(self) -> dict[str, Any]:
+        """None beyond the defaults."""
+        return {}
+
     def check_offload(self, plan: ParallelPlan, cluster: ClusterSpec) -> None:
         """Offload needs the catalog's host of the node (`levers.node_host`)."""
         if offloads(plan, self.device):
@@ -230,10 +247,6 @@ class MeasuredRates(DeviceRates):
     rank: RankProfile
     calibrated = True
 
-    @property
-    def profile(self) -> DeviceProfile:
-        return self.rank.profile
-
     def _dtype(self, dtype: str, rows) -> str:
         """`dtype` when the rows have it, else the first of bf16, fp32 they have."""
         have = {r.dtype for r in rows}
@@ -244,8 +257,8 @@ class MeasuredRates(DeviceRates):
         measured shapes of the dtype and layout (every layout when it has none) in log space
         (`log_shape_interp`). The model-independent grid (`DEVICE_GRID`) makes every model's
         shapes fall among measured ones; a shape beyond it takes the rates at its edge."""
-        dtype = self._dtype(dtype, self.profile.matmul)
-        rows, scale = self.rank.rows([r for r in self.profile.matmul if r.dtype == dtype])
+        dtype = self._dtype(dtype, self.rank.profile.matmul)
+        rows, scale = self.rank.rows([r for r in self.rank.profile.matmul if r.dtype == dtype])
         same = [r for r in rows if r.layout == layout] or rows
         return (
             log_shape_interp(
@@ -288,8 +301,8 @@ class MeasuredRates(DeviceRates):
         flops = 2.0 * tokens * n * k
         if flops <= 0:
             return 0.0
-        dtype = dtype if any(r.dtype == dtype for r in self.profile.grouped_matmul) else "fp32"
-        rows = [r for r in self.profile.grouped_matmul if r.dtype == dtype]
+        dtype = dtype if any(r.dtype == dtype for r in self.rank.profile.grouped_matmul) else "fp32"
+        rows = [r for r in self.rank.profile.grouped_matmul if r.dtype == dtype]
         rows, scale = self.rank.rows([r for r in rows if r.layout == layout])
         if rows:
 
@@ -313,8 +326,8 @@ class MeasuredRates(DeviceRates):
         `cp` ranks; cp = 1 the single-process core, over the device grid and the calibrated
         models), interpolated in log space over (seq, head_dim, batch x heads) as GEMM rates
         are (`log_shape_interp`); `rows` = batch x heads of the query (0: not used)."""
-        table = [a for a in self.profile.attention if a.dtype == dtype] or list(
-            self.profile.attention
+        table = [a for a in self.rank.profile.attention if a.dtype == dtype] or list(
+            self.rank.profile.attention
         )
         near = min({a.cp for a in table}, key=lambda c: (abs(c - cp), c))
         table, scale = self.rank.rows([a for a in table if a.cp == near])
@@ -346,7 +359,7 @@ class MeasuredRates(DeviceRates):
         layer (`ep`) and, when `zero` is given, that of `units` data-parallel units wrapped for
         that ZeRO level (the runtime wraps every block, and under EP a MoE block's experts
         apart: two); a share of the cores stretches them (they run on one thread)."""
-        rows, _ = self.rank.rows(list(self.profile.overhead))
+        rows, _ = self.rank.rows(list(self.rank.profile.overhead))
         row = rows[0]
         fwd = row.moe_forward_s if moe else row.layer_forward_s
         bwd = row.moe_backward_s if moe else row.layer_backward_s
@@ -366,7 +379,7 @@ class MeasuredRates(DeviceRates):
 
     def local_link(self, size: int, gap_s: float | None) -> FittedLink:
         """One machine: every group is local, its link the profile's backend."""
-        return FittedLink(self.profile.backend, size, self, gap_s)
+        return FittedLink(self.rank.profile.backend, size, self, gap_s)
 
     def collective(self, op: str, n: int, gap_s: float | None = None) -> tuple[float, float]:
         """(alpha s, beta bytes/s) of `op` over `n` ranks, each issued after `gap_s` seconds of
@@ -375,10 +388,10 @@ class MeasuredRates(DeviceRates):
         around it, clamped at the ends. An unmeasured group size scales the nearest measured
         one as a ring does: alpha with the n - 1 steps, beta so that the bus bandwidth stays
         the same."""
-        rows = [c for c in self.profile.collective if c.op == op]
+        rows = [c for c in self.rank.profile.collective if c.op == op]
         if not rows:
             raise ConfigError(
-                f"device profile {self.profile.path!r} has no {op} measurement; re-run "
+                f"device profile {self.rank.profile.path!r} has no {op} measurement; re-run "
                 "`fivefold calibrate` with --nproc 2 or more."
             )
         ranks = self.rank.ranks
@@ -406,16 +419,16 @@ class MeasuredRates(DeviceRates):
         """On a CPU with a core share below one: every rank's compute at full speed over the
         cores, plus the in-stage collectives' transfer share, plus `after_s`."""
         share = self.rank.share
-        if self.profile.kind != "cpu" or share >= 1:
+        if self.rank.profile.kind != "cpu" or share >= 1:
             return math.inf
         full_speed = sum(rank_compute) * ranks_per_stage * share
-        cores = full_speed * self.rank.threads / self.profile.cores
+        cores = full_speed * self.rank.threads / self.rank.profile.cores
         return cores + in_stage_s * share + after_s
 
     def runtime_options(self) -> dict[str, Any]:
         """The eager runtime's memory and early stop; on a CPU no CUDA context, no allocator
         fragmentation and no overlap of the gradient reduction."""
-        if self.profile.kind == "cpu":
+        if self.rank.profile.kind == "cpu":
             return {
                 "checkpoint_early_stop": True,
                 "cuda_context_bytes": 0.0,
@@ -427,11 +440,12 @@ class MeasuredRates(DeviceRates):
 
     def check_offload(self, plan: ParallelPlan, cluster: ClusterSpec) -> None:
         """A CPU holds "offloaded" state in the same memory; a measured GPU has no host figures."""
-        if plan.offload != "none" and self.profile.kind != "cpu":
+        prof = self.rank.profile
+        if plan.offload != "none" and prof.kind != "cpu":
             raise ConfigError(
-                f"plan.offload = {plan.offload!r}: the device profile of {self.profile.name} has "
-                "no PCIe or host-memory figures to plan offload with; set plan.offload = 'none', "
-                "or plan on the catalog GPU (--gpu) whose node the catalog describes."
+                f"plan.offload = {plan.offload!r}: the device profile of {prof.name} has no PCIe "
+                "or host-memory figures to plan offload with; set plan.offload = 'none', or plan "
+                "on the catalog GPU (--gpu) whose node the catalog describes."
             )
 
 
@@ -470,7 +484,7 @@ class FittedLink:
     def hides_transfers(self) -> bool:
         """Whether a transfer can run behind compute: not on a CPU, whose transport needs the
         cores that compute."""
-        return self.rates.profile.kind != "cpu"
+        return self.rates.rank.profile.kind != "cpu"
 
     def collective_s(self, op: str, size_bytes: float, n: int) -> float:
         """Seconds of one `op` of `size_bytes` (nccl-tests' convention) over `n` ranks."""
