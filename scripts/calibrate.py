@@ -11,7 +11,7 @@ Reads `src/fivefold/planner/data/published_runs.json` (rows copied, with sources
 
 - the deployed parameters: a fit on every row of every source;
 - leave-one-source-out: for each source, a fit on all the other sources and the error of its
-  prediction for every row of the held-out source (what `calibration.held_out_errors()` reads);
+  prediction for every row of the held-out source (what `efficiency.held_out_errors()` reads);
 - the in-sample error of every row under the deployed fit, and the memory error of the rows
   that publish a per-GPU memory figure (checked, never fitted).
 

@@ -178,7 +178,7 @@ def test_tune_measures_the_recipe_with_its_memory_levers():
         session = TuneSession(
             str(TINY), list(overrides), _load(str(TINY), list(overrides), 1, "none")
         )
-        return tune_policy(session, "none", 2**30, 1)[0].measured
+        return tune_policy(session, "none", 2**30, 1)[0].peak_bytes
 
     fp32 = peak()
     # m and v of `tiny` (616,768 parameters): 4,934,144 bytes in fp32, 1,328,192 in 8 bits

@@ -36,25 +36,25 @@ def test_choice_is_the_largest_measured_fit():
     for policy in ("none", "full"):
         mine = [t for t in trials if t.policy == policy]
         assert [t.micro_batch for t in mine] == [2**i for i in range(len(mine))]
-        assert all(t.fits == (t.measured <= limit) for t in mine)
+        assert all(t.fits == (t.peak_bytes <= limit) for t in mine)
         assert all(t.fits for t in mine[:-1]) and not mine[-1].fits  # stops at the first miss
-        peaks = [t.measured for t in mine]
+        peaks = [t.peak_bytes for t in mine]
         assert peaks == sorted(peaks) and len(set(peaks)) == len(peaks)  # grows with the batch
         for t in mine:  # the planner's prediction printed beside it, within 10%
-            assert t.predicted == pytest.approx(t.measured, rel=0.10)
+            assert t.predicted == pytest.approx(t.peak_bytes, rel=0.10)
     # Full recompute keeps only block inputs: at equal micro-batch it needs less memory.
-    none = {t.micro_batch: t.measured for t in trials if t.policy == "none"}
-    full = {t.micro_batch: t.measured for t in trials if t.policy == "full"}
+    none = {t.micro_batch: t.peak_bytes for t in trials if t.policy == "none"}
+    full = {t.micro_batch: t.peak_bytes for t in trials if t.policy == "full"}
     assert all(full[mb] < none[mb] for mb in none.keys() & full.keys() if mb > 1)
     fitting = [t for t in trials if t.fits]
     largest = max(t.micro_batch for t in fitting)
     cheapest = min((t.policy for t in fitting if t.micro_batch == largest), key=POLICIES.index)
     choice = choose(trials)
     assert (choice.micro_batch, choice.policy) == (largest, cheapest)
-    assert choice.measured <= limit
+    assert choice.peak_bytes <= limit
     # and the next micro-batch of that policy did not fit
     after = [t for t in trials if t.policy == cheapest and t.micro_batch == 2 * largest]
-    assert after and after[0].measured > limit
+    assert after and after[0].peak_bytes > limit
 
 
 def test_write_updates_the_recipe(tmp_path, capsys):

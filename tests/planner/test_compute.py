@@ -3,19 +3,19 @@
 from __future__ import annotations
 
 import pytest
+from arithmetic import gemm_intensity
 
 from fivefold.planner.compute import (
     ComputeOptions,
     flash_attention_forward_s,
-    gemm_intensity,
     gemm_time_s,
     layer_elementwise_bytes,
-    layer_gemms,
     layer_work,
     memory_time_s,
     optimizer_step_s,
 )
 from fivefold.planner.efficiency import EfficiencyModel
+from fivefold.planner.layer_matmuls import layer_gemms
 from fivefold.spec import ParallelPlan, gpu, model_preset
 from fivefold.spec.model import forward_flops_per_token, training_flops_per_token
 

@@ -25,8 +25,9 @@ from fivefold.planner.frameworks import (
 from fivefold.planner.options import PlannerOptions
 from fivefold.planner.published import run_setup
 from fivefold.spec import cluster_preset
+from fivefold.spec.cluster import profile_cluster
 from fivefold.spec.hardware import gpu
-from fivefold.spec.profile import parse_profile, profile_cluster
+from fivefold.spec.profile import parse_profile
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "planner.md"
 H100 = gpu("h100-sxm")
@@ -224,4 +225,4 @@ def test_every_problem_at_once():
 
 
 def test_cluster_preset_device_is_a_catalog_gpu():
-    assert cluster_preset("dgx-h100", 8).device.measured is None
+    assert cluster_preset("dgx-h100", 8).device.rank_profile is None

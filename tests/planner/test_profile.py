@@ -13,6 +13,9 @@ from fivefold.planner import comm as C
 from fivefold.planner.compute import ComputeOptions, head_work, layer_work, optimizer_step_s
 from fivefold.planner.efficiency import EfficiencyModel
 from fivefold.planner.estimate import estimate
+from fivefold.planner.rates import rates_for
+from fivefold.spec.cluster import profile_cluster
+from fivefold.spec.hardware import profile_device
 from fivefold.spec.model import (
     attention_score_flops_per_token,
     layer_matmul_flops_per_token,
@@ -20,14 +23,7 @@ from fivefold.spec.model import (
 )
 from fivefold.spec.plan import ParallelPlan
 from fivefold.spec.presets import model_preset
-from fivefold.spec.profile import (
-    COLLECTIVES,
-    Matmul,
-    parse_profile,
-    profile_cluster,
-    profile_device,
-    read_profile,
-)
+from fivefold.spec.profile import COLLECTIVES, Matmul, parse_profile, read_profile
 
 EFF = EfficiencyModel()
 TINY = model_preset("tiny")  # h 64, 4 heads (2 kv) of 16, SwiGLU 176, 2 layers, V 4096, s 128
@@ -145,15 +141,15 @@ def test_missing_profile_is_a_config_error(tmp_path):
 def test_device_peak_is_the_best_measured_rate_per_rank_share(profile_path, monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     one = profile_device(profile_path, 1)  # 2 threads on 2 cores
-    assert one.peak("fp32") == GEMM and one.measured.threads == 2
+    assert one.peak("fp32") == GEMM and one.rank_profile.threads == 2
     assert "measured" in one.source
     four = profile_device(profile_path, 4)  # 1 thread each, 4 ranks share 2 cores
-    assert four.measured.share == 0.5 and four.peak("fp32") == GEMM / 2
+    assert four.rank_profile.share == 0.5 and four.peak("fp32") == GEMM / 2
     assert four.hbm_bytes == 2 * 2**30
     with pytest.raises(ConfigError, match="no bf16 matmul measurement"):
         one.peak("bf16")
     monkeypatch.setenv("OMP_NUM_THREADS", "2")  # torch's threads, as the user set them
-    assert profile_device(profile_path, 2).measured.share == 0.5
+    assert profile_device(profile_path, 2).rank_profile.share == 0.5
 
 
 def test_gemm_rate_is_a_function_of_shape_interpolated_in_log_space(tmp_path):
@@ -162,7 +158,7 @@ def test_gemm_rate_is_a_function_of_shape_interpolated_in_log_space(tmp_path):
         row["flops_per_s"] = 1e9 if row["m"] == 512 else 1e11
     path = tmp_path / "p.toml"
     path.write_text(parse_profile(data).to_toml())
-    measured = profile_device(path, 2).measured
+    measured = rates_for(profile_device(path, 2))
     assert measured.gemm_flops_per_s(512, 64, 64, "fp32", "nt") == 1e9  # exact shape
     # (1024, 1024, 256) from (512, 64, 64) at 1e9 and (4096, 4096, 4096) at 1e11: distances^2
     # in log space ln2^2 + ln16^2 + ln4^2 and ln4^2 + ln4^2 + ln16^2, log rates weighted by
@@ -190,7 +186,7 @@ def test_a_cuda_profile_is_each_rank_s_own_gpu(tmp_path):
     path = tmp_path / "gpu.toml"
     path.write_text(parse_profile(data).to_toml())
     four = profile_device(path, 4)
-    assert four.measured.share == 1.0 and four.peak("fp32") == GEMM  # no core share
+    assert four.rank_profile.share == 1.0 and four.peak("fp32") == GEMM  # no core share
     assert four.hbm_bytes == data["device"]["memory_bytes"]  # HBM not divided
 
 
@@ -295,7 +291,7 @@ def test_recipe_cluster_profile_and_plan_cli(profile_path, capsys):
         },
         default_world=2,
     )
-    assert recipe.cluster.world_size == 2 and recipe.cluster.device.measured is not None
+    assert recipe.cluster.world_size == 2 and recipe.cluster.device.rank_profile is not None
     code = main(
         ["plan", "estimate", "--model", "tiny", "--cluster", str(profile_path), "--gpus", "2",
          "--dp", "2", "--mbs", "4", "--global-batch", "8", "--precision", "fp32", "--json"]
@@ -328,7 +324,7 @@ def test_plan_says_when_ranks_share_the_cores(profile_path, capsys):
 def test_layer_overhead_by_layer_kind(profile_path):
     """A MoE layer has its own fixed cost; tensor parallelism and a ZeRO-3 unit add theirs; four
     one-thread ranks on two cores get half the machine, so every fixed second takes two."""
-    measured = profile_device(profile_path, 2).measured
+    measured = rates_for(profile_device(profile_path, 2))
     assert measured.layer_overhead_s() == pytest.approx((OVER_F, OVER_B))
     assert measured.layer_overhead_s(moe=True) == pytest.approx((MOE_F, MOE_B))
     both = measured.layer_overhead_s(tp=True, zero=3)
@@ -343,7 +339,7 @@ def test_layer_overhead_by_layer_kind(profile_path):
     ep = measured.layer_overhead_s(moe=True, ep=True)
     assert ep == pytest.approx((MOE_F + EP_F, MOE_B + EP_B))
     assert measured.layer_overhead_s(ep=True) == pytest.approx((OVER_F, OVER_B))  # dense layer
-    crowded = profile_device(profile_path, 4).measured
+    crowded = rates_for(profile_device(profile_path, 4))
     assert crowded.layer_overhead_s(moe=True, tp=True) == pytest.approx(
         (2 * (MOE_F + TP_F), 2 * (MOE_B + TP_B))
     )
@@ -431,8 +427,8 @@ def test_collectives_measured_among_as_many_processes_as_the_run(tmp_path):
     ]
     path = tmp_path / "p.toml"
     path.write_text(parse_profile(data).to_toml())
-    assert profile_device(path, 2).measured.collective("all_gather", 2) == (1e-4, 1e9)
-    assert profile_device(path, 4).measured.collective("all_gather", 2) == (3e-4, 4e8)
+    assert rates_for(profile_device(path, 2)).collective("all_gather", 2) == (1e-4, 1e9)
+    assert rates_for(profile_device(path, 4)).collective("all_gather", 2) == (3e-4, 4e8)
     bad = synthetic()
     bad["collective"][0]["world"] = 1
     with pytest.raises(ConfigError, match=r"collective\[0\]\.world"):
@@ -450,7 +446,7 @@ def test_collectives_interpolate_in_the_compute_gap(tmp_path):
     ]
     path = tmp_path / "p.toml"
     path.write_text(parse_profile(data).to_toml())
-    measured = profile_device(path, 2).measured
+    measured = rates_for(profile_device(path, 2))
     alpha, beta = measured.collective("all_gather", 2, 0.5e-3)
     assert alpha == pytest.approx(1e-4 + 0.25 * 8e-4)
     assert 1 / beta == pytest.approx(1e-9 + 0.25 * (2e-9 - 1e-9))
@@ -536,14 +532,14 @@ def test_grouped_expert_matmuls_by_hand(tmp_path):
         assert b.backward_weight_s - a.backward_weight_s == pytest.approx(
             flops / rate - flops / GEMM
         )
-    measured = profile_device(grouped, 2).measured
+    measured = rates_for(profile_device(grouped, 2))
     assert measured.grouped_time_s(4, 1024, 64, 64, "fp32", "tn") == pytest.approx(
         2 * 1024 * 64 * 64 / 1e9
     )
     assert measured.grouped_time_s(2, 1024, 64, 64, "fp32", "nn") == pytest.approx(
         2 * 1024 * 64 * 64 / 4e9
     )
-    fallback = profile_device(plain, 2).measured
+    fallback = rates_for(profile_device(plain, 2))
     assert fallback.grouped_time_s(4, 1024, 64, 64, "fp32", "nt") == pytest.approx(
         2 * 1024 * 64 * 64 / GEMM
     )
@@ -605,12 +601,14 @@ def test_bandwidth_measured_with_as_many_processes_streaming_as_the_run(tmp_path
     ]
     path = tmp_path / "p.toml"
     path.write_text(parse_profile(data).to_toml())
-    one = profile_device(path, 1).measured  # 1 or 2 threads: the same synthetic rates
-    assert one.bandwidth("optimizer") == pytest.approx(BW["optimizer"])
-    two = profile_device(path, 2).measured
-    assert two.bandwidth("elementwise_forward") == pytest.approx(BW["elementwise_forward"] / 2)
-    four = profile_device(path, 4).measured
-    assert four.bandwidth("loss_backward") == pytest.approx(BW["loss_backward"] / 2 * 0.5)
+    one = rates_for(profile_device(path, 1))  # 1 or 2 threads: the same synthetic rates
+    assert one.stream_bytes_per_s("optimizer") == pytest.approx(BW["optimizer"])
+    two = rates_for(profile_device(path, 2))
+    assert two.stream_bytes_per_s("elementwise_forward") == pytest.approx(
+        BW["elementwise_forward"] / 2
+    )
+    four = rates_for(profile_device(path, 4))
+    assert four.stream_bytes_per_s("loss_backward") == pytest.approx(BW["loss_backward"] / 2 * 0.5)
     plan = ParallelPlan(micro_batch=4, precision="fp32")
     assert optimizer_step_s(1e6, plan, profile_device(path, 2), EFF) == pytest.approx(
         1e6 * 36 / (BW["optimizer"] / 2)
@@ -693,7 +691,7 @@ def test_shared_cores_give_a_waiting_rank_core_to_the_others(profile_path):
 
     plan = ParallelPlan(pp=2, dp_shard=2, zero=1, micro_batch=1, grad_accum=4)
     crowded = profile_device(profile_path, 4)
-    assert crowded.measured.share == 0.5
+    assert crowded.rank_profile.share == 0.5
     by_hand = (0.6 + 0.4) * 2 * 0.5 * 1 / 2 + 0.1 * 0.5 + 0.05
     assert shared_cores_step_s(plan, crowded, [0.6, 0.4], 0.1, 0.05) == pytest.approx(by_hand)
     alone = profile_device(profile_path, 2)

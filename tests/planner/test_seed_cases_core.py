@@ -10,15 +10,15 @@ from __future__ import annotations
 import math
 
 import pytest
-
-from fivefold.planner.comm import activation_bytes, all_reduce_bytes, transfer_time_s
-from fivefold.planner.compute import (
+from arithmetic import (
     SECONDS_PER_YEAR,
     gemm_intensity,
     ridge_point,
     time_to_train_s,
     training_flops,
 )
+
+from fivefold.planner.comm import activation_bytes, all_reduce_bytes, transfer_time_s
 from fivefold.planner.memory import (
     heads_per_rank,
     max_params_unsharded,

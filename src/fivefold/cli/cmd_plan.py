@@ -569,7 +569,7 @@ def cluster_from_args(args: argparse.Namespace, recipe_data: dict[str, dict]) ->
     if args.gpu is not None:
         gpu_lookup(args.gpu)  # ConfigError naming the catalog when unknown
     if _profile_path(args.cluster):  # a machine measured by `fivefold calibrate`
-        from fivefold.spec.profile import profile_cluster
+        from fivefold.spec.cluster import profile_cluster
 
         cluster = profile_cluster(args.cluster, gpus)
     elif args.cluster is not None or (args.gpu is None and not section):

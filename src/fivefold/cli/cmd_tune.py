@@ -92,11 +92,11 @@ def _reparse(args: argparse.Namespace) -> argparse.Namespace:
 
 @dataclass
 class Trial:
-    """One micro-batch under one policy. Bytes; `measured` None = out of memory."""
+    """One micro-batch under one policy. Bytes; `peak_bytes` (measured) None = out of memory."""
 
     policy: str
     micro_batch: int
-    measured: int | None
+    peak_bytes: int | None
     predicted: int | None
     fits: bool
 
@@ -142,7 +142,7 @@ def handle(args: argparse.Namespace) -> int:
         raise ConfigError(nothing_fits(trials, limit))
     console.print(
         f"choice: plan.micro_batch = {choice.micro_batch}, plan.recompute = "
-        f"{choice.policy!r} (measured peak {choice.measured / GIB:.3f} GiB)"
+        f"{choice.policy!r} (measured peak {choice.peak_bytes / GIB:.3f} GiB)"
     )
     if args.write:
         write_choice(Path(args.recipe), choice)
@@ -173,11 +173,11 @@ def nothing_fits(trials: list[Trial], limit: int | None) -> str:
             f"{', '.join(tried)}; {also}, or spread the model over more GPUs with a layout "
             "from `fivefold plan` (tune runs one process)."
         )
-    least = min((t for t in trials if t.measured is not None), key=lambda t: t.measured)
-    need = math.ceil(least.measured / GIB * 1000) / 1000
+    least = min((t for t in trials if t.peak_bytes is not None), key=lambda t: t.peak_bytes)
+    need = math.ceil(least.peak_bytes / GIB * 1000) / 1000
     return (
         f"--memory-limit {limit / GIB:.4g}: nothing fits, not even micro-batch 1; its least "
-        f"measured peak is {least.measured / GIB:.3f} GiB (recompute {least.policy!r}). Raise "
+        f"measured peak is {least.peak_bytes / GIB:.3f} GiB (recompute {least.policy!r}). Raise "
         f"--memory-limit to at least {need:g}, or {also}."
     )
 
@@ -355,11 +355,11 @@ def trial_header(limit: int | None) -> list[str]:
 
 def trial_line(t: Trial) -> str:
     """One trial's row of the table."""
-    measured = "OOM" if t.measured is None else f"{t.measured / GIB:.4f}"
+    measured = "OOM" if t.peak_bytes is None else f"{t.peak_bytes / GIB:.4f}"
     predicted = "-" if t.predicted is None else f"{t.predicted / GIB:.4f}"
     error = (
-        f"{100 * (t.predicted - t.measured) / t.measured:+.1f}%"
-        if t.measured and t.predicted
+        f"{100 * (t.predicted - t.peak_bytes) / t.peak_bytes:+.1f}%"
+        if t.peak_bytes and t.predicted
         else "-"
     )
     return (

@@ -45,32 +45,33 @@ module), DeepSpeed-style per-parameter hooks per tensor. `collective_count` turn
 the latency term, not the bandwidth, is what makes small per-rank collectives slow.
 
 On a machine measured by `fivefold calibrate` (`fivefold.spec.profile`) every group is local
-(one machine; the link's kind is the backend, e.g. "gloo") and each collective costs
-alpha + S / beta with the alpha and beta fitted to its own measurements on that group size
-(`Measured.collective`), S in the nccl-tests convention used above, as issued after the
-link's `gap_s` of compute on every rank (the estimator passes its plan's, `estimate.
-collective_gap_s`): on a CPU a collective issued between GEMMs costs several times one issued
-back to back.
+(one machine; the link's kind is the backend, e.g. "gloo") and each collective costs alpha + S /
+beta with the alpha and beta fitted to its own measurements on that group size
+(`rates.FittedLink`, `rates.MeasuredRates.collective`), S in the nccl-tests convention used
+above, as issued after the link's `gap_s` of compute on every rank (the estimator passes its
+plan's, `estimate.collective_gap_s`): on a CPU a collective issued between GEMMs costs several
+times one issued back to back.
 Written by hand: no library computes these without a GPU.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from fivefold.planner.efficiency import EfficiencyModel
+from fivefold.planner.rates import FittedLink, rates_for
 from fivefold.spec.cluster import ClusterSpec
 from fivefold.spec.geometry import axis_groups
 from fivefold.spec.plan import ParallelPlan
-from fivefold.spec.profile import Measured
 
 
 @dataclass(frozen=True)
 class Link:
     """What one rank of a group gets: `kind` "nvlink" | "ib", achieved one-way bus bandwidth in
     bytes/s, the per-hop latency in seconds (alpha_ib for a group across nodes), the group's
-    members per node, and the NVLink hop latency of the steps that stay inside a node."""
+    members per node, and the NVLink hop latency of the steps that stay inside a node. A
+    measured machine's groups have a `rates.FittedLink` instead, priced alike by its fits."""
 
     kind: str
     bandwidth: float
@@ -78,9 +79,8 @@ class Link:
     per_node: int
     nvlink_bandwidth: float
     ib_bandwidth: float
-    measured: Measured | None = field(default=None, compare=False, repr=False)
     intra_latency_s: float = 0.0
-    gap_s: float | None = None  # measured devices: compute before each collective (None: longest)
+    hides_transfers = True  # a transfer may run behind compute (GPU copy engines, NICs)
 
     def nodes(self, n: int) -> int:
         """Nodes a group of `n` ranks spans on this link (1 on NVLink)."""
@@ -95,20 +95,22 @@ class Link:
             return min(self.nvlink_bandwidth, self.ib_bandwidth)
         return self.bandwidth
 
+    def collective_s(self, op: str, size_bytes: float, n: int) -> float:
+        """Seconds of one `op` (`fivefold.spec.profile.COLLECTIVES`) of `size_bytes` over `n`
+        ranks by the analytic models below (the module doc)."""
+        return _ANALYTIC[op](size_bytes, n, self)
 
-def measured_link(cluster: ClusterSpec, size: int, gap_s: float | None = None) -> Link | None:
-    """The link of a group of `size` ranks on a measured machine, its collectives issued after
-    `gap_s` seconds of compute, or None for a GPU cluster."""
-    measured = cluster.device.measured
-    if measured is None:
-        return None
-    return Link(measured.profile.backend, 0.0, 0.0, size, 0.0, 0.0, measured, gap_s=gap_s)
+    def describe(self, pattern: str, n: int) -> str:
+        """`link_model` of this link."""
+        return _placed_model(self, pattern, n)
 
 
-def _fitted(op: str, size_bytes: float, n: int, link: Link) -> float:
-    assert link.measured is not None
-    alpha, beta = link.measured.collective(op, n, link.gap_s)
-    return alpha + size_bytes / beta
+def local_link(
+    cluster: ClusterSpec, size: int, eff: EfficiencyModel, gap_s: float | None = None
+) -> FittedLink | None:
+    """The link of a group of `size` ranks on a device that priced its own collectives, issued
+    after `gap_s` seconds of compute (`DeviceRates.local_link`), or None for a GPU cluster."""
+    return rates_for(cluster.device, eff).local_link(size, gap_s)
 
 
 def nvlink_bandwidth(cluster: ClusterSpec, eff: EfficiencyModel) -> float:
@@ -126,7 +128,7 @@ def group_link(
 ) -> Link:
     """The link a group of `size` ranks, `stride` apart in node-major order, communicates over
     (`gap_s`: compute before each collective, for a measured device)."""
-    local = measured_link(cluster, size, gap_s)
+    local = local_link(cluster, size, eff, gap_s)
     if local is not None:
         return local
     g = cluster.nvlink_gpus  # a node, or an NVLink domain of several (GB200 NVL72: 72)
@@ -143,7 +145,6 @@ def group_link(
         per_node,
         nv,
         ib,
-        None,
         cluster.intra_node_latency_s,
     )
 
@@ -166,7 +167,7 @@ def pipeline_link(
     """The link of the sends between neighbouring pipeline stages, world/pp ranks apart: "ib" as
     soon as one boundary crosses nodes (a schedule waits for its slowest boundary), priced by
     `p2p_time_s` at one GPU's NIC."""
-    local = measured_link(cluster, 2, gap_s)
+    local = local_link(cluster, 2, eff, gap_s)
     if local is not None:
         return local
     return plan_link(cluster, plan, "pp", eff)
@@ -234,10 +235,10 @@ def nccl_algorithm(size_bytes: float, n: int, link: Link) -> str:
 
 def all_reduce_time_s(size_bytes: float, n: int, link: Link) -> float:
     """All-reduce of `size_bytes` over `n` ranks with the algorithm NCCL would pick."""
-    if n <= 1:
-        return 0.0
-    if link.measured is not None:
-        return _fitted("all_reduce", size_bytes, n, link)
+    return link.collective_s("all_reduce", size_bytes, n) if n > 1 else 0.0
+
+
+def _nccl_all_reduce_s(size_bytes: float, n: int, link: Link) -> float:
     ring = ring_all_reduce_time_s(size_bytes, n, link)
     if link.kind != "ib":
         return ring  # inside a node the tree is a chain: the ring's latency, less bandwidth
@@ -255,10 +256,10 @@ def reduce_scatter_time_s(size_bytes: float, n: int, link: Link) -> float:
 
 
 def _gather_or_scatter(op: str, size_bytes: float, n: int, link: Link) -> float:
-    if n <= 1:
-        return 0.0
-    if link.measured is not None:
-        return _fitted(op, size_bytes, n, link)
+    return link.collective_s(op, size_bytes, n) if n > 1 else 0.0
+
+
+def _ring_gather_s(size_bytes: float, n: int, link: Link) -> float:
     return ring_latency_s(n, link, all_reduce=False) + all_gather_bytes(size_bytes, n) / (
         link.bandwidth
     )
@@ -289,10 +290,10 @@ def issued_time_s(op, size_bytes: float, n: int, link: Link, count: int) -> floa
 
 def all_to_all_time_s(size_bytes: float, n: int, link: Link) -> float:
     """Each rank sends (n-1)/n of `size_bytes`: on-node parts over NVLink, the rest over its NIC."""
-    if n <= 1:
-        return 0.0
-    if link.measured is not None:
-        return _fitted("all_to_all", size_bytes, n, link)
+    return link.collective_s("all_to_all", size_bytes, n) if n > 1 else 0.0
+
+
+def _split_all_to_all_s(size_bytes: float, n: int, link: Link) -> float:
     k = min(link.per_node, n)
     if link.kind == "nvlink":
         return (n - 1) * link.latency_s + (n - 1) / n * size_bytes / link.nvlink_bandwidth
@@ -313,7 +314,7 @@ def deduplicated_dispatch_time_s(token_bytes: float, top_k: int, n: int, link: L
     per expert instead. Inside one node (or on a measured machine) it is that all-to-all."""
     if n <= 1:
         return 0.0
-    if link.measured is not None or link.kind != "ib":
+    if link.kind != "ib":  # also a measured machine's local link
         return all_to_all_time_s(token_bytes * top_k, n, link)
     nodes = link.nodes(n)
     k = min(link.per_node, n)
@@ -327,9 +328,20 @@ def p2p_time_s(size_bytes: float, link: Link) -> float:
     """One point-to-point exchange of `size_bytes` per rank between neighbours of a group (a
     ring attention step, a pipeline send): alpha + S / B at the slowest hop's bandwidth
     (`Link.p2p_bandwidth`), not the multi-NIC bus bandwidth of a collective."""
-    if link.measured is not None:
-        return _fitted("send_recv", size_bytes, 2, link)
+    return link.collective_s("send_recv", size_bytes, 2)
+
+
+def _slowest_hop_s(size_bytes: float, n: int, link: Link) -> float:
     return transfer_time_s(size_bytes, link.p2p_bandwidth, link.latency_s)
+
+
+_ANALYTIC = {
+    "all_reduce": _nccl_all_reduce_s,
+    "all_gather": _ring_gather_s,
+    "reduce_scatter": _ring_gather_s,
+    "all_to_all": _split_all_to_all_s,
+    "send_recv": _slowest_hop_s,
+}
 
 
 # ---- the assumption behind a price, in words -------------------------------------------------
@@ -346,8 +358,10 @@ def link_model(link: Link, pattern: str, n: int) -> str:
     efficiency model's fractions)."""
     if pattern not in PATTERNS:
         raise ValueError(f"pattern {pattern!r} is not one of {PATTERNS}")
-    if link.measured is not None:
-        return f"{pattern}, fitted to {link.kind} on this machine (fivefold calibrate)"
+    return link.describe(pattern, n)
+
+
+def _placed_model(link: Link, pattern: str, n: int) -> str:
     if link.kind != "ib":
         return f"{pattern}, nvlink {_gbs(link.bandwidth)} per GPU"
     if pattern == "p2p":

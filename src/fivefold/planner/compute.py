@@ -38,19 +38,20 @@ The efficiency model (parameters in `fivefold.planner.efficiency`, fitted by
   `fivefold.spec.model.early_stop_skipped_flops_per_token`); "selective" repeats only the
   attention core (Korthikanti et al. 2022).
 
-A device measured by `fivefold calibrate` (`device.measured`, `fivefold.spec.profile`) replaces
-the efficiency model by its measurements: every matmul as eager code runs it (wq, wk, wv
-separately; a MoE layer's routed experts as the model's three `torch._grouped_mm` calls,
-`expert_projections`, from the measured grouped table) is timed from the measured GEMM table,
-each pass on its own shape and operand layout (forward x W^T on (m, n, k), input gradient g W
-on (m, k, n), weight gradient g^T x on (n, k, m);
-the exact shape when measured, else interpolated by arithmetic intensity); the attention core
+Every rate comes from the device's `DeviceRates` (`fivefold.planner.rates.rates_for`): the above
+for a catalogued GPU (`CatalogRates`). A device measured by `fivefold calibrate`
+(`MeasuredRates`, `fivefold.spec.profile`) replaces the efficiency model by its measurements:
+every matmul as eager code runs it (wq, wk, wv separately; a MoE layer's routed experts as the
+model's three `torch._grouped_mm` calls, `layer_matmuls.expert_projections`, from the measured
+grouped table) is timed from the measured GEMM table, each pass on its own shape and operand
+layout (forward x W^T on (m, n, k), input gradient g W on (m, k, n), weight gradient g^T x on
+(n, k, m); the exact shape when measured, else interpolated in log space); the attention core
 from its measured forward and backward rates; the element-wise bytes below, the loss and the
-optimizer from bandwidths measured in the same byte accounting (so the unfused-traffic factor
-is already in them); and the fixed cost of a layer from the profile's measured forward and
-backward values for its kind (dense or MoE, plus tensor and expert parallelism's extra and
-that of the data-parallel units the runtime wraps it in for the plan's ZeRO level,
-`Measured.layer_overhead_s`).
+optimizer from bandwidths measured in the same byte accounting (so the unfused-traffic factor is
+already in them: the attention kernel and fusion options do not apply); and the fixed cost of a
+layer from the profile's measured forward and backward values for its kind (dense or MoE, plus
+tensor and expert parallelism's extra and that of the data-parallel units the runtime wraps it
+in for the plan's ZeRO level, `MeasuredRates.layer_overhead_s`).
 
 Written by hand: PyTorch's FLOP counters need the model and a device; the planner needs neither.
 """
@@ -60,14 +61,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fivefold.planner.efficiency import EfficiencyModel
+from fivefold.planner.layer_matmuls import alternate_matmuls, last_matmul
 from fivefold.planner.levers import state_recipe
 from fivefold.planner.memory import local_kv_width
+from fivefold.planner.rates import rates_for
 from fivefold.spec.hardware import GPUSpec
 from fivefold.spec.model import ModelSpec, attention_flops_all_layers
 from fivefold.spec.plan import ParallelPlan
 from fivefold.spec.precision import recipe
 
-ATTENTION_DTYPE = "bf16"  # attention kernels run in bf16 even under fp8 recipes
 LOSS_BYTES_PER_LOGIT = 24.0  # fp32: upcast, log-softmax, gradient, cast back
 
 
@@ -139,34 +141,6 @@ def _fields(w: Work) -> tuple[float, ...]:
     )
 
 
-# ---- back-of-envelope helpers (the seeds' arithmetic) -------------------------------------------
-SECONDS_PER_YEAR = 365.25 * 86400
-
-
-def training_flops(n_params: float, tokens: float) -> float:
-    """The 6 N D rule: forward (2N) plus backward (4N) FLOPs per token, times D tokens."""
-    return 6.0 * n_params * tokens
-
-
-def time_to_train_s(flops: float, gpus: int, peak_flops: float, mfu: float = 1.0) -> float:
-    """Seconds to do `flops` on `gpus` devices of `peak_flops` each at utilisation `mfu`."""
-    return flops / (gpus * peak_flops * mfu)
-
-
-def gemm_intensity(
-    m: float, n: float, k: float, element_bytes: float = 2, include_output: bool = True
-) -> float:
-    """FLOP per byte of an (m x k) @ (k x n) matmul: 2mnk over the bytes of its operands (and
-    of its output unless `include_output` is False)."""
-    moved = m * k + k * n + (m * n if include_output else 0)
-    return 2.0 * m * n * k / (element_bytes * moved)
-
-
-def ridge_point(device: GPUSpec, dtype: str = "bf16") -> float:
-    """FLOP per byte where the roofline turns: peak FLOP/s over HBM bytes/s."""
-    return device.peak(dtype) / device.hbm_bw_bytes_per_s
-
-
 # ---- kernels ----------------------------------------------------------------------------------
 def gemm_time_s(
     m: float,
@@ -177,21 +151,9 @@ def gemm_time_s(
     dtype: str = "bf16",
     layout: str = "nt",
 ) -> float:
-    """Seconds for one (m x k) @ (k x n) matmul on `device` (see the module docstring);
-    `layout` ("nt", "nn", "tn": which operand is transposed) matters on a measured device only."""
-    if m <= 0 or n <= 0 or k <= 0:
-        return 0.0
-    if device.measured is not None:
-        return 2.0 * m * n * k / device.measured.gemm_flops_per_s(m, n, k, dtype, layout)
-    e = {"fp8": 1, "bf16": 2, "fp16": 2}.get(dtype, 4)
-    flops = 2.0 * m * n * k
-    intensity = flops / (e * (m * k + k * n + m * n))
-    peak = device.peak(dtype)
-    ridge = peak / device.hbm_bw_bytes_per_s
-    fraction = eff.gemm_fraction(device.arch) * intensity
-    fraction /= intensity + eff.gemm_half_intensity * ridge
-    fraction = min(fraction, intensity / ridge)  # never above the roofline
-    return flops / (peak * fraction)
+    """Seconds for one (m x k) @ (k x n) matmul on `device` (`DeviceRates.gemm_s`); `layout`
+    ("nt", "nn", "tn": which operand is transposed) matters on a measured device only."""
+    return rates_for(device, eff).gemm_s(m, n, k, dtype, layout)
 
 
 def memory_time_s(
@@ -199,9 +161,7 @@ def memory_time_s(
 ) -> float:
     """Seconds to stream `size_bytes` through HBM in element-wise kernels; a measured device
     uses its bandwidth of that `kind` (`fivefold.spec.profile.BANDWIDTH_KINDS`)."""
-    if device.measured is not None:
-        return size_bytes / device.measured.bandwidth(kind)
-    return size_bytes / (device.hbm_bw_bytes_per_s * eff.hbm_fraction)
+    return size_bytes / rates_for(device, eff).stream_bytes_per_s(kind)
 
 
 def vector_flops_per_s(device: GPUSpec) -> float:
@@ -256,20 +216,15 @@ def attention_times_s(
     kernels at that cp (smaller blocks, their log-sum-exp merges and Python per block)."""
     flops = attention_flops(model, plan)
     fwd_bytes, bwd_bytes = attention_bytes(model, plan)
-    if device.measured is not None:
-        dtype = recipe(plan.precision).compute_dtype
-        blocks = plan.cp if plan.cp_kind in ("ring", "allgather") else 1  # block kernels
-        fwd, bwd = device.measured.attention_flops_per_s(
-            attention_span(model, plan),
-            model.head_dim,
-            dtype,
-            blocks,
-            plan.micro_batch * model.heads / plan.tp,
-        )
-        forward, backward = flops / fwd, 2.0 * flops / bwd
-    else:
-        forward = flops / (device.peak(ATTENTION_DTYPE) * eff.attention_peak_fraction)
-        backward = eff.attention_backward_ratio * forward
+    blocks = plan.cp if plan.cp_kind in ("ring", "allgather") else 1  # block kernels
+    forward, backward = rates_for(device, eff).attention_s(
+        flops,
+        attention_span(model, plan),
+        model.head_dim,
+        recipe(plan.precision).compute_dtype,
+        blocks,
+        plan.micro_batch * model.heads / plan.tp,
+    )
     return (
         max(forward, memory_time_s(fwd_bytes, device, eff)),
         max(backward, memory_time_s(bwd_bytes, device, eff, "elementwise_backward")),
@@ -287,53 +242,6 @@ def attention_bytes(model: ModelSpec, plan: ParallelPlan) -> tuple[float, float]
 
 
 # ---- one transformer layer --------------------------------------------------------------------
-def attention_gemms(
-    model: ModelSpec, tokens: float, t: int
-) -> list[tuple[float, float, float, float]]:
-    """Forward attention-projection GEMMs of one layer on one TP rank as (m, n, k, count): the
-    fused QKV and O; with MLA (`ModelSpec.attention_matrices`) the key/value latent and query
-    down projections replicated, the per-head up projections and O split by heads."""
-    h = model.hidden
-    if not model.is_mla:
-        q, kv = model.q_width / t, local_kv_width(model, t)
-        return [(tokens, q + 2 * kv, h, 1.0), (tokens, h, q, 1.0)]
-    heads = model.heads / t
-    nope = model.head_dim - model.qk_rope_head_dim
-    out = [
-        (tokens, model.kv_lora_rank + model.qk_rope_head_dim, h, 1.0),
-        (tokens, heads * (nope + model.value_dim), model.kv_lora_rank, 1.0),
-    ]
-    rank = model.q_lora_rank
-    if rank:
-        out += [(tokens, rank, h, 1.0), (tokens, heads * model.head_dim, rank, 1.0)]
-    else:
-        out.append((tokens, heads * model.head_dim, h, 1.0))
-    return [*out, (tokens, h, heads * model.value_dim, 1.0)]
-
-
-def layer_gemms(
-    model: ModelSpec, plan: ParallelPlan, moe: bool
-) -> list[tuple[float, float, float, float]]:
-    """Forward GEMMs of one layer on one rank as (m, n, k, count)."""
-    t = plan.tp
-    h = model.hidden
-    tokens = plan.micro_batch * model.seq_len / plan.cp
-    out = attention_gemms(model, tokens, t)
-    if not moe:
-        f = model.ffn / t
-        up = 2 * f if model.mlp == "swiglu" else f
-        return [*out, (tokens, up, h, 1.0), (tokens, h, f, 1.0)]
-    fe = model.expert_ffn / t
-    local_experts = model.experts / plan.ep
-    per_expert = tokens * model.top_k * plan.ep / model.experts
-    out += [(tokens, model.experts, h, 1.0)]  # router (replicated over TP)
-    out += [(per_expert, 2 * fe, h, local_experts), (per_expert, h, fe, local_experts)]
-    if model.shared_experts:
-        width = model.shared_experts * fe
-        out += [(tokens, 2 * width, h, 1.0), (tokens, h, width, 1.0)]
-    return out
-
-
 def layer_elementwise_bytes(
     model: ModelSpec, plan: ParallelPlan, moe: bool, opts: ComputeOptions
 ) -> float:
@@ -402,14 +310,10 @@ def layer_work(
     opts: ComputeOptions | None = None,
 ) -> Work:
     """Compute seconds of one transformer layer for one micro-batch on one rank."""
-    opts = opts or ComputeOptions()
+    rates = rates_for(device, eff)
+    opts = rates.kernel_options(opts or ComputeOptions())
     dtype = recipe(plan.precision).compute_dtype
-    if device.measured is not None:
-        return _measured_layer_work(model, plan, device, eff, moe, opts)
-    gemm = sum(
-        count * gemm_time_s(m, n, k, device, eff, dtype)
-        for m, n, k, count in layer_gemms(model, plan, moe)
-    )
+    gemm_f, gemm_b, gemm_w = rates.layer_matmuls_s(model, plan, moe)
     if opts.attention_kernel == "classic":
         attn_f, attn_b = classic_attention(model, plan, device, eff, opts)
     else:
@@ -417,33 +321,23 @@ def layer_work(
     elem_bytes = layer_elementwise_bytes(model, plan, moe, opts)
     if not opts.fused_elementwise:
         elem_bytes *= UNFUSED_TRAFFIC_FACTOR
-    elem = roofline_s(layer_elementwise_flops(model, plan, moe), elem_bytes, device, eff)
-    overhead = eff.layer_overhead_s
-    forward = gemm + attn_f + elem + overhead
+    elem_flops = layer_elementwise_flops(model, plan, moe)
+    elem_f = roofline_s(elem_flops, elem_bytes, device, eff, "elementwise_forward")
+    elem_b = roofline_s(2 * elem_flops, 2 * elem_bytes, device, eff, "elementwise_backward")
+    units = 2 if moe and plan.ep > 1 else 1  # the runtime wraps EP experts apart
+    over_f, over_b = rates.layer_overhead_s(moe, plan.tp > 1, plan.zero, units, plan.ep > 1)
+    forward = gemm_f + attn_f + elem_f + over_f
     if plan.recompute == "full":
         recompute = forward - _early_stop_s(model, plan, device, eff, moe, opts)
     elif plan.recompute == "selective" and opts.selective_policy == "alternate-matmul":
-        gemms = layer_gemms(model, plan, moe)
-        recompute = (
-            sum(
-                count * gemm_time_s(m, n, k, device, eff, dtype)
-                for m, n, k, count in _alternate(_split_fused(model, plan, gemms, moe))
-            )
-            + elem
-        )
+        alternate = alternate_matmuls(model, plan, moe)
+        recompute = sum(c * rates.gemm_s(m, n, k, dtype) for m, n, k, c in alternate) + elem_f
     elif plan.recompute == "selective":
         recompute = attn_f
     else:
         recompute = 0.0
-    backward_input = gemm + attn_b + 2 * elem + 2 * overhead + recompute
-    return Work(forward, backward_input, gemm, recompute, gemm, attn_f, attn_b)
-
-
-def _last_matmul(model: ModelSpec, plan: ParallelPlan, moe: bool) -> tuple[float, float, float]:
-    """(m, n, k) of the block's last matmul, the one checkpoint early stop skips (zero k: none)."""
-    tokens = plan.micro_batch * model.seq_len / plan.cp
-    width = model.shared_experts * model.expert_ffn if moe else model.ffn
-    return tokens, model.hidden, width / plan.tp
+    backward_input = gemm_b + attn_b + elem_b + over_b + recompute
+    return Work(forward, backward_input, gemm_w, recompute, gemm_f, attn_f, attn_b)
 
 
 def _early_stop_s(
@@ -458,96 +352,7 @@ def _early_stop_s(
     if not opts.checkpoint_early_stop:
         return 0.0
     dtype = recipe(plan.precision).compute_dtype
-    return gemm_time_s(*_last_matmul(model, plan, moe), device, eff, dtype)
-
-
-def _measured_layer_work(
-    model: ModelSpec,
-    plan: ParallelPlan,
-    device: GPUSpec,
-    eff: EfficiencyModel,
-    moe: bool,
-    opts: ComputeOptions,
-) -> Work:
-    """`layer_work` on a measured device (module docstring): every matmul as eager code runs it,
-    each backward pass on its own shape and layout, measured attention, bandwidths, overhead."""
-    assert device.measured is not None
-    dtype = recipe(plan.precision).compute_dtype
-    gemms = _split_fused(model, plan, layer_gemms(model, plan, moe), moe)
-
-    def passes(shapes: list) -> tuple[float, float, float]:
-        fwd = sum(c * gemm_time_s(m, n, k, device, eff, dtype, "nt") for m, n, k, c in shapes)
-        dgrad = sum(c * gemm_time_s(m, k, n, device, eff, dtype, "nn") for m, n, k, c in shapes)
-        wgrad = sum(c * gemm_time_s(n, k, m, device, eff, dtype, "tn") for m, n, k, c in shapes)
-        return fwd, dgrad, wgrad
-
-    gemm_f, gemm_b, gemm_w = passes(gemms)
-    if moe:
-        grouped = device.measured.grouped_time_s
-        for shape in expert_projections(model, plan):
-            gemm_f += grouped(*shape, dtype, "nt")
-            gemm_b += grouped(*shape, dtype, "nn")
-            gemm_w += grouped(*shape, dtype, "tn")
-    attn_f, attn_b = attention_times_s(model, plan, device, eff)
-    elem_bytes = layer_elementwise_bytes(model, plan, moe, opts)
-    elem_flops = layer_elementwise_flops(model, plan, moe)
-    elem_f = roofline_s(elem_flops, elem_bytes, device, eff, "elementwise_forward")
-    elem_b = roofline_s(2 * elem_flops, 2 * elem_bytes, device, eff, "elementwise_backward")
-    units = 2 if moe and plan.ep > 1 else 1  # the runtime wraps EP experts apart
-    over_f, over_b = device.measured.layer_overhead_s(
-        moe, plan.tp > 1, plan.zero, units, plan.ep > 1
-    )
-    forward = gemm_f + attn_f + elem_f + over_f
-    if plan.recompute == "full":
-        recompute = forward - _early_stop_s(model, plan, device, eff, moe, opts)
-    elif plan.recompute == "selective" and opts.selective_policy == "alternate-matmul":
-        recompute = passes(_alternate(gemms))[0] + elem_f
-    elif plan.recompute == "selective":
-        recompute = attn_f
-    else:
-        recompute = 0.0
-    backward_input = gemm_b + attn_b + elem_b + over_b + recompute
-    return Work(forward, backward_input, gemm_w, recompute, gemm_f, attn_f, attn_b)
-
-
-def _split_fused(model: ModelSpec, plan: ParallelPlan, gemms: list, moe: bool) -> list:
-    """The per-matrix matmuls in execution order as eager code runs them (wq, wk, wv, wo, then
-    w1, w3, w2 of a dense layer, or the router and the shared experts' w1, w3, w2 of a MoE
-    layer); the routed experts are grouped matmuls apart (`expert_projections`)."""
-    t = plan.tp
-    tokens, h = gemms[0][0], model.hidden
-    kv = local_kv_width(model, t)
-    out = [
-        (tokens, model.q_width / t, h, 1.0),
-        (tokens, kv, h, 1.0),
-        (tokens, kv, h, 1.0),
-        gemms[1],
-    ]
-    if moe:
-        out.append(gemms[2])  # the router
-        width = model.shared_experts * model.expert_ffn / t
-        if width:
-            out += [(tokens, width, h, 1.0), (tokens, width, h, 1.0), (tokens, h, width, 1.0)]
-        return out
-    f = model.ffn / t
-    if model.mlp == "swiglu":
-        return [*out, (tokens, f, h, 1.0), (tokens, f, h, 1.0), gemms[3]]
-    return [*out, gemms[2], gemms[3]]
-
-
-def expert_projections(model: ModelSpec, plan: ParallelPlan) -> list[tuple[float, ...]]:
-    """The routed experts' three grouped matmuls (w1, w3, w2) of one MoE layer on one rank as
-    (groups, tokens, n, k): the rank's experts / ep groups share tokens x top_k rows (every
-    rank's tokens routed to these experts, balanced), forward shape (rows x k) @ (k x n)."""
-    groups = model.experts / plan.ep
-    rows = plan.micro_batch * model.seq_len / plan.cp * model.top_k
-    fe, h = model.expert_ffn / plan.tp, model.hidden
-    return [(groups, rows, fe, h), (groups, rows, fe, h), (groups, rows, h, fe)]
-
-
-def _alternate(gemms: list) -> list:
-    """Every second matmul (the 2nd, 4th, ...): what op-level SAC recomputes."""
-    return gemms[1::2]
+    return gemm_time_s(*last_matmul(model, plan, moe), device, eff, dtype)
 
 
 def head_work(model: ModelSpec, plan: ParallelPlan, device: GPUSpec, eff: EfficiencyModel) -> Work:
@@ -556,19 +361,14 @@ def head_work(model: ModelSpec, plan: ParallelPlan, device: GPUSpec, eff: Effici
     dtype = recipe(plan.precision).compute_dtype
     tokens = plan.micro_batch * model.seq_len / plan.cp
     v, h = model.vocab / plan.tp, model.hidden
-    gemm = gemm_time_s(tokens, v, h, device, eff, dtype)
+    gemm, gemm_b, gemm_w = rates_for(device, eff).gemm_passes_s(tokens, v, h, dtype)
     logits = tokens * v
     logit_bytes = logits * LOSS_BYTES_PER_LOGIT
     fwd_flops, bwd_flops = logits * LOSS_FORWARD_FLOPS, logits * LOSS_BACKWARD_FLOPS
-    if device.measured is not None:  # measured loss forward and backward rates
-        fwd_loss = roofline_s(fwd_flops, logit_bytes * 10 / 24, device, eff, "loss_forward")
-        bwd_loss = roofline_s(bwd_flops, logit_bytes * 14 / 24, device, eff, "loss_backward")
-        gemm_b = gemm_time_s(tokens, h, v, device, eff, dtype, "nn")
-        gemm_w = gemm_time_s(v, h, tokens, device, eff, dtype, "tn")
-    else:
-        fwd_loss = roofline_s(fwd_flops, logit_bytes * 10 / LOSS_BYTES_PER_LOGIT, device, eff)
-        bwd_loss = roofline_s(bwd_flops, logit_bytes * 14 / LOSS_BYTES_PER_LOGIT, device, eff)
-        gemm_b = gemm_w = gemm
+    fwd_bytes = logit_bytes * 10 / LOSS_BYTES_PER_LOGIT
+    bwd_bytes = logit_bytes * 14 / LOSS_BYTES_PER_LOGIT
+    fwd_loss = roofline_s(fwd_flops, fwd_bytes, device, eff, "loss_forward")
+    bwd_loss = roofline_s(bwd_flops, bwd_bytes, device, eff, "loss_backward")
     norm_flops = tokens * h * NORM_FLOPS
     norm = roofline_s(norm_flops, tokens * h * 2 * 2, device, eff)
     norm_b = roofline_s(2 * norm_flops, 2 * tokens * h * 2 * 2, device, eff, "elementwise_backward")

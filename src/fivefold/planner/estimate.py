@@ -32,13 +32,29 @@ the remaining PCIe copies in the tail (`offload_exposed_s`). Every user mistake 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
 from functools import cached_property, lru_cache
 
 from fivefold.errors import ConfigError
-from fivefold.planner import comm as C
-from fivefold.planner import lever_costs as LC
+from fivefold.planner.comm import (
+    TENSORS_PER_LAYER,
+    Link,
+    all_gather_bytes,
+    all_gather_time_s,
+    all_reduce_bytes,
+    all_reduce_time_s,
+    all_to_all_time_s,
+    axis_groups,
+    collective_count,
+    deduplicated_dispatch_time_s,
+    group_link,
+    issued_time_s,
+    link_model,
+    p2p_time_s,
+    pipeline_link,
+    plan_link,
+    reduce_scatter_time_s,
+)
 from fivefold.planner.compute import (
     Work,
     embedding_work,
@@ -47,11 +63,17 @@ from fivefold.planner.compute import (
     memory_time_s,
 )
 from fivefold.planner.efficiency import EfficiencyModel, efficiency_model
+from fivefold.planner.lever_costs import (
+    fp8_layer_delta,
+    mfu_peak,
+    offload_layer_s,
+    offload_tail,
+    optimizer_s,
+)
 from fivefold.planner.levers import (
     HostMemory,
     host_memory,
     memory_plan,
-    node_host,
     offloads,
 )
 from fivefold.planner.memory import (
@@ -67,6 +89,7 @@ from fivefold.planner.memory import (
 )
 from fivefold.planner.options import PlannerOptions
 from fivefold.planner.partition import stage_layer_counts
+from fivefold.planner.rates import rates_for
 from fivefold.planner.schedule import Simulation, StageCosts, build_schedule, simulate
 from fivefold.spec.cluster import ClusterSpec
 from fivefold.spec.geometry import (
@@ -242,14 +265,14 @@ def collective_gap_s(
     `fivefold calibrate` (None on a GPU cluster): half of one layer's forward at the
     micro-batch (tensor parallelism issues two collectives per layer forward, data parallelism
     one per layer backward, twice as long). The profile prices a collective after that much
-    compute (`Measured.collective`: between its measured gaps, and as after the longest, its
-    model's MLP GEMM, beyond it)."""
+    compute (`MeasuredRates.collective`: between its measured gaps, and as after the longest,
+    its model's MLP GEMM, beyond it; `DeviceRates.collective_gap_s`)."""
     device = cluster.device
-    if device.measured is None:
-        return None
     key = replace(plan, recompute="none", fp8="none")
     moe = model.is_moe and not model.dense_layers
-    return layer_work(model, key, device, eff, moe).forward_s / 2
+    return rates_for(device, eff).collective_gap_s(
+        lambda: layer_work(model, key, device, eff, moe).forward_s
+    )
 
 
 def per_layer_gathers(plan: ParallelPlan) -> bool:
@@ -291,7 +314,7 @@ def _layer_costs(
     device = cluster.device
     work = layer_work(model, key, device, eff, moe, opts.compute())
     if key.fp8 != "none":
-        work = work + LC.fp8_layer_delta(model, key, device, eff, moe, opts.selective_policy)
+        work = work + fp8_layer_delta(model, key, device, eff, moe, opts.selective_policy)
     e = recipe(key.precision).activation_bytes
     tokens = key.micro_batch * model.seq_len / key.cp
     t = key.tp
@@ -299,14 +322,14 @@ def _layer_costs(
     # Tensor parallelism: 2 collectives forward, 2 backward, 2 more with full recompute.
     tp_fwd = tp_bwd = tp_time = tp_bytes = 0.0
     if t > 1:
-        link = C.plan_link(cluster, key, "tp", eff, gap)
+        link = plan_link(cluster, key, "tp", eff, gap)
         size = tokens * model.hidden * e
         if key.sp:
-            one = 2 * C.all_gather_time_s(size, t, link)  # an all-gather and a reduce-scatter
-            sent = 2 * C.all_gather_bytes(size, t)
+            one = 2 * all_gather_time_s(size, t, link)  # an all-gather and a reduce-scatter
+            sent = 2 * all_gather_bytes(size, t)
         else:
-            one = C.all_reduce_time_s(size, t, link)
-            sent = C.all_reduce_bytes(size, t)
+            one = all_reduce_time_s(size, t, link)
+            sent = all_reduce_bytes(size, t)
         n_fwd = 2
         n_bwd = 2 + (2 if key.recompute == "full" else 0)
         fwd, bwd = n_fwd * one, n_bwd * one
@@ -326,12 +349,12 @@ def _layer_costs(
     # Expert parallelism: dispatch and combine all-to-alls, forward and backward.
     ep_fwd = ep_bwd = ep_bytes = 0.0
     if moe and key.ep > 1:
-        link = C.plan_link(cluster, key, "ep", eff, gap)
+        link = plan_link(cluster, key, "ep", eff, gap)
         size = tokens * model.top_k * model.hidden * e
         if opts.ep_dispatch == "deepep":
-            one = C.deduplicated_dispatch_time_s(size / model.top_k, model.top_k, key.ep, link)
+            one = deduplicated_dispatch_time_s(size / model.top_k, model.top_k, key.ep, link)
         else:
-            one = C.all_to_all_time_s(size, key.ep, link)
+            one = all_to_all_time_s(size, key.ep, link)
         ep_fwd = 2 * one
         ep_bwd = ep_fwd * (2 if key.recompute == "full" else 1)
         ep_bytes = (2 + 2 + (2 if key.recompute == "full" else 0)) * size * (key.ep - 1) / key.ep
@@ -344,22 +367,22 @@ def _layer_costs(
             (lp.dense + lp.replicated, "dp_shard_cp"),
             (lp.experts, "expert_shard"),
         ):
-            n = C.axis_groups(key)[group][0]
+            n = axis_groups(key)[group][0]
             if n <= 1 or params == 0:
                 continue
-            link = C.plan_link(cluster, key, group, eff, gap)
+            link = plan_link(cluster, key, group, eff, gap)
             # FSDP gathers a wrapped layer at once; per-parameter hooks issue one per tensor.
-            count = C.TENSORS_PER_LAYER if opts.collective_granularity == "parameter" else 1
+            count = TENSORS_PER_LAYER if opts.collective_granularity == "parameter" else 1
             size = params * compute_bytes(rec)
             if group == "dp_shard_cp":  # FP8 all-gather of the converted linears
                 size -= fp8_gather_saving(model, key)
-            gather += C.issued_time_s(C.all_gather_time_s, size, n, link, count)
-            gather_bytes += C.all_gather_bytes(size, n)
+            gather += issued_time_s(all_gather_time_s, size, n, link, count)
+            gather_bytes += all_gather_bytes(size, n)
             size = params * rec.grad_bytes
-            reduce += C.issued_time_s(C.reduce_scatter_time_s, size, n, link, count)
-            reduce_bytes += C.all_gather_bytes(size, n)
+            reduce += issued_time_s(reduce_scatter_time_s, size, n, link, count)
+            reduce_bytes += all_gather_bytes(size, n)
             if offloads(key, device):  # each shard crosses PCIe around its collective
-                h2d, d2h = LC.offload_layer_s(params / n, key, device)
+                h2d, d2h = offload_layer_s(params / n, key, device)
                 gather, reduce = gather + h2d, reduce + d2h
             if opts.runtime == "fivefold-eager":  # FSDP2 copies; flat-buffer frameworks do not
                 gather_copy += fsdp_copy_s(params * compute_bytes(rec), cluster.device, eff)
@@ -399,15 +422,15 @@ def dtensor_small_collectives_s(
     gradient is a partial sum all-reduced over the TP group in the backward (two per layer, the
     final norm on the last stage), and the vocabulary-parallel loss all-reduces the row
     maximum, the sum of exponentials and the target logit (fp32, one per token) forward."""
-    link = C.plan_link(cluster, plan, "tp", eff, collective_gap_s(model, plan, cluster, eff))
+    link = plan_link(cluster, plan, "tp", eff, collective_gap_s(model, plan, cluster, eff))
     backward = 0.0
     if plan.sp:
-        norm = C.all_reduce_time_s(model.hidden * recipe(plan.precision).grad_bytes, plan.tp, link)
+        norm = all_reduce_time_s(model.hidden * recipe(plan.precision).grad_bytes, plan.tp, link)
         backward = (2 * layers + (1 if last else 0)) * norm
     forward = 0.0
     if last:
         tokens = plan.micro_batch * model.seq_len / plan.cp
-        forward = 3 * C.all_reduce_time_s(tokens * 4.0, plan.tp, link)
+        forward = 3 * all_reduce_time_s(tokens * 4.0, plan.tp, link)
     return forward, backward
 
 
@@ -419,15 +442,15 @@ def routing_sync_s(
     all-reduced over the ranks that see different tokens, and with expert parallelism the
     per-expert token counts exchanged (an all-to-all of int64) before the dispatch; both
     latency-bound, on the pipeline's critical path (`estimate` adds them to the stage costs)."""
-    n = C.axis_groups(plan)["dp_cp"][0]
+    n = axis_groups(plan)["dp_cp"][0]
     gap = collective_gap_s(model, plan, cluster, eff)
     total = 0.0
     if n > 1:
         stats = (2 * model.experts + 2) * 8.0
-        total += C.all_reduce_time_s(stats, n, C.plan_link(cluster, plan, "dp_cp", eff, gap))
+        total += all_reduce_time_s(stats, n, plan_link(cluster, plan, "dp_cp", eff, gap))
     if plan.ep > 1:
         counts = model.experts * 8.0
-        total += C.all_to_all_time_s(counts, plan.ep, C.plan_link(cluster, plan, "ep", eff, gap))
+        total += all_to_all_time_s(counts, plan.ep, plan_link(cluster, plan, "ep", eff, gap))
     return total
 
 
@@ -455,13 +478,13 @@ def _cp_costs(
     (`gap`: compute before each collective, `collective_gap_s`; `eager`: fivefold's own ring,
     `_ring_costs`)."""
     cp = key.cp
-    link = C.plan_link(cluster, key, "cp", eff, gap)
+    link = plan_link(cluster, key, "cp", eff, gap)
     kv_block = tokens * 2 * local_kv_width(model, key.tp) * e
     if key.cp_kind == "ring" and eager:
         return _ring_costs(key, work, kv_block, e, link)
     if key.cp_kind == "ring":
-        step_f = C.p2p_time_s(kv_block, link)
-        step_b = C.p2p_time_s(2 * kv_block, link)  # K, V and their gradients travel back
+        step_f = p2p_time_s(kv_block, link)
+        step_b = p2p_time_s(2 * kv_block, link)  # K, V and their gradients travel back
         fwd = (cp - 1) * max(0.0, step_f - work.attention_forward_s / cp)
         bwd = (cp - 1) * max(0.0, step_b - work.attention_backward_s / cp)
         if key.recompute == "full":
@@ -469,18 +492,18 @@ def _cp_costs(
         return fwd, bwd, (cp - 1) * (step_f + step_b), (cp - 1) * 3 * kv_block
     if key.cp_kind == "allgather":
         gathered = kv_block * cp
-        fwd = C.all_gather_time_s(gathered, cp, link)
-        bwd = C.reduce_scatter_time_s(gathered, cp, link) + (fwd if key.recompute == "full" else 0)
-        return fwd, bwd, fwd + bwd, 2 * C.all_gather_bytes(gathered, cp)
+        fwd = all_gather_time_s(gathered, cp, link)
+        bwd = reduce_scatter_time_s(gathered, cp, link) + (fwd if key.recompute == "full" else 0)
+        return fwd, bwd, fwd + bwd, 2 * all_gather_bytes(gathered, cp)
     # Ulysses: all-to-all q, k, v in and the output back, forward and backward.
     width = model.q_width / key.tp * 2 + 2 * local_kv_width(model, key.tp)
     size = tokens * width * e
-    fwd = C.all_to_all_time_s(size, cp, link)
+    fwd = all_to_all_time_s(size, cp, link)
     bwd = fwd * (2 if key.recompute == "full" else 1)
     return fwd, bwd, fwd + bwd, 2 * size * (cp - 1) / cp
 
 
-def _ring_costs(key: ParallelPlan, work: Work, kv_block: float, e: int, link: C.Link):
+def _ring_costs(key: ParallelPlan, work: Work, kv_block: float, e: int, link: Link):
     """(exposed fwd, exposed bwd, transfer time, bytes) of fivefold's ring attention for one
     layer (`fivefold.parallel.context_parallel._RingAttention`): forward, cp - 1 exchanges of a
     K/V block; backward, the K/V ring again (cp - 1) and cp exchanges of the block's fp32
@@ -489,11 +512,11 @@ def _ring_costs(key: ParallelPlan, work: Work, kv_block: float, e: int, link: C.
     compute: there all of it is exposed."""
     cp = key.cp
     grads = kv_block * 4 / e
-    kv_f = (cp - 1) * C.p2p_time_s(kv_block, link)
-    kv_b = kv_f + cp * C.p2p_time_s(grads, link)
-    cpu = link.measured is not None and link.measured.profile.kind == "cpu"
-    fwd = kv_f if cpu else max(0.0, kv_f - work.attention_forward_s * (cp - 1) / cp)
-    bwd = kv_b if cpu else max(0.0, kv_b - work.attention_backward_s)
+    kv_f = (cp - 1) * p2p_time_s(kv_block, link)
+    kv_b = kv_f + cp * p2p_time_s(grads, link)
+    hidden = link.hides_transfers
+    fwd = max(0.0, kv_f - work.attention_forward_s * (cp - 1) / cp) if hidden else kv_f
+    bwd = max(0.0, kv_b - work.attention_backward_s) if hidden else kv_b
     if key.recompute == "full":
         bwd += fwd
     return fwd, bwd, kv_f + kv_b, 2 * (cp - 1) * kv_block + cp * grads
@@ -511,22 +534,6 @@ class ChunkCosts:
     ep: tuple[float, float, float]
     zero: tuple[float, float, float]  # ZeRO-3 parameter gathers
     zero_rs: tuple[float, float, float]  # ZeRO-3 gradient reduce-scatters
-
-
-def _chunk_costs(
-    model: ModelSpec,
-    plan: ParallelPlan,
-    cluster: ClusterSpec,
-    eff: EfficiencyModel,
-    opts: PlannerOptions,
-    counts: list[int],
-    chunk: int,
-) -> ChunkCosts:
-    n_dense, n_moe = chunk_layers(model, counts, chunk)
-    last = len(counts) - 1
-    return _chunk_costs_of(
-        model, _layer_key(plan), cluster, eff, opts, n_dense, n_moe, chunk == 0, chunk == last
-    )
 
 
 @lru_cache(maxsize=65536)
@@ -605,7 +612,7 @@ def _chunk_costs_of(
         compute += hw.total_s
     if plan.tp > 1 and (first or last):
         # The embedding's (and the head's) entry into / exit from the sequence-parallel region.
-        link = C.plan_link(cluster, plan, "tp", eff, collective_gap_s(model, plan, cluster, eff))
+        link = plan_link(cluster, plan, "tp", eff, collective_gap_s(model, plan, cluster, eff))
         size = (
             plan.micro_batch
             * model.seq_len
@@ -614,9 +621,9 @@ def _chunk_costs_of(
             * recipe(plan.precision).activation_bytes
         )
         one = (
-            C.all_gather_time_s(size, plan.tp, link)
+            all_gather_time_s(size, plan.tp, link)
             if plan.sp
-            else C.all_reduce_time_s(size, plan.tp, link)
+            else all_reduce_time_s(size, plan.tp, link)
         )
         f += one
         b += one if last else 0.0
@@ -708,7 +715,7 @@ def _rank_tails(
         gather_window = first_forward + warmup
         hidden = opts.dp_overlap and opts.param_gather_overlap
         gather_exposed = max(0.0, gather_time - gather_window) if hidden else gather_time
-        offload = LC.offload_tail(opt_params, plan, cluster, window)
+        offload = offload_tail(opt_params, plan, cluster, window)
         tails.append(
             Tail(
                 grad_exposed,
@@ -761,7 +768,7 @@ def _tail_costs(
     (`collective_gap_s`)."""
     rec = recipe(plan.precision)
     s_dense, s_exp = dense_shard_degree(plan), expert_shard_degree(plan)
-    groups = C.axis_groups(plan)
+    groups = axis_groups(plan)
     grad_time = grad_bytes = gather_time = gather_bytes = bucket_time = 0.0
     for params, shard_group, shard, moe in (
         (dense, "dp_shard_cp", s_dense, False),
@@ -782,49 +789,49 @@ def _tail_costs(
             else:
                 n, stride = plan.dp_replicate * n_shard, groups["expert_shard"][1]
             if n > 1:
-                link = C.group_link(cluster, n, stride, eff, gap)
-                total, last = _issued(C.all_reduce_time_s, size, n, link, opts, layers)
+                link = group_link(cluster, n, stride, eff, gap)
+                total, last = _issued(all_reduce_time_s, size, n, link, opts, layers)
                 grad_time += total
-                grad_bytes += C.all_reduce_bytes(size, n)
+                grad_bytes += all_reduce_bytes(size, n)
                 bucket_time = max(bucket_time, last)
             continue
         once_per_step = plan.zero in (1, 2) or (plan.zero == 3 and not per_layer_gathers(plan))
         if once_per_step and n_shard > 1:
-            link = C.plan_link(cluster, plan, shard_group, eff, gap)
-            total, last = _issued(C.reduce_scatter_time_s, size, n_shard, link, opts, layers)
+            link = plan_link(cluster, plan, shard_group, eff, gap)
+            total, last = _issued(reduce_scatter_time_s, size, n_shard, link, opts, layers)
             grad_time += total
             if opts.runtime == "fivefold-eager":
                 grad_time += fsdp_copy_s(size, cluster.device, eff)
-            grad_bytes += C.all_gather_bytes(size, n_shard)
+            grad_bytes += all_gather_bytes(size, n_shard)
             bucket_time = max(bucket_time, last)
             gsize = params * rec.param_bytes
-            gather_time += _issued(C.all_gather_time_s, gsize, n_shard, link, opts, layers)[0]
+            gather_time += _issued(all_gather_time_s, gsize, n_shard, link, opts, layers)[0]
             if opts.runtime == "fivefold-eager":
                 gather_time += fsdp_copy_s(gsize, cluster.device, eff)
-            gather_bytes += C.all_gather_bytes(gsize, n_shard)
+            gather_bytes += all_gather_bytes(gsize, n_shard)
         if plan.dp_replicate > 1:  # HSDP (zero 3) or replicas of ZeRO-1/2 shards
-            link = C.plan_link(cluster, plan, "dp_replicate", eff, gap)
+            link = plan_link(cluster, plan, "dp_replicate", eff, gap)
             shard_size = size / max(1, shard if plan.zero >= 2 else 1)
             total, last = _issued(
-                C.all_reduce_time_s, shard_size, plan.dp_replicate, link, opts, layers
+                all_reduce_time_s, shard_size, plan.dp_replicate, link, opts, layers
             )
             grad_time += total
-            grad_bytes += C.all_reduce_bytes(shard_size, plan.dp_replicate)
+            grad_bytes += all_reduce_bytes(shard_size, plan.dp_replicate)
             bucket_time = max(bucket_time, last)
     local = _optimizer_params(plan, dense, experts)
-    opt = LC.optimizer_s(local, plan, cluster, eff)
+    opt = optimizer_s(local, plan, cluster, eff)
     return grad_time, grad_bytes, bucket_time, gather_time, gather_bytes, opt
 
 
 def _issued(
-    op, size: float, n: int, link: C.Link, opts: PlannerOptions, layers: float
+    op, size: float, n: int, link: Link, opts: PlannerOptions, layers: float
 ) -> tuple[float, float]:
     """(time of every collective, time of the last one) moving `size` bytes of `layers` layers
     at the options' collective granularity (`comm.collective_count`)."""
-    count = C.collective_count(
-        size, opts.collective_granularity, opts.dp_bucket_bytes, layers, C.TENSORS_PER_LAYER
+    count = collective_count(
+        size, opts.collective_granularity, opts.dp_bucket_bytes, layers, TENSORS_PER_LAYER
     )
-    return C.issued_time_s(op, size, n, link, count), op(size / count, n, link)
+    return issued_time_s(op, size, n, link, count), op(size / count, n, link)
 
 
 # ---- the estimate ------------------------------------------------------------------------------
@@ -863,8 +870,8 @@ def estimate(
     e = recipe(plan.precision).activation_bytes
     boundary = tokens * model.hidden * e / (plan.tp if plan.sp and plan.tp > 1 else 1)
     gap = collective_gap_s(model, plan, cluster, eff)
-    pp_link = C.pipeline_link(cluster, plan, eff, gap)
-    p2p = C.p2p_time_s(boundary, pp_link) if plan.pp > 1 else 0.0
+    pp_link = pipeline_link(cluster, plan, eff, gap)
+    p2p = p2p_time_s(boundary, pp_link) if plan.pp > 1 else 0.0
     routing = 0.0
     if model.is_moe and opts.runtime == "fivefold-eager":
         routing = routing_sync_s(model, plan, cluster, eff)
@@ -901,7 +908,7 @@ def estimate(
         per_gpu = max(mem.host_bytes for mem in memory)
         host = host_memory(per_gpu, cluster.gpus_per_node, cluster.gpu, device)
     global_tokens = plan.global_batch * model.seq_len
-    peak = LC.mfu_peak(model, plan, device) * cluster.world_size
+    peak = mfu_peak(model, plan, device) * cluster.world_size
     model_flops = training_flops_per_token(model, model.seq_len, "none") * global_tokens
     hw_flops = training_flops_per_token(
         model, model.seq_len, plan.recompute, early_stop=opts.checkpoint_early_stop
@@ -972,14 +979,9 @@ def shared_cores_step_s(
     is transfer, not waiting for a peer's core, which the compute term already counts); plus
     `after_s`, what all ranks do together after the pipeline (gradient reduction, the
     runtime's synchronisations). `rank_compute`: each pipeline rank's compute at the shared
-    rates, seconds."""
-    measured = device.measured
-    if measured is None or measured.profile.kind != "cpu" or measured.share >= 1:
-        return math.inf
+    rates, seconds (`DeviceRates.shared_cores_step_s`)."""
     ranks_per_stage = plan.world_size // plan.pp
-    full_speed = sum(rank_compute) * ranks_per_stage * measured.share
-    cores = full_speed * measured.threads / measured.profile.cores
-    return cores + in_stage_s * measured.share + after_s
+    return rates_for(device).shared_cores_step_s(ranks_per_stage, rank_compute, in_stage_s, after_s)
 
 
 def _excess(total_s: float, part_s: float) -> float:
@@ -1004,7 +1006,7 @@ def runtime_sync_s(
     total = 0.0
     for n, size in ((plan.dp, 8.0), (plan.world_size, 16.0)):
         if n > 1:
-            total += C.all_reduce_time_s(size, n, C.group_link(cluster, n, 1, eff, gap))
+            total += all_reduce_time_s(size, n, group_link(cluster, n, 1, eff, gap))
     return total
 
 
@@ -1053,14 +1055,7 @@ def _validate(
     device.peak(recipe(plan.precision).compute_dtype)  # "unknown peak" for e.g. the CPU
     if plan.fp8 != "none":
         device.peak("fp8")  # FP8 compute needs an FP8 peak (not on an A100)
-    if offloads(plan, device):
-        node_host(cluster.gpu, device)  # the host RAM and bandwidth offload is planned with
-    elif plan.offload != "none" and device.measured and device.measured.profile.kind != "cpu":
-        raise ConfigError(
-            f"plan.offload = {plan.offload!r}: the device profile of {device.name} has no PCIe "
-            "or host-memory figures to plan offload with; set plan.offload = 'none', or plan "
-            "on the catalog GPU (--gpu) whose node the catalog describes."
-        )
+    rates_for(device).check_offload(plan, cluster)  # the host RAM and bandwidth offload needs
     if device.hbm_bytes <= 0 or device.hbm_bw_bytes_per_s <= 0:
         raise ConfigError(
             f"cluster.gpu = {cluster.gpu!r} has no HBM capacity or bandwidth in the catalog; "
@@ -1079,7 +1074,7 @@ def _comm_summary(
     m: int,
     p2p: float,
     boundary: float,
-    pp_link: C.Link,
+    pp_link: Link,
 ) -> list[CommCost]:
     chunks = chunks_of_rank(plan.schedule, plan.pp, plan.vpp, rank)
     out: list[CommCost] = []
@@ -1092,8 +1087,8 @@ def _comm_summary(
         exposed, time, sent = triple
         if time <= 0 and sent <= 0:
             return
-        link = C.plan_link(cluster, plan, group, eff)
-        words = C.link_model(link, pattern, C.axis_groups(plan)[group][0])
+        link = plan_link(cluster, plan, group, eff)
+        words = link_model(link, pattern, axis_groups(plan)[group][0])
         out.append(CommCost(kind, link.kind, sent, time, exposed, words))
 
     def total(attr: str) -> tuple[float, float, float]:
@@ -1114,7 +1109,7 @@ def _comm_summary(
     if plan.pp > 1:
         hops = 2 * m * plan.vpp
         critical = 2 * (plan.pp * plan.vpp - 1) * p2p
-        words = C.link_model(pp_link, "p2p", 2)
+        words = link_model(pp_link, "p2p", 2)
         out.append(CommCost("pp", pp_link.kind, hops * boundary, hops * p2p, critical, words))
     dp_group = "dp_cp" if plan.zero == 0 else "dp_shard_cp"
     rs = total("zero_rs")

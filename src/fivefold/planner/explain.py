@@ -33,6 +33,7 @@ from typing import Any
 from fivefold.planner import uncertainty as U
 from fivefold.planner.lever_costs import fp8_flops_per_token, mfu_peak
 from fivefold.planner.levers import state_recipe
+from fivefold.planner.rates import rates_for
 from fivefold.spec.cluster import ClusterSpec
 from fivefold.spec.hardware import GiB
 from fivefold.spec.model import ModelSpec, training_flops_per_token
@@ -181,7 +182,7 @@ class _Explainer:
             f"NVLink {nv:.0f} GB/s against {ib:.0f} GB/s between nodes, {nv / ib:.0f}x faster; "
             "TP's collectives sit on the critical path of every layer"
         )
-        if c.device.measured is not None:  # a calibrated machine: its own fitted links
+        if rates_for(c.device).calibrated:  # a calibrated machine: its own fitted links
             links = (
                 "the collectives measured by `fivefold calibrate` on this machine; TP's sit on "
                 "the critical path of every layer"

@@ -46,6 +46,7 @@ from fivefold.planner.memory import (
     MemoryOptions,
     MiB,
 )
+from fivefold.planner.rates import rates_for
 from fivefold.spec.hardware import GPUSpec
 
 
@@ -70,18 +71,9 @@ class PlannerOptions:
 
     @classmethod
     def for_device(cls, device: GPUSpec) -> PlannerOptions:
-        """The defaults, or the fivefold runtime's facts on a measured device (module doc)."""
-        if device.measured is None:
-            return cls()
-        if device.measured.profile.kind == "cpu":
-            return cls(
-                checkpoint_early_stop=True,
-                cuda_context_bytes=0.0,
-                fragmentation_fraction=0.0,
-                dp_overlap=False,
-                runtime="fivefold-eager",
-            )
-        return cls(checkpoint_early_stop=True, runtime="fivefold-eager")
+        """The defaults, or the fivefold runtime's facts on a measured device (module doc;
+        `DeviceRates.runtime_options`)."""
+        return cls(**rates_for(device).runtime_options())
 
     def memory(self) -> MemoryOptions:
         return MemoryOptions(

@@ -36,6 +36,7 @@ from functools import lru_cache
 from typing import Any
 
 from fivefold.planner.efficiency import calibration_record, published_runs
+from fivefold.planner.rates import rates_for
 from fivefold.spec.cluster import ClusterSpec
 from fivefold.spec.model import ModelSpec, param_count
 from fivefold.spec.plan import ParallelPlan
@@ -277,7 +278,7 @@ def published_band_applies(cluster: ClusterSpec) -> bool:
     """Whether the published runs' residuals say anything about `cluster`: they do for catalog
     GPUs; a device measured by `fivefold calibrate` runs fivefold's own runtime, whose errors
     are those of `benchmarks/plan_vs_run.py` on that machine (docs/planner.md), not these."""
-    return cluster.device.measured is None
+    return not rates_for(cluster.device).calibrated
 
 
 def band(est: Any) -> Band | None:

@@ -23,9 +23,11 @@ count must fill whole nodes (8 GPUs; 4 for GB200 NVL72).
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 
 from fivefold.errors import ConfigError
-from fivefold.spec.hardware import GPUSpec, gpu
+from fivefold.spec.hardware import GPUS, GPUSpec, gpu, profile_device
+from fivefold.spec.profile import load_profile
 
 MAX_GPUS = 1 << 17  # 131,072: beyond the largest clusters built; bounds every search
 
@@ -57,8 +59,6 @@ class ClusterSpec:
     def device(self) -> GPUSpec:
         """The catalog GPU, or the measured device of `profile` for one of the node's ranks."""
         if self.profile:
-            from fivefold.spec.profile import profile_device
-
             return profile_device(self.profile, self.gpus_per_node)
         return gpu(self.gpu)
 
@@ -105,8 +105,6 @@ class ClusterSpec:
 
 def _dgx(name: str, gpu_name: str, nvlink: float, ib: float, per_node: int = 8, domain: int = 0):
     def make(gpus: int = per_node, **overrides) -> ClusterSpec:
-        from fivefold.errors import ConfigError
-
         if not isinstance(gpus, int) or gpus < 1:
             raise ConfigError(f"--gpus = {gpus!r}: must be a whole number >= 1.")
         if gpus > per_node and gpus % per_node:
@@ -145,8 +143,6 @@ def cluster_for_gpu(gpu_name: str, gpus: int, per_node: int, name: str = "") -> 
     """`gpus` of catalog GPU `gpu_name` in nodes of `per_node` (a run on the GPUs it found):
     links from the GPU's own system (its preset: NVLink and NIC per GPU, NVLink domain), else
     its NVLink figure (PCIe both ways for a card without NVLink) and the default NIC."""
-    from fivefold.spec.hardware import GPUS
-
     base = next((make() for make in CLUSTER_PRESETS.values() if make().gpu == gpu_name), None)
     if base is None:
         device = GPUS[gpu_name]
@@ -168,3 +164,18 @@ def cluster_preset(name: str, gpus: int = 8) -> ClusterSpec:
             "or describe it with --gpu, --gpus-per-node, --nvlink-gbps and --ib-gbps."
         )
     return CLUSTER_PRESETS[name](gpus)
+
+
+def profile_cluster(path: str | Path, ranks: int | None = None, **overrides) -> ClusterSpec:
+    """The `ClusterSpec` of a device profile: one node of `ranks` local processes (default: the
+    ranks its collectives were measured on)."""
+    prof = load_profile(path)
+    values = {
+        "name": f"profile:{Path(path).name}",
+        "gpu": prof.name,
+        "nodes": 1,
+        "gpus_per_node": ranks or prof.ranks,
+        "profile": str(path),
+        **overrides,
+    }
+    return ClusterSpec(**values)

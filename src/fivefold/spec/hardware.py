@@ -17,19 +17,18 @@ first) and a GPU it does not know runs as `unknown-gpu`, which predicts no time.
 is the NVLink fabric of the GPU's system when it spans nodes (GB200 NVL72: 72 GPUs in 18 trays
 of 4), the default of `ClusterSpec.nvlink_domain`. A machine measured by `fivefold calibrate`
 (a CPU included) is not in the catalog: its `GPUSpec` comes from a device profile
-(`fivefold.spec.profile`) and carries the measured tables.
+(`profile_device`) and carries the profile as one rank reads it.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from fivefold.spec.profile import Measured
+from functools import lru_cache
+from pathlib import Path
 
 from fivefold.errors import ConfigError
+from fivefold.spec.profile import RankProfile, load_profile, threads_per_rank
 
 GiB = 2**30
 TERA = 1e12
@@ -44,14 +43,14 @@ class GPUSpec:
     nvlink_bw_bytes_per_s: float
     source: str = field(compare=False, default="")
     arch: str = ""  # "ampere" | "hopper" | "blackwell" | "" (no accelerator)
-    # The measured tables of a device profile (`fivefold.spec.profile`); None for catalog GPUs.
-    measured: Measured | None = field(default=None, compare=False, repr=False)
+    # The device profile as one rank reads it (`fivefold.spec.profile`); None for catalog GPUs.
+    rank_profile: RankProfile | None = field(default=None, compare=False, repr=False)
     pcie_bw_bytes_per_s: float = 0.0  # host link, one direction (0: none, e.g. a CPU)
     nvlink_domain: int = 0  # GPUs on one NVLink fabric in its system (GB200 NVL72: 72; 0: a node)
 
     def peak(self, dtype: str) -> float:
         """Dense peak FLOP/s for `dtype` ("bf16", "fp16", "fp8", "tf32", "fp32")."""
-        if dtype not in self.peak_flops and self.measured is not None:
+        if dtype not in self.peak_flops and self.rank_profile is not None:
             known = ", ".join(sorted(self.peak_flops))
             raise ConfigError(
                 f"unknown peak: the device profile of {self.name} has no {dtype} matmul "
@@ -382,3 +381,35 @@ def host(gpu_name: str) -> HostSpec | None:
     """The catalog host of nodes carrying `gpu_name` (None where no sourced figure exists)."""
     key = GPU_ALIASES.get(gpu_name.lower(), gpu_name.lower())
     return HOSTS.get(key)
+
+
+def measured_gpu(rank: RankProfile) -> GPUSpec:
+    """The `GPUSpec` of a device profile for one rank: peaks the best measured matmul rate per
+    dtype, memory the rank's (a GPU's HBM is its own; host memory is shared by the ranks)."""
+    prof = rank.profile
+    peaks = {dt: rank.peak(dt) for dt in sorted({m.dtype for m in prof.matmul})}
+    src = prof.path or "a device profile"
+    per_rank = prof.memory_bytes if prof.kind == "cuda" else prof.memory_bytes // rank.ranks
+    return GPUSpec(
+        name=prof.name,
+        hbm_bytes=per_rank,
+        peak_flops=peaks,
+        hbm_bw_bytes_per_s=rank.bandwidth("elementwise_forward"),
+        nvlink_bw_bytes_per_s=0.0,
+        source=f"measured by `fivefold calibrate` ({src}): best matmul rate per dtype at "
+        f"{rank.threads} thread(s) per rank, {rank.ranks} rank(s) on {prof.cores} core(s)",
+        rank_profile=rank,
+    )
+
+
+@lru_cache(maxsize=64)
+def _cached_device(path: str, mtime_ns: int, ranks: int, threads: int) -> GPUSpec:
+    return measured_gpu(RankProfile.of(load_profile(path), ranks, threads))
+
+
+def profile_device(path: str | Path, ranks: int = 1) -> GPUSpec:
+    """The measured device of the profile at `path` for one of `ranks` processes (cached)."""
+    p = Path(path).expanduser()
+    mtime = p.stat().st_mtime_ns if p.is_file() else 0
+    cores = load_profile(p).cores
+    return _cached_device(str(p), mtime, max(1, ranks), threads_per_rank(ranks, cores))

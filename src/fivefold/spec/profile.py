@@ -58,24 +58,28 @@ A profile is a TOML file (written by `fivefold.calibration`, read here without t
                   busbw_bytes_per_s
 
 The matmul and attention rows hold the model's shapes and a model-independent grid of shapes
-(`fivefold.calibration.matmul.DEVICE_GRID`, `attention.ATTENTION_GRID`); the planner reads rates as
-functions of shape, interpolated among the rows in log space (`log_shape_interp`), so one
-profile serves every model. A CUDA profile (kind "cuda") has bf16 and, where the GPU has it,
-fp8 ("fp8": `torch._scaled_mm`) matmul rows, all at threads = 1.
+(`fivefold.calibration.matmul.DEVICE_GRID`,
+`attention.ATTENTION_GRID`); the planner reads rates as
+functions of shape, interpolated among the rows in log space
+(`fivefold.planner.rates.log_shape_interp`), so one profile serves every model. A CUDA profile
+(kind "cuda") has bf16 and, where the GPU has it, fp8 ("fp8": `torch._scaled_mm`) matmul rows,
+all at threads = 1.
 
-Loading one yields a `GPUSpec` whose peak is the best measured matmul rate per dtype (the source
-says "measured"; nothing is guessed) and a `ClusterSpec` of one node with the local ranks.
+This module holds the format, its reading and validation and the default paths; a profile's
+`GPUSpec` (`fivefold.spec.hardware.profile_device`: the peak is the best measured matmul rate
+per dtype, nothing is guessed), its `ClusterSpec` of one node with the local ranks
+(`fivefold.spec.cluster.profile_cluster`) and the planner's rates
+(`fivefold.planner.rates.MeasuredRates`) are built on it.
 
 On a CPU, processes share the machine's cores: a run of R ranks gives each max(1, cores // R)
 threads (`threads_per_rank`, the launcher's rule; $OMP_NUM_THREADS when set, as torch does)
 and, when R x threads exceeds the cores, each rank a cores / (R x threads) share of the
-machine. The device for R ranks reads the rows measured at that thread count (or scales the
-nearest linearly in threads) and multiplies compute rates by the share.
+machine. The device for R ranks (`RankProfile`) reads the rows measured at that thread count
+(or scales the nearest linearly in threads) and multiplies compute rates by the share.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 import os
 import tomllib
@@ -85,7 +89,7 @@ from pathlib import Path
 from typing import Any
 
 from fivefold.errors import ConfigError
-from fivefold.spec.hardware import GPUSpec
+from fivefold.spec.toml_text import toml_value
 
 FORMAT = 5  # 2: overhead per layer kind, clipping in the optimizer; 3: ZeRO-0/1/2 units;
 # 4: collectives timed as issued, after a GEMM of `gap_s`; 5: a model-independent grid of GEMM
@@ -101,7 +105,6 @@ BANDWIDTH_KINDS = (
     "loss_backward",
     "optimizer",
 )
-NEIGHBOURS = 4  # measured GEMM shapes a rate is interpolated from (`Measured.gemm_flops_per_s`)
 
 
 def default_profile_path() -> Path:
@@ -296,28 +299,8 @@ class DeviceProfile:
     collective_sample: tuple[CollectiveSample, ...] = ()
     path: str = field(default="", compare=False)
 
-    def device(self, ranks: int = 1, threads: int | None = None) -> GPUSpec:
-        """A `GPUSpec` for one of `ranks` local processes using `threads` threads each
-        (default `threads_per_rank`), with its `Measured` tables."""
-        measured = Measured(self, max(1, ranks), threads)
-        peaks = {dt: measured.peak(dt) for dt in sorted({m.dtype for m in self.matmul})}
-        src = self.path or "a device profile"
-        per_rank = self.memory_bytes if self.kind == "cuda" else self.memory_bytes // max(1, ranks)
-        return GPUSpec(
-            name=self.name,
-            hbm_bytes=per_rank,  # a GPU's HBM is each rank's own; host memory is shared
-            peak_flops=peaks,
-            hbm_bw_bytes_per_s=measured.bandwidth("elementwise_forward"),
-            nvlink_bw_bytes_per_s=0.0,
-            source=f"measured by `fivefold calibrate` ({src}): best matmul rate per dtype at "
-            f"{measured.threads} thread(s) per rank, {ranks} rank(s) on {self.cores} core(s)",
-            measured=measured,
-        )
-
     def to_toml(self) -> str:
         """The profile as TOML text that `parse_profile` reads back to an equal profile."""
-        from fivefold.spec.recipe import _toml_value
-
         lines = [
             "# fivefold device profile, written by `fivefold calibrate`; read by `fivefold plan",
             "# --cluster THIS.toml`, recipes' cluster.profile and CPU training runs.",
@@ -326,14 +309,14 @@ class DeviceProfile:
             "[device]",
         ]
         for key in ("name", "kind", "cores", "memory_bytes", "backend", "ranks", "bf16"):
-            lines.append(f"{key} = {_toml_value(getattr(self, key))}")
+            lines.append(f"{key} = {toml_value(getattr(self, key))}")
         for key in ("model", "torch", "created"):
-            lines.append(f"{key} = {_toml_value(getattr(self, key))}")
+            lines.append(f"{key} = {toml_value(getattr(self, key))}")
         for table, cls in _ROWS.items():
             for row in getattr(self, table):
                 lines += ["", f"[[{table}]]"]
                 lines += [
-                    f"{name} = {_toml_value(getattr(row, name))}"
+                    f"{name} = {toml_value(getattr(row, name))}"
                     for name in cls.__dataclass_fields__
                 ]
         return "\n".join(lines) + "\n"
@@ -497,227 +480,43 @@ def load_profile(path: str | Path) -> DeviceProfile:
     return _cached(str(p), mtime)
 
 
-@lru_cache(maxsize=64)
-def _cached_device(path: str, mtime_ns: int, ranks: int, threads: int) -> GPUSpec:
-    return _cached(path, mtime_ns).device(ranks, threads)
+# ---- one rank's view ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RankProfile:
+    """A profile as one of `ranks` local processes reads it (module doc): its `threads` and its
+    `share` of the cores (a CUDA profile: one thread, the whole GPU); `rows` picks what it reads.
+    The planner's rates (`fivefold.planner.rates.MeasuredRates`) build on it."""
 
+    profile: DeviceProfile
+    ranks: int
+    threads: int
+    share: float
 
-def profile_device(path: str | Path, ranks: int = 1) -> GPUSpec:
-    """The measured device of the profile at `path` for one of `ranks` processes (cached)."""
-    p = Path(path).expanduser()
-    mtime = p.stat().st_mtime_ns if p.is_file() else 0
-    cores = _cached(str(p), mtime).cores
-    return _cached_device(str(p), mtime, max(1, ranks), threads_per_rank(ranks, cores))
-
-
-def profile_cluster(path: str | Path, ranks: int | None = None, **overrides) -> Any:
-    """The `ClusterSpec` of a profile: one node of `ranks` local processes (default: the
-    ranks its collectives were measured on)."""
-    from fivefold.spec.cluster import ClusterSpec
-
-    prof = load_profile(path)
-    n = ranks or prof.ranks
-    values = {
-        "name": f"profile:{Path(path).name}",
-        "gpu": prof.name,
-        "nodes": 1,
-        "gpus_per_node": n,
-        "profile": str(path),
-        **overrides,
-    }
-    return ClusterSpec(**values)
-
-
-# ---- what the planner asks a measured device ---------------------------------------------------
-def log_shape_interp(
-    shape: tuple[float, ...], points: list[tuple[tuple[float, ...], float]]
-) -> float:
-    """A positive value at `shape` from measured (shape, value) points: each coordinate first
-    clamped into the points' range (beyond the measured shapes, the edge's values), then the
-    value of an equal shape, else exp of the mean log value of the `NEIGHBOURS` nearest points
-    by Euclidean distance in log coordinates, weighted by 1 / distance^2."""
-    lows = [min(p[0][i] for p in points) for i in range(len(shape))]
-    highs = [max(p[0][i] for p in points) for i in range(len(shape))]
-    where = [math.log(min(max(x, lo), hi)) for x, lo, hi in zip(shape, lows, highs, strict=True)]
-    near = []
-    for point, value in points:
-        d2 = sum((math.log(p) - w) ** 2 for p, w in zip(point, where, strict=True))
-        if d2 < 1e-18:
-            return value
-        near.append((d2, value))
-    near.sort()
-    near = near[:NEIGHBOURS]
-    weights = [1.0 / d2 for d2, _ in near]
-    logs = sum(w * math.log(v) for w, (_, v) in zip(weights, near, strict=True))
-    return math.exp(logs / sum(weights))
-
-
-class Measured:
-    """The profile's tables as one of `ranks` local processes sees them (rates already scaled by
-    the rank's share of the cores). Rates in FLOP/s and bytes/s, times in seconds."""
-
-    def __init__(self, profile: DeviceProfile, ranks: int, threads: int | None = None):
-        self.profile = profile
-        self.ranks = ranks
+    @classmethod
+    def of(cls, profile: DeviceProfile, ranks: int, threads: int | None = None) -> RankProfile:
+        """One of `ranks` processes using `threads` threads (default `threads_per_rank`)."""
+        ranks = max(1, ranks)
         if profile.kind == "cuda":  # each rank has its own GPU: no thread count, no share
-            self.threads, self.share = 1, 1.0
-            return
-        self.threads = threads or threads_per_rank(ranks, profile.cores)
-        self.share = min(1.0, profile.cores / (ranks * self.threads))
+            return cls(profile, ranks, 1, 1.0)
+        threads = threads or threads_per_rank(ranks, profile.cores)
+        return cls(profile, ranks, threads, min(1.0, profile.cores / (ranks * threads)))
 
-    def _scale(self, measured_threads: int) -> float:
-        """Rate factor from rows measured at `measured_threads` to this rank."""
-        return self.threads / measured_threads * self.share
-
-    def _at_threads(self, rows) -> tuple[list, float]:
-        """Rows measured at the thread count nearest this rank's, and their rate factor."""
+    def rows(self, rows: list) -> tuple[list, float]:
+        """Of `rows`, those measured at the thread count nearest this rank's, and the factor
+        that scales their rates to this rank (threads over theirs, times the share)."""
         if not rows:
             return [], 1.0
         best = min({r.threads for r in rows}, key=lambda t: (abs(t - self.threads), -t))
-        return [r for r in rows if r.threads == best], self._scale(best)
+        return [r for r in rows if r.threads == best], self.threads / best * self.share
 
     def peak(self, dtype: str) -> float:
-        rows, scale = self._at_threads([m for m in self.profile.matmul if m.dtype == dtype])
+        """The best measured matmul FLOP/s of `dtype` for this rank."""
+        rows, scale = self.rows([m for m in self.profile.matmul if m.dtype == dtype])
         return max(r.flops_per_s for r in rows) * scale
-
-    def _dtype(self, dtype: str, rows) -> str:
-        """`dtype` when the rows have it, else the first of bf16, fp32 they have."""
-        have = {r.dtype for r in rows}
-        return dtype if dtype in have else next((d for d in ("bf16", "fp32") if d in have), dtype)
-
-    def gemm_flops_per_s(self, m: float, n: float, k: float, dtype: str, layout: str) -> float:
-        """The rate of an (m x k) @ (k x n) matmul, a function of its shape: the measured rate
-        at this shape, else interpolated from the `NEIGHBOURS` nearest measured shapes of the
-        dtype and layout (every layout when it has none) in log space: log rate weighted by
-        1 / d^2, d the distance of (log m, log n, log k). The model-independent grid
-        (`DEVICE_GRID`) makes every model's shapes fall among measured ones; a shape beyond
-        the grid takes the rates at its edge (`log_shape_interp`)."""
-        dtype = self._dtype(dtype, self.profile.matmul)
-        rows, scale = self._at_threads([r for r in self.profile.matmul if r.dtype == dtype])
-        same = [r for r in rows if r.layout == layout] or rows
-        return (
-            log_shape_interp(
-                (max(1.0, m), max(1.0, n), max(1.0, k)),
-                [((r.m, r.n, r.k), r.flops_per_s) for r in same],
-            )
-            * scale
-        )
-
-    def grouped_time_s(
-        self, groups: float, tokens: float, n: float, k: float, dtype: str, layout: str
-    ) -> float:
-        """Seconds of one pass ("nt", "nn", "tn") of a grouped projection: `tokens` rows over
-        `groups` experts, forward shape (tokens / groups x k) @ (k x n) each. From the measured
-        grouped rate at the nearest shape of that layout (log distance in groups, tokens, n,
-        k); a profile without grouped rows times `groups` separate matmuls instead."""
-        flops = 2.0 * tokens * n * k
-        if flops <= 0:
-            return 0.0
-        dtype = dtype if any(r.dtype == dtype for r in self.profile.grouped_matmul) else "fp32"
-        rows = [r for r in self.profile.grouped_matmul if r.dtype == dtype]
-        rows, scale = self._at_threads([r for r in rows if r.layout == layout])
-        if rows:
-
-            def distance(r: GroupedMatmul) -> float:
-                pairs = ((r.groups, groups), (r.tokens, tokens), (r.n, n), (r.k, k))
-                return sum(abs(math.log(a / max(b, 1e-9))) for a, b in pairs)
-
-            return flops / (min(rows, key=distance).flops_per_s * scale)
-        m = tokens / groups
-        shape = {"nt": (m, n, k), "nn": (m, k, n), "tn": (n, k, m)}[layout]
-        return groups * 2.0 * m * n * k / self.gemm_flops_per_s(*shape, dtype, layout)
-
-    def attention_flops_per_s(
-        self, seq: float, head_dim: float, dtype: str, cp: int = 1, rows: float = 0.0
-    ) -> tuple[float, float]:
-        """(forward, backward) rate of attention on `seq` local tokens as a function of its
-        shape: the rows of the nearest measured cp (context parallelism's block attention over
-        `cp` ranks; cp = 1 the single-process core, over the device grid and the calibrated
-        models), interpolated in log space over (seq, head_dim, batch x heads) as GEMM rates
-        are (`log_shape_interp`); `rows` = batch x heads of the query (0: not used)."""
-        table = [a for a in self.profile.attention if a.dtype == dtype] or list(
-            self.profile.attention
-        )
-        near = min({a.cp for a in table}, key=lambda c: (abs(c - cp), c))
-        table, scale = self._at_threads([a for a in table if a.cp == near])
-
-        def shape(a: Attention) -> tuple[float, ...]:
-            return (a.seq, a.head_dim, a.batch * a.heads)[: 3 if rows > 0 else 2]
-
-        where = (max(1.0, seq), max(1.0, head_dim), max(1.0, rows))[: 3 if rows > 0 else 2]
-        fwd = log_shape_interp(where, [(shape(a), a.forward_flops_per_s) for a in table])
-        bwd = log_shape_interp(where, [(shape(a), a.backward_flops_per_s) for a in table])
-        return fwd * scale, bwd * scale
 
     def bandwidth(self, kind: str) -> float:
         """Bytes/s of `kind` for this rank: the rows at the nearest thread count measured with
         as many processes streaming at once as this run has ranks (else the nearest)."""
-        rows, scale = self._at_threads([b for b in self.profile.bandwidth if b.kind == kind])
+        rows, scale = self.rows([b for b in self.profile.bandwidth if b.kind == kind])
         near = min({r.processes for r in rows}, key=lambda n: (abs(n - self.ranks), n))
         return max(r.bytes_per_s for r in rows if r.processes == near) * scale
-
-    def layer_overhead_s(
-        self,
-        moe: bool = False,
-        tp: bool = False,
-        zero: int | None = None,
-        units: int = 1,
-        ep: bool = False,
-    ) -> tuple[float, float]:
-        """(forward, backward) fixed seconds of one layer and micro-batch: a dense or MoE
-        layer, plus tensor parallelism's extra, expert parallelism's on a MoE layer (`ep`)
-        and, when `zero` is given, that of `units` data-parallel units wrapped for that ZeRO
-        level (the runtime wraps every block, and under EP a MoE block's experts apart: two);
-        a share of the cores stretches them (they run on one thread)."""
-        rows, _ = self._at_threads(list(self.profile.overhead))
-        row = rows[0]
-        fwd = row.moe_forward_s if moe else row.layer_forward_s
-        bwd = row.moe_backward_s if moe else row.layer_backward_s
-        if tp:
-            fwd, bwd = fwd + row.tp_forward_s, bwd + row.tp_backward_s
-        if ep and moe:
-            fwd, bwd = fwd + row.ep_forward_s, bwd + row.ep_backward_s
-        if zero is not None:
-            dp_f, dp_b = row.data_parallel_s(zero)
-            fwd, bwd = fwd + units * dp_f, bwd + units * dp_b
-        return fwd / self.share, bwd / self.share
-
-    def collective(self, op: str, n: int, gap_s: float | None = None) -> tuple[float, float]:
-        """(alpha s, beta bytes/s) of `op` over `n` ranks, each issued after `gap_s` seconds of
-        compute (None: the longest gap measured), measured with as many local processes running
-        as this run has (else the nearest): linear in the gap between the two measured gaps
-        around it, clamped at the ends. An unmeasured group size scales the nearest measured
-        one as a ring does: alpha with the n - 1 steps, beta so that the bus bandwidth stays
-        the same."""
-        rows = [c for c in self.profile.collective if c.op == op]
-        if not rows:
-            raise ConfigError(
-                f"device profile {self.profile.path!r} has no {op} measurement; re-run "
-                "`fivefold calibrate` with --nproc 2 or more."
-            )
-        near = min(rows, key=lambda c: (abs(c.ranks - n), abs(c.world - self.ranks), -c.ranks))
-        rows = sorted(
-            (c for c in rows if (c.ranks, c.world) == (near.ranks, near.world)),
-            key=lambda c: c.gap_s,
-        )
-        gap = rows[-1].gap_s if gap_s is None else gap_s
-        alpha, beta = _between(gap, rows)
-        if near.ranks == n:
-            return alpha, beta
-        steps = (n - 1) / (near.ranks - 1)
-        beta *= bus_factor(op, near.ranks) / bus_factor(op, n)
-        return alpha * (1 if op == "send_recv" else steps), beta
-
-
-def _between(gap: float, rows: list[Collective]) -> tuple[float, float]:
-    """(alpha s, beta bytes/s) at `gap` seconds of compute: alpha and 1 / beta linear between
-    the two rows (ascending in gap) around it, a row's own values at or beyond the ends."""
-    if gap <= rows[0].gap_s:
-        return rows[0].alpha_s, rows[0].beta_bytes_per_s
-    for lo, hi in itertools.pairwise(rows):
-        if gap < hi.gap_s:
-            w = (gap - lo.gap_s) / (hi.gap_s - lo.gap_s)
-            alpha = lo.alpha_s + w * (hi.alpha_s - lo.alpha_s)
-            inv = 1 / lo.beta_bytes_per_s + w * (1 / hi.beta_bytes_per_s - 1 / lo.beta_bytes_per_s)
-            return alpha, 1.0 / inv
-    return rows[-1].alpha_s, rows[-1].beta_bytes_per_s

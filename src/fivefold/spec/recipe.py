@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from fivefold.errors import ConfigError
-from fivefold.spec.cluster import CLUSTER_PRESETS, ClusterSpec, cluster_preset
+from fivefold.spec.cluster import CLUSTER_PRESETS, ClusterSpec, cluster_preset, profile_cluster
 from fivefold.spec.model import MLP_KINDS, RECOMPUTE_POLICIES, ModelSpec, default_ffn
 from fivefold.spec.plan import (
     CP_KINDS,
@@ -34,6 +34,7 @@ from fivefold.spec.plan import (
 )
 from fivefold.spec.precision import RECIPES
 from fivefold.spec.presets import MODEL_PRESETS
+from fivefold.spec.toml_text import toml_value
 
 T = TypeVar("T")
 
@@ -268,8 +269,6 @@ def _cluster_from(
     preset = values.pop("preset", None)
     gpus = values.pop("gpus", None)
     if values.get("profile") and preset is None:  # a measured machine: one node of local ranks
-        from fivefold.spec.profile import profile_cluster
-
         try:
             base = profile_cluster(values["profile"], gpus or default_world).to_dict()
         except ConfigError as err:
@@ -388,19 +387,5 @@ def dump_recipe(recipe: Recipe, header: str = "") -> str:
     }
     for name, values in sections.items():
         lines.append(f"\n[{name}]")
-        lines += [f"{key} = {_toml_value(value)}" for key, value in values.items()]
+        lines += [f"{key} = {toml_value(value)}" for key, value in values.items()]
     return "\n".join(lines).lstrip("\n") + "\n"
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int | float):
-        return repr(value)
-    if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(value, list):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    if isinstance(value, dict):  # an inline table, e.g. train.profile
-        return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
-    raise TypeError(f"cannot write {value!r} to TOML")

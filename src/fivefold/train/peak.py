@@ -83,7 +83,7 @@ def profile_peak(cluster: ClusterSpec, dtype: str) -> DevicePeak:
     if dtype not in spec.peak_flops:
         return DevicePeak(None, dtype, f"unknown peak ({where} has no {dtype} matmul)", where)
     flops = spec.peak(dtype)
-    threads = spec.measured.threads if spec.measured is not None else 0
+    threads = spec.rank_profile.threads if spec.rank_profile is not None else 0
     return DevicePeak(
         flops,
         dtype,
