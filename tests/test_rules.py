@@ -38,7 +38,7 @@ SEARCHES = [  # (model, cluster GPUs, global batch in sequences)
 
 def _searched(model, gpus: int, batch: int):
     cluster = cluster_preset("dgx-h100", gpus)
-    result = search(model, cluster, global_batch=batch, top=10, explain=False)
+    result = search(model, cluster, global_batch=batch, top=10)
     return cluster, result
 
 

@@ -12,10 +12,19 @@ import json
 import math
 import os
 import re
+import time
 from pathlib import Path
 from typing import Any
 
 from fivefold.errors import ConfigError
+from fivefold.planner.request import (
+    MAX_BATCH_SEQUENCES,
+    PlanRequest,
+    grad_accum_for,
+    require_hbm,
+    resolve_headroom,
+    resolve_request,
+)
 
 _DESCRIPTION = """\
 Find the layout (tensor, pipeline with its schedule, data with its ZeRO stage, context and
@@ -65,8 +74,6 @@ DEFAULT_CLUSTER = "dgx-h100"
 DEFAULT_GPUS = 8
 GBPS = 1e9  # --nvlink-gbps / --ib-gbps are gigabytes per second per GPU
 MAX_BATCH_TOKENS = 1 << 30  # tokens per step: 64x Llama 3's 16M; bounds the search
-MAX_BATCH_SEQUENCES = 1 << 24
-DEFAULT_HEADROOM = 0.10
 
 
 # ---- argument parsing ----------------------------------------------------------------------
@@ -606,11 +613,7 @@ def cluster_from_args(args: argparse.Namespace, recipe_data: dict[str, dict]) ->
     problems = cluster.problems()
     if problems:
         raise ConfigError(problems)
-    if cluster.device.hbm_bytes <= 0:
-        raise ConfigError(
-            f"cluster.gpu = {cluster.gpu!r} has no HBM capacity or peak in the catalog, so "
-            "nothing can be planned for it; choose a datacenter GPU such as h100-sxm."
-        )
+    require_hbm(cluster)
     return cluster
 
 
@@ -712,7 +715,7 @@ def layout_from_args(
     args: argparse.Namespace, model: Any, cluster: Any, recipe_plan: dict[str, Any]
 ) -> Any:
     """The one layout `plan estimate` costs, from the recipe's [plan] and the flags."""
-    from fivefold.planner.search import batch_target
+    from fivefold.planner.outcomes import batch_target
     from fivefold.spec.plan import ParallelPlan
     from fivefold.spec.recipe import build
 
@@ -770,15 +773,14 @@ def layout_from_args(
         target = batch_target(model, tokens, seqs)
         mbs = values.get("micro_batch", 1)
         dp = values["dp_replicate"] * values["dp_shard"]
-        accum = target.sequences / (mbs * dp)
-        given = tokens is not None or seqs is not None
-        if given and (accum < 1 or abs(accum - round(accum)) > 1e-9):
+        accum = grad_accum_for(target.sequences, mbs, dp)
+        if accum is None and (tokens is not None or seqs is not None):
             raise ConfigError(
                 f"global batch {target.sequences:g} sequences is not a whole number of "
                 f"micro-batches: mbs {mbs} x dp {dp} = {mbs * dp} per micro-step; pick a "
                 f"batch that is a multiple of {mbs * dp} or set --grad-accum."
             )
-        values["grad_accum"] = max(1, round(accum))
+        values["grad_accum"] = accum or max(1, round(target.sequences / (mbs * dp)))
     plan = build(ParallelPlan, values, "plan", problems)
     if problems or plan is None:
         raise ConfigError(problems or ["[plan]: cannot build the layout."])
@@ -943,11 +945,8 @@ def _inputs(args: argparse.Namespace) -> tuple[Any, Any, dict[str, dict], float,
     model = model_from_args(args, data)
     cluster = cluster_from_args(args, data)
     settings = planner_from_args(args, cluster, data)
-    if args.headroom is not None:
-        headroom = parse_fraction(args.headroom, "--headroom")
-    else:
-        headroom = DEFAULT_HEADROOM if settings.headroom is None else settings.headroom
-    return model, cluster, data, headroom, settings
+    given = None if args.headroom is None else parse_fraction(args.headroom, "--headroom")
+    return model, cluster, data, resolve_headroom(given, settings), settings
 
 
 def _estimate_handler(args: argparse.Namespace) -> int:
@@ -989,6 +988,7 @@ def _estimate_handler(args: argparse.Namespace) -> int:
 
 def _search_handler(args: argparse.Namespace) -> int:
     from fivefold.planner.budget import budget_lines
+    from fivefold.planner.explain import explain
     from fivefold.planner.search import search
     from fivefold.planner.uncertainty import band_json
 
@@ -996,23 +996,32 @@ def _search_handler(args: argparse.Namespace) -> int:
     inputs = budget_from_args(args, data)
     tokens, seqs = batch_from_args(args)
     path = out_path(args, model, cluster)
+    recipe_batch = None
     if tokens is None and seqs is None and "plan" in data:
-        seqs = _recipe_global_batch(data["plan"])
-    fixed = pinned_fields(args)
-    result = search(
+        recipe_batch = _recipe_global_batch(data["plan"])
+    request = PlanRequest(
         model,
         cluster,
-        global_batch_tokens=tokens,
+        settings,
+        pins=pinned_fields(args),
         global_batch=seqs,
+        global_batch_tokens=tokens,
+        recipe_batch=recipe_batch,
         headroom=headroom,
-        top=parse_size(args.top or "5", "--top"),
-        batch_tolerance=parse_fraction(args.batch_tolerance or "0.05", "--batch-tolerance"),
-        precisions=tuple(precisions_from_args(args)),
-        fixed=fixed,
-        options=settings.options,
-        risk=args.risk or "pessimistic",
+        top=parse_size(args.top, "--top") if args.top else None,
+        batch_tolerance=(
+            parse_fraction(args.batch_tolerance, "--batch-tolerance")
+            if args.batch_tolerance
+            else None
+        ),
+        precisions=tuple(precisions_from_args(args)) if args.precision else None,
+        risk=args.risk,
     )
-    result.explanation.insert(0, settings.describe())
+    resolved = resolve_request(request)
+    started = time.perf_counter()
+    result = search(model, cluster, **resolved.search_kwargs())
+    explanation = [settings.describe(), *explain(result)]
+    elapsed_s = time.perf_counter() - started
     best = result.best.to_json(timeline=args.json)  # the timeline only where it is printed
     answer = budget_of(result.best, inputs)
     alt_budgets = [budget_of(a, inputs) for a in result.alternatives]
@@ -1035,12 +1044,12 @@ def _search_handler(args: argparse.Namespace) -> int:
             for a, b in zip(result.alternatives, alt_budgets, strict=True)
         ]
         out["rejected"] = [{"plan": p.to_dict(), "reason": r} for p, r in result.rejected]
-        out["explanation"] = result.explanation
+        out["explanation"] = explanation
         out["band"] = band_json(result.best)  # fivefold.planner.uncertainty
         out["search"] = {
             "evaluated": result.evaluated,
             "considered": result.considered,
-            "elapsed_s": result.elapsed_s,
+            "elapsed_s": elapsed_s,
             "target_sequences": result.target.sequences,
             "target_tokens": result.target.tokens,
             "batch_tolerance": result.target.tolerance,
@@ -1065,7 +1074,7 @@ def _search_handler(args: argparse.Namespace) -> int:
     if "plan" in data:
         print(_recipe_comparison(args, model, cluster, data, result, settings.options))
     print("\nwhy:")
-    for line in result.explanation:
+    for line in explanation:
         print(f"  - {line}")
     if result.alternatives:
         print("\nnext best:")
@@ -1078,7 +1087,7 @@ def _search_handler(args: argparse.Namespace) -> int:
             )
     print(
         f"\nsearched {result.considered:,} layouts ({result.evaluated:,} costed in full) in "
-        f"{result.elapsed_s:.2f} s"
+        f"{elapsed_s:.2f} s"
     )
     if recipe_path:
         print(f"recipe written to {recipe_path} (fivefold train {recipe_path})")
