@@ -205,7 +205,7 @@ def _plan_args(**flags) -> argparse.Namespace:
     ],
 )
 def test_plan_flags_and_toml_give_the_same_model(flags, toml):
-    from fivefold.cli.cmd_plan import model_from_args
+    from fivefold.cli.plan_inputs import model_from_args
 
     from_flags = model_from_args(_plan_args(**flags), {})
     from_toml = model_from_dict(toml)

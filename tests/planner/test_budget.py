@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from fivefold.cli.cmd_plan import parse_tokens
+from fivefold.cli.plan_args import parse_tokens
 from fivefold.cli.main import main
 from fivefold.errors import ConfigError
 from fivefold.planner.budget import (

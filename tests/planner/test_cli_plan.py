@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from fivefold.cli.cmd_plan import parse_fraction, parse_size
+from fivefold.cli.plan_args import parse_fraction, parse_size
 from fivefold.cli.main import main
 from fivefold.errors import ConfigError
 from fivefold.planner.estimate import estimate
