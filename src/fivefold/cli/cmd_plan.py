@@ -1,8 +1,8 @@
 """`fivefold plan`: search the fastest layout that fits; `fivefold plan estimate`: cost one layout.
 
-Inputs are read here and handed to the planner (`fivefold.planner.search.search` and
-`fivefold.planner.estimate.estimate`); nothing here imports torch. Sizes accept binary suffixes:
-128K = 131,072, 4M = 4,194,304 (2^20), 1G = 2^30; a plain number is taken as is.
+The flags are defined and parsed in `plan_args`, turned into model, cluster, layout and the
+search's request in `plan_inputs` (through `fivefold.planner.request`, the front door shared
+with the explorer), and printed by `plan_output`; nothing here imports torch.
 """
 
 from __future__ import annotations

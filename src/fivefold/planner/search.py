@@ -4,7 +4,8 @@
 micro-batch and recompute, prunes by batch, a memory lower bound and dominance, costs the rest
 best bound first and returns a `SearchResult` (`fivefold.planner.outcomes`); the explanation
 (`fivefold.planner.explain`) questions its state further. The rules are in docs/planner.md,
-"The layout search".
+"The layout search". Over 500 lines: the enumeration and the bounded search that walks it are
+one concept (the result, ranking and reasons are in `outcomes`).
 """
 
 from __future__ import annotations
