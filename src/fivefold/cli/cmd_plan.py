@@ -198,7 +198,7 @@ def _search_handler(args: argparse.Namespace) -> int:
     request = request_from_args(args, model, cluster, data, settings, headroom, tokens, seqs)
     resolved = resolve_request(request)
     started = time.perf_counter()
-    result = search(model, cluster, **resolved.search_kwargs())
+    result = search(resolved.model, resolved.cluster, **resolved.search_kwargs())
     explanation = [settings.describe(), *explain(result)]
     elapsed_s = time.perf_counter() - started
     best = result.best.to_json(timeline=args.json)  # the timeline only where it is printed

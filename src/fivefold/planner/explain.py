@@ -11,6 +11,7 @@ layout search", has the details.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from fivefold.planner import uncertainty as U
@@ -114,13 +115,11 @@ class _Explainer:
         return f"{label}: no valid layout"
 
     def slower(self, est: Any) -> str:
-        return slower_because(est, self.best, getattr(self.result, "risk", "expected"))
-
-    def mem(self, est: Any) -> dict[str, float]:
-        return est.worst_memory.gib()
+        return slower_because(est, self.best, self.result.risk)
 
     # ---- the staircase ---------------------------------------------------------------------
     def lines(self) -> list[str]:
+        m, c = self.model, self.cluster
         out = [
             self.tensor_parallel(),
             self.micro_batch(),
@@ -132,11 +131,11 @@ class _Explainer:
             self.recompute(),
             self.levers(),
             self.rule_of_thumb(),
-            self.memory(),
-            self.confidence(),
-            *self.published_comparison(),
+            memory_line(self.best, self.result.headroom),
+            confidence_line(self.best, self.result.risk),
+            *(published_line(run, self.best) for run in U.published_layouts(m, c)),
+            *runners_up(self.result, self.slower),
         ]
-        out += self.runners_up()
         return [line for line in out if line]
 
     def tensor_parallel(self) -> str:
@@ -348,46 +347,6 @@ class _Explainer:
         """The staircase applied literally, costed, against the searched layout."""
         return rule_of_thumb_line(self.search, self.result.target, self.plan, self.slower)
 
-    def memory(self) -> str:
-        est = self.best
-        mem = self.mem(est)
-        usable = est.hbm_bytes / GiB * (1 - self.result.headroom)
-        levers = "".join(f", {w}" for w in lever_words(est.plan))
-        return (
-            f"Memory on the worst stage ({est.worst_stage}, {est.plan.precision}{levers}): params "
-            f"{mem['params']:.2f} + grads {mem['grads']:.2f} + optimizer {mem['optimizer']:.2f} + "
-            f"activations {mem['activations']:.2f} + other {mem['other']:.2f} = "
-            f"{mem['total']:.1f} GiB of {est.hbm_bytes / GiB:.0f} GiB HBM ({usable:.1f} GiB "
-            f"usable with {self.result.headroom:.0%} headroom). Step {seconds(est.step_time_s)}, "
-            f"{est.tokens_per_s:,.0f} tokens/s, MFU {est.mfu:.1%}."
-        )
-
-    def confidence(self) -> str:
-        """The chosen layout's band, whether it lies outside the calibrated domain, and the
-        closest published run."""
-        return confidence_line(self.best, getattr(self.result, "risk", U.DEFAULT_RISK))
-
-    def published_comparison(self) -> list[str]:
-        """Each published layout of this model on this cluster, priced beside the chosen one."""
-        return [
-            published_line(setup, self.best)
-            for setup in U.published_layouts(self.model, self.cluster)
-        ]
-
-    def runners_up(self) -> list[str]:
-        out = []
-        for alt in self.result.alternatives[:3]:
-            out.append(f"Runner-up {alt.plan.describe()}: {self.slower(alt)}.")
-        shapes = set()
-        for plan, reason in self.result.rejected:
-            shape = (plan.tp, plan.pp)
-            if len(shapes) == 3:
-                break
-            if reason.startswith("out of memory") and shape not in shapes:
-                out.append(f"Rejected {plan.describe()}: {reason}.")
-                shapes.add(shape)
-        return out
-
     def _outcome_words(self, outcome: Any, memory_too: bool = False) -> str:
         if outcome.fits:
             words = self.slower(outcome.estimate)
@@ -396,6 +355,37 @@ class _Explainer:
                 words += f", {'+' if delta >= 0 else '-'}{gib(abs(delta))} per GPU"
             return words
         return (outcome.reason or outcome.kind).rstrip(".")
+
+
+def memory_line(est: Any, headroom: float) -> str:
+    """The worst stage's memory by tenant against HBM, and the step's speed."""
+    mem = est.worst_memory.gib()
+    usable = est.hbm_bytes / GiB * (1 - headroom)
+    levers = "".join(f", {w}" for w in lever_words(est.plan))
+    return (
+        f"Memory on the worst stage ({est.worst_stage}, {est.plan.precision}{levers}): params "
+        f"{mem['params']:.2f} + grads {mem['grads']:.2f} + optimizer {mem['optimizer']:.2f} + "
+        f"activations {mem['activations']:.2f} + other {mem['other']:.2f} = "
+        f"{mem['total']:.1f} GiB of {est.hbm_bytes / GiB:.0f} GiB HBM ({usable:.1f} GiB "
+        f"usable with {headroom:.0%} headroom). Step {seconds(est.step_time_s)}, "
+        f"{est.tokens_per_s:,.0f} tokens/s, MFU {est.mfu:.1%}."
+    )
+
+
+def runners_up(result: SearchResult, slower: Callable[[Any], str]) -> list[str]:
+    """The next three layouts, and out-of-memory rejections of three other (TP, PP) shapes."""
+    out = []
+    for alt in result.alternatives[:3]:
+        out.append(f"Runner-up {alt.plan.describe()}: {slower(alt)}.")
+    shapes = set()
+    for plan, reason in result.rejected:
+        shape = (plan.tp, plan.pp)
+        if len(shapes) == 3:
+            break
+        if reason.startswith("out of memory") and shape not in shapes:
+            out.append(f"Rejected {plan.describe()}: {reason}.")
+            shapes.add(shape)
+    return out
 
 
 def price(est: Any) -> str:

@@ -13,7 +13,7 @@ from typing import Any
 
 from fivefold.errors import ConfigError
 from fivefold.planner.options import PlannerOptions
-from fivefold.planner.outcomes import BATCH_TOLERANCE, BatchTarget, batch_target
+from fivefold.planner.outcomes import BATCH_TOLERANCE
 from fivefold.planner.profiles import PlannerSettings
 from fivefold.planner.uncertainty import DEFAULT_RISK
 from fivefold.spec.cluster import ClusterSpec
@@ -52,19 +52,12 @@ class ResolvedRequest:
     pins: dict[str, Any]
     options: PlannerOptions
     headroom: float
-    global_batch: int | None
-    global_batch_tokens: int | None  # neither given: `outcomes.DEFAULT_BATCH_TOKENS`
+    global_batch: int | None  # the batch target, in sequences or tokens (neither given:
+    global_batch_tokens: int | None  # `outcomes.DEFAULT_BATCH_TOKENS`, in `outcomes.batch_target`)
     batch_tolerance: float
     top: int
     precisions: tuple[str, ...]
     risk: str
-
-    @property
-    def target(self) -> BatchTarget:
-        """The global batch in sequences (raises ConfigError naming a bad batch)."""
-        return batch_target(
-            self.model, self.global_batch_tokens, self.global_batch, self.batch_tolerance
-        )
 
     def search_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of `fivefold.planner.search.search` besides model and cluster."""
