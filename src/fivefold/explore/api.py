@@ -332,15 +332,14 @@ def recipe_view(body: Any) -> dict[str, Any]:
 def _search_settings(body: dict[str, Any], problems: list[str]) -> dict[str, Any]:
     """The request's headroom, top, risk and precisions that it gives (`PlanRequest` fields)."""
     kwargs: dict[str, Any] = {}
-    headroom = body.get("headroom")  # absent: the planner table's, else the default
-    if "headroom" not in body:
-        pass
-    elif isinstance(headroom, bool) or not isinstance(headroom, int | float):
-        problems.append(f"headroom = {headroom!r}: expected a fraction such as 0.1.")
-    elif not 0.0 <= headroom < 0.9:
-        problems.append(f"headroom = {headroom}: must be a fraction in [0, 0.9), e.g. 0.1.")
-    else:
-        kwargs["headroom"] = float(headroom)
+    if "headroom" in body:  # absent: the planner table's, else the default
+        headroom = body["headroom"]
+        if isinstance(headroom, bool) or not isinstance(headroom, int | float):
+            problems.append(f"headroom = {headroom!r}: expected a fraction such as 0.1.")
+        elif not 0.0 <= headroom < 0.9:
+            problems.append(f"headroom = {headroom}: must be a fraction in [0, 0.9), e.g. 0.1.")
+        else:
+            kwargs["headroom"] = float(headroom)
     if "top" in body:
         kwargs["top"] = _whole(body["top"], "top", 1, LIMITS["top"], problems)
     if "risk" in body:  # as `fivefold plan --risk`

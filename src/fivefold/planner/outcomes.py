@@ -99,11 +99,11 @@ class SearchResult:
     best_plan: ParallelPlan
     alternatives: list[Any]  # Estimates, fastest first (best excluded)
     rejected: list[tuple[ParallelPlan, str]]
+    target: BatchTarget
+    headroom: float  # share of HBM left free
     evaluated: int  # full estimates computed
     considered: int = 0  # candidates looked at (including pruned ones)
     elapsed_s: float = 0.0
-    target: BatchTarget | None = None
-    headroom: float = 0.10
     outcomes: dict[ParallelPlan, Outcome] = field(default_factory=dict, repr=False)
     search_state: Any = field(default=None, repr=False)  # the search, for the explanation
     pruned_by_bound: int = 0
