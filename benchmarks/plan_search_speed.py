@@ -35,6 +35,7 @@ from pathlib import Path
 
 from fivefold.errors import ConfigError
 from fivefold.planner import estimate as estimate_module
+from fivefold.planner.explain import explain as explain_result
 from fivefold.planner.search import SearchResult, search
 from fivefold.spec import cluster_preset, model_preset
 
@@ -121,7 +122,9 @@ def run(
 ) -> tuple[float, object, object, SearchResult]:
     model, cluster = model_preset(name), cluster_preset(cluster_name, gpus)
     wall, cpu = time.perf_counter(), time.process_time()
-    result = search(model, cluster, global_batch_tokens=tokens, explain=explain)
+    result = search(model, cluster, global_batch_tokens=tokens)
+    if explain:
+        explain_result(result)
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     print(
         f"{name} on {gpus} x {cluster.gpu}: {wall:.2f} s wall, {cpu:.2f} s CPU; "

@@ -38,7 +38,7 @@ SEARCHES = [  # (model, cluster GPUs, global batch in sequences)
 
 def _searched(model, gpus: int, batch: int):
     cluster = cluster_preset("dgx-h100", gpus)
-    result = search(model, cluster, global_batch=batch, top=10, explain=False)
+    result = search(model, cluster, global_batch=batch, top=10)
     return cluster, result
 
 
@@ -205,7 +205,7 @@ def _plan_args(**flags) -> argparse.Namespace:
     ],
 )
 def test_plan_flags_and_toml_give_the_same_model(flags, toml):
-    from fivefold.cli.cmd_plan import model_from_args
+    from fivefold.cli.plan_inputs import model_from_args
 
     from_flags = model_from_args(_plan_args(**flags), {})
     from_toml = model_from_dict(toml)

@@ -15,6 +15,7 @@ import pytest
 from fivefold.explore.api import json_safe
 from fivefold.explore.rank_grid import rank_grid
 from fivefold.planner.estimate import estimate
+from fivefold.planner.explain import explain
 from fivefold.planner.frameworks import planner_settings, profile, profiles
 from fivefold.planner.options import PlannerOptions
 from fivefold.planner.search import search
@@ -306,7 +307,7 @@ def test_search_equals_the_planner(client):
     assert data["alternatives"] == [json_safe(a.to_json()) for a in result.alternatives]
     profile_line = planner_settings(cluster_preset("dgx-h100", 16).device).describe()
     assert profile_line.startswith("Efficiency profile fivefold:")
-    assert data["explanation"] == [profile_line, *result.explanation]
+    assert data["explanation"] == [profile_line, *explain(result)]
     assert data["planner"]["profile"] == "fivefold"
     assert data["describe"] == [e.plan.describe() for e in [result.best, *result.alternatives]]
     assert data["evaluated"] == result.evaluated

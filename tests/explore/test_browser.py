@@ -14,6 +14,7 @@ import sys
 
 from fivefold.explore.api import json_safe
 from fivefold.planner.estimate import estimate
+from fivefold.planner.explain import explain
 from fivefold.planner.frameworks import planner_settings
 from fivefold.planner.search import TIE_FRACTION, search
 from fivefold.spec import (
@@ -288,7 +289,7 @@ def test_recommend_runs_the_search_and_applies_a_layout(page):
     assert f"within {100 * TIE_FRACTION:.1f}% of it (a tie)" in sub
     profile_line = planner_settings(DEFAULT_CLUSTER.device).describe()
     shown = page.locator("#explanation li").all_text_contents()
-    assert shown == [profile_line, *result.explanation]
+    assert shown == [profile_line, *explain(result)]
     screenshot(page, "05-recommend")
     # Apply the best layout: the controls take it and the page shows its estimate.
     before = int(page.evaluate("() => Number(document.body.dataset.seq)"))

@@ -28,7 +28,6 @@ def searched_cases(model_key: str, count: int) -> list[ParityCase]:
         global_batch=GLOBAL_BATCH,
         top=5,
         precisions=("fp32",),
-        explain=False,
     )
     accepted = [result.best_plan, *(c.plan for c in result.search_state.candidates)]
     cases, shapes = [], set()

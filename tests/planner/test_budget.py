@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from fivefold.cli.cmd_plan import parse_tokens
 from fivefold.cli.main import main
+from fivefold.cli.plan_args import parse_tokens
 from fivefold.errors import ConfigError
 from fivefold.planner.budget import (
     DEFAULT_CKPT_BANDWIDTH,

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from fivefold.cli.cmd_plan import parse_fraction, parse_size
 from fivefold.cli.main import main
+from fivefold.cli.plan_args import parse_fraction, parse_size
 from fivefold.errors import ConfigError
 from fivefold.planner.estimate import estimate
 from fivefold.spec import cluster_preset, load_recipe, model_preset

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from fivefold.planner.explain import gib, seconds, slower_because
+from fivefold.planner.explain import explain, gib, seconds, slower_because
 from fivefold.planner.search import search
 from fivefold.spec import ParallelPlan, cluster_preset, model_preset
 
@@ -68,7 +68,7 @@ def llama70b():
 
 
 def test_staircase_lines_carry_numbers(llama70b):
-    lines = llama70b.explanation
+    lines = explain(llama70b)
     plan = llama70b.best_plan
     tp = next(x for x in lines if x.startswith("Tensor parallelism"))
     assert f"TP = {plan.tp}" in tp or "TP = 1" in tp
@@ -88,14 +88,14 @@ def test_staircase_lines_carry_numbers(llama70b):
 def test_moe_explanation_argues_expert_parallelism():
     model, cluster = model_preset("tiny-moe"), cluster_preset("dgx-h100", 8)
     result = search(model, cluster, global_batch_tokens=2**16)
-    line = next(x for x in result.explanation if x.startswith("Expert parallelism"))
+    line = next(x for x in explain(result) if x.startswith("Expert parallelism"))
     ep = result.best_plan.ep
     assert f"EP = {ep} puts {4 // ep} of the 4 experts on each rank" in line
     assert re.search(r"EP = \d: (\d+\.\d% (slower|faster)|the same speed|nothing fits)", line)
 
 
 def test_dense_model_says_ep_is_not_needed(llama70b):
-    line = next(x for x in llama70b.explanation if x.startswith("Expert parallelism"))
+    line = next(x for x in explain(llama70b) if x.startswith("Expert parallelism"))
     assert "not needed" in line and "dense" in line
 
 

@@ -19,6 +19,7 @@ from fivefold.planner.bounds import Bounds
 from fivefold.planner.compute import gemm_time_s
 from fivefold.planner.efficiency import efficiency_model
 from fivefold.planner.estimate import _layer_costs, _layer_key, estimate
+from fivefold.planner.explain import explain
 from fivefold.planner.lever_costs import (
     HOST_BW_FRACTION,
     PCIE_FRACTION,
@@ -257,7 +258,7 @@ def test_search_uses_levers_only_when_nothing_fits(runtime_levers):
     assert miss is not None and miss.reason.startswith("out of memory")
     assert miss.plan.offload == "none" and miss.plan.optimizer_states == "fp32"
     assert result.best.fits_with(0.10) and result.best.host_fits
-    line = next(x for x in result.explanation if x.startswith("Memory levers"))
+    line = next(x for x in explain(result) if x.startswith("Memory levers"))
     assert "nothing fits in 80 GiB of HBM (72.0 GiB usable) without them" in line
     assert "Chose" in line and "host" in line
     # No layout without levers fits: the first pass found nothing.
@@ -279,7 +280,7 @@ def test_search_prefers_8bit_states_when_they_suffice(runtime_levers):
     assert result.without_levers is not None
     assert result.best_plan.optimizer_states == "8bit" and result.best_plan.offload == "none"
     assert result.best.host_memory is None
-    line = next(x for x in result.explanation if x.startswith("Memory levers"))
+    line = next(x for x in explain(result) if x.startswith("Memory levers"))
     assert "Chose 8bit Adam states: " in line and "6.03 optimizer bytes per parameter" in line
     assert "offload of the optimizer: " in line  # the best layout with each other lever
 
@@ -291,7 +292,7 @@ def test_search_without_levers_when_the_model_fits(runtime_levers):
         (o.plan.offload, o.plan.optimizer_states, o.plan.fp8) == ("none", "fp32", "none")
         for o in result.outcomes.values()
     )
-    line = next(x for x in result.explanation if x.startswith("Memory levers"))
+    line = next(x for x in explain(result) if x.startswith("Memory levers"))
     assert line.startswith("Memory levers: none; the layout fits in 80 GiB")
 
 
@@ -306,7 +307,7 @@ def test_search_proposes_no_lever_the_runtime_refuses(monkeypatch):
 
     monkeypatch.setattr(ParallelPlan, "runtime_problems", no_offload)
     with pytest.raises(ConfigError, match="no layout of llama3-70b fits") as err:
-        search(model_preset("llama3-70b"), H100x8, global_batch_tokens=2**20, explain=False)
+        search(model_preset("llama3-70b"), H100x8, global_batch_tokens=2**20)
     assert "memory levers did not make any layout fit either (optimizer_states 8bit)" in str(
         err.value
     )
@@ -318,7 +319,7 @@ def test_search_keeps_pinned_fp8(runtime_levers):
     )
     assert result.best_plan.fp8 == "rowwise"
     assert all(est.plan.fp8 == "rowwise" for est in result.alternatives)
-    line = next(x for x in result.explanation if x.startswith("Memory levers"))
+    line = next(x for x in explain(result) if x.startswith("Memory levers"))
     assert "FP8 compute (rowwise" in line and "effective peak" in line
 
 

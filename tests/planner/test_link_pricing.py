@@ -20,6 +20,7 @@ from fivefold.planner.comm import (
 )
 from fivefold.planner.efficiency import EfficiencyModel
 from fivefold.planner.estimate import estimate
+from fivefold.planner.explain import explain
 from fivefold.planner.options import PlannerOptions
 from fivefold.planner.search import search
 from fivefold.spec import ParallelPlan, cluster_preset, model_preset
@@ -136,4 +137,4 @@ def test_flagship_cp_exchange_is_priced_at_one_nic_and_said_so():
     across = [c for c in result.best.comm if c.kind == "cp" and c.link == "ib"]
     assert across, "the chosen layout still rings CP across nodes; pick a scenario that does"
     assert across[0].link_model == "p2p, slowest hop ib 45 GB/s per GPU"
-    assert f"The key/value exchange ({across[0].link_model})" in " ".join(result.explanation)
+    assert f"The key/value exchange ({across[0].link_model})" in " ".join(explain(result))

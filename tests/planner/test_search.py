@@ -24,7 +24,7 @@ from fivefold.spec.hardware import GiB
 @pytest.fixture(scope="module")
 def llama8b_64():
     model, cluster = model_preset("llama3-8b"), cluster_preset("dgx-h100", 64)
-    return model, cluster, search(model, cluster, global_batch_tokens=2**20, explain=False)
+    return model, cluster, search(model, cluster, global_batch_tokens=2**20)
 
 
 def _fitting(result):
@@ -71,9 +71,7 @@ def test_rejections_carry_their_reason(llama8b_64):
 def test_pruning_by_bounds_loses_nothing():
     # Cost every screened candidate in full and compare with what the bounded search picked.
     model, cluster = model_preset("llama3-8b"), cluster_preset("dgx-h100", 8)
-    result = search(
-        model, cluster, global_batch=32, fixed={"recompute": "selective"}, explain=False
-    )
+    result = search(model, cluster, global_batch=32, fixed={"recompute": "selective"})
     state = result.search_state
     assert result.pruned_by_bound > 100  # the bounds did skip work
     best = 0.0
@@ -92,7 +90,7 @@ def test_bounds_never_exceed_the_estimate():
         ("mixtral-8x7b", 16, 2**21),
     ):
         model, cluster = model_preset(name), cluster_preset("dgx-h100", gpus)
-        result = search(model, cluster, global_batch_tokens=tokens, explain=False)
+        result = search(model, cluster, global_batch_tokens=tokens)
         bounds = Bounds(model, cluster)
         for cand in rng.sample(result.search_state.candidates, 15):
             est = estimate(model, cluster, cand.plan)
@@ -103,19 +101,17 @@ def test_bounds_never_exceed_the_estimate():
 
 def test_pinned_fields_are_kept():
     model, cluster = model_preset("llama3-8b"), cluster_preset("dgx-h100", 64)
-    result = search(
-        model, cluster, global_batch_tokens=2**20, fixed={"tp": 8, "pp": 2}, explain=False
-    )
+    result = search(model, cluster, global_batch_tokens=2**20, fixed={"tp": 8, "pp": 2})
     assert result.best_plan.tp == 8 and result.best_plan.pp == 2
     assert all(a.plan.tp == 8 and a.plan.pp == 2 for a in result.alternatives)
-    dp = search(model, cluster, global_batch_tokens=2**20, fixed={"dp": 8}, explain=False)
+    dp = search(model, cluster, global_batch_tokens=2**20, fixed={"dp": 8})
     assert dp.best_plan.dp == 8
 
 
 def test_headroom_is_respected():
     model, cluster = model_preset("llama3-70b"), cluster_preset("dgx-h100", 64)
     for headroom in (0.05, 0.5):
-        result = search(model, cluster, global_batch_tokens=2**21, headroom=headroom, explain=False)
+        result = search(model, cluster, global_batch_tokens=2**21, headroom=headroom)
         limit = (1 - headroom) * 80 * GiB
         assert result.best.peak_memory_bytes <= limit
         assert all(a.peak_memory_bytes <= limit for a in result.alternatives)
@@ -146,7 +142,7 @@ def test_enumeration_helpers():
 
 def test_moe_search_uses_expert_parallelism_validly():
     model, cluster = model_preset("mixtral-8x7b"), cluster_preset("dgx-h100", 16)
-    result = search(model, cluster, global_batch_tokens=2**21, explain=False)
+    result = search(model, cluster, global_batch_tokens=2**21)
     for o in _fitting(result):
         assert model.experts % o.plan.ep == 0
         assert (o.plan.dp_shard * o.plan.cp) % o.plan.ep == 0
@@ -156,7 +152,7 @@ def test_moe_search_uses_expert_parallelism_validly():
 def test_no_layout_fits_says_what_came_closest():
     model, cluster = model_preset("llama3-405b"), cluster_preset("dgx-h100", 8)
     with pytest.raises(ConfigError) as err:
-        search(model, cluster, global_batch_tokens=2**20, explain=False)
+        search(model, cluster, global_batch_tokens=2**20)
     text = str(err.value)
     assert "no layout of llama3-405b fits 8 x h100-sxm" in text
     assert "Closest:" in text and "out of memory by" in text
@@ -165,7 +161,7 @@ def test_no_layout_fits_says_what_came_closest():
 def test_405b_on_16384_gpus_is_fast():
     model, cluster = model_preset("llama3-405b"), cluster_preset("dgx-h100", 16384)
     started = time.process_time()
-    result = search(model, cluster, global_batch_tokens=16 * 2**20, explain=False)
+    result = search(model, cluster, global_batch_tokens=16 * 2**20)
     elapsed = time.process_time() - started
     # The goal is < 2 s on an idle core; CI shares 2 cores, so the bound here is generous.
     assert elapsed < 10.0
@@ -196,7 +192,7 @@ def test_plan_from_search_round_trips_through_estimate(llama8b_64):
 
 
 def test_memory_shortfall_is_never_zero_gib():
-    from fivefold.planner.search import _amount
+    from fivefold.planner.outcomes import _amount
 
     assert _amount(0.04 * 2**30) == "41.0 MiB"  # was "0.0 GiB"
     assert _amount(1) == "0.1 MiB"

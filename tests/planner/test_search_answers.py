@@ -35,7 +35,7 @@ def exhaustive_best(model, cluster, result, options, headroom: float = 0.10) -> 
 def _check_search_equals_exhaustive(name, gpus, batch, profile_name):
     model, cluster = model_preset(name), cluster_preset("dgx-h100", gpus)
     options = profile(profile_name).planner_options(cluster.device)
-    result = search(model, cluster, explain=False, options=options, **batch)
+    result = search(model, cluster, options=options, **batch)
     assert result.pruned_by_bound > 0  # the bounds skipped work
     assert result.evaluated < len(result.search_state.candidates)
     best = exhaustive_best(model, cluster, result, options)
@@ -66,7 +66,7 @@ def test_bounds_never_exceed_the_estimate_under_each_profile(profile_name):
     or eager kernels a default-options bound would not be a bound."""
     model, cluster = model_preset("llama3-8b"), cluster_preset("dgx-h100", 16)
     options = profile(profile_name).planner_options(cluster.device)
-    result = search(model, cluster, global_batch=64, explain=False, options=options)
+    result = search(model, cluster, global_batch=64, options=options)
     bounds = Bounds(model, cluster, options)
     for cand in result.search_state.candidates[::7]:
         est = estimate(model, cluster, cand.plan, options)
@@ -79,9 +79,9 @@ def test_classic_attention_changes_the_search_answer_memory():
     """Options reach the search: classic attention without recompute stores the scores, so
     the chosen layout's memory differs from flash's for the same layout."""
     model, cluster = model_preset("llama3-8b"), cluster_preset("dgx-h100", 16)
-    flash = search(model, cluster, global_batch=64, explain=False)
+    flash = search(model, cluster, global_batch=64)
     classic_opts = profile("megatron-2022").planner_options(cluster.device)
-    classic = search(model, cluster, global_batch=64, explain=False, options=classic_opts)
+    classic = search(model, cluster, global_batch=64, options=classic_opts)
     same = estimate(model, cluster, flash.best_plan, classic_opts)
     if flash.best_plan.recompute == "none":
         assert same.peak_memory_bytes > flash.best.peak_memory_bytes
@@ -100,11 +100,11 @@ def test_derived_plans_equal_with_():
 def test_search_restores_the_collector_and_answers_the_same_with_it_off():
     model, cluster = model_preset("llama3-8b"), cluster_preset("dgx-h100", 16)
     assert gc.isenabled()
-    on = search(model, cluster, global_batch=64, explain=False)
+    on = search(model, cluster, global_batch=64)
     assert gc.isenabled()
     gc.disable()
     try:
-        off = search(model, cluster, global_batch=64, explain=False)
+        off = search(model, cluster, global_batch=64)
         assert not gc.isenabled()  # left as the caller had it
     finally:
         gc.enable()

@@ -20,7 +20,7 @@ def rules(plan: ParallelPlan) -> list[str]:
 
 def searched(**fixed) -> ConfigError:
     with pytest.raises(ConfigError) as err:
-        search(VIZZ, H100x64, global_batch=32, fixed=fixed, explain=False)
+        search(VIZZ, H100x64, global_batch=32, fixed=fixed)
     return err.value
 
 
@@ -50,7 +50,7 @@ def test_degrees_whose_product_misses_the_gpus_name_the_product_rule():
 
 
 def test_a_valid_pin_still_plans():
-    result = search(VIZZ, H100x64, global_batch=32, fixed={"tp": 4}, explain=False)
+    result = search(VIZZ, H100x64, global_batch=32, fixed={"tp": 4})
     assert result.best_plan.tp == 4
 
 

@@ -5,6 +5,7 @@ import re
 import pytest
 
 from fivefold.planner.estimate import estimate
+from fivefold.planner.explain import explain
 from fivefold.planner.schedule import StageCosts, build_schedule, closed_form_bubble, simulate
 from fivefold.planner.search import TIE_FRACTION, search
 from fivefold.spec import ParallelPlan, cluster_preset, model_preset
@@ -86,7 +87,7 @@ def test_vizz_batch_is_about_4m_tokens(vizz):
 
 def test_vizz_long_sequences_are_handled_by_cp_or_explained(vizz):
     _, _, result = vizz
-    line = next(x for x in result.explanation if x.startswith("Context parallelism"))
+    line = next(x for x in explain(result) if x.startswith("Context parallelism"))
     if result.best_plan.cp > 1:
         assert f"CP = {result.best_plan.cp}" in line
         assert f"{131072 // result.best_plan.cp:,}" in line  # tokens per GPU
@@ -96,7 +97,7 @@ def test_vizz_long_sequences_are_handled_by_cp_or_explained(vizz):
 
 def test_vizz_recompute_is_used_or_argued_with_numbers(vizz):
     _, _, result = vizz
-    line = next(x for x in result.explanation if x.startswith("Activation recompute"))
+    line = next(x for x in explain(result) if x.startswith("Activation recompute"))
     others = {"none", "selective", "full"} - {result.best_plan.recompute}
     for policy in others:
         assert re.search(rf"{policy}: (\d+\.\d% slower|out of memory by \d)", line), line
@@ -105,7 +106,7 @@ def test_vizz_recompute_is_used_or_argued_with_numbers(vizz):
 
 def test_vizz_explanation_walks_the_staircase_with_numbers(vizz):
     _, _, result = vizz
-    lines = result.explanation
+    lines = explain(result)
     starts = [next(i for i, x in enumerate(lines) if x.startswith(step)) for step in STEPS]
     assert starts == sorted(starts)  # the seed's order
     for i in starts:
@@ -121,7 +122,7 @@ def test_vizz_explanation_walks_the_staircase_with_numbers(vizz):
 def test_vizz_explanation_costs_the_literal_staircase(vizz):
     _, _, result = vizz
     line = next(
-        x for x in result.explanation if x.startswith("The textbook rule of thumb taken literally")
+        x for x in explain(result) if x.startswith("The textbook rule of thumb taken literally")
     )
     assert "TP8+SP" in line  # TP fills the node
     assert re.search(r"(\d+\.\d% slower because|this very layout|the same speed)", line)

@@ -10,7 +10,7 @@ import pytest
 from fivefold.errors import ConfigError
 from fivefold.planner import uncertainty as U
 from fivefold.planner.estimate import estimate
-from fivefold.planner.explain import confidence_line, published_line
+from fivefold.planner.explain import confidence_line, explain, published_line
 from fivefold.planner.options import PlannerOptions
 from fivefold.planner.search import Outcome, rank_fitting, search
 from fivefold.spec import ParallelPlan, cluster_preset, model_preset
@@ -122,7 +122,7 @@ def test_search_ranks_by_the_slow_end_and_rejects_a_bad_risk():
     model, cluster = model_preset("llama3-8b"), cluster_preset("dgx-h100", 64)
     with pytest.raises(ConfigError, match="risk = 'bold'"):
         search(model, cluster, risk="bold")
-    result = search(model, cluster, global_batch_tokens=2**20, explain=False)
+    result = search(model, cluster, global_batch_tokens=2**20)
     assert result.risk == "pessimistic"
     fits = [o for o in result.outcomes.values() if o.fits]
     best = U.rank_tokens_per_s(result.best)
@@ -156,7 +156,7 @@ def test_explanation_names_the_nearest_run_and_prices_the_published_layout(monke
     result = search(L405, H16K, global_batch_tokens=16 * 2**20)
     chosen = result.best
     band = U.band(chosen)
-    lines = result.explanation
+    lines = explain(result)
     conf = next(x for x in lines if x.startswith("Confidence:"))
     assert conf == confidence_line(chosen, "pessimistic")
     lo, hi = band.mfu_range(chosen.mfu)

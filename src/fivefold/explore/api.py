@@ -36,6 +36,13 @@ from fivefold.planner.frameworks import (
     profiles,
 )
 from fivefold.planner.options import CHOICES, OPTION_HELP, PlannerOptions
+from fivefold.planner.outcomes import TIE_FRACTION
+from fivefold.planner.request import (
+    MAX_BATCH_SEQUENCES,
+    PlanRequest,
+    grad_accum_for,
+    resolve_request,
+)
 from fivefold.planner.uncertainty import risk_problems
 from fivefold.spec.cluster import CLUSTER_PRESETS, ClusterSpec
 from fivefold.spec.hardware import GPU_ALIASES, GPUS, GiB
@@ -60,7 +67,7 @@ LIMITS: dict[str, int] = {
     "virtual_stages": 512,
     "seq_len": 4 * 1024 * 1024,
     "layers": 1024,
-    "global_batch": 1 << 24,
+    "global_batch": MAX_BATCH_SEQUENCES,
     "top": 20,
 }
 SEARCH_LIMIT_WORLD = 32768
@@ -165,7 +172,8 @@ def _derive_grad_accum(plan_values: dict[str, Any], global_batch: Any, problems:
     if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in degrees):
         return  # the plan's own checks name the bad degree
     per_micro_step = degrees[0] * degrees[1] * degrees[2]
-    if batch % per_micro_step:
+    accum = grad_accum_for(batch, degrees[0], degrees[1] * degrees[2])
+    if accum is None:
         low = max(per_micro_step, batch // per_micro_step * per_micro_step)
         problems.append(
             f"global_batch = {batch} sequences is not a multiple of micro_batch x dp = "
@@ -173,7 +181,7 @@ def _derive_grad_accum(plan_values: dict[str, Any], global_batch: Any, problems:
             f"such as {low} or {low + per_micro_step}, or change the micro-batch or DP degree."
         )
         return
-    plan_values["grad_accum"] = batch // per_micro_step
+    plan_values["grad_accum"] = accum
 
 
 def _limit_problems(layout: Layout) -> list[str]:
@@ -321,36 +329,19 @@ def recipe_view(body: Any) -> dict[str, Any]:
     }
 
 
-def _parse_search(
-    body: Any,
-) -> tuple[ModelSpec, ClusterSpec, dict[str, Any], PlannerSettings]:
-    body = _require_object(body, SEARCH_KEYS)
-    problems: list[str] = []
-    model = _section(body, "model", problems)
-    cluster = _section(body, "cluster", problems)
+def _search_settings(body: dict[str, Any], problems: list[str]) -> dict[str, Any]:
+    """The request's headroom, top, risk and precisions that it gives (`PlanRequest` fields)."""
     kwargs: dict[str, Any] = {}
-    if "global_batch" in body:
-        kwargs["global_batch"] = _whole(
-            body["global_batch"], "global_batch", 1, LIMITS["global_batch"], problems
-        )
-    if "global_batch_tokens" in body:
-        kwargs["global_batch_tokens"] = _whole(
-            body["global_batch_tokens"], "global_batch_tokens", 1, 1 << 40, problems
-        )
-    if len(kwargs) != 1:
-        problems.append(
-            "give the target batch as exactly one of global_batch (sequences per step) or "
-            "global_batch_tokens."
-        )
-    headroom = body.get("headroom", 0.10)
-    if isinstance(headroom, bool) or not isinstance(headroom, int | float):
-        problems.append(f"headroom = {headroom!r}: expected a fraction such as 0.1.")
-    elif not 0.0 <= headroom < 0.9:
-        problems.append(f"headroom = {headroom}: must be a fraction in [0, 0.9), e.g. 0.1.")
-    else:
-        kwargs["headroom"] = float(headroom)
-    top = _whole(body.get("top", 5), "top", 1, LIMITS["top"], problems)
-    kwargs["top"] = top
+    if "headroom" in body:  # absent: the planner table's, else the default
+        headroom = body["headroom"]
+        if isinstance(headroom, bool) or not isinstance(headroom, int | float):
+            problems.append(f"headroom = {headroom!r}: expected a fraction such as 0.1.")
+        elif not 0.0 <= headroom < 0.9:
+            problems.append(f"headroom = {headroom}: must be a fraction in [0, 0.9), e.g. 0.1.")
+        else:
+            kwargs["headroom"] = float(headroom)
+    if "top" in body:
+        kwargs["top"] = _whole(body["top"], "top", 1, LIMITS["top"], problems)
     if "risk" in body:  # as `fivefold plan --risk`
         risk_found = risk_problems(
             body["risk"] if isinstance(body["risk"], str) else repr(body["risk"])
@@ -371,6 +362,30 @@ def _parse_search(
             )
         else:
             kwargs["precisions"] = tuple(precisions)
+    return kwargs
+
+
+def _parse_search(body: Any) -> tuple[PlanRequest, dict[str, Any]]:
+    """The request's model, cluster, planner settings and search settings, or an ApiError."""
+    body = _require_object(body, SEARCH_KEYS)
+    problems: list[str] = []
+    model = _section(body, "model", problems)
+    cluster = _section(body, "cluster", problems)
+    kwargs: dict[str, Any] = {}
+    if "global_batch" in body:
+        kwargs["global_batch"] = _whole(
+            body["global_batch"], "global_batch", 1, LIMITS["global_batch"], problems
+        )
+    if "global_batch_tokens" in body:
+        kwargs["global_batch_tokens"] = _whole(
+            body["global_batch_tokens"], "global_batch_tokens", 1, 1 << 40, problems
+        )
+    if len(kwargs) != 1:
+        problems.append(
+            "give the target batch as exactly one of global_batch (sequences per step) or "
+            "global_batch_tokens."
+        )
+    kwargs |= _search_settings(body, problems)
     if not cluster:
         problems.append("cluster is missing: give a preset or gpu, nodes and gpus_per_node.")
     if problems:
@@ -390,25 +405,23 @@ def _parse_search(
             f"cluster size {spec_cluster.world_size:,} GPUs is more than the explorer searches "
             f"(at most {SEARCH_LIMIT_WORLD:,}); use `fivefold plan`."
         )
-    settings = _planner(body, spec_cluster)
-    kwargs["options"] = settings.options
-    if "headroom" not in body and settings.headroom is not None:
-        kwargs["headroom"] = settings.headroom  # the request's headroom wins over planner's
-    return spec_model, spec_cluster, kwargs, settings
+    return PlanRequest(spec_model, spec_cluster, _planner(body, spec_cluster), **kwargs), body
 
 
 def search_view(body: Any) -> dict[str, Any]:
     """POST /api/search: the best layouts for a model, cluster and batch target, explained."""
-    from fivefold.planner.search import TIE_FRACTION, search
+    from fivefold.planner.explain import explain
+    from fivefold.planner.search import search
 
-    model, cluster, kwargs, settings = _parse_search(body)
+    request, body = _parse_search(body)
+    resolved = resolve_request(request)
     inputs = _budget_inputs(body)
     started = time.perf_counter()
     try:
-        result = search(model, cluster, **kwargs)
+        result = search(resolved.model, resolved.cluster, **resolved.search_kwargs())
     except ConfigError as err:
         raise ApiError(err.problems) from None
-    result.explanation.insert(0, settings.describe())
+    explanation = [request.settings.describe(), *explain(result)]
     elapsed_s = time.perf_counter() - started
     best = result.best
     return json_safe(
@@ -422,12 +435,12 @@ def search_view(body: Any) -> dict[str, Any]:
                 {"plan": plan.to_dict(), "describe": plan.describe(), "reason": reason}
                 for plan, reason in result.rejected
             ],
-            "explanation": list(result.explanation),
+            "explanation": explanation,
             "evaluated": result.evaluated,
             "search_time_s": elapsed_s,
             "tie_fraction": TIE_FRACTION,
             "risk": result.risk,
-            "planner": settings.to_json(),
+            "planner": request.settings.to_json(),
         }
     )
 

@@ -1,46 +1,30 @@
-"""The explanation of a search result: seed 000's decision staircase, in words with numbers.
+"""The explanation of a search result: the rule-of-thumb staircase, in words with numbers.
 
-The staircase (seed 000, "Vizz AI"), one step per line, each argued against its neighbours:
-1. tensor parallelism inside a node: the chosen TP against the best layout with the next TP
-   degree up and down (what their exposed collectives or memory cost);
-2. the micro-batch: the largest that fits, or why a larger one loses;
-3. pipeline stages: why this many and not fewer (memory) or more (the bubble), and what the
-   bubble costs in seconds and per cent;
-4. data parallelism is what remains, and the ZeRO stage: what each stage saves, why not less
-   (memory) or more (gathers);
-5. the batch target through gradient accumulation;
-6. context parallelism for long sequences and expert parallelism for MoE models: when they are
-   used, what they split, and what happens without them;
-7. activation recomputation: why this policy;
-   then the memory levers (CPU offload, 8-bit Adam states, FP8 compute): none when the layout
-   fits without them; when only they make it fit, what nothing fits without and what they cost;
-8. the staircase taken literally (`staircase_plans`: TP fills the node, fewest stages that fit,
-   ZeRO-1, full recompute, ...), costed against the searched layout;
-then how confident the prediction is (`fivefold.planner.uncertainty`: its error band from the
-leave-one-source-out residuals, widened outside the calibrated domain, and the closest published
-run), the published layouts of this very model and cluster priced beside the chosen one, and the
-nearest rejected layouts with their reason: "out of memory by X GiB" or "Y % slower
-because ...". With `risk = "pessimistic"` a layout predicted faster can rank lower: the
-explanation then says so ("faster as predicted, but ... at its band's slow end").
-"The best layout with TP = 8" is found by the search's own bounded search restricted to TP = 8
-(`_Search.best_with`), so every comparison is between optimised layouts.
+One line per step, each argued against its neighbours: TP inside a node, the micro-batch,
+pipeline stages, DP and its ZeRO stage, the batch through accumulation, CP and EP, recompute,
+the memory levers, the staircase taken literally (`fivefold.planner.staircase`), memory, how
+confident the prediction is (`fivefold.planner.uncertainty`), the published layouts of this
+model and cluster, and the runners-up and nearest rejections. Each comparison is with the best
+layout the search's own bounded search finds under that restriction. docs/planner.md, "The
+layout search", has the details.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from fivefold.planner import uncertainty as U
-from fivefold.planner.lever_costs import fp8_flops_per_token, mfu_peak
-from fivefold.planner.levers import state_recipe
+from fivefold.planner.estimate import estimate
+from fivefold.planner.explain_levers import lever_words, levers_line
+from fivefold.planner.outcomes import TIE_FRACTION, SearchResult
+from fivefold.planner.quantities import gib, seconds
 from fivefold.planner.rates import rates_for
-from fivefold.spec.cluster import ClusterSpec
+from fivefold.planner.search import collector_paused, tp_choices
+from fivefold.planner.staircase import rule_of_thumb_line
 from fivefold.spec.hardware import GiB
-from fivefold.spec.model import ModelSpec, training_flops_per_token
 from fivefold.spec.plan import ParallelPlan
-from fivefold.spec.precision import recipe
 
-TIE_FRACTION = 0.005  # the search's tie band (fivefold.planner.search.TIE_FRACTION)
 COMPARE_BUDGET = 8  # full estimates per "best layout with ..." comparison
 
 BREAKDOWN_WORDS = {
@@ -57,27 +41,10 @@ BREAKDOWN_WORDS = {
 }
 
 
-def explain_search(model: ModelSpec, cluster: ClusterSpec, result: Any) -> list[str]:
-    """Lines of plain text explaining `result` (a `SearchResult`), staircase order."""
-    return _Explainer(model, cluster, result).lines()
-
-
-def seconds(x: float) -> str:
-    """'1.23 s', '12.3 ms' or '45 us': enough digits for any model size."""
-    if x == 0:
-        return "0 s"
-    if abs(x) >= 0.1:
-        return f"{x:.2f} s"
-    if abs(x) >= 1e-4:
-        return f"{x * 1e3:.1f} ms"
-    return f"{x * 1e6:.0f} us"
-
-
-def gib(x_bytes: float) -> str:
-    """'12.55 GiB' or '3.2 MiB' for small models."""
-    if abs(x_bytes) >= 0.01 * GiB or x_bytes == 0:
-        return f"{x_bytes / GiB:.2f} GiB"
-    return f"{x_bytes / 2**20:.1f} MiB"
+def explain(result: SearchResult) -> list[str]:
+    """Lines of plain text explaining `result`, staircase order."""
+    with collector_paused():  # the comparisons cost layouts as the search does
+        return _Explainer(result).lines()
 
 
 def slower_because(est: Any, best: Any, risk: str = "expected") -> str:
@@ -114,9 +81,9 @@ def slower_because(est: Any, best: Any, risk: str = "expected") -> str:
 
 
 class _Explainer:
-    def __init__(self, model: ModelSpec, cluster: ClusterSpec, result: Any):
-        self.model = model
-        self.cluster = cluster
+    def __init__(self, result: SearchResult):
+        self.model = result.model
+        self.cluster = result.cluster
         self.result = result
         self.search = result.search_state
         self.best = result.best
@@ -149,13 +116,11 @@ class _Explainer:
         return f"{label}: no valid layout"
 
     def slower(self, est: Any) -> str:
-        return slower_because(est, self.best, getattr(self.result, "risk", "expected"))
-
-    def mem(self, est: Any) -> dict[str, float]:
-        return est.worst_memory.gib()
+        return slower_because(est, self.best, self.result.risk)
 
     # ---- the staircase ---------------------------------------------------------------------
     def lines(self) -> list[str]:
+        m, c = self.model, self.cluster
         out = [
             self.tensor_parallel(),
             self.micro_batch(),
@@ -167,11 +132,11 @@ class _Explainer:
             self.recompute(),
             self.levers(),
             self.rule_of_thumb(),
-            self.memory(),
-            self.confidence(),
-            *self.published_comparison(),
+            memory_line(self.best, self.result.headroom),
+            confidence_line(self.best, self.result.risk),
+            *(published_line(run, self.best) for run in U.published_layouts(m, c)),
+            *runners_up(self.result, self.slower),
         ]
-        out += self.runners_up()
         return [line for line in out if line]
 
     def tensor_parallel(self) -> str:
@@ -213,7 +178,7 @@ class _Explainer:
         tp_comm = [x for x in self.best.comm if x.kind == "tp"]
         if tp_comm:
             text += f"Its exposed collectives cost {seconds(tp_comm[0].exposed_s)} per step. "
-        choices = [t for t in _tp_values(m, c) if t != p.tp]
+        choices = [t for t in tp_choices(m, c) if t != p.tp]
         around = [t for t in choices if t in (p.tp // 2, p.tp * 2, max(choices))] or choices[:2]
         text += "; ".join(self.compare(f"TP = {t}", tp=t) for t in around)
         return text.rstrip("; ") + "."
@@ -377,142 +342,11 @@ class _Explainer:
         return text + "; ".join(words) + "."
 
     def levers(self) -> str:
-        """The memory levers: why none, or what nothing fits without and what they cost."""
-        p, est, result = self.plan, self.best, self.result
-        used = _lever_words(p)
-        hbm = est.hbm_bytes / GiB
-        usable = hbm * (1 - result.headroom)
-        if not used:
-            return (
-                f"Memory levers: none; the layout fits in {hbm:.0f} GiB of HBM without CPU "
-                "offload or 8-bit optimizer states, so the step pays for neither (the search "
-                "tries them only when nothing fits; FP8 compute only when asked for, --fp8)."
-            )
-        miss = result.without_levers
-        if miss is not None:
-            text = (
-                f"Memory levers: nothing fits in {hbm:.0f} GiB of HBM ({usable:.1f} GiB usable) "
-                f"without them; the closest, {miss.plan.describe()}, is "
-                f"{miss.reason.rstrip('.')}. Chose {', '.join(used)}: "
-            )
-        else:
-            text = f"Memory levers: {', '.join(used)}, as asked: "
-        text += self._lever_costs()
-        others = []
-        for levers in self.search.lever_sets:
-            full = {"offload": "none", "optimizer_states": "fp32", **levers}
-            if levers and any(_field(p, k) != v for k, v in full.items()):
-                others.append(full)
-        parts = [self.compare(" + ".join(_lever_words(ParallelPlan(**lv))), **lv) for lv in others]
-        return (text + " " + "; ".join(parts) + ("." if parts else "")).rstrip()
-
-    def _lever_costs(self) -> str:
-        p, est = self.plan, self.best
-        mem = est.worst_memory
-        parts = []
-        if p.optimizer_states != "fp32":
-            before = recipe(p.precision).optimizer_bytes
-            parts.append(
-                f"torchao's {p.optimizer_states} Adam states keep m and v at 1 byte plus an fp32 "
-                f"scale per 256 values: {state_recipe(p).optimizer_bytes:.2f} optimizer bytes "
-                f"per parameter instead of {before:g}"
-                + (f" ({gib(mem.optimizer)} per GPU)" if p.offload == "none" else "")
-            )
-        host = est.host_memory
-        if host is not None:
-            what = "the optimizer state" if p.offload == "optimizer" else "parameters, gradients "
-            what += "and optimizer state" if p.offload == "all" else ""
-            parts.append(
-                f"offloading {what} puts {gib(host.per_gpu_bytes)} per GPU, "
-                f"{host.per_node_bytes / GiB:,.0f} GiB per node, in host memory "
-                f"({host.node_ram_bytes / GiB:,.0f} GiB in a {host.system}, "
-                f"{host.usable_bytes / GiB:,.0f} usable); the optimizer step runs on the host "
-                f"CPU in {seconds(est.breakdown_s.get('optimizer_s', 0.0))} and the PCIe copies "
-                f"expose {seconds(est.breakdown_s.get('offload_exposed_s', 0.0))} per step"
-            )
-        if p.fp8 != "none":
-            parts.append(self._fp8_words())
-        return "; ".join(parts) + "."
-
-    def _fp8_words(self) -> str:
-        p, m, device = self.plan, self.model, self.cluster.device
-        share = fp8_flops_per_token(m) / training_flops_per_token(m, m.seq_len, "none")
-        return (
-            f"FP8 compute ({p.fp8} scaling, torchao float8) runs the attention projections and "
-            f"MLP linears, {share:.0%} of the model FLOPs; MFU counts those against the FP8 peak "
-            f"({device.peak('fp8') / 1e12:,.0f} TFLOP/s) and the rest (attention core, LM "
-            f"head, routed experts) against bf16 ({device.peak('bf16') / 1e12:,.0f}), an "
-            f"effective peak of {mfu_peak(m, p, device) / 1e12:,.0f} TFLOP/s"
-            + (
-                "; under ZeRO-3 the weights are gathered in FP8 (half the bytes)"
-                if p.fp8 == "tensorwise" and p.zero == 3
-                else ""
-            )
-        )
+        return levers_line(self.result, self.compare)
 
     def rule_of_thumb(self) -> str:
-        """Seed 000's staircase applied literally, costed, against the searched layout."""
-        outcome = None
-        pins = self.search.lever_pins  # levers asked for apply to it too
-        for plan in staircase_plans(self.model, self.cluster, self.result.target):
-            outcome = self.search.evaluate(plan.with_(**pins))
-            if outcome.fits:
-                break
-        if outcome is None:
-            return ""
-        rule = (
-            "The textbook rule of thumb taken literally (the decision staircase of the "
-            "distributed-training guides: TP fills the node, the fewest pipeline "
-            "stages that fit, DP the rest with ZeRO-1, micro-batch 1, full recompute, "
-            "accumulation to the target, CP only if still needed)"
-        )
-        if outcome.plan == self.plan:
-            return f"{rule} gives this very layout."
-        if not outcome.fits:
-            return f"{rule} finds nothing that fits; closest {outcome.plan.describe()}: " + (
-                outcome.reason.rstrip(".") + "."
-            )
-        return f"{rule} gives {outcome.plan.describe()}: {self.slower(outcome.estimate)}."
-
-    def memory(self) -> str:
-        est = self.best
-        mem = self.mem(est)
-        usable = est.hbm_bytes / GiB * (1 - self.result.headroom)
-        levers = "".join(f", {w}" for w in _lever_words(est.plan))
-        return (
-            f"Memory on the worst stage ({est.worst_stage}, {est.plan.precision}{levers}): params "
-            f"{mem['params']:.2f} + grads {mem['grads']:.2f} + optimizer {mem['optimizer']:.2f} + "
-            f"activations {mem['activations']:.2f} + other {mem['other']:.2f} = "
-            f"{mem['total']:.1f} GiB of {est.hbm_bytes / GiB:.0f} GiB HBM ({usable:.1f} GiB "
-            f"usable with {self.result.headroom:.0%} headroom). Step {seconds(est.step_time_s)}, "
-            f"{est.tokens_per_s:,.0f} tokens/s, MFU {est.mfu:.1%}."
-        )
-
-    def confidence(self) -> str:
-        """The chosen layout's band, whether it lies outside the calibrated domain, and the
-        closest published run."""
-        return confidence_line(self.best, getattr(self.result, "risk", U.DEFAULT_RISK))
-
-    def published_comparison(self) -> list[str]:
-        """Each published layout of this model on this cluster, priced beside the chosen one."""
-        return [
-            published_line(setup, self.best)
-            for setup in U.published_layouts(self.model, self.cluster)
-        ]
-
-    def runners_up(self) -> list[str]:
-        out = []
-        for alt in self.result.alternatives[:3]:
-            out.append(f"Runner-up {alt.plan.describe()}: {self.slower(alt)}.")
-        shapes = set()
-        for plan, reason in self.result.rejected:
-            shape = (plan.tp, plan.pp)
-            if len(shapes) == 3:
-                break
-            if reason.startswith("out of memory") and shape not in shapes:
-                out.append(f"Rejected {plan.describe()}: {reason}.")
-                shapes.add(shape)
-        return out
+        """The staircase applied literally, costed, against the searched layout."""
+        return rule_of_thumb_line(self.search, self.result.target, self.plan, self.slower)
 
     def _outcome_words(self, outcome: Any, memory_too: bool = False) -> str:
         if outcome.fits:
@@ -522,6 +356,37 @@ class _Explainer:
                 words += f", {'+' if delta >= 0 else '-'}{gib(abs(delta))} per GPU"
             return words
         return (outcome.reason or outcome.kind).rstrip(".")
+
+
+def memory_line(est: Any, headroom: float) -> str:
+    """The worst stage's memory by tenant against HBM, and the step's speed."""
+    mem = est.worst_memory.gib()
+    usable = est.hbm_bytes / GiB * (1 - headroom)
+    levers = "".join(f", {w}" for w in lever_words(est.plan))
+    return (
+        f"Memory on the worst stage ({est.worst_stage}, {est.plan.precision}{levers}): params "
+        f"{mem['params']:.2f} + grads {mem['grads']:.2f} + optimizer {mem['optimizer']:.2f} + "
+        f"activations {mem['activations']:.2f} + other {mem['other']:.2f} = "
+        f"{mem['total']:.1f} GiB of {est.hbm_bytes / GiB:.0f} GiB HBM ({usable:.1f} GiB "
+        f"usable with {headroom:.0%} headroom). Step {seconds(est.step_time_s)}, "
+        f"{est.tokens_per_s:,.0f} tokens/s, MFU {est.mfu:.1%}."
+    )
+
+
+def runners_up(result: SearchResult, slower: Callable[[Any], str]) -> list[str]:
+    """The next three layouts, and out-of-memory rejections of three other (TP, PP) shapes."""
+    out = []
+    for alt in result.alternatives[:3]:
+        out.append(f"Runner-up {alt.plan.describe()}: {slower(alt)}.")
+    shapes = set()
+    for plan, reason in result.rejected:
+        shape = (plan.tp, plan.pp)
+        if len(shapes) == 3:
+            break
+        if reason.startswith("out of memory") and shape not in shapes:
+            out.append(f"Rejected {plan.describe()}: {reason}.")
+            shapes.add(shape)
+    return out
 
 
 def price(est: Any) -> str:
@@ -586,8 +451,6 @@ def run_words(setup: Any) -> str:
 
 def published_line(setup: Any, chosen: Any) -> str:
     """The published layout of this model and cluster, predicted and measured, beside `chosen`."""
-    from fivefold.planner.estimate import estimate
-
     est = estimate(setup.model, setup.cluster, setup.plan, setup.options, runtime=False)
     measured_mfu = est.mfu * est.step_time_s / setup.measured_step_s
     ratio = chosen.tokens_per_s / est.tokens_per_s - 1
@@ -606,61 +469,8 @@ def _source(setup: Any) -> str:
     return U.source_key(row)
 
 
-def staircase_plans(model: ModelSpec, cluster: ClusterSpec, target: Any) -> list[ParallelPlan]:
-    """Seed 000's recipe, in the order it tries layouts: TP = the largest valid degree in a
-    node, then PP = 1, 2, 4, ... with CP = 1, then the same with CP = 2, 4, 8 (ZeRO-1, mbs 1,
-    full recompute, 1F1B, accumulation to the batch target)."""
-    from fivefold.planner.search import divisors, tp_choices
-
-    tp = max(tp_choices(model, cluster))
-    world = cluster.world_size
-    out = []
-    for cp in (1, 2, 4, 8):
-        if world % (tp * cp) or (cp > 1 and model.seq_len % (2 * cp)):
-            continue
-        for pp in divisors(world // (tp * cp)):
-            dp = world // (tp * cp * pp)
-            accum = target.accumulation(1, dp)
-            if pp > model.layers or accum is None:
-                continue
-            zero = 1 if dp * cp > 1 else 0
-            out.append(
-                ParallelPlan(
-                    tp=tp,
-                    sp=tp > 1,
-                    pp=pp,
-                    cp=cp,
-                    dp_shard=dp if zero else 1,
-                    dp_replicate=1 if zero else dp,
-                    zero=zero,
-                    micro_batch=1,
-                    grad_accum=accum,
-                    recompute="full",
-                )
-            )
-    return out
-
-
-def _lever_words(plan: ParallelPlan) -> list[str]:
-    """The memory levers a plan uses, in words ([] for none)."""
-    out = []
-    if plan.optimizer_states != "fp32":
-        out.append(f"{plan.optimizer_states} Adam states")
-    if plan.offload != "none":
-        out.append("offload of " + ("the optimizer" if plan.offload == "optimizer" else "all"))
-    if plan.fp8 != "none":
-        out.append(f"FP8 {plan.fp8} compute")
-    return out
-
-
 def _field(plan: ParallelPlan, name: str) -> Any:
     return plan.dp if name == "dp" else getattr(plan, name)
-
-
-def _tp_values(model: ModelSpec, cluster: ClusterSpec) -> list[int]:
-    from fivefold.planner.search import tp_choices
-
-    return tp_choices(model, cluster)
 
 
 def _with_zero(plan: ParallelPlan, zero: int) -> ParallelPlan | None:

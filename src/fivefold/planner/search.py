@@ -1,46 +1,11 @@
 """The layout search: every valid way to run a model on a cluster, ranked by predicted tokens/s.
 
-What is enumerated (outer to inner, so memory can prune whole subtrees early):
-- tp: divisors of the GPUs per node (TP stays on NVLink) that the heads, key/value heads and MLP
-  widths allow;
-- cp: divisors of the rest with at least `MIN_CP_TOKENS` tokens per rank (below that, ring
-  attention is latency-bound and never pays);
-- pp: divisors of the rest, at most the number of layers; dp is what remains;
-- the data-parallel split and ZeRO stage: ZeRO 1/2/3 over all DP ranks and HSDP (ZeRO-3 sharded
-  inside groups of dp_shard, replicated across them). Plain DP (zero 0) only when pinned or when
-  there is nothing to shard: ZeRO-1 moves the same bytes (reduce-scatter + all-gather = one
-  all-reduce) and saves the optimizer state;
-- ep (MoE models): divisors of the experts that divide dp_shard * cp;
-- the schedule: one stage per rank (1f1b) without a pipeline; with one, gpipe, 1f1b,
-  interleaved-1f1b with v in `VPP_CHOICES`, zbv, and dualpipev for MoE models (for a dense model
-  it only adds a chunk of activations to ZBV);
-- precision (the recipes asked for; bf16-mixed by default: changing numerics is a modelling
-  decision, not a layout one);
-- micro-batch (powers of two) and recompute (none, selective, full);
-- grad_accum follows from the batch target: round(G / (mbs * dp)), G in sequences. The layout is
-  kept when mbs * dp * accum is within `batch_tolerance` (default 5 %) of G.
-
-Every candidate is checked by `ParallelPlan.problems(model, cluster)` (the source of truth for
-validity) before it is costed. A pinned degree is tried even where the enumeration would skip it,
-so when every layout breaks a rule (tp = 5 and 32 heads) the search says which, in validation's
-words, instead of blaming memory. Pruning, cheapest first:
-1. batch: dp ranks x one sequence already over the target -> the whole (tp, cp, pp) shape goes;
-2. memory lower bound: pipeline rank 0 alone (it holds the embedding and, in every schedule here,
-   the most micro-batches in flight) must fit; a miss is a rejection without the full estimate;
-3. recompute dominance: for a fixed layout and micro-batch, the first policy of none ->
-   selective -> full that fits is kept; heavier ones only add compute;
-4. micro-batch monotonicity: if a micro-batch does not fit even with full recompute, larger
-   ones do not either.
-Memory levers (CPU offload, 8-bit Adam states: `AUTO_LEVERS`) are tried only when nothing fits
-without them, in a second pass over the same layouts (`lever_sets`); FP8 compute only when pinned.
-What fits in (1 - headroom) x HBM (and, with offload, in the node's host RAM) is costed by
-`fivefold.planner.estimate.estimate` and ranked by
-tokens/s at the slow end of its error band (`risk="pessimistic"`, the default: the model's errors
-grow outside the calibrated domain, so a layout far from every published run must be clearly
-faster to win; `fivefold.planner.uncertainty`) or by the predicted tokens/s (`risk="expected"`).
-Layouts within `TIE_FRACTION` of the fastest count as a tie, broken by the smaller worst-stage
-memory (a practitioner keeps the headroom). Rejections keep their reason;
-the nearest ones (smallest memory overflow first) are returned with the result.
+`search` enumerates tp, cp, pp, the DP split with its ZeRO stage, ep, the schedule, precision,
+micro-batch and recompute, prunes by batch, a memory lower bound and dominance, costs the rest
+best bound first and returns a `SearchResult` (`fivefold.planner.outcomes`); the explanation
+(`fivefold.planner.explain`) questions its state further. The rules are in docs/planner.md,
+"The layout search". Over 500 lines: the enumeration and the bounded search that walks it are
+one concept (the result, ranking and reasons are in `outcomes`).
 """
 
 from __future__ import annotations
@@ -57,6 +22,25 @@ from typing import Any
 from fivefold.errors import ConfigError
 from fivefold.planner.bounds import Bounds
 from fivefold.planner.options import PlannerOptions
+from fivefold.planner.outcomes import (
+    BATCH_TOLERANCE,
+    TIE_FRACTION,
+    BatchTarget,
+    Outcome,
+    SearchResult,
+    batch_target,
+    host_memory_reason,
+    memory_reason,
+    nearest_rejected,
+    no_layout_message,
+    rank_fitting,
+)
+from fivefold.planner.request import (
+    DEFAULT_HEADROOM,
+    DEFAULT_PRECISIONS,
+    DEFAULT_TOP,
+    require_hbm,
+)
 from fivefold.planner.schedule import build_schedule
 from fivefold.planner.uncertainty import (
     DEFAULT_RISK,
@@ -66,19 +50,14 @@ from fivefold.planner.uncertainty import (
 )
 from fivefold.spec.cluster import ClusterSpec
 from fivefold.spec.geometry import ep_fits
-from fivefold.spec.hardware import GiB
 from fivefold.spec.model import RECOMPUTE_POLICIES, ModelSpec
 from fivefold.spec.plan import ParallelPlan
 from fivefold.spec.precision import RECIPES
 
-DEFAULT_BATCH_TOKENS = 4 * 2**20  # ~4M tokens: the seeds' target and Llama-scale practice
-BATCH_TOLERANCE = 0.05
 MIN_CP_TOKENS = 1024
 VPP_CHOICES = (2, 4, 8)
 MAX_MICRO_BATCH = 64
-TIE_FRACTION = 0.005
-KEEP_REJECTED = 40
-# Memory levers (issue 11), tried only when no layout fits without them, cheapest first in
+# Memory levers, tried only when no layout fits without them, cheapest first in
 # what they cost a step; only those fivefold's runtime runs (`ParallelPlan.runtime_problems`).
 # FP8 compute changes the numerics: it is searched only when asked for (pinned, e.g. --fp8).
 LEVER_FIELDS = ("offload", "optimizer_states", "fp8")
@@ -92,93 +71,6 @@ AUTO_LEVERS: tuple[dict[str, str], ...] = (
 
 PLAN_FIELDS = tuple(ParallelPlan.__dataclass_fields__)
 FIXABLE = (*PLAN_FIELDS, "dp")  # "dp" pins dp_replicate * dp_shard
-
-
-@dataclass
-class Outcome:
-    """What became of one candidate: an estimate (it fits), or a rejection reason."""
-
-    plan: ParallelPlan
-    estimate: Any = None  # fivefold.planner.estimate.Estimate when it fits
-    reason: str = ""
-    kind: str = ""  # "fits" | "memory" | "batch" | "invalid"
-    overflow_bytes: float = 0.0  # memory rejections: worst stage minus the usable HBM
-
-    @property
-    def fits(self) -> bool:
-        return self.kind == "fits"
-
-
-@dataclass
-class SearchResult:
-    """The fastest layout, the runners-up, the nearest rejections and why."""
-
-    best: Any  # Estimate
-    best_plan: ParallelPlan
-    alternatives: list[Any]  # Estimates, fastest first (best excluded)
-    rejected: list[tuple[ParallelPlan, str]]
-    explanation: list[str]
-    evaluated: int  # full estimates computed
-    considered: int = 0  # candidates looked at (including pruned ones)
-    elapsed_s: float = 0.0
-    target: BatchTarget | None = None
-    headroom: float = 0.10
-    outcomes: dict[ParallelPlan, Outcome] = field(default_factory=dict, repr=False)
-    search_state: Any = field(default=None, repr=False)  # the _Search, for the explanation
-    pruned_by_bound: int = 0
-    options: PlannerOptions = field(default_factory=PlannerOptions)
-    risk: str = DEFAULT_RISK
-    # When only the memory levers made a layout fit: the closest layout without them.
-    without_levers: Outcome | None = None
-
-
-@dataclass(frozen=True)
-class BatchTarget:
-    """The global batch asked for, in sequences, and how far the layout may miss it."""
-
-    sequences: float
-    seq_len: int
-    tolerance: float = BATCH_TOLERANCE
-
-    @property
-    def tokens(self) -> float:
-        return self.sequences * self.seq_len
-
-    def accumulation(self, micro_batch: int, dp: int) -> int | None:
-        """Micro-batches per step reaching the target within tolerance, or None."""
-        per_step = micro_batch * dp
-        accum = max(1, round(self.sequences / per_step))
-        return accum if self.within(per_step * accum) else None
-
-    def within(self, sequences: int) -> bool:
-        return abs(sequences - self.sequences) <= self.tolerance * self.sequences + 1e-9
-
-
-def batch_target(
-    model: ModelSpec,
-    global_batch_tokens: int | None,
-    global_batch: int | None,
-    tolerance: float = BATCH_TOLERANCE,
-) -> BatchTarget:
-    """The target in sequences from tokens or sequences (4M tokens when neither is given)."""
-    if global_batch_tokens is not None and global_batch is not None:
-        raise ConfigError(
-            "give the batch target once: --global-batch-tokens (tokens) or --global-batch "
-            "(sequences), not both."
-        )
-    if not 0 <= tolerance < 1:
-        raise ConfigError(f"batch tolerance = {tolerance}: must be in [0, 1), e.g. 0.05.")
-    if global_batch is not None:
-        if global_batch < 1:
-            raise ConfigError(f"--global-batch = {global_batch}: must be at least 1 sequence.")
-        return BatchTarget(float(global_batch), model.seq_len, tolerance)
-    tokens = DEFAULT_BATCH_TOKENS if global_batch_tokens is None else global_batch_tokens
-    if tokens < model.seq_len:
-        raise ConfigError(
-            f"--global-batch-tokens = {tokens}: must be at least one sequence of "
-            f"model.seq_len = {model.seq_len} tokens."
-        )
-    return BatchTarget(tokens / model.seq_len, model.seq_len, tolerance)
 
 
 # ---- enumeration ---------------------------------------------------------------------------
@@ -531,25 +423,13 @@ class _Search:
             est = estimate(self.model, self.cluster, plan, self.options)
         except ConfigError as err:
             return self.reject(plan, "invalid", str(err))
-        worst = worst_stage_bytes(est)
+        worst = float(est.peak_memory_bytes)
         if not est.host_fits:
             host = est.host_memory
-            return self.reject(
-                plan,
-                "memory",
-                f"out of host memory by {_amount(host.overflow_bytes)}: offloading puts "
-                f"{host.per_node_bytes / GiB:,.0f} GiB on each node of "
-                f"{host.usable_bytes / GiB:,.0f} GiB usable ({host.system}, "
-                f"{host.node_ram_bytes / GiB:,.0f} GiB less the reserve for the system)",
-                host.overflow_bytes,
-            )
+            return self.reject(plan, "memory", host_memory_reason(host), host.overflow_bytes)
         if worst > self.budget_bytes:
-            outcome = self.reject(
-                plan,
-                "memory",
-                self.memory_reason(worst, worst_stage(est)),
-                worst - self.budget_bytes,
-            )
+            reason = self.memory_reason(worst, int(est.worst_stage))
+            outcome = self.reject(plan, "memory", reason, worst - self.budget_bytes)
             outcome.estimate = est
             return outcome
         outcome = Outcome(plan, est, "", "fits")
@@ -558,14 +438,7 @@ class _Search:
         return outcome
 
     def memory_reason(self, need: float, stage: int | None) -> str:
-        hbm = self.cluster.device.hbm_bytes
-        where = f"pipeline stage {stage} needs" if stage is not None else "needs at least"
-        return (
-            f"out of memory by {'at least ' if stage is None else ''}"
-            f"{_amount(need - self.budget_bytes)}: {where} {need / GiB:.1f} GiB of "
-            f"{self.budget_bytes / GiB:.1f} GiB usable ({hbm / GiB:.0f} GiB HBM less "
-            f"{self.headroom:.0%} headroom)"
-        )
+        return memory_reason(need, stage, self.cluster.device.hbm_bytes, self.headroom)
 
 
 def _derive(plan: ParallelPlan, **changes: Any) -> ParallelPlan:
@@ -588,84 +461,47 @@ def _inflight(plan: ParallelPlan) -> list[int]:
     return build_schedule(plan.schedule, plan.pp, plan.vpp, plan.grad_accum).peak_inflight
 
 
-# ---- reading an Estimate -------------------------------------------------------------------
-def tokens_per_s(est: Any) -> float:
-    return float(est.tokens_per_s)
-
-
-def worst_stage_bytes(est: Any) -> float:
-    """Total bytes of the worst pipeline stage of an estimate."""
-    return float(est.peak_memory_bytes)
-
-
-def worst_stage(est: Any) -> int:
-    return int(est.worst_stage)
-
-
-# ---- ranking -------------------------------------------------------------------------------
-def rank_fitting(outcomes: list[Outcome], risk: str = DEFAULT_RISK) -> list[Outcome]:
-    """Fastest first by the risk's key (`uncertainty.rank_tokens_per_s`); within TIE_FRACTION of
-    the fastest, the smaller memory wins the top spot."""
-    key = {id(o): rank_tokens_per_s(o.estimate, risk) for o in outcomes}
-    fits = sorted(outcomes, key=lambda o: -key[id(o)])
-    if not fits:
-        return fits
-    fastest = key[id(fits[0])]
-    tied = [o for o in fits if key[id(o)] >= fastest * (1 - TIE_FRACTION)]
-    winner = min(tied, key=lambda o: (worst_stage_bytes(o.estimate), -key[id(o)]))
-    return [winner] + [o for o in fits if o is not winner]
-
-
-def nearest_rejected(outcomes: list[Outcome], keep: int = KEEP_REJECTED) -> list[Outcome]:
-    """Memory rejections by smallest overflow, then batch misses, then invalid layouts."""
-    order = {"memory": 0, "batch": 1, "invalid": 2}
-    rejected = [o for o in outcomes if not o.fits]
-    rejected.sort(key=lambda o: (order.get(o.kind, 3), o.overflow_bytes))
-    return rejected[:keep]
-
-
 def search(
     model: ModelSpec,
     cluster: ClusterSpec,
     *,
     global_batch_tokens: int | None = None,
     global_batch: int | None = None,
-    headroom: float = 0.10,
-    top: int = 5,
+    headroom: float = DEFAULT_HEADROOM,
+    top: int = DEFAULT_TOP,
     batch_tolerance: float = BATCH_TOLERANCE,
-    precisions: tuple[str, ...] | list[str] = ("bf16-mixed",),
+    precisions: tuple[str, ...] | list[str] = DEFAULT_PRECISIONS,
     fixed: dict[str, Any] | None = None,
-    explain: bool = True,
     options: PlannerOptions | None = None,
     risk: str = DEFAULT_RISK,
 ) -> SearchResult:
-    """Search every valid layout of `model` on `cluster`; see the module docstring.
+    """Search every valid layout of `model` on `cluster` (docs/planner.md, "The layout search").
 
     `fixed` pins plan fields (e.g. {"tp": 8}); `precisions` lists the recipes to consider;
     `options` are the software assumptions every candidate is costed with (default
     `PlannerOptions.for_device(cluster.device)`, as `estimate` uses); `risk` is "pessimistic"
     (rank by the slow end of each layout's error band, the default) or "expected". Raises
-    `ConfigError` when the inputs are wrong or no layout fits, with what came closest.
+    `ConfigError` when the inputs are wrong or no layout fits, with what came closest. The
+    explanation is `fivefold.planner.explain.explain(result)`.
     """
-    with _collector_paused():
-        return _search(
-            model,
-            cluster,
-            global_batch_tokens=global_batch_tokens,
-            global_batch=global_batch,
-            headroom=headroom,
-            top=top,
-            batch_tolerance=batch_tolerance,
-            precisions=precisions,
-            fixed=fixed,
-            explain=explain,
-            options=options,
-            risk=risk,
-        )
+    with collector_paused():
+        started = time.perf_counter()
+        fixed = dict(fixed or {})
+        opts = options or PlannerOptions.for_device(cluster.device)
+        problems = _input_problems(model, cluster, headroom, top, precisions, fixed, risk)
+        problems += opts.memory().problems()
+        if problems:
+            raise ConfigError(problems)
+        require_hbm(cluster)
+        target = batch_target(model, global_batch_tokens, global_batch, batch_tolerance)
+        state = _Search(model, cluster, target, headroom, tuple(precisions), fixed, top, opts, risk)
+        result = _passes(state)
+        result.elapsed_s = time.perf_counter() - started
+        return result
 
 
 @contextlib.contextmanager
-def _collector_paused() -> Iterator[None]:
+def collector_paused() -> Iterator[None]:
     """Python's cyclic garbage collector off for the search, as it was after.
 
     A search allocates a few hundred thousand tuples (plans, cache keys, schedule action lists)
@@ -684,22 +520,16 @@ def _collector_paused() -> Iterator[None]:
             gc.enable()
 
 
-def _search(
+def _input_problems(
     model: ModelSpec,
     cluster: ClusterSpec,
-    *,
-    global_batch_tokens: int | None,
-    global_batch: int | None,
     headroom: float,
     top: int,
-    batch_tolerance: float,
     precisions: tuple[str, ...] | list[str],
-    fixed: dict[str, Any] | None,
-    explain: bool,
-    options: PlannerOptions | None,
+    fixed: dict[str, Any],
     risk: str,
-) -> SearchResult:
-    started = time.perf_counter()
+) -> list[str]:
+    """What is wrong with the search's inputs, and what the runtime refuses around the pins."""
     problems = model.problems() + cluster.problems()
     if not 0 <= headroom < 1:
         problems.append(f"headroom = {headroom}: must be in [0, 1), e.g. 0.1 for 10 %.")
@@ -709,95 +539,89 @@ def _search(
     for p in precisions:
         if p not in RECIPES:
             problems.append(f"precision {p!r} is unknown; choose from {', '.join(RECIPES)}.")
-    for name in fixed or {}:
+    for name in fixed:
         if name not in FIXABLE:
             problems.append(
                 f"fixed plan field {name!r} is not a plan setting; known: {', '.join(FIXABLE)}."
             )
     if not problems:  # what the runtime refuses whatever the search picks around the pins
-        pins = lever_probe({k: v for k, v in (fixed or {}).items() if k in PLAN_FIELDS})
+        pins = lever_probe({k: v for k, v in fixed.items() if k in PLAN_FIELDS})
         problems += pins.with_(precision="fp32").runtime_problems(model)
         problems += pins.device_problems(cluster)
         by_precision = [ParallelPlan(precision=p).runtime_problems() for p in precisions]
         if all(by_precision):
             problems += [p for found in by_precision for p in found]
-    opts = options or PlannerOptions.for_device(cluster.device)
-    problems += opts.memory().problems()
-    if problems:
-        raise ConfigError(problems)
-    if cluster.device.hbm_bytes <= 0:
-        raise ConfigError(
-            f"cluster.gpu = {cluster.gpu!r} has no HBM capacity in the catalog, so nothing can be "
-            "planned for it; pick a GPU type such as h100-sxm."
-        )
-    target = batch_target(model, global_batch_tokens, global_batch, batch_tolerance)
-    state = _Search(
-        model, cluster, target, headroom, tuple(precisions), dict(fixed or {}), top, opts, risk
-    )
+    return problems
+
+
+def _passes(state: _Search) -> SearchResult:
+    """The first pass; when nothing fits, a second over the same layouts with the memory levers."""
+    model, cluster, fixed = state.model, state.cluster, state.fixed
     state.run()
-    outcomes = list(state.outcomes.values())
-    broken = state.broken_rules()
-    if broken:  # every layout breaks a rule (a pinned degree): no memory lever can help
-        pinned = ", ".join(f"{k} {v}" for k, v in (fixed or {}).items())
-        where = f"{model.name} on {cluster.world_size} x {cluster.gpu}"
-        head = (
-            f"no layout of {where} with the pinned fields ({pinned}) can run: every one "
-            "breaks a rule; change a pinned value."
-            if pinned
-            else f"no layout of {where} can run: every one breaks a rule."
-        )
-        raise ConfigError([head, *broken])
-    ranked = rank_fitting([o for o in outcomes if o.fits], risk)
-    rejected = nearest_rejected(outcomes)
+    _refuse_broken(state)
+    ranked = rank_fitting([o for o in state.outcomes.values() if o.fits], state.risk)
+    rejected = nearest_rejected(list(state.outcomes.values()))
     without_levers = None
-    sets = lever_sets(model, cluster, dict(fixed or {})) if not ranked else ()
-    if sets:  # nothing fits: a second pass over the same layouts with the memory levers
+    sets = lever_sets(model, cluster, fixed) if not ranked else ()
+    if sets:
         without_levers = rejected[0] if rejected else None
+        first = state
         state = _Search(
             model,
             cluster,
-            target,
-            headroom,
-            tuple(precisions),
-            dict(fixed or {}),
-            top=top,
-            options=opts,
-            risk=risk,
+            first.target,
+            first.headroom,
+            first.precisions,
+            fixed,
+            first.top,
+            first.options,
+            first.risk,
             lever_sets=sets,
         )
         state.run()
-        outcomes = list(state.outcomes.values())
-        ranked = rank_fitting([o for o in outcomes if o.fits], risk)
-        rejected = nearest_rejected(outcomes) if ranked else rejected
+        ranked = rank_fitting([o for o in state.outcomes.values() if o.fits], state.risk)
+        rejected = nearest_rejected(list(state.outcomes.values())) if ranked else rejected
     if not ranked:
-        message = no_layout_message(model, cluster, target, headroom, rejected)
+        message = no_layout_message(model, cluster, state.target, state.headroom, rejected)
         if sets:
             tried = "; ".join(", ".join(f"{k} {v}" for k, v in lv.items()) for lv in sets)
             message += f" The memory levers did not make any layout fit either ({tried})."
         raise ConfigError(message)
-    result = SearchResult(
+    return SearchResult(
+        model=model,
+        cluster=cluster,
         best=ranked[0].estimate,
         best_plan=ranked[0].plan,
-        alternatives=[o.estimate for o in ranked[1:top]],
+        alternatives=[o.estimate for o in ranked[1 : state.top]],
         rejected=[(o.plan, o.reason) for o in rejected],
-        explanation=[],
         evaluated=state.evaluated,
         considered=state.considered,
-        target=target,
-        headroom=headroom,
+        target=state.target,
+        headroom=state.headroom,
         outcomes=state.outcomes,
         search_state=state,
         pruned_by_bound=state.pruned_by_bound,
-        options=opts,
-        risk=risk,
+        options=state.options,
+        risk=state.risk,
         without_levers=without_levers,
     )
-    if explain:
-        from fivefold.planner.explain import explain_search
 
-        result.explanation = explain_search(model, cluster, result)
-    result.elapsed_s = time.perf_counter() - started
-    return result
+
+def _refuse_broken(state: _Search) -> None:
+    """Raise when every layout breaks a rule (a pinned degree): no memory lever can help."""
+    broken = state.broken_rules()
+    if not broken:
+        return
+    model, cluster = state.model, state.cluster
+    pinned = ", ".join(f"{k} {v}" for k, v in state.fixed.items())
+    where = f"{model.name} on {cluster.world_size} x {cluster.gpu}"
+    head = (
+        f"no layout of {where} with the pinned fields ({pinned}) can run: every one "
+        "breaks a rule; change a pinned value."
+        if pinned
+        else f"no layout of {where} can run: every one breaks a rule."
+    )
+    raise ConfigError([head, *broken])
 
 
 def lever_probe(fields: dict[str, Any]) -> ParallelPlan:
@@ -829,37 +653,3 @@ def lever_sets(
             continue
         out.append(levers)
     return tuple(out)
-
-
-def no_layout_message(
-    model: ModelSpec,
-    cluster: ClusterSpec,
-    target: BatchTarget,
-    headroom: float,
-    rejected: list[Outcome],
-) -> str:
-    head = (
-        f"no layout of {model.name} fits {cluster.world_size} x {cluster.gpu} with "
-        f"{headroom:.0%} headroom at a global batch of {target.sequences:g} sequences "
-        f"({target.tokens:,.0f} tokens)."
-    )
-    if not rejected:
-        return head + " No candidate layout exists: check the GPU count against the model's heads."
-    closest = rejected[0]
-    fix = (
-        "Add GPUs, lower the headroom (--headroom), use a smaller sequence or micro-batch, "
-        "or change the batch target (--global-batch-tokens)."
-    )
-    return f"{head} Closest: {closest.plan.describe()}: {closest.reason}. {fix}"
-
-
-def iter_fitting(result: SearchResult) -> Iterator[Outcome]:
-    """Every fitting outcome of a search, fastest first."""
-    yield from rank_fitting([o for o in result.outcomes.values() if o.fits], result.risk)
-
-
-def _amount(num_bytes: float) -> str:
-    """Bytes in GiB with one decimal, or in MiB below 0.1 GiB (never "0.0 GiB")."""
-    if num_bytes >= 0.1 * GiB:
-        return f"{num_bytes / GiB:.1f} GiB"
-    return f"{max(num_bytes / 2**20, 0.1):.1f} MiB"
