@@ -7,7 +7,7 @@ import json
 from typing import TYPE_CHECKING
 
 from fivefold.spec.cluster import CLUSTER_PRESETS
-from fivefold.spec.hardware import GiB
+from fivefold.units import GiB
 from fivefold.spec.model import ModelSpec, param_count
 from fivefold.spec.presets import MODEL_PRESETS
 

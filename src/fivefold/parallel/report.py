@@ -28,8 +28,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-GIB = 1024**3
-MIB = 1024**2
+from fivefold.units import GiB, MiB
 TENANTS = ("params", "grads", "optimizer", "activations")
 # Under FSDP2 (every multi-process run) the weights are gathered and the gradients unsharded
 # into transient storages the counter cannot tell from activations, while the planner books
@@ -131,7 +130,7 @@ def memory_only_prediction(
         # What `max_memory_allocated` can see: the total less the CUDA context and the
         # allocator's fragmentation (equal to the total on a CPU, which has neither).
         outside = sum(stage.other_terms.get(k, 0.0) for k in ("cuda_context", "fragmentation"))
-        gib["allocated"] = gib["total"] - outside / GIB
+        gib["allocated"] = gib["total"] - outside / GiB
         out.append(gib)
     return out
 
@@ -179,9 +178,9 @@ def stage_rows(runtime: Any, step_s: float | None = None) -> tuple[list[dict], s
             {
                 "stage": stage,
                 "ranks": [g["rank"] for g in ranks],
-                "predicted_peak_bytes": predicted["allocated"] * GIB if predicted else None,
+                "predicted_peak_bytes": predicted["allocated"] * GiB if predicted else None,
                 "measured_peak_bytes": top["peak_bytes"] or None,
-                "predicted_reserved_bytes": predicted["total"] * GIB if predicted else None,
+                "predicted_reserved_bytes": predicted["total"] * GiB if predicted else None,
                 "measured_reserved_bytes": top.get("reserved_bytes") or None,
                 "predicted_tenants": comparable(_tenant_bytes(predicted), wrapped),
                 "measured_tenants": comparable(top["tenants"], wrapped),
@@ -198,8 +197,8 @@ def _tenant_bytes(stage_gib: dict | None) -> dict[str, float]:
     as the runtime's counter cannot tell them apart."""
     if not stage_gib:
         return {}
-    out = {k: stage_gib[k] * GIB for k in TENANTS}
-    out["activations"] += stage_gib.get("other", 0.0) * GIB
+    out = {k: stage_gib[k] * GiB for k in TENANTS}
+    out["activations"] += stage_gib.get("other", 0.0) * GiB
     return out
 
 
@@ -268,7 +267,7 @@ def format_rows(layout: str, rows: list[dict], note: str) -> str:
         pred, meas = row["predicted_tenants"], row["measured_tenants"]
         if pred and meas:
             cells = ", ".join(
-                f"{name} {pred.get(name, 0) / MIB:.1f}/{meas.get(name, 0) / MIB:.1f}"
+                f"{name} {pred.get(name, 0) / MiB:.1f}/{meas.get(name, 0) / MiB:.1f}"
                 for name in pred
             )
             why = "" if set(pred) == set(TENANTS) else " (FSDP2's gathered weights: one sum)"
@@ -277,7 +276,7 @@ def format_rows(layout: str, rows: list[dict], note: str) -> str:
 
 
 def _gib(value: float | None) -> str:
-    return f"{value / GIB:.3f} GiB" if value else "n/a"
+    return f"{value / GiB:.3f} GiB" if value else "n/a"
 
 
 def _ms(value: float | None) -> str:

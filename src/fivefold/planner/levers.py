@@ -49,6 +49,7 @@ from fivefold.spec.hardware import HOSTS, GPUSpec, HostSpec, host
 from fivefold.spec.model import ModelSpec, attention_params, dense_mlp_params, expert_params
 from fivefold.spec.plan import ParallelPlan
 from fivefold.spec.precision import PrecisionRecipe, recipe
+from fivefold.units import GiB
 
 TORCHAO_BLOCK = 256  # torchao 0.18 AdamW8bit / AdamWFp8 default block_size
 FP32_MOMENTS_BYTES = 8.0  # Adam's m and v in fp32, what the recipes' optimizer bytes include
@@ -153,12 +154,11 @@ class HostMemory:
         return max(0.0, self.per_node_bytes - self.usable_bytes)
 
     def to_json(self) -> dict:
-        gib = 2**30
         return {
-            "per_gpu_gib": self.per_gpu_bytes / gib,
-            "per_node_gib": self.per_node_bytes / gib,
-            "node_ram_gib": self.node_ram_bytes / gib,
-            "usable_gib": self.usable_bytes / gib,
+            "per_gpu_gib": self.per_gpu_bytes / GiB,
+            "per_node_gib": self.per_node_bytes / GiB,
+            "node_ram_gib": self.node_ram_bytes / GiB,
+            "usable_gib": self.usable_bytes / GiB,
             "fits": self.fits,
             "system": self.system,
         }

@@ -30,8 +30,8 @@ if TYPE_CHECKING:
     from fivefold.spec.profile import Measured
 
 from fivefold.errors import ConfigError
+from fivefold.units import GiB
 
-GiB = 2**30
 TERA = 1e12
 
 
