@@ -7,9 +7,9 @@ import json
 from typing import TYPE_CHECKING
 
 from fivefold.spec.cluster import CLUSTER_PRESETS
-from fivefold.units import GiB
 from fivefold.spec.model import ModelSpec, param_count
 from fivefold.spec.presets import MODEL_PRESETS
+from fivefold.units import GiB
 
 if TYPE_CHECKING:
     from rich.table import Table

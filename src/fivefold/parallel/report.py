@@ -29,6 +29,7 @@ from typing import Any
 import torch.distributed as dist
 
 from fivefold.units import GiB, MiB
+
 TENANTS = ("params", "grads", "optimizer", "activations")
 # Under FSDP2 (every multi-process run) the weights are gathered and the gradients unsharded
 # into transient storages the counter cannot tell from activations, while the planner books

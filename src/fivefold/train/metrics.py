@@ -37,7 +37,6 @@ from rich.text import Text
 
 from fivefold.spec.model import ATTENTION_CONVENTION
 
-from fivefold.units import GiB
 LOG_INTERVAL_S = 30.0  # the console never stays silent longer than this while steps complete
 
 
