@@ -9,7 +9,7 @@ Modules, one concept each: `mesh` (degrees and the DeviceMesh), `tensor_parallel
 `pipeline`, `context_parallel` and `expert_parallel` (PP, CP ring attention, MoE all-to-all),
 `parallelize` (the fixed order PP -> TP -> EP -> CP -> AC -> FSDP/DDP), `runtime` (the train
 step, loss and gradient norm over the whole layout), `protocol` (the Runtime protocol and
-`StepResult` the loop speaks), `process_group` (start-up, timeouts, the device), `precision` (the
+`StepResult` the loop speaks), `process_group` (start-up, timeouts), `device`, `precision` (the
 one precision resolution), `grad_norm`, `report` (predicted vs measured per stage) and `launch`
 (torchrun, sbatch). Names are imported lazily: `import fivefold.parallel`
 does not import torch.

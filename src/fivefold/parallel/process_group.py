@@ -1,4 +1,4 @@
-"""The process group and this rank's device: start-up with timeouts that speak.
+"""The process group: start-up with timeouts that speak.
 
 Restart and the rendezvous store. torchrun shares its rendezvous TCPStore with the workers'
 default process group; a restarted group then finds the dead group's gloo/NCCL addresses in it
@@ -68,20 +68,6 @@ def _seconds_env(name: str, default: float, what: str, example: int) -> float:
     if value <= 0:
         raise ConfigError(f"{name} = {raw!r}: give {what} in seconds, e.g. {example}.")
     return value
-
-
-def pick_device(name: str) -> torch.device:
-    """`train.device` ("auto" | "cpu" | "cuda"): cuda:LOCAL_RANK when CUDA is asked for (or
-    "auto" and available; made the current device), else cpu."""
-    import torch
-
-    from fivefold.parallel.device import local_rank, uses_cuda
-
-    if not uses_cuda(name):
-        return torch.device("cpu")
-    device = torch.device("cuda", local_rank())
-    torch.cuda.set_device(device)
-    return device
 
 
 def init_distributed(
