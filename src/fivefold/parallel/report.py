@@ -235,15 +235,6 @@ def record(rows: list[dict], note: str) -> dict:
     return {"note": note, "stages": stages}
 
 
-def layout_report(runtime: Any) -> str | None:
-    """Gather every rank's measurements (collective) and format the table on rank 0."""
-    result = stage_rows(runtime)
-    if result is None:
-        return None
-    rows, note = result
-    return format_rows(runtime.recipe.plan.describe(), rows, note)
-
-
 def format_rows(layout: str, rows: list[dict], note: str) -> str:
     lines = [
         f"layout report: {layout}  ({note})",

@@ -27,7 +27,7 @@ Conventions:
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, replace
 
 MLP_KINDS = ("swiglu", "gelu")
 ATTENTION_KINDS = ("gqa", "mla")
@@ -554,6 +554,3 @@ def default_ffn(hidden: int, mlp: str = "swiglu") -> int:
         return 4 * hidden
     return 256 * math.ceil(8 * hidden / 3 / 256)
 
-
-def model_spec_fields() -> dict[str, type]:
-    return {f.name: f.type for f in fields(ModelSpec) if f.name != "notes"}
