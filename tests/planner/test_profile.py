@@ -13,7 +13,7 @@ from fivefold.planner import comm as C
 from fivefold.planner.calibration import EfficiencyModel
 from fivefold.planner.compute import ComputeOptions, head_work, layer_work, optimizer_step_s
 from fivefold.planner.estimate import estimate
-from fivefold.spec.model import (
+from fivefold.spec.flops import (
     attention_score_flops_per_token,
     layer_matmul_flops_per_token,
     training_flops_per_token,

@@ -72,8 +72,9 @@ from fivefold.planner.options import PlannerOptions
 from fivefold.planner.partition import stage_layer_counts
 from fivefold.planner.schedule import Simulation, StageCosts, build_schedule, simulate
 from fivefold.spec.cluster import ClusterSpec
+from fivefold.spec.flops import training_flops_per_token
 from fivefold.spec.hardware import GPUSpec
-from fivefold.spec.model import ModelSpec, training_flops_per_token
+from fivefold.spec.model import ModelSpec
 from fivefold.spec.plan import ParallelPlan
 from fivefold.spec.precision import recipe
 

@@ -1,8 +1,8 @@
 """Model presets: published architectures for planning, tiny and small ones that train on CPU.
 
 Counts are checked against the published figures in tests (Llama 3: 8.03B, 70.6B, 405.9B).
-- vizz-7b (seed 000): 32 layers, hidden 4096, 32 heads, 128K context; the seed gives no FFN width
-  or vocabulary, so it takes Llama 2 7B's (SwiGLU 11008, 32,000 tokens): 6.74B parameters.
+- vizz-7b: a 7B model given only as 32 layers, hidden 4096, 32 heads and 128K context; its FFN
+  width and vocabulary are Llama 2 7B's (SwiGLU 11008, 32,000 tokens): 6.74B parameters.
 - deepseek-v3: 61 layers (first 3 dense, FFN 18432), 256 routed experts of width 2048 with top-8
   plus 1 shared expert, vocab 129,280. Multi-head latent attention (MLA) is approximated as
   multi-head attention with 128 heads of head_dim 51, which reproduces MLA's 187.1M attention

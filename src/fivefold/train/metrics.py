@@ -1,7 +1,7 @@
 """Per-step metrics and where they go: a rich console (progress bar), JSONL, TensorBoard.
 
 MFU = achieved model FLOP/s / (peak FLOP/s x devices), where model FLOPs per token are
-`fivefold.spec.model.training_flops_per_token` (forward + backward, no recompute) with attention
+`fivefold.spec.flops.training_flops_per_token` (forward + backward, no recompute) with attention
 counted per document, from the step's own document boundaries (`attention_keys`: L^2/2 pairs
 per document of L tokens, `ATTENTION_CONVENTION`), the work the document-masked kernels do, so
 a packed long sequence of short documents never reads above 100 %. HFU counts the recomputed
@@ -35,7 +35,7 @@ from rich.progress import (
 )
 from rich.text import Text
 
-from fivefold.spec.model import ATTENTION_CONVENTION
+from fivefold.spec.flops import ATTENTION_CONVENTION
 
 LOG_INTERVAL_S = 30.0  # the console never stays silent longer than this while steps complete
 
