@@ -31,7 +31,7 @@ from typing import Any
 
 from torch import nn
 
-from fivefold.checkpoint import manifest as mf
+from fivefold.checkpoint import manifest
 from fivefold.checkpoint.dcp_io import (
     Optimizers,
     async_writer,
@@ -110,7 +110,7 @@ def _rank_files(directory: Path, rank: int) -> list[str]:
 
 def write_rank_digest(directory: Path, rank: int) -> None:
     """Record this rank's files (size + SHA-256) for rank 0's manifest; written atomically."""
-    digest = mf.describe_files(directory, _rank_files(directory, rank))
+    digest = manifest.describe_files(directory, _rank_files(directory, rank))
     path = Path(directory) / f"__{rank}{DIGEST_SUFFIX}"
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(digest))
@@ -149,13 +149,13 @@ def commit_staging(
 ) -> Path:
     """Rank 0: manifest over every file of `staging` (ranks' digests + the rest), then rename."""
     files = _collect_digests(staging, world, timeout_s)
-    rest = [name for name in mf.data_files(staging) if name not in files]
-    files.update(mf.describe_files(staging, rest))
-    mf.write_manifest(staging, step, files, world)
+    rest = [name for name in manifest.data_files(staging) if name not in files]
+    files.update(manifest.describe_files(staging, rest))
+    manifest.write_manifest(staging, step, files, world)
     if before_rename is not None:
         before_rename()
-    path = mf.commit(staging, final)
-    mf.prune(final.parent, keep, protect=path)
+    path = manifest.commit(staging, final)
+    manifest.prune(final.parent, keep, protect=path)
     return path
 
 
@@ -216,8 +216,8 @@ class Checkpointer:
         """Checkpoint step `step`; returns its final directory (committed when sync)."""
         self.wait()
         rank, world = rank_and_world()
-        staging = mf.staging_dir(self.root, step)
-        final = self.root / mf.step_dir_name(step)
+        staging = manifest.staging_dir(self.root, step)
+        final = self.root / manifest.step_dir_name(step)
         tensors, hparams = collect_state(model_parts, optimizers)
         per_rank = gather_to_main({"rng": capture_rng(), "hparams": hparams})
         if rank == 0:
@@ -327,7 +327,7 @@ class Checkpointer:
         barrier()
 
     # ---- choose and load ----------------------------------------------------------------------
-    def select(self, full: bool = True, clean_staging: bool = True) -> mf.Selection:
+    def select(self, full: bool = True, clean_staging: bool = True) -> manifest.Selection:
         """The newest checkpoint every file of which verifies (collective; ranks split files).
 
         Also deletes staging directories left by crashed saves (`clean_staging`), so call it
@@ -337,19 +337,19 @@ class Checkpointer:
         candidates = None
         if rank == 0:
             if clean_staging:
-                mf.remove_staging(self.root)
-            candidates = [str(p) for _, p in reversed(mf.list_checkpoints(self.root))]
+                manifest.remove_staging(self.root)
+            candidates = [str(p) for _, p in reversed(manifest.list_checkpoints(self.root))]
         candidates = broadcast_from_main(candidates)
-        skipped: list[mf.Verification] = []
+        skipped: list[manifest.Verification] = []
         for name in candidates:
-            result = mf.verify_checkpoint(Path(name), full=full, shard=(rank, world))
+            result = manifest.verify_checkpoint(Path(name), full=full, shard=(rank, world))
             problems = sorted({p for ps in all_gather(result.problems) for p in ps})
             if not problems:
                 result.ok, result.problems = True, []
-                return mf.Selection(Path(name), skipped)
+                return manifest.Selection(Path(name), skipped)
             result.ok, result.problems = False, problems
             skipped.append(result)
-        return mf.Selection(None, skipped)
+        return manifest.Selection(None, skipped)
 
     def load(
         self,
