@@ -390,4 +390,3 @@ def default_ffn(hidden: int, mlp: str = "swiglu") -> int:
     if mlp == "gelu":
         return 4 * hidden
     return 256 * math.ceil(8 * hidden / 3 / 256)
-
