@@ -22,6 +22,7 @@ training's.
 from __future__ import annotations
 
 import json
+import shutil
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from fivefold.checkpoint import manifest
@@ -59,8 +61,7 @@ FaultHook = Callable[[str], None]  # called with a phase name; tests raise or di
 
 # ---- process-group helpers (all no-ops in a single process) -------------------------------------
 def _dist():
-    import torch.distributed as dist
-
+    dist = torch.distributed
     return dist if dist.is_available() and dist.is_initialized() else None
 
 
@@ -247,8 +248,6 @@ class Checkpointer:
         return final
 
     def _prepare_staging(self, staging: Path, state: TrainingState) -> None:
-        import shutil
-
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(staging, ignore_errors=True)
@@ -385,8 +384,6 @@ class Checkpointer:
 
 def _plain(value: Any) -> Any:
     """A state dict as JSON values (tensors as numbers or lists; tuples as lists)."""
-    import torch
-
     if isinstance(value, dict):
         return {str(k): _plain(v) for k, v in value.items()}
     if isinstance(value, list | tuple):

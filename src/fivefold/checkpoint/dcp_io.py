@@ -29,6 +29,8 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -263,8 +265,6 @@ def load_into(
 
 def _check_against_index(directory: Path, request: dict[str, torch.Tensor]) -> None:
     """CheckpointError naming the keys and shapes the checkpoint lacks (before DCP reads)."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
     try:
         metadata = SafeFileSystemReader(str(directory)).read_metadata()
     except FileNotFoundError:
@@ -306,8 +306,6 @@ def _global_shape(tensor: torch.Tensor) -> torch.Size:
 def translate_dcp_errors(what: str):
     """DCP's CheckpointException (a BaseException carrying every rank's error) as our
     CheckpointError; a CheckpointError raised inside DCP (e.g. by the safe reader) as itself."""
-    from torch.distributed.checkpoint.api import CheckpointException
-
     try:
         yield
     except CheckpointException as err:

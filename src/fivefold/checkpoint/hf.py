@@ -31,7 +31,15 @@ import re
 from pathlib import Path
 from typing import Any
 
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from fivefold.checkpoint.checkpointer import Checkpointer
+from fivefold.checkpoint.dcp_io import read_full_tensors
+from fivefold.checkpoint.state import read_state
 from fivefold.errors import CheckpointError, ConfigError
+from fivefold.model import build_model
 from fivefold.spec.hf_config import LLAMA3_KEYS, spec_from_hf_config
 from fivefold.spec.model import ModelSpec
 
@@ -309,12 +317,6 @@ def export_hf(
     Returns a summary (model name, step, parameter count, bytes written, files). No process
     group. A tokenizer with more tokens than the model's vocabulary is refused.
     """
-    import torch
-    from safetensors.torch import save_file
-
-    from fivefold.checkpoint.dcp_io import read_full_tensors
-    from fivefold.checkpoint.state import read_state
-
     if dtype not in _DTYPES:
         raise CheckpointError(f"--dtype {dtype!r}: choose one of {', '.join(_DTYPES)}.")
     checkpoint_dir = Path(checkpoint_dir)
@@ -380,9 +382,6 @@ def _write_safetensors(tensors: dict, out_dir: Path, save_file) -> list[str]:
 # ---- import ----------------------------------------------------------------------------------
 def read_hf(hf_dir: Path) -> tuple[ModelSpec, dict[str, Any]]:
     """The ModelSpec and fivefold-named fp32 tensors of a Hugging Face Llama directory."""
-    import torch
-    from safetensors import SafetensorError, safe_open
-
     hf_dir = Path(hf_dir)
     config_path = hf_dir / CONFIG_FILE
     if not config_path.is_file():
@@ -426,11 +425,6 @@ def import_hf(
     The tensors are checked against the model fivefold builds from the config (names, shapes).
     `seq_len` replaces the config's max_position_embeddings as the training sequence length.
     """
-    import torch
-
-    from fivefold.checkpoint.checkpointer import Checkpointer
-    from fivefold.model import build_model
-
     spec, tensors = read_hf(hf_dir)
     if seq_len is not None:
         spec = spec.with_(seq_len=seq_len)

@@ -21,13 +21,17 @@ import base64
 import binascii
 import json
 import random
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from fivefold.errors import CheckpointError
+from fivefold.spec.model import ModelSpec
+
+# torch is imported inside the functions that use it: the launcher's pre-start check reads a
+# checkpoint's state without torch (fivefold.train.prestart).
 
 STATE_FORMAT = "fivefold-state-v1"
 STATE_FILE = "state.json"
@@ -133,10 +137,6 @@ def read_state(directory: Path) -> TrainingState:
 def spec_mismatches(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     """`model.<field> = <current> (checkpoint: <saved>)` for every field that differs. A field
     a checkpoint predates (absent from it) counts as its default."""
-    from dataclasses import fields
-
-    from fivefold.spec.model import ModelSpec
-
     defaults = {f.name: f.default for f in fields(ModelSpec)}
     keys = sorted((set(saved) | set(current)) - set(_SPEC_FIELDS_IGNORED))
     return [

@@ -11,6 +11,9 @@ from fivefold.spec.model import ModelSpec, param_count
 from fivefold.spec.presets import MODEL_PRESETS
 from fivefold.units import GiB
 
+# rich is imported inside the functions: `fivefold --help`
+# imports every command module (fivefold.cli.main) and must stay quick.
+
 if TYPE_CHECKING:
     from rich.table import Table
 

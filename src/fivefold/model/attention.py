@@ -47,6 +47,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from fivefold.model.rope import apply_rope
@@ -179,8 +180,6 @@ def _tile_lists(tiles: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _document_block_mask(docs: DocumentLayout, device: torch.device) -> Any:
-    from torch.nn.attention.flex_attention import BlockMask
-
     partial, full = [], []
     for rows, starts in docs.row_groups:
         p, f = flex_tiles(starts, docs.seq_len)
@@ -540,7 +539,7 @@ def block_attention(q, k, v, blocks: list[Block], scale: float | None = None) ->
 # ---- the single-process core ---------------------------------------------------------------------
 def _varlen(q, k, v, docs: DocumentLayout) -> torch.Tensor:
     """CUDA: causal attention per document with `varlen_attn`; q [B,Hq,T,Dh] -> [B,Hq,T,Dh]."""
-    from torch.nn.attention.varlen import varlen_attn
+    from torch.nn.attention.varlen import varlen_attn  # here: it imports torch._dynamo (3 s)
 
     batch, heads, seq, dim = q.shape
     cu_seqlens, max_len = docs.cu_seqlens(q.device)
@@ -566,8 +565,6 @@ def flex_document_attention(q, k, v, docs: DocumentLayout) -> torch.Tensor:
     q [B,Hq,T,Dh], k, v [B,Hkv,T,Dh] -> [B,Hq,T,Dh]; GQA native. Under `torch.compile` (CUDA)
     it becomes one fused kernel with its backward; run eagerly it is torch's reference
     (forward only on CPU), which the tests use to check it."""
-    from torch.nn.attention.flex_attention import flex_attention
-
     mask = docs.flex_block_mask(q.device)
     return flex_attention(q, k, v, block_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
 

@@ -119,6 +119,7 @@ def shard_indices(param: torch.Tensor) -> list[torch.Tensor]:
     """For each dim of `param`'s global shape, the global indices of its local elements (local
     order). A plain tensor holds everything; a DTensor's are read from its own placements by
     sharding a small index tensor the same way (`distribute_tensor`, no communication)."""
+    # here: torch.distributed.tensor takes ~2 s to import, and a one-process run never needs it
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     shape = tuple(param.shape)
@@ -148,7 +149,7 @@ def shard_indices(param: torch.Tensor) -> list[torch.Tensor]:
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor  # here: as in `shard_indices`
 
     return param.to_local() if isinstance(param, DTensor) else param
 

@@ -156,7 +156,7 @@ def apply_compile(chunk: nn.Module, backend: Any = "inductor") -> None:
 
 def compile_seconds() -> tuple[float, int]:
     """(seconds torch.compile has spent compiling in this process, graphs compiled)."""
-    from torch._dynamo.utils import compilation_time_metrics
+    from torch._dynamo.utils import compilation_time_metrics  # here: seconds to import
 
     times = compilation_time_metrics.get("_compile.compile_inner", [])
     return float(sum(times)), len(times)

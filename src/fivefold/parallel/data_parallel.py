@@ -32,9 +32,12 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard
 
+from fivefold.parallel.offload import cpu_offload_policy
 from fivefold.parallel.precision import resolve_precision
 from fivefold.spec.plan import ParallelPlan
 
@@ -70,14 +73,10 @@ def _wrap(
     shard_placement_fn=None,
 ) -> None:
     if plan.zero == 0:
-        from torch.distributed._composable.replicate_with_fsdp import replicate
-
         replicate(module, mesh=mesh, mp_policy=mp)
         return
     extra = {}
     if plan.offload == "all":
-        from fivefold.parallel.offload import cpu_offload_policy
-
         extra["offload_policy"] = cpu_offload_policy(device)
     if shard_placement_fn is not None:
         extra["shard_placement_fn"] = shard_placement_fn
@@ -91,8 +90,6 @@ def expert_shard_placement(experts: nn.Module, mesh: DeviceMesh):
     experts than the sharding mesh has ranks (one rank then keeps whole experts, the others
     nothing), so shard the weights' second dimension [E_local, F|D, D|F] instead (as
     torchtitan does); None keeps the default."""
-    from torch.distributed.tensor import DTensor, Shard
-
     local = min(
         (p.to_local() if isinstance(p, DTensor) else p).shape[0] for p in experts.parameters()
     )

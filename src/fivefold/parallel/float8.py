@@ -31,7 +31,10 @@ import torch
 from torch import nn
 
 from fivefold.errors import ConfigError
+from fivefold.parallel.lowbit import import_torchao, torchao_problems
 from fivefold.spec.plan import ParallelPlan
+
+# torchao (the optional `lowbit` extra) is imported inside the functions that use it.
 
 MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (sm89), Hopper (sm90) and newer
 HIGH_PRECISION_NAMES = ("output", "router")  # module names never converted
@@ -57,8 +60,6 @@ def float8_problems(fp8: str, device: torch.device) -> list[str]:
             f"{MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} or newer (e.g. L4, L40S, H100, H200, "
             "B200). Set plan.fp8 = 'none'."
         ]
-    from fivefold.parallel.lowbit import torchao_problems
-
     return torchao_problems(f"plan.fp8 = {fp8!r}")
 
 
@@ -76,8 +77,6 @@ def float8_config(recipe: str, fsdp: bool):
     """torchao's Float8LinearConfig of `recipe` ("tensorwise" | "rowwise"); FP8 all-gather for
     tensorwise scaling under FSDP2 (rowwise scales are per row of the gathered weight, so its
     weights are gathered in high precision)."""
-    from fivefold.parallel.lowbit import import_torchao
-
     import_torchao()
     from torchao.float8 import Float8LinearConfig
 

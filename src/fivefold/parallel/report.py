@@ -28,6 +28,11 @@ from typing import Any
 
 import torch.distributed as dist
 
+from fivefold.parallel.device import unknown_gpu_reason
+from fivefold.planner.estimate import estimate
+from fivefold.planner.memory import MemoryOptions, all_stage_memory
+from fivefold.planner.options import PlannerOptions
+from fivefold.planner.schedule import build_schedule
 from fivefold.units import GiB, MiB
 
 TENANTS = ("params", "grads", "optimizer", "activations")
@@ -75,8 +80,6 @@ def _predict(
         )
     except Exception as err:  # a planner gap must not stop training
         return None, None, f"memory model: {str(err).splitlines()[0]}"
-    from fivefold.parallel.device import unknown_gpu_reason
-
     unknown = unknown_gpu_reason(cluster)
     if unknown:
         return memory, None, unknown
@@ -91,9 +94,6 @@ def _predict(
             ),
         )
     try:
-        from fivefold.planner.estimate import estimate
-        from fivefold.planner.options import PlannerOptions
-
         options = replace(
             PlannerOptions.for_device(cluster.device), runtime="fivefold-eager", compile=compiled
         )
@@ -109,9 +109,6 @@ def memory_only_prediction(
     """The planner's per-stage memory of this runtime (GiB dicts, "other" holds the buffers);
     a CPU has no CUDA context and no caching-allocator fragmentation, and its offloaded state
     stays in the memory the run measures. `compiled`: the blocks run under torch.compile."""
-    from fivefold.planner.memory import MemoryOptions, all_stage_memory
-    from fivefold.planner.schedule import build_schedule
-
     inflight = [1]
     if plan.pp > 1:
         inflight = list(

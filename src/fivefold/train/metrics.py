@@ -78,6 +78,7 @@ def document_pairs(doc_ids: Any, offsets: Any = None) -> tuple[float, int]:
     """(causal pairs L^2/2 summed over the documents of every row, tokens) of `doc_ids` [B, T]
     (a tensor or array; documents are runs of equal ids, never spanning rows), or of their
     host-side cumulative offsets [N+1] when given (`Batch.cu_seqlens`: nothing read back)."""
+    # here: train.data (tokenizers) stays out of `fivefold --help`, which imports this module
     from fivefold.train.data.batching import document_offsets
 
     if offsets is None:
@@ -188,7 +189,7 @@ class TensorBoardWriter:
 
     def __init__(self, log_dir: Path):
         try:
-            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard import SummaryWriter  # optional (tensorboard extra)
         except ImportError:
             self._writer = None
             return

@@ -82,7 +82,7 @@ def _wandb_can_log() -> bool:
 
 class WandbTracker:
     def __init__(self, run_dir: Path, recipe: Recipe, name: str, run_id: str | None):
-        import wandb
+        import wandb  # optional dependency (the wandb extra)
 
         run_dir.mkdir(parents=True, exist_ok=True)
         self._run = wandb.init(
@@ -104,7 +104,7 @@ class WandbTracker:
 
 class MlflowTracker:
     def __init__(self, run_dir: Path, recipe: Recipe, name: str, run_id: str | None):
-        from mlflow import MlflowClient
+        from mlflow import MlflowClient  # optional dependency (the mlflow extra)
 
         run_dir.mkdir(parents=True, exist_ok=True)
         uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{run_dir.resolve()}/mlflow.db"
@@ -121,7 +121,7 @@ class MlflowTracker:
         self.run_id = run_id
 
     def write(self, values: dict[str, float], step: int) -> None:
-        from mlflow.entities import Metric
+        from mlflow.entities import Metric  # optional, as above
 
         now = int(time.time() * 1000)
         metrics = [Metric(key, value, now, step) for key, value in values.items()]
