@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from fivefold.model.attention import Chunk, DocumentLayout, document_blocks
+from fivefold.model.document_layout import Chunk, DocumentLayout, document_blocks
 from fivefold.planner.compute import attention_flops
 from fivefold.spec.flops import (
     attention_score_flops_per_token,

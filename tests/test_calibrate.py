@@ -134,7 +134,7 @@ def test_cp_attention_blocks_are_rank_zeros_share_of_causal_attention():
     single-process causal SDPA; and its rate counts the planner's FLOPs."""
     import torch.nn.functional as F
 
-    from fivefold.model.attention import block_attention
+    from fivefold.model.attention_blocks import block_attention
     from fivefold.parallel.calibrate import Budget, cp_attention_passes, cp_rank_blocks
     from fivefold.parallel.context_parallel import load_balanced_indices
 

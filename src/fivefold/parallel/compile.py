@@ -43,7 +43,8 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack as _dispatch_mode_stack
 
 from fivefold.errors import ConfigError
-from fivefold.model.attention import AttentionCore, DocumentLayout
+from fivefold.model.attention import AttentionCore
+from fivefold.model.document_layout import DocumentLayout
 
 
 def has_cpu_compiler() -> bool:

@@ -10,7 +10,7 @@ the true positions.
 
 Documents. No mask is ever built. Once per forward (at the first layer, cached on the model's
 `DocumentLayout`) the CP ranks all-gather their doc ids and read the global document
-boundaries on the host; from them come the blocks (`fivefold.model.attention.document_blocks`):
+boundaries on the host; from them come the blocks (`model.document_layout.document_blocks`):
 for each pair of a query chunk and a key chunk, the per-document rectangles, causal on the
 diagonal, full where the keys precede the queries, absent where they follow. Every layer reuses
 them. The kernels are the model's own block kernels, merged across blocks by log-sum-exp: on
@@ -43,17 +43,14 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 
-from fivefold.model.attention import (
-    Block,
-    Chunk,
-    DocumentLayout,
+from fivefold.model.attention_blocks import (
     block_attention,
     block_backward,
     block_forward,
-    document_blocks,
     grad_dtype,
     merge_partial,
 )
+from fivefold.model.document_layout import Block, Chunk, DocumentLayout, document_blocks
 
 
 # ---- layout --------------------------------------------------------------------------------------
