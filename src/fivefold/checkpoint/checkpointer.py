@@ -1,22 +1,6 @@
 """Saving and resuming a run: sharded parallel writes, atomic commit, retention, fallback.
 
-`Checkpointer(root)` is called by every rank at the same points (collective). A save:
-
-1. gathers the non-tensor state on rank 0 (each rank's RNG and optimizer hyperparameters) and
-   writes `state.json` into the staging directory `root/.staging_step_<n>`;
-2. writes every rank's tensor shards in parallel with DCP (`dcp_io`), synchronously or, with
-   `async_save=True`, in a background thread while training continues (tensors are first copied
-   to host memory, so later steps cannot change what is written);
-3. each rank records the size and SHA-256 of its own files (`__<rank>.digest.json`; in parallel);
-4. rank 0 merges them into `manifest.json` and renames the staging directory to `step_<n>`,
-   then deletes all but the newest `keep` checkpoints.
-
-Nothing is visible before step 4, so a crash anywhere leaves the previous checkpoint as the
-newest. `select()` picks the newest checkpoint whose files match the manifest (ranks verify
-disjoint files in parallel) and reports the ones it skipped; `load()` restores any layout from it.
-An asynchronous save is committed by the background thread itself (rank 0 waits for every rank's
-digest file), using a separate gloo group for DCP's collectives so they never interleave with
-training's.
+Details: docs/checkpoints.md.
 """
 
 from __future__ import annotations

@@ -1,21 +1,6 @@
 """Model and optimizer tensors to and from a DCP checkpoint, keyed by global parameter FQN.
 
-`torch.distributed.checkpoint.state_dict.get_state_dict` turns whatever layout a rank holds
-(plain tensors, TP/FSDP DTensor shards, a pipeline stage's subset of layers) into one namespace
-of global FQNs (`layers.3.attention.wq.weight`); DCP writes each rank's shards in parallel and
-its index records where every slice of every global tensor lives, so a different layout (other
-TP/PP/DP/ZeRO/CP/EP degrees, other world size) reads back exactly the slices it needs. Keys:
-
-    model.<fqn>                   parameter values
-    optim.state.<fqn>.<name>      optimizer state (AdamW: step, exp_avg, exp_avg_sq)
-
-The optimizer state is flattened per FQN (`flatten_optimizer_state_dict`), so param groups may
-differ between layouts. Its non-tensor part (lr, betas, eps, weight_decay, ... per parameter) is
-returned as JSON-ready `hparam groups` and stored in state.json: DCP itself holds tensors only.
-
-Model parts: a rank may own several modules (pipeline chunks). They are addressed through one
-merged view whose FQNs are those of the full model, so a single optimizer over all parts works;
-a list of one optimizer per part works too.
+Details: docs/internals.md (`fivefold.checkpoint.dcp_io`).
 """
 
 from __future__ import annotations

@@ -1,27 +1,6 @@
 """Hugging Face Llama interop: export a checkpoint to `config.json` + safetensors, import one back.
 
-fivefold's decoder is Llama's (pre-norm RMSNorm, rotate-half RoPE, GQA, SwiGLU, no biases), so
-the weights map one to one, with no permutation of the query/key rows (both use rotate-half):
-
-    tok_embeddings.weight                 model.embed_tokens.weight
-    layers.i.attention_norm.weight        model.layers.i.input_layernorm.weight
-    layers.i.attention.w{q,k,v,o}.weight  model.layers.i.self_attn.{q,k,v,o}_proj.weight
-    layers.i.ffn_norm.weight              model.layers.i.post_attention_layernorm.weight
-    layers.i.feed_forward.w1/w3/w2.weight model.layers.i.mlp.gate_proj/up_proj/down_proj.weight
-    norm.weight                           model.norm.weight
-    output.weight                         lm_head.weight (absent when embeddings are tied)
-
-Export reads the full tensors from a DCP checkpoint of any layout without a process group and,
-given the run's tokenizer, writes a self-contained directory: `tokenizer.json`,
-`tokenizer_config.json` and `generation_config.json` name the end-of-document token as bos, eos
-and pad (fivefold starts no document with a BOS token; `<|endoftext|>` ends each), so
-`transformers` `generate` stops where a document ends. Every file is written mode 0644.
-Import writes a weights-only fivefold checkpoint (`step_0`) that `fivefold train` resumes from
-with a fresh optimizer. MoE and GELU models have no Llama form and are refused, as are Llama
-configs fivefold cannot reproduce (biases, RoPE scaling other than Llama 3.1's "llama3" type,
-activations other than SiLU) and configs whose two RoPE spellings (`rope_parameters`,
-`rope_theta` + `rope_scaling`) disagree.
-Only `safetensors` is read or written: no pickles.
+Details: docs/checkpoints.md.
 """
 
 from __future__ import annotations

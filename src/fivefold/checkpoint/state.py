@@ -1,18 +1,6 @@
 """The non-tensor training state of a checkpoint, as JSON (never pickled objects).
 
-`TrainingState` holds what a run needs besides weights and optimizer moments: the optimizer step
-count, the LR scheduler's state, the data sampler's position (global samples consumed, so any
-data-parallel size continues the same global order), every rank's RNG states, the optimizer's
-per-parameter hyperparameters (lr, betas, ... keyed by parameter FQN, so they survive a change of
-layout), the model spec and the plan that wrote it. It is written once per checkpoint
-(`state.json`, by global rank 0) and read by every rank.
-
-RNG states are stored as base64 bytes (torch, CUDA) and plain integer lists (Python, NumPy),
-keyed by rank: each rank saves its own generators, CUDA's of the GPU it runs on only (not every
-GPU the node shows), and on a different world size rank r restores the saved state of rank
-r mod (saved world size) onto its own GPU, however many GPUs this machine has. (Checkpoints
-written before kept every visible GPU's state per rank; rank r then takes the entry of its
-device index, modulo their count.)
+Details: docs/checkpoints.md.
 """
 
 from __future__ import annotations

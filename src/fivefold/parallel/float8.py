@@ -1,25 +1,6 @@
 """FP8 compute of the linear layers (`plan.fp8`) through torchao's float8 training.
 
-`apply_float8` swaps each eligible `nn.Linear` of a chunk for torchao's `Float8Linear`
-(`convert_to_float8_training` with `Float8LinearConfig.from_recipe_name("tensorwise" |
-"rowwise")`): dynamic scaling, matmuls through `torch._scaled_mm`. It runs on the meta model,
-before FSDP wraps it (fivefold refuses fp8 with TP, see `ParallelPlan.runtime_problems`), as
-torchtitan's float8 converter does. With tensorwise scaling and FSDP2 (zero >= 1) the weights are
-cast to FP8 before the all-gather (`enable_fsdp_float8_all_gather`), and their scales are
-precomputed for all layers in one all-reduce after each optimizer step
-(`precompute_float8_dynamic_scale_for_fsdp`, registered by `fivefold.train.optim`).
-
-Kept in high precision: the output head (its logits feed the loss directly), MoE routers (their
-softmax decides routing), any linear whose dimensions are not multiples of 16 (`_scaled_mm`
-needs them) and, as torchtitan does, those too small to gain from FP8 by torchao's own
-thresholds for the recipe (`_auto_filter_for_recipe`, measured on H100: tensorwise skips
-K <= 4096 with N <= 1024; rowwise skips N <= 2048, K <= 1024, or N <= 4096 with K <= 2048, for a
-weight [N, K]), where the casts and scales cost more than the faster matmul saves. No kernel
-here is hand-written.
-
-FP8 GEMMs need a GPU of compute capability 8.9 or newer (Ada, Hopper, Blackwell);
-`float8_problems` refuses every other device, CPU included, before any process starts. On CPU
-only the conversion itself is exercised (tests/test_float8.py).
+Details: docs/internals.md (`fivefold.parallel.float8`).
 """
 
 from __future__ import annotations

@@ -1,24 +1,7 @@
 """The rank-0 layout report: per pipeline stage, the planner's predicted peak memory (tenant by
 tenant) and step time beside the measured ones, so every run checks the planner.
 
-Measured step time: the distributed runtime's is the mean wall time of its `train_step`
-(forward + backward + gradient communication of all micro-batches; the optimizer step is the
-loop's) over the steps after the first that no memory counter slowed (on a CPU the report comes
-at step 4 and times step 3), and is compared with the planner's step time less its
-`optimizer_s` (the report's note says so); a one-process run is timed by the loop over the whole
-step (clipping and the optimizer included) and compared with the whole predicted step.
-
-Measured peak memory: CUDA's allocator peak; on CPU, the peak of live tensor storage over one
-step (`fivefold.train.memory`, resize-aware, the pipeline's receive buffers included), split
-into parameters, gradients and optimizer state (known from the tensors) and activations (the
-rest: saved tensors, gathered parameters, buffers). Tenants are compared only as both sides
-define them: all four in one process; on FSDP2-wrapped (multi-process) runs the optimizer
-state and the sum of the rest (`WRAPPED_GROUPS`). The prediction is the planner's memory
-model with `runtime = "fivefold-eager"` (what this runtime keeps, see
-`fivefold.planner.memory.EagerProfile`), without the CUDA context and allocator terms on a CPU,
-and the planner's `estimate()` step time where the run's cluster has a device peak. Works for
-`DistributedRuntime` (collective: every rank calls it) and for the one-process `LocalRuntime`
-(no FSDP wrapping, so no sharded copy of the weights).
+Details: docs/internals.md (`fivefold.parallel.report`).
 """
 
 from __future__ import annotations
