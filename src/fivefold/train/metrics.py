@@ -1,14 +1,6 @@
 """Per-step metrics and where they go: a rich console (progress bar), JSONL, TensorBoard.
 
-MFU = achieved model FLOP/s / (peak FLOP/s x devices), where model FLOPs per token are
-`fivefold.spec.flops.training_flops_per_token` (forward + backward, no recompute) with attention
-counted per document, from the step's own document boundaries (`attention_keys`: L^2/2 pairs
-per document of L tokens, `ATTENTION_CONVENTION`), the work the document-masked kernels do, so
-a packed long sequence of short documents never reads above 100 %. HFU counts the recomputed
-forward work as well, as it runs: torch's checkpoint skips each block's last matmul
-(`early_stop=True`). The peak comes from `fivefold.train.peak`, one figure per run, and its
-label travels with every printed MFU (on CPU the device profile's measured matmul peak when the
-run has one, else a fixed stated reference; not a datasheet).
+Details: docs/internals.md (`fivefold.train.metrics`).
 """
 
 from __future__ import annotations

@@ -1,16 +1,6 @@
 """AdamW over the parameters a rank owns, with weight decay on matrices only.
 
-Matrices (embeddings, projections, experts: `ndim >= 2`) are decayed; vectors (RMSNorm weights,
-biases) are not, as in GPT-2/Llama training recipes. Parameters shared by several modules (tied
-embeddings) appear once. The update runs torch's fused AdamW kernel (one kernel over all
-parameters, CPU and CUDA, DTensor shards included) where every parameter's device has one, else
-the foreach (multi-tensor) implementation.
-
-The plan's memory levers choose the optimizer: `plan.optimizer_states` = "8bit" | "fp8" takes
-torchao's low-bit AdamW (`fivefold.parallel.lowbit`), `plan.offload` = "optimizer" runs the step
-on host copies (`fivefold.parallel.offload.HostOffloadOptimizer`), and tensorwise FP8 under FSDP2
-precomputes the weights' scales after each step (`fivefold.parallel.float8`). `lever_problems`
-is what a machine cannot run of them, asked before any process starts.
+Details: docs/internals.md (`fivefold.train.optim`).
 """
 
 from __future__ import annotations
