@@ -16,12 +16,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import fivefold.model.attention as attention
 from fivefold.model.attention import (
     AttentionCore,
-    DocumentLayout,
     document_attention,
     flex_document_attention,
-    flex_tiles,
     packed_kernel,
 )
+from fivefold.model.document_layout import DocumentLayout, flex_tiles
 from fivefold.model.torch_features import varlen_supports_gqa
 
 CUDA = torch.device("cuda:0")  # fake tensors need the index (no CUDA runtime to resolve it)
@@ -215,7 +214,8 @@ def _ring_blocks(ids: torch.Tensor, cp: int = 2):
 def test_varlen_sequences_hand_derived():
     # one row, documents [0, 3) and [3, 8); queries 4..7 (doc 1) against keys 0..3: doc 0's keys
     # 0..2 have no queries, doc 1's key 3 meets all four queries (full, keys precede)
-    from fivefold.model.attention import Chunk, document_blocks, varlen_sequences
+    from fivefold.model.attention_blocks import varlen_sequences
+    from fivefold.model.document_layout import Chunk, document_blocks
 
     docs = DocumentLayout(torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1]]), 1, 8)
     (off,) = document_blocks([Chunk(0, 4, 4)], [Chunk(0, 0, 4)], docs)
@@ -252,7 +252,8 @@ def test_ring_block_sequences_equal_the_span_kernel_on_cpu():
     """What one flash varlen call computes per block, emulated on CPU from the block's
     sequences, equals the per-span CPU kernel: output and log-sum-exp, every block of a
     load-balanced CP rank over three rows of packed documents."""
-    from fivefold.model.attention import block_forward, document_blocks, varlen_sequences
+    from fivefold.model.attention_blocks import block_forward, varlen_sequences
+    from fivefold.model.document_layout import document_blocks
 
     torch.manual_seed(0)
     ids = _ids([5, 30, 13], [48], [20, 4, 24])
@@ -285,13 +286,13 @@ class _OpLog(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 def test_ring_blocks_on_cuda_one_flash_call_per_block_gqa_native_grads_in_bf16():
-    from fivefold.model.attention import (
+    from fivefold.model.attention_blocks import (
         _device_offsets,
         block_backward,
         block_forward,
-        document_blocks,
         zero_grads,
     )
+    from fivefold.model.document_layout import document_blocks
 
     ids = _ids([5, 30, 13], [48])
     docs, mine, every = _ring_blocks(ids, cp=2)

@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 import torch
 
-from fivefold.model.attention import Chunk, DocumentLayout, document_blocks
+from fivefold.model.document_layout import Chunk, DocumentLayout, document_blocks
 from fivefold.planner.compute import attention_flops
-from fivefold.spec.model import (
-    ModelSpec,
+from fivefold.spec.flops import (
     attention_score_flops_per_token,
     causal_pairs_per_sequence,
     training_flops_per_token,
 )
+from fivefold.spec.model import ModelSpec
 from fivefold.spec.plan import ParallelPlan
 from fivefold.train.data import TokenShards, prepare_shards
 from fivefold.train.data.batching import Batch

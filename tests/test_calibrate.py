@@ -21,7 +21,7 @@ from fivefold.calibration.matmul import device_grid_shapes
 from fivefold.calibration.tables import build_profile, sort_rows
 from fivefold.model import build_model
 from fivefold.parallel.checkpointing import apply_recompute
-from fivefold.spec.model import (
+from fivefold.spec.flops import (
     attention_score_flops_per_token,
     early_stop_skipped_flops_per_token,
     training_flops_per_token,
@@ -147,7 +147,7 @@ def test_cp_attention_blocks_are_rank_zeros_share_of_causal_attention():
 
     from fivefold.calibration.attention import cp_attention_passes, cp_rank_blocks
     from fivefold.calibration.timing import Budget
-    from fivefold.model.attention import block_attention
+    from fivefold.model.attention_blocks import block_attention
     from fivefold.parallel.context_parallel import load_balanced_indices
 
     batch, heads, seq, cp, d = 2, 4, 32, 2, 8

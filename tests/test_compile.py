@@ -17,7 +17,8 @@ import torch
 from rich.console import Console
 
 from attention_reference import dense_reference_attention
-from fivefold.model.attention import AttentionCore, DocumentLayout, document_attention
+from fivefold.model.attention import AttentionCore, document_attention
+from fivefold.model.document_layout import DocumentLayout
 from fivefold.train.entry import load_run
 from fivefold.train.loop import train
 

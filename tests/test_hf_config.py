@@ -11,13 +11,9 @@ import pytest
 
 from fivefold.cli.main import main
 from fivefold.errors import ConfigError
+from fivefold.spec.flops import attention_keys_per_query, forward_flops_per_token
 from fivefold.spec.hf_config import read_hf_config, spec_from_hf_config
-from fivefold.spec.model import (
-    attention_keys_per_query,
-    attention_params,
-    forward_flops_per_token,
-    param_count,
-)
+from fivefold.spec.model import attention_params, param_count
 from fivefold.spec.recipe import load_recipe, recipe_from_dict
 
 CONFIGS = Path(__file__).parent / "data" / "hf_configs"

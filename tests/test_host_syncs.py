@@ -21,7 +21,7 @@ import torch
 from rich.console import Console
 
 from fivefold.errors import TrainingError
-from fivefold.model.attention import DocumentLayout
+from fivefold.model.document_layout import DocumentLayout
 from fivefold.train.data.batching import document_offsets
 from fivefold.train.entry import load_run
 from fivefold.train.loop import Trainer, train

@@ -274,11 +274,11 @@ def test_cuda_varlen_path_forward_shapes_under_fake_tensors():
 
 
 def test_rope_tables_and_document_layout_are_built_once_per_forward(monkeypatch):
-    import fivefold.model.attention as attention_module
+    import fivefold.model.document_layout as layout_module
     import fivefold.model.transformer as transformer_module
 
     calls = {"rope": 0, "host": 0}
-    real_rope, real_groups = transformer_module.rope_cos_sin, attention_module._row_groups
+    real_rope, real_groups = transformer_module.rope_cos_sin, layout_module._row_groups
 
     def counting_rope(*args):
         calls["rope"] += 1
@@ -289,7 +289,7 @@ def test_rope_tables_and_document_layout_are_built_once_per_forward(monkeypatch)
         return real_groups(*args)
 
     monkeypatch.setattr(transformer_module, "rope_cos_sin", counting_rope)
-    monkeypatch.setattr(attention_module, "_row_groups", counting_groups)
+    monkeypatch.setattr(layout_module, "_row_groups", counting_groups)
     model = make(TINY.with_(layers=4))
     docs = torch.tensor([[0] * 10 + [1] * 6])
     model(torch.randint(0, 128, (1, 16)), positions_from_docs(docs), docs).sum().backward()

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from fivefold.model import build_model
-from fivefold.model.attention import DocumentLayout
+from fivefold.model.document_layout import DocumentLayout
 from fivefold.model.rope import rope_cos_sin
 from fivefold.parallel.checkpointing import apply_recompute
 from fivefold.planner.memory import MemoryOptions, layer_activation_bytes

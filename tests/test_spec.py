@@ -15,7 +15,7 @@ from fivefold.spec import (
     param_count,
     training_flops_per_token,
 )
-from fivefold.spec.model import forward_flops_per_token
+from fivefold.spec.flops import forward_flops_per_token
 from fivefold.spec.recipe import read_toml, recipe_from_dict
 
 

@@ -10,7 +10,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fivefold.cli.main import main
 from fivefold.model import torch_features as tf
-from fivefold.model.attention import AttentionCore, DocumentLayout
+from fivefold.model.attention import AttentionCore
+from fivefold.model.document_layout import DocumentLayout
 from fivefold.spec import ParallelPlan, model_preset
 
 TORCH_213 = torch.__version__.startswith("2.13")

@@ -13,7 +13,7 @@ from fivefold.planner.memory import GiB
 from fivefold.planner.options import PlannerOptions
 from fivefold.planner.schedule import build_schedule, closed_form_bubble, simulate
 from fivefold.spec import ClusterSpec, ModelSpec, ParallelPlan, cluster_preset, model_preset
-from fivefold.spec.model import training_flops_per_token
+from fivefold.spec.flops import training_flops_per_token
 
 LLAMA8 = model_preset("llama3-8b")
 H100x8 = cluster_preset("dgx-h100", 8)

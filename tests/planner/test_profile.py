@@ -15,12 +15,12 @@ from fivefold.planner.efficiency import EfficiencyModel
 from fivefold.planner.estimate import estimate
 from fivefold.planner.rates import rates_for
 from fivefold.spec.cluster import profile_cluster
-from fivefold.spec.hardware import profile_device
-from fivefold.spec.model import (
+from fivefold.spec.flops import (
     attention_score_flops_per_token,
     layer_matmul_flops_per_token,
     training_flops_per_token,
 )
+from fivefold.spec.hardware import profile_device
 from fivefold.spec.plan import ParallelPlan
 from fivefold.spec.presets import model_preset
 from fivefold.spec.profile import COLLECTIVES, Matmul, parse_profile, read_profile

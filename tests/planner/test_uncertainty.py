@@ -14,7 +14,7 @@ from fivefold.planner.explain import confidence_line, explain, published_line
 from fivefold.planner.options import PlannerOptions
 from fivefold.planner.search import Outcome, rank_fitting, search
 from fivefold.spec import ParallelPlan, cluster_preset, model_preset
-from fivefold.spec.model import training_flops_per_token
+from fivefold.spec.flops import training_flops_per_token
 
 L405 = model_preset("llama3-405b")
 H16K = cluster_preset("dgx-h100", 16384)

@@ -52,7 +52,7 @@ def attention_passes(
 def cp_rank_blocks(batch: int, seq: int, cp: int) -> list:
     """CP rank 0's attention blocks (one document per row): its two load-balanced query chunks
     against the keys of every rank laid out in rank order, as the runtime builds them."""
-    from fivefold.model.attention import DocumentLayout, document_blocks
+    from fivefold.model.document_layout import DocumentLayout, document_blocks
     from fivefold.parallel.context_parallel import local_chunks, rank_order_chunks
 
     chunk = seq // (2 * cp)
@@ -69,7 +69,7 @@ def cp_attention_passes(
     against every chunk of keys, one document per row, through the model's block kernels
     (causal on the diagonal, full below) and their log-sum-exp merges. Rank 0's blocks; every
     rank does the same work. No transfer is timed."""
-    from fivefold.model.attention import block_attention
+    from fivefold.model.attention_blocks import block_attention
 
     chunk = seq // (2 * cp)
     blocks = cp_rank_blocks(batch, seq, cp)

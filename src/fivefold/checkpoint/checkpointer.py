@@ -1,27 +1,12 @@
 """Saving and resuming a run: sharded parallel writes, atomic commit, retention, fallback.
 
-`Checkpointer(root)` is called by every rank at the same points (collective). A save:
-
-1. gathers the non-tensor state on rank 0 (each rank's RNG and optimizer hyperparameters) and
-   writes `state.json` into the staging directory `root/.staging_step_<n>`;
-2. writes every rank's tensor shards in parallel with DCP (`dcp_io`), synchronously or, with
-   `async_save=True`, in a background thread while training continues (tensors are first copied
-   to host memory, so later steps cannot change what is written);
-3. each rank records the size and SHA-256 of its own files (`__<rank>.digest.json`; in parallel);
-4. rank 0 merges them into `manifest.json` and renames the staging directory to `step_<n>`,
-   then deletes all but the newest `keep` checkpoints.
-
-Nothing is visible before step 4, so a crash anywhere leaves the previous checkpoint as the
-newest. `select()` picks the newest checkpoint whose files match the manifest (ranks verify
-disjoint files in parallel) and reports the ones it skipped; `load()` restores any layout from it.
-An asynchronous save is committed by the background thread itself (rank 0 waits for every rank's
-digest file), using a separate gloo group for DCP's collectives so they never interleave with
-training's.
+Details: docs/checkpoints.md.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -29,9 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
-from fivefold.checkpoint import manifest as mf
+from fivefold.checkpoint import manifest
 from fivefold.checkpoint.dcp_io import (
     Optimizers,
     async_writer,
@@ -59,8 +45,7 @@ FaultHook = Callable[[str], None]  # called with a phase name; tests raise or di
 
 # ---- process-group helpers (all no-ops in a single process) -------------------------------------
 def _dist():
-    import torch.distributed as dist
-
+    dist = torch.distributed
     return dist if dist.is_available() and dist.is_initialized() else None
 
 
@@ -110,7 +95,7 @@ def _rank_files(directory: Path, rank: int) -> list[str]:
 
 def write_rank_digest(directory: Path, rank: int) -> None:
     """Record this rank's files (size + SHA-256) for rank 0's manifest; written atomically."""
-    digest = mf.describe_files(directory, _rank_files(directory, rank))
+    digest = manifest.describe_files(directory, _rank_files(directory, rank))
     path = Path(directory) / f"__{rank}{DIGEST_SUFFIX}"
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(digest))
@@ -149,13 +134,13 @@ def commit_staging(
 ) -> Path:
     """Rank 0: manifest over every file of `staging` (ranks' digests + the rest), then rename."""
     files = _collect_digests(staging, world, timeout_s)
-    rest = [name for name in mf.data_files(staging) if name not in files]
-    files.update(mf.describe_files(staging, rest))
-    mf.write_manifest(staging, step, files, world)
+    rest = [name for name in manifest.data_files(staging) if name not in files]
+    files.update(manifest.describe_files(staging, rest))
+    manifest.write_manifest(staging, step, files, world)
     if before_rename is not None:
         before_rename()
-    path = mf.commit(staging, final)
-    mf.prune(final.parent, keep, protect=path)
+    path = manifest.commit(staging, final)
+    manifest.prune(final.parent, keep, protect=path)
     return path
 
 
@@ -216,8 +201,8 @@ class Checkpointer:
         """Checkpoint step `step`; returns its final directory (committed when sync)."""
         self.wait()
         rank, world = rank_and_world()
-        staging = mf.staging_dir(self.root, step)
-        final = self.root / mf.step_dir_name(step)
+        staging = manifest.staging_dir(self.root, step)
+        final = self.root / manifest.step_dir_name(step)
         tensors, hparams = collect_state(model_parts, optimizers)
         per_rank = gather_to_main({"rng": capture_rng(), "hparams": hparams})
         if rank == 0:
@@ -247,8 +232,6 @@ class Checkpointer:
         return final
 
     def _prepare_staging(self, staging: Path, state: TrainingState) -> None:
-        import shutil
-
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(staging, ignore_errors=True)
@@ -327,7 +310,7 @@ class Checkpointer:
         barrier()
 
     # ---- choose and load ----------------------------------------------------------------------
-    def select(self, full: bool = True, clean_staging: bool = True) -> mf.Selection:
+    def select(self, full: bool = True, clean_staging: bool = True) -> manifest.Selection:
         """The newest checkpoint every file of which verifies (collective; ranks split files).
 
         Also deletes staging directories left by crashed saves (`clean_staging`), so call it
@@ -337,19 +320,19 @@ class Checkpointer:
         candidates = None
         if rank == 0:
             if clean_staging:
-                mf.remove_staging(self.root)
-            candidates = [str(p) for _, p in reversed(mf.list_checkpoints(self.root))]
+                manifest.remove_staging(self.root)
+            candidates = [str(p) for _, p in reversed(manifest.list_checkpoints(self.root))]
         candidates = broadcast_from_main(candidates)
-        skipped: list[mf.Verification] = []
+        skipped: list[manifest.Verification] = []
         for name in candidates:
-            result = mf.verify_checkpoint(Path(name), full=full, shard=(rank, world))
+            result = manifest.verify_checkpoint(Path(name), full=full, shard=(rank, world))
             problems = sorted({p for ps in all_gather(result.problems) for p in ps})
             if not problems:
                 result.ok, result.problems = True, []
-                return mf.Selection(Path(name), skipped)
+                return manifest.Selection(Path(name), skipped)
             result.ok, result.problems = False, problems
             skipped.append(result)
-        return mf.Selection(None, skipped)
+        return manifest.Selection(None, skipped)
 
     def load(
         self,
@@ -385,8 +368,6 @@ class Checkpointer:
 
 def _plain(value: Any) -> Any:
     """A state dict as JSON values (tensors as numbers or lists; tuples as lists)."""
-    import torch
-
     if isinstance(value, dict):
         return {str(k): _plain(v) for k, v in value.items()}
     if isinstance(value, list | tuple):

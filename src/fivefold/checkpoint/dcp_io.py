@@ -1,21 +1,6 @@
 """Model and optimizer tensors to and from a DCP checkpoint, keyed by global parameter FQN.
 
-`torch.distributed.checkpoint.state_dict.get_state_dict` turns whatever layout a rank holds
-(plain tensors, TP/FSDP DTensor shards, a pipeline stage's subset of layers) into one namespace
-of global FQNs (`layers.3.attention.wq.weight`); DCP writes each rank's shards in parallel and
-its index records where every slice of every global tensor lives, so a different layout (other
-TP/PP/DP/ZeRO/CP/EP degrees, other world size) reads back exactly the slices it needs. Keys:
-
-    model.<fqn>                   parameter values
-    optim.state.<fqn>.<name>      optimizer state (AdamW: step, exp_avg, exp_avg_sq)
-
-The optimizer state is flattened per FQN (`flatten_optimizer_state_dict`), so param groups may
-differ between layouts. Its non-tensor part (lr, betas, eps, weight_decay, ... per parameter) is
-returned as JSON-ready `hparam groups` and stored in state.json: DCP itself holds tensors only.
-
-Model parts: a rank may own several modules (pipeline chunks). They are addressed through one
-merged view whose FQNs are those of the full model, so a single optimizer over all parts works;
-a list of one optimizer per part works too.
+Details: docs/internals.md (`fivefold.checkpoint.dcp_io`).
 """
 
 from __future__ import annotations
@@ -29,6 +14,8 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -263,8 +250,6 @@ def load_into(
 
 def _check_against_index(directory: Path, request: dict[str, torch.Tensor]) -> None:
     """CheckpointError naming the keys and shapes the checkpoint lacks (before DCP reads)."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
     try:
         metadata = SafeFileSystemReader(str(directory)).read_metadata()
     except FileNotFoundError:
@@ -306,8 +291,6 @@ def _global_shape(tensor: torch.Tensor) -> torch.Size:
 def translate_dcp_errors(what: str):
     """DCP's CheckpointException (a BaseException carrying every rank's error) as our
     CheckpointError; a CheckpointError raised inside DCP (e.g. by the safe reader) as itself."""
-    from torch.distributed.checkpoint.api import CheckpointException
-
     try:
         yield
     except CheckpointException as err:

@@ -1,27 +1,6 @@
 """Hugging Face Llama interop: export a checkpoint to `config.json` + safetensors, import one back.
 
-fivefold's decoder is Llama's (pre-norm RMSNorm, rotate-half RoPE, GQA, SwiGLU, no biases), so
-the weights map one to one, with no permutation of the query/key rows (both use rotate-half):
-
-    tok_embeddings.weight                 model.embed_tokens.weight
-    layers.i.attention_norm.weight        model.layers.i.input_layernorm.weight
-    layers.i.attention.w{q,k,v,o}.weight  model.layers.i.self_attn.{q,k,v,o}_proj.weight
-    layers.i.ffn_norm.weight              model.layers.i.post_attention_layernorm.weight
-    layers.i.feed_forward.w1/w3/w2.weight model.layers.i.mlp.gate_proj/up_proj/down_proj.weight
-    norm.weight                           model.norm.weight
-    output.weight                         lm_head.weight (absent when embeddings are tied)
-
-Export reads the full tensors from a DCP checkpoint of any layout without a process group and,
-given the run's tokenizer, writes a self-contained directory: `tokenizer.json`,
-`tokenizer_config.json` and `generation_config.json` name the end-of-document token as bos, eos
-and pad (fivefold starts no document with a BOS token; `<|endoftext|>` ends each), so
-`transformers` `generate` stops where a document ends. Every file is written mode 0644.
-Import writes a weights-only fivefold checkpoint (`step_0`) that `fivefold train` resumes from
-with a fresh optimizer. MoE and GELU models have no Llama form and are refused, as are Llama
-configs fivefold cannot reproduce (biases, RoPE scaling other than Llama 3.1's "llama3" type,
-activations other than SiLU) and configs whose two RoPE spellings (`rope_parameters`,
-`rope_theta` + `rope_scaling`) disagree.
-Only `safetensors` is read or written: no pickles.
+Details: docs/checkpoints.md.
 """
 
 from __future__ import annotations
@@ -31,7 +10,15 @@ import re
 from pathlib import Path
 from typing import Any
 
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from fivefold.checkpoint.checkpointer import Checkpointer
+from fivefold.checkpoint.dcp_io import read_full_tensors
+from fivefold.checkpoint.state import read_state
 from fivefold.errors import CheckpointError, ConfigError
+from fivefold.model import build_model
 from fivefold.spec.hf_config import LLAMA3_KEYS, spec_from_hf_config
 from fivefold.spec.model import ModelSpec
 
@@ -309,12 +296,6 @@ def export_hf(
     Returns a summary (model name, step, parameter count, bytes written, files). No process
     group. A tokenizer with more tokens than the model's vocabulary is refused.
     """
-    import torch
-    from safetensors.torch import save_file
-
-    from fivefold.checkpoint.dcp_io import read_full_tensors
-    from fivefold.checkpoint.state import read_state
-
     if dtype not in _DTYPES:
         raise CheckpointError(f"--dtype {dtype!r}: choose one of {', '.join(_DTYPES)}.")
     checkpoint_dir = Path(checkpoint_dir)
@@ -380,9 +361,6 @@ def _write_safetensors(tensors: dict, out_dir: Path, save_file) -> list[str]:
 # ---- import ----------------------------------------------------------------------------------
 def read_hf(hf_dir: Path) -> tuple[ModelSpec, dict[str, Any]]:
     """The ModelSpec and fivefold-named fp32 tensors of a Hugging Face Llama directory."""
-    import torch
-    from safetensors import SafetensorError, safe_open
-
     hf_dir = Path(hf_dir)
     config_path = hf_dir / CONFIG_FILE
     if not config_path.is_file():
@@ -426,11 +404,6 @@ def import_hf(
     The tensors are checked against the model fivefold builds from the config (names, shapes).
     `seq_len` replaces the config's max_position_embeddings as the training sequence length.
     """
-    import torch
-
-    from fivefold.checkpoint.checkpointer import Checkpointer
-    from fivefold.model import build_model
-
     spec, tensors = read_hf(hf_dir)
     if seq_len is not None:
         spec = spec.with_(seq_len=seq_len)

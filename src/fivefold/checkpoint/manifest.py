@@ -1,19 +1,6 @@
 """Checkpoint directories, their manifest, atomic commit, retention and verification.
 
-Layout under a checkpoint root (`<run_dir>/ckpt`):
-
-    step_<n>/                    a committed checkpoint (visible only when complete)
-        .metadata  __<r>_0.distcp ...   DCP's index and each rank's tensor data
-        state.json               the non-tensor training state (`fivefold.checkpoint.state`)
-        manifest.json            every other file's size in bytes and SHA-256, written last
-    .staging_step_<n>/           a save in progress (or one that crashed): never read
-
-A save writes everything into the staging directory, writes the manifest, fsyncs, and renames the
-directory to `step_<n>` (an atomic rename on POSIX file systems). A crash at any point before the
-rename leaves only a staging directory, which readers ignore, so the previous checkpoint stays the
-newest usable one. Verification checks that every file of the manifest exists with its size
-("quick") and its SHA-256 ("full"); resuming takes the newest checkpoint that verifies and reports
-why newer ones were skipped. This module is pure Python (no torch), so `fivefold ckpt` is fast.
+Details: docs/checkpoints.md.
 """
 
 from __future__ import annotations

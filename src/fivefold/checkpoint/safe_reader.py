@@ -1,16 +1,6 @@
 """Reading DCP checkpoints without unpickling arbitrary objects.
 
-torch.distributed.checkpoint stores tensors in files that it reads with `torch.load(...,
-weights_only=True)`, but it reads its index (`.metadata`) with a plain `pickle.load`, and it
-reads non-tensor values with `torch.load(weights_only=False)`: a tampered checkpoint could run
-code at load time. fivefold never stores non-tensor values through DCP (they go to JSON), so:
-
-- `SafeFileSystemReader` reads `.metadata` with an unpickler that resolves only the classes DCP's
-  metadata is made of (its dataclasses, `torch.Size`, dtypes, layouts, paths) and refuses any
-  other global with a `CheckpointError`;
-- `SafeLoadPlanner` refuses every pickled value instead of unpickling it.
-
-torch offers no restricted reader for DCP metadata, hence this small one.
+Details: docs/checkpoints.md.
 """
 
 from __future__ import annotations

@@ -1,18 +1,6 @@
 """The non-tensor training state of a checkpoint, as JSON (never pickled objects).
 
-`TrainingState` holds what a run needs besides weights and optimizer moments: the optimizer step
-count, the LR scheduler's state, the data sampler's position (global samples consumed, so any
-data-parallel size continues the same global order), every rank's RNG states, the optimizer's
-per-parameter hyperparameters (lr, betas, ... keyed by parameter FQN, so they survive a change of
-layout), the model spec and the plan that wrote it. It is written once per checkpoint
-(`state.json`, by global rank 0) and read by every rank.
-
-RNG states are stored as base64 bytes (torch, CUDA) and plain integer lists (Python, NumPy),
-keyed by rank: each rank saves its own generators, CUDA's of the GPU it runs on only (not every
-GPU the node shows), and on a different world size rank r restores the saved state of rank
-r mod (saved world size) onto its own GPU, however many GPUs this machine has. (Checkpoints
-written before kept every visible GPU's state per rank; rank r then takes the entry of its
-device index, modulo their count.)
+Details: docs/checkpoints.md.
 """
 
 from __future__ import annotations
@@ -21,13 +9,17 @@ import base64
 import binascii
 import json
 import random
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from fivefold.errors import CheckpointError
+from fivefold.spec.model import ModelSpec
+
+# torch is imported inside the functions that use it: the launcher's pre-start check reads a
+# checkpoint's state without torch (fivefold.train.prestart).
 
 STATE_FORMAT = "fivefold-state-v1"
 STATE_FILE = "state.json"
@@ -133,10 +125,6 @@ def read_state(directory: Path) -> TrainingState:
 def spec_mismatches(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     """`model.<field> = <current> (checkpoint: <saved>)` for every field that differs. A field
     a checkpoint predates (absent from it) counts as its default."""
-    from dataclasses import fields
-
-    from fivefold.spec.model import ModelSpec
-
     defaults = {f.name: f.default for f in fields(ModelSpec)}
     keys = sorted((set(saved) | set(current)) - set(_SPEC_FIELDS_IGNORED))
     return [

@@ -13,6 +13,16 @@ import argparse
 import json
 from pathlib import Path
 
+from fivefold.checkpoint.manifest import (
+    MANIFEST_FILE,
+    list_checkpoints,
+    list_staging,
+    resolve_root,
+    step_of,
+    verify_checkpoint,
+)
+from fivefold.errors import CheckpointError
+
 _DIR_HELP = (
     "a run directory (e.g. runs/small-cpu, holding ckpt/), a checkpoint root (ckpt/) or one "
     "step_<n> checkpoint directory"
@@ -60,8 +70,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _targets(path: Path) -> list[Path]:
     """The checkpoint directories DIR names (one, or all under a root), oldest first."""
-    from fivefold.checkpoint.manifest import MANIFEST_FILE, list_checkpoints, resolve_root, step_of
-    from fivefold.errors import CheckpointError
 
     if not path.exists():
         raise CheckpointError(f"{str(path)!r} does not exist; give a run or checkpoint directory.")
@@ -93,7 +101,6 @@ def _describe_writer(directory: Path) -> str:
 
 
 def _ls(args: argparse.Namespace) -> int:
-    from fivefold.checkpoint.manifest import list_staging, resolve_root, verify_checkpoint
 
     targets = _targets(args.dir)
     print(f"{'step':>10}  {'MiB':>9}  {'files':>5}  {'sizes':<8}  written by")
@@ -117,7 +124,6 @@ def _ls(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from fivefold.checkpoint.manifest import verify_checkpoint
 
     results = [verify_checkpoint(path, full=not args.quick) for path in _targets(args.dir)]
     for result in results:

@@ -11,6 +11,11 @@ import argparse
 import time
 from pathlib import Path
 
+from fivefold.errors import ConfigError, DataError
+
+# fivefold.train.data (numpy, tokenizers) is imported inside the functions: `fivefold --help`
+# imports every command module (fivefold.cli.main) and must stay quick.
+
 _INPUTS_HELP = (
     "text files: .txt (one document per file, or documents separated by lines that read "
     '<|endoftext|>) or .jsonl (one JSON object per line with the document in its "text" field); '
@@ -94,7 +99,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _tokenizer(args: argparse.Namespace) -> int:
-    from fivefold.errors import ConfigError
     from fivefold.train.data import train_tokenizer
 
     parent = args.out.parent
@@ -114,7 +118,6 @@ def _tokenizer(args: argparse.Namespace) -> int:
 
 
 def _prepare(args: argparse.Namespace) -> int:
-    from fivefold.errors import DataError
     from fivefold.train.data import (
         TokenShards,
         default_tokenizer,

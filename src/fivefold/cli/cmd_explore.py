@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import webbrowser
+
+# The server (and the planner behind it) is imported inside the functions: `fivefold --help`
+# imports every command module (fivefold.cli.main) and must stay quick.
 
 DEFAULT_PORT = 8765
 
@@ -54,11 +58,8 @@ def run_explore(args: argparse.Namespace) -> int:
 
     server = ExploreServer(args.port, verbose=args.verbose)
     print(f"fivefold explore: serving {server.url} (Ctrl-C to stop)", flush=True)
-    if args.open:
-        import webbrowser
-
-        if not webbrowser.open(server.url):
-            print("fivefold explore: no web browser found; open the address above.", flush=True)
+    if args.open and not webbrowser.open(server.url):
+        print("fivefold explore: no web browser found; open the address above.", flush=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:

@@ -3,7 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
+
+from fivefold.checkpoint.manifest import MANIFEST_FILE, newest_valid, step_of, verify_checkpoint
+from fivefold.errors import CheckpointError
+from fivefold.spec.recipe import read_toml
+
+# torch, numpy and tokenizers are imported inside the functions: `fivefold --help`
+# imports every command module (fivefold.cli.main) and must stay quick.
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -51,14 +59,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def select_checkpoint(path: Path) -> tuple[Path, str]:
     """(checkpoint, note): a step directory as given, or the newest valid checkpoint under a
     run dir / root; the note names newer checkpoints that were skipped as corrupt ("" if none)."""
-    from fivefold.checkpoint.manifest import MANIFEST_FILE, newest_valid, step_of
-    from fivefold.errors import CheckpointError
 
     if not path.exists():
         raise CheckpointError(f"--from {str(path)!r} does not exist.")
     if step_of(path) is not None or (path / MANIFEST_FILE).is_file():
-        from fivefold.checkpoint.manifest import verify_checkpoint
-
         result = verify_checkpoint(path)
         if not result.ok:
             raise CheckpointError(
@@ -83,7 +87,6 @@ def select_checkpoint(path: Path) -> tuple[Path, str]:
 def run_tokenizer(checkpoint: Path, vocab: int, explicit: Path | None):
     """The tokenizer to export: `explicit`, else the one the checkpoint's run trained with
     (its recipe.toml's data.tokenizer, else the default tokenizer); None if unknown."""
-    from fivefold.spec.recipe import read_toml
     from fivefold.train.data.tokenizer import default_tokenizer, load_tokenizer
 
     if explicit is not None:
@@ -99,8 +102,6 @@ def run_tokenizer(checkpoint: Path, vocab: int, explicit: Path | None):
 
 
 def _export(args: argparse.Namespace) -> int:
-    import sys
-
     from fivefold.checkpoint.hf import export_hf
     from fivefold.checkpoint.state import read_state
 

@@ -6,7 +6,12 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from fivefold.checkpoint.manifest import list_checkpoints
 from fivefold.cli.recipe_text import batch_lines, data_section, toml_value, train_section
+from fivefold.errors import CheckpointError, DataError
+
+# torch, numpy and tokenizers are imported inside the functions: `fivefold --help`
+# imports every command module (fivefold.cli.main) and must stay quick.
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -69,8 +74,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _import(args: argparse.Namespace) -> int:
     from fivefold.checkpoint.hf import import_hf
-    from fivefold.checkpoint.manifest import list_checkpoints
-    from fivefold.errors import CheckpointError
 
     root = args.out / "ckpt"
     if list_checkpoints(root):
@@ -123,7 +126,6 @@ def _import(args: argparse.Namespace) -> int:
 
 def _model_tokenizer(args: argparse.Namespace, vocab: int):
     """The imported model's tokenizer (DIR/tokenizer.json or --tokenizer), checked to fit."""
-    from fivefold.errors import DataError
     from fivefold.train.data.tokenizer import EOD_TOKEN, load_tokenizer
 
     path = args.tokenizer or args.hf / "tokenizer.json"
@@ -147,7 +149,6 @@ def _model_tokenizer(args: argparse.Namespace, vocab: int):
 
 def _data_section(args: argparse.Namespace, tokenizer, vocab: int) -> dict[str, Any]:
     """[data] values for --shards / --inputs; shards of another tokenizer are refused here."""
-    from fivefold.errors import DataError
 
     if args.shards is not None:
         from fivefold.train.data.shards import TokenShards

@@ -7,9 +7,12 @@ import json
 from typing import TYPE_CHECKING
 
 from fivefold.spec.cluster import CLUSTER_PRESETS
-from fivefold.spec.hardware import GiB
 from fivefold.spec.model import ModelSpec, param_count
 from fivefold.spec.presets import MODEL_PRESETS
+from fivefold.units import GiB
+
+# rich is imported inside the functions: `fivefold --help`
+# imports every command module (fivefold.cli.main) and must stay quick.
 
 if TYPE_CHECKING:
     from rich.table import Table

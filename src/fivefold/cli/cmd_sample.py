@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
+from fivefold.cli.cmd_export import run_tokenizer, select_checkpoint
 from fivefold.errors import ConfigError
+from fivefold.spec.model import ModelSpec
+
+# torch and the model are imported inside the functions: `fivefold --help`
+# imports every command module (fivefold.cli.main) and must stay quick.
 
 _DESCRIPTION = """\
 Generate text from a run's newest valid checkpoint (or one step_<n> directory), in this one
@@ -82,7 +88,6 @@ def load_checkpoint_model(checkpoint: Path):
     from fivefold.checkpoint.dcp_io import read_full_tensors
     from fivefold.checkpoint.state import read_state
     from fivefold.model import build_model
-    from fivefold.spec.model import ModelSpec
 
     state = read_state(checkpoint)
     spec = ModelSpec(**{k: v for k, v in state.model_spec.items() if k != "notes"})
@@ -96,11 +101,8 @@ def load_checkpoint_model(checkpoint: Path):
 
 
 def handle(args: argparse.Namespace) -> int:
-    import sys
-
     import torch
 
-    from fivefold.cli.cmd_export import run_tokenizer, select_checkpoint
     from fivefold.model.generate import generate
 
     check_args(args)

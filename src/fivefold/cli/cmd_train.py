@@ -273,8 +273,8 @@ def _check_planner_table(recipe_path: str | None, overrides: list[str], run) -> 
 def dry_run_report(run, nproc: int) -> str:
     """The resolved recipe, the layout and the planner's predictions, as `--dry-run` prints
     them (the predictions are `fivefold.parallel.report`'s, the ones each run prints)."""
+    from fivefold.parallel.device import pick_device
     from fivefold.parallel.mesh import ParallelDims
-    from fivefold.parallel.process_group import pick_device
     from fivefold.parallel.report import predictions_for
     from fivefold.spec.recipe import dump_recipe
 

@@ -24,8 +24,8 @@ from pathlib import Path
 
 from fivefold.cli.intermixed import merge_intermixed
 from fivefold.errors import ConfigError
+from fivefold.units import GiB as GIB
 
-GIB = 2**30
 POLICIES = ("none", "selective", "full")  # cheapest first: each recomputes more
 
 _DESCRIPTION = """\
@@ -322,7 +322,6 @@ def _second_step_peak(session: TuneSession, run) -> int:
 
 def predicted_peak(run) -> int | None:
     """The planner's peak bytes for this one-process layout (the layout report's helper)."""
-    from fivefold.parallel.report import GIB as REPORT_GIB
     from fivefold.parallel.report import memory_only_prediction
     from fivefold.train.runtime import pick_device
 
@@ -333,7 +332,7 @@ def predicted_peak(run) -> int | None:
         )
     except Exception:  # a planner gap must not stop the measurement
         return None
-    return int(max(stage["total"] for stage in stages) * REPORT_GIB)
+    return int(max(stage["total"] for stage in stages) * GIB)
 
 
 def choose(trials: list[Trial]) -> Trial | None:

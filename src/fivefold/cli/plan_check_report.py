@@ -9,9 +9,9 @@ import time
 from typing import Any
 
 from fivefold.errors import ConfigError
+from fivefold.units import GiB as GIB
+from fivefold.units import MiB as MIB
 
-GIB = 1024**3
-MIB = 1024**2
 TARGET = 0.05  # the memory model's promise: predicted peak within 5 % of the checked one
 TRACKER_TENANTS = {  # torch's MemTracker categories (`_MemRefType` names), in our words
     "param": "params",

@@ -15,6 +15,11 @@ from dataclasses import fields
 from functools import cache
 from typing import Any
 
+from fivefold.spec.plan import ParallelPlan
+
+# fivefold.train.config (numpy, rich) is imported inside the functions: `fivefold --help`
+# imports every command module (fivefold.cli.main) and must stay quick.
+
 # The [train] fields a written recipe spells out (the rest keep their defaults silently).
 TRAIN_FIELDS = (
     "name",
@@ -97,6 +102,4 @@ def data_section(given: dict[str, Any]) -> list[str]:
 
 def batch_lines(given: dict[str, Any]) -> list[str]:
     """[plan] lines for the batch: micro_batch and grad_accum, written out with their meaning."""
-    from fivefold.spec.plan import ParallelPlan
-
     return commented_lines(ParallelPlan, BATCH_FIELDS, given)

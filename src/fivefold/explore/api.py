@@ -45,8 +45,9 @@ from fivefold.planner.request import (
 )
 from fivefold.planner.uncertainty import risk_problems
 from fivefold.spec.cluster import CLUSTER_PRESETS, ClusterSpec
+from fivefold.spec.geometry import RECOMPUTE_POLICIES
 from fivefold.spec.hardware import GPU_ALIASES, GPUS, GiB
-from fivefold.spec.model import RECOMPUTE_POLICIES, ModelSpec, param_count
+from fivefold.spec.model import ModelSpec, param_count
 from fivefold.spec.plan import CP_KINDS, SCHEDULES, ParallelPlan
 from fivefold.spec.precision import RECIPES
 from fivefold.spec.presets import MODEL_PRESETS

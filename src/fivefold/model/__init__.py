@@ -6,16 +6,9 @@ logits = model(tokens, positions=None, doc_ids=None)   # [B, T] -> fp32 [B, T, V
 loss = cross_entropy_loss(logits, labels) + model.aux_loss()
 """
 
-from fivefold.model.attention import (
-    Attention,
-    AttentionCore,
-    Block,
-    Chunk,
-    DocumentLayout,
-    Span,
-    block_attention,
-    document_blocks,
-)
+from fivefold.model.attention import Attention, AttentionCore
+from fivefold.model.attention_blocks import block_attention
+from fivefold.model.document_layout import Block, Chunk, DocumentLayout, Span, document_blocks
 from fivefold.model.feed_forward import FeedForward
 from fivefold.model.init import canonical_fqn, init_module_weights, param_seed
 from fivefold.model.loss import IGNORE_INDEX, cross_entropy_loss

@@ -1,26 +1,6 @@
 """Deterministic, layout-independent weight initialisation, computed shard by shard.
 
-Every element's value is a pure function of (seed, parameter FQN, global element index), where
-the FQN is the parameter's name inside the full `Transformer` (wrapper prefixes such as
-`_checkpoint_wrapped_module.` removed). The values therefore do not depend on which sub-modules
-exist (pipeline stages delete layers), on the order of initialisation, on the device, or on how
-the parameter is sharded.
-
-Rules: RMSNorm weights 1; every other weight normal(0, 0.02), except the projections that write
-into the residual stream (attention `wo`, MLP and expert `w2`), whose std is 0.02 / sqrt(2 L)
-with L = the model's total number of layers.
-
-How a shard is computed without the full tensor: a parameter of shape [..., C] is viewed as a
-matrix of R = prod(leading dims) rows and C columns, cut into blocks of `rows_per_block(C)` rows (a
-function of the shape only, about `BLOCK_ELEMENTS` elements). Block b is drawn by its own CPU
-`torch.Generator` seeded by a hash of (seed, FQN, b) (block 0: of (seed, FQN), so small parameters
-keep the values they had when every parameter was drawn whole). A rank holding a shard learns which
-global indices it holds along each dimension from the DTensor's own placements (`distribute_tensor`
-of a small index tensor, no communication), draws only the blocks its rows meet, one at a time, and
-copies the elements it keeps. So a rank never holds more than its shard plus one block, for any
-placement (FSDP2 dim-0 shards, TP Shard(0)/Shard(1), strided FSDP x TP shards, EP expert slices).
-torch has no counter-based CPU generator that could address an element directly; blocks of a seeded
-Mersenne-Twister stream stand in for one.
+Details: docs/internals.md (`fivefold.model.init`).
 """
 
 from __future__ import annotations
@@ -119,6 +99,7 @@ def shard_indices(param: torch.Tensor) -> list[torch.Tensor]:
     """For each dim of `param`'s global shape, the global indices of its local elements (local
     order). A plain tensor holds everything; a DTensor's are read from its own placements by
     sharding a small index tensor the same way (`distribute_tensor`, no communication)."""
+    # here: torch.distributed.tensor takes ~2 s to import, and a one-process run never needs it
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     shape = tuple(param.shape)
@@ -148,7 +129,7 @@ def shard_indices(param: torch.Tensor) -> list[torch.Tensor]:
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor  # here: as in `shard_indices`
 
     return param.to_local() if isinstance(param, DTensor) else param
 

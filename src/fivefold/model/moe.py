@@ -1,14 +1,6 @@
 """Mixture-of-experts feed-forward: top-k softmax router, grouped SwiGLU experts, dropless.
 
-Flow of one MoE layer (N = B * T tokens, K = top_k, E = experts):
-  router logits [N, E] -> softmax (fp32) -> top-k -> gates renormalised over the K choices
-  dispatcher.dispatch: token copies sorted by expert -> [N*K, D] + tokens_per_expert [E_local]
-  experts: one SwiGLU per expert over its contiguous group, as grouped GEMMs
-  (`torch._grouped_mm` with the groups' end offsets: no host sync), see `grouped_swiglu`
-  dispatcher.combine: back to token order, weighted by the gates, summed over the K copies
-  + shared expert(s) on every token.
-The dispatcher is a plain object with two methods so expert parallelism can swap in an
-all-to-all version; torch has no dropless token dispatcher that runs on CPU, hence this one.
+Details: docs/internals.md (`fivefold.model.moe`).
 """
 
 from __future__ import annotations

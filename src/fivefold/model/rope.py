@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from fivefold.model.rope_scaling import scale_inverse_frequencies
+
 
 def rope_inverse_frequencies(head_dim: int, theta: float, device=None) -> torch.Tensor:
     """theta^(-2i/head_dim) for i in [0, head_dim/2): fp32 [head_dim / 2]."""
@@ -28,8 +30,6 @@ def rope_cos_sin(
     `scaling`: a `fivefold.model.rope_scaling.RopeScaling` (Llama 3.1 style), None for plain."""
     inv_freq = rope_inverse_frequencies(head_dim, theta, device=positions.device)
     if scaling is not None:
-        from fivefold.model.rope_scaling import scale_inverse_frequencies
-
         inv_freq = scale_inverse_frequencies(inv_freq, scaling)
     angles = positions.to(torch.float32).unsqueeze(-1) * inv_freq  # [B, T, head_dim/2]
     angles = torch.cat((angles, angles), dim=-1).unsqueeze(2)  # [B, T, 1, head_dim]

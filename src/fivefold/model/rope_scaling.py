@@ -1,16 +1,6 @@
 """Llama 3.1-style RoPE scaling ("llama3" rope type): longer context from the same frequencies.
 
-Each rotary frequency f_i = theta^(-2i/head_dim) has a wavelength 2*pi / f_i tokens. With the
-pre-training context L (`rope_original_seq_len`), a scale s (`rope_scaling_factor`) and two
-thresholds (`rope_low_freq_factor` a < `rope_high_freq_factor` b):
-
-    wavelength < L / b          f_i unchanged        (high frequencies: local order)
-    wavelength > L / a          f_i / s              (low frequencies: stretched by s)
-    otherwise                   (1 - t) f_i / s + t f_i,  t = (L / wavelength - a) / (b - a)
-
-The cos/sin tables are not rescaled (the attention factor of this rope type is 1). A spec with
-`rope_scaling_factor = 1` uses plain RoPE. Kept apart from `fivefold.model.rope` so the rotary
-code itself does not change.
+Details: docs/internals.md (`fivefold.model.rope_scaling`).
 """
 
 from __future__ import annotations

@@ -1,14 +1,7 @@
 """The torch APIs fivefold uses that differ across the supported range (torch 2.11 to 2.13; CI
 installs 2.13), detected by looking at this installation, never by version number.
 
-`available(key)` probes one feature (on demand: some of these imports take seconds) and
-`torch_features()` all of them; the small helpers (`varlen_supports_gqa`, ...) are what the
-code paths ask; `torch_problems(recipe)` is the start-up check: for each feature the
-recipe needs and this torch lacks, one line naming the API and the setting that needs it (the
-launchers raise it as a ConfigError, exit 2, before any process starts, never mid-step).
-Features with a fallback are not problems: without `varlen_attn` packed documents take the
-per-document kernel, without its `enable_gqa` (torch 2.11) K/V heads are repeated for the call,
-without `_set_pg_timeout` the start-up collective timeout is kept for the whole run.
+Details: docs/internals.md (`fivefold.model.torch_features`).
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from fivefold.errors import ConfigError
-from fivefold.model.attention import Attention, DocumentLayout
+from fivefold.model.attention import Attention
+from fivefold.model.document_layout import DocumentLayout
 from fivefold.model.feed_forward import FeedForward
 from fivefold.model.init import init_module_weights
 from fivefold.model.moe import MoE

@@ -8,7 +8,7 @@ Modules, one concept each: `mesh` (degrees and the DeviceMesh), `tensor_parallel
 `pipeline`, `context_parallel` and `expert_parallel` (PP, CP ring attention, MoE all-to-all),
 `parallelize` (the fixed order PP -> TP -> EP -> CP -> AC -> FSDP/DDP), `runtime` (the train
 step, loss and gradient norm over the whole layout), `protocol` (the Runtime protocol and
-`StepResult` the loop speaks), `process_group` (start-up, timeouts, the device),
+`StepResult` the loop speaks), `process_group` (start-up, timeouts), `device`,
 `mixed_precision` (the one precision resolution), `grad_norm` and `report` (predicted vs
 measured per stage). Starting the processes is `fivefold.launch`; measuring this machine,
 `fivefold.calibration`. Names are imported lazily: `import fivefold.parallel` does not import

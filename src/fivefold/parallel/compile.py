@@ -1,33 +1,6 @@
 """`train.compile = true`: `torch.compile` (inductor) on each transformer block.
 
-Applied to a chunk after tensor/expert/context parallelism and activation checkpointing and
-before FSDP/DDP wrap the blocks, the order torchtitan uses: each block (checkpoint wrapper
-included) is replaced in `layers` by its compiled form, so the compiled graph sees the DTensor
-and checkpointing code and FSDP's hooks stay outside it. Graph breaks are allowed (not
-`fullgraph`): host-side code such as the expert-parallel all-to-all split sizes runs eagerly,
-and so does a context-parallel attention core. The single-process core does not break the
-graph: a pre-hook reads the batch's document layout eagerly, so the block branches on a plain
-bool (SDPA `is_causal` in the graph for one-document rows; for packed rows the
-`fivefold::document_attention` custom op on CPU, FlexAttention on CUDA with the batch's
-`BlockMask`, which the pre-hook builds). Another pre-hook hands each block plain tensors where
-tensor parallelism produced `AsyncCollectiveTensor`s (see `_wait_async_inputs`).
-The compiled module keeps the block's parameters under `_orig_mod.`, which the deterministic
-initialisation and torch's distributed state dicts strip, so names, initial values and
-checkpoints are those of the uncompiled model.
-
-Across processes of a distributed run AOTAutograd's on-disk cache is turned off
-(`_no_autograd_cache_across_ranks`). Its key hashes dynamo's graph and the inputs' metadata
-(a DTensor's DeviceMesh is the same on every rank), not the process group names that the
-compiled code holds (per-process counters such as "15"). With TP x CP the CP core's graph break
-makes torch compile TP's input hook as a graph of its own, and ranks of the two TP groups
-computed one key for it: a warm run had a rank load the entry the other group wrote and fail
-with "Could not resolve the process group registered under the name 15" (across layouts
-sharing a cache the name could even resolve to a wrong group). Measured on torch 2.13: turning
-off this cache alone fixes it. Inductor's FX graph cache stays on: its key hashes the graph
-AOTAutograd traced, group names included, so a hit holds the code this process would generate.
-
-On CPU inductor generates C++ and needs a compiler (g++ or $CXX). Compilation happens at the
-first forward of each block; `compile_seconds()` is the time torch spent compiling so far.
+Details: docs/internals.md (`fivefold.parallel.compile`).
 """
 
 from __future__ import annotations
@@ -43,7 +16,8 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack as _dispatch_mode_stack
 
 from fivefold.errors import ConfigError
-from fivefold.model.attention import AttentionCore, DocumentLayout
+from fivefold.model.attention import AttentionCore
+from fivefold.model.document_layout import DocumentLayout
 
 
 def has_cpu_compiler() -> bool:
@@ -156,7 +130,7 @@ def apply_compile(chunk: nn.Module, backend: Any = "inductor") -> None:
 
 def compile_seconds() -> tuple[float, int]:
     """(seconds torch.compile has spent compiling in this process, graphs compiled)."""
-    from torch._dynamo.utils import compilation_time_metrics
+    from torch._dynamo.utils import compilation_time_metrics  # here: seconds to import
 
     times = compilation_time_metrics.get("_compile.compile_inner", [])
     return float(sum(times)), len(times)

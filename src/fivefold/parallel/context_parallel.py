@@ -1,35 +1,6 @@
 """Context parallelism: the sequence split over the CP group, attention computed across it.
 
-Written by hand because torch's `context_parallel` does not run on CPU (see the gloo notes).
-
-Layout (load-balanced for causal masks). A sequence of T tokens is cut into 2*cp chunks of
-c = T / (2*cp) tokens; CP rank r holds chunk r (its "head") followed by chunk 2*cp-1-r (its
-"tail"). Every rank then owns the same amount of causal attention work. Tokens, labels,
-positions and doc_ids are all sharded with this one layout (`shard_batch_for_cp`), so RoPE uses
-the true positions.
-
-Documents. No mask is ever built. Once per forward (at the first layer, cached on the model's
-`DocumentLayout`) the CP ranks all-gather their doc ids and read the global document
-boundaries on the host; from them come the blocks (`fivefold.model.attention.document_blocks`):
-for each pair of a query chunk and a key chunk, the per-document rectangles, causal on the
-diagonal, full where the keys precede the queries, absent where they follow. Every layer reuses
-them. The kernels are the model's own block kernels, merged across blocks by log-sum-exp: on
-CPU SDPA's flash kernel per span (GQA native); on CUDA in fp16/bf16 one flash-attention varlen
-call per block (`_flash_attention_forward`/`_backward` with the block's documents as
-sequences, `varlen_sequences`; their int32 offsets copied once per packing), GQA native, no K/V
-copies, the gradients summed in the compute dtype (checked under FakeTensorMode only: no GPU
-here).
-
-Three ways to attend across the group, chosen by `plan.cp_kind`:
-- "ring": K/V blocks travel around the ring (rank r sends to r+1) while each rank attends its
-  queries to the block it holds. Each exchange is posted before the block's compute and waited
-  after it. The backward runs the same ring again; the dK/dV of a block travel beside it: a
-  rank adds its share, posts the send, and waits for the next incoming dK/dV only after its next
-  block's compute, so both exchanges overlap compute; after the last hop they are home.
-- "allgather": every rank all-gathers K/V (autograd all-gather, whose backward is a
-  reduce-scatter) and attends its local queries to the whole sequence.
-- "ulysses": an all-to-all turns sequence shards into head shards, full-sequence attention runs
-  on H/cp heads, and a second all-to-all turns the output back.
+Details: docs/internals.md (`fivefold.parallel.context_parallel`).
 """
 
 from __future__ import annotations
@@ -43,17 +14,14 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 
-from fivefold.model.attention import (
-    Block,
-    Chunk,
-    DocumentLayout,
+from fivefold.model.attention_blocks import (
     block_attention,
     block_backward,
     block_forward,
-    document_blocks,
     grad_dtype,
     merge_partial,
 )
+from fivefold.model.document_layout import Block, Chunk, DocumentLayout, document_blocks
 
 
 # ---- layout --------------------------------------------------------------------------------------

@@ -1,41 +1,19 @@
 """Data parallelism: DDP, ZeRO-1/2/3 and HSDP, all on FSDP2 (`fully_shard` / `replicate`).
 
-Every rank of the `dp_cp` group (dp_replicate x dp_shard x cp) holds the same dense weights;
-CP ranks see different tokens of the same sequences, so their gradients are reduced together
-with the data-parallel ones.
-
-- ZeRO-0 (DDP): `replicate` (FSDP2's DDP: one all-reduce of gradients per bucket) per block and
-  at the root, over dp_cp. It composes with TP/PP and mixed precision where classic DDP does not.
-- ZeRO-1: parameters sharded at rest over dp_shard x cp so the optimizer state is sharded;
-  gathered once per step (not re-sharded between forward and backward, nor between
-  micro-batches); gradients are accumulated unsharded and reduce-scattered once, after the last
-  micro-batch.
-- ZeRO-2: as ZeRO-1, but gradients are reduce-scattered after every micro-batch, so only the
-  gradient shard is held between micro-batches (the ZeRO-2 memory saving).
-- ZeRO-3 (FSDP): `fully_shard` per block with re-sharding after forward; parameters gathered
-  block by block in forward and again in backward; gradients reduce-scattered after every
-  micro-batch, so only gradient shards live between micro-batches (as FSDP2 intends; skipping
-  the sync would keep whole unsharded gradients across the accumulation).
-- HSDP: dp_replicate > 1 with dp_shard > 1 (ZeRO-3): sharded over dp_shard x cp, replicated
-  over dp_replicate (2-D mesh).
-- plan.offload = "all" (ZeRO-3): FSDP2's `CPUOffloadPolicy` on every wrap, so the sharded
-  parameters, their gradients and the optimizer state live in host memory
-  (`fivefold.parallel.offload`; "optimizer" offload is the optimizer's, not FSDP's).
-
-Gradients are reduced with a plain SUM (divide factor 1): the runtime scales each rank's loss by
-1 / (tokens in the global batch), so the summed gradient is that of the global mean loss.
-Mixed precision: parameters cast to the compute dtype for forward/backward, gradients reduced
-and master weights kept in fp32 (FSDP2 `MixedPrecisionPolicy`).
+Details: docs/internals.md (`fivefold.parallel.data_parallel`).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard
 
 from fivefold.parallel.mixed_precision import resolve_precision
+from fivefold.parallel.offload import cpu_offload_policy
 from fivefold.spec.plan import ParallelPlan
 
 
@@ -70,14 +48,10 @@ def _wrap(
     shard_placement_fn=None,
 ) -> None:
     if plan.zero == 0:
-        from torch.distributed._composable.replicate_with_fsdp import replicate
-
         replicate(module, mesh=mesh, mp_policy=mp)
         return
     extra = {}
     if plan.offload == "all":
-        from fivefold.parallel.offload import cpu_offload_policy
-
         extra["offload_policy"] = cpu_offload_policy(device)
     if shard_placement_fn is not None:
         extra["shard_placement_fn"] = shard_placement_fn
@@ -91,8 +65,6 @@ def expert_shard_placement(experts: nn.Module, mesh: DeviceMesh):
     experts than the sharding mesh has ranks (one rank then keeps whole experts, the others
     nothing), so shard the weights' second dimension [E_local, F|D, D|F] instead (as
     torchtitan does); None keeps the default."""
-    from torch.distributed.tensor import DTensor, Shard
-
     local = min(
         (p.to_local() if isinstance(p, DTensor) else p).shape[0] for p in experts.parameters()
     )

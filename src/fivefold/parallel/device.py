@@ -1,20 +1,7 @@
-"""Where a run executes, found rather than told: the one resolution of `train.device` and of
-the cluster a recipe without `[cluster]` runs on.
-
-- `uses_cuda(setting)`: `train.device` ("auto" | "cpu" | "cuda") as cuda or not; "cuda" without
-  a CUDA device is a ConfigError. Every part that asks (recipe defaults, the machine-memory and
-  lever checks, the runtimes, `tune`, the layout report) asks this function.
-- `local_gpu()`: the GPU this process would use (`torch.cuda.get_device_name`, its memory,
-  its catalog entry by `fivefold.spec.hardware.catalog_key_for_device`, whether bf16 is native).
-- `local_cluster_table(world, local_world)`: the `[cluster]` a GPU run without one gets: the
-  catalog GPU found (`unknown-gpu` when the catalog does not know it: memory is still predicted,
-  step time is not), `world` GPUs in nodes of `local_world` (torchrun's LOCAL_WORLD_SIZE), links
-  from the GPU's own system (`fivefold.spec.cluster.cluster_for_gpu`). A CPU run keeps its own
-  path (the calibrated profile, else the measured CPU).
-
-Native bf16 only: `torch.cuda.is_bf16_supported(including_emulation=False)` where this torch has
-the argument, else compute capability 8.0 or newer. A V100 or T4 emulates bf16 slowly; a run
-there defaults to fp32 as on a CPU.
+"""Where a run executes, found rather than told: the one resolution of `train.device`
+("auto" | "cpu" | "cuda": `uses_cuda`, `pick_device`), the GPU this process uses (`local_gpu`)
+and the `[cluster]` a GPU run without one gets (`local_cluster_table`). Native bf16 only: a V100
+or T4 emulates bf16 slowly, so a run there defaults to fp32 as on a CPU.
 """
 
 from __future__ import annotations
@@ -23,11 +10,17 @@ import inspect
 import os
 import subprocess
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fivefold.errors import ConfigError
 from fivefold.spec.cluster import cluster_for_gpu
 from fivefold.spec.hardware import UNKNOWN_GPU, catalog_key_for_device
+from fivefold.units import GiB, MiB
+
+# torch is imported inside the functions that use it: the recipe checks read DEVICE_SETTINGS and
+# `fivefold --help` imports this module without torch.
+if TYPE_CHECKING:
+    import torch
 
 DEVICE_SETTINGS = ("auto", "cpu", "cuda")
 BF16_MIN_CAPABILITY = (8, 0)  # Ampere and newer run bf16 on their tensor cores
@@ -43,6 +36,18 @@ def uses_cuda(setting: str) -> bool:
     if setting == "cuda" and not available:
         raise ConfigError("train.device = 'cuda' but no CUDA device is available; use 'auto'.")
     return available if setting in DEVICE_SETTINGS else False
+
+
+def pick_device(setting: str) -> torch.device:
+    """`train.device = setting` as a torch device: cuda:LOCAL_RANK (made the current device)
+    when `uses_cuda`, else cpu."""
+    import torch
+
+    if not uses_cuda(setting):
+        return torch.device("cpu")
+    device = torch.device("cuda", local_rank())
+    torch.cuda.set_device(device)
+    return device
 
 
 def local_rank() -> int:
@@ -77,7 +82,7 @@ class LocalGPU:
 
     def describe(self) -> str:
         known = self.catalog_key or "not in the catalog"
-        return f"{self.name} ({known}, {self.total_memory_bytes / 2**30:.1f} GiB)"
+        return f"{self.name} ({known}, {self.total_memory_bytes / GiB:.1f} GiB)"
 
 
 def local_gpu(index: int | None = None) -> LocalGPU | None:
@@ -113,7 +118,7 @@ def _nvidia_smi_gpu(index: int) -> LocalGPU | None:
         name, mib, capability = (
             x.strip() for x in out.stdout.strip().splitlines()[0].rsplit(",", 2)
         )
-        memory = int(float(mib)) * 2**20
+        memory = int(float(mib)) * MiB
         native_bf16 = tuple(int(x) for x in capability.split(".")) >= BF16_MIN_CAPABILITY
     except (OSError, subprocess.SubprocessError, ValueError, IndexError):
         return None

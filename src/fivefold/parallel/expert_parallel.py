@@ -1,29 +1,6 @@
 """Expert parallelism: a MoE layer's experts sharded over the EP group, tokens moved by all-to-all.
 
-Written by hand because torch has no dropless token dispatcher that runs on CPU. The pieces:
-- `AllToAllDispatcher` replaces `MoE.dispatcher`. dispatch: sort the N*K token copies by expert,
-  exchange per-expert counts (all_to_all_single, no gradient), send each copy to the rank owning
-  its expert (`all_to_all_single_autograd` with uneven splits; backward is the reverse
-  all-to-all), and regroup what arrived by local expert. The split sizes are read back to the
-  host once per dispatch (torch's uneven all-to-all takes lists); the expert GEMMs take the
-  counts on the device (`fivefold.model.moe.grouped_swiglu`). combine: the exact reverse, then the
-  gate-weighted sum over each token's K copies. Dropless: every copy is delivered.
-- `ShardedExperts` replaces `MoE.experts`. Its w1, w2, w3 are DTensors sharded on dim 0 (the
-  expert dimension) over the EP mesh, so the parameter names and global shapes are those of the
-  single-process model: `init_weights` draws only each rank's slice (`fivefold.model.init`),
-  and checkpoints reshard across EP sizes. The forward uses the local experts only.
-- The load-balancing loss is recomputed over the tokens of the whole `aux_group` (default: the
-  EP group): f_e (assignment fractions) and P_e (mean router probabilities) are summed over the
-  group, so its value equals the single-process loss on the union of the group's tokens on every
-  rank. Its gradient is written as coef * E * f_e * P_e(local mean): averaged over the group, as
-  data-parallel gradient averaging does, it is the single-process gradient.
-
-Gradient convention for the experts: the all-to-all backward delivers every EP rank's
-contribution to the rank that owns the expert, so the raw gradient is the *sum* over the EP
-group. It is scaled by `expert_grad_scale` (default 1/ep) so that it comes out as the *mean*,
-like every other parameter's gradient after the data-parallel all-reduce. Ranks holding the same
-experts (dp_shard * cp / ep replicas, and dp_replicate) must still average them among
-themselves.
+Details: docs/internals.md (`fivefold.parallel.expert_parallel`).
 """
 
 from __future__ import annotations

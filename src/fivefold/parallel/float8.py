@@ -1,25 +1,6 @@
 """FP8 compute of the linear layers (`plan.fp8`) through torchao's float8 training.
 
-`apply_float8` swaps each eligible `nn.Linear` of a chunk for torchao's `Float8Linear`
-(`convert_to_float8_training` with `Float8LinearConfig.from_recipe_name("tensorwise" |
-"rowwise")`): dynamic scaling, matmuls through `torch._scaled_mm`. It runs on the meta model,
-before FSDP wraps it (fivefold refuses fp8 with TP, see `ParallelPlan.runtime_problems`), as
-torchtitan's float8 converter does. With tensorwise scaling and FSDP2 (zero >= 1) the weights are
-cast to FP8 before the all-gather (`enable_fsdp_float8_all_gather`), and their scales are
-precomputed for all layers in one all-reduce after each optimizer step
-(`precompute_float8_dynamic_scale_for_fsdp`, registered by `fivefold.train.optim`).
-
-Kept in high precision: the output head (its logits feed the loss directly), MoE routers (their
-softmax decides routing), any linear whose dimensions are not multiples of 16 (`_scaled_mm`
-needs them) and, as torchtitan does, those too small to gain from FP8 by torchao's own
-thresholds for the recipe (`_auto_filter_for_recipe`, measured on H100: tensorwise skips
-K <= 4096 with N <= 1024; rowwise skips N <= 2048, K <= 1024, or N <= 4096 with K <= 2048, for a
-weight [N, K]), where the casts and scales cost more than the faster matmul saves. No kernel
-here is hand-written.
-
-FP8 GEMMs need a GPU of compute capability 8.9 or newer (Ada, Hopper, Blackwell);
-`float8_problems` refuses every other device, CPU included, before any process starts. On CPU
-only the conversion itself is exercised (tests/test_float8.py).
+Details: docs/internals.md (`fivefold.parallel.float8`).
 """
 
 from __future__ import annotations
@@ -31,7 +12,10 @@ import torch
 from torch import nn
 
 from fivefold.errors import ConfigError
+from fivefold.parallel.lowbit import import_torchao, torchao_problems
 from fivefold.spec.plan import ParallelPlan
+
+# torchao (the optional `lowbit` extra) is imported inside the functions that use it.
 
 MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (sm89), Hopper (sm90) and newer
 HIGH_PRECISION_NAMES = ("output", "router")  # module names never converted
@@ -57,8 +41,6 @@ def float8_problems(fp8: str, device: torch.device) -> list[str]:
             f"{MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} or newer (e.g. L4, L40S, H100, H200, "
             "B200). Set plan.fp8 = 'none'."
         ]
-    from fivefold.parallel.lowbit import torchao_problems
-
     return torchao_problems(f"plan.fp8 = {fp8!r}")
 
 
@@ -76,8 +58,6 @@ def float8_config(recipe: str, fsdp: bool):
     """torchao's Float8LinearConfig of `recipe` ("tensorwise" | "rowwise"); FP8 all-gather for
     tensorwise scaling under FSDP2 (rowwise scales are per row of the gathered weight, so its
     weights are gathered in high precision)."""
-    from fivefold.parallel.lowbit import import_torchao
-
     import_torchao()
     from torchao.float8 import Float8LinearConfig
 

@@ -1,17 +1,6 @@
 """The global gradient norm over every shard, pipeline stage and rank, in one all-reduce.
 
-Each rank adds up the squares of its local gradient elements, each weighted by the inverse of
-how many ranks hold that same shard, and one float64 all-reduce over the world sums them. For a
-DTensor gradient on mesh M, the shards are told apart by M's sharded dimensions, so a shard is
-held by (world / pp) / prod(sizes of the sharded dims) ranks of its pipeline stage; a plain
-tensor is held by every rank of its stage. This works for any mix of meshes (dense weights on
-(dp, tp), experts on (edp, ep)) where torch's `get_total_norm` needs one mesh at a time, and
-clipping then matches `torch.nn.utils.clip_grad_norm_` (coefficient max_norm / (norm + 1e-6),
-capped at 1).
-
-Gradients are grouped by (weight, device, dtype): each group's local tensors go through one
-`torch._foreach_norm` (fp32 accumulation, no per-tensor copies), and only the per-group sums of
-squares are carried in float64. Clipping is one `torch._foreach_mul_` per (device, dtype) group.
+Details: docs/internals.md (`fivefold.parallel.grad_norm`).
 """
 
 from __future__ import annotations

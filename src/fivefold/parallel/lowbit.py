@@ -30,6 +30,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from fivefold.errors import ConfigError
+from fivefold.planner.levers import TORCHAO_BLOCK as BLOCK_SIZE
 
 INSTALL_HINT = "pip install 'fivefold[lowbit]'"
 QUANTISED_STATES = ("exp_avg", "exp_avg_sq")  # Adam's m (signed) and v (unsigned)
@@ -140,7 +141,6 @@ def _local(value: torch.Tensor) -> torch.Tensor:
     return value.to_local() if isinstance(value, DTensor) else value
 
 
-BLOCK_SIZE = 256  # torchao's default block of elements sharing one fp32 scale
 MIN_QUANTISED = 4096  # smaller tensors keep fp32 states
 
 

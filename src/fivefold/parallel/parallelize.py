@@ -17,8 +17,13 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from fivefold.parallel.checkpointing import apply_recompute
+from fivefold.parallel.compile import apply_compile, check_compiler
+from fivefold.parallel.context_parallel import apply_context_parallel
 from fivefold.parallel.data_parallel import apply_data_parallel
+from fivefold.parallel.expert_parallel import apply_expert_parallel, global_load_balancing_loss
+from fivefold.parallel.float8 import apply_float8
 from fivefold.parallel.mesh import Meshes
+from fivefold.parallel.tensor_parallel import apply_tensor_parallel
 from fivefold.spec.model import ModelSpec
 from fivefold.spec.plan import ParallelPlan
 
@@ -53,7 +58,6 @@ def apply_global_aux_loss(chunk: nn.Module, group) -> None:
     """Without expert parallelism, still take each MoE's load-balancing loss over the tokens of
     every rank in `group` (all ranks that see different tokens), as the single-process run does
     over the global micro-batch; expert parallelism does the same inside its dispatcher."""
-    from fivefold.parallel.expert_parallel import global_load_balancing_loss
 
     def hook(moe: nn.Module, args, output) -> None:
         routing, moe.dispatcher.last_routing = moe.dispatcher.last_routing, None
@@ -79,16 +83,10 @@ def parallelize_chunk(
     """TP/SP, EP, CP, recompute, torch.compile per block (`compile`) and FSDP/DDP on one chunk,
     in place; returns the DP modules."""
     if plan.fp8 != "none":
-        from fivefold.parallel.float8 import apply_float8
-
         apply_float8(chunk, plan, device)
     if plan.tp > 1:
-        from fivefold.parallel.tensor_parallel import apply_tensor_parallel
-
         apply_tensor_parallel(chunk, meshes["tp"], spec, plan.sp)
     if plan.ep > 1:
-        from fivefold.parallel.expert_parallel import apply_expert_parallel
-
         # The runtime sums gradients over data-parallel ranks and scales each rank's loss by
         # 1 / (global tokens), so the experts' gradients must not be rescaled; the router's
         # load-balancing loss counts the tokens of every rank that sees different data.
@@ -98,13 +96,9 @@ def parallelize_chunk(
     elif spec.is_moe and meshes.dims.dp_cp > 1:
         apply_global_aux_loss(chunk, meshes.dp_cp.get_group())
     if plan.cp > 1:
-        from fivefold.parallel.context_parallel import apply_context_parallel
-
         apply_context_parallel(chunk, meshes["cp"], plan.cp_kind)
     apply_recompute(chunk, plan.recompute)
     if compile:
-        from fivefold.parallel.compile import apply_compile, check_compiler
-
         check_compiler(device)
         apply_compile(chunk)
     return apply_data_parallel(chunk, meshes, plan, device, expert_dp_mesh(meshes, plan))

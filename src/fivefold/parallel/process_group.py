@@ -1,22 +1,6 @@
-"""The process group and this rank's device: start-up with timeouts that speak.
+"""The process group: start-up with timeouts that speak.
 
-Restart and the rendezvous store. torchrun shares its rendezvous TCPStore with the workers'
-default process group; a restarted group then finds the dead group's gloo/NCCL addresses in it
-and fails to connect ("connectFullMesh ... Connection refused", pytorch/pytorch#135712).
-`init_process_group` therefore namespaces the store by restart attempt (and
-`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` in torchrun's environment avoids the sharing altogether).
-
-Stuck ranks. A rank that hangs (deadlock, dead peer, lost node) leaves the others waiting in a
-collective. The process group is created with a finite start-up timeout (`pg_timeout_s`, from
-`FIVEFOLD_PG_TIMEOUT_S`, default 600 s: NCCL's set-up, compile, checkpoint loading and the
-first step fit in it); after the first step NCCL groups wait at most `step_timeout_s`
-(`FIVEFOLD_PG_STEP_TIMEOUT_S`, default 300 s; `shorten_timeout_after_first_step`), as
-torchtitan does. The wait ends with gloo's "Timed out waiting ..." or NCCL's watchdog error;
-`collective_guard` turns such errors into a `TrainingError` that says which rank gave up, in
-what, after how long, and what to do. On NCCL the watchdog ends the process itself
-(`TORCH_NCCL_ASYNC_ERROR_HANDLING=3`, `set_nccl_env`) after writing the flight recorder's
-trace of the last collectives into the run's `comm_traces/`. The elastic agent then restarts the
-group (see `fivefold.checkpoint.elastic` for resuming), instead of stalling silently.
+Details: docs/internals.md (`fivefold.parallel.process_group`).
 """
 
 from __future__ import annotations
@@ -68,20 +52,6 @@ def _seconds_env(name: str, default: float, what: str, example: int) -> float:
     if value <= 0:
         raise ConfigError(f"{name} = {raw!r}: give {what} in seconds, e.g. {example}.")
     return value
-
-
-def pick_device(name: str) -> torch.device:
-    """`train.device` ("auto" | "cpu" | "cuda"): cuda:LOCAL_RANK when CUDA is asked for (or
-    "auto" and available; made the current device), else cpu."""
-    import torch
-
-    from fivefold.parallel.device import local_rank, uses_cuda
-
-    if not uses_cuda(name):
-        return torch.device("cpu")
-    device = torch.device("cuda", local_rank())
-    torch.cuda.set_device(device)
-    return device
 
 
 def init_distributed(

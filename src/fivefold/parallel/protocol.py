@@ -17,6 +17,8 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 import torch
 from torch import nn
 
+from fivefold.model.loss import IGNORE_INDEX
+
 B = TypeVar("B")
 
 
@@ -72,8 +74,6 @@ def label_count(batch: Any) -> int:
     """Tokens of `batch` whose label counts in the loss: the data loader's host-side count
     (`Batch.label_count`), else counted from its labels (a batch built elsewhere; a device
     read-back when they live on an accelerator)."""
-    from fivefold.model.loss import IGNORE_INDEX
-
     count = getattr(batch, "label_count", None)
     return int(count) if count is not None else int((batch.labels != IGNORE_INDEX).sum())
 

@@ -1,24 +1,7 @@
 """The rank-0 layout report: per pipeline stage, the planner's predicted peak memory (tenant by
 tenant) and step time beside the measured ones, so every run checks the planner.
 
-Measured step time: the distributed runtime's is the mean wall time of its `train_step`
-(forward + backward + gradient communication of all micro-batches; the optimizer step is the
-loop's) over the steps after the first that no memory counter slowed (on a CPU the report comes
-at step 4 and times step 3), and is compared with the planner's step time less its
-`optimizer_s` (the report's note says so); a one-process run is timed by the loop over the whole
-step (clipping and the optimizer included) and compared with the whole predicted step.
-
-Measured peak memory: CUDA's allocator peak; on CPU, the peak of live tensor storage over one
-step (`fivefold.train.memory_counter`, resize-aware, the pipeline's receive buffers included), split
-into parameters, gradients and optimizer state (known from the tensors) and activations (the
-rest: saved tensors, gathered parameters, buffers). Tenants are compared only as both sides
-define them: all four in one process; on FSDP2-wrapped (multi-process) runs the optimizer
-state and the sum of the rest (`WRAPPED_GROUPS`). The prediction is the planner's memory
-model with `runtime = "fivefold-eager"` (what this runtime keeps, see
-`fivefold.planner.memory.EagerProfile`), without the CUDA context and allocator terms on a CPU,
-and the planner's `estimate()` step time where the run's cluster has a device peak. Works for
-`DistributedRuntime` (collective: every rank calls it) and for the one-process `LocalRuntime`
-(no FSDP wrapping, so no sharded copy of the weights).
+Details: docs/internals.md (`fivefold.parallel.report`).
 """
 
 from __future__ import annotations
@@ -28,8 +11,13 @@ from typing import Any
 
 import torch.distributed as dist
 
-GIB = 1024**3
-MIB = 1024**2
+from fivefold.parallel.device import unknown_gpu_reason
+from fivefold.planner.estimate import estimate
+from fivefold.planner.memory import MemoryOptions, all_stage_memory
+from fivefold.planner.options import PlannerOptions
+from fivefold.planner.schedule import build_schedule
+from fivefold.units import GiB, MiB
+
 TENANTS = ("params", "grads", "optimizer", "activations")
 # Under FSDP2 (every multi-process run) the weights are gathered and the gradients unsharded
 # into transient storages the counter cannot tell from activations, while the planner books
@@ -75,8 +63,6 @@ def _predict(
         )
     except Exception as err:  # a planner gap must not stop training
         return None, None, f"memory model: {str(err).splitlines()[0]}"
-    from fivefold.parallel.device import unknown_gpu_reason
-
     unknown = unknown_gpu_reason(cluster)
     if unknown:
         return memory, None, unknown
@@ -91,9 +77,6 @@ def _predict(
             ),
         )
     try:
-        from fivefold.planner.estimate import estimate
-        from fivefold.planner.options import PlannerOptions
-
         options = replace(
             PlannerOptions.for_device(cluster.device), runtime="fivefold-eager", compile=compiled
         )
@@ -109,9 +92,6 @@ def memory_only_prediction(
     """The planner's per-stage memory of this runtime (GiB dicts, "other" holds the buffers);
     a CPU has no CUDA context and no caching-allocator fragmentation, and its offloaded state
     stays in the memory the run measures. `compiled`: the blocks run under torch.compile."""
-    from fivefold.planner.memory import MemoryOptions, all_stage_memory
-    from fivefold.planner.schedule import build_schedule
-
     inflight = [1]
     if plan.pp > 1:
         inflight = list(
@@ -131,7 +111,7 @@ def memory_only_prediction(
         # What `max_memory_allocated` can see: the total less the CUDA context and the
         # allocator's fragmentation (equal to the total on a CPU, which has neither).
         outside = sum(stage.other_terms.get(k, 0.0) for k in ("cuda_context", "fragmentation"))
-        gib["allocated"] = gib["total"] - outside / GIB
+        gib["allocated"] = gib["total"] - outside / GiB
         out.append(gib)
     return out
 
@@ -179,9 +159,9 @@ def stage_rows(runtime: Any, step_s: float | None = None) -> tuple[list[dict], s
             {
                 "stage": stage,
                 "ranks": [g["rank"] for g in ranks],
-                "predicted_peak_bytes": predicted["allocated"] * GIB if predicted else None,
+                "predicted_peak_bytes": predicted["allocated"] * GiB if predicted else None,
                 "measured_peak_bytes": top["peak_bytes"] or None,
-                "predicted_reserved_bytes": predicted["total"] * GIB if predicted else None,
+                "predicted_reserved_bytes": predicted["total"] * GiB if predicted else None,
                 "measured_reserved_bytes": top.get("reserved_bytes") or None,
                 "predicted_tenants": comparable(_tenant_bytes(predicted), wrapped),
                 "measured_tenants": comparable(top["tenants"], wrapped),
@@ -198,8 +178,8 @@ def _tenant_bytes(stage_gib: dict | None) -> dict[str, float]:
     as the runtime's counter cannot tell them apart."""
     if not stage_gib:
         return {}
-    out = {k: stage_gib[k] * GIB for k in TENANTS}
-    out["activations"] += stage_gib.get("other", 0.0) * GIB
+    out = {k: stage_gib[k] * GiB for k in TENANTS}
+    out["activations"] += stage_gib.get("other", 0.0) * GiB
     return out
 
 
@@ -235,15 +215,6 @@ def record(rows: list[dict], note: str) -> dict:
     return {"note": note, "stages": stages}
 
 
-def layout_report(runtime: Any) -> str | None:
-    """Gather every rank's measurements (collective) and format the table on rank 0."""
-    result = stage_rows(runtime)
-    if result is None:
-        return None
-    rows, note = result
-    return format_rows(runtime.recipe.plan.describe(), rows, note)
-
-
 def format_rows(layout: str, rows: list[dict], note: str) -> str:
     lines = [
         f"layout report: {layout}  ({note})",
@@ -268,7 +239,7 @@ def format_rows(layout: str, rows: list[dict], note: str) -> str:
         pred, meas = row["predicted_tenants"], row["measured_tenants"]
         if pred and meas:
             cells = ", ".join(
-                f"{name} {pred.get(name, 0) / MIB:.1f}/{meas.get(name, 0) / MIB:.1f}"
+                f"{name} {pred.get(name, 0) / MiB:.1f}/{meas.get(name, 0) / MiB:.1f}"
                 for name in pred
             )
             why = "" if set(pred) == set(TENANTS) else " (FSDP2's gathered weights: one sum)"
@@ -277,7 +248,7 @@ def format_rows(layout: str, rows: list[dict], note: str) -> str:
 
 
 def _gib(value: float | None) -> str:
-    return f"{value / GIB:.3f} GiB" if value else "n/a"
+    return f"{value / GiB:.3f} GiB" if value else "n/a"
 
 
 def _ms(value: float | None) -> str:

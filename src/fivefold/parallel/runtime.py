@@ -34,12 +34,12 @@ from torch import nn
 
 from fivefold.model.loss import cross_entropy_loss
 from fivefold.parallel.data_parallel import set_gradient_sync
+from fivefold.parallel.device import pick_device
 from fivefold.parallel.mesh import Meshes, ParallelDims
 from fivefold.parallel.mixed_precision import RuntimePrecision, resolve_precision
 from fivefold.parallel.process_group import (
     collective_guard,
     init_distributed,
-    pick_device,
     shorten_timeout_after_first_step,
 )
 from fivefold.parallel.protocol import StepResult, TrainSettings, batch_to, label_count

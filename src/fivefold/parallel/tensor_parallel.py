@@ -1,23 +1,6 @@
 """Tensor parallelism (Megatron-style) with sequence parallelism, on DTensor parallel styles.
 
-Per block, with tp ranks in the TP group:
-- attention: `wq`, `wk`, `wv` column-parallel (each rank holds whole heads: H/tp query heads),
-  `wo` row-parallel. When tp exceeds the key/value heads, `wk`/`wv` are sharded over a 2-D view
-  of the TP group (kv_heads x tp/kv_heads): each group of tp/kv_heads ranks holds one whole kv
-  head, the one its query heads read, so no rank computes a head it does not use; the gradient
-  of that replicated head is summed over its group (`ReplicatedKVColwise`).
-- MLP: `w1`, `w3` column-parallel, `w2` row-parallel.
-- sequence parallel (plan.sp): the residual stream between blocks is split along the sequence
-  (each rank holds T/tp tokens), the RMSNorms run on that shard (`SequenceParallel`), and the
-  attention / MLP inputs are all-gathered (`PrepareModuleInput`); the row-parallel outputs are
-  reduce-scattered back to sequence shards.
-- vocab-parallel embedding (row-wise over the vocabulary) and LM head (column-wise over the
-  vocabulary) whose logits stay sharded for `loss_parallel` (cross entropy without gathering
-  the logits).
-
-Only torch's styles are used, plus one small style for replicated kv heads (torch has none).
-MoE layers are not tensor-parallel here (`ParallelPlan.problems` refuses MoE with tp > 1): use
-expert parallelism for them.
+Details: docs/internals.md (`fivefold.parallel.tensor_parallel`).
 """
 
 from __future__ import annotations

@@ -1,19 +1,6 @@
 """The token-budget answer: wall-clock time, GPU-hours, cost, failures and checkpointing.
 
-Given one layout's predicted step time and a number of tokens to train, this says how long the
-run takes and what it costs once failures and checkpoints are counted (formulas in
-docs/planner.md, "Time, cost and failures for a token budget"). Pure arithmetic, no torch:
-
-- useful time W = steps x step time, steps = ceil(tokens / tokens per step);
-- job failure rate L = failure rate per GPU-hour x GPUs / 3600 (per second), MTBF M = 1 / L;
-- checkpoint size C = parameters x (weight bytes + optimizer bytes) of the plan's precision
-  recipe and optimizer states; save time d = C / (storage bandwidth per node x nodes), a save
-  that blocks training;
-- Young's interval tau = sqrt(2 d M) of compute between saves, rounded to whole steps
-  (at least one), the rounded interval used everywhere below;
-- each failure costs the restart overhead R plus, on average, half an interval of lost work
-  (tau / 2); failures arrive over the whole wall time T, so
-  T = W (1 + d / tau) / (1 - L (R + tau / 2)), interruptions n = L T, goodput W / T.
+Details: docs/planner.md.
 """
 
 from __future__ import annotations

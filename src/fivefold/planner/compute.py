@@ -35,7 +35,7 @@ The efficiency model (parameters in `fivefold.planner.efficiency`, fitted by
   tails.
 - Recompute: "full" repeats the layer's forward inside the backward (less the block's last
   matmul with `checkpoint_early_stop`, what torch's non-reentrant checkpoint skips; see
-  `fivefold.spec.model.early_stop_skipped_flops_per_token`); "selective" repeats only the
+  `fivefold.spec.flops.early_stop_skipped_flops_per_token`); "selective" repeats only the
   attention core (Korthikanti et al. 2022).
 
 Every rate comes from the device's `DeviceRates` (`fivefold.planner.rates.rates_for`): the above
@@ -65,8 +65,9 @@ from fivefold.planner.layer_matmuls import alternate_matmuls, last_matmul
 from fivefold.planner.levers import state_recipe
 from fivefold.planner.memory import local_kv_width
 from fivefold.planner.rates import rates_for
+from fivefold.spec.flops import attention_flops_all_layers
 from fivefold.spec.hardware import GPUSpec
-from fivefold.spec.model import ModelSpec, attention_flops_all_layers
+from fivefold.spec.model import ModelSpec
 from fivefold.spec.plan import ParallelPlan
 from fivefold.spec.precision import recipe
 
@@ -187,7 +188,7 @@ def roofline_s(
 def attention_flops(model: ModelSpec, plan: ParallelPlan) -> float:
     """Causal forward FLOPs of one layer's attention core for one micro-batch on one rank (the
     layers' mean where some attend in a sliding window), per document
-    (`fivefold.spec.model.causal_pairs_per_sequence`: s^2/2 pairs per sequence with one
+    (`fivefold.spec.flops.causal_pairs_per_sequence`: s^2/2 pairs per sequence with one
     document, fewer with `model.doc_len`), split evenly over cp ranks."""
     tokens = plan.micro_batch * model.seq_len / plan.cp
     per_layer = attention_flops_all_layers(model, model.seq_len) / model.layers

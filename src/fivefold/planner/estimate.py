@@ -92,6 +92,7 @@ from fivefold.planner.partition import stage_layer_counts
 from fivefold.planner.rates import rates_for
 from fivefold.planner.schedule import Simulation, StageCosts, build_schedule, simulate
 from fivefold.spec.cluster import ClusterSpec
+from fivefold.spec.flops import training_flops_per_token
 from fivefold.spec.geometry import (
     chunk_rank,
     chunks_of_rank,
@@ -100,7 +101,7 @@ from fivefold.spec.geometry import (
     is_v_shaped,
 )
 from fivefold.spec.hardware import GPUSpec
-from fivefold.spec.model import ModelSpec, training_flops_per_token
+from fivefold.spec.model import ModelSpec
 from fivefold.spec.plan import ParallelPlan
 from fivefold.spec.precision import recipe
 

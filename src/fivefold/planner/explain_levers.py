@@ -12,8 +12,9 @@ from typing import Any
 from fivefold.planner.lever_costs import fp8_flops_per_token, mfu_peak
 from fivefold.planner.levers import state_recipe
 from fivefold.planner.quantities import gib, seconds
+from fivefold.spec.flops import training_flops_per_token
 from fivefold.spec.hardware import GiB, GPUSpec
-from fivefold.spec.model import ModelSpec, training_flops_per_token
+from fivefold.spec.model import ModelSpec
 from fivefold.spec.plan import ParallelPlan
 from fivefold.spec.precision import recipe
 

@@ -1,50 +1,7 @@
-"""Seconds of the memory levers (issue 11): FP8 linears, CPU offload transfers, the host step.
-
-Written by hand (the planner never imports torch), from the libraries' code:
-
-FP8 compute (`plan.fp8`, torchao's float8 training, torchao/float8/float8_linear.py). The
-linears torchao converts (`levers.fp8_linear_params`: attention projections, dense MLP, shared
-experts; never the router, the routed experts or the LM head) run
-their three GEMMs (forward, input gradient, weight gradient) at the device's FP8 peak with the
-same efficiency model as bf16 (`compute.gemm_time_s(..., "fp8")`). Every operand is cast
-dynamically: an amax pass reading the bf16 tensor (2 bytes per element) and a scale-and-cast
-pass (read 2, write 1), `CAST_BYTES` = 5 bytes per element, memory-bound at HBM speed. Per
-linear with input X (T x k), weight W (k x n) and output gradient G (T x n): forward casts X and
-W; the input-gradient pass G and W; the weight-gradient pass G again (the other axis) and X
-(`matmul_with_hp_or_float8_args` casts each operand per use). Under ZeRO-3 with tensorwise
-scaling the weights arrive as float8 (FP8 all-gather): each gather casts the local shard
-(k n / shard) instead, in the forward and in the backward. torch.compile can fuse the amax into
-the producer; eager casts are counted. Recompute: "full" repeats the forward's delta,
-"alternate-matmul" half of it, "selective" (the attention core) none.
-
-MFU with FP8 (`mfu_peak`): each FLOP is counted against the peak of the dtype it runs in, FP8
-FLOPs (6 x converted parameters per token) against the FP8 peak and the rest (attention core,
-routed experts, LM head) against the bf16 peak. That is MFU = (F8 / P8 + F16 / P16) / (step x
-GPUs), i.e. the model FLOPs over the step against a peak of F / (F8 / P8 + F16 / P16); HFU uses
-the same peak.
-
-CPU offload (`plan.offload`), at the catalog's PCIe bandwidth per GPU and direction
-(`spec.hardware`) times `PCIE_FRACTION` (pinned-memory copies reach about 80 % of a x16 link's
-line rate), and the host memory bandwidth of the node times `HOST_BW_FRACTION` (a two-socket
-server's STREAM triad reaches about 70 % of its theoretical DDR bandwidth), shared by the
-node's GPUs, which all step at once. Assumptions, both as named constants.
-
-- "optimizer" (ZeRO-Offload, Ren et al. 2021, sec. 4.1): after the backward the rank's
-  gradient shard goes device-to-host, overlapped with the backward as the data-parallel
-  reduction is (the same window: the last micro-batch's backward and the pipeline drain);
-  then the Adam step on the host (memory-bound, `compute.optimizer_bytes_per_param` bytes per
-  parameter); then the updated parameters (compute dtype) host-to-device, exposed (the next
-  forward needs them; ZeRO-Offload's delayed parameter update, which hides the step, changes
-  the training semantics and is not modelled).
-- "all" (FSDP2 `CPUOffloadPolicy`): each layer's parameter shard is copied host-to-device in
-  the all-gather stream right before its gather (non-blocking, pinned) and each gradient shard
-  device-to-host right after its reduce-scatter, so both join the ZeRO-3 per-layer gather and
-  reduce-scatter times that hide behind the neighbouring layers' compute (estimate's layer
-  costs). When gradients accumulate (micro-batches 2..m), FSDP2 copies without overlap and
-  adds them on the CPU (`_fsdp_collectives.py`: non_blocking only when no gradient exists yet):
-  (m - 1) x (the transfer of the rank's gradient shards + the host add, 3 accesses of each
-  gradient at the host's bandwidth) is exposed. The optimizer step runs on the host after the
-  backward, exposed.
+"""Seconds of the memory levers: FP8 linears (GEMMs at the FP8 peak plus their casts), CPU
+offload transfers and the host's optimizer step, and the MFU peak with FP8. Written by hand from
+torchao's and FSDP2's code (the planner never imports torch); the derivations are in
+docs/planner.md, section 4b.
 """
 
 from __future__ import annotations
@@ -66,8 +23,9 @@ from fivefold.planner.levers import (
 )
 from fivefold.planner.memory import dense_shard_degree, local_kv_width
 from fivefold.spec.cluster import ClusterSpec
+from fivefold.spec.flops import training_flops_per_token
 from fivefold.spec.hardware import GPUSpec
-from fivefold.spec.model import ModelSpec, training_flops_per_token
+from fivefold.spec.model import ModelSpec
 from fivefold.spec.plan import ParallelPlan
 from fivefold.spec.precision import recipe
 

@@ -1,43 +1,7 @@
-"""Memory levers (issue 11) in bytes: low-precision Adam states, CPU offload, FP8 all-gather.
-
-Written by hand from the libraries' code (the planner never imports torch):
-
-- `plan.optimizer_states` "8bit" / "fp8": torchao 0.18's `AdamW8bit` / `AdamWFp8`
-  (torchao/optim/adam.py, subclass_8bit.py, subclass_fp8.py) keep Adam's m and v as one byte per
-  element (uint8 codes into a 256-entry fp32 lookup table, or float8 e4m3) plus one fp32 scale per
-  block of `TORCHAO_BLOCK` = 256 elements (the default `block_size` of both): 1 + 4/256 =
-  1.015625 bytes per state element instead of 4. The master weights the recipe keeps (fp32 for
-  "bf16-mixed": its 12 optimizer bytes are 4 master + 4 m + 4 v) are unchanged:
-  bf16-mixed goes from 12 to 4 + 2 x 1.015625 = 6.03125 bytes per parameter. torchao quantises
-  only tensors of at least 4,096 elements whose size is a multiple of the block; smaller ones
-  (norm weights of hidden < 4,096, biases) keep fp32 states. The planner counts every parameter
-  as quantised: norms are 2h of a layer's ~12h^2 parameters (< 0.02 % at h = 4,096).
-  The lookup table (1 KiB per tensor) and the step counter are not counted.
-- `plan.offload`: "optimizer" keeps the optimizer tenant (master weights, m, v) in host memory
-  and runs the step on the host CPU (ZeRO-Offload, Ren et al. 2021, sec. 4.1); recipes without a
-  master copy (fp32, bf16-no-master) also keep a host copy of the parameters the step updates.
-  The device keeps the parameters and gradients of the ZeRO stage. "all" is FSDP2's
-  `CPUOffloadPolicy` (torch/distributed/fsdp/_fully_shard/_fsdp_api.py, _fsdp_param.py,
-  _fsdp_collectives.py): the sharded parameters, gradients and optimizer state live in host
-  memory; a parameter shard is copied host-to-device right before its all-gather, a gradient
-  shard device-to-host right after its reduce-scatter. The device therefore still holds what
-  ZeRO-3 holds beyond the shards (the gathered layers in the compute dtype, one layer's
-  unsharded gradient before its reduce-scatter: `memory.other_terms`' "zero3_gathered_layers")
-  plus `offload_staging`: the two gathered layers' shards in their resting dtype as copied in,
-  and one layer's gradient shard before it is copied out.
-  Offloaded bytes are counted per GPU (`StageMemory.host_bytes`) and per node
-  (`HostMemory`: GPUs per node x the worst pipeline rank, an upper bound when a node holds
-  ranks of several stages), against the catalog host RAM of the node less
-  `HOST_RESERVED_FRACTION` (the operating system, the page cache of the data, the training
-  processes' own memory). On a device without a host link (a CPU) the host is the device:
-  offload moves nothing.
-- `plan.fp8` "tensorwise" under ZeRO-3: torchao's FP8 all-gather
-  (`enable_fsdp_float8_all_gather`, torchao/float8/fsdp_utils.py) gathers the converted linears'
-  weights as float8 (1 byte instead of 2), so the gathered-layer buffers and the ZeRO-3 gathers
-  hold half the bytes for them. torchao's `Float8Linear` saves its high-precision input and
-  weight for the backward (float8_linear.py, `ctx.save_for_backward(input_hp, weight_hp_t)`) and
-  re-casts them there, so the stored activations do not change; the float8 copies live only
-  inside one linear's forward or backward (transient, not counted).
+"""Memory levers in bytes: low-precision Adam states (torchao's `AdamW8bit` / `AdamWFp8`), CPU
+offload (ZeRO-Offload, FSDP2's `CPUOffloadPolicy`) and the host memory it needs, FP8 all-gather.
+Written by hand from the libraries' code (the planner never imports torch); the derivations are
+in docs/planner.md, section 4b.
 """
 
 from __future__ import annotations
@@ -49,6 +13,7 @@ from fivefold.spec.hardware import HOSTS, GPUSpec, HostSpec, host
 from fivefold.spec.model import ModelSpec, attention_params, dense_mlp_params, expert_params
 from fivefold.spec.plan import ParallelPlan
 from fivefold.spec.precision import PrecisionRecipe, recipe
+from fivefold.units import GiB
 
 TORCHAO_BLOCK = 256  # torchao 0.18 AdamW8bit / AdamWFp8 default block_size
 FP32_MOMENTS_BYTES = 8.0  # Adam's m and v in fp32, what the recipes' optimizer bytes include
@@ -153,12 +118,11 @@ class HostMemory:
         return max(0.0, self.per_node_bytes - self.usable_bytes)
 
     def to_json(self) -> dict:
-        gib = 2**30
         return {
-            "per_gpu_gib": self.per_gpu_bytes / gib,
-            "per_node_gib": self.per_node_bytes / gib,
-            "node_ram_gib": self.node_ram_bytes / gib,
-            "usable_gib": self.usable_bytes / gib,
+            "per_gpu_gib": self.per_gpu_bytes / GiB,
+            "per_node_gib": self.per_node_bytes / GiB,
+            "node_ram_gib": self.node_ram_bytes / GiB,
+            "usable_gib": self.usable_bytes / GiB,
             "fits": self.fits,
             "system": self.system,
         }

@@ -101,9 +101,8 @@ from fivefold.spec.model import (
 )
 from fivefold.spec.plan import ParallelPlan
 from fivefold.spec.precision import PrecisionRecipe, recipe
+from fivefold.units import GiB, MiB
 
-GiB = 2**30
-MiB = 2**20
 ACTIVATION_MODELS = ("korthikanti", "simple")
 ATTENTION_KERNELS = ("flash", "classic")
 RUNTIMES = ("fused", "fivefold-eager")

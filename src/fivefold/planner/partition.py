@@ -1,22 +1,6 @@
 """How a model's layers are split over pipeline stages (virtual stages with interleaving).
 
-One function, shared by the planner and the runtime so both cut the model the same way:
-`stage_layer_counts(model, stages)` gives the number of transformer layers in each virtual stage,
-in model order. The rule:
-
-- every stage holds at least one layer and the layers stay in order (contiguous runs);
-- stages are balanced by forward compute: a layer costs its forward FLOPs per token (weight
-  matmuls with active experts, plus causal attention at `model.seq_len`); the first stage also
-  carries the embedding (a lookup: 0 FLOPs) and the last the LM head (2 * vocab * hidden FLOPs per
-  token), so the last stage gets fewer layers when the head is large;
-- among the splits with the smallest maximum stage cost, the one that keeps every stage close
-  to its fair share: going from the last stage backwards, a stage takes the next layer while
-  that brings its cost closer to (remaining cost) / (remaining stages) without exceeding the
-  maximum (if that greedy split cannot respect the maximum, stages are instead filled to the
-  maximum from the back). So 32 Llama-3-8B layers with a head worth about two layers split
-  over 4 stages as [9, 8, 9, 6], and over 8 virtual stages as [5, 4, 5, 4, 4, 4, 4, 2].
-
-Pure Python; results are cached per (model, stages).
+Details: docs/internals.md (`fivefold.planner.partition`).
 """
 
 from __future__ import annotations
@@ -24,12 +8,12 @@ from __future__ import annotations
 from functools import lru_cache
 
 from fivefold.errors import ConfigError
-from fivefold.spec.model import (
-    ModelSpec,
+from fivefold.spec.flops import (
     attention_score_flops_per_token,
     head_flops_per_token,
     layer_matmul_flops_per_token,
 )
+from fivefold.spec.model import ModelSpec
 
 
 def layer_costs(model: ModelSpec) -> list[float]:

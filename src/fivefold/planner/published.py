@@ -27,9 +27,9 @@ from fivefold.spec.cluster import ClusterSpec, cluster_preset
 from fivefold.spec.model import ModelSpec
 from fivefold.spec.plan import ParallelPlan
 from fivefold.spec.presets import model_preset
+from fivefold.units import GiB
 
 GB = 1e9
-GiB = 2**30
 MEMORY_UNITS = {"GB": GB, "GiB": GiB}
 
 

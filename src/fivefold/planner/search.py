@@ -49,8 +49,8 @@ from fivefold.planner.uncertainty import (
     risk_problems,
 )
 from fivefold.spec.cluster import ClusterSpec
-from fivefold.spec.geometry import ep_fits
-from fivefold.spec.model import RECOMPUTE_POLICIES, ModelSpec
+from fivefold.spec.geometry import RECOMPUTE_POLICIES, ep_fits
+from fivefold.spec.model import ModelSpec
 from fivefold.spec.plan import ParallelPlan
 from fivefold.spec.precision import RECIPES
 

@@ -4,13 +4,9 @@ Pure Python, no torch: the planner imports it in microseconds.
 """
 
 from fivefold.spec.cluster import CLUSTER_PRESETS, ClusterSpec, cluster_preset
+from fivefold.spec.flops import forward_flops_per_token, training_flops_per_token
 from fivefold.spec.hardware import GPUS, GPUSpec, gpu
-from fivefold.spec.model import (
-    ModelSpec,
-    forward_flops_per_token,
-    param_count,
-    training_flops_per_token,
-)
+from fivefold.spec.model import ModelSpec, param_count
 from fivefold.spec.plan import CP_KINDS, SCHEDULES, ParallelPlan
 from fivefold.spec.precision import RECIPES, PrecisionRecipe
 from fivefold.spec.precision import recipe as precision_recipe

@@ -29,8 +29,8 @@ from pathlib import Path
 
 from fivefold.errors import ConfigError
 from fivefold.spec.profile import RankProfile, load_profile, threads_per_rank
+from fivefold.units import GiB
 
-GiB = 2**30
 TERA = 1e12
 
 

@@ -17,6 +17,7 @@ from fivefold.spec.cluster import ClusterSpec
 from fivefold.spec.geometry import (
     CP_KINDS,
     OFFLOAD_KINDS,
+    RECOMPUTE_POLICIES,
     SCHEDULES,
     V_SHAPED,
     ScheduleName,
@@ -24,7 +25,7 @@ from fivefold.spec.geometry import (
     mesh_size,
 )
 from fivefold.spec.hardware import UNKNOWN_GPU
-from fivefold.spec.model import RECOMPUTE_POLICIES, ModelSpec
+from fivefold.spec.model import ModelSpec
 from fivefold.spec.precision import RECIPES
 from fivefold.spec.precision import recipe as precision_recipe
 

@@ -64,7 +64,7 @@ RECIPES: dict[str, PrecisionRecipe] = {
             8,
             "bf16",
             2,
-            "bf16 weights and grads, fp32 m and v, no master copy (seed 003's 2+2+8 sizes)",
+            "bf16 weights and grads, fp32 m and v, no master copy (ZeRO's 2+2+12 less the master)",
         ),
         PrecisionRecipe(
             "fp8-mixed",
@@ -73,7 +73,7 @@ RECIPES: dict[str, PrecisionRecipe] = {
             6,
             "fp8",
             2,
-            "fp8 weights, bf16 grads, 6 B/param optimizer (seed 001's DeepSeek-V3 FP8 figure)",
+            "fp8 weights, bf16 grads, 6 B/param optimizer (DeepSeek-V3's FP8 figure)",
         ),
     )
 }

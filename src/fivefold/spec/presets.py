@@ -1,18 +1,6 @@
 """Model presets: published architectures for planning, tiny and small ones that train on CPU.
 
-Counts are checked against the published figures in tests (Llama 3: 8.03B, 70.6B, 405.9B).
-- vizz-7b (seed 000): 32 layers, hidden 4096, 32 heads, 128K context; the seed gives no FFN width
-  or vocabulary, so it takes Llama 2 7B's (SwiGLU 11008, 32,000 tokens): 6.74B parameters.
-- deepseek-v3: 61 layers (first 3 dense, FFN 18432), 256 routed experts of width 2048 with top-8
-  plus 1 shared expert, vocab 129,280. Multi-head latent attention (MLA) is approximated as
-  multi-head attention with 128 heads of head_dim 51, which reproduces MLA's 187.1M attention
-  parameters per layer within 0.1% (so the totals, 671B and 37B active, match), but under-counts
-  attention-score FLOPs about 3x (MLA scores use 192-dim query/key heads); at 4K context that is
-  under 1% of a step's FLOPs.
-- tiny, tiny-moe and small train on a CPU; their vocabulary (4096) matches the tokenizer trained
-  on the embedded corpus.
-- wide-1b: 1.13B parameters in 4 wide layers (Llama 3 8B's widths, 32,000 tokens), for the
-  sharded start-up benchmark (`benchmarks/sharded_init.py`): each layer is 218M parameters.
+Details: docs/internals.md (`fivefold.spec.presets`).
 """
 
 from __future__ import annotations

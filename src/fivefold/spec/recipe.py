@@ -23,7 +23,8 @@ from typing import Any, TypeVar
 
 from fivefold.errors import ConfigError
 from fivefold.spec.cluster import CLUSTER_PRESETS, ClusterSpec, cluster_preset, profile_cluster
-from fivefold.spec.model import MLP_KINDS, RECOMPUTE_POLICIES, ModelSpec, default_ffn
+from fivefold.spec.geometry import RECOMPUTE_POLICIES
+from fivefold.spec.model import MLP_KINDS, ModelSpec, default_ffn
 from fivefold.spec.plan import (
     CP_KINDS,
     FP8_RECIPES,

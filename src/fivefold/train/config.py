@@ -19,11 +19,11 @@ from typing import Any
 
 from fivefold.checkpoint.elastic import resume_mode
 from fivefold.errors import ConfigError
+from fivefold.parallel.device import DEVICE_SETTINGS as DEVICES
 from fivefold.spec.recipe import Recipe, build, unknown_field
 from fivefold.train.trackers import tracker_problems
 
 LR_SCHEDULES = ("cosine", "linear", "constant")
-DEVICES = ("auto", "cpu", "cuda")
 PROFILE_KEYS = ("start_step", "steps")
 
 

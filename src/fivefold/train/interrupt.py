@@ -1,17 +1,6 @@
 """Ctrl-C and SIGTERM during training: stop at the next step boundary, on every rank at once.
 
-The first SIGINT or SIGTERM only records that a stop was asked for (`StopRequest.signal`); the
-loop finishes the step it is in, the ranks agree (one all-reduce per step: a rank that got no
-signal stops with the others), every rank writes the step's checkpoint, and the process exits
-with status 128 + the signal number (130 for SIGINT, 143 for SIGTERM). A second signal more than
-`REPEAT_GRACE_S` after the first raises `KeyboardInterrupt` at once (no checkpoint); the runtime
-then aborts its process group instead of running another collective. Under torchrun the
-workers never see the terminal's Ctrl-C: the agent forwards it (as its death signal) to each.
-
-These handlers hold only while steps run (`Trainer.fit`). Before, a rank of a multi-process run
-has nothing to save and may be blocked in C++ (rendezvous, a set-up collective) where no Python
-handler runs, so `die_on_signals` leaves both signals to their default action: the process ends
-at once.
+Details: docs/internals.md (`fivefold.train.interrupt`).
 """
 
 from __future__ import annotations

@@ -23,7 +23,8 @@ from rich.console import Console
 
 from fivefold.checkpoint.elastic import resume_mode
 from fivefold.errors import FivefoldError, TrainingError
-from fivefold.spec.model import ATTENTION_CONVENTION, param_count, training_flops_per_token
+from fivefold.spec.flops import ATTENTION_CONVENTION, training_flops_per_token
+from fivefold.spec.model import param_count
 from fivefold.spec.recipe import dump_recipe
 from fivefold.train import checkpoint as ckpt
 from fivefold.train.collect import ScheduledCollection
@@ -40,7 +41,6 @@ from fivefold.train.lr_schedule import build_scheduler
 from fivefold.train.memory_counter import PeakReading, track_cpu_peak, track_cuda_peak
 from fivefold.train.metrics import (
     ConsoleReporter,
-    GiB,
     JsonlWriter,
     StepMetrics,
     ThroughputMeter,
@@ -54,6 +54,7 @@ from fivefold.train.peak import DevicePeak, cuda_fp8_peak, device_peak
 from fivefold.train.profiling import StepProfiler
 from fivefold.train.runtime import Runtime, make_runtime
 from fivefold.train.trackers import Trackers
+from fivefold.units import GiB
 
 
 @dataclass

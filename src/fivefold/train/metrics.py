@@ -1,14 +1,6 @@
 """Per-step metrics and where they go: a rich console (progress bar), JSONL, TensorBoard.
 
-MFU = achieved model FLOP/s / (peak FLOP/s x devices), where model FLOPs per token are
-`fivefold.spec.model.training_flops_per_token` (forward + backward, no recompute) with attention
-counted per document, from the step's own document boundaries (`attention_keys`: L^2/2 pairs
-per document of L tokens, `ATTENTION_CONVENTION`), the work the document-masked kernels do, so
-a packed long sequence of short documents never reads above 100 %. HFU counts the recomputed
-forward work as well, as it runs: torch's checkpoint skips each block's last matmul
-(`early_stop=True`). The peak comes from `fivefold.train.peak`, one figure per run, and its
-label travels with every printed MFU (on CPU the device profile's measured matmul peak when the
-run has one, else a fixed stated reference; not a datasheet).
+Details: docs/internals.md (`fivefold.train.metrics`).
 """
 
 from __future__ import annotations
@@ -35,9 +27,8 @@ from rich.progress import (
 )
 from rich.text import Text
 
-from fivefold.spec.model import ATTENTION_CONVENTION
+from fivefold.spec.flops import ATTENTION_CONVENTION
 
-GiB = 2**30
 LOG_INTERVAL_S = 30.0  # the console never stays silent longer than this while steps complete
 
 
@@ -79,6 +70,7 @@ def document_pairs(doc_ids: Any, offsets: Any = None) -> tuple[float, int]:
     """(causal pairs L^2/2 summed over the documents of every row, tokens) of `doc_ids` [B, T]
     (a tensor or array; documents are runs of equal ids, never spanning rows), or of their
     host-side cumulative offsets [N+1] when given (`Batch.cu_seqlens`: nothing read back)."""
+    # here: train.data (tokenizers) stays out of `fivefold --help`, which imports this module
     from fivefold.train.data.batching import document_offsets
 
     if offsets is None:
@@ -189,7 +181,7 @@ class TensorBoardWriter:
 
     def __init__(self, log_dir: Path):
         try:
-            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard import SummaryWriter  # optional (tensorboard extra)
         except ImportError:
             self._writer = None
             return

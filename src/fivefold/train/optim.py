@@ -1,16 +1,6 @@
 """AdamW over the parameters a rank owns, with weight decay on matrices only.
 
-Matrices (embeddings, projections, experts: `ndim >= 2`) are decayed; vectors (RMSNorm weights,
-biases) are not, as in GPT-2/Llama training recipes. Parameters shared by several modules (tied
-embeddings) appear once. The update runs torch's fused AdamW kernel (one kernel over all
-parameters, CPU and CUDA, DTensor shards included) where every parameter's device has one, else
-the foreach (multi-tensor) implementation.
-
-The plan's memory levers choose the optimizer: `plan.optimizer_states` = "8bit" | "fp8" takes
-torchao's low-bit AdamW (`fivefold.parallel.lowbit`), `plan.offload` = "optimizer" runs the step
-on host copies (`fivefold.parallel.offload.HostOffloadOptimizer`), and tensorwise FP8 under FSDP2
-precomputes the weights' scales after each step (`fivefold.parallel.float8`). `lever_problems`
-is what a machine cannot run of them, asked before any process starts.
+Details: docs/internals.md (`fivefold.train.optim`).
 """
 
 from __future__ import annotations
@@ -21,6 +11,9 @@ import torch
 from torch import nn
 
 from fivefold.errors import ConfigError
+from fivefold.parallel.float8 import float8_problems, needs_scale_precompute, precompute_scales
+from fivefold.parallel.lowbit import compiler_problems, lowbit_adamw_class, torchao_problems
+from fivefold.parallel.offload import HostOffloadOptimizer
 from fivefold.spec.plan import ParallelPlan
 from fivefold.train.config import TrainConfig
 
@@ -60,9 +53,6 @@ def lever_problems(plan: ParallelPlan, device: torch.device) -> list[str]:
     compiler for its compiled update). Layout rules are
     `ParallelPlan.problems`; this is the device half, asked by the launchers (`check_layout`)
     before any process starts and again where each lever is applied."""
-    from fivefold.parallel.float8 import float8_problems
-    from fivefold.parallel.lowbit import compiler_problems, torchao_problems
-
     out = float8_problems(plan.fp8, device)
     if plan.optimizer_states != "fp32":
         field = f"plan.optimizer_states = {plan.optimizer_states!r}"
@@ -75,8 +65,6 @@ def _adamw(groups: list[dict], cfg: TrainConfig, states: str) -> torch.optim.Opt
     hyper = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps}
     if states == "fp32":
         return torch.optim.AdamW(groups, **hyper, **kernel_choice(groups))
-    from fivefold.parallel.lowbit import lowbit_adamw_class, torchao_problems
-
     problems = torchao_problems(f"plan.optimizer_states = {states!r}")
     if problems:
         raise ConfigError(problems)
@@ -92,15 +80,11 @@ def build_optimizer(
     parts = list(model_parts)
     groups = param_groups(parts, cfg.weight_decay)
     if plan.offload == "optimizer":
-        from fivefold.parallel.offload import HostOffloadOptimizer
-
         optimizer = HostOffloadOptimizer(
             groups, lambda host: _adamw(host, cfg, plan.optimizer_states)
         )
     else:
         optimizer = _adamw(groups, cfg, plan.optimizer_states)
-    from fivefold.parallel.float8 import needs_scale_precompute, precompute_scales
-
     if needs_scale_precompute(plan):
         optimizer.register_step_post_hook(lambda *_: precompute_scales(parts))
     return optimizer

@@ -38,8 +38,8 @@ from types import SimpleNamespace
 from typing import Any
 
 from fivefold.spec.recipe import Recipe
+from fivefold.units import GiB as GIB
 
-GIB = 1024**3
 PIPELINE_TRACKER_NOTE = (
     "torch's MemTracker cannot follow a pipeline stage's backward (its module hooks meet "
     "torch.autograd.grad on the stage's received input); fivefold's counter only"

@@ -16,8 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fivefold.train.config import RunConfig
-
-GIB = 2**30
+from fivefold.units import GiB as GIB
 
 
 @dataclass(frozen=True)

@@ -1,17 +1,6 @@
 """`train.profile`: a torch.profiler trace of chosen steps, and on CUDA a memory snapshot.
 
-`train.profile = {start_step = N, steps = K}` profiles steps N .. N+K-1 (1-based, the step
-numbers of metrics.jsonl) and writes into `<run_dir>/profile/`:
-
-- `trace-rank<R>.json`: the Chrome/Perfetto trace of rank R (`torch.profiler`, CPU activity and
-  on CUDA the kernels), each step under `fivefold step <n>` and each submodule's forward under
-  its qualified name (`layers.0.attention`, ...). torch.profiler's own `with_modules` covers only
-  TorchScript, so the names come from forward hooks entering a `record_function` range; they
-  are installed for the window only. Backward ops carry autograd's names (`...Backward0`).
-- `memory-rank<R>.pickle` (CUDA only): the allocator history over the window
-  (`torch.cuda.memory._record_memory_history` / `_dump_snapshot`), for pytorch.org/memory_viz.
-
-See docs/profiling.md for how to open them.
+Details: docs/internals.md (`fivefold.train.profiling`).
 """
 
 from __future__ import annotations

@@ -20,8 +20,8 @@ from torch import nn
 from fivefold.errors import ConfigError
 from fivefold.model.loss import cross_entropy_loss
 from fivefold.parallel.checkpointing import apply_recompute
+from fivefold.parallel.device import pick_device
 from fivefold.parallel.mixed_precision import RuntimePrecision, resolve_precision
-from fivefold.parallel.process_group import pick_device
 from fivefold.parallel.protocol import Runtime, StepResult, batch_to, label_count
 from fivefold.spec.recipe import Recipe
 from fivefold.train.config import parse_train_config

@@ -1,22 +1,6 @@
 """Experiment trackers beside metrics.jsonl: TensorBoard, Weights & Biases, MLflow.
 
-`train.trackers = ["wandb", "mlflow"]` turns on the optional ones (TensorBoard is
-`train.tensorboard`, on by default when installed). Every tracker logs the same scalars under the
-same names, `train/<field>` for each numeric field of a `metrics.jsonl` record
-(`fivefold.train.metrics.scalars`), at the step of that record, every `train.log_every` steps.
-Only rank 0 logs.
-
-- **wandb** (`pip install 'fivefold[wandb]'`): one W&B run per run directory, named
-  `train.name`, project `$WANDB_PROJECT` or "fivefold", files under `<run_dir>/wandb`;
-  `WANDB_MODE=offline` logs without a network (`wandb sync` uploads later).
-- **mlflow** (`pip install 'fivefold[mlflow]'`): tracking URI `$MLFLOW_TRACKING_URI`, else
-  `sqlite:///<run_dir>/mlflow.db`; experiment `$MLFLOW_EXPERIMENT_NAME` or "fivefold"; the
-  recipe's model and plan settings as run parameters.
-
-A resumed run continues the same W&B / MLflow run: their ids are kept in
-`<run_dir>/trackers.json`. Unlike metrics.jsonl, a tracker cannot forget the steps a crashed
-attempt logged after its last checkpoint: W&B ignores them when logged again (a step lower than
-its last), MLflow keeps both values of such a step.
+Details: docs/internals.md (`fivefold.train.trackers`).
 """
 
 from __future__ import annotations
@@ -82,7 +66,7 @@ def _wandb_can_log() -> bool:
 
 class WandbTracker:
     def __init__(self, run_dir: Path, recipe: Recipe, name: str, run_id: str | None):
-        import wandb
+        import wandb  # optional dependency (the wandb extra)
 
         run_dir.mkdir(parents=True, exist_ok=True)
         self._run = wandb.init(
@@ -104,7 +88,7 @@ class WandbTracker:
 
 class MlflowTracker:
     def __init__(self, run_dir: Path, recipe: Recipe, name: str, run_id: str | None):
-        from mlflow import MlflowClient
+        from mlflow import MlflowClient  # optional dependency (the mlflow extra)
 
         run_dir.mkdir(parents=True, exist_ok=True)
         uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{run_dir.resolve()}/mlflow.db"
@@ -121,7 +105,7 @@ class MlflowTracker:
         self.run_id = run_id
 
     def write(self, values: dict[str, float], step: int) -> None:
-        from mlflow.entities import Metric
+        from mlflow.entities import Metric  # optional, as above
 
         now = int(time.time() * 1000)
         metrics = [Metric(key, value, now, step) for key, value in values.items()]

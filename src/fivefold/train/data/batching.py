@@ -63,6 +63,7 @@ def document_offsets(doc_ids: np.ndarray) -> np.ndarray:
 
 def collate(seqs: PackedSequences, sample_ids: np.ndarray) -> Batch:
     """Stack samples `sample_ids` of `seqs` into a `Batch` of `len(sample_ids)` rows."""
+    # here: `fivefold data` uses this package without torch
     import torch
 
     from fivefold.model.loss import IGNORE_INDEX

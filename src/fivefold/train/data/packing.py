@@ -1,15 +1,6 @@
 """Packing the token stream into fixed-length training samples.
 
-The stream is every document followed by the end-of-document token, back to back. Sample `i` is
-the window `[i*T, i*T + T + 1)`: its first `T` tokens are the inputs and its last `T` the labels
-(the next token of the stream, across document boundaries too). Alongside each window come the
-index of the document of every token (renumbered from 0 within the window) and its position
-within its document, counted from 0 at the document start or at the window start if the
-document began earlier, so positions stay below `T + 1` and index RoPE tables sized by the
-sequence length. With document masking, attention stays within a document, and RoPE depends only
-on relative positions, so a document cut by the window sees the same attention as in full.
-
-The last `val_fraction` of samples (at least one) is held out as the validation split.
+Details: docs/internals.md (`fivefold.train.data.packing`).
 """
 
 from __future__ import annotations

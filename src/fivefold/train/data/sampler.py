@@ -1,17 +1,6 @@
 """A deterministic, resumable global sample order shared by every data-parallel layout.
 
-There is one global order: epoch `e` is a permutation of all samples drawn from the seed and `e`
-(or the identity without shuffling), and epochs follow one another. Its whole state is the number
-of samples consumed so far. A step takes the next `global_batch` samples of that order, and
-data-parallel rank `r` of `d` takes the `r`-th contiguous slice of them. Because neither the
-order nor the state depends on the number of ranks, a run resumed with a different data-parallel
-size continues the exact same sequence of global batches: no sample skipped, none repeated.
-
-The shuffle is written here rather than taken from `numpy.random`, whose `Generator` methods may
-change their output between numpy versions: epoch `e`'s order sorts the samples by SplitMix64
-(Steele, Lea and Flood, 2014) of their index mixed with a per-epoch salt. SplitMix64 is a
-bijection on 64-bit integers, so keys never tie and the order is the same on every platform and
-version, which keeps a resumed run's sequence exact even after an upgrade.
+Details: docs/internals.md (`fivefold.train.data.sampler`).
 """
 
 from __future__ import annotations

@@ -1,19 +1,6 @@
 """Token shards: documents tokenised once into flat memory-mapped arrays, boundaries kept.
 
-A shard directory holds
-
-- `manifest.json`: format version, token dtype, vocabulary size, end-of-document id, the
-  tokenizer's hash, token and document counts, the inputs (path, size, SHA-256) and per shard its
-  file names, counts and a BLAKE2b checksum of the token file; `document_lengths`: the mean,
-  mean square, maximum and token-weighted mean (E[L^2]/E[L], what `fivefold plan --doc-len` and
-  `[model] doc_len` take) of the documents' lengths in tokens, end-of-document token included;
-- `shard-NNNNN.tokens.bin`: the token stream, little-endian uint16 (uint32 when the vocabulary
-  exceeds 65,536): every document's tokens followed by the end-of-document token;
-- `shard-NNNNN.offsets.bin`: little-endian int64 document start offsets into that shard's stream,
-  `num_documents + 1` entries from 0 to the shard's token count.
-
-Documents never straddle shards. The stream of the whole directory is the shards' streams one
-after the other; `TokenShards` reads any range of it without loading the files.
+Details: docs/internals.md (`fivefold.train.data.shards`).
 """
 
 from __future__ import annotations

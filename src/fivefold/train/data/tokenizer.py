@@ -13,6 +13,8 @@ import json
 from collections.abc import Iterable
 from pathlib import Path
 
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
 from fivefold.errors import DataError
 from fivefold.spec.model import MODEL_LIMITS
 from fivefold.train.data.cache import atomic_write_text, cache_dir, cache_lock
@@ -84,8 +86,6 @@ def train_tokenizer(
     A corpus too small to support `vocab_size` merges yields fewer tokens; `vocab_size` is an
     upper bound. Saved to `out` when given.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     if vocab_size < MIN_VOCAB_SIZE:
         raise DataError(
             f"vocab size {vocab_size} is too small: a byte-level BPE needs at least "
@@ -119,8 +119,6 @@ def load_tokenizer(path: Path, max_vocab: int | None = None) -> TextTokenizer:
 
     With `max_vocab` (the model's vocabulary), a tokenizer with more tokens is a DataError.
     """
-    from tokenizers import Tokenizer
-
     path = Path(path)
     if not path.is_file():
         raise DataError(
