@@ -36,9 +36,11 @@ sbh(34 + 5as/h); without sequence parallelism the norm inputs, QKV/MLP inputs an
 everything is divided by t (eq. 5). Selective recompute drops the attention core's stored tensors
 (the s^2 terms; with flash kernels the log-sum-exp); full recompute keeps only each
 layer's input (e*sbh, /t with SP) plus one layer's full working set for the layer being
-recomputed. A MoE layer keeps the norm output for the router and shared experts, the dispatched
-copies of each token (top_k x e*sbh) with their expert SwiGLU intermediates (top_k x 3e*sb*f_e/t),
-the shared experts' intermediates and the fp32 router probabilities (4*sb*E).
+recomputed (fivefold-eager ZeRO-3 without a pipeline: or, where larger, the peak in a block's
+backward, `eager_block_backward_excess`). A MoE layer keeps the norm output for the router and
+shared experts, the dispatched copies of each token (top_k x e*sbh) with their expert SwiGLU
+intermediates (top_k x 3e*sb*f_e/t), the shared experts' intermediates and the fp32 router
+probabilities (4*sb*E).
 
 The stage's activations are the per-micro-batch activations of its largest chunk times the peak
 number of micro-batches in flight on that rank, which the schedule simulation gives (1F1B: rank
