@@ -36,9 +36,11 @@ sbh(34 + 5as/h); without sequence parallelism the norm inputs, QKV/MLP inputs an
 everything is divided by t (eq. 5). Selective recompute drops the attention core's stored tensors
 (the s^2 terms; with flash kernels the log-sum-exp); full recompute keeps only each
 layer's input (e*sbh, /t with SP) plus one layer's full working set for the layer being
-recomputed. A MoE layer keeps the norm output for the router and shared experts, the dispatched
-copies of each token (top_k x e*sbh) with their expert SwiGLU intermediates (top_k x 3e*sb*f_e/t),
-the shared experts' intermediates and the fp32 router probabilities (4*sb*E).
+recomputed (fivefold-eager ZeRO-3 without a pipeline: or, where larger, the peak in a block's
+backward, `eager_block_backward_excess`). A MoE layer keeps the norm output for the router and
+shared experts, the dispatched copies of each token (top_k x e*sbh) with their expert SwiGLU
+intermediates (top_k x 3e*sb*f_e/t), the shared experts' intermediates and the fp32 router
+probabilities (4*sb*E).
 
 The stage's activations are the per-micro-batch activations of its largest chunk times the peak
 number of micro-batches in flight on that rank, which the schedule simulation gives (1F1B: rank
@@ -779,6 +781,8 @@ def stage_memory(
         if opts.eager and len(counts) - 1 in chunks:
             # The last layer is recomputed after the loss's backward has freed the logits.
             working = max(0.0, working - other.get("logits", 0.0))
+        if has_block_backward_peak(plan, opts):
+            working = max(working, eager_block_backward_excess(model, plan, counts, opts, other))
         acts += working
     if not opts.eager:
         tensors = state.total + acts + sum(other.values())
@@ -801,6 +805,65 @@ def stage_memory(
         rest * (1 + opts.fragmentation_fraction) + opts.cuda_context_bytes,
         host,
     )
+
+
+# The forward's buffers that are free by the time a block runs its backward.
+FORWARD_BUFFERS = ("logits", "ep_dispatch_buffers", "cp_kv_buffers")
+
+
+def has_block_backward_peak(plan: ParallelPlan, opts: MemoryOptions) -> bool:
+    """fivefold-eager, FSDP2 ZeRO-3 without a pipeline, full recompute in eager blocks: the
+    peak may sit in a block's backward (`eager_block_backward_excess`) rather than at the
+    loss."""
+    eager = opts.eager and opts.fsdp_wrapped and not opts.compiled
+    full = plan.recompute == "full" and opts.activation_model == "korthikanti"
+    return eager and full and plan.zero == 3 and plan.pp * plan.vpp == 1
+
+
+def eager_block_backward_excess(
+    model: ModelSpec,
+    plan: ParallelPlan,
+    counts: list[int],
+    opts: MemoryOptions,
+    other: dict[str, float],
+) -> float:
+    """Bytes by which the peak inside the backward of the second-to-last block (at its
+    recomputed MLP activation's backward) exceeds the tensors `stage_memory` counts at the
+    loss: the block's saved tensors and gradients in flight, its gathered weights, the
+    prefetched block before it, the reduce-scatter input of the block after it and the head's
+    gradient, less the forward's buffers, the final norm and the last block's input
+    (`has_block_backward_peak`; derivation: docs/plan-check.md)."""
+    rec = recipe(plan.precision)
+    e, weight_bytes = rec.activation_bytes, compute_bytes(rec)
+    t, h, moe = plan.tp, model.hidden, model.is_moe
+    rdiv = t if plan.sp and t > 1 else 1
+    sb = plan.micro_batch * model.seq_len / plan.cp
+    behind = counts[-1] > 1  # a block ran its backward before this one, one waits before it
+    freed = sum(other.get(name, 0.0) for name in FORWARD_BUFFERS)
+    freed += eager_norm_bytes(model, e, sb, rdiv)
+    if behind:
+        layers = counts[-1]
+        freed += layer_activation_bytes(model, plan, moe, opts)
+        freed += eager_rope_bytes(model, plan, opts, layers)
+        freed -= eager_rope_bytes(model, plan, opts, layers - 1)
+    width, copies = (model.expert_ffn / t, model.top_k) if moe else (model.ffn / t, 1)
+    inputs = 2 if moe or model.mlp == "swiglu" else 1  # the activation's inputs (gate, up)
+    block = layer_activation_bytes(model, plan, moe, opts, recompute="none")
+    # The gradients of the down projection's input and of the activation's inputs are made
+    # (1 + inputs), the down projection's input is freed (-1), and under MoE the combined
+    # copies (their combine ran its backward).
+    block += inputs * e * sb * width * copies
+    block -= copies * e * sb * h if moe else 0.0
+    block += e * sb * h / rdiv  # the gradient reaching the block's output
+    block += h * width * (model.experts / plan.ep if moe else 1) * weight_bytes  # down proj.
+    lp = layer_params_per_rank(model, moe, t, plan.ep)
+    unit = lp.dense + lp.replicated  # the block's own FSDP unit (routed experts: their own)
+    gathered = unit * weight_bytes - fp8_gather_saving(model, plan)
+    units = gathered + lp.experts * weight_bytes
+    if behind:
+        units += gathered + unit * EAGER.fsdp_reduce_bytes
+    head_grads = (embedding_params_per_rank(model, t) + h) * weight_bytes  # head, final norm
+    return block + units + head_grads - freed
 
 
 def eager_peak_activations(
