@@ -302,16 +302,16 @@ def fsdp_copy_s(size_bytes: float, device: GPUSpec, eff: EfficiencyModel) -> flo
 
 
 def _cp_costs(
-    model,
-    key,
-    cluster,
-    eff,
+    model: ModelSpec,
+    key: ParallelPlan,
+    cluster: ClusterSpec,
+    eff: EfficiencyModel,
     work: Work,
     e: int,
     tokens: float,
     gap: float | None,
     eager: bool = False,
-):
+) -> tuple[float, float, float, float]:
     """(exposed fwd, exposed bwd, transfer time, bytes) of context parallelism for one layer
     (`gap`: compute before each collective, `collective_gap_s`; `eager`: fivefold's own ring,
     `_ring_costs`)."""
@@ -341,7 +341,9 @@ def _cp_costs(
     return fwd, bwd, fwd + bwd, 2 * size * (cp - 1) / cp
 
 
-def _ring_costs(key: ParallelPlan, work: Work, kv_block: float, e: int, link: Link):
+def _ring_costs(
+    key: ParallelPlan, work: Work, kv_block: float, e: int, link: Link
+) -> tuple[float, float, float, float]:
     """(exposed fwd, exposed bwd, transfer time, bytes) of fivefold's ring attention for one
     layer (`fivefold.parallel.context_parallel._RingAttention`): forward, cp - 1 exchanges of a
     K/V block; backward, the K/V ring again (cp - 1) and cp exchanges of the block's fp32

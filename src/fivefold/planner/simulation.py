@@ -15,7 +15,6 @@ from fivefold.spec.plan import ParallelPlan
 
 _F, _B, _W = 0, 1, 2
 
-# ---- dependencies (cost-independent, cached with the schedule) -------------------------------
 # An action's integer id: (kind * chunks + chunk) * microbatches + microbatch.
 _Op = tuple[int, int, int, int, bool, bool]  # id, kind*chunks+chunk, dep_a, dep_b, cross_a, cross_b
 
