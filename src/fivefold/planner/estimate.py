@@ -430,6 +430,7 @@ def _comm_summary(
     boundary: float,
     pp_link: Link,
 ) -> list[CommCost]:
+    """Every kind of communication over a step of pipeline rank `rank` (the busiest)."""
     chunks = chunks_of_rank(plan.schedule, plan.pp, plan.vpp, rank)
     out: list[CommCost] = []
     cp_pattern = {"ring": "p2p", "allgather": "collective"}.get(plan.cp_kind, "all-to-all")
