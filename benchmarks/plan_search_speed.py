@@ -36,6 +36,7 @@ from pathlib import Path
 from fivefold.errors import ConfigError
 from fivefold.planner import estimate as estimate_module
 from fivefold.planner.explain import explain as explain_result
+from fivefold.planner.layer_costs import layer_costs
 from fivefold.planner.search import SearchResult, search
 from fivefold.spec import cluster_preset, model_preset
 
@@ -156,7 +157,7 @@ def main() -> None:
     for case in CASES:
         baseline = None
         for _ in range(args.repeat):
-            estimate_module._layer_costs.cache_clear()  # each run starts cold
+            layer_costs.cache_clear()  # each run starts cold
             wall, model, cluster, result = run(*case, explain=not args.no_explain)
             if baseline is None:
                 baseline = exhaustive_baseline(model, cluster, result)

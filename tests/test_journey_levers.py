@@ -17,7 +17,8 @@ import pytest
 
 from fivefold.cli.main import main
 from fivefold.errors import ConfigError
-from fivefold.planner.search import AUTO_LEVERS, lever_sets, search
+from fivefold.planner.candidates import AUTO_LEVERS, lever_sets
+from fivefold.planner.search import search
 from fivefold.spec.cluster import cluster_preset
 from fivefold.spec.presets import model_preset
 

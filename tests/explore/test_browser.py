@@ -16,7 +16,8 @@ from fivefold.explore.api import json_safe
 from fivefold.planner.estimate import estimate
 from fivefold.planner.explain import explain
 from fivefold.planner.frameworks import planner_settings
-from fivefold.planner.search import TIE_FRACTION, search
+from fivefold.planner.outcomes import TIE_FRACTION
+from fivefold.planner.search import search
 from fivefold.spec import (
     ClusterSpec,
     ModelSpec,

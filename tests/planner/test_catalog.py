@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from fivefold.errors import ConfigError
+from fivefold.planner.candidates import tp_choices
 from fivefold.planner.comm import group_link
 from fivefold.planner.efficiency import EfficiencyModel
-from fivefold.planner.search import tp_choices
 from fivefold.spec import ParallelPlan, cluster_preset, model_preset
 from fivefold.spec.cluster import ClusterSpec
 from fivefold.spec.hardware import GPUS, UNKNOWN_GPU, GiB, catalog_key_for_device, host

@@ -11,7 +11,8 @@ from fivefold.planner.efficiency import EfficiencyModel
 from fivefold.planner.estimate import estimate
 from fivefold.planner.memory import GiB
 from fivefold.planner.options import PlannerOptions
-from fivefold.planner.schedule import build_schedule, closed_form_bubble, simulate
+from fivefold.planner.schedule import build_schedule
+from fivefold.planner.simulation import closed_form_bubble, simulate
 from fivefold.spec import ClusterSpec, ModelSpec, ParallelPlan, cluster_preset, model_preset
 from fivefold.spec.flops import training_flops_per_token
 
@@ -206,18 +207,21 @@ def test_estimate_is_fast():
 def test_parameter_gather_hides_behind_first_forward_and_warm_up():
     """ZeRO-1 parameter all-gather (hand-derived from the stage costs): rank r of a 1F1B pipeline
     hides it behind its first forward and the r chunk forwards it waits for before that."""
-    from fivefold.planner import estimate as E
+    from fivefold.planner.chunk_costs import chunk_costs_of
     from fivefold.planner.efficiency import efficiency_model
+    from fivefold.planner.layer_costs import layer_cost_key
     from fivefold.planner.memory import chunk_layers
+    from fivefold.planner.partition import stage_layer_counts
+    from fivefold.planner.rank_tail import rank_tails
 
     model = model_preset("llama3-70b").with_(seq_len=2048)
     cluster = cluster_preset("dgx-h100", 128)  # dp groups of tp = 8: one GPU per node
     plan = ParallelPlan(tp=8, sp=True, pp=4, dp_shard=4, zero=1, grad_accum=8)
     opts, eff = PlannerOptions(), efficiency_model()
-    counts = E.stage_layer_counts(model, 4)
+    counts = stage_layer_counts(model, 4)
     sigs = [(*chunk_layers(model, counts, c), c == 0, c == 3) for c in range(4)]
-    costs = [E._chunk_costs_of(model, E._layer_key(plan), cluster, eff, opts, *s) for s in sigs]
-    tails = E._rank_tails(model, plan, cluster, eff, opts, sigs, costs)
+    costs = [chunk_costs_of(model, layer_cost_key(plan), cluster, eff, opts, *s) for s in sigs]
+    tails = rank_tails(model, plan, cluster, eff, opts, sigs, costs)
     mean_forward = sum(c.forward_s for c in costs) / 4
     for rank, tail in enumerate(tails):
         window = costs[rank].forward_s + rank * mean_forward

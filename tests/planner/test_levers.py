@@ -18,8 +18,9 @@ from fivefold.errors import ConfigError
 from fivefold.planner.bounds import Bounds
 from fivefold.planner.compute import gemm_time_s
 from fivefold.planner.efficiency import efficiency_model
-from fivefold.planner.estimate import _layer_costs, _layer_key, estimate
+from fivefold.planner.estimate import estimate
 from fivefold.planner.explain import explain
+from fivefold.planner.layer_costs import layer_cost_key, layer_costs
 from fivefold.planner.lever_costs import (
     HOST_BW_FRACTION,
     PCIE_FRACTION,
@@ -177,8 +178,8 @@ def test_full_offload_step_time():
     eff, opts = efficiency_model(), PlannerOptions()
     z3 = ParallelPlan(dp_shard=8, zero=3, grad_accum=2)
     off = z3.with_(offload="all")
-    plain = _layer_costs(LLAMA8, _layer_key(z3), H100x8, eff, opts, False)
-    lever = _layer_costs(LLAMA8, _layer_key(off), H100x8, eff, opts, False)
+    plain = layer_costs(LLAMA8, layer_cost_key(z3), H100x8, eff, opts, False)
+    lever = layer_costs(LLAMA8, layer_cost_key(off), H100x8, eff, opts, False)
     shard = LAYER / 8
     # Each gather first copies the fp32 shard in, each reduce-scatter copies the bf16 one out.
     assert lever.gather_s - plain.gather_s == pytest.approx(shard * 4 / (PCIE5 * PCIE_FRACTION))
@@ -213,8 +214,8 @@ def test_fp8_layer_time_is_fp8_gemms_plus_casts():
     full = fp8_layer_delta(LLAMA8, plan.with_(recompute="full"), dev, eff, False)
     assert full.backward_input_s == pytest.approx(delta.backward_input_s + delta.forward_s)
     opts = PlannerOptions()
-    bf16 = _layer_costs(LLAMA8, _layer_key(ParallelPlan()), H100x8, eff, opts, False).work
-    fp8 = _layer_costs(LLAMA8, _layer_key(plan), H100x8, eff, opts, False).work
+    bf16 = layer_costs(LLAMA8, layer_cost_key(ParallelPlan()), H100x8, eff, opts, False).work
+    fp8 = layer_costs(LLAMA8, layer_cost_key(plan), H100x8, eff, opts, False).work
     assert fp8.forward_s == pytest.approx(bf16.forward_s + delta.forward_s)
     # Under ZeRO-3 with tensorwise scaling, the weights are cast as shards before an FP8 gather.
     z3 = fp8_layer_delta(

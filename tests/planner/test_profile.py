@@ -401,13 +401,13 @@ def test_zero3_with_pipelining_communicates_once_per_step(profile_path):
 def test_zero3_pays_fsdp_copies_by_hand(profile_path):
     """Each ZeRO-3 gather is copied out into the parameters and each gradient reduce-scatter's
     input is copied in: 2 bytes moved per byte, at the element-wise bandwidth."""
-    from fivefold.planner.estimate import _layer_costs, _layer_key
+    from fivefold.planner.layer_costs import layer_cost_key, layer_costs
     from fivefold.planner.options import PlannerOptions
 
     cluster = profile_cluster(profile_path, 2)
     plan = ParallelPlan(dp_shard=2, zero=3, micro_batch=4, precision="fp32")
     opts = PlannerOptions.for_device(cluster.device)
-    lc = _layer_costs(TINY, _layer_key(plan), cluster, EFF, opts, False)
+    lc = layer_costs(TINY, layer_cost_key(plan), cluster, EFF, opts, False)
     params = 64 * (64 + 2 * 32) + 64 * 64 + 3 * 64 * 176 + 2 * 64  # attention, SwiGLU, norms
     assert lc.gather_copy_s == pytest.approx(2 * params * 4 / BW["elementwise_forward"])
     assert lc.reduce_copy_s == pytest.approx(lc.gather_copy_s)
@@ -461,7 +461,7 @@ def test_moe_routing_collectives_by_hand(profile_path):
     of the E per-expert counts (int64); both on the stage's critical path."""
     from dataclasses import replace
 
-    from fivefold.planner.estimate import routing_sync_s
+    from fivefold.planner.layer_costs import routing_sync_s
     from fivefold.planner.options import PlannerOptions
 
     moe = model_preset("tiny-moe")  # 4 experts
@@ -636,7 +636,7 @@ def test_published_band_does_not_apply_to_a_measured_device(profile_path):
 def test_runtime_units_one_collective_per_wrapped_module():
     """fivefold's runtime wraps every block and each chunk's root (and, under EP, each MoE
     block's experts apart): a rank holding chunks of 3 and 2 blocks issues 3 + 2 + 2 roots."""
-    from fivefold.planner.estimate import runtime_units
+    from fivefold.planner.rank_tail import runtime_units
 
     dense = ParallelPlan(pp=2, vpp=2, schedule="interleaved-1f1b", micro_batch=1, grad_accum=4)
     assert runtime_units(dense, [(3, 0, True, False), (2, 0, False, False)]) == (7, 0)
@@ -649,15 +649,15 @@ def test_zero1_reduces_once_per_unit_on_a_measured_device(profile_path):
     """tiny-moe (2 MoE layers) at ZeRO-1 x EP2 on 2 ranks: the dense gradients leave in 3
     reduce-scatters (2 blocks and the root), each paying its own latency, not one per
     `layer's worth` of parameters (the embedding and head are 13 layers' worth)."""
-    from fivefold.planner.estimate import _tail_costs
     from fivefold.planner.options import PlannerOptions
+    from fivefold.planner.rank_tail import tail_costs
 
     moe = model_preset("tiny-moe")
     cluster = profile_cluster(profile_path, 2)
     opts = PlannerOptions.for_device(cluster.device)
     plan = ParallelPlan(dp_shard=2, zero=1, ep=2, micro_batch=1, precision="fp32")
     dense = 574_272.0  # any parameter count: only the count of collectives matters here
-    grad, *_ = _tail_costs(moe, plan, cluster, EFF, opts, dense, 0.0, (3, 2))
+    grad, *_ = tail_costs(moe, plan, cluster, EFF, opts, dense, 0.0, (3, 2))
     size = dense * 4
     copy = 2 * size / BW["elementwise_forward"]  # FSDP2's copy into the reduce-scatter input
     assert grad == pytest.approx(3 * (1e-4 + size / 3 / 1e9) + copy)
@@ -667,7 +667,7 @@ def test_fivefold_ring_exchanges_by_hand(profile_path):
     """fivefold's ring attention on CP 2 (`_RingAttention`): forward one K/V exchange; backward
     one K/V exchange and two fp32 dK/dV exchanges; on a CPU nothing hides behind attention."""
     from fivefold.planner.compute import Work
-    from fivefold.planner.estimate import _ring_costs
+    from fivefold.planner.layer_costs import _ring_costs
 
     cluster = profile_cluster(profile_path, 2)
     plan = ParallelPlan(cp=2, micro_batch=1, precision="bf16-mixed")
@@ -701,7 +701,7 @@ def test_shared_cores_give_a_waiting_rank_core_to_the_others(profile_path):
 def test_collective_gap_is_half_a_layer_forward(profile_path):
     """The compute that prices a plan's collectives on a measured device: half of one layer's
     forward at its micro-batch; none on a GPU cluster."""
-    from fivefold.planner.estimate import collective_gap_s
+    from fivefold.planner.layer_costs import collective_gap_s
     from fivefold.spec.cluster import cluster_preset
 
     cluster = profile_cluster(profile_path, 2)

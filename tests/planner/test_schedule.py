@@ -7,12 +7,9 @@ import pytest
 
 from fivefold.errors import ConfigError
 from fivefold.planner import schedule as sched_mod
-from fivefold.planner.schedule import (
-    StageCosts,
-    build_schedule,
-    closed_form_bubble,
-    simulate,
-)
+from fivefold.planner import simulation as sim_mod
+from fivefold.planner.schedule import build_schedule
+from fivefold.planner.simulation import StageCosts, closed_form_bubble, simulate
 from fivefold.spec.geometry import SCHEDULES
 
 VPP = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2, "zbv": 2, "dualpipev": 2}
@@ -182,10 +179,10 @@ def test_long_schedules_extrapolate_to_the_full_run(name, monkeypatch):
     f[0], f[-1] = 1.1, 1.4  # embedding on the first chunk, head on the last
     costs = StageCosts(f, [2 * x for x in f], [0.6 * x for x in f], p2p_s=0.03)
     s = build_schedule(name, pp, vpp, m)
-    monkeypatch.setattr(sched_mod, "EXACT_ACTION_LIMIT", 10**9)
-    exact = sched_mod._simulate_cached.__wrapped__(s, costs)
-    monkeypatch.setattr(sched_mod, "EXACT_ACTION_LIMIT", 200 + rng.randint(0, 50))
-    approx = sched_mod._simulate_cached.__wrapped__(s, costs)
+    monkeypatch.setattr(sim_mod, "EXACT_ACTION_LIMIT", 10**9)
+    exact = sim_mod._simulate_cached.__wrapped__(s, costs)
+    monkeypatch.setattr(sim_mod, "EXACT_ACTION_LIMIT", 200 + rng.randint(0, 50))
+    approx = sim_mod._simulate_cached.__wrapped__(s, costs)
     assert approx.extrapolated and not exact.extrapolated
     assert approx.step_time_s == pytest.approx(exact.step_time_s, rel=1e-3)
     assert approx.busy_s == pytest.approx(exact.busy_s)

@@ -7,16 +7,10 @@ import pytest
 
 from fivefold.errors import ConfigError
 from fivefold.planner.bounds import Bounds
+from fivefold.planner.candidates import dp_splits, hsdp_shards, micro_batch_choices, tp_choices
 from fivefold.planner.estimate import estimate
-from fivefold.planner.search import (
-    TIE_FRACTION,
-    batch_target,
-    dp_splits,
-    hsdp_shards,
-    micro_batch_choices,
-    search,
-    tp_choices,
-)
+from fivefold.planner.outcomes import TIE_FRACTION, batch_target
+from fivefold.planner.search import search
 from fivefold.spec import ParallelPlan, cluster_preset, model_preset
 from fivefold.spec.hardware import GiB
 

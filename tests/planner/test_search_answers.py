@@ -11,7 +11,9 @@ import pytest
 from fivefold.planner.bounds import Bounds
 from fivefold.planner.estimate import estimate
 from fivefold.planner.frameworks import profile
-from fivefold.planner.search import TIE_FRACTION, Outcome, _derive, rank_fitting, search
+from fivefold.planner.outcomes import TIE_FRACTION, Outcome, rank_fitting
+from fivefold.planner.search import search
+from fivefold.planner.search_state import _derive
 from fivefold.planner.uncertainty import rank_tokens_per_s
 from fivefold.spec import ParallelPlan, cluster_preset, model_preset
 

@@ -6,8 +6,10 @@ import pytest
 
 from fivefold.planner.estimate import estimate
 from fivefold.planner.explain import explain
-from fivefold.planner.schedule import StageCosts, build_schedule, closed_form_bubble, simulate
-from fivefold.planner.search import TIE_FRACTION, search
+from fivefold.planner.outcomes import TIE_FRACTION
+from fivefold.planner.schedule import build_schedule
+from fivefold.planner.search import search
+from fivefold.planner.simulation import StageCosts, closed_form_bubble, simulate
 from fivefold.spec import ParallelPlan, cluster_preset, model_preset
 from fivefold.spec.hardware import GiB
 

@@ -12,7 +12,8 @@ from fivefold.planner import uncertainty as U
 from fivefold.planner.estimate import estimate
 from fivefold.planner.explain import confidence_line, explain, published_line
 from fivefold.planner.options import PlannerOptions
-from fivefold.planner.search import Outcome, rank_fitting, search
+from fivefold.planner.outcomes import Outcome, rank_fitting
+from fivefold.planner.search import search
 from fivefold.spec import ParallelPlan, cluster_preset, model_preset
 from fivefold.spec.flops import training_flops_per_token
 

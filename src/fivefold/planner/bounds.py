@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from fivefold.planner.compute import head_work
 from fivefold.planner.efficiency import EfficiencyModel, efficiency_model
-from fivefold.planner.estimate import _layer_costs, _layer_key
+from fivefold.planner.layer_costs import layer_cost_key, layer_costs
 from fivefold.planner.levers import memory_plan
 from fivefold.planner.memory import (
     MemoryOptions,
@@ -221,7 +221,7 @@ class Bounds:
     # ---- step time ---------------------------------------------------------------------------
     def step(self, plan: ParallelPlan) -> float:
         """Seconds a step of `plan` takes at least."""
-        layer_key = _layer_key(plan)
+        layer_key = layer_cost_key(plan)
         if layer_key.zero != 3:
             # Only ZeRO-3's per-layer gathers depend on the shard group: share the cache entry.
             layer_key = layer_key.with_(dp_shard=1)
@@ -240,7 +240,7 @@ class Bounds:
         """(forward, backward, ZeRO-3 exposed per layer fwd, bwd) and first-layer extras."""
 
         def make():
-            lc = _layer_costs(
+            lc = layer_costs(
                 self.model, layer_key, self.cluster, self.efficiency, self.options, moe
             )
             w = lc.work

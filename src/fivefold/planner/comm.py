@@ -49,7 +49,7 @@ On a machine measured by `fivefold calibrate` (`fivefold.spec.profile`) every gr
 beta with the alpha and beta fitted to its own measurements on that group size
 (`rates.FittedLink`, `rates.MeasuredRates.collective`), S in the nccl-tests convention used
 above, as issued after the link's `gap_s` of compute on every rank (the estimator passes its
-plan's, `estimate.collective_gap_s`): on a CPU a collective issued between GEMMs costs several
+plan's, `layer_costs.collective_gap_s`): on a CPU a collective issued between GEMMs costs several
 times one issued back to back.
 Written by hand: no library computes these without a GPU.
 """

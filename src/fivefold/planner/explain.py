@@ -15,12 +15,13 @@ from collections.abc import Callable
 from typing import Any
 
 from fivefold.planner import uncertainty as U
+from fivefold.planner.candidates import tp_choices
 from fivefold.planner.estimate import estimate
 from fivefold.planner.explain_levers import lever_words, levers_line
 from fivefold.planner.outcomes import TIE_FRACTION, SearchResult
 from fivefold.planner.quantities import gib, seconds
 from fivefold.planner.rates import rates_for
-from fivefold.planner.search import collector_paused, tp_choices
+from fivefold.planner.search import collector_paused
 from fivefold.planner.staircase import rule_of_thumb_line
 from fivefold.spec.hardware import GiB
 from fivefold.spec.plan import ParallelPlan

@@ -57,7 +57,7 @@ class PlannerOptions:
     dropout: bool = False
     tp_comm_overlap: bool = False
     dp_overlap: bool = True
-    param_gather_overlap: bool = True  # ZeRO-1/2 gather behind the next forward (estimate.py)
+    param_gather_overlap: bool = True  # ZeRO-1/2 gather behind the next forward (rank_tail.py)
     fused_elementwise: bool = True
     selective_policy: str = "attention"  # or "alternate-matmul" (torchtitan's op-level SAC)
     cuda_context_bytes: float = 0.75 * GiB

@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from fivefold.planner.candidates import divisors, tp_choices
 from fivefold.planner.outcomes import BatchTarget
-from fivefold.planner.search import divisors, tp_choices
 from fivefold.spec.cluster import ClusterSpec
 from fivefold.spec.model import ModelSpec
 from fivefold.spec.plan import ParallelPlan

@@ -1,0 +1,234 @@
+"""What each pipeline rank does after its last backward: the data-parallel gradient reduction,
+the ZeRO-1/2 parameter all-gather, the optimizer step and offload's remaining host copies, each
+exposed beyond the compute and idle time that can hide it (docs/planner.md, section 2, "DP /
+ZeRO" and "Overlap limits").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from functools import lru_cache
+
+from fivefold.planner.chunk_costs import ChunkCosts
+from fivefold.planner.comm import (
+    TENSORS_PER_LAYER,
+    Link,
+    all_gather_bytes,
+    all_gather_time_s,
+    all_reduce_bytes,
+    all_reduce_time_s,
+    axis_groups,
+    collective_count,
+    group_link,
+    issued_time_s,
+    plan_link,
+    reduce_scatter_time_s,
+)
+from fivefold.planner.efficiency import EfficiencyModel
+from fivefold.planner.layer_costs import collective_gap_s, fsdp_copy_s, per_layer_gathers
+from fivefold.planner.lever_costs import offload_tail, optimizer_s
+from fivefold.planner.memory import layer_params_per_rank, params_of
+from fivefold.planner.options import PlannerOptions
+from fivefold.spec.cluster import ClusterSpec
+from fivefold.spec.geometry import (
+    chunks_of_rank,
+    dense_shard_degree,
+    expert_shard_degree,
+    is_v_shaped,
+)
+from fivefold.spec.model import ModelSpec
+from fivefold.spec.plan import ParallelPlan
+from fivefold.spec.precision import recipe
+
+
+@dataclass(frozen=True)
+class Tail:
+    """What a pipeline rank does after its last backward: exposed seconds and the raw costs."""
+
+    grad_exposed_s: float
+    grad_time_s: float
+    grad_bytes: float
+    gather_exposed_s: float
+    gather_time_s: float
+    gather_bytes: float
+    optimizer_s: float
+    offload_exposed_s: float = 0.0  # PCIe copies outside the layers' gathers (`lever_costs`)
+    offload_time_s: float = 0.0
+    offload_bytes: float = 0.0
+
+    @property
+    def exposed_s(self) -> float:
+        exposed = self.grad_exposed_s + self.gather_exposed_s + self.optimizer_s
+        return exposed + self.offload_exposed_s
+
+
+def rank_tails(
+    model: ModelSpec,
+    plan: ParallelPlan,
+    cluster: ClusterSpec,
+    eff: EfficiencyModel,
+    opts: PlannerOptions,
+    chunk_sigs: list[tuple[int, int, bool, bool]],
+    chunk_costs: list[ChunkCosts],
+) -> list[Tail]:
+    """The tail of every pipeline rank (this module's docstring). Ranks holding
+    the same kind of chunks share the costs; only their drain idle time differs."""
+    key = replace(plan, grad_accum=1, micro_batch=1, recompute="none", schedule="1f1b", vpp=1)
+    pipelined = len(chunk_sigs) > 1
+    loop = plan.pp > 1 and not is_v_shaped(plan.schedule, plan.pp)
+    mean_backward = sum(c.backward_input_s + c.backward_weight_s for c in chunk_costs)
+    mean_backward /= len(chunk_costs)
+    mean_forward = sum(c.forward_s for c in chunk_costs) / len(chunk_costs)
+    gap = collective_gap_s(model, plan, cluster, eff)
+    shared: dict[tuple, tuple] = {}
+    tails = []
+    for rank in range(plan.pp):
+        chunks = chunks_of_rank(plan.schedule, plan.pp, plan.vpp, rank)
+        sig = tuple(chunk_sigs[c] for c in chunks)
+        base = shared.get(sig)
+        if base is None:
+            params = [params_of(model, plan.tp, plan.ep, *chunk_sigs[c], pipelined) for c in chunks]
+            dense, experts = sum(p.dense for p in params), sum(p.experts for p in params)
+            units = None
+            if opts.runtime == "fivefold-eager":
+                units = runtime_units(plan, [chunk_sigs[c] for c in chunks])
+                if plan.ep == 1:  # the experts are reduced with their block
+                    dense, experts = dense + experts, 0.0
+            raw = tail_costs(model, key, cluster, eff, opts, dense, experts, units, gap)
+            last_backward = sum(
+                chunk_costs[c].backward_input_s + chunk_costs[c].backward_weight_s for c in chunks
+            )
+            first_forward = sum(chunk_costs[c].forward_s for c in chunks)
+            opt_params = _optimizer_params(plan, dense, experts)
+            base = shared[sig] = (raw, last_backward, first_forward, opt_params)
+        raw, last_backward, first_forward, opt_params = base
+        grad_time, grad_bytes, bucket_time, gather_time, gather_bytes, opt = raw
+        # Overlap window: the rank's last micro-batch backward, and the time it idles while the
+        # ranks before it finish their backwards (about `rank` chunk backwards in the loop
+        # schedules; the V schedules end on every rank at nearly the same time).
+        drain = rank * mean_backward if loop else 0.0
+        window = last_backward + drain if opts.dp_overlap else 0.0
+        grad_exposed = max(0.0, grad_time - window) + bucket_time if grad_time > 0 else 0.0
+        # The parameter all-gather overlaps the next step's first forward and, symmetrically to
+        # the drain, the warm-up time rank r waits for its first activation (r chunk forwards).
+        warmup = rank * mean_forward if loop else 0.0
+        gather_window = first_forward + warmup
+        hidden = opts.dp_overlap and opts.param_gather_overlap
+        gather_exposed = max(0.0, gather_time - gather_window) if hidden else gather_time
+        offload = offload_tail(opt_params, plan, cluster, window)
+        tails.append(
+            Tail(
+                grad_exposed,
+                grad_time,
+                grad_bytes,
+                gather_exposed,
+                gather_time,
+                gather_bytes,
+                opt,
+                *offload,
+            )
+        )
+    return tails
+
+
+def runtime_units(plan: ParallelPlan, sigs: list[tuple[int, int, bool, bool]]) -> tuple[int, int]:
+    """(dense, expert) data-parallel units fivefold's runtime wraps on a rank holding chunks of
+    signatures (dense layers, MoE layers, first, last): every block and every chunk's root
+    (`fivefold.parallel.data_parallel.apply_data_parallel`), and under expert parallelism each
+    MoE block's experts apart. Each unit reduces its gradients in one collective per step (or
+    micro-batch) and gathers its parameters in one."""
+    blocks = sum(n_dense + n_moe for n_dense, n_moe, _, _ in sigs)
+    experts = sum(n_moe for _, n_moe, _, _ in sigs) if plan.ep > 1 else 0
+    return blocks + len(sigs), experts
+
+
+def _optimizer_params(plan: ParallelPlan, dense: float, experts: float) -> float:
+    """Parameters whose optimizer state a rank holds, of its `dense` and `experts` ones."""
+    if plan.zero == 0:
+        return dense + experts
+    return dense / dense_shard_degree(plan) + experts / expert_shard_degree(plan)
+
+
+@lru_cache(maxsize=65536)
+def tail_costs(
+    model: ModelSpec,
+    plan: ParallelPlan,
+    cluster: ClusterSpec,
+    eff: EfficiencyModel,
+    opts: PlannerOptions,
+    dense: float,
+    experts: float,
+    units: tuple[int, int] | None = None,
+    gap: float | None = None,
+) -> tuple[float, float, float, float, float, float]:
+    """(gradient time, gradient bytes, last-bucket time, parameter all-gather time and bytes,
+    optimizer step) for a rank holding `dense` and `experts` local parameters; `units`: the
+    (dense, expert) units fivefold's runtime issues one collective each for (`runtime_units`),
+    else the layers the parameters make up; `gap`: compute before each collective
+    (`collective_gap_s`)."""
+    rec = recipe(plan.precision)
+    s_dense, s_exp = dense_shard_degree(plan), expert_shard_degree(plan)
+    groups = axis_groups(plan)
+    grad_time = grad_bytes = gather_time = gather_bytes = bucket_time = 0.0
+    for params, shard_group, shard, moe in (
+        (dense, "dp_shard_cp", s_dense, False),
+        (experts, "expert_shard", s_exp, True),
+    ):
+        if params == 0:
+            continue
+        lp = layer_params_per_rank(model, moe, plan.tp, plan.ep)
+        layers = params / ((lp.experts if moe else lp.dense + lp.replicated) or params)
+        if units is not None:
+            layers = units[1] if moe else units[0]
+
+        size = params * rec.grad_bytes
+        n_shard = groups[shard_group][0]
+        if plan.zero == 0:  # plain all-reduce over every replica
+            if shard_group == "dp_shard_cp":
+                n, stride = groups["dp_cp"]
+            else:
+                n, stride = plan.dp_replicate * n_shard, groups["expert_shard"][1]
+            if n > 1:
+                link = group_link(cluster, n, stride, eff, gap)
+                total, last = _issued(all_reduce_time_s, size, n, link, opts, layers)
+                grad_time += total
+                grad_bytes += all_reduce_bytes(size, n)
+                bucket_time = max(bucket_time, last)
+            continue
+        once_per_step = plan.zero in (1, 2) or (plan.zero == 3 and not per_layer_gathers(plan))
+        if once_per_step and n_shard > 1:
+            link = plan_link(cluster, plan, shard_group, eff, gap)
+            total, last = _issued(reduce_scatter_time_s, size, n_shard, link, opts, layers)
+            grad_time += total
+            if opts.runtime == "fivefold-eager":
+                grad_time += fsdp_copy_s(size, cluster.device, eff)
+            grad_bytes += all_gather_bytes(size, n_shard)
+            bucket_time = max(bucket_time, last)
+            gsize = params * rec.param_bytes
+            gather_time += _issued(all_gather_time_s, gsize, n_shard, link, opts, layers)[0]
+            if opts.runtime == "fivefold-eager":
+                gather_time += fsdp_copy_s(gsize, cluster.device, eff)
+            gather_bytes += all_gather_bytes(gsize, n_shard)
+        if plan.dp_replicate > 1:  # HSDP (zero 3) or replicas of ZeRO-1/2 shards
+            link = plan_link(cluster, plan, "dp_replicate", eff, gap)
+            shard_size = size / max(1, shard if plan.zero >= 2 else 1)
+            total, last = _issued(
+                all_reduce_time_s, shard_size, plan.dp_replicate, link, opts, layers
+            )
+            grad_time += total
+            grad_bytes += all_reduce_bytes(shard_size, plan.dp_replicate)
+            bucket_time = max(bucket_time, last)
+    local = _optimizer_params(plan, dense, experts)
+    opt = optimizer_s(local, plan, cluster, eff)
+    return grad_time, grad_bytes, bucket_time, gather_time, gather_bytes, opt
+
+
+def _issued(
+    op, size: float, n: int, link: Link, opts: PlannerOptions, layers: float
+) -> tuple[float, float]:
+    """(time of every collective, time of the last one) moving `size` bytes of `layers` layers
+    at the options' collective granularity (`comm.collective_count`)."""
+    count = collective_count(
+        size, opts.collective_granularity, opts.dp_bucket_bytes, layers, TENSORS_PER_LAYER
+    )
+    return issued_time_s(op, size, n, link, count), op(size / count, n, link)
