@@ -241,7 +241,7 @@ class TuneSession:
 
     def run_for(self, micro_batch: int, policy: str):
         """The recipe at this trial (what the planner predicts), its policy applied to the model."""
-        from fivefold.parallel.checkpointing import apply_recompute, remove_recompute
+        from fivefold.parallel.activation_checkpoint import apply_recompute, remove_recompute
 
         if policy != self.policy:
             remove_recompute(self.runtime.model)

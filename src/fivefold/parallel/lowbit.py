@@ -30,6 +30,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from fivefold.errors import ConfigError
+from fivefold.parallel.dtensors import as_dtensor
+from fivefold.parallel.dtensors import local_tensor as _local
 
 INSTALL_HINT = "pip install 'fivefold[lowbit]'"
 QUANTISED_STATES = ("exp_avg", "exp_avg_sq")  # Adam's m (signed) and v (unsigned)
@@ -96,8 +98,6 @@ def _dense(value: Any) -> Any:
         local = value.to_local()
         if not _quantised(local):
             return value
-        from fivefold.parallel.offload import as_dtensor
-
         return as_dtensor(local.dequantize(torch.float32), value)
     if isinstance(value, torch.Tensor) and _quantised(value):
         return value.dequantize(torch.float32)
@@ -134,10 +134,6 @@ def requantize(optimizer: torch.optim.Optimizer) -> None:
                 buffer = optimizer._new_buffer(param, signed)
                 buffer.copy_(dense.to(buffer.device))
                 state[name] = buffer
-
-
-def _local(value: torch.Tensor) -> torch.Tensor:
-    return value.to_local() if isinstance(value, DTensor) else value
 
 
 BLOCK_SIZE = 256  # torchao's default block of elements sharing one fp32 scale

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from fivefold.parallel.checkpointing import apply_recompute
+from fivefold.parallel.activation_checkpoint import apply_recompute
 from fivefold.parallel.data_parallel import apply_data_parallel
 from fivefold.parallel.mesh import Meshes
 from fivefold.spec.model import ModelSpec

@@ -19,7 +19,7 @@ from torch import nn
 
 from fivefold.errors import ConfigError
 from fivefold.model.loss import cross_entropy_loss
-from fivefold.parallel.checkpointing import apply_recompute
+from fivefold.parallel.activation_checkpoint import apply_recompute
 from fivefold.parallel.precision import RuntimePrecision, resolve_precision
 from fivefold.parallel.process_group import pick_device
 from fivefold.parallel.protocol import Runtime, StepResult, batch_to, label_count
