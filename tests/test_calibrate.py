@@ -16,9 +16,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from fivefold.model import build_model
 from fivefold.parallel import calibrate as cal
+from fivefold.parallel.activation_checkpoint import apply_recompute
 from fivefold.parallel.calibrate import attention_grid, device_grid_shapes
 from fivefold.parallel.calibrate_comm import fit_alpha_beta, sizes_for, steps_count
-from fivefold.parallel.activation_checkpoint import apply_recompute
 from fivefold.spec.model import (
     attention_score_flops_per_token,
     early_stop_skipped_flops_per_token,

@@ -183,7 +183,7 @@ def test_recipe_carries_tokens(capsys, tmp_path):
 
 def test_a_run_without_ckpt_every_prints_the_suggestion():
     from fivefold.spec.recipe import recipe_from_dict
-    from fivefold.train.loop import _checkpoint_suggestion
+    from fivefold.train.summary import _checkpoint_suggestion
 
     recipe = recipe_from_dict(
         {

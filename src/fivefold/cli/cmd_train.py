@@ -299,7 +299,7 @@ def dry_run_report(run, nproc: int) -> str:
         f"  step time: {step_s:.3f} s" if step_s is not None else "  step time: not predicted"
     )
     if not run.train.ckpt_every:
-        from fivefold.train.loop import _checkpoint_suggestion
+        from fivefold.train.summary import _checkpoint_suggestion
 
         lines.append("  " + _checkpoint_suggestion(recipe, step_s))
     if nproc > 1:

@@ -8,27 +8,24 @@ prints and writes files; every rank checkpoints its own state.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import math
 import os
-import shutil
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from rich.console import Console
 
-from fivefold.checkpoint.elastic import resume_mode
-from fivefold.errors import FivefoldError, TrainingError
-from fivefold.spec.model import ATTENTION_CONVENTION, param_count, training_flops_per_token
+from fivefold.errors import TrainingError
+from fivefold.spec.model import training_flops_per_token
 from fivefold.spec.recipe import dump_recipe
 from fivefold.train import checkpoint as ckpt
+from fivefold.train.checkpoint import RunState
 from fivefold.train.collect import ScheduledCollection
 from fivefold.train.config import RunConfig
-from fivefold.train.entry import profile_origin
 from fivefold.train.inputs import TrainData, load_train_data
 from fivefold.train.interrupt import (
     StopRequest,
@@ -39,54 +36,22 @@ from fivefold.train.interrupt import (
 from fivefold.train.memory import PeakReading, track_cpu_peak, track_cuda_peak
 from fivefold.train.metrics import (
     ConsoleReporter,
-    GiB,
     JsonlWriter,
     StepMetrics,
     ThroughputMeter,
     attention_keys,
-    format_mfu,
-    format_tokens_per_s,
     utilization,
 )
 from fivefold.train.optim import build_optimizer
 from fivefold.train.peak import DevicePeak, cuda_fp8_peak, device_peak
 from fivefold.train.profiling import StepProfiler
+from fivefold.train.resume import choose_start, completion_note
 from fivefold.train.runtime import Runtime, make_runtime
 from fivefold.train.schedule import build_scheduler
+from fivefold.train.summary import TrainSummary, planner_prediction, print_footer, print_header
 from fivefold.train.trackers import Trackers
 
-
-@dataclass
-class TrainSummary:
-    """What a run did. Losses in nats/token; rates over the steps after the first."""
-
-    run_dir: str
-    start_step: int
-    end_step: int
-    losses: list[float]  # one per step of this invocation
-    tokens_per_s: float
-    mfu: float | None
-    peak_label: str
-    peak_memory_bytes: int
-    wall_s: float
-    stop_reason: str  # "completed" | "max_time_s" | "interrupted" | "already_complete"
-    last_checkpoint: str | None
-    eval_losses: dict[int, float] = field(default_factory=dict)
-    prediction: dict[str, Any] | None = None
-    exit_code: int = 0  # of the process: 128 + signal number after an interrupt, else 0
-
-    @property
-    def first_loss(self) -> float:
-        return self.losses[0]
-
-    @property
-    def last_loss(self) -> float:
-        return self.losses[-1]
-
-    def tail_loss(self, steps: int = 10) -> float:
-        """Mean loss of the last `steps` steps (less noisy than the last one)."""
-        tail = self.losses[-steps:]
-        return sum(tail) / len(tail)
+__all__ = ["TrainSummary", "Trainer", "train"]
 
 
 @dataclass
@@ -153,63 +118,35 @@ class Trainer:
         return recipe(self.recipe.plan.precision).compute_dtype
 
     # ---- set-up ---------------------------------------------------------------------------
+    def run_state(self) -> RunState:
+        """What a checkpoint of this run saves and restores (`fivefold.train.checkpoint`)."""
+        return RunState(
+            self.runtime.model_parts, self.optimizer, self.scheduler, self.data.sampler, self.recipe
+        )
+
     def prepare_run_dir(self) -> None:
-        """Resume from the newest valid checkpoint (see `train.resume`; always after an elastic
-        restart) or start over; a run already at its last step is left alone (`is_complete`).
-        Collective: every rank calls it."""
-        choice = self.checkpoints.select()
-        if choice.skipped and self.runtime.is_main:
-            self.console.print(f"checkpoints not usable, skipped: {choice.describe_skipped()}")
-        if self.checkpoints.wants_resume(self.cfg.resume, choice):
-            assert choice.path is not None
-            saved_step = self.checkpoints.saved_step(self, choice.path)
-            if saved_step >= self.last_step:
-                self.step, self.last_checkpoint = saved_step, choice.path  # nothing to load
-                return
-            self._restore(choice.path)
-        elif self.runtime.is_main:
-            self._start_over()
+        """Resume or start over (`fivefold.train.resume.choose_start`); a run already at its
+        last step is left alone (`is_complete`). Collective: every rank calls it."""
+        start = choose_start(
+            self.checkpoints,
+            self.run_state(),
+            self.cfg,
+            self.last_step,
+            self.runtime.is_main,
+            self.console,
+        )
+        self.step, self.last_checkpoint = start.step, start.checkpoint
+        if start.complete:
+            return
         if self.runtime.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             header = "Recipe of this run, as resolved (presets expanded, overrides applied)."
             (self.run_dir / "recipe.toml").write_text(dump_recipe(self.recipe, header))
 
-    def _start_over(self) -> None:
-        """Rank 0: step 0. Old checkpoints are deleted only when the user asked to start over."""
-        found = ckpt.list_checkpoints(self.run_dir)
-        mode = resume_mode(self.cfg.resume)
-        if mode != "never":
-            if found or mode == "always":
-                self.console.print(
-                    f"resume: no valid checkpoint in {ckpt.checkpoint_root(self.run_dir)}; "
-                    "starting at step 0"
-                )
-            return
-        if found:
-            self.console.print(
-                f"note: starting over in {self.run_dir} as asked (--fresh / train.resume = "
-                f"false): deleting its {len(found)} earlier checkpoint(s), newest step "
-                f"{found[-1][0]}"
-            )
-            shutil.rmtree(ckpt.checkpoint_root(self.run_dir), ignore_errors=True)
-
     @property
     def is_complete(self) -> bool:
         """True when a resumed checkpoint is already at (or past) this invocation's last step."""
         return self.step >= self.last_step
-
-    def completion_note(self) -> str:
-        """The one line printed when a re-run finds nothing to do."""
-        if self.cfg.stop_at and self.step < self.cfg.steps:
-            return (
-                f"run {self.run_dir} stopped at step {self.step} (train.stop_at = "
-                f"{self.cfg.stop_at}); nothing to do — continue with train.stop_at=0 (to "
-                f"train.steps = {self.cfg.steps}), or start over with --fresh"
-            )
-        return (
-            f"run {self.run_dir} is complete at step {self.step}; nothing to do — train further "
-            f"with train.steps={max(2 * self.step, self.step + 1)}, or start over with --fresh"
-        )
 
     def complete_summary(self) -> TrainSummary:
         """What an invocation that found the run complete did: nothing."""
@@ -227,25 +164,10 @@ class Trainer:
             last_checkpoint=str(self.last_checkpoint) if self.last_checkpoint else None,
         )
 
-    def _restore(self, directory: Path) -> None:
-        state = self.checkpoints.restore(self, directory)
-        self.last_checkpoint = directory
-        written_by = f"{state.world_size} rank(s)"
-        if state.plan and state.plan != self.recipe.plan.to_dict():
-            written_by += " with another layout, resharded"
-        how = (
-            '; train.resume = "auto": start over with --fresh'
-            if resume_mode(self.cfg.resume) == "auto"
-            else ""
-        )
-        self.console.print(
-            f"resumed from {directory} (step {state.step}, written by {written_by}){how}"
-        )
-
     # ---- checkpoints ----------------------------------------------------------------------
     def save(self, extra: dict[str, Any]) -> Path:
         """Checkpoint this step (collective; see fivefold.train.checkpoint)."""
-        self.last_checkpoint = self.checkpoints.save(self, extra)
+        self.last_checkpoint = self.checkpoints.save(self.run_state(), self.step, extra)
         return self.last_checkpoint
 
     def _report_compile(self, first_step_s: float) -> None:
@@ -574,145 +496,6 @@ class Trainer:
         )
 
 
-# ---- console header and footer ------------------------------------------------------------------
-def planner_prediction(run: RunConfig) -> tuple[dict[str, Any] | None, str]:
-    """The planner's estimate for this recipe, or (None, why not). Never raises."""
-    try:
-        from fivefold.planner.estimate import estimate
-    except ImportError:
-        return None, "planner not available"
-    from fivefold.parallel.device import unknown_gpu_reason
-
-    recipe = run.recipe
-    if unknown_gpu_reason(recipe.cluster):
-        return None, unknown_gpu_reason(recipe.cluster).removeprefix("no step-time prediction: ")
-    if recipe.cluster.gpu == "cpu" and not recipe.cluster.profile:
-        return None, (
-            "no device profile for this CPU; `fivefold calibrate --out PROFILE.toml` writes one, "
-            'and runs naming it ([cluster] profile = "PROFILE.toml") predict their step time'
-        )
-    try:
-        from fivefold.planner.options import PlannerOptions
-
-        options = replace(
-            PlannerOptions.for_device(recipe.cluster.device), compile=run.train.compile
-        )
-        return estimate(recipe.model, recipe.cluster, recipe.plan, options=options).to_json(), ""
-    except FivefoldError as err:
-        return None, str(err).splitlines()[0]
-    except Exception as err:  # the planner must never stop a training run
-        return None, f"{type(err).__name__}: {err}"
-
-
-def tensorboard_installed() -> bool:
-    """Whether `torch.utils.tensorboard` can write events (the optional `tensorboard` package)."""
-    return importlib.util.find_spec("tensorboard") is not None
-
-
-def print_header(trainer: Trainer, prediction: dict[str, Any] | None, why_not: str) -> None:
-    out, recipe, run = trainer.console, trainer.recipe, trainer.run
-    model, plan = recipe.model, recipe.plan
-    total, active = param_count(model), param_count(model, active_only=True)
-    params = f"{total / 1e6:.2f}M params" + (
-        f" ({active / 1e6:.2f}M active)" if model.is_moe else ""
-    )
-    out.print(
-        f"[bold]fivefold train[/bold] {trainer.run_dir}: model {model.name} ({params}, "
-        f"{model.layers} layers, hidden {model.hidden}, seq {model.seq_len}, vocab {model.vocab})"
-    )
-    threads = f", {torch.get_num_threads()} threads" if trainer.runtime.device.type == "cpu" else ""
-    precision = getattr(trainer.runtime, "precision", None)
-    out.print(
-        f"layout: {plan.describe()} on {trainer.runtime.world_size} process(es), device "
-        f"{trainer.runtime.device}{threads}; precision "
-        f"{precision.describe() if precision else plan.precision}"
-    )
-    out.print(
-        f"batch: {run.global_batch} sequences x {model.seq_len} tokens = "
-        f"{trainer.tokens_per_step:,} tokens/step; {trainer.cfg.steps} steps, lr "
-        f"{trainer.cfg.lr:g} (warmup {trainer.cfg.warmup_steps}, {trainer.cfg.lr_schedule} to "
-        f"{trainer.cfg.min_lr:g}); data: {trainer.data.describe()}"
-    )
-    note = trainer.data.eval_note(trainer.cfg.eval_every, run.data.val_fraction)
-    if note:
-        out.print(note, style="yellow", markup=False, highlight=False)
-    if trainer.cfg.tensorboard and not tensorboard_installed():
-        out.print(
-            "TensorBoard: no events written (tensorboard is not installed: pip install "
-            "'fivefold[tensorboard]'; train.tensorboard=false silences this)",
-            style="dim",
-            markup=False,
-        )
-    out.print(f"MFU against: {trainer.peak.label}; attention {ATTENTION_CONVENTION}")
-    if recipe.cluster.profile or trainer.runtime.device.type == "cpu":
-        out.print(f"device profile: {profile_origin(recipe.cluster.profile)}", markup=False)
-    if repeat := trainer.data.repeat_note():
-        out.print(f"[yellow]{repeat}[/yellow]", highlight=False)
-    if prediction is not None:
-        mem = prediction.get("memory_gib", {}).get("total")
-        out.print(
-            f"planner predicts: step {prediction.get('step_time_s', float('nan')):.3f} s, "
-            f"{format_tokens_per_s(prediction.get('tokens_per_s', 0.0))} tok/s, MFU "
-            f"{format_mfu(prediction.get('mfu'))}, memory {mem:.2f} GiB"
-            if mem is not None
-            else f"planner predicts: {prediction}"
-        )
-    else:
-        out.print(f"planner: no prediction ({why_not})", style="dim", markup=False)
-    if prediction is not None and not trainer.cfg.ckpt_every:
-        out.print(_checkpoint_suggestion(recipe, prediction.get("step_time_s")), markup=False)
-
-
-def _checkpoint_suggestion(recipe: Any, step_time_s: float | None) -> str:
-    """`fivefold.planner.budget.checkpoint_suggestion` for the run, or why there is none."""
-    from fivefold.planner.budget import checkpoint_suggestion
-
-    if not step_time_s or step_time_s <= 0:
-        return "checkpoint suggestion: none (no step-time prediction)"
-    try:
-        return checkpoint_suggestion(
-            recipe.model, recipe.cluster, recipe.plan, step_time_s, recipe.section("planner")
-        )
-    except FivefoldError as err:  # a bad [planner] field must not stop the run here
-        return f"checkpoint suggestion: none ({str(err).splitlines()[0]})"
-
-
-def print_footer(trainer: Trainer, s: TrainSummary) -> None:
-    out = trainer.console
-    stopped = "" if s.stop_reason == "completed" else f" (stopped: {s.stop_reason})"
-    if not s.losses:
-        out.print(f"[bold]stopped[/bold] before a step{stopped}; nothing saved")
-        return
-    out.print(
-        f"[bold]done[/bold]: steps {s.start_step} -> {s.end_step} in {s.wall_s:.1f} s{stopped}; "
-        f"loss {s.first_loss:.3f} -> {s.last_loss:.3f} (mean of last 10: {s.tail_loss():.3f})"
-    )
-    mem = f"{s.peak_memory_bytes / GiB:.3f} GiB" if s.peak_memory_bytes else "not measured"
-    reserved = getattr(trainer.runtime, "peak_reserved_bytes", 0)
-    if reserved:  # CUDA: the allocated peak above; the allocator's reservation and context
-        mem += f" allocated, {reserved / GiB:.3f} GiB reserved + CUDA context"
-    out.print(
-        f"throughput {format_tokens_per_s(s.tokens_per_s)} tokens/s, MFU {format_mfu(s.mfu)} "
-        f"(vs {s.peak_label}); peak memory {mem}"
-    )
-    if s.prediction is not None and s.end_step > s.start_step:
-        measured_step_s = (
-            trainer.tokens_per_step / s.tokens_per_s if s.tokens_per_s else float("nan")
-        )
-        out.print(
-            f"planner vs measured: step {s.prediction.get('step_time_s', float('nan')):.3f} s vs "
-            f"{measured_step_s:.3f} s"
-        )
-    if s.last_checkpoint:
-        out.print(f"checkpoint: {s.last_checkpoint}")
-    if s.stop_reason == "interrupted":
-        out.print(
-            f"interrupted after step {s.end_step}: the same command continues from the "
-            "checkpoint above (--fresh starts over)"
-        )
-    out.print(f"metrics: {Path(s.run_dir) / 'metrics.jsonl'}")
-
-
 def train(
     run: RunConfig, runtime: Runtime | None = None, console: Console | None = None
 ) -> TrainSummary:
@@ -746,18 +529,21 @@ def _train(
     trainer.stop = stop
     trainer.prepare_run_dir()
     if trainer.is_complete:
-        trainer.console.print(trainer.completion_note())
+        trainer.console.print(completion_note(trainer.cfg, trainer.step))
         return trainer.complete_summary()
     prediction, why_not = planner_prediction(run) if runtime.is_main else (None, "")
     if runtime.is_main:
-        print_header(trainer, prediction, why_not)
+        print_header(
+            trainer.console, run, runtime, trainer.data, trainer.peak, prediction, why_not
+        )
     if runtime.is_main:  # said at once: a step may take minutes
         trainer.stop.announce = lambda signum: acknowledge(signum, trainer.step + 1)
     with stop_on_signals(trainer.stop):  # Ctrl-C: stop after a step, with a checkpoint
         summary = trainer.fit()
     summary.prediction = prediction
     if runtime.is_main:
-        print_footer(trainer, summary)
+        reserved = getattr(runtime, "peak_reserved_bytes", 0)
+        print_footer(trainer.console, summary, trainer.tokens_per_step, reserved)
         payload = asdict(summary)
         payload["eval_losses"] = {str(k): v for k, v in summary.eval_losses.items()}
         (trainer.run_dir / "summary.json").write_text(json.dumps(payload, indent=2) + "\n")
