@@ -533,9 +533,7 @@ def _train(
         return trainer.complete_summary()
     prediction, why_not = planner_prediction(run) if runtime.is_main else (None, "")
     if runtime.is_main:
-        print_header(
-            trainer.console, run, runtime, trainer.data, trainer.peak, prediction, why_not
-        )
+        print_header(trainer.console, run, runtime, trainer.data, trainer.peak, prediction, why_not)
     if runtime.is_main:  # said at once: a step may take minutes
         trainer.stop.announce = lambda signum: acknowledge(signum, trainer.step + 1)
     with stop_on_signals(trainer.stop):  # Ctrl-C: stop after a step, with a checkpoint
