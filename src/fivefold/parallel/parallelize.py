@@ -16,9 +16,9 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from fivefold.parallel.activation_checkpoint import apply_recompute
 from fivefold.parallel.data_parallel import apply_data_parallel
 from fivefold.parallel.mesh import Meshes
+from fivefold.parallel.runtime_core import apply_fp8, apply_recompute_and_compile
 from fivefold.spec.model import ModelSpec
 from fivefold.spec.plan import ParallelPlan
 
@@ -78,10 +78,7 @@ def parallelize_chunk(
 ) -> list[FSDPModule]:
     """TP/SP, EP, CP, recompute, torch.compile per block (`compile`) and FSDP/DDP on one chunk,
     in place; returns the DP modules."""
-    if plan.fp8 != "none":
-        from fivefold.parallel.float8 import apply_float8
-
-        apply_float8(chunk, plan, device)
+    apply_fp8(chunk, plan, device)
     if plan.tp > 1:
         from fivefold.parallel.tensor_parallel import apply_tensor_parallel
 
@@ -101,10 +98,5 @@ def parallelize_chunk(
         from fivefold.parallel.context_parallel import apply_context_parallel
 
         apply_context_parallel(chunk, meshes["cp"], plan.cp_kind)
-    apply_recompute(chunk, plan.recompute)
-    if compile:
-        from fivefold.parallel.compile import apply_compile, check_compiler
-
-        check_compiler(device)
-        apply_compile(chunk)
+    apply_recompute_and_compile(chunk, plan, device, compile)
     return apply_data_parallel(chunk, meshes, plan, device, expert_dp_mesh(meshes, plan))

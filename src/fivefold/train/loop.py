@@ -512,7 +512,7 @@ def train(
     # blocked in C++ where no handler runs). `fit` installs the graceful handlers.
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     with die_on_signals() if distributed else contextlib.nullcontext():
-        runtime = runtime or make_runtime(run.recipe)
+        runtime = runtime or make_runtime(run.recipe, run.train)
         try:
             summary = _train(run, runtime, console, stop)
         except BaseException:
