@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fivefold.errors import ConfigError, FivefoldError
+from fivefold.errors import ConfigError, FivefoldError, WorldSizeProblem
 from fivefold.spec.recipe import merge, parse_overrides, read_toml, recipe_from_dict
 from fivefold.train.config import RunConfig, parse_train_config, section_problems
 
@@ -125,7 +125,7 @@ def load_run(
         recipe = recipe_from_dict(with_default_profile(data, world), world)
     except ConfigError as err:
         problems = list(err.problems)
-        if not named_cluster and any(p.startswith("plan degrees") for p in problems):
+        if not named_cluster and any(isinstance(p, WorldSizeProblem) for p in problems):
             problems.append(
                 f"this run has {world} process(es): start `fivefold train` with --nproc equal "
                 "to the product of the plan's degrees, or lower the degrees."
