@@ -8,48 +8,39 @@ prints and writes files; every rank checkpoints its own state.
 from __future__ import annotations
 
 import contextlib
-import json
-import math
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from rich.console import Console
 
-from fivefold.errors import TrainingError
 from fivefold.spec.model import training_flops_per_token
 from fivefold.spec.recipe import dump_recipe
-from fivefold.train import checkpoint as ckpt
-from fivefold.train.checkpoint import RunState
+from fivefold.train.checkpoint import RunCheckpoints, RunState, step_dir
 from fivefold.train.collect import ScheduledCollection
 from fivefold.train.config import RunConfig
+from fivefold.train.guard import check_finite
 from fivefold.train.inputs import TrainData, load_train_data
-from fivefold.train.interrupt import (
-    StopRequest,
-    acknowledge,
-    die_on_signals,
-    stop_on_signals,
-)
+from fivefold.train.interrupt import StopRequest, acknowledge, die_on_signals, stop_on_signals
 from fivefold.train.memory import PeakReading, track_cpu_peak, track_cuda_peak
-from fivefold.train.metrics import (
-    ConsoleReporter,
-    JsonlWriter,
-    StepMetrics,
-    ThroughputMeter,
-    attention_keys,
-    utilization,
-)
+from fivefold.train.metrics import StepMetrics, ThroughputMeter, attention_keys, utilization
 from fivefold.train.optim import build_optimizer
 from fivefold.train.peak import DevicePeak, cuda_fp8_peak, device_peak
 from fivefold.train.profiling import StepProfiler
 from fivefold.train.resume import choose_start, completion_note
 from fivefold.train.runtime import Runtime, make_runtime
 from fivefold.train.schedule import build_scheduler
-from fivefold.train.summary import TrainSummary, planner_prediction, print_footer, print_header
-from fivefold.train.trackers import Trackers
+from fivefold.train.step_log import StepLog
+from fivefold.train.summary import (
+    TrainSummary,
+    compile_note,
+    planner_prediction,
+    print_footer,
+    print_header,
+)
 
 __all__ = ["TrainSummary", "Trainer", "train"]
 
@@ -84,7 +75,7 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, self.cfg)
         self.step = 0
         self.last_checkpoint: Path | None = None
-        self.checkpoints = ckpt.RunCheckpoints(
+        self.checkpoints = RunCheckpoints(
             self.run_dir, self.cfg.keep_checkpoints, self.cfg.ckpt_async
         )
         # Measured once (CPU) and kept: the header, every step's MFU and the footer use it.
@@ -148,76 +139,13 @@ class Trainer:
         """True when a resumed checkpoint is already at (or past) this invocation's last step."""
         return self.step >= self.last_step
 
-    def complete_summary(self) -> TrainSummary:
-        """What an invocation that found the run complete did: nothing."""
-        return TrainSummary(
-            run_dir=str(self.run_dir),
-            start_step=self.step,
-            end_step=self.step,
-            losses=[],
-            tokens_per_s=0.0,
-            mfu=None,
-            peak_label=self.peak.label,
-            peak_memory_bytes=0,
-            wall_s=0.0,
-            stop_reason="already_complete",
-            last_checkpoint=str(self.last_checkpoint) if self.last_checkpoint else None,
-        )
-
     # ---- checkpoints ----------------------------------------------------------------------
     def save(self, extra: dict[str, Any]) -> Path:
         """Checkpoint this step (collective; see fivefold.train.checkpoint)."""
         self.last_checkpoint = self.checkpoints.save(self.run_state(), self.step, extra)
         return self.last_checkpoint
 
-    def _report_compile(self, first_step_s: float) -> None:
-        """Once per run, after the first step: how long torch.compile took (cold or cached)."""
-        from fivefold.parallel.compile import compile_seconds
-
-        seconds, graphs = compile_seconds()
-        self.console.print(
-            f"torch.compile: {graphs} graph(s) compiled in {seconds:.1f} s during the first "
-            f"step ({first_step_s:.1f} s in all; later steps reuse them)"
-        )
-
     # ---- one step -------------------------------------------------------------------------
-    def _guard(
-        self, loss: float, grad_norm: float | None, lr: float, step: int | None = None
-    ) -> None:
-        """Stop with a TrainingError naming the step and the way out when a value is not finite.
-        `step`: an earlier step whose values are read back only now (its optimizer step ran);
-        None: the step about to take its optimizer step."""
-        if math.isfinite(loss) and (grad_norm is None or math.isfinite(grad_norm)):
-            return
-        what = (
-            f"the loss is {loss}"
-            if not math.isfinite(loss)
-            else f"the gradient norm is {grad_norm}"
-        )
-        when = "so training stopped before the optimizer step"
-        if step is not None:
-            when = (
-                f"read back at step {self.step + 1} (values are read back from the device every "
-                f"train.log_every = {self.cfg.log_every} steps and at checkpoints), so training "
-                "stopped there"
-            )
-        where = (
-            f"the last good checkpoint is {self.last_checkpoint} (continue from it with --resume)"
-            if self.last_checkpoint is not None
-            else "no checkpoint was saved before it (set train.ckpt_every to keep some)"
-        )
-        clip = (
-            f"train.grad_clip is {self.cfg.grad_clip}"
-            if self.cfg.grad_clip > 0
-            else "enable clipping with train.grad_clip = 1.0"
-        )
-        raise TrainingError(
-            f"step {step or self.step + 1}: {what}, {when}; "
-            f"{where}. Try a lower learning rate (train.lr = {self.cfg.lr:g}, this step used "
-            f"{lr:.3g}), a longer train.warmup_steps, or {clip}; plan.precision = 'fp32' rules "
-            "out bf16 overflow."
-        )
-
     def train_one_step(self, micro_batches: list) -> tuple[float, float, float]:
         """Forward/backward, guard, clip, optimizer and schedule; returns (loss, aux, grad norm)
         read back from the device (one host sync)."""
@@ -249,7 +177,15 @@ class Trainer:
         for i, p in enumerate(steps):
             p.values = (flat[3 * i], flat[3 * i + 1], flat[3 * i + 2])
             ahead = i == len(steps) - 1 and p.step == self.step + 1
-            self._guard(p.values[0], p.values[2], p.lr, None if ahead else p.step)
+            check_finite(
+                p.values[0],
+                p.values[2],
+                p.lr,
+                self.cfg,
+                self.step + 1,
+                self.last_checkpoint,
+                None if ahead else p.step,
+            )
 
     def _reads_back(self, index: int, measured: int) -> bool:
         """Whether step `index` (0-based within this invocation) reads its values back from the
@@ -277,21 +213,10 @@ class Trainer:
         return min(stop_at, self.cfg.steps) if stop_at else self.cfg.steps
 
     def fit(self) -> TrainSummary:
+        """Train from `self.step` to `last_step`, or until a stop (interrupt, train.max_time_s);
+        checkpoints as asked and at the end. Rank 0 writes the step records."""
         start_step = self.step
-        main = self.runtime.is_main
-        jsonl = (
-            JsonlWriter(self.run_dir / "metrics.jsonl", keep_through_step=start_step)
-            if main
-            else None
-        )
-        board = Trackers(self.run_dir, self.recipe, self.cfg, start_step) if main else None
-        reporter = ConsoleReporter(
-            self.console,
-            self.cfg.steps,
-            start_step,
-            self.cfg.log_every,
-            self.cfg.progress and main,
-        )
+        log = StepLog(self.console, self.run, start_step, self.runtime.is_main)
         profiler = StepProfiler(
             self.cfg.profile,
             self.run_dir,
@@ -299,105 +224,125 @@ class Trainer:
             getattr(self.runtime, "rank", 0),
             self.console.print,
         )
-        meter = ThroughputMeter()
-        losses: list[float] = []
-        evals: dict[int, float] = {}
-        stop_reason = "completed"
-        started = time.perf_counter()
-        batches = self.data.batches(self.run.recipe.plan.micro_batch)
-        measured = min(self.cfg.memory_step - 1, self.last_step - start_step - 1)
-        pending: list[_Pending] = []  # steps whose values are still on the device
-        since = time.perf_counter()  # the last read-back: step times are measured between them
-        step_s = 0.0
-
-        def emit(done: list[_Pending], eval_loss: float | None, index: int) -> None:
-            """Metrics of the steps just read back; their time is that since the last
-            read-back, shared evenly (one step's own time when every step reads back)."""
-            nonlocal since, step_s
-            now = time.perf_counter()
-            step_s = (now - since) / len(done)
-            since = now
-            counted = index > 0 and index != measured
-            for p in done:
-                if counted:
-                    meter.add(self.tokens_per_step, step_s)
-                loss, aux, grad_norm = p.values
-                losses.append(loss)
-                last = p is done[-1]
-                self._count_flops(p.keys)  # the step's own documents
-                metrics = self._metrics(
-                    loss, aux, grad_norm, p.lr, step_s, started, eval_loss if last else None
-                )
-                metrics.step = p.step
-                metrics.plan_vs_run = p.plan_vs_run
-                if last and metrics.plan_vs_run is None:
-                    metrics.plan_vs_run = self._plan_vs_run(index, meter, step_s)
-                if jsonl is not None:
-                    jsonl.write(metrics.to_json())
-                if board is not None and p.step % self.cfg.log_every == 0:
-                    board.write(metrics)
-                reporter.update(metrics)
-
         collector = ScheduledCollection(self.cfg.gc_every)  # gc between steps, all ranks alike
         collector.start()
         try:
-            while self.step < self.last_step:
-                if self._stop_agreed(not pending):
-                    stop_reason = "interrupted"
-                    break
-                index = self.step - start_step  # 0-based within this invocation
-                reads_back = self._reads_back(index, measured)
-                collector.step(self.step + 1)
-                micro_batches = next(batches)
-                keys = attention_keys(micro_batches, self.recipe.model.seq_len)
-                with profiler.step(self.step + 1):
-                    if index == measured:
-                        done = self._measured_step(micro_batches, pending)
-                    else:
-                        done = self._device_step(micro_batches, pending if reads_back else None)
-                # Host syncs only at read-backs: between them the host queues the next steps
-                # while the device works, and step times are measured between read-backs.
-                done.keys = keys
-                done.plan_vs_run = getattr(self.runtime, "plan_vs_run", None)
-                if done.plan_vs_run is not None:
-                    self.runtime.plan_vs_run = None
-                pending.append(done)
-                if not reads_back and index != measured:
-                    continue
-                if index == 0 and self.cfg.compile:
-                    self._report_compile(time.perf_counter() - since)
-                eval_loss = self._maybe_eval()
-                if eval_loss is not None:
-                    evals[self.step] = eval_loss
-                emit(pending, eval_loss, index)
-                pending = []
-                if self.cfg.ckpt_every and self.step % self.cfg.ckpt_every == 0:
-                    self.save({"loss": losses[-1]})
-                if self.cfg.max_time_s and time.perf_counter() - started > self.cfg.max_time_s:
-                    stop_reason = "max_time_s"
-                    break
-            if pending:  # a stop between read-backs
-                self._read_back(pending)
-                emit(pending, None, self.step - start_step - 1)
-            if (
-                (self.cfg.save_final or stop_reason == "interrupted")
-                and losses
-                and (
-                    self.last_checkpoint is None
-                    or ckpt.step_dir(self.run_dir, self.step) != self.last_checkpoint
-                )
-            ):
-                self.save({"loss": losses[-1]})
+            stop_reason = self._run_steps(log, profiler, collector, start_step)
+            if (self.cfg.save_final or stop_reason == "interrupted") and log.losses:
+                self._save_final(log.losses[-1])
             self.checkpoints.close()  # an asynchronous save is committed before the run ends
         finally:
             collector.stop()
             profiler.close()
-            reporter.stop()
-            if jsonl is not None:
-                jsonl.close()
-            if board is not None:
-                board.close()
-        rate = meter.tokens_per_s if meter.steps else self.tokens_per_step / max(step_s, 1e-9)
+            log.close()
+        return self._summary(log, start_step, stop_reason)
+
+    def _run_steps(
+        self,
+        log: StepLog,
+        profiler: StepProfiler,
+        collector: ScheduledCollection,
+        start_step: int,
+    ) -> str:
+        """The steps; returns why they ended: "completed", "interrupted" or "max_time_s".
+        Host syncs only at read-backs: between them the host queues the next steps while the
+        device works, and step times are measured between read-backs."""
+        batches = self.data.batches(self.recipe.plan.micro_batch)
+        measured = min(self.cfg.memory_step - 1, self.last_step - start_step - 1)
+        pending: list[_Pending] = []  # steps whose values are still on the device
+        stop_reason = "completed"
+        while self.step < self.last_step:
+            if self._stop_agreed(not pending):
+                stop_reason = "interrupted"
+                break
+            index = self.step - start_step  # 0-based within this invocation
+            reads_back = self._reads_back(index, measured)
+            collector.step(self.step + 1)
+            micro_batches = next(batches)
+            keys = attention_keys(micro_batches, self.recipe.model.seq_len)
+            with profiler.step(self.step + 1):
+                if index == measured:
+                    done = self._measured_step(micro_batches, pending)
+                else:
+                    done = self._device_step(micro_batches, pending if reads_back else None)
+            pending.append(self._taken(done, keys))
+            if not reads_back and index != measured:
+                continue
+            out_of_time = self._after_read_back(log, pending, index, measured)
+            pending = []
+            if out_of_time:
+                return "max_time_s"
+        if pending:  # a stop between read-backs
+            self._read_back(pending)
+            self._emit(log, pending, None, self.step - start_step - 1, measured)
+        return stop_reason
+
+    def _taken(self, done: _Pending, keys: float | None) -> _Pending:
+        """`done` with its documents' keys per query and the runtime's layout-report record
+        of the step, if it made one."""
+        done.keys = keys
+        done.plan_vs_run = getattr(self.runtime, "plan_vs_run", None)
+        if done.plan_vs_run is not None:
+            self.runtime.plan_vs_run = None
+        return done
+
+    def _after_read_back(
+        self, log: StepLog, pending: list[_Pending], index: int, measured: int
+    ) -> bool:
+        """What follows a read-back: the compile report (first step), evaluation, the step
+        records, a periodic checkpoint; returns whether train.max_time_s has passed."""
+        if index == 0 and self.cfg.compile:
+            self.console.print(compile_note(time.perf_counter() - log.since))
+        eval_loss = self._maybe_eval()
+        if eval_loss is not None:
+            log.evals[self.step] = eval_loss
+        self._emit(log, pending, eval_loss, index, measured)
+        if self.cfg.ckpt_every and self.step % self.cfg.ckpt_every == 0:
+            self.save({"loss": log.losses[-1]})
+        return bool(self.cfg.max_time_s and time.perf_counter() - log.started > self.cfg.max_time_s)
+
+    def _emit(
+        self,
+        log: StepLog,
+        done: list[_Pending],
+        eval_loss: float | None,
+        index: int,
+        measured: int,
+    ) -> None:
+        """The records of the steps just read back (`index`: the last one's, within this
+        invocation); the throughput meter counts neither the first nor the measured step."""
+        step_s = log.lap(len(done))
+        counted = index > 0 and index != measured
+        for p in done:
+            if counted:
+                log.meter.add(self.tokens_per_step, step_s)
+            assert p.values is not None
+            loss, aux, grad_norm = p.values
+            last = p is done[-1]
+            self._count_flops(p.keys)  # the step's own documents
+            metrics = self._metrics(
+                loss, aux, grad_norm, p.lr, step_s, log.started, eval_loss if last else None
+            )
+            metrics.step = p.step
+            metrics.plan_vs_run = p.plan_vs_run
+            if last and metrics.plan_vs_run is None:
+                metrics.plan_vs_run = self._plan_vs_run(index, log.meter, step_s)
+            log.write(metrics)
+
+    def _save_final(self, loss: float) -> None:
+        """Checkpoint the last step unless the last checkpoint is already of it."""
+        if self.last_checkpoint is None or (
+            step_dir(self.run_dir, self.step) != self.last_checkpoint
+        ):
+            self.save({"loss": loss})
+
+    def _summary(self, log: StepLog, start_step: int, stop_reason: str) -> TrainSummary:
+        losses = log.losses
+        rate = (
+            log.meter.tokens_per_s
+            if log.meter.steps
+            else self.tokens_per_step / max(log.step_s, 1e-9)
+        )
         rate = rate if losses else 0.0
         return TrainSummary(
             run_dir=str(self.run_dir),
@@ -410,10 +355,10 @@ class Trainer:
             ),
             peak_label=self.peak.label,
             peak_memory_bytes=self._peak_memory(),
-            wall_s=time.perf_counter() - started,
+            wall_s=time.perf_counter() - log.started,
             stop_reason=stop_reason,
             last_checkpoint=str(self.last_checkpoint) if self.last_checkpoint else None,
-            eval_losses=evals,
+            eval_losses=log.evals,
             exit_code=self.stop.exit_code() if stop_reason == "interrupted" else 0,
         )
 
@@ -530,7 +475,9 @@ def _train(
     trainer.prepare_run_dir()
     if trainer.is_complete:
         trainer.console.print(completion_note(trainer.cfg, trainer.step))
-        return trainer.complete_summary()
+        return TrainSummary.already_complete(
+            trainer.run_dir, trainer.step, trainer.peak.label, trainer.last_checkpoint
+        )
     prediction, why_not = planner_prediction(run) if runtime.is_main else (None, "")
     if runtime.is_main:
         print_header(trainer.console, run, runtime, trainer.data, trainer.peak, prediction, why_not)
@@ -542,7 +489,5 @@ def _train(
     if runtime.is_main:
         reserved = getattr(runtime, "peak_reserved_bytes", 0)
         print_footer(trainer.console, summary, trainer.tokens_per_step, reserved)
-        payload = asdict(summary)
-        payload["eval_losses"] = {str(k): v for k, v in summary.eval_losses.items()}
-        (trainer.run_dir / "summary.json").write_text(json.dumps(payload, indent=2) + "\n")
+        summary.write_json(trainer.run_dir / "summary.json")
     return summary

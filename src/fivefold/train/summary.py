@@ -4,7 +4,8 @@ prediction) and footer, and the `TrainSummary` that `fivefold.train.loop.train` 
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass, field, replace
+import json
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,43 @@ class TrainSummary:
         """Mean loss of the last `steps` steps (less noisy than the last one)."""
         tail = self.losses[-steps:]
         return sum(tail) / len(tail)
+
+    @classmethod
+    def already_complete(
+        cls, run_dir: Path, step: int, peak_label: str, checkpoint: Path | None
+    ) -> TrainSummary:
+        """What an invocation that found the run complete at `step` did: nothing."""
+        return cls(
+            run_dir=str(run_dir),
+            start_step=step,
+            end_step=step,
+            losses=[],
+            tokens_per_s=0.0,
+            mfu=None,
+            peak_label=peak_label,
+            peak_memory_bytes=0,
+            wall_s=0.0,
+            stop_reason="already_complete",
+            last_checkpoint=str(checkpoint) if checkpoint else None,
+        )
+
+    def write_json(self, path: Path) -> None:
+        """The summary as JSON (the run directory's summary.json)."""
+        payload = asdict(self)
+        payload["eval_losses"] = {str(k): v for k, v in self.eval_losses.items()}
+        path.write_text(json.dumps(payload, indent=2) + "\n")
+
+
+def compile_note(first_step_s: float) -> str:
+    """Once per run, after the first step (`first_step_s` seconds): how long torch.compile
+    took (cold or cached)."""
+    from fivefold.parallel.compile import compile_seconds
+
+    seconds, graphs = compile_seconds()
+    return (
+        f"torch.compile: {graphs} graph(s) compiled in {seconds:.1f} s during the first "
+        f"step ({first_step_s:.1f} s in all; later steps reuse them)"
+    )
 
 
 def profile_origin(profile: str) -> str:
