@@ -210,10 +210,10 @@ def print_header(
     else:
         out.print(f"planner: no prediction ({why_not})", style="dim", markup=False)
     if prediction is not None and not cfg.ckpt_every:
-        out.print(_checkpoint_suggestion(recipe, prediction.get("step_time_s")), markup=False)
+        out.print(checkpoint_suggestion_line(recipe, prediction.get("step_time_s")), markup=False)
 
 
-def _checkpoint_suggestion(recipe: Any, step_time_s: float | None) -> str:
+def checkpoint_suggestion_line(recipe: Any, step_time_s: float | None) -> str:
     """`fivefold.planner.budget.checkpoint_suggestion` for the run, or why there is none."""
     from fivefold.planner.budget import checkpoint_suggestion
 
