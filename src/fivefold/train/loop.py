@@ -2,7 +2,9 @@
 
 `train(run)` is the same for every layout: the Runtime (`make_runtime`) owns the model and the
 parallelism; this loop owns the optimizer, schedule, data order, checkpoints and metrics. Rank 0
-prints and writes files; every rank checkpoints its own state.
+prints and writes files; every rank checkpoints its own state. Beside it: `resume` (the step a
+run starts from), `guard` (the NaN guard), `step_log` (each step's records) and `summary` (the
+console header and footer, `TrainSummary`).
 """
 
 from __future__ import annotations
@@ -61,6 +63,8 @@ class _Pending:
 
 
 class Trainer:
+    """One run's steps on a Runtime: optimizer, LR schedule, data, checkpoints, step records."""
+
     def __init__(self, run: RunConfig, runtime: Runtime, console: Console | None = None):
         self.run = run
         self.cfg = run.train
