@@ -218,7 +218,7 @@ def _load(recipe: str, overrides: list[str], micro_batch: int, policy: str):
 
 
 def _device(run) -> str:
-    from fivefold.train.runtime import pick_device
+    from fivefold.parallel.process_group import pick_device
 
     return pick_device(run.train.device).type
 
@@ -324,7 +324,7 @@ def predicted_peak(run) -> int | None:
     """The planner's peak bytes for this one-process layout (the layout report's helper)."""
     from fivefold.parallel.report import GIB as REPORT_GIB
     from fivefold.parallel.report import memory_only_prediction
-    from fivefold.train.runtime import pick_device
+    from fivefold.parallel.process_group import pick_device
 
     cuda = pick_device(run.train.device).type == "cuda"
     try:
