@@ -322,9 +322,9 @@ def _second_step_peak(session: TuneSession, run) -> int:
 
 def predicted_peak(run) -> int | None:
     """The planner's peak bytes for this one-process layout (the layout report's helper)."""
+    from fivefold.parallel.process_group import pick_device
     from fivefold.parallel.report import GIB as REPORT_GIB
     from fivefold.parallel.report import memory_only_prediction
-    from fivefold.parallel.process_group import pick_device
 
     cuda = pick_device(run.train.device).type == "cuda"
     try:
