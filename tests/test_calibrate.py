@@ -20,7 +20,7 @@ from fivefold.calibration.comm import fit_alpha_beta, sizes_for, steps_count
 from fivefold.calibration.matmul import device_grid_shapes
 from fivefold.calibration.tables import build_profile, sort_rows
 from fivefold.model import build_model
-from fivefold.parallel.checkpointing import apply_recompute
+from fivefold.parallel.activation_checkpoint import apply_recompute
 from fivefold.spec.flops import (
     attention_score_flops_per_token,
     early_stop_skipped_flops_per_token,

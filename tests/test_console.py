@@ -143,7 +143,8 @@ def test_the_header_says_which_device_profile_and_where_it_came_from(tmp_path, m
     basis without a word. The header names it and its origin, or says there is none."""
     import fivefold.train.loop as loop
     from fivefold.spec.profile import parse_profile
-    from fivefold.train.entry import load_run, profile_origin
+    from fivefold.train.entry import load_run
+    from fivefold.train.summary import profile_origin
 
     monkeypatch.syspath_prepend(str(Path(__file__).parent / "planner"))
     from test_profile import synthetic

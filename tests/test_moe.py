@@ -152,7 +152,7 @@ def test_full_recompute_keeps_the_forward_aux_losses():
     """Recomputing a MoE block in the backward (full checkpointing) used to re-assign its aux
     loss, a second graph that kept every block's norm and attention activations alive until the
     next forward (11 GiB on Mixtral 8x7B); the forward's aux losses now stay as they were."""
-    from fivefold.parallel.checkpointing import apply_recompute
+    from fivefold.parallel.activation_checkpoint import apply_recompute
 
     torch.manual_seed(0)
     model = make(TINY_MOE.with_(layers=2))

@@ -20,7 +20,7 @@ import torch
 from fivefold.model import build_model
 from fivefold.model.document_layout import DocumentLayout
 from fivefold.model.rope import rope_cos_sin
-from fivefold.parallel.checkpointing import apply_recompute
+from fivefold.parallel.activation_checkpoint import apply_recompute
 from fivefold.planner.memory import MemoryOptions, layer_activation_bytes
 from fivefold.spec.plan import ParallelPlan
 from fivefold.spec.presets import MODEL_PRESETS

@@ -18,7 +18,7 @@ from rich.console import Console
 from fivefold.cli.main import main
 from fivefold.errors import TrainingError
 from fivefold.spec.model import param_count
-from fivefold.train import loop
+from fivefold.train import summary as run_summary
 from fivefold.train.data import Batch
 from fivefold.train.entry import load_run
 from fivefold.train.inputs import load_train_data
@@ -225,7 +225,7 @@ def test_header_warns_of_a_tail_eval_split_and_missing_tensorboard(
     """A user corpus's held-out split is its tail (once licence text, a flat eval loss), and
     TensorBoard events were silently not written when the package was missing: both are said."""
     monkeypatch.setenv("FIVEFOLD_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(loop, "tensorboard_installed", lambda: installed)
+    monkeypatch.setattr(run_summary, "tensorboard_installed", lambda: installed)
     text = (CONFIGS.parent / "README.md").read_text()
     corpus = [tmp_path / "a.txt", tmp_path / "LICENSE.txt"]
     for i, path in enumerate(corpus):

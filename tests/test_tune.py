@@ -168,7 +168,7 @@ def test_each_trial_is_printed_as_it_ends_and_the_model_and_data_are_built_once(
 
 def test_remove_recompute_restores_the_plain_forward():
     from fivefold.model import build_model
-    from fivefold.parallel.checkpointing import apply_recompute, remove_recompute
+    from fivefold.parallel.activation_checkpoint import apply_recompute, remove_recompute
 
     run = _load(str(TINY), [], 1, "none")
     model = build_model(run.recipe.model)

@@ -24,6 +24,11 @@ class ConfigError(FivefoldError):
         return "\n".join(lines)
 
 
+class WorldSizeProblem(str):
+    """A ConfigError problem (its text) saying that the plan's degrees do not multiply to the
+    cluster's world size: the one a launcher can fix by starting another number of processes."""
+
+
 class DataError(FivefoldError):
     """A missing, empty or malformed data file or tokenizer."""
 

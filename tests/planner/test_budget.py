@@ -183,7 +183,7 @@ def test_recipe_carries_tokens(capsys, tmp_path):
 
 def test_a_run_without_ckpt_every_prints_the_suggestion():
     from fivefold.spec.recipe import recipe_from_dict
-    from fivefold.train.loop import _checkpoint_suggestion
+    from fivefold.train.summary import checkpoint_suggestion_line
 
     recipe = recipe_from_dict(
         {
@@ -199,5 +199,5 @@ def test_a_run_without_ckpt_every_prints_the_suggestion():
     mtbf = 3600 * 54 * 24 * 16384 / (8 * 419)
     steps = round(math.sqrt(2 * save * mtbf) / 2.0)
     assert steps == 36_231
-    assert f"train.ckpt_every = {steps} " in _checkpoint_suggestion(recipe, 2.0)
-    assert "none (no step-time prediction)" in _checkpoint_suggestion(recipe, None)
+    assert f"train.ckpt_every = {steps} " in checkpoint_suggestion_line(recipe, 2.0)
+    assert "none (no step-time prediction)" in checkpoint_suggestion_line(recipe, None)

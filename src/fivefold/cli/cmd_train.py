@@ -299,9 +299,9 @@ def dry_run_report(run, nproc: int) -> str:
         f"  step time: {step_s:.3f} s" if step_s is not None else "  step time: not predicted"
     )
     if not run.train.ckpt_every:
-        from fivefold.train.loop import _checkpoint_suggestion
+        from fivefold.train.summary import checkpoint_suggestion_line
 
-        lines.append("  " + _checkpoint_suggestion(recipe, step_s))
+        lines.append("  " + checkpoint_suggestion_line(recipe, step_s))
     if nproc > 1:
         lines.append(_plan_check_lines(recipe, nproc))
     lines.append("dry run: nothing started; train with the same command without --dry-run")

@@ -218,7 +218,7 @@ def _load(recipe: str, overrides: list[str], micro_batch: int, policy: str):
 
 
 def _device(run) -> str:
-    from fivefold.train.runtime import pick_device
+    from fivefold.parallel.device import pick_device
 
     return pick_device(run.train.device).type
 
@@ -241,7 +241,7 @@ class TuneSession:
 
     def run_for(self, micro_batch: int, policy: str):
         """The recipe at this trial (what the planner predicts), its policy applied to the model."""
-        from fivefold.parallel.checkpointing import apply_recompute, remove_recompute
+        from fivefold.parallel.activation_checkpoint import apply_recompute, remove_recompute
 
         if policy != self.policy:
             remove_recompute(self.runtime.model)
@@ -322,8 +322,8 @@ def _second_step_peak(session: TuneSession, run) -> int:
 
 def predicted_peak(run) -> int | None:
     """The planner's peak bytes for this one-process layout (the layout report's helper)."""
+    from fivefold.parallel.device import pick_device
     from fivefold.parallel.report import memory_only_prediction
-    from fivefold.train.runtime import pick_device
 
     cuda = pick_device(run.train.device).type == "cuda"
     try:

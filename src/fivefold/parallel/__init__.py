@@ -4,7 +4,7 @@
     ParallelDims.from_plan(plan, world_size).build_meshes("cpu")   # the 5-D mesh
 
 Modules, one concept each: `mesh` (degrees and the DeviceMesh), `tensor_parallel` (TP + SP),
-`data_parallel` (DDP / ZeRO-1/2/3 / HSDP on FSDP2), `checkpointing` (activation recompute),
+`data_parallel` (DDP / ZeRO-1/2/3 / HSDP on FSDP2), `activation_checkpoint` (activation recompute),
 `pipeline`, `context_parallel` and `expert_parallel` (PP, CP ring attention, MoE all-to-all),
 `parallelize` (the fixed order PP -> TP -> EP -> CP -> AC -> FSDP/DDP), `runtime` (the train
 step, loss and gradient norm over the whole layout), `protocol` (the Runtime protocol and

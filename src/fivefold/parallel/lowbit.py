@@ -30,6 +30,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from fivefold.errors import ConfigError
+from fivefold.parallel.dtensors import as_dtensor
+from fivefold.parallel.dtensors import local_tensor as _local
 from fivefold.planner.levers import TORCHAO_BLOCK as BLOCK_SIZE
 
 INSTALL_HINT = "pip install 'fivefold[lowbit]'"
@@ -97,8 +99,6 @@ def _dense(value: Any) -> Any:
         local = value.to_local()
         if not _quantised(local):
             return value
-        from fivefold.parallel.offload import as_dtensor
-
         return as_dtensor(local.dequantize(torch.float32), value)
     if isinstance(value, torch.Tensor) and _quantised(value):
         return value.dequantize(torch.float32)
@@ -135,10 +135,6 @@ def requantize(optimizer: torch.optim.Optimizer) -> None:
                 buffer = optimizer._new_buffer(param, signed)
                 buffer.copy_(dense.to(buffer.device))
                 state[name] = buffer
-
-
-def _local(value: torch.Tensor) -> torch.Tensor:
-    return value.to_local() if isinstance(value, DTensor) else value
 
 
 MIN_QUANTISED = 4096  # smaller tensors keep fp32 states

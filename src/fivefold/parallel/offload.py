@@ -27,6 +27,10 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from fivefold.parallel.dtensors import as_dtensor
+from fivefold.parallel.dtensors import local_tensor as _local
+from fivefold.parallel.lowbit import dense_state_dict, requantize
+
 HOST = torch.device("cpu")
 
 
@@ -45,22 +49,6 @@ def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
     if isinstance(tensor, DTensor):
         return as_dtensor(host, tensor)
     return host
-
-
-def as_dtensor(local: torch.Tensor, like: DTensor) -> DTensor:
-    """`local` as a DTensor with `like`'s mesh, placements and global shape, left where it is.
-
-    Built from a spec, as FSDP2 builds its offloaded shards: `DTensor.from_local` would move a
-    host tensor to the mesh's device (CUDA) and lose its pinned memory."""
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-
-    meta = TensorMeta(like.shape, like.stride(), local.dtype)
-    spec = DTensorSpec(like.device_mesh, like.placements, tensor_meta=meta)
-    return DTensor(local, spec, requires_grad=False)
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 class HostOffloadOptimizer(torch.optim.Optimizer):
@@ -146,8 +134,6 @@ class HostOffloadOptimizer(torch.optim.Optimizer):
         self.inner.zero_grad(set_to_none)
 
     def state_dict(self) -> dict[str, Any]:
-        from fivefold.parallel.lowbit import dense_state_dict
-
         self._link_state()
         return dense_state_dict(super().state_dict())
 
@@ -162,8 +148,6 @@ class HostOffloadOptimizer(torch.optim.Optimizer):
             if state:
                 self.inner.state[master] = {key: _to_host(v) for key, v in state.items()}
         self._sync_hyperparameters()
-        from fivefold.parallel.lowbit import requantize
-
         requantize(self.inner)
         self._link_state()
 

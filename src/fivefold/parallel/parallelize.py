@@ -16,13 +16,11 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from fivefold.parallel.checkpointing import apply_recompute
-from fivefold.parallel.compile import apply_compile, check_compiler
 from fivefold.parallel.context_parallel import apply_context_parallel
 from fivefold.parallel.data_parallel import apply_data_parallel
 from fivefold.parallel.expert_parallel import apply_expert_parallel, global_load_balancing_loss
-from fivefold.parallel.float8 import apply_float8
 from fivefold.parallel.mesh import Meshes
+from fivefold.parallel.runtime_core import apply_fp8, apply_recompute_and_compile
 from fivefold.parallel.tensor_parallel import apply_tensor_parallel
 from fivefold.spec.model import ModelSpec
 from fivefold.spec.plan import ParallelPlan
@@ -82,8 +80,7 @@ def parallelize_chunk(
 ) -> list[FSDPModule]:
     """TP/SP, EP, CP, recompute, torch.compile per block (`compile`) and FSDP/DDP on one chunk,
     in place; returns the DP modules."""
-    if plan.fp8 != "none":
-        apply_float8(chunk, plan, device)
+    apply_fp8(chunk, plan, device)
     if plan.tp > 1:
         apply_tensor_parallel(chunk, meshes["tp"], spec, plan.sp)
     if plan.ep > 1:
@@ -97,8 +94,5 @@ def parallelize_chunk(
         apply_global_aux_loss(chunk, meshes.dp_cp.get_group())
     if plan.cp > 1:
         apply_context_parallel(chunk, meshes["cp"], plan.cp_kind)
-    apply_recompute(chunk, plan.recompute)
-    if compile:
-        check_compiler(device)
-        apply_compile(chunk)
+    apply_recompute_and_compile(chunk, plan, device, compile)
     return apply_data_parallel(chunk, meshes, plan, device, expert_dp_mesh(meshes, plan))

@@ -34,15 +34,14 @@ from torch import nn
 
 from fivefold.model.loss import cross_entropy_loss
 from fivefold.parallel.data_parallel import set_gradient_sync
-from fivefold.parallel.device import pick_device
 from fivefold.parallel.mesh import Meshes, ParallelDims
-from fivefold.parallel.mixed_precision import RuntimePrecision, resolve_precision
 from fivefold.parallel.process_group import (
     collective_guard,
     init_distributed,
     shorten_timeout_after_first_step,
 )
-from fivefold.parallel.protocol import StepResult, TrainSettings, batch_to, label_count
+from fivefold.parallel.protocol import StepResult, TrainSettings, batch_to
+from fivefold.parallel.runtime_core import RuntimeCore, logits, token_count
 from fivefold.spec.recipe import Recipe
 
 # How the runtime measures its own CPU peak when the loop does not: a context manager over
@@ -60,7 +59,7 @@ def _scalar(x: torch.Tensor) -> torch.Tensor:
     return x.detach().float()
 
 
-class DistributedRuntime:
+class DistributedRuntime(RuntimeCore):
     """The Runtime protocol on N processes for any valid ParallelPlan (see the module docstring).
 
     `train`: the run's [train] settings (device, seed, steps, memory_step); `track_peak`: see
@@ -72,14 +71,10 @@ class DistributedRuntime:
     """
 
     def __init__(self, recipe: Recipe, train: TrainSettings, track_peak: PeakTracker | None = None):
-        # The one set of rules (the CLI and recipe loading asked it already), before any
-        # process group or collective: a refusal here is the same ConfigError on every rank.
-        recipe.plan.validate(recipe.model, recipe.cluster)
-        self.recipe = recipe
+        # Before any process group or collective: a refusal is the same error on every rank.
+        super().__init__(recipe, train)
         self.plan = plan = recipe.plan
         self.spec = recipe.model
-        self.device = pick_device(train.device)
-        self.precision: RuntimePrecision = resolve_precision(plan.precision, self.device)
         self._track_peak = track_peak
         self._owns_group = init_distributed(self.device, trace_dir=_comm_trace_dir(train))
         self.rank = dist.get_rank()
@@ -92,9 +87,6 @@ class DistributedRuntime:
         self.meshes: Meshes = self.dims.build_meshes(self.device.type)
         self.pp_rank = self.coordinates["pp"]
         self.cp_rank = self.coordinates["cp"]
-        torch.manual_seed(train.seed)
-
-        self.compiled = bool(train.compile)  # the memory prediction counts compiled blocks
         self.model_parts: list[nn.Module] = self._build_parts(train.seed, train.compile)
         self._loss_scale = 1.0
         self.pipeline = self._build_pipeline()
@@ -110,11 +102,7 @@ class DistributedRuntime:
         # waits for it the same way.
         self._loop_memory_step = train.memory_step
         self._report_at = min(4 if self._loop_memory_step == 2 else 3, train.steps)
-        self._peak_bytes = 0
-        self.peak_tenants: dict[str, int] = {}  # the measured peak split into tenants (CPU)
-        self.peak_reserved_bytes = 0  # CUDA: reserved peak + context of the measured step
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
+        self._start_peak_statistics()
         if self.is_main:
             print(self.describe_layout(), flush=True)
 
@@ -208,7 +196,7 @@ class DistributedRuntime:
         """The labelled tokens of the global batch (at least 1) as a 0-d float64 tensor on the
         device: counted on the host per rank (`label_count`), summed by an all-reduce that the
         host does not wait for."""
-        local = sum(label_count(b) for b in micro_batches)
+        local = token_count(micro_batches)
         count = torch.tensor([local], dtype=torch.float64).to(self.device, non_blocking=True)
         dist.all_reduce(count, group=self.meshes.dp.get_group())
         return count[0].clamp_min(1)
@@ -266,13 +254,8 @@ class DistributedRuntime:
     def _forward_loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
         """The micro-batch's scaled loss; the logits die here, not held through the backward
         (the loss keeps what its backward needs)."""
-        logits = model(
-            batch.tokens,
-            positions=batch.positions,
-            doc_ids=batch.doc_ids,
-            cu_seqlens=getattr(batch, "cu_seqlens", None),
-        )
-        return cross_entropy_loss(logits, batch.labels, "sum") * self._loss_scale
+        output = logits(model, batch)
+        return cross_entropy_loss(output, batch.labels, "sum") * self._loss_scale
 
     def _pipeline_step(self, batches: list) -> tuple[torch.Tensor, torch.Tensor]:
         with self._loss_context():
@@ -320,17 +303,15 @@ class DistributedRuntime:
             if self.pipeline is not None:
                 with self._loss_context():
                     mean = self.pipeline.eval(batches)  # the same on every pipeline rank
-                tokens = sum(label_count(b) for b in batches)
+                tokens = token_count(batches)
                 if self.pipeline.has_last and tokens:  # one copy per pipeline in the world sum
                     total += mean * tokens * scale
             else:
                 model = self.model_parts[0]
                 for batch in batches:
                     with self._loss_context():
-                        logits = model(
-                            batch.tokens, positions=batch.positions, doc_ids=batch.doc_ids
-                        )
-                        loss = cross_entropy_loss(logits, batch.labels, "sum")
+                        output = logits(model, batch, documents=False)
+                        loss = cross_entropy_loss(output, batch.labels, "sum")
                         total += _scalar(loss).double() * scale
             loss, _ = self._global_mean(total, self._zero())
             return float(loss)
@@ -356,10 +337,6 @@ class DistributedRuntime:
         if max_norm > 0:
             clip_grads(grads, max_norm, total)
         return total
-
-    def clip_grad_norm(self, max_norm: float) -> float:
-        """`clip_grads`, read back as a float."""
-        return float(self.clip_grads(max_norm))
 
     # ---- measurements ------------------------------------------------------------------------
     def _measures_memory_now(self) -> bool:
@@ -407,23 +384,6 @@ class DistributedRuntime:
                 self.last_report = format_rows(self.plan.describe(), *result)
                 self.plan_vs_run = record(*result)
                 print(self.last_report, flush=True)
-
-    def record_peak_memory(
-        self, peak_bytes: int, tenants: dict[str, int] | None = None, reserved_bytes: int = 0
-    ) -> None:
-        """A measurement of this rank's peak (CPU: the loop's or the step's own; CUDA: the
-        loop's, from reset statistics) with its split into tenants
-        (`fivefold.train.memory_counter.TENANTS`) and the reserved peak plus the CUDA context; the
-        layout report keeps the largest."""
-        if int(peak_bytes) > self._peak_bytes:
-            self._peak_bytes = int(peak_bytes)
-            self.peak_tenants = dict(tenants or {})
-            self.peak_reserved_bytes = int(reserved_bytes)
-
-    def peak_memory_bytes(self) -> int:
-        if self._peak_bytes or self.device.type != "cuda":
-            return self._peak_bytes
-        return int(torch.cuda.max_memory_allocated(self.device))
 
     def any_rank(self, flag: bool) -> bool:
         """True on every rank when `flag` is true on any (collective: one tiny all-reduce).

@@ -6,9 +6,10 @@ PyTorch's DTensor TP does not) and data-parallel gradient reduction with the bac
 FSDP do), the activation model, and the fixed memory terms. The defaults describe the fivefold
 runtime: flash attention, no dropout, exposed TP collectives, overlapped DP reduction, fused
 element-wise kernels, and "selective" recompute meaning the attention core (Korthikanti et al.
-2022, what `fivefold.parallel.checkpointing` does). `selective_policy="alternate-matmul"` describes
-torchtitan's op-level selective checkpointing instead: in each layer every second matmul (wk, wo
-and w3 of a Llama block) and every element-wise op are recomputed, the attention output is kept.
+2022, what `fivefold.parallel.activation_checkpoint` does). `selective_policy="alternate-matmul"`
+describes torchtitan's op-level selective checkpointing instead: in each layer every second matmul
+(wk, wo and w3 of a Llama block) and every element-wise op are recomputed, the attention output
+is kept.
 `fused_elementwise=False` describes eager PyTorch, whose unfused norms, RoPE and activations move
 about three times the bytes of fused kernels (see `compute.UNFUSED_TRAFFIC_FACTOR`).
 `collective_granularity` says how the framework issues data-parallel collectives: one per

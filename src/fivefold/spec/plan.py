@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
-from fivefold.errors import ConfigError
+from fivefold.errors import ConfigError, WorldSizeProblem
 from fivefold.spec.cluster import ClusterSpec
 from fivefold.spec.geometry import (
     CP_KINDS,
@@ -357,11 +357,13 @@ class ParallelPlan:
         out = self.device_problems(cluster)
         if self.world_size != cluster.world_size:
             out.append(
-                f"plan degrees multiply to pp {self.pp} x dp_replicate {self.dp_replicate} x "
-                f"dp_shard {self.dp_shard} x cp {self.cp} x tp {self.tp} = {self.world_size}, "
-                f"but the cluster has {cluster.world_size} GPUs ({cluster.nodes} nodes x "
-                f"{cluster.gpus_per_node}); change a degree so the product equals "
-                f"{cluster.world_size}."
+                WorldSizeProblem(
+                    f"plan degrees multiply to pp {self.pp} x dp_replicate {self.dp_replicate} x "
+                    f"dp_shard {self.dp_shard} x cp {self.cp} x tp {self.tp} = {self.world_size}, "
+                    f"but the cluster has {cluster.world_size} GPUs ({cluster.nodes} nodes x "
+                    f"{cluster.gpus_per_node}); change a degree so the product equals "
+                    f"{cluster.world_size}."
+                )
             )
         domain = cluster.nvlink_gpus
         if self.tp > domain or domain % self.tp:

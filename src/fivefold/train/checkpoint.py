@@ -12,16 +12,30 @@ the newest checkpoint whose files verify. See docs/checkpoints.md.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import torch
+from torch import nn
 
 from fivefold.checkpoint import manifest as mf
 from fivefold.checkpoint.checkpointer import Checkpointer
-from fivefold.checkpoint.elastic import should_resume
 from fivefold.checkpoint.state import TrainingState, check_model_spec, read_state
+from fivefold.spec.recipe import Recipe
 
-if TYPE_CHECKING:
-    from fivefold.train.loop import Trainer
+
+@dataclass(frozen=True)
+class RunState:
+    """What a checkpoint saves and restores besides the step: this rank's model chunks, the
+    optimizer, the LR schedule, the data sampler, and the recipe whose model and plan it
+    records."""
+
+    model_parts: list[nn.Module]
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    sampler: Any
+    recipe: Recipe
 
 
 def checkpoint_root(run_dir: Path) -> Path:
@@ -47,41 +61,37 @@ class RunCheckpoints:
         """The newest valid checkpoint; removes staging directories of crashed saves."""
         return self.checkpointer.select()
 
-    def wants_resume(self, setting: bool | str, choice: mf.Selection) -> bool:
-        """`train.resume` (true / "auto" / false), and always after an elastic restart."""
-        return should_resume(setting, choice.path is not None)
-
-    def save(self, trainer: Trainer, extra: dict[str, Any]) -> Path:
+    def save(self, state: RunState, step: int, extra: dict[str, Any]) -> Path:
+        """Checkpoint `state` as step `step`; returns its directory."""
         return self.checkpointer.save(
-            trainer.step,
-            trainer.runtime.model_parts,
-            trainer.optimizer,
-            model_spec=trainer.recipe.model.to_dict(),
-            plan=trainer.recipe.plan.to_dict(),
-            scheduler=trainer.scheduler,
-            sampler=trainer.data.sampler,
+            step,
+            state.model_parts,
+            state.optimizer,
+            model_spec=state.recipe.model.to_dict(),
+            plan=state.recipe.plan.to_dict(),
+            scheduler=state.scheduler,
+            sampler=state.sampler,
             extra=extra,
         )
 
-    def saved_step(self, trainer: Trainer, directory: Path) -> int:
-        """The step of `directory`, after checking it holds this recipe's model (CheckpointError
+    def saved_step(self, recipe: Recipe, directory: Path) -> int:
+        """The step of `directory`, after checking it holds `recipe`'s model (CheckpointError
         naming the differences otherwise); reads only its state.json."""
-        state = read_state(directory)
-        check_model_spec(state, trainer.recipe.model.to_dict(), directory)
-        return state.step
+        saved = read_state(directory)
+        check_model_spec(saved, recipe.model.to_dict(), directory)
+        return saved.step
 
-    def restore(self, trainer: Trainer, directory: Path) -> TrainingState:
-        """Weights, optimizer, schedule, data position and RNG of `directory`, into `trainer`."""
-        state = self.checkpointer.load(
+    def restore(self, state: RunState, directory: Path) -> TrainingState:
+        """Weights, optimizer, schedule, data position and RNG of `directory`, into `state`'s
+        objects; the returned state names the step."""
+        return self.checkpointer.load(
             directory,
-            trainer.runtime.model_parts,
-            trainer.optimizer,
-            model_spec=trainer.recipe.model.to_dict(),
-            scheduler=trainer.scheduler,
-            sampler=trainer.data.sampler,
+            state.model_parts,
+            state.optimizer,
+            model_spec=state.recipe.model.to_dict(),
+            scheduler=state.scheduler,
+            sampler=state.sampler,
         )
-        trainer.step = state.step
-        return state
 
     def wait(self) -> None:
         """Finish an asynchronous save (no collective; safe on error paths)."""

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fivefold.errors import ConfigError, FivefoldError
+from fivefold.errors import ConfigError, FivefoldError, WorldSizeProblem
 from fivefold.spec.recipe import merge, parse_overrides, read_toml, recipe_from_dict
 from fivefold.train.config import RunConfig, parse_train_config, section_problems
 
@@ -114,30 +114,6 @@ def with_default_profile(
     return merge(data, {"cluster": {"profile": str(path)}})
 
 
-def profile_origin(profile: str) -> str:
-    """What a CPU run's header says of its device profile: which file, from where, measured
-    when; or that it has none and what that means."""
-    from fivefold.spec.profile import default_profile_path, load_profile
-
-    if not profile:
-        return (
-            "none (step time is not predicted; MFU is against a fixed reference): `fivefold "
-            "calibrate --out PROFILE.toml` measures this machine, then [cluster] profile = "
-            '"PROFILE.toml"'
-        )
-    try:
-        created = load_profile(profile).created
-    except ConfigError:
-        created = ""
-    when = f", measured {created}" if created else ""
-    if Path(profile).resolve() == default_profile_path().resolve():
-        return (
-            f"{profile} (the default location, used by every CPU run without a [cluster]{when}; "
-            "name another with [cluster] profile = PATH, or delete it)"
-        )
-    return f"{profile} (named by the recipe{when})"
-
-
 def load_run(
     recipe_path: str | Path | None, overrides: list[str], world_size: int | None = None
 ) -> RunConfig:
@@ -149,7 +125,7 @@ def load_run(
         recipe = recipe_from_dict(with_default_profile(data, world), world)
     except ConfigError as err:
         problems = list(err.problems)
-        if not named_cluster and any(p.startswith("plan degrees") for p in problems):
+        if not named_cluster and any(isinstance(p, WorldSizeProblem) for p in problems):
             problems.append(
                 f"this run has {world} process(es): start `fivefold train` with --nproc equal "
                 "to the product of the plan's degrees, or lower the degrees."

@@ -2,92 +2,49 @@
 
 `train(run)` is the same for every layout: the Runtime (`make_runtime`) owns the model and the
 parallelism; this loop owns the optimizer, schedule, data order, checkpoints and metrics. Rank 0
-prints and writes files; every rank checkpoints its own state.
+prints and writes files; every rank checkpoints its own state. Beside it: `resume` (the step a
+run starts from), `guard` (the NaN guard), `step_log` (each step's records) and `summary` (the
+console header and footer, `TrainSummary`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
-import json
-import math
 import os
-import shutil
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from rich.console import Console
 
-from fivefold.checkpoint.elastic import resume_mode
-from fivefold.errors import FivefoldError, TrainingError
-from fivefold.spec.flops import ATTENTION_CONVENTION, training_flops_per_token
-from fivefold.spec.model import param_count
+from fivefold.spec.flops import training_flops_per_token
 from fivefold.spec.recipe import dump_recipe
-from fivefold.train import checkpoint as ckpt
+from fivefold.train.checkpoint import RunCheckpoints, RunState, step_dir
 from fivefold.train.collect import ScheduledCollection
 from fivefold.train.config import RunConfig
-from fivefold.train.entry import profile_origin
+from fivefold.train.guard import check_finite
 from fivefold.train.inputs import TrainData, load_train_data
-from fivefold.train.interrupt import (
-    StopRequest,
-    acknowledge,
-    die_on_signals,
-    stop_on_signals,
-)
+from fivefold.train.interrupt import StopRequest, acknowledge, die_on_signals, stop_on_signals
 from fivefold.train.lr_schedule import build_scheduler
 from fivefold.train.memory_counter import PeakReading, track_cpu_peak, track_cuda_peak
-from fivefold.train.metrics import (
-    ConsoleReporter,
-    JsonlWriter,
-    StepMetrics,
-    ThroughputMeter,
-    attention_keys,
-    format_mfu,
-    format_tokens_per_s,
-    utilization,
-)
+from fivefold.train.metrics import StepMetrics, ThroughputMeter, attention_keys, utilization
 from fivefold.train.optim import build_optimizer
 from fivefold.train.peak import DevicePeak, cuda_fp8_peak, device_peak
 from fivefold.train.profiling import StepProfiler
+from fivefold.train.resume import choose_start, completion_note
 from fivefold.train.runtime import Runtime, make_runtime
-from fivefold.train.trackers import Trackers
-from fivefold.units import GiB
+from fivefold.train.step_log import StepLog
+from fivefold.train.summary import (
+    TrainSummary,
+    compile_note,
+    planner_prediction,
+    print_footer,
+    print_header,
+)
 
-
-@dataclass
-class TrainSummary:
-    """What a run did. Losses in nats/token; rates over the steps after the first."""
-
-    run_dir: str
-    start_step: int
-    end_step: int
-    losses: list[float]  # one per step of this invocation
-    tokens_per_s: float
-    mfu: float | None
-    peak_label: str
-    peak_memory_bytes: int
-    wall_s: float
-    stop_reason: str  # "completed" | "max_time_s" | "interrupted" | "already_complete"
-    last_checkpoint: str | None
-    eval_losses: dict[int, float] = field(default_factory=dict)
-    prediction: dict[str, Any] | None = None
-    exit_code: int = 0  # of the process: 128 + signal number after an interrupt, else 0
-
-    @property
-    def first_loss(self) -> float:
-        return self.losses[0]
-
-    @property
-    def last_loss(self) -> float:
-        return self.losses[-1]
-
-    def tail_loss(self, steps: int = 10) -> float:
-        """Mean loss of the last `steps` steps (less noisy than the last one)."""
-        tail = self.losses[-steps:]
-        return sum(tail) / len(tail)
+__all__ = ["TrainSummary", "Trainer", "train"]
 
 
 @dataclass
@@ -106,6 +63,8 @@ class _Pending:
 
 
 class Trainer:
+    """One run's steps on a Runtime: optimizer, LR schedule, data, checkpoints, step records."""
+
     def __init__(self, run: RunConfig, runtime: Runtime, console: Console | None = None):
         self.run = run
         self.cfg = run.train
@@ -120,7 +79,7 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, self.cfg)
         self.step = 0
         self.last_checkpoint: Path | None = None
-        self.checkpoints = ckpt.RunCheckpoints(
+        self.checkpoints = RunCheckpoints(
             self.run_dir, self.cfg.keep_checkpoints, self.cfg.ckpt_async
         )
         # Measured once (CPU) and kept: the header, every step's MFU and the footer use it.
@@ -154,149 +113,43 @@ class Trainer:
         return recipe(self.recipe.plan.precision).compute_dtype
 
     # ---- set-up ---------------------------------------------------------------------------
+    def run_state(self) -> RunState:
+        """What a checkpoint of this run saves and restores (`fivefold.train.checkpoint`)."""
+        return RunState(
+            self.runtime.model_parts, self.optimizer, self.scheduler, self.data.sampler, self.recipe
+        )
+
     def prepare_run_dir(self) -> None:
-        """Resume from the newest valid checkpoint (see `train.resume`; always after an elastic
-        restart) or start over; a run already at its last step is left alone (`is_complete`).
-        Collective: every rank calls it."""
-        choice = self.checkpoints.select()
-        if choice.skipped and self.runtime.is_main:
-            self.console.print(f"checkpoints not usable, skipped: {choice.describe_skipped()}")
-        if self.checkpoints.wants_resume(self.cfg.resume, choice):
-            assert choice.path is not None
-            saved_step = self.checkpoints.saved_step(self, choice.path)
-            if saved_step >= self.last_step:
-                self.step, self.last_checkpoint = saved_step, choice.path  # nothing to load
-                return
-            self._restore(choice.path)
-        elif self.runtime.is_main:
-            self._start_over()
+        """Resume or start over (`fivefold.train.resume.choose_start`); a run already at its
+        last step is left alone (`is_complete`). Collective: every rank calls it."""
+        start = choose_start(
+            self.checkpoints,
+            self.run_state(),
+            self.cfg,
+            self.last_step,
+            self.runtime.is_main,
+            self.console,
+        )
+        self.step, self.last_checkpoint = start.step, start.checkpoint
+        if start.complete:
+            return
         if self.runtime.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             header = "Recipe of this run, as resolved (presets expanded, overrides applied)."
             (self.run_dir / "recipe.toml").write_text(dump_recipe(self.recipe, header))
-
-    def _start_over(self) -> None:
-        """Rank 0: step 0. Old checkpoints are deleted only when the user asked to start over."""
-        found = ckpt.list_checkpoints(self.run_dir)
-        mode = resume_mode(self.cfg.resume)
-        if mode != "never":
-            if found or mode == "always":
-                self.console.print(
-                    f"resume: no valid checkpoint in {ckpt.checkpoint_root(self.run_dir)}; "
-                    "starting at step 0"
-                )
-            return
-        if found:
-            self.console.print(
-                f"note: starting over in {self.run_dir} as asked (--fresh / train.resume = "
-                f"false): deleting its {len(found)} earlier checkpoint(s), newest step "
-                f"{found[-1][0]}"
-            )
-            shutil.rmtree(ckpt.checkpoint_root(self.run_dir), ignore_errors=True)
 
     @property
     def is_complete(self) -> bool:
         """True when a resumed checkpoint is already at (or past) this invocation's last step."""
         return self.step >= self.last_step
 
-    def completion_note(self) -> str:
-        """The one line printed when a re-run finds nothing to do."""
-        if self.cfg.stop_at and self.step < self.cfg.steps:
-            return (
-                f"run {self.run_dir} stopped at step {self.step} (train.stop_at = "
-                f"{self.cfg.stop_at}); nothing to do — continue with train.stop_at=0 (to "
-                f"train.steps = {self.cfg.steps}), or start over with --fresh"
-            )
-        return (
-            f"run {self.run_dir} is complete at step {self.step}; nothing to do — train further "
-            f"with train.steps={max(2 * self.step, self.step + 1)}, or start over with --fresh"
-        )
-
-    def complete_summary(self) -> TrainSummary:
-        """What an invocation that found the run complete did: nothing."""
-        return TrainSummary(
-            run_dir=str(self.run_dir),
-            start_step=self.step,
-            end_step=self.step,
-            losses=[],
-            tokens_per_s=0.0,
-            mfu=None,
-            peak_label=self.peak.label,
-            peak_memory_bytes=0,
-            wall_s=0.0,
-            stop_reason="already_complete",
-            last_checkpoint=str(self.last_checkpoint) if self.last_checkpoint else None,
-        )
-
-    def _restore(self, directory: Path) -> None:
-        state = self.checkpoints.restore(self, directory)
-        self.last_checkpoint = directory
-        written_by = f"{state.world_size} rank(s)"
-        if state.plan and state.plan != self.recipe.plan.to_dict():
-            written_by += " with another layout, resharded"
-        how = (
-            '; train.resume = "auto": start over with --fresh'
-            if resume_mode(self.cfg.resume) == "auto"
-            else ""
-        )
-        self.console.print(
-            f"resumed from {directory} (step {state.step}, written by {written_by}){how}"
-        )
-
     # ---- checkpoints ----------------------------------------------------------------------
     def save(self, extra: dict[str, Any]) -> Path:
         """Checkpoint this step (collective; see fivefold.train.checkpoint)."""
-        self.last_checkpoint = self.checkpoints.save(self, extra)
+        self.last_checkpoint = self.checkpoints.save(self.run_state(), self.step, extra)
         return self.last_checkpoint
 
-    def _report_compile(self, first_step_s: float) -> None:
-        """Once per run, after the first step: how long torch.compile took (cold or cached)."""
-        from fivefold.parallel.compile import compile_seconds
-
-        seconds, graphs = compile_seconds()
-        self.console.print(
-            f"torch.compile: {graphs} graph(s) compiled in {seconds:.1f} s during the first "
-            f"step ({first_step_s:.1f} s in all; later steps reuse them)"
-        )
-
     # ---- one step -------------------------------------------------------------------------
-    def _guard(
-        self, loss: float, grad_norm: float | None, lr: float, step: int | None = None
-    ) -> None:
-        """Stop with a TrainingError naming the step and the way out when a value is not finite.
-        `step`: an earlier step whose values are read back only now (its optimizer step ran);
-        None: the step about to take its optimizer step."""
-        if math.isfinite(loss) and (grad_norm is None or math.isfinite(grad_norm)):
-            return
-        what = (
-            f"the loss is {loss}"
-            if not math.isfinite(loss)
-            else f"the gradient norm is {grad_norm}"
-        )
-        when = "so training stopped before the optimizer step"
-        if step is not None:
-            when = (
-                f"read back at step {self.step + 1} (values are read back from the device every "
-                f"train.log_every = {self.cfg.log_every} steps and at checkpoints), so training "
-                "stopped there"
-            )
-        where = (
-            f"the last good checkpoint is {self.last_checkpoint} (continue from it with --resume)"
-            if self.last_checkpoint is not None
-            else "no checkpoint was saved before it (set train.ckpt_every to keep some)"
-        )
-        clip = (
-            f"train.grad_clip is {self.cfg.grad_clip}"
-            if self.cfg.grad_clip > 0
-            else "enable clipping with train.grad_clip = 1.0"
-        )
-        raise TrainingError(
-            f"step {step or self.step + 1}: {what}, {when}; "
-            f"{where}. Try a lower learning rate (train.lr = {self.cfg.lr:g}, this step used "
-            f"{lr:.3g}), a longer train.warmup_steps, or {clip}; plan.precision = 'fp32' rules "
-            "out bf16 overflow."
-        )
-
     def train_one_step(self, micro_batches: list) -> tuple[float, float, float]:
         """Forward/backward, guard, clip, optimizer and schedule; returns (loss, aux, grad norm)
         read back from the device (one host sync)."""
@@ -328,7 +181,15 @@ class Trainer:
         for i, p in enumerate(steps):
             p.values = (flat[3 * i], flat[3 * i + 1], flat[3 * i + 2])
             ahead = i == len(steps) - 1 and p.step == self.step + 1
-            self._guard(p.values[0], p.values[2], p.lr, None if ahead else p.step)
+            check_finite(
+                p.values[0],
+                p.values[2],
+                p.lr,
+                self.cfg,
+                self.step + 1,
+                self.last_checkpoint,
+                None if ahead else p.step,
+            )
 
     def _reads_back(self, index: int, measured: int) -> bool:
         """Whether step `index` (0-based within this invocation) reads its values back from the
@@ -356,21 +217,10 @@ class Trainer:
         return min(stop_at, self.cfg.steps) if stop_at else self.cfg.steps
 
     def fit(self) -> TrainSummary:
+        """Train from `self.step` to `last_step`, or until a stop (interrupt, train.max_time_s);
+        checkpoints as asked and at the end. Rank 0 writes the step records."""
         start_step = self.step
-        main = self.runtime.is_main
-        jsonl = (
-            JsonlWriter(self.run_dir / "metrics.jsonl", keep_through_step=start_step)
-            if main
-            else None
-        )
-        board = Trackers(self.run_dir, self.recipe, self.cfg, start_step) if main else None
-        reporter = ConsoleReporter(
-            self.console,
-            self.cfg.steps,
-            start_step,
-            self.cfg.log_every,
-            self.cfg.progress and main,
-        )
+        log = StepLog(self.console, self.run, start_step, self.runtime.is_main)
         profiler = StepProfiler(
             self.cfg.profile,
             self.run_dir,
@@ -378,105 +228,125 @@ class Trainer:
             getattr(self.runtime, "rank", 0),
             self.console.print,
         )
-        meter = ThroughputMeter()
-        losses: list[float] = []
-        evals: dict[int, float] = {}
-        stop_reason = "completed"
-        started = time.perf_counter()
-        batches = self.data.batches(self.run.recipe.plan.micro_batch)
-        measured = min(self.cfg.memory_step - 1, self.last_step - start_step - 1)
-        pending: list[_Pending] = []  # steps whose values are still on the device
-        since = time.perf_counter()  # the last read-back: step times are measured between them
-        step_s = 0.0
-
-        def emit(done: list[_Pending], eval_loss: float | None, index: int) -> None:
-            """Metrics of the steps just read back; their time is that since the last
-            read-back, shared evenly (one step's own time when every step reads back)."""
-            nonlocal since, step_s
-            now = time.perf_counter()
-            step_s = (now - since) / len(done)
-            since = now
-            counted = index > 0 and index != measured
-            for p in done:
-                if counted:
-                    meter.add(self.tokens_per_step, step_s)
-                loss, aux, grad_norm = p.values
-                losses.append(loss)
-                last = p is done[-1]
-                self._count_flops(p.keys)  # the step's own documents
-                metrics = self._metrics(
-                    loss, aux, grad_norm, p.lr, step_s, started, eval_loss if last else None
-                )
-                metrics.step = p.step
-                metrics.plan_vs_run = p.plan_vs_run
-                if last and metrics.plan_vs_run is None:
-                    metrics.plan_vs_run = self._plan_vs_run(index, meter, step_s)
-                if jsonl is not None:
-                    jsonl.write(metrics.to_json())
-                if board is not None and p.step % self.cfg.log_every == 0:
-                    board.write(metrics)
-                reporter.update(metrics)
-
         collector = ScheduledCollection(self.cfg.gc_every)  # gc between steps, all ranks alike
         collector.start()
         try:
-            while self.step < self.last_step:
-                if self._stop_agreed(not pending):
-                    stop_reason = "interrupted"
-                    break
-                index = self.step - start_step  # 0-based within this invocation
-                reads_back = self._reads_back(index, measured)
-                collector.step(self.step + 1)
-                micro_batches = next(batches)
-                keys = attention_keys(micro_batches, self.recipe.model.seq_len)
-                with profiler.step(self.step + 1):
-                    if index == measured:
-                        done = self._measured_step(micro_batches, pending)
-                    else:
-                        done = self._device_step(micro_batches, pending if reads_back else None)
-                # Host syncs only at read-backs: between them the host queues the next steps
-                # while the device works, and step times are measured between read-backs.
-                done.keys = keys
-                done.plan_vs_run = getattr(self.runtime, "plan_vs_run", None)
-                if done.plan_vs_run is not None:
-                    self.runtime.plan_vs_run = None
-                pending.append(done)
-                if not reads_back and index != measured:
-                    continue
-                if index == 0 and self.cfg.compile:
-                    self._report_compile(time.perf_counter() - since)
-                eval_loss = self._maybe_eval()
-                if eval_loss is not None:
-                    evals[self.step] = eval_loss
-                emit(pending, eval_loss, index)
-                pending = []
-                if self.cfg.ckpt_every and self.step % self.cfg.ckpt_every == 0:
-                    self.save({"loss": losses[-1]})
-                if self.cfg.max_time_s and time.perf_counter() - started > self.cfg.max_time_s:
-                    stop_reason = "max_time_s"
-                    break
-            if pending:  # a stop between read-backs
-                self._read_back(pending)
-                emit(pending, None, self.step - start_step - 1)
-            if (
-                (self.cfg.save_final or stop_reason == "interrupted")
-                and losses
-                and (
-                    self.last_checkpoint is None
-                    or ckpt.step_dir(self.run_dir, self.step) != self.last_checkpoint
-                )
-            ):
-                self.save({"loss": losses[-1]})
+            stop_reason = self._run_steps(log, profiler, collector, start_step)
+            if (self.cfg.save_final or stop_reason == "interrupted") and log.losses:
+                self._save_final(log.losses[-1])
             self.checkpoints.close()  # an asynchronous save is committed before the run ends
         finally:
             collector.stop()
             profiler.close()
-            reporter.stop()
-            if jsonl is not None:
-                jsonl.close()
-            if board is not None:
-                board.close()
-        rate = meter.tokens_per_s if meter.steps else self.tokens_per_step / max(step_s, 1e-9)
+            log.close()
+        return self._summary(log, start_step, stop_reason)
+
+    def _run_steps(
+        self,
+        log: StepLog,
+        profiler: StepProfiler,
+        collector: ScheduledCollection,
+        start_step: int,
+    ) -> str:
+        """The steps; returns why they ended: "completed", "interrupted" or "max_time_s".
+        Host syncs only at read-backs: between them the host queues the next steps while the
+        device works, and step times are measured between read-backs."""
+        batches = self.data.batches(self.recipe.plan.micro_batch)
+        measured = min(self.cfg.memory_step - 1, self.last_step - start_step - 1)
+        pending: list[_Pending] = []  # steps whose values are still on the device
+        stop_reason = "completed"
+        while self.step < self.last_step:
+            if self._stop_agreed(not pending):
+                stop_reason = "interrupted"
+                break
+            index = self.step - start_step  # 0-based within this invocation
+            reads_back = self._reads_back(index, measured)
+            collector.step(self.step + 1)
+            micro_batches = next(batches)
+            keys = attention_keys(micro_batches, self.recipe.model.seq_len)
+            with profiler.step(self.step + 1):
+                if index == measured:
+                    done = self._measured_step(micro_batches, pending)
+                else:
+                    done = self._device_step(micro_batches, pending if reads_back else None)
+            pending.append(self._taken(done, keys))
+            if not reads_back and index != measured:
+                continue
+            out_of_time = self._after_read_back(log, pending, index, measured)
+            pending = []
+            if out_of_time:
+                return "max_time_s"
+        if pending:  # a stop between read-backs
+            self._read_back(pending)
+            self._emit(log, pending, None, self.step - start_step - 1, measured)
+        return stop_reason
+
+    def _taken(self, done: _Pending, keys: float | None) -> _Pending:
+        """`done` with its documents' keys per query and the runtime's layout-report record
+        of the step, if it made one."""
+        done.keys = keys
+        done.plan_vs_run = getattr(self.runtime, "plan_vs_run", None)
+        if done.plan_vs_run is not None:
+            self.runtime.plan_vs_run = None
+        return done
+
+    def _after_read_back(
+        self, log: StepLog, pending: list[_Pending], index: int, measured: int
+    ) -> bool:
+        """What follows a read-back: the compile report (first step), evaluation, the step
+        records, a periodic checkpoint; returns whether train.max_time_s has passed."""
+        if index == 0 and self.cfg.compile:
+            self.console.print(compile_note(time.perf_counter() - log.since))
+        eval_loss = self._maybe_eval()
+        if eval_loss is not None:
+            log.evals[self.step] = eval_loss
+        self._emit(log, pending, eval_loss, index, measured)
+        if self.cfg.ckpt_every and self.step % self.cfg.ckpt_every == 0:
+            self.save({"loss": log.losses[-1]})
+        return bool(self.cfg.max_time_s and time.perf_counter() - log.started > self.cfg.max_time_s)
+
+    def _emit(
+        self,
+        log: StepLog,
+        done: list[_Pending],
+        eval_loss: float | None,
+        index: int,
+        measured: int,
+    ) -> None:
+        """The records of the steps just read back (`index`: the last one's, within this
+        invocation); the throughput meter counts neither the first nor the measured step."""
+        step_s = log.lap(len(done))
+        counted = index > 0 and index != measured
+        for p in done:
+            if counted:
+                log.meter.add(self.tokens_per_step, step_s)
+            assert p.values is not None
+            loss, aux, grad_norm = p.values
+            last = p is done[-1]
+            self._count_flops(p.keys)  # the step's own documents
+            metrics = self._metrics(
+                loss, aux, grad_norm, p.lr, step_s, log.started, eval_loss if last else None
+            )
+            metrics.step = p.step
+            metrics.plan_vs_run = p.plan_vs_run
+            if last and metrics.plan_vs_run is None:
+                metrics.plan_vs_run = self._plan_vs_run(index, log.meter, step_s)
+            log.write(metrics)
+
+    def _save_final(self, loss: float) -> None:
+        """Checkpoint the last step unless the last checkpoint is already of it."""
+        if self.last_checkpoint is None or (
+            step_dir(self.run_dir, self.step) != self.last_checkpoint
+        ):
+            self.save({"loss": loss})
+
+    def _summary(self, log: StepLog, start_step: int, stop_reason: str) -> TrainSummary:
+        losses = log.losses
+        rate = (
+            log.meter.tokens_per_s
+            if log.meter.steps
+            else self.tokens_per_step / max(log.step_s, 1e-9)
+        )
         rate = rate if losses else 0.0
         return TrainSummary(
             run_dir=str(self.run_dir),
@@ -489,10 +359,10 @@ class Trainer:
             ),
             peak_label=self.peak.label,
             peak_memory_bytes=self._peak_memory(),
-            wall_s=time.perf_counter() - started,
+            wall_s=time.perf_counter() - log.started,
             stop_reason=stop_reason,
             last_checkpoint=str(self.last_checkpoint) if self.last_checkpoint else None,
-            eval_losses=evals,
+            eval_losses=log.evals,
             exit_code=self.stop.exit_code() if stop_reason == "interrupted" else 0,
         )
 
@@ -575,145 +445,6 @@ class Trainer:
         )
 
 
-# ---- console header and footer ------------------------------------------------------------------
-def planner_prediction(run: RunConfig) -> tuple[dict[str, Any] | None, str]:
-    """The planner's estimate for this recipe, or (None, why not). Never raises."""
-    try:
-        from fivefold.planner.estimate import estimate
-    except ImportError:
-        return None, "planner not available"
-    from fivefold.parallel.device import unknown_gpu_reason
-
-    recipe = run.recipe
-    if unknown_gpu_reason(recipe.cluster):
-        return None, unknown_gpu_reason(recipe.cluster).removeprefix("no step-time prediction: ")
-    if recipe.cluster.gpu == "cpu" and not recipe.cluster.profile:
-        return None, (
-            "no device profile for this CPU; `fivefold calibrate --out PROFILE.toml` writes one, "
-            'and runs naming it ([cluster] profile = "PROFILE.toml") predict their step time'
-        )
-    try:
-        from fivefold.planner.options import PlannerOptions
-
-        options = replace(
-            PlannerOptions.for_device(recipe.cluster.device), compile=run.train.compile
-        )
-        return estimate(recipe.model, recipe.cluster, recipe.plan, options=options).to_json(), ""
-    except FivefoldError as err:
-        return None, str(err).splitlines()[0]
-    except Exception as err:  # the planner must never stop a training run
-        return None, f"{type(err).__name__}: {err}"
-
-
-def tensorboard_installed() -> bool:
-    """Whether `torch.utils.tensorboard` can write events (the optional `tensorboard` package)."""
-    return importlib.util.find_spec("tensorboard") is not None
-
-
-def print_header(trainer: Trainer, prediction: dict[str, Any] | None, why_not: str) -> None:
-    out, recipe, run = trainer.console, trainer.recipe, trainer.run
-    model, plan = recipe.model, recipe.plan
-    total, active = param_count(model), param_count(model, active_only=True)
-    params = f"{total / 1e6:.2f}M params" + (
-        f" ({active / 1e6:.2f}M active)" if model.is_moe else ""
-    )
-    out.print(
-        f"[bold]fivefold train[/bold] {trainer.run_dir}: model {model.name} ({params}, "
-        f"{model.layers} layers, hidden {model.hidden}, seq {model.seq_len}, vocab {model.vocab})"
-    )
-    threads = f", {torch.get_num_threads()} threads" if trainer.runtime.device.type == "cpu" else ""
-    precision = getattr(trainer.runtime, "precision", None)
-    out.print(
-        f"layout: {plan.describe()} on {trainer.runtime.world_size} process(es), device "
-        f"{trainer.runtime.device}{threads}; precision "
-        f"{precision.describe() if precision else plan.precision}"
-    )
-    out.print(
-        f"batch: {run.global_batch} sequences x {model.seq_len} tokens = "
-        f"{trainer.tokens_per_step:,} tokens/step; {trainer.cfg.steps} steps, lr "
-        f"{trainer.cfg.lr:g} (warmup {trainer.cfg.warmup_steps}, {trainer.cfg.lr_schedule} to "
-        f"{trainer.cfg.min_lr:g}); data: {trainer.data.describe()}"
-    )
-    note = trainer.data.eval_note(trainer.cfg.eval_every, run.data.val_fraction)
-    if note:
-        out.print(note, style="yellow", markup=False, highlight=False)
-    if trainer.cfg.tensorboard and not tensorboard_installed():
-        out.print(
-            "TensorBoard: no events written (tensorboard is not installed: pip install "
-            "'fivefold[tensorboard]'; train.tensorboard=false silences this)",
-            style="dim",
-            markup=False,
-        )
-    out.print(f"MFU against: {trainer.peak.label}; attention {ATTENTION_CONVENTION}")
-    if recipe.cluster.profile or trainer.runtime.device.type == "cpu":
-        out.print(f"device profile: {profile_origin(recipe.cluster.profile)}", markup=False)
-    if repeat := trainer.data.repeat_note():
-        out.print(f"[yellow]{repeat}[/yellow]", highlight=False)
-    if prediction is not None:
-        mem = prediction.get("memory_gib", {}).get("total")
-        out.print(
-            f"planner predicts: step {prediction.get('step_time_s', float('nan')):.3f} s, "
-            f"{format_tokens_per_s(prediction.get('tokens_per_s', 0.0))} tok/s, MFU "
-            f"{format_mfu(prediction.get('mfu'))}, memory {mem:.2f} GiB"
-            if mem is not None
-            else f"planner predicts: {prediction}"
-        )
-    else:
-        out.print(f"planner: no prediction ({why_not})", style="dim", markup=False)
-    if prediction is not None and not trainer.cfg.ckpt_every:
-        out.print(_checkpoint_suggestion(recipe, prediction.get("step_time_s")), markup=False)
-
-
-def _checkpoint_suggestion(recipe: Any, step_time_s: float | None) -> str:
-    """`fivefold.planner.budget.checkpoint_suggestion` for the run, or why there is none."""
-    from fivefold.planner.budget import checkpoint_suggestion
-
-    if not step_time_s or step_time_s <= 0:
-        return "checkpoint suggestion: none (no step-time prediction)"
-    try:
-        return checkpoint_suggestion(
-            recipe.model, recipe.cluster, recipe.plan, step_time_s, recipe.section("planner")
-        )
-    except FivefoldError as err:  # a bad [planner] field must not stop the run here
-        return f"checkpoint suggestion: none ({str(err).splitlines()[0]})"
-
-
-def print_footer(trainer: Trainer, s: TrainSummary) -> None:
-    out = trainer.console
-    stopped = "" if s.stop_reason == "completed" else f" (stopped: {s.stop_reason})"
-    if not s.losses:
-        out.print(f"[bold]stopped[/bold] before a step{stopped}; nothing saved")
-        return
-    out.print(
-        f"[bold]done[/bold]: steps {s.start_step} -> {s.end_step} in {s.wall_s:.1f} s{stopped}; "
-        f"loss {s.first_loss:.3f} -> {s.last_loss:.3f} (mean of last 10: {s.tail_loss():.3f})"
-    )
-    mem = f"{s.peak_memory_bytes / GiB:.3f} GiB" if s.peak_memory_bytes else "not measured"
-    reserved = getattr(trainer.runtime, "peak_reserved_bytes", 0)
-    if reserved:  # CUDA: the allocated peak above; the allocator's reservation and context
-        mem += f" allocated, {reserved / GiB:.3f} GiB reserved + CUDA context"
-    out.print(
-        f"throughput {format_tokens_per_s(s.tokens_per_s)} tokens/s, MFU {format_mfu(s.mfu)} "
-        f"(vs {s.peak_label}); peak memory {mem}"
-    )
-    if s.prediction is not None and s.end_step > s.start_step:
-        measured_step_s = (
-            trainer.tokens_per_step / s.tokens_per_s if s.tokens_per_s else float("nan")
-        )
-        out.print(
-            f"planner vs measured: step {s.prediction.get('step_time_s', float('nan')):.3f} s vs "
-            f"{measured_step_s:.3f} s"
-        )
-    if s.last_checkpoint:
-        out.print(f"checkpoint: {s.last_checkpoint}")
-    if s.stop_reason == "interrupted":
-        out.print(
-            f"interrupted after step {s.end_step}: the same command continues from the "
-            "checkpoint above (--fresh starts over)"
-        )
-    out.print(f"metrics: {Path(s.run_dir) / 'metrics.jsonl'}")
-
-
 def train(
     run: RunConfig, runtime: Runtime | None = None, console: Console | None = None
 ) -> TrainSummary:
@@ -730,7 +461,7 @@ def train(
     # blocked in C++ where no handler runs). `fit` installs the graceful handlers.
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     with die_on_signals() if distributed else contextlib.nullcontext():
-        runtime = runtime or make_runtime(run.recipe)
+        runtime = runtime or make_runtime(run.recipe, run.train)
         try:
             summary = _train(run, runtime, console, stop)
         except BaseException:
@@ -747,19 +478,20 @@ def _train(
     trainer.stop = stop
     trainer.prepare_run_dir()
     if trainer.is_complete:
-        trainer.console.print(trainer.completion_note())
-        return trainer.complete_summary()
+        trainer.console.print(completion_note(trainer.cfg, trainer.step))
+        return TrainSummary.already_complete(
+            trainer.run_dir, trainer.step, trainer.peak.label, trainer.last_checkpoint
+        )
     prediction, why_not = planner_prediction(run) if runtime.is_main else (None, "")
     if runtime.is_main:
-        print_header(trainer, prediction, why_not)
+        print_header(trainer.console, run, runtime, trainer.data, trainer.peak, prediction, why_not)
     if runtime.is_main:  # said at once: a step may take minutes
         trainer.stop.announce = lambda signum: acknowledge(signum, trainer.step + 1)
     with stop_on_signals(trainer.stop):  # Ctrl-C: stop after a step, with a checkpoint
         summary = trainer.fit()
     summary.prediction = prediction
     if runtime.is_main:
-        print_footer(trainer, summary)
-        payload = asdict(summary)
-        payload["eval_losses"] = {str(k): v for k, v in summary.eval_losses.items()}
-        (trainer.run_dir / "summary.json").write_text(json.dumps(payload, indent=2) + "\n")
+        reserved = getattr(runtime, "peak_reserved_bytes", 0)
+        print_footer(trainer.console, summary, trainer.tokens_per_step, reserved)
+        summary.write_json(trainer.run_dir / "summary.json")
     return summary

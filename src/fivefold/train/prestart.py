@@ -3,7 +3,7 @@ a second with every reason, not after the ranks have started (or minutes later, 
 
 - the paths the recipe names: `[data]` shards, inputs and tokenizer
   (`fivefold.train.inputs.path_problems`), and the checkpoint it would resume, which must hold
-  this model;
+  this model (`fivefold.train.resume.resume_problems`);
 - memory: the planner's predicted peak per rank (the figure `--dry-run` prints) times the ranks
   on this machine against the host memory free now (CPU), or per rank against its GPU's free
   memory (CUDA).
@@ -117,33 +117,10 @@ def memory_fit(run: RunConfig, nproc: int, cuda: bool) -> MemoryFit | None:
     return MemoryFit(stages, nproc, cuda, free_bytes)
 
 
-def resume_problems(run: RunConfig) -> list[str]:
-    """The checkpoint this run would resume from (the newest that passes the quick check) must
-    hold this recipe's model: the rank's own check (`check_model_spec`), made before start."""
-    from fivefold.checkpoint.elastic import resume_mode
-    from fivefold.checkpoint.manifest import newest_valid
-    from fivefold.checkpoint.state import check_model_spec, read_state
-    from fivefold.errors import CheckpointError
-    from fivefold.train.checkpoint import checkpoint_root
-
-    if resume_mode(run.train.resume) == "never":
-        return []
-    root = checkpoint_root(run.train.path())
-    if not root.is_dir():
-        return []
-    choice = newest_valid(root, full=False)
-    if choice.path is None:
-        return []
-    try:
-        check_model_spec(read_state(choice.path), run.recipe.model.to_dict(), choice.path)
-    except CheckpointError as err:
-        return [str(err)]
-    return []
-
-
 def prestart_problems(run: RunConfig, nproc: int, cuda: bool) -> list[str]:
     """Every reason this run cannot start on this machine (paths, checkpoint, memory)."""
     from fivefold.train.inputs import path_problems
+    from fivefold.train.resume import resume_problems
 
     fit = memory_fit(run, nproc, cuda)
     memory = fit.problems() if fit is not None else []

@@ -7,7 +7,8 @@ and backward over the micro-batches of a global batch, for the global gradient n
 peak memory, and steps an optimizer over `runtime.model_parts`. `LocalRuntime` runs the whole
 model in this process; `fivefold.parallel.runtime.DistributedRuntime` (chosen by `make_runtime`
 under torchrun) applies a ParallelPlan and keeps the same contract, so every layout reports the
-same loss.
+same loss. Both build on `fivefold.parallel.runtime_core`: start-up, FP8, recompute, compile,
+the model call, the token count and the peak-memory record are written there once.
 """
 
 from __future__ import annotations
@@ -19,50 +20,47 @@ from torch import nn
 
 from fivefold.errors import ConfigError
 from fivefold.model.loss import cross_entropy_loss
-from fivefold.parallel.checkpointing import apply_recompute
-from fivefold.parallel.device import pick_device
-from fivefold.parallel.mixed_precision import RuntimePrecision, resolve_precision
-from fivefold.parallel.protocol import Runtime, StepResult, batch_to, label_count
+from fivefold.parallel.protocol import Runtime, StepResult, TrainSettings, batch_to, label_count
+from fivefold.parallel.runtime_core import (
+    RuntimeCore,
+    apply_fp8,
+    apply_recompute_and_compile,
+    logits,
+    token_count,
+)
 from fivefold.spec.recipe import Recipe
 from fivefold.train.config import parse_train_config
 
 __all__ = ["LocalRuntime", "Runtime", "StepResult", "distributed_runtime", "make_runtime"]
 
 
-class LocalRuntime:
+def _settings(recipe: Recipe, train: TrainSettings | None) -> TrainSettings:
+    """The run's [train] settings: `train` as passed (the loop passes the ones `load_run`
+    parsed), else parsed from `recipe` (a caller holding only a recipe), after the plan's own
+    rules so that a bad plan is refused first, as the runtime's start-up refuses it."""
+    if train is not None:
+        return train
+    recipe.plan.validate(recipe.model, recipe.cluster)
+    return parse_train_config(recipe).train
+
+
+class LocalRuntime(RuntimeCore):
     """The whole model in one process: gradient accumulation, autocast, recompute, clipping."""
 
-    def __init__(self, recipe: Recipe):
+    def __init__(self, recipe: Recipe, train: TrainSettings | None = None):
         from fivefold.model import build_model
 
-        recipe.plan.validate(recipe.model, recipe.cluster)  # the one set of rules
-        train = parse_train_config(recipe).train
-        self.recipe = recipe
-        self.device = pick_device(train.device)
-        self.precision: RuntimePrecision = resolve_precision(recipe.plan.precision, self.device)
+        train = _settings(recipe, train)
+        super().__init__(recipe, train)
         self.dp_rank, self.dp_size, self.world_size, self.is_main = 0, 1, 1, True
-        torch.manual_seed(train.seed)
         model = build_model(recipe.model)
-        if recipe.plan.fp8 != "none":
-            from fivefold.parallel.float8 import apply_float8
-
-            apply_float8(model, recipe.plan, self.device)
+        apply_fp8(model, recipe.plan, self.device)
         model.to_empty(device=self.device)
         model.init_weights(seed=train.seed)
-        apply_recompute(model, recipe.plan.recompute)
-        if train.compile:
-            from fivefold.parallel.compile import apply_compile, check_compiler
-
-            check_compiler(self.device)
-            apply_compile(model)
+        apply_recompute_and_compile(model, recipe.plan, self.device, self.compiled)
         self.model = model
-        self.compiled = bool(train.compile)  # the memory prediction counts compiled blocks
         self.model_parts: list[nn.Module] = [model]
-        self._recorded_peak_bytes = 0
-        self.peak_tenants: dict[str, int] = {}
-        self.peak_reserved_bytes = 0  # CUDA: reserved peak + context of the measured step
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
+        self._start_peak_statistics()
 
     def _autocast(self):
         dtype = self.precision.autocast_dtype
@@ -71,13 +69,8 @@ class LocalRuntime:
     def _forward_loss(self, batch) -> tuple[torch.Tensor, torch.Tensor | None]:
         batch = batch_to(batch, self.device)
         with self._autocast():
-            logits = self.model(
-                batch.tokens,
-                positions=batch.positions,
-                doc_ids=batch.doc_ids,
-                cu_seqlens=getattr(batch, "cu_seqlens", None),
-            )
-        loss = cross_entropy_loss(logits, batch.labels)  # in fp32
+            output = logits(self.model, batch)
+        loss = cross_entropy_loss(output, batch.labels)  # in fp32
         aux = self.model.aux_loss() if self.recipe.model.is_moe else None
         return loss, aux
 
@@ -89,7 +82,7 @@ class LocalRuntime:
         """
         self.model.train()
         counts = [label_count(b) for b in micro_batches]  # on the host: no device sync
-        total = max(1, sum(counts))
+        total = max(1, token_count(micro_batches))
         loss_sum = torch.zeros((), device=self.device)
         aux_sum = torch.zeros((), device=self.device)
         for batch, count in zip(micro_batches, counts, strict=True):
@@ -107,7 +100,7 @@ class LocalRuntime:
         """Mean token loss over `batches` without gradients (the held-out loss)."""
         self.model.eval()
         counts = [label_count(b) for b in batches]
-        total = max(1, sum(counts))
+        total = max(1, token_count(batches))
         loss_sum = 0.0
         for batch, count in zip(batches, counts, strict=True):
             loss, _ = self._forward_loss(batch)
@@ -122,49 +115,28 @@ class LocalRuntime:
         limit = max_norm if max_norm > 0 else float("inf")
         return torch.nn.utils.clip_grad_norm_(params, limit, foreach=True)
 
-    def clip_grad_norm(self, max_norm: float) -> float:
-        """`clip_grads`, read back as a float."""
-        return float(self.clip_grads(max_norm))
-
-    def peak_memory_bytes(self) -> int:
-        """The loop's measurement of one step (`record_peak_memory`: CPU tensor storages, or
-        CUDA's allocated peak from statistics reset before that step); before it, CUDA: the
-        allocator's peak since start-up, CPU: 0."""
-        if self._recorded_peak_bytes or self.device.type != "cuda":
-            return self._recorded_peak_bytes
-        return int(torch.cuda.max_memory_allocated(self.device))
-
-    def record_peak_memory(
-        self, peak_bytes: int, tenants: dict[str, int] | None = None, reserved_bytes: int = 0
-    ) -> None:
-        """Keep the loop's measurement of one step, its split into tenants (CPU) and the
-        reserved peak plus CUDA context (CUDA)."""
-        if int(peak_bytes) > self._recorded_peak_bytes:
-            self._recorded_peak_bytes = int(peak_bytes)
-            self.peak_tenants = dict(tenants or {})
-            self.peak_reserved_bytes = int(reserved_bytes)
-
     def close(self, failed: bool = False) -> None:
         """Nothing to release in one process (`failed`: the run ended by an exception)."""
 
 
-def distributed_runtime(recipe: Recipe) -> Runtime:
+def distributed_runtime(recipe: Recipe, train: TrainSettings | None = None) -> Runtime:
     """This rank's `DistributedRuntime` (under torchrun) with the run's [train] settings and the
     loop's CPU memory tracker."""
-    from fivefold.parallel.runtime import DistributedRuntime
+    from fivefold.parallel.runtime import DistributedRuntime  # FSDP and meshes: torchrun only
     from fivefold.train.memory_counter import track_cpu_peak
 
-    return DistributedRuntime(recipe, parse_train_config(recipe).train, track_cpu_peak)
+    return DistributedRuntime(recipe, _settings(recipe, train), track_cpu_peak)
 
 
-def make_runtime(recipe: Recipe) -> Runtime:
-    """LocalRuntime in a single process; the distributed runtime under torchrun (WORLD_SIZE > 1)."""
+def make_runtime(recipe: Recipe, train: TrainSettings | None = None) -> Runtime:
+    """LocalRuntime in a single process; the distributed runtime under torchrun (WORLD_SIZE > 1).
+    `train`: the run's parsed [train] settings (parsed from `recipe` when None)."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        return distributed_runtime(recipe)
+        return distributed_runtime(recipe, train)
     if recipe.plan.world_size != 1:
         raise ConfigError(
             f"the plan needs {recipe.plan.world_size} processes ({recipe.plan.describe()}) but "
             "this is a single process; start it with `fivefold train --nproc "
             f"{recipe.plan.world_size} ...` or set every plan degree to 1."
         )
-    return LocalRuntime(recipe)
+    return LocalRuntime(recipe, _settings(recipe, train))
