@@ -9,11 +9,11 @@ import pytest
 from fivefold.errors import ConfigError
 from fivefold.planner.efficiency import EfficiencyModel
 from fivefold.planner.estimate import estimate
-from fivefold.planner.memory import GiB
 from fivefold.planner.options import PlannerOptions
 from fivefold.planner.schedule import build_schedule, closed_form_bubble, simulate
 from fivefold.spec import ClusterSpec, ModelSpec, ParallelPlan, cluster_preset, model_preset
 from fivefold.spec.flops import training_flops_per_token
+from fivefold.units import GiB
 
 LLAMA8 = model_preset("llama3-8b")
 H100x8 = cluster_preset("dgx-h100", 8)
@@ -208,7 +208,7 @@ def test_parameter_gather_hides_behind_first_forward_and_warm_up():
     hides it behind its first forward and the r chunk forwards it waits for before that."""
     from fivefold.planner import estimate as E
     from fivefold.planner.efficiency import efficiency_model
-    from fivefold.planner.memory import chunk_layers
+    from fivefold.planner.model_states import chunk_layers
 
     model = model_preset("llama3-70b").with_(seq_len=2048)
     cluster = cluster_preset("dgx-h100", 128)  # dp groups of tp = 8: one GPU per node

@@ -76,10 +76,8 @@ from fivefold.planner.levers import (
     memory_plan,
     offloads,
 )
-from fivefold.planner.memory import (
-    GiB,
-    StageMemory,
-    all_stage_memory,
+from fivefold.planner.memory import StageMemory, all_stage_memory
+from fivefold.planner.model_states import (
     chunk_layers,
     compute_bytes,
     fp8_gather_saving,
@@ -104,6 +102,7 @@ from fivefold.spec.hardware import GPUSpec
 from fivefold.spec.model import ModelSpec
 from fivefold.spec.plan import ParallelPlan
 from fivefold.spec.precision import recipe
+from fivefold.units import GiB
 
 COMM_KINDS = ("tp", "cp", "ep", "zero-gather", "pp", "dp", "offload")
 
