@@ -2,7 +2,7 @@
 
 Runs one block of the model forward under `torch.autograd.graph.saved_tensors_hooks` and counts
 the distinct storages it saves (parameters excluded), then compares with
-`planner.memory.layer_activation_bytes(..., runtime="fivefold-eager")`: exact, in fp32, for the
+`planner.activations.layer_activation_bytes(..., runtime="fivefold-eager")`: exact, in fp32, for the
 dense and MoE presets, with and without selective recompute (the core re-runs in backward), on
 packed documents. The same for a block compiled by inductor (`train.compile`,
 `MemoryOptions(compiled=True)`): in fp32, under bf16 autocast, and with torchao's FP8
@@ -21,7 +21,8 @@ from fivefold.model import build_model
 from fivefold.model.document_layout import DocumentLayout
 from fivefold.model.rope import rope_cos_sin
 from fivefold.parallel.activation_checkpoint import apply_recompute
-from fivefold.planner.memory import MemoryOptions, layer_activation_bytes
+from fivefold.planner.activations import layer_activation_bytes
+from fivefold.planner.memory_options import MemoryOptions
 from fivefold.spec.plan import ParallelPlan
 from fivefold.spec.presets import MODEL_PRESETS
 

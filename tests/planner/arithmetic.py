@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import math
+
+from fivefold.errors import ConfigError
+from fivefold.planner.activations import SIMPLE_K
+from fivefold.planner.model_states import Tenants, local_kv_width, model_state_bytes
 from fivefold.spec.hardware import GPUSpec
+from fivefold.spec.model import ModelSpec
+from fivefold.spec.precision import PrecisionRecipe, recipe
 
 SECONDS_PER_YEAR = 365.25 * 86400
 
@@ -29,3 +36,62 @@ def gemm_intensity(
 def ridge_point(device: GPUSpec, dtype: str = "bf16") -> float:
     """FLOP per byte where the roofline turns: peak FLOP/s over HBM bytes/s."""
     return device.peak(dtype) / device.hbm_bw_bytes_per_s
+
+
+# ---- memory of raw counts (the simple k = 12 model) and TP layout -----------------------------
+def simple_activation_bytes(
+    layers: int, hidden: int, micro_batch: int, seq_len: int, element_bytes: float = 2
+) -> float:
+    """Seed 001's activation estimate: 12 * L * B * S * d * bytes."""
+    for name, value in (
+        ("layers", layers),
+        ("hidden", hidden),
+        ("micro_batch", micro_batch),
+        ("seq_len", seq_len),
+    ):
+        if value <= 0:
+            raise ConfigError(f"{name} = {value}: must be positive.")
+    return SIMPLE_K * layers * micro_batch * seq_len * hidden * element_bytes
+
+
+def training_memory(
+    n_params: float,
+    *,
+    layers: int,
+    hidden: int,
+    micro_batch: int,
+    seq_len: int,
+    precision: PrecisionRecipe | str = "bf16-mixed",
+    zero: int = 0,
+    shard: int = 1,
+) -> Tenants:
+    """The four tenants of seed 001's budget (simple k = 12 activations) for raw counts."""
+    rec = recipe(precision) if isinstance(precision, str) else precision
+    state = model_state_bytes(n_params, rec, zero, shard)
+    acts = simple_activation_bytes(layers, hidden, micro_batch, seq_len, rec.activation_bytes)
+    return Tenants(state.params, state.grads, state.optimizer, acts)
+
+
+def min_gpus(total_bytes: float, hbm_bytes: float) -> int:
+    """GPUs needed if the bytes could be split perfectly: ceil(total / HBM)."""
+    if hbm_bytes <= 0:
+        raise ConfigError(f"HBM capacity = {hbm_bytes}: must be positive.")
+    return max(1, math.ceil(total_bytes / hbm_bytes - 1e-12))
+
+
+def max_params_unsharded(hbm_bytes: float, precision: PrecisionRecipe | str) -> float:
+    """Largest parameter count whose model state fits one GPU without sharding (no activations)."""
+    rec = recipe(precision) if isinstance(precision, str) else precision
+    return hbm_bytes / rec.bytes_per_param
+
+
+def heads_per_rank(model: ModelSpec, tp: int) -> int:
+    """Query heads each TP rank holds."""
+    if model.heads % tp:
+        raise ConfigError(f"plan.tp = {tp} must divide model.heads = {model.heads}.")
+    return model.heads // tp
+
+
+def qkv_params_per_rank(model: ModelSpec, tp: int) -> float:
+    """Parameters of the column-parallel Q, K and V projections on one TP rank."""
+    return model.hidden * (model.q_width / tp + 2 * local_kv_width(model, tp))

@@ -9,12 +9,12 @@ import pytest
 from fivefold.errors import ConfigError
 from fivefold.planner.efficiency import EfficiencyModel
 from fivefold.planner.estimate import estimate
-from fivefold.planner.memory import GiB
 from fivefold.planner.options import PlannerOptions
 from fivefold.planner.schedule import build_schedule
 from fivefold.planner.simulation import closed_form_bubble, simulate
 from fivefold.spec import ClusterSpec, ModelSpec, ParallelPlan, cluster_preset, model_preset
 from fivefold.spec.flops import training_flops_per_token
+from fivefold.units import GiB
 
 LLAMA8 = model_preset("llama3-8b")
 H100x8 = cluster_preset("dgx-h100", 8)
@@ -210,7 +210,7 @@ def test_parameter_gather_hides_behind_first_forward_and_warm_up():
     from fivefold.planner.chunk_costs import chunk_costs_of
     from fivefold.planner.efficiency import efficiency_model
     from fivefold.planner.layer_costs import layer_cost_key
-    from fivefold.planner.memory import chunk_layers
+    from fivefold.planner.model_states import chunk_layers
     from fivefold.planner.partition import stage_layer_counts
     from fivefold.planner.rank_tail import rank_tails
 

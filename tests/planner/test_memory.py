@@ -5,16 +5,14 @@ from __future__ import annotations
 import pytest
 
 from fivefold.errors import ConfigError
-from fivefold.planner.memory import (
-    MemoryOptions,
-    all_stage_memory,
-    chunk_activation_bytes,
+from fivefold.planner.activations import chunk_activation_bytes, layer_activation_bytes
+from fivefold.planner.eager_memory import split_backward_bytes
+from fivefold.planner.memory import all_stage_memory, stage_memory
+from fivefold.planner.memory_options import MemoryOptions
+from fivefold.planner.model_states import (
     chunk_state_bytes,
-    layer_activation_bytes,
     layer_params_per_rank,
     model_state_bytes,
-    split_backward_bytes,
-    stage_memory,
     zero_divisors,
 )
 from fivefold.planner.partition import stage_layer_counts

@@ -13,21 +13,19 @@ import pytest
 from arithmetic import (
     SECONDS_PER_YEAR,
     gemm_intensity,
-    ridge_point,
-    time_to_train_s,
-    training_flops,
-)
-
-from fivefold.planner.comm import activation_bytes, all_reduce_bytes, transfer_time_s
-from fivefold.planner.memory import (
     heads_per_rank,
     max_params_unsharded,
     min_gpus,
-    model_state_bytes,
     qkv_params_per_rank,
+    ridge_point,
     simple_activation_bytes,
+    time_to_train_s,
+    training_flops,
     training_memory,
 )
+
+from fivefold.planner.comm import activation_bytes, all_reduce_bytes, transfer_time_s
+from fivefold.planner.model_states import model_state_bytes
 from fivefold.spec import ModelSpec, ParallelPlan, gpu
 from fivefold.spec.precision import recipe
 

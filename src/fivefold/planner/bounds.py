@@ -25,17 +25,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from fivefold.planner.activations import chunk_activation_bytes, layer_activation_bytes
+from fivefold.planner.buffers import other_terms
 from fivefold.planner.compute import head_work
 from fivefold.planner.efficiency import EfficiencyModel, efficiency_model
 from fivefold.planner.layer_costs import layer_cost_key, layer_costs
 from fivefold.planner.levers import memory_plan
-from fivefold.planner.memory import (
-    MemoryOptions,
-    chunk_activation_bytes,
-    chunk_state_bytes,
-    layer_activation_bytes,
-    other_terms,
-)
+from fivefold.planner.memory_options import MemoryOptions
+from fivefold.planner.model_states import chunk_state_bytes
 from fivefold.planner.options import PlannerOptions
 from fivefold.planner.partition import stage_layer_counts
 from fivefold.spec.cluster import ClusterSpec

@@ -63,7 +63,7 @@ from dataclasses import dataclass
 from fivefold.planner.efficiency import EfficiencyModel
 from fivefold.planner.layer_matmuls import alternate_matmuls, last_matmul
 from fivefold.planner.levers import state_recipe
-from fivefold.planner.memory import local_kv_width
+from fivefold.planner.model_states import local_kv_width
 from fivefold.planner.rates import rates_for
 from fivefold.spec.flops import attention_flops_all_layers
 from fivefold.spec.hardware import GPUSpec

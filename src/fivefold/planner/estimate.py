@@ -26,7 +26,10 @@ from fivefold.planner.efficiency import EfficiencyModel, efficiency_model
 from fivefold.planner.layer_costs import collective_gap_s, layer_cost_key, routing_sync_s
 from fivefold.planner.lever_costs import mfu_peak
 from fivefold.planner.levers import HostMemory, host_memory, memory_plan, offloads
-from fivefold.planner.memory import GiB, StageMemory, all_stage_memory, chunk_layers
+from fivefold.planner.memory import StageMemory, all_stage_memory
+from fivefold.planner.model_states import (
+    chunk_layers,
+)
 from fivefold.planner.options import PlannerOptions
 from fivefold.planner.partition import stage_layer_counts
 from fivefold.planner.rank_tail import Tail, rank_tails
@@ -42,6 +45,7 @@ from fivefold.spec.hardware import GPUSpec
 from fivefold.spec.model import ModelSpec
 from fivefold.spec.plan import ParallelPlan
 from fivefold.spec.precision import recipe
+from fivefold.units import GiB
 
 COMM_KINDS = ("tp", "cp", "ep", "zero-gather", "pp", "dp", "offload")
 

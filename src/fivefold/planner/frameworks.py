@@ -28,6 +28,7 @@ from fivefold.errors import ConfigError
 from fivefold.planner.budget import BUDGET_KEYS
 from fivefold.planner.options import PlannerOptions
 from fivefold.spec.hardware import GPUSpec
+from fivefold.spec.recipe import build, unknown_field
 
 PROFILES_FILE = Path(__file__).parent / "data" / "profiles.json"
 OPTION_FIELDS = tuple(f.name for f in fields(PlannerOptions))
@@ -125,8 +126,6 @@ def planner_settings(
     (default `--field-name`). Raises one ConfigError listing every problem, each naming the
     field (planner.x for the recipe, the flag for the command line).
     """
-    from fivefold.spec.recipe import build, unknown_field
-
     section = dict(section or {})
     problems: list[str] = []
     for key in [k for k in section if k not in SECTION_KEYS]:

@@ -28,7 +28,7 @@ from fivefold.planner.compute import Work, layer_work, memory_time_s
 from fivefold.planner.efficiency import EfficiencyModel
 from fivefold.planner.lever_costs import fp8_layer_delta, offload_layer_s
 from fivefold.planner.levers import offloads
-from fivefold.planner.memory import (
+from fivefold.planner.model_states import (
     compute_bytes,
     fp8_gather_saving,
     layer_params_per_rank,

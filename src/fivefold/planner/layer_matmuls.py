@@ -7,7 +7,7 @@ Per micro-batch of b sequences a rank holds T = b * s / cp tokens and 1/tp of ea
 
 from __future__ import annotations
 
-from fivefold.planner.memory import local_kv_width
+from fivefold.planner.model_states import local_kv_width
 from fivefold.spec.model import ModelSpec
 from fivefold.spec.plan import ParallelPlan
 

@@ -21,9 +21,10 @@ from fivefold.planner.levers import (
     offloads,
     resting_param_bytes,
 )
-from fivefold.planner.memory import dense_shard_degree, local_kv_width
+from fivefold.planner.model_states import local_kv_width
 from fivefold.spec.cluster import ClusterSpec
 from fivefold.spec.flops import training_flops_per_token
+from fivefold.spec.geometry import dense_shard_degree
 from fivefold.spec.hardware import GPUSpec
 from fivefold.spec.model import ModelSpec
 from fivefold.spec.plan import ParallelPlan

@@ -24,11 +24,12 @@ copy of a token per remote node reached, not one per expert (`planner/comm.py`).
 nanotron's ZeRO-1 runs it synchronously at the end of the optimizer step; Megatron's
 `--overlap-param-gather` and FSDP2's prefetch hide it behind the next forward (the default).
 `runtime="fivefold-eager"` makes the memory model count what fivefold's own eager runtime keeps
-(`fivefold.planner.memory.EagerProfile`; the layout report of every run uses it); the default
-"fused" counts what fused kernels keep. `compile=True` says the blocks run under torch.compile
-(`train.compile`): with `runtime="fivefold-eager"` the memory model counts what inductor's
-compiled blocks keep (`fivefold.planner.memory.CompiledProfile`, with FP8 tensorwise inputs in
-one byte); the "fused" model already counts fused kernels and is unchanged by it.
+(`fivefold.planner.memory_options.EagerProfile`; the layout report of every run uses it); the
+default "fused" counts what fused kernels keep. `compile=True` says the blocks run under
+torch.compile (`train.compile`): with `runtime="fivefold-eager"` the memory model counts what
+inductor's compiled blocks keep (`fivefold.planner.memory_options.CompiledProfile`, with FP8
+tensorwise inputs in one byte); the "fused" model already counts fused kernels and is unchanged
+by it.
 """
 
 from __future__ import annotations
@@ -39,16 +40,15 @@ from dataclasses import dataclass, fields
 from fivefold.errors import ConfigError
 from fivefold.planner.comm import EP_DISPATCHES, GRANULARITIES
 from fivefold.planner.compute import SELECTIVE_POLICIES, ComputeOptions
-from fivefold.planner.memory import (
+from fivefold.planner.memory_options import (
     ACTIVATION_MODELS,
     ATTENTION_KERNELS,
     RUNTIMES,
-    GiB,
     MemoryOptions,
-    MiB,
 )
 from fivefold.planner.rates import rates_for
 from fivefold.spec.hardware import GPUSpec
+from fivefold.units import GiB, MiB
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from fivefold.planner.efficiency import EfficiencyModel, published_runs
+from fivefold.planner.estimate import estimate
 from fivefold.planner.frameworks import row_options
 from fivefold.planner.options import PlannerOptions
 from fivefold.spec.cluster import ClusterSpec, cluster_preset
@@ -244,8 +245,6 @@ def what_if_error(row: dict, what_if: dict, efficiency: EfficiencyModel) -> RunE
 def _error(
     setup: RunSetup, text: str, efficiency: EfficiencyModel | None, pipeline: str = "simulate"
 ) -> RunError:
-    from fivefold.planner.estimate import estimate
-
     # Runs of other software (Megatron-LM, ...): not held to fivefold's runtime rules.
     est = estimate(
         setup.model, setup.cluster, setup.plan, setup.options, efficiency, pipeline, runtime=False

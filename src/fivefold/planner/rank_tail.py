@@ -27,7 +27,7 @@ from fivefold.planner.comm import (
 from fivefold.planner.efficiency import EfficiencyModel
 from fivefold.planner.layer_costs import collective_gap_s, fsdp_copy_s, per_layer_gathers
 from fivefold.planner.lever_costs import offload_tail, optimizer_s
-from fivefold.planner.memory import layer_params_per_rank, params_of
+from fivefold.planner.model_states import layer_params_per_rank, params_of
 from fivefold.planner.options import PlannerOptions
 from fivefold.spec.cluster import ClusterSpec
 from fivefold.spec.geometry import (

@@ -35,7 +35,9 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
+from fivefold.planner import efficiency
 from fivefold.planner.efficiency import calibration_record, published_runs
+from fivefold.planner.published import run_setups
 from fivefold.planner.rates import rates_for
 from fivefold.spec.cluster import ClusterSpec
 from fivefold.spec.model import ModelSpec, param_count
@@ -60,8 +62,6 @@ DIMENSION_WORDS = {
 # ---- residuals ---------------------------------------------------------------------------------
 def residual_kind() -> str:
     """How the residuals were held out: by whole source, or by the fit's held-out rows."""
-    from fivefold.planner import efficiency
-
     if hasattr(efficiency, "held_out_errors"):
         return "leave-one-source-out"
     return "rows held out of the fit"
@@ -70,8 +70,6 @@ def residual_kind() -> str:
 def held_out_residuals() -> dict[str, list[tuple[str, float]]]:
     """{source: [(row, r)]}: the calibration's leave-one-source-out errors when it has them,
     else the held-out rows of `data/efficiency.json` grouped by the rows' source."""
-    from fivefold.planner import efficiency
-
     if not hasattr(efficiency, "held_out_errors"):
         return _recorded_held_out()
     loso = efficiency.held_out_errors()
@@ -190,8 +188,6 @@ def run_distance(a: dict[str, float], arch_a: str, b: dict[str, float], arch_b: 
 @lru_cache(maxsize=1)
 def calibration_points() -> tuple[tuple[Any, dict[str, float], str], ...]:
     """(setup, point, arch) of every published row (`fivefold.planner.published.RunSetup`)."""
-    from fivefold.planner.published import run_setups
-
     return tuple((s, layout_point(s.model, s.plan), s.cluster.device.arch) for s in run_setups())
 
 

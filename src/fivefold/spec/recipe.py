@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 from fivefold.errors import ConfigError
 from fivefold.spec.cluster import CLUSTER_PRESETS, ClusterSpec, cluster_preset, profile_cluster
 from fivefold.spec.geometry import RECOMPUTE_POLICIES
+from fivefold.spec.hf_config import read_hf_config, spec_from_hf_config
 from fivefold.spec.model import MLP_KINDS, ModelSpec, default_ffn
 from fivefold.spec.plan import (
     CP_KINDS,
@@ -231,8 +232,6 @@ def _expand_hf_config(
 ) -> dict[str, Any] | None:
     """[model] hf_config = "config.json": the model a Hugging Face config describes
     (`fivefold.spec.hf_config`), the other fields given overriding it (e.g. seq_len)."""
-    from fivefold.spec.hf_config import read_hf_config, spec_from_hf_config
-
     if preset is not None:
         problems.append(
             f"model.hf_config and model.preset = {preset!r} both name a model; keep one."

@@ -1,0 +1,239 @@
+"""Activation bytes one rank keeps for the backward, per layer and per virtual stage, for one
+micro-batch: Korthikanti et al. 2022 (fused kernels), fivefold's eager and compiled blocks, the
+recompute policies, and the simple k = 12 model of the distributed-training guides.
+
+Derivations: docs/planner.md, section 3 ("Activations", "What fivefold's own runtime keeps").
+"""
+
+from __future__ import annotations
+
+from fivefold.planner.memory_options import COMPILED, EAGER, MemoryOptions
+from fivefold.planner.model_states import chunk_layers, layer_params_per_rank, local_kv_width
+from fivefold.spec.model import ModelSpec, attention_params, dense_mlp_params, expert_params
+from fivefold.spec.plan import ParallelPlan
+from fivefold.spec.precision import recipe
+
+SIMPLE_K = 12  # per-block multiplier of the simple model of the distributed-training guides
+
+
+def layer_activation_bytes(
+    model: ModelSpec,
+    plan: ParallelPlan,
+    moe: bool = False,
+    options: MemoryOptions | None = None,
+    recompute: str | None = None,
+) -> float:
+    """Bytes one layer keeps for the backward, per micro-batch, on one rank (docs/planner.md)."""
+    opts = options or MemoryOptions()
+    policy = recompute or plan.recompute
+    e = recipe(plan.precision).activation_bytes
+    b = plan.micro_batch
+    s = model.seq_len / plan.cp
+    h, t = model.hidden, plan.tp
+    sp = plan.sp and t > 1
+    if opts.activation_model == "simple":
+        return SIMPLE_K * b * s * h * e
+    replicated_div = t if sp else 1  # norm inputs and matmul inputs live in the SP region
+    sb = s * b
+    if policy == "full":
+        return e * sb * h / replicated_div
+    if policy == "selective" and opts.selective_policy == "alternate-matmul" and not moe:
+        return _alternate_matmul_bytes(model, plan, e, sb, replicated_div)
+    if opts.eager:
+        if opts.compiled and policy != "full":
+            return _compiled_bytes(model, plan, moe, policy, e, sb, replicated_div, opts)
+        return _eager_bytes(model, plan, moe, policy, e, sb, replicated_div)
+    return _stored_bytes(model, plan, moe, opts, policy, e, sb, replicated_div)
+
+
+def eager_norm_bytes(model: ModelSpec, e: float, sb: float, rdiv: int) -> float:
+    """One eager RMSNorm and the matmul after it: the fp32 input and the normalised tensor
+    (plus the fp32 reciprocal RMS per token) in the norm's region (/tp under SP), and the
+    output the next matmul keeps, gathered to the full sequence under TP+SP."""
+    h = model.hidden
+    return (EAGER.norm_fp32_saved * 4 * sb * h + 4 * sb) / rdiv + e * sb * h
+
+
+def compiled_norm_bytes(model: ModelSpec, e: float, sb: float, rdiv: int) -> float:
+    """A compiled block's two RMSNorms (`CompiledProfile`): the block input in fp32 and the
+    output projection's output in the activation dtype (the MLP norm's input is recomputed
+    from it), /tp under SP; per norm the fp32 reciprocal RMS per token and the output the next
+    matmul keeps (gathered under TP+SP)."""
+    h = model.hidden
+    inputs = COMPILED.norm_inputs_fp32 * 4 + COMPILED.norm_inputs_activation_dtype * e
+    return (inputs * sb * h + 2 * 4 * sb) / rdiv + 2 * e * sb * h
+
+
+def fp8_recomputed_bytes(model: ModelSpec, plan: ParallelPlan, e: float, sb: float) -> float:
+    """Bytes per dense layer that FP8 linears under compile do not keep
+    (`CompiledProfile.fp8_recomputed`, less the tensorwise scales they keep; 0 without FP8)."""
+    if plan.fp8 == "none":
+        return 0.0
+    widths = {
+        "attention_norm": model.hidden,
+        "mlp_norm": model.hidden,
+        "swiglu_product": model.ffn / plan.tp if model.mlp == "swiglu" else 0.0,
+    }
+    dropped = e * sb * sum(widths[name] for name in COMPILED.fp8_recomputed)
+    if plan.fp8 == "tensorwise":
+        linears = 4 + (3 if model.mlp == "swiglu" else 2)  # q, k, v, o and the MLP's
+        dropped -= linears * COMPILED.fp8_tensorwise_scale_bytes
+    return dropped
+
+
+def autocast_weight_bytes(model: ModelSpec, plan: ParallelPlan, moe: bool, e: float) -> float:
+    """A compiled block under autocast (one process: tp = ep = 1), `CompiledProfile.
+    autocast_weight_copies`: its linears' weight copies in the compute dtype, e bytes per
+    weight (the router's included), none for the linears FP8 converts (attention, and the
+    dense MLP or the shared experts)."""
+    if not COMPILED.autocast_weight_copies or e >= 4:  # the process keeps fp32 weights
+        return 0.0
+    lp = layer_params_per_rank(model, moe, 1, 1)
+    weights = lp.dense + lp.experts + (model.hidden * model.experts if moe else 0.0)
+    if plan.fp8 != "none":
+        mlp = model.shared_experts * expert_params(model) if moe else dense_mlp_params(model)
+        weights -= attention_params(model) + mlp
+    return e * weights
+
+
+def _compiled_bytes(model, plan, moe, policy, e, sb, rdiv, opts) -> float:
+    """What a compiled block keeps (`CompiledProfile`): the eager count with the compiled norms
+    and SwiGLU; MoE layers keep their eager expert part (the expert loop breaks the graph)."""
+    total = _eager_bytes(model, plan, moe, policy, e, sb, rdiv)
+    total += compiled_norm_bytes(model, e, sb, rdiv) - 2 * eager_norm_bytes(model, e, sb, rdiv)
+    if not opts.fsdp_wrapped:  # FSDP2 casts the weights it gathers; autocast copies them
+        total += autocast_weight_bytes(model, plan, moe, e)
+    if moe:
+        return total
+    if model.mlp == "swiglu":
+        total -= (EAGER.swiglu_saved - COMPILED.swiglu_saved) * e * sb * model.ffn / plan.tp
+    return total - fp8_recomputed_bytes(model, plan, e, sb)
+
+
+def _eager_bytes(model, plan, moe, policy, e, sb, rdiv) -> float:
+    """What autograd keeps for one block of fivefold's eager runtime (see `EagerProfile`)."""
+    t = plan.tp
+    q = model.q_width / t
+    kv = local_kv_width(model, t)
+    s = model.seq_len / plan.cp
+    total = 2 * eager_norm_bytes(model, e, sb, rdiv)
+    if policy == "selective":  # the core re-runs: its inputs q, k, v and its output are kept
+        total += e * sb * (2 * q + 2 * kv)
+    else:
+        kv_kept = q if EAGER.kv_expanded else kv
+        total += e * sb * (2 * q + 2 * kv_kept)  # q, k, v as SDPA keeps them, and its output
+        total += 4 * sb * model.heads / t  # fp32 log-sum-exp
+        total += EAGER.mask_bytes * plan.micro_batch * s * s
+    if not moe:
+        ffn_saved = EAGER.swiglu_saved if model.mlp == "swiglu" else 2
+        return total + ffn_saved * e * sb * model.ffn / t
+    fe = model.expert_ffn / t
+    k = model.top_k
+    # Each token's k copies: dispatched (grouped by expert) and gathered back for the gate
+    # multiply, with their expert SwiGLU intermediates.
+    total += k * (2 * e * sb * model.hidden + EAGER.swiglu_saved * e * sb * fe)
+    total += model.shared_experts * EAGER.swiglu_saved * e * sb * fe
+    # The router: fp32 probabilities [N, E], top-k probabilities and renormalised gates [N, k]
+    # with their sum [N], three int64 index vectors [N k] (top-k, gather, inverse), the
+    # load-balancing loss's expert fractions [E] and the grouped matmul's int32 offsets [E].
+    total += 4 * sb * model.experts + 8 * sb * k + 4 * sb + 3 * 8 * sb * k
+    return total + 2 * 4 * model.experts
+
+
+def _stored_bytes(model, plan, moe, opts, policy, e, sb, rdiv) -> float:
+    h, t = model.hidden, plan.tp
+    q = model.q_width / t
+    kv = local_kv_width(model, t)
+    heads = model.heads / t
+    s = model.seq_len / plan.cp
+    # Replicated (SP region): 2 norm inputs + QKV input + MLP input.
+    region = 4 * e * sb * h
+    if opts.dropout:
+        region += 2 * sb * h  # one-byte dropout masks after attention and MLP
+    total = region / rdiv
+    # Attention core inputs and output.
+    total += e * sb * (q + 2 * kv)  # Q, K, V
+    total += e * sb * q  # attention output = output projection input (kept by wo)
+    if policy != "selective":
+        if opts.attention_kernel == "flash":
+            total += 4 * sb * heads  # fp32 log-sum-exp
+        else:
+            scores = heads * s * sb  # a/t * s^2 * b elements
+            total += e * scores
+            if opts.dropout:
+                total += scores + e * scores  # mask + dropout output
+    # Selective recompute re-runs the attention core in the backward: its scores (or flash
+    # log-sum-exp) are not kept; Q, K, V (its inputs) and its output (wo's input) are.
+    # MLP.
+    if not moe:
+        f = model.ffn / t
+        total += (3 if model.mlp == "swiglu" else 2) * e * sb * f
+    else:
+        fe = model.expert_ffn / t
+        total += model.top_k * (e * sb * h + 3 * e * sb * fe)  # dispatched copies + experts
+        total += model.shared_experts * 3 * e * sb * fe
+        total += 4 * sb * model.experts  # fp32 router probabilities
+    return total
+
+
+def _alternate_matmul_bytes(model, plan, e, sb, rdiv) -> float:
+    """torchtitan's op-level SAC keeps the layer input, the outputs of wq, wv, w1 and w2 (the
+    odd matmuls), and the attention output with its log-sum-exp; the rest is recomputed."""
+    t = plan.tp
+    q = model.q_width / t
+    kv = local_kv_width(model, t)
+    f = model.ffn / t
+    kept = e * sb * model.hidden / rdiv  # checkpoint input
+    kept += e * sb * (q + kv + f + model.hidden)  # wq, wv, w1, w2 outputs
+    kept += e * sb * q + 4 * sb * model.heads / t  # attention output and log-sum-exp
+    return kept
+
+
+def chunk_activation_bytes(
+    model: ModelSpec,
+    plan: ParallelPlan,
+    counts: list[int],
+    chunk: int,
+    options: MemoryOptions | None = None,
+) -> float:
+    """Activations of one virtual stage for one micro-batch on one rank (without the one-layer
+    working set of full recompute, which `stage_memory` adds once per rank)."""
+    opts = options or MemoryOptions()
+    n_dense, n_moe = chunk_layers(model, counts, chunk)
+    total = n_dense * layer_activation_bytes(model, plan, False, opts)
+    if n_moe:
+        total += n_moe * layer_activation_bytes(model, plan, True, opts)
+    if opts.activation_model != "korthikanti":
+        return total
+    e = recipe(plan.precision).activation_bytes
+    sp_div = plan.tp if plan.sp and plan.tp > 1 else 1
+    sb = plan.micro_batch * model.seq_len / plan.cp
+    if chunk == len(counts) - 1:
+        if opts.eager:
+            total += eager_norm_bytes(model, e, sb, sp_div)
+        else:
+            total += 2 * e * sb * model.hidden / sp_div
+    if opts.eager:
+        total += eager_rope_bytes(model, plan, opts, n_dense + n_moe)
+    if chunk == 0 and opts.eager:
+        total += EAGER.index_bytes * sb
+    return total
+
+
+def eager_rope_bytes(model: ModelSpec, plan: ParallelPlan, opts: MemoryOptions, layers: int):
+    """fivefold-eager: the RoPE cos and sin tables [b, s/cp, 1, head_dim] one chunk keeps for a
+    micro-batch: a compute-dtype copy per block where FSDP2 casts the blocks' inputs
+    (`EagerProfile.rope_cast_per_block`), else the fp32 pair shared by the chunk's layers."""
+    rec = recipe(plan.precision)
+    one = 2 * plan.micro_batch * model.seq_len / plan.cp * model.head_dim
+    if opts.fsdp_wrapped and rec.compute_dtype != "fp32" and EAGER.rope_cast_per_block:
+        return layers * one * rec.activation_bytes
+    return one * 4 if EAGER.rope_tables_per_chunk else 0.0
+
+
+def pipeline_boundary_bytes(model: ModelSpec, plan: ParallelPlan) -> float:
+    """One micro-batch's tensor at a stage boundary (hidden states or their gradient): b x s/cp
+    x h elements, sequence-sharded over tp under SP, in the activation dtype."""
+    sp_div = plan.tp if plan.sp and plan.tp > 1 else 1
+    e = recipe(plan.precision).activation_bytes
+    return e * plan.micro_batch * model.seq_len / plan.cp * model.hidden / sp_div
