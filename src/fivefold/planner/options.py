@@ -53,7 +53,7 @@ from fivefold.units import GiB, MiB
 
 @dataclass(frozen=True)
 class PlannerOptions:
-    activation_model: str = "korthikanti"  # or "simple" (seed 001, k = 12)
+    activation_model: str = "korthikanti"  # or "simple" (k = 12 per block)
     attention_kernel: str = "flash"  # or "classic" (s^2 scores in HBM, Megatron 2021)
     dropout: bool = False
     tp_comm_overlap: bool = False
@@ -148,7 +148,7 @@ OPTION_HELP: dict[str, str] = {
     "per bucket of dp_bucket_bytes (DDP) or per parameter; each pays its ring/tree latency",
     "ep_dispatch": "EP token dispatch: alltoall (one copy per expert) or deepep (one network "
     "copy per node reached, forwarded over NVLink)",
-    "activation_model": "activation memory: korthikanti (per tensor) or simple (seed 001, k=12)",
+    "activation_model": "activation memory: korthikanti (per tensor) or simple (k * L * B * S * d * bytes, k=12)",
     "runtime": "memory counted as fused kernels keep it, or as fivefold's eager runtime does",
     "cuda_context_bytes": "per-GPU CUDA context and library workspaces (bytes, e.g. 768M)",
     "fragmentation_fraction": "allocator fragmentation added to every stage's memory (0.05 = 5%)",

@@ -9,12 +9,9 @@ one of its two implementations:
   layer, fused kernels (QKV as one matmul); collectives priced by where the group sits on the
   cluster's links (`fivefold.planner.comm.Link`).
 - `MeasuredRates`: a device profile measured by `fivefold calibrate` (`fivefold.spec.profile`)
-  as one rank reads it: every matmul as eager code runs it, each pass on its own shape and
-  operand layout, interpolated among the measured shapes in log space (`log_shape_interp`);
-  the attention core, the bandwidths of each kind of memory-bound kernel and the overhead of
-  each kind of layer as measured; collectives from their fitted alpha and beta
-  (`FittedLink`). The module docstrings of `fivefold.planner.compute` and `comm` say how
-  their pieces use these.
+  as one rank reads it: each matmul pass on its own shape and operand layout, interpolated in
+  log space (`log_shape_interp`); attention, bandwidths and per-layer overheads as measured;
+  collectives from their fitted alpha and beta (`FittedLink`).
 
 Times in seconds, rates in FLOP/s and bytes/s; shapes (m, n, k) are (m x k) @ (k x n).
 """

@@ -1,81 +1,11 @@
 """Device profiles: what `fivefold calibrate` measured on a machine, as data the planner reads.
 
-A profile is a TOML file (written by `fivefold.calibration`, read here without torch):
-
-    format = 1
-    [device]      name, kind ("cpu" | "cuda"), cores, memory_bytes (host memory or HBM),
-                  backend ("gloo" | "nccl"), ranks (processes the collectives ran on),
-                  bf16 ("native" | "emulated" | "skipped"), model (whose shapes were measured),
-                  torch, created
-    [[matmul]]    dtype, threads, m, n, k, layout ("nt" forward x W^T, "nn" input gradient
-                  g W, "tn" weight gradient g^T x), flops_per_s (2mnk / best time)
-    [[grouped_matmul]] dtype, threads, groups, tokens, n, k, layout, flops_per_s: a MoE layer's
-                  experts as the model runs them, one `torch._grouped_mm` over `groups`
-                  experts of equal share of `tokens` routed rows, for the projection of forward
-                  shape (tokens x k) @ (k x n) per expert; layout "nt" forward, "nn" input
-                  gradient, "tn" weight gradient (per-expert g^T x), each 2 tokens n k FLOPs
-    [[attention]] dtype, threads, batch, heads, kv_heads, seq, head_dim, cp,
-                  forward_flops_per_s, backward_flops_per_s: cp = 1, the model's own attention
-                  core on `seq` tokens (causal: forward 4 * batch * heads * seq^2/2 * head_dim
-                  FLOPs, backward twice that, over its measured seconds); cp > 1, one rank's
-                  share of context-parallel attention with `seq` = its tokens (the sequence
-                  over cp): the runtime's block kernels over the load-balanced chunks and their
-                  log-sum-exp merges, 4 * batch * heads * seq * (cp * seq / 2) * head_dim FLOPs
-    [[bandwidth]] kind, threads, processes, bytes_per_s, measured while `processes` local
-                  processes ran the same work at once (1: alone; more: memory bandwidth
-                  shared by the ranks of a run as they share it). "elementwise_forward" /
-                  "elementwise_backward": the bytes
-                  `fivefold.planner.compute.layer_elementwise_bytes` counts (once forward,
-                  twice backward) over the measured time of the block's norms, RoPE,
-                  activation and residual adds; "loss_forward" / "loss_backward": 10 and 14
-                  bytes per fp32 logit (`compute.LOSS_BYTES_PER_LOGIT` = 24 split as there)
-                  over the measured cross-entropy; "optimizer": AdamW's bytes per parameter
-                  (`compute.optimizer_bytes_per_param`) over its measured step, gradient
-                  clipping and zeroing included.
-    [[overhead]]  threads, layer_forward_s, layer_backward_s, moe_forward_s, moe_backward_s:
-                  what one more dense (MoE) layer adds to a model at a shape where the
-                  arithmetic is negligible (Python, autograd, each op's dispatch; a MoE layer's
-                  routing and loop over experts); tp_forward_s, tp_backward_s and
-                  fsdp_forward_s, fsdp_backward_s: the extra of a tensor-parallel layer (DTensor
-                  dispatch, sequence parallel) and of a ZeRO-3 FSDP2 unit (hooks, gathers,
-                  reduce-scatter); replicate_forward_s, replicate_backward_s and
-                  shard_forward_s, shard_backward_s: the extra of a ZeRO-0 unit (FSDP2's
-                  `replicate`) and of a ZeRO-1/2 unit (`fully_shard` kept gathered after
-                  forward); ep_forward_s, ep_backward_s: the extra of a MoE layer under expert
-                  parallelism (the all-to-all dispatcher's Python and host syncs, the experts
-                  as DTensor shards, the global load-balancing loss); all measured on a
-                  one-rank mesh so no transfer is in them.
-    [[collective]] op, ranks, world, gap_s, alpha_s, beta_bytes_per_s: time(S) = alpha + S /
-                  beta fitted by least squares to the samples, S in nccl-tests' convention
-                  (all_reduce: the buffer; all_gather / reduce_scatter / all_to_all: the whole
-                  buffer of ranks x the per-rank part; send_recv: the message); measured with
-                  `world` local processes running, every group of `ranks` at once (a 2-rank
-                  group is slower among 4 processes on 2 cores than alone), each collective
-                  issued after `gap_s` seconds of a GEMM on every rank (0: back to back), as
-                  a step issues them (`fivefold.calibration.comm.issued_time_s`): on a
-                  CPU a collective costs more the longer the ranks computed before it.
-    [[collective_sample]] op, ranks, world, gap_s, size_bytes, time_s, algbw_bytes_per_s,
-                  busbw_bytes_per_s
-
-The matmul and attention rows hold the model's shapes and a model-independent grid of shapes
-(`fivefold.calibration.matmul.DEVICE_GRID`,
-`attention.ATTENTION_GRID`); the planner reads rates as
-functions of shape, interpolated among the rows in log space
-(`fivefold.planner.rates.log_shape_interp`), so one profile serves every model. A CUDA profile
-(kind "cuda") has bf16 and, where the GPU has it, fp8 ("fp8": `torch._scaled_mm`) matmul rows,
-all at threads = 1.
-
-This module holds the format, its reading and validation and the default paths; a profile's
-`GPUSpec` (`fivefold.spec.hardware.profile_device`: the peak is the best measured matmul rate
-per dtype, nothing is guessed), its `ClusterSpec` of one node with the local ranks
+The file format (every table and field, with units) is in docs/device-profile.md. This
+module holds the format, its reading and validation and the default paths; a profile's
+`GPUSpec` (`fivefold.spec.hardware.profile_device`), its `ClusterSpec`
 (`fivefold.spec.cluster.profile_cluster`) and the planner's rates
-(`fivefold.planner.rates.MeasuredRates`) are built on it.
-
-On a CPU, processes share the machine's cores: a run of R ranks gives each max(1, cores // R)
-threads (`threads_per_rank`, the launcher's rule; $OMP_NUM_THREADS when set, as torch does)
-and, when R x threads exceeds the cores, each rank a cores / (R x threads) share of the
-machine. The device for R ranks (`RankProfile`) reads the rows measured at that thread count
-(or scales the nearest linearly in threads) and multiplies compute rates by the share.
+(`fivefold.planner.rates.MeasuredRates`) are built on it. `RankProfile`: one rank's share of a
+CPU's cores (`threads_per_rank`, the launcher's rule).
 """
 
 from __future__ import annotations
