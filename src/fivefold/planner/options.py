@@ -148,7 +148,8 @@ OPTION_HELP: dict[str, str] = {
     "per bucket of dp_bucket_bytes (DDP) or per parameter; each pays its ring/tree latency",
     "ep_dispatch": "EP token dispatch: alltoall (one copy per expert) or deepep (one network "
     "copy per node reached, forwarded over NVLink)",
-    "activation_model": "activation memory: korthikanti (per tensor) or simple (k * L * B * S * d * bytes, k=12)",
+    "activation_model": "activation memory: korthikanti (per tensor) or simple "
+    "(k * L * B * S * d * bytes, k=12)",
     "runtime": "memory counted as fused kernels keep it, or as fivefold's eager runtime does",
     "cuda_context_bytes": "per-GPU CUDA context and library workspaces (bytes, e.g. 768M)",
     "fragmentation_fraction": "allocator fragmentation added to every stage's memory (0.05 = 5%)",
