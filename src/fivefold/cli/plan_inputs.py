@@ -22,8 +22,8 @@ from fivefold.planner.request import (
     MAX_BATCH_SEQUENCES,
     PlanRequest,
     grad_accum_for,
-    require_hbm,
 )
+from fivefold.spec.cluster import require_hbm
 from fivefold.spec.geometry import is_v_shaped
 
 MAX_BATCH_TOKENS = 1 << 30  # tokens per step: 64x Llama 3's 16M; bounds the search

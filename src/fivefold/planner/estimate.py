@@ -36,7 +36,7 @@ from fivefold.planner.rank_tail import Tail, rank_tails
 from fivefold.planner.rates import rates_for
 from fivefold.planner.schedule import build_schedule
 from fivefold.planner.simulation import Simulation, StageCosts, analytic_pipeline, simulate
-from fivefold.spec.cluster import ClusterSpec
+from fivefold.spec.cluster import ClusterSpec, require_hbm
 from fivefold.spec.flops import training_flops_per_token
 from fivefold.spec.geometry import (
     chunks_of_rank,
@@ -46,8 +46,6 @@ from fivefold.spec.model import ModelSpec
 from fivefold.spec.plan import ParallelPlan
 from fivefold.spec.precision import recipe
 from fivefold.units import GiB
-
-COMM_KINDS = ("tp", "cp", "ep", "zero-gather", "pp", "dp", "offload")
 
 
 @dataclass(frozen=True)
@@ -417,11 +415,7 @@ def _validate(
     if plan.fp8 != "none":
         device.peak("fp8")  # FP8 compute needs an FP8 peak (not on an A100)
     rates_for(device).check_offload(plan, cluster)  # the host RAM and bandwidth offload needs
-    if device.hbm_bytes <= 0 or device.hbm_bw_bytes_per_s <= 0:
-        raise ConfigError(
-            f"cluster.gpu = {cluster.gpu!r} has no HBM capacity or bandwidth in the catalog; "
-            "the planner needs a GPU from the catalog (fivefold.spec.hardware)."
-        )
+    require_hbm(cluster)
 
 
 def _comm_summary(

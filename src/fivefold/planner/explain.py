@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from fivefold.planner import uncertainty as U
 from fivefold.planner.candidates import tp_choices
+from fivefold.planner.efficiency import published_runs
 from fivefold.planner.estimate import estimate
 from fivefold.planner.explain_levers import lever_words, levers_line
 from fivefold.planner.outcomes import TIE_FRACTION, SearchResult
@@ -23,6 +23,21 @@ from fivefold.planner.quantities import gib, seconds
 from fivefold.planner.rates import rates_for
 from fivefold.planner.search import collector_paused
 from fivefold.planner.staircase import rule_of_thumb_line
+from fivefold.planner.uncertainty import (
+    RESIDUAL_KIND,
+    WIDENING_PER_DOUBLING,
+    band,
+    calibrated_domain,
+    domain_distance,
+    held_out_residuals,
+    layout_point,
+    nearest_run,
+    published_layouts,
+    rank_tokens_per_s,
+    residual_range,
+    source_key,
+)
+from fivefold.spec.geometry import RECOMPUTE_POLICIES, dense_shard_degree
 from fivefold.spec.hardware import GiB
 from fivefold.spec.plan import ParallelPlan
 
@@ -53,9 +68,9 @@ def slower_because(est: Any, best: Any, risk: str = "expected") -> str:
     risk "pessimistic", why a layout predicted faster ranks lower."""
     slower = 1 - est.tokens_per_s / best.tokens_per_s
     if risk != "expected" and slower < -TIE_FRACTION:
-        ranked = 1 - U.rank_tokens_per_s(est, risk) / U.rank_tokens_per_s(best, risk)
+        ranked = 1 - rank_tokens_per_s(est, risk) / rank_tokens_per_s(best, risk)
         if ranked > 0:
-            d = U.domain_distance(est.model, est.cluster, est.plan)
+            d = domain_distance(est.model, est.cluster, est.plan)
             return (
                 f"{-slower:.1%} faster as predicted, but {d:.1f} doublings outside the "
                 f"calibrated domain it is {ranked:.1%} slower at its band's slow end (risk = "
@@ -135,7 +150,7 @@ class _Explainer:
             self.rule_of_thumb(),
             memory_line(self.best, self.result.headroom),
             confidence_line(self.best, self.result.risk),
-            *(published_line(run, self.best) for run in U.published_layouts(m, c)),
+            *(published_line(run, self.best) for run in published_layouts(m, c)),
             *runners_up(self.result, self.slower),
         ]
         return [line for line in out if line]
@@ -238,7 +253,7 @@ class _Explainer:
             )
             + ". "
         )
-        shard = p.dp_shard * p.cp
+        shard = dense_shard_degree(p)
         mm = est.worst_memory
         text += (
             f"ZeRO-{p.zero} shards "
@@ -333,9 +348,8 @@ class _Explainer:
         text = (
             f"Activation recompute: {p.recompute} (activations {acts:.1f} GiB on the worst stage). "
         )
-        policies = ("none", "selective", "full")
         words = []
-        for policy in policies:
+        for policy in RECOMPUTE_POLICIES:
             if policy == p.recompute:
                 continue
             o = self.search.evaluate(p.with_(recompute=policy))
@@ -392,7 +406,7 @@ def runners_up(result: SearchResult, slower: Callable[[Any], str]) -> list[str]:
 
 def price(est: Any) -> str:
     """'step 5.23 s, MFU 49.0 % (band 39.3-68.0 %)' (no band on a measured device)."""
-    b = U.band(est)
+    b = band(est)
     text = f"step {seconds(est.step_time_s)}, MFU {est.mfu:.1%}"
     if b is None:
         return text
@@ -404,7 +418,7 @@ def confidence_line(est: Any, risk: str | None = None) -> str:
     """The prediction's band, the calibrated domain and the closest published run; with a
     search's `risk`, what the search ranked by. On a measured device, where the published
     runs' errors say nothing, where its own errors are recorded instead."""
-    b = U.band(est)
+    b = band(est)
     if b is None:
         return (
             f"Confidence: predicted {price(est)} on {est.cluster.device.name}, a device measured "
@@ -414,22 +428,20 @@ def confidence_line(est: Any, risk: str | None = None) -> str:
             "2-core machine within 16 % of the measured step on every one of its 24 layouts, "
             "7.5 % on average); layouts are ranked by the prediction."
         )
-    r_lo, r_hi = U.residual_range()
-    sources = U.held_out_residuals()
+    r_lo, r_hi = residual_range()
+    sources = held_out_residuals()
     rows = sum(len(v) for v in sources.values())
     text = (
         f"Confidence: predicted {price(est)}. The planner's errors on {rows} published rows "
-        f"it was not fitted to ({len(sources)} sources, {U.residual_kind()}) run from "
+        f"it was not fitted to ({len(sources)} sources, {RESIDUAL_KIND}) run from "
         f"{r_lo:+.1%} to {r_hi:+.1%} of the step time, so the measured step should lie in "
         f"{seconds(b.low_s)}-{seconds(b.high_s)}. "
     )
-    words = U.calibrated_domain().describe(
-        U.layout_point(est.model, est.plan), est.cluster.device.arch
-    )
+    words = calibrated_domain().describe(layout_point(est.model, est.plan), est.cluster.device.arch)
     if words:
         text += (
             f"OUTSIDE the calibrated domain by {b.distance:.1f} doublings ({'; '.join(words)}): "
-            f"the band is widened by {U.WIDENING_PER_DOUBLING:.0%} per doubling, so treat the "
+            f"the band is widened by {WIDENING_PER_DOUBLING:.0%} per doubling, so treat the "
             "figure as a model's extrapolation. "
         )
     else:
@@ -438,7 +450,7 @@ def confidence_line(est: Any, risk: str | None = None) -> str:
     if risk is not None:
         ranked = "the slow end of the band" if risk == "pessimistic" else "the prediction"
         text += f"Ranked by {ranked} (risk = {risk}). "
-    setup, dist = U.nearest_run(est.model, est.cluster, est.plan)
+    setup, dist = nearest_run(est.model, est.cluster, est.plan)
     return text + f"Closest published run: {run_words(setup)} (distance {dist:.1f})."
 
 
@@ -466,8 +478,8 @@ def _source(setup: Any) -> str:
     source = getattr(setup, "source", None)
     if source:
         return str(source)
-    row = next(r for r in U.published_runs() if str(r["id"]) == str(setup.row))
-    return U.source_key(row)
+    row = next(r for r in published_runs() if str(r["id"]) == str(setup.row))
+    return source_key(row)
 
 
 def _field(plan: ParallelPlan, name: str) -> Any:

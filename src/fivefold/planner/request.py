@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from fivefold.errors import ConfigError
 from fivefold.planner.frameworks import PlannerSettings
 from fivefold.planner.options import PlannerOptions
 from fivefold.planner.outcomes import BATCH_TOLERANCE
@@ -106,15 +105,6 @@ def grad_accum_for(sequences: float, micro_batch: int, dp: int) -> int | None:
     if accum < 1 or abs(accum - round(accum)) > 1e-9:
         return None
     return round(accum)
-
-
-def require_hbm(cluster: ClusterSpec) -> None:
-    """Raise unless the cluster's GPU has an HBM capacity to plan against."""
-    if cluster.device.hbm_bytes <= 0:
-        raise ConfigError(
-            f"cluster.gpu = {cluster.gpu!r} has no HBM capacity or peak in the catalog, so "
-            "nothing can be planned for it; choose a datacenter GPU such as h100-sxm."
-        )
 
 
 def _given(value: Any, default: Any) -> Any:

@@ -28,11 +28,10 @@ from fivefold.planner.request import (
     DEFAULT_HEADROOM,
     DEFAULT_PRECISIONS,
     DEFAULT_TOP,
-    require_hbm,
 )
 from fivefold.planner.search_state import SearchState
 from fivefold.planner.uncertainty import DEFAULT_RISK, risk_problems
-from fivefold.spec.cluster import ClusterSpec
+from fivefold.spec.cluster import ClusterSpec, require_hbm
 from fivefold.spec.model import ModelSpec
 from fivefold.spec.plan import ParallelPlan
 from fivefold.spec.precision import RECIPES

@@ -2,9 +2,7 @@
 
 Residuals. r = predicted / measured - 1 of the step time on rows the model was *not* fitted to:
 `fivefold.planner.efficiency.held_out_errors()` -> {source: [(row, r)]}, leave-one-source-out
-(each publication's rows predicted by the model fitted on the others). Until that function
-exists, the held-out split recorded in `data/efficiency.json` stands in, grouped by source the
-same way (`held_out_residuals`).
+(each publication's rows predicted by the model fitted on the others; `held_out_residuals`).
 
 Band. r_lo and r_hi are the 10th and 90th percentiles of the residuals, every source weighted
 equally (a source of 25 rows counts as much as one of a single row; `COVERAGE` = 0.8 of the
@@ -36,7 +34,6 @@ from functools import lru_cache
 from typing import Any
 
 from fivefold.planner import efficiency
-from fivefold.planner.efficiency import calibration_record, published_runs
 from fivefold.planner.published import run_setups
 from fivefold.planner.rates import rates_for
 from fivefold.spec.cluster import ClusterSpec
@@ -60,29 +57,13 @@ DIMENSION_WORDS = {
 
 
 # ---- residuals ---------------------------------------------------------------------------------
-def residual_kind() -> str:
-    """How the residuals were held out: by whole source, or by the fit's held-out rows."""
-    if hasattr(efficiency, "held_out_errors"):
-        return "leave-one-source-out"
-    return "rows held out of the fit"
+RESIDUAL_KIND = "leave-one-source-out"  # how the residuals were held out of the fit
 
 
 def held_out_residuals() -> dict[str, list[tuple[str, float]]]:
-    """{source: [(row, r)]}: the calibration's leave-one-source-out errors when it has them,
-    else the held-out rows of `data/efficiency.json` grouped by the rows' source."""
-    if not hasattr(efficiency, "held_out_errors"):
-        return _recorded_held_out()
+    """{source: [(row, r)]}: the calibration's leave-one-source-out errors."""
     loso = efficiency.held_out_errors()
     return {str(k): [(str(row), float(r)) for row, r in v] for k, v in loso.items()}
-
-
-def _recorded_held_out() -> dict[str, list[tuple[str, float]]]:
-    sources = {str(row["id"]): source_key(row) for row in published_runs()}
-    out: dict[str, list[tuple[str, float]]] = {}
-    for e in calibration_record().get("errors", []):
-        if e.get("split") == "held-out" and str(e["row"]) in sources:
-            out.setdefault(sources[str(e["row"])], []).append((str(e["row"]), e["error"]))
-    return out
 
 
 def source_key(row: dict) -> str:

@@ -179,3 +179,12 @@ def profile_cluster(path: str | Path, ranks: int | None = None, **overrides) -> 
         **overrides,
     }
     return ClusterSpec(**values)
+
+
+def require_hbm(cluster: ClusterSpec) -> None:
+    """Raise unless the cluster's GPU has the HBM capacity and bandwidth a plan is priced with."""
+    if cluster.device.hbm_bytes <= 0 or cluster.device.hbm_bw_bytes_per_s <= 0:
+        raise ConfigError(
+            f"cluster.gpu = {cluster.gpu!r} has no HBM capacity or bandwidth in the catalog, so "
+            "nothing can be planned for it; choose a datacenter GPU such as h100-sxm."
+        )
