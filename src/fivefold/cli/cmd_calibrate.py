@@ -1,9 +1,8 @@
 """`fivefold calibrate`: measure this machine into a device profile the planner and runs read.
 
 The measurements are `fivefold.calibration` (kernels: `compute`; collectives over spawned
-ranks: `comm`); the profile format is `fivefold.spec.profile`. Torch, `fivefold.calibration`,
-`fivefold.parallel` and rich are imported inside the functions that use them (lazily): `fivefold
---help` imports this module to register the command and must stay fast and free of torch.
+ranks: `comm`); the profile format is `fivefold.spec.profile`. Torch is imported only inside
+the handler.
 """
 
 from __future__ import annotations
@@ -24,6 +23,10 @@ from fivefold.spec.profile import (
     parse_profile,
 )
 from fivefold.spec.recipe import merge, model_from_dict, parse_overrides, read_toml
+
+# torch, fivefold.calibration and fivefold.parallel (torch) and rich are imported inside the
+# functions: `fivefold --help` imports every command module (fivefold.cli.main) and must stay
+# quick and torch-free.
 
 DEFAULT_OUT = "device-profile.toml"
 # Seconds per measurement on two idle cores (measured 2026-11-26 on the defaults, 67 s with the
