@@ -24,9 +24,9 @@ from fivefold.spec.profile import (
 )
 from fivefold.spec.recipe import merge, model_from_dict, parse_overrides, read_toml
 
-# torch, fivefold.calibration and fivefold.parallel (torch) and rich are imported inside the
-# functions: `fivefold --help` imports every command module (fivefold.cli.main) and must stay
-# quick and torch-free.
+# torch, rich and fivefold.calibration and .parallel (torch) are imported inside the functions:
+# `fivefold --help` imports every command module (fivefold.cli.main) and must stay quick and
+# torch-free.
 
 DEFAULT_OUT = "device-profile.toml"
 # Seconds per measurement on two idle cores (measured 2026-11-26 on the defaults, 67 s with the
