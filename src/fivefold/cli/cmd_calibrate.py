@@ -1,8 +1,7 @@
 """`fivefold calibrate`: measure this machine into a device profile the planner and runs read.
 
 The measurements are `fivefold.calibration` (kernels: `compute`; collectives over spawned
-ranks: `comm`); the profile format is `fivefold.spec.profile`. Torch is imported only inside
-the handler.
+ranks: `comm`); the profile format is `fivefold.spec.profile`.
 """
 
 from __future__ import annotations
