@@ -16,6 +16,9 @@ from fivefold.calibration.timing import (
     typical_time_s,
 )
 from fivefold.model.attention import AttentionCore
+from fivefold.model.attention_blocks import block_attention
+from fivefold.model.document_layout import DocumentLayout, document_blocks
+from fivefold.parallel.context_parallel import local_chunks, rank_order_chunks
 from fivefold.spec.model import ModelSpec
 from fivefold.spec.plan import ParallelPlan
 from fivefold.spec.profile import Attention
@@ -52,9 +55,6 @@ def attention_passes(
 def cp_rank_blocks(batch: int, seq: int, cp: int) -> list:
     """CP rank 0's attention blocks (one document per row): its two load-balanced query chunks
     against the keys of every rank laid out in rank order, as the runtime builds them."""
-    from fivefold.model.document_layout import DocumentLayout, document_blocks
-    from fivefold.parallel.context_parallel import local_chunks, rank_order_chunks
-
     chunk = seq // (2 * cp)
     layout = DocumentLayout(None, batch, seq)
     return document_blocks(local_chunks(0, cp, chunk), rank_order_chunks(cp, chunk), layout)
@@ -69,8 +69,6 @@ def cp_attention_passes(
     against every chunk of keys, one document per row, through the model's block kernels
     (causal on the diagonal, full below) and their log-sum-exp merges. Rank 0's blocks; every
     rank does the same work. No transfer is timed."""
-    from fivefold.model.attention_blocks import block_attention
-
     chunk = seq // (2 * cp)
     blocks = cp_rank_blocks(batch, seq, cp)
     gen = torch.Generator().manual_seed(0)

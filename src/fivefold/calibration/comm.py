@@ -31,6 +31,7 @@ Written by hand: nccl-tests needs CUDA; torch has no collective benchmark.
 from __future__ import annotations
 
 import math
+import multiprocessing as mp
 import os
 import queue
 import tempfile
@@ -38,7 +39,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
+from fivefold.calibration.bandwidth import measure_bandwidth
+from fivefold.calibration.timing import QUICK, Budget
 from fivefold.errors import ConfigError
+from fivefold.launch.host_memory import keep_freed_memory
 from fivefold.spec.profile import (
     COLLECTIVES,
     Collective,
@@ -116,9 +123,6 @@ def steps_count(ranks: int, quick: bool, gemms: int = 2, cuda: bool = False) -> 
 
 # ---- one rank ---------------------------------------------------------------------------------
 def _op(name: str, size_bytes: int, group: Any, device: Any) -> Callable[[], None]:
-    import torch
-    import torch.distributed as dist
-
     n = dist.get_world_size(group)
     rank = dist.get_rank(group)
     elems = max(n, size_bytes // 4 // n * n)
@@ -151,16 +155,12 @@ def _op(name: str, size_bytes: int, group: Any, device: Any) -> Callable[[], Non
 
 
 def _sync(device: Any) -> None:
-    import torch
-
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
 def _gemm(shape: tuple[int, int, int] | None, device: Any) -> Callable[[], None]:
     """The GEMM each rank computes before a collective (nothing for `None`)."""
-    import torch
-
     if shape is None:
         return lambda: None
     m, n, k = shape
@@ -169,9 +169,6 @@ def _gemm(shape: tuple[int, int, int] | None, device: Any) -> Callable[[], None]
 
 
 def _slowest(value: float, device: Any) -> float:
-    import torch
-    import torch.distributed as dist
-
     out = torch.tensor([value], device=device)
     dist.all_reduce(out, op=dist.ReduceOp.MAX)
     return float(out.item())
@@ -179,8 +176,6 @@ def _slowest(value: float, device: Any) -> float:
 
 def gap_time_s(gemm: Callable[[], None], device: Any, repeats: int = 10) -> float:
     """Mean seconds of `gemm` with every rank computing it at once, on the slowest rank."""
-    import torch.distributed as dist
-
     gemm()
     _sync(device)
     dist.barrier()
@@ -197,8 +192,6 @@ def issued_time_s(
     """Seconds one collective adds to a rank that computes `gemm` before it, as in a step:
     `pairs` iterations of gemm + collective alternating with gemm alone (after a barrier and a
     warm-up of each), the difference of their means on this rank, then the slowest rank's."""
-    import torch.distributed as dist
-
     gemm()
     collective()
     _sync(device)
@@ -226,11 +219,6 @@ def _worker(
     memory: tuple | None = None,
     gemms: tuple = (None, DEFAULT_GEMM),
 ) -> None:
-    import torch
-    import torch.distributed as dist
-
-    from fivefold.launch.host_memory import keep_freed_memory
-
     try:
         keep_freed_memory()
         cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world
@@ -277,12 +265,6 @@ def _worker(
 def _shared_bandwidth(rank: int, world: int, quick: bool, memory: tuple, out: Any) -> None:
     """Every rank measures the memory-bound work at once (after a barrier, the same sequence
     of kernels), so each sees the bandwidth the others leave it; rank 0 reports its rows."""
-    import torch
-    import torch.distributed as dist
-
-    from fivefold.calibration.bandwidth import measure_bandwidth
-    from fivefold.calibration.timing import QUICK, Budget
-
     model, plan = memory
     dist.barrier()
     rows = measure_bandwidth(
@@ -321,8 +303,6 @@ def _measure_world(
     gemms: tuple = (None, DEFAULT_GEMM),
 ) -> tuple[str, list[CollectiveSample], list]:
     """(backend, samples, bandwidth rows) of every group size of `ranks` spawned processes."""
-    import multiprocessing as mp
-
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from fivefold.calibration.timing import measured_device
+from fivefold.parallel.device import real_bf16
 
 
 def cpu_flags() -> set[str]:
@@ -58,6 +59,4 @@ def thread_counts(cores: int) -> list[int]:
 
 def cuda_bf16_support() -> str:
     """ "native" when the GPU computes bf16 in hardware (Ampere and later), else "emulated"."""
-    from fivefold.parallel.device import real_bf16
-
     return "native" if real_bf16() else "emulated"

@@ -8,8 +8,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 
 import torch
+import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 
 from fivefold.calibration.bandwidth import OPTIMIZER_MAX_PARAMS
 from fivefold.calibration.timing import (
@@ -21,6 +24,8 @@ from fivefold.calibration.timing import (
     typical_time_s,
 )
 from fivefold.model.transformer import Transformer, TransformerBlock
+from fivefold.parallel.expert_parallel import apply_expert_parallel
+from fivefold.parallel.tensor_parallel import apply_tensor_parallel
 from fivefold.spec.model import ModelSpec
 from fivefold.spec.profile import Overhead
 
@@ -41,9 +46,6 @@ def tiny_like(model: ModelSpec, layers: int) -> ModelSpec:
 def local_group() -> Iterator[DeviceMesh]:
     """A one-rank gloo process group (made here unless one exists) and its 1-D mesh: tensor
     parallelism and FSDP2 on it run the dispatch and hooks of a real run with no transfers."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
     made = not dist.is_initialized()
     if made:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -56,8 +58,6 @@ def local_group() -> Iterator[DeviceMesh]:
 
 def model_passes(model: nn.Module, batch: int, seq: int, budget: Budget) -> tuple[float, float]:
     """(forward, backward) seconds of a whole model on `batch` x `seq` tokens."""
-    from torch.distributed.tensor import DTensor
-
     tokens = torch.zeros(batch, seq, dtype=torch.long, device=measured_device())
 
     def forward() -> torch.Tensor:
@@ -103,8 +103,6 @@ def paired_extra_s(
     ((variant 3 - variant 1) - (base 3 - base 1)) / 2, and the median over the rounds. Other
     work on the machine slows the four alike within a round, so its drifts cancel (two
     separate per-layer figures subtracted swung by several ms per layer under load)."""
-    from torch.distributed.tensor import DTensor
-
     tokens = torch.zeros(batch, spec.seq_len, dtype=torch.long, device=measured_device())
     models = [build(replace(spec, layers=n)) for build in (base, variant) for n in (1, 3)]
 
@@ -147,9 +145,6 @@ def measure_overhead(
     loss). Each extra paired against the plain model (`paired_extra_s`), all on a one-rank
     mesh, so no transfer is timed. The MoE layer is `moe`'s
     (default `model`'s; a dense model's MoE figures are its dense ones)."""
-    from fivefold.parallel.expert_parallel import apply_expert_parallel
-    from fivefold.parallel.tensor_parallel import apply_tensor_parallel
-
     full = replace(model, experts=0, top_k=0, shared_experts=0, expert_ffn=0, dense_layers=0)
     dense = tiny_like(full, 1)
     torch.manual_seed(0)
@@ -192,9 +187,9 @@ def measure_overhead(
 def _wrap_unit(module: nn.Module, mesh: DeviceMesh, zero: int, reshard: bool) -> None:
     """Wrap `module` as the runtime does for ZeRO `zero` (`fivefold.parallel.data_parallel`):
     FSDP2's `replicate` for ZeRO-0, else `fully_shard`."""
-    from torch.distributed.fsdp import fully_shard
-
     if zero == 0:
+        # lazily: a torch feature some supported versions lack (fivefold.model.torch_features);
+        # a GPU's calibration never wraps a unit
         from torch.distributed._composable.replicate_with_fsdp import replicate
 
         replicate(module, mesh=mesh)

@@ -1,17 +1,31 @@
 """`fivefold calibrate`: measure this machine into a device profile the planner and runs read.
 
 The measurements are `fivefold.calibration` (kernels: `compute`; collectives over spawned
-ranks: `comm`); the profile format is `fivefold.spec.profile`. Torch is imported only inside
-the handler.
+ranks: `comm`); the profile format is `fivefold.spec.profile`.
 """
 
 from __future__ import annotations
 
 import argparse
+import tomllib
 from pathlib import Path
 from typing import Any
 
 from fivefold.errors import ConfigError
+from fivefold.launch.host_memory import keep_freed_memory
+from fivefold.spec.plan import ParallelPlan
+from fivefold.spec.presets import model_preset
+from fivefold.spec.profile import (
+    PROFILE_ENV,
+    available_cores,
+    default_profile_path,
+    parse_profile,
+)
+from fivefold.spec.recipe import merge, model_from_dict, parse_overrides, read_toml
+
+# torch, rich and fivefold.calibration and .parallel (torch) are imported inside the functions:
+# `fivefold --help` imports every command module (fivefold.cli.main) and must stay quick and
+# torch-free.
 
 DEFAULT_OUT = "device-profile.toml"
 # Seconds per measurement on two idle cores (measured 2026-11-26 on the defaults, 67 s with the
@@ -67,8 +81,6 @@ examples:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from fivefold.spec.profile import PROFILE_ENV
-
     parser = subparsers.add_parser(
         "calibrate",
         help="measure this machine (kernels, collectives) into a device profile",
@@ -121,9 +133,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def model_and_plan(items: list[str]) -> tuple[Any, Any]:
     """The recipe's model and its micro-batch (only these set the shapes measured)."""
-    from fivefold.spec.plan import ParallelPlan
-    from fivefold.spec.recipe import merge, model_from_dict, parse_overrides, read_toml
-
     paths = [i for i in items if "=" not in i]
     if len(paths) > 1:
         raise ConfigError(f"more than one recipe given ({', '.join(paths)}); name one.")
@@ -139,25 +148,19 @@ def model_and_plan(items: list[str]) -> tuple[Any, Any]:
 def handle(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from fivefold.spec.profile import default_profile_path, parse_profile
-
     if args.nproc < 1:
         raise ConfigError(f"--nproc {args.nproc}: the number of ranks must be at least 1.")
     out = default_profile_path() if args.install else Path(args.out or DEFAULT_OUT).expanduser()
     if out.exists() and out.is_dir():
         raise ConfigError(f"--out {str(out)!r} is a directory; name a .toml file.")
     model, plan = model_and_plan(args.items)
-    also = tuple(_preset(name) for name in args.also)
+    also = tuple(model_preset(name) for name in args.also)  # ConfigError naming the choices
     console = Console(highlight=False, soft_wrap=True)
-    from fivefold.launch.host_memory import keep_freed_memory
-
     keep_freed_memory()  # as training runs keep it: kernels timed without fresh page faults
     profile = run_calibration(
         model, plan, args.nproc, args.quick, console, not args.no_progress, also
     )
     text = profile.to_toml()
-    import tomllib
-
     parse_profile(tomllib.loads(text))  # what we write must read back
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
@@ -190,47 +193,18 @@ def duration(seconds: float) -> str:
     return f"{seconds // 3600} h {seconds % 3600 // 60:02d} min"
 
 
-def _preset(name: str) -> Any:
-    """The model preset `name` (ConfigError naming the choices otherwise)."""
-    from fivefold.spec.presets import model_preset
-
-    return model_preset(name)
-
-
 def run_calibration(
     model, plan, ranks: int, quick: bool, console, progress: bool, also: tuple = ()
 ):
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-
+    """Measure kernels, then collectives over up to `ranks` processes, into a profile."""
     from fivefold.calibration import comm, timing
     from fivefold.calibration.compute import compute_steps
-    from fivefold.calibration.machine import bf16_support, cuda_bf16_support, measured_device_name
-    from fivefold.calibration.matmul import fp8_supported
+    from fivefold.calibration.machine import bf16_support, cuda_bf16_support
     from fivefold.calibration.tables import build_profile, sort_rows
-    from fivefold.spec.profile import available_cores
 
     cuda = measuring_device(timing)
     bf16 = cuda_bf16_support() if cuda else bf16_support()
-    if cuda:  # every local GPU is a rank of the collectives (NCCL); one GPU measures none
-        ranks = min(ranks, torch_cuda_count())
-        fp8 = "bf16 and fp8" if fp8_supported() else "bf16 (no native fp8 here)"
-        console.print(
-            f"measuring the GPU {measured_device_name()}: {fp8} matmuls, timed by CUDA events"
-        )
-    elif bf16 != "native":
-        console.print(
-            "bf16: this CPU has neither amx_bf16 nor avx512_bf16, so torch emulates bf16 "
-            "matmuls (often many times slower than fp32): bf16 is not measured; plan fp32."
-        )
-    elif quick:
-        console.print("bf16: native on this CPU, but --quick measures fp32 only.")
+    ranks = announce_device(console, cuda, bf16, quick, ranks)
     steps = compute_steps(model, plan, ranks, quick, bf16, also)
     gemms = tuple(comm.gaps([model, *also], plan.micro_batch))
     collectives = comm.steps_count(ranks, quick, len(gemms), cuda) if ranks >= 2 else 0
@@ -241,18 +215,7 @@ def run_calibration(
         f"up to {ranks} rank(s) on {available_cores()} core(s): about {duration(idle)} on idle "
         f"cores, up to {duration(idle * LOADED)} on a loaded machine"
     )
-    bar = Progress(
-        TextColumn("[bold]calibrate"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TextColumn("left"),
-        TimeRemainingColumn(),
-        TextColumn("{task.fields[what]}"),
-        console=console,
-        transient=True,
-        disable=not progress,
-    )
+    bar = progress_bar(console, progress)
     rows: list = []
     with bar:
         task = bar.add_task("calibrate", total=total, what="")
@@ -260,15 +223,7 @@ def run_calibration(
             bar.update(task, what=label)
             rows += thunk()
             bar.advance(task)
-        console.print(
-            f"collectives over {ranks} rank(s) "
-            "(gap: each rank's compute before each call; size: bytes; time: what one call adds, "
-            "the slowest rank's mean; algbw = size / time; busbw as nccl-tests)"
-        )
-        console.print(
-            f"{'op':>15} {'ranks':>5} {'procs':>5} {'gap(ms)':>7} {'size':>10} {'time(us)':>10} "
-            f"{'algbw(GB/s)':>12} {'busbw(GB/s)':>12}"
-        )
+        print_collective_header(console, ranks)
 
         def on_row(s) -> None:
             console.print(
@@ -288,6 +243,66 @@ def run_calibration(
         console.print(f"collectives: not measured with {why} (plans then need one rank).")
     fits = comm.fit_collectives(samples)
     return build_profile(model, ranks, bf16, sort_rows(rows), backend, samples, fits)
+
+
+def announce_device(console, cuda: bool, bf16: str, quick: bool, ranks: int) -> int:
+    """Say what is measured (GPU, or the CPU's bf16); the ranks of the collectives: on a GPU
+    every local GPU is a rank (NCCL), so one GPU measures none."""
+    from fivefold.calibration.machine import measured_device_name
+    from fivefold.calibration.matmul import fp8_supported
+
+    if cuda:
+        ranks = min(ranks, torch_cuda_count())
+        fp8 = "bf16 and fp8" if fp8_supported() else "bf16 (no native fp8 here)"
+        console.print(
+            f"measuring the GPU {measured_device_name()}: {fp8} matmuls, timed by CUDA events"
+        )
+    elif bf16 != "native":
+        console.print(
+            "bf16: this CPU has neither amx_bf16 nor avx512_bf16, so torch emulates bf16 "
+            "matmuls (often many times slower than fp32): bf16 is not measured; plan fp32."
+        )
+    elif quick:
+        console.print("bf16: native on this CPU, but --quick measures fp32 only.")
+    return ranks
+
+
+def progress_bar(console, progress: bool):
+    """The calibration's progress bar (a rich Progress; disabled unless `progress`)."""
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    return Progress(
+        TextColumn("[bold]calibrate"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("left"),
+        TimeRemainingColumn(),
+        TextColumn("{task.fields[what]}"),
+        console=console,
+        transient=True,
+        disable=not progress,
+    )
+
+
+def print_collective_header(console, ranks: int) -> None:
+    """The legend and column heads of the nccl-tests-like collective rows."""
+    console.print(
+        f"collectives over {ranks} rank(s) "
+        "(gap: each rank's compute before each call; size: bytes; time: what one call adds, "
+        "the slowest rank's mean; algbw = size / time; busbw as nccl-tests)"
+    )
+    console.print(
+        f"{'op':>15} {'ranks':>5} {'procs':>5} {'gap(ms)':>7} {'size':>10} {'time(us)':>10} "
+        f"{'algbw(GB/s)':>12} {'busbw(GB/s)':>12}"
+    )
 
 
 def measuring_device(timing) -> bool:

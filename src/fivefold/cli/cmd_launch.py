@@ -8,8 +8,19 @@ import math
 import sys
 from typing import Any
 
-from fivefold.errors import ConfigError
-from fivefold.launch.launcher import SLURM_MAX_RESTARTS
+from fivefold.errors import ConfigError, FivefoldError
+from fivefold.launch.launcher import (
+    SLURM_MAX_RESTARTS,
+    SlurmJob,
+    launch_local,
+    slurm_job_name,
+    slurm_script,
+)
+from fivefold.planner.estimate import estimate
+from fivefold.planner.frameworks import planner_settings
+from fivefold.spec.cluster import cluster_preset
+from fivefold.spec.plan import ParallelPlan
+from fivefold.spec.recipe import build, merge, parse_overrides, read_toml
 
 DEFAULT_TIME = "04:00:00"  # sbatch --time when the planner has no prediction
 TIME_MARGIN = 1.25  # the predicted run time is multiplied by this ...
@@ -108,8 +119,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _recipe_data(recipe_path: str, overrides: list[str]) -> dict:
-    from fivefold.spec.recipe import merge, parse_overrides, read_toml
-
     return merge(read_toml(recipe_path), parse_overrides(overrides))
 
 
@@ -127,9 +136,6 @@ def _check_trains(recipe_path: str, data: dict) -> None:
 
 def _default_nodes(data: dict, per_node: int) -> int:
     """Enough nodes for the plan's degrees (or cluster.gpus when the plan names none)."""
-    from fivefold.spec.plan import ParallelPlan
-    from fivefold.spec.recipe import build
-
     plan = build(ParallelPlan, data.get("plan", {}), "plan", [])
     world = plan.world_size if plan is not None else 1
     gpus = data.get("cluster", {}).get("gpus")
@@ -146,18 +152,13 @@ def _gpus_per_node(recipe_path: str, overrides: list[str], explicit: int) -> int
     if "gpus_per_node" in cluster:
         return int(cluster["gpus_per_node"])
     if "preset" in cluster:
-        from fivefold.spec.cluster import cluster_preset
-
         return cluster_preset(cluster["preset"], int(cluster.get("gpus", 8))).gpus_per_node
     return 8
 
 
 def _check_allocation(recipe_path: str, overrides: list[str], nodes: int, per_node: int) -> None:
     """The plan's degrees must fill the allocation exactly: say how many nodes they need."""
-    from fivefold.spec.plan import ParallelPlan
-    from fivefold.spec.recipe import build, merge, parse_overrides, read_toml
-
-    data = merge(read_toml(recipe_path), parse_overrides(overrides))
+    data = _recipe_data(recipe_path, overrides)
     problems: list[str] = []
     plan = build(ParallelPlan, data.get("plan", {}), "plan", problems)
     if plan is None or problems or plan.problems():
@@ -177,7 +178,7 @@ def _check_allocation(recipe_path: str, overrides: list[str], nodes: int, per_no
 
 
 def handle(args: argparse.Namespace) -> int:
-    from fivefold.launch.launcher import SlurmJob, launch_local, slurm_job_name, slurm_script
+    # lazily: fivefold.train loads numpy and rich, and `fivefold --help` imports this module
     from fivefold.train.entry import check_layout, split_recipe_and_overrides
 
     recipe_path, overrides = split_recipe_and_overrides(args.items)
@@ -215,10 +216,6 @@ def handle(args: argparse.Namespace) -> int:
 
 def predicted_run_s(run: Any, planner: dict) -> tuple[float | None, str]:
     """(the planner's time for the steps this run takes, in seconds; or None and why not)."""
-    from fivefold.errors import FivefoldError
-    from fivefold.planner.estimate import estimate
-    from fivefold.planner.frameworks import planner_settings
-
     recipe = run.recipe
     try:
         settings = planner_settings(recipe.cluster.device, planner)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from fivefold.cli.plan_args import DESCRIPTION, EPILOG, add_arguments, parse_fraction
+from fivefold.cli.plan_check_report import run_check
 from fivefold.cli.plan_inputs import (
     batch_from_args,
     budget_from_args,
@@ -35,8 +36,15 @@ from fivefold.cli.plan_output import (
     search_json,
     summary_lines,
 )
+from fivefold.cli.recipe_text import data_section, train_section
 from fivefold.errors import ConfigError
+from fivefold.planner.budget import budget_lines
+from fivefold.planner.estimate import estimate
+from fivefold.planner.explain import confidence_line, explain, slower_because
 from fivefold.planner.request import resolve_headroom, resolve_request
+from fivefold.planner.search import search
+from fivefold.planner.uncertainty import band_json
+from fivefold.spec.recipe import Recipe, dump_recipe, load_recipe
 
 
 # ---- argument parsing ----------------------------------------------------------------------
@@ -66,9 +74,6 @@ def _plan_handler(args: argparse.Namespace) -> int:
 
 def _check_handler(items: list[str], as_json: bool) -> int:
     """`plan check RECIPE [OVERRIDE ...]`: the layout built at full scale under fake tensors."""
-    from fivefold.cli.plan_check_report import run_check
-    from fivefold.spec.recipe import load_recipe
-
     if not items or "=" in items[0]:
         raise ConfigError(
             "plan check needs a recipe: fivefold plan check RECIPE.toml [section.field=value ...]"
@@ -123,9 +128,6 @@ def write_recipe(
 ) -> Path:
     """The layout as a recipe, with the [planner] table (profile and options) it was chosen by,
     and [train] and [data] at their defaults, written out."""
-    from fivefold.cli.recipe_text import data_section, train_section
-    from fivefold.spec.recipe import Recipe, dump_recipe
-
     whole = {k: _whole(v) for k, v in planner.items()}  # 10485760, not 10485760.0
     text = dump_recipe(Recipe(model, cluster, plan, {"planner": whole}), header=header)
     run = ["", *train_section({"name": model.name}), "", *data_section({})]
@@ -151,11 +153,6 @@ def _inputs(args: argparse.Namespace) -> tuple[Any, Any, dict[str, dict], float,
 
 
 def _estimate_handler(args: argparse.Namespace) -> int:
-    from fivefold.planner.budget import budget_lines
-    from fivefold.planner.estimate import estimate
-    from fivefold.planner.explain import confidence_line
-    from fivefold.planner.uncertainty import band_json
-
     model, cluster, data, headroom, settings = _inputs(args)
     inputs = budget_from_args(args, data)
     plan = layout_from_args(args, model, cluster, data.get("plan", {}))
@@ -188,9 +185,6 @@ def _estimate_handler(args: argparse.Namespace) -> int:
 
 
 def _search_handler(args: argparse.Namespace) -> int:
-    from fivefold.planner.explain import explain
-    from fivefold.planner.search import search
-
     model, cluster, data, headroom, settings = _inputs(args)
     inputs = budget_from_args(args, data)
     tokens, seqs = batch_from_args(args)
@@ -223,9 +217,6 @@ def _recipe_comparison(
     args: argparse.Namespace, model: Any, cluster: Any, data: dict, result: Any, options: Any
 ) -> str:
     """One line on the recipe's own layout against the search's best."""
-    from fivefold.planner.estimate import estimate
-    from fivefold.planner.explain import slower_because
-
     try:
         plan = layout_from_args(args, model, cluster, data["plan"])
         est = estimate(model, cluster, plan, options)

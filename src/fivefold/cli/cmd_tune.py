@@ -24,7 +24,11 @@ from pathlib import Path
 
 from fivefold.cli.intermixed import merge_intermixed
 from fivefold.errors import ConfigError
+from fivefold.launch.threads import configure_threads
 from fivefold.units import GiB as GIB
+
+# torch, rich, fivefold.train and fivefold.parallel are imported inside the functions: `fivefold
+# --help` imports every command module (fivefold.cli.main) and must stay quick and torch-free.
 
 POLICIES = ("none", "selective", "full")  # cheapest first: each recomputes more
 
@@ -103,8 +107,6 @@ class Trial:
 
 def handle(args: argparse.Namespace) -> int:
     from rich.console import Console
-
-    from fivefold.launch.threads import configure_threads
 
     console = Console(highlight=False)
     args = _reparse(args)

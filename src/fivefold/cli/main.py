@@ -20,6 +20,10 @@ from fivefold.launch.shielded_import import hold_signals, signals_held
 if TYPE_CHECKING:
     import argparse
 
+# The other imports are inside the functions, after main's `hold_signals()`: the `fivefold`
+# script imports this module before `main` runs, and a Ctrl-C while they (and torch) load must
+# reach main's handler, not print a traceback (fivefold.launch.shielded_import).
+
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The `fivefold` parser: every command, or only `command` when it names one."""

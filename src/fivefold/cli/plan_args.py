@@ -12,6 +12,9 @@ import re
 from typing import Any
 
 from fivefold.errors import ConfigError
+from fivefold.planner.budget import DEFAULT_RESTART_S
+from fivefold.planner.frameworks import DEFAULT_PROFILE, profiles
+from fivefold.planner.options import CHOICES, OPTION_HELP, PlannerOptions
 from fivefold.spec.geometry import OFFLOAD_KINDS, RECOMPUTE_POLICIES, SCHEDULES
 
 DESCRIPTION = """\
@@ -227,8 +230,6 @@ def _add_batch_args(parser: argparse.ArgumentParser) -> None:
 
 def _add_budget_options(parser: argparse.ArgumentParser) -> None:
     """The token-budget flags (`fivefold.planner.budget`); each also a [planner] field."""
-    from fivefold.planner.budget import DEFAULT_RESTART_S
-
     g = parser.add_argument_group(
         "token budget (days, GPU-hours, cost, failures and checkpoint interval for a number of "
         "tokens; each also a [planner] field: tokens, gpu_hour_price, failure_rate, "
@@ -263,9 +264,6 @@ def _add_budget_options(parser: argparse.ArgumentParser) -> None:
 
 def _add_planner_options(parser: argparse.ArgumentParser) -> None:
     """--profile and one flag per `PlannerOptions` field (help: `options.OPTION_HELP`)."""
-    from fivefold.planner.frameworks import DEFAULT_PROFILE, profiles
-    from fivefold.planner.options import CHOICES, OPTION_HELP, PlannerOptions
-
     g = parser.add_argument_group(
         "planner options (what the software achieves; a flag replaces the profile's value; "
         "defaults shown are the fivefold profile's on a GPU)"

@@ -27,6 +27,7 @@ TRACKER_TENANTS = {  # torch's MemTracker categories (`_MemRefType` names), in o
 def run_check(recipe: Any, as_json: bool) -> int:
     """Check `recipe` on its cluster's GPUs and print the table (or JSON); 0 when every stage
     ran, 2 when one could not (the table says which component and why)."""
+    # lazily: fivefold.train.plan_check loads torch, which `fivefold plan` must not
     from fivefold.train.plan_check import as_json as checks_json
     from fivefold.train.plan_check import check_plan
 

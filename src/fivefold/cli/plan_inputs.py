@@ -18,13 +18,36 @@ from fivefold.cli.plan_args import (
     positive_number,
 )
 from fivefold.errors import ConfigError
+from fivefold.planner.budget import budget_inputs
+from fivefold.planner.frameworks import planner_settings
+from fivefold.planner.options import OPTION_HELP
+from fivefold.planner.outcomes import batch_target
 from fivefold.planner.request import (
     MAX_BATCH_SEQUENCES,
     PlanRequest,
     grad_accum_for,
 )
-from fivefold.spec.cluster import require_hbm
+from fivefold.spec.cluster import (
+    CLUSTER_PRESETS,
+    ClusterSpec,
+    cluster_preset,
+    profile_cluster,
+    require_hbm,
+)
 from fivefold.spec.geometry import is_v_shaped
+from fivefold.spec.hardware import gpu as gpu_lookup
+from fivefold.spec.plan import ParallelPlan
+from fivefold.spec.precision import RECIPES
+from fivefold.spec.presets import MODEL_PRESETS
+from fivefold.spec.recipe import (
+    SECTIONS,
+    build,
+    cluster_from_dict,
+    merge,
+    model_from_dict,
+    parse_overrides,
+    read_toml,
+)
 
 MAX_BATCH_TOKENS = 1 << 30  # tokens per step: 64x Llama 3's 16M; bounds the search
 
@@ -32,9 +55,6 @@ MAX_BATCH_TOKENS = 1 << 30  # tokens per step: 64x Llama 3's 16M; bounds the sea
 def planner_from_args(args: argparse.Namespace, cluster: Any, recipe_data: dict[str, dict]) -> Any:
     """The profile and options in force (`fivefold.planner.frameworks.planner_settings`): the
     recipe's [planner] table, then --profile and the option flags."""
-    from fivefold.planner.frameworks import planner_settings
-    from fivefold.planner.options import OPTION_HELP
-
     flags: dict[str, Any] = {}
     spelled: dict[str, str] = {}  # the flag as typed, for the note saying it replaced a value
     for name in OPTION_HELP:
@@ -58,8 +78,6 @@ _NUMERIC_OPTIONS = ("cuda_context_bytes", "fragmentation_fraction", "dp_bucket_b
 def budget_from_args(args: argparse.Namespace, recipe_data: dict[str, dict]) -> Any:
     """The token-budget inputs (`fivefold.planner.budget.BudgetInputs`) from the flags and the
     recipe's [planner] table, or None when no token count is given."""
-    from fivefold.planner.budget import budget_inputs
-
     flags: dict[str, Any] = {}
     if args.tokens is not None:
         flags["tokens"] = parse_tokens(args.tokens)
@@ -97,9 +115,6 @@ def model_from_args(args: argparse.Namespace, recipe_data: dict[str, dict]) -> A
     """The model from --model (a preset or TOML file) or the recipe's [model], with the flags as
     overrides; expanded and validated by the recipe code (`fivefold.spec.recipe`), so
     `--model X --kv-heads N` and `[model] preset = "X"  kv_heads = N` are the same model."""
-    from fivefold.spec.presets import MODEL_PRESETS
-    from fivefold.spec.recipe import model_from_dict, read_toml
-
     values: dict[str, Any] = dict(recipe_data.get("model", {}))
     if args.hf_config:
         if args.model:
@@ -152,9 +167,6 @@ def model_flags(args: argparse.Namespace) -> dict[str, Any]:
 
 # ---- cluster ---------------------------------------------------------------------------------
 def cluster_from_args(args: argparse.Namespace, recipe_data: dict[str, dict]) -> Any:
-    from fivefold.spec.cluster import CLUSTER_PRESETS, ClusterSpec, cluster_preset
-    from fivefold.spec.hardware import gpu as gpu_lookup
-
     section = dict(recipe_data.get("cluster", {}))
     gpus = parse_size(args.gpus, "--gpus") if args.gpus is not None else None
     per_node = (
@@ -165,8 +177,6 @@ def cluster_from_args(args: argparse.Namespace, recipe_data: dict[str, dict]) ->
     if args.gpu is not None:
         gpu_lookup(args.gpu)  # ConfigError naming the catalog when unknown
     if _profile_path(args.cluster):  # a machine measured by `fivefold calibrate`
-        from fivefold.spec.cluster import profile_cluster
-
         cluster = profile_cluster(args.cluster, gpus)
     elif args.cluster is not None or (args.gpu is None and not section):
         name = args.cluster or DEFAULT_CLUSTER
@@ -192,8 +202,6 @@ def cluster_from_args(args: argparse.Namespace, recipe_data: dict[str, dict]) ->
         total = gpus or per_node
         cluster = _regroup(ClusterSpec(name="custom", gpu=args.gpu), total, per_node)
     else:  # from the recipe, through the recipe code
-        from fivefold.spec.recipe import cluster_from_dict
-
         cluster = cluster_from_dict({**section, **({"gpus": gpus} if gpus else {})})
     if args.nvlink_gbps is not None:
         cluster = cluster.with_(intra_node_bw=parse_gbps(args.nvlink_gbps, "--nvlink-gbps"))
@@ -261,8 +269,6 @@ def pinned_fields(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def precisions_from_args(args: argparse.Namespace) -> list[str]:
-    from fivefold.spec.precision import RECIPES
-
     if not args.precision:
         return ["bf16-mixed"]
     names = [p.strip() for p in args.precision.split(",") if p.strip()]
@@ -306,10 +312,6 @@ def layout_from_args(
     args: argparse.Namespace, model: Any, cluster: Any, recipe_plan: dict[str, Any]
 ) -> Any:
     """The one layout `plan estimate` costs, from the recipe's [plan] and the flags."""
-    from fivefold.planner.outcomes import batch_target
-    from fivefold.spec.plan import ParallelPlan
-    from fivefold.spec.recipe import build
-
     pins = pinned_fields(args)
     problems: list[str] = []
     typed = build(ParallelPlan, dict(recipe_plan), "plan", problems)
@@ -388,8 +390,6 @@ def has_recipe(args: argparse.Namespace) -> bool:
 
 def recipe_items(args: argparse.Namespace) -> dict[str, dict]:
     """The positional recipe and overrides as raw sections (validated later, field by field)."""
-    from fivefold.spec.recipe import SECTIONS, merge, parse_overrides, read_toml
-
     items = list(args.items or [])
     data: dict[str, dict] = {}
     if items and "=" not in items[0]:
@@ -411,9 +411,6 @@ def recipe_items(args: argparse.Namespace) -> dict[str, dict]:
 
 def _recipe_global_batch(plan_values: dict[str, Any]) -> int:
     """The global batch (sequences) a recipe's [plan] implies: the search's default target."""
-    from fivefold.spec.plan import ParallelPlan
-    from fivefold.spec.recipe import build
-
     problems: list[str] = []
     plan = build(ParallelPlan, dict(plan_values), "plan", problems)
     if problems or plan is None:

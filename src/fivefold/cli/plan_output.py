@@ -6,12 +6,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fivefold.planner.budget import BUDGET_KEYS, DAY_S, budget, budget_lines
+from fivefold.planner.uncertainty import band_json
+from fivefold.spec.plan import ParallelPlan
+from fivefold.spec.profile import load_profile
+
 
 def budget_of(est: Any, inputs: Any) -> Any:
     """The token-budget answer (`fivefold.planner.budget.Budget`) of one estimate; None without
     a token count."""
-    from fivefold.planner.budget import budget
-
     if inputs is None:
         return None
     return budget(est.model, est.cluster, est.plan, est.step_time_s, inputs)
@@ -19,8 +22,6 @@ def budget_of(est: Any, inputs: Any) -> Any:
 
 def _brief_budget(b: Any) -> str:
     """'  41.2 d  63,258 GPU-h  goodput 97.1%' for an alternative's line ('' without one)."""
-    from fivefold.planner.budget import DAY_S
-
     if b is None:
         return ""
     if not b.progresses:
@@ -100,15 +101,11 @@ def _recipe_words(est_json: dict[str, Any]) -> str:
 
 
 def _describe(plan_dict: dict[str, Any]) -> str:
-    from fivefold.spec.plan import ParallelPlan
-
     return ParallelPlan(**plan_dict).describe()
 
 
 def budget_section(data: dict[str, dict]) -> dict[str, Any]:
     """The recipe's token-budget [planner] fields, kept in a recipe written by --out."""
-    from fivefold.planner.budget import BUDGET_KEYS
-
     section = data.get("planner", {})
     return {k: section[k] for k in BUDGET_KEYS if isinstance(section, dict) and k in section}
 
@@ -117,7 +114,6 @@ def print_profile(cluster: Any) -> None:
     """Say which device profile a measured machine's figures come from, and when it was made."""
     if not cluster.profile:
         return
-    from fivefold.spec.profile import load_profile
 
     created = load_profile(cluster.profile).created
     print(f"device profile: {cluster.profile}" + (f" (measured {created})" if created else ""))
@@ -156,8 +152,6 @@ def recipe_header(model: Any, cluster: Any, best: dict[str, Any]) -> str:
 def search_json(shown: SearchShown, planner: dict[str, Any]) -> dict[str, Any]:
     """`fivefold plan --json`: the best estimate with budgets, alternatives, rejections, the
     explanation, the band and the search's own figures."""
-    from fivefold.planner.uncertainty import band_json
-
     result, inputs = shown.result, shown.inputs
     answer = budget_of(result.best, inputs)
     out = dict(shown.best)
@@ -187,8 +181,6 @@ def search_json(shown: SearchShown, planner: dict[str, Any]) -> dict[str, Any]:
 def print_search(shown: SearchShown, comparison: str | None) -> None:
     """`fivefold plan` in text: the best layout, why, the next best and what was searched;
     `comparison` is the line on the recipe's own layout, when a recipe gave one."""
-    from fivefold.planner.budget import budget_lines
-
     result, best = shown.result, shown.best
     model, cluster = result.model, result.cluster
     print(

@@ -28,6 +28,9 @@ from typing import Any
 
 from fivefold.errors import ConfigError
 from fivefold.explore.rank_grid import rank_grid
+from fivefold.planner.budget import budget, budget_inputs
+from fivefold.planner.estimate import estimate
+from fivefold.planner.explain import explain
 from fivefold.planner.frameworks import (
     DEFAULT_PROFILE,
     SECTION_KEYS,
@@ -43,6 +46,7 @@ from fivefold.planner.request import (
     grad_accum_for,
     resolve_request,
 )
+from fivefold.planner.search import search
 from fivefold.planner.uncertainty import risk_problems
 from fivefold.spec.cluster import CLUSTER_PRESETS, ClusterSpec
 from fivefold.spec.geometry import RECOMPUTE_POLICIES
@@ -244,8 +248,6 @@ def json_safe(value: Any) -> Any:
 
 def _budget_inputs(body: dict[str, Any]) -> Any:
     """The request's token-budget inputs (its `planner` table), or None without `tokens`."""
-    from fivefold.planner.budget import budget_inputs
-
     table = body.get("planner", {})
     try:
         return budget_inputs(table if isinstance(table, dict) else {}, {})
@@ -255,16 +257,12 @@ def _budget_inputs(body: dict[str, Any]) -> Any:
 
 def _budget_json(est: Any, inputs: Any) -> dict[str, Any] | None:
     """The token-budget answer of one estimate (None without a token count)."""
-    from fivefold.planner.budget import budget
-
     if inputs is None:
         return None
     return budget(est.model, est.cluster, est.plan, est.step_time_s, inputs).to_json()
 
 
 def _estimate(layout: Layout) -> Any:
-    from fivefold.planner.estimate import estimate
-
     try:
         return estimate(layout.model, layout.cluster, layout.plan, layout.planner.options)
     except ConfigError as err:
@@ -411,9 +409,6 @@ def _parse_search(body: Any) -> tuple[PlanRequest, dict[str, Any]]:
 
 def search_view(body: Any) -> dict[str, Any]:
     """POST /api/search: the best layouts for a model, cluster and batch target, explained."""
-    from fivefold.planner.explain import explain
-    from fivefold.planner.search import search
-
     request, body = _parse_search(body)
     resolved = resolve_request(request)
     inputs = _budget_inputs(body)

@@ -20,6 +20,10 @@ import time
 from http import HTTPStatus
 from typing import Any
 
+from fivefold.errors import ConfigError
+from fivefold.explore import api
+from fivefold.explore.api import ApiError
+
 MEMORY_LIMIT_BYTES = 4 * 2**30
 TIME_LIMIT_S = 120.0
 POLL_S = 0.1
@@ -31,12 +35,10 @@ class ClientGone(Exception):
 
 def _child(view_name: str, body: Any, conn: Any, memory_limit_bytes: int) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (memory_limit_bytes, memory_limit_bytes))
-    from fivefold.errors import ConfigError
-    from fivefold.explore import api
 
     try:
         conn.send(("ok", getattr(api, view_name)(body)))
-    except api.ApiError as err:
+    except ApiError as err:
         conn.send(("problems", (err.problems, int(err.status))))
     except ConfigError as err:
         conn.send(("problems", (err.problems, int(HTTPStatus.BAD_REQUEST))))
@@ -68,8 +70,6 @@ def run_bounded(
 ) -> dict[str, Any]:
     """`fivefold.explore.api.<view_name>(body)` in a child process; its answer, or ApiError
     (bad request, over the memory or time limit), or ClientGone."""
-    from fivefold.explore.api import ApiError
-
     ctx = mp.get_context("spawn")
     receiver, sender = ctx.Pipe(duplex=False)
     proc = ctx.Process(

@@ -19,6 +19,9 @@ from fivefold.launch.shielded_import import hold_signals, signals_held
 if __name__ == "__main__":
     hold_signals()  # before any other import: a signal waits for `main`, which handles it
 
+# The other imports are inside the functions: as a program's entry this module holds signals
+# before importing anything else, and fivefold.launch imports torch only lazily.
+
 QUIET_LOGGERS = "torch.distributed.elastic"
 
 

@@ -40,6 +40,9 @@ from fivefold.launch.rank_report import (
     read_reports,
     summarize,
 )
+from fivefold.launch.threads import passive_wait
+from fivefold.spec.profile import available_cores
+from fivefold.spec.profile import threads_per_rank as profile_threads_per_rank
 
 RDZV_PORT = 29500
 SLURM_MAX_RESTARTS = 3  # a cluster job restarts by default: failures are routine at scale
@@ -51,10 +54,7 @@ POLL_S = 0.2
 def threads_per_rank(nproc: int) -> int:
     """CPU threads each rank may use so N ranks do not oversubscribe the cores available (the
     rule the planner's device profiles assume, `fivefold.spec.profile.threads_per_rank`)."""
-    from fivefold.spec.profile import available_cores
-    from fivefold.spec.profile import threads_per_rank as rule
-
-    return rule(nproc, available_cores())
+    return profile_threads_per_rank(nproc, available_cores())
 
 
 def train_args(recipe_path: str | Path | None, overrides: list[str]) -> list[str]:
@@ -107,7 +107,6 @@ def launch_local(
         raise ConfigError(f"--nproc {nproc}: the number of processes must be at least 1.")
     if max_restarts_problems(max_restarts):
         raise ConfigError(max_restarts_problems(max_restarts))
-    from fivefold.launch.threads import passive_wait
 
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(threads_per_rank(nproc)))

@@ -94,7 +94,7 @@ def gpu_free_bytes(count: int, in_process: bool = False) -> list[int] | None:
     `in_process` (this process trains on GPU 0 itself) CUDA's own count when NVML is missing.
     None where neither answers."""
     try:
-        import torch
+        import torch  # lazily: the launcher calls this and must not load torch before the ranks
 
         if not torch.cuda.is_available() or torch.cuda.device_count() < count:
             return None

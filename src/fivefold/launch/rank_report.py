@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -195,8 +196,6 @@ def _final_attempt(
 
 
 def _signal_name(number: int) -> str:
-    import signal
-
     try:
         return signal.Signals(number).name
     except ValueError:

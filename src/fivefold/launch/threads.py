@@ -32,7 +32,7 @@ def passive_wait(env: MutableMapping[str, str] = os.environ) -> None:
 def configure_threads() -> int:
     """Use `available_cores()` intra-op threads unless OMP_NUM_THREADS is set; returns the
     number torch now uses."""
-    import torch
+    import torch  # lazily: the CLI imports this module before torch (see passive_wait)
 
     if THREADS_ENV not in os.environ:
         torch.set_num_threads(available_cores())

@@ -117,6 +117,7 @@ class ParallelDims:
 
     def build_meshes(self, device_type: str) -> Meshes:
         """Create the 5-D mesh and its flattened views; collective: every rank must call it."""
+        # lazily: ParallelDims checks degrees where torch is not loaded (fivefold.train.entry)
         from torch.distributed.device_mesh import init_device_mesh
 
         world = init_device_mesh(device_type, self.shape, mesh_dim_names=AXES)

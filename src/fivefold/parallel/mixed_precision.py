@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from fivefold.errors import ConfigError
+from fivefold.parallel.device import real_bf16
 from fivefold.spec.plan import RUNTIME_COMPUTE_DTYPES
 from fivefold.spec.precision import recipe as precision_recipe
 
@@ -42,13 +43,10 @@ def resolve_precision(name: str, device: torch.device) -> RuntimePrecision:
     assert spec.compute_dtype in RUNTIME_COMPUTE_DTYPES, "refused by ParallelPlan.problems"
     if spec.compute_dtype == "fp32":
         return RuntimePrecision(name, "fp32", None)
-    if device.type == "cuda":
-        from fivefold.parallel.device import real_bf16
-
-        if not real_bf16():
-            raise ConfigError(
-                f"plan.precision = {name!r} needs bf16, which "
-                f"{torch.cuda.get_device_name(device)} only emulates (slowly) or lacks; set "
-                "plan.precision = 'fp32'."
-            )
+    if device.type == "cuda" and not real_bf16():
+        raise ConfigError(
+            f"plan.precision = {name!r} needs bf16, which "
+            f"{torch.cuda.get_device_name(device)} only emulates (slowly) or lacks; set "
+            "plan.precision = 'fp32'."
+        )
     return RuntimePrecision(name, "bf16", torch.bfloat16)

@@ -42,6 +42,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.pipelining import PipelineStage, schedules
+from torch.distributed.tensor import DTensor
 
 from fivefold.model.loss import IGNORE_INDEX, cross_entropy_loss
 from fivefold.planner.partition import stage_layer_counts
@@ -150,7 +153,6 @@ def _recording_stage(collector: _AuxLossCollector, *args: Any, **kwargs: Any):
 
     And it makes the split backward of zbv/dualpipev (input gradients first, weight gradients
     later) correct under ZeRO-3: see `_unshard_for_split_backward`."""
-    from torch.distributed.pipelining import PipelineStage
 
     class RecordingStage(PipelineStage):
         def forward_one_chunk(self, *chunk_args: Any, **chunk_kwargs: Any):
@@ -203,8 +205,6 @@ def _unshard_for_split_backward(chunk: nn.Module) -> None:
     hooks would gather the same units) and one per unit for a weight pass that follows a
     re-shard. A no-op for an unsharded unit (ZeRO-1/2 within a step, DDP, no DP).
     """
-    from torch.distributed.fsdp import FSDPModule
-
     for module in chunk.modules():
         if isinstance(module, FSDPModule):
             module.unshard()
@@ -212,15 +212,11 @@ def _unshard_for_split_backward(chunk: nn.Module) -> None:
 
 def _fsdp_units(chunks: Sequence[nn.Module]) -> list[nn.Module]:
     """Every FSDP-wrapped module of the chunks (blocks, experts, chunk roots)."""
-    from torch.distributed.fsdp import FSDPModule
-
     return [m for chunk in chunks for m in chunk.modules() if isinstance(m, FSDPModule)]
 
 
 def _plain_scalar(x: torch.Tensor) -> torch.Tensor:
     """A detached fp64 plain tensor from a (possibly DTensor, e.g. under loss_parallel) scalar."""
-    from torch.distributed.tensor import DTensor
-
     if isinstance(x, DTensor):
         x = x.full_tensor()
     return x.detach().double()
@@ -249,8 +245,6 @@ class PipelineRunner:
         *,
         scale_grads: bool = True,
     ) -> None:
-        from torch.distributed.pipelining import schedules
-
         assert not plan.problems(), plan.problems()  # schedule, vpp, micro-batch count rules
         self.plan = plan
         self.device = torch.device(device)

@@ -14,7 +14,9 @@ from typing import TYPE_CHECKING
 
 from fivefold.errors import ConfigError, TrainingError
 
-if TYPE_CHECKING:  # torch is imported where it is used: `fivefold train --help` stays light
+# torch (and fivefold.model, which needs it) is imported lazily, inside the functions:
+# `fivefold --help` imports this module (through fivefold.checkpoint.elastic) without torch.
+if TYPE_CHECKING:
     import torch
 
 RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"

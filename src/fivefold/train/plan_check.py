@@ -37,7 +37,35 @@ from dataclasses import asdict, dataclass, field, replace
 from types import SimpleNamespace
 from typing import Any
 
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import schedules
+from torch.distributed.pipelining._utils import (
+    InferenceMode,
+    _StageBackwardMeta,
+    _StageForwardMeta,
+    _TensorMeta,
+)
+from torch.distributed.pipelining.stage import PipelineStage
+from torch.distributed.tensor import _sharding_prop
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+import fivefold.model.init as model_init
+from fivefold.parallel.expert_parallel import AllToAllDispatcher
+from fivefold.parallel.mesh import ParallelDims
+from fivefold.parallel.mixed_precision import resolve_precision
+from fivefold.parallel.report import memory_only_prediction
+from fivefold.parallel.runtime import DistributedRuntime
+from fivefold.planner.schedule import build_schedule
 from fivefold.spec.recipe import Recipe
+from fivefold.train.config import TrainConfig
+from fivefold.train.data.batching import Batch
+from fivefold.train.memory_counter import track_cpu_peak
+from fivefold.train.optim import build_optimizer
 from fivefold.units import GiB as GIB
 
 PIPELINE_TRACKER_NOTE = (
@@ -97,8 +125,6 @@ def micro_batches_to_run(plan: Any) -> int:
 def _inflight_with_grads(plan: Any) -> list[dict[frozenset, int]]:
     """Per pipeline rank, for each set of chunks whose gradients exist (a backward of theirs
     has ended), the most micro-batches in flight at a forward (`fivefold.planner.schedule`)."""
-    from fivefold.planner.schedule import build_schedule
-
     schedule = build_schedule(plan.schedule, plan.pp, plan.vpp, plan.grad_accum)
     release = "W" if schedule.split_backward else "B"
     out = []
@@ -120,8 +146,6 @@ def check_plan(
 ) -> list[RankCheck]:
     """Check every representative rank of `recipe` in a world of `world` ranks (default: the
     cluster's GPUs), each in a fresh process, as many at once as this machine has cores."""
-    from fivefold.parallel.report import memory_only_prediction
-
     run = micro_batches_to_run(recipe.plan)
     recipe = replace(recipe, plan=recipe.plan.with_(grad_accum=run))
     # Predicted for the micro-batches run: a pipeline keeps per-micro-batch receive slots and
@@ -159,12 +183,6 @@ def _check_rank(recipe: Recipe, rank: int, world: int) -> dict[str, Any]:
 
 
 def _measure(recipe: Recipe, rank: int, world: int) -> dict[str, Any]:
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.mem_tracker import MemTracker
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
-
-    from fivefold.train.memory_counter import track_cpu_peak
-
     fake_tensors = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
     with fake_world(recipe, rank, world), fake_tensors:
         runtime = _CheckedRuntime(recipe)
@@ -174,7 +192,7 @@ def _measure(recipe: Recipe, rank: int, world: int) -> dict[str, Any]:
         with track_cpu_peak(runtime.model_parts, optimizer) as reading:
             # Made inside the counter: MemTracker keeps the `UntypedStorage.resize_` it finds
             # when made and restores it around its own, so FSDP2's frees reach both.
-            tracker = _tracker_class(MemTracker)() if recipe.plan.pp == 1 else None
+            tracker = _EveryMicroBatchTracker() if recipe.plan.pp == 1 else None
             if tracker is not None:
                 tracker.track_external(*runtime.model_parts, optimizer)
             with tracker or contextlib.nullcontext():
@@ -193,28 +211,25 @@ def _measure(recipe: Recipe, rank: int, world: int) -> dict[str, Any]:
     return result
 
 
-def _tracker_class(base: type) -> type:
-    class EveryMicroBatchTracker(base):
-        """torch's MemTracker, which refuses a root module called twice in one step (it takes
-        it for a second iteration): each micro-batch's forward starts that module's statistics
-        anew; the whole step's peak is unaffected."""
+class _EveryMicroBatchTracker(MemTracker):
+    """torch's MemTracker, which refuses a root module called twice in one step (it takes it
+    for a second iteration): each micro-batch's forward starts that module's statistics anew;
+    the whole step's peak is unaffected."""
 
-        def _pre_fw_hook(self, module, inputs) -> None:
-            if module in self.memory_tracking and not self._mod_tracker.is_bw:
-                name = self._mod_tracker.get_known_fqn(module)
-                if set(self._mod_tracker.parents) - {name} == {"Global"}:
-                    del self.memory_tracking[module]
-            super()._pre_fw_hook(module, inputs)
+    def _pre_fw_hook(self, module, inputs) -> None:
+        if module in self.memory_tracking and not self._mod_tracker.is_bw:
+            name = self._mod_tracker.get_known_fqn(module)
+            if set(self._mod_tracker.parents) - {name} == {"Global"}:
+                del self.memory_tracking[module]
+        super()._pre_fw_hook(module, inputs)
 
-        def _update_peak_stats(self, peak_state) -> None:
-            """Only the whole step's peak: torch's per-module peaks walk every module at every
-            op (minutes on a 32-layer model), and this check reads none of them."""
-            for device, snapshot in self._curr_mem_snap.items():
-                if self._peak_mem.get(device, 0) < snapshot["Total"]:
-                    self._peak_mem[device] = snapshot["Total"]
-                    self._peak_mem_snap[device] = dict(snapshot)
-
-    return EveryMicroBatchTracker
+    def _update_peak_stats(self, peak_state) -> None:
+        """Only the whole step's peak: torch's per-module peaks walk every module at every op
+        (minutes on a 32-layer model), and this check reads none of them."""
+        for device, snapshot in self._curr_mem_snap.items():
+            if self._peak_mem.get(device, 0) < snapshot["Total"]:
+                self._peak_mem[device] = snapshot["Total"]
+                self._peak_mem_snap[device] = dict(snapshot)
 
 
 def _step(runtime: Any, optimizer: Any, batches: list) -> None:
@@ -228,8 +243,6 @@ def _step(runtime: Any, optimizer: Any, batches: list) -> None:
 
 def _make_optimizer_state(runtime: Any, optimizer: Any) -> None:
     """The optimizer state a previous step leaves (AdamW makes it in its first step)."""
-    import torch
-
     params = [p for part in runtime.model_parts for p in part.parameters()]
     for param in params:
         param.grad = torch.zeros_like(param)
@@ -238,18 +251,11 @@ def _make_optimizer_state(runtime: Any, optimizer: Any) -> None:
 
 
 def _optimizer(runtime: Any, recipe: Recipe) -> Any:
-    from fivefold.train.config import TrainConfig
-    from fivefold.train.optim import build_optimizer
-
     return build_optimizer(runtime.model_parts, TrainConfig(), recipe.plan)
 
 
 def _micro_batches(recipe: Recipe) -> list:
     """grad_accum micro-batches of one document per row (full sequences), on the CPU."""
-    import torch
-
-    from fivefold.train.data.batching import Batch
-
     b, t = recipe.plan.micro_batch, recipe.model.seq_len
     out = []
     for _ in range(recipe.plan.grad_accum):
@@ -264,35 +270,21 @@ def _settings() -> SimpleNamespace:
     return SimpleNamespace(device="cpu", seed=0, steps=1, memory_step=0, compile=False)
 
 
-def _checked_runtime_class():
-    from fivefold.parallel.runtime import DistributedRuntime
+class _CheckedRuntime(DistributedRuntime):
+    """The distributed runtime without its layout report, which gathers measured values over
+    the group."""
 
-    class CheckedRuntime(DistributedRuntime):
-        """The distributed runtime without its layout report, which gathers measured values
-        over the group."""
+    def __init__(self, recipe: Recipe) -> None:
+        super().__init__(recipe, _settings())
 
-        def __init__(self, recipe: Recipe) -> None:
-            super().__init__(recipe, _settings())
-
-        def _after_step(self, seconds: float, timed: bool = True) -> None:
-            self._steps += 1
-
-    return CheckedRuntime
-
-
-def _CheckedRuntime(recipe: Recipe) -> Any:
-    return _checked_runtime_class()(recipe)
+    def _after_step(self, seconds: float, timed: bool = True) -> None:
+        self._steps += 1
 
 
 @contextlib.contextmanager
 def fake_world(recipe: Recipe, rank: int, world: int) -> Iterator[None]:
     """This process as `rank` of a fake world of `world` ranks, with the patches the module
     docstring lists; undone on exit."""
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    import fivefold.model.init as model_init
-
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     saved: list[tuple[Any, str, Any]] = []
     absent = object()
@@ -319,7 +311,6 @@ def fake_world(recipe: Recipe, rank: int, world: int) -> Iterator[None]:
 
 def _real_tensors(fn):
     """`fn` with fake tensors switched off (DeviceMesh's rank tensor is real)."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -330,10 +321,6 @@ def _real_tensors(fn):
 
 
 def _patch_device_mesh(patch) -> None:
-    from torch.distributed.device_mesh import DeviceMesh
-
-    from fivefold.parallel.mesh import ParallelDims
-
     patch(ParallelDims, "build_meshes", _real_tensors(ParallelDims.build_meshes))
 
     for name, attr in list(vars(DeviceMesh).items()):
@@ -351,9 +338,6 @@ def _patch_sharding_propagation(patch) -> None:
     mode, or a fresh one when none is active (as in a real run, where they hold no memory);
     here the active mode is the check's own, so give the derivation a mode of its own, which
     the counters skip."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed.tensor import _sharding_prop
-
     own_mode = FakeTensorMode(allow_non_fake_inputs=True)
     patch(_sharding_prop, "detect_fake_mode", lambda *args, **kwargs: own_mode)
 
@@ -361,7 +345,6 @@ def _patch_sharding_propagation(patch) -> None:
 def _patch_expert_dispatch(patch) -> None:
     """Routing is data a fake tensor does not have: the all-to-all splits become the balanced
     ones (each EP rank sends an equal share of its N*K token copies to every rank)."""
-    from fivefold.parallel.expert_parallel import AllToAllDispatcher
 
     def balanced(self, counts, recv_counts, copies: int) -> tuple[list[int], list[int]]:
         share = [copies // self.ep + (1 if r < copies % self.ep else 0) for r in range(self.ep)]
@@ -373,11 +356,6 @@ def _patch_expert_dispatch(patch) -> None:
 def _hidden_meta(recipe: Recipe, requires_grad: bool):
     """What a pipeline stage sends its neighbour: hidden states [b, T/cp/(tp if sp), h] in the
     compute dtype (the last block's output: FSDP2 casts the blocks' inputs, not their outputs)."""
-    import torch
-    from torch.distributed.pipelining._utils import _TensorMeta
-
-    from fivefold.parallel.mixed_precision import resolve_precision
-
     spec, plan = recipe.model, recipe.plan
     t = spec.seq_len // plan.cp // (plan.tp if plan.sp else 1)
     shape = torch.Size((plan.micro_batch, t, spec.hidden))
@@ -387,12 +365,6 @@ def _hidden_meta(recipe: Recipe, requires_grad: bool):
 
 def _patch_pipelining(patch, recipe: Recipe) -> None:
     """Stages infer their metadata locally (see the module docstring)."""
-    from torch.distributed.pipelining import schedules, stage
-    from torch.distributed.pipelining._utils import (
-        InferenceMode,
-        _StageBackwardMeta,
-        _StageForwardMeta,
-    )
 
     def local_inference(self, stages, has_backward, p2p_done=False) -> None:
         for each in stages:
@@ -406,8 +378,8 @@ def _patch_pipelining(patch, recipe: Recipe) -> None:
     for cls in list(vars(schedules).values()):
         if isinstance(cls, type) and "_warmup_p2p" in vars(cls):
             patch(cls, "_warmup_p2p", local_inference)
-    patch(stage.PipelineStage, "_recv_meta", receive_meta)
-    patch(stage.PipelineStage, "_send_meta", lambda self, meta, dst_stage: None)
+    patch(PipelineStage, "_recv_meta", receive_meta)
+    patch(PipelineStage, "_send_meta", lambda self, meta, dst_stage: None)
 
 
 def as_json(checks: list[RankCheck]) -> list[dict[str, Any]]:

@@ -20,6 +20,8 @@ from fivefold.errors import ConfigError
 from fivefold.train.data.packing import PackedSequences
 from fivefold.train.data.sampler import GlobalSampler
 
+# torch (and fivefold.model, which needs it) is imported lazily, inside `collate`: `fivefold
+# data` uses this package without torch.
 if TYPE_CHECKING:
     import torch
 
@@ -63,7 +65,6 @@ def document_offsets(doc_ids: np.ndarray) -> np.ndarray:
 
 def collate(seqs: PackedSequences, sample_ids: np.ndarray) -> Batch:
     """Stack samples `sample_ids` of `seqs` into a `Batch` of `len(sample_ids)` rows."""
-    # here: `fivefold data` uses this package without torch
     import torch
 
     from fivefold.model.loss import IGNORE_INDEX
