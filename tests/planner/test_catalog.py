@@ -11,8 +11,9 @@ from fivefold.planner.comm import group_link
 from fivefold.planner.efficiency import EfficiencyModel
 from fivefold.spec import ParallelPlan, cluster_preset, model_preset
 from fivefold.spec.cluster import ClusterSpec
-from fivefold.spec.hardware import GPUS, UNKNOWN_GPU, GiB, catalog_key_for_device, host
+from fivefold.spec.hardware import GPUS, UNKNOWN_GPU, catalog_key_for_device, host
 from fivefold.spec.recipe import cluster_from_dict
+from fivefold.units import GiB
 
 EFF = EfficiencyModel(nvlink_fraction=0.8, ib_fraction=0.9)
 NV_B = 1800e9 / 2 * 0.8  # NVLink 5, one direction, achieved

@@ -38,7 +38,8 @@ from fivefold.planner.search import search
 from fivefold.spec import ParallelPlan, cluster_preset, model_preset
 from fivefold.spec.cluster import ClusterSpec
 from fivefold.spec.flops import training_flops_per_token
-from fivefold.spec.hardware import GPUS, GiB, host
+from fivefold.spec.hardware import GPUS, host
+from fivefold.units import GiB
 
 LLAMA8 = model_preset("llama3-8b")
 H100x8 = cluster_preset("dgx-h100", 8)

@@ -12,7 +12,7 @@ from fivefold.planner.estimate import estimate
 from fivefold.planner.outcomes import TIE_FRACTION, batch_target
 from fivefold.planner.search import search
 from fivefold.spec import ParallelPlan, cluster_preset, model_preset
-from fivefold.spec.hardware import GiB
+from fivefold.units import GiB
 
 
 @pytest.fixture(scope="module")

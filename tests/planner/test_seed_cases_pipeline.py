@@ -11,7 +11,7 @@ from fivefold.planner.schedule import build_schedule
 from fivefold.planner.search import search
 from fivefold.planner.simulation import StageCosts, closed_form_bubble, simulate
 from fivefold.spec import ParallelPlan, cluster_preset, model_preset
-from fivefold.spec.hardware import GiB
+from fivefold.units import GiB
 
 
 # ---- "Pipeline bubble" table (seeds 002, 003, 004) -------------------------------------------

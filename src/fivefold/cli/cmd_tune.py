@@ -23,14 +23,15 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from fivefold.cli.intermixed import merge_intermixed
-from fivefold.errors import ConfigError
+from fivefold.errors import ConfigError, WorldSizeProblem
 from fivefold.launch.threads import configure_threads
+from fivefold.spec.geometry import RECOMPUTE_POLICIES
 from fivefold.units import GiB as GIB
 
 # torch, rich, fivefold.train and fivefold.parallel are imported inside the functions: `fivefold
 # --help` imports every command module (fivefold.cli.main) and must stay quick and torch-free.
 
-POLICIES = ("none", "selective", "full")  # cheapest first: each recomputes more
+POLICIES = RECOMPUTE_POLICIES  # cheapest first: each recomputes more
 
 _DESCRIPTION = """\
 Find, by running real training steps on this machine, the largest micro-batch that fits the
@@ -204,7 +205,7 @@ def _load(recipe: str, overrides: list[str], micro_batch: int, policy: str):
     try:
         run = load_run(recipe, [*overrides, *pinned], world_size=1)
     except ConfigError as err:
-        if not any(p.startswith("plan degrees") for p in err.problems):
+        if not any(isinstance(p, WorldSizeProblem) for p in err.problems):
             raise
         problems = [p for p in err.problems if not p.startswith("this run has")]
         raise ConfigError(
@@ -236,7 +237,7 @@ class TuneSession:
         from fivefold.train.runtime import LocalRuntime
 
         self.recipe, self.overrides = recipe, overrides
-        self.runtime = LocalRuntime(run.recipe)
+        self.runtime = LocalRuntime(run.recipe, run.train)
         self.optimizer = build_optimizer(self.runtime.model_parts, run.train, run.recipe.plan)
         self.data = load_train_data(run, 0, 1)
         self.policy = run.recipe.plan.recompute

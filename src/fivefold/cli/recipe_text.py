@@ -9,13 +9,13 @@ The comments are the ones beside each field in `TrainConfig`, `DataConfig` and `
 from __future__ import annotations
 
 import inspect
-import json
 import re
 from dataclasses import fields
 from functools import cache
 from typing import Any
 
 from fivefold.spec.plan import ParallelPlan
+from fivefold.spec.toml_text import toml_value as write_toml_value
 
 # fivefold.train.config (numpy, rich) is imported inside the functions: `fivefold --help`
 # imports every command module (fivefold.cli.main) and must stay quick.
@@ -51,14 +51,9 @@ def field_comments(cls: type) -> dict[str, str]:
 
 
 def toml_value(value: Any) -> str:
-    """A TOML literal for a plain value (bool, number, string, list of them)."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int | float):
-        return repr(value)
-    if isinstance(value, list):
-        return "[" + ", ".join(toml_value(v) for v in value) + "]"
-    return json.dumps(str(value))
+    """A TOML literal for a recipe value; anything not plain (a path, an enum) as its text."""
+    plain = isinstance(value, bool | int | float | str | list | dict)
+    return write_toml_value(value if plain else str(value))
 
 
 def commented_lines(cls: type, names: tuple[str, ...], given: dict[str, Any]) -> list[str]:

@@ -50,7 +50,7 @@ from fivefold.planner.search import search
 from fivefold.planner.uncertainty import risk_problems
 from fivefold.spec.cluster import CLUSTER_PRESETS, ClusterSpec
 from fivefold.spec.geometry import RECOMPUTE_POLICIES
-from fivefold.spec.hardware import GPU_ALIASES, GPUS, GiB
+from fivefold.spec.hardware import GPU_ALIASES, GPUS
 from fivefold.spec.model import ModelSpec, param_count
 from fivefold.spec.plan import CP_KINDS, SCHEDULES, ParallelPlan
 from fivefold.spec.precision import RECIPES
@@ -62,6 +62,7 @@ from fivefold.spec.recipe import (
     model_from_dict,
     recipe_from_dict,
 )
+from fivefold.units import GiB
 
 # What the explorer accepts: generous for real clusters, small enough that one request stays
 # interactive (the pipeline timeline has 3 * pp * vpp * grad_accum events to draw).

@@ -1,12 +1,9 @@
 """The explanation of a search result: the rule-of-thumb staircase, in words with numbers.
 
-One line per step, each argued against its neighbours: TP inside a node, the micro-batch,
-pipeline stages, DP and its ZeRO stage, the batch through accumulation, CP and EP, recompute,
-the memory levers, the staircase taken literally (`fivefold.planner.staircase`), memory, how
-confident the prediction is (`fivefold.planner.uncertainty`), the published layouts of this
-model and cluster, and the runners-up and nearest rejections. Each comparison is with the best
-layout the search's own bounded search finds under that restriction. docs/planner.md, "The
-layout search", has the details.
+One line per decision (TP, micro-batch, PP, DP and ZeRO, batch, CP, EP, recompute, memory
+levers), each argued against the best layout the search finds under the other choice; then the
+staircase taken literally (`staircase`), memory, confidence (`uncertainty`), published layouts
+and runners-up. docs/planner.md, "The layout search", has the details.
 """
 
 from __future__ import annotations
@@ -14,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from fivefold.planner import uncertainty
 from fivefold.planner.candidates import tp_choices
 from fivefold.planner.efficiency import published_runs
 from fivefold.planner.estimate import estimate
@@ -23,23 +21,9 @@ from fivefold.planner.quantities import gib, seconds
 from fivefold.planner.rates import rates_for
 from fivefold.planner.search import collector_paused
 from fivefold.planner.staircase import rule_of_thumb_line
-from fivefold.planner.uncertainty import (
-    RESIDUAL_KIND,
-    WIDENING_PER_DOUBLING,
-    band,
-    calibrated_domain,
-    domain_distance,
-    held_out_residuals,
-    layout_point,
-    nearest_run,
-    published_layouts,
-    rank_tokens_per_s,
-    residual_range,
-    source_key,
-)
 from fivefold.spec.geometry import RECOMPUTE_POLICIES, dense_shard_degree
-from fivefold.spec.hardware import GiB
 from fivefold.spec.plan import ParallelPlan
+from fivefold.units import GiB
 
 COMPARE_BUDGET = 8  # full estimates per "best layout with ..." comparison
 
@@ -68,9 +52,11 @@ def slower_because(est: Any, best: Any, risk: str = "expected") -> str:
     risk "pessimistic", why a layout predicted faster ranks lower."""
     slower = 1 - est.tokens_per_s / best.tokens_per_s
     if risk != "expected" and slower < -TIE_FRACTION:
-        ranked = 1 - rank_tokens_per_s(est, risk) / rank_tokens_per_s(best, risk)
+        ranked = 1 - uncertainty.rank_tokens_per_s(est, risk) / uncertainty.rank_tokens_per_s(
+            best, risk
+        )
         if ranked > 0:
-            d = domain_distance(est.model, est.cluster, est.plan)
+            d = uncertainty.domain_distance(est.model, est.cluster, est.plan)
             return (
                 f"{-slower:.1%} faster as predicted, but {d:.1f} doublings outside the "
                 f"calibrated domain it is {ranked:.1%} slower at its band's slow end (risk = "
@@ -150,7 +136,7 @@ class _Explainer:
             self.rule_of_thumb(),
             memory_line(self.best, self.result.headroom),
             confidence_line(self.best, self.result.risk),
-            *(published_line(run, self.best) for run in published_layouts(m, c)),
+            *(published_line(run, self.best) for run in uncertainty.published_layouts(m, c)),
             *runners_up(self.result, self.slower),
         ]
         return [line for line in out if line]
@@ -406,7 +392,7 @@ def runners_up(result: SearchResult, slower: Callable[[Any], str]) -> list[str]:
 
 def price(est: Any) -> str:
     """'step 5.23 s, MFU 49.0 % (band 39.3-68.0 %)' (no band on a measured device)."""
-    b = band(est)
+    b = uncertainty.band(est)
     text = f"step {seconds(est.step_time_s)}, MFU {est.mfu:.1%}"
     if b is None:
         return text
@@ -418,7 +404,7 @@ def confidence_line(est: Any, risk: str | None = None) -> str:
     """The prediction's band, the calibrated domain and the closest published run; with a
     search's `risk`, what the search ranked by. On a measured device, where the published
     runs' errors say nothing, where its own errors are recorded instead."""
-    b = band(est)
+    b = uncertainty.band(est)
     if b is None:
         return (
             f"Confidence: predicted {price(est)} on {est.cluster.device.name}, a device measured "
@@ -428,21 +414,23 @@ def confidence_line(est: Any, risk: str | None = None) -> str:
             "2-core machine within 16 % of the measured step on every one of its 24 layouts, "
             "7.5 % on average); layouts are ranked by the prediction."
         )
-    r_lo, r_hi = residual_range()
-    sources = held_out_residuals()
+    r_lo, r_hi = uncertainty.residual_range()
+    sources = uncertainty.held_out_residuals()
     rows = sum(len(v) for v in sources.values())
     text = (
         f"Confidence: predicted {price(est)}. The planner's errors on {rows} published rows "
-        f"it was not fitted to ({len(sources)} sources, {RESIDUAL_KIND}) run from "
+        f"it was not fitted to ({len(sources)} sources, {uncertainty.RESIDUAL_KIND}) run from "
         f"{r_lo:+.1%} to {r_hi:+.1%} of the step time, so the measured step should lie in "
         f"{seconds(b.low_s)}-{seconds(b.high_s)}. "
     )
-    words = calibrated_domain().describe(layout_point(est.model, est.plan), est.cluster.device.arch)
+    words = uncertainty.calibrated_domain().describe(
+        uncertainty.layout_point(est.model, est.plan), est.cluster.device.arch
+    )
     if words:
         text += (
             f"OUTSIDE the calibrated domain by {b.distance:.1f} doublings ({'; '.join(words)}): "
-            f"the band is widened by {WIDENING_PER_DOUBLING:.0%} per doubling, so treat the "
-            "figure as a model's extrapolation. "
+            f"the band is widened by {uncertainty.WIDENING_PER_DOUBLING:.0%} per doubling, so "
+            "treat the figure as a model's extrapolation. "
         )
     else:
         text += "Inside the calibrated domain (every degree, tokens per GPU, size and GPU type "
@@ -450,7 +438,7 @@ def confidence_line(est: Any, risk: str | None = None) -> str:
     if risk is not None:
         ranked = "the slow end of the band" if risk == "pessimistic" else "the prediction"
         text += f"Ranked by {ranked} (risk = {risk}). "
-    setup, dist = nearest_run(est.model, est.cluster, est.plan)
+    setup, dist = uncertainty.nearest_run(est.model, est.cluster, est.plan)
     return text + f"Closest published run: {run_words(setup)} (distance {dist:.1f})."
 
 
@@ -479,7 +467,7 @@ def _source(setup: Any) -> str:
     if source:
         return str(source)
     row = next(r for r in published_runs() if str(r["id"]) == str(setup.row))
-    return source_key(row)
+    return uncertainty.source_key(row)
 
 
 def _field(plan: ParallelPlan, name: str) -> Any:

@@ -13,10 +13,11 @@ from fivefold.planner.lever_costs import fp8_flops_per_token, mfu_peak
 from fivefold.planner.levers import state_recipe
 from fivefold.planner.quantities import gib, seconds
 from fivefold.spec.flops import training_flops_per_token
-from fivefold.spec.hardware import GiB, GPUSpec
+from fivefold.spec.hardware import GPUSpec
 from fivefold.spec.model import ModelSpec
 from fivefold.spec.plan import ParallelPlan
 from fivefold.spec.precision import recipe
+from fivefold.units import GiB
 
 
 def levers_line(result: Any, compare: Callable[..., str]) -> str:

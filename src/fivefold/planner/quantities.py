@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fivefold.spec.hardware import GiB
+from fivefold.units import GiB
 
 
 def seconds(x: float) -> str:
