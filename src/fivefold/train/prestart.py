@@ -15,7 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fivefold.launch.machine_memory import available_bytes, gpu_free_bytes
 from fivefold.train.config import RunConfig
+from fivefold.train.inputs import path_problems
 from fivefold.units import GiB as GIB
 
 
@@ -99,7 +101,6 @@ def _fix(largest: str, ranks: int, cuda: bool) -> str:
 def memory_fit(run: RunConfig, nproc: int, cuda: bool) -> MemoryFit | None:
     """The planner's prediction for `nproc` local ranks against this machine's free memory;
     None when the planner has no prediction for this recipe."""
-    from fivefold.launch.machine_memory import available_bytes, gpu_free_bytes
     from fivefold.parallel.report import predictions_for
 
     memory, _, _ = predictions_for(run.recipe, cuda, fsdp_wrapped=nproc > 1)
@@ -119,7 +120,6 @@ def memory_fit(run: RunConfig, nproc: int, cuda: bool) -> MemoryFit | None:
 
 def prestart_problems(run: RunConfig, nproc: int, cuda: bool) -> list[str]:
     """Every reason this run cannot start on this machine (paths, checkpoint, memory)."""
-    from fivefold.train.inputs import path_problems
     from fivefold.train.resume import resume_problems
 
     fit = memory_fit(run, nproc, cuda)
