@@ -28,6 +28,10 @@ from fivefold.train.entry import (
 )
 from fivefold.train.prestart import memory_fit
 
+# torch loads lazily: `fivefold --help` imports this module at start-up (cli/main.py), so
+# train.loop, train.summary, parallel.report and train.plan_check (all torch) are imported
+# inside the functions that use them.
+
 _DESCRIPTION = """\
 Train the recipe's model on its data with the recipe's parallel plan. A recipe is a TOML file
 (see configs/) with [model] (a preset and/or fields), [plan] (tp, pp, dp_replicate, dp_shard,

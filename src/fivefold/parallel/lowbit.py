@@ -176,6 +176,7 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
 def lowbit_adamw_class(states: str) -> type[torch.optim.Optimizer]:
     """torchao's AdamW for `states` ("8bit" | "fp8") with checkpoint-neutral state dicts."""
     import_torchao()
+    # torchao is optional: imported lazily, only for 8bit/fp8 optimizer states
     from torchao.optim import AdamW8bit, AdamWFp8
 
     base = {"8bit": AdamW8bit, "fp8": AdamWFp8}[states]

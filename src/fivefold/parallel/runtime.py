@@ -401,6 +401,7 @@ def abort_process_group() -> None:
     """Tear down the default group without talking to the other ranks (never blocks on them).
     `_abort_process_group` is PyTorch's own (private) API for this; should it fail, the group is
     left to the process's exit, which the caller is about to reach anyway."""
+    # lazily: a private torch API, so a torch without it fails here only, on a failing path
     from torch.distributed.distributed_c10d import _abort_process_group
 
     with contextlib.suppress(Exception):  # best effort on a path that is already failing

@@ -27,6 +27,10 @@ from fivefold.spec.recipe import merge, parse_overrides, read_toml, recipe_from_
 from fivefold.train.config import RunConfig, parse_train_config, section_problems
 from fivefold.train.prestart import prestart_problems
 
+# torch loads lazily: `fivefold --help` imports this module (cli/cmd_train.py), and under
+# `python -m fivefold.train` signals are held until `main` imports the loop; so torch,
+# model.torch_features, train.optim and train.loop are imported inside their functions.
+
 RECIPE_SUFFIXES = (".toml",)
 RESUME_HELP = (
     "continue from the newest valid checkpoint in <run_dir>/ckpt, and say so when there is none "

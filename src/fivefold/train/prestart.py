@@ -20,6 +20,9 @@ from fivefold.train.config import RunConfig
 from fivefold.train.inputs import path_problems
 from fivefold.units import GiB as GIB
 
+# parallel.report and train.resume load torch: imported lazily, inside the functions, since
+# train.entry imports this module where torch is not loaded.
+
 
 @dataclass(frozen=True)
 class MemoryFit:
