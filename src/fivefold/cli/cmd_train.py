@@ -8,7 +8,7 @@ import time
 from fivefold.cli.intermixed import merge_intermixed
 from fivefold.cli.plan_check_report import format_checks
 from fivefold.errors import ConfigError
-from fivefold.launch.launcher import launch_local, max_restarts_problems
+from fivefold.launch import launcher
 from fivefold.parallel.device import pick_device
 from fivefold.parallel.mesh import ParallelDims
 from fivefold.planner.frameworks import DEFAULT_PROFILE, planner_settings
@@ -255,7 +255,7 @@ def handle(args: argparse.Namespace) -> int:
     if args.nproc < 1:
         raise ConfigError(f"--nproc {args.nproc}: the number of processes must be at least 1.")
     if args.max_restarts < 0:
-        raise ConfigError(max_restarts_problems(args.max_restarts))
+        raise ConfigError(launcher.max_restarts_problems(args.max_restarts))
     if args.plan == "auto":
         overrides += auto_plan_overrides(recipe_path, overrides, args.nproc)
     # validate before launching (a dry run shows its predictions first, then what is wrong)
@@ -334,4 +334,4 @@ def _plan_check_lines(recipe, nproc: int) -> str:
 def _launch(
     nproc: int, recipe_path: str | None, overrides: list[str], max_restarts: int, note: str = ""
 ) -> int:
-    return int(launch_local(nproc, recipe_path, overrides, max_restarts, memory_note=note))
+    return int(launcher.launch_local(nproc, recipe_path, overrides, max_restarts, memory_note=note))

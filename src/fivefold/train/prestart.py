@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fivefold.launch.machine_memory import available_bytes, gpu_free_bytes
+from fivefold.launch import machine_memory
 from fivefold.train.config import RunConfig
 from fivefold.train.inputs import path_problems
 from fivefold.units import GiB as GIB
@@ -114,10 +114,10 @@ def memory_fit(run: RunConfig, nproc: int, cuda: bool) -> MemoryFit | None:
         (stage["total"] * GIB, max(tenants, key=lambda t: stage.get(t, 0.0))) for stage in memory
     ]
     if cuda:
-        free = gpu_free_bytes(nproc, in_process=nproc == 1)
+        free = machine_memory.gpu_free_bytes(nproc, in_process=nproc == 1)
         free_bytes = min(free) if free else None
     else:
-        free_bytes = available_bytes()
+        free_bytes = machine_memory.available_bytes()
     return MemoryFit(stages, nproc, cuda, free_bytes)
 
 

@@ -18,8 +18,8 @@ import os
 import torch
 from torch import nn
 
+from fivefold import model as models
 from fivefold.errors import ConfigError
-from fivefold.model import build_model
 from fivefold.model.loss import cross_entropy_loss
 from fivefold.parallel.protocol import Runtime, StepResult, TrainSettings, batch_to, label_count
 from fivefold.parallel.runtime_core import (
@@ -53,7 +53,7 @@ class LocalRuntime(RuntimeCore):
         train = _settings(recipe, train)
         super().__init__(recipe, train)
         self.dp_rank, self.dp_size, self.world_size, self.is_main = 0, 1, 1, True
-        model = build_model(recipe.model)
+        model = models.build_model(recipe.model)
         apply_fp8(model, recipe.plan, self.device)
         model.to_empty(device=self.device)
         model.init_weights(seed=train.seed)
