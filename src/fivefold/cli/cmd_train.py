@@ -3,10 +3,34 @@
 from __future__ import annotations
 
 import argparse
+import time
 
 from fivefold.cli.intermixed import merge_intermixed
+from fivefold.cli.plan_check_report import format_checks
 from fivefold.errors import ConfigError
-from fivefold.train.entry import FRESH_HELP, RESUME_HELP, resume_overrides
+from fivefold.launch import launcher
+from fivefold.parallel.device import pick_device
+from fivefold.parallel.mesh import ParallelDims
+from fivefold.planner.frameworks import DEFAULT_PROFILE, planner_settings
+from fivefold.planner.search import search
+from fivefold.spec.profile import default_profile_path
+from fivefold.spec.recipe import cluster_from_dict, dump_recipe, model_from_dict, plan_from_dict
+from fivefold.train.entry import (
+    FRESH_HELP,
+    RESUME_HELP,
+    check_layout,
+    local_device,
+    local_problems,
+    recipe_data,
+    resume_overrides,
+    split_recipe_and_overrides,
+    with_default_profile,
+)
+from fivefold.train.prestart import memory_fit
+
+# torch loads lazily: `fivefold --help` imports this module at start-up (cli/main.py), so
+# train.loop, train.summary, parallel.report and train.plan_check (all torch) are imported
+# inside the functions that use them.
 
 _DESCRIPTION = """\
 Train the recipe's model on its data with the recipe's parallel plan. A recipe is a TOML file
@@ -166,11 +190,6 @@ def auto_plan_overrides(recipe_path: str | None, overrides: list[str], nproc: in
     are kept. A GPU run without [cluster] plans for the GPU it finds; a CPU run against the
     calibrated device profile (`fivefold calibrate`).
     """
-    from fivefold.planner.search import search
-    from fivefold.spec.profile import default_profile_path
-    from fivefold.spec.recipe import cluster_from_dict, model_from_dict, plan_from_dict
-    from fivefold.train.entry import recipe_data, with_default_profile
-
     data = with_default_profile(recipe_data(recipe_path, overrides), nproc)  # or this GPU's
     model = model_from_dict(data.get("model", {}))
     local = {"name": "local-cpu", "gpu": "cpu", "gpus": nproc}
@@ -211,8 +230,6 @@ def planner_section_settings(data: dict, device):
     profile), so a table describing other software is said to play no part in the
     prediction beside the run; `--plan auto` uses its `headroom`.
     """
-    from fivefold.planner.frameworks import DEFAULT_PROFILE, planner_settings
-
     section = data.get("planner") or {}
     settings = planner_settings(device, section)
     if settings.profile != DEFAULT_PROFILE or settings.overrides:
@@ -232,17 +249,13 @@ def _toml(value: object) -> str:
 
 
 def handle(args: argparse.Namespace) -> int:
-    from fivefold.train.entry import check_layout, local_problems, split_recipe_and_overrides
-
     args = reparse_items(args)
     recipe_path, overrides = split_recipe_and_overrides(args.items)
     overrides += _flag_overrides(args)
     if args.nproc < 1:
         raise ConfigError(f"--nproc {args.nproc}: the number of processes must be at least 1.")
     if args.max_restarts < 0:
-        from fivefold.launch.launcher import max_restarts_problems
-
-        raise ConfigError(max_restarts_problems(args.max_restarts))
+        raise ConfigError(launcher.max_restarts_problems(args.max_restarts))
     if args.plan == "auto":
         overrides += auto_plan_overrides(recipe_path, overrides, args.nproc)
     # validate before launching (a dry run shows its predictions first, then what is wrong)
@@ -263,8 +276,6 @@ def handle(args: argparse.Namespace) -> int:
 
 
 def _check_planner_table(recipe_path: str | None, overrides: list[str], run) -> None:
-    from fivefold.train.entry import recipe_data
-
     data = recipe_data(recipe_path, overrides)
     if data.get("planner"):
         planner_section_settings(data, run.recipe.cluster.device)
@@ -273,10 +284,7 @@ def _check_planner_table(recipe_path: str | None, overrides: list[str], run) -> 
 def dry_run_report(run, nproc: int) -> str:
     """The resolved recipe, the layout and the planner's predictions, as `--dry-run` prints
     them (the predictions are `fivefold.parallel.report`'s, the ones each run prints)."""
-    from fivefold.parallel.device import pick_device
-    from fivefold.parallel.mesh import ParallelDims
     from fivefold.parallel.report import predictions_for
-    from fivefold.spec.recipe import dump_recipe
 
     recipe = run.recipe
     cuda = pick_device(run.train.device).type == "cuda"
@@ -310,18 +318,12 @@ def dry_run_report(run, nproc: int) -> str:
 
 def _memory_note(run, nproc: int) -> str:
     """The planner's predicted peak against the free memory, said if a rank is SIGKILLed."""
-    from fivefold.train.entry import local_device
-    from fivefold.train.prestart import memory_fit
-
     fit = memory_fit(run, nproc, cuda=local_device(run.train.device).type == "cuda")
     return fit.describe() if fit is not None else ""
 
 
 def _plan_check_lines(recipe, nproc: int) -> str:
     """`fivefold plan check`'s table for this layout on `nproc` ranks (fake tensors)."""
-    import time
-
-    from fivefold.cli.plan_check_report import format_checks
     from fivefold.train.plan_check import check_plan
 
     started = time.perf_counter()
@@ -332,12 +334,4 @@ def _plan_check_lines(recipe, nproc: int) -> str:
 def _launch(
     nproc: int, recipe_path: str | None, overrides: list[str], max_restarts: int, note: str = ""
 ) -> int:
-    try:
-        from fivefold.launch.launcher import launch_local
-    except ImportError:
-        raise ConfigError(
-            f"--nproc {nproc} needs the parallel launcher (fivefold.launch.launcher), which is "
-            "not available in this installation; train with --nproc 1, or start `torchrun "
-            "--nproc-per-node N -m fivefold.train RECIPE` yourself."
-        ) from None
-    return int(launch_local(nproc, recipe_path, overrides, max_restarts, memory_note=note))
+    return int(launcher.launch_local(nproc, recipe_path, overrides, max_restarts, memory_note=note))

@@ -16,6 +16,7 @@ from fivefold.planner.budget import DEFAULT_RESTART_S
 from fivefold.planner.frameworks import DEFAULT_PROFILE, profiles
 from fivefold.planner.options import CHOICES, OPTION_HELP, PlannerOptions
 from fivefold.spec.geometry import OFFLOAD_KINDS, RECOMPUTE_POLICIES, SCHEDULES
+from fivefold.spec.plan import FP8_RECIPES, OPTIMIZER_STATES
 
 DESCRIPTION = """\
 Find the layout (tensor, pipeline with its schedule, data with its ZeRO stage, context and
@@ -178,13 +179,13 @@ def _add_layout_args(parser: argparse.ArgumentParser) -> None:
         ),
         (
             "--optimizer-states",
-            ("fp32", "8bit", "fp8"),
+            OPTIMIZER_STATES,
             "Adam's m and v (default fp32): torchao's 8bit/fp8, 1 byte + a scale per 256; a "
             "search tries 8bit only when nothing fits",
         ),
         (
             "--fp8",
-            ("none", "tensorwise", "rowwise"),
+            FP8_RECIPES,
             "FP8 linears through torchao float8 (default none; GPUs with FP8, e.g. h100-sxm); "
             "a search uses it only when given",
         ),

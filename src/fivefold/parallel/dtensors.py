@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -17,8 +18,6 @@ def as_dtensor(local: torch.Tensor, like: DTensor) -> DTensor:
 
     Built from a spec, as FSDP2 builds its offloaded shards: `DTensor.from_local` would move a
     host tensor to the mesh's device (CUDA) and lose its pinned memory."""
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-
     meta = TensorMeta(like.shape, like.stride(), local.dtype)
     spec = DTensorSpec(like.device_mesh, like.placements, tensor_meta=meta)
     return DTensor(local, spec, requires_grad=False)

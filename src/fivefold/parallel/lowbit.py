@@ -28,8 +28,13 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import (
+    _disable_current_modes,
+    _get_current_dispatch_mode,
+)
 
 from fivefold.errors import ConfigError
+from fivefold.parallel.compile import has_cpu_compiler
 from fivefold.parallel.dtensors import as_dtensor
 from fivefold.parallel.dtensors import local_tensor as _local
 from fivefold.planner.levers import TORCHAO_BLOCK as BLOCK_SIZE
@@ -54,8 +59,6 @@ def torchao_problems(field: str) -> list[str]:
 
 def compiler_problems(field: str, device: torch.device) -> list[str]:
     """On CPU torchao's update is compiled by inductor into C++: [] when a compiler is found."""
-    from fivefold.parallel.compile import has_cpu_compiler
-
     if device.type != "cpu" or has_cpu_compiler():
         return []
     return [
@@ -173,6 +176,7 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
 def lowbit_adamw_class(states: str) -> type[torch.optim.Optimizer]:
     """torchao's AdamW for `states` ("8bit" | "fp8") with checkpoint-neutral state dicts."""
     import_torchao()
+    # torchao is optional: imported lazily, only for 8bit/fp8 optimizer states
     from torchao.optim import AdamW8bit, AdamWFp8
 
     base = {"8bit": AdamW8bit, "fp8": AdamWFp8}[states]
@@ -184,11 +188,6 @@ def lowbit_adamw_class(states: str) -> type[torch.optim.Optimizer]:
             """torchao's step; under a dispatch mode (the CPU memory tracker), which its
             compiled update cannot trace through, with that mode paused: the tracker then sees
             the state change in place but not the update's transient buffers."""
-            from torch.utils._python_dispatch import (
-                _disable_current_modes,
-                _get_current_dispatch_mode,
-            )
-
             if _get_current_dispatch_mode() is None:
                 return super().step(closure)
             with _disable_current_modes():

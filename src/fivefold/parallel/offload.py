@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.distributed.tensor import DTensor
 
 from fivefold.parallel.dtensors import as_dtensor
@@ -36,8 +37,6 @@ HOST = torch.device("cpu")
 
 def cpu_offload_policy(device: torch.device):
     """FSDP2's offload policy for plan.offload = "all" (pinned host memory on CUDA)."""
-    from torch.distributed.fsdp import CPUOffloadPolicy
-
     return CPUOffloadPolicy(pin_memory=device.type == "cuda")
 
 

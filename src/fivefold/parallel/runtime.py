@@ -31,16 +31,26 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
+from fivefold.model import build_model
+from fivefold.model.init import init_module_weights
 from fivefold.model.loss import cross_entropy_loss
+from fivefold.parallel.context_parallel import shard_batch_for_cp
 from fivefold.parallel.data_parallel import set_gradient_sync
+from fivefold.parallel.grad_norm import clip_grads, global_grad_norm
+from fivefold.parallel.lowbit import adam_state_bytes
 from fivefold.parallel.mesh import Meshes, ParallelDims
+from fivefold.parallel.parallelize import parallelize_chunk
+from fivefold.parallel.pipeline import PipelineRunner, split_model_for_pipeline
 from fivefold.parallel.process_group import (
     collective_guard,
     init_distributed,
     shorten_timeout_after_first_step,
 )
 from fivefold.parallel.protocol import StepResult, TrainSettings, batch_to
+from fivefold.parallel.report import format_rows, record, stage_rows
 from fivefold.parallel.runtime_core import RuntimeCore, logits, token_count
 from fivefold.spec.recipe import Recipe
 
@@ -52,8 +62,6 @@ PeakTracker = Callable[[list[nn.Module], Any], AbstractContextManager[Any]]
 
 def _scalar(x: torch.Tensor) -> torch.Tensor:
     """A plain tensor from a (possibly DTensor) scalar, detached."""
-    from torch.distributed.tensor import DTensor
-
     if isinstance(x, DTensor):
         x = x.full_tensor()
     return x.detach().float()
@@ -109,15 +117,9 @@ class DistributedRuntime(RuntimeCore):
     def _build_parts(self, seed: int, compile: bool = False) -> list[nn.Module]:
         """This rank's chunks: meta model -> pipeline split -> parallelised -> materialised and
         initialised shard by shard from (seed, parameter name, global index)."""
-        from fivefold.model import build_model
-        from fivefold.model.init import init_module_weights
-        from fivefold.parallel.parallelize import parallelize_chunk
-
         model = build_model(self.spec)
         chunks = [model]
         if self.plan.pp > 1:
-            from fivefold.parallel.pipeline import split_model_for_pipeline
-
             chunks = split_model_for_pipeline(model, self.plan, self.pp_rank)
         self.dp_modules = []
         for chunk in chunks:
@@ -132,8 +134,6 @@ class DistributedRuntime(RuntimeCore):
     def _build_pipeline(self):
         if self.plan.pp == 1:
             return None
-        from fivefold.parallel.pipeline import PipelineRunner
-
         # The loss function already divides by the global token count: no rescaling by torch.
         return PipelineRunner(
             self.model_parts,
@@ -172,8 +172,6 @@ class DistributedRuntime(RuntimeCore):
     # ---- the step ----------------------------------------------------------------------------
     def _loss_context(self):
         if self.plan.tp > 1:
-            from torch.distributed.tensor.parallel import loss_parallel
-
             return loss_parallel()
         return contextlib.nullcontext()
 
@@ -183,8 +181,6 @@ class DistributedRuntime(RuntimeCore):
     def _prepare(self, batch: Any) -> Any:
         batch = batch_to(batch, self.device)
         if self.plan.cp > 1:
-            from fivefold.parallel.context_parallel import shard_batch_for_cp
-
             batch = shard_batch_for_cp(batch, self.cp_rank, self.plan.cp)
         return batch
 
@@ -329,8 +325,6 @@ class DistributedRuntime(RuntimeCore):
     def clip_grads(self, max_norm: float) -> torch.Tensor:
         """Global L2 norm over every shard, stage and rank (a 0-d tensor on the device: no
         host sync); clips to `max_norm` when it is > 0."""
-        from fivefold.parallel.grad_norm import clip_grads, global_grad_norm
-
         grads = self._grads()
         with collective_guard(f"step {self._steps}: the gradient-norm all-reduce"):
             total = global_grad_norm(grads, self.plan.pp)
@@ -357,8 +351,6 @@ class DistributedRuntime(RuntimeCore):
         assert self._track_peak is not None
         with self._track_peak(self.model_parts, None) as reading:
             yield
-        from fivefold.parallel.lowbit import adam_state_bytes
-
         adam = int(  # AdamW m and v, which this block does not see
             sum(
                 adam_state_bytes(_local_numel(p), self.plan.optimizer_states)
@@ -377,8 +369,6 @@ class DistributedRuntime(RuntimeCore):
         if self._steps > 1 and timed:  # the first step pays one-off set-up costs
             self._step_times_s.append(seconds)
         if self._steps == self._report_at:
-            from fivefold.parallel.report import format_rows, record, stage_rows
-
             result = stage_rows(self)
             if result is not None:
                 self.last_report = format_rows(self.plan.describe(), *result)
@@ -411,6 +401,7 @@ def abort_process_group() -> None:
     """Tear down the default group without talking to the other ranks (never blocks on them).
     `_abort_process_group` is PyTorch's own (private) API for this; should it fail, the group is
     left to the process's exit, which the caller is about to reach anyway."""
+    # lazily: a private torch API, so a torch without it fails here only, on a failing path
     from torch.distributed.distributed_c10d import _abort_process_group
 
     with contextlib.suppress(Exception):  # best effort on a path that is already failing
@@ -418,8 +409,6 @@ def abort_process_group() -> None:
 
 
 def _local_numel(param: torch.Tensor) -> int:
-    from torch.distributed.tensor import DTensor
-
     return param.to_local().numel() if isinstance(param, DTensor) else param.numel()
 
 

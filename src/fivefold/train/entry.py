@@ -18,8 +18,18 @@ from pathlib import Path
 from typing import Any
 
 from fivefold.errors import ConfigError, FivefoldError, WorldSizeProblem
+from fivefold.launch.rank_report import RankReport, attempt, mark_attempt, write_report
+from fivefold.launch.shielded_import import signals_held
+from fivefold.parallel.device import local_cluster_table, local_gpu, uses_cuda
+from fivefold.parallel.mesh import ParallelDims
+from fivefold.spec.profile import default_profile_path, load_profile
 from fivefold.spec.recipe import merge, parse_overrides, read_toml, recipe_from_dict
 from fivefold.train.config import RunConfig, parse_train_config, section_problems
+from fivefold.train.prestart import prestart_problems
+
+# torch loads lazily: `fivefold --help` imports this module (cli/cmd_train.py), and under
+# `python -m fivefold.train` signals are held until `main` imports the loop; so torch,
+# model.torch_features, train.optim and train.loop are imported inside their functions.
 
 RECIPE_SUFFIXES = (".toml",)
 RESUME_HELP = (
@@ -49,8 +59,6 @@ def world_size_from_env() -> int:
 
 
 def _trains_on_cpu(data: dict[str, dict[str, Any]]) -> bool:
-    from fivefold.parallel.device import uses_cuda
-
     return not uses_cuda(data.get("train", {}).get("device", "auto"))
 
 
@@ -58,8 +66,6 @@ def _native_bf16(data: dict[str, dict[str, Any]]) -> bool:
     """Whether this run's device computes bf16 natively (a GPU from Ampere on)."""
     if _trains_on_cpu(data):
         return False
-    from fivefold.parallel.device import local_gpu
-
     gpu = local_gpu()
     return gpu is not None and gpu.bf16
 
@@ -89,13 +95,9 @@ def with_default_profile(
     this fivefold cannot read (written by an older version, or damaged) is left out with a note
     on stderr saying how to measure again: the user did not name it, so it must not stop the
     run (a profile named in the recipe or with --cluster still does)."""
-    from fivefold.spec.profile import default_profile_path, load_profile
-
     if "cluster" in data:
         return data
     if not _trains_on_cpu(data):
-        from fivefold.parallel.device import local_cluster_table
-
         return merge(data, {"cluster": local_cluster_table(world or world_size_from_env())})
     path = default_profile_path()
     if not path.is_file():
@@ -147,7 +149,6 @@ def check_layout(
     the machine has free (`fivefold.train.prestart`) and its device must run the plan's memory
     levers (`fivefold.train.optim.lever_problems`); every problem in one error."""
     from fivefold.model.torch_features import torch_problems
-    from fivefold.parallel.mesh import ParallelDims
 
     run = load_run(recipe_path, overrides, world_size=world_size)
     ParallelDims.from_plan(run.recipe.plan, world_size)
@@ -163,7 +164,6 @@ def local_problems(run: RunConfig, world_size: int) -> list[str]:
     """Why `run` cannot start on this machine with `world_size` local processes: paths, the
     checkpoint, memory (`fivefold.train.prestart`) and the plan's memory levers."""
     from fivefold.train.optim import lever_problems
-    from fivefold.train.prestart import prestart_problems
 
     device = local_device(run.train.device)
     problems = prestart_problems(run, world_size, cuda=device.type == "cuda")
@@ -173,8 +173,6 @@ def local_problems(run: RunConfig, world_size: int) -> list[str]:
 def local_device(name: str):
     """The device `train.device` names on this machine (first GPU for "cuda"), no side effects."""
     import torch
-
-    from fivefold.parallel.device import uses_cuda
 
     return torch.device("cuda", 0) if uses_cuda(name) else torch.device("cpu")
 
@@ -214,9 +212,6 @@ def main(argv: list[str] | None = None) -> int:
     """Train; returns the exit status: 0, 2 after a user error, 128 + signal when interrupted.
     Under `fivefold train --nproc N` the message goes to the launcher, which prints it once
     (`fivefold.launch.rank_report`); otherwise this process prints it."""
-    from fivefold.launch.rank_report import attempt, mark_attempt
-    from fivefold.launch.shielded_import import signals_held
-
     args = build_parser().parse_args(argv)
     try:
         mark_attempt()
@@ -252,8 +247,6 @@ def _resumed(summary: Any) -> str:
 def _report(kind: str, message: str, code: int) -> int:
     """Hand `message` to the launcher, or print it (errors only; rank 0 already printed where
     an interrupted run stopped). Returns `code`."""
-    from fivefold.launch.rank_report import RankReport, attempt, write_report
-
     rank = int(os.environ.get("RANK", "0"))
     if not write_report(RankReport(rank, kind, message, code, attempt())) and kind == "error":
         prefix = f"[rank {rank}] " if world_size_from_env() > 1 else ""

@@ -19,7 +19,11 @@ from typing import Any
 import torch
 from rich.console import Console
 
+from fivefold.launch.host_memory import keep_freed_memory
+from fivefold.launch.threads import configure_threads
+from fivefold.parallel.report import format_rows, record, stage_rows
 from fivefold.spec.flops import training_flops_per_token
+from fivefold.spec.precision import recipe
 from fivefold.spec.recipe import dump_recipe
 from fivefold.train.checkpoint import RunCheckpoints, RunState, step_dir
 from fivefold.train.collect import ScheduledCollection
@@ -108,8 +112,6 @@ class Trainer:
         precision = getattr(self.runtime, "precision", None)
         if precision is not None:
             return precision.compute_dtype
-        from fivefold.spec.precision import recipe
-
         return recipe(self.recipe.plan.precision).compute_dtype
 
     # ---- set-up ---------------------------------------------------------------------------
@@ -405,8 +407,6 @@ class Trainer:
             return taken
         if hasattr(self.runtime, "last_report") or index + 1 != min(3, self.last_step):
             return None
-        from fivefold.parallel.report import format_rows, record, stage_rows
-
         timed = meter.seconds / meter.steps if meter.steps else step_s
         rows, note = stage_rows(self.runtime, step_s=timed)
         self.console.print(format_rows(self.recipe.plan.describe(), rows, note), markup=False)
@@ -451,9 +451,6 @@ def train(
     """Train `run` to `train.steps` (resuming per `train.resume`); returns the summary. Rank 0
     prints. A run whose newest checkpoint is already at its last step prints one line saying so
     and returns a summary with no losses (stop_reason "already_complete")."""
-    from fivefold.launch.host_memory import keep_freed_memory
-    from fivefold.launch.threads import configure_threads
-
     configure_threads()
     keep_freed_memory()
     stop = StopRequest()

@@ -15,8 +15,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fivefold.launch import machine_memory
 from fivefold.train.config import RunConfig
+from fivefold.train.inputs import path_problems
 from fivefold.units import GiB as GIB
+
+# parallel.report and train.resume load torch: imported lazily, inside the functions, since
+# train.entry imports this module where torch is not loaded.
 
 
 @dataclass(frozen=True)
@@ -99,7 +104,6 @@ def _fix(largest: str, ranks: int, cuda: bool) -> str:
 def memory_fit(run: RunConfig, nproc: int, cuda: bool) -> MemoryFit | None:
     """The planner's prediction for `nproc` local ranks against this machine's free memory;
     None when the planner has no prediction for this recipe."""
-    from fivefold.launch.machine_memory import available_bytes, gpu_free_bytes
     from fivefold.parallel.report import predictions_for
 
     memory, _, _ = predictions_for(run.recipe, cuda, fsdp_wrapped=nproc > 1)
@@ -110,16 +114,15 @@ def memory_fit(run: RunConfig, nproc: int, cuda: bool) -> MemoryFit | None:
         (stage["total"] * GIB, max(tenants, key=lambda t: stage.get(t, 0.0))) for stage in memory
     ]
     if cuda:
-        free = gpu_free_bytes(nproc, in_process=nproc == 1)
+        free = machine_memory.gpu_free_bytes(nproc, in_process=nproc == 1)
         free_bytes = min(free) if free else None
     else:
-        free_bytes = available_bytes()
+        free_bytes = machine_memory.available_bytes()
     return MemoryFit(stages, nproc, cuda, free_bytes)
 
 
 def prestart_problems(run: RunConfig, nproc: int, cuda: bool) -> list[str]:
     """Every reason this run cannot start on this machine (paths, checkpoint, memory)."""
-    from fivefold.train.inputs import path_problems
     from fivefold.train.resume import resume_problems
 
     fit = memory_fit(run, nproc, cuda)

@@ -17,6 +17,9 @@ from pathlib import Path
 from rich.console import Console
 
 from fivefold.checkpoint.elastic import resume_mode, should_resume
+from fivefold.checkpoint.manifest import newest_valid
+from fivefold.checkpoint.state import check_model_spec, read_state
+from fivefold.errors import CheckpointError
 from fivefold.train.checkpoint import RunCheckpoints, RunState, checkpoint_root, list_checkpoints
 from fivefold.train.config import RunConfig, TrainConfig
 
@@ -110,10 +113,6 @@ def completion_note(cfg: TrainConfig, step: int) -> str:
 def resume_problems(run: RunConfig) -> list[str]:
     """The checkpoint this run would resume from (the newest that passes the quick check) must
     hold this recipe's model: the rank's own check (`check_model_spec`), made before start."""
-    from fivefold.checkpoint.manifest import newest_valid
-    from fivefold.checkpoint.state import check_model_spec, read_state
-    from fivefold.errors import CheckpointError
-
     if resume_mode(run.train.resume) == "never":
         return []
     root = checkpoint_root(run.train.path())

@@ -18,6 +18,7 @@ import os
 import torch
 from torch import nn
 
+from fivefold import model as models
 from fivefold.errors import ConfigError
 from fivefold.model.loss import cross_entropy_loss
 from fivefold.parallel.protocol import Runtime, StepResult, TrainSettings, batch_to, label_count
@@ -30,6 +31,7 @@ from fivefold.parallel.runtime_core import (
 )
 from fivefold.spec.recipe import Recipe
 from fivefold.train.config import parse_train_config
+from fivefold.train.memory_counter import track_cpu_peak
 
 __all__ = ["LocalRuntime", "Runtime", "StepResult", "distributed_runtime", "make_runtime"]
 
@@ -48,12 +50,10 @@ class LocalRuntime(RuntimeCore):
     """The whole model in one process: gradient accumulation, autocast, recompute, clipping."""
 
     def __init__(self, recipe: Recipe, train: TrainSettings | None = None):
-        from fivefold.model import build_model
-
         train = _settings(recipe, train)
         super().__init__(recipe, train)
         self.dp_rank, self.dp_size, self.world_size, self.is_main = 0, 1, 1, True
-        model = build_model(recipe.model)
+        model = models.build_model(recipe.model)
         apply_fp8(model, recipe.plan, self.device)
         model.to_empty(device=self.device)
         model.init_weights(seed=train.seed)
@@ -123,7 +123,6 @@ def distributed_runtime(recipe: Recipe, train: TrainSettings | None = None) -> R
     """This rank's `DistributedRuntime` (under torchrun) with the run's [train] settings and the
     loop's CPU memory tracker."""
     from fivefold.parallel.runtime import DistributedRuntime  # FSDP and meshes: torchrun only
-    from fivefold.train.memory_counter import track_cpu_peak
 
     return DistributedRuntime(recipe, _settings(recipe, train), track_cpu_peak)
 

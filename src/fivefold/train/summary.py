@@ -13,9 +13,15 @@ import torch
 from rich.console import Console
 
 from fivefold.errors import ConfigError, FivefoldError
+from fivefold.parallel.compile import compile_seconds
+from fivefold.parallel.device import unknown_gpu_reason
 from fivefold.parallel.protocol import Runtime
+from fivefold.planner.budget import checkpoint_suggestion
+from fivefold.planner.estimate import estimate
+from fivefold.planner.options import PlannerOptions
 from fivefold.spec.flops import ATTENTION_CONVENTION
 from fivefold.spec.model import param_count
+from fivefold.spec.profile import default_profile_path, load_profile
 from fivefold.train.config import RunConfig
 from fivefold.train.inputs import TrainData
 from fivefold.train.metrics import format_mfu, format_tokens_per_s
@@ -84,8 +90,6 @@ class TrainSummary:
 def compile_note(first_step_s: float) -> str:
     """Once per run, after the first step (`first_step_s` seconds): how long torch.compile
     took (cold or cached)."""
-    from fivefold.parallel.compile import compile_seconds
-
     seconds, graphs = compile_seconds()
     return (
         f"torch.compile: {graphs} graph(s) compiled in {seconds:.1f} s during the first "
@@ -96,8 +100,6 @@ def compile_note(first_step_s: float) -> str:
 def profile_origin(profile: str) -> str:
     """What a CPU run's header says of its device profile: which file, from where, measured
     when; or that it has none and what that means."""
-    from fivefold.spec.profile import default_profile_path, load_profile
-
     if not profile:
         return (
             "none (step time is not predicted; MFU is against a fixed reference): `fivefold "
@@ -119,12 +121,6 @@ def profile_origin(profile: str) -> str:
 
 def planner_prediction(run: RunConfig) -> tuple[dict[str, Any] | None, str]:
     """The planner's estimate for this recipe, or (None, why not). Never raises."""
-    try:
-        from fivefold.planner.estimate import estimate
-    except ImportError:
-        return None, "planner not available"
-    from fivefold.parallel.device import unknown_gpu_reason
-
     recipe = run.recipe
     if unknown_gpu_reason(recipe.cluster):
         return None, unknown_gpu_reason(recipe.cluster).removeprefix("no step-time prediction: ")
@@ -134,8 +130,6 @@ def planner_prediction(run: RunConfig) -> tuple[dict[str, Any] | None, str]:
             'and runs naming it ([cluster] profile = "PROFILE.toml") predict their step time'
         )
     try:
-        from fivefold.planner.options import PlannerOptions
-
         options = replace(
             PlannerOptions.for_device(recipe.cluster.device), compile=run.train.compile
         )
@@ -217,8 +211,6 @@ def print_header(
 
 def checkpoint_suggestion_line(recipe: Any, step_time_s: float | None) -> str:
     """`fivefold.planner.budget.checkpoint_suggestion` for the run, or why there is none."""
-    from fivefold.planner.budget import checkpoint_suggestion
-
     if not step_time_s or step_time_s <= 0:
         return "checkpoint suggestion: none (no step-time prediction)"
     try:
