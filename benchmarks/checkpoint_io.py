@@ -42,7 +42,7 @@ TRAIN = {"steps": 10, "device": "cpu", "warmup_steps": 1}
 
 
 def _recipe(world: int):
-    from fivefold.spec.recipe import recipe_from_dict
+    from fivefold.specs.recipe import recipe_from_dict
 
     plan = {"precision": "fp32", "micro_batch": 1, **LAYOUTS[world]}
     return recipe_from_dict(

@@ -375,8 +375,8 @@ def hf_meta_check() -> str:
         from transformers import LlamaForCausalLM
     except ImportError:
         return "HF loop: skipped (transformers is not installed)"
-    from fivefold.spec.model import param_count
-    from fivefold.spec.recipe import model_from_dict
+    from fivefold.specs.model import param_count
+    from fivefold.specs.recipe import model_from_dict
 
     with torch.device("meta"):
         model = LlamaForCausalLM(hf_config(MODEL["seq_len"]))

@@ -34,7 +34,7 @@ DOC_KINDS = ("packed", "one")
 
 def recipe_for(seq_len: int, cp: int = 1):
     """The tiny preset at `seq_len` tokens, micro-batch 1, fp32 (ring CP over `cp` ranks)."""
-    from fivefold.spec.recipe import recipe_from_dict
+    from fivefold.specs.recipe import recipe_from_dict
 
     plan = {"precision": "fp32", "micro_batch": 1, "cp": cp}
     train = {"steps": 2, "device": "cpu", "warmup_steps": 1}

@@ -38,7 +38,7 @@ from fivefold.planner import estimate as estimate_module
 from fivefold.planner.explain import explain as explain_result
 from fivefold.planner.layer_costs import layer_costs
 from fivefold.planner.search import SearchResult, search
-from fivefold.spec import cluster_preset, model_preset
+from fivefold.specs import cluster_preset, model_preset
 
 CASES = (
     ("llama3-405b", "dgx-h100", 16384, 16 * 2**20),

@@ -124,8 +124,8 @@ def run_layout(layout: Layout, steps: int, run_dir: str) -> dict | None:
     """Train `layout` on this rank (inside a process group) and return rank 0's report rows."""
     from rich.console import Console
 
+    from fivefold.parallel.distributed_runtime import DistributedRuntime
     from fivefold.parallel.report import stage_rows
-    from fivefold.parallel.runtime import DistributedRuntime
     from fivefold.train.entry import load_run
     from fivefold.train.loop import Trainer
 
@@ -224,7 +224,9 @@ def measure(layout: Layout, steps: int, timeout_s: float = 900.0, keep_memory: b
     `keep_memory`: the ranks keep freed host memory as `fivefold train` does
     (`fivefold.launch.host_memory`; False for `benchmarks/host_memory.py`'s baseline)."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "fivefold.parallel.runtime", "fivefold.train.loop"])
+    ctx.set_forkserver_preload(
+        ["torch", "fivefold.parallel.distributed_runtime", "fivefold.train.loop"]
+    )
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="fivefold-pvr-") as tmp:
         store = os.path.join(tmp, "store")

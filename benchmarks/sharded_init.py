@@ -34,8 +34,8 @@ def measure(rank: int, world: int, preset: str, zero: int) -> dict:
     """One rank: construct the runtime under the storage counter; its memory figures."""
     import resource
 
-    from fivefold.spec.model import layer_params, param_count
-    from fivefold.spec.recipe import recipe_from_dict
+    from fivefold.specs.model import layer_params, param_count
+    from fivefold.specs.recipe import recipe_from_dict
     from fivefold.train.memory_counter import StorageCounter
     from fivefold.train.runtime import distributed_runtime
 

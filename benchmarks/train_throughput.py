@@ -216,7 +216,7 @@ def fivefold_loop(
     """A `run(steps) -> tokens/s` closure: a fresh `Trainer.fit()` over one runtime."""
     from rich.console import Console
 
-    from fivefold.spec.recipe import recipe_from_dict
+    from fivefold.specs.recipe import recipe_from_dict
     from fivefold.train.config import parse_train_config
     from fivefold.train.loop import Trainer
     from fivefold.train.runtime import make_runtime
@@ -254,7 +254,7 @@ def measure(rank: int, world: int, name: str, args: dict) -> dict:
     """One rank: build both sides once, warm them up, then R interleaved repeats."""
     import torch
 
-    from fivefold.spec.presets import model_preset
+    from fivefold.specs.presets import model_preset
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     cfg = CONFIGS[name]

@@ -11,13 +11,13 @@ import torch
 
 from fivefold.model.document_layout import Chunk, DocumentLayout, document_blocks
 from fivefold.planner.compute import attention_flops
-from fivefold.spec.flops import (
+from fivefold.specs.flops import (
     attention_score_flops_per_token,
     causal_pairs_per_sequence,
     training_flops_per_token,
 )
-from fivefold.spec.model import ModelSpec
-from fivefold.spec.plan import ParallelPlan
+from fivefold.specs.model import ModelSpec
+from fivefold.specs.plan import ParallelPlan
 from fivefold.train.data import TokenShards, prepare_shards
 from fivefold.train.data.batching import Batch
 from fivefold.train.data.shards import document_length_stats

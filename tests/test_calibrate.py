@@ -21,14 +21,14 @@ from fivefold.calibration.matmul import device_grid_shapes
 from fivefold.calibration.tables import build_profile, sort_rows
 from fivefold.model import build_model
 from fivefold.parallel.activation_checkpoint import apply_recompute
-from fivefold.spec.flops import (
+from fivefold.specs.flops import (
     attention_score_flops_per_token,
     early_stop_skipped_flops_per_token,
     training_flops_per_token,
 )
-from fivefold.spec.plan import ParallelPlan
-from fivefold.spec.presets import model_preset
-from fivefold.spec.profile import (
+from fivefold.specs.plan import ParallelPlan
+from fivefold.specs.presets import model_preset
+from fivefold.specs.profile import (
     BANDWIDTH_KINDS,
     COLLECTIVES,
     Attention,

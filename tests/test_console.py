@@ -10,7 +10,7 @@ from rich.console import Console
 
 from fivefold.cli.main import main
 from fivefold.launch import threads
-from fivefold.spec import profile
+from fivefold.specs import profile
 from fivefold.train.metrics import ConsoleReporter, StepMetrics
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -142,7 +142,7 @@ def test_the_header_says_which_device_profile_and_where_it_came_from(tmp_path, m
     """A profile at the default location changed every later CPU run's predictions and MFU
     basis without a word. The header names it and its origin, or says there is none."""
     import fivefold.train.loop as loop
-    from fivefold.spec.profile import parse_profile
+    from fivefold.specs.profile import parse_profile
     from fivefold.train.entry import load_run
     from fivefold.train.summary import profile_origin
 

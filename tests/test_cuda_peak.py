@@ -14,8 +14,8 @@ import torch
 from fivefold.parallel.report import format_rows, memory_only_prediction, record
 from fivefold.planner.memory import all_stage_memory
 from fivefold.planner.memory_options import MemoryOptions
-from fivefold.spec.plan import ParallelPlan
-from fivefold.spec.presets import MODEL_PRESETS
+from fivefold.specs.plan import ParallelPlan
+from fivefold.specs.presets import MODEL_PRESETS
 from fivefold.train.memory_counter import track_cuda_peak
 
 GIB = 2**30

@@ -13,8 +13,8 @@ import torch
 from fivefold.errors import ConfigError
 from fivefold.model import build_model
 from fivefold.parallel.float8 import convert_linears, float8_problems, keeps_high_precision
-from fivefold.spec.plan import ParallelPlan
-from fivefold.spec.presets import model_preset
+from fivefold.specs.plan import ParallelPlan
+from fivefold.specs.presets import model_preset
 
 pytest.importorskip("torchao")
 

@@ -1,4 +1,4 @@
-"""`fivefold.spec.geometry`: names, mesh coordinates, process groups, shard degrees and chunk
+"""`fivefold.specs.geometry`: names, mesh coordinates, process groups, shard degrees and chunk
 placement, against values worked out by hand."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from fivefold.spec.geometry import (
+from fivefold.specs.geometry import (
     CP_KINDS,
     MESH_ORDER,
     OFFLOAD_KINDS,
@@ -28,7 +28,7 @@ from fivefold.spec.geometry import (
     mesh_size,
     rank_coordinates,
 )
-from fivefold.spec.plan import ParallelPlan
+from fivefold.specs.plan import ParallelPlan
 
 
 def test_names_are_the_plain_strings_of_the_recipes():

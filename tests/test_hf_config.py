@@ -1,4 +1,4 @@
-"""Hugging Face configs as the model (`fivefold.spec.hf_config`): parameter counts equal to what
+"""Hugging Face configs as the model (`fivefold.specs.hf_config`): parameter counts equal to what
 `transformers` builds from the same config, FLOPs equal to what torch counts in its forward,
 `fivefold plan --hf-config`, and `train` refusing what its runtime cannot build."""
 
@@ -11,10 +11,10 @@ import pytest
 
 from fivefold.cli.main import main
 from fivefold.errors import ConfigError
-from fivefold.spec.flops import attention_keys_per_query, forward_flops_per_token
-from fivefold.spec.hf_config import read_hf_config, spec_from_hf_config
-from fivefold.spec.model import attention_params, param_count
-from fivefold.spec.recipe import load_recipe, recipe_from_dict
+from fivefold.specs.flops import attention_keys_per_query, forward_flops_per_token
+from fivefold.specs.hf_config import read_hf_config, spec_from_hf_config
+from fivefold.specs.model import attention_params, param_count
+from fivefold.specs.recipe import load_recipe, recipe_from_dict
 
 CONFIGS = Path(__file__).parent / "data" / "hf_configs"
 FULL = ["llama3-8b", "mistral-7b", "qwen2-7b", "qwen3-8b", "mixtral-8x7b", "deepseek-v3"]

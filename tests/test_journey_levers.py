@@ -19,8 +19,8 @@ from fivefold.cli.main import main
 from fivefold.errors import ConfigError
 from fivefold.planner.candidates import AUTO_LEVERS, lever_sets
 from fivefold.planner.search import search
-from fivefold.spec.cluster import cluster_preset
-from fivefold.spec.presets import model_preset
+from fivefold.specs.cluster import cluster_preset
+from fivefold.specs.presets import model_preset
 
 TINY = str(Path(__file__).resolve().parents[1] / "configs" / "tiny-cpu.toml")
 

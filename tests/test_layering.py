@@ -1,10 +1,10 @@
 """The import direction of the design, read from the source (every import, lazy ones included).
 
-    errors, units -> spec -> planner     (pure Python: never torch)
+    errors, units -> specs -> planner    (pure Python: never torch)
                           -> launch      (process start-up and the host: torch only lazily)
                           -> model -> parallel -> calibration, checkpoint -> train -> explore -> cli
 
-A package may import only packages on a lower layer (spec and planner: no torch at all), so
+A package may import only packages on a lower layer (specs and planner: no torch at all), so
 `parallel/` never reaches into `train/` or `checkpoint/`, and the planner stays fast.
 """
 
@@ -20,7 +20,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "fivefold"
 LAYERS = {
     "errors": 0,
     "units": 0,
-    "spec": 1,
+    "specs": 1,
     "planner": 2,
     "model": 2,
     "launch": 2,
@@ -33,7 +33,7 @@ LAYERS = {
     "__main__": 8,
     "__init__": 8,
 }
-NO_TORCH = ("errors", "units", "spec", "planner")
+NO_TORCH = ("errors", "units", "specs", "planner")
 
 
 def package_of(path: Path) -> str:

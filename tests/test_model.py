@@ -27,7 +27,7 @@ from fivefold.model import (
     init_module_weights,
     rope_cos_sin,
 )
-from fivefold.spec import ModelSpec, model_preset, param_count
+from fivefold.specs import ModelSpec, model_preset, param_count
 from tiny_models import TINY, make
 
 

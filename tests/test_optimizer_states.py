@@ -78,7 +78,7 @@ def test_recipe_hyperparameters_reach_torchao(bench, tmp_path):
 def test_without_torchao_the_option_is_refused(monkeypatch):
     import torch
 
-    from fivefold.spec.plan import ParallelPlan
+    from fivefold.specs.plan import ParallelPlan
     from fivefold.train.optim import lever_problems
 
     real = importlib.util.find_spec
@@ -97,7 +97,7 @@ def test_without_torchao_the_option_is_refused(monkeypatch):
 
 
 def test_single_process_offload_all_is_refused():
-    from fivefold.spec.plan import ParallelPlan
+    from fivefold.specs.plan import ParallelPlan
 
     problems = ParallelPlan(zero=3, offload="all").problems()
     assert any("plan.offload = 'all' in a single process" in p for p in problems)
@@ -110,7 +110,7 @@ def test_without_a_compiler_cpu_refuses_lowbit_states(monkeypatch):
 
     import torch
 
-    from fivefold.spec.plan import ParallelPlan
+    from fivefold.specs.plan import ParallelPlan
     from fivefold.train.optim import lever_problems
 
     monkeypatch.delenv("CXX", raising=False)

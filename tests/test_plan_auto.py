@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from fivefold.cli.main import main
-from fivefold.spec.profile import FORMAT, parse_profile
+from fivefold.specs.profile import FORMAT, parse_profile
 
 sys.path.insert(0, str(Path(__file__).parent / "planner"))
 from test_profile import synthetic

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fivefold.spec.recipe import load_recipe
+from fivefold.specs.recipe import load_recipe
 from fivefold.train.plan_check import check_plan, micro_batches_to_run
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"

@@ -6,8 +6,8 @@ import json
 
 from fivefold.cli.cmd_presets import format_count
 from fivefold.cli.main import main
-from fivefold.spec.cluster import CLUSTER_PRESETS
-from fivefold.spec.presets import MODEL_PRESETS
+from fivefold.specs.cluster import CLUSTER_PRESETS
+from fivefold.specs.presets import MODEL_PRESETS
 
 
 def presets_json(capsys) -> dict:

@@ -19,9 +19,9 @@ import pytest
 
 from fivefold.errors import ConfigError
 from fivefold.planner.search import search
-from fivefold.spec import cluster_preset, load_recipe, model_preset
-from fivefold.spec.plan import ParallelPlan
-from fivefold.spec.recipe import Recipe, model_from_dict, recipe_from_dict
+from fivefold.specs import cluster_preset, load_recipe, model_preset
+from fivefold.specs.plan import ParallelPlan
+from fivefold.specs.recipe import Recipe, model_from_dict, recipe_from_dict
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.toml"))
 
@@ -78,7 +78,7 @@ def _runtime_refusal(recipe: Recipe) -> str | None:
     if it got past its checks, which here means it tried to start a process group)."""
     import torch.distributed as dist
 
-    from fivefold.parallel.runtime import DistributedRuntime
+    from fivefold.parallel.distributed_runtime import DistributedRuntime
 
     assert not dist.is_initialized()
     settings = SimpleNamespace(device="cpu", seed=0, steps=1, memory_step=2)
@@ -94,7 +94,7 @@ def _runtime_refusal(recipe: Recipe) -> str | None:
 
 def test_the_runtime_refuses_exactly_what_validation_refuses(monkeypatch):
     """Candidates of the searches, valid and invalid: the runtime's verdict is validation's."""
-    import fivefold.parallel.runtime as runtime_module
+    import fivefold.parallel.distributed_runtime as runtime_module
 
     def no_group(*args, **kwargs):
         raise RuntimeError("checks passed: would start a process group now")
@@ -161,7 +161,7 @@ def test_published_runs_of_other_software_are_not_held_to_the_runtime_rules():
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
 def test_every_recipe_in_configs_loads_and_validates(path):
     """GPU recipes name their cluster; CPU recipes run on as many processes as the plan needs."""
-    from fivefold.spec.recipe import read_toml
+    from fivefold.specs.recipe import read_toml
 
     world = ParallelPlan(**read_toml(path).get("plan", {})).world_size
     recipe = load_recipe(path, default_world=world)

@@ -23,8 +23,8 @@ from fivefold.model.rope import rope_cos_sin
 from fivefold.parallel.activation_checkpoint import apply_recompute
 from fivefold.planner.activations import layer_activation_bytes
 from fivefold.planner.memory_options import MemoryOptions
-from fivefold.spec.plan import ParallelPlan
-from fivefold.spec.presets import MODEL_PRESETS
+from fivefold.specs.plan import ParallelPlan
+from fivefold.specs.presets import MODEL_PRESETS
 
 EAGER = MemoryOptions(runtime="fivefold-eager")
 # One process (no FSDP2): under bf16 autocast the compiled block keeps its weight copies.

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from fivefold.errors import ConfigError
-from fivefold.spec import (
+from fivefold.specs import (
     MODEL_PRESETS,
     ParallelPlan,
     cluster_preset,
@@ -15,8 +15,8 @@ from fivefold.spec import (
     param_count,
     training_flops_per_token,
 )
-from fivefold.spec.flops import forward_flops_per_token
-from fivefold.spec.recipe import read_toml, recipe_from_dict
+from fivefold.specs.flops import forward_flops_per_token
+from fivefold.specs.recipe import read_toml, recipe_from_dict
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ from fivefold.cli.main import main
 from fivefold.model import torch_features as tf
 from fivefold.model.attention import AttentionCore
 from fivefold.model.document_layout import DocumentLayout
-from fivefold.spec import ParallelPlan, model_preset
+from fivefold.specs import ParallelPlan, model_preset
 
 TORCH_213 = torch.__version__.startswith("2.13")
 

@@ -17,7 +17,7 @@ from rich.console import Console
 
 from fivefold.cli.main import main
 from fivefold.errors import TrainingError
-from fivefold.spec.model import param_count
+from fivefold.specs.model import param_count
 from fivefold.train import summary as run_summary
 from fivefold.train.data import Batch
 from fivefold.train.entry import load_run

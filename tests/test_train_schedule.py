@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fivefold.model import build_model
-from fivefold.spec.presets import model_preset
+from fivefold.specs.presets import model_preset
 from fivefold.train.config import TrainConfig
 from fivefold.train.lr_schedule import build_scheduler, lr_at
 from fivefold.train.optim import build_optimizer

@@ -15,7 +15,7 @@ from fivefold.cli.cmd_launch import TIME_EXTRA_S, TIME_MARGIN
 from fivefold.cli.main import main
 from fivefold.cli.recipe_text import TRAIN_FIELDS
 from fivefold.planner.estimate import estimate
-from fivefold.spec import load_recipe
+from fivefold.specs import load_recipe
 from fivefold.train.config import TrainConfig
 from fivefold.train.entry import check_layout, load_run
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from fivefold.model import Transformer, build_model
-from fivefold.spec import ModelSpec
+from fivefold.specs import ModelSpec
 
 TINY = ModelSpec(
     "t",

@@ -70,7 +70,7 @@ class Trainee:
     """A runtime, its optimizer and scheduler: what the loop owns, reduced to the step."""
 
     def __init__(self, plan: dict, world: int, moe: bool = False):
-        from fivefold.spec.recipe import recipe_from_dict
+        from fivefold.specs.recipe import recipe_from_dict
         from fivefold.train.config import parse_train_config
         from fivefold.train.lr_schedule import build_scheduler
         from fivefold.train.optim import build_optimizer

@@ -18,7 +18,7 @@ from fivefold.checkpoint import manifest as mf
 from fivefold.checkpoint.dcp_io import read_full_tensors
 from fivefold.errors import CheckpointError
 from fivefold.model import build_model, cross_entropy_loss
-from fivefold.spec.model import ModelSpec
+from fivefold.specs.model import ModelSpec
 from fivefold.train.config import TrainConfig
 from fivefold.train.data.sampler import GlobalSampler
 from fivefold.train.lr_schedule import build_scheduler

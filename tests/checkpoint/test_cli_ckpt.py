@@ -8,7 +8,7 @@ import torch
 from fivefold.checkpoint import Checkpointer
 from fivefold.cli.main import main
 from fivefold.model import build_model
-from fivefold.spec.presets import model_preset
+from fivefold.specs.presets import model_preset
 
 
 @pytest.fixture

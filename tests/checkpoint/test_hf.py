@@ -17,7 +17,7 @@ from fivefold.checkpoint.hf import export_hf, import_hf, read_hf, spec_from_llam
 from fivefold.cli.main import main
 from fivefold.errors import CheckpointError
 from fivefold.model import build_model
-from fivefold.spec.presets import model_preset
+from fivefold.specs.presets import model_preset
 from fivefold.train.data.tokenizer import default_tokenizer
 
 TINY_RECIPE = str(Path(__file__).parents[2] / "configs" / "tiny-cpu.toml")

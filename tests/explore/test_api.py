@@ -19,7 +19,7 @@ from fivefold.planner.explain import explain
 from fivefold.planner.frameworks import planner_settings, profile, profiles
 from fivefold.planner.options import PlannerOptions
 from fivefold.planner.search import search
-from fivefold.spec import (
+from fivefold.specs import (
     GPUS,
     MODEL_PRESETS,
     ClusterSpec,

@@ -18,7 +18,7 @@ from fivefold.planner.explain import explain
 from fivefold.planner.frameworks import planner_settings
 from fivefold.planner.outcomes import TIE_FRACTION
 from fivefold.planner.search import search
-from fivefold.spec import (
+from fivefold.specs import (
     ClusterSpec,
     ModelSpec,
     ParallelPlan,
@@ -27,7 +27,7 @@ from fivefold.spec import (
     load_recipe,
     model_preset,
 )
-from fivefold.spec.recipe import Recipe
+from fivefold.specs.recipe import Recipe
 
 from .conftest import screenshot, unfilled_placeholders
 from .formatting import fmt_bytes, fmt_gib, fmt_int, fmt_pct, fmt_time

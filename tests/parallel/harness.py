@@ -37,7 +37,7 @@ PRELOAD = [
     "torch.distributed.pipelining",
     "fivefold.model",
     "fivefold.checkpoint.checkpointer",
-    "fivefold.parallel.runtime",
+    "fivefold.parallel.distributed_runtime",
     "fivefold.parallel.parallelize",
     "fivefold.train.runtime",
     "fivefold.train.optim",
@@ -358,7 +358,7 @@ def _train(runtime, recipe, steps: int, micro_batches_of) -> dict:
 
 def reference_run(rd: dict, steps: int, dp_size: int, grad_accum: int) -> dict:
     """The single-process run (rank 0 of a 1-rank group; LocalRuntime touches no group)."""
-    from fivefold.spec.recipe import recipe_from_dict
+    from fivefold.specs.recipe import recipe_from_dict
     from fivefold.train.runtime import LocalRuntime
 
     single = {
@@ -396,7 +396,7 @@ def full_parameters(runtime) -> dict:
 
 def parallel_run(rd: dict, steps: int, world: int) -> dict:
     """One rank of the layout: train `steps` steps, then gather the full parameters."""
-    from fivefold.spec.recipe import recipe_from_dict
+    from fivefold.specs.recipe import recipe_from_dict
     from fivefold.train.runtime import distributed_runtime
 
     recipe = recipe_from_dict(rd, default_world=world)
@@ -519,7 +519,7 @@ def assert_parity(case: ParityCase) -> ParityResult:
 
 def mixed_precision_run(rd: dict, steps: int, world: int) -> dict:
     """One rank: train, then report the parameters' dtypes and the dtype forward computed in."""
-    from fivefold.spec.recipe import recipe_from_dict
+    from fivefold.specs.recipe import recipe_from_dict
     from fivefold.train.runtime import distributed_runtime
 
     recipe = recipe_from_dict(rd, default_world=world)
@@ -543,7 +543,7 @@ def eval_and_report_run(rd: dict, world: int) -> dict:
     """One rank: eval_loss and train_step on the same batch at the same weights, four steps
     (the layout report comes after the first step no memory counter slowed: the fourth), and
     the global gradient norm."""
-    from fivefold.spec.recipe import recipe_from_dict
+    from fivefold.specs.recipe import recipe_from_dict
     from fivefold.train.runtime import distributed_runtime
 
     recipe = recipe_from_dict(rd, default_world=world)

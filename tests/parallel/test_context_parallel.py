@@ -22,7 +22,7 @@ from fivefold.parallel.context_parallel import (
     shard_sequence_for_cp,
     unshard_sequence_for_cp,
 )
-from fivefold.spec.model import ModelSpec
+from fivefold.specs.model import ModelSpec
 from fivefold.train.data import Batch
 
 WORLD = 4

@@ -13,7 +13,7 @@ from fivefold.parallel import device as device_module
 from fivefold.parallel.device import local_cluster_table, local_gpu, real_bf16, uses_cuda
 from fivefold.parallel.mixed_precision import resolve_precision
 from fivefold.parallel.report import predictions_for
-from fivefold.spec.hardware import GPUS, UNKNOWN_GPU
+from fivefold.specs.hardware import GPUS, UNKNOWN_GPU
 from fivefold.train.entry import check_layout, load_run
 from fivefold.units import GiB
 

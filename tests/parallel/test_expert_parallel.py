@@ -18,7 +18,7 @@ from fivefold.parallel.expert_parallel import (
     apply_expert_parallel,
     expert_parameters,
 )
-from fivefold.spec.model import ModelSpec
+from fivefold.specs.model import ModelSpec
 
 WORLD = 4
 TOL = 1e-5

@@ -8,7 +8,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-from fivefold.spec.recipe import recipe_from_dict
+from fivefold.specs.recipe import recipe_from_dict
 from fivefold.train.plan_check import _CheckedRuntime, fake_world
 
 MODEL = {"preset": "tiny-moe", "layers": 2, "experts": 8, "top_k": 2, "expert_ffn": 64}

@@ -65,8 +65,8 @@ def _both(plan_extra: dict) -> tuple[int, int, dict]:
     import torch.distributed as dist
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from fivefold.parallel.runtime import DistributedRuntime
-    from fivefold.spec.recipe import recipe_from_dict
+    from fivefold.parallel.distributed_runtime import DistributedRuntime
+    from fivefold.specs.recipe import recipe_from_dict
     from fivefold.train.config import parse_train_config
     from fivefold.train.data import Batch
     from fivefold.train.optim import build_optimizer

@@ -7,8 +7,8 @@ from harness import run_ranks
 
 from fivefold.errors import ConfigError
 from fivefold.parallel.mesh import AXES, ParallelDims
-from fivefold.spec.plan import ParallelPlan
-from fivefold.spec.presets import model_preset
+from fivefold.specs.plan import ParallelPlan
+from fivefold.specs.presets import model_preset
 
 
 def test_plan_that_does_not_fit_names_the_numbers() -> None:

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from fivefold.errors import ConfigError
 from fivefold.parallel import process_group as pg
-from fivefold.parallel.runtime import _comm_trace_dir
+from fivefold.parallel.distributed_runtime import _comm_trace_dir
 from fivefold.train.config import TrainConfig
 
 NCCL_VARS = (

@@ -50,7 +50,7 @@ def offload_layout(rd: dict, world: int) -> dict:
     from torch.distributed.tensor import DTensor
 
     from fivefold.parallel.offload import HostOffloadOptimizer
-    from fivefold.spec.recipe import recipe_from_dict
+    from fivefold.specs.recipe import recipe_from_dict
     from fivefold.train.config import parse_train_config
     from fivefold.train.optim import build_optimizer
     from fivefold.train.runtime import distributed_runtime

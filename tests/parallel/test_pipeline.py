@@ -24,9 +24,9 @@ from fivefold.parallel.pipeline import (
     split_model_for_pipeline,
     stage_layer_ranges,
 )
-from fivefold.spec.geometry import chunks_of_rank
-from fivefold.spec.model import ModelSpec
-from fivefold.spec.plan import ParallelPlan
+from fivefold.specs.geometry import chunks_of_rank
+from fivefold.specs.model import ModelSpec
+from fivefold.specs.plan import ParallelPlan
 from fivefold.train.data import Batch
 
 WORLD = 4

@@ -25,7 +25,7 @@ def _count_all_gathers(rd: dict, world: int) -> dict:
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
-    from fivefold.spec.recipe import recipe_from_dict
+    from fivefold.specs.recipe import recipe_from_dict
     from fivefold.train.runtime import distributed_runtime
 
     recipe = recipe_from_dict(rd, default_world=world)

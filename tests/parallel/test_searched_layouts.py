@@ -11,8 +11,8 @@ import pytest
 from harness import GLOBAL_BATCH, MODELS, ParityCase, assert_parity
 
 from fivefold.planner.search import search
-from fivefold.spec import cluster_preset
-from fivefold.spec.recipe import model_from_dict
+from fivefold.specs import cluster_preset
+from fivefold.specs.recipe import model_from_dict
 
 PLAN_FIELDS = ("tp", "sp", "pp", "vpp", "schedule", "dp_replicate", "dp_shard", "zero", "cp")
 PLAN_FIELDS += ("cp_kind", "ep", "micro_batch", "grad_accum", "recompute")

@@ -15,7 +15,7 @@ from harness import spawn_ranks
 
 import fivefold.model.init as init_mod
 from fivefold.model import build_model
-from fivefold.spec.model import ModelSpec
+from fivefold.specs.model import ModelSpec
 
 TINY = ModelSpec(
     "t", layers=2, hidden=32, heads=4, kv_heads=2, ffn=72, vocab=2050, seq_len=32,

@@ -7,9 +7,9 @@ import math
 from fivefold.errors import ConfigError
 from fivefold.planner.activations import SIMPLE_K
 from fivefold.planner.model_states import Tenants, local_kv_width, model_state_bytes
-from fivefold.spec.hardware import GPUSpec
-from fivefold.spec.model import ModelSpec
-from fivefold.spec.precision import PrecisionRecipe, recipe
+from fivefold.specs.hardware import GPUSpec
+from fivefold.specs.model import ModelSpec
+from fivefold.specs.precision import PrecisionRecipe, recipe
 
 SECONDS_PER_YEAR = 365.25 * 86400
 

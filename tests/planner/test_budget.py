@@ -18,10 +18,10 @@ from fivefold.planner.budget import (
     checkpoint_bytes,
     checkpoint_suggestion,
 )
-from fivefold.spec import model_preset
-from fivefold.spec.cluster import ClusterSpec
-from fivefold.spec.model import ModelSpec, param_count
-from fivefold.spec.plan import ParallelPlan
+from fivefold.specs import model_preset
+from fivefold.specs.cluster import ClusterSpec
+from fivefold.specs.model import ModelSpec, param_count
+from fivefold.specs.plan import ParallelPlan
 
 # 2 layers, hidden 64, 4 heads, ffn 172, vocab 4096: embedding 262,144 + head 262,144 + final
 # norm 64 + 2 x (attention 16,384 + SwiGLU 33,024 + norms 128) = 623,424 parameters.
@@ -182,7 +182,7 @@ def test_recipe_carries_tokens(capsys, tmp_path):
 
 
 def test_a_run_without_ckpt_every_prints_the_suggestion():
-    from fivefold.spec.recipe import recipe_from_dict
+    from fivefold.specs.recipe import recipe_from_dict
     from fivefold.train.summary import checkpoint_suggestion_line
 
     recipe = recipe_from_dict(

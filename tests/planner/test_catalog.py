@@ -9,10 +9,10 @@ from fivefold.errors import ConfigError
 from fivefold.planner.candidates import tp_choices
 from fivefold.planner.comm import group_link
 from fivefold.planner.efficiency import EfficiencyModel
-from fivefold.spec import ParallelPlan, cluster_preset, model_preset
-from fivefold.spec.cluster import ClusterSpec
-from fivefold.spec.hardware import GPUS, UNKNOWN_GPU, catalog_key_for_device, host
-from fivefold.spec.recipe import cluster_from_dict
+from fivefold.specs import ParallelPlan, cluster_preset, model_preset
+from fivefold.specs.cluster import ClusterSpec
+from fivefold.specs.hardware import GPUS, UNKNOWN_GPU, catalog_key_for_device, host
+from fivefold.specs.recipe import cluster_from_dict
 from fivefold.units import GiB
 
 EFF = EfficiencyModel(nvlink_fraction=0.8, ib_fraction=0.9)

@@ -9,8 +9,8 @@ from fivefold.cli.main import main
 from fivefold.cli.plan_args import parse_fraction, parse_size
 from fivefold.errors import ConfigError
 from fivefold.planner.estimate import estimate
-from fivefold.spec import cluster_preset, load_recipe, model_preset
-from fivefold.spec.model import default_ffn
+from fivefold.specs import cluster_preset, load_recipe, model_preset
+from fivefold.specs.model import default_ffn
 
 STABLE = ("fits", "step_time_s", "tokens_per_s", "mfu", "hfu", "bubble_fraction", "plan")
 MEMORY = ("params", "grads", "optimizer", "activations", "other", "total")
@@ -122,7 +122,7 @@ def test_estimate_matches_the_api(capsys):
 
 
 def load_plan(d):
-    from fivefold.spec import ParallelPlan
+    from fivefold.specs import ParallelPlan
 
     return ParallelPlan(**d)
 

@@ -22,7 +22,7 @@ from fivefold.planner.comm import (
     tree_latency_s,
 )
 from fivefold.planner.efficiency import EfficiencyModel
-from fivefold.spec import ParallelPlan, cluster_preset, model_preset
+from fivefold.specs import ParallelPlan, cluster_preset, model_preset
 
 EFF = EfficiencyModel(nvlink_fraction=0.8, ib_fraction=0.9)
 H100x64 = cluster_preset("dgx-h100", 64)  # 8 nodes of 8; NVLink 900 GB/s, IB 50 GB/s per GPU
@@ -202,7 +202,7 @@ def test_zero1_gather_after_the_step_is_exposed_in_full():
 
     from fivefold.planner.estimate import estimate
     from fivefold.planner.options import PlannerOptions
-    from fivefold.spec.model import param_count
+    from fivefold.specs.model import param_count
 
     model, cluster = model_preset("llama3-8b"), cluster_preset("dgx-h100", 16)
     plan = ParallelPlan(dp_shard=16, zero=1, micro_batch=1, grad_accum=1)

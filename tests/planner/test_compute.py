@@ -16,8 +16,8 @@ from fivefold.planner.compute import (
 )
 from fivefold.planner.efficiency import EfficiencyModel
 from fivefold.planner.layer_matmuls import layer_gemms
-from fivefold.spec import ParallelPlan, gpu, model_preset
-from fivefold.spec.flops import forward_flops_per_token, training_flops_per_token
+from fivefold.specs import ParallelPlan, gpu, model_preset
+from fivefold.specs.flops import forward_flops_per_token, training_flops_per_token
 
 EFF = EfficiencyModel(
     gemm_peak_fraction=(("ampere", 0.8), ("hopper", 0.7)),
@@ -48,7 +48,7 @@ def test_layer_gemms_cover_the_layer_matmul_flops():
         plan = ParallelPlan(tp=tp, micro_batch=2)
         flops = sum(2 * mm * n * k * c for mm, n, k, c in layer_gemms(m, plan, False))
         tokens = 2 * m.seq_len
-        from fivefold.spec.flops import layer_matmul_flops_per_token
+        from fivefold.specs.flops import layer_matmul_flops_per_token
 
         assert flops * tp == pytest.approx(tokens * layer_matmul_flops_per_token(m, False))
 
@@ -56,7 +56,7 @@ def test_layer_gemms_cover_the_layer_matmul_flops():
 def test_moe_gemms_count_active_experts_only():
     m = model_preset("mixtral-8x7b")
     plan = ParallelPlan(ep=2, dp_shard=2, zero=1)
-    from fivefold.spec.flops import layer_matmul_flops_per_token
+    from fivefold.specs.flops import layer_matmul_flops_per_token
 
     flops = sum(2 * mm * n * k * c for mm, n, k, c in layer_gemms(m, plan, True))
     assert flops == pytest.approx(m.seq_len * layer_matmul_flops_per_token(m, True))
@@ -163,7 +163,7 @@ def test_embedding_backward_writes_the_table():
 def test_full_recompute_early_stop_skips_each_blocks_last_matmul():
     """torch's non-reentrant checkpoint does not re-run a block's last matmul (module doc of
     `early_stop_skipped_flops_per_token`); the FLOP counter check is in tests/test_calibrate.py."""
-    from fivefold.spec.flops import early_stop_skipped_flops_per_token
+    from fivefold.specs.flops import early_stop_skipped_flops_per_token
 
     m = model_preset("tiny")  # dense SwiGLU: w2 is 64 x 176, 2 layers
     assert early_stop_skipped_flops_per_token(m) == 2 * (2 * 64 * 176)

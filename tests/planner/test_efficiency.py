@@ -196,7 +196,7 @@ def test_fitted_parameters_are_within_their_bounds():
 
 
 def test_torchtitan_rows_run_on_the_gpu_the_source_describes():
-    from fivefold.spec.hardware import gpu
+    from fivefold.specs.hardware import gpu
 
     setups = {s.row: s for s in run_setups()}
     for row in ("60", "61", "60-compile", "65", "66"):

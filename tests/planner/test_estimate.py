@@ -12,8 +12,8 @@ from fivefold.planner.estimate import estimate
 from fivefold.planner.options import PlannerOptions
 from fivefold.planner.schedule import build_schedule
 from fivefold.planner.simulation import closed_form_bubble, simulate
-from fivefold.spec import ClusterSpec, ModelSpec, ParallelPlan, cluster_preset, model_preset
-from fivefold.spec.flops import training_flops_per_token
+from fivefold.specs import ClusterSpec, ModelSpec, ParallelPlan, cluster_preset, model_preset
+from fivefold.specs.flops import training_flops_per_token
 from fivefold.units import GiB
 
 LLAMA8 = model_preset("llama3-8b")

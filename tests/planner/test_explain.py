@@ -7,7 +7,7 @@ import pytest
 
 from fivefold.planner.explain import explain, gib, seconds, slower_because
 from fivefold.planner.search import search
-from fivefold.spec import ParallelPlan, cluster_preset, model_preset
+from fivefold.specs import ParallelPlan, cluster_preset, model_preset
 
 GiB = 2**30
 

@@ -24,10 +24,10 @@ from fivefold.planner.frameworks import (
 )
 from fivefold.planner.options import PlannerOptions
 from fivefold.planner.published import run_setup
-from fivefold.spec import cluster_preset
-from fivefold.spec.cluster import profile_cluster
-from fivefold.spec.hardware import gpu
-from fivefold.spec.profile import parse_profile
+from fivefold.specs import cluster_preset
+from fivefold.specs.cluster import profile_cluster
+from fivefold.specs.hardware import gpu
+from fivefold.specs.profile import parse_profile
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "planner.md"
 H100 = gpu("h100-sxm")

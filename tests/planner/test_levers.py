@@ -35,10 +35,10 @@ from fivefold.planner.levers import (
 from fivefold.planner.memory import stage_memory
 from fivefold.planner.options import PlannerOptions
 from fivefold.planner.search import search
-from fivefold.spec import ParallelPlan, cluster_preset, model_preset
-from fivefold.spec.cluster import ClusterSpec
-from fivefold.spec.flops import training_flops_per_token
-from fivefold.spec.hardware import GPUS, host
+from fivefold.specs import ParallelPlan, cluster_preset, model_preset
+from fivefold.specs.cluster import ClusterSpec
+from fivefold.specs.flops import training_flops_per_token
+from fivefold.specs.hardware import GPUS, host
 from fivefold.units import GiB
 
 LLAMA8 = model_preset("llama3-8b")

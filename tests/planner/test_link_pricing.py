@@ -23,7 +23,7 @@ from fivefold.planner.estimate import estimate
 from fivefold.planner.explain import explain
 from fivefold.planner.options import PlannerOptions
 from fivefold.planner.search import search
-from fivefold.spec import ParallelPlan, cluster_preset, model_preset
+from fivefold.specs import ParallelPlan, cluster_preset, model_preset
 
 EFF = EfficiencyModel(nvlink_fraction=0.8, ib_fraction=0.9)
 TWO_NODES = cluster_preset("dgx-h100", 16)

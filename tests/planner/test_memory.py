@@ -16,7 +16,7 @@ from fivefold.planner.model_states import (
     zero_divisors,
 )
 from fivefold.planner.partition import stage_layer_counts
-from fivefold.spec import ModelSpec, ParallelPlan, model_preset, param_count
+from fivefold.specs import ModelSpec, ParallelPlan, model_preset, param_count
 
 CLASSIC = MemoryOptions(attention_kernel="classic", dropout=True)
 

@@ -1,4 +1,4 @@
-"""Device profiles (`fivefold.spec.profile`): round trip, validation, and the planner's times from
+"""Device profiles (`fivefold.specs.profile`): round trip, validation, and the planner's times from
 a synthetic profile against hand-derived values."""
 
 from __future__ import annotations
@@ -14,16 +14,16 @@ from fivefold.planner.compute import ComputeOptions, head_work, layer_work, opti
 from fivefold.planner.efficiency import EfficiencyModel
 from fivefold.planner.estimate import estimate
 from fivefold.planner.rates import rates_for
-from fivefold.spec.cluster import profile_cluster
-from fivefold.spec.flops import (
+from fivefold.specs.cluster import profile_cluster
+from fivefold.specs.flops import (
     attention_score_flops_per_token,
     layer_matmul_flops_per_token,
     training_flops_per_token,
 )
-from fivefold.spec.hardware import profile_device
-from fivefold.spec.plan import ParallelPlan
-from fivefold.spec.presets import model_preset
-from fivefold.spec.profile import COLLECTIVES, Matmul, parse_profile, read_profile
+from fivefold.specs.hardware import profile_device
+from fivefold.specs.plan import ParallelPlan
+from fivefold.specs.presets import model_preset
+from fivefold.specs.profile import COLLECTIVES, Matmul, parse_profile, read_profile
 
 EFF = EfficiencyModel()
 TINY = model_preset("tiny")  # h 64, 4 heads (2 kv) of 16, SwiGLU 176, 2 layers, V 4096, s 128
@@ -281,7 +281,7 @@ def test_estimate_on_a_profile_predicts_step_time_and_uses_the_measured_peak(pro
 
 def test_recipe_cluster_profile_and_plan_cli(profile_path, capsys):
     from fivefold.cli.main import main
-    from fivefold.spec.recipe import recipe_from_dict
+    from fivefold.specs.recipe import recipe_from_dict
 
     recipe = recipe_from_dict(
         {
@@ -702,7 +702,7 @@ def test_collective_gap_is_half_a_layer_forward(profile_path):
     """The compute that prices a plan's collectives on a measured device: half of one layer's
     forward at its micro-batch; none on a GPU cluster."""
     from fivefold.planner.layer_costs import collective_gap_s
-    from fivefold.spec.cluster import cluster_preset
+    from fivefold.specs.cluster import cluster_preset
 
     cluster = profile_cluster(profile_path, 2)
     plan = ParallelPlan(tp=2, micro_batch=2, precision="fp32")

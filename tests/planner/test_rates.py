@@ -12,10 +12,10 @@ from fivefold.planner.comm import all_reduce_time_s, p2p_time_s
 from fivefold.planner.compute import ComputeOptions
 from fivefold.planner.efficiency import EfficiencyModel
 from fivefold.planner.rates import CatalogRates, MeasuredRates, rates_for
-from fivefold.spec.cluster import ClusterSpec
-from fivefold.spec.hardware import GPUSpec, measured_gpu
-from fivefold.spec.plan import ParallelPlan
-from fivefold.spec.profile import (
+from fivefold.specs.cluster import ClusterSpec
+from fivefold.specs.hardware import GPUSpec, measured_gpu
+from fivefold.specs.plan import ParallelPlan
+from fivefold.specs.profile import (
     Attention,
     Bandwidth,
     Collective,

@@ -10,7 +10,7 @@ from fivefold.planner import schedule as sched_mod
 from fivefold.planner import simulation as sim_mod
 from fivefold.planner.schedule import build_schedule
 from fivefold.planner.simulation import StageCosts, closed_form_bubble, simulate
-from fivefold.spec.geometry import SCHEDULES
+from fivefold.specs.geometry import SCHEDULES
 
 VPP = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2, "zbv": 2, "dualpipev": 2}
 

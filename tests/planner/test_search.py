@@ -11,7 +11,7 @@ from fivefold.planner.candidates import dp_splits, hsdp_shards, micro_batch_choi
 from fivefold.planner.estimate import estimate
 from fivefold.planner.outcomes import TIE_FRACTION, batch_target
 from fivefold.planner.search import search
-from fivefold.spec import ParallelPlan, cluster_preset, model_preset
+from fivefold.specs import ParallelPlan, cluster_preset, model_preset
 from fivefold.units import GiB
 
 

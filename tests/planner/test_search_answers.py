@@ -15,7 +15,7 @@ from fivefold.planner.outcomes import TIE_FRACTION, Outcome, rank_fitting
 from fivefold.planner.search import search
 from fivefold.planner.search_state import _derive
 from fivefold.planner.uncertainty import rank_tokens_per_s
-from fivefold.spec import ParallelPlan, cluster_preset, model_preset
+from fivefold.specs import ParallelPlan, cluster_preset, model_preset
 
 CASES = {
     "llama3-8b-16": ("llama3-8b", 16, {"global_batch": 64}),

@@ -26,8 +26,8 @@ from arithmetic import (
 
 from fivefold.planner.comm import activation_bytes, all_reduce_bytes, transfer_time_s
 from fivefold.planner.model_states import model_state_bytes
-from fivefold.spec import ModelSpec, ParallelPlan, gpu
-from fivefold.spec.precision import recipe
+from fivefold.specs import ModelSpec, ParallelPlan, gpu
+from fivefold.specs.precision import recipe
 
 GiB = 2**30
 GB = 1e9

@@ -10,7 +10,7 @@ from fivefold.planner.outcomes import TIE_FRACTION
 from fivefold.planner.schedule import build_schedule
 from fivefold.planner.search import search
 from fivefold.planner.simulation import StageCosts, closed_form_bubble, simulate
-from fivefold.spec import ParallelPlan, cluster_preset, model_preset
+from fivefold.specs import ParallelPlan, cluster_preset, model_preset
 from fivefold.units import GiB
 
 

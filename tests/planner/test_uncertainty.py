@@ -14,8 +14,8 @@ from fivefold.planner.explain import confidence_line, explain, published_line
 from fivefold.planner.options import PlannerOptions
 from fivefold.planner.outcomes import Outcome, rank_fitting
 from fivefold.planner.search import search
-from fivefold.spec import ParallelPlan, cluster_preset, model_preset
-from fivefold.spec.flops import training_flops_per_token
+from fivefold.specs import ParallelPlan, cluster_preset, model_preset
+from fivefold.specs.flops import training_flops_per_token
 
 L405 = model_preset("llama3-405b")
 H16K = cluster_preset("dgx-h100", 16384)

@@ -19,9 +19,9 @@ from fivefold.model.attention import AttentionCore
 from fivefold.model.attention_blocks import block_attention
 from fivefold.model.document_layout import DocumentLayout, document_blocks
 from fivefold.parallel.context_parallel import local_chunks, rank_order_chunks
-from fivefold.spec.model import ModelSpec
-from fivefold.spec.plan import ParallelPlan
-from fivefold.spec.profile import Attention
+from fivefold.specs.model import ModelSpec
+from fivefold.specs.plan import ParallelPlan
+from fivefold.specs.profile import Attention
 
 
 # ---- attention ----------------------------------------------------------------------------------

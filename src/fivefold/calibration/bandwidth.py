@@ -27,9 +27,9 @@ from fivefold.planner.compute import (
     layer_elementwise_bytes,
     optimizer_bytes_per_param,
 )
-from fivefold.spec.model import ModelSpec
-from fivefold.spec.plan import ParallelPlan
-from fivefold.spec.profile import Bandwidth
+from fivefold.specs.model import ModelSpec
+from fivefold.specs.plan import ParallelPlan
+from fivefold.specs.profile import Bandwidth
 
 
 # ---- element-wise work, loss, optimizer ------------------------------------------------------

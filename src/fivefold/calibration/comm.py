@@ -46,7 +46,7 @@ from fivefold.calibration.bandwidth import measure_bandwidth
 from fivefold.calibration.timing import QUICK, Budget
 from fivefold.errors import ConfigError
 from fivefold.launch.host_memory import keep_freed_memory
-from fivefold.spec.profile import (
+from fivefold.specs.profile import (
     COLLECTIVES,
     Collective,
     CollectiveSample,

@@ -1,4 +1,4 @@
-"""`fivefold calibrate`: measure the machine at hand into a device profile (spec/profile.py).
+"""`fivefold calibrate`: measure the machine at hand into a device profile (specs/profile.py).
 
 What is measured, in one process per thread count (1 and all cores on a CPU), each kernel timed
 as the lower quartile of repeats after a warm-up (`typical_time_s`: on a machine shared with
@@ -62,9 +62,9 @@ from fivefold.calibration.timing import (
     Budget,
     measured_device,
 )
-from fivefold.spec.model import ModelSpec
-from fivefold.spec.plan import ParallelPlan
-from fivefold.spec.profile import available_cores
+from fivefold.specs.model import ModelSpec
+from fivefold.specs.plan import ParallelPlan
+from fivefold.specs.profile import available_cores
 
 
 def at_threads(fn: Callable[[], list], threads: int) -> Callable[[], list]:

@@ -11,9 +11,9 @@ from fivefold.calibration.timing import (
     randn_on_device,
     typical_time_s,
 )
-from fivefold.spec.model import ModelSpec
-from fivefold.spec.plan import ParallelPlan
-from fivefold.spec.profile import (
+from fivefold.specs.model import ModelSpec
+from fivefold.specs.plan import ParallelPlan
+from fivefold.specs.profile import (
     LAYOUTS,
     GroupedMatmul,
     Matmul,

@@ -26,8 +26,8 @@ from fivefold.calibration.timing import (
 from fivefold.model.transformer import Transformer, TransformerBlock
 from fivefold.parallel.expert_parallel import apply_expert_parallel
 from fivefold.parallel.tensor_parallel import apply_tensor_parallel
-from fivefold.spec.model import ModelSpec
-from fivefold.spec.profile import Overhead
+from fivefold.specs.model import ModelSpec
+from fivefold.specs.profile import Overhead
 
 
 # ---- fixed per-layer overhead ----------------------------------------------------------------

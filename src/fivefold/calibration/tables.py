@@ -9,8 +9,8 @@ import torch
 
 from fivefold.calibration.machine import host_memory_bytes, measured_device_name
 from fivefold.calibration.timing import measured_device
-from fivefold.spec.model import ModelSpec
-from fivefold.spec.profile import (
+from fivefold.specs.model import ModelSpec
+from fivefold.specs.profile import (
     Attention,
     Bandwidth,
     DeviceProfile,

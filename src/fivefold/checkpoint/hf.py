@@ -19,8 +19,8 @@ from fivefold.checkpoint.dcp_io import read_full_tensors
 from fivefold.checkpoint.state import read_state
 from fivefold.errors import CheckpointError, ConfigError
 from fivefold.model import build_model
-from fivefold.spec.hf_config import LLAMA3_KEYS, spec_from_hf_config
-from fivefold.spec.model import ModelSpec
+from fivefold.specs.hf_config import LLAMA3_KEYS, spec_from_hf_config
+from fivefold.specs.model import ModelSpec
 
 CONFIG_FILE = "config.json"
 TOKENIZER_FILE = "tokenizer.json"
@@ -176,7 +176,7 @@ HARMLESS_CONFIG_FIELDS = frozenset(
 
 
 def spec_from_llama_config(config: dict[str, Any], where: str = CONFIG_FILE) -> ModelSpec:
-    """A ModelSpec equal to a Llama `config.json` (read by `fivefold.spec.hf_config`, which
+    """A ModelSpec equal to a Llama `config.json` (read by `fivefold.specs.hf_config`, which
     plans any supported family); CheckpointError naming what fivefold cannot train or load."""
     typed = {key: int for key in _INT_FIELDS} | {key: float for key in _FLOAT_FIELDS}
     wrong = [

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from fivefold.errors import CheckpointError
-from fivefold.spec.model import ModelSpec
+from fivefold.specs.model import ModelSpec
 
 # torch is imported inside the functions that use it: the launcher's pre-start check reads a
 # checkpoint's state without torch (fivefold.train.prestart).

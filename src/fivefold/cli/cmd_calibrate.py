@@ -1,7 +1,7 @@
 """`fivefold calibrate`: measure this machine into a device profile the planner and runs read.
 
 The measurements are `fivefold.calibration` (kernels: `compute`; collectives over spawned
-ranks: `comm`); the profile format is `fivefold.spec.profile`.
+ranks: `comm`); the profile format is `fivefold.specs.profile`.
 """
 
 from __future__ import annotations
@@ -13,15 +13,15 @@ from typing import Any
 
 from fivefold.errors import ConfigError
 from fivefold.launch.host_memory import keep_freed_memory
-from fivefold.spec.plan import ParallelPlan
-from fivefold.spec.presets import model_preset
-from fivefold.spec.profile import (
+from fivefold.specs.plan import ParallelPlan
+from fivefold.specs.presets import model_preset
+from fivefold.specs.profile import (
     PROFILE_ENV,
     available_cores,
     default_profile_path,
     parse_profile,
 )
-from fivefold.spec.recipe import merge, model_from_dict, parse_overrides, read_toml
+from fivefold.specs.recipe import merge, model_from_dict, parse_overrides, read_toml
 
 # torch, rich and fivefold.calibration and .parallel (torch) are imported inside the functions:
 # `fivefold --help` imports every command module (fivefold.cli.main) and must stay quick and

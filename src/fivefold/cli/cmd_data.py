@@ -146,7 +146,7 @@ def _prepare(args: argparse.Namespace) -> int:
 
 
 def _doc_len_line(stats: dict) -> str:
-    """What the planner takes from the documents' lengths (`fivefold.spec.model.doc_len`)."""
+    """What the planner takes from the documents' lengths (`fivefold.specs.model.doc_len`)."""
     return (
         f"  doc length mean {stats['mean']:,.0f} tokens, token-weighted "
         f"{stats['token_weighted_mean']:,} (attention is priced per document: fivefold plan "

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from fivefold.checkpoint.manifest import MANIFEST_FILE, newest_valid, step_of, verify_checkpoint
 from fivefold.errors import CheckpointError
-from fivefold.spec.recipe import read_toml
+from fivefold.specs.recipe import read_toml
 
 # torch, numpy and tokenizers are imported inside the functions: `fivefold --help`
 # imports every command module (fivefold.cli.main) and must stay quick.

@@ -18,9 +18,9 @@ from fivefold.launch.launcher import (
 )
 from fivefold.planner.estimate import estimate
 from fivefold.planner.frameworks import planner_settings
-from fivefold.spec.cluster import cluster_preset
-from fivefold.spec.plan import ParallelPlan
-from fivefold.spec.recipe import build, merge, parse_overrides, read_toml
+from fivefold.specs.cluster import cluster_preset
+from fivefold.specs.plan import ParallelPlan
+from fivefold.specs.recipe import build, merge, parse_overrides, read_toml
 
 DEFAULT_TIME = "04:00:00"  # sbatch --time when the planner has no prediction
 TIME_MARGIN = 1.25  # the predicted run time is multiplied by this ...

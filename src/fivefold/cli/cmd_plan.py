@@ -44,7 +44,7 @@ from fivefold.planner.explain import confidence_line, explain, slower_because
 from fivefold.planner.request import resolve_headroom, resolve_request
 from fivefold.planner.search import search
 from fivefold.planner.uncertainty import band_json
-from fivefold.spec.recipe import Recipe, dump_recipe, load_recipe
+from fivefold.specs.recipe import Recipe, dump_recipe, load_recipe
 
 
 # ---- argument parsing ----------------------------------------------------------------------

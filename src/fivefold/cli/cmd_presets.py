@@ -6,9 +6,9 @@ import argparse
 import json
 from typing import TYPE_CHECKING
 
-from fivefold.spec.cluster import CLUSTER_PRESETS
-from fivefold.spec.model import ModelSpec, param_count
-from fivefold.spec.presets import MODEL_PRESETS
+from fivefold.specs.cluster import CLUSTER_PRESETS
+from fivefold.specs.model import ModelSpec, param_count
+from fivefold.specs.presets import MODEL_PRESETS
 from fivefold.units import GiB
 
 # rich is imported inside the functions: `fivefold --help`

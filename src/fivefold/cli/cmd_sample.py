@@ -8,7 +8,7 @@ from pathlib import Path
 
 from fivefold.cli.cmd_export import run_tokenizer, select_checkpoint
 from fivefold.errors import ConfigError
-from fivefold.spec.model import ModelSpec
+from fivefold.specs.model import ModelSpec
 
 # torch and the model are imported inside the functions: `fivefold --help`
 # imports every command module (fivefold.cli.main) and must stay quick.

@@ -13,8 +13,8 @@ from fivefold.parallel.device import pick_device
 from fivefold.parallel.mesh import ParallelDims
 from fivefold.planner.frameworks import DEFAULT_PROFILE, planner_settings
 from fivefold.planner.search import search
-from fivefold.spec.profile import default_profile_path
-from fivefold.spec.recipe import cluster_from_dict, dump_recipe, model_from_dict, plan_from_dict
+from fivefold.specs.profile import default_profile_path
+from fivefold.specs.recipe import cluster_from_dict, dump_recipe, model_from_dict, plan_from_dict
 from fivefold.train.entry import (
     FRESH_HELP,
     RESUME_HELP,

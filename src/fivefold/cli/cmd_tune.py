@@ -25,7 +25,7 @@ from pathlib import Path
 from fivefold.cli.intermixed import merge_intermixed
 from fivefold.errors import ConfigError, WorldSizeProblem
 from fivefold.launch.threads import configure_threads
-from fivefold.spec.geometry import RECOMPUTE_POLICIES
+from fivefold.specs.geometry import RECOMPUTE_POLICIES
 from fivefold.units import GiB as GIB
 
 # torch, rich, fivefold.train and fivefold.parallel are imported inside the functions: `fivefold

@@ -15,8 +15,8 @@ from fivefold.errors import ConfigError
 from fivefold.planner.budget import DEFAULT_RESTART_S
 from fivefold.planner.frameworks import DEFAULT_PROFILE, profiles
 from fivefold.planner.options import CHOICES, OPTION_HELP, PlannerOptions
-from fivefold.spec.geometry import OFFLOAD_KINDS, RECOMPUTE_POLICIES, SCHEDULES
-from fivefold.spec.plan import FP8_RECIPES, OPTIMIZER_STATES
+from fivefold.specs.geometry import OFFLOAD_KINDS, RECOMPUTE_POLICIES, SCHEDULES
+from fivefold.specs.plan import FP8_RECIPES, OPTIMIZER_STATES
 
 DESCRIPTION = """\
 Find the layout (tensor, pipeline with its schedule, data with its ZeRO stage, context and

@@ -27,19 +27,19 @@ from fivefold.planner.request import (
     PlanRequest,
     grad_accum_for,
 )
-from fivefold.spec.cluster import (
+from fivefold.specs.cluster import (
     CLUSTER_PRESETS,
     ClusterSpec,
     cluster_preset,
     profile_cluster,
     require_hbm,
 )
-from fivefold.spec.geometry import is_v_shaped
-from fivefold.spec.hardware import gpu as gpu_lookup
-from fivefold.spec.plan import ParallelPlan
-from fivefold.spec.precision import RECIPES
-from fivefold.spec.presets import MODEL_PRESETS
-from fivefold.spec.recipe import (
+from fivefold.specs.geometry import is_v_shaped
+from fivefold.specs.hardware import gpu as gpu_lookup
+from fivefold.specs.plan import ParallelPlan
+from fivefold.specs.precision import RECIPES
+from fivefold.specs.presets import MODEL_PRESETS
+from fivefold.specs.recipe import (
     SECTIONS,
     build,
     cluster_from_dict,
@@ -113,7 +113,7 @@ _MODEL_FLAGS = {
 
 def model_from_args(args: argparse.Namespace, recipe_data: dict[str, dict]) -> Any:
     """The model from --model (a preset or TOML file) or the recipe's [model], with the flags as
-    overrides; expanded and validated by the recipe code (`fivefold.spec.recipe`), so
+    overrides; expanded and validated by the recipe code (`fivefold.specs.recipe`), so
     `--model X --kv-heads N` and `[model] preset = "X"  kv_heads = N` are the same model."""
     values: dict[str, Any] = dict(recipe_data.get("model", {}))
     if args.hf_config:

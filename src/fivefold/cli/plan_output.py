@@ -8,8 +8,8 @@ from typing import Any
 
 from fivefold.planner.budget import BUDGET_KEYS, DAY_S, budget, budget_lines
 from fivefold.planner.uncertainty import band_json
-from fivefold.spec.plan import ParallelPlan
-from fivefold.spec.profile import load_profile
+from fivefold.specs.plan import ParallelPlan
+from fivefold.specs.profile import load_profile
 
 
 def budget_of(est: Any, inputs: Any) -> Any:

@@ -14,8 +14,8 @@ from dataclasses import fields
 from functools import cache
 from typing import Any
 
-from fivefold.spec.plan import ParallelPlan
-from fivefold.spec.toml_text import toml_value as write_toml_value
+from fivefold.specs.plan import ParallelPlan
+from fivefold.specs.toml_text import toml_value as write_toml_value
 
 # fivefold.train.config (numpy, rich) is imported inside the functions: `fivefold --help`
 # imports every command module (fivefold.cli.main) and must stay quick.

@@ -48,14 +48,14 @@ from fivefold.planner.request import (
 )
 from fivefold.planner.search import search
 from fivefold.planner.uncertainty import risk_problems
-from fivefold.spec.cluster import CLUSTER_PRESETS, ClusterSpec
-from fivefold.spec.geometry import RECOMPUTE_POLICIES
-from fivefold.spec.hardware import GPU_ALIASES, GPUS
-from fivefold.spec.model import ModelSpec, param_count
-from fivefold.spec.plan import CP_KINDS, SCHEDULES, ParallelPlan
-from fivefold.spec.precision import RECIPES
-from fivefold.spec.presets import MODEL_PRESETS
-from fivefold.spec.recipe import (
+from fivefold.specs.cluster import CLUSTER_PRESETS, ClusterSpec
+from fivefold.specs.geometry import RECOMPUTE_POLICIES
+from fivefold.specs.hardware import GPU_ALIASES, GPUS
+from fivefold.specs.model import ModelSpec, param_count
+from fivefold.specs.plan import CP_KINDS, SCHEDULES, ParallelPlan
+from fivefold.specs.precision import RECIPES
+from fivefold.specs.presets import MODEL_PRESETS
+from fivefold.specs.recipe import (
     Recipe,
     cluster_from_dict,
     dump_recipe,

@@ -1,6 +1,6 @@
 """Where every rank sits: its mesh coordinates, its node and its TP/PP/DP/CP/EP group.
 
-Ranks are placed as the runtime places them (`fivefold.spec.geometry`: pp outermost, tp
+Ranks are placed as the runtime places them (`fivefold.specs.geometry`: pp outermost, tp
 innermost), and ranks fill nodes in order, so rank r lives on node r // gpus_per_node. Expert
 parallelism borrows its ranks from the dp_shard x cp sub-mesh: an EP group is `ep` consecutive
 ranks of that sub-mesh (flattened dp_shard-major).
@@ -11,9 +11,9 @@ so the page can colour ranks that talk to each other with one colour per group.
 
 from __future__ import annotations
 
-from fivefold.spec.cluster import ClusterSpec
-from fivefold.spec.geometry import MESH_ORDER, axis_groups, group_index, rank_coordinates
-from fivefold.spec.plan import ParallelPlan
+from fivefold.specs.cluster import ClusterSpec
+from fivefold.specs.geometry import MESH_ORDER, axis_groups, group_index, rank_coordinates
+from fivefold.specs.plan import ParallelPlan
 
 GROUP_AXES = ("tp", "cp", "dp", "pp", "ep")
 

@@ -41,8 +41,8 @@ from fivefold.launch.rank_report import (
     summarize,
 )
 from fivefold.launch.threads import passive_wait
-from fivefold.spec.profile import available_cores
-from fivefold.spec.profile import threads_per_rank as profile_threads_per_rank
+from fivefold.specs.profile import available_cores
+from fivefold.specs.profile import threads_per_rank as profile_threads_per_rank
 
 RDZV_PORT = 29500
 SLURM_MAX_RESTARTS = 3  # a cluster job restarts by default: failures are routine at scale
@@ -53,7 +53,7 @@ POLL_S = 0.2
 
 def threads_per_rank(nproc: int) -> int:
     """CPU threads each rank may use so N ranks do not oversubscribe the cores available (the
-    rule the planner's device profiles assume, `fivefold.spec.profile.threads_per_rank`)."""
+    rule the planner's device profiles assume, `fivefold.specs.profile.threads_per_rank`)."""
     return profile_threads_per_rank(nproc, available_cores())
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 from collections.abc import MutableMapping
 
-from fivefold.spec.profile import available_cores
+from fivefold.specs.profile import available_cores
 
 WAIT_POLICY_ENV = "OMP_WAIT_POLICY"
 THREADS_ENV = "OMP_NUM_THREADS"

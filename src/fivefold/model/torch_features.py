@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from fivefold.spec.geometry import is_v_shaped
+from fivefold.specs.geometry import is_v_shaped
 
 SUPPORTED_RANGE = ">=2.11,<2.14"  # pyproject's dependency; CI installs 2.13.0
 

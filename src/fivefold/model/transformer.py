@@ -21,7 +21,7 @@ from fivefold.model.moe import MoE
 from fivefold.model.norms import RMSNorm
 from fivefold.model.rope import rope_cos_sin
 from fivefold.model.rope_scaling import rope_scaling_of
-from fivefold.spec.model import ModelSpec
+from fivefold.specs.model import ModelSpec
 
 
 class TransformerBlock(nn.Module):

@@ -21,7 +21,7 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "DistributedRuntime": "fivefold.parallel.runtime",
+    "DistributedRuntime": "fivefold.parallel.distributed_runtime",
     "ParallelDims": "fivefold.parallel.mesh",
 }
 

@@ -26,7 +26,7 @@ from typing import Any
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from fivefold.spec.geometry import RECOMPUTE_POLICIES
+from fivefold.specs.geometry import RECOMPUTE_POLICIES
 
 _WRAPPED = "_fivefold_recompute"
 

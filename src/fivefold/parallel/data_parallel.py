@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from fivefold.parallel.mixed_precision import resolve_precision
 from fivefold.parallel.offload import cpu_offload_policy
-from fivefold.spec.plan import ParallelPlan
+from fivefold.specs.plan import ParallelPlan
 
 
 def compute_dtype(plan: ParallelPlan, device: torch.device) -> torch.dtype:

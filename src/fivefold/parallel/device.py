@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fivefold.errors import ConfigError
-from fivefold.spec.cluster import cluster_for_gpu
-from fivefold.spec.hardware import UNKNOWN_GPU, catalog_key_for_device
+from fivefold.specs.cluster import cluster_for_gpu
+from fivefold.specs.hardware import UNKNOWN_GPU, catalog_key_for_device
 from fivefold.units import GiB, MiB
 
 # torch is imported inside the functions that use it: the recipe checks read DEVICE_SETTINGS and

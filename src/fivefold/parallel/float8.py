@@ -13,7 +13,7 @@ from torch import nn
 
 from fivefold.errors import ConfigError
 from fivefold.parallel.lowbit import import_torchao, torchao_problems
-from fivefold.spec.plan import ParallelPlan
+from fivefold.specs.plan import ParallelPlan
 
 # torchao (the optional `lowbit` extra) is imported inside the functions that use it.
 

@@ -1,7 +1,7 @@
 """`ParallelDims`: the five parallel degrees of a plan, checked against the world size, and the
 one `DeviceMesh` they describe.
 
-Mesh axes, rank coordinates and group sizes are `fivefold.spec.geometry`'s (pp outermost, tp
+Mesh axes, rank coordinates and group sizes are `fivefold.specs.geometry`'s (pp outermost, tp
 innermost). From the 5-D mesh we derive the flattened groups the runtime needs:
 
 - ``dp``          = dp_replicate x dp_shard: the data-parallel coordinate used to slice the batch;
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from fivefold.errors import ConfigError
-from fivefold.spec.geometry import (
+from fivefold.specs.geometry import (
     MESH_ORDER,
     dense_shard_degree,
     ep_fits,
@@ -34,7 +34,7 @@ from fivefold.spec.geometry import (
     mesh_size,
     rank_coordinates,
 )
-from fivefold.spec.plan import ParallelPlan
+from fivefold.specs.plan import ParallelPlan
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

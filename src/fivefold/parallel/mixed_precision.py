@@ -1,6 +1,6 @@
 """From a precision recipe name to what the runtime does: fp32, or bf16 compute over fp32 weights.
 
-The recipes in `fivefold.spec.precision` describe bytes per parameter for the planner. At run
+The recipes in `fivefold.specs.precision` describe bytes per parameter for the planner. At run
 time fivefold keeps fp32 master weights, gradients and Adam state; when the recipe's compute
 dtype is bf16, forward and backward run in bf16: bf16 autocast in a single process, FSDP2's
 `MixedPrecisionPolicy(param_dtype=bf16)` in the parallel runtime (`data_parallel`). Both ask
@@ -16,8 +16,8 @@ import torch
 
 from fivefold.errors import ConfigError
 from fivefold.parallel.device import real_bf16
-from fivefold.spec.plan import RUNTIME_COMPUTE_DTYPES
-from fivefold.spec.precision import recipe as precision_recipe
+from fivefold.specs.plan import RUNTIME_COMPUTE_DTYPES
+from fivefold.specs.precision import recipe as precision_recipe
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,8 @@ from fivefold.parallel.expert_parallel import apply_expert_parallel, global_load
 from fivefold.parallel.mesh import Meshes
 from fivefold.parallel.runtime_core import apply_fp8, apply_recompute_and_compile
 from fivefold.parallel.tensor_parallel import apply_tensor_parallel
-from fivefold.spec.model import ModelSpec
-from fivefold.spec.plan import ParallelPlan
+from fivefold.specs.model import ModelSpec
+from fivefold.specs.plan import ParallelPlan
 
 
 def expert_dp_mesh(meshes: Meshes, plan: ParallelPlan):

@@ -3,7 +3,7 @@
 - `split_model_for_pipeline(model, plan, pp_rank)`: the chunks (virtual stages) this rank owns.
   The cut is the planner's (`fivefold.planner.partition.stage_layer_counts`: balanced by forward
   FLOPs with the LM head counted on the last stage), and so is the placement
-  (`fivefold.spec.geometry.chunks_of_rank`: chunk c on rank c % pp, or the V of zbv/dualpipev).
+  (`fivefold.specs.geometry.chunks_of_rank`: chunk c on rank c % pp, or the V of zbv/dualpipev).
   A chunk is a copy of the `Transformer` without the parts it does not own, so its parameter
   names are those of the full model and `init_weights` gives every rank the same values as the
   single-process model. Call it on the meta model, before the other parallelisms are applied.
@@ -48,8 +48,8 @@ from torch.distributed.tensor import DTensor
 
 from fivefold.model.loss import IGNORE_INDEX, cross_entropy_loss
 from fivefold.planner.partition import stage_layer_counts
-from fivefold.spec.geometry import ScheduleName, chunks_of_rank
-from fivefold.spec.plan import ParallelPlan
+from fivefold.specs.geometry import ScheduleName, chunks_of_rank
+from fivefold.specs.plan import ParallelPlan
 
 SCHEDULE_CLASSES = {
     ScheduleName.GPIPE: "ScheduleGPipe",

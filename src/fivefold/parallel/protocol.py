@@ -5,7 +5,8 @@ The loop (`fivefold.train.loop`) never touches parallelism: it asks a Runtime fo
 forward and backward over the micro-batches of a global batch, for the global gradient norm and
 for peak memory, and it steps an optimizer over `runtime.model_parts`. Both runtimes implement
 it: `fivefold.train.runtime.LocalRuntime` (one process) and
-`fivefold.parallel.runtime.DistributedRuntime` (any ParallelPlan). This module sits below both.
+`fivefold.parallel.distributed_runtime.DistributedRuntime` (any ParallelPlan). This module sits
+below both.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ on a batch (`logits`) and the step's token count that weights each micro-batch's
 (`token_count`).
 
 `fivefold.train.runtime.LocalRuntime` (the whole model in one process) and
-`fivefold.parallel.runtime.DistributedRuntime` (one rank under torchrun) build on it.
+`fivefold.parallel.distributed_runtime.DistributedRuntime` (one rank under torchrun) build on it.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from fivefold.parallel.activation_checkpoint import apply_recompute
 from fivefold.parallel.device import pick_device
 from fivefold.parallel.mixed_precision import RuntimePrecision, resolve_precision
 from fivefold.parallel.protocol import TrainSettings, label_count
-from fivefold.spec.plan import ParallelPlan
-from fivefold.spec.recipe import Recipe
+from fivefold.specs.plan import ParallelPlan
+from fivefold.specs.recipe import Recipe
 
 
 class RuntimeCore:

@@ -21,7 +21,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
-from fivefold.spec.model import ModelSpec
+from fivefold.specs.model import ModelSpec
 
 
 class ReplicatedKVColwise(ParallelStyle):

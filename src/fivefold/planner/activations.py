@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from fivefold.planner.memory_options import COMPILED, EAGER, MemoryOptions
 from fivefold.planner.model_states import chunk_layers, layer_params_per_rank, local_kv_width
-from fivefold.spec.model import ModelSpec, attention_params, dense_mlp_params, expert_params
-from fivefold.spec.plan import ParallelPlan
-from fivefold.spec.precision import recipe
+from fivefold.specs.model import ModelSpec, attention_params, dense_mlp_params, expert_params
+from fivefold.specs.plan import ParallelPlan
+from fivefold.specs.precision import recipe
 
 SIMPLE_K = 12  # per-block multiplier of the simple model of the distributed-training guides
 

@@ -11,9 +11,9 @@ from typing import Any
 
 from fivefold.errors import ConfigError
 from fivefold.planner.levers import state_recipe
-from fivefold.spec.cluster import ClusterSpec
-from fivefold.spec.model import ModelSpec, param_count
-from fivefold.spec.plan import ParallelPlan
+from fivefold.specs.cluster import ClusterSpec
+from fivefold.specs.model import ModelSpec, param_count
+from fivefold.specs.plan import ParallelPlan
 
 HOUR_S = 3600.0
 DAY_S = 86400.0

@@ -18,10 +18,10 @@ from fivefold.planner.model_states import (
     local_kv_width,
     params_of,
 )
-from fivefold.spec.geometry import dense_shard_degree
-from fivefold.spec.model import ModelSpec
-from fivefold.spec.plan import ParallelPlan
-from fivefold.spec.precision import recipe
+from fivefold.specs.geometry import dense_shard_degree
+from fivefold.specs.model import ModelSpec
+from fivefold.specs.plan import ParallelPlan
+from fivefold.specs.precision import recipe
 
 
 def other_terms(

@@ -10,11 +10,11 @@ from typing import Any
 
 from fivefold.planner.levers import offloads
 from fivefold.planner.outcomes import BatchTarget
-from fivefold.spec.cluster import ClusterSpec
-from fivefold.spec.geometry import ep_fits
-from fivefold.spec.hardware import host
-from fivefold.spec.model import ModelSpec
-from fivefold.spec.plan import ParallelPlan
+from fivefold.specs.cluster import ClusterSpec
+from fivefold.specs.geometry import ep_fits
+from fivefold.specs.hardware import host
+from fivefold.specs.model import ModelSpec
+from fivefold.specs.plan import ParallelPlan
 
 MIN_CP_TOKENS = 1024
 VPP_CHOICES = (2, 4, 8)

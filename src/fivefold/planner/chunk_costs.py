@@ -19,10 +19,10 @@ from fivefold.planner.layer_costs import (
     layer_costs,
 )
 from fivefold.planner.options import PlannerOptions
-from fivefold.spec.cluster import ClusterSpec
-from fivefold.spec.model import ModelSpec
-from fivefold.spec.plan import ParallelPlan
-from fivefold.spec.precision import recipe
+from fivefold.specs.cluster import ClusterSpec
+from fivefold.specs.model import ModelSpec
+from fivefold.specs.plan import ParallelPlan
+from fivefold.specs.precision import recipe
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Communication costs: which link a process group uses, and alpha-beta times of collectives.
 
 Placement. Ranks are placed node-major and the mesh is, outer to inner, pp, dp_replicate,
-dp_shard, cp, tp (`fivefold.spec.geometry`), so the ranks of a group along one axis are `stride`
+dp_shard, cp, tp (`fivefold.specs.geometry`), so the ranks of a group along one axis are `stride`
 apart, where the stride is the product of the inner degrees (tp: 1, cp: tp, dp_shard: tp*cp, ...).
 A group of `size` ranks `stride` apart stays in one node when size * stride <= gpus_per_node;
 otherwise it spans nodes with k = max(1, gpus_per_node // stride) members per node. Where one
@@ -44,7 +44,7 @@ module), DeepSpeed-style per-parameter hooks per tensor. `collective_count` turn
 `issued_time_s` charges each collective its own latency: count * T(S / count). Over 1,000+ ranks
 the latency term, not the bandwidth, is what makes small per-rank collectives slow.
 
-On a machine measured by `fivefold calibrate` (`fivefold.spec.profile`) every group is local
+On a machine measured by `fivefold calibrate` (`fivefold.specs.profile`) every group is local
 (one machine; the link's kind is the backend, e.g. "gloo") and each collective costs alpha + S /
 beta with the alpha and beta fitted to its own measurements on that group size
 (`rates.FittedLink`, `rates.MeasuredRates.collective`), S in the nccl-tests convention used
@@ -61,9 +61,9 @@ from dataclasses import dataclass
 
 from fivefold.planner.efficiency import EfficiencyModel
 from fivefold.planner.rates import FittedLink, rates_for
-from fivefold.spec.cluster import ClusterSpec
-from fivefold.spec.geometry import axis_groups
-from fivefold.spec.plan import ParallelPlan
+from fivefold.specs.cluster import ClusterSpec
+from fivefold.specs.geometry import axis_groups
+from fivefold.specs.plan import ParallelPlan
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,7 @@ class Link:
         return self.bandwidth
 
     def collective_s(self, op: str, size_bytes: float, n: int) -> float:
-        """Seconds of one `op` (`fivefold.spec.profile.COLLECTIVES`) of `size_bytes` over `n`
+        """Seconds of one `op` (`fivefold.specs.profile.COLLECTIVES`) of `size_bytes` over `n`
         ranks by the analytic models below (the module doc)."""
         return _ANALYTIC[op](size_bytes, n, self)
 
@@ -149,7 +149,7 @@ def group_link(
     )
 
 
-# ---- the groups of a plan (`fivefold.spec.geometry.axis_groups`) -------------------------------
+# ---- the groups of a plan (`fivefold.specs.geometry.axis_groups`) -------------------------------
 def plan_link(
     cluster: ClusterSpec,
     plan: ParallelPlan,

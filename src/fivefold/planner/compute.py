@@ -35,12 +35,12 @@ The efficiency model (parameters in `fivefold.planner.efficiency`, fitted by
   tails.
 - Recompute: "full" repeats the layer's forward inside the backward (less the block's last
   matmul with `checkpoint_early_stop`, what torch's non-reentrant checkpoint skips; see
-  `fivefold.spec.flops.early_stop_skipped_flops_per_token`); "selective" repeats only the
+  `fivefold.specs.flops.early_stop_skipped_flops_per_token`); "selective" repeats only the
   attention core (Korthikanti et al. 2022).
 
 Every rate comes from the device's `DeviceRates` (`fivefold.planner.rates.rates_for`): the above
 for a catalogued GPU (`CatalogRates`). A device measured by `fivefold calibrate`
-(`MeasuredRates`, `fivefold.spec.profile`) replaces the efficiency model by its measurements:
+(`MeasuredRates`, `fivefold.specs.profile`) replaces the efficiency model by its measurements:
 every matmul as eager code runs it (wq, wk, wv separately; a MoE layer's routed experts as the
 model's three `torch._grouped_mm` calls, `layer_matmuls.expert_projections`, from the measured
 grouped table) is timed from the measured GEMM table, each pass on its own shape and operand
@@ -65,11 +65,11 @@ from fivefold.planner.layer_matmuls import alternate_matmuls, last_matmul
 from fivefold.planner.levers import state_recipe
 from fivefold.planner.model_states import local_kv_width
 from fivefold.planner.rates import rates_for
-from fivefold.spec.flops import attention_flops_all_layers
-from fivefold.spec.hardware import GPUSpec
-from fivefold.spec.model import ModelSpec
-from fivefold.spec.plan import ParallelPlan
-from fivefold.spec.precision import recipe
+from fivefold.specs.flops import attention_flops_all_layers
+from fivefold.specs.hardware import GPUSpec
+from fivefold.specs.model import ModelSpec
+from fivefold.specs.plan import ParallelPlan
+from fivefold.specs.precision import recipe
 
 LOSS_BYTES_PER_LOGIT = 24.0  # fp32: upcast, log-softmax, gradient, cast back
 
@@ -161,7 +161,7 @@ def memory_time_s(
     size_bytes: float, device: GPUSpec, eff: EfficiencyModel, kind: str = "elementwise_forward"
 ) -> float:
     """Seconds to stream `size_bytes` through HBM in element-wise kernels; a measured device
-    uses its bandwidth of that `kind` (`fivefold.spec.profile.BANDWIDTH_KINDS`)."""
+    uses its bandwidth of that `kind` (`fivefold.specs.profile.BANDWIDTH_KINDS`)."""
     return size_bytes / rates_for(device, eff).stream_bytes_per_s(kind)
 
 
@@ -188,7 +188,7 @@ def roofline_s(
 def attention_flops(model: ModelSpec, plan: ParallelPlan) -> float:
     """Causal forward FLOPs of one layer's attention core for one micro-batch on one rank (the
     layers' mean where some attend in a sliding window), per document
-    (`fivefold.spec.flops.causal_pairs_per_sequence`: s^2/2 pairs per sequence with one
+    (`fivefold.specs.flops.causal_pairs_per_sequence`: s^2/2 pairs per sequence with one
     document, fewer with `model.doc_len`), split evenly over cp ranks."""
     tokens = plan.micro_batch * model.seq_len / plan.cp
     per_layer = attention_flops_all_layers(model, model.seq_len) / model.layers

@@ -23,10 +23,10 @@ from fivefold.planner.model_states import (
     local_kv_width,
 )
 from fivefold.planner.schedule import build_schedule
-from fivefold.spec.geometry import chunk_rank
-from fivefold.spec.model import ModelSpec
-from fivefold.spec.plan import ParallelPlan
-from fivefold.spec.precision import recipe
+from fivefold.specs.geometry import chunk_rank
+from fivefold.specs.model import ModelSpec
+from fivefold.specs.plan import ParallelPlan
+from fivefold.specs.precision import recipe
 
 # The forward's buffers that are free by the time a block runs its backward.
 FORWARD_BUFFERS = ("logits", "ep_dispatch_buffers", "cp_kv_buffers")

@@ -36,15 +36,15 @@ from fivefold.planner.rank_tail import Tail, rank_tails
 from fivefold.planner.rates import rates_for
 from fivefold.planner.schedule import build_schedule
 from fivefold.planner.simulation import Simulation, StageCosts, analytic_pipeline, simulate
-from fivefold.spec.cluster import ClusterSpec, require_hbm
-from fivefold.spec.flops import training_flops_per_token
-from fivefold.spec.geometry import (
+from fivefold.specs.cluster import ClusterSpec, require_hbm
+from fivefold.specs.flops import training_flops_per_token
+from fivefold.specs.geometry import (
     chunks_of_rank,
 )
-from fivefold.spec.hardware import GPUSpec
-from fivefold.spec.model import ModelSpec
-from fivefold.spec.plan import ParallelPlan
-from fivefold.spec.precision import recipe
+from fivefold.specs.hardware import GPUSpec
+from fivefold.specs.model import ModelSpec
+from fivefold.specs.plan import ParallelPlan
+from fivefold.specs.precision import recipe
 from fivefold.units import GiB
 
 

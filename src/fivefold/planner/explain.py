@@ -21,8 +21,8 @@ from fivefold.planner.quantities import gib, seconds
 from fivefold.planner.rates import rates_for
 from fivefold.planner.search import collector_paused
 from fivefold.planner.staircase import rule_of_thumb_line
-from fivefold.spec.geometry import RECOMPUTE_POLICIES, dense_shard_degree
-from fivefold.spec.plan import ParallelPlan
+from fivefold.specs.geometry import RECOMPUTE_POLICIES, dense_shard_degree
+from fivefold.specs.plan import ParallelPlan
 from fivefold.units import GiB
 
 COMPARE_BUDGET = 8  # full estimates per "best layout with ..." comparison

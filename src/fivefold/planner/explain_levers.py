@@ -12,11 +12,11 @@ from typing import Any
 from fivefold.planner.lever_costs import fp8_flops_per_token, mfu_peak
 from fivefold.planner.levers import state_recipe
 from fivefold.planner.quantities import gib, seconds
-from fivefold.spec.flops import training_flops_per_token
-from fivefold.spec.hardware import GPUSpec
-from fivefold.spec.model import ModelSpec
-from fivefold.spec.plan import ParallelPlan
-from fivefold.spec.precision import recipe
+from fivefold.specs.flops import training_flops_per_token
+from fivefold.specs.hardware import GPUSpec
+from fivefold.specs.model import ModelSpec
+from fivefold.specs.plan import ParallelPlan
+from fivefold.specs.precision import recipe
 from fivefold.units import GiB
 
 

@@ -27,8 +27,8 @@ from typing import Any
 from fivefold.errors import ConfigError
 from fivefold.planner.budget import BUDGET_KEYS
 from fivefold.planner.options import PlannerOptions
-from fivefold.spec.hardware import GPUSpec
-from fivefold.spec.recipe import build, unknown_field
+from fivefold.specs.hardware import GPUSpec
+from fivefold.specs.recipe import build, unknown_field
 
 PROFILES_FILE = Path(__file__).parent / "data" / "profiles.json"
 OPTION_FIELDS = tuple(f.name for f in fields(PlannerOptions))

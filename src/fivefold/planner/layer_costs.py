@@ -36,11 +36,11 @@ from fivefold.planner.model_states import (
 )
 from fivefold.planner.options import PlannerOptions
 from fivefold.planner.rates import rates_for
-from fivefold.spec.cluster import ClusterSpec
-from fivefold.spec.hardware import GPUSpec
-from fivefold.spec.model import ModelSpec
-from fivefold.spec.plan import ParallelPlan
-from fivefold.spec.precision import recipe
+from fivefold.specs.cluster import ClusterSpec
+from fivefold.specs.hardware import GPUSpec
+from fivefold.specs.model import ModelSpec
+from fivefold.specs.plan import ParallelPlan
+from fivefold.specs.precision import recipe
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,8 @@ Per micro-batch of b sequences a rank holds T = b * s / cp tokens and 1/tp of ea
 from __future__ import annotations
 
 from fivefold.planner.model_states import local_kv_width
-from fivefold.spec.model import ModelSpec
-from fivefold.spec.plan import ParallelPlan
+from fivefold.specs.model import ModelSpec
+from fivefold.specs.plan import ParallelPlan
 
 
 def attention_gemms(

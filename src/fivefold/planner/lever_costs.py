@@ -22,13 +22,13 @@ from fivefold.planner.levers import (
     resting_param_bytes,
 )
 from fivefold.planner.model_states import local_kv_width
-from fivefold.spec.cluster import ClusterSpec
-from fivefold.spec.flops import training_flops_per_token
-from fivefold.spec.geometry import dense_shard_degree
-from fivefold.spec.hardware import GPUSpec
-from fivefold.spec.model import ModelSpec
-from fivefold.spec.plan import ParallelPlan
-from fivefold.spec.precision import recipe
+from fivefold.specs.cluster import ClusterSpec
+from fivefold.specs.flops import training_flops_per_token
+from fivefold.specs.geometry import dense_shard_degree
+from fivefold.specs.hardware import GPUSpec
+from fivefold.specs.model import ModelSpec
+from fivefold.specs.plan import ParallelPlan
+from fivefold.specs.precision import recipe
 
 CAST_BYTES = 5.0  # per element: amax read (2) + cast read (2) and write (1)
 PCIE_FRACTION = 0.8

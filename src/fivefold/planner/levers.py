@@ -9,10 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from fivefold.errors import ConfigError
-from fivefold.spec.hardware import HOSTS, GPUSpec, HostSpec, host
-from fivefold.spec.model import ModelSpec, attention_params, dense_mlp_params, expert_params
-from fivefold.spec.plan import ParallelPlan
-from fivefold.spec.precision import PrecisionRecipe, recipe
+from fivefold.specs.hardware import HOSTS, GPUSpec, HostSpec, host
+from fivefold.specs.model import ModelSpec, attention_params, dense_mlp_params, expert_params
+from fivefold.specs.plan import ParallelPlan
+from fivefold.specs.precision import PrecisionRecipe, recipe
 from fivefold.units import GiB
 
 TORCHAO_BLOCK = 256  # torchao 0.18 AdamW8bit / AdamWFp8 default block_size
@@ -134,7 +134,7 @@ def node_host(gpu_name: str, device: GPUSpec) -> HostSpec:
     if spec is None or device.pcie_bw_bytes_per_s <= 0:
         raise ConfigError(
             f"plan.offload needs the host of a {gpu_name} node (host RAM, memory bandwidth, "
-            "PCIe), which the catalog does not have (fivefold.spec.hardware.HOSTS: "
+            "PCIe), which the catalog does not have (fivefold.specs.hardware.HOSTS: "
             f"{', '.join(sorted(HOSTS))}); set plan.offload = 'none' or choose a GPU "
             "whose system is catalogued."
         )

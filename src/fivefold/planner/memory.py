@@ -27,10 +27,10 @@ from fivefold.planner.eager_memory import (
 from fivefold.planner.memory_options import MemoryOptions
 from fivefold.planner.model_states import Tenants, chunk_state
 from fivefold.planner.partition import stage_layer_counts
-from fivefold.spec.geometry import chunks_of_rank
-from fivefold.spec.model import ModelSpec
-from fivefold.spec.plan import ParallelPlan
-from fivefold.spec.precision import recipe
+from fivefold.specs.geometry import chunks_of_rank
+from fivefold.specs.model import ModelSpec
+from fivefold.specs.plan import ParallelPlan
+from fivefold.specs.precision import recipe
 from fivefold.units import GiB
 
 

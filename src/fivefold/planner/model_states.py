@@ -18,16 +18,16 @@ from fivefold.planner.levers import (
     state_recipe,
 )
 from fivefold.planner.memory_options import EAGER
-from fivefold.spec.geometry import dense_shard_degree, expert_shard_degree
-from fivefold.spec.model import (
+from fivefold.specs.geometry import dense_shard_degree, expert_shard_degree
+from fivefold.specs.model import (
     ModelSpec,
     attention_extra_params,
     attention_params,
     dense_mlp_params,
     expert_params,
 )
-from fivefold.spec.plan import ParallelPlan
-from fivefold.spec.precision import PrecisionRecipe, recipe
+from fivefold.specs.plan import ParallelPlan
+from fivefold.specs.precision import PrecisionRecipe, recipe
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ from fivefold.planner.memory_options import (
     MemoryOptions,
 )
 from fivefold.planner.rates import rates_for
-from fivefold.spec.hardware import GPUSpec
+from fivefold.specs.hardware import GPUSpec
 from fivefold.units import GiB, MiB
 
 

@@ -13,9 +13,9 @@ from typing import Any
 from fivefold.errors import ConfigError
 from fivefold.planner.options import PlannerOptions
 from fivefold.planner.uncertainty import DEFAULT_RISK, rank_tokens_per_s
-from fivefold.spec.cluster import ClusterSpec
-from fivefold.spec.model import ModelSpec
-from fivefold.spec.plan import ParallelPlan
+from fivefold.specs.cluster import ClusterSpec
+from fivefold.specs.model import ModelSpec
+from fivefold.specs.plan import ParallelPlan
 from fivefold.units import GiB
 
 DEFAULT_BATCH_TOKENS = 4 * 2**20  # ~4M tokens: Llama-scale practice

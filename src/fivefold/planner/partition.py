@@ -8,12 +8,12 @@ from __future__ import annotations
 from functools import lru_cache
 
 from fivefold.errors import ConfigError
-from fivefold.spec.flops import (
+from fivefold.specs.flops import (
     attention_score_flops_per_token,
     head_flops_per_token,
     layer_matmul_flops_per_token,
 )
-from fivefold.spec.model import ModelSpec
+from fivefold.specs.model import ModelSpec
 
 
 def layer_costs(model: ModelSpec) -> list[float]:

@@ -24,10 +24,10 @@ from fivefold.planner.efficiency import EfficiencyModel, published_runs
 from fivefold.planner.estimate import estimate
 from fivefold.planner.frameworks import row_options
 from fivefold.planner.options import PlannerOptions
-from fivefold.spec.cluster import ClusterSpec, cluster_preset
-from fivefold.spec.model import ModelSpec
-from fivefold.spec.plan import ParallelPlan
-from fivefold.spec.presets import model_preset
+from fivefold.specs.cluster import ClusterSpec, cluster_preset
+from fivefold.specs.model import ModelSpec
+from fivefold.specs.plan import ParallelPlan
+from fivefold.specs.presets import model_preset
 from fivefold.units import GiB
 
 GB = 1e9

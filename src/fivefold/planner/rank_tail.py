@@ -29,16 +29,16 @@ from fivefold.planner.layer_costs import collective_gap_s, fsdp_copy_s, per_laye
 from fivefold.planner.lever_costs import offload_tail, optimizer_s
 from fivefold.planner.model_states import layer_params_per_rank, params_of
 from fivefold.planner.options import PlannerOptions
-from fivefold.spec.cluster import ClusterSpec
-from fivefold.spec.geometry import (
+from fivefold.specs.cluster import ClusterSpec
+from fivefold.specs.geometry import (
     chunks_of_rank,
     dense_shard_degree,
     expert_shard_degree,
     is_v_shaped,
 )
-from fivefold.spec.model import ModelSpec
-from fivefold.spec.plan import ParallelPlan
-from fivefold.spec.precision import recipe
+from fivefold.specs.model import ModelSpec
+from fivefold.specs.plan import ParallelPlan
+from fivefold.specs.precision import recipe
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ one of its two implementations:
   fraction of the bf16 peak, streaming at a fraction of HBM bandwidth, a fixed overhead per
   layer, fused kernels (QKV as one matmul); collectives priced by where the group sits on the
   cluster's links (`fivefold.planner.comm.Link`).
-- `MeasuredRates`: a device profile measured by `fivefold calibrate` (`fivefold.spec.profile`)
+- `MeasuredRates`: a device profile measured by `fivefold calibrate` (`fivefold.specs.profile`)
   as one rank reads it: each matmul pass on its own shape and operand layout, interpolated in
   log space (`log_shape_interp`); attention, bandwidths and per-layer overheads as measured;
   collectives from their fitted alpha and beta (`FittedLink`).
@@ -29,12 +29,12 @@ from fivefold.errors import ConfigError
 from fivefold.planner.efficiency import EfficiencyModel, efficiency_model
 from fivefold.planner.layer_matmuls import eager_matmuls, expert_projections, layer_gemms
 from fivefold.planner.levers import node_host, offloads
-from fivefold.spec.cluster import ClusterSpec
-from fivefold.spec.hardware import GPUSpec
-from fivefold.spec.model import ModelSpec
-from fivefold.spec.plan import ParallelPlan
-from fivefold.spec.precision import recipe
-from fivefold.spec.profile import Attention, Collective, GroupedMatmul, RankProfile, bus_factor
+from fivefold.specs.cluster import ClusterSpec
+from fivefold.specs.hardware import GPUSpec
+from fivefold.specs.model import ModelSpec
+from fivefold.specs.plan import ParallelPlan
+from fivefold.specs.precision import recipe
+from fivefold.specs.profile import Attention, Collective, GroupedMatmul, RankProfile, bus_factor
 
 ATTENTION_DTYPE = "bf16"  # attention kernels run in bf16 even under fp8 recipes
 NEIGHBOURS = 4  # measured shapes a rate is interpolated from (`log_shape_interp`)
@@ -73,7 +73,7 @@ class DeviceRates(ABC):
     @abstractmethod
     def stream_bytes_per_s(self, kind: str) -> float:
         """Achieved bytes/s of memory-bound kernels of `kind`
-        (`fivefold.spec.profile.BANDWIDTH_KINDS`)."""
+        (`fivefold.specs.profile.BANDWIDTH_KINDS`)."""
 
     @abstractmethod
     def attention_s(

@@ -15,8 +15,8 @@ from fivefold.planner.frameworks import PlannerSettings
 from fivefold.planner.options import PlannerOptions
 from fivefold.planner.outcomes import BATCH_TOLERANCE
 from fivefold.planner.uncertainty import DEFAULT_RISK
-from fivefold.spec.cluster import ClusterSpec
-from fivefold.spec.model import ModelSpec
+from fivefold.specs.cluster import ClusterSpec
+from fivefold.specs.model import ModelSpec
 
 DEFAULT_HEADROOM = 0.10  # share of HBM left free
 DEFAULT_TOP = 5  # alternatives shown beside the best layout

@@ -12,7 +12,7 @@ from functools import cached_property, lru_cache
 from typing import NamedTuple
 
 from fivefold.errors import ConfigError
-from fivefold.spec.geometry import SCHEDULES, V_SHAPED, ScheduleName, chunk_rank, chunks_of_rank
+from fivefold.specs.geometry import SCHEDULES, V_SHAPED, ScheduleName, chunk_rank, chunks_of_rank
 
 KINDS = ("F", "B", "W")
 

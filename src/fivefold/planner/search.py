@@ -31,10 +31,10 @@ from fivefold.planner.request import (
 )
 from fivefold.planner.search_state import SearchState
 from fivefold.planner.uncertainty import DEFAULT_RISK, risk_problems
-from fivefold.spec.cluster import ClusterSpec, require_hbm
-from fivefold.spec.model import ModelSpec
-from fivefold.spec.plan import ParallelPlan
-from fivefold.spec.precision import RECIPES
+from fivefold.specs.cluster import ClusterSpec, require_hbm
+from fivefold.specs.model import ModelSpec
+from fivefold.specs.plan import ParallelPlan
+from fivefold.specs.precision import RECIPES
 
 PLAN_FIELDS = tuple(ParallelPlan.__dataclass_fields__)
 FIXABLE = (*PLAN_FIELDS, "dp")  # "dp" pins dp_replicate * dp_shard

@@ -35,10 +35,10 @@ from fivefold.planner.outcomes import (
 )
 from fivefold.planner.schedule import build_schedule
 from fivefold.planner.uncertainty import DEFAULT_RISK, rank_factor, rank_tokens_per_s
-from fivefold.spec.cluster import ClusterSpec
-from fivefold.spec.geometry import RECOMPUTE_POLICIES
-from fivefold.spec.model import ModelSpec
-from fivefold.spec.plan import ParallelPlan
+from fivefold.specs.cluster import ClusterSpec
+from fivefold.specs.geometry import RECOMPUTE_POLICIES
+from fivefold.specs.model import ModelSpec
+from fivefold.specs.plan import ParallelPlan
 
 
 @dataclass

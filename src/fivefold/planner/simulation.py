@@ -10,8 +10,8 @@ from functools import cached_property, lru_cache
 
 from fivefold.errors import ConfigError
 from fivefold.planner.schedule import KINDS, Schedule, build_schedule
-from fivefold.spec.geometry import chunk_rank
-from fivefold.spec.plan import ParallelPlan
+from fivefold.specs.geometry import chunk_rank
+from fivefold.specs.plan import ParallelPlan
 
 _F, _B, _W = 0, 1, 2
 

@@ -12,9 +12,9 @@ from typing import Any
 
 from fivefold.planner.candidates import divisors, tp_choices
 from fivefold.planner.outcomes import BatchTarget
-from fivefold.spec.cluster import ClusterSpec
-from fivefold.spec.model import ModelSpec
-from fivefold.spec.plan import ParallelPlan
+from fivefold.specs.cluster import ClusterSpec
+from fivefold.specs.model import ModelSpec
+from fivefold.specs.plan import ParallelPlan
 
 RULE = (
     "The textbook rule of thumb taken literally (the decision staircase of the "

@@ -36,9 +36,9 @@ from typing import Any
 from fivefold.planner import efficiency
 from fivefold.planner.published import run_setups
 from fivefold.planner.rates import rates_for
-from fivefold.spec.cluster import ClusterSpec
-from fivefold.spec.model import ModelSpec, param_count
-from fivefold.spec.plan import ParallelPlan
+from fivefold.specs.cluster import ClusterSpec
+from fivefold.specs.model import ModelSpec, param_count
+from fivefold.specs.plan import ParallelPlan
 
 RISKS = ("pessimistic", "expected")
 DEFAULT_RISK = "pessimistic"

@@ -22,7 +22,7 @@ from torch import nn
 from fivefold.checkpoint import manifest as mf
 from fivefold.checkpoint.checkpointer import Checkpointer
 from fivefold.checkpoint.state import TrainingState, check_model_spec, read_state
-from fivefold.spec.recipe import Recipe
+from fivefold.specs.recipe import Recipe
 
 
 @dataclass(frozen=True)

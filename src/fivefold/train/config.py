@@ -2,7 +2,7 @@
 
 `TrainConfig` holds the optimizer, schedule, logging and checkpoint settings; `DataConfig` says
 where the tokens come from (the embedded corpus by default). Both are built with
-`fivefold.spec.recipe.build`, so unknown fields and wrong types are reported like any other
+`fivefold.specs.recipe.build`, so unknown fields and wrong types are reported like any other
 recipe problem, and every cross-field check runs at load time: one `ConfigError` lists them all.
 
 Batch sizes are in sequences. `train.global_batch` is optional: when given it must equal
@@ -20,7 +20,7 @@ from typing import Any
 from fivefold.checkpoint.elastic import resume_mode
 from fivefold.errors import ConfigError
 from fivefold.parallel.device import DEVICE_SETTINGS as DEVICES
-from fivefold.spec.recipe import Recipe, build, unknown_field
+from fivefold.specs.recipe import Recipe, build, unknown_field
 from fivefold.train.trackers import tracker_problems
 
 LR_SCHEDULES = ("cosine", "linear", "constant")

@@ -6,7 +6,7 @@ command `fivefold train` calls `load_run` and `train` from here too, so both rea
 same way: on a machine (or `train.device`) without CUDA, or on a GPU without native bf16, a
 recipe that does not name `plan.precision` trains in fp32; a recipe without a [cluster] runs on
 the GPU it finds (`fivefold.parallel.device`) or, on a CPU, uses the device profile at the
-default location (`fivefold.spec.profile.default_profile_path`) when one exists there.
+default location (`fivefold.specs.profile.default_profile_path`) when one exists there.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from fivefold.launch.rank_report import RankReport, attempt, mark_attempt, write
 from fivefold.launch.shielded_import import signals_held
 from fivefold.parallel.device import local_cluster_table, local_gpu, uses_cuda
 from fivefold.parallel.mesh import ParallelDims
-from fivefold.spec.profile import default_profile_path, load_profile
-from fivefold.spec.recipe import merge, parse_overrides, read_toml, recipe_from_dict
+from fivefold.specs.profile import default_profile_path, load_profile
+from fivefold.specs.recipe import merge, parse_overrides, read_toml, recipe_from_dict
 from fivefold.train.config import RunConfig, parse_train_config, section_problems
 from fivefold.train.prestart import prestart_problems
 

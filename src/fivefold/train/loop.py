@@ -22,9 +22,9 @@ from rich.console import Console
 from fivefold.launch.host_memory import keep_freed_memory
 from fivefold.launch.threads import configure_threads
 from fivefold.parallel.report import format_rows, record, stage_rows
-from fivefold.spec.flops import training_flops_per_token
-from fivefold.spec.precision import recipe
-from fivefold.spec.recipe import dump_recipe
+from fivefold.specs.flops import training_flops_per_token
+from fivefold.specs.precision import recipe
+from fivefold.specs.recipe import dump_recipe
 from fivefold.train.checkpoint import RunCheckpoints, RunState, step_dir
 from fivefold.train.collect import ScheduledCollection
 from fivefold.train.config import RunConfig

@@ -27,7 +27,7 @@ from rich.progress import (
 )
 from rich.text import Text
 
-from fivefold.spec.flops import ATTENTION_CONVENTION
+from fivefold.specs.flops import ATTENTION_CONVENTION
 
 LOG_INTERVAL_S = 30.0  # the console never stays silent longer than this while steps complete
 

@@ -14,7 +14,7 @@ from fivefold.errors import ConfigError
 from fivefold.parallel.float8 import float8_problems, needs_scale_precompute, precompute_scales
 from fivefold.parallel.lowbit import compiler_problems, lowbit_adamw_class, torchao_problems
 from fivefold.parallel.offload import HostOffloadOptimizer
-from fivefold.spec.plan import ParallelPlan
+from fivefold.specs.plan import ParallelPlan
 from fivefold.train.config import TrainConfig
 
 

@@ -1,6 +1,6 @@
 """The peak FLOP/s an MFU figure is measured against.
 
-CUDA devices are looked up by name in the catalog `fivefold.spec.hardware.GPUS` (dense vendor
+CUDA devices are looked up by name in the catalog `fivefold.specs.hardware.GPUS` (dense vendor
 figures, each with its datasheet as source); a device the catalog does not know gets "unknown
 peak" and no MFU, never a guess. A CPU has no catalog figure: with a device profile
 (`fivefold calibrate`, named by the recipe's `cluster.profile` or found at the default location)
@@ -17,11 +17,11 @@ from dataclasses import dataclass
 import torch
 
 from fivefold.planner.lever_costs import mfu_peak
-from fivefold.spec.cluster import ClusterSpec
-from fivefold.spec.hardware import GPUS, catalog_key_for_device
-from fivefold.spec.model import ModelSpec
-from fivefold.spec.plan import ParallelPlan
-from fivefold.spec.precision import recipe
+from fivefold.specs.cluster import ClusterSpec
+from fivefold.specs.hardware import GPUS, catalog_key_for_device
+from fivefold.specs.model import ModelSpec
+from fivefold.specs.plan import ParallelPlan
+from fivefold.specs.precision import recipe
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -42,7 +42,7 @@ class DevicePeak:
 
 def catalog_key_for_cuda(device_name: str) -> str | None:
     """Catalog key for a CUDA device name such as 'NVIDIA H100 80GB HBM3', or None
-    (`fivefold.spec.hardware.catalog_key_for_device`, the one mapping)."""
+    (`fivefold.specs.hardware.catalog_key_for_device`, the one mapping)."""
     return catalog_key_for_device(device_name)
 
 

@@ -5,10 +5,11 @@ The Runtime protocol and `StepResult` live below both runtimes, in `fivefold.par
 (the loop imports them from here or there alike): the loop asks a Runtime for a step's forward
 and backward over the micro-batches of a global batch, for the global gradient norm, and for
 peak memory, and steps an optimizer over `runtime.model_parts`. `LocalRuntime` runs the whole
-model in this process; `fivefold.parallel.runtime.DistributedRuntime` (chosen by `make_runtime`
-under torchrun) applies a ParallelPlan and keeps the same contract, so every layout reports the
-same loss. Both build on `fivefold.parallel.runtime_core`: start-up, FP8, recompute, compile,
-the model call, the token count and the peak-memory record are written there once.
+model in this process; `fivefold.parallel.distributed_runtime.DistributedRuntime` (chosen by
+`make_runtime` under torchrun) applies a ParallelPlan and keeps the same contract, so every
+layout reports the same loss. Both build on `fivefold.parallel.runtime_core`: start-up, FP8,
+recompute, compile, the model call, the token count and the peak-memory record are written
+there once.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from fivefold.parallel.runtime_core import (
     logits,
     token_count,
 )
-from fivefold.spec.recipe import Recipe
+from fivefold.specs.recipe import Recipe
 from fivefold.train.config import parse_train_config
 from fivefold.train.memory_counter import track_cpu_peak
 
@@ -122,7 +123,9 @@ class LocalRuntime(RuntimeCore):
 def distributed_runtime(recipe: Recipe, train: TrainSettings | None = None) -> Runtime:
     """This rank's `DistributedRuntime` (under torchrun) with the run's [train] settings and the
     loop's CPU memory tracker."""
-    from fivefold.parallel.runtime import DistributedRuntime  # FSDP and meshes: torchrun only
+    from fivefold.parallel.distributed_runtime import (
+        DistributedRuntime,  # FSDP and meshes: torchrun only
+    )
 
     return DistributedRuntime(recipe, _settings(recipe, train), track_cpu_peak)
 

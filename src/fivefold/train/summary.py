@@ -19,9 +19,9 @@ from fivefold.parallel.protocol import Runtime
 from fivefold.planner.budget import checkpoint_suggestion
 from fivefold.planner.estimate import estimate
 from fivefold.planner.options import PlannerOptions
-from fivefold.spec.flops import ATTENTION_CONVENTION
-from fivefold.spec.model import param_count
-from fivefold.spec.profile import default_profile_path, load_profile
+from fivefold.specs.flops import ATTENTION_CONVENTION
+from fivefold.specs.model import param_count
+from fivefold.specs.profile import default_profile_path, load_profile
 from fivefold.train.config import RunConfig
 from fivefold.train.inputs import TrainData
 from fivefold.train.metrics import format_mfu, format_tokens_per_s

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from fivefold.spec.recipe import Recipe
+from fivefold.specs.recipe import Recipe
 from fivefold.train.metrics import StepMetrics, TensorBoardWriter, scalars
 
 OPTIONAL = {"wandb": "wandb", "mlflow": "mlflow"}  # tracker -> the package (and the extra)

@@ -16,7 +16,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from fivefold.errors import DataError
-from fivefold.spec.model import MODEL_LIMITS
+from fivefold.specs.model import MODEL_LIMITS
 from fivefold.train.data.cache import atomic_write_text, cache_dir, cache_lock
 from fivefold.train.data.corpus import embedded_corpus_files, files_digest
 from fivefold.train.data.documents import check_inputs, iter_documents

@@ -1,7 +1,7 @@
 """`ParallelPlan`: how a model is split over the GPUs of a cluster, and its validation.
 
 Degrees multiply to the world size: pp * dp_replicate * dp_shard * cp * tp, laid out on the mesh
-of `fivefold.spec.geometry` (pp outermost, tp innermost). ZeRO shards over the dp_shard x cp ranks
+of `fivefold.specs.geometry` (pp outermost, tp innermost). ZeRO shards over the dp_shard x cp ranks
 (those that hold different data or sequence shards); dp_replicate > 1 with dp_shard > 1 and
 zero = 3 is HSDP. EP borrows its ranks from dp_shard * cp.
 Batch sizes are in sequences: global batch = micro_batch * dp * grad_accum, and with pipelining the
@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 
 from fivefold.errors import ConfigError, WorldSizeProblem
-from fivefold.spec.cluster import ClusterSpec
-from fivefold.spec.geometry import (
+from fivefold.specs.cluster import ClusterSpec
+from fivefold.specs.geometry import (
     CP_KINDS,
     OFFLOAD_KINDS,
     RECOMPUTE_POLICIES,
@@ -24,10 +24,10 @@ from fivefold.spec.geometry import (
     ep_fits,
     mesh_size,
 )
-from fivefold.spec.hardware import UNKNOWN_GPU
-from fivefold.spec.model import ModelSpec
-from fivefold.spec.precision import RECIPES
-from fivefold.spec.precision import recipe as precision_recipe
+from fivefold.specs.hardware import UNKNOWN_GPU
+from fivefold.specs.model import ModelSpec
+from fivefold.specs.precision import RECIPES
+from fivefold.specs.precision import recipe as precision_recipe
 
 # Memory levers: offload (`geometry.Offload`); "optimizer" keeps the fp32 master weights and the
 # optimizer state in host memory and runs the optimizer step on the host CPU (ZeRO-Offload,

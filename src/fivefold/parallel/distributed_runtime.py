@@ -52,7 +52,7 @@ from fivefold.parallel.process_group import (
 from fivefold.parallel.protocol import StepResult, TrainSettings, batch_to
 from fivefold.parallel.report import format_rows, record, stage_rows
 from fivefold.parallel.runtime_core import RuntimeCore, logits, token_count
-from fivefold.spec.recipe import Recipe
+from fivefold.specs.recipe import Recipe
 
 # How the runtime measures its own CPU peak when the loop does not: a context manager over
 # (modules, optimizer) whose value has `peak_bytes` (the loop passes

@@ -2,8 +2,8 @@
 
 The file format (every table and field, with units) is in docs/device-profile.md. This
 module holds the format, its reading and validation and the default paths; a profile's
-`GPUSpec` (`fivefold.spec.hardware.profile_device`), its `ClusterSpec`
-(`fivefold.spec.cluster.profile_cluster`) and the planner's rates
+`GPUSpec` (`fivefold.specs.hardware.profile_device`), its `ClusterSpec`
+(`fivefold.specs.cluster.profile_cluster`) and the planner's rates
 (`fivefold.planner.rates.MeasuredRates`) are built on it. `RankProfile`: one rank's share of a
 CPU's cores (`threads_per_rank`, the launcher's rule).
 """
@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from fivefold.errors import ConfigError
-from fivefold.spec.toml_text import toml_value
+from fivefold.specs.toml_text import toml_value
 
 FORMAT = 5  # 2: overhead per layer kind, clipping in the optimizer; 3: ZeRO-0/1/2 units;
 # 4: collectives timed as issued, after a GEMM of `gap_s`; 5: a model-independent grid of GEMM

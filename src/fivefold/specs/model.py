@@ -1,5 +1,5 @@
 """`ModelSpec`: what is trained (Llama-style dense, MoE or MLA blocks) and the exact parameter
-counts it implies; FLOPs are `fivefold.spec.flops`. Pure Python (no torch): the planner calls it
+counts it implies; FLOPs are `fivefold.specs.flops`. Pure Python (no torch): the planner calls it
 millions of times. The block conventions are in docs/planner.md ("Model conventions").
 """
 

@@ -10,7 +10,7 @@ node-major: ranks [k*gpus_per_node, (k+1)*gpus_per_node) share node k and its NV
   200 Gb/s NIC per GPU = 25 GB/s; DGX H100: one NDR 400 Gb/s NIC per GPU = 50 GB/s).
 - Latencies are the per-message start-up cost (alpha) of one hop: about 1 us over NVLink and
   5 us over InfiniBand (NCCL's small-message latencies; order of magnitude only).
-- `profile` names a device profile measured by `fivefold calibrate` (`fivefold.spec.profile`):
+- `profile` names a device profile measured by `fivefold calibrate` (`fivefold.specs.profile`):
   the device is then the measured machine, one node whose `gpus_per_node` are its local ranks,
   and the planner times kernels and collectives from the measurements.
 - `nvlink_domain` is the number of GPUs one NVLink fabric joins when it spans nodes (GB200 NVL72:
@@ -26,8 +26,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from fivefold.errors import ConfigError
-from fivefold.spec.hardware import GPUS, GPUSpec, gpu, profile_device
-from fivefold.spec.profile import load_profile
+from fivefold.specs.hardware import GPUS, GPUSpec, gpu, profile_device
+from fivefold.specs.profile import load_profile
 
 MAX_GPUS = 1 << 17  # 131,072: beyond the largest clusters built; bounds every search
 

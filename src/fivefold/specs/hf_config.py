@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from fivefold.errors import ConfigError
-from fivefold.spec.model import ROPE_SCALING_TYPES, ModelSpec
+from fivefold.specs.model import ROPE_SCALING_TYPES, ModelSpec
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "deepseek_v3")
 LLAMA3_KEYS = {  # HF rope key -> ModelSpec field

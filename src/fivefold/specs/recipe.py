@@ -22,11 +22,11 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from fivefold.errors import ConfigError
-from fivefold.spec.cluster import CLUSTER_PRESETS, ClusterSpec, cluster_preset, profile_cluster
-from fivefold.spec.geometry import RECOMPUTE_POLICIES
-from fivefold.spec.hf_config import read_hf_config, spec_from_hf_config
-from fivefold.spec.model import MLP_KINDS, ModelSpec, default_ffn
-from fivefold.spec.plan import (
+from fivefold.specs.cluster import CLUSTER_PRESETS, ClusterSpec, cluster_preset, profile_cluster
+from fivefold.specs.geometry import RECOMPUTE_POLICIES
+from fivefold.specs.hf_config import read_hf_config, spec_from_hf_config
+from fivefold.specs.model import MLP_KINDS, ModelSpec, default_ffn
+from fivefold.specs.plan import (
     CP_KINDS,
     FP8_RECIPES,
     OFFLOAD_KINDS,
@@ -34,9 +34,9 @@ from fivefold.spec.plan import (
     SCHEDULES,
     ParallelPlan,
 )
-from fivefold.spec.precision import RECIPES
-from fivefold.spec.presets import MODEL_PRESETS
-from fivefold.spec.toml_text import toml_value
+from fivefold.specs.precision import RECIPES
+from fivefold.specs.presets import MODEL_PRESETS
+from fivefold.specs.toml_text import toml_value
 
 T = TypeVar("T")
 
@@ -231,7 +231,7 @@ def _expand_hf_config(
     path: Any, preset: Any, values: dict[str, Any], problems: list[str]
 ) -> dict[str, Any] | None:
     """[model] hf_config = "config.json": the model a Hugging Face config describes
-    (`fivefold.spec.hf_config`), the other fields given overriding it (e.g. seq_len)."""
+    (`fivefold.specs.hf_config`), the other fields given overriding it (e.g. seq_len)."""
     if preset is not None:
         problems.append(
             f"model.hf_config and model.preset = {preset!r} both name a model; keep one."

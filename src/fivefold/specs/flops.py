@@ -1,12 +1,12 @@
 """FLOPs per token of a `ModelSpec`: one multiply-add is 2 FLOPs; attention scores are counted
 per document and causally (L^2/2 query-key pairs per document of L tokens, `ATTENTION_CONVENTION`),
-a sliding window over its w keys. Pure Python, like the rest of `fivefold.spec`.
+a sliding window over its w keys. Pure Python, like the rest of `fivefold.specs`.
 """
 
 from __future__ import annotations
 
-from fivefold.spec.geometry import RECOMPUTE_POLICIES
-from fivefold.spec.model import (
+from fivefold.specs.geometry import RECOMPUTE_POLICIES
+from fivefold.specs.model import (
     ModelSpec,
     attention_params,
     dense_mlp_params,

@@ -28,7 +28,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from fivefold.errors import ConfigError
-from fivefold.spec.profile import RankProfile, load_profile, threads_per_rank
+from fivefold.specs.profile import RankProfile, load_profile, threads_per_rank
 from fivefold.units import GiB
 
 TERA = 1e12
@@ -43,7 +43,7 @@ class GPUSpec:
     nvlink_bw_bytes_per_s: float
     source: str = field(compare=False, default="")
     arch: str = ""  # "ampere" | "hopper" | "blackwell" | "" (no accelerator)
-    # The device profile as one rank reads it (`fivefold.spec.profile`); None for catalog GPUs.
+    # The device profile as one rank reads it (`fivefold.specs.profile`); None for catalog GPUs.
     rank_profile: RankProfile | None = field(default=None, compare=False, repr=False)
     pcie_bw_bytes_per_s: float = 0.0  # host link, one direction (0: none, e.g. a CPU)
     nvlink_domain: int = 0  # GPUs on one NVLink fabric in its system (GB200 NVL72: 72; 0: a node)
@@ -249,7 +249,7 @@ GPUS: dict[str, GPUSpec] = {
             0.0,
             0.0,
             "no catalog peak: `fivefold calibrate` measures this machine into a device profile "
-            "(fivefold.spec.profile); without one, training on CPU measures a matmul peak at "
+            "(fivefold.specs.profile); without one, training on CPU measures a matmul peak at "
             "start-up and labels MFU as relative to that measurement",
         ),
         GPUSpec(

@@ -1,12 +1,12 @@
 """Model presets: published architectures for planning, tiny and small ones that train on CPU.
 
-Details: docs/internals.md (`fivefold.spec.presets`).
+Details: docs/internals.md (`fivefold.specs.presets`).
 """
 
 from __future__ import annotations
 
 from fivefold.errors import ConfigError
-from fivefold.spec.model import ModelSpec
+from fivefold.specs.model import ModelSpec
 
 _LLAMA3 = {"vocab": 128_256, "rope_theta": 500_000.0, "kv_heads": 8, "seq_len": 8192}
 
