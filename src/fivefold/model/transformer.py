@@ -13,10 +13,10 @@ import torch
 from torch import nn
 
 from fivefold.errors import ConfigError
+from fivefold.model import init as model_init
 from fivefold.model.attention import Attention
 from fivefold.model.document_layout import DocumentLayout
 from fivefold.model.feed_forward import FeedForward
-from fivefold.model.init import init_module_weights
 from fivefold.model.moe import MoE
 from fivefold.model.norms import RMSNorm
 from fivefold.model.rope import rope_cos_sin
@@ -137,7 +137,8 @@ class Transformer(nn.Module):
         """Draw each parameter from a generator seeded by (seed, FQN); see `fivefold.model.init`."""
         # A tied head without its embedding (last pipeline stage) draws the embedding's values.
         aliases = {"output.weight": "tok_embeddings.weight"} if self.spec.tied_embeddings else {}
-        init_module_weights(self, seed, layers=self.spec.layers, aliases=aliases)
+        # looked up at call time: `fivefold plan check` replaces it under fake tensors
+        model_init.init_module_weights(self, seed, layers=self.spec.layers, aliases=aliases)
 
     def moe_layers(self) -> list[MoE]:
         return [layer.moe for layer in self.layers.values() if layer.moe is not None]

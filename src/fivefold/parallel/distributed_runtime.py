@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from fivefold.model import build_model
-from fivefold.model.init import init_module_weights
+from fivefold.model import init as model_init
 from fivefold.model.loss import cross_entropy_loss
 from fivefold.parallel.context_parallel import shard_batch_for_cp
 from fivefold.parallel.data_parallel import set_gradient_sync
@@ -128,7 +128,8 @@ class DistributedRuntime(RuntimeCore):
             )
         for chunk in chunks:
             chunk.to_empty(device=self.device)
-            init_module_weights(chunk, seed, layers=self.spec.layers)
+            # looked up at call time: `fivefold plan check` replaces it under fake tensors
+            model_init.init_module_weights(chunk, seed, layers=self.spec.layers)
         return chunks
 
     def _build_pipeline(self):
