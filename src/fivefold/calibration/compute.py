@@ -133,18 +133,10 @@ def compute_steps(
                         at(lambda s=shape, d=dtype, t=threads: measure_grouped(s, d, t, budget)),
                     )
                 )
-        steps.append(
-            (
-                f"attention grid, {threads}t",
-                at(lambda t=threads: list(measure_attention_grid("cpu", t, GRID, quick))),
-            )
-        )
-        steps.append(
-            (
-                f"packed attention grid, {threads}t",
-                at(lambda t=threads: list(measure_packed_attention_grid("cpu", t, GRID, quick))),
-            )
-        )
+        steps += [
+            (f"{label}, {threads}t", at(fn))
+            for label, fn in attention_grid_steps("cpu", threads, GRID, quick, "fp32")
+        ]
         for m in models:
             steps.append(
                 (
@@ -169,6 +161,23 @@ def compute_steps(
             )
         )
     return steps
+
+
+def attention_grid_steps(
+    kind: str, threads: int, budget: Budget, quick: bool, dtype: str
+) -> list[tuple[str, Callable[[], list]]]:
+    """The attention grid's two steps: one document per row (SDPA), then packed rows through
+    the kernels runs use (`measure_packed_attention_grid`)."""
+    return [
+        (
+            "attention grid",
+            lambda: list(measure_attention_grid(kind, threads, budget, quick, dtype)),
+        ),
+        (
+            "packed attention grid",
+            lambda: list(measure_packed_attention_grid(kind, threads, budget, quick, dtype)),
+        ),
+    ]
 
 
 def cuda_steps(
@@ -206,15 +215,7 @@ def cuda_steps(
                 lambda s=shape: measure_grouped(s, "bf16", 1, budget),
             )
         )
-    steps.append(
-        ("attention grid", lambda: list(measure_attention_grid("cuda", 1, budget, quick, "bf16")))
-    )
-    steps.append(
-        (
-            "packed attention grid",
-            lambda: list(measure_packed_attention_grid("cuda", 1, budget, quick, "bf16")),
-        )
-    )
+    steps += attention_grid_steps("cuda", 1, budget, quick, "bf16")
     for m in models:
         steps.append(
             (
