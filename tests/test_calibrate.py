@@ -457,3 +457,20 @@ def test_the_packed_kernels_are_measured_per_document(monkeypatch):
         {"flex", "varlen" if hasattr(torch.nn.attention, "varlen") else "document_attention"}
     )
     assert attention.packed_kernels("cpu", torch.float32) == ["document_attention"]
+
+
+def test_compiled_flex_is_measured_where_calibrate_has_time_for_its_compiles(monkeypatch):
+    """Each FlexAttention shape is a compile: one-row shapes only (both head widths in the full
+    grid), `--quick` one of them."""
+    monkeypatch.setattr(attention, "packed_kernels", lambda kind, dtype: ["flex", "varlen"])
+    monkeypatch.setattr(attention, "packed_attention_passes", lambda *a: (1.0, 2.0))
+    shapes = {
+        quick: [(r.kernel, r.batch, r.seq) for r in attention.measure_packed_attention_grid(
+            "cuda", 1, timing.QUICK, quick, "bf16")]
+        for quick in (True, False)
+    }  # fmt: skip
+    grid = attention_grid("cuda", True)
+    assert [s for s in shapes[True] if s[0] == "flex"] == [("flex", 4, 2048)]
+    assert len([s for s in shapes[True] if s[0] == "varlen"]) == len(grid) == 5
+    flex_full = [s for s in shapes[False] if s[0] == "flex"]
+    assert flex_full == [("flex", 4, s // 4) for s in (1024, 4096, 16384, 65536) for _ in "dd"]

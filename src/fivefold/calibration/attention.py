@@ -55,6 +55,7 @@ def attention_passes(
 
 
 PACKED_DOCUMENTS = 4  # documents per row in the packed measurements (equal lengths)
+FLEX_QUICK_SEQ = 8192  # `--quick`: compiled FlexAttention at this one-row shape alone
 
 
 def packed_layout(batch: int, seq: int) -> DocumentLayout:
@@ -114,13 +115,15 @@ def packed_kernels(kind: str, dtype: torch.dtype) -> list[str]:
 def measure_packed_attention_grid(
     kind: str, threads: int, budget: Budget, quick: bool, dtype: str = "fp32"
 ) -> Iterator[Attention]:
-    """The packed-document kernels over the device's `attention_grid` (compiled FlexAttention at
-    its one-row shapes only: each shape is a compile). A row is one document's shape (seq the
-    document's length, batch the documents) and its rate counts the pairs each document's
-    causal mask keeps, so it reads beside the one-document SDPA row of that shape."""
+    """The packed-document kernels over the device's `attention_grid` (compiled FlexAttention,
+    each shape a compile, at its one-row shapes only, `--quick` at `FLEX_QUICK_SEQ` alone). A
+    row is one document's shape (seq the document's length, batch the documents) and its rate
+    counts the pairs each document's causal mask keeps, so it reads beside the one-document
+    SDPA row of that shape."""
     for kernel in packed_kernels(kind, TORCH_DTYPES[dtype]):
         for batch, heads, kv, seq, dim in attention_grid(kind, quick):
-            if seq % PACKED_DOCUMENTS or (kernel == "flex" and batch > 1):
+            few = batch > 1 or (quick and seq != FLEX_QUICK_SEQ)
+            if seq % PACKED_DOCUMENTS or (kernel == "flex" and few):
                 continue
             passes = packed_attention_passes(
                 batch, heads, kv, seq, dim, budget, TORCH_DTYPES[dtype], kernel
