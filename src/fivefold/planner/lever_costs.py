@@ -38,9 +38,9 @@ HOST_BW_FRACTION = 0.7
 # ---- FP8 linears -----------------------------------------------------------------------------
 def fp8_gemms(model: ModelSpec, plan: ParallelPlan, moe: bool) -> list[tuple[float, float, float]]:
     """Forward GEMMs (m, n, k) of one layer's converted linears (`fp8_linears`) on one rank,
-    those reading one input fused as `layer_matmuls.layer_gemms` writes them (Q, K and V as one
-    when all three convert; gate and up); the output projections (out = hidden) split by input
-    over TP, the others by output."""
+    the converted ones reading one input fused as `layer_matmuls.layer_gemms` fuses them (Q, K,
+    V; gate and up); the output projections (out = hidden) split by input over TP, the others
+    by output (FP8 runs at tp = 1 today: `ParallelPlan` refuses it with TP)."""
     t, h = plan.tp, model.hidden
     tokens = plan.micro_batch * model.seq_len / plan.cp
     fused: dict[str, list[float]] = {}
