@@ -88,6 +88,13 @@ def test_h200_nvl_and_gh200_carry_their_datasheet_figures():
     assert (gh.hbm_bytes, gh144.hbm_bytes) == (96e9, 144e9)
     assert gh.pcie_bw_bytes_per_s == 450e9 and host("gh200").ram_bytes == 480e9
     assert catalog_key_for_device("NVIDIA GH200 480GB") == "gh200"  # no memory given
+    from fivefold.planner.estimate import estimate
+    from fivefold.specs.cluster import cluster_for_gpu
+
+    for key in ("h200-nvl", "gh200", "gh200-144gb"):  # planned: a step time and an MFU
+        cluster = cluster_for_gpu(key, 1, 1, key)
+        est = estimate(model_preset("small"), cluster, ParallelPlan(precision="bf16-mixed"))
+        assert est.step_time_s > 0 and 0 < est.mfu < 1
 
 
 def test_an_a100_without_its_memory_is_read_from_its_name_or_not_guessed():
