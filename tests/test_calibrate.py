@@ -348,7 +348,7 @@ def test_the_gpu_steps_measure_bf16_and_fp8_gemms_attention_bandwidth_and_launch
     assert "matmul bf16 512x128x256 nt" in labels and "matmul bf16 512x4096x256 nt" in labels
     assert not any(label.endswith("t") and ", " in label for label in labels)
     assert labels[-3:] == ["attention small", "bandwidth", "overhead"]
-    assert "attention grid" in labels
+    assert "attention grid" in labels and "packed attention grid" in labels
     assert len(grid) == 3 * 3 * 3 * 3  # 3 m x 3 n x 3 k x 3 layouts
 
 
@@ -397,6 +397,9 @@ def test_a_cpu_run_leaves_a_gpu_profile_at_the_default_location_alone(tmp_path, 
     assert with_default_profile(data)["cluster"] == {"profile": str(path)}
 
 
+NEEDS_A_GPU = ("overhead", "packed attention grid")
+
+
 def test_every_gpu_measurement_keeps_its_tensors_on_the_measured_device(monkeypatch):
     """The GPU steps run on the meta device (no GPU here): a tensor made on the host among
     them would fail as it would beside CUDA tensors (a device mismatch). Rows come back for
@@ -407,9 +410,67 @@ def test_every_gpu_measurement_keeps_its_tensors_on_the_measured_device(monkeypa
     monkeypatch.setitem(attention.ATTENTION_GRID, ("cuda", True), ((4, 2), (1,), (128,), (32,)))
     plan = ParallelPlan(micro_batch=2, precision="bf16-mixed")
     steps = compute.cuda_steps(model_preset("tiny"), plan, 2, True, (model_preset("tiny-moe"),))
-    # (the MoE layer's launch cost needs a real device: its routing counts tokens, bincount)
-    rows = [row for label, thunk in steps if label != "overhead" for row in thunk()]
+    # (the MoE layer's launch cost needs a real device: its routing counts tokens, bincount;
+    # so do the packed kernels, varlen_attn and compiled FlexAttention)
+    rows = [row for label, thunk in steps if label not in NEEDS_A_GPU for row in thunk()]
     assert {type(r).__name__ for r in rows} == {
         "Matmul", "GroupedMatmul", "Attention", "Bandwidth"
     }  # fmt: skip
     assert all(r.dtype == "bf16" for r in rows if hasattr(r, "dtype"))
+
+
+def test_fp8_gemms_accumulate_as_torchao_runs_them(monkeypatch):
+    """torchao's Float8Linear runs its forward GEMM with fast accumulation
+    (`Float8LinearConfig.gemm_config_output`) and both gradient GEMMs without it: each pass of
+    the profile's fp8 rows is timed that way."""
+    torchao_config = pytest.importorskip("torchao.float8.config")
+    for recipe in ("tensorwise", "rowwise"):
+        config = torchao_config.Float8LinearConfig.from_recipe_name(recipe)
+        assert config.gemm_config_output.use_fast_accum
+        assert not config.gemm_config_grad_input.use_fast_accum
+        assert not config.gemm_config_grad_weight.use_fast_accum
+    calls = []
+    monkeypatch.setattr(torch, "_scaled_mm", lambda a, b, **kw: calls.append(kw), raising=False)
+    monkeypatch.setattr(timing, "_device", torch.device("meta"))
+    for layout in ("nt", "nn", "tn"):
+        matmul._fp8_operands(32, 48, 64, layout)()
+    assert [kw["use_fast_accum"] for kw in calls] == [True, False, False]
+    assert all(kw["out_dtype"] == torch.bfloat16 for kw in calls)
+
+
+def test_the_packed_kernels_are_measured_per_document(monkeypatch):
+    """The grid's shapes again as rows of four documents through the kernel a run uses there
+    (on a CPU the `document_attention` op; on a GPU varlen eager, FlexAttention compiled), each
+    counted per document: a 64-token row of 4 x 16-token documents at 8 heads of 16 is
+    4 x 4 x 16 x 8 x 16 x 8 FLOPs forward per row, here timed as 1 s forward and 2 s backward."""
+    monkeypatch.setitem(attention.ATTENTION_GRID, ("cpu", True), ((8, 4), (1, 2), (64,), (16,)))
+    monkeypatch.setattr(attention, "typical_time_s", lambda fn, budget: (fn(), 1.0)[1])
+    monkeypatch.setattr(attention, "backward_time_s", lambda fn, g, budget: 2.0)
+    rows = list(attention.measure_packed_attention_grid("cpu", 1, timing.QUICK, quick=True))
+    assert [(r.kernel, r.batch, r.seq) for r in rows] == [
+        ("document_attention", 4, 16), ("document_attention", 8, 16)
+    ]  # fmt: skip
+    per_row = 4 * 4 * 16 * 8 * 16 * 8  # documents x 4 x length x (length / 2) x dim x heads
+    assert [r.forward_flops_per_s for r in rows] == [per_row, 2 * per_row]
+    assert [r.backward_flops_per_s for r in rows] == [per_row, 2 * per_row]  # 2 x FLOPs / 2 s
+    assert attention.packed_kernels("cuda", torch.bfloat16) == sorted(
+        {"flex", "varlen" if hasattr(torch.nn.attention, "varlen") else "document_attention"}
+    )
+    assert attention.packed_kernels("cpu", torch.float32) == ["document_attention"]
+
+
+def test_compiled_flex_is_measured_where_calibrate_has_time_for_its_compiles(monkeypatch):
+    """Each FlexAttention shape is a compile: one-row shapes only (both head widths in the full
+    grid), `--quick` one of them."""
+    monkeypatch.setattr(attention, "packed_kernels", lambda kind, dtype: ["flex", "varlen"])
+    monkeypatch.setattr(attention, "packed_attention_passes", lambda *a: (1.0, 2.0))
+    shapes = {
+        quick: [(r.kernel, r.batch, r.seq) for r in attention.measure_packed_attention_grid(
+            "cuda", 1, timing.QUICK, quick, "bf16")]
+        for quick in (True, False)
+    }  # fmt: skip
+    grid = attention_grid("cuda", True)
+    assert [s for s in shapes[True] if s[0] == "flex"] == [("flex", 4, 2048)]
+    assert len([s for s in shapes[True] if s[0] == "varlen"]) == len(grid) == 5
+    flex_full = [s for s in shapes[False] if s[0] == "flex"]
+    assert flex_full == [("flex", 4, s // 4) for s in (1024, 4096, 16384, 65536) for _ in "dd"]

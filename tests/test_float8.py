@@ -6,13 +6,20 @@ Only the conversion runs on CPU (no FP8 matmul): on the meta model, as the runti
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import pytest
 import torch
 
 from fivefold.errors import ConfigError
 from fivefold.model import build_model
-from fivefold.parallel.float8 import convert_linears, float8_problems, keeps_high_precision
+from fivefold.parallel.float8 import (
+    convert_linears,
+    float8_problems,
+    fp8_eager_note,
+    keeps_high_precision,
+)
+from fivefold.specs.float8 import converts_to_fp8, fp8_linears
 from fivefold.specs.plan import ParallelPlan
 from fivefold.specs.presets import model_preset
 
@@ -20,10 +27,12 @@ pytest.importorskip("torchao")
 
 
 def _meta_model(name: str, **changes):
-    from dataclasses import replace
+    return _meta_model_of(replace(model_preset(name), **changes))
 
+
+def _meta_model_of(spec):
     with torch.device("meta"):
-        return build_model(replace(model_preset(name), **changes))
+        return build_model(spec)
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
@@ -64,6 +73,48 @@ def test_linears_too_small_to_gain_stay_in_high_precision(recipe, expected):
     assert type(model.layers["0"].attention.wk) is torch.nn.Linear
 
 
+def test_the_rule_is_torchaos_filter():
+    """`converts_to_fp8` (read by the planner, no torch) agrees with torchao's own filter on every
+    shape of a grid across both recipes' thresholds (and odd dimensions)."""
+    from torchao.float8 import _auto_filter_for_recipe
+
+    dims = [8, 24, 512, 1008, 1024, 1040, 2048, 2064, 4096, 4112, 8192, 14336]
+    for recipe in ("tensorwise", "rowwise"):
+        theirs = _auto_filter_for_recipe(recipe, filter_fqns=[])
+        for n in dims:
+            for k in dims:
+                linear = torch.nn.Linear(k, n, bias=False, device="meta")
+                assert converts_to_fp8(recipe, n, k) == theirs(linear, "w"), (recipe, n, k)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("name", ["llama3-8b", "tiny-moe"])
+def test_the_planner_counts_the_linears_the_runtime_converts(recipe, name):
+    """The planner's `fp8_linears` of each layer are the weights the runtime swaps, shape for
+    shape (Llama 3 8B: K and V stay in bf16 under both recipes)."""
+    spec = replace(model_preset(name), layers=2, dense_layers=1) if name == "tiny-moe" else (
+        replace(model_preset(name), layers=1))  # fmt: skip
+    model = _meta_model_of(spec)
+    convert_linears(model, recipe, fsdp=False)
+    for i, block in model.layers.items():
+        moe = spec.is_moe and int(i) >= spec.dense_layers
+        from torchao.float8.float8_linear import Float8Linear
+
+        ran = [tuple(m.weight.shape) for m in block.modules() if isinstance(m, Float8Linear)]
+        planned = [(w.out_features, w.in_features) for w in fp8_linears(spec, recipe, moe)]
+        assert sorted(ran) == sorted(planned)
+    if name == "llama3-8b":
+        assert sorted(planned) == [(4096, 4096), (4096, 4096), (4096, 14336), *[(14336, 4096)] * 2]
+
+
+def test_fp8_without_compile_is_said():
+    """Eager FP8 pays for its casts unfused and usually runs slower than bf16: the run says so."""
+    plan = ParallelPlan(fp8="tensorwise", precision="bf16-mixed")
+    assert "train.compile = true" in fp8_eager_note(plan, compile=False)
+    assert fp8_eager_note(plan, compile=True) is None
+    assert fp8_eager_note(plan.with_(fp8="none"), compile=False) is None
+
+
 def test_moe_router_and_shared_experts():
     model = _meta_model("tiny-moe")
     converted = convert_linears(model, "rowwise", fsdp=False, skip_small=False)
@@ -100,15 +151,17 @@ def test_layout_rules():
 
 
 def test_mfu_peak_counts_the_fp8_share_against_the_fp8_peak():
-    """Llama 3 8B on an H100 with FP8 linears: per token 6 x 32 layers x (Q, O 4096^2 each,
-    K, V 4096 x 1024 each, gate/up/down 3 x 4096 x 14,336) = 41,875,931,136 FLOPs run in FP8
-    (1,978.9 TFLOP/s); the other 9,594,470,400 of the 51,470,401,536 (attention scores, LM
-    head) run in bf16 (989.4 TFLOP/s). MFU's peak is total / (F8 / P8 + rest / P16)."""
+    """Llama 3 8B on an H100 with rowwise FP8 linears: per token 6 x 32 layers x (Q, O 4096^2
+    each, gate/up/down 3 x 4096 x 14,336) = 40,265,318,400 FLOPs run in FP8 (1,978.9 TFLOP/s);
+    K and V (1024 x 4096: rowwise skips N <= 2048) stay in bf16 with the attention scores and the
+    LM head, 11,205,083,136 of the 51,470,401,536 (989.4 TFLOP/s). MFU's peak is
+    total / (F8 / P8 + rest / P16)."""
     from fivefold.train.peak import cuda_fp8_peak
 
     model = model_preset("llama3-8b")
     plan = ParallelPlan(fp8="rowwise", precision="bf16-mixed")
-    fp8, rest = 41_875_931_136, 9_594_470_400
+    fp8, rest = 40_265_318_400, 11_205_083_136
+    assert fp8 == 6 * 32 * (2 * 4096**2 + 3 * 4096 * 14336)
     expected = (fp8 + rest) / (fp8 / 1978.9e12 + rest / 989.4e12)
     peak = cuda_fp8_peak("NVIDIA H100 80GB HBM3", model, plan)
     assert peak.flops_per_s == pytest.approx(expected, rel=1e-9)

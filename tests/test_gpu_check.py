@@ -25,10 +25,13 @@ def _module():
 
 
 def test_dry_run_checks_every_command():
+    """Every command with its budget; each fivefold run's batches one document per row of its
+    length (single 32K / 128K documents for the long rows); the HF loop as many parameters and
+    FLOPs per token as fivefold, on fivefold's own batches."""
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     done = subprocess.run(
         [sys.executable, str(SCRIPT), "--dry-run"],
-        capture_output=True, text=True, env=env, timeout=120,
+        capture_output=True, text=True, env=env, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     gpu_check = _module()
@@ -36,20 +39,71 @@ def test_dry_run_checks_every_command():
     for run in gpu_check.RUNS:  # one command line each, with its budget
         assert any(line.startswith(f"{run.name:<14} ({run.budget_s:.0f} s)") for line in lines)
     assert f"dry run: {len(gpu_check.RUNS)} commands checked" in done.stdout
+    assert "= 560 s" in lines[0]
+    rows = [line.strip() for line in lines if line.strip().startswith("batches:")]
+    assert rows == [
+        *["batches: 4 row(s) of one 4,096-token document each"] * 3,
+        "batches: 1 row(s) of one 32,768-token document each",
+        "batches: 1 row(s) of one 131,072-token document each",
+    ]
     hf = [line.strip() for line in lines if line.strip().startswith("HF loop:")]
     assert len(hf) == 2  # eager and compiled blocks
     if importlib.util.find_spec("transformers"):
-        assert "1.104B parameters as fivefold's" in hf[0]
+        assert "1.104B parameters and 7.04 GFLOP per token as fivefold's" in hf[0]
+        assert hf[0].endswith("on fivefold's batches")
     else:
         assert "skipped (transformers is not installed)" in hf[0]
-    assert sum(gpu_check.RUNS[i].budget_s for i in range(len(gpu_check.RUNS))) > 0
+
+
+def test_the_budgets_add_up_with_room_for_a_cold_compile():
+    """The runs' budgets are the total (the default of --budget), which fits one 10-minute
+    device call with a minute to spare; each compiled run has `COLD_COMPILE_S` more than its
+    eager twin."""
+    gpu_check = _module()
+    budgets = {run.name: run.budget_s for run in gpu_check.RUNS}
+    assert sum(budgets.values()) == gpu_check.TOTAL_BUDGET_S == 560
+    cold = gpu_check.COLD_COMPILE_S
+    assert budgets["compile"] >= budgets["eager"] + cold
+    assert budgets["fp8-compile"] >= budgets["eager"] + cold
+    assert budgets["hf-compile"] >= budgets["hf-eager"] + cold - 10  # no fivefold start-up
+    assert all(b >= gpu_check.STARTUP_S + 15 for n, b in budgets.items() if "seq" in n)
+
+
+def test_a_packed_run_fails_the_dry_run(capsys, tmp_path):
+    """A run whose rows hold several documents (here of about 60 tokens each) is not the HF
+    loop's work: the dry run refuses it."""
+    gpu_check = _module()
+    recipe = tmp_path / "r.toml"
+    recipe.write_text(gpu_check.recipe_text(gpu_check.write_document(tmp_path / "doc.txt")))
+    words = (tmp_path / "doc.txt").read_text().split()[:40_000]
+    docs = [" ".join(words[i : i + 50]) for i in range(0, len(words), 50)]
+    short = tmp_path / "short.txt"
+    short.write_text("\n<|endoftext|>\n".join(docs))
+    inputs = f"data.inputs=[{str(short)!r}]"
+    packed = gpu_check.Run("packed", "train", [inputs, "model.seq_len=512"], 10)
+    assert gpu_check.dry_run([packed], recipe, tmp_path) == 1
+    out = capsys.readouterr().out
+    assert "packed: ValueError: rows of 512 tokens are not one document each" in out
+
+
+def test_the_hf_loop_counts_its_own_flops():
+    """What the HF model does per token, from its own config: 6 x (16 layers x (Q, K, V, O
+    2048 x 3072 + 2048^2, SwiGLU 3 x 2048 x 8192) + the head 32000 x 2048) = 6,231,687,168, plus
+    the causal scores over one 4,096-token document per row: 3 passes x 2 matmuls x 2 FLOPs x 16
+    layers x 2048 wide x 2048 keys on average = 805,306,368."""
+    gpu_check = _module()
+    pytest.importorskip("transformers")
+    matmuls = 6 * (16 * (2048 * 3072 + 2048**2 + 3 * 2048 * 8192) + 32000 * 2048)
+    assert matmuls == 6_231_687_168
+    expected = matmuls + 3 * 2 * 2 * 16 * 2048 * 2048
+    assert gpu_check.hf_flops_per_token(4096) == expected == 7_036_993_536
 
 
 def test_a_bad_recipe_fails_the_dry_run(monkeypatch, capsys, tmp_path):
     gpu_check = _module()
     bad = gpu_check.Run("bad", "train", ['plan.recompute="sometimes"'], 10)
     recipe = tmp_path / "r.toml"
-    recipe.write_text(gpu_check.recipe_text())
+    recipe.write_text(gpu_check.recipe_text(tmp_path / "doc.txt"))
     assert gpu_check.dry_run([bad], recipe, tmp_path) == 1
     assert "bad: ConfigError" in capsys.readouterr().out
 

@@ -30,8 +30,8 @@ def test_throughput_meter_sums_counted_steps():
         ("NVIDIA H100 PCIe", "h100-pcie"),  # its own, lower peak: never the SXM part's
         ("NVIDIA GB200", "gb200"),  # not read as B200
         ("NVIDIA H20", "h20"),
-        ("NVIDIA H200 NVL", None),  # the PCIe H200: not catalogued, not guessed
-        ("NVIDIA GH200 480GB", None),
+        ("NVIDIA H200 NVL", "h200-nvl"),  # the PCIe H200: its own, lower peak
+        ("NVIDIA GH200 480GB", "gh200"),  # 96 GB of HBM3 (480 GB is the Grace's memory)
         ("NVIDIA H200", "h200"),
         ("NVIDIA A100-SXM4-80GB", "a100-80gb"),
         ("NVIDIA A100-SXM4-40GB", "a100-40gb"),

@@ -67,12 +67,34 @@ def test_h200_holds_its_real_memory():
         ("AMD Instinct MI300X", 191.5, "mi300x"),
         ("AMD Instinct MI325X", 255.5, "mi325x"),
         ("Tesla V100-SXM2-32GB", 31.7, None),
-        ("NVIDIA GH200 480GB", 94.5, None),
-        ("NVIDIA H200 NVL", 139.8, None),
+        ("NVIDIA GH200 480GB", 94.5, "gh200"),  # 96 GB HBM3 (and 480 GB on the Grace)
+        ("NVIDIA GH200 144G HBM3e", 139.5, "gh200-144gb"),
+        ("NVIDIA H200 NVL", 139.8, "h200-nvl"),
     ],
 )
 def test_device_names_map_most_specific_first(name, memory_gib, key):
     assert catalog_key_for_device(name, int(memory_gib * GiB)) == key
+
+
+def test_h200_nvl_and_gh200_carry_their_datasheet_figures():
+    """H200 NVL: 1,671 TFLOPS bf16 with sparsity (835.5 dense), 4.8 TB/s, 600 W card; GH200: the
+    H100 SXM's compute with 96 GB HBM3 at 4 TB/s or 144 GB HBM3e at 4.9 TB/s, its Grace's
+    LPDDR5X behind NVLink-C2C (900 GB/s both ways) as host memory."""
+    nvl, gh, gh144 = GPUS["h200-nvl"], GPUS["gh200"], GPUS["gh200-144gb"]
+    assert nvl.peak("bf16") == pytest.approx(1671e12 / 2, rel=1e-3)
+    assert nvl.peak("fp8") == pytest.approx(3341e12 / 2, rel=1e-3)
+    assert nvl.hbm_bytes == GPUS["h200"].hbm_bytes and nvl.hbm_bw_bytes_per_s == 4.8e12
+    assert gh.peak("bf16") == gh144.peak("bf16") == GPUS["h100-sxm"].peak("bf16")
+    assert (gh.hbm_bytes, gh144.hbm_bytes) == (96e9, 144e9)
+    assert gh.pcie_bw_bytes_per_s == 450e9 and host("gh200").ram_bytes == 480e9
+    assert catalog_key_for_device("NVIDIA GH200 480GB") == "gh200"  # no memory given
+    from fivefold.planner.estimate import estimate
+    from fivefold.specs.cluster import cluster_for_gpu
+
+    for key in ("h200-nvl", "gh200", "gh200-144gb"):  # planned: a step time and an MFU
+        cluster = cluster_for_gpu(key, 1, 1, key)
+        est = estimate(model_preset("small"), cluster, ParallelPlan(precision="bf16-mixed"))
+        assert est.step_time_s > 0 and 0 < est.mfu < 1
 
 
 def test_an_a100_without_its_memory_is_read_from_its_name_or_not_guessed():

@@ -201,11 +201,12 @@ def test_fp8_layer_time_is_fp8_gemms_plus_casts():
     eff, dev = efficiency_model(), H100x8.device
     plan = ParallelPlan(fp8="rowwise")
     t = 8192  # one sequence
-    gemms = [(t, 6144, 4096), (t, 4096, 4096), (t, 2 * 14336, 4096), (t, 4096, 14336)]
+    # Rowwise converts Q, O and the MLP; K and V (1024 x 4096, N <= 2048) stay in bf16.
+    gemms = [(t, 4096, 4096), (t, 4096, 4096), (t, 2 * 14336, 4096), (t, 4096, 14336)]
     gemm = sum(gemm_time_s(*g, dev, eff, "fp8") - gemm_time_s(*g, dev, eff) for g in gemms)
-    weights = 4096 * 6144 + 4096 * 4096 + 4096 * 28672 + 14336 * 4096
+    weights = 4096 * 4096 + 4096 * 4096 + 4096 * 28672 + 14336 * 4096
     inputs = t * (4096 + 4096 + 4096 + 14336)  # X of each linear (T x k)
-    outputs = t * (6144 + 4096 + 28672 + 4096)  # G of each linear (T x n)
+    outputs = t * (4096 + 4096 + 28672 + 4096)  # G of each linear (T x n)
     bw = dev.hbm_bw_bytes_per_s * eff.hbm_fraction
     delta = fp8_layer_delta(LLAMA8, plan, dev, eff, False)
     assert delta.forward_s == pytest.approx(gemm + 5 * (inputs + weights) / bw)
@@ -229,7 +230,7 @@ def test_fp8_mfu_counts_fp8_flops_against_the_fp8_peak():
     plan = ParallelPlan(dp_shard=8, zero=1, fp8="rowwise")
     est = _est(plan)
     tokens = plan.global_batch * 8192
-    fp8 = 6 * 32 * (ATTN + MLP)  # per token, in the converted linears
+    fp8 = 6 * 32 * (2 * 4096**2 + MLP)  # per token, in the converted linears (no K, V)
     total = training_flops_per_token(LLAMA8, 8192)
     seconds_at_peak = fp8 / 1978.9e12 + (total - fp8) / 989.4e12
     assert est.mfu == pytest.approx(tokens * seconds_at_peak / (est.step_time_s * 8))
@@ -244,9 +245,28 @@ def test_fp8_all_gather_halves_the_gathered_weights():
     bf16 = _est(z3).worst_memory.other_terms["zero3_gathered_layers"]
     tensorwise = _est(z3.with_(fp8="tensorwise")).worst_memory.other_terms
     rowwise = _est(z3.with_(fp8="rowwise")).worst_memory.other_terms
-    # Two gathered layers: their attention and MLP matrices at 1 byte instead of 2.
-    assert bf16 - tensorwise["zero3_gathered_layers"] == pytest.approx(2 * (ATTN + MLP))
+    # Two gathered layers: their converted matrices (Q, O, the MLP; tensorwise keeps K and V,
+    # 1024 x 4096, in bf16) at 1 byte instead of 2; the norms stay in bf16.
+    converted = 2 * 4096**2 + MLP
+    assert bf16 - tensorwise["zero3_gathered_layers"] == pytest.approx(2 * converted)
     assert rowwise["zero3_gathered_layers"] == bf16  # rowwise gathers in bf16
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_fp8_all_gather_under_zero_1_and_2(zero):
+    """The runtime gathers tensorwise FP8 weights in FP8 whenever FSDP2 shards them (ZeRO >= 1,
+    `fivefold.parallel.float8.float8_config`): the gathered copy ZeRO-1/2 hold for the step and
+    its once-per-step all-gather are 1 byte per converted weight."""
+    plan = ParallelPlan(dp_shard=8, zero=zero)
+    bf16, fp8 = _est(plan), _est(plan.with_(fp8="tensorwise"))
+    converted = 32 * (2 * 4096**2 + MLP)  # every layer's Q, O and MLP matrices
+    assert bf16.worst_memory.params - fp8.worst_memory.params == pytest.approx(converted)
+    rowwise = _est(plan.with_(fp8="rowwise"))
+    assert rowwise.worst_memory.params == bf16.worst_memory.params
+    sent = [
+        next(c.bytes_per_step for c in est.comm if c.kind == "zero-gather") for est in (bf16, fp8)
+    ]
+    assert sent[0] - sent[1] == pytest.approx(converted * 7 / 8)  # ring all-gather over 8
 
 
 # ---- the search ---------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ interface, each against numbers derived by hand for a simple device."""
 from __future__ import annotations
 
 import math
+import tomllib
 
 import pytest
 
@@ -122,3 +123,23 @@ def test_offload_on_a_measured_gpu_is_an_error():
     rates = rates_for(measured_gpu(RankProfile.of(cuda, 1)))
     with pytest.raises(ConfigError, match="no PCIe or host-memory figures"):
         rates.check_offload(ParallelPlan(offload="optimizer"), ClusterSpec())
+
+
+def test_packed_attention_rows_are_read_beside_not_by_the_planner():
+    """A profile's packed-kernel rows (varlen, flex, the document op) leave the planner's
+    attention rates on the one-document rows; a profile written before the `kernel` field reads
+    as one-document SDPA."""
+    from dataclasses import replace
+
+    from fivefold.specs.profile import BANDWIDTH_KINDS, parse_profile
+
+    packed = Attention("fp32", 1, 4, 1, 1, 32, 64, 1, 1e12, 1e12, "document_attention")
+    streams = tuple(Bandwidth(kind, 1, 2, 1e9) for kind in BANDWIDTH_KINDS)
+    both = replace(PROFILE, attention=(*PROFILE.attention, packed), bandwidth=streams)
+    rates = rates_for(measured_gpu(RankProfile.of(both, 2, threads=1)), EFF)
+    assert rates.attention_s(1e9, 128, 64, "fp32", 1, 0.0) == pytest.approx((1.0, 4.0))
+
+    data = tomllib.loads(both.to_toml())
+    assert [row["kernel"] for row in data["attention"]] == ["sdpa", "document_attention"]
+    del data["attention"][0]["kernel"]
+    assert parse_profile(data).attention == both.attention

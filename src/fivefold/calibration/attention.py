@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import numpy as np
 import torch
+from torch.nn.attention.flex_attention import flex_attention
 
 from fivefold.calibration.matmul import tp_degrees
 from fivefold.calibration.timing import (
@@ -15,7 +17,7 @@ from fivefold.calibration.timing import (
     randn_on_device,
     typical_time_s,
 )
-from fivefold.model.attention import AttentionCore
+from fivefold.model.attention import AttentionCore, packed_kernel
 from fivefold.model.attention_blocks import block_attention
 from fivefold.model.document_layout import DocumentLayout, document_blocks
 from fivefold.parallel.context_parallel import local_chunks, rank_order_chunks
@@ -50,6 +52,88 @@ def attention_passes(
         return core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None)
 
     return typical_time_s(forward, budget), backward_time_s(forward, grad, budget)
+
+
+PACKED_DOCUMENTS = 4  # documents per row in the packed measurements (equal lengths)
+FLEX_QUICK_SEQ = 8192  # `--quick`: compiled FlexAttention at this one-row shape alone
+
+
+def packed_layout(batch: int, seq: int) -> DocumentLayout:
+    """`batch` rows of `seq` tokens, each `PACKED_DOCUMENTS` documents of seq / that many tokens,
+    with the host offsets a data loader hands over (no device read-back)."""
+    length = seq // PACKED_DOCUMENTS
+    device = measured_device()
+    ids = torch.arange(seq, device=device) // length
+    doc_ids = (ids + PACKED_DOCUMENTS * torch.arange(batch, device=device)[:, None]).long()
+    offsets = np.arange(0, batch * seq + 1, length, dtype=np.int32)
+    return DocumentLayout(doc_ids, batch, seq, offsets)
+
+
+def packed_attention_passes(
+    batch: int,
+    heads: int,
+    kv_heads: int,
+    seq: int,
+    head_dim: int,
+    budget: Budget,
+    dtype: torch.dtype,
+    kernel: str,
+) -> tuple[float, float]:
+    """(forward, backward) seconds of packed rows (`packed_layout`) through the kernel a run
+    uses there (`fivefold.model.attention.packed_kernel`): "flex" (FlexAttention compiled, its
+    BlockMask built before), "varlen" or "document_attention" (the model's core run eagerly)."""
+    gen = torch.Generator().manual_seed(0)
+    docs = packed_layout(batch, seq)
+
+    def leaf(h: int) -> torch.Tensor:
+        return randn_on_device(gen, batch, seq, h, head_dim).to(dtype).requires_grad_(True)
+
+    q, k, v = (x.transpose(1, 2) for x in (leaf(heads), leaf(kv_heads), leaf(kv_heads)))
+    grad = randn_on_device(gen, batch, heads, seq, head_dim).to(dtype)
+    if kernel == "flex":
+        mask = docs.flex_block_mask(q.device)
+        flex = torch.compile(flex_attention)
+
+        def forward() -> torch.Tensor:
+            return flex(q, k, v, block_mask=mask, enable_gqa=kv_heads != heads)
+    else:
+        core = AttentionCore()
+
+        def forward() -> torch.Tensor:
+            return core(q, k, v, docs)
+
+    return typical_time_s(forward, budget), backward_time_s(forward, grad, budget)
+
+
+def packed_kernels(kind: str, dtype: torch.dtype) -> list[str]:
+    """The kernels runs use on several documents per row on a device of `kind`: eager and,
+    on CUDA, compiled (`packed_kernel`)."""
+    device = torch.device(kind)
+    return sorted({packed_kernel(device, dtype, compiling) for compiling in (False, True)})
+
+
+def measure_packed_attention_grid(
+    kind: str, threads: int, budget: Budget, quick: bool, dtype: str = "fp32"
+) -> Iterator[Attention]:
+    """The packed-document kernels over the device's `attention_grid` (compiled FlexAttention,
+    each shape a compile, at its one-row shapes only, `--quick` at `FLEX_QUICK_SEQ` alone). A
+    row is one document's shape (seq the document's length, batch the documents) and its rate
+    counts the pairs each document's causal mask keeps, so it reads beside the one-document
+    SDPA row of that shape."""
+    for kernel in packed_kernels(kind, TORCH_DTYPES[dtype]):
+        for batch, heads, kv, seq, dim in attention_grid(kind, quick):
+            few = batch > 1 or (quick and seq != FLEX_QUICK_SEQ)
+            if seq % PACKED_DOCUMENTS or (kernel == "flex" and few):
+                continue
+            passes = packed_attention_passes(
+                batch, heads, kv, seq, dim, budget, TORCH_DTYPES[dtype], kernel
+            )
+            docs, length = batch * PACKED_DOCUMENTS, seq // PACKED_DOCUMENTS
+            flops = attention_flops(docs, heads, length, dim)
+            yield Attention(
+                dtype, threads, docs, heads, kv, length, dim, 1, flops / passes[0],
+                2 * flops / passes[1], kernel,
+            )  # fmt: skip
 
 
 def cp_rank_blocks(batch: int, seq: int, cp: int) -> list:

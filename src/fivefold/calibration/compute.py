@@ -14,7 +14,10 @@ model):
 - grouped matmul: a MoE layer's experts as `torch._grouped_mm` runs them (w1, w3, w2; all
   three passes) at each expert-parallel split, at the model's expert shapes;
 - attention: the model's own attention core (causal SDPA with native GQA, one document per
-  row), forward and backward, at each TP split; and one rank's share of context-parallel
+  row), forward and backward, at each TP split; the grid's shapes again as packed rows of four
+  documents through the kernels runs use there (`packed_kernel`: the `document_attention` op on
+  a CPU, `varlen_attn` and compiled FlexAttention on a GPU; rows with their `kernel`, read
+  beside the one-document rows, not by the planner); and one rank's share of context-parallel
   attention at each CP split (the runtime's block kernels over its load-balanced chunks, with
   their log-sum-exp merges);
 - bandwidth: the block's element-wise work (norms, RoPE, SwiGLU, residual adds), the
@@ -31,7 +34,8 @@ Besides the model's own shapes, a model-independent grid of GEMM and attention s
 (`DEVICE_GRID`, `ATTENTION_GRID`) that the planner interpolates any model among.
 
 On a GPU (`use_device("cuda")`, `cuda_steps`) kernels are timed by CUDA events after an L2
-flush: GEMMs in bf16 and FP8 (compute capability 8.9+), grouped experts and attention in bf16,
+flush: GEMMs in bf16 and FP8 (compute capability 8.9+; the forward with fast accumulation as
+torchao runs it), grouped experts and attention in bf16,
 the bandwidths in HBM (fused AdamW), a layer's launch cost; the rows carry threads = 1.
 
 Written by hand: PyTorch has benchmark utilities but nothing that measures a machine into the
@@ -44,7 +48,11 @@ from collections.abc import Callable
 
 import torch
 
-from fivefold.calibration.attention import measure_attention, measure_attention_grid
+from fivefold.calibration.attention import (
+    measure_attention,
+    measure_attention_grid,
+    measure_packed_attention_grid,
+)
 from fivefold.calibration.bandwidth import measure_bandwidth
 from fivefold.calibration.machine import thread_counts
 from fivefold.calibration.matmul import (
@@ -125,12 +133,10 @@ def compute_steps(
                         at(lambda s=shape, d=dtype, t=threads: measure_grouped(s, d, t, budget)),
                     )
                 )
-        steps.append(
-            (
-                f"attention grid, {threads}t",
-                at(lambda t=threads: list(measure_attention_grid("cpu", t, GRID, quick))),
-            )
-        )
+        steps += [
+            (f"{label}, {threads}t", at(fn))
+            for label, fn in attention_grid_steps("cpu", threads, GRID, quick, "fp32")
+        ]
         for m in models:
             steps.append(
                 (
@@ -155,6 +161,23 @@ def compute_steps(
             )
         )
     return steps
+
+
+def attention_grid_steps(
+    kind: str, threads: int, budget: Budget, quick: bool, dtype: str
+) -> list[tuple[str, Callable[[], list]]]:
+    """The attention grid's two steps: one document per row (SDPA), then packed rows through
+    the kernels runs use (`measure_packed_attention_grid`)."""
+    return [
+        (
+            "attention grid",
+            lambda: list(measure_attention_grid(kind, threads, budget, quick, dtype)),
+        ),
+        (
+            "packed attention grid",
+            lambda: list(measure_packed_attention_grid(kind, threads, budget, quick, dtype)),
+        ),
+    ]
 
 
 def cuda_steps(
@@ -192,9 +215,7 @@ def cuda_steps(
                 lambda s=shape: measure_grouped(s, "bf16", 1, budget),
             )
         )
-    steps.append(
-        ("attention grid", lambda: list(measure_attention_grid("cuda", 1, budget, quick, "bf16")))
-    )
+    steps += attention_grid_steps("cuda", 1, budget, quick, "bf16")
     for m in models:
         steps.append(
             (

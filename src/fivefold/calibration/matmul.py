@@ -93,14 +93,19 @@ def _operands(m: int, n: int, k: int, layout: str, dtype: torch.dtype):
     return lambda: torch.mm(a.t(), b)
 
 
-def _fp8_operands(m: int, n: int, k: int):
-    """An FP8 (e4m3) matmul as float8 training runs each of its three passes: `_scaled_mm` of a
-    row-major [m, k] by a column-major [k, n] operand, tensor-wise scales, bf16 output."""
+def _fp8_operands(m: int, n: int, k: int, layout: str):
+    """An FP8 (e4m3) matmul as torchao's float8 training runs pass `layout`: `_scaled_mm` of a
+    row-major [m, k] by a column-major [k, n] operand, tensor-wise scales, bf16 output, with fast
+    (lower-precision) accumulation in the forward ("nt": `Float8LinearConfig`'s
+    `gemm_config_output`) and without it in the two gradient passes (its defaults there)."""
     device = measured_device()
     a = torch.randn(m, k, device=device).to(torch.float8_e4m3fn)
     b = torch.randn(n, k, device=device).to(torch.float8_e4m3fn)
     one = torch.ones((), device=device)
-    return lambda: torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+    fast = layout == "nt"
+    return lambda: torch._scaled_mm(
+        a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16, use_fast_accum=fast
+    )
 
 
 def fp8_supported() -> bool:
@@ -116,10 +121,10 @@ def fp8_supported() -> bool:
 
 def measure_matmul(shape: tuple, dtype: str, threads: int, budget: Budget) -> Matmul:
     """One GEMM pass: (m, n, k) in `layout`'s operand layout (fp8: `_fp8_operands`, whose
-    three passes share one kernel layout; the row keeps the pass's label)."""
+    three passes share one kernel layout and differ in accumulation)."""
     m, n, k, layout = shape
     fn = (
-        _fp8_operands(m, n, k)
+        _fp8_operands(m, n, k, layout)
         if dtype == "fp8"
         else _operands(m, n, k, layout, TORCH_DTYPES[dtype])
     )

@@ -13,13 +13,12 @@ from torch import nn
 
 from fivefold.errors import ConfigError
 from fivefold.parallel.lowbit import import_torchao, torchao_problems
+from fivefold.specs.float8 import FP8_DIM_MULTIPLE, HIGH_PRECISION_NAMES, converts_to_fp8
 from fivefold.specs.plan import ParallelPlan
 
 # torchao (the optional `lowbit` extra) is imported inside the functions that use it.
 
 MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (sm89), Hopper (sm90) and newer
-HIGH_PRECISION_NAMES = ("output", "router")  # module names never converted
-FP8_DIM_MULTIPLE = 16  # torch._scaled_mm: both GEMM dimensions of a weight multiples of 16
 
 
 def float8_problems(fp8: str, device: torch.device) -> list[str]:
@@ -78,12 +77,28 @@ def apply_float8(chunk: nn.Module, plan: ParallelPlan, device: torch.device) -> 
     return convert_linears(chunk, plan.fp8, fsdp=plan.zero >= 1)
 
 
-def gains_from_fp8(recipe: str):
-    """torchao's filter of the linears large enough to run faster in FP8 under `recipe`:
-    (module, fqn) -> bool (its dimension rules included)."""
-    from torchao.float8 import _auto_filter_for_recipe
+def fp8_eager_note(plan: ParallelPlan, compile: bool) -> str | None:
+    """The warning for FP8 linears without torch.compile (None when it does not apply): eager
+    Float8Linear runs its amax, scale and cast kernels unfused around every GEMM and is usually
+    slower than bf16."""
+    if plan.fp8 == "none" or compile:
+        return None
+    return (
+        f"note: plan.fp8 = {plan.fp8!r} without train.compile: eager FP8 runs its scaling and "
+        "casts as separate kernels and is usually slower than bf16; set train.compile = true "
+        "(FP8 gains come from the compiled, fused casts)."
+    )
 
-    return _auto_filter_for_recipe(recipe, filter_fqns=[])
+
+def gains_from_fp8(recipe: str):
+    """The filter of the linears large enough to run faster in FP8 under `recipe`:
+    (module, fqn) -> bool, the planner's rule (`fivefold.specs.float8.converts_to_fp8`)."""
+
+    def gains(module: nn.Module, fqn: str) -> bool:
+        out_features, in_features = module.weight.shape
+        return converts_to_fp8(recipe, out_features, in_features)
+
+    return gains
 
 
 def convert_linears(

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from fivefold.planner.memory_options import COMPILED, EAGER, MemoryOptions
 from fivefold.planner.model_states import chunk_layers, layer_params_per_rank, local_kv_width
-from fivefold.specs.model import ModelSpec, attention_params, dense_mlp_params, expert_params
+from fivefold.specs.float8 import fp8_linears
+from fivefold.specs.model import ModelSpec
 from fivefold.specs.plan import ParallelPlan
 from fivefold.specs.precision import recipe
 
@@ -66,33 +67,43 @@ def compiled_norm_bytes(model: ModelSpec, e: float, sb: float, rdiv: int) -> flo
 
 def fp8_recomputed_bytes(model: ModelSpec, plan: ParallelPlan, e: float, sb: float) -> float:
     """Bytes per dense layer that FP8 linears under compile do not keep
-    (`CompiledProfile.fp8_recomputed`, less the tensorwise scales they keep; 0 without FP8)."""
+    (`CompiledProfile.fp8_recomputed`: a tensor only when every linear reading it converts,
+    `fivefold.specs.float8.fp8_linears`; less the tensorwise scales the converted linears keep;
+    0 without FP8)."""
     if plan.fp8 == "none":
         return 0.0
-    widths = {
-        "attention_norm": model.hidden,
-        "mlp_norm": model.hidden,
-        "swiglu_product": model.ffn / plan.tp if model.mlp == "swiglu" else 0.0,
+    converted = fp8_linears(model, plan.fp8, False)
+    reads = {w.reads for w in converted}
+    mlp_in = "mlp" in reads if model.mlp == "swiglu" else model.ffn in {
+        w.out_features for w in converted}  # fmt: skip
+    all_qkv = sum(w.reads == "x" for w in converted) == 3
+    kept_by = {
+        "attention_norm": (model.hidden, all_qkv),
+        "mlp_norm": (model.hidden, mlp_in),
+        "swiglu_product": (
+            model.ffn / plan.tp if model.mlp == "swiglu" else 0.0,
+            model.ffn in {w.in_features for w in converted},
+        ),
     }
-    dropped = e * sb * sum(widths[name] for name in COMPILED.fp8_recomputed)
+    dropped = (
+        e
+        * sb
+        * sum(width for name in COMPILED.fp8_recomputed for width, ok in [kept_by[name]] if ok)
+    )
     if plan.fp8 == "tensorwise":
-        linears = 4 + (3 if model.mlp == "swiglu" else 2)  # q, k, v, o and the MLP's
-        dropped -= linears * COMPILED.fp8_tensorwise_scale_bytes
+        dropped -= len(converted) * COMPILED.fp8_tensorwise_scale_bytes
     return dropped
 
 
 def autocast_weight_bytes(model: ModelSpec, plan: ParallelPlan, moe: bool, e: float) -> float:
     """A compiled block under autocast (one process: tp = ep = 1), `CompiledProfile.
     autocast_weight_copies`: its linears' weight copies in the compute dtype, e bytes per
-    weight (the router's included), none for the linears FP8 converts (attention, and the
-    dense MLP or the shared experts)."""
+    weight (the router's included), none for the linears FP8 converts (`fp8_linears`)."""
     if not COMPILED.autocast_weight_copies or e >= 4:  # the process keeps fp32 weights
         return 0.0
     lp = layer_params_per_rank(model, moe, 1, 1)
     weights = lp.dense + lp.experts + (model.hidden * model.experts if moe else 0.0)
-    if plan.fp8 != "none":
-        mlp = model.shared_experts * expert_params(model) if moe else dense_mlp_params(model)
-        weights -= attention_params(model) + mlp
+    weights -= sum(w.params for w in fp8_linears(model, plan.fp8, moe))
     return e * weights
 
 

@@ -10,8 +10,9 @@ from collections.abc import Callable
 from typing import Any
 
 from fivefold.planner.lever_costs import fp8_flops_per_token, mfu_peak
-from fivefold.planner.levers import state_recipe
+from fivefold.planner.levers import gathers_fp8, state_recipe
 from fivefold.planner.quantities import gib, seconds
+from fivefold.specs.float8 import fp8_linears, layer_linears
 from fivefold.specs.flops import training_flops_per_token
 from fivefold.specs.hardware import GPUSpec
 from fivefold.specs.model import ModelSpec
@@ -81,19 +82,23 @@ def _lever_costs(p: ParallelPlan, est: Any, model: ModelSpec, device: GPUSpec) -
 
 
 def _fp8_words(p: ParallelPlan, m: ModelSpec, device: GPUSpec) -> str:
-    share = fp8_flops_per_token(m) / training_flops_per_token(m, m.seq_len, "none")
+    share = fp8_flops_per_token(m, p.fp8) / training_flops_per_token(m, m.seq_len, "none")
     return (
         f"FP8 compute ({p.fp8} scaling, torchao float8) runs the attention projections and "
-        f"MLP linears, {share:.0%} of the model FLOPs; MFU counts those against the FP8 peak "
-        f"({device.peak('fp8') / 1e12:,.0f} TFLOP/s) and the rest (attention core, LM "
-        f"head, routed experts) against bf16 ({device.peak('bf16') / 1e12:,.0f}), an "
+        f"MLP linears large enough to gain ({_converted_words(m, p.fp8)}), {share:.0%} of "
+        f"the model FLOPs; MFU counts those against the FP8 peak "
+        f"({device.peak('fp8') / 1e12:,.0f} TFLOP/s) and the rest (smaller linears, attention "
+        f"core, LM head, routed experts) against bf16 ({device.peak('bf16') / 1e12:,.0f}), an "
         f"effective peak of {mfu_peak(m, p, device) / 1e12:,.0f} TFLOP/s"
-        + (
-            "; under ZeRO-3 the weights are gathered in FP8 (half the bytes)"
-            if p.fp8 == "tensorwise" and p.zero == 3
-            else ""
-        )
+        + ("; the weights are gathered in FP8 (half the bytes)" if gathers_fp8(p) else "")
+        + "; FP8 is usually slower than bf16 without train.compile (eager casts)"
     )
+
+
+def _converted_words(m: ModelSpec, fp8: str) -> str:
+    """How many of a layer's linears `fp8` converts, e.g. "5 of 7 per layer"."""
+    moe = m.is_moe and m.dense_layers == 0
+    return f"{len(fp8_linears(m, fp8, moe))} of {len(layer_linears(m, moe))} per layer"
 
 
 def lever_words(plan: ParallelPlan) -> list[str]:

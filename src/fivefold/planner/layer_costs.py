@@ -232,7 +232,7 @@ def _zero3_costs(
         count = TENSORS_PER_LAYER if opts.collective_granularity == "parameter" else 1
         size = params * compute_bytes(rec)
         if group == "dp_shard_cp":  # FP8 all-gather of the converted linears
-            size -= fp8_gather_saving(model, key)
+            size -= fp8_gather_saving(model, key, moe)
         gather += issued_time_s(all_gather_time_s, size, n, link, count)
         gather_bytes += all_gather_bytes(size, n)
         size = params * rec.grad_bytes

@@ -21,8 +21,8 @@ from fivefold.planner.levers import (
     offloads,
     resting_param_bytes,
 )
-from fivefold.planner.model_states import local_kv_width
 from fivefold.specs.cluster import ClusterSpec
+from fivefold.specs.float8 import fp8_linears
 from fivefold.specs.flops import training_flops_per_token
 from fivefold.specs.geometry import dense_shard_degree
 from fivefold.specs.hardware import GPUSpec
@@ -37,18 +37,25 @@ HOST_BW_FRACTION = 0.7
 
 # ---- FP8 linears -----------------------------------------------------------------------------
 def fp8_gemms(model: ModelSpec, plan: ParallelPlan, moe: bool) -> list[tuple[float, float, float]]:
-    """Forward GEMMs (m, n, k) of one layer's converted linears on one rank, fused as
-    `compute.layer_gemms` writes them (Q, K and V as one)."""
-    t = plan.tp
-    h = model.hidden
+    """Forward GEMMs (m, n, k) of one layer's converted linears (`fp8_linears`) on one rank,
+    the converted ones reading one input fused as `layer_matmuls.layer_gemms` fuses them (Q, K,
+    V; gate and up); the output projections (out = hidden) split by input over TP, the others
+    by output (FP8 runs at tp = 1 today: `ParallelPlan` refuses it with TP)."""
+    t, h = plan.tp, model.hidden
     tokens = plan.micro_batch * model.seq_len / plan.cp
-    q = model.q_width / t
-    out = [(tokens, q + 2 * local_kv_width(model, t), h), (tokens, h, q)]
-    width = model.ffn / t if not moe else model.shared_experts * model.expert_ffn / t
-    if width:
-        up = 2 * width if (moe or model.mlp == "swiglu") else width
-        out += [(tokens, up, h), (tokens, h, width)]
-    return out
+    fused: dict[str, list[float]] = {}
+    out = []
+    for w in fp8_linears(model, plan.fp8, moe):
+        n, k = (w.out_features, w.in_features / t) if w.out_features == h else (
+            w.out_features / t, w.in_features)  # fmt: skip
+        if not w.reads:
+            out.append((tokens, n, k))
+        elif w.reads in fused:
+            fused[w.reads][1] += n
+        else:
+            fused[w.reads] = [tokens, n, k]
+            out.append(fused[w.reads])
+    return [tuple(g) for g in out]
 
 
 def fp8_layer_delta(
@@ -80,11 +87,12 @@ def fp8_layer_delta(
     return Work(forward, backward, weight_s, recompute, gemm)
 
 
-def fp8_flops_per_token(model: ModelSpec) -> float:
-    """Model FLOPs per trained token in converted linears (6 per parameter and token)."""
+def fp8_flops_per_token(model: ModelSpec, fp8: str) -> float:
+    """Model FLOPs per trained token in the linears FP8 recipe `fp8` converts (6 per parameter
+    and token)."""
     dense = model.layers - model.moe_layers
-    params = dense * fp8_linear_params(model, False)
-    params += model.moe_layers * fp8_linear_params(model, True)
+    params = dense * fp8_linear_params(model, False, fp8)
+    params += model.moe_layers * fp8_linear_params(model, True, fp8)
     return 6.0 * params
 
 
@@ -94,7 +102,7 @@ def mfu_peak(model: ModelSpec, plan: ParallelPlan, device: GPUSpec) -> float:
     if plan.fp8 == "none":
         return base
     total = training_flops_per_token(model, model.seq_len, "none")
-    fp8 = fp8_flops_per_token(model)
+    fp8 = fp8_flops_per_token(model, plan.fp8)
     return total / (fp8 / device.peak("fp8") + (total - fp8) / base)
 
 

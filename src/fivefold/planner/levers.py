@@ -9,8 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from fivefold.errors import ConfigError
+from fivefold.specs.float8 import fp8_linears
 from fivefold.specs.hardware import HOSTS, GPUSpec, HostSpec, host
-from fivefold.specs.model import ModelSpec, attention_params, dense_mlp_params, expert_params
+from fivefold.specs.model import ModelSpec
 from fivefold.specs.plan import ParallelPlan
 from fivefold.specs.precision import PrecisionRecipe, recipe
 from fivefold.units import GiB
@@ -75,20 +76,17 @@ def resting_param_bytes(rec: PrecisionRecipe) -> float:
     return 4.0 if master_bytes(rec) > 0 else rec.param_bytes
 
 
-def fp8_linear_params(model: ModelSpec, moe: bool) -> float:
-    """Parameters of one layer in linears torchao converts to Float8Linear: the attention
-    projections and the dense MLP (or the shared experts); never the MoE router (its softmax
-    decides routing: `fivefold.parallel.float8` keeps it in high precision), the routed experts
-    (grouped weights, not nn.Linear) or the LM head."""
-    out = float(attention_params(model))
-    if not moe:
-        return out + dense_mlp_params(model)
-    return out + model.shared_experts * expert_params(model)
+def fp8_linear_params(model: ModelSpec, moe: bool, fp8: str) -> float:
+    """Parameters of one layer in the linears FP8 recipe `fp8` converts to Float8Linear
+    (`fivefold.specs.float8.fp8_linears`: attention projections and dense MLP or shared experts
+    large enough to gain; never the router, the routed experts or the LM head)."""
+    return float(sum(w.params for w in fp8_linears(model, fp8, moe)))
 
 
 def gathers_fp8(plan: ParallelPlan) -> bool:
-    """FSDP2 gathers the converted weights as float8 (tensorwise scaling under ZeRO-3)."""
-    return plan.fp8 == "tensorwise" and plan.zero == 3
+    """FSDP2 gathers the converted weights as float8: tensorwise scaling with the weights
+    sharded (ZeRO >= 1, `fivefold.parallel.float8.float8_config`)."""
+    return plan.fp8 == "tensorwise" and plan.zero >= 1
 
 
 # ---- host memory -------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from functools import lru_cache
 
 from fivefold.errors import ConfigError
 from fivefold.planner.levers import (
+    fp8_linear_params,
     gathers_fp8,
     master_bytes,
     split_state,
@@ -225,6 +226,11 @@ def chunk_state(
     dense_shard, expert_shard = dense_shard_degree(plan), expert_shard_degree(plan)
     total = model_state_bytes(cp.dense, held, plan.zero, dense_shard)
     total = total + model_state_bytes(cp.experts, held, plan.zero, expert_shard)
+    if plan.zero in (1, 2) and gathers_fp8(plan):  # the gathered copy held for the step
+        n_dense, n_moe = chunk_layers(model, counts, chunk)
+        saving = n_dense * fp8_gather_saving(model, plan, False)
+        saving += n_moe * fp8_gather_saving(model, plan, True)
+        total = replace(total, params=total.params - saving)
     if plan.offload == "none":
         return total, 0.0
     host_params = 0.0  # "optimizer" offload of a recipe without a master copy
@@ -235,13 +241,15 @@ def chunk_state(
     return Tenants(*device), host
 
 
-def fp8_gather_saving(model: ModelSpec, plan: ParallelPlan) -> float:
-    """Bytes by which FP8 all-gather shrinks one gathered layer: its converted linears (the
-    TP-sharded matrices of `layer_params_per_rank`) at 1 byte instead of the compute dtype's."""
+def fp8_gather_saving(model: ModelSpec, plan: ParallelPlan, moe: bool | None = None) -> float:
+    """Bytes by which FP8 all-gather shrinks one gathered layer (`moe`: a MoE layer; default
+    the model's kind): its converted linears (`levers.fp8_linear_params`, 1/tp each) at 1 byte
+    instead of the compute dtype's."""
     if not gathers_fp8(plan):
         return 0.0
-    lp = layer_params_per_rank(model, model.is_moe, plan.tp, plan.ep)
-    return lp.dense * (compute_bytes(recipe(plan.precision)) - 1)
+    moe = model.is_moe if moe is None else moe
+    converted = fp8_linear_params(model, moe, plan.fp8) / plan.tp
+    return converted * (compute_bytes(recipe(plan.precision)) - 1)
 
 
 def compute_bytes(rec: PrecisionRecipe) -> int:

@@ -27,7 +27,7 @@ from fivefold.planner.comm import (
 from fivefold.planner.efficiency import EfficiencyModel
 from fivefold.planner.layer_costs import collective_gap_s, fsdp_copy_s, per_layer_gathers
 from fivefold.planner.lever_costs import offload_tail, optimizer_s
-from fivefold.planner.model_states import layer_params_per_rank, params_of
+from fivefold.planner.model_states import fp8_gather_saving, layer_params_per_rank, params_of
 from fivefold.planner.options import PlannerOptions
 from fivefold.specs.cluster import ClusterSpec
 from fivefold.specs.geometry import (
@@ -94,7 +94,8 @@ def rank_tails(
                 units = runtime_units(plan, [chunk_sigs[c] for c in chunks])
                 if plan.ep == 1:  # the experts are reduced with their block
                     dense, experts = dense + experts, 0.0
-            raw = tail_costs(model, key, cluster, eff, opts, dense, experts, units, gap)
+            saving = sum(_fp8_saving(model, key, *chunk_sigs[c][:2]) for c in chunks)
+            raw = tail_costs(model, key, cluster, eff, opts, dense, experts, units, gap, saving)
             last_backward = sum(
                 chunk_costs[c].backward_input_s + chunk_costs[c].backward_weight_s for c in chunks
             )
@@ -142,6 +143,12 @@ def runtime_units(plan: ParallelPlan, sigs: list[tuple[int, int, bool, bool]]) -
     return blocks + len(sigs), experts
 
 
+def _fp8_saving(model: ModelSpec, plan: ParallelPlan, n_dense: int, n_moe: int) -> float:
+    """Gathered bytes FP8 all-gather saves for `n_dense` dense and `n_moe` MoE blocks."""
+    dense = n_dense * fp8_gather_saving(model, plan, False)
+    return dense + n_moe * fp8_gather_saving(model, plan, True)
+
+
 def _optimizer_params(plan: ParallelPlan, dense: float, experts: float) -> float:
     """Parameters whose optimizer state a rank holds, of its `dense` and `experts` ones."""
     if plan.zero == 0:
@@ -160,12 +167,14 @@ def tail_costs(
     experts: float,
     units: tuple[int, int] | None = None,
     gap: float | None = None,
+    fp8_saving: float = 0.0,
 ) -> tuple[float, float, float, float, float, float]:
     """(gradient time, gradient bytes, last-bucket time, parameter all-gather time and bytes,
     optimizer step) for a rank holding `dense` and `experts` local parameters; `units`: the
     (dense, expert) units fivefold's runtime issues one collective each for (`runtime_units`),
     else the layers the parameters make up; `gap`: compute before each collective
-    (`collective_gap_s`)."""
+    (`collective_gap_s`); `fp8_saving`: bytes the FP8 all-gather of the rank's converted
+    linears saves (`_fp8_saving`)."""
     rec = recipe(plan.precision)
     s_dense, s_exp = dense_shard_degree(plan), expert_shard_degree(plan)
     groups = axis_groups(plan)
@@ -204,7 +213,7 @@ def tail_costs(
                 grad_time += fsdp_copy_s(size, cluster.device, eff)
             grad_bytes += all_gather_bytes(size, n_shard)
             bucket_time = max(bucket_time, last)
-            gsize = params * rec.param_bytes
+            gsize = params * rec.param_bytes - (0.0 if moe else fp8_saving)
             gather_time += _issued(all_gather_time_s, gsize, n_shard, link, opts, layers)[0]
             if opts.runtime == "fivefold-eager":
                 gather_time += fsdp_copy_s(gsize, cluster.device, eff)

@@ -322,10 +322,10 @@ class MeasuredRates(DeviceRates):
         shape: the rows of the nearest measured cp (context parallelism's block attention over
         `cp` ranks; cp = 1 the single-process core, over the device grid and the calibrated
         models), interpolated in log space over (seq, head_dim, batch x heads) as GEMM rates
-        are (`log_shape_interp`); `rows` = batch x heads of the query (0: not used)."""
-        table = [a for a in self.rank.profile.attention if a.dtype == dtype] or list(
-            self.rank.profile.attention
-        )
+        are (`log_shape_interp`); `rows` = batch x heads of the query (0: not used). Rows
+        of one document per row ("sdpa"; packed kernels' rows are there to compare)."""
+        one_document = [a for a in self.rank.profile.attention if a.kernel == "sdpa"]
+        table = [a for a in one_document if a.dtype == dtype] or one_document
         near = min({a.cp for a in table}, key=lambda c: (abs(c - cp), c))
         table, scale = self.rank.rows([a for a in table if a.cp == near])
 

@@ -78,6 +78,9 @@ def _flops(bf16: float, fp8: float | None, tf32: float, fp32: float) -> dict[str
 # ones "PCIe Gen5: 128 GB/s", both directions added.
 PCIE_GEN4_X16 = 31.5e9
 PCIE_GEN5_X16 = 63.0e9
+# GH200: the GPU's host link is NVLink-C2C to its Grace CPU, 900 GB/s both directions added
+# (GH200 datasheet), 450 GB/s each way.
+GH200_C2C = 450e9
 H200_HBM_BYTES = 143_771 * 2**20  # nvidia-smi's total on an H200 SXM (140.4 GiB)
 _A100_SRC = "NVIDIA A100 Tensor Core GPU datasheet (2021), SXM column, dense figures"
 _H100_SRC = "NVIDIA H100 Tensor Core GPU datasheet (2023), H100 SXM column, dense (half of sparse)"
@@ -137,6 +140,44 @@ GPUS: dict[str, GPUSpec] = {
             "2026-11-26 on one H200; torch sees about 139 GiB of it after the driver's share)",
             "hopper",
             pcie_bw_bytes_per_s=PCIE_GEN5_X16,
+        ),
+        GPUSpec(
+            "h200-nvl",
+            H200_HBM_BYTES,
+            _flops(835.5, 1670.5, 417.5, 60),
+            4.8e12,
+            900e9,
+            "NVIDIA H200 Tensor Core GPU datasheet (2024), H200 NVL column, dense (half of "
+            "sparse: 1,671 TFLOPS bf16, 3,341 fp8, 835 tf32; fp32 60): 141 GB HBM3e at 4.8 TB/s, "
+            "2- or 4-way NVLink bridge 900 GB/s per GPU, PCIe Gen5 128 GB/s, up to 600 W; memory "
+            "as the SXM part's nvidia-smi total (the same 141 GB stacks; not measured on an NVL)",
+            "hopper",
+            pcie_bw_bytes_per_s=PCIE_GEN5_X16,
+        ),
+        GPUSpec(
+            "gh200",
+            96 * 10**9,
+            _flops(989.4, 1978.9, 494.7, 67),
+            4.0e12,
+            900e9,
+            "NVIDIA GH200 Grace Hopper Superchip datasheet (2023), 96 GB HBM3 configuration "
+            "('NVIDIA GH200 480GB': 480 GB LPDDR5X on the Grace): dense (half of sparse: 1,979 "
+            "TFLOPS bf16, 3,958 fp8, 989 tf32; fp32 67), HBM3 at 4 TB/s, NVLink 900 GB/s to "
+            "other GPUs (NVL32 / NVLink Switch systems), NVLink-C2C 900 GB/s to the Grace CPU",
+            "hopper",
+            pcie_bw_bytes_per_s=GH200_C2C,
+        ),
+        GPUSpec(
+            "gh200-144gb",
+            144 * 10**9,
+            _flops(989.4, 1978.9, 494.7, 67),
+            4.9e12,
+            900e9,
+            "NVIDIA GH200 Grace Hopper Superchip datasheet (2024), 144 GB HBM3e configuration: "
+            "dense (half of sparse: 1,979 TFLOPS bf16, 3,958 fp8, 989 tf32; fp32 67), HBM3e at "
+            "4.9 TB/s, NVLink 900 GB/s to other GPUs, NVLink-C2C 900 GB/s to the Grace CPU",
+            "hopper",
+            pcie_bw_bytes_per_s=GH200_C2C,
         ),
         GPUSpec(
             "h800",
@@ -267,14 +308,17 @@ UNKNOWN_GPU = "unknown-gpu"
 GPU_ALIASES = {"a100": "a100-80gb", "h100": "h100-sxm", "h100-80gb": "h100-sxm"}
 
 # Device names as `torch.cuda.get_device_name` reports them -> catalog key, most specific first:
-# GB200 before B200, H200 before H20 (GH200 and the H200 NVL PCIe card match neither), the H100
-# NVL and PCIe cards before the SXM part ('NVIDIA H100 80GB HBM3'). "a100" is split by memory.
+# GB200 before B200, GH200 ('NVIDIA GH200 480GB') and the H200 NVL card before the H200 SXM,
+# H200 before H20, the H100 NVL and PCIe cards before the SXM part ('NVIDIA H100 80GB HBM3').
+# "a100" and "gh200" are split by memory.
 _DEVICE_NAMES: tuple[tuple[re.Pattern[str], str], ...] = tuple(
     (re.compile(pattern), key)
     for pattern, key in (
         (r"\bgb200\b", "gb200"),
         (r"\bb200\b", "b200"),
-        (r"\bh200\b(?!.*\bnvl\b)", "h200"),
+        (r"\bgh200\b", "gh200"),
+        (r"\bh200\b.*\bnvl\b", "h200-nvl"),
+        (r"\bh200\b", "h200"),
         (r"\bh20\b", "h20"),
         (r"\bh100\b.*\bnvl\b", "h100-nvl"),
         (r"\bh100\b.*\bpcie\b", "h100-pcie"),
@@ -288,6 +332,7 @@ _DEVICE_NAMES: tuple[tuple[re.Pattern[str], str], ...] = tuple(
     )
 )
 _A100_80GB_MIN_BYTES = 60 * GiB  # between the 40 GB and 80 GB parts
+_GH200_144GB_MIN_BYTES = 120 * GiB  # between the 96 GB and 144 GB parts
 
 
 def catalog_key_for_device(name: str, total_memory_bytes: int | None = None) -> str | None:
@@ -298,12 +343,21 @@ def catalog_key_for_device(name: str, total_memory_bytes: int | None = None) -> 
     for pattern, key in _DEVICE_NAMES:
         if not pattern.search(lower):
             continue
+        if key == "gh200":
+            return _gh200_key(lower, total_memory_bytes)
         if key != "a100":
             return key
         if total_memory_bytes:
             return "a100-80gb" if total_memory_bytes > _A100_80GB_MIN_BYTES else "a100-40gb"
         return next((f"a100-{size}" for size in ("80gb", "40gb") if size in lower), None)
     return None
+
+
+def _gh200_key(lower: str, total_memory_bytes: int | None) -> str:
+    """The GH200 of 96 GB HBM3 or of 144 GB HBM3e, by memory or else by name."""
+    if total_memory_bytes:
+        return "gh200-144gb" if total_memory_bytes > _GH200_144GB_MIN_BYTES else "gh200"
+    return "gh200-144gb" if "hbm3e" in lower or "144g" in lower else "gh200"
 
 
 def gpu(name: str) -> GPUSpec:
@@ -337,6 +391,13 @@ _DGX_H100_HOST = HostSpec(
     "NVIDIA DGX H100 datasheet (2023): 2 TB system memory, 2x Intel Xeon Platinum 8480C; "
     "Intel: 8 DDR5-4800 channels per socket (38.4 GB/s each)",
 )
+_GH200_HOST = HostSpec(
+    "GH200 superchip",
+    480 * 10**9,
+    512e9,
+    "NVIDIA GH200 Grace Hopper Superchip datasheet (2023): one Grace CPU per GPU with up to "
+    "480 GB LPDDR5X at up to 512 GB/s",
+)
 # Keyed by catalog GPU: the DGX system that carries it (defaults, like the NVLink figures).
 HOSTS: dict[str, HostSpec] = {
     "a100-40gb": HostSpec(
@@ -360,6 +421,8 @@ HOSTS: dict[str, HostSpec] = {
         2 * _DDR5_4800_X8,
         "NVIDIA DGX H200 datasheet (2024): 2 TB system memory, 2x Intel Xeon Platinum 8480C",
     ),
+    "gh200": _GH200_HOST,
+    "gh200-144gb": _GH200_HOST,
     "gb200": HostSpec(
         "GB200 NVL72 compute tray",
         2 * 480 * 10**9,

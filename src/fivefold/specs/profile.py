@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import os
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -128,6 +128,9 @@ class Attention:
     cp: int
     forward_flops_per_s: float
     backward_flops_per_s: float
+    # "sdpa": one document per row; "varlen", "flex", "document_attention": packed documents
+    # through that kernel (seq one document's length, batch the documents)
+    kernel: str = "sdpa"
 
 
 @dataclass(frozen=True)
@@ -259,6 +262,8 @@ def _field_problems(table: str, index: int, cls: type, row: Any) -> tuple[dict, 
         return {}, [f"profile {where}: expected a table of fields."]
     out, problems = {}, []
     for name, f in cls.__dataclass_fields__.items():
+        if name not in row and f.default is not MISSING:  # a field added since
+            continue
         if name not in row:
             problems.append(f"profile {where}.{name} is missing; re-run `fivefold calibrate`.")
             continue

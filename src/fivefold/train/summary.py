@@ -15,6 +15,7 @@ from rich.console import Console
 from fivefold.errors import ConfigError, FivefoldError
 from fivefold.parallel.compile import compile_seconds
 from fivefold.parallel.device import unknown_gpu_reason
+from fivefold.parallel.float8 import fp8_eager_note
 from fivefold.parallel.protocol import Runtime
 from fivefold.planner.budget import checkpoint_suggestion
 from fivefold.planner.estimate import estimate
@@ -179,9 +180,12 @@ def print_header(
         f"{cfg.lr:g} (warmup {cfg.warmup_steps}, {cfg.lr_schedule} to "
         f"{cfg.min_lr:g}); data: {data.describe()}"
     )
-    note = data.eval_note(cfg.eval_every, run.data.val_fraction)
-    if note:
-        out.print(note, style="yellow", markup=False, highlight=False)
+    for note in (
+        data.eval_note(cfg.eval_every, run.data.val_fraction),
+        fp8_eager_note(plan, cfg.compile),
+    ):
+        if note:
+            out.print(note, style="yellow", markup=False, highlight=False)
     if cfg.tensorboard and not tensorboard_installed():
         out.print(
             "TensorBoard: no events written (tensorboard is not installed: pip install "
