@@ -50,6 +50,10 @@ class StepMetrics:
     peak_reserved_bytes: int | None = None  # CUDA: the allocator's reserved peak + context
     aux_loss: float = 0.0
     eval_loss: float | None = None
+    # a mixture (data.sources): training tokens drawn from each source by this step, by name;
+    # at eval steps, each source's held-out loss
+    tokens_by_source: dict[str, int] | None = None
+    eval_loss_by_source: dict[str, float] | None = None
     plan_vs_run: dict | None = None  # the step of the layout report: `parallel.report.record`
     attention: str = ATTENTION_CONVENTION  # how MFU and HFU count attention FLOPs
 
