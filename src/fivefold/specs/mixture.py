@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from fivefold.errors import ConfigError
+
 # Muennighoff et al. 2023, "Scaling Data-Constrained Language Models" (NeurIPS), sec. 5: up to
 # about 4 epochs of repeated data train nearly as well as unique data; past that the value of
 # more repetition falls quickly (to about zero near 16 epochs).
@@ -110,3 +112,34 @@ def draw_lines(items: list[SourceDraw], indent: str = "  ") -> list[str]:
             )
         out.append(line + unknown)
     return out
+
+
+Mixture = tuple[tuple[str, float, float | None], ...]  # (name, weight, available tokens or None)
+
+
+def parse_mixture(entries: Any, where: str = "planner.sources") -> Mixture:
+    """Tables `{ name = "web", weight = 0.6, tokens = 3e11 }` (tokens: the source's size,
+    optional) as a mixture; ConfigError naming each bad entry."""
+    if not isinstance(entries, list):
+        raise ConfigError(f"{where} = {entries!r}: write a list of tables {_EXAMPLE}.")
+    problems, out = [], []
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, dict) or set(entry) - {"name", "weight", "tokens"}:
+            problems.append(f"{where}[{i}] = {entry!r}: write a table {_EXAMPLE}.")
+            continue
+        name, size = str(entry.get("name") or f"source{i}"), entry.get("tokens")
+        if size is not None and not (_number(size) and math.isfinite(size) and size > 0):
+            problems.append(f"{where}[{i}] ({name!r}): tokens = {size!r} must be a number > 0.")
+        out.append((name, entry.get("weight"), float(size) if _number(size) else None))
+    if not problems:
+        problems += weight_problems([n for n, _, _ in out], [w for _, w, _ in out], where)
+    if problems:
+        raise ConfigError(problems)
+    return tuple((n, float(w), t) for n, w, t in out)
+
+
+_EXAMPLE = '{ name = "web", weight = 0.6, tokens = 3e11 }'
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
