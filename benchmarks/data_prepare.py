@@ -11,7 +11,8 @@ Corpora are generated JSONL (random words, documents of 50-2,000 words) of the s
   baseline: every document already in memory, one `Tokenizer.encode_batch` call with
   RAYON_NUM_THREADS=N (reading, writing and checksums not counted); (b) `prepare_shards` with N
   workers, everything counted (reading JSONL, encoding, writing shards, checksums, manifest).
-  Printed: MB/s of each and the ratio (b)/(a).
+  Printed: MB/s of each, CPU seconds (user + system, workers included), and the ratios (b)/(a)
+  of wall time and of CPU time (on a loaded machine only the latter compares per core).
 
     PYTHONPATH=src .venv/bin/python benchmarks/data_prepare.py --memory-gb 0.25,1 --speed-mb 32
 """
@@ -68,26 +69,33 @@ import json, resource, time
 from pathlib import Path
 from fivefold.train.data import default_tokenizer, load_tokenizer, prepare_shards
 tok = load_tokenizer(Path({tok!r})) if {tok!r} else default_tokenizer()
-started = time.perf_counter()
+def cpu():
+    return sum(resource.getrusage(w).ru_utime + resource.getrusage(w).ru_stime
+               for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+cpu0, started = cpu(), time.perf_counter()
 out = prepare_shards([Path({src!r})], Path({out!r}), tok, workers={workers}, overwrite=True,
                      piece_bytes={piece})
-seconds = time.perf_counter() - started
+seconds, cpu_s = time.perf_counter() - started, cpu() - cpu0
 manifest = json.loads((out / "manifest.json").read_text())
-print(json.dumps({{"seconds": seconds, "tokens": manifest["num_tokens"],
+print(json.dumps({{"seconds": seconds, "cpu_s": cpu_s, "tokens": manifest["num_tokens"],
     "self_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     "worker_rss_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}}))
 """
 
 BASELINE = """
-import json, time
+import json, resource, time
 from pathlib import Path
 from fivefold.train.data import default_tokenizer, load_tokenizer, read_documents
 tok = load_tokenizer(Path({tok!r})) if {tok!r} else default_tokenizer()
 docs = list(read_documents({src!r}))
-started = time.perf_counter()
+def cpu():
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+cpu0, started = cpu(), time.perf_counter()
 encoded = tok.backend.encode_batch(docs, add_special_tokens=False)
-seconds = time.perf_counter() - started
-print(json.dumps({{"seconds": seconds, "tokens": sum(len(e.ids) + 1 for e in encoded)}}))
+seconds, cpu_s = time.perf_counter() - started, cpu() - cpu0
+print(json.dumps({{"seconds": seconds, "cpu_s": cpu_s,
+                   "tokens": sum(len(e.ids) + 1 for e in encoded)}}))
 """
 
 
@@ -133,9 +141,10 @@ def speed(root: Path, megabytes: float, cores: list[int], tok: str) -> None:
         assert ours["tokens"] == base["tokens"], (ours, base)
         print(
             f"speed {mb:.0f} MB on {n} core(s): tokenizers encode_batch {mb / base['seconds']:.2f} "
-            f"MB/s, prepare {mb / ours['seconds']:.2f} MB/s "
-            f"({ours['tokens'] / ours['seconds']:,.0f} tokens/s): "
-            f"{base['seconds'] / ours['seconds']:.2f}x",
+            f"MB/s ({base['cpu_s']:.1f} CPU-s), prepare {mb / ours['seconds']:.2f} MB/s "
+            f"({ours['tokens'] / ours['seconds']:,.0f} tokens/s, {ours['cpu_s']:.1f} CPU-s): "
+            f"{base['seconds'] / ours['seconds']:.2f}x wall, "
+            f"{base['cpu_s'] / ours['cpu_s']:.2f}x per CPU-second",
             flush=True,
         )
 

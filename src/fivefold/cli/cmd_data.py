@@ -31,8 +31,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "data",
         help="train a tokenizer and prepare token shards",
-        description="Train a byte-level BPE tokenizer and turn text or JSONL files into "
-        "memory-mapped token shards that keep document boundaries. Without them, training uses "
+        description="Train a byte-level BPE tokenizer and turn text, JSONL, Parquet or Arrow "
+        "files into memory-mapped token shards that keep document boundaries. Without them, training uses "
         "the embedded corpus (Jane Austen's six novels, public domain), tokenised on first use "
         "into ${FIVEFOLD_CACHE:-~/.cache/fivefold}.",
     )
