@@ -142,20 +142,25 @@ class TrainData:
 
     def eval_note(self, eval_every: int, val_fraction: float) -> str | None:
         """A warning for held-out losses on a user corpus: the split is the corpus tail (the end
-        of the last input file), which may be unlike the rest (a licence, an index)."""
+        of the last input file), which may be unlike the rest (a licence, an index); a mixture
+        holds out each source's tail."""
         if self.val is None or not eval_every or _is_default(self.shards):
             return None
-        parts = []
-        for s in self.sources:
-            inputs = s.shards.manifest.get("inputs") or []
-            last = f", the end of {inputs[-1]['path']}" if inputs else ""
-            held = len(s.val) if s.val is not None else 0
-            parts.append(f"{s.name}: {held} samples{last}")
+        if not self.is_mixture:
+            held, last = len(self.val), _last_input(self.shards)
+            where = f"the last {val_fraction:.0%} of the corpus, {held} samples"
+            where += f" (the end of {last})" if last else ""
+        else:
+            parts = [
+                f"{s.name}: {len(s.val) if s.val else 0} samples"
+                + (f", the end of {_last_input(s.shards)}" if _last_input(s.shards) else "")
+                for s in self.sources
+            ]
+            where = f"the last {val_fraction:.0%} of each source ({'; '.join(parts)})"
         return (
-            f"eval: the held-out split is the last {val_fraction:.0%} of each source "
-            f"({'; '.join(parts)}); if a source ends with text unlike the rest (a licence, an "
-            "index), its eval loss stays flat: put a representative file last, or change "
-            "data.val_fraction."
+            f"eval: the held-out split is {where}; if the corpus ends with text unlike the rest "
+            "(a licence, an index), the eval loss stays flat: put a representative file last, "
+            "or change data.val_fraction."
         )
 
     def describe(self) -> str:
@@ -180,6 +185,11 @@ def _val_batches(val: PackedSequences | None, count: int, micro_batch: int) -> l
         for i in range(min(count, max(1, available)))
         if (i + 1) * micro_batch <= len(val)
     ]
+
+
+def _last_input(shards: TokenShards) -> str:
+    inputs = shards.manifest.get("inputs") or []
+    return inputs[-1]["path"] if inputs else ""
 
 
 def _is_default(shards: TokenShards) -> bool:
