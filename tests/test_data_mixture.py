@@ -294,3 +294,24 @@ def test_mixture_on_four_processes_matches_one_and_resumes_bit_identically(three
     assert [r["tokens_by_source"] for r in straight] == [r["tokens_by_source"] for r in single]
     for a, b in zip(straight, single, strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+
+
+def test_a_source_of_parquet_inputs_reads_data_text_field(three_sources, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    tok, shards = three_sources
+    texts = generated_text(ALPHABETS["code"], 150, 2)  # what code.jsonl holds
+    pq.write_table(pa.table({"body": texts}), tmp_path / "code.parquet")
+    tables = (
+        f'{{ name = "web", shards = "{shards["web"]}", weight = 1 }}, '
+        f'{{ name = "code", inputs = ["{tmp_path / "code.parquet"}"], weight = 1 }}'
+    )
+    base = [f"train.runs_dir={str(tmp_path)!r}", *QUIET, f"data.tokenizer={str(tok)!r}"]
+    run = load_run(TINY, [*base, f"data.sources=[{tables}]", "data.text_field='body'"], 1)
+    data = load_train_data(run)
+    got = data.sources[1].shards
+    want = load_train_data(mixture_run(tmp_path, three_sources, "x")).sources[2].shards
+    assert got.tokens(0, got.num_tokens).tolist() == want.tokens(0, want.num_tokens).tolist()
+    with pytest.raises(DataError, match=r"data.sources\[1\] \('code'\): input file .* no column"):
+        load_train_data(load_run(TINY, [*base, f"data.sources=[{tables}]"], 1))

@@ -32,9 +32,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "data",
         help="train a tokenizer and prepare token shards",
         description="Train a byte-level BPE tokenizer and turn text, JSONL, Parquet or Arrow "
-        "files into memory-mapped token shards that keep document boundaries. Without them, training uses "
-        "the embedded corpus (Jane Austen's six novels, public domain), tokenised on first use "
-        "into ${FIVEFOLD_CACHE:-~/.cache/fivefold}.",
+        "files into memory-mapped token shards that keep document boundaries. Without them, "
+        "training uses the embedded corpus (Jane Austen's six novels, public domain), tokenised "
+        "on first use into ${FIVEFOLD_CACHE:-~/.cache/fivefold}.",
     )
     parser.set_defaults(handler=lambda args: (parser.print_help(), 0)[1])
     commands = parser.add_subparsers(dest="data_command", metavar="ACTION")

@@ -192,6 +192,7 @@ class DataConfig:
     tokenizer: str = ""  # a tokenizer.json; "" = the default tokenizer of the embedded corpus
     cache_dir: str = ""  # where shards of data.inputs are cached; "" = the fivefold cache
     val_fraction: float = 0.02  # the corpus tail held out for evaluation; 0 = none
+    text_field: str = "text"  # the JSONL field / Parquet or Arrow column of inputs' documents
     # a weighted mixture instead of shards/inputs: tables {name, shards|inputs, weight, max_epochs}
     sources: list[Any] = field(default_factory=list)
 

@@ -264,12 +264,14 @@ def _cached_input_shards(run: RunConfig, tokenizer: TextTokenizer, names: list[s
     """Tokenize `names` once; later runs with the same files and tokenizer reuse it."""
     inputs = [Path(p) for p in names]
     root = Path(run.data.cache_dir) if run.data.cache_dir else cache_dir() / "shards"
-    out_dir = root / f"inputs-{files_digest(inputs)[:12]}-{tokenizer.hash[:12]}"
+    field = run.data.text_field
+    key = files_digest(inputs)[:12] + (f"-{field}" if field != "text" else "")
+    out_dir = root / f"inputs-{key}-{tokenizer.hash[:12]}"
     with cache_lock(out_dir.name):
         try:
             TokenShards(out_dir, tokenizer=tokenizer)
         except DataError:
-            prepare_shards(inputs, out_dir, tokenizer, overwrite=True)
+            prepare_shards(inputs, out_dir, tokenizer, overwrite=True, text_field=field)
     return out_dir
 
 
