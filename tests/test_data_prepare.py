@@ -118,9 +118,11 @@ def test_a_killed_prepare_leaves_nothing_trainable_and_resumes(tok, reference, t
     path = write_jsonl(tmp_path / "d.jsonl", texts)
     out, calls = tmp_path / "out", []
 
-    def kill_after_two_pieces(done_bytes, tokens):
+    pieces = pieces_of([path], piece_bytes=4096)
+
+    def kill_after_two_pieces(done_bytes, tokens):  # a piece's bytes are all in once committed
         calls.append(done_bytes)
-        if sum(1 for b in calls if b) == 2:
+        if sum(calls) == pieces[0].size + pieces[1].size:
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):

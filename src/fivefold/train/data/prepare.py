@@ -170,29 +170,34 @@ def _documents(piece: Piece, text_field: str) -> Iterator[str]:
 
 
 def prepare_piece(piece: Piece, staging: Path, dtype: str, shard_tokens: int, text_field: str):
-    """Tokenise one piece into `staging`; returns (and commits, as `piece-N.json`) its record."""
+    """Tokenise one piece into `staging`; returns (and commits, as `piece-N.json`) its record.
+    Progress: tokens as encoded; bytes as characters encoded (at most the piece's size), the
+    rest once the piece is committed."""
     tokenizer: TextTokenizer = _WORKER["tokenizer"]
     queue = _WORKER.get("queue")
     writer = _ShardWriter(staging, f"shard-{piece.index:05d}", np.dtype(dtype), shard_tokens)
     batch: list[str] = []
-    chars = 0
-
+    size, chars, reported = piece.size, 0, 0
     for doc in _documents(piece, text_field):
         batch.append(doc)
         chars += len(doc)
         if chars >= ENCODE_BATCH_CHARS:
-            _encode(writer, tokenizer, batch, queue)
+            reported += _encode(writer, tokenizer, batch, queue, min(chars, size - reported))
             batch, chars = [], 0
-    _encode(writer, tokenizer, batch, queue)
+    reported += _encode(writer, tokenizer, batch, queue, min(chars, size - reported))
     record = {"piece": asdict(piece), "shards": writer.close(), "lengths": writer.lengths}
     _atomic_json(staging / f"piece-{piece.index:05d}.json", record)  # the piece is done
-    _report(queue, piece.size, 0)
+    _report(queue, size - reported, 0)
     return record
 
 
-def _encode(writer: _ShardWriter, tokenizer: TextTokenizer, texts: list[str], queue) -> None:
+def _encode(
+    writer: _ShardWriter, tokenizer: TextTokenizer, texts: list[str], queue, size: int
+) -> int:
+    """Encode and write `texts`; reports their tokens and `size` bytes, returns `size`."""
     ids = tokenizer.encode_batch(texts) if texts else []
-    _report(queue, 0, sum(writer.add(doc, tokenizer.eod_id) for doc in ids))
+    _report(queue, size, sum(writer.add(doc, tokenizer.eod_id) for doc in ids))
+    return size
 
 
 def _report(queue, size: int, tokens: int) -> None:
