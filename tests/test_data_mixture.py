@@ -315,3 +315,8 @@ def test_a_source_of_parquet_inputs_reads_data_text_field(three_sources, tmp_pat
     assert got.tokens(0, got.num_tokens).tolist() == want.tokens(0, want.num_tokens).tolist()
     with pytest.raises(DataError, match=r"data.sources\[1\] \('code'\): input file .* no column"):
         load_train_data(load_run(TINY, [*base, f"data.sources=[{tables}]"], 1))
+
+
+def test_a_weight_too_small_to_interleave_is_named():
+    with pytest.raises(DataError, match="'rare' has a weight below 1/65536"):
+        MixtureSampler(["common", "rare"], [10, 10], [1.0, 1e-6])

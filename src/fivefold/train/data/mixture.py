@@ -50,7 +50,7 @@ def spread(quotas: np.ndarray) -> np.ndarray:
 class Interleave:
     """The source of every position of an endless order drawn with `weights` (normalised)."""
 
-    def __init__(self, weights: list[float]):
+    def __init__(self, weights: list[float], names: list[str] | None = None):
         w = np.asarray(weights, dtype=np.float64)
         if w.ndim != 1 or w.size == 0 or not np.all(np.isfinite(w)) or np.any(w < 0):
             raise DataError(f"mixture weights {weights!r} must be finite numbers >= 0.")
@@ -59,9 +59,10 @@ class Interleave:
         self.weights = w / w.sum()
         small = [i for i, x in enumerate(self.weights) if 0 < x < 1 / BLOCK]
         if small:
+            name = names[small[0]] if names else f"source {small[0]}"
             raise DataError(
-                f"mixture source {small[0]} has a weight below 1/{BLOCK} of the total; raise it "
-                "or set it to 0."
+                f"data.sources: {name!r} has a weight below 1/{BLOCK} of the total, too small to "
+                "draw from evenly; raise it or set it to 0."
             )
         self._blocks: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
@@ -110,7 +111,7 @@ class MixtureSampler:
         if min(sizes) < 1:
             raise DataError(f"every mixture source needs training samples, got sizes {sizes}.")
         self.names, self.sizes, self.seed = list(names), list(sizes), seed
-        self.interleave = Interleave(weights)
+        self.interleave = Interleave(weights, names)
         self.weights = [float(w) for w in self.interleave.weights]
         self.offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
         self.num_samples = int(self.offsets[-1])
