@@ -226,6 +226,8 @@ def test_run_start_prints_tokens_and_epochs_per_source(three_sources, tmp_path, 
     data = load_train_data(mixture_run(tmp_path, three_sources, "x"))
     for d in data.plan_draws(1):
         assert f"{d.name}: weight {d.weight:.3f}, {d.tokens:,.0f} tokens" in out
+    # 6:3:1 -> 0.6, 0.3, 0.1; one step of 8 samples x 128 tokens: 5, 2, 1 samples drawn
+    assert "web: weight 0.600, 640 tokens" in out and "code: weight 0.100, 128 tokens" in out
     code_draw = next(d for d in data.plan_draws(1) if d.name == "code")
     assert code_draw.epochs == pytest.approx(code_draw.tokens / (len(data.sources[2].train) * 128))
     assert "tokens drawn per source by step 1:" in out

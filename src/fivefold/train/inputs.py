@@ -103,16 +103,18 @@ class TrainData:
     def plan_draws(self, steps: int) -> list[SourceDraw]:
         """What `steps` steps draw of each source: tokens and epochs of its training samples."""
         drawn = self.tokens_drawn(steps)
-        total = max(sum(drawn.values()), 1)
+        weights = [1.0]
+        if isinstance(self.sampler, MixtureSampler):
+            weights = self.sampler.weights
         return [
             SourceDraw(
                 s.name,
-                drawn[s.name] / total,
+                weight,
                 drawn[s.name],
                 len(s.train) * s.train.seq_len,
                 s.max_epochs,
             )
-            for s in self.sources
+            for s, weight in zip(self.sources, weights, strict=True)
         ]
 
     def repeat_note(self) -> str | None:
