@@ -322,3 +322,15 @@ def test_a_source_of_parquet_inputs_reads_data_text_field(three_sources, tmp_pat
 def test_a_weight_too_small_to_interleave_is_named():
     with pytest.raises(DataError, match="'rare' has a weight below 1/65536"):
         MixtureSampler(["common", "rare"], [10, 10], [1.0, 1e-6])
+
+
+def test_trackers_log_each_source_under_its_name():
+    from fivefold.train.metrics import StepMetrics, scalars
+
+    m = StepMetrics(3, 2.5, 1.0, 1e-3, 1024, 0.1, 1e4, None, None, 0, 1.0)
+    m.tokens_by_source, m.eval_loss_by_source = {"web": 640, "code": 128}, {"web": 2.0}
+    values = scalars(m)
+    assert values["train/tokens_by_source/web"] == 640
+    assert values["train/tokens_by_source/code"] == 128
+    assert values["train/eval_loss_by_source/web"] == 2.0
+    assert values["train/loss"] == 2.5

@@ -172,12 +172,16 @@ class JsonlWriter:
 
 def scalars(m: StepMetrics) -> dict[str, float]:
     """The numbers every tracker logs: `train/<field>` for each finite numeric field of the
-    JSONL record but the step (which is the x axis)."""
-    return {
+    JSONL record but the step (which is the x axis); a mixture's per-source figures as
+    `train/<field>/<source>`."""
+    out = {
         f"train/{key}": value
         for key, value in m.to_json().items()
         if key != "step" and isinstance(value, int | float) and math.isfinite(value)
     }
+    for key in ("tokens_by_source", "eval_loss_by_source"):
+        out |= {f"train/{key}/{name}": v for name, v in (getattr(m, key) or {}).items()}
+    return out
 
 
 class TensorBoardWriter:
