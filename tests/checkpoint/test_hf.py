@@ -297,7 +297,7 @@ def test_export_names_the_checkpoint_and_skips_a_corrupt_newest(trained_run, tmp
 
 
 def test_import_refuses_shards_of_another_tokenizer(trained_run, tmp_path, capsys):
-    from fivefold.train.data.shards import prepare_shards
+    from fivefold.train.data import prepare_shards
     from fivefold.train.data.tokenizer import train_tokenizer
 
     assert main(["export", "--hf", str(tmp_path / "hf"), "--from", str(trained_run)]) == 0

@@ -514,3 +514,17 @@ def test_estimate_and_search_carry_the_token_budget(client):
     assert 0.99 < first["goodput"] < 1 and first["cost_usd"] is None
     status, data = client.post("/api/estimate", {**LLAMA_16, "planner": {"tokens": "lots"}})
     assert status == 400 and any("planner.tokens = 'lots'" in p for p in data["problems"])
+
+
+def test_the_budget_carries_tokens_and_epochs_per_source(client):
+    table = {
+        "tokens": 5e11,
+        "sources": [{"name": "web", "weight": 3, "tokens": 1e11}, {"name": "code", "weight": 1}],
+    }
+    status, data = client.post("/api/estimate", {**LLAMA_16, "planner": table})
+    assert status == 200, data
+    got = [(s["name"], s["tokens"], s["epochs"]) for s in data["budget"]["sources"]]
+    assert got == [("web", 3.75e11, 3.75), ("code", 1.25e11, None)]  # 3:1 of 500B
+    table["sources"][0]["weight"] = -1
+    status, data = client.post("/api/estimate", {**LLAMA_16, "planner": table})
+    assert status == 400 and any("('web'): weight = -1" in p for p in data["problems"])

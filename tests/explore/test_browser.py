@@ -455,3 +455,15 @@ def test_token_budget_line_matches_the_cli(page):
     text = node.text_content()
     assert f"{budget['steps']:,} steps" in text and f"{budget['days']:.1f} days" in text
     assert f"${round(budget['cost_usd']):,}" in text and "goodput" in text
+
+
+def test_data_mixture_shows_tokens_and_epochs_per_source_as_the_cli(page):
+    """A mixture beside the tokens: the page shows each source's tokens and epochs as
+    `plan estimate --source` answers them."""
+    set_controls(page, {"planner.tokens": 5e11, "planner.sources": "web=3:1e11, code=1"})
+    flags = [*DEFAULT_FLAGS, "--tokens", "5e11", "--source", "web=3:1e11", "--source", "code=1"]
+    sources = cli_estimate_json(flags)["budget"]["sources"]
+    node = page.locator("#budget-facts")
+    node.wait_for(state="visible")
+    assert json.loads(node.get_attribute("data-sources")) == sources
+    assert "web 375,000,000,000 tokens (3.75 epochs)" in node.text_content()

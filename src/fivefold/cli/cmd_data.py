@@ -1,7 +1,7 @@
 """`fivefold data`: train a tokenizer and turn text into token shards.
 
 fivefold data tokenizer INPUTS... --out PATH [--vocab N]
-fivefold data prepare INPUTS... --out DIR [--tokenizer PATH] [--force]
+fivefold data prepare INPUTS... --out DIR [--tokenizer PATH] [--workers N] [--text-field F]
 fivefold data info DIR
 """
 
@@ -19,7 +19,11 @@ from fivefold.errors import ConfigError, DataError
 _INPUTS_HELP = (
     "text files: .txt (one document per file, or documents separated by lines that read "
     '<|endoftext|>) or .jsonl (one JSON object per line with the document in its "text" field); '
-    "either may be gzipped (.txt.gz, .jsonl.gz)"
+    "either may be gzipped (.txt.gz, .jsonl.gz); or tables: .parquet and .arrow (Arrow IPC, as "
+    'Hugging Face datasets saves them) with the documents in a "text" column'
+)
+_TEXT_FIELD_HELP = (
+    "the JSONL field or Parquet/Arrow column that holds the documents (default: text)"
 )
 
 
@@ -27,10 +31,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "data",
         help="train a tokenizer and prepare token shards",
-        description="Train a byte-level BPE tokenizer and turn text or JSONL files into "
-        "memory-mapped token shards that keep document boundaries. Without them, training uses "
-        "the embedded corpus (Jane Austen's six novels, public domain), tokenised on first use "
-        "into ${FIVEFOLD_CACHE:-~/.cache/fivefold}.",
+        description="Train a byte-level BPE tokenizer and turn text, JSONL, Parquet or Arrow "
+        "files into memory-mapped token shards that keep document boundaries. Without them, "
+        "training uses the embedded corpus (Jane Austen's six novels, public domain), tokenised "
+        "on first use into ${FIVEFOLD_CACHE:-~/.cache/fivefold}.",
     )
     parser.set_defaults(handler=lambda args: (parser.print_help(), 0)[1])
     commands = parser.add_subparsers(dest="data_command", metavar="ACTION")
@@ -56,13 +60,28 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     tok.set_defaults(handler=_tokenizer)
 
+    _add_prepare_parser(commands)
+
+    info = commands.add_parser(
+        "info",
+        help="describe and verify a shard directory",
+        description="Check a shard directory (files, sizes, checksums) and print its counts.",
+    )
+    info.add_argument("directory", type=Path, metavar="DIR", help="shard directory")
+    info.set_defaults(handler=_info)
+
+
+def _add_prepare_parser(commands: argparse._SubParsersAction) -> None:
     prep = commands.add_parser(
         "prepare",
         help="tokenise text into memory-mapped shards",
-        description="Tokenise INPUTS into DIR: uint16 (or uint32) token files with every "
-        "document followed by <|endoftext|>, document offsets, and a manifest.json recording "
-        "the tokenizer hash and counts. The shards are checked against the tokenizer and the "
-        "model's vocabulary when training opens them.",
+        description="Tokenise INPUTS into DIR: uint16 (uint32 past 65,536 tokens) token files "
+        "with every document followed by the end-of-document token, document offsets, and a "
+        "manifest.json recording the tokenizer hash, counts and each file's checksum. Worker "
+        "processes tokenise in parallel; DIR appears only when complete (pieces are staged in "
+        ".DIR.partial, and a killed preparation rerun with the same arguments resumes there). "
+        "The shards are checked against the tokenizer and the model's vocabulary when training "
+        "opens them.",
     )
     prep.add_argument("inputs", nargs="+", type=Path, metavar="INPUTS", help=_INPUTS_HELP)
     prep.add_argument(
@@ -80,6 +99,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "4096-token tokenizer trained on the embedded corpus)",
     )
     prep.add_argument("--force", action="store_true", help="replace the shards already in DIR")
+    prep.add_argument("--text-field", default="text", metavar="NAME", help=_TEXT_FIELD_HELP)
+    prep.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        metavar="N",
+        help="tokenising processes (default: the cores there are); a large uncompressed JSONL "
+        "file is cut into 64 MiB pieces, other files are one piece each",
+    )
     prep.add_argument(
         "--shard-tokens",
         type=int,
@@ -88,14 +116,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="start a new shard file after N tokens (default: 2^28)",
     )
     prep.set_defaults(handler=_prepare)
-
-    info = commands.add_parser(
-        "info",
-        help="describe and verify a shard directory",
-        description="Check a shard directory (files, sizes, checksums) and print its counts.",
-    )
-    info.add_argument("directory", type=Path, metavar="DIR", help="shard directory")
-    info.set_defaults(handler=_info)
 
 
 def _tokenizer(args: argparse.Namespace) -> int:
@@ -118,6 +138,7 @@ def _tokenizer(args: argparse.Namespace) -> int:
 
 
 def _prepare(args: argparse.Namespace) -> int:
+    from fivefold.cli.data_progress import prepare_progress
     from fivefold.train.data import (
         TokenShards,
         default_tokenizer,
@@ -128,12 +149,23 @@ def _prepare(args: argparse.Namespace) -> int:
 
     if args.shard_tokens < 1:
         raise DataError(f"--shard-tokens {args.shard_tokens} must be at least 1.")
-    check_inputs(args.inputs)  # fail fast, before training the default tokenizer
+    if args.workers is not None and args.workers < 1:
+        raise DataError(f"--workers {args.workers} must be at least 1.")
+    inputs = check_inputs(args.inputs)  # fail fast, before training the default tokenizer
     tok = load_tokenizer(args.tokenizer) if args.tokenizer else default_tokenizer()
     started = time.perf_counter()
-    out = prepare_shards(
-        args.inputs, args.out, tok, shard_tokens=args.shard_tokens, overwrite=args.force
-    )
+    with prepare_progress(sum(p.stat().st_size for p in inputs)) as progress:
+        out = prepare_shards(
+            inputs,
+            args.out,
+            tok,
+            shard_tokens=args.shard_tokens,
+            overwrite=args.force,
+            workers=args.workers,
+            text_field=args.text_field,
+            progress=progress,
+            notify=print,
+        )
     elapsed = time.perf_counter() - started
     shards = TokenShards(out, tokenizer=tok)
     print(
@@ -160,7 +192,8 @@ def _info(args: argparse.Namespace) -> int:
     shards = TokenShards(args.directory)
     lengths = shards.doc_starts[1:] - shards.doc_starts[:-1]
     manifest = shards.manifest
-    print(f"{args.directory}: verified")
+    checked = sum(1 + bool(s.get("offsets_blake2b")) for s in manifest["shards"])
+    print(f"{args.directory}: verified ({checked} file checksums match the manifest)")
     print(f"  tokens     {shards.num_tokens} ({manifest['token_dtype']})")
     print(
         f"  documents  {shards.num_documents} (tokens each: min {lengths.min()}, "

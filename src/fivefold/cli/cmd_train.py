@@ -50,8 +50,10 @@ keep_checkpoints, ckpt_async, resume ("auto"|true|false), tensorboard, progress,
 memory_step, gc_every (Python's garbage collector every N steps; 0 = automatic), compile
 (torch.compile per block), profile ({start_step, steps}: a torch.profiler trace,
 docs/profiling.md), trackers (["wandb", "mlflow"]).
-[data] fields: shards (a prepared directory), inputs (.txt/.jsonl files), tokenizer,
-cache_dir, val_fraction. Without [data] the model trains on the embedded corpus.
+[data] fields: shards (a prepared directory), inputs (.txt/.jsonl/.parquet/.arrow files),
+tokenizer, cache_dir, val_fraction, text_field (the inputs' JSONL field or table column), or
+sources (a weighted mixture: [{name, shards or inputs, weight, max_epochs}], README "Data").
+Without [data] the model trains on the embedded corpus.
 
 On CPU (or a GPU without native bf16) a recipe that does not set plan.precision trains in
 fp32; a bf16 recipe runs bf16 autocast. Without [cluster] a GPU run is planned for the GPU it

@@ -245,6 +245,14 @@ def _add_budget_options(parser: argparse.ArgumentParser) -> None:
         "--gpu-hour-price", metavar="USD", help="price of one GPU-hour (default: no cost shown)"
     )
     g.add_argument(
+        "--source",
+        action="append",
+        metavar="NAME=WEIGHT[:TOKENS]",
+        help="a source of the data mixture, repeated per source (e.g. --source web=0.6:300B "
+        "--source books=0.15:20B): tokens and epochs of each beside the budget; TOKENS is its "
+        "size (default: the recipe's [planner] sources, else its [data] sources)",
+    )
+    g.add_argument(
         "--failure-rate",
         metavar="PER_GPU_HOUR",
         help="interruptions per GPU-hour (default 1.97e-5: Llama 3's 419 in 54 days on 16,384 "

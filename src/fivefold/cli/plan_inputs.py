@@ -17,6 +17,7 @@ from fivefold.cli.plan_args import (
     parse_tokens,
     positive_number,
 )
+from fivefold.cli.plan_mixture import plan_mixture
 from fivefold.errors import ConfigError
 from fivefold.planner.budget import budget_inputs
 from fivefold.planner.frameworks import planner_settings
@@ -92,6 +93,9 @@ def budget_from_args(args: argparse.Namespace, recipe_data: dict[str, dict]) -> 
             flags[key] = positive_number(raw, "--" + attr.replace("_", "-"), unit)
     if "ckpt_bandwidth" in flags:
         flags["ckpt_bandwidth"] *= GBPS
+    mixture = plan_mixture(args, recipe_data)
+    if mixture:
+        flags["sources"] = mixture
     section = recipe_data.get("planner", {})
     return budget_inputs(section if isinstance(section, dict) else {}, flags)
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fivefold.planner.budget import BUDGET_KEYS, DAY_S, budget, budget_lines
+from fivefold.planner.budget import BUDGET_KEYS, DAY_S, MIXTURE_KEY, budget, budget_lines
 from fivefold.planner.uncertainty import band_json
 from fivefold.specs.plan import ParallelPlan
 from fivefold.specs.profile import load_profile
@@ -107,7 +107,8 @@ def _describe(plan_dict: dict[str, Any]) -> str:
 def budget_section(data: dict[str, dict]) -> dict[str, Any]:
     """The recipe's token-budget [planner] fields, kept in a recipe written by --out."""
     section = data.get("planner", {})
-    return {k: section[k] for k in BUDGET_KEYS if isinstance(section, dict) and k in section}
+    keys = (*BUDGET_KEYS, MIXTURE_KEY)
+    return {k: section[k] for k in keys if isinstance(section, dict) and k in section}
 
 
 def print_profile(cluster: Any) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 from fivefold.errors import ConfigError
 from fivefold.planner.levers import state_recipe
 from fivefold.specs.cluster import ClusterSpec
+from fivefold.specs.mixture import Mixture, SourceDraw, draw_lines, draws, parse_mixture
 from fivefold.specs.model import ModelSpec, param_count
 from fivefold.specs.plan import ParallelPlan
 
@@ -40,6 +41,7 @@ DEFAULT_RESTART_S = 600.0
 
 # [planner] fields this module reads (recipe spelling) -> BudgetInputs fields
 BUDGET_KEYS = ("tokens", "gpu_hour_price", "failure_rate", "ckpt_bandwidth", "restart_overhead_s")
+MIXTURE_KEY = "sources"  # [planner] sources: the data mixture (`fivefold.specs.mixture`)
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,7 @@ class BudgetInputs:
     failure_rate: float = DEFAULT_FAILURE_RATE  # interruptions per GPU-hour
     ckpt_bandwidth: float = DEFAULT_CKPT_BANDWIDTH
     restart_overhead_s: float = DEFAULT_RESTART_S
+    sources: Mixture = ()  # the data mixture: tokens and epochs per source
 
     def problems(self, where: str = "planner") -> list[str]:
         out = []
@@ -90,7 +93,11 @@ def budget_values(section: dict[str, Any], flags: dict[str, Any]) -> dict[str, f
 def budget_inputs(section: dict[str, Any], flags: dict[str, Any]) -> BudgetInputs | None:
     """The inputs from a [planner] table and flags (`budget_values`); None when no token count
     is given anywhere; ConfigError naming each bad field."""
-    values = budget_values(section, flags)
+    flags = dict(flags)
+    mixture = flags.pop(MIXTURE_KEY, None)
+    if mixture is None and section.get(MIXTURE_KEY) is not None:
+        mixture = parse_mixture(section[MIXTURE_KEY])
+    values = budget_values(section, flags) | ({MIXTURE_KEY: mixture} if mixture else {})
     if "tokens" not in values:
         if values:
             raise ConfigError(
@@ -138,6 +145,7 @@ class Budget:
     restart_lost_s: float
     recompute_lost_s: float
     gpu_hour_price: float | None
+    sources: tuple[SourceDraw, ...] = ()  # what the tokens draw of each source of a mixture
 
     @property
     def goodput(self) -> float:
@@ -183,7 +191,7 @@ class Budget:
                 "recompute": self.recompute_lost_s / HOUR_S,
             },
             "goodput": self.goodput,
-        }
+        } | ({"sources": [d.to_json() for d in self.sources]} if self.sources else {})
 
 
 def interval_steps(
@@ -248,6 +256,9 @@ def budget(
         restart_lost_s=n * inputs.restart_overhead_s,
         recompute_lost_s=n * tau / 2,
         gpu_hour_price=inputs.gpu_hour_price,
+        sources=tuple(draws(inputs.tokens, *map(list, zip(*inputs.sources, strict=True))))
+        if inputs.sources
+        else (),
     )
 
 
@@ -291,6 +302,8 @@ def budget_lines(b: Budget) -> list[str]:
         f"{b.restart_lost_s / HOUR_S:,.1f} h restarting, {b.recompute_lost_s / HOUR_S:,.1f} h "
         f"recomputing; goodput {b.goodput:.1%}"
     )
+    if b.sources:
+        lines += ["  data, per source:", *draw_lines(list(b.sources), "    ")]
     return lines
 
 

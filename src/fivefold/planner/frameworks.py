@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from fivefold.errors import ConfigError
-from fivefold.planner.budget import BUDGET_KEYS
+from fivefold.planner.budget import BUDGET_KEYS, MIXTURE_KEY
 from fivefold.planner.options import PlannerOptions
 from fivefold.specs.hardware import GPUSpec
 from fivefold.specs.recipe import build, unknown_field
@@ -33,7 +33,7 @@ from fivefold.specs.recipe import build, unknown_field
 PROFILES_FILE = Path(__file__).parent / "data" / "profiles.json"
 OPTION_FIELDS = tuple(f.name for f in fields(PlannerOptions))
 # what a [planner] table may set; the token-budget fields are read by `planner.budget`
-SECTION_KEYS = ("profile", "headroom", *OPTION_FIELDS, *BUDGET_KEYS)
+SECTION_KEYS = ("profile", "headroom", *OPTION_FIELDS, *BUDGET_KEYS, MIXTURE_KEY)
 
 
 @dataclass(frozen=True)
@@ -132,7 +132,7 @@ def planner_settings(
         problems.append(unknown_field("planner", key, SECTION_KEYS))
         section.pop(key)
     headroom = _headroom(section.pop("headroom", None), problems)
-    for key in BUDGET_KEYS:
+    for key in (*BUDGET_KEYS, MIXTURE_KEY):
         section.pop(key, None)
     recipe_profile = section.pop("profile", None)
     if profile_flag is not None:

@@ -21,6 +21,7 @@ from fivefold.checkpoint.elastic import resume_mode
 from fivefold.errors import ConfigError
 from fivefold.parallel.device import DEVICE_SETTINGS as DEVICES
 from fivefold.specs.recipe import Recipe, build, unknown_field
+from fivefold.train.sources import SourceConfig, parse_sources
 from fivefold.train.trackers import tracker_problems
 
 LR_SCHEDULES = ("cosine", "linear", "constant")
@@ -191,12 +192,25 @@ class DataConfig:
     tokenizer: str = ""  # a tokenizer.json; "" = the default tokenizer of the embedded corpus
     cache_dir: str = ""  # where shards of data.inputs are cached; "" = the fivefold cache
     val_fraction: float = 0.02  # the corpus tail held out for evaluation; 0 = none
+    text_field: str = "text"  # the JSONL field / Parquet or Arrow column of inputs' documents
+    # a weighted mixture instead of shards/inputs: tables {name, shards|inputs, weight, max_epochs}
+    sources: list[Any] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def mixture(self) -> list[SourceConfig]:
+        """`sources` parsed (`fivefold.train.sources`); empty for the one-source form."""
+        return parse_sources(self.sources, [])
+
     def problems(self) -> list[str]:
-        out = []
+        out: list[str] = []
+        if self.sources and (self.shards or self.inputs):
+            out.append(
+                "data.sources and data.shards/data.inputs are both set: list every source in "
+                "data.sources, or give one source as data.shards or data.inputs."
+            )
+        sources = parse_sources(self.sources, out)
         if self.shards and self.inputs:
             out.append(
                 "data.shards and data.inputs are both set: give prepared shards or raw inputs, "
@@ -204,9 +218,10 @@ class DataConfig:
             )
         if not 0 <= self.val_fraction < 1:
             out.append(f"data.val_fraction = {self.val_fraction}: must be in [0, 1), e.g. 0.02.")
-        if self.cache_dir and self.inputs:
+        inputs = [*self.inputs, *(name for s in sources for name in s.inputs)]
+        if self.cache_dir and inputs:
             out += directory_problems(Path(self.cache_dir), "data.cache_dir")
-        for name in self.inputs:
+        for name in inputs:
             path = Path(name)
             if path.is_file():
                 try:

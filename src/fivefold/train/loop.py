@@ -28,6 +28,7 @@ from fivefold.specs.recipe import dump_recipe
 from fivefold.train.checkpoint import RunCheckpoints, RunState, step_dir
 from fivefold.train.collect import ScheduledCollection
 from fivefold.train.config import RunConfig
+from fivefold.train.evaluation import held_out_losses
 from fivefold.train.guard import check_finite
 from fivefold.train.inputs import TrainData, load_train_data
 from fivefold.train.interrupt import StopRequest, acknowledge, die_on_signals, stop_on_signals
@@ -97,6 +98,7 @@ class Trainer:
         self._count_flops(None)
         self.cpu_peak = PeakReading()
         self.stop = StopRequest()  # `train` installs it as the SIGINT/SIGTERM handler
+        self.eval_by_source: dict[str, float] | None = None
 
     def _count_flops(self, keys: float | None) -> None:
         """Model and hardware (what checkpoint runs) FLOPs per token, attention per document
@@ -329,8 +331,10 @@ class Trainer:
             metrics = self._metrics(
                 loss, aux, grad_norm, p.lr, step_s, log.started, eval_loss if last else None
             )
-            metrics.step = p.step
-            metrics.plan_vs_run = p.plan_vs_run
+            metrics.step, metrics.plan_vs_run = p.step, p.plan_vs_run
+            if self.data.is_mixture:  # tokens drawn per source so far, held-out loss per source
+                metrics.tokens_by_source = self.data.tokens_drawn(p.step)
+                metrics.eval_loss_by_source = self.eval_by_source if last else None
             if last and metrics.plan_vs_run is None:
                 metrics.plan_vs_run = self._plan_vs_run(index, log.meter, step_s)
             log.write(metrics)
@@ -365,6 +369,7 @@ class Trainer:
             stop_reason=stop_reason,
             last_checkpoint=str(self.last_checkpoint) if self.last_checkpoint else None,
             eval_losses=log.evals,
+            tokens_by_source=self.data.tokens_drawn(self.step) if self.data.is_mixture else {},
             exit_code=self.stop.exit_code() if stop_reason == "interrupted" else 0,
         )
 
@@ -416,13 +421,14 @@ class Trainer:
         return self.runtime.peak_memory_bytes() or self.cpu_peak.peak_bytes
 
     def _maybe_eval(self) -> float | None:
-        every = self.cfg.eval_every
+        """The held-out loss at eval steps (a mixture's per source: `self.eval_by_source`)."""
+        every, self.eval_by_source = self.cfg.eval_every, None
         if not every or (self.step % every and self.step != self.last_step):
             return None
-        evaluate = getattr(self.runtime, "eval_loss", None)
-        if evaluate is None:
-            return None
-        return evaluate(self.data.eval_batches(self.cfg.eval_batches, self.recipe.plan.micro_batch))
+        loss, self.eval_by_source = held_out_losses(
+            self.runtime, self.data, self.cfg.eval_batches, self.recipe.plan.micro_batch
+        )
+        return loss
 
     def _metrics(self, loss, aux, grad_norm, lr, step_s, started, eval_loss) -> StepMetrics:
         rate = self.tokens_per_step / step_s if step_s > 0 else 0.0

@@ -50,6 +50,10 @@ class StepMetrics:
     peak_reserved_bytes: int | None = None  # CUDA: the allocator's reserved peak + context
     aux_loss: float = 0.0
     eval_loss: float | None = None
+    # a mixture (data.sources): training tokens drawn from each source by this step, by name;
+    # at eval steps, each source's held-out loss
+    tokens_by_source: dict[str, int] | None = None
+    eval_loss_by_source: dict[str, float] | None = None
     plan_vs_run: dict | None = None  # the step of the layout report: `parallel.report.record`
     attention: str = ATTENTION_CONVENTION  # how MFU and HFU count attention FLOPs
 
@@ -168,12 +172,16 @@ class JsonlWriter:
 
 def scalars(m: StepMetrics) -> dict[str, float]:
     """The numbers every tracker logs: `train/<field>` for each finite numeric field of the
-    JSONL record but the step (which is the x axis)."""
-    return {
+    JSONL record but the step (which is the x axis); a mixture's per-source figures as
+    `train/<field>/<source>`."""
+    out = {
         f"train/{key}": value
         for key, value in m.to_json().items()
         if key != "step" and isinstance(value, int | float) and math.isfinite(value)
     }
+    for key in ("tokens_by_source", "eval_loss_by_source"):
+        out |= {f"train/{key}/{name}": v for name, v in (getattr(m, key) or {}).items()}
+    return out
 
 
 class TensorBoardWriter:

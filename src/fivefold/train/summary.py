@@ -21,6 +21,7 @@ from fivefold.planner.budget import checkpoint_suggestion
 from fivefold.planner.estimate import estimate
 from fivefold.planner.options import PlannerOptions
 from fivefold.specs.flops import ATTENTION_CONVENTION
+from fivefold.specs.mixture import count_text, draw_lines
 from fivefold.specs.model import param_count
 from fivefold.specs.profile import default_profile_path, load_profile
 from fivefold.train.config import RunConfig
@@ -46,6 +47,7 @@ class TrainSummary:
     stop_reason: str  # "completed" | "max_time_s" | "interrupted" | "already_complete"
     last_checkpoint: str | None
     eval_losses: dict[int, float] = field(default_factory=dict)
+    tokens_by_source: dict[str, int] = field(default_factory=dict)  # a mixture's, by end_step
     prediction: dict[str, Any] | None = None
     exit_code: int = 0  # of the process: 128 + signal number after an interrupt, else 0
 
@@ -198,6 +200,10 @@ def print_header(
         out.print(f"device profile: {profile_origin(recipe.cluster.profile)}", markup=False)
     if repeat := data.repeat_note():
         out.print(f"[yellow]{repeat}[/yellow]", highlight=False)
+    if data.is_mixture:
+        out.print(f"data for {cfg.steps} steps, per source:", markup=False)
+        for line in draw_lines(data.plan_draws(cfg.steps)):
+            out.print(line, markup=False, style="yellow" if "warning" in line else None)
     if prediction is not None:
         mem = prediction.get("memory_gib", {}).get("total")
         out.print(
@@ -249,6 +255,9 @@ def print_footer(out: Console, s: TrainSummary, tokens_per_step: int, reserved: 
             f"planner vs measured: step {s.prediction.get('step_time_s', float('nan')):.3f} s vs "
             f"{measured_step_s:.3f} s"
         )
+    if s.tokens_by_source:
+        drawn = ", ".join(f"{n} {count_text(t)}" for n, t in s.tokens_by_source.items())
+        out.print(f"tokens drawn per source by step {s.end_step}: {drawn}", markup=False)
     if s.last_checkpoint:
         out.print(f"checkpoint: {s.last_checkpoint}")
     if s.stop_reason == "interrupted":

@@ -194,7 +194,28 @@ function plannerRequest() {
     const value = readField(field(`planner.${key}`));
     if (value !== null && tokens !== null) out[key] = value;
   }
+  const sources = readMixture(field("planner.sources").value);
+  if (sources.length && tokens !== null) out.sources = sources;
   return out;
+}
+
+/** "web=0.6:3e11, books=0.15" as the planner's mixture tables (the server checks them). */
+function readMixture(text) {
+  return text.split(",").map((s) => s.trim()).filter(Boolean).map((entry) => {
+    const [name, rest = ""] = entry.split("=");
+    const [weight, tokens] = rest.split(":");
+    const table = { name: name.trim(), weight: Number(weight) };
+    if (tokens !== undefined && tokens.trim() !== "") table.tokens = Number(tokens);
+    return table;
+  });
+}
+
+/** Tokens and epochs per source of the mixture, as `fivefold plan` prints them. */
+function mixtureText(sources) {
+  if (!sources || !sources.length) return "";
+  return " Data: " + sources.map((s) => `${s.name} ${fmt.int(s.tokens)} tokens` +
+    (s.epochs === null ? "" : ` (${s.epochs.toFixed(2)} epochs` +
+      (s.epochs > s.max_epochs ? `, over ${s.max_epochs}: repeated too often` : "") + ")")).join("; ") + ".";
 }
 
 // The token-budget fields of the planner table (fivefold.planner.budget); empty = not sent.
@@ -210,7 +231,9 @@ function renderBudget(b) {
   node.textContent = `Token budget: ${fmt.int(b.steps)} steps, ${b.days.toFixed(1)} days, ` +
     `${fmt.int(b.gpu_hours)} GPU-hours, ${cost}; ${b.interruptions.toFixed(1)} expected ` +
     `interruptions; checkpoint ${b.checkpoint_gb.toFixed(1)} GB every ` +
-    `${fmt.int(b.checkpoint_interval_steps)} steps; goodput ${fmt.pct(b.goodput)}.`;
+    `${fmt.int(b.checkpoint_interval_steps)} steps; goodput ${fmt.pct(b.goodput)}.` +
+    mixtureText(b.sources);
+  node.dataset.sources = JSON.stringify(b.sources || []);
 }
 
 function renderPlanner(planner) {

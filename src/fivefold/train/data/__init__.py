@@ -17,8 +17,9 @@ from fivefold.train.data.cache import cache_dir
 from fivefold.train.data.corpus import embedded_corpus_files
 from fivefold.train.data.documents import iter_documents, read_documents
 from fivefold.train.data.packing import PackedSample, PackedSequences
+from fivefold.train.data.prepare import default_shards, prepare_shards
 from fivefold.train.data.sampler import GlobalSampler
-from fivefold.train.data.shards import TokenShards, default_shards, prepare_shards
+from fivefold.train.data.shards import TokenShards
 from fivefold.train.data.tokenizer import (
     DEFAULT_VOCAB_SIZE,
     EOD_TOKEN,

@@ -7,27 +7,17 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
 
 import numpy as np
 
 from fivefold.errors import DataError
-from fivefold.train.data.cache import cache_dir, cache_lock
-from fivefold.train.data.corpus import embedded_corpus_files, file_sha256, files_digest
-from fivefold.train.data.documents import check_inputs, read_documents
 from fivefold.train.data.tokenizer import TextTokenizer
 
 FORMAT_NAME = "fivefold-token-shards"
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
-DEFAULT_SHARD_TOKENS = 1 << 28  # 512 MiB of uint16 per shard file
 OFFSET_DTYPE = np.dtype("<i8")
-_ENCODE_BATCH_CHARS = 1 << 22
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -51,158 +41,6 @@ def document_length_stats(lengths: np.ndarray) -> dict[str, float]:
 
 def _fix_hint(directory: Path) -> str:
     return f"re-create it with `fivefold data prepare INPUTS... --out {directory} --force`"
-
-
-@dataclass
-class _ShardWriter:
-    """Appends tokenised documents to shard files, starting a new file past `shard_tokens`."""
-
-    directory: Path
-    dtype: np.dtype
-    shard_tokens: int
-    shards: list[dict] = field(default_factory=list)
-    _file: BinaryIO | None = None
-    _hasher: Any = None  # hashlib.blake2b of the open shard's bytes
-    _stem: str = ""
-    _offsets: list[int] = field(default_factory=list)
-
-    def add(self, ids: list[int], eod_id: int) -> None:
-        length = len(ids) + 1
-        if self._file is not None and self._offsets[-1] + length > self.shard_tokens:
-            self._close_shard()
-        if self._file is None:
-            self._open_shard()
-        data = np.asarray([*ids, eod_id], dtype=self.dtype).tobytes()
-        self._file.write(data)
-        self._hasher.update(data)
-        self._offsets.append(self._offsets[-1] + length)
-
-    def close(self) -> list[dict]:
-        if self._file is not None:
-            self._close_shard()
-        return self.shards
-
-    def _open_shard(self) -> None:
-        self._stem = f"shard-{len(self.shards):05d}"
-        self._file = (self.directory / f"{self._stem}.tokens.bin").open("wb")
-        self._hasher = hashlib.blake2b(digest_size=16)
-        self._offsets = [0]
-
-    def _close_shard(self) -> None:
-        self._file.close()
-        offsets_name = f"{self._stem}.offsets.bin"
-        np.asarray(self._offsets, dtype=OFFSET_DTYPE).tofile(self.directory / offsets_name)
-        self.shards.append(
-            {
-                "tokens": f"{self._stem}.tokens.bin",
-                "offsets": offsets_name,
-                "num_tokens": self._offsets[-1],
-                "num_documents": len(self._offsets) - 1,
-                "tokens_blake2b": self._hasher.hexdigest(),
-            }
-        )
-        self._file = None
-
-
-def prepare_shards(
-    inputs: list[Path],
-    out_dir: Path,
-    tokenizer: TextTokenizer,
-    *,
-    shard_tokens: int = DEFAULT_SHARD_TOKENS,
-    overwrite: bool = False,
-) -> Path:
-    """Tokenise the documents of `inputs` (.txt / .jsonl, optionally .gz) into `out_dir`.
-
-    Each document becomes its tokens followed by `tokenizer.eod_id`. The directory appears
-    atomically: either the complete shard set or nothing. Returns `out_dir`.
-    """
-    inputs = check_inputs(inputs)
-    out_dir = Path(out_dir)
-    _check_destination(out_dir, overwrite)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
-    try:
-        manifest = _write_shards(inputs, staging, tokenizer, shard_tokens)
-        (staging / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.rename(staging, out_dir)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return out_dir
-
-
-def _check_destination(out_dir: Path, overwrite: bool) -> None:
-    if out_dir.exists() and not out_dir.is_dir():
-        raise DataError(f"output {str(out_dir)!r} is a file; choose a directory for --out.")
-    if not out_dir.is_dir() or not any(out_dir.iterdir()):
-        return
-    if not (out_dir / MANIFEST_NAME).is_file():
-        raise DataError(
-            f"output directory {str(out_dir)!r} is not empty and holds no shards; choose a new "
-            "or empty directory for --out."
-        )
-    if not overwrite:
-        raise DataError(
-            f"output directory {str(out_dir)!r} already holds shards; pass --force to replace "
-            "them or choose another --out."
-        )
-
-
-def _write_shards(
-    inputs: list[Path], directory: Path, tokenizer: TextTokenizer, shard_tokens: int
-) -> dict:
-    started = time.perf_counter()
-    writer = _ShardWriter(directory, token_dtype(tokenizer.vocab_size), shard_tokens)
-    input_records = []
-    for path in inputs:
-        num_documents = 0
-        batch: list[str] = []
-        batch_chars = 0
-        for doc in read_documents(path):
-            batch.append(doc)
-            batch_chars += len(doc)
-            num_documents += 1
-            if batch_chars >= _ENCODE_BATCH_CHARS:
-                _encode_into(writer, tokenizer, batch)
-                batch, batch_chars = [], 0
-        _encode_into(writer, tokenizer, batch)
-        input_records.append(
-            {
-                "path": str(path),
-                "bytes": path.stat().st_size,
-                "sha256": file_sha256(path),
-                "num_documents": num_documents,
-            }
-        )
-    shards = writer.close()
-    lengths = np.concatenate(
-        [np.diff(np.fromfile(directory / s["offsets"], dtype=OFFSET_DTYPE)) for s in shards]
-        or [np.zeros(0)]
-    )
-    return {
-        "format": FORMAT_NAME,
-        "version": FORMAT_VERSION,
-        "token_dtype": writer.dtype.name,
-        "vocab_size": tokenizer.vocab_size,
-        "eod_id": tokenizer.eod_id,
-        "tokenizer_hash": tokenizer.hash,
-        "tokenizer_path": str(tokenizer.path) if tokenizer.path else None,
-        "num_tokens": sum(s["num_tokens"] for s in shards),
-        "num_documents": sum(s["num_documents"] for s in shards),
-        "document_lengths": document_length_stats(lengths),
-        "prepare_time_s": round(time.perf_counter() - started, 3),
-        "inputs": input_records,
-        "shards": shards,
-    }
-
-
-def _encode_into(writer: _ShardWriter, tokenizer: TextTokenizer, texts: list[str]) -> None:
-    for ids in tokenizer.encode_batch(texts) if texts else []:
-        writer.add(ids, tokenizer.eod_id)
 
 
 class TokenShards:
@@ -230,7 +68,7 @@ class TokenShards:
         self.num_documents: int = self.manifest["num_documents"]
         dtype = np.dtype(self.manifest["token_dtype"]).newbyteorder("<")
         self._tokens = [self._open_tokens(s, dtype, verify) for s in self.manifest["shards"]]
-        local_offsets = [self._open_offsets(s) for s in self.manifest["shards"]]
+        local_offsets = [self._open_offsets(s, verify) for s in self.manifest["shards"]]
         sizes = [len(t) for t in self._tokens]
         self.shard_starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)  # [S+1]
         # Global document start offsets into the whole stream, [num_documents + 1].
@@ -318,10 +156,16 @@ class TokenShards:
             return np.zeros(0, dtype=dtype)
         return np.memmap(path, dtype=dtype, mode="r", shape=(shard["num_tokens"],))
 
-    def _open_offsets(self, shard: dict) -> np.ndarray:
+    def _open_offsets(self, shard: dict, verify: bool) -> np.ndarray:
         path = self._file(shard["offsets"])
         count = shard["num_documents"] + 1
         _check_size(path, count * OFFSET_DTYPE.itemsize, self.path)
+        expected = shard.get("offsets_blake2b")  # recorded since parallel preparation
+        if verify and expected and _blake2b(path) != expected:
+            raise DataError(
+                f"shard file {str(path)!r} does not match its checksum in the manifest (it was "
+                f"modified or damaged); {_fix_hint(self.path)}."
+            )
         offsets = np.fromfile(path, dtype=OFFSET_DTYPE).astype(np.int64)
         if offsets[0] != 0 or offsets[-1] != shard["num_tokens"] or np.any(np.diff(offsets) < 1):
             raise DataError(
@@ -405,24 +249,3 @@ def _blake2b(path: Path) -> str:
         for block in iter(lambda: handle.read(1 << 22), b""):
             digest.update(block)
     return digest.hexdigest()
-
-
-def default_shards(tokenizer: TextTokenizer) -> Path:
-    """The embedded corpus prepared with `tokenizer`, built into the cache on first use."""
-    key = f"{files_digest(embedded_corpus_files())[:12]}-{tokenizer.hash[:12]}"
-    out_dir = cache_dir() / "shards" / f"embedded-{key}"
-    with cache_lock(out_dir.name):
-        if _is_valid(out_dir, tokenizer):
-            return out_dir
-        prepare_shards(embedded_corpus_files(), out_dir, tokenizer, overwrite=True)
-    return out_dir
-
-
-def _is_valid(directory: Path, tokenizer: TextTokenizer) -> bool:
-    if not (directory / MANIFEST_NAME).is_file():
-        return False
-    try:
-        TokenShards(directory, tokenizer=tokenizer)
-    except DataError:
-        return False
-    return True

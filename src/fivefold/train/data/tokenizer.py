@@ -22,6 +22,9 @@ from fivefold.train.data.corpus import embedded_corpus_files, files_digest
 from fivefold.train.data.documents import check_inputs, iter_documents
 
 EOD_TOKEN = "<|endoftext|>"
+# The end-of-document tokens of published tokenizers, tried in order when a tokenizer has no
+# EOD_TOKEN: Llama 3, then Llama 2 / Mistral, then Gemma.
+OTHER_EOD_TOKENS = ("<|end_of_text|>", "</s>", "<eos>")
 DEFAULT_VOCAB_SIZE = 4096
 MIN_VOCAB_SIZE = 257  # 256 byte symbols + the end-of-document token
 _RECIPE_VERSION = 1  # bump when the training recipe below changes, to invalidate caches
@@ -37,11 +40,13 @@ class TextTokenizer:
     def __init__(self, backend, path: Path | None = None):
         self.backend = backend  # tokenizers.Tokenizer
         self.path = path
-        eod = backend.token_to_id(EOD_TOKEN)
+        ids = (backend.token_to_id(t) for t in (EOD_TOKEN, *OTHER_EOD_TOKENS))
+        eod = next((i for i in ids if i is not None), None)
         if eod is None:
             where = f"tokenizer {str(path)!r}" if path else "the tokenizer"
             raise DataError(
-                f"{where} has no {EOD_TOKEN} token; train one with `fivefold data tokenizer`."
+                f"{where} has no {EOD_TOKEN} token (nor {', '.join(OTHER_EOD_TOKENS)}) to end "
+                "documents with; train one with `fivefold data tokenizer`."
             )
         self.eod_id: int = eod
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
@@ -76,6 +81,11 @@ class TextTokenizer:
 
     def __repr__(self) -> str:
         return f"TextTokenizer(vocab_size={self.vocab_size}, hash={self.hash[:12]})"
+
+
+def tokenizer_from_text(text: str) -> TextTokenizer:
+    """A tokenizer from its JSON text (`TextTokenizer.backend.to_str()`), e.g. in a worker."""
+    return TextTokenizer(Tokenizer.from_str(text))
 
 
 def train_tokenizer(
