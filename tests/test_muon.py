@@ -13,13 +13,13 @@ import copy
 
 import pytest
 import torch
-from tiny_models import TINY, make
 
 import fivefold.train.muon as muon_module
 from fivefold.errors import ConfigError
 from fivefold.specs.recipe import recipe_from_dict
 from fivefold.train.config import TrainConfig, parse_train_config
 from fivefold.train.optim import build_optimizer, muon_matrices
+from tiny_models import TINY, make
 
 CFG = TrainConfig(optimizer="muon", lr=2e-3, weight_decay=0.1)
 
@@ -114,6 +114,7 @@ def test_muon_lr_is_its_own_group_peak():
         ("muon_ns_steps", 0),
         ("muon_adjust_lr", "spectral"),
         ("muon_lr", -1.0),
+        ("muon_ns_dtype", "fp16"),
     ],
 )
 def test_bad_muon_settings_name_the_field(field, value):

@@ -106,9 +106,11 @@ FEATURES: dict[str, tuple[str, str, Callable[[], bool]]] = {
     "muon": (
         "torch.optim.Muon (its Newton-Schulz and lr scale, torch.optim._muon)",
         "train.optimizer = 'muon' (else fivefold's copy of the same update, fivefold.train.muon)",
-        lambda: hasattr(torch.optim, "Muon")
-        and _attr("torch.optim._muon", "_zeropower_via_newtonschulz") is not None
-        and _attr("torch.optim._muon", "_adjust_lr") is not None,
+        lambda: (
+            hasattr(torch.optim, "Muon")
+            and _attr("torch.optim._muon", "_zeropower_via_newtonschulz") is not None
+            and _attr("torch.optim._muon", "_adjust_lr") is not None
+        ),
     ),
     "bf16_native_check": (
         "torch.cuda.is_bf16_supported(including_emulation=)",

@@ -27,6 +27,7 @@ LR_SCHEDULES = ("cosine", "linear", "constant")
 PROFILE_KEYS = ("start_step", "steps")
 OPTIMIZERS = ("adamw", "muon")
 MUON_LR_SCALES = ("match_rms_adamw", "original")
+MUON_NS_DTYPES = ("bf16", "fp32")
 MAX_NS_STEPS = 99  # torch.optim.Muon refuses 100 or more
 
 
@@ -81,6 +82,7 @@ class TrainConfig:
     # lr scale per matrix [A, B]: "match_rms_adamw" 0.2 * sqrt(max(A, B)) (Moonshot; AdamW's lr
     # carries over) or "original" sqrt(max(1, A / B)) (Keller Jordan; lr about 0.02)
     muon_adjust_lr: str = "match_rms_adamw"
+    muon_ns_dtype: str = "bf16"  # Newton-Schulz in bf16 (torch.optim.Muon's) or fp32 (exact)
 
     @property
     def beta1(self) -> float:
@@ -194,9 +196,7 @@ class TrainConfig:
                 f"train.optimizer = {self.optimizer!r}: choose one of {', '.join(OPTIMIZERS)}."
             )
         if not 0 <= self.muon_lr < math.inf:
-            out.append(
-                f"train.muon_lr = {self.muon_lr}: must be a positive number (0 = train.lr)."
-            )
+            out.append(f"train.muon_lr = {self.muon_lr}: must be a positive number (0 = train.lr).")
         if not 0 <= self.muon_momentum < 1:
             out.append(f"train.muon_momentum = {self.muon_momentum}: must be in [0, 1), e.g. 0.95.")
         if not 1 <= self.muon_ns_steps <= MAX_NS_STEPS:
@@ -207,6 +207,11 @@ class TrainConfig:
             out.append(
                 f"train.muon_adjust_lr = {self.muon_adjust_lr!r}: choose one of "
                 f"{', '.join(MUON_LR_SCALES)}."
+            )
+        if self.muon_ns_dtype not in MUON_NS_DTYPES:
+            out.append(
+                f"train.muon_ns_dtype = {self.muon_ns_dtype!r}: choose one of "
+                f"{', '.join(MUON_NS_DTYPES)}."
             )
         return out
 

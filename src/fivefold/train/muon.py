@@ -2,14 +2,17 @@
 rest, as one optimizer, on every layout: plain tensors or DTensor shards (ZeRO/FSDP2, TP, both).
 
 The update of a matrix W [A, B] with gradient G is torch.optim.Muon's:
-B <- lerp(B, G, 1 - mu); U = lerp(G, B, mu) (Nesterov); O = NS_k(U) (k quintic Newton-Schulz
-iterations in bf16 on the whole matrix); W <- W (1 - lr wd) - lr * scale(A, B) * O. The
-momentum buffer B (one, fp32, in W's own layout: a shard stays a shard) and the elementwise steps
-run on each rank's shard; Newton-Schulz needs the whole matrix, so U is all-gathered in bf16
-(what NS_k casts it to first, so the gather changes no bit), every rank holding a shard computes
-NS_k on the whole matrix, and keeps its own part of O. When this torch has torch.optim.Muon its
-Newton-Schulz and lr scale are used (`torch_features` key "muon"); otherwise (a torch without
-it) `newton_schulz` and `lr_scale` below, a copy of the same arithmetic.
+B <- lerp(B, G, 1 - mu); U = lerp(G, B, mu) (Nesterov); O = NS_k(U), k quintic Newton-Schulz
+iterations on the whole matrix (bf16, or fp32 with `train.muon_ns_dtype`);
+W <- W (1 - lr wd) - lr * scale(A, B) * O. The momentum buffer B (one, fp32, in W's own layout:
+a shard stays a shard) and the elementwise steps run on each rank's shard; Newton-Schulz needs
+the whole matrix, so U is all-gathered in the iteration's dtype (what NS_k casts it to first, so
+the gather changes no bit), every rank holding a shard computes NS_k on the whole matrix and
+keeps its own part of O. When this torch has torch.optim.Muon its Newton-Schulz and lr scale
+are used (`torch_features` key "muon"); otherwise (a torch without it, or fp32)
+`newton_schulz` and `lr_scale` below, a copy of the same arithmetic. In bf16 the rounding of a
+different gradient-reduction order can flip (a layout's update differs from one process's by
+bf16 rounding); in fp32 layouts agree to fp32 rounding.
 
 Details and the lr conventions: docs/internals.md (`fivefold.train.muon`).
 """
@@ -29,11 +32,15 @@ NS_EPS = 1e-7
 
 
 def newton_schulz(
-    update: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float
+    update: torch.Tensor,
+    coefficients: tuple[float, float, float],
+    steps: int,
+    eps: float,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
-    """The orthogonalised [A, B] matrix (about U V^T of U S V^T = `update`), in bf16."""
+    """The orthogonalised [A, B] matrix (about U V^T of U S V^T = `update`), in `dtype`."""
     a, b, c = coefficients
-    x = update.bfloat16()
+    x = update.to(dtype, copy=True)
     tall = update.size(0) > update.size(1)
     if tall:
         x = x.T
@@ -54,20 +61,35 @@ def lr_scale(kind: str, shape: torch.Size) -> float:
     return math.sqrt(max(1.0, rows / cols))
 
 
-def _torch_or_own():
-    """(orthogonalise, adjusted lr) from torch.optim.Muon when present, else this module's."""
-    if has("muon"):
+NS_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def _own_adjusted_lr(lr: float, kind: str, shape: torch.Size) -> float:
+    return lr * lr_scale(kind, shape)
+
+
+def _torch_or_own(ns_dtype: str):
+    """(orthogonalise, adjusted lr): torch.optim.Muon's when present and `ns_dtype` is its bf16,
+    else this module's (in `ns_dtype`)."""
+    if ns_dtype == "bf16" and has("muon"):
         from torch.optim import _muon
 
         return _muon._zeropower_via_newtonschulz, _muon._adjust_lr
-    return newton_schulz, lambda lr, kind, shape: lr * lr_scale(kind, shape)
+    dtype = NS_DTYPES[ns_dtype]
+    return (
+        lambda update, coefficients, steps, eps: newton_schulz(
+            update, coefficients, steps, eps, dtype
+        ),
+        _own_adjusted_lr,
+    )
 
 
-def whole(update: torch.Tensor) -> torch.Tensor:
-    """The whole matrix of `update` in bf16 (an all-gather over its mesh when sharded)."""
+def whole(update: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The whole matrix of `update` in `dtype` (an all-gather over its mesh when sharded), a
+    tensor of its own (Newton-Schulz scales it in place)."""
     if isinstance(update, DTensor):
-        return update.to(torch.bfloat16).full_tensor()
-    return update.bfloat16()
+        return update.to(dtype).full_tensor()
+    return update.to(dtype, copy=True)
 
 
 def part_like(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
@@ -104,13 +126,13 @@ class MuonAdamW(torch.optim.Optimizer):
     def step(self, closure=None):
         assert closure is None, "MuonAdamW.step takes no closure"
         self.adamw.step()
-        orthogonalise, adjusted_lr = _torch_or_own()
         for group in self.param_groups:
             if group["muon"]:
-                self._muon_group(group, orthogonalise, adjusted_lr)
+                self._muon_group(group)
 
-    def _muon_group(self, group: dict, orthogonalise, adjusted_lr) -> None:
+    def _muon_group(self, group: dict) -> None:
         lr, momentum = group["lr"], group["momentum"]
+        orthogonalise, adjusted_lr = _torch_or_own(group["ns_dtype"])
         for param in group["params"]:
             grad = param.grad
             if grad is None:
@@ -122,7 +144,10 @@ class MuonAdamW(torch.optim.Optimizer):
             buf.lerp_(grad, 1 - momentum)
             update = grad.lerp(buf, momentum) if group["nesterov"] else buf
             ortho = orthogonalise(
-                whole(update), group["ns_coefficients"], group["ns_steps"], group["eps"]
+                whole(update, NS_DTYPES[group["ns_dtype"]]),
+                group["ns_coefficients"],
+                group["ns_steps"],
+                group["eps"],
             )
             param.mul_(1 - lr * group["weight_decay"])
             param.add_(

@@ -134,4 +134,5 @@ def build_muon(parts: list[nn.Module], cfg: TrainConfig) -> MuonAdamW:
         eps=NS_EPS,
         ns_steps=cfg.muon_ns_steps,
         adjust_lr_fn=cfg.muon_adjust_lr,
+        ns_dtype=cfg.muon_ns_dtype,
     )
