@@ -20,12 +20,12 @@ from typing import Any
 from fivefold.checkpoint.elastic import resume_mode
 from fivefold.errors import ConfigError
 from fivefold.parallel.device import DEVICE_SETTINGS as DEVICES
+from fivefold.specs.optimizer import OPTIMIZERS, optimizer_plan_problems
 from fivefold.specs.recipe import Recipe, build, unknown_field
 from fivefold.train.trackers import tracker_problems
 
 LR_SCHEDULES = ("cosine", "linear", "constant")
 PROFILE_KEYS = ("start_step", "steps")
-OPTIMIZERS = ("adamw", "muon")
 MUON_LR_SCALES = ("match_rms_adamw", "original")
 MUON_NS_DTYPES = ("bf16", "fp32")
 MAX_NS_STEPS = 99  # torch.optim.Muon refuses 100 or more
@@ -308,7 +308,7 @@ def parse_train_config(recipe: Recipe) -> RunConfig:
                 f"micro_batch {plan.micro_batch} x dp {plan.dp} x grad_accum {plan.grad_accum} "
                 f"= {plan.global_batch} sequences; {fix}, or drop train.global_batch."
             )
-        problems += optimizer_plan_problems(train, recipe.plan)
+        problems += optimizer_plan_problems(train.optimizer, recipe.plan)
         if train.eval_every and data is not None and data.val_fraction == 0:
             problems.append(
                 f"train.eval_every = {train.eval_every} needs held-out data: set "
@@ -318,27 +318,6 @@ def parse_train_config(recipe: Recipe) -> RunConfig:
         raise ConfigError(problems)
     assert train is not None and data is not None
     return RunConfig(recipe, train, data)
-
-
-def optimizer_plan_problems(train: TrainConfig, plan: Any) -> list[str]:
-    """The plan's settings `train.optimizer = "muon"` cannot honour: torchao's low-bit states
-    are AdamW's, and host offload would run Newton-Schulz on host copies that the whole-matrix
-    gather cannot reach."""
-    if train.optimizer != "muon":
-        return []
-    out = []
-    if plan.optimizer_states != "fp32":
-        out.append(
-            f"plan.optimizer_states = {plan.optimizer_states!r} with train.optimizer = 'muon': "
-            "low-bit states are torchao's AdamW; set plan.optimizer_states = 'fp32' (Muon keeps "
-            "one fp32 buffer, half of AdamW's) or train.optimizer = 'adamw'."
-        )
-    if plan.offload != "none":
-        out.append(
-            f"plan.offload = {plan.offload!r} with train.optimizer = 'muon': Muon's step gathers "
-            "whole matrices on the device; set plan.offload = 'none' or train.optimizer = 'adamw'."
-        )
-    return out
 
 
 def section_problems(sections: dict[str, Any]) -> list[str]:

@@ -120,7 +120,7 @@ def _built_adamw(
 
 def build_muon(parts: list[nn.Module], cfg: TrainConfig) -> MuonAdamW:
     """Muon over the blocks' matrices (peak lr `train.muon_lr`, else `train.lr`), fp32 AdamW
-    over the rest (`fivefold.train.config.optimizer_plan_problems` refuses the other levers)."""
+    over the rest (`fivefold.specs.optimizer.optimizer_plan_problems` refuses the other levers)."""
     matrices = muon_matrices(parts)
     adamw = _adamw(param_groups(parts, cfg.weight_decay, exclude=matrices), cfg, "fp32")
     return MuonAdamW(
