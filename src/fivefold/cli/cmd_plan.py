@@ -41,6 +41,7 @@ from fivefold.errors import ConfigError
 from fivefold.planner.budget import budget_lines
 from fivefold.planner.estimate import estimate
 from fivefold.planner.explain import confidence_line, explain, slower_because
+from fivefold.planner.muon import muon_line, muon_summary
 from fivefold.planner.request import resolve_headroom, resolve_request
 from fivefold.planner.search import search
 from fivefold.planner.uncertainty import band_json
@@ -165,6 +166,8 @@ def _estimate_handler(args: argparse.Namespace) -> int:
     out["fits_with_headroom"] = out["memory_gib"]["total"] <= usable and est.host_fits
     out["headroom"] = headroom
     out["planner"] = settings.to_json()
+    if settings.options.optimizer == "muon":
+        out["muon"] = muon_summary(est)
     if args.json:
         print(json.dumps(out, indent=2))
         return 0
@@ -181,6 +184,8 @@ def _estimate_handler(args: argparse.Namespace) -> int:
     for line in budget_lines(answer) if answer else []:
         print(line)
     print(confidence_line(est))
+    if muon_line(est):
+        print(muon_line(est))
     return 0
 
 

@@ -17,12 +17,20 @@ Derivations: docs/planner.md, section 4c.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from fivefold.planner.comm import all_gather_bytes, all_gather_time_s, plan_link
 from fivefold.planner.compute import gemm_time_s
-from fivefold.planner.efficiency import EfficiencyModel
+from fivefold.planner.efficiency import EfficiencyModel, efficiency_model
+from fivefold.planner.model_states import (
+    MUON_SAVED_BYTES,
+    chunk_layers,
+    stage_muon_params,
+    zero_divisors,
+)
+from fivefold.planner.quantities import gib, seconds
 from fivefold.specs.cluster import ClusterSpec
-from fivefold.specs.geometry import dense_shard_degree
+from fivefold.specs.geometry import chunks_of_rank, dense_shard_degree
 from fivefold.specs.model import ModelSpec, attention_matrices
 from fivefold.specs.plan import ParallelPlan
 
@@ -103,3 +111,44 @@ def muon_cost(
                     gather += count * all_gather_time_s(size, n, link)
                     sent += count * all_gather_bytes(size, n)
     return MuonCost(flops, compute, sent, gather)
+
+
+def muon_summary(est: Any) -> dict[str, float]:
+    """Muon's figures for an `Estimate` made with `optimizer = "muon"`, on its pipeline rank
+    that spends longest on them: the moment bytes saved against AdamW, the Newton-Schulz FLOPs
+    and seconds, the all-gather bytes sent and seconds (per GPU and step)."""
+    model, plan = est.model, est.plan
+    eff = efficiency_model()
+    shard = zero_divisors(plan.zero, dense_shard_degree(plan))[2]
+    worst: dict[str, float] = {}
+    for rank in range(plan.pp):
+        chunks = chunks_of_rank(plan.schedule, plan.pp, plan.vpp, rank)
+        layers = [chunk_layers(model, est.layer_counts, c) for c in chunks]
+        total = (sum(n for n, _ in layers), sum(n for _, n in layers))
+        cost = muon_cost(model, plan, est.cluster, eff, total)
+        saved = sum(stage_muon_params(model, plan.tp, *ls) for ls in layers)
+        row = {
+            "moment_bytes_saved": saved * MUON_SAVED_BYTES / shard,
+            "newton_schulz_flops": cost.flops,
+            "newton_schulz_s": cost.compute_s,
+            "gather_bytes": cost.gather_bytes,
+            "gather_s": cost.gather_s,
+        }
+        if not worst or cost.seconds > worst["newton_schulz_s"] + worst["gather_s"]:
+            worst = row
+    return worst
+
+
+def muon_line(est: Any) -> str:
+    """The explanation's Muon line ("" for AdamW)."""
+    if est.options.optimizer != "muon":
+        return ""
+    s = muon_summary(est)
+    return (
+        "Optimizer: Muon on the blocks' matrices keeps one fp32 momentum buffer instead of "
+        f"Adam's two ({gib(s['moment_bytes_saved'])} less per GPU); every rank orthogonalises "
+        f"the whole matrices of its stage, {s['newton_schulz_flops'] / 1e12:,.1f} TFLOP of "
+        f"Newton-Schulz ({NS_STEPS} bf16 iterations) in {seconds(s['newton_schulz_s'])}, after "
+        f"all-gathering their updates ({gib(s['gather_bytes'])} sent, "
+        f"{seconds(s['gather_s'])}), per step; AdamW steps the embeddings, head and norms."
+    )
