@@ -142,3 +142,25 @@ def test_levers_muon_cannot_honour_are_refused(tmp_path, plan, field):
         parse_train_config(recipe)
     assert len(err.value.problems) == 1
     assert err.value.problems[0].startswith(field) and "train.optimizer" in err.value.problems[0]
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_state_bytes_are_the_planners(optimizer):
+    """The runtime's optimizer state (without AdamW's step counters) is the planner's
+    optimizer tenant: Muon's one buffer per block matrix, AdamW's two for the rest."""
+    from fivefold.planner.model_states import chunk_state
+    from fivefold.specs import ParallelPlan
+
+    model = _model()
+    built = build_optimizer([model], TrainConfig(optimizer=optimizer))
+    _gradients(model, 0)
+    built.step()
+    held = sum(
+        t.numel() * t.element_size()
+        for state in built.state.values()
+        for key, t in state.items()
+        if key != "step"
+    )
+    plan = ParallelPlan(precision="fp32")
+    predicted = chunk_state(TINY, plan, [TINY.layers], 0, optimizer=optimizer)
+    assert held == predicted[0].optimizer
