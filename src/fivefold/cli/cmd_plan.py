@@ -131,7 +131,10 @@ def write_recipe(
     and [train] and [data] at their defaults, written out."""
     whole = {k: _whole(v) for k, v in planner.items()}  # 10485760, not 10485760.0
     text = dump_recipe(Recipe(model, cluster, plan, {"planner": whole}), header=header)
-    run = ["", *train_section({"name": model.name}), "", *data_section({})]
+    train = {"name": model.name}
+    if whole.get("optimizer", "adamw") != "adamw":  # the optimizer the plan was priced for
+        train["optimizer"] = whole["optimizer"]
+    run = ["", *train_section(train), "", *data_section({})]
     text += "\n".join(run) + "\n"  # complete: `fivefold train` and `launch --slurm` take it
     try:
         path.write_text(text)

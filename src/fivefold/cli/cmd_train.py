@@ -49,7 +49,10 @@ global_batch (sequences; must equal micro_batch x dp x grad_accum), seed, device
 keep_checkpoints, ckpt_async, resume ("auto"|true|false), tensorboard, progress, max_time_s,
 memory_step, gc_every (Python's garbage collector every N steps; 0 = automatic), compile
 (torch.compile per block), profile ({start_step, steps}: a torch.profiler trace,
-docs/profiling.md), trackers (["wandb", "mlflow"]).
+docs/profiling.md), trackers (["wandb", "mlflow"]), optimizer ("adamw" | "muon": Muon for the
+blocks' matrices, AdamW for embeddings, head, norms; docs/internals.md) with muon_lr (0 =
+lr), muon_momentum, muon_ns_steps, muon_ns_dtype (bf16|fp32), muon_adjust_lr
+(match_rms_adamw: AdamW's lr carries over | original: lr about 0.02).
 [data] fields: shards (a prepared directory), inputs (.txt/.jsonl files), tokenizer,
 cache_dir, val_fraction. Without [data] the model trains on the embedded corpus.
 

@@ -11,7 +11,7 @@ Muon (`fivefold.train.muon`) changes in a step against AdamW.
   piece of it: its ZeRO shard group (zero >= 1) and then its TP group, one collective per
   matrix and group, after the backward and before the step (nothing to hide behind).
 
-Derivations: docs/planner.md, section 4c.
+Derivations: docs/planner.md, section 4d.
 """
 
 from __future__ import annotations
