@@ -292,7 +292,11 @@ def dry_run_report(run, nproc: int) -> str:
     recipe = run.recipe
     cuda = pick_device(run.train.device).type == "cuda"
     memory, step_s, note = predictions_for(
-        recipe, cuda, fsdp_wrapped=nproc > 1, compiled=run.train.compile
+        recipe,
+        cuda,
+        fsdp_wrapped=nproc > 1,
+        compiled=run.train.compile,
+        optimizer=run.train.optimizer,
     )
     dims = ParallelDims.from_plan(recipe.plan, nproc)
     lines = [
