@@ -37,6 +37,13 @@ SLOW_CASES = [
         {"pp": 2, "schedule": "1f1b", "micro_batch": 2, "grad_accum": 4},
         train=MUON,
     ),
+    ParityCase("Muon CP2 ring", {"cp": 2, "micro_batch": 8}, train=MUON),
+    ParityCase(
+        "Muon EP2 (ZeRO-1 x2), MoE",
+        {"dp_shard": 2, "zero": 1, "ep": 2, "micro_batch": 4},
+        model="parity-moe",
+        train=MUON,
+    ),
     ParityCase(
         "Muon DP2 ZeRO-3 TP2 PP2",
         {
