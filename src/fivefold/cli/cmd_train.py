@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import replace
 
 from fivefold.cli.intermixed import merge_intermixed
 from fivefold.cli.plan_check_report import format_checks
@@ -12,7 +13,9 @@ from fivefold.launch import launcher
 from fivefold.parallel.device import pick_device
 from fivefold.parallel.mesh import ParallelDims
 from fivefold.planner.frameworks import DEFAULT_PROFILE, planner_settings
+from fivefold.planner.options import PlannerOptions
 from fivefold.planner.search import search
+from fivefold.specs.optimizer import OPTIMIZERS
 from fivefold.specs.profile import default_profile_path
 from fivefold.specs.recipe import cluster_from_dict, dump_recipe, model_from_dict, plan_from_dict
 from fivefold.train.entry import (
@@ -212,11 +215,16 @@ def auto_plan_overrides(recipe_path: str | None, overrides: list[str], nproc: in
     plan = plan_from_dict(data.get("plan", {}))
     global_batch = int(data.get("train", {}).get("global_batch") or 0) or plan.global_batch
     headroom = planner_section_settings(data, cluster.device).headroom
+    optimizer = (data.get("train") or {}).get("optimizer", "adamw")
+    if optimizer not in OPTIMIZERS:
+        optimizer = "adamw"  # the [train] check names it
+    options = replace(PlannerOptions.for_device(cluster.device), optimizer=optimizer)
     result = search(  # ConfigError when nothing fits, naming what came closest
         model,
         cluster,
         global_batch=global_batch,
         precisions=(plan.precision,),
+        options=options,
         **({} if headroom is None else {"headroom": headroom}),
     )
     print(
