@@ -58,6 +58,19 @@ CASES = [
     ("inf-max-time", ["train.max_time_s=inf"], "train.max_time_s = inf: expected a finite"),
     ("nan-weight-decay", ["train.weight_decay=nan"], "train.weight_decay = nan: expected a fin"),
     ("nan-eps", ["train.eps=nan"], "train.eps = nan: expected a finite number"),
+    # Muon with a setting it cannot honour
+    ("bad-optimizer", ["train.optimizer='lion'"], "train.optimizer = 'lion': choose one of"),
+    (
+        "muon-with-8bit-states",
+        ["train.optimizer='muon'", "plan.optimizer_states='8bit'"],
+        "plan.optimizer_states = '8bit' with train.optimizer = 'muon'",
+    ),
+    (
+        "muon-with-offload",
+        ["train.optimizer='muon'", "plan.offload='optimizer'"],
+        "plan.offload = 'optimizer' with train.optimizer = 'muon'",
+    ),
+    ("muon-ns-steps", ["train.muon_ns_steps=100"], "train.muon_ns_steps = 100: must be 1 to 99"),
     ("negative-seed", ["train.seed=-1"], "train.seed = -1: must be a whole number >= 0"),
     ("nan-norm-eps", ["model.norm_eps=nan"], "model.norm_eps = nan: expected a finite number"),
     ("negative-rope-theta", ["model.rope_theta=-1"], "model.rope_theta = -1.0: must be positive"),

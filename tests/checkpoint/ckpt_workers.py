@@ -26,11 +26,12 @@ TRAIN = {
 }
 
 
-def recipe_dict(plan: dict, moe: bool = False) -> dict:
+def recipe_dict(plan: dict, moe: bool = False, train: dict | None = None) -> dict:
+    """`train`: [train] fields beside TRAIN (e.g. the optimizer)."""
     return {
         "model": dict(MOE_MODEL if moe else MODEL),
         "plan": {"precision": "fp32", **plan},
-        "train": dict(TRAIN),
+        "train": {**TRAIN, **(train or {})},
     }
 
 
@@ -69,13 +70,13 @@ def rank_micro_batches(batch, dp_rank: int, dp_size: int, grad_accum: int) -> li
 class Trainee:
     """A runtime, its optimizer and scheduler: what the loop owns, reduced to the step."""
 
-    def __init__(self, plan: dict, world: int, moe: bool = False):
+    def __init__(self, plan: dict, world: int, moe: bool = False, train: dict | None = None):
         from fivefold.specs.recipe import recipe_from_dict
         from fivefold.train.config import parse_train_config
         from fivefold.train.lr_schedule import build_scheduler
         from fivefold.train.optim import build_optimizer
 
-        self.recipe = recipe_from_dict(recipe_dict(plan, moe), default_world=world)
+        self.recipe = recipe_from_dict(recipe_dict(plan, moe, train), default_world=world)
         self.cfg = parse_train_config(self.recipe).train
         if world == 1:
             from fivefold.train.runtime import LocalRuntime
@@ -173,9 +174,11 @@ def compare_with_checkpoint(parts, optimizer, directory: str) -> dict:
 
 
 # ---- rank functions ----------------------------------------------------------------------------
-def save_then_continue(rank, world, plan, root, steps_before, steps_after, moe=False) -> dict:
+def save_then_continue(
+    rank, world, plan, root, steps_before, steps_after, moe=False, train=None
+) -> dict:
     """Train, checkpoint, compare the live state with what was written, train on."""
-    trainee = Trainee(plan, world, moe)
+    trainee = Trainee(plan, world, moe, train)
     trainee.train(steps_before)
     path = trainee.save(trainee.checkpointer(root))
     check = compare_with_checkpoint(trainee.runtime.model_parts, trainee.optimizer, path)
@@ -184,9 +187,9 @@ def save_then_continue(rank, world, plan, root, steps_before, steps_after, moe=F
     return {"path": path, "check": check, "losses_after": after}
 
 
-def load_then_continue(rank, world, plan, root, steps_after, moe=False) -> dict:
+def load_then_continue(rank, world, plan, root, steps_after, moe=False, train=None) -> dict:
     """Resume from the newest valid checkpoint, compare bitwise with it, train on."""
-    trainee = Trainee(plan, world, moe)
+    trainee = Trainee(plan, world, moe, train)
     ckpt = trainee.checkpointer(root)
     step = trainee.load(ckpt)
     path = str(ckpt.select().path)
@@ -198,14 +201,16 @@ def load_then_continue(rank, world, plan, root, steps_after, moe=False) -> dict:
 
 
 def reshard_chain(rank, world, cases, root, steps_before, steps_after) -> list[dict]:
-    """Several (save layout -> load layout) cases in one process group, one directory each."""
+    """Several (save layout, load layout, moe[, train fields]) cases in one process group, one
+    directory each."""
     out = []
-    for index, (save_plan, load_plan, moe) in enumerate(cases):
+    for index, (save_plan, load_plan, moe, *train) in enumerate(cases):
         case_root = str(Path(root) / f"case{index}")
+        extra = train[0] if train else None
         saved = save_then_continue(
-            rank, world, save_plan, case_root, steps_before, steps_after, moe
+            rank, world, save_plan, case_root, steps_before, steps_after, moe, extra
         )
-        loaded = load_then_continue(rank, world, load_plan, case_root, steps_after, moe)
+        loaded = load_then_continue(rank, world, load_plan, case_root, steps_after, moe, extra)
         out.append({"saved": saved, "loaded": loaded})
     return out
 

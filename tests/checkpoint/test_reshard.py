@@ -50,6 +50,14 @@ MATRIX = {
     "EP2->EP4-MoE": (EP2, EP4, True),
     "HSDP2x2->ZeRO2-DP4": (HSDP2x2, ZERO2_DP4, False),
 }
+# Muon's momentum buffers (and AdamW's m, v for the rest), Newton-Schulz in fp32 so that the
+# continuation on another layout matches to the parity tolerance (bf16: tests/parallel)
+MUON = {"optimizer": "muon", "muon_ns_dtype": "fp32"}
+ZERO3_DP2_TP2 = {"dp_shard": 2, "zero": 3, "tp": 2, "micro_batch": 4}
+MUON_MATRIX = {
+    "Muon ZeRO3-DP2xTP2->TP2xPP2": (ZERO3_DP2_TP2, TP2_PP2, False, MUON),
+    "Muon TP2xPP2->ZeRO1-DP4": (TP2_PP2, {"dp_shard": 4, "zero": 1, "micro_batch": 2}, False, MUON),
+}
 
 
 def check_case(name: str, ranks: list[dict]) -> None:
@@ -62,6 +70,9 @@ def check_case(name: str, ranks: list[dict]) -> None:
     covered = set().union(*(set(case["loaded"]["check"]["keys"]) for case in ranks))
     assert covered == set(loaded["check"]["saved_keys"]), f"{name}: keys not restored"
     assert any(k.startswith("optim.state.") for k in covered)
+    if name.startswith("Muon"):  # one buffer per block matrix, AdamW's two for the rest
+        assert any(k.endswith(".momentum_buffer") for k in covered), name
+        assert any(k.endswith(".exp_avg_sq") for k in covered), name
     for a, b in zip(saved["losses_after"], loaded["losses_after"], strict=True):
         assert abs(a - b) <= LOSS_RTOL * abs(a), (
             name,
@@ -71,7 +82,7 @@ def check_case(name: str, ranks: list[dict]) -> None:
 
 
 def run_matrix(names: list[str], root) -> None:
-    cases = [MATRIX[name] for name in names]
+    cases = [{**MATRIX, **MUON_MATRIX}[name] for name in names]
     ranks = run_ranks(4, reshard_chain, cases, str(root), STEPS_BEFORE, STEPS_AFTER, timeout_s=600)
     for index, name in enumerate(names):
         check_case(name, [out[index] for out in ranks])
@@ -84,6 +95,16 @@ def test_reshard_tp2_pp2_to_zero3_dp4(tmp_path):
 @pytest.mark.parametrize("name", [n for n in MATRIX if n != "TP2xPP2->ZeRO3-DP4"])
 def test_reshard_matrix(tmp_path, name):
     run_matrix([name], tmp_path)
+
+
+@pytest.mark.slow
+def test_muon_state_reshards_zero3_tp2_to_tp2_pp2(tmp_path):
+    run_matrix(["Muon ZeRO3-DP2xTP2->TP2xPP2"], tmp_path)
+
+
+@pytest.mark.slow
+def test_muon_state_reshards_tp2_pp2_to_zero1_dp4(tmp_path):
+    run_matrix(["Muon TP2xPP2->ZeRO1-DP4"], tmp_path)
 
 
 def test_world_size_change_4_to_1(tmp_path):

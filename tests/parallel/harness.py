@@ -194,6 +194,7 @@ class ParityCase:
     model: str = "parity"  # a key of MODELS
     steps: int = 10
     compile: bool = False  # train.compile, here and in its single-process reference
+    train: dict = field(default_factory=dict)  # more [train] fields, here and in its reference
 
     @property
     def world(self) -> int:
@@ -253,18 +254,23 @@ def recipe_dict(case: ParityCase) -> dict:
     return {
         "model": dict(MODELS[case.model]),
         "plan": plan,
-        "train": {**TRAIN, "steps": case.steps, "compile": case.compile},
+        "train": {
+            **TRAIN,
+            "steps": case.steps,
+            "compile": case.compile,
+            **case.train,
+        },
     }
 
 
 def reference_key(case: ParityCase) -> tuple:
     """Cases that share a reference: same model, steps, micro-batch grouping (the grouping
-    matters only to MoE models, whose load-balancing loss is per global micro-batch) and
-    train.compile."""
+    matters only to MoE models, whose load-balancing loss is per global micro-batch),
+    train.compile and the case's other [train] fields."""
     dp = case.plan.get("dp_replicate", 1) * case.plan.get("dp_shard", 1)
     moe = "moe" in case.model
     grouping = (case.plan.get("grad_accum", 1), dp if moe else None)
-    return (case.model, case.steps, *grouping, case.compile)
+    return (case.model, case.steps, *grouping, case.compile, *sorted(case.train.items()))
 
 
 def synthetic_global_batch(step: int, vocab: int, seq_len: int, rows: int = GLOBAL_BATCH):

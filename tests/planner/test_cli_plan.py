@@ -324,6 +324,7 @@ NON_DEFAULT_FLAGS = {
     "runtime": (["--runtime", "fivefold-eager"], "fivefold-eager"),
     "checkpoint_early_stop": (["--checkpoint-early-stop"], True),
     "compile": (["--compile"], True),
+    "optimizer": (["--optimizer", "muon"], "muon"),
 }
 
 

@@ -41,6 +41,7 @@ from fivefold.errors import ConfigError
 from fivefold.planner.budget import budget_lines
 from fivefold.planner.estimate import estimate
 from fivefold.planner.explain import confidence_line, explain, slower_because
+from fivefold.planner.muon import muon_line, muon_summary
 from fivefold.planner.request import resolve_headroom, resolve_request
 from fivefold.planner.search import search
 from fivefold.planner.uncertainty import band_json
@@ -130,7 +131,10 @@ def write_recipe(
     and [train] and [data] at their defaults, written out."""
     whole = {k: _whole(v) for k, v in planner.items()}  # 10485760, not 10485760.0
     text = dump_recipe(Recipe(model, cluster, plan, {"planner": whole}), header=header)
-    run = ["", *train_section({"name": model.name}), "", *data_section({})]
+    train = {"name": model.name}
+    if whole.get("optimizer", "adamw") != "adamw":  # the optimizer the plan was priced for
+        train["optimizer"] = whole["optimizer"]
+    run = ["", *train_section(train), "", *data_section({})]
     text += "\n".join(run) + "\n"  # complete: `fivefold train` and `launch --slurm` take it
     try:
         path.write_text(text)
@@ -165,6 +169,8 @@ def _estimate_handler(args: argparse.Namespace) -> int:
     out["fits_with_headroom"] = out["memory_gib"]["total"] <= usable and est.host_fits
     out["headroom"] = headroom
     out["planner"] = settings.to_json()
+    if settings.options.optimizer == "muon":
+        out["muon"] = muon_summary(est)
     if args.json:
         print(json.dumps(out, indent=2))
         return 0
@@ -181,6 +187,8 @@ def _estimate_handler(args: argparse.Namespace) -> int:
     for line in budget_lines(answer) if answer else []:
         print(line)
     print(confidence_line(est))
+    if muon_line(est):
+        print(muon_line(est))
     return 0
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import replace
 
 from fivefold.cli.intermixed import merge_intermixed
 from fivefold.cli.plan_check_report import format_checks
@@ -12,7 +13,9 @@ from fivefold.launch import launcher
 from fivefold.parallel.device import pick_device
 from fivefold.parallel.mesh import ParallelDims
 from fivefold.planner.frameworks import DEFAULT_PROFILE, planner_settings
+from fivefold.planner.options import PlannerOptions
 from fivefold.planner.search import search
+from fivefold.specs.optimizer import OPTIMIZERS
 from fivefold.specs.profile import default_profile_path
 from fivefold.specs.recipe import cluster_from_dict, dump_recipe, model_from_dict, plan_from_dict
 from fivefold.train.entry import (
@@ -49,7 +52,10 @@ global_batch (sequences; must equal micro_batch x dp x grad_accum), seed, device
 keep_checkpoints, ckpt_async, resume ("auto"|true|false), tensorboard, progress, max_time_s,
 memory_step, gc_every (Python's garbage collector every N steps; 0 = automatic), compile
 (torch.compile per block), profile ({start_step, steps}: a torch.profiler trace,
-docs/profiling.md), trackers (["wandb", "mlflow"]).
+docs/profiling.md), trackers (["wandb", "mlflow"]), optimizer ("adamw" | "muon": Muon for the
+blocks' matrices, AdamW for embeddings, head, norms; docs/internals.md) with muon_lr (0 =
+lr), muon_momentum, muon_ns_steps, muon_ns_dtype (bf16|fp32), muon_adjust_lr
+(match_rms_adamw: AdamW's lr carries over | original: lr about 0.02).
 [data] fields: shards (a prepared directory), inputs (.txt/.jsonl/.parquet/.arrow files),
 tokenizer, cache_dir, val_fraction, text_field (the inputs' JSONL field or table column), or
 sources (a weighted mixture: [{name, shards or inputs, weight, max_epochs}], README "Data").
@@ -211,11 +217,16 @@ def auto_plan_overrides(recipe_path: str | None, overrides: list[str], nproc: in
     plan = plan_from_dict(data.get("plan", {}))
     global_batch = int(data.get("train", {}).get("global_batch") or 0) or plan.global_batch
     headroom = planner_section_settings(data, cluster.device).headroom
+    optimizer = (data.get("train") or {}).get("optimizer", "adamw")
+    if optimizer not in OPTIMIZERS:
+        optimizer = "adamw"  # the [train] check names it
+    options = replace(PlannerOptions.for_device(cluster.device), optimizer=optimizer)
     result = search(  # ConfigError when nothing fits, naming what came closest
         model,
         cluster,
         global_batch=global_batch,
         precisions=(plan.precision,),
+        options=options,
         **({} if headroom is None else {"headroom": headroom}),
     )
     print(
@@ -291,7 +302,11 @@ def dry_run_report(run, nproc: int) -> str:
     recipe = run.recipe
     cuda = pick_device(run.train.device).type == "cuda"
     memory, step_s, note = predictions_for(
-        recipe, cuda, fsdp_wrapped=nproc > 1, compiled=run.train.compile
+        recipe,
+        cuda,
+        fsdp_wrapped=nproc > 1,
+        compiled=run.train.compile,
+        optimizer=run.train.optimizer,
     )
     dims = ParallelDims.from_plan(recipe.plan, nproc)
     lines = [

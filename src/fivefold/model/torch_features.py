@@ -103,6 +103,15 @@ FEATURES: dict[str, tuple[str, str, Callable[[], bool]]] = {
         "the shorter NCCL timeout after the first step (else the start-up one stays)",
         lambda: _attr(_C10D, "_set_pg_timeout") is not None,
     ),
+    "muon": (
+        "torch.optim.Muon (its Newton-Schulz and lr scale, torch.optim._muon)",
+        "train.optimizer = 'muon' (else fivefold's copy of the same update, fivefold.train.muon)",
+        lambda: (
+            hasattr(torch.optim, "Muon")
+            and _attr("torch.optim._muon", "_zeropower_via_newtonschulz") is not None
+            and _attr("torch.optim._muon", "_adjust_lr") is not None
+        ),
+    ),
     "bf16_native_check": (
         "torch.cuda.is_bf16_supported(including_emulation=)",
         "telling native bf16 from emulated (else compute capability >= 8.0)",

@@ -35,32 +35,40 @@ def _wrapped(runtime: Any) -> bool:
     return hasattr(runtime, "dp_modules")
 
 
-def predictions(runtime: Any) -> tuple[list[dict] | None, float | None, str]:
+def predictions(
+    runtime: Any, optimizer: str = "adamw"
+) -> tuple[list[dict] | None, float | None, str]:
     """(memory per stage in GiB dicts, predicted step time in s, note) for a built runtime; the
     step time is the whole step, optimizer included."""
     compiled = bool(getattr(runtime, "compiled", False))
     return predictions_for(
-        runtime.recipe, runtime.device.type == "cuda", _wrapped(runtime), compiled
+        runtime.recipe, runtime.device.type == "cuda", _wrapped(runtime), compiled, optimizer
     )
 
 
 def predictions_for(
-    recipe: Any, cuda: bool, fsdp_wrapped: bool, compiled: bool = False
+    recipe: Any, cuda: bool, fsdp_wrapped: bool, compiled: bool = False, optimizer: str = "adamw"
 ) -> tuple[list[dict] | None, float | None, str]:
     """`predictions` before any runtime exists (e.g. `train --dry-run`): `fsdp_wrapped` is true
-    for the distributed runtime (more than one process), `compiled` under `train.compile`."""
-    memory, estimate, note = _predict(recipe, cuda, fsdp_wrapped, compiled)
+    for the distributed runtime (more than one process), `compiled` under `train.compile`,
+    `optimizer` is `train.optimizer`."""
+    memory, estimate, note = _predict(recipe, cuda, fsdp_wrapped, compiled, optimizer)
     return memory, estimate.step_time_s if estimate is not None else None, note
 
 
 def _predict(
-    recipe: Any, cuda: bool, fsdp_wrapped: bool, compiled: bool = False
+    recipe: Any, cuda: bool, fsdp_wrapped: bool, compiled: bool = False, optimizer: str = "adamw"
 ) -> tuple[list[dict] | None, Any, str]:
     """(memory per stage in GiB dicts, the planner's `Estimate` or None, note)."""
     spec, plan, cluster = recipe.model, recipe.plan, recipe.cluster
     try:
         memory = memory_only_prediction(
-            spec, plan, fsdp_wrapped=fsdp_wrapped, cuda=cuda, compiled=compiled
+            spec,
+            plan,
+            fsdp_wrapped=fsdp_wrapped,
+            cuda=cuda,
+            compiled=compiled,
+            optimizer=optimizer,
         )
     except Exception as err:  # a planner gap must not stop training
         return None, None, f"memory model: {str(err).splitlines()[0]}"
@@ -79,7 +87,10 @@ def _predict(
         )
     try:
         options = replace(
-            PlannerOptions.for_device(cluster.device), runtime="fivefold-eager", compile=compiled
+            PlannerOptions.for_device(cluster.device),
+            runtime="fivefold-eager",
+            compile=compiled,
+            optimizer=optimizer,
         )
         est = estimate(spec, cluster, plan, options=options)
         return memory, est, f"planner estimate for {cluster.device.name}"
@@ -88,7 +99,12 @@ def _predict(
 
 
 def memory_only_prediction(
-    spec: Any, plan: Any, fsdp_wrapped: bool = True, cuda: bool = False, compiled: bool = False
+    spec: Any,
+    plan: Any,
+    fsdp_wrapped: bool = True,
+    cuda: bool = False,
+    compiled: bool = False,
+    optimizer: str = "adamw",
 ) -> list[dict]:
     """The planner's per-stage memory of this runtime (GiB dicts, "other" holds the buffers);
     a CPU has no CUDA context and no caching-allocator fragmentation, and its offloaded state
@@ -98,7 +114,9 @@ def memory_only_prediction(
         inflight = list(
             build_schedule(plan.schedule, plan.pp, plan.vpp, plan.grad_accum).peak_inflight
         )
-    options = MemoryOptions(runtime="fivefold-eager", fsdp_wrapped=fsdp_wrapped, compiled=compiled)
+    options = MemoryOptions(
+        runtime="fivefold-eager", fsdp_wrapped=fsdp_wrapped, compiled=compiled, optimizer=optimizer
+    )
     if not cuda:
         options = replace(options, cuda_context_bytes=0.0, fragmentation_fraction=0.0)
     if not cuda and plan.offload == "all":
@@ -117,11 +135,13 @@ def memory_only_prediction(
     return out
 
 
-def stage_rows(runtime: Any, step_s: float | None = None) -> tuple[list[dict], str] | None:
+def stage_rows(
+    runtime: Any, step_s: float | None = None, optimizer: str = "adamw"
+) -> tuple[list[dict], str] | None:
     """Gather every rank's measurements (collective when distributed); on rank 0 return one
     row per pipeline stage (ranks, predicted and measured peak bytes and tenants, step seconds;
     None where unknown) and the prediction's note. Other ranks get None. `step_s`: the measured
-    step time when the runtime does not time its own steps."""
+    step time when the runtime does not time its own steps; `optimizer`: `train.optimizer`."""
     times = getattr(runtime, "_step_times_s", None) or []  # train_step: no optimizer step
     mine = {
         "rank": getattr(runtime, "rank", 0),
@@ -139,7 +159,7 @@ def stage_rows(runtime: Any, step_s: float | None = None) -> tuple[list[dict], s
         return None
     cuda = runtime.device.type == "cuda"
     compiled = bool(getattr(runtime, "compiled", False))
-    memory, estimate, note = _predict(runtime.recipe, cuda, _wrapped(runtime), compiled)
+    memory, estimate, note = _predict(runtime.recipe, cuda, _wrapped(runtime), compiled, optimizer)
     predicted_s = estimate.step_time_s if estimate is not None else None
     if predicted_s is not None and times:
         # The runtime times its own `train_step` (forward, backward, gradient communication):

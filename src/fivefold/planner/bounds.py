@@ -175,7 +175,10 @@ class Bounds:
                 plan,
                 v,
                 lambda counts, chunks: sum(
-                    chunk_state_bytes(self.model, probe, counts, c).total for c in chunks
+                    chunk_state_bytes(
+                        self.model, probe, counts, c, optimizer=self.memory_options.optimizer
+                    ).total
+                    for c in chunks
                 ),
             )
 

@@ -14,6 +14,7 @@ from fivefold.specs.cluster import ClusterSpec
 from fivefold.specs.geometry import ep_fits
 from fivefold.specs.hardware import host
 from fivefold.specs.model import ModelSpec
+from fivefold.specs.optimizer import optimizer_plan_problems
 from fivefold.specs.plan import ParallelPlan
 
 MIN_CP_TOKENS = 1024
@@ -123,12 +124,15 @@ def lever_probe(fields: dict[str, Any]) -> ParallelPlan:
 
 
 def lever_sets(
-    model: ModelSpec, cluster: ClusterSpec, fixed: dict[str, Any]
+    model: ModelSpec, cluster: ClusterSpec, fixed: dict[str, Any], optimizer: str = "adamw"
 ) -> tuple[dict[str, str], ...]:
     """The memory levers the second pass tries (`AUTO_LEVERS`): those not fixed otherwise,
-    that fivefold's runtime runs, and offload only where the catalog has the node's host."""
+    that fivefold's runtime runs with `optimizer`, and offload only where the catalog has the
+    node's host."""
     out = []
     for levers in AUTO_LEVERS:
+        if optimizer_plan_problems(optimizer, lever_probe(levers)):
+            continue
         if any(k in fixed and fixed[k] != v for k, v in levers.items()):
             continue
         if all(k in fixed for k in levers):

@@ -43,6 +43,7 @@ from fivefold.specs.geometry import (
 )
 from fivefold.specs.hardware import GPUSpec
 from fivefold.specs.model import ModelSpec
+from fivefold.specs.optimizer import optimizer_plan_problems
 from fivefold.specs.plan import ParallelPlan
 from fivefold.specs.precision import recipe
 from fivefold.units import GiB
@@ -410,6 +411,9 @@ def _validate(
 ) -> None:
     plan.validate(model, cluster, runtime=runtime)
     opts.validate()
+    problems = optimizer_plan_problems(opts.optimizer, plan, "planner.optimizer")
+    if problems:
+        raise ConfigError(problems)
     device: GPUSpec = cluster.device
     device.peak(recipe(plan.precision).compute_dtype)  # "unknown peak" for e.g. the CPU
     if plan.fp8 != "none":

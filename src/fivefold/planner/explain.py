@@ -16,6 +16,7 @@ from fivefold.planner.candidates import tp_choices
 from fivefold.planner.efficiency import published_runs
 from fivefold.planner.estimate import estimate
 from fivefold.planner.explain_levers import lever_words, levers_line
+from fivefold.planner.muon import muon_line
 from fivefold.planner.outcomes import TIE_FRACTION, SearchResult
 from fivefold.planner.quantities import gib, seconds
 from fivefold.planner.rates import rates_for
@@ -133,6 +134,7 @@ class _Explainer:
             self.expert_parallel(),
             self.recompute(),
             self.levers(),
+            muon_line(self.best),
             self.rule_of_thumb(),
             memory_line(self.best, self.result.headroom),
             confidence_line(self.best, self.result.risk),

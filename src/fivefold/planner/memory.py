@@ -96,7 +96,7 @@ def stage_memory(
     state = Tenants(0.0, 0.0, 0.0)
     host = 0.0
     for c in chunks:
-        on_device, on_host = chunk_state(model, plan, counts, c, opts.eager)
+        on_device, on_host = chunk_state(model, plan, counts, c, opts.eager, opts.optimizer)
         state, host = state + on_device, host + on_host
     per_chunk = [chunk_activation_bytes(model, plan, counts, c, opts) for c in chunks]
     acts = max(per_chunk) * inflight

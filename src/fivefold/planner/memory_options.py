@@ -90,6 +90,7 @@ class MemoryOptions:
     runtime: str = "fused"  # or "fivefold-eager": what fivefold's own eager runtime keeps
     fsdp_wrapped: bool = True  # fivefold-eager: the chunks are FSDP2-wrapped (multi-process)
     compiled: bool = False  # fivefold-eager: the blocks run under torch.compile (`COMPILED`)
+    optimizer: str = "adamw"  # "muon": one moment for the blocks' matrices (`planner.muon`)
 
     @property
     def eager(self) -> bool:

@@ -30,6 +30,8 @@ from fivefold.specs.model import (
 from fivefold.specs.plan import ParallelPlan
 from fivefold.specs.precision import PrecisionRecipe, recipe
 
+MUON_SAVED_BYTES = 4.0  # per Muon parameter: Adam's second fp32 moment, which Muon does not keep
+
 
 @dataclass(frozen=True)
 class Tenants:
@@ -123,6 +125,19 @@ def layer_params_per_rank(model: ModelSpec, moe: bool, tp: int, ep: int) -> Laye
     return LayerParams(attn + shared, norms + h * model.experts, routed)
 
 
+def muon_params_per_rank(model: ModelSpec, moe: bool, tp: int) -> float:
+    """Parameters of one layer's Muon matrices on one TP rank (`layer_params_per_rank`'s
+    TP-sharded matrices plus the replicated router)."""
+    lp = layer_params_per_rank(model, moe, tp, 1)
+    return lp.dense + (model.hidden * model.experts if moe else 0.0)
+
+
+def stage_muon_params(model: ModelSpec, tp: int, n_dense: int, n_moe: int) -> float:
+    """Muon parameters one TP rank holds for `n_dense` dense and `n_moe` MoE layers."""
+    out = n_dense * muon_params_per_rank(model, False, tp)
+    return out + (n_moe * muon_params_per_rank(model, True, tp) if n_moe else 0.0)
+
+
 def embedding_params_per_rank(model: ModelSpec, tp: int) -> float:
     return model.vocab * model.hidden / tp
 
@@ -192,10 +207,15 @@ def params_of(
 
 
 def chunk_state_bytes(
-    model: ModelSpec, plan: ParallelPlan, counts: list[int], chunk: int, eager: bool = False
+    model: ModelSpec,
+    plan: ParallelPlan,
+    counts: list[int],
+    chunk: int,
+    eager: bool = False,
+    optimizer: str = "adamw",
 ) -> Tenants:
     """Parameter, gradient and optimizer bytes of one virtual stage on one rank's device."""
-    return chunk_state(model, plan, counts, chunk, eager)[0]
+    return chunk_state(model, plan, counts, chunk, eager, optimizer)[0]
 
 
 def eager_state_recipe(rec: PrecisionRecipe, plan: ParallelPlan) -> PrecisionRecipe:
@@ -215,11 +235,17 @@ def eager_state_recipe(rec: PrecisionRecipe, plan: ParallelPlan) -> PrecisionRec
 
 
 def chunk_state(
-    model: ModelSpec, plan: ParallelPlan, counts: list[int], chunk: int, eager: bool = False
+    model: ModelSpec,
+    plan: ParallelPlan,
+    counts: list[int],
+    chunk: int,
+    eager: bool = False,
+    optimizer: str = "adamw",
 ) -> tuple[Tenants, float]:
     """(device tenants, offloaded host bytes) of one virtual stage's model state on one rank,
     with the plan's optimizer states and offload (`fivefold.planner.levers`); `eager`: as
-    fivefold's runtime holds it (`eager_state_recipe`)."""
+    fivefold's runtime holds it (`eager_state_recipe`); `optimizer` "muon": one moment fewer
+    for the blocks' matrices (`fivefold.planner.muon`)."""
     cp = chunk_params(model, plan, counts, chunk)
     rec = state_recipe(plan)
     held = eager_state_recipe(rec, plan) if eager else rec
@@ -231,6 +257,10 @@ def chunk_state(
         saving = n_dense * fp8_gather_saving(model, plan, False)
         saving += n_moe * fp8_gather_saving(model, plan, True)
         total = replace(total, params=total.params - saving)
+    if optimizer == "muon":
+        muon = stage_muon_params(model, plan.tp, *chunk_layers(model, counts, chunk))
+        saved = muon * MUON_SAVED_BYTES / zero_divisors(plan.zero, dense_shard)[2]
+        total = replace(total, optimizer=total.optimizer - saved)
     if plan.offload == "none":
         return total, 0.0
     host_params = 0.0  # "optimizer" offload of a recipe without a master copy

@@ -48,6 +48,7 @@ from fivefold.planner.memory_options import (
 )
 from fivefold.planner.rates import rates_for
 from fivefold.specs.hardware import GPUSpec
+from fivefold.specs.optimizer import OPTIMIZERS
 from fivefold.units import GiB, MiB
 
 
@@ -69,6 +70,7 @@ class PlannerOptions:
     runtime: str = "fused"  # memory: "fivefold-eager" is what fivefold's own runtime keeps
     checkpoint_early_stop: bool = False
     compile: bool = False  # memory: the blocks run under torch.compile (train.compile)
+    optimizer: str = "adamw"  # or "muon" (train.optimizer; `fivefold.planner.muon`)
 
     @classmethod
     def for_device(cls, device: GPUSpec) -> PlannerOptions:
@@ -87,6 +89,7 @@ class PlannerOptions:
             selective_policy=self.selective_policy,
             runtime=self.runtime,
             compiled=self.compile,
+            optimizer=self.optimizer,
         )
 
     def compute(self) -> ComputeOptions:
@@ -130,6 +133,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "collective_granularity": GRANULARITIES,
     "ep_dispatch": EP_DISPATCHES,
     "runtime": RUNTIMES,
+    "optimizer": OPTIMIZERS,
 }
 
 # One line per option: what it means (the CLI's --help, the explorer's tooltips, the docs).
@@ -154,6 +158,8 @@ OPTION_HELP: dict[str, str] = {
     "cuda_context_bytes": "per-GPU CUDA context and library workspaces (bytes, e.g. 768M)",
     "fragmentation_fraction": "allocator fragmentation added to every stage's memory (0.05 = 5%)",
     "checkpoint_early_stop": "recompute stops at the last tensor the backward needs (PyTorch)",
+    "optimizer": "adamw, or muon (train.optimizer): one momentum buffer for the blocks' "
+    "matrices, Newton-Schulz on whole matrices and their all-gathers in the step",
     "compile": "blocks run under torch.compile (train.compile): with runtime fivefold-eager, "
     "memory counts what inductor keeps (and FP8 tensorwise inputs in 1 byte)",
 }

@@ -1,5 +1,6 @@
 """What each pipeline rank does after its last backward: the data-parallel gradient reduction,
-the ZeRO-1/2 parameter all-gather, the optimizer step and offload's remaining host copies, each
+the ZeRO-1/2 parameter all-gather, the optimizer step (with Muon's Newton-Schulz and its
+whole-matrix gathers, `fivefold.planner.muon`) and offload's remaining host copies, each
 exposed beyond the compute and idle time that can hide it (docs/planner.md, section 2, "DP /
 ZeRO" and "Overlap limits").
 """
@@ -28,6 +29,7 @@ from fivefold.planner.efficiency import EfficiencyModel
 from fivefold.planner.layer_costs import collective_gap_s, fsdp_copy_s, per_layer_gathers
 from fivefold.planner.lever_costs import offload_tail, optimizer_s
 from fivefold.planner.model_states import fp8_gather_saving, layer_params_per_rank, params_of
+from fivefold.planner.muon import muon_cost
 from fivefold.planner.options import PlannerOptions
 from fivefold.specs.cluster import ClusterSpec
 from fivefold.specs.geometry import (
@@ -96,6 +98,12 @@ def rank_tails(
                     dense, experts = dense + experts, 0.0
             saving = sum(_fp8_saving(model, key, *chunk_sigs[c][:2]) for c in chunks)
             raw = tail_costs(model, key, cluster, eff, opts, dense, experts, units, gap, saving)
+            if opts.optimizer == "muon":  # Newton-Schulz and its gathers join the step
+                layers = (
+                    sum(chunk_sigs[c][0] for c in chunks),
+                    sum(chunk_sigs[c][1] for c in chunks),
+                )
+                raw = (*raw[:5], raw[5] + muon_cost(model, plan, cluster, eff, layers, gap).seconds)
             last_backward = sum(
                 chunk_costs[c].backward_input_s + chunk_costs[c].backward_weight_s for c in chunks
             )

@@ -143,7 +143,7 @@ def _passes(state: SearchState) -> SearchResult:
     ranked = rank_fitting([o for o in state.outcomes.values() if o.fits], state.risk)
     rejected = nearest_rejected(list(state.outcomes.values()))
     without_levers = None
-    sets = lever_sets(model, cluster, fixed) if not ranked else ()
+    sets = lever_sets(model, cluster, fixed, state.options.optimizer) if not ranked else ()
     if sets:
         without_levers = rejected[0] if rejected else None
         first = state

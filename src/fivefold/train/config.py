@@ -20,12 +20,16 @@ from typing import Any
 from fivefold.checkpoint.elastic import resume_mode
 from fivefold.errors import ConfigError
 from fivefold.parallel.device import DEVICE_SETTINGS as DEVICES
+from fivefold.specs.optimizer import OPTIMIZERS, optimizer_plan_problems
 from fivefold.specs.recipe import Recipe, build, unknown_field
 from fivefold.train.sources import SourceConfig, parse_sources
 from fivefold.train.trackers import tracker_problems
 
 LR_SCHEDULES = ("cosine", "linear", "constant")
 PROFILE_KEYS = ("start_step", "steps")
+MUON_LR_SCALES = ("match_rms_adamw", "original")
+MUON_NS_DTYPES = ("bf16", "fp32")
+MAX_NS_STEPS = 99  # torch.optim.Muon refuses 100 or more
 
 
 @dataclass
@@ -70,6 +74,16 @@ class TrainConfig:
     # {start_step = N, steps = K}: a torch.profiler trace of steps N..N+K-1 into <run_dir>/profile
     profile: dict[str, int] = field(default_factory=dict)
     trackers: list[str] = field(default_factory=list)  # also log to: "wandb", "mlflow"
+    # -- optimizer (`fivefold.train.muon`, docs/internals.md): "adamw", or "muon" = Muon for the
+    # blocks' 2-D matrices and AdamW (lr, betas, eps) for embeddings, head, norms and biases
+    optimizer: str = "adamw"
+    muon_lr: float = 0.0  # Muon's peak lr (the same schedule); 0 = train.lr
+    muon_momentum: float = 0.95  # Nesterov momentum of Muon's one buffer
+    muon_ns_steps: int = 5  # Newton-Schulz iterations per matrix and step
+    # lr scale per matrix [A, B]: "match_rms_adamw" 0.2 * sqrt(max(A, B)) (Moonshot; AdamW's lr
+    # carries over) or "original" sqrt(max(1, A / B)) (Keller Jordan; lr about 0.02)
+    muon_adjust_lr: str = "match_rms_adamw"
+    muon_ns_dtype: str = "bf16"  # Newton-Schulz in bf16 (torch.optim.Muon's) or fp32 (exact)
 
     @property
     def beta1(self) -> float:
@@ -144,6 +158,7 @@ class TrainConfig:
                 f"train.name = {self.name!r}: must be a plain directory name such as 'small-cpu'."
             )
         out += self._profile_problems()
+        out += self._optimizer_problems()
         out += tracker_problems(self.trackers)
         where = "train.run_dir" if self.run_dir else "train.runs_dir"
         out += directory_problems(self.path(), where)
@@ -171,6 +186,33 @@ class TrainConfig:
             out.append(
                 f"train.profile.start_step = {start} is after the last step (train.steps = "
                 f"{self.steps}), so nothing would be profiled; lower it."
+            )
+        return out
+
+    def _optimizer_problems(self) -> list[str]:
+        """`train.optimizer` and the Muon settings (checked whichever optimizer is chosen)."""
+        out = []
+        if self.optimizer not in OPTIMIZERS:
+            out.append(
+                f"train.optimizer = {self.optimizer!r}: choose one of {', '.join(OPTIMIZERS)}."
+            )
+        if not 0 <= self.muon_lr < math.inf:
+            out.append(f"train.muon_lr = {self.muon_lr}: must be a positive number (0 = train.lr).")
+        if not 0 <= self.muon_momentum < 1:
+            out.append(f"train.muon_momentum = {self.muon_momentum}: must be in [0, 1), e.g. 0.95.")
+        if not 1 <= self.muon_ns_steps <= MAX_NS_STEPS:
+            out.append(
+                f"train.muon_ns_steps = {self.muon_ns_steps}: must be 1 to {MAX_NS_STEPS}, e.g. 5."
+            )
+        if self.muon_adjust_lr not in MUON_LR_SCALES:
+            out.append(
+                f"train.muon_adjust_lr = {self.muon_adjust_lr!r}: choose one of "
+                f"{', '.join(MUON_LR_SCALES)}."
+            )
+        if self.muon_ns_dtype not in MUON_NS_DTYPES:
+            out.append(
+                f"train.muon_ns_dtype = {self.muon_ns_dtype!r}: choose one of "
+                f"{', '.join(MUON_NS_DTYPES)}."
             )
         return out
 
@@ -281,6 +323,7 @@ def parse_train_config(recipe: Recipe) -> RunConfig:
                 f"micro_batch {plan.micro_batch} x dp {plan.dp} x grad_accum {plan.grad_accum} "
                 f"= {plan.global_batch} sequences; {fix}, or drop train.global_batch."
             )
+        problems += optimizer_plan_problems(train.optimizer, recipe.plan)
         if train.eval_every and data is not None and data.val_fraction == 0:
             problems.append(
                 f"train.eval_every = {train.eval_every} needs held-out data: set "

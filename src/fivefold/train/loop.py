@@ -413,7 +413,7 @@ class Trainer:
         if hasattr(self.runtime, "last_report") or index + 1 != min(3, self.last_step):
             return None
         timed = meter.seconds / meter.steps if meter.steps else step_s
-        rows, note = stage_rows(self.runtime, step_s=timed)
+        rows, note = stage_rows(self.runtime, step_s=timed, optimizer=self.cfg.optimizer)
         self.console.print(format_rows(self.recipe.plan.describe(), rows, note), markup=False)
         return record(rows, note)
 

@@ -1,4 +1,5 @@
-"""AdamW over the parameters a rank owns, with weight decay on matrices only.
+"""AdamW (or Muon with AdamW, `train.optimizer`) over the parameters a rank owns, with weight
+decay on matrices only.
 
 Details: docs/internals.md (`fivefold.train.optim`).
 """
@@ -16,13 +17,30 @@ from fivefold.parallel.lowbit import compiler_problems, lowbit_adamw_class, torc
 from fivefold.parallel.offload import HostOffloadOptimizer
 from fivefold.specs.plan import ParallelPlan
 from fivefold.train.config import TrainConfig
+from fivefold.train.muon import NS_COEFFICIENTS, NS_EPS, MuonAdamW
 
 
-def param_groups(model_parts: Iterable[nn.Module], weight_decay: float) -> list[dict]:
-    """Two AdamW groups: decayed matrices and undecayed vectors (each parameter once)."""
+def muon_matrices(model_parts: Iterable[nn.Module]) -> list[nn.Parameter]:
+    """The parameters Muon steps: the 2-D matrices inside the transformer blocks (attention
+    and dense MLP projections, MoE routers); embeddings, head, norms, biases and stacked
+    [E, F, D] expert weights stay with AdamW."""
+    out: dict[int, nn.Parameter] = {}
+    for part in model_parts:
+        layers = getattr(part, "layers", None)
+        for param in layers.parameters() if layers is not None else ():
+            if param.requires_grad and param.ndim == 2:
+                out.setdefault(id(param), param)
+    return list(out.values())
+
+
+def param_groups(
+    model_parts: Iterable[nn.Module], weight_decay: float, exclude: Iterable[nn.Parameter] = ()
+) -> list[dict]:
+    """Two AdamW groups: decayed matrices and undecayed vectors (each parameter once), without
+    the parameters in `exclude` (Muon's)."""
     decay: list[nn.Parameter] = []
     no_decay: list[nn.Parameter] = []
-    seen: set[int] = set()
+    seen: set[int] = {id(p) for p in exclude}
     for part in model_parts:
         for param in part.parameters():
             if not param.requires_grad or id(param) in seen:
@@ -74,10 +92,22 @@ def _adamw(groups: list[dict], cfg: TrainConfig, states: str) -> torch.optim.Opt
 def build_optimizer(
     model_parts: Iterable[nn.Module], cfg: TrainConfig, plan: ParallelPlan | None = None
 ) -> torch.optim.Optimizer:
-    """AdamW over the parts' parameters as the plan's levers ask (default: fp32 states, fused
-    else foreach, on the parameters' device)."""
+    """`train.optimizer` over the parts' parameters: AdamW as the plan's levers ask (default:
+    fp32 states, fused else foreach, on the parameters' device), or Muon with AdamW."""
     plan = plan or ParallelPlan()
     parts = list(model_parts)
+    if cfg.optimizer == "muon":
+        optimizer = build_muon(parts, cfg)
+    else:
+        optimizer = _built_adamw(parts, cfg, plan)
+    if needs_scale_precompute(plan):
+        optimizer.register_step_post_hook(lambda *_: precompute_scales(parts))
+    return optimizer
+
+
+def _built_adamw(
+    parts: list[nn.Module], cfg: TrainConfig, plan: ParallelPlan
+) -> torch.optim.Optimizer:
     groups = param_groups(parts, cfg.weight_decay)
     if plan.offload == "optimizer":
         optimizer = HostOffloadOptimizer(
@@ -85,6 +115,24 @@ def build_optimizer(
         )
     else:
         optimizer = _adamw(groups, cfg, plan.optimizer_states)
-    if needs_scale_precompute(plan):
-        optimizer.register_step_post_hook(lambda *_: precompute_scales(parts))
     return optimizer
+
+
+def build_muon(parts: list[nn.Module], cfg: TrainConfig) -> MuonAdamW:
+    """Muon over the blocks' matrices (peak lr `train.muon_lr`, else `train.lr`), fp32 AdamW
+    over the rest (`fivefold.specs.optimizer.optimizer_plan_problems` refuses the other levers)."""
+    matrices = muon_matrices(parts)
+    adamw = _adamw(param_groups(parts, cfg.weight_decay, exclude=matrices), cfg, "fp32")
+    return MuonAdamW(
+        adamw,
+        matrices,
+        lr=cfg.muon_lr or cfg.lr,
+        weight_decay=cfg.weight_decay,
+        momentum=cfg.muon_momentum,
+        nesterov=True,
+        ns_coefficients=NS_COEFFICIENTS,
+        eps=NS_EPS,
+        ns_steps=cfg.muon_ns_steps,
+        adjust_lr_fn=cfg.muon_adjust_lr,
+        ns_dtype=cfg.muon_ns_dtype,
+    )

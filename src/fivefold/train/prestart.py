@@ -106,7 +106,9 @@ def memory_fit(run: RunConfig, nproc: int, cuda: bool) -> MemoryFit | None:
     None when the planner has no prediction for this recipe."""
     from fivefold.parallel.report import predictions_for
 
-    memory, _, _ = predictions_for(run.recipe, cuda, fsdp_wrapped=nproc > 1)
+    memory, _, _ = predictions_for(
+        run.recipe, cuda, fsdp_wrapped=nproc > 1, optimizer=run.train.optimizer
+    )
     if not memory:
         return None
     tenants = ("params", "grads", "optimizer", "activations")
