@@ -71,8 +71,8 @@ def shard_batch_for_cp(batch: Any, cp_rank: int, cp_size: int) -> Any:
         for f in fields
         if getattr(batch, f, None) is not None
     }
-    if getattr(batch, "cu_seqlens", None) is not None:  # whole-sequence offsets: not this shard
-        changes["cu_seqlens"] = None
+    # `cu_seqlens` stays: the whole rows' host offsets, from which the CP core reads the global
+    # documents (`DocumentLayout.whole_offsets`) without gathering and reading back doc ids.
     return dataclasses.replace(batch, **changes)
 
 
@@ -94,8 +94,11 @@ def rank_order_chunks(size: int, chunk: int) -> list[Chunk]:
 def _global_documents(
     docs: DocumentLayout | None, group: dist.ProcessGroup, batch: int, local_len: int
 ) -> DocumentLayout:
-    """The documents of the whole sequence: local doc ids all-gathered (once per forward)."""
+    """The documents of the whole sequence: from the whole rows' host offsets when the batch
+    brought them, else the local doc ids all-gathered (once per forward) and read back."""
     size = dist.get_world_size(group)
+    if docs is not None and docs.whole_offsets is not None:  # the host has them: no gather
+        return DocumentLayout(None, batch, local_len * size, docs.whole_offsets)
     if docs is None or docs.doc_ids is None:
         return DocumentLayout(None, batch, local_len * size)
     key = ("cp-documents", id(group))
