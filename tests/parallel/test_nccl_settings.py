@@ -64,6 +64,18 @@ def test_nccl_env_before_the_group_exists(monkeypatch, tmp_path):
     assert env["TORCH_FR_DUMP_TEMP_FILE"] == str(traces / "rank_") and traces.is_dir()
 
 
+def test_nccl_communicators_are_made_for_the_groups_a_run_uses(monkeypatch):
+    """The default group is not bound to the GPU: bound, torch's `new_group` would connect an
+    NCCL communicator for every group at creation (every mesh dimension and flattened mesh,
+    size-1 and unused ones included), GPU memory each; unbound, at a group's first collective."""
+    seen = {}
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: seen.update(k))
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    assert pg.init_distributed(torch.device("cuda", 3))
+    assert seen.get("device_id") is None and "timeout" in seen
+
+
 def test_gloo_gets_no_nccl_settings(monkeypatch):
     calls = []
     monkeypatch.setattr(dist, "is_initialized", lambda: False)

@@ -71,7 +71,11 @@ def init_distributed(
         init_process_group("gloo", timeout_s)
         return True
     set_nccl_env(trace_dir)
-    init_process_group("nccl", timeout_s, device_id=device)
+    # Not bound to the device (`device_id`): a bound default group makes every later group
+    # (each DeviceMesh dimension and flattened view, used or not) connect its NCCL
+    # communicator, GPU memory each, at creation; unbound, a group's communicator is made at
+    # its first collective, on the current device (`pick_device` set it).
+    init_process_group("nccl", timeout_s)
     return True
 
 
