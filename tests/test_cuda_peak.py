@@ -3,10 +3,13 @@
 The loop resets the allocator's peak statistics right before the measured step, so start-up,
 checkpoint loading, compilation and evaluation are not in its peak; the allocated peak is
 compared with the prediction less the CUDA context and fragmentation, the reserved peak plus
-the context (the device's used memory outside the allocator) with the whole prediction.
+the context (the device's used memory outside the allocator) with the whole prediction. The
+loop's own measured step is run too (on a stand-in runtime), not only the tracker.
 """
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,6 +19,7 @@ from fivefold.planner.memory import all_stage_memory
 from fivefold.planner.memory_options import MemoryOptions
 from fivefold.specs.plan import ParallelPlan
 from fivefold.specs.presets import MODEL_PRESETS
+from fivefold.train.loop import Trainer
 from fivefold.train.memory_counter import track_cuda_peak
 
 GIB = 2**30
@@ -65,3 +69,31 @@ def test_allocated_is_compared_without_context_and_fragmentation() -> None:
     assert entry["reserved_error"] == pytest.approx(-0.2)
     text = format_rows("single", [row], "note")
     assert "reserved + context: predicted 2.000 GiB, measured 2.500 GiB, -20.0%" in text
+
+
+def test_the_loop_measures_its_cuda_step_with_the_allocator(monkeypatch) -> None:
+    """The loop's measured step on a (fake) CUDA runtime: statistics reset right before the
+    step, the step's allocator peak read after it and handed to the runtime's report."""
+    events, stats, recorded = [], {"allocated": 0, "reserved": 0}, []
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda d: events.append("reset"))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d: stats["allocated"])
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda d: stats["reserved"])
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: 9 * GIB)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (69 * GIB, 80 * GIB))
+
+    def device_step(micro_batches, pending):
+        events.append("step")
+        stats.update(allocated=7 * GIB, reserved=10 * GIB)
+        return "done"
+
+    runtime = SimpleNamespace(
+        device=torch.device("cuda", 0),
+        model_parts=[],
+        record_peak_memory=lambda *reading: recorded.append(reading),
+    )
+    loop = SimpleNamespace(runtime=runtime, optimizer=None, _device_step=device_step)
+    assert Trainer._measured_step(loop, [], []) == "done"
+    assert events == ["reset", "step"]
+    assert loop.cpu_peak.peak_bytes == 7 * GIB
+    ((peak, _tenants, reserved),) = recorded
+    assert (peak, reserved) == (7 * GIB, 12 * GIB)

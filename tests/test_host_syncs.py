@@ -1,18 +1,17 @@
 """Host syncs: the loop reads values back from the device only at its read-back steps.
 
-On a GPU every `.item()`, `.tolist()`, `.cpu()` or `float(tensor)` waits for the device to
-finish the work queued so far, so a step that makes one cannot queue the next while the device
-works. CI has no GPU: the calls are counted on CPU by wrapping those methods of `torch.Tensor`
-and keeping the calls that fivefold's own code makes (the caller's frame is under
-`src/fivefold`; torch's internals are its own business). On CUDA,
-`torch.cuda.set_sync_debug_mode("warn")` reports the same syncs, the library's included.
+On a GPU every `.item()`, `.tolist()`, `.cpu()`, `.to("cpu")`, `np.asarray(tensor)` or
+`float(tensor)` waits for the device to finish the work queued so far, so a step that makes one
+cannot queue the next while the device works. CI has no GPU: `host_reads.HostReads` counts the
+reads at torch's dispatcher and function layer, whoever makes them (fivefold, or a torch helper
+such as `clip_grad_norm_(error_if_nonfinite=True)`). On CUDA,
+`torch.cuda.set_sync_debug_mode("warn")` reports the same syncs.
 Also here: the data loader's document offsets (`Batch.cu_seqlens`) by hand, and the model's
 document layout read from them equal to the one read from the doc ids.
 """
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +25,7 @@ from fivefold.train.data.batching import document_offsets
 from fivefold.train.entry import load_run
 from fivefold.train.loop import Trainer, train
 from fivefold.train.runtime import LocalRuntime
+from host_reads import HostReads
 
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny-cpu.toml"
 SRC = str(Path(__file__).resolve().parents[1] / "src" / "fivefold")
@@ -50,24 +50,6 @@ def test_the_layout_from_host_offsets_equals_the_one_read_from_doc_ids() -> None
         DocumentLayout(None, 2, 6, np.array([0, 18], dtype=np.int32)).row_groups  # noqa: B018
 
 
-class SyncCounter:
-    """Counts read-back calls made from fivefold's sources, per loop step."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.calls: list[str] = []
-        for name in READ_BACKS:
-            monkeypatch.setattr(torch.Tensor, name, self._wrap(name, getattr(torch.Tensor, name)))
-
-    def _wrap(self, name, original):
-        def counted(tensor, *args, **kwargs):
-            caller = sys._getframe(1).f_code.co_filename
-            if caller.startswith(SRC):
-                self.calls.append(f"{name} at {caller.rsplit('/', 1)[-1]}")
-            return original(tensor, *args, **kwargs)
-
-        return counted
-
-
 def tiny_run(tmp_path: Path, *overrides: str):
     base = [
         f"train.runs_dir={str(tmp_path)!r}",
@@ -85,20 +67,22 @@ def test_a_step_between_read_backs_makes_no_host_sync(tmp_path, monkeypatch) -> 
     make no host sync, and a plain log step (8) exactly one: the losses, aux losses and
     gradient norms of steps 5-8 in one copy."""
     run = tiny_run(tmp_path, "train.steps=9", "train.log_every=4", "train.grad_clip=1.0")
-    counter = SyncCounter(monkeypatch)
+    counter = HostReads()
     per_step: dict[int, int] = {}
     device_step = Trainer._device_step
 
     def step_and_count(trainer, micro_batches, pending):
         if trainer.step > 0:  # the previous iteration ends where this one starts
-            per_step[trainer.step] = len(counter.calls) - sum(per_step.values())
+            per_step[trainer.step] = len(counter.reads) - sum(per_step.values())
         return device_step(trainer, micro_batches, pending)
 
     monkeypatch.setattr(Trainer, "_device_step", step_and_count)
-    summary = train(run, runtime=LocalRuntime(run.recipe), console=Console(quiet=True))
-    per_step[9] = len(counter.calls) - sum(per_step.values())
+    runtime = LocalRuntime(run.recipe)
+    with counter:
+        summary = train(run, runtime=runtime, console=Console(quiet=True))
+    per_step[9] = len(counter.reads) - sum(per_step.values())
     assert summary.end_step == 9 and len(summary.losses) == 9
-    assert [per_step[s] for s in (5, 6, 7)] == [0, 0, 0], counter.calls
+    assert [per_step[s] for s in (5, 6, 7)] == [0, 0, 0], counter.reads
     assert per_step[8] == 1
     assert all(per_step[s] >= 1 for s in (1, 2, 3, 4, 9))
     lines = (tmp_path / "syncs" / "metrics.jsonl").read_text().splitlines()

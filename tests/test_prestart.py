@@ -67,12 +67,50 @@ def test_a_dry_run_prints_the_prediction_then_what_is_wrong(monkeypatch, capsys,
     assert "stage 0: peak memory" in out and "this run does not fit" in err
 
 
-def test_a_run_that_fits_is_not_refused(monkeypatch, tmp_path) -> None:
-    from fivefold.train.entry import check_layout
+def _one_rank_need(tmp_path) -> float:
+    """The planner's peak (bytes) for the tiny recipe on one host rank, mbs 64."""
+    run = load_run(TINY, ["plan.micro_batch=64", f'train.run_dir="{tmp_path}"'], world_size=1)
+    return predictions_for(run.recipe, False, fsdp_wrapped=False)[0][0]["total"] * GIB
 
-    monkeypatch.setattr(machine_memory, "available_bytes", lambda: 64 * GIB)
-    run = check_layout(TINY, [f'train.run_dir="{tmp_path}"'], 1)
-    assert run.recipe.plan.micro_batch >= 1
+
+@pytest.mark.parametrize("headroom", [0.99, 1.01])
+def test_one_rank_is_refused_just_below_its_peak_and_started_just_above(
+    monkeypatch, capsys, tmp_path, headroom
+):
+    """One host rank: the whole prediction against the memory free, with 1 % either way."""
+    need = _one_rank_need(tmp_path)
+    monkeypatch.setattr(machine_memory, "available_bytes", lambda: int(need * headroom))
+    started = []
+    summary = types.SimpleNamespace(exit_code=0)
+    monkeypatch.setattr("fivefold.train.loop.train", lambda *a, **k: started.append(1) or summary)
+    code, err = _train(capsys, "plan.micro_batch=64", f'train.run_dir="{tmp_path}"')
+    if headroom < 1:
+        assert code == 2 and not started
+        assert f"predicts a peak of {need / GIB:,.2f} GiB, more than the " in err
+        assert "for the 1 ranks" not in err and "fewer ranks" not in err
+    else:
+        assert started == [1] and "does not fit" not in err
+
+
+def test_the_cuda_memory_fit_takes_one_rank_against_the_emptiest_of_its_gpus(
+    monkeypatch, tmp_path
+) -> None:
+    """`memory_fit` on CUDA: the per-rank prediction (fsdp-wrapped for 2 ranks) against the
+    least free of the ranks' GPUs, as NVML reports them."""
+    from fivefold.train.prestart import memory_fit
+
+    run = load_run(TINY, [*FOUR_RANKS[2:], f'train.run_dir="{tmp_path}"'], world_size=4)
+    per_rank = predictions_for(run.recipe, True, fsdp_wrapped=True)[0][0]["total"] * GIB
+    free = [int(per_rank * 3), int(per_rank * 0.9), int(per_rank * 2), int(per_rank * 3)]
+    monkeypatch.setattr(machine_memory, "gpu_free_bytes", lambda n, in_process=False: free[:n])
+    monkeypatch.setattr(machine_memory, "available_bytes", lambda: 0)  # the host: not asked
+    fit = memory_fit(run, 4, cuda=True)
+    assert fit.free_bytes == free[1] and fit.need_bytes == pytest.approx(per_rank)
+    (problem,) = fit.problems()
+    assert f"a peak of {per_rank / GIB:,.2f} GiB per rank, more than the " in problem
+    assert "free on the emptiest GPU" in problem
+    free[1] = int(per_rank * 1.01)
+    assert memory_fit(run, 4, cuda=True).problems() == []
 
 
 def test_memory_fit_on_gpus_compares_one_rank_with_the_emptiest_gpu() -> None:

@@ -3,6 +3,7 @@ or an unknown GPU, and the cluster, precision and checks a recipe without [clust
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -13,6 +14,9 @@ from fivefold.parallel import device as device_module
 from fivefold.parallel.device import local_cluster_table, local_gpu, real_bf16, uses_cuda
 from fivefold.parallel.mixed_precision import resolve_precision
 from fivefold.parallel.report import predictions_for
+from fivefold.planner.estimate import estimate
+from fivefold.planner.options import PlannerOptions
+from fivefold.specs.cluster import cluster_for_gpu
 from fivefold.specs.hardware import GPUS, UNKNOWN_GPU
 from fivefold.train.entry import check_layout, load_run
 from fivefold.units import GiB
@@ -58,8 +62,20 @@ def test_a_gpu_run_predicts_step_time_for_the_gpu_not_the_cpu(monkeypatch):
     fake_gpu(monkeypatch, "NVIDIA H200", 139.8)
     run = load_run(None, [*TINY, "model.seq_len=128"], world_size=1)
     memory, step_s, note = predictions_for(run.recipe, cuda=True, fsdp_wrapped=False)
-    assert memory and step_s is not None and step_s > 0
-    assert note == "planner estimate for h200"
+    assert memory and note == "planner estimate for h200"
+    # the step priced on the catalog's H200 (one GPU), as the runtime's planner runs it; an
+    # H100, whose price differs by ~1.6 % here, would not pass
+    priced = {
+        gpu: estimate(
+            run.recipe.model,
+            cluster,
+            run.recipe.plan,
+            options=replace(PlannerOptions.for_device(cluster.device), runtime="fivefold-eager"),
+        ).step_time_s
+        for gpu, cluster in ((g, cluster_for_gpu(g, 1, 1)) for g in ("h200", "h100-sxm"))
+    }
+    assert step_s == pytest.approx(priced["h200"], rel=1e-9)
+    assert abs(priced["h100-sxm"] / priced["h200"] - 1) > 0.01
 
 
 def test_fp8_is_accepted_on_an_h200_without_a_cluster_section(monkeypatch):

@@ -386,9 +386,10 @@ def test_eager_pipelined_zero3_peak_holds_unsharded_fp32_gradients():
     assert "zero3_unsharded_grads" not in mem.other_terms
 
 
-def test_eager_rope_copies_per_block_and_loss_parallel_logits():
-    # bf16 compute under FSDP2: each of the 6 blocks keeps bf16 cos and sin [1, 256, 1, 32];
-    # fp32 compute keeps the one fp32 pair. tp 2: loss_parallel holds 16 B per local logit.
+def test_eager_rope_tables_once_per_chunk_and_loss_parallel_logits():
+    # bf16 compute under FSDP2 as in fp32: the 6 blocks share one fp32 cos and sin pair
+    # [1, 256, 1, 32] (blocks wrapped with cast_forward_inputs=False, no bf16 copy per block).
+    # tp 2: loss_parallel holds 16 B per local logit.
     m = model_preset("small")
     counts = stage_layer_counts(m, 1)
     bf16 = ParallelPlan()
@@ -396,7 +397,7 @@ def test_eager_rope_copies_per_block_and_loss_parallel_logits():
     layers = 6 * layer_activation_bytes(m, bf16, options=EAGER)
     fixed = chunk_activation_bytes(m, bf16, counts, 0, EAGER) - layers
     final_norm = (2 * 4 * 256 * 256 + 4 * 256) + 2 * 256 * 256
-    assert fixed == final_norm + 6 * 2 * 2 * 256 * 32 + 8 * 256  # + int64 token indices
+    assert fixed == final_norm + 2 * 4 * 256 * 32 + 8 * 256  # + int64 token indices
     fixed32 = chunk_activation_bytes(m, fp32, counts, 0, EAGER) - 6 * layer_activation_bytes(
         m, fp32, options=EAGER
     )

@@ -33,6 +33,7 @@ from pathlib import Path
 
 from fivefold.errors import ConfigError, FivefoldError
 from fivefold.launch.machine_memory import oom_kill_count
+from fivefold.launch.nccl_env import error_handling_export, set_error_handling
 from fivefold.launch.rank_report import (
     REPORT_DIR_ENV,
     last_attempt,
@@ -112,6 +113,7 @@ def launch_local(
     env.setdefault("OMP_NUM_THREADS", str(threads_per_rank(nproc)))
     passive_wait(env)
     env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(AGENT_SHUTDOWN_S))
+    set_error_handling(env)  # torchrun's agent would export its own default to the ranks
     command = torchrun_command(nproc, recipe_path, overrides, max_restarts)
     with tempfile.TemporaryDirectory(prefix="fivefold-ranks-") as reports:
         env[REPORT_DIR_ENV] = reports
@@ -350,6 +352,7 @@ def slurm_script(
         "set -euo pipefail",
         'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
         f"export OMP_NUM_THREADS={max(1, cpus // job.gpus_per_node)}",
+        error_handling_export(),  # before torchrun, whose agent exports its own default
         "",
         f"srun --kill-on-bad-exit=1 {shlex.quote(sys.executable)} -m torch.distributed.run \\",
         '    --nnodes="$SLURM_NNODES" \\',

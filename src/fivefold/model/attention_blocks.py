@@ -105,8 +105,8 @@ def _device_offsets(offsets: tuple[int, ...], device: torch.device) -> torch.Ten
 
 
 def uses_flash_blocks(q: torch.Tensor) -> bool:
-    """Whether blocks run as one flash varlen call each (CUDA in fp16/bf16; GQA native, the
-    gradients kept in q's dtype) rather than one call per document span."""
+    """Whether blocks run as one flash varlen call each (CUDA in fp16/bf16; GQA native, each
+    block's gradients returned in q's dtype) rather than one call per document span."""
     return q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16)
 
 
@@ -234,16 +234,12 @@ def blocks_forward(q, k, v, blocks: list[Block], scale: float):
     return out.to(q.dtype), lse
 
 
-def grad_dtype(q: torch.Tensor) -> torch.dtype:
-    """What block gradients accumulate in: q's dtype where blocks are flash calls (CUDA), else
-    fp32 (the per-span CPU kernels' sums)."""
-    return q.dtype if uses_flash_blocks(q) else torch.float32
-
-
 def zero_grads(q, k) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Zeros in `grad_dtype` for (dq, dk, dv) laid out like q and k ([B, T, H, Dh] memory)."""
-    dq = heads_last_buffer(q, q.shape[1], q.shape[2], grad_dtype(q))
-    dk = heads_last_buffer(k, k.shape[1], k.shape[2], grad_dtype(q))
+    """fp32 zeros for (dq, dk, dv) laid out like q and k ([B, T, H, Dh] memory): block
+    gradients (bf16 from CUDA's flash kernel) are summed in fp32, as torch's ring attention
+    sums them, and cast to the inputs' dtype once at the end."""
+    dq = heads_last_buffer(q, q.shape[1], q.shape[2], torch.float32)
+    dk = heads_last_buffer(k, k.shape[1], k.shape[2], torch.float32)
     return dq, dk, torch.zeros_like(dk)
 
 

@@ -7,7 +7,6 @@ equal `doc_ids` [B, T], their host-side starts, cumulative offsets and FlexAtten
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -41,7 +40,6 @@ class Block(NamedTuple):
     spans: tuple[Span, ...]
 
 
-@dataclass
 class DocumentLayout:
     """The documents of a batch, computed once per forward and shared by every layer.
 
@@ -50,17 +48,30 @@ class DocumentLayout:
     (NumPy int32 [N+1], `fivefold.train.data.Batch.cu_seqlens`), or None.
     `row_groups` are (batch rows, document starts) with consecutive rows of equal boundaries
     merged, read from `offsets` when given (no device read-back), else from `doc_ids` on first
-    use (one host copy). `cache` holds what a context-parallel core derives from it for this
-    forward (global boundaries, ring blocks).
+    use (one host copy). Under context parallelism `offsets` may be the whole rows' (ending at
+    n * B*T): `whole_offsets`, from which the CP core reads the global documents. `cache`
+    holds what a context-parallel core derives from it for this forward (global boundaries,
+    ring blocks).
+    Deliberately not a dataclass: hooks that map over a module's inputs (FSDP2's
+    `cast_forward_inputs`, torch's `_apply_to_tensors`) rebuild dataclasses, which would hand
+    every block a copy with a cache of its own; a plain object reaches every block as itself.
     """
 
-    doc_ids: torch.Tensor | None
-    batch: int
-    seq_len: int
-    offsets: Any = None
-    cache: dict[Any, Any] = field(default_factory=dict, repr=False)
-    _groups: tuple[tuple[slice, tuple[int, ...]], ...] | None = field(default=None, repr=False)
-    _single: bool | None = field(default=None, repr=False)
+    def __init__(
+        self, doc_ids: torch.Tensor | None, batch: int, seq_len: int, offsets: Any = None
+    ) -> None:
+        # Offsets ending at a multiple n > 1 of B*T describe the whole rows of which this is a
+        # context-parallel 1/n share: kept for the CP core (`whole_offsets`), not read here.
+        self.whole_offsets = None
+        if offsets is not None and _covers_shards(offsets, batch * seq_len):
+            self.whole_offsets, offsets = offsets, None
+        self.doc_ids, self.batch, self.seq_len, self.offsets = doc_ids, batch, seq_len, offsets
+        self.cache: dict[Any, Any] = {}
+        self._groups: tuple[tuple[slice, tuple[int, ...]], ...] | None = None
+        self._single: bool | None = None
+
+    def __repr__(self) -> str:
+        return f"DocumentLayout(batch={self.batch}, seq_len={self.seq_len})"
 
     @property
     def row_groups(self) -> tuple[tuple[slice, tuple[int, ...]], ...]:
@@ -164,6 +175,12 @@ def _document_block_mask(docs: DocumentLayout, device: torch.device) -> Any:
         seq_lengths=(docs.seq_len, docs.seq_len),
     )
     return mask.to(device)
+
+
+def _covers_shards(offsets: Any, tokens: int) -> bool:
+    """Whether host offsets end at n * `tokens`, n > 1 (whole rows of a CP shard)."""
+    end = int(offsets[-1])
+    return end > tokens and end % tokens == 0
 
 
 def _offset_row_groups(offsets: Any, batch: int, seq_len: int):

@@ -50,6 +50,7 @@ def _varlen() -> Any:
 
 _SCHEDULES = "torch.distributed.pipelining.schedules"
 _C10D = "torch.distributed.distributed_c10d"
+_FUNCOL = "torch.distributed._functional_collectives"
 # key -> (the API, what fivefold uses it for, how to find it); probed one by one, on demand:
 # importing some of these modules takes seconds, and most runs need few of them.
 FEATURES: dict[str, tuple[str, str, Callable[[], bool]]] = {
@@ -111,6 +112,11 @@ FEATURES: dict[str, tuple[str, str, Callable[[], bool]]] = {
             and _attr("torch.optim._muon", "_zeropower_via_newtonschulz") is not None
             and _attr("torch.optim._muon", "_adjust_lr") is not None
         ),
+    ),
+    "all_gather_single_autograd": (
+        "torch.distributed._functional_collectives.all_gather_single_autograd",
+        "plan.cp_kind = 'allgather' (else its torch 2.11 name, all_gather_tensor_autograd)",
+        lambda: _attr(_FUNCOL, "all_gather_single_autograd") is not None,
     ),
     "bf16_native_check": (
         "torch.cuda.is_bf16_supported(including_emulation=)",

@@ -18,10 +18,10 @@ from fivefold.model.attention_blocks import (
     block_attention,
     block_backward,
     block_forward,
-    grad_dtype,
     merge_partial,
 )
 from fivefold.model.document_layout import Block, Chunk, DocumentLayout, document_blocks
+from fivefold.model.torch_features import has
 
 
 # ---- layout --------------------------------------------------------------------------------------
@@ -71,8 +71,8 @@ def shard_batch_for_cp(batch: Any, cp_rank: int, cp_size: int) -> Any:
         for f in fields
         if getattr(batch, f, None) is not None
     }
-    if getattr(batch, "cu_seqlens", None) is not None:  # whole-sequence offsets: not this shard
-        changes["cu_seqlens"] = None
+    # `cu_seqlens` stays: the whole rows' host offsets, from which the CP core reads the global
+    # documents (`DocumentLayout.whole_offsets`) without gathering and reading back doc ids.
     return dataclasses.replace(batch, **changes)
 
 
@@ -94,8 +94,11 @@ def rank_order_chunks(size: int, chunk: int) -> list[Chunk]:
 def _global_documents(
     docs: DocumentLayout | None, group: dist.ProcessGroup, batch: int, local_len: int
 ) -> DocumentLayout:
-    """The documents of the whole sequence: local doc ids all-gathered (once per forward)."""
+    """The documents of the whole sequence: from the whole rows' host offsets when the batch
+    brought them, else the local doc ids all-gathered (once per forward) and read back."""
     size = dist.get_world_size(group)
+    if docs is not None and docs.whole_offsets is not None:  # the host has them: no gather
+        return DocumentLayout(None, batch, local_len * size, docs.whole_offsets)
     if docs is None or docs.doc_ids is None:
         return DocumentLayout(None, batch, local_len * size)
     key = ("cp-documents", id(group))
@@ -203,13 +206,13 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         steps, group, scale = ctx.steps, ctx.group, ctx.scale
         size = dist.get_world_size(group)
-        dq = torch.zeros_like(q, dtype=grad_dtype(q))  # fp32 but for CUDA's flash blocks
+        dq = torch.zeros_like(q, dtype=torch.float32)  # sums of bf16 flash blocks kept in fp32
         kv, incoming = [k, v], None
         for step in range(size):
             wait_kv = None
             if step < size - 1:
                 next_kv, wait_kv = _ring_exchange(kv, group)
-            dk, dv = (torch.zeros_like(k, dtype=grad_dtype(q)) for _ in range(2))
+            dk, dv = (torch.zeros_like(k, dtype=torch.float32) for _ in range(2))  # fp32 hops
             for block in steps[step]:
                 block_backward(dout, q, kv[0], kv[1], out, lse, block, scale, (dq, dk, dv))
             if incoming is not None:  # the block's dK/dV from the ranks that held it before
@@ -247,6 +250,14 @@ def ring_attention(
 
 
 # ---- all-gather and all-to-all variants ----------------------------------------------------------
+def _all_gather_autograd(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """`x` all-gathered along `dim` over `group` (backward: reduce-scatter). torch 2.13 names it
+    `all_gather_single_autograd`; 2.11 and 2.12 have only `all_gather_tensor_autograd`."""
+    if has("all_gather_single_autograd"):
+        return funcol.all_gather_single_autograd(x, gather_dim=dim, group=group)
+    return funcol.all_gather_tensor_autograd(x, gather_dim=dim, group=group)
+
+
 def allgather_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -257,8 +268,8 @@ def allgather_attention(
     scale: float | None = None,
 ) -> torch.Tensor:
     """Same contract as `ring_attention`; K/V all-gathered (backward: reduce-scatter)."""
-    k_all = funcol.all_gather_single_autograd(k.contiguous(), gather_dim=2, group=group)
-    v_all = funcol.all_gather_single_autograd(v.contiguous(), gather_dim=2, group=group)
+    k_all = _all_gather_autograd(k.contiguous(), 2, group)
+    v_all = _all_gather_autograd(v.contiguous(), 2, group)
     blocks: list[Block] = _cp_blocks("allgather", q, docs, group)
     return block_attention(q, k_all, v_all, blocks, scale)
 

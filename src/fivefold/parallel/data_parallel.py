@@ -22,11 +22,19 @@ def compute_dtype(plan: ParallelPlan, device: torch.device) -> torch.dtype:
     return resolve_precision(plan.precision, device).dtype
 
 
-def mixed_precision_policy(plan: ParallelPlan, device: torch.device) -> MixedPrecisionPolicy:
+def mixed_precision_policy(
+    plan: ParallelPlan, device: torch.device, cast_inputs: bool = True
+) -> MixedPrecisionPolicy:
+    """FSDP2's policy for `plan`: bf16 parameters and fp32 gradient reduction under bf16
+    compute. `cast_inputs=False` (the blocks) leaves the module's inputs as they come: the
+    hidden states are already bf16 (the root casts its own), and the RoPE tables stay fp32
+    and, with the document layout, one object per forward, as in one process."""
     dtype = compute_dtype(plan, device)
     if dtype == torch.float32:
         return MixedPrecisionPolicy()
-    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy(
+        param_dtype=dtype, reduce_dtype=torch.float32, cast_forward_inputs=cast_inputs
+    )
 
 
 def dp_mesh_for(meshes, plan: ParallelPlan) -> DeviceMesh:
@@ -87,7 +95,7 @@ def apply_data_parallel(
     ranks. Returns every wrapped module (for gradient-sync control), root last.
     """
     mesh = dp_mesh_for(meshes, plan)
-    mp = mixed_precision_policy(plan, device)
+    mp, block_mp = mixed_precision_policy(plan, device), mixed_precision_policy(plan, device, False)
     reshard = plan.zero == 3
     wrapped: list[FSDPModule] = []
     for block in model.layers.values():
@@ -96,7 +104,7 @@ def apply_data_parallel(
             placement = expert_shard_placement(moe.experts, expert_mesh)
             _wrap(moe.experts, expert_mesh, plan, mp, reshard, device, placement)
             wrapped.append(moe.experts)
-        _wrap(block, mesh, plan, mp, reshard, device)
+        _wrap(block, mesh, plan, block_mp, reshard, device)
         wrapped.append(block)
     # The root keeps its (small) parameters gathered after forward: the head runs first in
     # backward, so re-sharding them would only add an all-gather.

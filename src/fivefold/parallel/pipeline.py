@@ -15,7 +15,8 @@
   forward-only mode, every schedule and chunk placement) and returns their mean token cross
   entropy on every pipeline rank. Positions and doc ids reach every stage as keyword arguments
   of the stage forward (torch passes step kwargs, split per micro-batch, to all stages), so
-  RoPE and document masks are right on every stage.
+  RoPE and document masks are right on every stage; so do the micro-batches' host document
+  offsets (as a host table of each row's document starts), so no stage reads doc ids back.
 - MoE load-balancing losses of a chunk are attached to its output with an identity whose
   backward seeds d(aux) = 1 (Megatron's trick), so each stage's aux loss trains its routers
   inside the ordinary pipeline backward. With `scale_grads=True` (the default) torch divides the
@@ -269,6 +270,11 @@ class PipelineRunner:
             for c in self.chunks
             if _moe_layers(c)
         ]
+        self._host_offsets: list | None = None  # this step's micro-batches' `cu_seqlens`
+        self._hooks += [
+            c.register_forward_pre_hook(self._with_host_offsets, with_kwargs=True)
+            for c in self.chunks
+        ]
         self.stages = [
             _recording_stage(
                 self.aux, chunk, index, plan.pp * plan.vpp, self.device, group=self.group
@@ -376,9 +382,23 @@ class PipelineRunner:
             values = [getattr(mb, name, None) for mb in micro_batches]
             if all(v is not None for v in values):
                 kwargs[name] = self._cat(values)
+        offsets = [getattr(mb, "cu_seqlens", None) for mb in micro_batches]
+        self._host_offsets = offsets if all(o is not None for o in offsets) else None
+        if self._host_offsets is not None:  # row numbers: torch splits them with the rows
+            kwargs[ROWS] = torch.arange(sum(mb.tokens.shape[0] for mb in micro_batches))
         args = (self._cat([mb.tokens for mb in micro_batches]),) if self.has_first else ()
         target = self._cat([mb.labels for mb in micro_batches]) if self.has_last else None
         return args, target, kwargs
+
+    def _with_host_offsets(self, chunk: nn.Module, args: tuple, kwargs: dict):
+        """A chunk's forward pre-hook: the micro-batch's host document offsets as the model's
+        `cu_seqlens`, so no stage reads doc ids back. Which micro-batch this is comes from its
+        share of the `ROWS` numbers torch split off (a view: its storage offset is its first
+        row, metadata only); torch's shape inference passes them on the meta device."""
+        rows = kwargs.pop(ROWS, None)
+        if rows is not None and rows.device.type == "cpu" and self._host_offsets is not None:
+            kwargs["cu_seqlens"] = self._host_offsets[rows.storage_offset() // rows.shape[0]]
+        return args, kwargs
 
     def _reshard(self) -> None:
         """Free every gathered FSDP unit (a no-op for units already sharded)."""
@@ -392,6 +412,9 @@ class PipelineRunner:
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
+
+
+ROWS = "pipeline_rows"  # the stage kwarg naming a micro-batch's rows (`_host_offsets`)
 
 
 def _check_one_shape(micro_batches: list[Any]) -> None:

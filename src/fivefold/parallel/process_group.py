@@ -13,6 +13,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING
 
 from fivefold.errors import ConfigError, TrainingError
+from fivefold.launch.nccl_env import ASYNC_ERROR_HANDLING_ENV, TEAR_DOWN_WITHOUT_CLEANUP
 
 # torch (and fivefold.model, which needs it) is imported lazily, inside the functions:
 # `fivefold --help` imports this module (through fivefold.checkpoint.elastic) without torch.
@@ -70,13 +71,15 @@ def init_distributed(
         init_process_group("gloo", timeout_s)
         return True
     set_nccl_env(trace_dir)
-    init_process_group("nccl", timeout_s, device_id=device)
+    # Not bound to the device (`device_id`): a bound default group makes every later group
+    # (each DeviceMesh dimension and flattened view, used or not) connect its NCCL
+    # communicator, GPU memory each, at creation; unbound, a group's communicator is made at
+    # its first collective, on the current device (`pick_device` set it).
+    init_process_group("nccl", timeout_s)
     return True
 
 
 FLIGHT_RECORDER_DIR_ENV = "FIVEFOLD_COMM_TRACE_DIR"
-ASYNC_ERROR_HANDLING_ENV = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
-TEAR_DOWN_WITHOUT_CLEANUP = "3"  # torch's NCCL error handling: end the process, skip NCCL's abort
 
 
 def set_nccl_env(trace_dir: str | os.PathLike | None = None) -> dict[str, str]:
@@ -86,7 +89,9 @@ def set_nccl_env(trace_dir: str | os.PathLike | None = None) -> dict[str, str]:
     - `TORCH_NCCL_ASYNC_ERROR_HANDLING=3`: when the watchdog sees a collective fail or time out
       it ends the process at once, without aborting the communicator (which can itself hang),
       so torchrun's agent sees the failure and restarts the job (torch's documented values:
-      0 nothing, 1 abort and tear down, 2 abort only, 3 tear down only).
+      0 nothing, 1 abort and tear down, 2 abort only, 3 tear down only). Under torchrun the
+      agent has already exported it to every worker (1 unless set before torchrun started), so
+      the launchers set it (`fivefold.launch.nccl_env`); here it reaches plain launches.
     - The flight recorder keeps the last 20,000 collectives per rank in a ring buffer
       (`TORCH_FR_BUFFER_SIZE`, and `TORCH_NCCL_TRACE_BUFFER_SIZE` as older torches name it) and
       writes it on a timeout (`TORCH_NCCL_DUMP_ON_TIMEOUT`) to `<trace_dir>/rank_<r>`

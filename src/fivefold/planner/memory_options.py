@@ -25,10 +25,10 @@ class EagerProfile:
     norm_fp32_saved: int = 2  # RMSNorm keeps its fp32 input and the normalised x before weight
     swiglu_saved: int = 4  # w1 out, w3 out, silu(w1 out), their product (fused: 3)
     rope_tables_per_chunk: bool = True  # fp32 cos and sin [b, s, 1, head_dim], once a forward
-    # FSDP2's `MixedPrecisionPolicy` casts each block's floating-point inputs to the compute
-    # dtype (`cast_forward_inputs`): every block keeps its own cos and sin copy for the rotary
-    # multiply's backward, and the fp32 tables are not kept.
-    rope_cast_per_block: bool = True
+    # FSDP2's `MixedPrecisionPolicy` would cast each block's floating-point inputs to the
+    # compute dtype (`cast_forward_inputs`), a cos and sin copy per block; fivefold's blocks
+    # take their inputs uncast (`fivefold.parallel.data_parallel`), so the fp32 pair is shared.
+    rope_cast_per_block: bool = False
     # With tp > 1 the loss runs under torch's `loss_parallel`, whose backward holds, per logit,
     # the fp32 log-softmax, a `zeros_like` one-hot gradient, exp(log-softmax) and their sum.
     loss_parallel_logit_bytes: float = 16.0
