@@ -71,10 +71,10 @@ def test_a_step_between_read_backs_makes_no_host_sync(tmp_path, monkeypatch) -> 
     per_step: dict[int, int] = {}
     device_step = Trainer._device_step
 
-    def step_and_count(trainer, micro_batches, pending):
+    def step_and_count(trainer, micro_batches, pending, samples):
         if trainer.step > 0:  # the previous iteration ends where this one starts
             per_step[trainer.step] = len(counter.reads) - sum(per_step.values())
-        return device_step(trainer, micro_batches, pending)
+        return device_step(trainer, micro_batches, pending, samples)
 
     monkeypatch.setattr(Trainer, "_device_step", step_and_count)
     runtime = LocalRuntime(run.recipe)

@@ -6,7 +6,9 @@ CLI prints the message as one paragraph instead of a traceback.
 
 
 class FivefoldError(Exception):
-    """Base of every error meant to be read by a user."""
+    """Base of every error meant to be read by a user; `exit_code` is the process's status."""
+
+    exit_code = 2
 
 
 class ConfigError(FivefoldError):
@@ -39,3 +41,11 @@ class CheckpointError(FivefoldError):
 
 class TrainingError(FivefoldError):
     """A run that cannot continue (non-finite loss, a stuck rank)."""
+
+
+class CollectiveError(TrainingError):
+    """A collective that timed out waiting for a stuck rank, or lost a dead one: the job, not
+    the recipe, failed, so a restart (torchrun --max-restarts) may cure it. Exit status 75
+    (EX_TEMPFAIL of sysexits.h, "try again later"), apart from a user error's 2."""
+
+    exit_code = 75

@@ -14,7 +14,7 @@ import pytest
 from ckpt_harness import run_ranks
 
 from fivefold.checkpoint import elastic
-from fivefold.errors import ConfigError, TrainingError
+from fivefold.errors import CollectiveError, ConfigError, TrainingError
 from fivefold.parallel import process_group
 
 HERE = Path(__file__).parent
@@ -230,3 +230,57 @@ def test_fivefold_train_survives_sigkill_of_a_rank(tmp_path):
     assert sorted({step for step, _ in logged}) == list(range(1, 8)), (where, logged)
     for step, loss in logged:
         assert loss == reference[step], (where, step, loss, reference[step])
+
+
+# ---- which ranks arrived --------------------------------------------------------------------
+def stopped_rank(rank: int, world: int, timeout_s: float) -> dict:
+    """Rank 2 stops itself (SIGSTOP) instead of joining the all-reduce; ranks 0 and 1 time out,
+    and rank 0 lets rank 2 go on (SIGCONT) once both have their messages."""
+    import signal
+
+    import torch
+    import torch.distributed as dist
+
+    os.environ[process_group.PG_TIMEOUT_ENV] = str(timeout_s)
+    pids = [None] * world
+    dist.all_gather_object(pids, os.getpid())
+    if rank == 2:
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return {"rank": 2}
+    start = time.monotonic()
+    try:
+        with process_group.collective_guard("step 7: the gradient-norm all-reduce"):
+            dist.all_reduce(torch.ones(4))
+    except CollectiveError as err:
+        message, code = str(err), err.exit_code
+    waited_s = time.monotonic() - start
+    dist.distributed_c10d._get_default_store().add("done", 1)
+    if rank == 0:
+        while dist.distributed_c10d._get_default_store().add("done", 0) < 2:
+            time.sleep(0.1)
+        os.kill(pids[2], signal.SIGCONT)
+    return {"message": message, "code": code, "waited_s": waited_s}
+
+
+def test_a_stopped_rank_is_named_and_the_others_exit_75():
+    timeout_s = 3.0
+    out = run_ranks(3, stopped_rank, timeout_s, pg_timeout_s=timeout_s, timeout_s=90)
+    messages = [out[0]["message"], out[1]["message"]]
+    for rank, message in enumerate(messages):
+        assert message.startswith(f"rank {rank}: step 7: the gradient-norm all-reduce waited")
+        assert "not arrived, stuck or dead: rank 2 " in message
+        assert f"Arrived: rank {rank}" in message or "Arrived: ranks 0, 1;" in message
+    # the rank that timed out last saw the other's report (posted before its own)
+    assert any("Arrived: ranks 0, 1;" in m for m in messages)
+    assert out[0]["code"] == out[1]["code"] == 75
+    # the timeout, then at most min(5 s, the timeout) waiting for the other ranks' reports
+    assert all(timeout_s - 0.5 <= o["waited_s"] < 2 * timeout_s + 3 for o in out[:2])
+
+
+def test_the_launcher_keeps_exit_75_for_a_stuck_rank():
+    from fivefold.launch.rank_report import RankReport, summarize
+
+    message = "rank 0: step 7: the gradient-norm all-reduce waited longer ..."
+    reports = [RankReport(0, "error", message, 75), RankReport(1, "error", message, 75)]
+    text, code = summarize(reports, 3, 75, {0: 75, 1: 75, 2: 143})
+    assert code == 75 and text.startswith(message) and "found by rank 0, 1" in text

@@ -55,7 +55,11 @@ memory_step, gc_every (Python's garbage collector every N steps; 0 = automatic),
 docs/profiling.md), trackers (["wandb", "mlflow"]), optimizer ("adamw" | "muon": Muon for the
 blocks' matrices, AdamW for embeddings, head, norms; docs/internals.md) with muon_lr (0 =
 lr), muon_momentum, muon_ns_steps, muon_ns_dtype (bf16|fp32), muon_adjust_lr
-(match_rms_adamw: AdamW's lr carries over | original: lr about 0.02).
+(match_rms_adamw: AdamW's lr carries over | original: lr about 0.02); for long runs
+(docs/long-runs.md) on_spike (off|warn|skip|rollback: a loss or gradient norm above the median
+of the last spike_window steps by spike_threshold robust sigmas, checked from spike_min_steps;
+rollback needs ckpt_every), straggler_threshold and straggler_log_steps (a rank computing that
+fraction slower than the median for that many log steps is named once).
 [data] fields: shards (a prepared directory), inputs (.txt/.jsonl/.parquet/.arrow files),
 tokenizer, cache_dir, val_fraction, text_field (the inputs' JSONL field or table column), or
 sources (a weighted mixture: [{name, shards or inputs, weight, max_epochs}], README "Data").
@@ -67,7 +71,8 @@ finds (its catalog entry by name; an unknown one predicts memory, not time). Eac
 runs/<name>/: metrics.jsonl (one line per step: loss, grad_norm, lr,
 tokens_per_s, mfu, hfu, peak_memory_bytes, ...; on the layout-report step, plan_vs_run: the
 planner's per-stage peak memory, tenant by tenant, and step time beside the measured ones),
-recipe.toml (as resolved), summary.json, ckpt/step_<n>/ and TensorBoard events when
+recipe.toml (as resolved), summary.json, events.jsonl (loss spikes, rollbacks, stragglers),
+skipped_batches.json (after a rollback), ckpt/step_<n>/ and TensorBoard events when
 tensorboard is installed. MFU is model FLOPs against
 the device's dense peak from the GPU catalog; on CPU against a matmul peak measured at start.
 
@@ -81,7 +86,9 @@ step's checkpoint and exits with status 128 + signal (130, 143); the same comman
 second signal more than 2 s later stops at once. Exit status 2: a user error (recipe, data,
 checkpoint), printed once even when the ranks found it, every problem at once and a misspelt
 name with the closest one; a rank that crashed: its status (for SIGKILL, whether the kernel's
-out-of-memory killer did it). With --max-restarts the last attempt decides: 0 when it completes,
+out-of-memory killer did it). Exit status 75: a collective timed out or lost a rank (the message
+names the step, the collective and the ranks that did not arrive); torchrun --max-restarts
+restarts it. With --max-restarts the last attempt decides: 0 when it completes,
 the restarts noted. Before anything starts the paths the recipe names and the predicted memory
 (--dry-run's peak per rank x the local ranks) against the memory free are checked.
 --dry-run prints the resolved recipe, the layout and the planner's predictions and exits.

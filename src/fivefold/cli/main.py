@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         return _run(argv)
     except FivefoldError as err:
         print(f"fivefold {command}: error: {err}", file=sys.stderr)
-        return 2
+        return err.exit_code
     except BrokenPipeError:  # the reader went away (e.g. `| head`): not an error of ours
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0

@@ -121,8 +121,10 @@ def summarize(
     that failed without a report, is the cause: its status is the job's, and the others'
     reports (they lost their peer) are its consequence; a SIGKILL is explained by
     `sigkill_note` (the out-of-memory killer's count, the predicted peak). Otherwise a user
-    error found by any rank is the message (exit 2; the same message from several ranks is
-    printed once, naming them); an interrupt keeps the agent's status (128 + signal).
+    error found by any rank is the message, with its status (2 for a user error, 75 for a
+    collective that timed out or lost a rank: `fivefold.errors.CollectiveError`; the same
+    message from several ranks is printed once, naming them); an interrupt keeps the agent's
+    status (128 + signal).
     """
     last = max([last, *(r.attempt for r in reports)])
     history = _restarts(reports, last)
@@ -185,7 +187,7 @@ def _final_attempt(
         first = errors[0]
         same = [r.rank for r in errors if r.message == first.message]
         who = "every rank" if len(same) == world else f"rank {', '.join(map(str, same))}"
-        return f"{first.message} (found by {who})", USER_ERROR_EXIT
+        return f"{first.message} (found by {who})", first.exit_code or USER_ERROR_EXIT
     if any(r.kind == "interrupted" for r in reports) or exit_code > 128:
         return None, exit_code
     return (

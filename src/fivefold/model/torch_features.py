@@ -118,6 +118,11 @@ FEATURES: dict[str, tuple[str, str, Callable[[], bool]]] = {
         "plan.cp_kind = 'allgather' (else its torch 2.11 name, all_gather_tensor_autograd)",
         lambda: _attr(_FUNCOL, "all_gather_single_autograd") is not None,
     ),
+    "default_store": (
+        f"{_C10D}._get_default_store",
+        "naming the ranks that arrived at a collective that timed out",
+        lambda: _attr(_C10D, "_get_default_store") is not None,
+    ),
     "bf16_native_check": (
         "torch.cuda.is_bf16_supported(including_emulation=)",
         "telling native bf16 from emulated (else compute capability >= 8.0)",

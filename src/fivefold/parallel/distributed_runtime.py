@@ -22,6 +22,8 @@ the same on every rank.
 from __future__ import annotations
 
 import contextlib
+import os
+import socket
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -52,6 +54,7 @@ from fivefold.parallel.process_group import (
 from fivefold.parallel.protocol import StepResult, TrainSettings, batch_to
 from fivefold.parallel.report import format_rows, record, stage_rows
 from fivefold.parallel.runtime_core import RuntimeCore, logits, token_count
+from fivefold.parallel.wait_clock import WaitClock
 from fivefold.specs.recipe import Recipe
 
 # How the runtime measures its own CPU peak when the loop does not: a context manager over
@@ -97,6 +100,7 @@ class DistributedRuntime(RuntimeCore):
         self.cp_rank = self.coordinates["cp"]
         self.model_parts: list[nn.Module] = self._build_parts(train.seed, train.compile)
         self._loss_scale = 1.0
+        self.wait_clock = WaitClock(self.device)  # waits in the collectives below (stragglers)
         self.pipeline = self._build_pipeline()
         self._weight_aux_losses()
         self._steps = 0
@@ -195,7 +199,8 @@ class DistributedRuntime(RuntimeCore):
         host does not wait for."""
         local = token_count(micro_batches)
         count = torch.tensor([local], dtype=torch.float64).to(self.device, non_blocking=True)
-        dist.all_reduce(count, group=self.meshes.dp.get_group())
+        with self.wait_clock.waiting():
+            dist.all_reduce(count, group=self.meshes.dp.get_group())
         return count[0].clamp_min(1)
 
     def train_step(self, micro_batches: list):
@@ -283,7 +288,8 @@ class DistributedRuntime(RuntimeCore):
         """Sum the per-rank contributions over the world; TP ranks hold identical copies. 0-d
         tensors on the device: the host does not wait for them."""
         both = torch.stack([loss_local, aux_local])
-        dist.all_reduce(both)
+        with self.wait_clock.waiting():
+            dist.all_reduce(both)
         both /= self.plan.tp
         return both[0], both[1]
 
@@ -327,7 +333,8 @@ class DistributedRuntime(RuntimeCore):
         """Global L2 norm over every shard, stage and rank (a 0-d tensor on the device: no
         host sync); clips to `max_norm` when it is > 0."""
         grads = self._grads()
-        with collective_guard(f"step {self._steps}: the gradient-norm all-reduce"):
+        what = f"step {self._steps}: the gradient-norm all-reduce"
+        with collective_guard(what), self.wait_clock.waiting():
             total = global_grad_norm(grads, self.plan.pp)
         if max_norm > 0:
             clip_grads(grads, max_norm, total)
@@ -380,9 +387,27 @@ class DistributedRuntime(RuntimeCore):
         """True on every rank when `flag` is true on any (collective: one tiny all-reduce).
         The loop asks it after each step whether a rank was interrupted."""
         value = torch.tensor([1.0 if flag else 0.0], device=self.device)
-        with collective_guard(f"step {self._steps}: the stop-signal all-reduce"):
+        what = f"step {self._steps}: the stop-signal all-reduce"
+        with collective_guard(what), self.wait_clock.waiting():
             dist.all_reduce(value, op=dist.ReduceOp.MAX)
         return bool(value.item() > 0)
+
+    def gather_timing(self, values: list[float]) -> list[list[float]]:
+        """Every rank's `values` (e.g. compute and wait seconds), by rank (collective: one small
+        all-gather over the world)."""
+        mine = torch.tensor(values, dtype=torch.float64, device=self.device)
+        out = [torch.empty_like(mine) for _ in range(self.world_size)]
+        with collective_guard(f"step {self._steps}: the straggler-timing all-gather"):
+            dist.all_gather(out, mine)
+        return torch.stack(out).tolist()
+
+    def gather_places(self) -> list[tuple[str, int]]:
+        """Every rank's (host name, local device index), by rank (collective)."""
+        place = (socket.gethostname(), int(os.environ.get("LOCAL_RANK", self.rank)))
+        out: list = [None] * self.world_size
+        with collective_guard("the straggler report's host all-gather"):
+            dist.all_gather_object(out, place)
+        return [tuple(p) for p in out]
 
     def close(self, failed: bool = False) -> None:
         """Release the process group this runtime created. After a clean run all ranks meet

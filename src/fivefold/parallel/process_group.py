@@ -8,11 +8,12 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import time
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
-from fivefold.errors import ConfigError, TrainingError
+from fivefold.errors import CollectiveError, ConfigError, TrainingError
 from fivefold.launch.nccl_env import ASYNC_ERROR_HANDLING_ENV, TEAR_DOWN_WITHOUT_CLEANUP
 
 # torch (and fivefold.model, which needs it) is imported lazily, inside the functions:
@@ -206,17 +207,78 @@ def _timeout_env() -> str:
     return STEP_TIMEOUT_ENV if _shortened_to_s is not None else PG_TIMEOUT_ENV
 
 
-def describe_collective_failure(err: BaseException, what: str, rank: int) -> str | None:
-    """A user-facing explanation if `err` is a collective timeout or a vanished peer."""
+ARRIVALS_GRACE_S = 5.0  # how long a rank that timed out waits for the others' reports
+
+
+def arrivals(what: str) -> dict[int, str] | None:
+    """After a collective timed out on this rank: post `what` (the step and collective it waited
+    in) to the group's store and collect the other ranks' posts for up to `ARRIVALS_GRACE_S`
+    seconds (at most the timeout itself: the ranks that arrived time out about together).
+    Returns {rank: what it waited in} for every rank that posted, i.e. timed out waiting too:
+    a rank missing from it never arrived (stuck or dead). None when there is no store to ask
+    (no group, or a torch without `_get_default_store`). Never raises."""
+    import torch.distributed as dist
+
+    from fivefold.model.torch_features import has
+
+    if not dist.is_initialized() or not has("default_store"):
+        return None
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        rank, world = dist.get_rank(), dist.get_world_size()
+        prefix = f"fivefold/stuck/attempt_{restart_count()}/"
+        store.set(f"{prefix}rank_{rank}", what)
+        store.add(f"{prefix}posted", 1)
+        deadline = time.monotonic() + min(ARRIVALS_GRACE_S, current_timeout_s())
+        while time.monotonic() < deadline and store.add(f"{prefix}posted", 0) < world:
+            time.sleep(0.1)
+        return {
+            r: store.get(f"{prefix}rank_{r}").decode()
+            for r in range(world)
+            if store.check([f"{prefix}rank_{r}"])
+        }
+    except Exception:  # best effort on a path that is already failing
+        return None
+
+
+def describe_arrivals(found: dict[int, str] | None, what: str, world: int) -> str:
+    """'Arrived: ranks 0, 2; not arrived (stuck or dead): rank 1.' from `arrivals`."""
+    if found is None:
+        return "Which ranks arrived is unknown (no store to ask)."
+    same = sorted(r for r, w in found.items() if w == what)
+    elsewhere = [f"rank {r} in {w!r}" for r, w in sorted(found.items()) if w != what]
+    missing = sorted(set(range(world)) - set(found))
+    text = f"Arrived: {_ranks(same)}"
+    if elsewhere:
+        text += f"; waiting in another collective: {', '.join(elsewhere)}"
+    if missing:
+        text += (
+            f"; not arrived, stuck or dead: {_ranks(missing)} (its output, or `py-spy dump "
+            "--pid PID`, shows where it is)"
+        )
+    return text + "."
+
+
+def _ranks(ranks: list[int]) -> str:
+    if not ranks:
+        return "none"
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+
+
+def describe_collective_failure(
+    err: BaseException, what: str, rank: int, found: dict[int, str] | None = None, world: int = 0
+) -> str | None:
+    """A user-facing explanation if `err` is a collective timeout (`found`: `arrivals`, of
+    `world` ranks) or a vanished peer."""
     text = str(err)
     if _TIMEOUT.search(text):
         return (
             f"rank {rank}: {what} waited longer than the process-group timeout "
             f"({current_timeout_s():.0f} s, {_timeout_env()}) for another rank, which is stuck or "
-            f"dead ({text.strip().splitlines()[0][:200]}). Look at the other ranks' output for "
-            "the one that stopped; under torchrun --max-restarts the job restarts and resumes "
-            f"from the newest valid checkpoint. If a step legitimately takes longer, raise "
-            f"{_timeout_env()}."
+            f"dead ({text.strip().splitlines()[0][:200]}). "
+            f"{describe_arrivals(found, what, world) if world else ''} Under torchrun "
+            "--max-restarts the job restarts (exit status 75) and resumes from the newest valid "
+            f"checkpoint. If a step legitimately takes longer, raise {_timeout_env()}."
         )
     if _PEER_GONE.search(text):
         return (
@@ -230,14 +292,20 @@ def describe_collective_failure(err: BaseException, what: str, rank: int) -> str
 
 @contextlib.contextmanager
 def collective_guard(what: str) -> Iterator[None]:
-    """Re-raise a collective timeout / lost peer inside the block as a TrainingError."""
+    """Re-raise a collective timeout / lost peer inside the block as a CollectiveError (exit
+    status 75); after a timeout the message says which ranks arrived (`arrivals`)."""
     try:
         yield
     except TrainingError:
         raise
     except Exception as err:
+        import torch.distributed as dist
+
         rank = int(os.environ.get("RANK", "0"))
-        message = describe_collective_failure(err, what, rank)
+        found, world = None, 0
+        if _TIMEOUT.search(str(err)) and dist.is_initialized():
+            found, world = arrivals(what), dist.get_world_size()
+        message = describe_collective_failure(err, what, rank, found, world)
         if message is None:
             raise
-        raise TrainingError(message) from err
+        raise CollectiveError(message) from err

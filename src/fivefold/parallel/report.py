@@ -6,6 +6,7 @@ Details: docs/internals.md (`fivefold.parallel.report`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -192,6 +193,28 @@ def stage_rows(
             }
         )
     return rows, note
+
+
+def layout_report_record(
+    runtime: Any,
+    report_step: bool,
+    step_s: float,
+    say: Callable[..., None],
+    optimizer: str = "adamw",
+) -> dict | None:
+    """The planner-vs-measured record (`record`) of the step just read back, if there is one:
+    the distributed runtime reports on its own (collectively, inside its step; taken here); a
+    one-process runtime is reported on `report_step`, timed at `step_s` s per step, its table
+    said through `say` (a console's print); `optimizer`: train.optimizer, as `stage_rows`."""
+    taken = getattr(runtime, "plan_vs_run", None)
+    if taken is not None:
+        runtime.plan_vs_run = None
+        return taken
+    if hasattr(runtime, "last_report") or not report_step:
+        return None
+    rows, note = stage_rows(runtime, step_s=step_s, optimizer=optimizer)
+    say(format_rows(runtime.recipe.plan.describe(), rows, note), markup=False)
+    return record(rows, note)
 
 
 def _tenant_bytes(stage_gib: dict | None) -> dict[str, float]:

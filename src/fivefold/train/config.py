@@ -23,6 +23,7 @@ from fivefold.parallel.device import DEVICE_SETTINGS as DEVICES
 from fivefold.specs.optimizer import OPTIMIZERS, optimizer_plan_problems
 from fivefold.specs.recipe import Recipe, build, unknown_field
 from fivefold.train.sources import SourceConfig, parse_sources
+from fivefold.train.spikes import spike_problems
 from fivefold.train.trackers import tracker_problems
 
 LR_SCHEDULES = ("cosine", "linear", "constant")
@@ -84,6 +85,19 @@ class TrainConfig:
     # carries over) or "original" sqrt(max(1, A / B)) (Keller Jordan; lr about 0.02)
     muon_adjust_lr: str = "match_rms_adamw"
     muon_ns_dtype: str = "bf16"  # Newton-Schulz in bf16 (torch.optim.Muon's) or fp32 (exact)
+    # ---- long runs (docs/long-runs.md): loss spikes and stragglers ----
+    # A spike: the loss or gradient norm above the median of the last spike_window steps by more
+    # than spike_threshold robust standard deviations (1.4826 x MAD). off | warn (log it) | skip
+    # (no update for that step, same on every rank) | rollback (to the last checkpoint, its batch
+    # never taken again; needs train.ckpt_every)
+    on_spike: str = "warn"
+    spike_window: int = 100  # steps in the running window
+    spike_threshold: float = 7.0  # robust standard deviations above the window's median
+    spike_min_steps: int = 20  # checks start once the window holds this many post-warm-up steps
+    # A rank whose compute time per step exceeds the ranks' median by more than this fraction at
+    # straggler_log_steps consecutive log steps is named once (log, events.jsonl, summary)
+    straggler_threshold: float = 0.25
+    straggler_log_steps: int = 3
 
     @property
     def beta1(self) -> float:
@@ -160,6 +174,7 @@ class TrainConfig:
         out += self._profile_problems()
         out += self._optimizer_problems()
         out += tracker_problems(self.trackers)
+        out += self._long_run_problems()
         where = "train.run_dir" if self.run_dir else "train.runs_dir"
         out += directory_problems(self.path(), where)
         return out
@@ -213,6 +228,30 @@ class TrainConfig:
             out.append(
                 f"train.muon_ns_dtype = {self.muon_ns_dtype!r}: choose one of "
                 f"{', '.join(MUON_NS_DTYPES)}."
+            )
+        return out
+
+    def _long_run_problems(self) -> list[str]:
+        """`train.on_spike`, `train.spike_*` and `train.straggler_*` (docs/long-runs.md)."""
+        out = spike_problems(
+            self.on_spike, self.spike_window, self.spike_threshold, self.spike_min_steps
+        )
+        if self.on_spike == "rollback" and not self.ckpt_every:
+            out.append(
+                "train.on_spike = 'rollback' returns to the last checkpoint, but train.ckpt_every "
+                "= 0 saves none during the run: set train.ckpt_every (e.g. 100) or choose "
+                "train.on_spike = 'skip'."
+            )
+        threshold = self.straggler_threshold
+        if not (isinstance(threshold, int | float) and math.isfinite(threshold) and threshold > 0):
+            out.append(
+                f"train.straggler_threshold = {threshold}: must be a positive fraction of the "
+                "median compute time, e.g. 0.25 (25 % slower)."
+            )
+        if self.straggler_log_steps < 1:
+            out.append(
+                f"train.straggler_log_steps = {self.straggler_log_steps}: must be at least 1 "
+                "(consecutive log steps a rank must lag before it is named), e.g. 3."
             )
         return out
 

@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         world = world_size_from_env()  # a single process checks its machine; launchers did
         summary = train(check_layout(recipe_path, overrides, world, local=world == 1))
     except FivefoldError as err:
-        return _report("error", f"{err}", 2)
+        return _report("error", f"{err}", err.exit_code)
     except KeyboardInterrupt:
         return _report("interrupted", "stopped at once by a repeated interrupt; no checkpoint", 130)
     if summary.exit_code:

@@ -33,6 +33,16 @@ class StopRequest:
     def requested(self) -> bool:
         return self.signal is not None
 
+    def agreed(self, runtime: object, at_read_back: bool) -> bool:
+        """Whether any rank was asked to stop. On N ranks a collective (`runtime.any_rank`: one
+        small all-reduce and its read-back), asked only right after a read-back
+        (`at_read_back`), so all ranks leave the loop after the same step and can checkpoint it
+        together."""
+        agree = getattr(runtime, "any_rank", None)
+        if agree is None:
+            return self.requested
+        return agree(self.requested) if at_read_back else False
+
     def exit_code(self) -> int:
         """128 + the signal number, the shell's convention for a process ended by a signal."""
         return 128 + int(self.signal or signal.SIGINT)

@@ -21,7 +21,7 @@ from rich.console import Console
 
 from fivefold.launch.host_memory import keep_freed_memory
 from fivefold.launch.threads import configure_threads
-from fivefold.parallel.report import format_rows, record, stage_rows
+from fivefold.parallel.report import layout_report_record
 from fivefold.specs.flops import training_flops_per_token
 from fivefold.specs.precision import recipe
 from fivefold.specs.recipe import dump_recipe
@@ -33,14 +33,16 @@ from fivefold.train.guard import check_finite
 from fivefold.train.inputs import TrainData, load_train_data
 from fivefold.train.interrupt import StopRequest, acknowledge, die_on_signals, stop_on_signals
 from fivefold.train.lr_schedule import build_scheduler
-from fivefold.train.memory_counter import PeakReading, track_cpu_peak, track_cuda_peak
+from fivefold.train.memory_counter import PeakReading, measure_step
 from fivefold.train.metrics import StepMetrics, ThroughputMeter, attention_keys, utilization
 from fivefold.train.optim import build_optimizer
 from fivefold.train.peak import DevicePeak, cuda_fp8_peak, device_peak
 from fivefold.train.profiling import StepProfiler
 from fivefold.train.resume import choose_start, completion_note
 from fivefold.train.runtime import Runtime, make_runtime
+from fivefold.train.spike_policy import SpikePolicy
 from fivefold.train.step_log import StepLog
+from fivefold.train.stragglers import StragglerWatch
 from fivefold.train.summary import (
     TrainSummary,
     compile_note,
@@ -65,6 +67,8 @@ class _Pending:
     values: tuple[float, float, float] | None = None
     plan_vs_run: dict | None = None
     keys: float | None = None  # keys per query of its documents (`attention_keys`)
+    samples: tuple[int, int] = (0, 0)  # its batch: [start, end) of the global sample order
+    skipped: bool = False  # its update was skipped (a loss spike, train.on_spike = "skip")
 
 
 class Trainer:
@@ -99,6 +103,8 @@ class Trainer:
         self.cpu_peak = PeakReading()
         self.stop = StopRequest()  # `train` installs it as the SIGINT/SIGTERM handler
         self.eval_by_source: dict[str, float] | None = None
+        self.spikes = SpikePolicy(self.cfg, self.run_dir, runtime.is_main, self.data.sampler)
+        self.stragglers = StragglerWatch(runtime, self.cfg)
 
     def _count_flops(self, keys: float | None) -> None:
         """Model and hardware (what checkpoint runs) FLOPs per token, attention per document
@@ -135,6 +141,7 @@ class Trainer:
             self.console,
         )
         self.step, self.last_checkpoint = start.step, start.checkpoint
+        self.spikes.detector.load_state_dict(start.extra.get("spikes"))
         if start.complete:
             return
         if self.runtime.is_main:
@@ -149,7 +156,8 @@ class Trainer:
 
     # ---- checkpoints ----------------------------------------------------------------------
     def save(self, extra: dict[str, Any]) -> Path:
-        """Checkpoint this step (collective; see fivefold.train.checkpoint)."""
+        """Checkpoint this step and the spike windows (collective; fivefold.train.checkpoint)."""
+        extra = {**extra, "spikes": self.spikes.detector.state_dict()}
         self.last_checkpoint = self.checkpoints.save(self.run_state(), self.step, extra)
         return self.last_checkpoint
 
@@ -161,17 +169,21 @@ class Trainer:
         assert done.values is not None
         return done.values
 
-    def _device_step(self, micro_batches: list, pending: list[_Pending] | None) -> _Pending:
+    def _device_step(
+        self, micro_batches: list, pending: list[_Pending] | None, samples=(0, 0)
+    ) -> _Pending:
         """One step whose loss, aux loss and gradient norm stay on the device, unless
         `pending` is not None: then they are read back with the `pending` steps' (one host
-        sync, `_read_back`) and guarded before the optimizer step."""
+        sync, `_read_back`) and guarded before the optimizer step, which a spike may skip."""
         lr = float(self.optimizer.param_groups[0]["lr"])  # torchao keeps a tensor
         result = self.runtime.train_step(micro_batches)
         norm = self.runtime.clip_grads(self.cfg.grad_clip)
         done = _Pending(self.step + 1, lr, result.loss_tensor, result.aux_tensor, norm)
+        done.samples = samples
         if pending is not None:
             self._read_back([*pending, done])
-        self.optimizer.step()
+        if not (done.skipped or self.spikes.rollback_due):
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.step += 1
@@ -194,6 +206,9 @@ class Trainer:
                 self.last_checkpoint,
                 None if ahead else p.step,
             )
+            p.skipped = self.spikes.observe(
+                p.step, p.values, p.samples, ahead, self.last_checkpoint
+            )
 
     def _reads_back(self, index: int, measured: int) -> bool:
         """Whether step `index` (0-based within this invocation) reads its values back from the
@@ -211,6 +226,7 @@ class Trainer:
             or (cfg.eval_every and step % cfg.eval_every == 0)
             or index in (measured - 1, measured)
             or step == getattr(self.runtime, "_report_at", 0)
+            or self.spikes.every_step
         )
 
     # ---- the loop -------------------------------------------------------------------------
@@ -259,20 +275,31 @@ class Trainer:
         measured = min(self.cfg.memory_step - 1, self.last_step - start_step - 1)
         pending: list[_Pending] = []  # steps whose values are still on the device
         stop_reason = "completed"
+        self.stragglers.restart(self.step)
         while self.step < self.last_step:
-            if self._stop_agreed(not pending):
+            if self.stop.agreed(self.runtime, at_read_back=not pending):
                 stop_reason = "interrupted"
                 break
             index = self.step - start_step  # 0-based within this invocation
             reads_back = self._reads_back(index, measured)
             collector.step(self.step + 1)
-            micro_batches = next(batches)
+            micro_batches, samples = self.spikes.next_batch(batches, self.data.sampler)
             keys = attention_keys(micro_batches, self.recipe.model.seq_len)
             with profiler.step(self.step + 1):
                 if index == measured:
-                    done = self._measured_step(micro_batches, pending)
+                    done = self._measured_step(micro_batches, pending, samples)
                 else:
-                    done = self._device_step(micro_batches, pending if reads_back else None)
+                    done = self._device_step(
+                        micro_batches, pending if reads_back else None, samples
+                    )
+            self.spikes.log_events(log)
+            if self.spikes.rollback_due is not None:  # collective: every rank saw the spike
+                self.step = self.spikes.roll_back(
+                    self.checkpoints, self.run_state(), self.last_checkpoint, log, start_step
+                )
+                self.stragglers.restart(self.step)
+                pending = []
+                continue
             pending.append(self._taken(done, keys))
             if not reads_back and index != measured:
                 continue
@@ -282,6 +309,7 @@ class Trainer:
                 return "max_time_s"
         if pending:  # a stop between read-backs
             self._read_back(pending)
+            self.spikes.log_events(log)
             self._emit(log, pending, None, self.step - start_step - 1, measured)
         return stop_reason
 
@@ -305,6 +333,9 @@ class Trainer:
         if eval_loss is not None:
             log.evals[self.step] = eval_loss
         self._emit(log, pending, eval_loss, index, measured)
+        if self.step % self.cfg.log_every == 0:
+            for late in self.stragglers.at_log_step(self.step):
+                log.event(late.record(), late.line())
         if self.cfg.ckpt_every and self.step % self.cfg.ckpt_every == 0:
             self.save({"loss": log.losses[-1]})
         return bool(self.cfg.max_time_s and time.perf_counter() - log.started > self.cfg.max_time_s)
@@ -347,18 +378,12 @@ class Trainer:
             self.save({"loss": loss})
 
     def _summary(self, log: StepLog, start_step: int, stop_reason: str) -> TrainSummary:
-        losses = log.losses
-        rate = (
-            log.meter.tokens_per_s
-            if log.meter.steps
-            else self.tokens_per_step / max(log.step_s, 1e-9)
-        )
-        rate = rate if losses else 0.0
+        rate = log.tokens_per_s(self.tokens_per_step)
         return TrainSummary(
             run_dir=str(self.run_dir),
             start_step=start_step,
             end_step=self.step,
-            losses=losses,
+            losses=log.losses,
             tokens_per_s=rate,
             mfu=utilization(
                 rate, self.model_flops_per_token, self.peak.flops_per_s, self.runtime.world_size
@@ -371,51 +396,26 @@ class Trainer:
             eval_losses=log.evals,
             tokens_by_source=self.data.tokens_drawn(self.step) if self.data.is_mixture else {},
             exit_code=self.stop.exit_code() if stop_reason == "interrupted" else 0,
+            events=log.events,
         )
 
-    def _measured_step(self, micro_batches: list, pending: list[_Pending]) -> _Pending:
-        """The step whose peak memory is measured (its values read back): CPU, tensor storages
-        counted (`track_cpu_peak`); CUDA, the allocator's statistics reset before it
-        (`track_cuda_peak`), so start-up, checkpoint loading, compilation and evaluation are
-        not in its peak. The reading goes to the runtime's layout report."""
-        device = self.runtime.device
-        if device.type == "cuda":
-            tracker = track_cuda_peak(device)
-        elif device.type == "cpu":
-            tracker = track_cpu_peak(self.runtime.model_parts, self.optimizer)
-        else:
-            return self._device_step(micro_batches, pending)
-        with tracker as reading:
-            done = self._device_step(micro_batches, pending)
-        self.cpu_peak = reading
-        record = getattr(self.runtime, "record_peak_memory", None)
-        if record is not None:
-            record(reading.peak_bytes, reading.tenants, reading.reserved_bytes)
+    def _measured_step(
+        self, micro_batches: list, pending: list[_Pending], samples: tuple[int, int]
+    ) -> _Pending:
+        """The step whose peak memory is measured (its values read back; `measure_step`)."""
+        done, self.cpu_peak = measure_step(
+            self.runtime, self.optimizer, lambda: self._device_step(micro_batches, pending, samples)
+        )
         return done
 
-    def _stop_agreed(self, at_read_back: bool) -> bool:
-        """Whether any rank was asked to stop. On N ranks a collective (one small all-reduce
-        and its read-back), asked only right after a read-back (`at_read_back`), so all ranks
-        leave the loop after the same step and can checkpoint it together."""
-        agree = getattr(self.runtime, "any_rank", None)
-        if agree is None:
-            return self.stop.requested
-        return agree(self.stop.requested) if at_read_back else False
-
     def _plan_vs_run(self, index: int, meter: ThroughputMeter, step_s: float) -> dict | None:
-        """The planner-vs-measured record of this step, if it is the layout-report step: the
-        distributed runtime reports on its own (collectively, inside its step); a one-process
-        runtime is reported here, on the same step (the third, or the last if sooner)."""
-        taken = getattr(self.runtime, "plan_vs_run", None)
-        if taken is not None:
-            self.runtime.plan_vs_run = None
-            return taken
-        if hasattr(self.runtime, "last_report") or index + 1 != min(3, self.last_step):
-            return None
+        """The planner-vs-measured record of this step, if it is the layout-report step (the
+        third, or the last if sooner; `layout_report_record`)."""
         timed = meter.seconds / meter.steps if meter.steps else step_s
-        rows, note = stage_rows(self.runtime, step_s=timed, optimizer=self.cfg.optimizer)
-        self.console.print(format_rows(self.recipe.plan.describe(), rows, note), markup=False)
-        return record(rows, note)
+        report_step = index + 1 == min(3, self.last_step)
+        return layout_report_record(
+            self.runtime, report_step, timed, self.console.print, self.cfg.optimizer
+        )
 
     def _peak_memory(self) -> int:
         return self.runtime.peak_memory_bytes() or self.cpu_peak.peak_bytes

@@ -32,9 +32,10 @@ the figure is the peak of live tensor storage.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -283,3 +284,34 @@ def track_cuda_peak(device: torch.device) -> Iterator[PeakReading]:
     outside = max(0, total - free - torch.cuda.memory_reserved(device))
     reading.peak_bytes = int(torch.cuda.max_memory_allocated(device))
     reading.reserved_bytes = int(torch.cuda.max_memory_reserved(device)) + outside
+
+
+def step_peak_tracker(
+    device: torch.device, modules: Iterable[nn.Module], optimizer: torch.optim.Optimizer
+) -> AbstractContextManager[PeakReading]:
+    """How the loop measures one step's peak on `device`: CPU, tensor storages counted
+    (`track_cpu_peak`); CUDA, the allocator's statistics reset before it (`track_cuda_peak`), so
+    start-up, checkpoint loading, compilation and evaluation are not in its peak; elsewhere
+    nothing (an empty reading)."""
+    if device.type == "cuda":
+        return track_cuda_peak(device)
+    if device.type == "cpu":
+        return track_cpu_peak(modules, optimizer)
+    return nullcontext(PeakReading())
+
+
+T = TypeVar("T")
+
+
+def measure_step(
+    runtime: Any, optimizer: torch.optim.Optimizer, step: Callable[[], T]
+) -> tuple[T, PeakReading]:
+    """Run `step` with its peak memory measured (`step_peak_tracker` on `runtime.device`); the
+    reading also goes to the runtime's layout report (`record_peak_memory`, when it has one)."""
+    tracker = step_peak_tracker(runtime.device, runtime.model_parts, optimizer)
+    with tracker as reading:
+        result = step()
+    record = getattr(runtime, "record_peak_memory", None)
+    if record is not None and reading.method:
+        record(reading.peak_bytes, reading.tenants, reading.reserved_bytes)
+    return result, reading

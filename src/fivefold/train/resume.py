@@ -11,17 +11,18 @@ must hold the recipe's model.
 from __future__ import annotations
 
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from rich.console import Console
 
 from fivefold.checkpoint.elastic import resume_mode, should_resume
 from fivefold.checkpoint.manifest import newest_valid
-from fivefold.checkpoint.state import check_model_spec, read_state
+from fivefold.checkpoint.state import TrainingState, check_model_spec, read_state
 from fivefold.errors import CheckpointError
 from fivefold.train.checkpoint import RunCheckpoints, RunState, checkpoint_root, list_checkpoints
 from fivefold.train.config import RunConfig, TrainConfig
+from fivefold.train.spikes import SKIP_FILE
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,7 @@ class Start:
     step: int
     checkpoint: Path | None
     complete: bool = False
+    extra: dict = field(default_factory=dict)  # the checkpoint's `extra` (the loop's own state)
 
 
 def choose_start(
@@ -52,7 +54,8 @@ def choose_start(
         saved_step = checkpoints.saved_step(state.recipe, choice.path)
         if saved_step >= last_step:
             return Start(saved_step, choice.path, complete=True)  # nothing to load
-        return Start(_restore(checkpoints, state, cfg, choice.path, console), choice.path)
+        saved = _restore(checkpoints, state, cfg, choice.path, console)
+        return Start(saved.step, choice.path, extra=saved.extra)
     if is_main:
         _start_over(cfg, console)
     return Start(0, None)
@@ -60,8 +63,8 @@ def choose_start(
 
 def _restore(
     checkpoints: RunCheckpoints, state: RunState, cfg: TrainConfig, directory: Path, console
-) -> int:
-    """Load `directory` into `state` and say so; returns its step."""
+) -> TrainingState:
+    """Load `directory` into `state` and say so; returns its saved state."""
     saved = checkpoints.restore(state, directory)
     written_by = f"{saved.world_size} rank(s)"
     if saved.plan and saved.plan != state.recipe.plan.to_dict():
@@ -72,14 +75,17 @@ def _restore(
         else ""
     )
     console.print(f"resumed from {directory} (step {saved.step}, written by {written_by}){how}")
-    return saved.step
+    return saved
 
 
 def _start_over(cfg: TrainConfig, console: Console) -> None:
-    """Rank 0: step 0. Old checkpoints are deleted only when the user asked to start over."""
+    """Rank 0: step 0. Old checkpoints (and the data skip list of a loss-spike rollback) are
+    deleted only when the user asked to start over."""
     run_dir = cfg.path()
     found = list_checkpoints(run_dir)
     mode = resume_mode(cfg.resume)
+    if mode == "never":
+        (run_dir / SKIP_FILE).unlink(missing_ok=True)
     if mode != "never":
         if found or mode == "always":
             console.print(

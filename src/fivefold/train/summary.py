@@ -50,6 +50,7 @@ class TrainSummary:
     tokens_by_source: dict[str, int] = field(default_factory=dict)  # a mixture's, by end_step
     prediction: dict[str, Any] | None = None
     exit_code: int = 0  # of the process: 128 + signal number after an interrupt, else 0
+    events: list[dict] = field(default_factory=list)  # spikes, stragglers (events.jsonl)
 
     @property
     def first_loss(self) -> float:
@@ -260,6 +261,8 @@ def print_footer(out: Console, s: TrainSummary, tokens_per_step: int, reserved: 
     if s.tokens_by_source:
         drawn = ", ".join(f"{n} {count_text(t)}" for n, t in s.tokens_by_source.items())
         out.print(f"tokens drawn per source by step {s.end_step}: {drawn}", markup=False)
+    if s.events:
+        out.print(events_line(s.events, Path(s.run_dir) / "events.jsonl"), markup=False)
     if s.last_checkpoint:
         out.print(f"checkpoint: {s.last_checkpoint}")
     if s.stop_reason == "interrupted":
@@ -268,3 +271,20 @@ def print_footer(out: Console, s: TrainSummary, tokens_per_step: int, reserved: 
             "checkpoint above (--fresh starts over)"
         )
     out.print(f"metrics: {Path(s.run_dir) / 'metrics.jsonl'}")
+
+
+def events_line(events: list[dict], path: Path) -> str:
+    """'events: 2 loss spike(s) (steps 10 skipped, 31 rolled back); straggler rank 3 (host n1,
+    local device 3, lag 120.0 ms per step) -- PATH' from a run's events."""
+    spikes = [e for e in events if e["event"] == "spike"]
+    late = [e for e in events if e["event"] == "straggler"]
+    parts = []
+    if spikes:
+        steps = ", ".join(f"{e['step']} ({e['policy']})" for e in spikes)
+        parts.append(f"{len(spikes)} loss spike(s) at step {steps}")
+    parts += [
+        f"straggler rank {e['rank']} (host {e['host']}, local device {e['local_device']}, lag "
+        f"{e['lag_s'] * 1e3:.1f} ms per step)"
+        for e in late
+    ]
+    return f"events: {'; '.join(parts)} -- {path}"
