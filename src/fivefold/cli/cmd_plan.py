@@ -159,7 +159,8 @@ def _inputs(args: argparse.Namespace) -> tuple[Any, Any, dict[str, dict], float,
 def _estimate_handler(args: argparse.Namespace) -> int:
     model, cluster, data, headroom, settings = _inputs(args)
     inputs = budget_from_args(args, data)
-    plan = layout_from_args(args, model, cluster, data.get("plan", {}))
+    runtime = settings.options.fivefold_runtime
+    plan = layout_from_args(args, model, cluster, data.get("plan", {}), runtime)
     est = estimate(model, cluster, plan, settings.options)
     answer = budget_of(est, inputs)
     out = est.to_json()
@@ -226,7 +227,7 @@ def _recipe_comparison(
 ) -> str:
     """One line on the recipe's own layout against the search's best."""
     try:
-        plan = layout_from_args(args, model, cluster, data["plan"])
+        plan = layout_from_args(args, model, cluster, data["plan"], options.fivefold_runtime)
         est = estimate(model, cluster, plan, options)
     except ConfigError as err:
         return f"the recipe's own layout is not valid: {err}"
