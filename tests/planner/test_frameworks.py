@@ -248,3 +248,25 @@ def test_every_problem_at_once():
 
 def test_cluster_preset_device_is_a_catalog_gpu():
     assert cluster_preset("dgx-h100", 8).device.rank_profile is None
+
+
+# ---- which software is planned ---------------------------------------------------------------
+MOE_TP = ["plan", "estimate", "--model", "mixtral-8x7b", "--gpus", "64", "--tp", "2"]
+MOE_TP += ["--ep", "8", "--zero", "3", "--global-batch-tokens", "4M"]
+
+
+def test_framework_profiles_plan_what_fivefold_refuses(capsys):
+    from fivefold.cli.main import main
+
+    # fivefold's runtime does not tensor-parallelise MoE layers: its profile refuses the layout
+    assert main(MOE_TP) == 2
+    assert "fivefold's runtime does not tensor-parallelise MoE" in capsys.readouterr().err
+    # Megatron does: its profile plans it and says which software that is
+    assert main([*MOE_TP, "--profile", "megatron-2022"]) == 0
+    out = capsys.readouterr().out
+    assert "TP2+SP" in out and "EP8" in out
+    assert "It plans other software (Megatron-LM 2021-2022" in out
+    # and so does its search, with TP pinned
+    search = ["plan", "--model", "mixtral-8x7b", "--gpus", "64", "--tp", "2"]
+    assert main([*search, "--global-batch-tokens", "4M", "--profile", "megatron-2022"]) == 0
+    assert "best layout: TP2+SP" in capsys.readouterr().out
