@@ -253,7 +253,7 @@ def planner_section_settings(data: dict, device):
     prediction beside the run; `--plan auto` uses its `headroom`.
     """
     section = data.get("planner") or {}
-    settings = planner_settings(device, section)
+    settings = planner_settings(device, section, compile=recipe_compile(data))
     if settings.profile != DEFAULT_PROFILE or settings.overrides:
         print(
             f"note: [planner] ({settings.describe()}) is for `fivefold plan`; this run's "

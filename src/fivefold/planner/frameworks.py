@@ -200,7 +200,9 @@ def planner_settings(
     return PlannerSettings(chosen, options, headroom, tuple(notes), overrides)
 
 
-def _compiled(chosen: str, device: GPUSpec, base: PlannerOptions, options: PlannerOptions):
+def _compiled(
+    chosen: str, device: GPUSpec, base: PlannerOptions, options: PlannerOptions
+) -> PlannerOptions:
     """fivefold's runtime with `compile` changed (`--compile`, `[planner] compile`): its
     compiled blocks' options (element-wise work fused), as `train.compile` gives them, with
     every other field given kept."""
