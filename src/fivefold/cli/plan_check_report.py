@@ -164,13 +164,13 @@ def format_checks(
             continue
         flag = "" if abs(c.error) <= TARGET else "  beyond 5 %"
         tracker = _size(c.tracker_bytes) if c.tracker_bytes else "-"
-        whole = planned.whole_bytes(c.counted_bytes)
+        whole = planned.whole_bytes(c.counted_bytes) if planned.usable_bytes else None
         mine = planned.stage_bytes[c.stage] if planned.stage_bytes else None
-        versus = f"{100 * (mine / whole - 1):>+7.1f}%" if mine else f"{'-':>8}"
+        versus = f"{100 * (mine / whole - 1):>+7.1f}%" if mine and whole else f"{'-':>8}"
         lines.append(
             f"  {c.stage:>5} {c.rank:>5} {_size(mine) if mine else '-':>10} "
             f"{_size(c.predicted_gib['total'] * GIB):>10} {_size(c.counted_bytes):>10} "
-            f"{tracker:>11} {100 * c.error:>+7.1f}% {_size(whole):>10} {versus} "
+            f"{tracker:>11} {100 * c.error:>+7.1f}% {_size(whole) if whole else '-':>10} {versus} "
             f"{c.seconds:>6.1f}s {c.host_peak_mib:>5.0f} MiB{flag}"
         )
         lines += _tenant_lines(c)
