@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from fivefold.specs.recipe import load_recipe
 from fivefold.train.plan_check import check_plan, micro_batches_to_run
 
@@ -25,7 +27,7 @@ OVERRIDES = [
 ]
 
 
-def test_pipelined_plan_runs_both_stages_within_five_percent():
+def test_pipelined_plan_runs_both_stages_within_five_percent(monkeypatch, capsys):
     recipe = load_recipe(str(CONFIG), OVERRIDES)
     # 4 micro-batches: rank 0's forward of micro-batch 2 meets the gradients of micro-batch 0
     # (with 2 it would not), so the check runs all of them.
@@ -36,6 +38,41 @@ def test_pipelined_plan_runs_both_stages_within_five_percent():
         assert not check.problem, check.problem
         assert check.counted_bytes > 2**30  # both stages ran a step of GiB-sized tensors
         assert abs(check.error) <= 0.05, (check.stage, check.predicted_gib, check.counted_bytes)
+        # an H100 cluster in bf16: attention ran the CUDA flash kernel's fake implementation
+        assert check.kernels.get("flash", 0) > 0 and "cpu" not in check.kernels, check.kernels
+    _the_check_checks_the_plan(recipe, checks, monkeypatch, capsys)
+
+
+def _the_check_checks_the_plan(recipe, checks, monkeypatch, capsys) -> None:
+    """`plan check` prints the peak `plan` chose by beside the counted one, and exits 1 when the
+    counted peak with context and fragmentation exceeds the usable memory."""
+    import fivefold.train.plan_check as plan_check
+    from fivefold.cli.main import main
+    from fivefold.cli.plan_check_report import planned_for
+    from fivefold.planner.estimate import estimate
+    from fivefold.planner.options import PlannerOptions
+
+    planned = planned_for(recipe)
+    est = estimate(
+        recipe.model, recipe.cluster, recipe.plan, PlannerOptions.for_device(recipe.cluster.device)
+    )
+    assert planned.stage_bytes == [m.total for m in est.memory]  # what `plan estimate` prints
+    assert planned.usable_bytes == 80 * 2**30 * 0.9  # H100: 80 GiB less the 10 % headroom
+    for check in checks:  # the CUDA context (0.75 GiB) and 5 % fragmentation on the tensors
+        whole = (check.counted_bytes + 0.75 * 2**30) * 1.05
+        assert planned.whole_bytes(check.counted_bytes) == pytest.approx(whole)
+        # the plan's peak for this stage and the counted one with those terms agree
+        assert planned.stage_bytes[check.stage] == pytest.approx(whole, rel=0.05)
+    monkeypatch.setattr(plan_check, "check_plan", lambda recipe, world: checks)
+    command = ["plan", "check", str(CONFIG), *OVERRIDES]
+    assert main(command) == 0
+    out = capsys.readouterr().out
+    assert "planned" in out and "fits: stage 0's whole peak" in out
+    assert "checked on: attention CUDA flash (fake kernel) x" in out
+    # 8 GiB usable (90 % headroom) holds neither stage's whole peak (above 14 GiB)
+    assert main([*command, "planner.headroom=0.9"]) == 1
+    out = capsys.readouterr().out
+    assert "DOES NOT FIT: stage 0's whole peak" in out and "8.00 GiB usable" in out
 
 
 def test_moe_full_recompute_peak_in_a_block_backward_within_five_percent():
@@ -47,3 +84,62 @@ def test_moe_full_recompute_peak_in_a_block_backward_within_five_percent():
     (check,) = check_plan(recipe)
     assert not check.problem, check.problem
     assert abs(check.error) <= 0.05, (check.predicted_gib, check.counted_bytes)
+    # one flash call per layer and micro-batch, and again in the full recompute's backward
+    runs = micro_batches_to_run(recipe.plan)
+    assert check.kernels == {"flash": 2 * recipe.model.layers * runs}
+
+
+def test_plan_estimate_is_what_the_run_predicts(capsys):
+    """One description: `plan estimate RECIPE` prices the layout as the run's own report does
+    (`parallel.report.predictions_for`, what `train --dry-run`, the pre-launch check and every
+    run print) and as the run's header does (`train.summary.planner_prediction`)."""
+    import json
+
+    from fivefold.cli.main import main
+    from fivefold.parallel.report import predictions_for
+    from fivefold.train.config import parse_train_config
+    from fivefold.train.summary import planner_prediction
+
+    recipe = load_recipe(str(CONFIG))
+    assert main(["plan", "estimate", str(CONFIG), "--json"]) == 0
+    planned = json.loads(capsys.readouterr().out)
+    memory, step_s, _ = predictions_for(recipe, cuda=True, fsdp_wrapped=True)
+    assert [m["total"] for m in planned["memory_per_stage_gib"]] == pytest.approx(
+        [m["total"] for m in memory], rel=1e-12
+    )
+    assert planned["step_time_s"] == pytest.approx(step_s, rel=1e-12)
+    header, _ = planner_prediction(parse_train_config(recipe))
+    assert header["step_time_s"] == pytest.approx(step_s, rel=1e-12)
+    assert planned["planner"]["options"]["runtime"] == "fivefold-eager"
+
+
+def test_gpu_attention_saves_what_the_cuda_flash_kernel_saves(monkeypatch):
+    """On a GPU cluster the check's attention is the CUDA flash kernel's fake implementation
+    (no GPU needed): it keeps q, k (kv heads, GQA native), v, the output and the fp32
+    log-sum-exp [B, H, T]; context parallelism's blocks take the varlen flash path in bf16."""
+    from collections import Counter
+
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import fivefold.model.attention_blocks as blocks
+    from fivefold.model.attention import AttentionCore
+    from fivefold.train.plan_check_kernels import gpu_kernels, patch_gpu_attention
+
+    assert gpu_kernels(load_recipe(str(CONFIG)))  # H100, bf16-mixed
+    assert not gpu_kernels(load_recipe(str(CONFIG), ["plan.precision=fp32"]))
+    tally: Counter = Counter()
+    with FakeTensorMode():
+        q = torch.empty(2, 8, 256, 64, dtype=torch.bfloat16, requires_grad=True)
+        kv = torch.empty(2, 2, 256, 64, dtype=torch.bfloat16, requires_grad=True)
+        assert not blocks.uses_flash_blocks(q)  # a CPU tensor takes the CPU blocks
+        patch_gpu_attention(monkeypatch.setattr, tally)
+        out = AttentionCore()(q, kv, kv, None)
+        node = out.grad_fn
+        assert type(node).__name__ == "ScaledDotProductFlashAttentionBackward0"
+        assert node._saved_logsumexp.shape == (2, 8, 256)
+        assert node._saved_logsumexp.dtype == torch.float32
+        assert node._saved_key.shape == (2, 2, 256, 64)  # not repeated per query head
+        assert blocks.uses_flash_blocks(q)
+        assert not blocks.uses_flash_blocks(q.float())
+    assert tally == {"flash": 1, "flash_blocks": 1, "cpu_blocks": 1}

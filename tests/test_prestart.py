@@ -233,3 +233,18 @@ def test_a_batch_larger_than_the_data_is_warned_about(tmp_path) -> None:
     note = data.repeat_note()
     assert note.startswith(f"warning: a step takes {2 * samples + 1:,} sequences but the data")
     assert f"holds {samples:,} training samples" in note and "(2.0 epochs per step)" in note
+
+
+def test_the_memory_check_predicts_the_run_as_it_compiles(monkeypatch) -> None:
+    """The pre-launch check uses the prediction `--dry-run` prints: with train.compile the
+    compiled blocks' (which keep one SwiGLU tensor and the normalised copies less)."""
+    from fivefold.train.prestart import memory_fit
+
+    monkeypatch.setattr(machine_memory, "available_bytes", lambda: 64 * GIB)
+    for compiled in (False, True):
+        run = load_run(TINY, [f"train.compile={str(compiled).lower()}"], 1)
+        memory, _, _ = predictions_for(run.recipe, False, fsdp_wrapped=False, compiled=compiled)
+        fit = memory_fit(run, 1, cuda=False)
+        assert [peak for peak, _ in fit.stages] == [m["total"] * GIB for m in memory]
+    eager, _, _ = predictions_for(run.recipe, False, fsdp_wrapped=False, compiled=False)
+    assert fit.stages[0][0] < eager[0]["total"] * GIB  # compiled keeps less

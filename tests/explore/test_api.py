@@ -415,7 +415,12 @@ def test_presets_list_profiles_and_every_planner_option(client):
         "help": data["planner_options"]["dropout"]["help"],
         "kind": "bool",
         "default": False,
+        "base": False,
     }
+    # the fivefold profile is fivefold's runtime (eager memory); the framework profiles keep
+    # the fields' own defaults (the fused-kernel model) where they list nothing
+    assert data["planner_options"]["runtime"]["default"] == "fivefold-eager"
+    assert data["planner_options"]["runtime"]["base"] == "fused"
 
 
 def test_estimate_with_a_profile_and_an_option_on_top(client):
@@ -426,9 +431,10 @@ def test_estimate_with_a_profile_and_an_option_on_top(client):
     cluster = cluster_preset("dgx-h100", 16)
     expected = estimate(model_preset("llama3-8b"), cluster, LLAMA_16_PLAN, options)
     assert data["estimate"] == json_safe(expected.to_json())
-    default = estimate(model_preset("llama3-8b"), cluster, LLAMA_16_PLAN)
-    # Classic attention writes and reads the s^2 scores in HBM: slower than flash (its memory
-    # is the same here: selective recompute does not keep the scores).
+    default = estimate(model_preset("llama3-8b"), cluster, LLAMA_16_PLAN, PlannerOptions())
+    # Against the fused-kernel model with flash attention: classic attention writes and reads
+    # the s^2 scores in HBM, slower than flash (its memory is the same here: selective
+    # recompute does not keep the scores).
     assert expected.step_time_s > default.step_time_s
     assert expected.peak_memory_bytes == default.peak_memory_bytes
     assert data["planner"]["profile"] == "megatron-2022"

@@ -314,15 +314,15 @@ NON_DEFAULT_FLAGS = {
     "tp_comm_overlap": (["--tp-comm-overlap"], True),
     "dp_overlap": (["--no-dp-overlap"], False),
     "param_gather_overlap": (["--no-param-gather-overlap"], False),
-    "fused_elementwise": (["--no-fused-elementwise"], False),
+    "fused_elementwise": (["--fused-elementwise"], True),
     "selective_policy": (["--selective-policy", "alternate-matmul"], "alternate-matmul"),
     "cuda_context_bytes": (["--cuda-context-bytes", "1G"], float(2**30)),
     "fragmentation_fraction": (["--fragmentation-fraction", "10%"], 0.10),
     "dp_bucket_bytes": (["--dp-bucket-bytes", "100M"], float(100 * 2**20)),
     "collective_granularity": (["--collective-granularity", "bucket"], "bucket"),
     "ep_dispatch": (["--ep-dispatch", "deepep"], "deepep"),
-    "runtime": (["--runtime", "fivefold-eager"], "fivefold-eager"),
-    "checkpoint_early_stop": (["--checkpoint-early-stop"], True),
+    "runtime": (["--runtime", "fused"], "fused"),
+    "checkpoint_early_stop": (["--no-checkpoint-early-stop"], False),
     "compile": (["--compile"], True),
     "optimizer": (["--optimizer", "muon"], "muon"),
 }
@@ -347,16 +347,29 @@ def test_every_planner_option_has_a_flag_and_a_help_line_with_its_default(capsys
     assert "fivefold (default fivefold)" in text
 
 
+# Settings fivefold's runtime does not run (`PlannerOptions._runtime_problems`): planned with
+# the fused-kernel memory model (--runtime fused), as other software.
+OTHER_SOFTWARE = {"attention_kernel", "dropout"}
+
+
 @pytest.mark.parametrize("name", sorted(NON_DEFAULT_FLAGS))
 def test_each_option_flag_reaches_the_estimate_and_is_echoed(capsys, name):
+    from dataclasses import replace
+
     from fivefold.planner.options import PlannerOptions
+    from fivefold.specs.hardware import gpu
 
     argv, value = NON_DEFAULT_FLAGS[name]
+    changed = {name: value}
+    if name in OTHER_SOFTWARE:
+        argv, changed = [*argv, "--runtime", "fused"], {name: value, "runtime": "fused"}
+    if name == "compile":  # compiled blocks fuse their element-wise work (`for_device`)
+        changed = {name: value, "fused_elementwise": True}
     data = _json(capsys, [*LLAMA_ESTIMATE, *argv, "--json"])
     assert data["planner"]["profile"] == "fivefold"
     assert data["planner"]["options"][name] == value
-    assert data["planner"]["overrides"] == {name: value}
-    options = PlannerOptions(**{name: value})
+    assert data["planner"]["overrides"] == changed
+    options = replace(PlannerOptions.for_device(gpu("h100")), **changed)
     assert data["planner"]["options"] == {
         k: getattr(options, k) for k in PlannerOptions.__dataclass_fields__
     }
@@ -367,11 +380,15 @@ def test_each_option_flag_reaches_the_estimate_and_is_echoed(capsys, name):
 
 
 def test_classic_attention_costs_more_than_flash(capsys):
-    flash = _json(capsys, [*LLAMA_ESTIMATE, "--json"])
-    classic = _json(capsys, [*LLAMA_ESTIMATE, "--attention-kernel", "classic", "--json"])
+    fused = [*LLAMA_ESTIMATE, "--runtime", "fused"]  # fivefold's own runtime has no classic
+    flash = _json(capsys, [*fused, "--json"])
+    classic = _json(capsys, [*fused, "--attention-kernel", "classic", "--json"])
     # Without recompute, classic attention keeps b * heads/tp * s^2 scores per layer.
     assert classic["memory_gib"]["activations"] > 2 * flash["memory_gib"]["activations"]
     assert classic["step_time_s"] > flash["step_time_s"]
+    # fivefold's runtime (the default) would silently ignore it: refused, naming the way out
+    assert main([*LLAMA_ESTIMATE, "--attention-kernel", "classic"]) == 2
+    assert "runtime = 'fused'" in capsys.readouterr().err
 
 
 def test_profile_recipe_and_flag_precedence_is_stated(capsys, tmp_path):

@@ -103,6 +103,7 @@ def test_interleaved_pipeline_counts_chunks_not_stages(capsys):
     from fivefold.cli.main import main
 
     argv = ["plan", "--model", "llama3-8b", "--gpus", "16", "--pp", "2", "--vpp", "2"]
+    argv += ["--global-batch-tokens", "1M"]  # mbs 1: fivefold's runtime fits it
     assert main([*argv, "--schedule", "zbv", "--grad-accum", "16"]) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if "Pipeline: PP" in x)
     # 2 stages x v=2 = 4 chunks; the layer split has one entry per chunk

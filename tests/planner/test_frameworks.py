@@ -106,7 +106,21 @@ def test_docs_table_lists_the_same_values():
 
 def test_fivefold_is_what_for_device_gives():
     assert profile("fivefold").planner_options(H100) == PlannerOptions.for_device(H100)
-    assert profile("fivefold").planner_options(H100) == PlannerOptions()
+    # fivefold's runtime as `fivefold train` runs it on a GPU: its eager memory, eager
+    # element-wise ops, recompute stopping early; the other fields as the fused defaults
+    # (flash attention, no dropout, TP exposed, DP overlapped)
+    eager = PlannerOptions(
+        runtime="fivefold-eager", fused_elementwise=False, checkpoint_early_stop=True
+    )
+    assert profile("fivefold").planner_options(H100) == eager
+    # compiled blocks (train.compile): inductor keeps less and fuses the element-wise work
+    compiled = profile("fivefold").planner_options(H100, compile=True)
+    assert compiled == PlannerOptions(
+        runtime="fivefold-eager", fused_elementwise=True, checkpoint_early_stop=True, compile=True
+    )
+    assert eager.fivefold_runtime and compiled.fivefold_runtime
+    for name in ("megatron-2022", "nemo-2024", "torchtitan"):  # other software
+        assert not profile(name).planner_options(H100).fivefold_runtime, name
 
 
 def test_fivefold_on_a_measured_cpu_is_the_eager_runtime(tmp_path):
@@ -163,8 +177,16 @@ def test_a_row_option_replaces_its_profiles():
 # ---- resolution: profile < recipe [planner] < flags ------------------------------------------
 def test_default_settings_are_the_fivefold_profile():
     s = planner_settings(H100)
-    assert s.profile == "fivefold" and s.options == PlannerOptions() and s.notes == ()
-    assert s.headroom is None and s.overrides == {}
+    assert s.profile == "fivefold" and s.options == PlannerOptions.for_device(H100)
+    assert s.notes == () and s.headroom is None and s.overrides == {}
+    assert "It plans fivefold's own runtime (eager)" in s.describe()
+    compiled = planner_settings(H100, compile=True)  # a recipe's train.compile
+    assert compiled.options.compile and compiled.overrides == {}
+    assert "It plans fivefold's own runtime (compiled blocks)" in compiled.describe()
+    other = planner_settings(H100, profile_flag="megatron-2022")
+    assert "It plans other software (Megatron-LM" in other.describe()
+    fused = planner_settings(H100, flags={"runtime": "fused"})
+    assert "It plans other software (fused-kernel software" in fused.describe()
 
 
 def test_flag_wins_over_recipe_which_wins_over_profile_and_each_is_stated():
@@ -226,3 +248,25 @@ def test_every_problem_at_once():
 
 def test_cluster_preset_device_is_a_catalog_gpu():
     assert cluster_preset("dgx-h100", 8).device.rank_profile is None
+
+
+# ---- which software is planned ---------------------------------------------------------------
+MOE_TP = ["plan", "estimate", "--model", "mixtral-8x7b", "--gpus", "64", "--tp", "2"]
+MOE_TP += ["--ep", "8", "--zero", "3", "--global-batch-tokens", "4M"]
+
+
+def test_framework_profiles_plan_what_fivefold_refuses(capsys):
+    from fivefold.cli.main import main
+
+    # fivefold's runtime does not tensor-parallelise MoE layers: its profile refuses the layout
+    assert main(MOE_TP) == 2
+    assert "fivefold's runtime does not tensor-parallelise MoE" in capsys.readouterr().err
+    # Megatron does: its profile plans it and says which software that is
+    assert main([*MOE_TP, "--profile", "megatron-2022"]) == 0
+    out = capsys.readouterr().out
+    assert "TP2+SP" in out and "EP8" in out
+    assert "It plans other software (Megatron-LM 2021-2022" in out
+    # and so does its search, with TP pinned
+    search = ["plan", "--model", "mixtral-8x7b", "--gpus", "64", "--tp", "2"]
+    assert main([*search, "--global-batch-tokens", "4M", "--profile", "megatron-2022"]) == 0
+    assert "best layout: TP2+SP" in capsys.readouterr().out

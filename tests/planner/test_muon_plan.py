@@ -32,7 +32,8 @@ MUON_PARAMS = L * sum(a * b for a, b in MATRICES)  # 6.98e9 of 8.03e9
 
 
 def _pair():
-    adamw = estimate(MODEL, CLUSTER, PLAN)
+    # both under the same options (the fused-kernel model's): only the optimizer differs
+    adamw = estimate(MODEL, CLUSTER, PLAN, PlannerOptions())
     muon = estimate(MODEL, CLUSTER, PLAN, PlannerOptions(optimizer="muon"))
     return adamw, muon
 

@@ -218,7 +218,7 @@ def predicted_run_s(run: Any, planner: dict) -> tuple[float | None, str]:
     """(the planner's time for the steps this run takes, in seconds; or None and why not)."""
     recipe = run.recipe
     try:
-        settings = planner_settings(recipe.cluster.device, planner)
+        settings = planner_settings(recipe.cluster.device, planner, compile=run.train.compile)
         step_s = estimate(recipe.model, recipe.cluster, recipe.plan, settings.options).step_time_s
     except FivefoldError as err:
         return None, f"the planner has no prediction ({str(err).splitlines()[0]})"

@@ -125,13 +125,19 @@ def _whole(value: Any) -> Any:
 
 
 def write_recipe(
-    path: Path, model: Any, cluster: Any, plan: Any, header: str, planner: dict[str, Any]
+    path: Path,
+    model: Any,
+    cluster: Any,
+    plan: Any,
+    header: str,
+    planner: dict[str, Any],
+    compiled: bool = False,
 ) -> Path:
     """The layout as a recipe, with the [planner] table (profile and options) it was chosen by,
-    and [train] and [data] at their defaults, written out."""
+    and [train] and [data] at their defaults (`train.compile` as planned), written out."""
     whole = {k: _whole(v) for k, v in planner.items()}  # 10485760, not 10485760.0
     text = dump_recipe(Recipe(model, cluster, plan, {"planner": whole}), header=header)
-    train = {"name": model.name}
+    train = {"name": model.name} | ({"compile": True} if compiled else {})
     if whole.get("optimizer", "adamw") != "adamw":  # the optimizer the plan was priced for
         train["optimizer"] = whole["optimizer"]
     run = ["", *train_section(train), "", *data_section({})]
@@ -159,7 +165,8 @@ def _inputs(args: argparse.Namespace) -> tuple[Any, Any, dict[str, dict], float,
 def _estimate_handler(args: argparse.Namespace) -> int:
     model, cluster, data, headroom, settings = _inputs(args)
     inputs = budget_from_args(args, data)
-    plan = layout_from_args(args, model, cluster, data.get("plan", {}))
+    runtime = settings.options.fivefold_runtime
+    plan = layout_from_args(args, model, cluster, data.get("plan", {}), runtime)
     est = estimate(model, cluster, plan, settings.options)
     answer = budget_of(est, inputs)
     out = est.to_json()
@@ -208,8 +215,12 @@ def _search_handler(args: argparse.Namespace) -> int:
     if path is not None:
         section = settings.section(headroom) | budget_section(data)
         section |= {"tokens": inputs.tokens} if inputs else {}
-        header = recipe_header(model, cluster, best)
-        recipe_path = write_recipe(path, model, cluster, result.best_plan, header, section)
+        header = recipe_header(model, cluster, best) + "\n" + settings.software()
+        opts = settings.options
+        compiled = opts.compile and opts.fivefold_runtime  # the run compiles as planned
+        recipe_path = write_recipe(
+            path, model, cluster, result.best_plan, header, section, compiled
+        )
     shown = SearchShown(result, best, explanation, elapsed_s, headroom, inputs, recipe_path)
     if args.json:
         print(json.dumps(search_json(shown, settings.to_json()), indent=2))
@@ -226,7 +237,7 @@ def _recipe_comparison(
 ) -> str:
     """One line on the recipe's own layout against the search's best."""
     try:
-        plan = layout_from_args(args, model, cluster, data["plan"])
+        plan = layout_from_args(args, model, cluster, data["plan"], options.fivefold_runtime)
         est = estimate(model, cluster, plan, options)
     except ConfigError as err:
         return f"the recipe's own layout is not valid: {err}"

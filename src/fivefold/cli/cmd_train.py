@@ -8,6 +8,7 @@ from dataclasses import replace
 
 from fivefold.cli.intermixed import merge_intermixed
 from fivefold.cli.plan_check_report import format_checks
+from fivefold.cli.plan_inputs import recipe_compile
 from fivefold.errors import ConfigError
 from fivefold.launch import launcher
 from fivefold.parallel.device import pick_device
@@ -227,7 +228,8 @@ def auto_plan_overrides(recipe_path: str | None, overrides: list[str], nproc: in
     optimizer = (data.get("train") or {}).get("optimizer", "adamw")
     if optimizer not in OPTIMIZERS:
         optimizer = "adamw"  # the [train] check names it
-    options = replace(PlannerOptions.for_device(cluster.device), optimizer=optimizer)
+    compiled = recipe_compile(data)  # fivefold's runtime as this run will compile its blocks
+    options = replace(PlannerOptions.for_device(cluster.device, compiled), optimizer=optimizer)
     result = search(  # ConfigError when nothing fits, naming what came closest
         model,
         cluster,
@@ -251,7 +253,7 @@ def planner_section_settings(data: dict, device):
     prediction beside the run; `--plan auto` uses its `headroom`.
     """
     section = data.get("planner") or {}
-    settings = planner_settings(device, section)
+    settings = planner_settings(device, section, compile=recipe_compile(data))
     if settings.profile != DEFAULT_PROFILE or settings.overrides:
         print(
             f"note: [planner] ({settings.describe()}) is for `fivefold plan`; this run's "

@@ -16,6 +16,7 @@ from fivefold.planner.budget import DEFAULT_RESTART_S
 from fivefold.planner.frameworks import DEFAULT_PROFILE, profiles
 from fivefold.planner.options import CHOICES, OPTION_HELP, PlannerOptions
 from fivefold.specs.geometry import OFFLOAD_KINDS, RECOMPUTE_POLICIES, SCHEDULES
+from fivefold.specs.hardware import gpu
 from fivefold.specs.plan import FP8_RECIPES, OPTIMIZER_STATES
 
 DESCRIPTION = """\
@@ -39,9 +40,12 @@ and its batch: grad_accum as the recipe sets it (its default, 1, when unset), th
 `fivefold train` runs, unless --global-batch or --global-batch-tokens is given.
 
 What the training software achieves (attention kernel, overlap of TP and DP communication,
-fused kernels, collective granularity) is an efficiency profile: --profile megatron-2022,
-nemo-2024, torchtitan or fivefold (the default: this runtime on the cluster's device). Each
-planner option flag replaces the profile's value (the output says so), as does a recipe's
+fused kernels, collective granularity, the memory it keeps) is an efficiency profile. The
+default, fivefold, is fivefold's own runtime as `fivefold train` runs the recipe on the
+cluster's device (eager, or compiled blocks under the recipe's train.compile or --compile),
+bound by the layouts that runtime runs. --profile megatron-2022, nemo-2024 or torchtitan plans
+that other software instead (the output says so), which fivefold's runtime rules do not bind.
+Each planner option flag replaces the profile's value (the output says so), as does a recipe's
 [planner] table (profile = "torchtitan", attention_kernel = "classic", headroom = 0.1, ...);
 flags win over the recipe. --json echoes the profile and every option in force.
 """
@@ -282,7 +286,7 @@ def _add_planner_options(parser: argparse.ArgumentParser) -> None:
         metavar="NAME",
         help=f"efficiency profile: {', '.join(profiles())} (default {DEFAULT_PROFILE})",
     )
-    defaults = PlannerOptions()
+    defaults = PlannerOptions.for_device(gpu("h100"))  # the fivefold profile on a GPU
     for name, text in OPTION_HELP.items():
         flag, default = "--" + name.replace("_", "-"), getattr(defaults, name)
         if isinstance(default, bool):

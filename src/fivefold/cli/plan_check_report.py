@@ -1,18 +1,32 @@
 """`fivefold plan check RECIPE`: the recipe's layout built at full scale on this CPU under a fake
 process group and fake tensors (`fivefold.train.plan_check`), each pipeline stage's measured
-peak beside the planner's prediction. Imports torch only when run."""
+peak beside the planner's prediction and beside the peak `fivefold plan` prints for the layout
+(`Planned`), and whether the counted peak with the CUDA context and the allocator's
+fragmentation fits the GPU. Exit status: 0 when every stage ran and fits, 1 when a stage does
+not fit, 2 when one could not run. Imports torch only when run."""
 
 from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from fivefold.errors import ConfigError
+from fivefold.planner.estimate import estimate
+from fivefold.planner.frameworks import PlannerSettings, planner_settings
+from fivefold.planner.request import resolve_headroom
 from fivefold.units import GiB as GIB
 from fivefold.units import MiB as MIB
 
 TARGET = 0.05  # the memory model's promise: predicted peak within 5 % of the checked one
+DOES_NOT_FIT = 1  # exit status when a stage's counted peak does not fit the GPU
+KERNEL_PATHS = {  # `fivefold.train.plan_check_kernels`' paths, in words
+    "flash": "CUDA flash (fake kernel)",
+    "flash_blocks": "CUDA flash varlen blocks (fake kernel)",
+    "cpu": "CPU kernels",
+    "cpu_blocks": "CPU blocks",
+}
 TRACKER_TENANTS = {  # torch's MemTracker categories (`_MemRefType` names), in our words
     "param": "params",
     "grad": "grads",
@@ -24,9 +38,56 @@ TRACKER_TENANTS = {  # torch's MemTracker categories (`_MemRefType` names), in o
 }
 
 
+@dataclass(frozen=True)
+class Planned:
+    """What `fivefold plan` prints for the recipe's layout (its [planner] table, its
+    `train.compile`): per pipeline stage the whole peak in bytes (CUDA context and
+    fragmentation included; None when the planner has no estimate, `why_not`), and the GPU
+    memory the search allows (HBM less the headroom; 0 on a CPU cluster)."""
+
+    settings: PlannerSettings
+    stage_bytes: list[float] | None
+    step_s: float | None
+    usable_bytes: float
+    headroom: float
+    hbm_bytes: float
+    why_not: str = ""
+
+    def whole_bytes(self, counted: float) -> float:
+        """`counted` tensor bytes with the CUDA context and the allocator's fragmentation as
+        the planner adds them (`memory.stage_memory`): (tensors + context) x (1 + f)."""
+        opts = self.settings.options
+        return (counted + opts.cuda_context_bytes) * (1 + opts.fragmentation_fraction)
+
+    def fits(self, counted: float) -> bool | None:
+        """Whether `counted` bytes fit the usable memory with context and fragmentation (None
+        without a GPU to fit)."""
+        return self.whole_bytes(counted) <= self.usable_bytes if self.usable_bytes else None
+
+
+def planned_for(recipe: Any) -> Planned:
+    """The estimate `fivefold plan` (and `plan estimate RECIPE`) makes of the recipe's own
+    layout, with the profile and options its [planner] table and `train.compile` give."""
+    compiled = recipe.section("train").get("compile", False) is True
+    cluster = recipe.cluster
+    settings = planner_settings(cluster.device, recipe.section("planner"), compile=compiled)
+    headroom = resolve_headroom(None, settings)
+    hbm = float(cluster.device.hbm_bytes or 0) if cluster.gpu != "cpu" else 0.0
+    usable = hbm * (1 - headroom)
+    try:
+        est = estimate(recipe.model, cluster, recipe.plan, settings.options)
+    except ConfigError as err:
+        why = str(err).strip().splitlines()[0]
+        return Planned(settings, None, None, usable, headroom, hbm, why)
+    totals = [float(stage.total) for stage in est.memory]
+    return Planned(settings, totals, est.step_time_s, usable, headroom, hbm)
+
+
 def run_check(recipe: Any, as_json: bool) -> int:
     """Check `recipe` on its cluster's GPUs and print the table (or JSON); 0 when every stage
-    ran, 2 when one could not (the table says which component and why)."""
+    ran and fits, `DOES_NOT_FIT` when a stage's counted peak with context and fragmentation
+    exceeds the usable GPU memory, 2 when a stage could not run (the table says which
+    component and why)."""
     # lazily: fivefold.train.plan_check loads torch, which `fivefold plan` must not
     from fivefold.train.plan_check import as_json as checks_json
     from fivefold.train.plan_check import check_plan
@@ -39,28 +100,63 @@ def run_check(recipe: Any, as_json: bool) -> int:
         )
     started = time.perf_counter()
     world = recipe.cluster.world_size
+    planned = planned_for(recipe)
     checks = check_plan(recipe, world)
     seconds = time.perf_counter() - started
     if as_json:
-        print(json.dumps({"checks": checks_json(checks), "seconds": seconds}, indent=2))
+        print(json.dumps(checks_report(planned, checks, checks_json(checks), seconds), indent=2))
     else:
-        print(format_checks(recipe, world, checks, seconds))
-    return 0 if all(not c.problem for c in checks) else 2
+        print(format_checks(recipe, world, checks, seconds, planned))
+    return exit_status(planned, checks)
 
 
-def format_checks(recipe: Any, world: int, checks: list, seconds: float) -> str:
-    """The check's table: one row per pipeline stage, then its tenants."""
+def exit_status(planned: Planned, checks: list) -> int:
+    """2 when a stage could not run, `DOES_NOT_FIT` when one does not fit, else 0."""
+    if any(c.problem for c in checks):
+        return 2
+    return DOES_NOT_FIT if any(planned.fits(c.counted_bytes) is False for c in checks) else 0
+
+
+def checks_report(planned: Planned, checks: list, rows: list[dict], seconds: float) -> dict:
+    """`plan check --json`: each stage's row (`plan_check.as_json`) with the plan's peak for
+    it, the counted peak with context and fragmentation and whether that fits; the plan's
+    settings and the usable memory."""
+    for c, row in zip(checks, rows, strict=True):
+        row["planned_bytes"] = planned.stage_bytes[c.stage] if planned.stage_bytes else None
+        row["counted_whole_bytes"] = planned.whole_bytes(c.counted_bytes) if not c.problem else None
+        row["fits"] = planned.fits(c.counted_bytes) if not c.problem else None
+    return {
+        "checks": rows,
+        "planned": {
+            "planner": planned.settings.to_json(),
+            "step_time_s": planned.step_s,
+            "usable_bytes": planned.usable_bytes,
+            "headroom": planned.headroom,
+            "why_not": planned.why_not,
+        },
+        "exit_status": exit_status(planned, checks),
+        "seconds": seconds,
+    }
+
+
+def format_checks(
+    recipe: Any, world: int, checks: list, seconds: float, planned: Planned | None = None
+) -> str:
+    """The check's table: one row per pipeline stage, then its tenants, then the verdict."""
     plan = recipe.plan
+    planned = planned or planned_for(recipe)
     lines = [
         f"plan check: {recipe.model.name} on {world} x {recipe.cluster.gpu}, {plan.describe()}",
         f"  the runtime built for {world} ranks under a fake process group and fake tensors; one "
         "rank per pipeline stage ran one training step (optimizer state made beforehand)",
-        "  measured: tensor storage live at the peak (no CUDA context, no allocator "
+        "  counted: tensor storage live at the peak (no CUDA context, no allocator "
         "fragmentation), by fivefold's counter and by torch's MemTracker; predicted: the "
-        "planner's peak without those terms",
+        "eager memory model's peak without those terms (error: predicted against counted)",
+        f"  planned: the peak `fivefold plan` prints and chose by ({_planned_words(planned)}); "
+        "whole: the counted peak with the CUDA context and fragmentation as planned",
         "",
-        f"  {'stage':>5} {'rank':>5} {'predicted':>10} {'counted':>10} {'MemTracker':>11} "
-        f"{'error':>8} {'time':>7} {'host':>9}",
+        f"  {'stage':>5} {'rank':>5} {'planned':>10} {'predicted':>10} {'counted':>10} "
+        f"{'MemTracker':>11} {'error':>8} {'whole':>10} {'vs plan':>8} {'time':>7} {'host':>9}",
     ]
     for c in checks:
         if c.problem:
@@ -68,14 +164,59 @@ def format_checks(recipe: Any, world: int, checks: list, seconds: float) -> str:
             continue
         flag = "" if abs(c.error) <= TARGET else "  beyond 5 %"
         tracker = _size(c.tracker_bytes) if c.tracker_bytes else "-"
+        whole = planned.whole_bytes(c.counted_bytes) if planned.usable_bytes else None
+        mine = planned.stage_bytes[c.stage] if planned.stage_bytes else None
+        versus = f"{100 * (mine / whole - 1):>+7.1f}%" if mine and whole else f"{'-':>8}"
         lines.append(
-            f"  {c.stage:>5} {c.rank:>5} {_size(c.predicted_gib['total'] * GIB):>10} "
-            f"{_size(c.counted_bytes):>10} {tracker:>11} "
-            f"{100 * c.error:>+7.1f}% {c.seconds:>6.1f}s {c.host_peak_mib:>5.0f} MiB{flag}"
+            f"  {c.stage:>5} {c.rank:>5} {_size(mine) if mine else '-':>10} "
+            f"{_size(c.predicted_gib['total'] * GIB):>10} {_size(c.counted_bytes):>10} "
+            f"{tracker:>11} {100 * c.error:>+7.1f}% {_size(whole) if whole else '-':>10} {versus} "
+            f"{c.seconds:>6.1f}s {c.host_peak_mib:>5.0f} MiB{flag}"
         )
         lines += _tenant_lines(c)
+        lines.append(f"        checked on: {describe_paths(c.kernels)}")
+    lines += _verdict_lines(planned, checks)
     lines.append(f"  checked in {seconds:.1f} s")
     return "\n".join(lines)
+
+
+def _planned_words(planned: Planned) -> str:
+    """The profile the plan's peak comes from, and its step time."""
+    opts, name = planned.settings.options, planned.settings.profile
+    what = "fivefold's runtime" if opts.fivefold_runtime else "other software"
+    if opts.fivefold_runtime:
+        what += ", compiled blocks" if opts.compile else ", eager"
+    if planned.stage_bytes is None:
+        return f"profile {name}: {what}; no estimate: {planned.why_not}"
+    return f"profile {name}: {what}; {planned.step_s:.2f} s per step"
+
+
+def _verdict_lines(planned: Planned, checks: list) -> list[str]:
+    """Whether every stage's whole peak fits the usable GPU memory, and what the check does
+    not run (compiled blocks)."""
+    ran = [c for c in checks if not c.problem]
+    out = []
+    if planned.settings.options.compile:
+        out.append(
+            "  note: train.compile is set; the check runs eager blocks (compiled ones keep less)"
+        )
+    if not ran:
+        return out
+    if not planned.usable_bytes:
+        return [*out, "  fits: no GPU memory to fit on this cluster (a CPU)"]
+    worst = max(ran, key=lambda c: c.counted_bytes)
+    whole = planned.whole_bytes(worst.counted_bytes)
+    usable = (
+        f"{_size(planned.usable_bytes)} usable ({planned.hbm_bytes / GIB:.0f} GiB HBM less "
+        f"{planned.headroom:.0%} headroom)"
+    )
+    if whole <= planned.usable_bytes:
+        return [*out, f"  fits: stage {worst.stage}'s whole peak {_size(whole)} of {usable}"]
+    return [
+        *out,
+        f"  DOES NOT FIT: stage {worst.stage}'s whole peak {_size(whole)} exceeds {usable}; "
+        "this layout cannot run on these GPUs (exit status 1)",
+    ]
 
 
 def _size(nbytes: float) -> str:
@@ -98,3 +239,11 @@ def _tenant_lines(check: Any) -> list[str]:
         f"        counted:    {counted}",
         f"        MemTracker: {tracker or check.tracker_note}",
     ]
+
+
+def describe_paths(kernels: dict[str, int]) -> str:
+    """Which kernels a checked rank's attention ran, and on what the rest ran."""
+    if not kernels:
+        return "CPU kernels on fake tensors (attention included)"
+    used = ", ".join(f"{KERNEL_PATHS.get(k, k)} x {n}" for k, n in sorted(kernels.items()) if n)
+    return f"attention {used}; the rest CPU kernels on fake tensors of the GPU run's shapes"

@@ -70,7 +70,17 @@ def planner_from_args(args: argparse.Namespace, cluster: Any, recipe_data: dict[
     section = recipe_data.get("planner", {})
     if not isinstance(section, dict):
         raise ConfigError(f"planner = {section!r}: expected a [planner] table of settings.")
-    return planner_settings(cluster.device, section, flags, args.profile, spelled)
+    compiled = recipe_compile(recipe_data)
+    return planner_settings(cluster.device, section, flags, args.profile, spelled, compiled)
+
+
+def recipe_compile(recipe_data: dict[str, Any]) -> bool:
+    """A recipe's `train.compile` (fivefold's runtime then compiles its blocks), checked."""
+    train = recipe_data.get("train", {})
+    value = train.get("compile", False) if isinstance(train, dict) else False
+    if not isinstance(value, bool):
+        raise ConfigError(f"train.compile = {value!r}: expected true or false.")
+    return value
 
 
 _NUMERIC_OPTIONS = ("cuda_context_bytes", "fragmentation_fraction", "dp_bucket_bytes")
@@ -313,9 +323,14 @@ def batch_from_args(args: argparse.Namespace) -> tuple[int | None, int | None]:
 
 
 def layout_from_args(
-    args: argparse.Namespace, model: Any, cluster: Any, recipe_plan: dict[str, Any]
+    args: argparse.Namespace,
+    model: Any,
+    cluster: Any,
+    recipe_plan: dict[str, Any],
+    runtime: bool = True,
 ) -> Any:
-    """The one layout `plan estimate` costs, from the recipe's [plan] and the flags."""
+    """The one layout `plan estimate` costs, from the recipe's [plan] and the flags; fivefold's
+    runtime rules bind it when `runtime` (the options describe that runtime)."""
     pins = pinned_fields(args)
     problems: list[str] = []
     typed = build(ParallelPlan, dict(recipe_plan), "plan", problems)
@@ -381,7 +396,7 @@ def layout_from_args(
     plan = build(ParallelPlan, values, "plan", problems)
     if problems or plan is None:
         raise ConfigError(problems or ["[plan]: cannot build the layout."])
-    plan.validate(model, cluster)
+    plan.validate(model, cluster, runtime=runtime)
     return plan
 
 

@@ -50,7 +50,7 @@ from fivefold.planner.search import search
 from fivefold.planner.uncertainty import risk_problems
 from fivefold.specs.cluster import CLUSTER_PRESETS, ClusterSpec
 from fivefold.specs.geometry import RECOMPUTE_POLICIES
-from fivefold.specs.hardware import GPU_ALIASES, GPUS
+from fivefold.specs.hardware import GPU_ALIASES, GPUS, gpu
 from fivefold.specs.model import ModelSpec, param_count
 from fivefold.specs.plan import CP_KINDS, SCHEDULES, ParallelPlan
 from fivefold.specs.precision import RECIPES
@@ -483,13 +483,15 @@ def presets_view() -> dict[str, Any]:
 
 
 def _option_controls() -> dict[str, dict[str, Any]]:
-    """Per planner option: its one-line help, its choices (or kind) and the GPU default."""
-    defaults = PlannerOptions()
+    """Per planner option: its one-line help, its choices (or kind), its default under the
+    fivefold profile on a GPU (`default`: fivefold's runtime) and the field's own default,
+    which the framework profiles keep for the fields they do not list (`base`)."""
+    defaults, base = PlannerOptions.for_device(gpu("h100")), PlannerOptions()
     out = {}
     for name, text in OPTION_HELP.items():
         default = getattr(defaults, name)
         kind = "choice" if name in CHOICES else "bool" if isinstance(default, bool) else "number"
-        out[name] = {"help": text, "kind": kind, "default": default}
+        out[name] = {"help": text, "kind": kind, "default": default, "base": getattr(base, name)}
         if kind == "choice":
             out[name]["choices"] = list(CHOICES[name])
     return out

@@ -88,10 +88,7 @@ def _predict(
         )
     try:
         options = replace(
-            PlannerOptions.for_device(cluster.device),
-            runtime="fivefold-eager",
-            compile=compiled,
-            optimizer=optimizer,
+            PlannerOptions.for_device(cluster.device, compile=compiled), optimizer=optimizer
         )
         est = estimate(spec, cluster, plan, options=options)
         return memory, est, f"planner estimate for {cluster.device.name}"

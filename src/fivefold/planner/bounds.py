@@ -6,7 +6,9 @@ Two bounds, both never above the value `estimate()` gives, so pruning with them 
   of their chunks, the largest chunk's activations times the micro-batches in flight, the named
   buffers and fragmentation), assembled from pieces cached on the fields they depend on. The
   estimate takes the maximum over every rank, so this is a lower bound (often the exact value:
-  the first rank holds the most micro-batches, the last the logits).
+  the first rank holds the most micro-batches, the last the logits). Under fivefold's eager
+  memory model (the default options) the pieces do not add up that way, and the bound is the
+  estimate's memory of those two ranks itself (`memory.all_stage_memory`, cached).
 - `Bounds.step`: per layer, the compute and the in-stage communication `estimate` always exposes
   (tensor-parallel collectives, context-parallel exchange beyond what attention hides, expert
   all-to-alls, ZeRO-3 gathers beyond what the previous layer hides), summed into chunk times.
@@ -31,6 +33,7 @@ from fivefold.planner.compute import head_work
 from fivefold.planner.efficiency import EfficiencyModel, efficiency_model
 from fivefold.planner.layer_costs import layer_cost_key, layer_costs
 from fivefold.planner.levers import memory_plan
+from fivefold.planner.memory import all_stage_memory
 from fivefold.planner.memory_options import MemoryOptions
 from fivefold.planner.model_states import chunk_state_bytes
 from fivefold.planner.options import PlannerOptions
@@ -77,7 +80,14 @@ class Bounds:
     # ---- memory ------------------------------------------------------------------------------
     def memory(self, plan: ParallelPlan, inflight: list[int]) -> float:
         """Bytes the first or the last pipeline rank needs (the larger): `stage_memory`'s sum
-        for those two ranks, assembled from cached pieces."""
+        for those two ranks, assembled from cached pieces. fivefold's runtime (eager memory:
+        the action walk, the gradients live at the peak, the block-backward peak) is not a
+        sum of such pieces: its bound is the estimate's own memory of those two ranks."""
+        if self.memory_options.eager:
+            held = memory_plan(plan, self.cluster.device)
+            ends = tuple(sorted({0, plan.pp - 1}))
+            stages = all_stage_memory(self.model, held, inflight, self.memory_options, ends)
+            return max(stage.total for stage in stages)
         v = is_v_shaped(plan.schedule, plan.pp)
         state = self._state(plan, v)
         acts = self._activations(plan, v)

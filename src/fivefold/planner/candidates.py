@@ -124,11 +124,15 @@ def lever_probe(fields: dict[str, Any]) -> ParallelPlan:
 
 
 def lever_sets(
-    model: ModelSpec, cluster: ClusterSpec, fixed: dict[str, Any], optimizer: str = "adamw"
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    fixed: dict[str, Any],
+    optimizer: str = "adamw",
+    runtime: bool = True,
 ) -> tuple[dict[str, str], ...]:
     """The memory levers the second pass tries (`AUTO_LEVERS`): those not fixed otherwise,
-    that fivefold's runtime runs with `optimizer`, and offload only where the catalog has the
-    node's host."""
+    that fivefold's runtime runs with `optimizer` (`runtime`: when its rules bind), and offload
+    only where the catalog has the node's host."""
     out = []
     for levers in AUTO_LEVERS:
         if optimizer_plan_problems(optimizer, lever_probe(levers)):
@@ -137,7 +141,7 @@ def lever_sets(
             continue
         if all(k in fixed for k in levers):
             continue  # the first pass had it
-        if lever_probe(levers).runtime_problems(model):
+        if runtime and lever_probe(levers).runtime_problems(model):
             continue
         if "offload" in levers and (
             host(cluster.gpu) is None or not offloads(ParallelPlan(**levers), cluster.device)

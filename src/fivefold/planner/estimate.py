@@ -182,7 +182,7 @@ def estimate(
     efficiency: EfficiencyModel | None = None,
     pipeline: str = "simulate",
     *,
-    runtime: bool = True,
+    runtime: bool | None = None,
 ) -> Estimate:
     """Predict memory, step time, tokens/s, MFU and HFU of `plan` for `model` on `cluster`.
 
@@ -190,10 +190,12 @@ def estimate(
     ms for deep pipelines with many micro-batches); `"analytic"` uses the closed forms
     generalised to unequal stages (`analytic_pipeline`), microseconds, for searches that
     simulate only their finalists. Raises `ConfigError` listing every problem when the plan is
-    invalid for them. `runtime=False` drops the rules of fivefold's own runtime
-    (`ParallelPlan.problems`), for runs made by other software such as the published ones.
+    invalid for them. The rules of fivefold's own runtime (`ParallelPlan.problems`) bind
+    options describing it (`PlannerOptions.fivefold_runtime`, the default); `runtime` True or
+    False says so explicitly (False: runs made by other software, such as the published ones).
     """
     opts = options or PlannerOptions.for_device(cluster.device)
+    runtime = opts.fivefold_runtime if runtime is None else runtime
     eff = efficiency or efficiency_model()
     if pipeline not in ("simulate", "analytic"):
         raise ConfigError(f"pipeline = {pipeline!r}: choose 'simulate' or 'analytic'.")

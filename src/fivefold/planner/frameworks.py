@@ -5,8 +5,11 @@ attention kernel, dropout, whether TP and DP communication overlap compute, fuse
 kernels, the selective-recompute policy and how data-parallel collectives are issued. Four are
 shipped: `megatron-2022` (SC21 PTD-P era, no FlashAttention), `nemo-2024` (Megatron-Core r0.8
 with TP communication overlap), `torchtitan` (FSDP2, eager, op-level selective recompute) and
-`fivefold` (this runtime: `PlannerOptions.for_device`, so it depends on the device). The default
-is `fivefold` (`DEFAULT_PROFILE`), which is what every estimate used before profiles existed.
+`fivefold` (this runtime as `fivefold train` runs a recipe: `PlannerOptions.for_device`, eager
+or compiled, on the device). The default is `fivefold` (`DEFAULT_PROFILE`), the options every
+estimate takes when given none. The framework profiles plan other software: fivefold's runtime
+rules do not bind them (`PlannerOptions.fivefold_runtime`), and the output says so
+(`PlannerSettings.software`).
 
 `planner_settings` resolves what is in force for one command, in this order (a later source
 replaces an earlier one field by field, and each replacement is stated in `notes`): the profile
@@ -46,9 +49,11 @@ class Profile:
     source: str
     options: dict[str, Any] | None
 
-    def planner_options(self, device: GPUSpec) -> PlannerOptions:
+    def planner_options(self, device: GPUSpec, compile: bool = False) -> PlannerOptions:
+        """The options on `device`; `compile` (a recipe's `train.compile`) only changes
+        fivefold's own runtime, which compiles its blocks then."""
         if self.options is None:
-            return PlannerOptions.for_device(device)
+            return PlannerOptions.for_device(device, compile)
         return PlannerOptions(**self.options)
 
 
@@ -104,12 +109,31 @@ class PlannerSettings:
         return {"profile": self.profile, **kept, **self.overrides}
 
     def describe(self) -> str:
-        """One sentence for the explanation: the profile and what was changed on top of it."""
+        """One sentence for the explanation: the profile, what was changed on top of it, and
+        which software it plans (`software`)."""
         summary = profile(self.profile).summary
         text = f"Efficiency profile {self.profile}: {summary}"
         if self.notes:
             text += "; given on top of it: " + "; ".join(self.notes)
-        return text + "."
+        return f"{text}. {self.software()}"
+
+    def software(self) -> str:
+        """What these options plan: fivefold's own runtime (bound by its rules), or other
+        software, which `fivefold train` does not run."""
+        if self.options.fivefold_runtime:
+            how = "compiled blocks" if self.options.compile else "eager"
+            return (
+                f"It plans fivefold's own runtime ({how}), as `fivefold train` runs the recipe, "
+                "with the layouts that runtime runs."
+            )
+        framework = profile(self.profile).framework
+        if self.profile == DEFAULT_PROFILE:
+            framework = "fused-kernel software (runtime = fused)"
+        return (
+            f"It plans other software ({framework}), not fivefold's runtime: layouts fivefold "
+            "refuses are allowed, and `fivefold train` runs its own runtime, whose memory and "
+            "time differ (`fivefold plan check` counts them)."
+        )
 
 
 def planner_settings(
@@ -118,12 +142,14 @@ def planner_settings(
     flags: dict[str, Any] | None = None,
     profile_flag: str | None = None,
     flag_names: dict[str, str] | None = None,
+    compile: bool = False,
 ) -> PlannerSettings:
     """Resolve profile, recipe `[planner]` fields and flags (module docstring), validated.
 
     `section` is the raw `[planner]` table; `flags` maps option fields to values already parsed
     (None values are ignored); `flag_names` maps a field to the flag spelling used in notes
-    (default `--field-name`). Raises one ConfigError listing every problem, each naming the
+    (default `--field-name`); `compile` is the recipe's `train.compile` (fivefold's runtime
+    then compiles its blocks). Raises one ConfigError listing every problem, each naming the
     field (planner.x for the recipe, the flag for the command line).
     """
     section = dict(section or {})
@@ -142,10 +168,10 @@ def planner_settings(
     else:
         chosen, where = DEFAULT_PROFILE, "the default profile"
     try:
-        base = profile(chosen, where).planner_options(device)
+        base = profile(chosen, where).planner_options(device, compile)
     except ConfigError as err:
         problems += err.problems
-        base = PlannerOptions.for_device(device)
+        base = PlannerOptions.for_device(device, compile)
     typed = build(PlannerOptions, section, "planner", problems)
     recipe_values = {k: getattr(typed, k) for k in section} if typed is not None else {}
     given = [("planner." + k, k, v) for k, v in recipe_values.items()]
@@ -164,6 +190,7 @@ def planner_settings(
             replaced = f"replacing {origin} {_show(key, before)}"
             notes.append(f"{key} = {_show(key, value)} ({where_given}, {replaced})")
     if not problems:
+        options = _compiled(chosen, device, base, options)
         problems += options.problems()
     if problems:
         raise ConfigError(problems)
@@ -171,6 +198,21 @@ def planner_settings(
         k: getattr(options, k) for k in OPTION_FIELDS if getattr(options, k) != getattr(base, k)
     }
     return PlannerSettings(chosen, options, headroom, tuple(notes), overrides)
+
+
+def _compiled(
+    chosen: str, device: GPUSpec, base: PlannerOptions, options: PlannerOptions
+) -> PlannerOptions:
+    """fivefold's runtime with `compile` changed (`--compile`, `[planner] compile`): its
+    compiled blocks' options (element-wise work fused), as `train.compile` gives them, with
+    every other field given kept."""
+    if options.compile == base.compile or profile(chosen).options is not None:
+        return options
+    given = {
+        k: getattr(options, k) for k in OPTION_FIELDS if getattr(options, k) != getattr(base, k)
+    }
+    given.pop("compile")
+    return replace(profile(chosen).planner_options(device, options.compile), **given)
 
 
 def _headroom(value: Any, problems: list[str]) -> float | None:

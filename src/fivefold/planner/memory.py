@@ -169,8 +169,10 @@ def all_stage_memory(
     plan: ParallelPlan,
     inflight: list[int] | tuple[int, ...],
     options: MemoryOptions | None = None,
+    ranks: tuple[int, ...] | None = None,
 ) -> list[StageMemory]:
-    """Memory of every pipeline rank given the peak in-flight micro-batches per rank."""
+    """Memory of every pipeline rank (or of `ranks`) given the peak in-flight micro-batches
+    per rank."""
     opts = options or MemoryOptions()
     counts = tuple(stage_layer_counts(model, plan.pp * plan.vpp))
     key = memory_key(plan)
@@ -178,7 +180,7 @@ def all_stage_memory(
         key = replace(key, grad_accum=plan.grad_accum)
     first_rank: dict[tuple, int] = {}
     out = []
-    for r in range(plan.pp):
+    for r in range(plan.pp) if ranks is None else ranks:
         sig = (rank_signature(plan, counts, r), int(inflight[r]))
         if model.is_moe or opts.eager:  # MoE: layers differ by position; eager: by schedule
             sig = (sig, r)

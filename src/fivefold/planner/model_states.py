@@ -225,11 +225,16 @@ def eager_state_recipe(rec: PrecisionRecipe, plan: ParallelPlan) -> PrecisionRec
     *is* the master, with no resting compute-dtype copy (parameters 4 B, optimizer the moments
     only; ZeRO-1/2 keep the gathered compute-dtype copy through the step, the recipe's
     parameter tenant). Other recipes, and offloaded state, as the recipe says."""
+    return _eager_state_recipe(rec, plan.zero == 3, plan.offload != "none")
+
+
+@lru_cache(maxsize=256)
+def _eager_state_recipe(rec: PrecisionRecipe, zero3: bool, offloaded: bool) -> PrecisionRecipe:
     master = master_bytes(rec)
-    if master <= 0 or rec.compute_dtype == "fp32" or plan.offload != "none":
+    if master <= 0 or rec.compute_dtype == "fp32" or offloaded:
         return rec
     out = replace(rec, grad_bytes=EAGER.fsdp_reduce_bytes)
-    if plan.zero == 3:
+    if zero3:
         out = replace(out, param_bytes=master, optimizer_bytes=rec.optimizer_bytes - master)
     return out
 

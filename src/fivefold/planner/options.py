@@ -3,9 +3,10 @@
 They describe the software a run uses rather than the layout: the attention kernel, whether the
 framework overlaps tensor-parallel communication with GEMMs (Megatron's `--tp-comm-overlap`;
 PyTorch's DTensor TP does not) and data-parallel gradient reduction with the backward (DDP and
-FSDP do), the activation model, and the fixed memory terms. The defaults describe the fivefold
-runtime: flash attention, no dropout, exposed TP collectives, overlapped DP reduction, fused
-element-wise kernels, and "selective" recompute meaning the attention core (Korthikanti et al.
+FSDP do), the activation model, and the fixed memory terms. The field defaults describe
+fused-kernel software (the framework profiles start from them): flash attention, no dropout,
+exposed TP collectives, overlapped DP reduction, fused element-wise kernels, and "selective"
+recompute meaning the attention core (Korthikanti et al.
 2022, what `fivefold.parallel.activation_checkpoint` does). `selective_policy="alternate-matmul"`
 describes torchtitan's op-level selective checkpointing instead: in each layer every second matmul
 (wk, wo and w3 of a Llama block) and every element-wise op are recomputed, the attention output
@@ -24,12 +25,13 @@ copy of a token per remote node reached, not one per expert (`planner/comm.py`).
 nanotron's ZeRO-1 runs it synchronously at the end of the optimizer step; Megatron's
 `--overlap-param-gather` and FSDP2's prefetch hide it behind the next forward (the default).
 `runtime="fivefold-eager"` makes the memory model count what fivefold's own eager runtime keeps
-(`fivefold.planner.memory_options.EagerProfile`; the layout report of every run uses it); the
-default "fused" counts what fused kernels keep. `compile=True` says the blocks run under
-torch.compile (`train.compile`): with `runtime="fivefold-eager"` the memory model counts what
-inductor's compiled blocks keep (`fivefold.planner.memory_options.CompiledProfile`, with FP8
-tensorwise inputs in one byte); the "fused" model already counts fused kernels and is unchanged
-by it.
+(`fivefold.planner.memory_options.EagerProfile`); "fused" counts what fused kernels keep (the
+field defaults, which the framework profiles start from). `for_device` is fivefold's own runtime
+on a device, the default of every estimate, search and run report. `compile=True` says the
+blocks run under torch.compile (`train.compile`): with `runtime="fivefold-eager"` the memory
+model counts what inductor's compiled blocks keep (`memory_options.CompiledProfile`, with FP8
+tensorwise inputs in one byte); the "fused" model already counts fused kernels and is
+unchanged by it.
 """
 
 from __future__ import annotations
@@ -73,10 +75,20 @@ class PlannerOptions:
     optimizer: str = "adamw"  # or "muon" (train.optimizer; `fivefold.planner.muon`)
 
     @classmethod
-    def for_device(cls, device: GPUSpec) -> PlannerOptions:
-        """The defaults, or the fivefold runtime's facts on a measured device (module doc;
-        `DeviceRates.runtime_options`)."""
-        return cls(**rates_for(device).runtime_options())
+    def for_device(cls, device: GPUSpec, compile: bool = False) -> PlannerOptions:
+        """fivefold's own runtime on `device` as a recipe runs it (`RUNTIME_FACTS`): eager
+        blocks, or with `compile` (`train.compile`) blocks compiled by inductor, whose
+        element-wise work is fused; and the device's own facts (`DeviceRates.runtime_options`:
+        on a CPU no CUDA context, no fragmentation, no overlap)."""
+        facts = {**RUNTIME_FACTS, "compile": compile, "fused_elementwise": compile}
+        return cls(**(facts | rates_for(device).runtime_options()))
+
+    @property
+    def fivefold_runtime(self) -> bool:
+        """Whether these options describe fivefold's own runtime (its memory model), whose
+        rules (`ParallelPlan.runtime_problems`) then bind the layout; other software's
+        profiles plan what that software runs."""
+        return self.runtime == "fivefold-eager"
 
     def memory(self) -> MemoryOptions:
         return MemoryOptions(
@@ -118,12 +130,51 @@ class PlannerOptions:
                     out.append(f"{name} = {value!r}: must be {bound}.")
                 elif f.name == "dp_bucket_bytes" and value == 0:
                     out.append(f"{name} = 0: a bucket must hold some bytes, e.g. 25M (25 MiB).")
-        return out
+        return out + self._runtime_problems(where)
+
+    def _runtime_problems(self, where: str) -> list[str]:
+        """What fivefold's runtime (`fivefold_runtime`) does not run: classic attention with
+        its s^2 scores, dropout. Its memory model has no such terms, so the setting would be
+        silently ignored; other software is planned with its profile or `runtime = fused`."""
+        if not self.fivefold_runtime:
+            return []
+        given = [
+            (name, value)
+            for name, value, runs in (
+                ("attention_kernel", self.attention_kernel, "flash"),
+                ("dropout", self.dropout, False),
+            )
+            if value != runs
+        ]
+        return [
+            f"{where}.{name} = {_shown(value)} with {where}.runtime = 'fivefold-eager': "
+            "fivefold's runtime runs flash-type attention without dropout; to plan other "
+            "software choose its profile (--profile megatron-2022) or runtime = 'fused'."
+            for name, value in given
+        ]
 
     def validate(self) -> None:
         problems = self.problems()
         if problems:
             raise ConfigError(problems)
+
+
+# What fivefold's runtime is, whatever the device: its memory as autograd keeps it (eager, or
+# compiled under `compile`), flash-type attention (SDPA's flash kernel, `varlen_attn` on CUDA,
+# the per-document op on CPU: each keeps the output and the log-sum-exp, never s^2 scores), no
+# dropout, DTensor TP collectives exposed, FSDP2's per-block collectives overlapped with the
+# backward, `torch.utils.checkpoint`'s early stop.
+RUNTIME_FACTS: dict[str, object] = {
+    "runtime": "fivefold-eager",
+    "attention_kernel": "flash",
+    "dropout": False,
+    "tp_comm_overlap": False,
+    "checkpoint_early_stop": True,
+}
+
+
+def _shown(value: object) -> str:
+    return ("true" if value else "false") if isinstance(value, bool) else repr(value)
 
 
 CHOICES: dict[str, tuple[str, ...]] = {

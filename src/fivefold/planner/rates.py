@@ -118,7 +118,8 @@ class DeviceRates(ABC):
 
     @abstractmethod
     def runtime_options(self) -> dict[str, Any]:
-        """`PlannerOptions` fields fivefold's runtime sets on this device (beyond defaults)."""
+        """`PlannerOptions` fields this device sets for fivefold's runtime beyond its facts
+        (`options.RUNTIME_FACTS`)."""
 
     @abstractmethod
     def check_offload(self, plan: ParallelPlan, cluster: ClusterSpec) -> None:
@@ -199,7 +200,7 @@ class CatalogRates(DeviceRates):
         return math.inf
 
     def runtime_options(self) -> dict[str, Any]:
-        """None beyond the defaults."""
+        """None beyond fivefold's runtime."""
         return {}
 
     def check_offload(self, plan: ParallelPlan, cluster: ClusterSpec) -> None:
@@ -423,17 +424,11 @@ class MeasuredRates(DeviceRates):
         return cores + in_stage_s * share + after_s
 
     def runtime_options(self) -> dict[str, Any]:
-        """The eager runtime's memory and early stop; on a CPU no CUDA context, no allocator
-        fragmentation and no overlap of the gradient reduction."""
+        """On a CPU no CUDA context, no allocator fragmentation and no overlap of the gradient
+        reduction; a measured GPU none beyond fivefold's runtime."""
         if self.rank.profile.kind == "cpu":
-            return {
-                "checkpoint_early_stop": True,
-                "cuda_context_bytes": 0.0,
-                "fragmentation_fraction": 0.0,
-                "dp_overlap": False,
-                "runtime": "fivefold-eager",
-            }
-        return {"checkpoint_early_stop": True, "runtime": "fivefold-eager"}
+            return {"cuda_context_bytes": 0.0, "fragmentation_fraction": 0.0, "dp_overlap": False}
+        return {}
 
     def check_offload(self, plan: ParallelPlan, cluster: ClusterSpec) -> None:
         """A CPU holds "offloaded" state in the same memory; a measured GPU has no host figures."""

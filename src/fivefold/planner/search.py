@@ -67,7 +67,9 @@ def search(
         started = time.perf_counter()
         fixed = dict(fixed or {})
         opts = options or PlannerOptions.for_device(cluster.device)
-        problems = _input_problems(model, cluster, headroom, top, precisions, fixed, risk)
+        problems = _input_problems(
+            model, cluster, headroom, top, precisions, fixed, risk, opts.fivefold_runtime
+        )
         problems += opts.memory().problems()
         if problems:
             raise ConfigError(problems)
@@ -109,8 +111,10 @@ def _input_problems(
     precisions: tuple[str, ...] | list[str],
     fixed: dict[str, Any],
     risk: str,
+    runtime: bool = True,
 ) -> list[str]:
-    """What is wrong with the search's inputs, and what the runtime refuses around the pins."""
+    """What is wrong with the search's inputs, and what the runtime refuses around the pins
+    (`runtime`: when its rules bind, `PlannerOptions.fivefold_runtime`)."""
     problems = model.problems() + cluster.problems()
     if not 0 <= headroom < 1:
         problems.append(f"headroom = {headroom}: must be in [0, 1), e.g. 0.1 for 10 %.")
@@ -127,11 +131,12 @@ def _input_problems(
             )
     if not problems:  # what the runtime refuses whatever the search picks around the pins
         pins = lever_probe({k: v for k, v in fixed.items() if k in PLAN_FIELDS})
-        problems += pins.with_(precision="fp32").runtime_problems(model)
         problems += pins.device_problems(cluster)
-        by_precision = [ParallelPlan(precision=p).runtime_problems() for p in precisions]
-        if all(by_precision):
-            problems += [p for found in by_precision for p in found]
+        if runtime:
+            problems += pins.with_(precision="fp32").runtime_problems(model)
+            by_precision = [ParallelPlan(precision=p).runtime_problems() for p in precisions]
+            if all(by_precision):
+                problems += [p for found in by_precision for p in found]
     return problems
 
 
@@ -143,7 +148,8 @@ def _passes(state: SearchState) -> SearchResult:
     ranked = rank_fitting([o for o in state.outcomes.values() if o.fits], state.risk)
     rejected = nearest_rejected(list(state.outcomes.values()))
     without_levers = None
-    sets = lever_sets(model, cluster, fixed, state.options.optimizer) if not ranked else ()
+    optimizer, rules = state.options.optimizer, state.runtime_rules
+    sets = lever_sets(model, cluster, fixed, optimizer, rules) if not ranked else ()
     if sets:
         without_levers = rejected[0] if rejected else None
         first = state

@@ -74,6 +74,12 @@ class SearchState:
         self.lever_pins = {k: self.fixed[k] for k in LEVER_FIELDS if k in self.fixed}
 
     @property
+    def runtime_rules(self) -> bool:
+        """Whether fivefold's runtime rules bind the layouts: the options describe that runtime
+        (`PlannerOptions.fivefold_runtime`), not other software."""
+        return self.options.fivefold_runtime
+
+    @property
     def budget_bytes(self) -> float:
         return self.cluster.device.hbm_bytes * (1.0 - self.headroom)
 
@@ -110,7 +116,7 @@ class SearchState:
         `ParallelPlan.problems` (then rejected as invalid, with the rule's words)."""
         sp = self.fixed.get("sp", tp > 1)
         shape = ParallelPlan(tp=tp, sp=sp, cp=cp, pp=pp, dp_replicate=dp)
-        problems = shape.problems(self.model, self.cluster)
+        problems = shape.problems(self.model, self.cluster, runtime=self.runtime_rules)
         if problems:
             self.reject(shape, "invalid", " ".join(problems))
         return bool(problems)
@@ -122,7 +128,9 @@ class SearchState:
         outcomes = list(self.outcomes.values())
         if not outcomes or any(o.kind != "invalid" for o in outcomes):
             return []
-        lists = [o.plan.problems(self.model, self.cluster) for o in outcomes]
+        lists = [
+            o.plan.problems(self.model, self.cluster, runtime=self.runtime_rules) for o in outcomes
+        ]
         common = [p for p in lists[0] if all(p in rest for rest in lists[1:])]
         return common or lists[0]
 
@@ -218,7 +226,7 @@ class SearchState:
 
     def screen(self, plan: ParallelPlan) -> str:
         """Validity and the memory lower bound; a survivor joins the candidates with its bound."""
-        problems = plan.problems(self.model, self.cluster)
+        problems = plan.problems(self.model, self.cluster, runtime=self.runtime_rules)
         if problems:
             return self.reject(plan, "invalid", " ".join(problems)).kind
         bound = self.bounds.memory(plan, _inflight(plan))
@@ -297,7 +305,7 @@ class SearchState:
         """The outcome of any plan (for the explanation): cached, else validity then estimate."""
         if plan in self.outcomes:
             return self.outcomes[plan]
-        problems = plan.problems(self.model, self.cluster)
+        problems = plan.problems(self.model, self.cluster, runtime=self.runtime_rules)
         if problems:
             return self.reject(plan, "invalid", " ".join(problems))
         return self.estimate(plan)

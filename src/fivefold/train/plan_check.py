@@ -18,6 +18,8 @@ because no library provides it):
   `_hidden_meta` what its neighbour sends (the hidden states [b, T/cp/tp_sp, hidden] in the
   compute dtype).
 - The optimizer state is made first (as a previous step leaves it); then one step is measured.
+- On a GPU cluster attention runs the CUDA flash kernels' fake implementations
+  (`fivefold.train.plan_check_kernels`); each rank reports the calls per path.
 The peak is counted twice: by the runtime's counter (`fivefold.train.memory_counter`) and by torch's
 `MemTracker` (`torch.distributed._tools.mem_tracker`), tenant by tenant.
 """
@@ -32,6 +34,7 @@ import os
 import resource
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
 from types import SimpleNamespace
@@ -66,6 +69,7 @@ from fivefold.train.config import TrainConfig
 from fivefold.train.data.batching import Batch
 from fivefold.train.memory_counter import track_cpu_peak
 from fivefold.train.optim import build_optimizer
+from fivefold.train.plan_check_kernels import gpu_kernels, patch_gpu_attention
 from fivefold.units import GiB as GIB
 
 PIPELINE_TRACKER_NOTE = (
@@ -90,6 +94,7 @@ class RankCheck:
     host_peak_mib: float = 0.0
     problem: str = ""
     tracker_note: str = ""
+    kernels: dict[str, int] = field(default_factory=dict)  # attention calls per path
 
     @property
     def error(self) -> float | None:
@@ -184,7 +189,7 @@ def _check_rank(recipe: Recipe, rank: int, world: int) -> dict[str, Any]:
 
 def _measure(recipe: Recipe, rank: int, world: int) -> dict[str, Any]:
     fake_tensors = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
-    with fake_world(recipe, rank, world), fake_tensors:
+    with fake_world(recipe, rank, world) as kernels, fake_tensors:
         runtime = _CheckedRuntime(recipe)
         optimizer = _optimizer(runtime, recipe)
         batches = _micro_batches(recipe)
@@ -200,6 +205,7 @@ def _measure(recipe: Recipe, rank: int, world: int) -> dict[str, Any]:
     result: dict[str, Any] = {
         "counted_bytes": int(reading.peak_bytes),
         "counted_tenants": dict(reading.tenants),
+        "kernels": dict(kernels),
     }
     if tracker is None:
         result["tracker_note"] = PIPELINE_TRACKER_NOTE
@@ -282,9 +288,10 @@ class _CheckedRuntime(DistributedRuntime):
 
 
 @contextlib.contextmanager
-def fake_world(recipe: Recipe, rank: int, world: int) -> Iterator[None]:
+def fake_world(recipe: Recipe, rank: int, world: int) -> Iterator[Counter]:
     """This process as `rank` of a fake world of `world` ranks, with the patches the module
-    docstring lists; undone on exit."""
+    docstring lists, undone on exit; on a GPU cluster attention runs the CUDA kernels' fake
+    implementations (`plan_check_kernels`), whose calls per path the yielded tally counts."""
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     saved: list[tuple[Any, str, Any]] = []
     absent = object()
@@ -299,7 +306,10 @@ def fake_world(recipe: Recipe, rank: int, world: int) -> Iterator[None]:
         _patch_sharding_propagation(patch)
         _patch_pipelining(patch, recipe)
         _patch_expert_dispatch(patch)
-        yield
+        kernels: Counter = Counter()
+        if gpu_kernels(recipe):
+            patch_gpu_attention(patch, kernels)
+        yield kernels
     finally:
         for owner, name, value in reversed(saved):
             if value is absent:

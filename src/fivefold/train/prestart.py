@@ -106,8 +106,13 @@ def memory_fit(run: RunConfig, nproc: int, cuda: bool) -> MemoryFit | None:
     None when the planner has no prediction for this recipe."""
     from fivefold.parallel.report import predictions_for
 
+    train = run.train  # the same prediction `--dry-run` prints
     memory, _, _ = predictions_for(
-        run.recipe, cuda, fsdp_wrapped=nproc > 1, optimizer=run.train.optimizer
+        run.recipe,
+        cuda,
+        fsdp_wrapped=nproc > 1,
+        compiled=train.compile,
+        optimizer=train.optimizer,
     )
     if not memory:
         return None

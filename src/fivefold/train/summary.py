@@ -135,8 +135,7 @@ def planner_prediction(run: RunConfig) -> tuple[dict[str, Any] | None, str]:
         )
     try:
         options = replace(
-            PlannerOptions.for_device(recipe.cluster.device),
-            compile=run.train.compile,
+            PlannerOptions.for_device(recipe.cluster.device, compile=run.train.compile),
             optimizer=run.train.optimizer,
         )
         return estimate(recipe.model, recipe.cluster, recipe.plan, options=options).to_json(), ""

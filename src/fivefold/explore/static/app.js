@@ -173,12 +173,13 @@ function buildPlannerControls(presets) {
   }
 }
 
-/** Set every planner option control to the profile's value (fivefold: the GPU defaults). */
+/** Set every planner option control to the profile's value (fivefold: its runtime's on a GPU;
+ * a framework profile: its own, else the field's default, `base`). */
 function applyProfile(name) {
   const profile = state.presets.profiles[name];
   if (!profile) return;
   for (const [key, o] of Object.entries(state.presets.planner_options)) {
-    const own = profile.options && key in profile.options ? profile.options[key] : o.default;
+    const own = !profile.options ? o.default : key in profile.options ? profile.options[key] : o.base;
     writeField(`planner.${key}`, own);
   }
 }
