@@ -17,9 +17,11 @@ SLOW_CASES = [
     ParityCase("TP4+SP (kv heads replicated)", {"tp": 4, "micro_batch": 8}, model="parity-qwen"),
     ParityCase("ZeRO-3 x2", {"dp_shard": 2, "zero": 3, "micro_batch": 4}, model="parity-qwen"),
     ParityCase(
-        "ZeRO-3 x2 x TP2", {"dp_shard": 2, "zero": 3, "tp": 2, "micro_batch": 4}, model="parity-qwen"
+        "ZeRO-3 x2 x TP2",
+        {"dp_shard": 2, "zero": 3, "tp": 2, "micro_batch": 4},
+        model="parity-qwen",
     ),
-    ParityCase("PP2", {"pp": 2, "micro_batch": 2}, model="parity-qwen"),
+    ParityCase("PP2 1f1b", {"pp": 2, "micro_batch": 2, "grad_accum": 4}, model="parity-qwen"),
     ParityCase("CP2 ring", {"cp": 2, "micro_batch": 8}, model="parity-qwen"),
 ]
 

@@ -27,14 +27,14 @@ from fivefold.specs.model import ModelSpec
 class ReplicatedKVColwise(ParallelStyle):
     """Column-parallel key/value projection when tp > kv_heads (kv heads replicated).
 
-    The weight [Hkv * Dh, D] (and a bias [Hkv * Dh]) is placed on a 2-D view (kv, rep) of the TP mesh as
-    [Shard(0), Replicate()]: TP rank r holds kv head r // (tp / Hkv), which is the head read by
-    its query heads [r * Hq/tp, (r+1) * Hq/tp). Forward: input [B, T, D] (replicated DTensor
-    on the TP mesh) -> local output [B, T, Dh], a plain matmul with the local weight. Backward:
-    each rank's gradients cover only its own query heads, so the weight gradient is a partial
-    sum over the `rep` ranks of its head (reduced with the other gradients by FSDP/DDP) and the
-    input gradient a partial sum over the TP group (reduced once, with the other projections',
-    where the attention input is gathered).
+    The weight [Hkv * Dh, D] (and a bias [Hkv * Dh]) is placed on a 2-D view (kv, rep) of the
+    TP mesh as [Shard(0), Replicate()]: TP rank r holds kv head r // (tp / Hkv), which is the
+    head read by its query heads [r * Hq/tp, (r+1) * Hq/tp). Forward: input [B, T, D]
+    (replicated DTensor on the TP mesh) -> local output [B, T, Dh], a plain matmul with the
+    local weight. Backward: each rank's gradients cover only its own query heads, so the weight
+    gradient is a partial sum over the `rep` ranks of its head (reduced with the other
+    gradients by FSDP/DDP) and the input gradient a partial sum over the TP group (reduced once,
+    with the other projections', where the attention input is gathered).
     """
 
     def __init__(self, kv_mesh: DeviceMesh):
