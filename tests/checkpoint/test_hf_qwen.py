@@ -121,7 +121,7 @@ def test_biases_with_qk_norm_have_no_hf_form(tmp_path):
     model.to_empty(device="cpu")
     model.init_weights(0)
     path = Checkpointer(tmp_path).save(1, [model], None, model_spec=spec.to_dict(), plan={})
-    with pytest.raises(CheckpointError, match="qkv_bias and model.qk_norm together"):
+    with pytest.raises(CheckpointError, match=r"qkv_bias and model\.qk_norm together"):
         export_hf(path, tmp_path / "hf")
 
 
