@@ -55,6 +55,17 @@ def eager_norm_bytes(model: ModelSpec, e: float, sb: float, rdiv: int) -> float:
     return (EAGER.norm_fp32_saved * 4 * sb * h + 4 * sb) / rdiv + e * sb * h
 
 
+def qk_norm_bytes(model: ModelSpec, plan: ParallelPlan, sb: float) -> float:
+    """fivefold-eager: the per-head RMSNorms of the local query and key heads (QK-norm) keep,
+    as `eager_norm_bytes`, their fp32 input and normalised tensor plus an fp32 reciprocal RMS
+    per head and token, whatever the activation dtype; 0 without QK-norm. Q/K/V biases keep
+    nothing (their gradient needs only the output's)."""
+    if not model.qk_norm:
+        return 0.0
+    width = model.q_width / plan.tp + local_kv_width(model, plan.tp)
+    return (EAGER.norm_fp32_saved * 4 * width + 4 * width / model.head_dim) * sb
+
+
 def compiled_norm_bytes(model: ModelSpec, e: float, sb: float, rdiv: int) -> float:
     """A compiled block's two RMSNorms (`CompiledProfile`): the block input in fp32 and the
     output projection's output in the activation dtype (the MLP norm's input is recomputed
@@ -127,7 +138,7 @@ def _eager_bytes(model, plan, moe, policy, e, sb, rdiv) -> float:
     q = model.q_width / t
     kv = local_kv_width(model, t)
     s = model.seq_len / plan.cp
-    total = 2 * eager_norm_bytes(model, e, sb, rdiv)
+    total = 2 * eager_norm_bytes(model, e, sb, rdiv) + qk_norm_bytes(model, plan, sb)
     if policy == "selective":  # the core re-runs: its inputs q, k, v and its output are kept
         total += e * sb * (2 * q + 2 * kv)
     else:
@@ -159,9 +170,10 @@ def _stored_bytes(model, plan, moe, opts, policy, e, sb, rdiv) -> float:
     s = model.seq_len / plan.cp
     # Replicated (SP region): 2 norm inputs + QKV input + MLP input.
     region = 4 * e * sb * h
+    qk_norm_inputs = e * sb * (q + kv) if model.qk_norm else 0.0  # local query and key heads
     if opts.dropout:
         region += 2 * sb * h  # one-byte dropout masks after attention and MLP
-    total = region / rdiv
+    total = region / rdiv + qk_norm_inputs
     # Attention core inputs and output.
     total += e * sb * (q + 2 * kv)  # Q, K, V
     total += e * sb * q  # attention output = output projection input (kept by wo)
