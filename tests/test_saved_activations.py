@@ -113,6 +113,21 @@ def test_qk_norm_and_bias_layer_bytes_equal_autograds_saved_tensors(recompute) -
     assert measured - plain == 256 * (2 * 4 * (256 + 128) + 4 * (8 + 4))
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("precision", "autocast"), [("fp32", None), ("bf16-mixed", torch.bfloat16)]
+)
+def test_compiled_qk_norm_layer_bytes_equal_the_compiled_blocks_saved_tensors(precision, autocast):
+    """Compiled, each QK-norm keeps only its input (activation dtype) and the per-head rstd."""
+    spec = dataclasses.replace(WIDE_Q, ffn=2048, qk_norm=True, qkv_bias=True)
+    plan = ParallelPlan(precision=precision, micro_batch=2)
+    measured = saved_bytes(spec, 0, 2, "none", True, autocast)
+    assert layer_activation_bytes(spec, plan, False, COMPILED) == measured
+    plain = layer_activation_bytes(dataclasses.replace(spec, qk_norm=False), plan, False, COMPILED)
+    e = 2 if autocast else 4
+    assert measured - plain == 256 * (e * (256 + 128) + 4 * (8 + 4))
+
+
 @pytest.mark.parametrize(
     ("precision", "autocast", "fp8"),
     [

@@ -55,15 +55,16 @@ def eager_norm_bytes(model: ModelSpec, e: float, sb: float, rdiv: int) -> float:
     return (EAGER.norm_fp32_saved * 4 * sb * h + 4 * sb) / rdiv + e * sb * h
 
 
-def qk_norm_bytes(model: ModelSpec, plan: ParallelPlan, sb: float) -> float:
-    """fivefold-eager: the per-head RMSNorms of the local query and key heads (QK-norm) keep,
-    as `eager_norm_bytes`, their fp32 input and normalised tensor plus an fp32 reciprocal RMS
-    per head and token, whatever the activation dtype; 0 without QK-norm. Q/K/V biases keep
-    nothing (their gradient needs only the output's)."""
+def qk_norm_bytes(model: ModelSpec, plan: ParallelPlan, sb: float, per_element: float) -> float:
+    """The per-head RMSNorms of the local query and key heads (QK-norm): `per_element` bytes
+    per element of q and k (eager: as `eager_norm_bytes`, the fp32 input and the normalised
+    tensor, whatever the activation dtype; compiled: the input in the activation dtype) plus
+    an fp32 reciprocal RMS per head and token; 0 without QK-norm. Q/K/V biases keep nothing
+    (their gradient needs only the output's)."""
     if not model.qk_norm:
         return 0.0
     width = model.q_width / plan.tp + local_kv_width(model, plan.tp)
-    return (EAGER.norm_fp32_saved * 4 * width + 4 * width / model.head_dim) * sb
+    return (per_element * width + 4 * width / model.head_dim) * sb
 
 
 def compiled_norm_bytes(model: ModelSpec, e: float, sb: float, rdiv: int) -> float:
@@ -114,6 +115,8 @@ def autocast_weight_bytes(model: ModelSpec, plan: ParallelPlan, moe: bool, e: fl
         return 0.0
     lp = layer_params_per_rank(model, moe, 1, 1)
     weights = lp.dense + lp.experts + (model.hidden * model.experts if moe else 0.0)
+    if model.qkv_bias:  # no bias copy is kept: a bias's gradient needs only the output's
+        weights -= model.q_width + 2 * model.kv_width
     weights -= sum(w.params for w in fp8_linears(model, plan.fp8, moe))
     return e * weights
 
@@ -123,6 +126,8 @@ def _compiled_bytes(model, plan, moe, policy, e, sb, rdiv, opts) -> float:
     and SwiGLU; MoE layers keep their eager expert part (the expert loop breaks the graph)."""
     total = _eager_bytes(model, plan, moe, policy, e, sb, rdiv)
     total += compiled_norm_bytes(model, e, sb, rdiv) - 2 * eager_norm_bytes(model, e, sb, rdiv)
+    eager_qk = qk_norm_bytes(model, plan, sb, EAGER.norm_fp32_saved * 4)
+    total += qk_norm_bytes(model, plan, sb, e) - eager_qk
     if not opts.fsdp_wrapped:  # FSDP2 casts the weights it gathers; autocast copies them
         total += autocast_weight_bytes(model, plan, moe, e)
     if moe:
@@ -138,7 +143,8 @@ def _eager_bytes(model, plan, moe, policy, e, sb, rdiv) -> float:
     q = model.q_width / t
     kv = local_kv_width(model, t)
     s = model.seq_len / plan.cp
-    total = 2 * eager_norm_bytes(model, e, sb, rdiv) + qk_norm_bytes(model, plan, sb)
+    total = 2 * eager_norm_bytes(model, e, sb, rdiv)
+    total += qk_norm_bytes(model, plan, sb, EAGER.norm_fp32_saved * 4)
     if policy == "selective":  # the core re-runs: its inputs q, k, v and its output are kept
         total += e * sb * (2 * q + 2 * kv)
     else:
