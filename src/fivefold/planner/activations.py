@@ -52,13 +52,19 @@ def eager_norm_bytes(model: ModelSpec, e: float, sb: float, rdiv: int) -> float:
     (plus the fp32 reciprocal RMS per token) in the norm's region (/tp under SP), and the
     output the next matmul keeps, gathered to the full sequence under TP+SP."""
     h = model.hidden
-    return (EAGER.norm_fp32_saved * 4 * sb * h + 4 * sb) / rdiv + e * sb * h
+    return (eager_norm_kept(e) * sb * h + 4 * sb) / rdiv + e * sb * h
+
+
+def eager_norm_kept(e: float) -> float:
+    """Bytes an eager RMSNorm keeps per element of its input (`EagerProfile`), besides its
+    fp32 reciprocal RMS per row; `e` the activation dtype's bytes."""
+    return EAGER.norm_fp32_saved * 4
 
 
 def qk_norm_bytes(model: ModelSpec, plan: ParallelPlan, sb: float, per_element: float) -> float:
     """The per-head RMSNorms of the local query and key heads (QK-norm): `per_element` bytes
-    per element of q and k (eager: as `eager_norm_bytes`, the fp32 input and the normalised
-    tensor, whatever the activation dtype; compiled: the input in the activation dtype) plus
+    per element of q and k (eager: `eager_norm_kept`, as the other norms; compiled: the input
+    in the activation dtype) plus
     an fp32 reciprocal RMS per head and token; 0 without QK-norm. Q/K/V biases keep nothing
     (their gradient needs only the output's)."""
     if not model.qk_norm:
@@ -126,7 +132,7 @@ def _compiled_bytes(model, plan, moe, policy, e, sb, rdiv, opts) -> float:
     and SwiGLU; MoE layers keep their eager expert part (the expert loop breaks the graph)."""
     total = _eager_bytes(model, plan, moe, policy, e, sb, rdiv)
     total += compiled_norm_bytes(model, e, sb, rdiv) - 2 * eager_norm_bytes(model, e, sb, rdiv)
-    eager_qk = qk_norm_bytes(model, plan, sb, EAGER.norm_fp32_saved * 4)
+    eager_qk = qk_norm_bytes(model, plan, sb, eager_norm_kept(e))
     total += qk_norm_bytes(model, plan, sb, e) - eager_qk
     if not opts.fsdp_wrapped:  # FSDP2 casts the weights it gathers; autocast copies them
         total += autocast_weight_bytes(model, plan, moe, e)
@@ -144,7 +150,7 @@ def _eager_bytes(model, plan, moe, policy, e, sb, rdiv) -> float:
     kv = local_kv_width(model, t)
     s = model.seq_len / plan.cp
     total = 2 * eager_norm_bytes(model, e, sb, rdiv)
-    total += qk_norm_bytes(model, plan, sb, EAGER.norm_fp32_saved * 4)
+    total += qk_norm_bytes(model, plan, sb, eager_norm_kept(e))
     if policy == "selective":  # the core re-runs: its inputs q, k, v and its output are kept
         total += e * sb * (2 * q + 2 * kv)
     else:
