@@ -64,9 +64,8 @@ def eager_norm_kept(e: float) -> float:
 def qk_norm_bytes(model: ModelSpec, plan: ParallelPlan, sb: float, per_element: float) -> float:
     """The per-head RMSNorms of the local query and key heads (QK-norm): `per_element` bytes
     per element of q and k (eager: `eager_norm_kept`, as the other norms; compiled: the input
-    in the activation dtype) plus
-    an fp32 reciprocal RMS per head and token; 0 without QK-norm. Q/K/V biases keep nothing
-    (their gradient needs only the output's)."""
+    in the activation dtype) plus an fp32 reciprocal RMS per head and token; 0 without
+    QK-norm. Q/K/V biases keep nothing (their gradient needs only the output's)."""
     if not model.qk_norm:
         return 0.0
     width = model.q_width / plan.tp + local_kv_width(model, plan.tp)
