@@ -159,9 +159,9 @@ def test_train_refuses_what_the_runtime_cannot_build(tmp_path, capsys):
 
     for name, words in (
         ("tiny-mistral", "model.sliding_window = 16"),
-        ("tiny-qwen3", "model.qk_norm = true"),
+        ("tiny-qwen3", "model.rope_scaling_type = 'yarn'"),
         ("tiny-deepseek-v3", 'model.attention = "mla"'),
-        ("tiny-qwen2", "model.qkv_bias = true"),
+        ("tiny-qwen2", "model.sliding_window = 16"),
     ):
         recipe = tmp_path / f"{name}.toml"
         recipe.write_text(f'[model]\nhf_config = "{CONFIGS / name}.json"\nseq_len = 64\n')
@@ -169,6 +169,8 @@ def test_train_refuses_what_the_runtime_cannot_build(tmp_path, capsys):
             load_run(recipe, [], world_size=1)
         assert main(["train", str(recipe), "--dry-run"]) == 2
         assert "fivefold's runtime does not implement it" in capsys.readouterr().err
+    for name in ("qwen2-7b", "qwen3-8b"):  # Q/K/V biases and QK-norm train
+        assert _spec(name).runtime_problems() == []
     llama = tmp_path / "llama.toml"  # a Llama config trains
     llama.write_text(f'[model]\nhf_config = "{CONFIGS}/tiny-llama.json"\nseq_len = 64\n')
     assert load_run(llama, [], world_size=1).recipe.model.rope_scaling_factor == 8.0

@@ -227,6 +227,15 @@ MODELS: dict[str, dict] = {
         "vocab": 512,
         "tied_embeddings": True,
     },
+    # Qwen's attention variants: Q/K/V biases (Qwen2) and per-head QK-norm (Qwen3) together
+    "parity-qwen": {
+        "preset": "tiny",
+        "layers": 2,
+        "seq_len": 64,
+        "vocab": 512,
+        "qkv_bias": True,
+        "qk_norm": True,
+    },
     "parity-moe": {"preset": "tiny-moe", "layers": 4, "seq_len": 64, "vocab": 512},
     "parity-moe-2e": {
         "preset": "tiny-moe",

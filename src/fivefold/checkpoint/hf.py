@@ -1,4 +1,5 @@
-"""Hugging Face Llama interop: export a checkpoint to `config.json` + safetensors, import one back.
+"""Hugging Face interop (Llama, Qwen2, Qwen3: `fivefold.checkpoint.hf_families`): export a
+checkpoint to `config.json` + safetensors, import one back.
 
 Details: docs/checkpoints.md.
 """
@@ -16,6 +17,13 @@ from safetensors.torch import save_file
 
 from fivefold.checkpoint.checkpointer import Checkpointer
 from fivefold.checkpoint.dcp_io import read_full_tensors
+from fivefold.checkpoint.hf_families import (
+    IMPORTABLE_FAMILIES,
+    VARIANT_TENSORS,
+    family_config_fields,
+    hf_family,
+    model_fields,
+)
 from fivefold.checkpoint.state import read_state
 from fivefold.errors import CheckpointError, ConfigError
 from fivefold.model import build_model
@@ -47,6 +55,7 @@ _LAYER = {
     "feed_forward.w1.weight": "mlp.gate_proj.weight",
     "feed_forward.w3.weight": "mlp.up_proj.weight",
     "feed_forward.w2.weight": "mlp.down_proj.weight",
+    **VARIANT_TENSORS,
 }
 _LAYER_BACK = {hf: ff for ff, hf in _LAYER.items()}
 _TOP_BACK = {hf: ff for ff, hf in _TOP.items()}
@@ -61,7 +70,7 @@ def to_hf_name(fqn: str) -> str:
     match = _FF_LAYER.match(fqn)
     if match and match.group(2) in _LAYER:
         return f"model.layers.{match.group(1)}.{_LAYER[match.group(2)]}"
-    raise CheckpointError(f"parameter {fqn!r} has no Hugging Face Llama counterpart.")
+    raise CheckpointError(f"parameter {fqn!r} has no Hugging Face counterpart.")
 
 
 def from_hf_name(name: str) -> str:
@@ -71,8 +80,8 @@ def from_hf_name(name: str) -> str:
     if match and match.group(2) in _LAYER_BACK:
         return f"layers.{match.group(1)}.{_LAYER_BACK[match.group(2)]}"
     raise CheckpointError(
-        f"tensor {name!r} is not part of a Llama model fivefold can load (no biases, no rotary "
-        "buffers, no extra heads)."
+        f"tensor {name!r} is not part of a Llama, Qwen2 or Qwen3 model fivefold can load (no "
+        "output-projection or MLP biases, no rotary buffers, no extra heads)."
     )
 
 
@@ -88,11 +97,13 @@ def check_exportable(spec: ModelSpec) -> None:
         problems.append(f"model.mlp = {spec.mlp!r}: Llama's MLP is SwiGLU")
     if problems:
         raise CheckpointError("cannot export to Hugging Face Llama: " + "; ".join(problems) + ".")
+    hf_family(spec)  # a family with its attention
 
 
 def llama_config(spec: ModelSpec, dtype: str = "fp32", eod_id: int | None = None) -> dict[str, Any]:
-    """The `config.json` of `LlamaForCausalLM` for `spec` (transformers 4.x and 5.x keys);
-    with the tokenizer's end-of-document id as bos/eos/pad when it is known."""
+    """The `config.json` of `LlamaForCausalLM` for `spec`, or of Qwen2/Qwen3ForCausalLM for
+    their attention (`hf_family`; transformers 4.x and 5.x keys); with the tokenizer's
+    end-of-document id as bos/eos/pad when it is known."""
     torch_dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype]
     special = (
         {}
@@ -100,8 +111,7 @@ def llama_config(spec: ModelSpec, dtype: str = "fp32", eod_id: int | None = None
         else {"bos_token_id": eod_id, "eos_token_id": eod_id, "pad_token_id": eod_id}
     )
     return special | {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        **family_config_fields(spec),
         "vocab_size": spec.vocab,
         "hidden_size": spec.hidden,
         "intermediate_size": spec.ffn,
@@ -113,8 +123,6 @@ def llama_config(spec: ModelSpec, dtype: str = "fp32", eod_id: int | None = None
         "rms_norm_eps": spec.norm_eps,
         **_rope_config(spec),
         "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
         "attention_dropout": 0.0,
         "tie_word_embeddings": spec.tied_embeddings,
         "torch_dtype": torch_dtype,
@@ -176,8 +184,9 @@ HARMLESS_CONFIG_FIELDS = frozenset(
 
 
 def spec_from_llama_config(config: dict[str, Any], where: str = CONFIG_FILE) -> ModelSpec:
-    """A ModelSpec equal to a Llama `config.json` (read by `fivefold.specs.hf_config`, which
-    plans any supported family); CheckpointError naming what fivefold cannot train or load."""
+    """A ModelSpec equal to a Llama, Qwen2 or Qwen3 `config.json` (read by
+    `fivefold.specs.hf_config`, which plans any supported family); CheckpointError naming what
+    fivefold cannot train or load."""
     typed = {key: int for key in _INT_FIELDS} | {key: float for key in _FLOAT_FIELDS}
     wrong = [
         f"{key} = {config[key]!r} is not {'an integer' if kind is int else 'a number'}"
@@ -189,7 +198,9 @@ def spec_from_llama_config(config: dict[str, Any], where: str = CONFIG_FILE) -> 
             f"{where} cannot be imported: " + "; ".join(wrong) + "; write each as a JSON number."
         )
     problems = []
-    unknown = sorted(set(config) - LLAMA_MODEL_FIELDS - HARMLESS_CONFIG_FIELDS)
+    family = config.get("model_type")
+    defining = model_fields(str(family), LLAMA_MODEL_FIELDS)
+    unknown = sorted(set(config) - defining - HARMLESS_CONFIG_FIELDS)
     if unknown:
         problems.append(
             f"unknown field(s) {', '.join(unknown)}: fivefold cannot tell whether they change "
@@ -199,21 +210,27 @@ def spec_from_llama_config(config: dict[str, Any], where: str = CONFIG_FILE) -> 
         problems.append(
             f"attention_dropout = {config['attention_dropout']!r} (fivefold trains without dropout)"
         )
-    if config.get("model_type") != "llama":
-        problems.append(f"model_type = {config.get('model_type')!r} (expected 'llama')")
+    if family not in IMPORTABLE_FAMILIES:
+        problems.append(
+            f"model_type = {family!r} (fivefold imports {', '.join(IMPORTABLE_FAMILIES)})"
+        )
     if config.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act = {config.get('hidden_act')!r} (fivefold's SwiGLU is silu)")
     for key in ("attention_bias", "mlp_bias"):
-        if config.get(key):
-            problems.append(f"{key} = true (fivefold has no biases)")
+        if config.get(key) and key in defining:
+            problems.append(
+                f"{key} = true (fivefold's only biases are Qwen2's, on Q, K and V: none on the "
+                "output projection or the MLP)"
+            )
     rope_type = _rope_type(config)
     if rope_type not in ("default", "llama3"):
         problems.append(f"RoPE type {rope_type!r} (fivefold implements 'default' and 'llama3')")
     if problems:
         raise CheckpointError(f"{where} cannot be imported: " + "; ".join(problems) + ".")
-    name = str(config.get("fivefold_model_name", "hf-llama"))
+    name = str(config.get("fivefold_model_name", f"hf-{family}"))
+    eps = {"rms_norm_eps": 1e-5} if family == "llama" else {}  # Qwen's default: 1e-6
     try:
-        spec = spec_from_hf_config({"rms_norm_eps": 1e-5, **config}, where, name)
+        spec = spec_from_hf_config({**eps, **config}, where, name)
     except ConfigError as err:
         raise CheckpointError(err.problems) from None
     if spec.runtime_problems():

@@ -1,4 +1,5 @@
-"""`fivefold export --hf OUT --from CKPT`: any checkpoint as a Hugging Face Llama model."""
+"""`fivefold export --hf OUT --from CKPT`: any checkpoint as a Hugging Face Llama, Qwen2 or
+Qwen3 model."""
 
 from __future__ import annotations
 
@@ -17,8 +18,9 @@ from fivefold.specs.recipe import read_toml
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "export",
-        help="export a checkpoint as a Hugging Face Llama model",
-        description="Write a self-contained Hugging Face LlamaForCausalLM directory "
+        help="export a checkpoint as a Hugging Face Llama, Qwen2 or Qwen3 model",
+        description="Write a self-contained Hugging Face LlamaForCausalLM directory (Qwen2 "
+        "for a model with model.qkv_bias, Qwen3 for one with model.qk_norm) "
         "(config.json, model.safetensors sharded above 5 GiB, tokenizer.json, "
         "tokenizer_config.json and generation_config.json with <|endoftext|> as bos/eos/pad, "
         "all mode 0644) from a fivefold checkpoint written under any layout and world size; "
@@ -26,7 +28,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "directory or checkpoint root (its newest valid checkpoint is used, and newer corrupt "
         "ones are named) or one step_<n> directory. The tokenizer is the run's (data.tokenizer "
         "of its recipe.toml, else the default one) unless --tokenizer names another. Dense "
-        "SwiGLU models only (Llama has no MoE and no GELU MLP). Load the result with "
+        "SwiGLU models only (these families have no MoE and no GELU MLP). Load the result with "
         "`AutoModelForCausalLM.from_pretrained(OUT)` and `AutoTokenizer.from_pretrained(OUT)`.",
     )
     parser.add_argument(

@@ -1,4 +1,5 @@
-"""`fivefold import --hf DIR --out RUN_DIR`: start training from a Hugging Face Llama model."""
+"""`fivefold import --hf DIR --out RUN_DIR`: start training from a Hugging Face Llama, Qwen2 or
+Qwen3 model."""
 
 from __future__ import annotations
 
@@ -17,18 +18,19 @@ from fivefold.errors import CheckpointError, DataError
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "import",
-        help="start a run from a Hugging Face Llama model",
-        description="Turn a Hugging Face Llama directory (config.json + *.safetensors; no "
-        "download, no pickled .bin files) into a weights-only fivefold checkpoint "
-        "RUN_DIR/ckpt/step_0 and a recipe RUN_DIR/imported.toml whose [model] section is the "
-        "imported architecture (with train.run_dir = RUN_DIR and train.resume = true) and "
-        "whose [data] section trains with the model's own tokenizer (DIR/tokenizer.json, or "
-        "--tokenizer; copied to RUN_DIR/tokenizer.json) on --shards or --inputs (default: the "
-        "embedded corpus, tokenized with that tokenizer). Shards made with another tokenizer "
-        "are refused. Then train from it with any layout: `fivefold train "
-        "RUN_DIR/imported.toml [overrides]` (the run resumes from step_0 with the imported "
-        "weights and a fresh optimizer, LR schedule and data order). Llama models with biases "
-        "are refused because fivefold's model would not reproduce them.",
+        help="start a run from a Hugging Face Llama, Qwen2 or Qwen3 model",
+        description="Turn a Hugging Face Llama, Qwen2 or Qwen3 directory (config.json + "
+        "*.safetensors; no download, no pickled .bin files) into a weights-only fivefold "
+        "checkpoint RUN_DIR/ckpt/step_0 and a recipe RUN_DIR/imported.toml whose [model] "
+        "section is the imported architecture (with train.run_dir = RUN_DIR and train.resume = "
+        "true) and whose [data] section trains with the model's own tokenizer "
+        "(DIR/tokenizer.json, or --tokenizer; copied to RUN_DIR/tokenizer.json) on --shards or "
+        "--inputs (default: the embedded corpus, tokenized with that tokenizer). Shards made "
+        "with another tokenizer are refused. Then train from it with any layout: `fivefold "
+        "train RUN_DIR/imported.toml [overrides]` (the run resumes from step_0 with the "
+        "imported weights and a fresh optimizer, LR schedule and data order). What fivefold's "
+        "model would not reproduce is refused by name (biases other than Qwen2's on Q, K and V, "
+        "sliding windows, RoPE scalings other than llama3).",
     )
     parser.add_argument(
         "--hf", required=True, type=Path, metavar="DIR", help="the Hugging Face model directory"

@@ -25,6 +25,7 @@ from fivefold.model.attention_blocks import (
     heads_last_buffer,
     zero_grads,
 )
+from fivefold.model.attention_variants import head_norms
 from fivefold.model.document_layout import (
     Block,
     Chunk,
@@ -183,15 +184,26 @@ class Attention(nn.Module):
     The number of heads is inferred from the projected widths at forward time (width / head_dim),
     so tensor parallelism can shard `wq`/`wk`/`wv` column-wise and `wo` row-wise by heads.
     `rope` is the (cos, sin) pair of `rope_cos_sin`, computed once per forward by the model.
+    Variants (`fivefold.model.attention_variants`): `qkv_bias` gives `wq`/`wk`/`wv` biases;
+    `qk_norm_eps` adds `q_norm`/`k_norm`, RMSNorms of each head applied before RoPE.
     """
 
-    def __init__(self, dim: int, heads: int, kv_heads: int, head_dim: int) -> None:
+    def __init__(
+        self,
+        dim: int,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        qkv_bias: bool = False,
+        qk_norm_eps: float | None = None,
+    ) -> None:
         super().__init__()
         self.head_dim = head_dim
-        self.wq = nn.Linear(dim, heads * head_dim, bias=False)
-        self.wk = nn.Linear(dim, kv_heads * head_dim, bias=False)
-        self.wv = nn.Linear(dim, kv_heads * head_dim, bias=False)
+        self.wq = nn.Linear(dim, heads * head_dim, bias=qkv_bias)
+        self.wk = nn.Linear(dim, kv_heads * head_dim, bias=qkv_bias)
+        self.wv = nn.Linear(dim, kv_heads * head_dim, bias=qkv_bias)
         self.wo = nn.Linear(heads * head_dim, dim, bias=False)
+        self.q_norm, self.k_norm = head_norms(head_dim, qk_norm_eps)
         self.core = AttentionCore()
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
@@ -205,8 +217,10 @@ class Attention(nn.Module):
         docs: DocumentLayout | None = None,
     ) -> torch.Tensor:
         cos, sin = rope
-        q = apply_rope(self._heads(self.wq(x)), cos, sin)  # [B, T, Hq, Dh]
-        k = apply_rope(self._heads(self.wk(x)), cos, sin)
+        q, k = self._heads(self.wq(x)), self._heads(self.wk(x))  # [B, T, Hq | Hkv, Dh]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = self._heads(self.wv(x))
         out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), docs)
         return self.wo(out.transpose(1, 2).flatten(2))  # a view when out is [B, T, H, Dh] memory

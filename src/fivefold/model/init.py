@@ -136,10 +136,14 @@ def _local(param: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def init_parameter(param: torch.Tensor, fqn: str, is_norm: bool, seed: int, layers: int) -> None:
-    """Initialise `param` (plain or DTensor; only the local shard is touched) in place."""
+    """Initialise `param` (plain or DTensor; only the local shard is touched) in place: a norm's
+    weight to ones, a bias to zeros, any other weight normal (`init_std`)."""
     local = _local(param)
     if is_norm:
         local.fill_(1.0)
+        return
+    if canonical_fqn(fqn).endswith(".bias"):
+        local.zero_()
         return
     if local.numel() == 0:
         return

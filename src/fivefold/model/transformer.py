@@ -15,6 +15,7 @@ from torch import nn
 from fivefold.errors import ConfigError
 from fivefold.model import init as model_init
 from fivefold.model.attention import Attention
+from fivefold.model.attention_variants import attention_variants
 from fivefold.model.document_layout import DocumentLayout
 from fivefold.model.feed_forward import FeedForward
 from fivefold.model.moe import MoE
@@ -35,7 +36,9 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.attention_norm = RMSNorm(spec.hidden, spec.norm_eps)
-        self.attention = Attention(spec.hidden, spec.heads, spec.kv_heads, spec.head_dim)
+        self.attention = Attention(
+            spec.hidden, spec.heads, spec.kv_heads, spec.head_dim, **attention_variants(spec)
+        )
         self.ffn_norm = RMSNorm(spec.hidden, spec.norm_eps)
         is_moe = spec.is_moe and layer_id >= spec.dense_layers
         self.feed_forward = None if is_moe else FeedForward(spec.hidden, spec.ffn, spec.mlp)

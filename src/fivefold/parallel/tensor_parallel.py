@@ -27,14 +27,14 @@ from fivefold.specs.model import ModelSpec
 class ReplicatedKVColwise(ParallelStyle):
     """Column-parallel key/value projection when tp > kv_heads (kv heads replicated).
 
-    The weight [Hkv * Dh, D] is placed on a 2-D view (kv, rep) of the TP mesh as
-    [Shard(0), Replicate()]: TP rank r holds kv head r // (tp / Hkv), which is the head read by
-    its query heads [r * Hq/tp, (r+1) * Hq/tp). Forward: input [B, T, D] (replicated DTensor
-    on the TP mesh) -> local output [B, T, Dh], a plain matmul with the local weight. Backward:
-    each rank's gradients cover only its own query heads, so the weight gradient is a partial
-    sum over the `rep` ranks of its head (reduced with the other gradients by FSDP/DDP) and the
-    input gradient a partial sum over the TP group (reduced once, with the other projections',
-    where the attention input is gathered).
+    The weight [Hkv * Dh, D] (and a bias [Hkv * Dh]) is placed on a 2-D view (kv, rep) of the
+    TP mesh as [Shard(0), Replicate()]: TP rank r holds kv head r // (tp / Hkv), which is the
+    head read by its query heads [r * Hq/tp, (r+1) * Hq/tp). Forward: input [B, T, D]
+    (replicated DTensor on the TP mesh) -> local output [B, T, Dh], a plain matmul with the
+    local weight. Backward: each rank's gradients cover only its own query heads, so the weight
+    gradient is a partial sum over the `rep` ranks of its head (reduced with the other
+    gradients by FSDP/DDP) and the input gradient a partial sum over the TP group (reduced once,
+    with the other projections', where the attention input is gathered).
     """
 
     def __init__(self, kv_mesh: DeviceMesh):
@@ -53,12 +53,15 @@ class ReplicatedKVColwise(ParallelStyle):
     def _forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         if isinstance(x, DTensor):
             x = x.to_local(grad_placements=[Partial()] * x.device_mesh.ndim)
-        weight = module.weight.to_local(grad_placements=[Shard(0), Partial()])
-        return F.linear(x, weight)
+        weight, bias = (
+            None if p is None else p.to_local(grad_placements=[Shard(0), Partial()])
+            for p in (module.weight, module.bias)
+        )
+        return F.linear(x, weight, bias)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        if not isinstance(module, nn.Linear) or module.bias is not None:
-            raise NotImplementedError("ReplicatedKVColwise shards bias-free nn.Linear only")
+        if not isinstance(module, nn.Linear):
+            raise NotImplementedError("ReplicatedKVColwise shards nn.Linear only")
         self._partition(module)
         module.forward = partial(self._forward, module)  # type: ignore[method-assign]
         return module
@@ -90,6 +93,13 @@ def _block_plan(block: nn.Module, sp: bool, kv_mesh: DeviceMesh | None) -> dict[
         "feed_forward.w1": ColwiseParallel(),
         "feed_forward.w2": RowwiseParallel(output_layouts=seq),
     }
+    if block.attention.q_norm is not None:
+        # QK-norm: each rank normalises its own heads (dim 2 of [B, T, H, Dh]) with the
+        # replicated weight [Dh], whose gradient is then a partial sum over the TP group
+        # (reduced with the other gradients). Keys replicated over ranks (tp > kv_heads) are
+        # normalised alike: each rank's key gradient comes from its own query heads only.
+        plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
     if block.feed_forward.w3 is not None:
         plan["feed_forward.w3"] = ColwiseParallel()
     if sp:

@@ -52,7 +52,24 @@ def eager_norm_bytes(model: ModelSpec, e: float, sb: float, rdiv: int) -> float:
     (plus the fp32 reciprocal RMS per token) in the norm's region (/tp under SP), and the
     output the next matmul keeps, gathered to the full sequence under TP+SP."""
     h = model.hidden
-    return (EAGER.norm_fp32_saved * 4 * sb * h + 4 * sb) / rdiv + e * sb * h
+    return (eager_norm_kept(e) * sb * h + 4 * sb) / rdiv + e * sb * h
+
+
+def eager_norm_kept(e: float) -> float:
+    """Bytes an eager RMSNorm keeps per element of its input (`EagerProfile`), besides its
+    fp32 reciprocal RMS per row; `e` the activation dtype's bytes."""
+    return EAGER.norm_fp32_saved * 4
+
+
+def qk_norm_bytes(model: ModelSpec, plan: ParallelPlan, sb: float, per_element: float) -> float:
+    """The per-head RMSNorms of the local query and key heads (QK-norm): `per_element` bytes
+    per element of q and k (eager: `eager_norm_kept`, as the other norms; compiled: the input
+    in the activation dtype) plus an fp32 reciprocal RMS per head and token; 0 without
+    QK-norm. Q/K/V biases keep nothing (their gradient needs only the output's)."""
+    if not model.qk_norm:
+        return 0.0
+    width = model.q_width / plan.tp + local_kv_width(model, plan.tp)
+    return (per_element * width + 4 * width / model.head_dim) * sb
 
 
 def compiled_norm_bytes(model: ModelSpec, e: float, sb: float, rdiv: int) -> float:
@@ -103,6 +120,8 @@ def autocast_weight_bytes(model: ModelSpec, plan: ParallelPlan, moe: bool, e: fl
         return 0.0
     lp = layer_params_per_rank(model, moe, 1, 1)
     weights = lp.dense + lp.experts + (model.hidden * model.experts if moe else 0.0)
+    if model.qkv_bias:  # no bias copy is kept: a bias's gradient needs only the output's
+        weights -= model.q_width + 2 * model.kv_width
     weights -= sum(w.params for w in fp8_linears(model, plan.fp8, moe))
     return e * weights
 
@@ -112,6 +131,8 @@ def _compiled_bytes(model, plan, moe, policy, e, sb, rdiv, opts) -> float:
     and SwiGLU; MoE layers keep their eager expert part (the expert loop breaks the graph)."""
     total = _eager_bytes(model, plan, moe, policy, e, sb, rdiv)
     total += compiled_norm_bytes(model, e, sb, rdiv) - 2 * eager_norm_bytes(model, e, sb, rdiv)
+    eager_qk = qk_norm_bytes(model, plan, sb, eager_norm_kept(e))
+    total += qk_norm_bytes(model, plan, sb, e) - eager_qk
     if not opts.fsdp_wrapped:  # FSDP2 casts the weights it gathers; autocast copies them
         total += autocast_weight_bytes(model, plan, moe, e)
     if moe:
@@ -128,6 +149,7 @@ def _eager_bytes(model, plan, moe, policy, e, sb, rdiv) -> float:
     kv = local_kv_width(model, t)
     s = model.seq_len / plan.cp
     total = 2 * eager_norm_bytes(model, e, sb, rdiv)
+    total += qk_norm_bytes(model, plan, sb, eager_norm_kept(e))
     if policy == "selective":  # the core re-runs: its inputs q, k, v and its output are kept
         total += e * sb * (2 * q + 2 * kv)
     else:
@@ -159,9 +181,10 @@ def _stored_bytes(model, plan, moe, opts, policy, e, sb, rdiv) -> float:
     s = model.seq_len / plan.cp
     # Replicated (SP region): 2 norm inputs + QKV input + MLP input.
     region = 4 * e * sb * h
+    qk_norm_inputs = e * sb * (q + kv) if model.qk_norm else 0.0  # local query and key heads
     if opts.dropout:
         region += 2 * sb * h  # one-byte dropout masks after attention and MLP
-    total = region / rdiv
+    total = region / rdiv + qk_norm_inputs
     # Attention core inputs and output.
     total += e * sb * (q + 2 * kv)  # Q, K, V
     total += e * sb * q  # attention output = output projection input (kept by wo)

@@ -104,14 +104,18 @@ def attention_params_per_rank(model: ModelSpec, tp: int) -> tuple[float, float]:
     """(TP-sharded, replicated) attention parameters of one layer on one TP rank: Q and O split
     by heads, K and V by kv heads (one replicated head when tp exceeds them); with MLA the
     per-head up projections and O split, the down projections (query and key/value latents)
-    replicated. Biases and norms replicated."""
+    replicated. Q/K/V biases split with their weights (`fivefold.parallel.tensor_parallel`);
+    norms replicated."""
     h = model.hidden
     extra = attention_extra_params(model)
     if model.is_mla:
         down = model.hidden * (model.q_lora_rank + model.kv_lora_rank + model.qk_rope_head_dim)
         return (attention_params(model) - down) / tp, down + extra
     attn = attention_params(model) - 2 * h * model.kv_width  # wq and wo
-    return attn / tp + 2 * h * local_kv_width(model, tp), float(extra)
+    kv = local_kv_width(model, tp)
+    bias = model.q_width / tp + 2 * kv if model.qkv_bias else 0.0
+    norms = extra - (model.q_width + 2 * model.kv_width if model.qkv_bias else 0)
+    return attn / tp + 2 * h * kv + bias, float(norms)
 
 
 def layer_params_per_rank(model: ModelSpec, moe: bool, tp: int, ep: int) -> LayerParams:

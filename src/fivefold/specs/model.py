@@ -196,8 +196,6 @@ class ModelSpec:
         for present, what in (
             (self.is_mla, 'model.attention = "mla" (multi-head latent attention)'),
             (self.sliding_window > 0, f"model.sliding_window = {self.sliding_window}"),
-            (self.qk_norm, "model.qk_norm = true (RMSNorm of query and key heads)"),
-            (self.qkv_bias, "model.qkv_bias = true (Q, K and V biases)"),
             (
                 self.rope_scaling_factor != 1.0 and self.rope_scaling_type != "llama3",
                 f"model.rope_scaling_type = {self.rope_scaling_type!r}",
@@ -206,8 +204,9 @@ class ModelSpec:
             if present:
                 out.append(
                     f"{what}: fivefold's runtime does not implement it (its decoder is "
-                    "Llama's: full causal GQA attention, llama3 RoPE scaling); `fivefold plan` "
-                    "plans such a model, but train a model without it."
+                    "Llama's full causal GQA attention with llama3 RoPE scaling, plus Qwen's "
+                    "Q/K/V biases and QK-norm); `fivefold plan` plans such a model, but train "
+                    "a model without it."
                 )
         return out
 
