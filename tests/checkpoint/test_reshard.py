@@ -10,8 +10,10 @@ continuation to the parity tolerance (different layouts sum in different orders)
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
+import torch
 from ckpt_harness import run_ranks
 from ckpt_workers import (
     Trainee,
@@ -20,6 +22,8 @@ from ckpt_workers import (
     reshard_chain,
     save_then_continue,
 )
+
+from fivefold.checkpoint.hf import export_hf, read_hf
 
 LOSS_RTOL = 1e-5
 STEPS_BEFORE, STEPS_AFTER = 2, 2
@@ -136,6 +140,10 @@ def test_tied_embeddings_pp2_to_one_process(tmp_path):
     )
     assert check["differ"] == [] and check["keys"] == check["saved_keys"]
     assert "optim.state.output.weight.exp_avg" not in check["saved_keys"]  # saved once
+    export_hf(Path(saved[0]["path"]), tmp_path / "hf")  # the HF export keeps it tied
+    spec, hf = read_hf(tmp_path / "hf")
+    assert spec.tied_embeddings and "output.weight" in hf
+    assert torch.equal(hf["tok_embeddings.weight"], trainee.runtime.model.tok_embeddings.weight)
     losses = trainee.train(STEPS_AFTER)
     for a, b in zip(saved[1]["losses_after"], losses, strict=True):
         assert abs(a - b) <= LOSS_RTOL * abs(a)
