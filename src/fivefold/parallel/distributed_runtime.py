@@ -44,7 +44,7 @@ from fivefold.parallel.context_parallel import shard_batch_for_cp
 from fivefold.parallel.data_parallel import set_gradient_sync
 from fivefold.parallel.grad_norm import clip_grads, global_grad_norm
 from fivefold.parallel.lowbit import adam_state_bytes
-from fivefold.parallel.mesh import AXES, Meshes, ParallelDims
+from fivefold.parallel.mesh import Meshes, ParallelDims
 from fivefold.parallel.parallelize import parallelize_chunk
 from fivefold.parallel.pipeline import PipelineRunner, split_model_for_pipeline
 from fivefold.parallel.process_group import (
@@ -101,9 +101,7 @@ class DistributedRuntime(RuntimeCore):
         self.pp_rank = self.coordinates["pp"]
         self.cp_rank = self.coordinates["cp"]
         self.model_parts: list[nn.Module] = self._build_parts(train.seed, train.compile)
-        self.tied = TiedEmbeddings(
-            self.model_parts, plan, self.spec, self.meshes.world, AXES.index("pp")
-        )
+        self.tied = TiedEmbeddings(self.model_parts, plan, self.spec)
         self._loss_scale = 1.0
         self.wait_clock = WaitClock(self.device)  # waits in the collectives below (stragglers)
         self.pipeline = self._build_pipeline()

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from fivefold.specs.geometry import chunk_rank
+from fivefold.specs.geometry import axis_groups, chunk_rank
 from fivefold.specs.plan import ParallelPlan
 
 
@@ -29,16 +29,18 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def _embedding_group(plan: ParallelPlan, world_mesh, pp_axis: int) -> dist.ProcessGroup | None:
+def _embedding_group(plan: ParallelPlan) -> dist.ProcessGroup | None:
     """This rank's group of the ranks holding the first and the last stage at its (dp, cp, tp)
     coordinate (None when both stages sit on one pipeline rank). Collective over the world:
-    every rank creates every group."""
+    every rank creates every group. Pipeline rank r's ranks are r * stride + i, i < stride
+    (pp is the outermost mesh axis, `fivefold.specs.geometry.axis_groups`); arithmetic, not the
+    mesh's rank tensor, so that it also runs under `fivefold plan check`'s fake tensors."""
     first = chunk_rank(plan.schedule, plan.pp, 0)
     last = chunk_rank(plan.schedule, plan.pp, plan.pp * plan.vpp - 1)
     if first == last:
         return None
-    columns = world_mesh.mesh.movedim(pp_axis, 0).reshape(plan.pp, -1)
-    pairs = [[int(columns[first, i]), int(columns[last, i])] for i in range(columns.shape[1])]
+    stride = axis_groups(plan)["pp"][1]
+    pairs = [[first * stride + i, last * stride + i] for i in range(stride)]
     group, _ = dist.new_subgroups_by_enumeration(pairs)
     return group
 
@@ -46,17 +48,15 @@ def _embedding_group(plan: ParallelPlan, world_mesh, pp_axis: int) -> dist.Proce
 class TiedEmbeddings:
     """The copies of the tied matrix on this rank's chunks and how to keep them equal.
 
-    `chunks`: this rank's pipeline chunks (with `stage_index`); `world_mesh`: the 5-D mesh and
-    `pp_axis` its pipeline dimension. Construct on every rank (collective: creates the groups).
+    `chunks`: this rank's pipeline chunks (with `stage_index`). Construct on every rank
+    (collective: creates the groups).
     """
 
-    def __init__(
-        self, chunks: list[nn.Module], plan: ParallelPlan, spec, world_mesh, pp_axis: int
-    ) -> None:
+    def __init__(self, chunks: list[nn.Module], plan: ParallelPlan, spec) -> None:
         self.active = bool(spec.tied_embeddings) and plan.pp > 1
         self.copies: list[nn.Parameter] = []
         self._last_copies: list[nn.Parameter] = []
-        self.group = _embedding_group(plan, world_mesh, pp_axis) if self.active else None
+        self.group = _embedding_group(plan) if self.active else None
         if not self.active:
             return
         last = plan.pp * plan.vpp - 1
