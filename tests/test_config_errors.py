@@ -81,7 +81,6 @@ CASES = [
         "plan.tp = 4 must divide model.kv_heads = 6",
     ),
     ("moe-with-tp", ["--nproc", "2", "model.preset='tiny-moe'", "plan.tp=2"], "MoE"),
-    ("tied-with-pp", ["--nproc", "2", "model.tied_embeddings=true", "plan.pp=2"], "tied"),
     ("hidden-1e12", ["model.hidden=1000000000000"], "model.hidden = 1,000,000,000,000 is beyond"),
     ("vocab-1e9", ["model.vocab=1000000000"], "model.vocab = 1,000,000,000 is beyond"),
     ("micro-batch-beyond-limit", ["plan.micro_batch=1000000"], "plan.micro_batch = 1,000,000"),

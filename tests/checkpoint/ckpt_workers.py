@@ -14,6 +14,9 @@ from typing import Any
 GLOBAL_BATCH = 8
 MODEL = {"preset": "tiny", "layers": 4, "seq_len": 32, "vocab": 256}
 MOE_MODEL = {"preset": "tiny-moe", "layers": 4, "seq_len": 32, "vocab": 256}
+TIED_MODEL = {**MODEL, "tied_embeddings": True}
+# a case's `moe` field picks the model: False (dense), True (MoE) or "tied" (tied embeddings)
+MODELS = {False: MODEL, True: MOE_MODEL, "tied": TIED_MODEL}
 TRAIN = {
     "lr": 3e-3,
     "warmup_steps": 1,
@@ -29,7 +32,7 @@ TRAIN = {
 def recipe_dict(plan: dict, moe: bool = False, train: dict | None = None) -> dict:
     """`train`: [train] fields beside TRAIN (e.g. the optimizer)."""
     return {
-        "model": dict(MOE_MODEL if moe else MODEL),
+        "model": dict(MODELS[moe]),
         "plan": {"precision": "fp32", **plan},
         "train": {**TRAIN, **(train or {})},
     }

@@ -10,8 +10,10 @@ continuation to the parity tolerance (different layouts sum in different orders)
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
+import torch
 from ckpt_harness import run_ranks
 from ckpt_workers import (
     Trainee,
@@ -20,6 +22,8 @@ from ckpt_workers import (
     reshard_chain,
     save_then_continue,
 )
+
+from fivefold.checkpoint.hf import export_hf, read_hf
 
 LOSS_RTOL = 1e-5
 STEPS_BEFORE, STEPS_AFTER = 2, 2
@@ -50,6 +54,17 @@ MATRIX = {
     "EP2->EP4-MoE": (EP2, EP4, True),
     "HSDP2x2->ZeRO2-DP4": (HSDP2x2, ZERO2_DP4, False),
 }
+# tied embeddings: both ends of a V on one rank (ZeRO-3 shards) -> an embedding group over PP4
+PP2_DUALPIPEV_ZERO3 = {
+    "pp": 2,
+    "vpp": 2,
+    "schedule": "dualpipev",
+    "dp_shard": 2,
+    "zero": 3,
+    "grad_accum": 4,
+    "micro_batch": 1,
+}
+TIED_MATRIX = {"Tied PP2-dualpipev-ZeRO3->PP4-1F1B": (PP2_DUALPIPEV_ZERO3, PP4_1F1B, "tied")}
 # Muon's momentum buffers (and AdamW's m, v for the rest), Newton-Schulz in fp32 so that the
 # continuation on another layout matches to the parity tolerance (bf16: tests/parallel)
 MUON = {"optimizer": "muon", "muon_ns_dtype": "fp32"}
@@ -82,7 +97,7 @@ def check_case(name: str, ranks: list[dict]) -> None:
 
 
 def run_matrix(names: list[str], root) -> None:
-    cases = [{**MATRIX, **MUON_MATRIX}[name] for name in names]
+    cases = [{**MATRIX, **MUON_MATRIX, **TIED_MATRIX}[name] for name in names]
     ranks = run_ranks(4, reshard_chain, cases, str(root), STEPS_BEFORE, STEPS_AFTER, timeout_s=600)
     for index, name in enumerate(names):
         check_case(name, [out[index] for out in ranks])
@@ -105,6 +120,33 @@ def test_muon_state_reshards_zero3_tp2_to_tp2_pp2(tmp_path):
 @pytest.mark.slow
 def test_muon_state_reshards_tp2_pp2_to_zero1_dp4(tmp_path):
     run_matrix(["Muon TP2xPP2->ZeRO1-DP4"], tmp_path)
+
+
+@pytest.mark.slow
+def test_tied_embeddings_reshard_dualpipev_zero3_to_pp4(tmp_path):
+    run_matrix(["Tied PP2-dualpipev-ZeRO3->PP4-1F1B"], tmp_path)
+
+
+def test_tied_embeddings_pp2_to_one_process(tmp_path):
+    """A tied model's two pipeline copies load bitwise into the one matrix of one process (the
+    LM head's optimizer state saved under the embedding's name) and resume there."""
+    plan = {"pp": 2, "schedule": "1f1b", "grad_accum": 2, "micro_batch": 4}
+    saved = run_ranks(2, save_then_continue, plan, str(tmp_path), STEPS_BEFORE, STEPS_AFTER, "tied")
+    assert all(out["check"]["differ"] == [] for out in saved)
+    trainee = Trainee({"micro_batch": 8}, world=1, moe="tied")
+    assert trainee.load(trainee.checkpointer(str(tmp_path))) == STEPS_BEFORE
+    check = compare_with_checkpoint(
+        trainee.runtime.model_parts, trainee.optimizer, saved[0]["path"]
+    )
+    assert check["differ"] == [] and check["keys"] == check["saved_keys"]
+    assert "optim.state.output.weight.exp_avg" not in check["saved_keys"]  # saved once
+    export_hf(Path(saved[0]["path"]), tmp_path / "hf")  # the HF export keeps it tied
+    spec, hf = read_hf(tmp_path / "hf")
+    assert spec.tied_embeddings and "output.weight" in hf
+    assert torch.equal(hf["tok_embeddings.weight"], trainee.runtime.model.tok_embeddings.weight)
+    losses = trainee.train(STEPS_AFTER)
+    for a, b in zip(saved[1]["losses_after"], losses, strict=True):
+        assert abs(a - b) <= LOSS_RTOL * abs(a)
 
 
 def test_world_size_change_4_to_1(tmp_path):

@@ -259,13 +259,16 @@ def test_stage_placement_and_layer_ranges():
     assert [len(r) for r in stage_layer_ranges(big_head, ParallelPlan(pp=2))] == [7, 1]
 
 
-def test_tied_embeddings_with_pipeline_are_refused_with_the_fix():
-    with pytest.raises(ConfigError, match=r"tied_embeddings = false or plan\.pp = 1"):
-        ParallelPlan(pp=2).validate(DENSE.with_(tied_embeddings=True))
-    with pytest.raises(AssertionError):  # the runtime keeps only an invariant
-        split_model_for_pipeline(
-            build_model(DENSE.with_(tied_embeddings=True)), ParallelPlan(pp=2), 0
-        )
+def test_tied_head_on_the_last_stage_keeps_its_own_copy_of_the_embedding():
+    spec = DENSE.with_(tied_embeddings=True)
+    assert ParallelPlan(pp=2).problems(spec) == []  # once refused: no longer
+    model = build_model(spec)
+    model.to_empty(device="cpu")
+    model.init_weights(seed=3)
+    first, last = (split_model_for_pipeline(model, ParallelPlan(pp=2), r)[0] for r in (0, 1))
+    assert first.output is None and last.tok_embeddings is None
+    assert last.output.weight is not model.tok_embeddings.weight  # a copy of its own
+    assert torch.equal(last.output.weight, first.tok_embeddings.weight)
 
 
 def test_runner_refuses_too_few_micro_batches_for_dualpipev_before_touching_the_group():

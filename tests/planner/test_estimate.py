@@ -254,3 +254,43 @@ def test_no_negative_rounding_residue_in_the_breakdown():
     est = estimate(LLAMA8, cluster_preset("dgx-h100", 16), plan)
     assert est.breakdown_s["in_stage_comm_s"] == 0.0  # no TP/CP/EP: nothing inside the stage
     assert est.breakdown_s["pipeline_bubble_s"] == 0.0
+
+
+def _tails(model, plan, cluster):
+    from fivefold.planner.chunk_costs import chunk_costs_of
+    from fivefold.planner.efficiency import efficiency_model
+    from fivefold.planner.layer_costs import layer_cost_key
+    from fivefold.planner.model_states import chunk_layers
+    from fivefold.planner.partition import stage_layer_counts
+    from fivefold.planner.rank_tail import rank_tails
+
+    opts, eff = PlannerOptions(), efficiency_model()
+    n = plan.pp * plan.vpp
+    counts = stage_layer_counts(model, n)
+    sigs = [(*chunk_layers(model, counts, c), c == 0, c == n - 1) for c in range(n)]
+    costs = [chunk_costs_of(model, layer_cost_key(plan), cluster, eff, opts, *s) for s in sigs]
+    return rank_tails(model, plan, cluster, eff, opts, sigs, costs)
+
+
+def test_tied_embeddings_add_an_all_reduce_between_first_and_last_stage():
+    """The two copies' gradients are summed over the first and last stage: V x h / dp_shard
+    elements per rank (a 2-rank all-reduce moves its size), on those two ranks only; none
+    under a V schedule, whose ends share a rank."""
+    from fivefold.planner.comm import ib_bandwidth
+    from fivefold.planner.efficiency import efficiency_model
+
+    untied = LLAMA8
+    tied = LLAMA8.with_(tied_embeddings=True)
+    cluster = cluster_preset("dgx-h100", 32)
+    plan = ParallelPlan(pp=4, dp_shard=8, zero=1, grad_accum=8, precision="bf16-mixed")
+    before, after = _tails(untied, plan, cluster), _tails(tied, plan, cluster)
+    size = LLAMA8.vocab * LLAMA8.hidden / 8 * 2  # bf16-mixed's 2-byte gradients, 1/dp_shard
+    ib = ib_bandwidth(cluster, efficiency_model())  # stages 0 and 3 sit 24 ranks apart: IB
+    for rank in (0, 3):
+        assert after[rank].grad_bytes - before[rank].grad_bytes == pytest.approx(size)
+        extra = after[rank].grad_exposed_s - before[rank].grad_exposed_s
+        assert size / ib <= extra < size / ib + 1e-3
+    for rank in (1, 2):
+        assert after[rank] == before[rank]
+    v = plan.with_(schedule="zbv", vpp=2, grad_accum=16)
+    assert _tails(tied, v, cluster) == _tails(untied, v, cluster)

@@ -138,6 +138,28 @@ def _like(saved: Any, live: Any) -> Any:
     return saved
 
 
+# ---- tied embeddings ----------------------------------------------------------------------------
+# A tied LM head on its own pipeline stage is a copy of the embedding (kept equal by
+# `fivefold.parallel.tied_embeddings`); its optimizer state is saved and loaded under the
+# embedding's name, as the single-process model (one Parameter) has it. Model weights keep both
+# names, as the single-process state dict does.
+_TIED_HEAD, _EMBEDDING = "output.weight", "tok_embeddings.weight"
+
+
+def _is_tied(parts: Sequence[nn.Module]) -> bool:
+    spec = getattr(parts[0], "spec", None) if parts else None
+    return bool(getattr(spec, "tied_embeddings", False))
+
+
+def _optim_key(key: str, tied: bool) -> str:
+    """The checkpoint key of a flattened optimizer entry ("state.<fqn>.<name>" or
+    "param_groups.<fqn>.<name>"): a tied head's is its embedding's."""
+    for section in ("state.", _GROUPS):
+        if tied and key.startswith(section + _TIED_HEAD + "."):
+            return section + _EMBEDDING + key[len(section + _TIED_HEAD) :]
+    return key
+
+
 # ---- collect / apply ----------------------------------------------------------------------------
 def collect_state(
     parts: Sequence[nn.Module], optimizers: Optimizers
@@ -145,11 +167,14 @@ def collect_state(
     """This rank's tensors under global keys, and its optimizer hyperparameter groups."""
     tensors: dict[str, torch.Tensor] = {}
     hparams: dict[str, dict[str, Any]] = {}
+    tied = _is_tied(parts)
     for module, optimizer in _pairs(parts, optimizers):
         for fqn, value in get_model_state_dict(module, options=_OPTIONS).items():
             tensors[MODEL_PREFIX + fqn] = value
         if optimizer is not None:
             flat = get_optimizer_state_dict(module, optimizer, options=_OPTIONS)
+            # both copies on one rank (V schedules): equal, saved once
+            flat = {_optim_key(k, tied): v for k, v in flat.items()}
             optim_tensors, optim_hparams = _split_groups(flat)
             tensors.update({OPTIM_PREFIX + k: v for k, v in optim_tensors.items()})
             hparams.update(optim_hparams)
@@ -210,8 +235,10 @@ def load_into(
     """
     saved_hparams = ungroup_hparams(hparam_groups or [])
     pairs = _pairs(parts, optimizers)
+    tied = _is_tied(parts)
     live: list[tuple[nn.Module, Any, dict[str, Any], dict[str, Any] | None]] = []
     request: dict[str, torch.Tensor] = {}
+    copies: list[tuple[torch.Tensor, str]] = []  # (a second tied copy, the key that fills it)
     for module, optimizer in pairs:
         model_sd = get_model_state_dict(module, options=_OPTIONS)
         request.update({MODEL_PREFIX + k: v for k, v in model_sd.items()})
@@ -219,7 +246,12 @@ def load_into(
         if optimizer is not None:
             optim_sd = get_optimizer_state_dict(module, optimizer, options=_OPTIONS)
             optim_tensors, _ = _split_groups(optim_sd)
-            request.update({OPTIM_PREFIX + k: v for k, v in optim_tensors.items()})
+            for key, value in optim_tensors.items():
+                key = OPTIM_PREFIX + _optim_key(key, tied)
+                if key in request:
+                    copies.append((value, key))
+                else:
+                    request[key] = value
         live.append((module, optimizer, model_sd, optim_sd))
     _check_against_index(directory, request)
     with translate_dcp_errors(f"loading checkpoint {str(directory)!r}"):
@@ -229,6 +261,8 @@ def load_into(
             planner=SafeLoadPlanner(),
             no_dist=not _distributed(),
         )
+    for copy, key in copies:
+        copy.copy_(request[key])
     for module, optimizer, model_sd, optim_sd in live:
         # DCP filled these tensors in place; setting them runs the wrappers' load hooks.
         set_model_state_dict(module, model_sd, options=_OPTIONS)
@@ -237,7 +271,7 @@ def load_into(
         for key in list(optim_sd):
             if not key.startswith(_GROUPS):
                 continue
-            fqn, name = key[len(_GROUPS) :].rsplit(".", 1)
+            fqn, name = _optim_key(key, tied)[len(_GROUPS) :].rsplit(".", 1)
             if fqn not in saved_hparams:
                 raise CheckpointError(
                     f"checkpoint {str(directory)!r} has no optimizer hyperparameters for "

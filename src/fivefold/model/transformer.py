@@ -139,7 +139,7 @@ class Transformer(nn.Module):
     def init_weights(self, seed: int = 0) -> None:
         """Draw each parameter from a generator seeded by (seed, FQN); see `fivefold.model.init`."""
         # A tied head without its embedding (last pipeline stage) draws the embedding's values.
-        aliases = {"output.weight": "tok_embeddings.weight"} if self.spec.tied_embeddings else {}
+        aliases = init_aliases(self.spec)
         # looked up at call time: `fivefold plan check` replaces it under fake tensors
         model_init.init_module_weights(self, seed, layers=self.spec.layers, aliases=aliases)
 
@@ -155,6 +155,11 @@ class Transformer(nn.Module):
 
     def _device(self) -> torch.device:
         return next(self.parameters()).device
+
+
+def init_aliases(spec: ModelSpec) -> dict[str, str]:
+    """FQN aliases for `init_module_weights`: a tied head draws the embedding's values."""
+    return {"output.weight": "tok_embeddings.weight"} if spec.tied_embeddings else {}
 
 
 def build_model(spec: ModelSpec) -> Transformer:

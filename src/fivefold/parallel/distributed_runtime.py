@@ -39,6 +39,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from fivefold.model import build_model
 from fivefold.model import init as model_init
 from fivefold.model.loss import cross_entropy_loss
+from fivefold.model.transformer import init_aliases
 from fivefold.parallel.context_parallel import shard_batch_for_cp
 from fivefold.parallel.data_parallel import set_gradient_sync
 from fivefold.parallel.grad_norm import clip_grads, global_grad_norm
@@ -54,6 +55,7 @@ from fivefold.parallel.process_group import (
 from fivefold.parallel.protocol import StepResult, TrainSettings, batch_to
 from fivefold.parallel.report import format_rows, record, stage_rows
 from fivefold.parallel.runtime_core import RuntimeCore, logits, token_count
+from fivefold.parallel.tied_embeddings import TiedEmbeddings
 from fivefold.parallel.wait_clock import WaitClock
 from fivefold.specs.recipe import Recipe
 
@@ -99,6 +101,7 @@ class DistributedRuntime(RuntimeCore):
         self.pp_rank = self.coordinates["pp"]
         self.cp_rank = self.coordinates["cp"]
         self.model_parts: list[nn.Module] = self._build_parts(train.seed, train.compile)
+        self.tied = TiedEmbeddings(self.model_parts, plan, self.spec)
         self._loss_scale = 1.0
         self.wait_clock = WaitClock(self.device)  # waits in the collectives below (stragglers)
         self.pipeline = self._build_pipeline()
@@ -133,7 +136,9 @@ class DistributedRuntime(RuntimeCore):
         for chunk in chunks:
             chunk.to_empty(device=self.device)
             # looked up at call time: `fivefold plan check` replaces it under fake tensors
-            model_init.init_module_weights(chunk, seed, layers=self.spec.layers)
+            model_init.init_module_weights(
+                chunk, seed, layers=self.spec.layers, aliases=init_aliases(self.spec)
+            )
         return chunks
 
     def _build_pipeline(self):
@@ -227,6 +232,7 @@ class DistributedRuntime(RuntimeCore):
         with self._memory_tracker(measure):
             if self.pipeline is not None:
                 loss_local, aux_local = self._pipeline_step(batches)
+                self.tied.sum_grads()
             else:
                 loss_local, aux_local = self._local_step(batches)
         loss, aux = self._global_mean(loss_local, aux_local)
@@ -333,9 +339,16 @@ class DistributedRuntime(RuntimeCore):
         """Global L2 norm over every shard, stage and rank (a 0-d tensor on the device: no
         host sync); clips to `max_norm` when it is > 0."""
         grads = self._grads()
+        excluded = self.tied.norm_excluded()  # a tied matrix counts once
+        counted = [
+            p.grad
+            for part in self.model_parts
+            for p in part.parameters()
+            if p.grad is not None and id(p) not in excluded
+        ]
         what = f"step {self._steps}: the gradient-norm all-reduce"
         with collective_guard(what), self.wait_clock.waiting():
-            total = global_grad_norm(grads, self.plan.pp)
+            total = global_grad_norm(counted, self.plan.pp)
         if max_norm > 0:
             clip_grads(grads, max_norm, total)
         return total

@@ -71,10 +71,10 @@ def stage_layer_ranges(model_spec: Any, plan: ParallelPlan) -> list[range]:
 
 def split_model_for_pipeline(model: nn.Module, plan: ParallelPlan, pp_rank: int) -> list[nn.Module]:
     """The chunks `pp_rank` owns, each a copy of `model` keeping only its layers (and the
-    embedding on the first chunk, the final norm and head on the last). Parameter FQNs are
+    embedding on the first chunk, the final norm and head on the last; a tied head keeps its
+    own copy of the matrix, see `fivefold.parallel.tied_embeddings`). Parameter FQNs are
     unchanged. Chunks carry `stage_index` (their virtual stage). `model` is not modified."""
     spec = model.spec
-    assert not (plan.pp > 1 and spec.tied_embeddings), "refused by ParallelPlan.problems"
     ranges = stage_layer_ranges(spec, plan)
     last = len(ranges) - 1
     chunks = []

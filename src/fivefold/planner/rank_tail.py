@@ -33,6 +33,7 @@ from fivefold.planner.muon import muon_cost
 from fivefold.planner.options import PlannerOptions
 from fivefold.specs.cluster import ClusterSpec
 from fivefold.specs.geometry import (
+    chunk_rank,
     chunks_of_rank,
     dense_shard_degree,
     expert_shard_degree,
@@ -125,11 +126,12 @@ def rank_tails(
         hidden = opts.dp_overlap and opts.param_gather_overlap
         gather_exposed = max(0.0, gather_time - gather_window) if hidden else gather_time
         offload = offload_tail(opt_params, plan, cluster, window)
+        tied_time, tied_bytes = tied_embedding_sync(model, plan, cluster, eff, chunks)
         tails.append(
             Tail(
-                grad_exposed,
-                grad_time,
-                grad_bytes,
+                grad_exposed + tied_time,
+                grad_time + tied_time,
+                grad_bytes + tied_bytes,
                 gather_exposed,
                 gather_time,
                 gather_bytes,
@@ -138,6 +140,32 @@ def rank_tails(
             )
         )
     return tails
+
+
+def tied_embedding_sync(
+    model: ModelSpec,
+    plan: ParallelPlan,
+    cluster: ClusterSpec,
+    eff: EfficiencyModel,
+    chunks: tuple[int, ...],
+) -> tuple[float, float]:
+    """(seconds, bytes per rank) of the all-reduce that sums a tied embedding's two copies'
+    gradients between the first and the last pipeline stage, after the data-parallel reduction
+    and exposed (`fivefold.parallel.tied_embeddings`): the rank's local shard of the [vocab,
+    hidden] gradient (TP- and, under ZeRO, dp_shard x cp-sharded). (0, 0) on the middle stages,
+    untied or unpipelined models, and the V schedules (both copies on one rank: summed there)."""
+    last = plan.pp * plan.vpp - 1
+    first_rank, last_rank = (
+        chunk_rank(plan.schedule, plan.pp, 0),
+        chunk_rank(plan.schedule, plan.pp, last),
+    )
+    if not model.tied_embeddings or first_rank == last_rank or not {0, last} & set(chunks):
+        return 0.0, 0.0
+    shard = plan.tp * (dense_shard_degree(plan) if plan.zero > 0 else 1)
+    size = model.vocab * model.hidden / shard * recipe(plan.precision).grad_bytes
+    stride = (last_rank - first_rank) * axis_groups(plan)["pp"][1]
+    link = group_link(cluster, 2, stride, eff)
+    return all_reduce_time_s(size, 2, link), all_reduce_bytes(size, 2)
 
 
 def runtime_units(plan: ParallelPlan, sigs: list[tuple[int, int, bool, bool]]) -> tuple[int, int]:

@@ -299,13 +299,6 @@ class ParallelPlan:
         out += self._lever_runtime_problems()
         if m is None:
             return out
-        if m.tied_embeddings and self.pp > 1:
-            out.append(
-                f"model.tied_embeddings = true with plan.pp = {self.pp}: the embedding sits on "
-                "the first pipeline stage and the LM head on the last, and fivefold's runtime "
-                "does not keep them tied across stages; set model.tied_embeddings = false or "
-                "plan.pp = 1."
-            )
         if m.is_moe and self.tp > 1:
             out.append(
                 f"plan.tp = {self.tp} with a MoE model (model.experts = {m.experts}): fivefold's "
