@@ -155,3 +155,29 @@ def test_tied_embeddings_pipelined_within_five_percent():
     for check in checks:
         assert not check.problem, check.problem
         assert abs(check.error) <= 0.05, (check.stage, check.predicted_gib, check.counted_bytes)
+
+
+def test_fp32_moe_checks_within_five_percent():
+    # The shipped fp32 MoE recipe on 2 ranks: the experts' grouped GEMMs run under fake tensors
+    # in fp32 (torch's own shape function of `_grouped_mm` takes bf16 only).
+    recipe = load_recipe(str(CONFIGS / "tiny-moe-cpu.toml"), ["plan.dp_replicate=2"], 2)
+    (check,) = check_plan(recipe, 2)
+    assert not check.problem, check.problem
+    assert abs(check.error) <= 0.05, (check.predicted_gib, check.counted_bytes)
+
+
+def test_a_dry_run_whose_check_could_not_run_a_stage_exits_2(monkeypatch, capfd):
+    import fivefold.train.plan_check as plan_check
+    from fivefold.cli.main import main
+    from fivefold.train.plan_check import RankCheck
+
+    def failing(recipe, world=None, timeout_s=600.0):
+        return [RankCheck(rank=0, stage=0, predicted_gib={"total": 0.1}, problem="Boom: x")]
+
+    monkeypatch.setattr(plan_check, "check_plan", failing)
+    recipe = str(CONFIGS / "tiny-cpu.toml")
+    code = main(["train", "--nproc", "2", recipe, "plan.dp_replicate=2", "--dry-run"])
+    out, err = capfd.readouterr()
+    assert code == 2, err
+    assert "could not run: Boom: x" in out, err
+    assert "the plan check could not run every stage" in out
