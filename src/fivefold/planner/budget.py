@@ -39,6 +39,9 @@ CKPT_BANDWIDTH_SOURCE = (
 # An assumption, not a measurement: rescheduling, process start and checkpoint load together.
 DEFAULT_RESTART_S = 600.0
 
+# Checkpoints a run keeps: the newest complete one survives while the next is written.
+KEEP_CHECKPOINTS = 2
+
 # [planner] fields this module reads (recipe spelling) -> BudgetInputs fields
 BUDGET_KEYS = ("tokens", "gpu_hour_price", "failure_rate", "ckpt_bandwidth", "restart_overhead_s")
 MIXTURE_KEY = "sources"  # [planner] sources: the data mixture (`fivefold.specs.mixture`)
@@ -130,6 +133,7 @@ class Budget:
     tokens: float
     steps: int
     step_time_s: float
+    tokens_per_step: int
     gpus: int
     useful_s: float  # W: steps x step time
     failure_rate: float  # per GPU-hour
@@ -160,6 +164,11 @@ class Budget:
         return None if self.gpu_hour_price is None else self.gpu_hours * self.gpu_hour_price
 
     @property
+    def storage_bytes(self) -> float:
+        """Checkpoint storage the run needs: KEEP_CHECKPOINTS full checkpoints."""
+        return KEEP_CHECKPOINTS * self.checkpoint_bytes
+
+    @property
     def progresses(self) -> bool:
         return math.isfinite(self.wall_s)
 
@@ -184,6 +193,8 @@ class Budget:
             "checkpoint_save_s": self.save_s,
             "checkpoint_interval_steps": self.interval_steps,
             "checkpoint_interval_s": self.interval_s,
+            "checkpoints_kept": KEEP_CHECKPOINTS,
+            "checkpoint_storage_gb": self.storage_bytes / GB,
             "restart_overhead_s": self.restart_overhead_s,
             "lost_hours": {
                 "checkpoints": self.checkpoint_lost_s / HOUR_S,
@@ -241,6 +252,7 @@ def budget(
         tokens=inputs.tokens,
         steps=steps,
         step_time_s=step_time_s,
+        tokens_per_step=tokens_per_step,
         gpus=cluster.world_size,
         useful_s=useful,
         failure_rate=inputs.failure_rate,
@@ -295,7 +307,8 @@ def budget_lines(b: Budget) -> list[str]:
         lines.append(
             f"  checkpoint: {b.checkpoint_bytes / GB:,.1f} GB, {b.save_s:,.1f} s to save; "
             f"every {b.interval_steps:,} steps ({b.interval_s / 60:,.1f} min, Young's "
-            "sqrt(2 x save x MTBF))"
+            f"sqrt(2 x save x MTBF)); keeping {KEEP_CHECKPOINTS}: {b.storage_bytes / GB:,.1f} GB "
+            "of storage"
         )
     lines.append(
         f"  lost: {b.checkpoint_lost_s / HOUR_S:,.1f} h saving, "
