@@ -285,3 +285,16 @@ def test_an_unknown_field_with_nothing_close_lists_the_known_ones(capsys):
     assert code == 2
     assert "did you mean" not in err
     assert "plan.zzzzzz is not a setting; known plan fields: " in err and "micro_batch" in err
+
+
+def test_nproc_without_a_layout_names_the_data_parallel_degrees(capsys):
+    """On CPU with no cluster the "GPUs" are the processes: the message says so and names the
+    degrees that spread the run over them, not "change a degree" for a 2-GPU cluster."""
+    assert main(["train", "--nproc", "2", TINY, "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "this run has 2 process(es), but the plan's degrees multiply to 1" in err
+    assert "plan.dp_replicate=2" in err and "plan.dp_shard=2 plan.zero=3" in err
+    assert "GPUs" not in err and "change a degree" not in err
+    assert main(["train", "--nproc", "4", TINY, "plan.tp=2", "--dry-run"]) == 2
+    expected = "multiply to 2 (pp 1 x dp_replicate 1 x dp_shard 1 x cp 1 x tp 2): start it with"
+    assert expected in capsys.readouterr().err
