@@ -16,8 +16,9 @@ from fivefold.specs.model import ModelSpec
 _DESCRIPTION = """\
 Generate text from a run's newest valid checkpoint (or one step_<n> directory), in this one
 process, with the tokenizer the run trained with (data.tokenizer of its recipe.toml or, after
-`import --hf`, imported.toml, else the default one; --tokenizer overrides). Greedy (--greedy) or nucleus sampling (--top-p, default
-0.9, with --temperature and --seed: the same seed gives the same text). Generation stops at the
+`import --hf`, imported.toml, else the default one; --tokenizer overrides). Greedy (--greedy)
+or nucleus sampling (--top-p, default 0.9, with --temperature and --seed: the same seed gives
+the same text). Generation stops at the
 end-of-document token or after --max-tokens. Any layout's checkpoint works (the full tensors are
 read without torchrun); no KV cache, so it is meant for small models.
 """
