@@ -339,7 +339,7 @@ def dry_run_report(run, nproc: int) -> tuple[str, bool]:
     if not run.train.ckpt_every:
         from fivefold.train.summary import checkpoint_suggestion_line
 
-        lines.append("  " + checkpoint_suggestion_line(recipe, step_s))
+        lines.append("  " + checkpoint_suggestion_line(recipe, step_s, run.train.steps))
     checked = True
     if nproc > 1:
         table, checked = _plan_check_lines(recipe, nproc)

@@ -326,17 +326,30 @@ def checkpoint_suggestion(
     plan: ParallelPlan,
     step_time_s: float,
     section: dict[str, Any] | None = None,
+    run_steps: int | None = None,
 ) -> str:
     """The line a run prints when `train.ckpt_every` is unset: Young's interval in steps at the
-    [planner] table's failure rate and storage bandwidth (or the catalog defaults)."""
+    [planner] table's failure rate and storage bandwidth (or the catalog defaults); none when
+    it is no shorter than the run's `run_steps` (the final checkpoint is all it needs)."""
     values = budget_values(section or {}, {})
     rate = values.get("failure_rate", DEFAULT_FAILURE_RATE)
     bandwidth = values.get("ckpt_bandwidth", DEFAULT_CKPT_BANDWIDTH)
     steps, save_s, mtbf_s = interval_steps(model, cluster, plan, step_time_s, rate, bandwidth)
     if steps == 0:
         return "checkpoint suggestion: none needed at a failure rate of 0 (planner.failure_rate)"
-    return (
-        f"checkpoint suggestion: train.ckpt_every = {steps} (train.ckpt_every is unset; Young's "
-        f"interval for a {save_s:.1f} s save and an MTBF of {mtbf_s / HOUR_S:,.1f} h on "
-        f"{cluster.world_size} device(s) at {rate:.3g} failures per device-hour)"
+    why = (
+        f"Young's interval for a {_duration(save_s)} save and an MTBF of "
+        f"{mtbf_s / HOUR_S:,.1f} h on {cluster.world_size} device(s) at {rate:.3g} failures per "
+        "device-hour"
     )
+    if run_steps is not None and steps >= run_steps:
+        return (
+            f"checkpoint suggestion: none before the final one ({why}: {steps:,} steps, no "
+            f"shorter than this run's {run_steps:,})"
+        )
+    return f"checkpoint suggestion: train.ckpt_every = {steps} (train.ckpt_every is unset; {why})"
+
+
+def _duration(seconds: float) -> str:
+    """'115.1 s', '12 ms', '0.35 ms': two significant figures below a second."""
+    return f"{seconds:,.1f} s" if seconds >= 1 else f"{seconds * 1e3:.2g} ms"

@@ -218,16 +218,25 @@ def print_header(
     else:
         out.print(f"planner: no prediction ({why_not})", style="dim", markup=False)
     if prediction is not None and not cfg.ckpt_every:
-        out.print(checkpoint_suggestion_line(recipe, prediction.get("step_time_s")), markup=False)
+        step_s = prediction.get("step_time_s")
+        out.print(checkpoint_suggestion_line(recipe, step_s, cfg.steps), markup=False)
 
 
-def checkpoint_suggestion_line(recipe: Any, step_time_s: float | None) -> str:
-    """`fivefold.planner.budget.checkpoint_suggestion` for the run, or why there is none."""
+def checkpoint_suggestion_line(
+    recipe: Any, step_time_s: float | None, run_steps: int | None = None
+) -> str:
+    """`fivefold.planner.budget.checkpoint_suggestion` for the run of `run_steps` steps, or why
+    there is none."""
     if not step_time_s or step_time_s <= 0:
         return "checkpoint suggestion: none (no step-time prediction)"
     try:
         return checkpoint_suggestion(
-            recipe.model, recipe.cluster, recipe.plan, step_time_s, recipe.section("planner")
+            recipe.model,
+            recipe.cluster,
+            recipe.plan,
+            step_time_s,
+            recipe.section("planner"),
+            run_steps,
         )
     except FivefoldError as err:  # a bad [planner] field must not stop the run here
         return f"checkpoint suggestion: none ({str(err).splitlines()[0]})"
