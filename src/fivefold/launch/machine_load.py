@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from fivefold.specs.profile import available_cores
 
-BUSY_PER_CORE = 0.5  # beyond half a waiting or running process per core, say so
+BUSY_PER_CORE = 1.0  # more processes running or waiting than cores: each waits its turn
 
 
 @dataclass(frozen=True)
