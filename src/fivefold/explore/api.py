@@ -3,7 +3,7 @@
 Every request body is a JSON object using the spec's own field names (the same names as a TOML
 recipe): {"model": {...}, "cluster": {...}, "plan": {...}, "planner": {...}, "global_batch":
 sequences}. `model` and `cluster` may name a preset (`{"preset": "llama3-8b", "seq_len": 8192}`)
-and override any field. `planner` is the recipe's [planner] table: an efficiency `profile`
+and override any field; `model` may carry `hf_config`, a Hugging Face config.json's contents. `planner` is the recipe's [planner] table: an efficiency `profile`
 (`fivefold.planner.frameworks`) and any planner option on top of it (`{"profile": "torchtitan",
 "attention_kernel": "classic"}`); answers echo the profile and every option in force. A search
 takes `risk` ("pessimistic", the default, or "expected") as `fivefold plan --risk` does. A
@@ -125,15 +125,19 @@ def _require_object(body: Any, keys: tuple[str, ...]) -> dict[str, Any]:
     return body
 
 
+HF = ("model", "hf_config")  # the one table value that is an object: a config.json's contents
+
+
 def _section(body: dict[str, Any], name: str, problems: list[str]) -> dict[str, Any]:
-    """A `model` / `cluster` / `plan` table whose values are plain scalars."""
+    """A `model` / `cluster` / `plan` table whose values are plain scalars (but `HF`)."""
     value = body.get(name, {})
     if not isinstance(value, dict):
         problems.append(f"{name} = {value!r}: expected an object of {name} settings.")
         return {}
     out = {}
     for key, item in value.items():
-        if isinstance(item, bool | int | str) or (isinstance(item, float) and math.isfinite(item)):
+        plain = isinstance(item, bool | int | str)
+        if plain or (isinstance(item, float) and math.isfinite(item)) or (name, key) == HF:
             out[key] = item
         else:
             problems.append(f"{name}.{key} = {item!r}: expected a number, true/false or a text.")
