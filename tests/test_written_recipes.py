@@ -81,7 +81,12 @@ def test_launch_slurm_takes_plans_recipe_and_times_it_by_the_prediction(planned,
 def test_plan_out_with_a_token_budget_writes_its_steps_and_checkpoints(tmp_path, capsys):
     """`--tokens` sets the recipe's steps (tokens over the plan's tokens per step), Young's
     checkpoint interval and the checkpoints kept, the figures `plan` printed."""
-    from fivefold.planner.budget import KEEP_CHECKPOINTS, budget_inputs, interval_steps
+    from fivefold.planner.budget import (
+        KEEP_CHECKPOINTS,
+        budget_inputs,
+        checkpoint_bytes,
+        interval_steps,
+    )
 
     path = tmp_path / "budget.toml"
     flags = [*PLAN, "--global-batch-tokens", "1M", "--tokens", "50B", "--out", str(path)]
@@ -95,7 +100,10 @@ def test_plan_out_with_a_token_budget_writes_its_steps_and_checkpoints(tmp_path,
     rate = budget_inputs({"tokens": 50e9}, {}).failure_rate
     k, _, _ = interval_steps(recipe.model, recipe.cluster, recipe.plan, step_s, rate)
     assert train["ckpt_every"] == k > 0
-    assert train["keep_checkpoints"] == KEEP_CHECKPOINTS
+    assert train["keep_checkpoints"] == KEEP_CHECKPOINTS == TrainConfig().keep_checkpoints
+    # the storage the run needs at its peak: the kept checkpoints and the one being written
+    size_gb = checkpoint_bytes(recipe.model, recipe.plan) / 1e9
+    assert f"{(KEEP_CHECKPOINTS + 1) * size_gb:,.1f} GB of storage" in printed
     assert f"= {train['steps']:,} steps" in printed and f"every {k:,} steps" in printed
     run = check_layout(path, [], 16, local=False)
     assert (run.train.steps, run.train.ckpt_every) == (train["steps"], k)

@@ -38,9 +38,9 @@ def budget_train(b: Any) -> tuple[dict[str, Any], dict[str, str]]:
         "ckpt_every": f"Young's interval: {b.save_s:,.1f} s per save, MTBF {b.mtbf_s / 3600:,.1f} h"
         if b.interval_steps
         else "no failures expected (planner.failure_rate = 0): only at the end",
-        "keep_checkpoints": f"{KEEP_CHECKPOINTS} x {b.checkpoint_bytes / 1e9:,.1f} GB = "
-        f"{b.storage_bytes / 1e9:,.1f} GB of checkpoint storage, the newest kept while the next "
-        "is written",
+        "keep_checkpoints": f"{KEEP_CHECKPOINTS} kept and one being written: "
+        f"{KEEP_CHECKPOINTS + 1} x {b.checkpoint_bytes / 1e9:,.1f} GB = "
+        f"{b.storage_bytes / 1e9:,.1f} GB of checkpoint storage at the peak",
     }
     return given, notes
 

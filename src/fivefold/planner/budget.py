@@ -39,7 +39,8 @@ CKPT_BANDWIDTH_SOURCE = (
 # An assumption, not a measurement: rescheduling, process start and checkpoint load together.
 DEFAULT_RESTART_S = 600.0
 
-# Checkpoints a run keeps: the newest complete one survives while the next is written.
+# Checkpoints a run keeps (train.keep_checkpoints's default): if the newest proves damaged, the
+# one before it is still there.
 KEEP_CHECKPOINTS = 2
 
 # [planner] fields this module reads (recipe spelling) -> BudgetInputs fields
@@ -165,8 +166,9 @@ class Budget:
 
     @property
     def storage_bytes(self) -> float:
-        """Checkpoint storage the run needs: KEEP_CHECKPOINTS full checkpoints."""
-        return KEEP_CHECKPOINTS * self.checkpoint_bytes
+        """Checkpoint storage the run needs at its peak: KEEP_CHECKPOINTS committed checkpoints
+        and the one being written (older ones are pruned only once it is committed)."""
+        return (KEEP_CHECKPOINTS + 1) * self.checkpoint_bytes
 
     @property
     def progresses(self) -> bool:
@@ -307,8 +309,8 @@ def budget_lines(b: Budget) -> list[str]:
         lines.append(
             f"  checkpoint: {b.checkpoint_bytes / GB:,.1f} GB, {b.save_s:,.1f} s to save; "
             f"every {b.interval_steps:,} steps ({b.interval_s / 60:,.1f} min, Young's "
-            f"sqrt(2 x save x MTBF)); keeping {KEEP_CHECKPOINTS}: {b.storage_bytes / GB:,.1f} GB "
-            "of storage"
+            f"sqrt(2 x save x MTBF)); keeping {KEEP_CHECKPOINTS} (and one being written): "
+            f"{b.storage_bytes / GB:,.1f} GB of storage"
         )
     lines.append(
         f"  lost: {b.checkpoint_lost_s / HOUR_S:,.1f} h saving, "
