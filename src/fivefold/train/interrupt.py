@@ -68,6 +68,16 @@ def acknowledge(signum: int, step: int, fd: int = 2) -> None:
     )
 
 
+def stop_step(running: int, reads_back: Callable[[int], bool] | None) -> int:
+    """The step a stop asked now ends after: `running` (the step in flight; between steps, the
+    last one done), or where the ranks agree on a stop only at read-backs (`reads_back` given:
+    whether a step reads back; the last one does), the first read-back at or after it."""
+    step = running
+    while reads_back is not None and not reads_back(step):
+        step += 1
+    return step
+
+
 @contextmanager
 def stop_on_signals(request: StopRequest | None = None) -> Iterator[StopRequest]:
     """Record stop signals in `request` during the block (main thread only; elsewhere nothing
