@@ -125,19 +125,16 @@ def _require_object(body: Any, keys: tuple[str, ...]) -> dict[str, Any]:
     return body
 
 
-HF = ("model", "hf_config")  # the one table value that is an object: a config.json's contents
-
-
 def _section(body: dict[str, Any], name: str, problems: list[str]) -> dict[str, Any]:
-    """A `model` / `cluster` / `plan` table whose values are plain scalars (but `HF`)."""
+    """A `model` / `cluster` / `plan` table of plain scalars (model.hf_config: a JSON object)."""
     value = body.get(name, {})
     if not isinstance(value, dict):
         problems.append(f"{name} = {value!r}: expected an object of {name} settings.")
         return {}
     out = {}
     for key, item in value.items():
-        plain = isinstance(item, bool | int | str)
-        if plain or (isinstance(item, float) and math.isfinite(item)) or (name, key) == HF:
+        plain = isinstance(item, bool | int | str) or (name, key) == ("model", "hf_config")
+        if plain or (isinstance(item, float) and math.isfinite(item)):
             out[key] = item
         else:
             problems.append(f"{name}.{key} = {item!r}: expected a number, true/false or a text.")
