@@ -94,9 +94,8 @@ def test_moe_export_is_refused(tmp_path):
 @pytest.mark.parametrize(
     "name, says",
     [
-        ("tiny-qwen2.json", "Qwen2's attention has biases on its Q, K and V projections"),
         ("tiny-mixtral.json", "num_local_experts = 4 makes it a mixture-of-experts model"),
-        ("tiny-qwen3.json", "Qwen3 normalises each head's queries and keys"),
+        ("tiny-deepseek-v3.json", "DeepSeek-V3's latent attention (MLA) and mixture of experts"),
     ],
 )
 def test_families_not_trained_yet_are_refused_for_what_they_are(name, says):

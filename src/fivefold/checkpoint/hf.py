@@ -247,11 +247,6 @@ def spec_from_llama_config(config: dict[str, Any], where: str = CONFIG_FILE) -> 
 
 # What a family the planner reads has and fivefold's runtime does not build yet, in words.
 _FAMILY_GAPS = {
-    "qwen2": "Qwen2's attention has biases on its Q, K and V projections (q_proj.bias, "
-    "k_proj.bias, v_proj.bias), which fivefold's model does not have yet: Qwen2 import is not "
-    "supported yet",
-    "qwen3": "Qwen3 normalises each head's queries and keys (q_norm, k_norm), which fivefold's "
-    "model does not have yet: Qwen3 import is not supported yet",
     "deepseek_v3": "DeepSeek-V3's latent attention (MLA) and mixture of experts are not in "
     "fivefold's model yet: DeepSeek-V3 import is not supported yet",
 }
