@@ -32,7 +32,11 @@ CASES = [
     ("bad-device", ["train.device='tpu'"], "train.device = 'tpu': choose one of"),
     ("global-batch-mismatch", ["train.global_batch=12"], "set plan.grad_accum = 3"),
     ("eval-without-held-out", ["train.eval_every=5", "data.val_fraction=0"], "needs held-out"),
-    ("plan-needs-more-processes", ["plan.tp=2"], "plan degrees multiply to"),
+    (
+        "plan-needs-more-processes",
+        ["plan.tp=2"],
+        "this run has 1 process(es), but the plan's degrees multiply to 2",
+    ),
     ("unknown-precision", ["plan.precision='fp16'"], "plan.precision = 'fp16': choose one"),
     ("planning-only-precision", ["plan.precision='fp8-mixed'"], "runtime does not implement"),
     ("bad-recompute", ["plan.recompute='some'"], "plan.recompute = 'some': choose one"),
@@ -273,11 +277,11 @@ def test_typos_come_with_the_closest_name_and_every_other_problem(tmp_path, caps
     )
     assert code == 2
     assert_one_paragraph(err)
-    assert err.startswith("fivefold train: error: 6 problems in the configuration:")
+    assert err.startswith("fivefold train: error: 5 problems in the configuration:")
     assert "train.setps is not a setting; did you mean train.steps?" in err
     assert "[trian] is not a recipe section" in err and "did you mean [train]?" in err
     assert "model.preset = 'tinny' is unknown; did you mean 'tiny'?" in err
-    assert "plan degrees multiply to" in err and "--nproc equal to the product" in err
+    assert "the plan's degrees multiply to 2" in err and "start it with --nproc 2" in err
 
 
 def test_an_unknown_field_with_nothing_close_lists_the_known_ones(capsys):
@@ -285,3 +289,16 @@ def test_an_unknown_field_with_nothing_close_lists_the_known_ones(capsys):
     assert code == 2
     assert "did you mean" not in err
     assert "plan.zzzzzz is not a setting; known plan fields: " in err and "micro_batch" in err
+
+
+def test_nproc_without_a_layout_names_the_data_parallel_degrees(capsys):
+    """On CPU with no cluster the "GPUs" are the processes: the message says so and names the
+    degrees that spread the run over them, not "change a degree" for a 2-GPU cluster."""
+    assert main(["train", "--nproc", "2", TINY, "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "this run has 2 process(es), but the plan's degrees multiply to 1" in err
+    assert "plan.dp_replicate=2" in err and "plan.dp_shard=2 plan.zero=3" in err
+    assert "GPUs" not in err and "change a degree" not in err
+    assert main(["train", "--nproc", "4", TINY, "plan.tp=2", "--dry-run"]) == 2
+    expected = "multiply to 2 (pp 1 x dp_replicate 1 x dp_shard 1 x cp 1 x tp 2): start it with"
+    assert expected in capsys.readouterr().err

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import io
+import os
 from pathlib import Path
 
 from rich.console import Console
@@ -177,7 +178,17 @@ def test_the_header_says_which_device_profile_and_where_it_came_from(tmp_path, m
     shown = header()  # no [cluster]: the profile at the default location, said so
     assert f"device profile: {installed} (the default location, used by every CPU run" in shown
     assert "MFU against: calibrated CPU fp32 matmul peak" in shown
+    # A step time predicted for the idle machine, measured on a busy one: said at the start.
+    monkeypatch.setattr(os, "getloadavg", lambda: (9.0, 9.0, 9.0))
+    shown = header()
+    from fivefold.specs.profile import available_cores
+
+    cores = available_cores()
+    assert (f"note: this machine was busy at the start (load average 9.0 on {cores} core(s)" in
+            shown) is (cores < 9)  # fmt: skip
+    assert cores >= 9 or "the measured step times will be slower" in shown
     monkeypatch.setenv("FIVEFOLD_PROFILE", str(tmp_path / "absent.toml"))
     shown = header()
     assert "device profile: none (step time is not predicted" in shown
     assert "MFU against: fixed CPU reference" in shown
+    assert "note: this machine was busy" not in shown  # no step time predicted, nothing to say

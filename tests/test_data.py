@@ -422,3 +422,10 @@ def test_cli_prepare_tokenizer_and_errors(small_tokenizer, tmp_path, capsys):
     assert cli_main(["data", "tokenizer", str(docs), "--out", str(missing)]) == 2
     assert "no-such-dir' does not exist" in capsys.readouterr().err
     assert not missing.parent.exists()
+    # Two short documents hold far fewer merges than asked for: said, with the model.vocab
+    # that matches (it used to print the smaller count without a word).
+    assert cli_main(["data", "tokenizer", str(docs), "--out", str(tok_path)]) == 0
+    got = load_tokenizer(tok_path).vocab_size
+    out = capsys.readouterr().out
+    assert got < 4096 and f"note: {got} of the 4096 tokens asked for (--vocab)" in out
+    assert f"model.vocab = {got}" in out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -229,3 +230,38 @@ def test_grouped_swiglu_equals_the_expert_loop(counts, dim, hidden):
     inputs = [t.clone().requires_grad_() for t in leaves]
     grouped_swiglu(*inputs, counts).sum().backward()
     assert inputs[1].grad.shape == leaves[1].shape
+
+
+def _ops_of_grouped_swiglu(fake: bool) -> list[str]:
+    """The grouped GEMM operators one fp32 forward and backward of the experts dispatches."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from fivefold.model.moe import grouped_swiglu
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    mode = FakeTensorMode() if fake else contextlib.nullcontext()
+    with mode:
+        counts = torch.tensor([3, 1, 4, 0])
+        x = torch.randn(8, 8, requires_grad=True)
+        w1, w3 = (torch.randn(4, 16, 8, requires_grad=True) for _ in range(2))
+        w2 = torch.randn(4, 8, 16, requires_grad=True)
+        with Ops() as ops:
+            grouped_swiglu(x, w1, w2, w3, counts).sum().backward()
+    return [name for name in ops.names if "grouped_mm" in name]
+
+
+def test_fp32_experts_take_the_same_grouped_gemm_under_fake_tensors():
+    """A dry run (fake tensors) must take the path the run takes: the grouped GEMM in fp32,
+    although torch's shape function of `_grouped_mm` accepts bf16 only."""
+    real = _ops_of_grouped_swiglu(fake=False)
+    assert real == ["fivefold.grouped_mm"] * (3 + 6)  # 3 projections, 2 gradients each
+    assert _ops_of_grouped_swiglu(fake=True) == real

@@ -12,6 +12,7 @@ import pytest
 
 from fivefold.specs.recipe import load_recipe
 from fivefold.train.plan_check import check_plan, micro_batches_to_run
+from fivefold.train.plan_check_progress import expected_seconds
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 CONFIG = CONFIGS / "llama3-8b-dgx-h100.toml"
@@ -155,3 +156,46 @@ def test_tied_embeddings_pipelined_within_five_percent():
     for check in checks:
         assert not check.problem, check.problem
         assert abs(check.error) <= 0.05, (check.stage, check.predicted_gib, check.counted_bytes)
+
+
+def test_fp32_moe_checks_within_five_percent_saying_each_phase(capfd):
+    # The shipped fp32 MoE recipe on 2 ranks: the experts' grouped GEMMs run under fake tensors
+    # in fp32 (torch's own shape function of `_grouped_mm` takes bf16 only).
+    recipe = load_recipe(str(CONFIGS / "tiny-moe-cpu.toml"), ["plan.dp_replicate=2"], 2)
+    (check,) = check_plan(recipe, 2)
+    assert not check.problem, check.problem
+    assert abs(check.error) <= 0.05, (check.predicted_gib, check.counted_bytes)
+    # Said on stderr while it runs: the time it expects, then each phase of each stage.
+    err = capfd.readouterr().err
+    expected = expected_seconds(recipe.model.layers, 1, 2, 1)
+    assert f"expect about {expected:.0f} s on an idle 2-core machine" in err
+    phases = ["building the runtime for 2 ranks", "making the optimizer state", "one training "
+              "step of 2 micro-batch(es)", "done"]  # fmt: skip
+    said = [line for line in err.splitlines() if line.startswith("plan check: stage 0 (rank 0)")]
+    assert [next(p for p in phases if p in line) for line in said] == phases
+
+
+def test_the_expected_check_time_is_within_a_third_of_the_measured_cases():
+    """docs/plan-check.md's cases on the idle 2-core machine: (layers, pp, micro-batches run,
+    workers, seconds measured)."""
+    cases = [(32, 1, 2, 1, 19), (80, 4, 8, 2, 44), (32, 2, 4, 2, 23), (32, 1, 2, 1, 26)]
+    for layers, pp, micro_batches, workers, measured in cases:
+        predicted = expected_seconds(layers, pp, micro_batches, workers)
+        assert abs(predicted / measured - 1) <= 1 / 3, (layers, pp, predicted, measured)
+
+
+def test_a_dry_run_whose_check_could_not_run_a_stage_exits_2(monkeypatch, capfd):
+    import fivefold.train.plan_check as plan_check
+    from fivefold.cli.main import main
+    from fivefold.train.plan_check import RankCheck
+
+    def failing(recipe, world=None, timeout_s=600.0):
+        return [RankCheck(rank=0, stage=0, predicted_gib={"total": 0.1}, problem="Boom: x")]
+
+    monkeypatch.setattr(plan_check, "check_plan", failing)
+    recipe = str(CONFIGS / "tiny-cpu.toml")
+    code = main(["train", "--nproc", "2", recipe, "plan.dp_replicate=2", "--dry-run"])
+    out, err = capfd.readouterr()
+    assert code == 2, err
+    assert "could not run: Boom: x" in out, err
+    assert "the plan check could not run every stage" in out

@@ -60,11 +60,53 @@ def test_launch_slurm_takes_plans_recipe_and_times_it_by_the_prediction(planned,
     steps = math.ceil(8 * 86400 / step_s)  # eight days: said to be too long for most queues
     assert main(["launch", "--slurm", str(planned), f"train.steps={steps}"]) == 0
     assert "longer than most partitions allow" in capsys.readouterr().err
-    # A limit given by hand is kept, and said to be shorter than the prediction.
-    assert main(["launch", "--slurm", "--time", "00:30:00", str(planned), "train.steps=20000"]) == 0
+    # A limit given by hand (a partition's) is kept; a run longer than it becomes a chain of
+    # jobs, each as many steps as fit the limit, each stopping with a checkpoint at its share.
+    assert main(["launch", "--slurm", "--time", "02:00:00", str(planned), "train.steps=20000"]) == 0
     captured = capsys.readouterr()
-    assert "#SBATCH --time=00:30:00\n" in captured.out
-    assert "SHORTER: the job ends before the run" in captured.err
+    per_job = math.floor((2 * 3600 - TIME_EXTRA_S) / (step_s * TIME_MARGIN))
+    jobs = math.ceil(20000 / per_job)
+    assert "#SBATCH --time=02:00:00\n" in captured.out
+    assert f"#SBATCH --array=1-{jobs}%1\n" in captured.out
+    assert f'"train.stop_at=$((SLURM_ARRAY_TASK_ID * {per_job}))"\n' in captured.out
+    assert f"{jobs} chained jobs of up to {per_job:,} steps" in captured.err
+    # A run that fits its limit stays one job.
+    assert main(["launch", "--slurm", "--time", "2-00:00:00", str(planned), "train.steps=200"]) == 0
+    assert "--array" not in capsys.readouterr().out
+    # Not one step fits: said, with the least limit that fits one.
+    assert main(["launch", "--slurm", "--time", "00:30:00", str(planned), "train.steps=200"]) == 2
+    assert "--time 00:30:00: too short for one step" in capsys.readouterr().err
+
+
+def test_plan_out_with_a_token_budget_writes_its_steps_and_checkpoints(tmp_path, capsys):
+    """`--tokens` sets the recipe's steps (tokens over the plan's tokens per step), Young's
+    checkpoint interval and the checkpoints kept, the figures `plan` printed."""
+    from fivefold.planner.budget import (
+        KEEP_CHECKPOINTS,
+        budget_inputs,
+        checkpoint_bytes,
+        interval_steps,
+    )
+
+    path = tmp_path / "budget.toml"
+    flags = [*PLAN, "--global-batch-tokens", "1M", "--tokens", "50B", "--out", str(path)]
+    assert main(flags) == 0
+    printed = capsys.readouterr().out
+    recipe = load_recipe(path)
+    train = tomllib.loads(path.read_text())["train"]
+    tokens_per_step = recipe.plan.global_batch * recipe.model.seq_len
+    assert train["steps"] == math.ceil(50e9 / tokens_per_step)
+    step_s = estimate(recipe.model, recipe.cluster, recipe.plan).step_time_s
+    rate = budget_inputs({"tokens": 50e9}, {}).failure_rate
+    k, _, _ = interval_steps(recipe.model, recipe.cluster, recipe.plan, step_s, rate)
+    assert train["ckpt_every"] == k > 0
+    assert train["keep_checkpoints"] == KEEP_CHECKPOINTS == TrainConfig().keep_checkpoints
+    # the storage the run needs at its peak: the kept checkpoints and the one being written
+    size_gb = checkpoint_bytes(recipe.model, recipe.plan) / 1e9
+    assert f"{(KEEP_CHECKPOINTS + 1) * size_gb:,.1f} GB of storage" in printed
+    assert f"= {train['steps']:,} steps" in printed and f"every {k:,} steps" in printed
+    run = check_layout(path, [], 16, local=False)
+    assert (run.train.steps, run.train.ckpt_every) == (train["steps"], k)
 
 
 def test_a_recipes_batch_is_the_same_to_plan_estimate_and_to_train(tmp_path, capsys):

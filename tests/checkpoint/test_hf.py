@@ -87,8 +87,26 @@ def test_moe_export_is_refused(tmp_path):
     model.to_empty(device="cpu")
     model.init_weights(0)
     path = Checkpointer(tmp_path).save(1, [model], None, model_spec=spec.to_dict(), plan={})
-    with pytest.raises(CheckpointError, match=r"model.experts = 4: a MoE model has no Hugging"):
+    with pytest.raises(CheckpointError, match=r"model.experts = 4: exporting a mixture-of-expe"):
         export_hf(path, tmp_path / "hf")
+
+
+@pytest.mark.parametrize(
+    "name, says",
+    [
+        ("tiny-mixtral.json", "num_local_experts = 4 makes it a mixture-of-experts model"),
+        ("tiny-deepseek-v3.json", "DeepSeek-V3's latent attention (MLA) and mixture of experts"),
+    ],
+)
+def test_families_not_trained_yet_are_refused_for_what_they_are(name, says):
+    """What the model has that fivefold's does not, and that it is not supported yet; never
+    "remove the fields if they do not change the model" or "expected 'llama'"."""
+    config = json.loads((Path(__file__).parents[1] / "data" / "hf_configs" / name).read_text())
+    with pytest.raises(CheckpointError) as err:
+        spec_from_llama_config(config)
+    text = str(err.value)
+    assert says in text and "not supported yet" in text
+    assert "remove them" not in text and "expected 'llama'" not in text
 
 
 @pytest.mark.parametrize(
@@ -172,6 +190,11 @@ def test_cli_export_import_round_trip(tmp_path, capsys):
     run = load_run(tmp_path / "new" / "imported.toml", [], world_size=1)
     assert run.recipe.model.hidden == 64 and run.train.run_dir == str(tmp_path / "new")
     assert (tmp_path / "new" / "ckpt" / "step_0" / "manifest.json").is_file()
+    # `sample` right after the import reads the tokenizer it copied (imported.toml says which)
+    capsys.readouterr()
+    sample = ["sample", str(tmp_path / "new"), "--prompt", "It is", "--max-tokens", "3"]
+    assert main([*sample, "--greedy"]) == 0, capsys.readouterr().err
+    assert capsys.readouterr().out.startswith("It is")
     # a second import into the same run directory is refused with exit status 2
     assert main(["import", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "new")]) == 2
     assert "already holds checkpoints" in capsys.readouterr().err

@@ -534,3 +534,35 @@ def test_the_budget_carries_tokens_and_epochs_per_source(client):
     table["sources"][0]["weight"] = -1
     status, data = client.post("/api/estimate", {**LLAMA_16, "planner": table})
     assert status == 400 and any("('web'): weight = -1" in p for p in data["problems"])
+
+
+def test_estimate_takes_a_pasted_hf_config_and_a_document_length(client):
+    """The explorer had no way in for a Hugging Face config or `doc_len`: both are request
+    fields now, and their figures are the planner's for the same model."""
+    from pathlib import Path
+
+    from fivefold.specs.hf_config import spec_from_hf_config
+
+    path = Path(__file__).parents[1] / "data" / "hf_configs" / "mistral-7b.json"
+    config = json.loads(path.read_text())
+    body = {**LLAMA_16, "model": {"hf_config": config, "seq_len": 8192, "doc_len": 1024}}
+    status, data = client.post("/api/estimate", body)
+    assert status == 200, data
+    model = spec_from_hf_config(config).with_(seq_len=8192, doc_len=1024)
+    expected = estimate(model, cluster_preset("dgx-h100", 16), LLAMA_16_PLAN)
+    assert data["estimate"] == json_safe(expected.to_json())
+    whole = estimate(model.with_(doc_len=0), cluster_preset("dgx-h100", 16), LLAMA_16_PLAN)
+    assert expected.step_time_s < whole.step_time_s  # attention priced per 1,024-token document
+    status, data = client.post("/api/estimate", {**body, "model": {"hf_config": {"x": 1}}})
+    assert status == 400 and "model_type" in json.dumps(data)
+
+
+def test_the_page_has_the_document_length_and_hf_config_inputs():
+    from pathlib import Path
+
+    static = Path(__file__).parents[2] / "src" / "fivefold" / "explore" / "static"
+    page = (static / "index.html").read_text()
+    assert 'name="model.doc_len"' in page and 'id="hf-config"' in page and 'id="hf-file"' in page
+    script = (static / "app.js").read_text()
+    assert 'body.model.doc_len = readField(field("model.doc_len"))' in script
+    assert "body.model.hf_config = hf.config" in script

@@ -62,7 +62,7 @@ def _metric_steps(run_dir: Path) -> list[int]:
 class Run:
     """`fivefold train --nproc N` on the tiny recipe in a subprocess with a unique env token."""
 
-    def __init__(self, tmp_path: Path, nproc: int):
+    def __init__(self, tmp_path: Path, nproc: int, log_every: int = 1):
         self.token = f"fivefold-test-{uuid.uuid4().hex}"
         self.run_dir = tmp_path / f"run-{nproc}"
         command = [
@@ -75,7 +75,7 @@ class Run:
             TINY,
             *LAYOUTS[nproc],
             "train.steps=100000",
-            "train.log_every=1",
+            f"train.log_every={log_every}",
             "train.eval_every=0",
             "train.progress=false",
             "train.tensorboard=false",
@@ -139,11 +139,18 @@ def _newest_checkpoint_step(run_dir: Path) -> int:
 
 
 def interrupt_once(
-    tmp_path: Path, nproc: int, at_step: int, sig: int, target: str, early_s: float = 0.0
+    tmp_path: Path,
+    nproc: int,
+    at_step: int,
+    sig: int,
+    target: str,
+    early_s: float = 0.0,
+    log_every: int = 1,
 ) -> None:
     """Start a run, signal the launcher (or the agent) after `at_step` (0: `early_s` seconds
-    after the start, while processes start up), check the ending."""
-    run = Run(tmp_path, nproc)
+    after the start, while processes start up), check the ending. With `log_every` > 1 the
+    ranks agree on a stop only at a read-back, and the run must name that step at once."""
+    run = Run(tmp_path, nproc, log_every)
     try:
         if at_step:
             run.wait_for_step(at_step)
@@ -169,6 +176,7 @@ def interrupt_once(
     said = f"{signal.Signals(sig).name} received: stopping after step "
     assert out.count(said) == 1, out[-2000:]
     assert out.index(said) < out.index("interrupted after step")
+    assert f"{said}{last} with a checkpoint" in out, out[-2000:]  # the step it stops after
     from fivefold.checkpoint.manifest import step_dir_name, verify_checkpoint
 
     assert verify_checkpoint(run.run_dir / "ckpt" / step_dir_name(last)).ok
@@ -189,11 +197,16 @@ def test_the_first_signal_is_acknowledged_at_once_and_only_once() -> None:
 
 
 @pytest.mark.parametrize(
-    ("nproc", "sig", "target"),
-    [(2, signal.SIGINT, "launcher"), (2, signal.SIGTERM, "agent")],
+    ("nproc", "sig", "target", "log_every"),
+    [(2, signal.SIGINT, "launcher", 4), (2, signal.SIGTERM, "agent", 1)],
 )
-def test_interrupt_stops_every_rank_with_a_checkpoint(tmp_path, nproc, sig, target) -> None:
-    interrupt_once(tmp_path, nproc, random.Random(nproc).randint(2, 5), sig, target)
+def test_interrupt_stops_every_rank_with_a_checkpoint(
+    tmp_path, nproc, sig, target, log_every
+) -> None:
+    """With log_every=4 the ranks agree on a stop only at a read-back (step 4, 8, ...): the
+    message names that step at once, not the one in flight."""
+    at_step = random.Random(nproc).randint(2, 5)
+    interrupt_once(tmp_path, nproc, at_step, sig, target, log_every=log_every)
 
 
 def test_interrupt_one_process_checkpoints_and_exits_130(tmp_path) -> None:

@@ -126,8 +126,10 @@ def test_tenants_are_compared_only_as_both_sides_define_them(wrapped: bool) -> N
         assert set(measured) == {"optimizer", "params+grads+activations"}
         assert measured == {"optimizer": 7 * mib, "params+grads+activations": 6 * mib}
         assert "params+grads+activations" in text and "grads 0.0" not in text
+        # true of plain DDP as of ZeRO: no "gathered weights" where nothing is gathered
         assert "/7.0, params+grads+activations " in text and text.endswith(
-            "/6.0 (FSDP2's gathered weights: one sum)"
+            "/6.0 (params, grads and activations compared as one sum: the data-parallel "
+            "wrapper's weight and gradient storages look like activations to the counter)"
         )
     else:
         assert set(measured) == set(TENANTS) and measured["params"] == 5 * mib

@@ -201,3 +201,20 @@ def test_a_run_without_ckpt_every_prints_the_suggestion():
     assert steps == 36_231
     assert f"train.ckpt_every = {steps} " in checkpoint_suggestion_line(recipe, 2.0)
     assert "none (no step-time prediction)" in checkpoint_suggestion_line(recipe, None)
+
+
+def test_a_short_run_gets_no_interval_longer_than_itself_and_a_readable_save_time():
+    """A CPU run of 100 steps was told `train.ckpt_every = 7242 (... 0.0 s save ...)`."""
+    from fivefold.specs.recipe import recipe_from_dict
+    from fivefold.train.summary import checkpoint_suggestion_line
+
+    recipe = recipe_from_dict({"model": {"preset": "tiny"}})  # this CPU, one process
+    save = checkpoint_bytes(recipe.model, recipe.plan) / (DEFAULT_CKPT_BANDWIDTH * 1)
+    mtbf = 3600 * 54 * 24 * 16384 / (1 * 419)
+    steps = round(math.sqrt(2 * save * mtbf) / 0.01)  # at 10 ms per step
+    assert save < 0.05 and steps > 100
+    line = checkpoint_suggestion_line(recipe, 0.01, 100)
+    assert line.startswith("checkpoint suggestion: none before the final one")
+    assert f"{steps:,} steps, no shorter than this run's 100" in line
+    assert f"{save * 1e3:.2g} ms save" in line and "0.0 s" not in line
+    assert f"train.ckpt_every = {steps} " in checkpoint_suggestion_line(recipe, 0.01, steps + 1)

@@ -270,3 +270,10 @@ def test_framework_profiles_plan_what_fivefold_refuses(capsys):
     search = ["plan", "--model", "mixtral-8x7b", "--gpus", "64", "--tp", "2"]
     assert main([*search, "--global-batch-tokens", "4M", "--profile", "megatron-2022"]) == 0
     assert "best layout: TP2+SP" in capsys.readouterr().out
+
+
+def test_the_profile_line_speaks_to_users_not_in_internal_names():
+    """`plan` prints "Efficiency profile NAME: summary"; it read "what PlannerOptions.for_device
+    gives" for the default profile."""
+    for name, prof in profiles().items():
+        assert not re.search(r"PlannerOptions|for_device|\w+\.\w+\(", prof.summary), name

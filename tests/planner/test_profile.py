@@ -709,3 +709,19 @@ def test_collective_gap_is_half_a_layer_forward(profile_path):
     forward = layer_work(TINY, plan, cluster.device, EFF).forward_s
     assert collective_gap_s(TINY, plan, cluster, EFF) == pytest.approx(forward / 2)
     assert collective_gap_s(TINY, plan, cluster_preset("dgx-h100", 8), EFF) is None
+
+
+def test_a_profile_without_bf16_names_the_precision_not_the_layouts(profile_path):
+    """The search's default bf16-mixed cannot be priced on a profile that measured fp32 only:
+    said so, with the precision that fixes it, not blamed on micro-batches or GPU count."""
+    from fivefold.planner.search import search
+
+    cluster = profile_cluster(profile_path, 2)
+    with pytest.raises(ConfigError) as err:
+        search(model_preset("tiny"), cluster, global_batch=16)
+    text = str(err.value)
+    assert "precision 'bf16-mixed' computes in bf16" in text
+    assert "no bf16 matmul measurement (measured: fp32)" in text
+    assert "--precision fp32" in text and "Add GPUs" not in text
+    best = search(model_preset("tiny"), cluster, global_batch=16, precisions=["fp32"])
+    assert best.best_plan.precision == "fp32" and best.best_plan.world_size == 2

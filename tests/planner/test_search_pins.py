@@ -68,3 +68,16 @@ def test_a_pinned_dp_no_shape_reaches_names_the_product_rule():
         p for p in rules(ParallelPlan(tp=2, dp_replicate=3)) if p.startswith("plan degrees")
     )
     assert "= 6, but the cluster has 64 GPUs" in err.problems[1]
+
+
+def test_a_pinned_dualpipev_is_searched_for_a_dense_model():
+    """The search skips DualPipeV for dense models (ZBV's bubble, one more chunk in flight), but
+    a pinned one is searched, not refused with another layout's rules."""
+    result = search(VIZZ, H100x64, global_batch=32, fixed={"pp": 4, "schedule": "dualpipev"})
+    assert (result.best_plan.pp, result.best_plan.schedule, result.best_plan.vpp) == (
+        4,
+        "dualpipev",
+        2,
+    )
+    unpinned = search(VIZZ, H100x64, global_batch=32, fixed={"pp": 4})
+    assert all(o.plan.schedule != "dualpipev" for o in unpinned.search_state.outcomes.values())

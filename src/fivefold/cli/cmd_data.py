@@ -134,6 +134,13 @@ def _tokenizer(args: argparse.Namespace) -> int:
         f"tokenizer: {tok.vocab_size} tokens (end-of-document id {tok.eod_id}), hash "
         f"{tok.hash[:12]}, trained in {time.perf_counter() - started:.1f} s -> {args.out}"
     )
+    if tok.vocab_size < args.vocab:  # the text held fewer merges than asked for
+        print(
+            f"note: {tok.vocab_size} of the {args.vocab} tokens asked for (--vocab): the inputs "
+            f"hold no more distinct merges; a model trained with it needs only model.vocab = "
+            f"{tok.vocab_size} (a larger vocab leaves {args.vocab - tok.vocab_size} embedding "
+            "rows unused), or train it on more text"
+        )
     return 0
 
 

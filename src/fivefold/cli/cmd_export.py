@@ -86,15 +86,21 @@ def select_checkpoint(path: Path) -> tuple[Path, str]:
     return choice.path, note
 
 
+# A run directory's recipe: written by `train` when it starts, or by `import --hf`.
+RUN_RECIPES = ("recipe.toml", "imported.toml")
+
+
 def run_tokenizer(checkpoint: Path, vocab: int, explicit: Path | None):
     """The tokenizer to export: `explicit`, else the one the checkpoint's run trained with
-    (its recipe.toml's data.tokenizer, else the default tokenizer); None if unknown."""
+    (its recipe's data.tokenizer, `RUN_RECIPES` in order, else the default tokenizer); None
+    if the run directory has neither recipe."""
     from fivefold.train.data.tokenizer import default_tokenizer, load_tokenizer
 
     if explicit is not None:
         return load_tokenizer(explicit, max_vocab=vocab)
-    recipe = checkpoint.parent.parent / "recipe.toml"
-    if not recipe.is_file():
+    found = [checkpoint.parent.parent / name for name in RUN_RECIPES]
+    recipe = next((path for path in found if path.is_file()), None)
+    if recipe is None:
         return None
     data = read_toml(recipe).get("data", {})
     name = data.get("tokenizer") if isinstance(data, dict) else None
@@ -120,9 +126,9 @@ def _export(args: argparse.Namespace) -> int:
     )
     if tokenizer is None:
         print(
-            f"warning: no tokenizer exported: {source.parent.parent / 'recipe.toml'} does not "
-            "say which one the run used; pass --tokenizer PATH (the run's data.tokenizer) so "
-            "the directory is self-contained.",
+            f"warning: no tokenizer exported: {source.parent.parent} has no recipe.toml or "
+            "imported.toml to say which one the run used; pass --tokenizer PATH (the run's "
+            "data.tokenizer) so the directory is self-contained.",
             file=sys.stderr,
         )
     return 0

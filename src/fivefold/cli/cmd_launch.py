@@ -36,7 +36,10 @@ Start a multi-process training run of a recipe.
             nodes x gpus-per-node (--nodes defaults to what the plan needs); the recipe is
             checked before the script is printed, and must have [train] or [data]. The time
             limit is the planner's predicted run time x 1.25 + 30 min unless --time is given
-            (the script and stderr say which, and warn when --time is shorter). Every
+            (the script and stderr say which). A run longer than --time (a partition's
+            limit) becomes a chain of jobs: a job array run one task at a time, task i
+            stopping with a checkpoint after step i x K (train.stop_at; K steps fit --time)
+            and the next resuming from it. Every
             value in a directive is checked (job name, time, partition), every shell value is
             quoted, and the ranks run this Python (the nodes need the same path).
   --nproc N start N processes on this machine with torchrun (gloo on CPU, NCCL on CUDA); the
@@ -98,7 +101,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="HH:MM:SS",
         help="--slurm: wall-time limit in sbatch's format (M, H:M:S, D-H:M:S; default: the "
         f"planner's predicted run time x {TIME_MARGIN} + {TIME_EXTRA_S // 60} min for start-up "
-        f"and checkpoints, or {DEFAULT_TIME} when it has no prediction; the script says which)",
+        f"and checkpoints, or {DEFAULT_TIME} when it has no prediction; the script says which). "
+        "Given and shorter than the run: a chain of jobs that each fit it",
     )
     parser.add_argument(
         "--job-name",
@@ -206,45 +210,78 @@ def handle(args: argparse.Namespace) -> int:
     _check_allocation(recipe_path, overrides, job.nodes, job.gpus_per_node)
     run = check_layout(recipe_path, overrides, world, local=False)  # runs elsewhere
     name = args.job_name or slurm_job_name(f"fivefold-{run.train.name}")
-    time_limit, why = _time_limit(run, data.get("planner", {}), args.time)
-    job = dataclasses.replace(job, job_name=name, time=time_limit)
+    time_limit, why, chain = _time_limit(run, data.get("planner", {}), args.time)
+    job = dataclasses.replace(job, job_name=name, time=time_limit, chain=chain)
     print(f"fivefold launch: --time {time_limit}: {why}", file=sys.stderr)
     description = f"{run.recipe.plan.describe()}; --time {time_limit}: {why}"
     print(slurm_script(job, recipe_path, overrides, description), end="")
     return 0
 
 
-def predicted_run_s(run: Any, planner: dict) -> tuple[float | None, str]:
-    """(the planner's time for the steps this run takes, in seconds; or None and why not)."""
+def predicted_step_s(run: Any, planner: dict) -> tuple[float | None, int, str]:
+    """(the planner's seconds per step, or None; the steps this run takes; why no prediction)."""
     recipe = run.recipe
+    steps = min(run.train.stop_at, run.train.steps) if run.train.stop_at else run.train.steps
     try:
         settings = planner_settings(recipe.cluster.device, planner, compile=run.train.compile)
         step_s = estimate(recipe.model, recipe.cluster, recipe.plan, settings.options).step_time_s
     except FivefoldError as err:
-        return None, f"the planner has no prediction ({str(err).splitlines()[0]})"
-    steps = min(run.train.stop_at, run.train.steps) if run.train.stop_at else run.train.steps
-    return steps * step_s, f"{steps:,} steps x {step_s:.3f} s predicted"
+        return None, steps, f"the planner has no prediction ({str(err).splitlines()[0]})"
+    return step_s, steps, ""
 
 
-def _time_limit(run: Any, planner: dict, given: str | None) -> tuple[str, str]:
-    """sbatch's --time and why: as given (warning when the prediction is longer), else the
-    prediction x TIME_MARGIN + TIME_EXTRA_S, else DEFAULT_TIME."""
-    seconds, basis = predicted_run_s(run, planner)
-    if seconds is None:
-        return given or DEFAULT_TIME, ("as given; " if given else "a fixed default; ") + basis
-    predicted = f"{basis} = {_slurm_time(seconds)}"
-    if given:
-        short = _slurm_seconds(given) < seconds
-        warn = "; SHORTER: the job ends before the run (resubmit it to resume)" if short else ""
-        return given, f"as given; {predicted}{warn}"
+def _time_limit(run: Any, planner: dict, given: str | None) -> tuple[str, str, tuple[int, int]]:
+    """sbatch's --time, why, and the chain (jobs, steps per job; (0, 0): one job): as given,
+    and when the prediction x TIME_MARGIN + TIME_EXTRA_S is longer, a chain of jobs that each
+    fit it; else the prediction x TIME_MARGIN + TIME_EXTRA_S, else DEFAULT_TIME."""
+    step_s, steps, why_not = predicted_step_s(run, planner)
+    if step_s is None:
+        return (
+            given or DEFAULT_TIME,
+            ("as given; " if given else "a fixed default; ") + why_not,
+            (0, 0),
+        )
+    seconds = steps * step_s
+    predicted = f"{steps:,} steps x {step_s:.3f} s predicted = {_slurm_time(seconds)}"
     limit_s = seconds * TIME_MARGIN + TIME_EXTRA_S
+    if given:
+        if _slurm_seconds(given) >= limit_s:
+            return given, f"as given; {predicted}", (0, 0)
+        chain = chained_jobs(steps, step_s, _slurm_seconds(given), given)
+        return given, f"as given; {predicted}; {chain_words(chain)}", chain
     long = (
-        "; longer than most partitions allow: give a shorter --time and resubmit, the run "
-        "resumes from its newest checkpoint (set train.ckpt_every)"
+        "; longer than most partitions allow: give the partition's limit as --time and the "
+        "script runs as a chain of jobs, each resuming from the last one's checkpoint"
         if limit_s > LONG_JOB_S
         else ""
     )
-    return _slurm_time(limit_s), f"{predicted}, x {TIME_MARGIN} + {TIME_EXTRA_S // 60} min{long}"
+    return (
+        _slurm_time(limit_s),
+        f"{predicted}, x {TIME_MARGIN} + {TIME_EXTRA_S // 60} min{long}",
+        (0, 0),
+    )
+
+
+def chained_jobs(steps: int, step_s: float, job_s: float, given: str) -> tuple[int, int]:
+    """(jobs, steps per job): the most steps whose prediction x TIME_MARGIN + TIME_EXTRA_S fits
+    one job of `job_s` seconds, and the jobs that take `steps`; ConfigError when not one does."""
+    per_job = math.floor((job_s - TIME_EXTRA_S) / (step_s * TIME_MARGIN))
+    if per_job < 1:
+        raise ConfigError(
+            f"--time {given}: too short for one step ({step_s:.3f} s predicted, x {TIME_MARGIN}) "
+            f"after {TIME_EXTRA_S // 60} min for start-up and checkpoints; give at least "
+            f"{_slurm_time(step_s * TIME_MARGIN + TIME_EXTRA_S)}."
+        )
+    return math.ceil(steps / per_job), per_job
+
+
+def chain_words(chain: tuple[int, int]) -> str:
+    jobs, per_job = chain
+    return (
+        f"SHORTER than the run: {jobs} chained jobs of up to {per_job:,} steps (a job array run "
+        "one task at a time; task i stops after step i x "
+        f"{per_job:,} with a checkpoint, train.stop_at, and the next resumes from it)"
+    )
 
 
 def _slurm_seconds(text: str) -> float:

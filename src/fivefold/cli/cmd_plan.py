@@ -30,6 +30,7 @@ from fivefold.cli.plan_output import (
     SearchShown,
     budget_of,
     budget_section,
+    budget_train,
     print_profile,
     print_search,
     recipe_header,
@@ -132,15 +133,19 @@ def write_recipe(
     header: str,
     planner: dict[str, Any],
     compiled: bool = False,
+    answer: Any = None,
 ) -> Path:
     """The layout as a recipe, with the [planner] table (profile and options) it was chosen by,
-    and [train] and [data] at their defaults (`train.compile` as planned), written out."""
+    [train] at its defaults (`train.compile` as planned) but for what the token budget `answer`
+    (`Budget`, or None) sets (steps, checkpoint interval, checkpoints kept), and [data] at its
+    defaults, written out."""
     whole = {k: _whole(v) for k, v in planner.items()}  # 10485760, not 10485760.0
     text = dump_recipe(Recipe(model, cluster, plan, {"planner": whole}), header=header)
     train = {"name": model.name} | ({"compile": True} if compiled else {})
     if whole.get("optimizer", "adamw") != "adamw":  # the optimizer the plan was priced for
         train["optimizer"] = whole["optimizer"]
-    run = ["", *train_section(train), "", *data_section({})]
+    given, notes = budget_train(answer)
+    run = ["", *train_section(train | given, notes), "", *data_section({})]
     text += "\n".join(run) + "\n"  # complete: `fivefold train` and `launch --slurm` take it
     try:
         path.write_text(text)
@@ -218,8 +223,9 @@ def _search_handler(args: argparse.Namespace) -> int:
         header = recipe_header(model, cluster, best) + "\n" + settings.software()
         opts = settings.options
         compiled = opts.compile and opts.fivefold_runtime  # the run compiles as planned
+        answer = budget_of(result.best, inputs)
         recipe_path = write_recipe(
-            path, model, cluster, result.best_plan, header, section, compiled
+            path, model, cluster, result.best_plan, header, section, compiled, answer
         )
     shown = SearchShown(result, best, explanation, elapsed_s, headroom, inputs, recipe_path)
     if args.json:

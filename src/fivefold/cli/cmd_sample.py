@@ -15,9 +15,10 @@ from fivefold.specs.model import ModelSpec
 
 _DESCRIPTION = """\
 Generate text from a run's newest valid checkpoint (or one step_<n> directory), in this one
-process, with the tokenizer the run trained with (data.tokenizer of its recipe.toml, else the
-default one; --tokenizer overrides). Greedy (--greedy) or nucleus sampling (--top-p, default
-0.9, with --temperature and --seed: the same seed gives the same text). Generation stops at the
+process, with the tokenizer the run trained with (data.tokenizer of its recipe.toml or, after
+`import --hf`, imported.toml, else the default one; --tokenizer overrides). Greedy (--greedy)
+or nucleus sampling (--top-p, default 0.9, with --temperature and --seed: the same seed gives
+the same text). Generation stops at the
 end-of-document token or after --max-tokens. Any layout's checkpoint works (the full tensors are
 read without torchrun); no KV cache, so it is meant for small models.
 """
@@ -113,8 +114,8 @@ def handle(args: argparse.Namespace) -> int:
     tokenizer = run_tokenizer(checkpoint, spec.vocab, args.tokenizer)
     if tokenizer is None:
         raise ConfigError(
-            f"{checkpoint.parent.parent / 'recipe.toml'} does not say which tokenizer the run "
-            "used; pass --tokenizer PATH."
+            f"{checkpoint.parent.parent} has no recipe.toml or imported.toml to say which "
+            "tokenizer the run used; pass --tokenizer PATH."
         )
     prompt = tokenizer.encode(args.prompt) or [tokenizer.eod_id]  # nothing: a document's start
     top_p = None if args.greedy else args.top_p

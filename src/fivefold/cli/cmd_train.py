@@ -82,7 +82,8 @@ continues from the newest one; one already at train.steps says it is complete an
 (raise train.steps to train further). --fresh starts over at step 0 and deletes the run's
 earlier checkpoints; --resume insists on resuming and says so when there is nothing to resume.
 
-Stopping: Ctrl-C (SIGINT) or SIGTERM stops every rank after the step it is in, writes that
+Stopping: Ctrl-C (SIGINT) or SIGTERM stops every rank after the step it is in (on N ranks the
+next step that reads values back, every train.log_every; the message names it), writes that
 step's checkpoint and exits with status 128 + signal (130, 143); the same command continues. A
 second signal more than 2 s later stops at once. Exit status 2: a user error (recipe, data,
 checkpoint), printed once even when the ranks found it, every problem at once and a misspelt
@@ -92,7 +93,8 @@ names the step, the collective and the ranks that did not arrive); torchrun --ma
 restarts it. With --max-restarts the last attempt decides: 0 when it completes,
 the restarts noted. Before anything starts the paths the recipe names and the predicted memory
 (--dry-run's peak per rank x the local ranks) against the memory free are checked.
---dry-run prints the resolved recipe, the layout and the planner's predictions and exits.
+--dry-run prints the resolved recipe, the layout and the planner's predictions and exits; with
+--nproc above 1 also `fivefold plan check`'s table, and exit status 2 when a stage could not run.
 """
 
 _EPILOG = """\
@@ -285,10 +287,11 @@ def handle(args: argparse.Namespace) -> int:
     if args.plan != "auto":  # auto has checked (and used) the table already
         _check_planner_table(recipe_path, overrides, run)
     if args.dry_run:
-        print(dry_run_report(run, args.nproc))
+        text, checked = dry_run_report(run, args.nproc)
+        print(text)
         if problems := local_problems(run, args.nproc):
             raise ConfigError(problems)
-        return 0
+        return 0 if checked else 2
     if args.nproc > 1 or args.max_restarts > 0:
         note = _memory_note(run, args.nproc)
         return _launch(args.nproc, recipe_path, overrides, args.max_restarts, note)
@@ -303,9 +306,10 @@ def _check_planner_table(recipe_path: str | None, overrides: list[str], run) -> 
         planner_section_settings(data, run.recipe.cluster.device)
 
 
-def dry_run_report(run, nproc: int) -> str:
+def dry_run_report(run, nproc: int) -> tuple[str, bool]:
     """The resolved recipe, the layout and the planner's predictions, as `--dry-run` prints
-    them (the predictions are `fivefold.parallel.report`'s, the ones each run prints)."""
+    them (the predictions are `fivefold.parallel.report`'s, the ones each run prints), and
+    whether the plan check (N > 1 processes) ran every stage."""
     from fivefold.parallel.report import predictions_for
 
     recipe = run.recipe
@@ -335,11 +339,18 @@ def dry_run_report(run, nproc: int) -> str:
     if not run.train.ckpt_every:
         from fivefold.train.summary import checkpoint_suggestion_line
 
-        lines.append("  " + checkpoint_suggestion_line(recipe, step_s))
+        lines.append("  " + checkpoint_suggestion_line(recipe, step_s, run.train.steps))
+    checked = True
     if nproc > 1:
-        lines.append(_plan_check_lines(recipe, nproc))
-    lines.append("dry run: nothing started; train with the same command without --dry-run")
-    return "\n".join(lines)
+        table, checked = _plan_check_lines(recipe, nproc)
+        lines.append(table)
+    lines.append(
+        "dry run: nothing started; train with the same command without --dry-run"
+        if checked
+        else "dry run: the plan check could not run every stage (above; exit status 2): the "
+        "run's memory is unchecked, and the run may fail where the check did"
+    )
+    return "\n".join(lines), checked
 
 
 def _memory_note(run, nproc: int) -> str:
@@ -348,13 +359,15 @@ def _memory_note(run, nproc: int) -> str:
     return fit.describe() if fit is not None else ""
 
 
-def _plan_check_lines(recipe, nproc: int) -> str:
-    """`fivefold plan check`'s table for this layout on `nproc` ranks (fake tensors)."""
+def _plan_check_lines(recipe, nproc: int) -> tuple[str, bool]:
+    """`fivefold plan check`'s table for this layout on `nproc` ranks (fake tensors), and
+    whether every stage ran."""
     from fivefold.train.plan_check import check_plan
 
     started = time.perf_counter()
     checks = check_plan(recipe, nproc)
-    return format_checks(recipe, nproc, checks, time.perf_counter() - started)
+    table = format_checks(recipe, nproc, checks, time.perf_counter() - started)
+    return table, all(not c.problem for c in checks)
 
 
 def _launch(

@@ -228,7 +228,8 @@ def _add_batch_args(parser: argparse.ArgumentParser) -> None:
         "--out",
         metavar="PATH",
         help="search: also write the chosen layout as a complete recipe ([train] and [data] "
-        "at their defaults) to PATH, in an existing directory (default: no file is written)",
+        "at their defaults; with --tokens, the budget's steps, checkpoint interval and "
+        "checkpoints kept) to PATH, in an existing directory (default: no file is written)",
     )
     b.add_argument("--json", action="store_true", help="print JSON (stable key names)")
 

@@ -6,7 +6,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fivefold.planner.budget import BUDGET_KEYS, DAY_S, MIXTURE_KEY, budget, budget_lines
+from fivefold.planner.budget import (
+    BUDGET_KEYS,
+    DAY_S,
+    KEEP_CHECKPOINTS,
+    MIXTURE_KEY,
+    budget,
+    budget_lines,
+)
 from fivefold.planner.uncertainty import band_json
 from fivefold.specs.plan import ParallelPlan
 from fivefold.specs.profile import load_profile
@@ -18,6 +25,24 @@ def budget_of(est: Any, inputs: Any) -> Any:
     if inputs is None:
         return None
     return budget(est.model, est.cluster, est.plan, est.step_time_s, inputs)
+
+
+def budget_train(b: Any) -> tuple[dict[str, Any], dict[str, str]]:
+    """The [train] fields a token budget (`Budget`) sets in a written recipe, and why each:
+    its steps, Young's checkpoint interval and the checkpoints its storage figure keeps."""
+    if b is None:
+        return {}, {}
+    given = {"steps": b.steps, "ckpt_every": b.interval_steps, "keep_checkpoints": KEEP_CHECKPOINTS}
+    notes = {
+        "steps": f"the token budget: {b.tokens:,.0f} tokens / {b.tokens_per_step:,} per step",
+        "ckpt_every": f"Young's interval: {b.save_s:,.1f} s per save, MTBF {b.mtbf_s / 3600:,.1f} h"
+        if b.interval_steps
+        else "no failures expected (planner.failure_rate = 0): only at the end",
+        "keep_checkpoints": f"{KEEP_CHECKPOINTS} kept and one being written: "
+        f"{KEEP_CHECKPOINTS + 1} x {b.checkpoint_bytes / 1e9:,.1f} GB = "
+        f"{b.storage_bytes / 1e9:,.1f} GB of checkpoint storage at the peak",
+    }
+    return given, notes
 
 
 def _brief_budget(b: Any) -> str:

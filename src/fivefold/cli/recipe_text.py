@@ -56,9 +56,11 @@ def toml_value(value: Any) -> str:
     return write_toml_value(value if plain else str(value))
 
 
-def commented_lines(cls: type, names: tuple[str, ...], given: dict[str, Any]) -> list[str]:
-    """`name = value  # comment` for `given` (as written) and then `names` not given, at the
-    dataclass's defaults, marked "default:"."""
+def commented_lines(
+    cls: type, names: tuple[str, ...], given: dict[str, Any], notes: dict[str, str] | None = None
+) -> list[str]:
+    """`name = value  # comment` for `given` (as written; its comment `notes[name]` where
+    given) and then `names` not given, at the dataclass's defaults, marked "default:"."""
     defaults = {f.name: f for f in fields(cls)}
     comments = field_comments(cls)
     lines = []
@@ -69,17 +71,18 @@ def commented_lines(cls: type, names: tuple[str, ...], given: dict[str, Any]) ->
             spec = defaults[name]
             value = spec.default_factory() if callable(spec.default_factory) else spec.default
             mark = "default: "
-        comment = comments.get(name, "")
+        comment = (notes or {}).get(name) or comments.get(name, "")
         note = f"  # {mark}{comment}".rstrip() if mark or comment else ""
         lines.append(f"{name} = {toml_value(value)}{note}")
     return lines
 
 
-def train_section(given: dict[str, Any]) -> list[str]:
-    """The [train] table: `given` first, then the usual settings at their defaults."""
+def train_section(given: dict[str, Any], notes: dict[str, str] | None = None) -> list[str]:
+    """The [train] table: `given` first (commented by `notes` where given), then the usual
+    settings at their defaults."""
     from fivefold.train.config import TrainConfig
 
-    return ["[train]", *commented_lines(TrainConfig, TRAIN_FIELDS, given)]
+    return ["[train]", *commented_lines(TrainConfig, TRAIN_FIELDS, given, notes)]
 
 
 def data_section(given: dict[str, Any]) -> list[str]:

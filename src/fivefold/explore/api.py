@@ -3,10 +3,10 @@
 Every request body is a JSON object using the spec's own field names (the same names as a TOML
 recipe): {"model": {...}, "cluster": {...}, "plan": {...}, "planner": {...}, "global_batch":
 sequences}. `model` and `cluster` may name a preset (`{"preset": "llama3-8b", "seq_len": 8192}`)
-and override any field. `planner` is the recipe's [planner] table: an efficiency `profile`
-(`fivefold.planner.frameworks`) and any planner option on top of it (`{"profile": "torchtitan",
-"attention_kernel": "classic"}`); answers echo the profile and every option in force. A search
-takes `risk` ("pessimistic", the default, or "expected") as `fivefold plan --risk` does. A
+and override any field; `model.hf_config` may hold a Hugging Face config.json's contents.
+`planner` is the [planner] table: an efficiency `profile` (`fivefold.planner.frameworks`) and
+options on top (`{"profile": "torchtitan", "attention_kernel": "classic"}`), all echoed back.
+A search takes `risk` ("pessimistic", the default, or "expected") as `plan --risk` does. A
 `planner` table with `tokens` (and optionally `gpu_hour_price`, `failure_rate`, ...) adds the
 token-budget answer (`fivefold.planner.budget`): `budget` beside an estimate, and `budgets`
 (best first, as `describe`) beside a search; null without `tokens`.
@@ -126,14 +126,15 @@ def _require_object(body: Any, keys: tuple[str, ...]) -> dict[str, Any]:
 
 
 def _section(body: dict[str, Any], name: str, problems: list[str]) -> dict[str, Any]:
-    """A `model` / `cluster` / `plan` table whose values are plain scalars."""
+    """A `model` / `cluster` / `plan` table of plain scalars (model.hf_config: a JSON object)."""
     value = body.get(name, {})
     if not isinstance(value, dict):
         problems.append(f"{name} = {value!r}: expected an object of {name} settings.")
         return {}
     out = {}
     for key, item in value.items():
-        if isinstance(item, bool | int | str) or (isinstance(item, float) and math.isfinite(item)):
+        plain = isinstance(item, bool | int | str) or (name, key) == ("model", "hf_config")
+        if plain or (isinstance(item, float) and math.isfinite(item)):
             out[key] = item
         else:
             problems.append(f"{name}.{key} = {item!r}: expected a number, true/false or a text.")

@@ -287,6 +287,7 @@ class SlurmJob:
     cpus_per_task: int = 0  # 0: 8 per GPU
     port: int = RDZV_PORT
     max_restarts: int = SLURM_MAX_RESTARTS  # torchrun group restarts after a rank fails
+    chain: tuple[int, int] = (0, 0)  # (jobs, steps per job) of a run split over jobs; 0: one
 
     def problems(self) -> list[str]:
         out = max_restarts_problems(self.max_restarts)
@@ -330,6 +331,7 @@ def slurm_script(
     description = " ".join(description.split())  # a comment line stays one line
     world = job.nodes * job.gpus_per_node
     cpus = job.cpus_per_task or 8 * job.gpus_per_node
+    jobs, per_job = job.chain  # more than one job: an array run one task at a time
     header = [
         "#!/bin/bash",
         f"# fivefold: {description or 'training run'}",
@@ -342,11 +344,14 @@ def slurm_script(
         f"#SBATCH --cpus-per-task={cpus}",
         f"#SBATCH --time={job.time}",
         "#SBATCH --exclusive",
-        f"#SBATCH --output={job.job_name}-%j.out",
+        f"#SBATCH --output={job.job_name}-{'%A_%a' if jobs > 1 else '%j'}.out",
     ]
     if job.partition:
         header.append(f"#SBATCH --partition={job.partition}")
     command = " ".join(shlex.quote(a) for a in train_args(recipe_path, overrides))
+    if jobs > 1:  # task i stops after step i x per_job with a checkpoint; the next resumes
+        header.append(f"#SBATCH --array=1-{jobs}%1")
+        command += f' "train.stop_at=$((SLURM_ARRAY_TASK_ID * {per_job}))"'
     body = [
         "",
         "set -euo pipefail",

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fivefold.model.feed_forward import FeedForward
+from fivefold.model.grouped_mm import grouped_mm
 
 
 @dataclass
@@ -103,19 +104,6 @@ class LocalDispatcher:
         return weighted.sum(dim=1)
 
 
-class _ContiguousGrad(torch.autograd.Function):
-    """Identity whose backward makes the incoming gradient contiguous (`_grouped_mm`'s backward
-    refuses broadcast gradients such as those of a `.sum()`)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        return grad.contiguous()
-
-
 def _grouped_mm_fits(x: torch.Tensor, w1: torch.Tensor) -> bool:
     """`_grouped_mm` needs 16-byte aligned row strides (D and F elements of the dtype); under
     torch.compile its shape function in 2.13 also accepts bf16 only."""
@@ -141,8 +129,9 @@ def grouped_swiglu(
     """E SwiGLU experts over contiguous groups: x [M, D] sorted by expert, w1, w3 [E, F, D],
     w2 [E, D, F], tokens_per_expert [E] (sum M) -> [M, D].
 
-    One `torch._grouped_mm` per projection; the group boundaries stay on the device (cumulative
-    counts as int32 offsets), so nothing waits for the router. Shapes whose rows `_grouped_mm`
+    One grouped GEMM per projection (`fivefold.model.grouped_mm`, in every dtype, under fake
+    tensors too); the group boundaries stay on the device (cumulative counts as int32 offsets),
+    so nothing waits for the router. Shapes whose rows `_grouped_mm`
     cannot address (not 16-byte aligned), and fp32 under torch.compile, fall back to a loop over
     experts (one host sync; a graph break when compiled).
     """
@@ -159,8 +148,7 @@ def grouped_swiglu(
     offsets = torch.cumsum(tokens_per_expert, dim=0, dtype=torch.int32)
 
     def gemm(inputs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        out = torch._grouped_mm(inputs, weight.transpose(-2, -1), offs=offsets)
-        return _ContiguousGrad.apply(out)
+        return grouped_mm(inputs, weight.transpose(-2, -1), offsets)
 
     return gemm(F.silu(gemm(x, w1)) * gemm(x, w3), w2)
 

@@ -25,6 +25,10 @@ TENANTS = ("params", "grads", "optimizer", "activations")
 # into transient storages the counter cannot tell from activations, while the planner books
 # them as parameters and gradients: only the optimizer state has one definition on both sides,
 # so the rest is compared as one sum. One process (no wrapping) compares all four.
+MERGED_NOTE = (  # true of every data-parallel wrapper: DDP (FSDP2's replicate) and ZeRO alike
+    " (params, grads and activations compared as one sum: the data-parallel wrapper's weight "
+    "and gradient storages look like activations to the counter)"
+)
 WRAPPED_GROUPS = {
     "optimizer": ("optimizer",),
     "params+grads+activations": TENANTS[:2] + TENANTS[3:],
@@ -283,7 +287,7 @@ def format_rows(layout: str, rows: list[dict], note: str) -> str:
                 f"{name} {pred.get(name, 0) / MiB:.1f}/{meas.get(name, 0) / MiB:.1f}"
                 for name in pred
             )
-            why = "" if set(pred) == set(TENANTS) else " (FSDP2's gathered weights: one sum)"
+            why = "" if set(pred) == set(TENANTS) else MERGED_NOTE
             lines.append(f"         MiB predicted/measured: {cells}{why}")
     return "\n".join(lines)
 

@@ -39,6 +39,10 @@ CKPT_BANDWIDTH_SOURCE = (
 # An assumption, not a measurement: rescheduling, process start and checkpoint load together.
 DEFAULT_RESTART_S = 600.0
 
+# Checkpoints a run keeps (train.keep_checkpoints's default): if the newest proves damaged, the
+# one before it is still there.
+KEEP_CHECKPOINTS = 2
+
 # [planner] fields this module reads (recipe spelling) -> BudgetInputs fields
 BUDGET_KEYS = ("tokens", "gpu_hour_price", "failure_rate", "ckpt_bandwidth", "restart_overhead_s")
 MIXTURE_KEY = "sources"  # [planner] sources: the data mixture (`fivefold.specs.mixture`)
@@ -130,6 +134,7 @@ class Budget:
     tokens: float
     steps: int
     step_time_s: float
+    tokens_per_step: int
     gpus: int
     useful_s: float  # W: steps x step time
     failure_rate: float  # per GPU-hour
@@ -160,6 +165,12 @@ class Budget:
         return None if self.gpu_hour_price is None else self.gpu_hours * self.gpu_hour_price
 
     @property
+    def storage_bytes(self) -> float:
+        """Checkpoint storage the run needs at its peak: KEEP_CHECKPOINTS committed checkpoints
+        and the one being written (older ones are pruned only once it is committed)."""
+        return (KEEP_CHECKPOINTS + 1) * self.checkpoint_bytes
+
+    @property
     def progresses(self) -> bool:
         return math.isfinite(self.wall_s)
 
@@ -184,6 +195,8 @@ class Budget:
             "checkpoint_save_s": self.save_s,
             "checkpoint_interval_steps": self.interval_steps,
             "checkpoint_interval_s": self.interval_s,
+            "checkpoints_kept": KEEP_CHECKPOINTS,
+            "checkpoint_storage_gb": self.storage_bytes / GB,
             "restart_overhead_s": self.restart_overhead_s,
             "lost_hours": {
                 "checkpoints": self.checkpoint_lost_s / HOUR_S,
@@ -241,6 +254,7 @@ def budget(
         tokens=inputs.tokens,
         steps=steps,
         step_time_s=step_time_s,
+        tokens_per_step=tokens_per_step,
         gpus=cluster.world_size,
         useful_s=useful,
         failure_rate=inputs.failure_rate,
@@ -295,7 +309,8 @@ def budget_lines(b: Budget) -> list[str]:
         lines.append(
             f"  checkpoint: {b.checkpoint_bytes / GB:,.1f} GB, {b.save_s:,.1f} s to save; "
             f"every {b.interval_steps:,} steps ({b.interval_s / 60:,.1f} min, Young's "
-            "sqrt(2 x save x MTBF))"
+            f"sqrt(2 x save x MTBF)); keeping {KEEP_CHECKPOINTS} (and one being written): "
+            f"{b.storage_bytes / GB:,.1f} GB of storage"
         )
     lines.append(
         f"  lost: {b.checkpoint_lost_s / HOUR_S:,.1f} h saving, "
@@ -313,17 +328,30 @@ def checkpoint_suggestion(
     plan: ParallelPlan,
     step_time_s: float,
     section: dict[str, Any] | None = None,
+    run_steps: int | None = None,
 ) -> str:
     """The line a run prints when `train.ckpt_every` is unset: Young's interval in steps at the
-    [planner] table's failure rate and storage bandwidth (or the catalog defaults)."""
+    [planner] table's failure rate and storage bandwidth (or the catalog defaults); none when
+    it is no shorter than the run's `run_steps` (the final checkpoint is all it needs)."""
     values = budget_values(section or {}, {})
     rate = values.get("failure_rate", DEFAULT_FAILURE_RATE)
     bandwidth = values.get("ckpt_bandwidth", DEFAULT_CKPT_BANDWIDTH)
     steps, save_s, mtbf_s = interval_steps(model, cluster, plan, step_time_s, rate, bandwidth)
     if steps == 0:
         return "checkpoint suggestion: none needed at a failure rate of 0 (planner.failure_rate)"
-    return (
-        f"checkpoint suggestion: train.ckpt_every = {steps} (train.ckpt_every is unset; Young's "
-        f"interval for a {save_s:.1f} s save and an MTBF of {mtbf_s / HOUR_S:,.1f} h on "
-        f"{cluster.world_size} device(s) at {rate:.3g} failures per device-hour)"
+    why = (
+        f"Young's interval for a {_duration(save_s)} save and an MTBF of "
+        f"{mtbf_s / HOUR_S:,.1f} h on {cluster.world_size} device(s) at {rate:.3g} failures per "
+        "device-hour"
     )
+    if run_steps is not None and steps >= run_steps:
+        return (
+            f"checkpoint suggestion: none before the final one ({why}: {steps:,} steps, no "
+            f"shorter than this run's {run_steps:,})"
+        )
+    return f"checkpoint suggestion: train.ckpt_every = {steps} (train.ckpt_every is unset; {why})"
+
+
+def _duration(seconds: float) -> str:
+    """'115.1 s', '12 ms', '0.35 ms': two significant figures below a second."""
+    return f"{seconds:,.1f} s" if seconds >= 1 else f"{seconds * 1e3:.2g} ms"

@@ -94,15 +94,20 @@ def ep_choices(model: ModelSpec, dp_shard: int, cp: int) -> list[int]:
     return [ep for ep in divisors(model.experts) if ep_fits(ep, dp_shard, cp)]
 
 
-def schedule_choices(model: ModelSpec, pp: int) -> list[tuple[str, int]]:
+def schedule_choices(model: ModelSpec, pp: int, pinned: str | None = None) -> list[tuple[str, int]]:
+    """(schedule, vpp) pairs for `pp` stages; `pinned`: the schedule the user fixed, searched
+    even where the search would skip it."""
     if pp == 1:
         return [("1f1b", 1)]
     out = [("gpipe", 1), ("1f1b", 1)]
     out += [("interleaved-1f1b", v) for v in VPP_CHOICES if pp * v <= model.layers]
     if 2 * pp <= model.layers:
         # DualPipeV differs from ZBV by hiding expert all-to-alls behind compute; for a dense
-        # model it has the same bubble and one more chunk of activations in flight.
-        out += [("zbv", 2), ("dualpipev", 2)] if model.is_moe else [("zbv", 2)]
+        # model it has the same bubble and one more chunk of activations in flight, so the
+        # search skips it there unless it is pinned.
+        out.append(("zbv", 2))
+        if model.is_moe or pinned == "dualpipev":
+            out.append(("dualpipev", 2))
     return out
 
 

@@ -137,7 +137,27 @@ def _input_problems(
             by_precision = [ParallelPlan(precision=p).runtime_problems() for p in precisions]
             if all(by_precision):
                 problems += [p for found in by_precision for p in found]
+        unpriced = [_unmeasured(cluster, p) for p in precisions]
+        if all(unpriced):
+            problems += unpriced
     return problems
+
+
+def _unmeasured(cluster: ClusterSpec, precision: str) -> str:
+    """Why a device profile cannot price `precision` (its compute dtype was never measured
+    there), naming the precision that fixes it; "" when it can."""
+    device = cluster.device
+    dtype = RECIPES[precision].compute_dtype
+    if device.rank_profile is None or dtype in device.peak_flops:
+        return ""
+    measured = sorted(device.peak_flops)
+    fits = [name for name, r in RECIPES.items() if r.compute_dtype in device.peak_flops]
+    fix = f"plan with --precision {fits[0]} ([plan] precision = {fits[0]!r}), or " if fits else ""
+    return (
+        f"precision {precision!r} computes in {dtype}, and the device profile of {device.name} "
+        f"has no {dtype} matmul measurement (measured: {', '.join(measured) or 'none'}): "
+        f"{fix}re-run `fivefold calibrate` on a machine that computes {dtype} natively."
+    )
 
 
 def _passes(state: SearchState) -> SearchResult:

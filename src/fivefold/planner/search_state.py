@@ -157,7 +157,7 @@ class SearchState:
             for ep in ep_choices(self.model, dp_shard, cp):
                 if not self.allowed("ep", ep):
                     continue
-                for schedule, vpp in schedule_choices(self.model, pp):
+                for schedule, vpp in schedule_choices(self.model, pp, self.fixed.get("schedule")):
                     if not (self.allowed("schedule", schedule) and self.allowed("vpp", vpp)):
                         continue
                     for precision in self.precisions:

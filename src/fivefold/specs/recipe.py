@@ -231,17 +231,20 @@ def _expand_hf_config(
     path: Any, preset: Any, values: dict[str, Any], problems: list[str]
 ) -> dict[str, Any] | None:
     """[model] hf_config = "config.json": the model a Hugging Face config describes
-    (`fivefold.specs.hf_config`), the other fields given overriding it (e.g. seq_len)."""
+    (`fivefold.specs.hf_config`), the other fields given overriding it (e.g. seq_len). The
+    explorer's API passes the file's contents (a JSON object) instead of its path."""
     if preset is not None:
         problems.append(
             f"model.hf_config and model.preset = {preset!r} both name a model; keep one."
         )
         return None
-    if not isinstance(path, str):
+    if not isinstance(path, str | dict):
         problems.append(f"model.hf_config = {path!r}: give the path of a config.json.")
         return None
     try:
-        base = spec_from_hf_config(read_hf_config(path), path).to_dict()
+        config = path if isinstance(path, dict) else read_hf_config(path)
+        where = "the pasted config.json" if isinstance(path, dict) else path
+        base = spec_from_hf_config(config, where).to_dict()
     except ConfigError as err:
         problems.extend(err.problems)
         return None

@@ -128,15 +128,35 @@ def load_run(
     except ConfigError as err:
         problems = list(err.problems)
         if not named_cluster and any(isinstance(p, WorldSizeProblem) for p in problems):
-            problems.append(
-                f"this run has {world} process(es): start `fivefold train` with --nproc equal "
-                "to the product of the plan's degrees, or lower the degrees."
-            )
+            # no cluster named: the "GPUs" are this run's processes; say it in those words
+            problems = [p for p in problems if not isinstance(p, WorldSizeProblem)]
+            problems.insert(0, _process_count_problem(data.get("plan", {}), world))
         problems += section_problems(data)  # the [train]/[data] mistakes too, all at once
         raise ConfigError(problems) from None
     if recipe.model.runtime_problems():  # `fivefold plan` plans these; a run cannot build them
         raise ConfigError(recipe.model.runtime_problems())
     return parse_train_config(recipe)
+
+
+def _process_count_problem(plan: Any, world: int) -> str:
+    """The plan's degrees against this run's `world` processes, and the overrides that match."""
+    names = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+    degrees = {n: plan.get(n, 1) if isinstance(plan, dict) else 1 for n in names}
+    product = 1
+    for value in degrees.values():
+        product *= value if isinstance(value, int) else 1
+    text = " x ".join(f"{n} {v}" for n, v in degrees.items())
+    fix = f"start it with --nproc {product}, or change the degrees"
+    if product == 1:
+        fix = (
+            f"to train data-parallel on them add plan.dp_replicate={world} (each process a "
+            f"full copy) or plan.dp_shard={world} plan.zero=3 (FSDP), let --plan auto choose "
+            "a layout, or start it with --nproc 1"
+        )
+    return (
+        f"this run has {world} process(es), but the plan's degrees multiply to {product} "
+        f"({text}): {fix}."
+    )
 
 
 def check_layout(

@@ -28,20 +28,29 @@ class StopRequest:
         self.signal: int | None = None
         self._at = 0.0
         self.announce = announce
+        self.running = 0  # the step a request from now on comes after (`agreed` moves it)
+        self.reads_back: Callable[[int], bool] | None = None  # the loop's rule, by step
+        self._at_read_backs = False  # the ranks agree only at read-backs (N ranks)
+
+    def stop_step(self) -> int:
+        """The step a stop asked now ends after (`stop_step` below)."""
+        return stop_step(self.running, self.reads_back if self._at_read_backs else None)
 
     @property
     def requested(self) -> bool:
         return self.signal is not None
 
-    def agreed(self, runtime: object, at_read_back: bool) -> bool:
+    def agreed(self, runtime: object, at_read_back: bool, next_step: int = 0) -> bool:
         """Whether any rank was asked to stop. On N ranks a collective (`runtime.any_rank`: one
         small all-reduce and its read-back), asked only right after a read-back
         (`at_read_back`), so all ranks leave the loop after the same step and can checkpoint it
-        together."""
+        together. A request after this rank's is read here comes after `next_step`."""
+        asked, self.running = self.requested, next_step
         agree = getattr(runtime, "any_rank", None)
+        self._at_read_backs = agree is not None
         if agree is None:
-            return self.requested
-        return agree(self.requested) if at_read_back else False
+            return asked
+        return agree(asked) if at_read_back else False
 
     def exit_code(self) -> int:
         """128 + the signal number, the shell's convention for a process ended by a signal."""
@@ -66,6 +75,16 @@ def acknowledge(signum: int, step: int, fd: int = 2) -> None:
         f"\n{name} received: stopping after step {step} with a checkpoint "
         f"(send it again to stop at once, without one)\n".encode(),
     )
+
+
+def stop_step(running: int, reads_back: Callable[[int], bool] | None) -> int:
+    """The step a stop asked now ends after: `running` (the step in flight; between steps, the
+    last one done), or where the ranks agree on a stop only at read-backs (`reads_back` given:
+    whether a step reads back; the last one does), the first read-back at or after it."""
+    step = running
+    while reads_back is not None and not reads_back(step):
+        step += 1
+    return step
 
 
 @contextmanager

@@ -70,6 +70,7 @@ from fivefold.train.data.batching import Batch
 from fivefold.train.memory_counter import track_cpu_peak
 from fivefold.train.optim import build_optimizer
 from fivefold.train.plan_check_kernels import gpu_kernels, patch_gpu_attention
+from fivefold.train.plan_check_progress import StageProgress, expectation_line
 from fivefold.units import GiB as GIB
 
 PIPELINE_TRACKER_NOTE = (
@@ -161,8 +162,9 @@ def check_plan(
     world = world or recipe.cluster.world_size
     ranks = representative_ranks(recipe.plan, world)
     workers = max(1, min(len(ranks), os.cpu_count() or 1))
+    print(expectation_line(recipe, world, run, workers), file=sys.stderr, flush=True)
     with context.Pool(workers, maxtasksperchild=1) as pool:  # a fresh fake world per rank
-        jobs = [pool.apply_async(_check_rank, (recipe, rank, world)) for _, rank in ranks]
+        jobs = [pool.apply_async(_check_rank, (recipe, rank, world, s)) for s, rank in ranks]
         for (stage, rank), job in zip(ranks, jobs, strict=True):
             try:
                 result = job.get(timeout=timeout_s)
@@ -172,28 +174,36 @@ def check_plan(
     return out
 
 
-def _check_rank(recipe: Recipe, rank: int, world: int) -> dict[str, Any]:
-    """Build and step `rank` of the fake world (runs in a child process); a dict of RankCheck
-    fields. A component that cannot run under fake tensors is reported, not raised."""
+def _check_rank(recipe: Recipe, rank: int, world: int, stage: int = 0) -> dict[str, Any]:
+    """Build and step `rank` (of pipeline `stage`) of the fake world (runs in a child process),
+    saying each phase on stderr; a dict of RankCheck fields. A component that cannot run under
+    fake tensors is reported, not raised."""
     start = time.perf_counter()
+    progress = StageProgress(stage, rank)
     try:  # the runtime's layout line goes to stderr: stdout is the table (or --json's JSON)
         with contextlib.redirect_stdout(sys.stderr):
-            result = _measure(recipe, rank, world)
+            result = _measure(recipe, rank, world, progress)
+        progress("done")
     except Exception as err:  # reported to the user with the component that failed
         first = str(err).strip().splitlines()[0] if str(err).strip() else ""
         result = {"problem": f"{type(err).__name__}: {first[:300]}"}
+        progress(f"could not run: {result['problem']}")
     result["seconds"] = time.perf_counter() - start
     result["host_peak_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return result
 
 
-def _measure(recipe: Recipe, rank: int, world: int) -> dict[str, Any]:
+def _measure(recipe: Recipe, rank: int, world: int, progress: Any = None) -> dict[str, Any]:
+    say = progress or (lambda phase: None)
     fake_tensors = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
     with fake_world(recipe, rank, world) as kernels, fake_tensors:
+        say(f"building the runtime for {world} ranks")
         runtime = _CheckedRuntime(recipe)
         optimizer = _optimizer(runtime, recipe)
         batches = _micro_batches(recipe)
+        say("making the optimizer state (an AdamW step on zero gradients)")
         _make_optimizer_state(runtime, optimizer)
+        say(f"one training step of {len(batches)} micro-batch(es), counting memory")
         with track_cpu_peak(runtime.model_parts, optimizer) as reading:
             # Made inside the counter: MemTracker keeps the `UntypedStorage.resize_` it finds
             # when made and restores it around its own, so FSDP2's frees reach both.

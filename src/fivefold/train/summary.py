@@ -13,6 +13,7 @@ import torch
 from rich.console import Console
 
 from fivefold.errors import ConfigError, FivefoldError
+from fivefold.launch.machine_load import load_note, read_load
 from fivefold.parallel.compile import compile_seconds
 from fivefold.parallel.device import unknown_gpu_reason
 from fivefold.parallel.float8 import fp8_eager_note
@@ -160,7 +161,9 @@ def print_header(
     why_not: str,
 ) -> None:
     """The run's opening lines: model, layout, batch, data, MFU reference, device profile,
-    the planner's prediction and a checkpoint suggestion."""
+    the planner's prediction (with a word on a busy machine: the load average at the start)
+    and a checkpoint suggestion."""
+    load = read_load()  # before this run's own steps add to it
     recipe, cfg = run.recipe, run.train
     model, plan = recipe.model, recipe.plan
     total, active = param_count(model), param_count(model, active_only=True)
@@ -215,19 +218,30 @@ def print_header(
             if mem is not None
             else f"planner predicts: {prediction}"
         )
+        if prediction.get("step_time_s") and (busy := load_note(load, "the measured step times")):
+            out.print(busy, style="yellow", markup=False, highlight=False)
     else:
         out.print(f"planner: no prediction ({why_not})", style="dim", markup=False)
     if prediction is not None and not cfg.ckpt_every:
-        out.print(checkpoint_suggestion_line(recipe, prediction.get("step_time_s")), markup=False)
+        step_s = prediction.get("step_time_s")
+        out.print(checkpoint_suggestion_line(recipe, step_s, cfg.steps), markup=False)
 
 
-def checkpoint_suggestion_line(recipe: Any, step_time_s: float | None) -> str:
-    """`fivefold.planner.budget.checkpoint_suggestion` for the run, or why there is none."""
+def checkpoint_suggestion_line(
+    recipe: Any, step_time_s: float | None, run_steps: int | None = None
+) -> str:
+    """`fivefold.planner.budget.checkpoint_suggestion` for the run of `run_steps` steps, or why
+    there is none."""
     if not step_time_s or step_time_s <= 0:
         return "checkpoint suggestion: none (no step-time prediction)"
     try:
         return checkpoint_suggestion(
-            recipe.model, recipe.cluster, recipe.plan, step_time_s, recipe.section("planner")
+            recipe.model,
+            recipe.cluster,
+            recipe.plan,
+            step_time_s,
+            recipe.section("planner"),
+            run_steps,
         )
     except FivefoldError as err:  # a bad [planner] field must not stop the run here
         return f"checkpoint suggestion: none ({str(err).splitlines()[0]})"

@@ -138,6 +138,7 @@ const MODEL_DIMS = [
   "layers", "hidden", "heads", "kv_heads", "head_dim", "ffn", "vocab", "mlp", "tied_embeddings",
   "experts", "top_k", "expert_ffn", "shared_experts", "dense_layers",
 ];
+const BATCH_MODEL_FIELDS = ["model.seq_len", "model.doc_len"]; // not the model's dimensions
 const HIDDEN_MODEL_FIELDS = ["norm_eps", "rope_theta", "router_aux_loss_coef"];
 const CLUSTER_FIELDS = ["gpu", "nodes", "gpus_per_node", "intra_node_bw", "inter_node_bw"];
 const PLAN_FIELDS = [
@@ -250,13 +251,17 @@ function renderPlanner(planner) {
 function layoutRequest() {
   const body = { model: {}, cluster: {}, plan: {} };
   const preset = $("#model-preset").value;
-  if (preset !== "custom") body.model.preset = preset;
+  const hf = hfConfig();
+  if (hf.problem) body.problems = [hf.problem];
+  if (hf.config) body.model.hf_config = hf.config; // a pasted config.json replaces the preset
+  else if (preset !== "custom") body.model.preset = preset;
   else {
     // Settings without a control (RoPE base, norm epsilon, ...) stay those of the last preset.
     body.model = { ...state.modelBase, name: "custom" };
     for (const dim of MODEL_DIMS) body.model[dim] = readField(field(`model.${dim}`));
   }
   body.model.seq_len = readField(field("model.seq_len"));
+  body.model.doc_len = readField(field("model.doc_len"));
   const clusterPreset = $("#cluster-preset").value;
   body.cluster.name = clusterPreset === "custom" ? "custom" : clusterPreset;
   for (const f of CLUSTER_FIELDS) body.cluster[f] = readField(field(`cluster.${f}`));
@@ -271,8 +276,22 @@ function searchRequest() {
   const body = layoutRequest();
   return {
     model: body.model, cluster: body.cluster, global_batch: body.global_batch, top: 5,
-    precisions: [body.plan.precision], planner: body.planner,
+    precisions: [body.plan.precision], planner: body.planner, problems: body.problems,
   };
+}
+
+/** The pasted Hugging Face config.json: {config} when there is one, {problem} when it is not a
+ * JSON object, {} when the box is empty. */
+function hfConfig() {
+  const text = $("#hf-config").value.trim();
+  if (!text) return {};
+  try {
+    const config = JSON.parse(text);
+    if (config && typeof config === "object" && !Array.isArray(config)) return { config };
+  } catch (err) {
+    return { problem: `the pasted config.json is not valid JSON (${err.message}).` };
+  }
+  return { problem: "the pasted config.json must be a JSON object ({\"model_type\": ...})." };
 }
 
 function applyModelPreset(name) {
@@ -281,6 +300,7 @@ function applyModelPreset(name) {
   state.modelBase = Object.fromEntries(HIDDEN_MODEL_FIELDS.map((k) => [k, m[k]]));
   for (const dim of MODEL_DIMS) writeField(`model.${dim}`, m[dim]);
   writeField("model.seq_len", m.seq_len);
+  writeField("model.doc_len", m.doc_len || 0);
 }
 
 function applyClusterPreset(name) {
@@ -307,6 +327,7 @@ function fillSelect(select, options, labels = {}) {
 
 // ---- talking to the server --------------------------------------------------------------------
 async function api(path, body) {
+  if (body && body.problems) return { ok: false, problems: body.problems }; // found here
   const init = body === undefined ? {} : {
     method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body),
   };
@@ -969,7 +990,11 @@ async function start() {
 function onControl(target) {
   if (target.id === "model-preset") {
     if (target.value !== "custom") applyModelPreset(target.value);
-  } else if (target.name && target.name.startsWith("model.") && target.name !== "model.seq_len") {
+  } else if (target.id === "hf-file") {
+    const file = target.files && target.files[0];
+    if (file) file.text().then((text) => { $("#hf-config").value = text; scheduleUpdate(); });
+    return;
+  } else if (target.name && target.name.startsWith("model.") && !BATCH_MODEL_FIELDS.includes(target.name)) {
     $("#model-preset").value = "custom"; // an edited dimension makes the model custom
     if (target.name === "model.hidden" || target.name === "model.heads") {
       const heads = Number(field("model.heads").value);
