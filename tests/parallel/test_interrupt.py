@@ -172,11 +172,15 @@ def interrupt_once(
     assert last >= at_step
     assert _newest_checkpoint_step(run.run_dir) == last  # the step it stopped at, on every rank
     assert out.count("interrupted after step") == 1, out[-2000:]
-    # Said when the signal came (rank 0 only), not when the step ended.
-    said = f"{signal.Signals(sig).name} received: stopping after step "
+    # Said when the signal came (rank 0 only), not when the step ended; one process names the
+    # step at once, N ranks name it when they agree on it (a rank may be asked later than another).
+    said = f"{signal.Signals(sig).name} received: stopping "
     assert out.count(said) == 1, out[-2000:]
-    assert out.index(said) < out.index("interrupted after step")
-    assert f"{said}{last} with a checkpoint" in out, out[-2000:]  # the step it stops after
+    stops_after = f"stopping after step {last} with a checkpoint"
+    assert out.count(stops_after) == 1, out[-2000:]  # the step it stops after, named once
+    if nproc > 1:
+        assert f"{said}once every rank has agreed on the step" in out, out[-2000:]
+    assert out.index(said) <= out.index(stops_after) < out.index("interrupted after step")
     from fivefold.checkpoint.manifest import step_dir_name, verify_checkpoint
 
     assert verify_checkpoint(run.run_dir / "ckpt" / step_dir_name(last)).ok
@@ -196,6 +200,24 @@ def test_the_first_signal_is_acknowledged_at_once_and_only_once() -> None:
     assert text.strip().startswith("SIGTERM received: stopping after step 42 with a checkpoint")
 
 
+def test_n_ranks_name_the_step_when_they_agree_not_when_asked() -> None:
+    """A rank asked just after its read-back still stops at that read-back when another rank
+    was asked before it: the step is named only from the agreement."""
+    said: list[object] = []
+
+    class Ranks:
+        def any_rank(self, flag: bool) -> bool:
+            return True  # the other rank was asked
+
+    request = StopRequest()
+    request.speak(many_ranks=True)
+    request.announce, request.on_agreed = said.append, lambda step: said.append(("after", step))
+    assert not request.agreed(Ranks(), at_read_back=False, next_step=7)
+    request.handle(signal.SIGINT)
+    assert request.agreed(Ranks(), at_read_back=True, next_step=8)
+    assert said == [signal.SIGINT, ("after", 7)]
+
+
 @pytest.mark.parametrize(
     ("nproc", "sig", "target", "log_every"),
     [(2, signal.SIGINT, "launcher", 4), (2, signal.SIGTERM, "agent", 1)],
@@ -204,7 +226,7 @@ def test_interrupt_stops_every_rank_with_a_checkpoint(
     tmp_path, nproc, sig, target, log_every
 ) -> None:
     """With log_every=4 the ranks agree on a stop only at a read-back (step 4, 8, ...): the
-    message names that step at once, not the one in flight."""
+    message names that step, not the one in flight."""
     at_step = random.Random(nproc).randint(2, 5)
     interrupt_once(tmp_path, nproc, at_step, sig, target, log_every=log_every)
 

@@ -28,13 +28,14 @@ class StopRequest:
         self.signal: int | None = None
         self._at = 0.0
         self.announce = announce
-        self.running = 0  # the step a request from now on comes after (`agreed` moves it)
-        self.reads_back: Callable[[int], bool] | None = None  # the loop's rule, by step
-        self._at_read_backs = False  # the ranks agree only at read-backs (N ranks)
+        self.running = 0  # one process: the step a request from now on comes after
+        self.on_agreed: Callable[[int], None] | None = None  # N ranks: said once they agree
 
-    def stop_step(self) -> int:
-        """The step a stop asked now ends after (`stop_step` below)."""
-        return stop_step(self.running, self.reads_back if self._at_read_backs else None)
+    def speak(self, many_ranks: bool) -> None:
+        """Say the first signal at once on stderr (a step may take minutes), and on N ranks
+        (`many_ranks`) the step they stop after once they agree on it."""
+        self.announce = lambda sig: acknowledge(sig, None if many_ranks else self.running)
+        self.on_agreed = announce_agreed_stop if many_ranks else None
 
     @property
     def requested(self) -> bool:
@@ -43,14 +44,17 @@ class StopRequest:
     def agreed(self, runtime: object, at_read_back: bool, next_step: int = 0) -> bool:
         """Whether any rank was asked to stop. On N ranks a collective (`runtime.any_rank`: one
         small all-reduce and its read-back), asked only right after a read-back
-        (`at_read_back`), so all ranks leave the loop after the same step and can checkpoint it
-        together. A request after this rank's is read here comes after `next_step`."""
+        (`at_read_back`), so all ranks leave the loop after the same step (`next_step` - 1)
+        and can checkpoint it together; `on_agreed` names that step then, when it is known.
+        In one process a request from here on comes after `next_step`."""
         asked, self.running = self.requested, next_step
         agree = getattr(runtime, "any_rank", None)
-        self._at_read_backs = agree is not None
         if agree is None:
             return asked
-        return agree(asked) if at_read_back else False
+        stop = agree(asked) if at_read_back else False
+        if stop and self.on_agreed is not None:
+            self.on_agreed(next_step - 1)
+        return stop
 
     def exit_code(self) -> int:
         """128 + the signal number, the shell's convention for a process ended by a signal."""
@@ -66,25 +70,22 @@ class StopRequest:
             raise KeyboardInterrupt(f"second {signal.Signals(signum).name}: stopping at once")
 
 
-def acknowledge(signum: int, step: int, fd: int = 2) -> None:
-    """Say on `fd` (stderr) that the run stops after `step`. A raw write: the handler may run
-    while the main thread is inside a print to the same stream."""
+def acknowledge(signum: int, step: int | None, fd: int = 2) -> None:
+    """Say on `fd` (stderr) that the run stops after `step`, or (None: N ranks, which agree on
+    the step only at their next read-back) that it stops with a checkpoint once they agree. A
+    raw write: the handler may run while the main thread is inside a print to the same stream."""
     name = signal.Signals(signum).name
+    when = "once every rank has agreed on the step" if step is None else f"after step {step}"
     os.write(
         fd,
-        f"\n{name} received: stopping after step {step} with a checkpoint "
+        f"\n{name} received: stopping {when} with a checkpoint "
         f"(send it again to stop at once, without one)\n".encode(),
     )
 
 
-def stop_step(running: int, reads_back: Callable[[int], bool] | None) -> int:
-    """The step a stop asked now ends after: `running` (the step in flight; between steps, the
-    last one done), or where the ranks agree on a stop only at read-backs (`reads_back` given:
-    whether a step reads back; the last one does), the first read-back at or after it."""
-    step = running
-    while reads_back is not None and not reads_back(step):
-        step += 1
-    return step
+def announce_agreed_stop(step: int, fd: int = 2) -> None:
+    """Say on `fd` the step every rank agreed to stop after."""
+    os.write(fd, f"stopping after step {step} with a checkpoint\n".encode())
 
 
 @contextmanager

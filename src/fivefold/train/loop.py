@@ -31,7 +31,7 @@ from fivefold.train.config import RunConfig
 from fivefold.train.evaluation import held_out_losses
 from fivefold.train.guard import check_finite
 from fivefold.train.inputs import TrainData, load_train_data
-from fivefold.train.interrupt import StopRequest, acknowledge, die_on_signals, stop_on_signals
+from fivefold.train.interrupt import StopRequest, die_on_signals, stop_on_signals
 from fivefold.train.lr_schedule import build_scheduler
 from fivefold.train.memory_counter import PeakReading, measure_step
 from fivefold.train.metrics import StepMetrics, ThroughputMeter, attention_keys, utilization
@@ -210,13 +210,13 @@ class Trainer:
                 p.step, p.values, p.samples, ahead, self.last_checkpoint
             )
 
-    def _reads_back(self, index: int, measured: int, step: int = 0) -> bool:
-        """Whether step `index` (0-based within this invocation; `step`, default the next)
-        reads its values back from the device, the loop's only host syncs: log steps, the last
-        step, checkpoints, evaluations, the first three (compile and layout reports), the
-        measured step and the one before it (not metered), the distributed runtime's report
-        step. The same on every rank (a stop request is agreed after the next read-back)."""
-        step, cfg = step or self.step + 1, self.cfg
+    def _reads_back(self, index: int, measured: int) -> bool:
+        """Whether step `index` (0-based within this invocation) reads its values back from the
+        device, the loop's only host syncs: log steps, the last step, checkpoints, evaluations,
+        the first three (compile and layout reports), the measured step and the one before it
+        (not metered), the distributed runtime's report step. The same on every rank (a stop
+        request is agreed after the next read-back)."""
+        step, cfg = self.step + 1, self.cfg
         return bool(
             index <= 2
             or step >= self.last_step
@@ -272,7 +272,6 @@ class Trainer:
         device works, and step times are measured between read-backs."""
         batches = self.data.batches(self.recipe.plan.micro_batch)
         measured = min(self.cfg.memory_step - 1, self.last_step - start_step - 1)
-        self.stop.reads_back = lambda s: self._reads_back(s - start_step - 1, measured, s)
         pending: list[_Pending] = []  # steps whose values are still on the device
         stop_reason = "completed"
         self.stragglers.restart(self.step)
@@ -488,8 +487,8 @@ def _train(
     prediction, why_not = planner_prediction(run) if runtime.is_main else (None, "")
     if runtime.is_main:
         print_header(trainer.console, run, runtime, trainer.data, trainer.peak, prediction, why_not)
-        trainer.stop.running = trainer.step  # said at once (a step may take minutes):
-        trainer.stop.announce = lambda signum: acknowledge(signum, trainer.stop.stop_step())
+        trainer.stop.running = trainer.step
+        trainer.stop.speak(many_ranks=getattr(runtime, "any_rank", None) is not None)
     with stop_on_signals(trainer.stop):  # Ctrl-C: stop after a step, with a checkpoint
         summary = trainer.fit()
     summary.prediction = prediction
