@@ -81,7 +81,7 @@ def test_the_loop_measures_its_cuda_step_with_the_allocator(monkeypatch) -> None
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: 9 * GIB)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (69 * GIB, 80 * GIB))
 
-    def device_step(micro_batches, pending):
+    def device_step(micro_batches, pending, samples):
         events.append("step")
         stats.update(allocated=7 * GIB, reserved=10 * GIB)
         return "done"
@@ -92,7 +92,7 @@ def test_the_loop_measures_its_cuda_step_with_the_allocator(monkeypatch) -> None
         record_peak_memory=lambda *reading: recorded.append(reading),
     )
     loop = SimpleNamespace(runtime=runtime, optimizer=None, _device_step=device_step)
-    assert Trainer._measured_step(loop, [], []) == "done"
+    assert Trainer._measured_step(loop, [], [], (0, 0)) == "done"
     assert events == ["reset", "step"]
     assert loop.cpu_peak.peak_bytes == 7 * GIB
     ((peak, _tenants, reserved),) = recorded

@@ -65,7 +65,7 @@ def test_search_over_its_memory_limit_is_refused(client, monkeypatch):
     limit = 600 * 2**20  # enough to start the planner, not for this search (~1 GiB)
     monkeypatch.setattr(bounded.run_bounded, "__defaults__", (120.0, limit))
     status, data = client.post("/api/search", BIG_SEARCH)
-    assert status == 507 and "more than 1 GiB of memory" in data["problems"][0]
+    assert status == 507 and "more than 1 GiB of memory" in data["problems"][0], data
 
 
 def test_search_is_cancelled_when_the_client_leaves(server):

@@ -91,7 +91,10 @@ def run_bounded(
                     "no such limit.",
                     HTTPStatus.SERVICE_UNAVAILABLE,
                 )
-        kind, payload = receiver.recv()
+        try:
+            kind, payload = receiver.recv()
+        except EOFError:  # the child ended without an answer: out of its memory, as above
+            kind, payload = "memory", None
     finally:
         if proc.is_alive():
             proc.kill()

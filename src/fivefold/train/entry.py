@@ -138,7 +138,7 @@ def load_run(
     return parse_train_config(recipe)
 
 
-def _process_count_problem(plan: Any, world: int) -> str:
+def _process_count_problem(plan: Any, world: int) -> WorldSizeProblem:
     """The plan's degrees against this run's `world` processes, and the overrides that match."""
     names = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
     degrees = {n: plan.get(n, 1) if isinstance(plan, dict) else 1 for n in names}
@@ -153,7 +153,7 @@ def _process_count_problem(plan: Any, world: int) -> str:
             f"full copy) or plan.dp_shard={world} plan.zero=3 (FSDP), let --plan auto choose "
             "a layout, or start it with --nproc 1"
         )
-    return (
+    return WorldSizeProblem(
         f"this run has {world} process(es), but the plan's degrees multiply to {product} "
         f"({text}): {fix}."
     )
