@@ -66,9 +66,9 @@ def test_slurm_refuses_a_plan_that_does_not_fill_the_allocation(capsys) -> None:
 def test_launchers_check_the_layout_before_starting(capsys) -> None:
     with pytest.raises(ConfigError, match="16"):
         check_layout(RECIPE, [], 16)
-    with pytest.raises(ConfigError, match="tied_embeddings"):
-        check_layout(RECIPE, ["model.tied_embeddings=true"], 8)
-    for extra, needle in (([], "16"), (["model.tied_embeddings=true"], "tied_embeddings")):
+    with pytest.raises(ConfigError, match=r"plan\.zero = 7"):
+        check_layout(RECIPE, ["plan.zero=7"], 8)
+    for extra, needle in (([], "16"), (["plan.zero=7"], "plan.zero = 7")):
         world = "16" if needle == "16" else "8"
         code = main(["launch", RECIPE, *extra, "--nproc", world])
         err = capsys.readouterr().err
