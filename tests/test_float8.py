@@ -143,8 +143,22 @@ def test_refused_on_cpu_before_any_process():
 
 
 def test_layout_rules():
-    tp = ParallelPlan(tp=2, precision="bf16-mixed", fp8="tensorwise").problems()
-    assert any("plan.fp8 = 'tensorwise' with plan.tp = 2" in p for p in tp)
+    assert ParallelPlan(tp=2, sp=True, precision="bf16-mixed", fp8="tensorwise").problems() == []
+    rowwise = ParallelPlan(tp=2, precision="bf16-mixed", fp8="rowwise").problems()
+    assert rowwise == [
+        "plan.fp8 = 'rowwise' with plan.tp = 2: FP8 linears are tensor-parallel through "
+        "torchao's float8 styles, which carry one scale per tensor (tensorwise scaling) across "
+        "the FP8 all-gathers; set plan.fp8 = 'tensorwise', or plan.tp = 1 (shard with dp_shard "
+        "/ zero 3 instead)."
+    ]
+    # tp > kv_heads replicates K and V with fivefold's own style: refused where FP8 converts
+    # them (Llama 3 70B: 1024 x 8192), not where they stay in bf16 (8B: 1024 x 4096)
+    tp16 = ParallelPlan(tp=16, precision="bf16-mixed", fp8="tensorwise")
+    kv = tp16.runtime_problems(model_preset("llama3-70b"))
+    assert len(kv) == 1 and "plan.tp = 16 > model.kv_heads = 8" in kv[0]
+    assert "(1024 x 8192)" in kv[0] and "plan.tp <= 8" in kv[0]
+    assert tp16.runtime_problems(model_preset("llama3-8b")) == []
+    assert tp16.with_(tp=8).runtime_problems(model_preset("llama3-70b")) == []
     fp32 = ParallelPlan(fp8="rowwise", precision="fp32").problems()
     assert any("bf16 recipe" in p for p in fp32)
     assert ParallelPlan(dp_shard=2, zero=3, precision="bf16-mixed", fp8="rowwise").problems() == []

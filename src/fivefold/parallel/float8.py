@@ -6,6 +6,7 @@ Details: docs/internals.md (`fivefold.parallel.float8`).
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Iterable
 
 import torch
@@ -118,6 +119,29 @@ def convert_linears(
     from torchao.float8.float8_linear import Float8Linear
 
     return [name for name, module in chunk.named_modules() if isinstance(module, Float8Linear)]
+
+
+def is_float8_linear(module: nn.Module) -> bool:
+    """Whether `module` is torchao's Float8Linear (False while torchao is not imported: then
+    nothing was converted)."""
+    linear = sys.modules.get("torchao.float8.float8_linear")
+    return linear is not None and isinstance(module, linear.Float8Linear)
+
+
+def float8_tp_styles() -> tuple[type, type, type]:
+    """torchao's float8 tensor-parallel styles (colwise, rowwise, module-input preparation) for
+    tensorwise-scaled Float8Linear: an input sharded over the sequence (SP) is cast to FP8 with
+    one global scale before its all-gather, so the gather moves 1 byte per element, and each
+    output's gradient is cast to FP8 before the backward all-gather of the rowwise output;
+    the reduce-scatters (and all-reduces without SP) move the high-precision partial sums."""
+    import_torchao()
+    from torchao.float8.float8_tensor_parallel import (
+        Float8ColwiseParallel,
+        Float8RowwiseParallel,
+        PrepareFloat8ModuleInput,
+    )
+
+    return Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
 
 
 def needs_scale_precompute(plan: ParallelPlan) -> bool:

@@ -21,6 +21,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
+from fivefold.parallel.float8 import float8_tp_styles, is_float8_linear
 from fivefold.specs.model import ModelSpec
 
 
@@ -60,8 +61,10 @@ class ReplicatedKVColwise(ParallelStyle):
         return F.linear(x, weight, bias)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        if not isinstance(module, nn.Linear):
-            raise NotImplementedError("ReplicatedKVColwise shards nn.Linear only")
+        if not isinstance(module, nn.Linear) or is_float8_linear(module):
+            # FP8 key/value projections with tp > kv_heads are refused by the plan's rules
+            # (`ParallelPlan.runtime_problems`): this forward is a plain matmul.
+            raise NotImplementedError("ReplicatedKVColwise shards high-precision nn.Linear only")
         self._partition(module)
         module.forward = partial(self._forward, module)  # type: ignore[method-assign]
         return module
@@ -75,24 +78,49 @@ def kv_mesh_for(tp_mesh: DeviceMesh, kv_heads: int) -> DeviceMesh | None:
     return tp_mesh._unflatten(0, (kv_heads, tp // kv_heads), ("tp_kv", "tp_kv_rep"))
 
 
+class _Styles:
+    """The TP style of each linear of a block: torchao's float8 styles for the tensorwise
+    Float8Linear (`plan.fp8`, `fivefold.parallel.float8.float8_tp_styles`), DTensor's for the
+    rest; a module's input is cast to FP8 before its all-gather when every linear reading it
+    is a Float8Linear sharded by those styles."""
+
+    def __init__(self, block: nn.Module):
+        self.block = block
+        self.fp8 = any(is_float8_linear(m) for m in block.modules())
+        if self.fp8:
+            self.colwise, self.rowwise, self.prepare = float8_tp_styles()
+
+    def _float8(self, *fqns: str) -> bool:
+        return self.fp8 and all(is_float8_linear(self.block.get_submodule(f)) for f in fqns)
+
+    def col(self, fqn: str) -> ParallelStyle:
+        return self.colwise() if self._float8(fqn) else ColwiseParallel()
+
+    def row(self, fqn: str, output_layouts) -> ParallelStyle:
+        style = self.rowwise if self._float8(fqn) else RowwiseParallel
+        return style(output_layouts=output_layouts)
+
+    def inputs(self, readers: tuple[str, ...], layouts: tuple, desired: tuple) -> ParallelStyle:
+        style = self.prepare if readers and self._float8(*readers) else PrepareModuleInput
+        return style(input_layouts=layouts, desired_input_layouts=desired)
+
+
 def _block_plan(block: nn.Module, sp: bool, kv_mesh: DeviceMesh | None) -> dict[str, ParallelStyle]:
     seq = Shard(1) if sp else Replicate()
-    kv_style = ReplicatedKVColwise(kv_mesh) if kv_mesh is not None else ColwiseParallel()
+    styles = _Styles(block)
+    qkv = ("attention.wq", "attention.wk", "attention.wv") if kv_mesh is None else ()
+    mlp = ("feed_forward.w1",) + (("feed_forward.w3",) if block.feed_forward.w3 is not None else ())
     plan: dict[str, ParallelStyle] = {
-        "attention": PrepareModuleInput(
-            input_layouts=(seq, None, None),
-            desired_input_layouts=(Replicate(), None, None),
-        ),
-        "attention.wq": ColwiseParallel(),
-        "attention.wk": kv_style,
-        "attention.wv": kv_style,
-        "attention.wo": RowwiseParallel(output_layouts=seq),
-        "feed_forward": PrepareModuleInput(
-            input_layouts=(seq,), desired_input_layouts=(Replicate(),)
-        ),
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(output_layouts=seq),
+        "attention": styles.inputs(qkv, (seq, None, None), (Replicate(), None, None)),
+        "attention.wq": styles.col("attention.wq"),
+        "attention.wk": ReplicatedKVColwise(kv_mesh) if kv_mesh else styles.col("attention.wk"),
+        "attention.wv": ReplicatedKVColwise(kv_mesh) if kv_mesh else styles.col("attention.wv"),
+        "attention.wo": styles.row("attention.wo", seq),
+        "feed_forward": styles.inputs(mlp, (seq,), (Replicate(),)),
+        "feed_forward.w2": styles.row("feed_forward.w2", seq),
     }
+    for fqn in mlp:
+        plan[fqn] = styles.col(fqn)
     if block.attention.q_norm is not None:
         # QK-norm: each rank normalises its own heads (dim 2 of [B, T, H, Dh]) with the
         # replicated weight [Dh], whose gradient is then a partial sum over the TP group
@@ -100,8 +128,6 @@ def _block_plan(block: nn.Module, sp: bool, kv_mesh: DeviceMesh | None) -> dict[
         # normalised alike: each rank's key gradient comes from its own query heads only.
         plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
         plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
-    if block.feed_forward.w3 is not None:
-        plan["feed_forward.w3"] = ColwiseParallel()
     if sp:
         plan["attention_norm"] = SequenceParallel()
         plan["ffn_norm"] = SequenceParallel()

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, replace
 
 from fivefold.errors import ConfigError, WorldSizeProblem
 from fivefold.specs.cluster import ClusterSpec
+from fivefold.specs.float8 import converts_to_fp8
 from fivefold.specs.geometry import (
     CP_KINDS,
     OFFLOAD_KINDS,
@@ -299,6 +300,7 @@ class ParallelPlan:
         out += self._lever_runtime_problems()
         if m is None:
             return out
+        out += self._fp8_kv_problems(m)
         if m.is_moe and self.tp > 1:
             out.append(
                 f"plan.tp = {self.tp} with a MoE model (model.experts = {m.experts}): fivefold's "
@@ -306,6 +308,21 @@ class ParallelPlan:
                 "experts with plan.ep (and the rest with dp_shard / cp)."
             )
         return out
+
+    def _fp8_kv_problems(self, m: ModelSpec) -> list[str]:
+        """FP8 key/value projections with tp > kv_heads: fivefold's replicated-KV style (each
+        rank's kv head computed from its local weight slice) has no FP8 counterpart."""
+        kv = (int(m.kv_width), m.hidden)
+        if self.fp8 == "none" or self.tp <= m.kv_heads or m.is_mla:
+            return []
+        if not converts_to_fp8(self.fp8, *kv):
+            return []
+        return [
+            f"plan.fp8 = {self.fp8!r} with plan.tp = {self.tp} > model.kv_heads = {m.kv_heads}: "
+            "the key/value heads are replicated across TP ranks by a style of fivefold's own "
+            "that torchao's float8 styles do not cover, and FP8 converts these projections "
+            f"({kv[0]} x {kv[1]}); set plan.tp <= {m.kv_heads} or plan.fp8 = 'none'."
+        ]
 
     def _lever_runtime_problems(self) -> list[str]:
         """The memory levers' layout limits in fivefold's runtime (what a device cannot run,
@@ -317,11 +334,12 @@ class ParallelPlan:
                 "offloaded by FSDP2, which fivefold runs only on several processes; use "
                 "plan.offload = 'optimizer' (the optimizer step on the host), or dp_shard >= 2."
             )
-        if self.fp8 != "none" and self.tp > 1:
+        if self.fp8 == "rowwise" and self.tp > 1:
             out.append(
-                f"plan.fp8 = {self.fp8!r} with plan.tp = {self.tp}: fivefold's tensor-parallel "
-                "styles are not torchao's float8 ones, so FP8 linears are not tensor-parallel; "
-                "set plan.tp = 1 (shard with dp_shard / zero 3 instead) or plan.fp8 = 'none'."
+                f"plan.fp8 = 'rowwise' with plan.tp = {self.tp}: FP8 linears are tensor-parallel "
+                "through torchao's float8 styles, which carry one scale per tensor (tensorwise "
+                "scaling) across the FP8 all-gathers; set plan.fp8 = 'tensorwise', or "
+                "plan.tp = 1 (shard with dp_shard / zero 3 instead)."
             )
         return out
 
