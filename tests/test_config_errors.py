@@ -117,9 +117,9 @@ CASES = [
         "plan.fp8 = 'rowwise' on cpu: the CPU has no FP8 arithmetic",
     ),
     (
-        "fp8-with-tp",
+        "rowwise-fp8-with-tp",
         ["--nproc", "2", "plan.tp=2", "plan.fp8='rowwise'", "plan.precision='bf16-mixed'"],
-        "not tensor-parallel",
+        "carry one scale per tensor (tensorwise scaling)",
     ),
 ]
 

@@ -150,3 +150,36 @@ def test_tp2_fp8_computes_the_single_process_fp8_loss_and_gradients(sp):
         shape = (2 * 2, SPEC.seq_len // 2, SPEC.hidden)
         expected = [("torch.float8_e4m3fn", shape)] * 4 + [("torch.float8_e5m2", shape)] * 4
         assert sorted(out["gathered"]) == (sorted(expected) if sp else [])
+
+
+@pytest.mark.parametrize("name", ["llama3-8b", "llama3-70b"])
+def test_the_planner_prices_the_gathers_the_runtime_casts(name):
+    """`fp8_tensor_parallel` (the planner's rule) names the module inputs and output gradients
+    the runtime's styles gather in FP8, and its counts of converted colwise / rowwise linears
+    (8B: K and V stay in bf16, so the attention input is gathered in bf16; 70B: all in FP8)."""
+    from dataclasses import replace
+
+    from torchao.float8.float8_tensor_parallel import (
+        Float8ColwiseParallel,
+        Float8RowwiseParallel,
+        PrepareFloat8ModuleInput,
+    )
+
+    from fivefold.parallel.float8 import convert_linears
+    from fivefold.parallel.tensor_parallel import _block_plan
+    from fivefold.specs.float8 import fp8_tensor_parallel
+    from fivefold.specs.presets import model_preset
+
+    spec = replace(model_preset(name), layers=1)
+    with torch.device("meta"):
+        model = build_model(spec)
+    convert_linears(model, "tensorwise", fsdp=False)
+    styles = {k: type(v) for k, v in _block_plan(model.layers["0"], True, None).items()}
+    planned = fp8_tensor_parallel(spec, "tensorwise", moe=False)
+    gathered = tuple(styles[m] is PrepareFloat8ModuleInput for m in ("attention", "feed_forward"))
+    assert gathered == planned.gathered_inputs
+    rowwise = ("attention.wo", "feed_forward.w2")
+    assert tuple(styles[m] is Float8RowwiseParallel for m in rowwise) == planned.gathered_grads
+    assert sum(s is Float8ColwiseParallel for s in styles.values()) == planned.colwise
+    assert sum(s is Float8RowwiseParallel for s in styles.values()) == planned.rowwise
+    assert planned.gathered_inputs == ((False, True) if name == "llama3-8b" else (True, True))

@@ -27,7 +27,7 @@ from fivefold.planner.comm import (
 from fivefold.planner.compute import Work, layer_work, memory_time_s
 from fivefold.planner.efficiency import EfficiencyModel
 from fivefold.planner.lever_costs import fp8_layer_delta, offload_layer_s
-from fivefold.planner.levers import offloads
+from fivefold.planner.levers import gathers_fp8, offloads
 from fivefold.planner.model_states import (
     compute_bytes,
     fp8_gather_saving,
@@ -37,6 +37,7 @@ from fivefold.planner.model_states import (
 from fivefold.planner.options import PlannerOptions
 from fivefold.planner.rates import rates_for
 from fivefold.specs.cluster import ClusterSpec
+from fivefold.specs.float8 import fp8_tensor_parallel
 from fivefold.specs.hardware import GPUSpec
 from fivefold.specs.model import ModelSpec
 from fivefold.specs.plan import ParallelPlan
@@ -131,7 +132,7 @@ def layer_costs(
     gap = collective_gap_s(model, key, cluster, eff)
     tp = (0.0, 0.0, 0.0, 0.0)
     if key.tp > 1:
-        tp = _tp_costs(model, key, cluster, eff, opts, work, e, tokens, gap)
+        tp = _tp_costs(model, key, cluster, eff, opts, work, e, tokens, gap, moe)
     cp = (0.0, 0.0, 0.0, 0.0)
     if key.cp > 1:
         cp = _cp_costs(
@@ -156,22 +157,33 @@ def _tp_costs(
     e: int,
     tokens: float,
     gap: float | None,
+    moe: bool,
 ) -> tuple[float, float, float, float]:
     """(exposed fwd, exposed bwd, transfer time, bytes) of tensor parallelism for one layer:
-    2 collectives forward, 2 backward, 2 more with full recompute."""
+    2 collectives forward, 2 backward, 2 more with full recompute. With SP each is an
+    all-gather and a reduce-scatter; tensorwise FP8 all-gathers 1 byte per element where
+    torchao's float8 styles cast before the gather (`fp8_tensor_parallel`: the inputs forward,
+    the rowwise outputs' gradients backward), the reduce-scatters move the partial sums in `e`."""
     t = key.tp
     link = plan_link(cluster, key, "tp", eff, gap)
-    size = tokens * model.hidden * e
+    size = tokens * model.hidden
     if key.sp:
-        one = 2 * all_gather_time_s(size, t, link)  # an all-gather and a reduce-scatter
-        sent = 2 * all_gather_bytes(size, t)
+        fp8 = fp8_tensor_parallel(model, key.fp8, moe)
+
+        def one(fp8_gather: bool) -> tuple[float, float]:
+            gathered = size * (1 if fp8_gather else e)
+            time = all_gather_time_s(gathered, t, link) + all_gather_time_s(size * e, t, link)
+            return time, all_gather_bytes(gathered, t) + all_gather_bytes(size * e, t)
+
+        forward = [one(g) for g in fp8.gathered_inputs]
+        backward = [one(g) for g in fp8.gathered_grads]
     else:
-        one = all_reduce_time_s(size, t, link)
-        sent = all_reduce_bytes(size, t)
-    n_fwd = 2
-    n_bwd = 2 + (2 if key.recompute == "full" else 0)
-    fwd, bwd = n_fwd * one, n_bwd * one
-    tp_time, tp_bytes = fwd + bwd, (n_fwd + n_bwd) * sent
+        both = (all_reduce_time_s(size * e, t, link), all_reduce_bytes(size * e, t))
+        forward = backward = [both, both]
+    if key.recompute == "full":
+        backward = backward + forward
+    fwd, bwd = sum(c[0] for c in forward), sum(c[0] for c in backward)
+    tp_time, tp_bytes = fwd + bwd, sum(c[1] for c in forward + backward)
     if opts.tp_comm_overlap:
         gemm = work.gemm_forward_s
         tp_fwd = fwd / t + max(0.0, fwd - gemm)
@@ -258,8 +270,10 @@ def dtensor_small_collectives_s(
     """(forward, backward) seconds of the latency-bound collectives DTensor tensor parallelism
     adds per micro-batch in fivefold's runtime: with sequence parallelism each norm weight's
     gradient is a partial sum all-reduced over the TP group in the backward (two per layer, the
-    final norm on the last stage), and the vocabulary-parallel loss all-reduces the row
-    maximum, the sum of exponentials and the target logit (fp32, one per token) forward."""
+    final norm on the last stage), the vocabulary-parallel loss all-reduces the row
+    maximum, the sum of exponentials and the target logit (fp32, one per token) forward, and
+    tensorwise FP8 linears all-reduce the amax of each cast of a TP-sharded tensor
+    (`fp8_scale_all_reduces`)."""
     link = plan_link(cluster, plan, "tp", eff, collective_gap_s(model, plan, cluster, eff))
     backward = 0.0
     if plan.sp:
@@ -269,7 +283,25 @@ def dtensor_small_collectives_s(
     if last:
         tokens = plan.micro_batch * model.seq_len / plan.cp
         forward = 3 * all_reduce_time_s(tokens * 4.0, plan.tp, link)
-    return forward, backward
+    scales_fwd, scales_bwd = fp8_scale_all_reduces(model, plan)
+    scale = all_reduce_time_s(4.0, plan.tp, link)
+    return forward + layers * scales_fwd * scale, backward + layers * scales_bwd * scale
+
+
+def fp8_scale_all_reduces(model: ModelSpec, plan: ParallelPlan) -> tuple[int, int]:
+    """(forward, backward) all-reduces of one fp32 amax per layer and micro-batch under TP with
+    tensorwise FP8 (torchao takes the amax of a sharded DTensor over the TP group): each
+    converted weight cast forward and again backward (none under FSDP2's FP8 all-gather, whose
+    scales are precomputed once per step), each rowwise linear's feature-sharded input and,
+    with SP, each input cast before its all-gather forward; each colwise output's gradient and,
+    with SP, each rowwise output's gradient backward. Full recompute repeats the forward's."""
+    if plan.tp == 1 or plan.fp8 != "tensorwise":
+        return 0, 0
+    fp8 = fp8_tensor_parallel(model, plan.fp8, model.is_moe and not model.dense_layers)
+    weights = 0 if gathers_fp8(plan) else fp8.colwise + fp8.rowwise
+    forward = weights + fp8.rowwise + (sum(fp8.gathered_inputs) if plan.sp else 0)
+    backward = weights + fp8.colwise + (fp8.rowwise if plan.sp else 0)
+    return forward, backward + (forward if plan.recompute == "full" else 0)
 
 
 def routing_sync_s(

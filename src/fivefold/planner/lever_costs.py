@@ -40,7 +40,7 @@ def fp8_gemms(model: ModelSpec, plan: ParallelPlan, moe: bool) -> list[tuple[flo
     """Forward GEMMs (m, n, k) of one layer's converted linears (`fp8_linears`) on one rank,
     the converted ones reading one input fused as `layer_matmuls.layer_gemms` fuses them (Q, K,
     V; gate and up); the output projections (out = hidden) split by input over TP, the others
-    by output (FP8 runs at tp = 1 today: `ParallelPlan` refuses it with TP)."""
+    by output (torchao's float8 TP styles shard a Float8Linear as DTensor's shard a linear)."""
     t, h = plan.tp, model.hidden
     tokens = plan.micro_batch * model.seq_len / plan.cp
     fused: dict[str, list[float]] = {}

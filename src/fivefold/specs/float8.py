@@ -73,3 +73,33 @@ def fp8_linears(model: ModelSpec, recipe: str, moe: bool) -> list[Linear]:
 
 def _shape(w: Linear) -> tuple[int, int]:
     return w.out_features, w.in_features
+
+
+@dataclass(frozen=True)
+class Fp8TensorParallel:
+    """What torchao's float8 tensor-parallel styles do in one layer under `recipe` (tensorwise;
+    all False / 0 otherwise), the runtime's rule (`fivefold.parallel.tensor_parallel`).
+    `gathered_inputs`: (attention, MLP) inputs cast to FP8 before their sequence-parallel
+    all-gather, where every linear reading the input converts; `gathered_grads`: (attention
+    output, MLP down) projections' output gradients cast to FP8 before the backward all-gather,
+    where that rowwise linear converts; `colwise` / `rowwise`: converted linears of each kind."""
+
+    gathered_inputs: tuple[bool, bool] = (False, False)
+    gathered_grads: tuple[bool, bool] = (False, False)
+    colwise: int = 0
+    rowwise: int = 0
+
+
+def fp8_tensor_parallel(model: ModelSpec, recipe: str, moe: bool) -> Fp8TensorParallel:
+    """`Fp8TensorParallel` of one layer (none for MLA, which has no tensor-parallel styles)."""
+    if recipe != "tensorwise" or model.is_mla:
+        return Fp8TensorParallel()
+    ok = [converts_to_fp8(recipe, *_shape(w)) for w in layer_linears(model, moe)]
+    attention, mlp = ok[:4], ok[4:]  # wq, wk, wv, wo; w1, w2[, w3]
+    mlp_in = bool(mlp) and mlp[0] and all(mlp[2:])
+    return Fp8TensorParallel(
+        gathered_inputs=(all(attention[:3]), mlp_in),
+        gathered_grads=(attention[3], bool(mlp) and mlp[1]),
+        colwise=sum(attention[:3]) + sum(mlp[:1] + mlp[2:]),
+        rowwise=attention[3] + sum(mlp[1:2]),
+    )
