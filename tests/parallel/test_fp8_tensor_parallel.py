@@ -21,7 +21,6 @@ pytest.importorskip("torchao")
 
 # every linear but the LM head a multiple of 16 (FP8's GEMM rule) and converted (skip_small off)
 SPEC = ModelSpec("f8", 2, 64, 4, kv_heads=2, ffn=96, vocab=256, seq_len=32, rope_theta=1e4)
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def _gloo_carries_fp8() -> list[tuple]:
@@ -51,25 +50,72 @@ def _tokens() -> torch.Tensor:
     )
 
 
-def _fp8_run(rank: int, world: int, sp: bool) -> dict:
-    """Loss, full gradients and the TP styles' module types of one forward/backward."""
-    import torch.nn.functional as F
+def _model(world: int, sp: bool, fp8: bool):
+    """SPEC's model (its block linears in FP8 with `fp8`), TP over `world` ranks, initialised."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor.parallel import loss_parallel
 
     from fivefold.parallel.float8 import convert_linears
     from fivefold.parallel.tensor_parallel import apply_tensor_parallel
 
     with torch.device("meta"):
         model = build_model(SPEC)
-    converted = convert_linears(model, "tensorwise", fsdp=False, skip_small=False)
-    gathered: list[tuple] = []
+    converted = convert_linears(model, "tensorwise", fsdp=False, skip_small=False) if fp8 else []
     if world > 1:
-        gathered = _gloo_carries_fp8()
         apply_tensor_parallel(model, init_device_mesh("cpu", (world,)), SPEC, sp)
     model.to_empty(device="cpu")
     model.init_weights(3)
+    return model, converted
+
+
+def _storages(t: torch.Tensor) -> list[tuple[int, int]]:
+    """(data pointer, bytes) of the plain tensors inside `t` (a DTensor's local tensor, an FP8
+    tensor's data and scale)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        t = t.to_local()
+    if hasattr(t, "__tensor_flatten__"):
+        return [s for name in t.__tensor_flatten__()[0] for s in _storages(getattr(t, name))]
+    return [(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())]
+
+
+def _saved_bytes(model, world: int, sp: bool) -> int:
+    """Bytes of the distinct storages block 0 saves for its backward on this rank (parameters,
+    the block input and the shared RoPE tables excluded), as tests/test_saved_activations.py."""
+    from fivefold.model.document_layout import DocumentLayout
+    from fivefold.model.rope import rope_cos_sin
+
+    b, seq = 2, SPEC.seq_len
+    x = torch.randn(b, seq // world if sp else seq, SPEC.hidden, requires_grad=True)
+    rope = rope_cos_sin(torch.arange(seq).expand(b, seq), SPEC.head_dim, SPEC.rope_theta)
+    skip = {ptr for p in model.parameters() for ptr, _ in _storages(p)}
+    skip |= {ptr for t in (x, *rope) for ptr, _ in _storages(t)}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.update((ptr, n) for ptr, n in _storages(t) if ptr not in skip)
+        return t
+
+    layout = DocumentLayout(torch.zeros(b, seq, dtype=torch.long), b, seq)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.layers["0"](x, rope, layout)
+    return sum(saved.values())
+
+
+def _fp8_run(rank: int, world: int, sp: bool) -> dict:
+    """Loss and full gradients of one forward/backward with FP8 linears; on several ranks also
+    the FP8 all-gathers and block 0's saved bytes with and without FP8."""
+    import torch.nn.functional as F
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    gathered = _gloo_carries_fp8() if world > 1 else []
+    model, converted = _model(world, sp, fp8=True)
+    saved = {}
+    if world > 1:
+        saved = {"fp8": _saved_bytes(model, world, sp)}
+        saved["none"] = _saved_bytes(_model(world, sp, fp8=False)[0], world, sp)
+        gathered.clear()  # the gathers of one forward and backward of the model only
     tokens = _tokens()
     logits = model(tokens)
     with loss_parallel() if world > 1 else torch.enable_grad():
@@ -85,8 +131,32 @@ def _fp8_run(rank: int, world: int, sp: bool) -> dict:
         "grads": grads,
         "converted": converted,
         "gathered": gathered,
+        "saved": saved,
         "weight": (type(weight).__name__, tuple(weight.to_local().shape)) if world > 1 else None,
     }
+
+
+def _planned_saving(sp: bool) -> float:
+    """The planner's eager activations of block 0 (fp32, 2 x 32 tokens) without minus with FP8,
+    with every block linear converted as here (the planner's size rule would keep these tiny
+    ones in fp32). By hand (e = 4, s b = 64 gathered tokens, h 64, q / tp 32, f / tp 48): the
+    two gathered inputs saved in FP8, 2 x 3 s b h; the MLP down projection's input, 3 s b f / tp;
+    the output projection's FP8 copy beside the attention output, - s b q / tp; 4 fp32 scales."""
+    from fivefold.planner import activations
+    from fivefold.planner.activations import layer_activation_bytes
+    from fivefold.planner.memory_options import MemoryOptions
+    from fivefold.specs.float8 import Fp8TensorParallel
+    from fivefold.specs.plan import ParallelPlan
+
+    every = Fp8TensorParallel((True, True), (True, True), colwise=5, rowwise=2)
+    plan = ParallelPlan(tp=2, sp=sp, micro_batch=2, precision="fp32", fp8="tensorwise")
+    eager = MemoryOptions(runtime="fivefold-eager")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(activations, "fp8_tensor_parallel", lambda *args: every)
+        fp8 = layer_activation_bytes(SPEC, plan, False, eager)
+    saving = layer_activation_bytes(SPEC, plan.with_(fp8="none"), False, eager) - fp8
+    assert saving == 2 * 3 * 64 * 64 + 3 * 64 * 48 - 64 * 32 - 4 * 4
+    return saving
 
 
 def _reference(sp: bool) -> dict:
@@ -150,6 +220,7 @@ def test_tp2_fp8_computes_the_single_process_fp8_loss_and_gradients(sp):
         shape = (2 * 2, SPEC.seq_len // 2, SPEC.hidden)
         expected = [("torch.float8_e4m3fn", shape)] * 4 + [("torch.float8_e5m2", shape)] * 4
         assert sorted(out["gathered"]) == (sorted(expected) if sp else [])
+        assert out["saved"]["none"] - out["saved"]["fp8"] == _planned_saving(sp)
 
 
 @pytest.mark.parametrize("name", ["llama3-8b", "llama3-70b"])

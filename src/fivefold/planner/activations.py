@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from fivefold.planner.memory_options import COMPILED, EAGER, MemoryOptions
 from fivefold.planner.model_states import chunk_layers, layer_params_per_rank, local_kv_width
-from fivefold.specs.float8 import fp8_linears
+from fivefold.specs.float8 import fp8_linears, fp8_tensor_parallel
 from fivefold.specs.model import ModelSpec
 from fivefold.specs.plan import ParallelPlan
 from fivefold.specs.precision import recipe
@@ -43,7 +43,8 @@ def layer_activation_bytes(
     if opts.eager:
         if opts.compiled and policy != "full":
             return _compiled_bytes(model, plan, moe, policy, e, sb, replicated_div, opts)
-        return _eager_bytes(model, plan, moe, policy, e, sb, replicated_div)
+        fp8_tp = 0.0 if moe else fp8_tensor_parallel_bytes(model, plan, e, sb)
+        return _eager_bytes(model, plan, moe, policy, e, sb, replicated_div) + fp8_tp
     return _stored_bytes(model, plan, moe, opts, policy, e, sb, replicated_div)
 
 
@@ -110,6 +111,25 @@ def fp8_recomputed_bytes(model: ModelSpec, plan: ParallelPlan, e: float, sb: flo
     if plan.fp8 == "tensorwise":
         dropped -= len(converted) * COMPILED.fp8_tensorwise_scale_bytes
     return dropped
+
+
+def fp8_tensor_parallel_bytes(model: ModelSpec, plan: ParallelPlan, e: float, sb: float) -> float:
+    """What torchao's float8 TP styles change in an eager dense layer's saved tensors (tp > 1,
+    tensorwise, `fp8_tensor_parallel`; compiled blocks are not measured with them): they cast a
+    linear's input before the module, so the FP8 copy is saved instead of the high-precision
+    input where that was its only reader (an input cast before its gather: the gathered norm
+    output; the MLP down projection's input), beside it where it stays needed (a colwise
+    linear's own copy of a high-precision gathered input; the output projection's input, the
+    attention output), with one fp32 scale per cast (measured by
+    tests/parallel/test_fp8_tensor_parallel.py)."""
+    if plan.tp == 1:
+        return 0.0
+    fp8 = fp8_tensor_parallel(model, plan.fp8, False)
+    h, t = model.hidden, plan.tp
+    out = -(e - 1) * sb * h * sum(fp8.gathered_inputs) + sb * h * fp8.local_casts
+    wo, w2 = fp8.gathered_grads
+    out += sb * model.q_width / t * wo - (e - 1) * sb * model.ffn / t * w2
+    return out + 4.0 * (sum(fp8.gathered_inputs) + fp8.local_casts + fp8.rowwise)
 
 
 def autocast_weight_bytes(model: ModelSpec, plan: ParallelPlan, moe: bool, e: float) -> float:

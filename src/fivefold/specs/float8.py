@@ -82,12 +82,15 @@ class Fp8TensorParallel:
     `gathered_inputs`: (attention, MLP) inputs cast to FP8 before their sequence-parallel
     all-gather, where every linear reading the input converts; `gathered_grads`: (attention
     output, MLP down) projections' output gradients cast to FP8 before the backward all-gather,
-    where that rowwise linear converts; `colwise` / `rowwise`: converted linears of each kind."""
+    where that rowwise linear converts; `colwise` / `rowwise`: converted linears of each kind;
+    `local_casts`: converted colwise linears whose input is gathered in high precision (each
+    casts its own FP8 copy of it)."""
 
     gathered_inputs: tuple[bool, bool] = (False, False)
     gathered_grads: tuple[bool, bool] = (False, False)
     colwise: int = 0
     rowwise: int = 0
+    local_casts: int = 0
 
 
 def fp8_tensor_parallel(model: ModelSpec, recipe: str, moe: bool) -> Fp8TensorParallel:
@@ -96,10 +99,12 @@ def fp8_tensor_parallel(model: ModelSpec, recipe: str, moe: bool) -> Fp8TensorPa
         return Fp8TensorParallel()
     ok = [converts_to_fp8(recipe, *_shape(w)) for w in layer_linears(model, moe)]
     attention, mlp = ok[:4], ok[4:]  # wq, wk, wv, wo; w1, w2[, w3]
-    mlp_in = bool(mlp) and mlp[0] and all(mlp[2:])
+    up = mlp[:1] + mlp[2:]  # w1[, w3]
+    inputs = (all(attention[:3]), bool(mlp) and all(up))
     return Fp8TensorParallel(
-        gathered_inputs=(all(attention[:3]), mlp_in),
+        gathered_inputs=inputs,
         gathered_grads=(attention[3], bool(mlp) and mlp[1]),
-        colwise=sum(attention[:3]) + sum(mlp[:1] + mlp[2:]),
+        colwise=sum(attention[:3]) + sum(up),
         rowwise=attention[3] + sum(mlp[1:2]),
+        local_casts=(0 if inputs[0] else sum(attention[:3])) + (0 if inputs[1] else sum(up)),
     )
