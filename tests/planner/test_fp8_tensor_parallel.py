@@ -31,9 +31,13 @@ def test_which_gathers_move_fp8():
     assert fp8_tensor_parallel(L70, "tensorwise", False) == Fp8TensorParallel(
         gathered_inputs=(True, True), gathered_grads=(True, True), colwise=5, rowwise=2
     )
-    # 8B: K and V stay in bf16, so the attention input is gathered in bf16 (wq casts it after)
+    # 8B: K and V stay in bf16, so the attention input is gathered in bf16 (wq casts its copy)
     assert fp8_tensor_parallel(L8, "tensorwise", False) == Fp8TensorParallel(
-        gathered_inputs=(False, True), gathered_grads=(True, True), colwise=3, rowwise=2
+        gathered_inputs=(False, True),
+        gathered_grads=(True, True),
+        colwise=3,
+        rowwise=2,
+        local_casts=1,
     )
     assert fp8_tensor_parallel(L70, "rowwise", False) == Fp8TensorParallel()
     assert fp8_tensor_parallel(L70, "none", False) == Fp8TensorParallel()
