@@ -2,6 +2,7 @@
 
     .venv/bin/python scripts/calibrate.py            # fit, leave-one-source-out, write the JSON
     .venv/bin/python scripts/calibrate.py --check    # print the tables of the saved record
+    .venv/bin/python scripts/calibrate.py --rerecord # the saved record's errors, re-derived
 
 Both rewrite the tables in docs/planner.md (between its calibration-table markers).
 
@@ -201,6 +202,28 @@ def leave_one_source_out(iters: int, jobs: int) -> dict[str, dict]:
     return out
 
 
+def rerecord(record: dict) -> dict:
+    """`record` re-derived at its own parameters, nothing fitted: every row's in-sample error
+    under the deployed parameters, and each held-out source's errors and objective under its
+    recorded parameters. For a planner change that moves predictions; the parameters stay
+    those of the last fit (the full command refits them)."""
+    sources = sources_of()
+    rows = in_sample(EfficiencyModel.from_dict(record["parameters"]))
+    loso = {}
+    for held, entry in record["loso"].items():
+        model = with_values(START, entry["parameters"])
+        errors = [(e.row, e.error) for e in run_errors(model, rows=set(sources[held]))]
+        rest = {k: v for k, v in sources.items() if k != held}
+        x = [math.log(entry["parameters"][name]) for name in FITTED]
+        loso[held] = {
+            **entry,
+            "objective": objective(x, rest),
+            "held_out": [{"row": r, "error": err} for r, err in errors],
+            **stats([err for _, err in errors]),
+        }
+    return {**record, "errors": rows, "loso": loso, "summary": summarise(rows, loso)}
+
+
 def in_sample(model: EfficiencyModel) -> list[dict]:
     rows = []
     for e in run_errors(model):
@@ -359,6 +382,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--check", action="store_true", help="print the tables of the saved record; fit nothing"
     )
+    parser.add_argument(
+        "--rerecord",
+        action="store_true",
+        help="re-derive the saved record's errors and objectives at its parameters; fit nothing",
+    )
     parser.add_argument("--iters", type=int, default=250, help="Nelder-Mead iterations per run")
     parser.add_argument(
         "--jobs",
@@ -369,6 +397,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.check:
         publish(calibration_record())
+        return 0
+    if args.rerecord:
+        record = rerecord(calibration_record())
+        Path(EFFICIENCY_FILE).write_text(json.dumps(record, indent=1) + "\n")
+        publish(record)
+        print(f"\nwrote {EFFICIENCY_FILE} (parameters unchanged, errors re-derived)")
         return 0
     sources = sources_of()
     best, value = fit(sources, START_X, RESTARTS, args.iters)
