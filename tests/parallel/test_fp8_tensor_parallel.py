@@ -102,17 +102,22 @@ def _saved_bytes(model, world: int, sp: bool) -> int:
     return sum(saved.values())
 
 
-def _fp8_run(rank: int, world: int, sp: bool) -> dict:
-    """Loss and full gradients of one forward/backward with FP8 linears; on several ranks also
-    the FP8 all-gathers and block 0's saved bytes with and without FP8."""
+def _fp8_run(rank: int, world: int, sp: bool, compile: bool = False) -> dict:
+    """Loss and full gradients of one forward/backward with FP8 linears (`compile`: each block
+    through torch.compile, as `train.compile`); on several ranks also the FP8 all-gathers and
+    (eager) block 0's saved bytes with and without FP8."""
     import torch.nn.functional as F
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import loss_parallel
 
+    from fivefold.parallel.compile import apply_compile
+
     gathered = _gloo_carries_fp8() if world > 1 else []
     model, converted = _model(world, sp, fp8=True)
     saved = {}
-    if world > 1:
+    if compile:
+        apply_compile(model)
+    elif world > 1:
         saved = {"fp8": _saved_bytes(model, world, sp)}
         saved["none"] = _saved_bytes(_model(world, sp, fp8=False)[0], world, sp)
         gathered.clear()  # the gathers of one forward and backward of the model only
@@ -122,7 +127,9 @@ def _fp8_run(rank: int, world: int, sp: bool) -> dict:
         loss = F.cross_entropy(logits.flatten(0, 1), tokens.flatten())
         loss.backward()
     grads = {
-        name: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        name.replace("._orig_mod", ""): p.grad.full_tensor()
+        if isinstance(p.grad, DTensor)
+        else p.grad
         for name, p in model.named_parameters()
     }
     weight = model.layers["0"].attention.wq.weight
@@ -196,18 +203,23 @@ def test_the_runtime_shards_float8_linears_with_torchaos_float8_styles():
     assert styles["feed_forward.w2"] is Float8RowwiseParallel
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize(
-    "sp", [pytest.param(True, id="tp2-sp"), pytest.param(False, id="tp2", marks=pytest.mark.slow)]
+    ("sp", "compile"),
+    [
+        pytest.param(True, False, id="tp2-sp"),
+        pytest.param(False, False, id="tp2", marks=pytest.mark.slow),
+        pytest.param(True, True, id="tp2-sp-compiled", marks=pytest.mark.slow),
+    ],
 )
-def test_tp2_fp8_computes_the_single_process_fp8_loss_and_gradients(sp):
+def test_tp2_fp8_computes_the_single_process_fp8_loss_and_gradients(sp, compile):
     """TP2 (+SP) with every block linear in FP8 (tensorwise) against the single-process FP8 run
     of the same weights and tokens: scales are global amaxes of the DTensors (the same scale as
     one process), so the FP8 operands are equal and only the partial sums' order differs. With
     SP each layer all-gathers its attention and MLP inputs in FP8 (e4m3) forward and the
     gradients of its two rowwise outputs in FP8 (e5m2) backward: 8 gathers for 2 layers."""
     reference = _reference(sp)
-    ranks = spawn_ranks(2, _fp8_run, (sp,), pass_rank=True, timeout_s=280)
+    ranks = spawn_ranks(2, _fp8_run, (sp, compile), pass_rank=True, timeout_s=850)
     assert len(reference["converted"]) == 2 * 7  # wq, wk, wv, wo, w1, w2, w3 per layer
     for out in ranks:
         assert out["converted"] == reference["converted"]
@@ -219,8 +231,12 @@ def test_tp2_fp8_computes_the_single_process_fp8_loss_and_gradients(sp):
         # each gather stacks the two ranks' halves [2, 16, 64] of the [2, 32, 64] activation
         shape = (2 * 2, SPEC.seq_len // 2, SPEC.hidden)
         expected = [("torch.float8_e4m3fn", shape)] * 4 + [("torch.float8_e5m2", shape)] * 4
-        assert sorted(out["gathered"]) == (sorted(expected) if sp else [])
-        assert out["saved"]["none"] - out["saved"]["fp8"] == _planned_saving(sp)
+        if compile:  # dynamo's tracing passes through the gathers too: their kinds only
+            assert {g[0] for g in out["gathered"]} == {g[0] for g in expected}
+        else:
+            assert sorted(out["gathered"]) == (sorted(expected) if sp else [])
+        if not compile:  # the compiled blocks' saved tensors are not measured here
+            assert out["saved"]["none"] - out["saved"]["fp8"] == _planned_saving(sp)
 
 
 @pytest.mark.parametrize("name", ["llama3-8b", "llama3-70b"])

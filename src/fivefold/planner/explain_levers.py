@@ -12,7 +12,7 @@ from typing import Any
 from fivefold.planner.lever_costs import fp8_flops_per_token, mfu_peak
 from fivefold.planner.levers import gathers_fp8, state_recipe
 from fivefold.planner.quantities import gib, seconds
-from fivefold.specs.float8 import fp8_linears, layer_linears
+from fivefold.specs.float8 import fp8_linears, fp8_tensor_parallel, layer_linears
 from fivefold.specs.flops import training_flops_per_token
 from fivefold.specs.hardware import GPUSpec
 from fivefold.specs.model import ModelSpec
@@ -91,8 +91,20 @@ def _fp8_words(p: ParallelPlan, m: ModelSpec, device: GPUSpec) -> str:
         f"core, LM head, routed experts) against bf16 ({device.peak('bf16') / 1e12:,.0f}), an "
         f"effective peak of {mfu_peak(m, p, device) / 1e12:,.0f} TFLOP/s"
         + ("; the weights are gathered in FP8 (half the bytes)" if gathers_fp8(p) else "")
+        + _tp_words(p, m)
         + "; FP8 is usually slower than bf16 without train.compile (eager casts)"
     )
+
+
+def _tp_words(p: ParallelPlan, m: ModelSpec) -> str:
+    """What torchao's float8 TP styles gather in FP8 (`fp8_tensor_parallel`), "" if nothing."""
+    if p.tp == 1 or not p.sp:
+        return ""
+    fp8 = fp8_tensor_parallel(m, p.fp8, m.is_moe and m.dense_layers == 0)
+    n = sum(fp8.gathered_inputs) + sum(fp8.gathered_grads)
+    if not n:
+        return ""
+    return f"; {n} of the 4 sequence-parallel all-gathers per layer move FP8 (1 byte per value)"
 
 
 def _converted_words(m: ModelSpec, fp8: str) -> str:
