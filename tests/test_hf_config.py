@@ -17,13 +17,22 @@ from fivefold.specs.model import attention_params, param_count
 from fivefold.specs.recipe import load_recipe, recipe_from_dict
 
 CONFIGS = Path(__file__).parent / "data" / "hf_configs"
-FULL = ["llama3-8b", "mistral-7b", "qwen2-7b", "qwen3-8b", "mixtral-8x7b", "deepseek-v3"]
+FULL = [
+    "llama3-8b",
+    "mistral-7b",
+    "qwen2-7b",
+    "qwen3-8b",
+    "mixtral-8x7b",
+    "qwen3-30b-a3b",
+    "deepseek-v3",
+]
 TINY = [
     "tiny-llama",
     "tiny-mistral",
     "tiny-qwen2",
     "tiny-qwen3",
     "tiny-mixtral",
+    "tiny-qwen3-moe",
     "tiny-deepseek-v3",
     "tiny-deepseek-v3-no-q-lora",
 ]
@@ -52,6 +61,7 @@ PUBLISHED = {
     "qwen2-7b": 7_615_616_512,
     "qwen3-8b": 8_190_735_360,
     "mixtral-8x7b": 46_702_792_704,
+    "qwen3-30b-a3b": 30_532_122_624,  # the card's "30.5B"
     "deepseek-v3": 671_026_404_352,  # without the 14B multi-token-prediction module
 }
 
@@ -94,6 +104,12 @@ def test_family_features_read_by_hand():
     assert qwen3.qk_norm and qwen3.head_dim == 128 and not qwen3.qkv_bias
     mixtral = _spec("mixtral-8x7b")
     assert (mixtral.experts, mixtral.top_k, mixtral.expert_ffn) == (8, 2, 14336)
+    qwen3_moe = _spec("qwen3-30b-a3b")
+    assert (qwen3_moe.experts, qwen3_moe.top_k, qwen3_moe.expert_ffn) == (128, 8, 768)
+    assert qwen3_moe.qk_norm and qwen3_moe.router_norm_topk and qwen3_moe.dense_layers == 0
+    tiny_moe = _spec("tiny-qwen3-moe")  # mlp_only_layers = [0]: one leading dense layer
+    assert (tiny_moe.dense_layers, tiny_moe.ffn, tiny_moe.router_norm_topk) == (1, 160, False)
+    assert _spec("mixtral-8x7b").router_norm_topk
     v3 = _spec("deepseek-v3")
     assert v3.attention == "mla" and v3.head_dim == 192 and v3.value_dim == 128
     assert (v3.q_lora_rank, v3.kv_lora_rank, v3.qk_rope_head_dim) == (1536, 512, 64)
@@ -135,6 +151,14 @@ def test_bad_configs_name_the_field(tmp_path):
     ):
         with pytest.raises(ConfigError, match=words.replace("(", r"\(")):
             spec_from_hf_config({**base, **change})
+    qwen3_moe = json.loads((CONFIGS / "tiny-qwen3-moe.json").read_text())
+    for change, words in (  # sparse layers transformers builds and fivefold cannot place
+        ({"decoder_sparse_step": 2}, "decoder_sparse_step = 2"),
+        ({"mlp_only_layers": [1]}, r"mlp_only_layers = \[1\]"),
+        ({"mlp_only_layers": [0, 2]}, r"mlp_only_layers = \[0, 2\]"),
+    ):
+        with pytest.raises(ConfigError, match=words):
+            spec_from_hf_config({**qwen3_moe, **change})
     with pytest.raises(ConfigError, match="does not exist"):
         read_hf_config(tmp_path / "missing.json")
 

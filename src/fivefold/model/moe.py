@@ -21,7 +21,8 @@ class Routing:
     """The router's decision for N tokens.
 
     expert_indices: LongTensor [N, K], the chosen experts of each token (global expert ids).
-    gates:          [N, K] weights of those experts (sum to 1 per token), differentiable.
+    gates:          [N, K] weights of those experts (sum to 1 per token when renormalised),
+                    differentiable.
     probs:          fp32 [N, E] softmax over all experts (for the load-balancing loss).
     num_experts:    E, the global number of routed experts.
     """
@@ -32,11 +33,12 @@ class Routing:
     num_experts: int
 
 
-def route(router_logits: torch.Tensor, top_k: int) -> Routing:
-    """Softmax over experts (fp32), keep the top-k, renormalise their gates; logits [N, E]."""
+def route(router_logits: torch.Tensor, top_k: int, norm_topk: bool = True) -> Routing:
+    """Softmax over experts (fp32), keep the top-k, renormalise their gates to sum to 1 when
+    `norm_topk` (Mixtral; Qwen3-MoE's `norm_topk_prob`); logits [N, E]."""
     probs = torch.softmax(router_logits.float(), dim=-1)
     top_probs, expert_indices = torch.topk(probs, top_k, dim=-1)
-    gates = top_probs / top_probs.sum(dim=-1, keepdim=True)
+    gates = top_probs / top_probs.sum(dim=-1, keepdim=True) if norm_topk else top_probs
     return Routing(expert_indices, gates, probs, router_logits.shape[-1])
 
 
@@ -187,10 +189,12 @@ class MoE(nn.Module):
         expert_hidden: int,
         shared_experts: int = 0,
         aux_loss_coef: float = 0.01,
+        norm_topk: bool = True,
     ) -> None:
         super().__init__()
         self.num_experts = num_experts
         self.top_k = top_k
+        self.norm_topk = norm_topk
         self.aux_loss_coef = aux_loss_coef
         self.router = nn.Linear(dim, num_experts, bias=False)
         self.experts = GroupedExperts(num_experts, dim, expert_hidden)
@@ -205,7 +209,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, dim = x.shape
         tokens = x.reshape(batch * seq, dim)
-        routing = route(self.router(tokens), self.top_k)
+        routing = route(self.router(tokens), self.top_k, self.norm_topk)
         aux_loss = self.aux_loss_coef * load_balancing_loss(routing)  # a recompute saves the same
         if self.collects_aux_loss:
             self.aux_loss = aux_loss

@@ -50,6 +50,7 @@ class TransformerBlock(nn.Module):
                 spec.expert_ffn,
                 spec.shared_experts,
                 spec.router_aux_loss_coef,
+                spec.router_norm_topk,
             )
             if is_moe
             else None

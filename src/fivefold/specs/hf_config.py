@@ -1,5 +1,5 @@
-"""A `ModelSpec` from a Hugging Face `config.json`: Llama, Mistral, Qwen2, Qwen3, Mixtral and
-DeepSeek-V3 (no torch, no transformers).
+"""A `ModelSpec` from a Hugging Face `config.json`: Llama, Mistral, Qwen2, Qwen3, Mixtral,
+Qwen3-MoE and DeepSeek-V3 (no torch, no transformers).
 
 What each family adds to the Llama decoder, read here the way `transformers` builds it:
 - llama: GQA, RoPE (default or llama3 scaling), tied embeddings; `attention_bias` / `mlp_bias`
@@ -10,7 +10,13 @@ What each family adds to the Llama decoder, read here the way `transformers` bui
   `max_window_layers` on, or as `layer_types` lists them.
 - qwen3: RMSNorm of each query and key head, `head_dim` of its own; the window as qwen2.
 - mixtral: `num_local_experts` routed SwiGLU experts of width `intermediate_size`, top
-  `num_experts_per_tok`, a linear router; a window when `sliding_window` is set.
+  `num_experts_per_tok`, a linear router (softmax, top-k, renormalised); a window when
+  `sliding_window` is set.
+- qwen3_moe: Qwen3's attention; `num_experts` routed SwiGLU experts of width
+  `moe_intermediate_size`, top `num_experts_per_tok`, the top-k gates renormalised when
+  `norm_topk_prob`; the layers in `mlp_only_layers` (a leading run of them) keep a dense MLP of
+  width `intermediate_size`; a `decoder_sparse_step` other than 1 is refused; a window in every
+  layer when `use_sliding_window`.
 - deepseek_v3: multi-head latent attention (`q_lora_rank`, `kv_lora_rank`, `qk_nope_head_dim`,
   `qk_rope_head_dim`, `v_head_dim`), `first_k_dense_replace` dense leading layers of width
   `intermediate_size`, then `n_routed_experts` experts of width `moe_intermediate_size` (top
@@ -32,7 +38,7 @@ from typing import Any
 from fivefold.errors import ConfigError
 from fivefold.specs.model import ROPE_SCALING_TYPES, ModelSpec
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "deepseek_v3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3")
 LLAMA3_KEYS = {  # HF rope key -> ModelSpec field
     "factor": "rope_scaling_factor",
     "low_freq_factor": "rope_low_freq_factor",
@@ -114,6 +120,8 @@ def _sliding(config: dict[str, Any], family: str, layers: int) -> tuple[int, int
         window = config.get("sliding_window", _MISTRAL_DEFAULT_WINDOW)
     elif family == "mixtral":
         window = config.get("sliding_window")
+    elif family == "qwen3_moe":
+        window = config.get("sliding_window") if config.get("use_sliding_window") else None
     else:
         return 0, 0
     if not window:
@@ -139,6 +147,8 @@ def _family_problems(config: dict[str, Any], family: str) -> list[str]:
         out.append("attention_bias = true (a bias on every attention projection is not modelled)")
     if family == "deepseek_v3" and int(config.get("moe_layer_freq", 1)) != 1:
         out.append(f"moe_layer_freq = {config['moe_layer_freq']} (fivefold reads 1)")
+    if family == "qwen3_moe":
+        out += _qwen3_moe_layer_problems(config)
     missing = [
         key
         for key in (
@@ -155,7 +165,39 @@ def _family_problems(config: dict[str, Any], family: str) -> list[str]:
     return out
 
 
+def _qwen3_moe_layer_problems(config: dict[str, Any]) -> list[str]:
+    """Qwen3-MoE's dense layers fivefold cannot place: every `decoder_sparse_step`-th layer
+    sparse, or dense layers other than a leading run (fivefold's `dense_layers`)."""
+    out = []
+    step = config.get("decoder_sparse_step", 1)
+    if step != 1:
+        out.append(
+            f"decoder_sparse_step = {step!r} (fivefold's MoE models have every layer sparse "
+            "after the leading dense ones; only 1 is read)"
+        )
+    dense = config.get("mlp_only_layers") or []
+    if not isinstance(dense, list) or sorted(dense) != list(range(len(dense))):
+        out.append(
+            f"mlp_only_layers = {dense!r} (fivefold's dense layers are a leading run 0, 1, ..., "
+            "k-1; other patterns are not read)"
+        )
+    return out
+
+
 def _moe_fields(config: dict[str, Any], family: str, layers: int) -> dict[str, Any]:
+    if family == "qwen3_moe":
+        experts = int(config.get("num_experts", config.get("num_local_experts", 128)))
+        dense = len(config.get("mlp_only_layers") or [])
+        if not experts or dense >= layers:
+            return {}
+        return {
+            "experts": experts,
+            "top_k": int(config.get("num_experts_per_tok", 8)),
+            "expert_ffn": int(config.get("moe_intermediate_size", 768)),
+            "dense_layers": dense,
+            "router_aux_loss_coef": float(config.get("router_aux_loss_coef", 0.001)),
+            "router_norm_topk": bool(config.get("norm_topk_prob", False)),
+        }
     if family == "mixtral":
         return {
             "experts": int(config.get("num_local_experts", 8)),
@@ -223,7 +265,7 @@ def spec_from_hf_config(
             "head_dim": int(config.get("head_dim") or hidden // heads),
             "norm_eps": float(config.get("rms_norm_eps", 1e-6)),
             "qkv_bias": family == "qwen2",
-            "qk_norm": family == "qwen3",
+            "qk_norm": family in ("qwen3", "qwen3_moe"),
             "sliding_window": window,
             "sliding_layers": sliding,
             **{k: int(v) if k == "rope_original_seq_len" else v for k, v in rope.items()},

@@ -32,7 +32,8 @@ MODEL_LIMITS = {
 }
 
 
-# Attention-variant fields at the values that mean "Llama's attention" (`ModelSpec.to_dict`).
+# Variant fields at the values that mean "Llama's attention, Mixtral's router"
+# (`ModelSpec.to_dict`).
 _PLAIN_VARIANTS = {
     "rope_scaling_type": "llama3",
     "qkv_bias": False,
@@ -44,6 +45,7 @@ _PLAIN_VARIANTS = {
     "kv_lora_rank": 0,
     "qk_rope_head_dim": 0,
     "v_head_dim": 0,
+    "router_norm_topk": True,
 }
 
 
@@ -85,6 +87,9 @@ class ModelSpec:
     shared_experts: int = 0
     dense_layers: int = 0  # leading layers that keep the dense MLP in a MoE model
     router_aux_loss_coef: float = 0.01
+    # the top-k gates renormalised to sum to 1 (Mixtral; Qwen3-MoE's norm_topk_prob), else the
+    # experts' softmax probabilities as they are
+    router_norm_topk: bool = True
     # token-weighted mean document length of the training data (`causal_pairs_per_sequence`);
     # 0 = one document per sequence
     doc_len: int = 0
