@@ -1,4 +1,5 @@
-"""Hugging Face interop (Llama, Qwen2, Qwen3: `fivefold.checkpoint.hf_families`): export a
+"""Hugging Face interop (Llama, Qwen2, Qwen3, Mixtral, Qwen3-MoE:
+`fivefold.checkpoint.hf_families`; tensor names `fivefold.checkpoint.hf_tensors`): export a
 checkpoint to `config.json` + safetensors, import one back.
 
 Details: docs/checkpoints.md.
@@ -7,7 +8,6 @@ Details: docs/checkpoints.md.
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any
 
@@ -19,11 +19,12 @@ from fivefold.checkpoint.checkpointer import Checkpointer
 from fivefold.checkpoint.dcp_io import read_full_tensors
 from fivefold.checkpoint.hf_families import (
     IMPORTABLE_FAMILIES,
-    VARIANT_TENSORS,
+    MOE_FAMILIES,
     family_config_fields,
     hf_family,
     model_fields,
 )
+from fivefold.checkpoint.hf_tensors import check_hf_tensors, from_hf_tensors, to_hf_tensors
 from fivefold.checkpoint.state import read_state
 from fivefold.errors import CheckpointError, ConfigError
 from fivefold.model import build_model
@@ -40,71 +41,20 @@ INDEX_FILE = "model.safetensors.index.json"
 _DTYPES = ("fp32", "bf16", "fp16")
 _SHARD_BYTES = 5 * 2**30
 
-_TOP = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_LAYER = {
-    "attention_norm.weight": "input_layernorm.weight",
-    "attention.wq.weight": "self_attn.q_proj.weight",
-    "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wv.weight": "self_attn.v_proj.weight",
-    "attention.wo.weight": "self_attn.o_proj.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "feed_forward.w1.weight": "mlp.gate_proj.weight",
-    "feed_forward.w3.weight": "mlp.up_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
-    **VARIANT_TENSORS,
-}
-_LAYER_BACK = {hf: ff for ff, hf in _LAYER.items()}
-_TOP_BACK = {hf: ff for ff, hf in _TOP.items()}
-_FF_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
-_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-
-
-# ---- names -----------------------------------------------------------------------------------
-def to_hf_name(fqn: str) -> str:
-    if fqn in _TOP:
-        return _TOP[fqn]
-    match = _FF_LAYER.match(fqn)
-    if match and match.group(2) in _LAYER:
-        return f"model.layers.{match.group(1)}.{_LAYER[match.group(2)]}"
-    raise CheckpointError(f"parameter {fqn!r} has no Hugging Face counterpart.")
-
-
-def from_hf_name(name: str) -> str:
-    if name in _TOP_BACK:
-        return _TOP_BACK[name]
-    match = _HF_LAYER.match(name)
-    if match and match.group(2) in _LAYER_BACK:
-        return f"layers.{match.group(1)}.{_LAYER_BACK[match.group(2)]}"
-    raise CheckpointError(
-        f"tensor {name!r} is not part of a Llama, Qwen2 or Qwen3 model fivefold can load (no "
-        "output-projection or MLP biases, no rotary buffers, no extra heads)."
-    )
-
 
 # ---- config ----------------------------------------------------------------------------------
 def check_exportable(spec: ModelSpec) -> None:
     problems = []
-    if spec.is_moe:
-        problems.append(
-            f"model.experts = {spec.experts}: exporting a mixture-of-experts model is not "
-            "supported yet (fivefold writes Hugging Face Llama checkpoints, and does not map "
-            "its experts to a Hugging Face MoE format such as Mixtral's); the run's own "
-            "checkpoint keeps the model"
-        )
     if spec.mlp != "swiglu":
         problems.append(f"model.mlp = {spec.mlp!r}: Llama's MLP is SwiGLU")
     if problems:
         raise CheckpointError("cannot export to Hugging Face Llama: " + "; ".join(problems) + ".")
-    hf_family(spec)  # a family with its attention
+    hf_family(spec)  # a family with its attention and experts
 
 
 def llama_config(spec: ModelSpec, dtype: str = "fp32", eod_id: int | None = None) -> dict[str, Any]:
-    """The `config.json` of `LlamaForCausalLM` for `spec`, or of Qwen2/Qwen3ForCausalLM for
-    their attention (`hf_family`; transformers 4.x and 5.x keys); with the tokenizer's
+    """The `config.json` of `LlamaForCausalLM` for `spec`, or of the family its attention and
+    experts make it (`hf_family`; transformers 4.x and 5.x keys); with the tokenizer's
     end-of-document id as bos/eos/pad when it is known."""
     torch_dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype]
     special = (
@@ -112,25 +62,28 @@ def llama_config(spec: ModelSpec, dtype: str = "fp32", eod_id: int | None = None
         if eod_id is None
         else {"bos_token_id": eod_id, "eos_token_id": eod_id, "pad_token_id": eod_id}
     )
-    return special | {
-        **family_config_fields(spec),
-        "vocab_size": spec.vocab,
-        "hidden_size": spec.hidden,
-        "intermediate_size": spec.ffn,
-        "num_hidden_layers": spec.layers,
-        "num_attention_heads": spec.heads,
-        "num_key_value_heads": spec.kv_heads,
-        "head_dim": spec.head_dim,
-        "max_position_embeddings": spec.seq_len,
-        "rms_norm_eps": spec.norm_eps,
-        **_rope_config(spec),
-        "hidden_act": "silu",
-        "attention_dropout": 0.0,
-        "tie_word_embeddings": spec.tied_embeddings,
-        "torch_dtype": torch_dtype,
-        "dtype": torch_dtype,
-        "fivefold_model_name": spec.name,
-    }
+    return (
+        special
+        | {
+            "vocab_size": spec.vocab,
+            "hidden_size": spec.hidden,
+            "intermediate_size": spec.ffn,
+            "num_hidden_layers": spec.layers,
+            "num_attention_heads": spec.heads,
+            "num_key_value_heads": spec.kv_heads,
+            "head_dim": spec.head_dim,
+            "max_position_embeddings": spec.seq_len,
+            "rms_norm_eps": spec.norm_eps,
+            **_rope_config(spec),
+            "hidden_act": "silu",
+            "attention_dropout": 0.0,
+            "tie_word_embeddings": spec.tied_embeddings,
+            "torch_dtype": torch_dtype,
+            "dtype": torch_dtype,
+            "fivefold_model_name": spec.name,
+        }
+        | family_config_fields(spec)
+    )
 
 
 # Llama `config.json` fields: those that define the model (each read or checked below) and those
@@ -181,6 +134,7 @@ HARMLESS_CONFIG_FIELDS = frozenset(
         "problem_type",
         "chunk_size_feed_forward",
         "is_encoder_decoder",
+        "output_router_logits",  # whether transformers' forward returns them
     ]
 )
 
@@ -213,6 +167,11 @@ def spec_from_llama_config(config: dict[str, Any], where: str = CONFIG_FILE) -> 
             f"unknown field(s) {', '.join(unknown)}: fivefold cannot tell whether they change "
             "the model (remove them from config.json if they do not)"
         )
+    if float(config.get("router_jitter_noise") or 0.0) != 0.0:
+        problems.append(
+            f"router_jitter_noise = {config['router_jitter_noise']!r} (fivefold's router adds "
+            "no noise; set it to 0)"
+        )
     if float(config.get("attention_dropout") or 0.0) != 0.0:
         problems.append(
             f"attention_dropout = {config['attention_dropout']!r} (fivefold trains without dropout)"
@@ -235,7 +194,7 @@ def spec_from_llama_config(config: dict[str, Any], where: str = CONFIG_FILE) -> 
     if problems:
         raise CheckpointError(f"{where} cannot be imported: " + "; ".join(problems) + ".")
     name = str(config.get("fivefold_model_name", f"hf-{family}"))
-    eps = {"rms_norm_eps": 1e-5} if family == "llama" else {}  # Qwen's default: 1e-6
+    eps = {"rms_norm_eps": 1e-5} if family in ("llama", "mixtral") else {}  # Qwen's: 1e-6
     try:
         spec = spec_from_hf_config({**eps, **config}, where, name)
     except ConfigError as err:
@@ -259,12 +218,11 @@ def _not_yet_imported(config: dict[str, Any]) -> str:
     if family in _FAMILY_GAPS:
         return f"model_type = {family!r}: {_FAMILY_GAPS[family]}"
     experts = next((k for k in _EXPERT_FIELDS if config.get(k)), None)
-    if experts is None:
+    if experts is None or family in MOE_FAMILIES:
         return ""
     return (
-        f"{experts} = {config[experts]!r} makes it a mixture-of-experts model "
-        f"(model_type = {family!r}); that changes the model, and MoE import is not supported "
-        "yet (its experts' weights are not mapped to fivefold's)"
+        f"{experts} = {config[experts]!r} makes it a mixture-of-experts model, which "
+        f"model_type = {family!r} is not; fivefold imports experts as {' or '.join(MOE_FAMILIES)}"
     )
 
 
@@ -285,8 +243,19 @@ _INT_FIELDS = (
     "vocab_size",
     "max_position_embeddings",
     "head_dim",
+    "num_local_experts",
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "decoder_sparse_step",
 )
-_FLOAT_FIELDS = ("rms_norm_eps", "attention_dropout", "rope_theta")
+_FLOAT_FIELDS = (
+    "rms_norm_eps",
+    "attention_dropout",
+    "rope_theta",
+    "router_aux_loss_coef",
+    "router_jitter_noise",
+)
 
 
 def _is_number(value: Any, kind: type) -> bool:
@@ -351,11 +320,10 @@ def export_hf(
     check_exportable(spec)
     tensors = read_full_tensors(checkpoint_dir)
     cast = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-    hf: dict[str, torch.Tensor] = {}
-    for fqn, value in sorted(tensors.items()):
-        if spec.tied_embeddings and fqn == "output.weight":
-            continue
-        hf[to_hf_name(fqn)] = value.to(cast).contiguous()
+    hf = {
+        name: value.to(cast).contiguous()
+        for name, value in sorted(to_hf_tensors(spec, tensors).items())
+    }
     if tokenizer is not None:
         tokenizer.check_fits(spec.vocab)
     out_dir = Path(out_dir)
@@ -407,7 +375,8 @@ def _write_safetensors(tensors: dict, out_dir: Path, save_file) -> list[str]:
 
 # ---- import ----------------------------------------------------------------------------------
 def read_hf(hf_dir: Path) -> tuple[ModelSpec, dict[str, Any]]:
-    """The ModelSpec and fivefold-named fp32 tensors of a Hugging Face Llama directory."""
+    """The ModelSpec and fivefold-named fp32 tensors of a Hugging Face directory, its tensors
+    checked (names, shapes) against the model its config describes before any is read."""
     hf_dir = Path(hf_dir)
     config_path = hf_dir / CONFIG_FILE
     if not config_path.is_file():
@@ -425,22 +394,27 @@ def read_hf(hf_dir: Path) -> tuple[ModelSpec, dict[str, Any]]:
         raise CheckpointError(
             f"{str(hf_dir)!r} has no *.safetensors files (pickled .bin weights are not read)."
         )
-    tensors: dict[str, Any] = {}
+    shapes = _read_safetensors(files, lambda handle, name: handle.get_slice(name).get_shape())
+    check_hf_tensors(spec, shapes, repr(str(hf_dir)))
+    tensors = _read_safetensors(files, lambda handle, name: handle.get_tensor(name).float())
+    return spec, from_hf_tensors(spec, tensors)
+
+
+def _read_safetensors(files: list[Path], read) -> dict[str, Any]:
+    """HF name -> `read(handle, name)` for every tensor of `files` but rotary tables."""
+    out: dict[str, Any] = {}
     for path in files:
         try:
             with safe_open(str(path), framework="pt") as handle:
                 for name in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                    if name.endswith("rotary_emb.inv_freq"):
-                        continue
-                    tensors[from_hf_name(name)] = handle.get_tensor(name).to(torch.float32)
+                    if not name.endswith("rotary_emb.inv_freq"):
+                        out[name] = read(handle, name)
         except (OSError, ValueError, RuntimeError, SafetensorError) as err:
             raise CheckpointError(
                 f"{str(path)!r} is not a readable safetensors file ({err}); it may be truncated "
                 "or corrupt: download or export it again."
             ) from None
-    if spec.tied_embeddings:
-        tensors.setdefault("output.weight", tensors.get("tok_embeddings.weight"))
-    return spec, tensors
+    return out
 
 
 def import_hf(
@@ -448,34 +422,15 @@ def import_hf(
 ) -> Path:
     """Write the HF model as a weights-only fivefold checkpoint `root/step_0`; returns it.
 
-    The tensors are checked against the model fivefold builds from the config (names, shapes).
-    `seq_len` replaces the config's max_position_embeddings as the training sequence length.
+    The tensors are checked against the model fivefold builds from the config (names, shapes:
+    `read_hf`). `seq_len` replaces the config's max_position_embeddings as the training
+    sequence length.
     """
     spec, tensors = read_hf(hf_dir)
     if seq_len is not None:
         spec = spec.with_(seq_len=seq_len)
     model = build_model(spec)
     model.to_empty(device="cpu")
-    expected = model.state_dict()
-    missing = sorted(set(expected) - set(tensors))
-    extra = sorted(set(tensors) - set(expected))
-    common = set(expected) & set(tensors)
-    wrong = sorted(k for k in common if tuple(expected[k].shape) != tuple(tensors[k].shape))
-    if missing or extra or wrong:
-        parts = [
-            f"{label}: {', '.join(names[:5])}{' ...' if len(names) > 5 else ''}"
-            for label, names in (
-                ("missing", missing),
-                ("unexpected", extra),
-                ("wrong shape", wrong),
-            )
-            if names
-        ]
-        raise CheckpointError(
-            f"{str(hf_dir)!r} does not match the model its config.json describes ("
-            + "; ".join(parts)
-            + ")."
-        )
     with torch.no_grad():
         for name, param in model.state_dict(keep_vars=True).items():
             param.copy_(tensors[name])

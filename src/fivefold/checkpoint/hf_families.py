@@ -1,21 +1,28 @@
-"""Which Hugging Face family a fivefold model is, and back: Llama, Qwen2 (biases on Q, K and V)
-and Qwen3 (RMSNorm of each query and key head). The three share Llama's tensor names; the
-variants add theirs (`VARIANT_TENSORS`) and a few `config.json` fields (`family_config_fields`).
+"""Which Hugging Face family a fivefold model is, and back: Llama, Qwen2 (biases on Q, K and V),
+Qwen3 (RMSNorm of each query and key head), and the mixtures of experts Mixtral (Llama's
+attention) and Qwen3-MoE (Qwen3's). They share Llama's tensor names; the variants add theirs
+(`VARIANT_TENSORS`), the MoE families their experts' (`expert_names`, `hf_experts`), and each a
+few `config.json` fields (`family_config_fields`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from fivefold.checkpoint.hf_experts import MIXTRAL_EXPERTS, QWEN_MOE_EXPERTS, ExpertNames
 from fivefold.errors import CheckpointError
 from fivefold.specs.model import ModelSpec
 
-IMPORTABLE_FAMILIES = ("llama", "qwen2", "qwen3")
+IMPORTABLE_FAMILIES = ("llama", "qwen2", "qwen3", "mixtral", "qwen3_moe")
+MOE_FAMILIES = ("mixtral", "qwen3_moe")
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
+_EXPERT_NAMES = {"mixtral": MIXTRAL_EXPERTS, "qwen3_moe": QWEN_MOE_EXPERTS}
 # fivefold layer tensor -> transformers' name under `model.layers.<i>.`
 VARIANT_TENSORS = {
     "attention.wq.bias": "self_attn.q_proj.bias",
@@ -29,39 +36,127 @@ VARIANT_TENSORS = {
 _QWEN_WINDOW_FIELDS = frozenset(
     ["use_sliding_window", "sliding_window", "max_window_layers", "layer_types"]
 )
+# The experts' fields each MoE family's config defines the model with (read by
+# `fivefold.specs.hf_config`; `router_jitter_noise` checked by `fivefold.checkpoint.hf`).
+_MOE_FIELDS = {
+    "mixtral": frozenset(
+        [
+            "num_local_experts",
+            "num_experts_per_tok",
+            "router_aux_loss_coef",
+            "router_jitter_noise",
+            "sliding_window",
+        ]
+    ),
+    "qwen3_moe": frozenset(
+        [
+            "num_experts",
+            "num_local_experts",
+            "num_experts_per_tok",
+            "moe_intermediate_size",
+            "norm_topk_prob",
+            "decoder_sparse_step",
+            "mlp_only_layers",
+            "router_aux_loss_coef",
+        ]
+    ),
+}
 
 
 def model_fields(family: str, llama_fields: frozenset[str]) -> frozenset[str]:
     """The `config.json` fields that define a model of `family` (Llama's, for Qwen minus the
-    bias switches its family fixes, plus its window fields)."""
+    bias switches its family fixes, plus its window fields; for MoE plus the experts')."""
     if family == "qwen2":
         return (llama_fields - {"attention_bias", "mlp_bias"}) | _QWEN_WINDOW_FIELDS
-    if family == "qwen3":
-        return (llama_fields - {"mlp_bias"}) | _QWEN_WINDOW_FIELDS
+    if family in ("qwen3", "qwen3_moe"):
+        fields = (llama_fields - {"mlp_bias"}) | _QWEN_WINDOW_FIELDS
+        return fields | _MOE_FIELDS.get(family, frozenset())
+    if family == "mixtral":  # no attention_bias / mlp_bias keys in MixtralConfig
+        return (llama_fields - {"attention_bias", "mlp_bias"}) | _MOE_FIELDS[family]
     return llama_fields
 
 
+def _moe_problems(spec: ModelSpec, family: str) -> list[str]:
+    """What a MoE `spec` has that its Hugging Face family (Mixtral or Qwen3-MoE) has not."""
+    out = []
+    if spec.shared_experts:
+        out.append(
+            f"model.shared_experts = {spec.shared_experts} (Mixtral and Qwen3-MoE have none)"
+        )
+    if spec.qkv_bias:
+        out.append("model.qkv_bias with experts (Mixtral and Qwen3-MoE have no Q/K/V biases)")
+    if family == "mixtral" and spec.dense_layers:
+        out.append(
+            f"model.dense_layers = {spec.dense_layers} without model.qk_norm (Mixtral has no "
+            "dense layers; Qwen3-MoE's mlp_only_layers, with QK-norm, do)"
+        )
+    if family == "mixtral" and not spec.router_norm_topk:
+        out.append("model.router_norm_topk = false (Mixtral renormalises the top-k gates)")
+    return out
+
+
 def hf_family(spec: ModelSpec) -> str:
-    """The family `export --hf` writes `spec` as; CheckpointError when none has its attention."""
+    """The family `export --hf` writes `spec` as; CheckpointError when none has its attention
+    (or its experts)."""
     if spec.qkv_bias and spec.qk_norm:
         raise CheckpointError(
             "cannot export to Hugging Face: model.qkv_bias and model.qk_norm together have no "
             "Hugging Face form (Qwen2 has the biases without QK-norm; Qwen3's attention_bias "
             "also puts a bias on the output projection)."
         )
+    if spec.is_moe:
+        family = "qwen3_moe" if spec.qk_norm else "mixtral"
+        problems = _moe_problems(spec, family)
+        if problems:
+            raise CheckpointError(
+                "cannot export this mixture of experts to Hugging Face: "
+                + "; ".join(problems)
+                + "."
+            )
+        return family
     return "qwen2" if spec.qkv_bias else "qwen3" if spec.qk_norm else "llama"
 
 
+def expert_names(spec: ModelSpec) -> ExpertNames | None:
+    """How the Hugging Face family of `spec` names its experts (None: a dense model)."""
+    return _EXPERT_NAMES[hf_family(spec)] if spec.is_moe else None
+
+
 def family_config_fields(spec: ModelSpec) -> dict[str, Any]:
-    """`config.json` fields naming the family of `spec` and, for Qwen, no sliding window."""
+    """`config.json` fields naming the family of `spec`, its experts and, for Qwen, no sliding
+    window (they replace the Llama fields of the same name)."""
     family = hf_family(spec)
     out: dict[str, Any] = {"architectures": [ARCHITECTURES[family]], "model_type": family}
     if family == "llama":
         return out | {"attention_bias": False, "mlp_bias": False}
-    out |= {
-        "use_sliding_window": False,
+    if family == "mixtral":
+        return out | _mixtral_fields(spec)
+    out |= {"use_sliding_window": False, "sliding_window": None, "max_window_layers": spec.layers}
+    if family != "qwen3_moe":  # Qwen3MoeConfig has no layer_types
+        out["layer_types"] = ["full_attention"] * spec.layers
+    if family == "qwen3_moe":
+        out |= _qwen3_moe_fields(spec)
+    return out | ({"attention_bias": False} if family != "qwen2" else {})
+
+
+def _mixtral_fields(spec: ModelSpec) -> dict[str, Any]:
+    return {
+        "intermediate_size": spec.expert_ffn,  # Mixtral's experts' width (no dense layers)
+        "num_local_experts": spec.experts,
+        "num_experts_per_tok": spec.top_k,
+        "router_aux_loss_coef": spec.router_aux_loss_coef,
+        "router_jitter_noise": 0.0,
         "sliding_window": None,
-        "max_window_layers": spec.layers,
-        "layer_types": ["full_attention"] * spec.layers,
     }
-    return out | ({"attention_bias": False} if family == "qwen3" else {})
+
+
+def _qwen3_moe_fields(spec: ModelSpec) -> dict[str, Any]:
+    return {
+        "num_experts": spec.experts,
+        "num_experts_per_tok": spec.top_k,
+        "moe_intermediate_size": spec.expert_ffn,
+        "norm_topk_prob": spec.router_norm_topk,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": list(range(spec.dense_layers)),
+        "router_aux_loss_coef": spec.router_aux_loss_coef,
+    }
