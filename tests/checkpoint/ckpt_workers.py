@@ -15,8 +15,10 @@ GLOBAL_BATCH = 8
 MODEL = {"preset": "tiny", "layers": 4, "seq_len": 32, "vocab": 256}
 MOE_MODEL = {"preset": "tiny-moe", "layers": 4, "seq_len": 32, "vocab": 256}
 TIED_MODEL = {**MODEL, "tied_embeddings": True}
-# a case's `moe` field picks the model: False (dense), True (MoE) or "tied" (tied embeddings)
-MODELS = {False: MODEL, True: MOE_MODEL, "tied": TIED_MODEL}
+MIXTRAL_MODEL = {**MOE_MODEL, "layers": 2, "shared_experts": 0}  # a Hugging Face Mixtral's shape
+# a case's `moe` field picks the model: False (dense), True (MoE), "tied" (tied embeddings) or
+# "mixtral" (MoE without shared experts)
+MODELS = {False: MODEL, True: MOE_MODEL, "tied": TIED_MODEL, "mixtral": MIXTRAL_MODEL}
 TRAIN = {
     "lr": 3e-3,
     "warmup_steps": 1,
@@ -188,6 +190,22 @@ def save_then_continue(
     after = trainee.train(steps_after)
     trainee.close()
     return {"path": path, "check": check, "losses_after": after}
+
+
+def save_and_forward(rank, world, plan, root, moe, tokens: list) -> dict:
+    """Train a step, checkpoint, and the live model's fp32 logits of `tokens` [B, T] (the same
+    on every rank), as nested lists."""
+    import torch
+
+    trainee = Trainee(plan, world, moe)
+    trainee.train(1)
+    path = trainee.save(trainee.checkpointer(root))
+    (model,) = trainee.runtime.model_parts  # no pipeline: one part, the whole model
+    model.eval()
+    with torch.no_grad():
+        logits = model(torch.tensor(tokens)).tolist()
+    trainee.close()
+    return {"path": path, "logits": logits}
 
 
 def load_then_continue(rank, world, plan, root, steps_after, moe=False, train=None) -> dict:

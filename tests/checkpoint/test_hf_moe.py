@@ -7,6 +7,7 @@ with the same logits, and the tokenizer comes along. Bad inputs are named."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from fivefold.checkpoint import Checkpointer
-from fivefold.checkpoint.hf import read_hf
+from fivefold.checkpoint.hf import export_hf, read_hf
 from fivefold.checkpoint.state import read_state
 from fivefold.cli.main import main
 from fivefold.errors import CheckpointError
@@ -181,3 +182,26 @@ def test_what_fivefold_does_not_build_is_named(tmp_path, family, change, message
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match=message):
         read_hf(tmp_path)
+
+
+def test_an_expert_parallel_checkpoint_exports_whole(tmp_path):
+    """EP2 over 2 ranks, each holding 2 of the 4 experts of each layer: the export gathers
+    them (DCP -> per-expert safetensors), and transformers' logits on it equal the live
+    expert-parallel model's on both ranks."""
+    from ckpt_harness import run_ranks
+    from ckpt_workers import save_and_forward
+
+    tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(7))
+    plan = {"dp_shard": 2, "zero": 1, "ep": 2, "micro_batch": 4}
+    ranks = run_ranks(2, save_and_forward, plan, str(tmp_path / "ckpt"), "mixtral", tokens.tolist())
+    export_hf(Path(ranks[0]["path"]), tmp_path / "hf")
+    theirs = transformers.MixtralForCausalLM.from_pretrained(
+        str(tmp_path / "hf"), local_files_only=True, dtype=torch.float32
+    ).eval()
+    written = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    experts = [written[f"model.layers.1.block_sparse_moe.experts.{e}.w1.weight"] for e in range(4)]
+    assert all(not torch.equal(experts[0], other) for other in experts[1:])
+    with torch.no_grad():
+        expected = theirs(tokens).logits
+    for rank in ranks:
+        assert float((torch.tensor(rank["logits"]) - expected).abs().max()) <= LOGIT_ATOL
