@@ -74,6 +74,16 @@ def test_parameter_count_equals_transformers_on_meta(name):
         assert param_count(_spec(name)) == PUBLISHED[name]
 
 
+@pytest.mark.parametrize("name", FULL + TINY)
+def test_rope_base_equals_transformers(name):
+    """The RoPE base a config gives or, named nowhere, its family's default (Mixtral's 1e6)."""
+    transformers = pytest.importorskip("transformers")
+    config = json.loads((CONFIGS / f"{name}.json").read_text())
+    kwargs = {k: v for k, v in config.items() if k not in _NOT_FOR_TRANSFORMERS}
+    hf_config = transformers.AutoConfig.for_model(config["model_type"], **kwargs)
+    assert _spec(name).rope_theta == hf_config.rope_parameters["rope_theta"]
+
+
 @pytest.mark.parametrize("name", TINY)
 def test_forward_flops_equal_torchs_count(name):
     """torch's FLOP counter over the eager forward (which scores every query against every key

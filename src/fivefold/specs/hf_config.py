@@ -50,6 +50,7 @@ _SCALED_KEYS = {  # what the other scalings carry that a ModelSpec keeps
     "original_max_position_embeddings": "rope_original_seq_len",
 }
 _MISTRAL_DEFAULT_WINDOW = 4096  # MistralConfig's default when the key is absent
+_DEFAULT_THETA = {"mixtral": 1e6}  # MixtralConfig's RoPE base when a config names none
 
 
 def read_hf_config(path: str | Path) -> dict[str, Any]:
@@ -70,9 +71,12 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def rope_settings(config: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
-    """ModelSpec RoPE fields (theta, scaling type, factor, ...) from a config, and the problems:
-    an unknown scaling type, a llama3 scaling missing a value, the two spellings disagreeing."""
+def rope_settings(
+    config: dict[str, Any], default_theta: float = 10_000.0
+) -> tuple[dict[str, Any], list[str]]:
+    """ModelSpec RoPE fields (theta, scaling type, factor, ...) from a config (`default_theta`
+    when it names none), and the problems: an unknown scaling type, a llama3 scaling missing a
+    value, the two spellings disagreeing."""
     new = config.get("rope_parameters") or {}
     old = dict(config.get("rope_scaling") or {})
     if "rope_theta" in config:
@@ -92,7 +96,7 @@ def rope_settings(config: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         return {}, ["conflicting RoPE settings (" + "; ".join(conflicts) + ")"]
     rope = {**old, **new}
     rope_type = rope.get("rope_type", "default")
-    out: dict[str, Any] = {"rope_theta": rope.get("rope_theta", 10_000.0)}
+    out: dict[str, Any] = {"rope_theta": rope.get("rope_theta", default_theta)}
     if rope_type == "default":
         return out, []
     if rope_type not in ROPE_SCALING_TYPES:
@@ -241,7 +245,7 @@ def spec_from_hf_config(
     naming what cannot be read. `name` defaults to the config's `_name_or_path` or family."""
     family = config.get("model_type")
     problems = _family_problems(config, family)
-    rope, rope_problems = rope_settings(config)
+    rope, rope_problems = rope_settings(config, _DEFAULT_THETA.get(family, 10_000.0))
     problems += rope_problems
     if problems:
         raise ConfigError(f"{where} cannot be read: " + "; ".join(problems) + ".")
