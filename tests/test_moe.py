@@ -37,6 +37,21 @@ def test_routing_gates_are_renormalised_top_k():
     torch.testing.assert_close(routing.probs, probs)
 
 
+def test_routing_gates_without_renormalising_are_the_probabilities():
+    """Qwen3-MoE's norm_topk_prob = false: the top-k softmax probabilities as they are."""
+    probs = torch.tensor([[0.1, 0.5, 0.3, 0.1]])
+    routing = route(probs.log(), top_k=2, norm_topk=False)
+    assert routing.expert_indices[0].tolist() == [1, 2]
+    torch.testing.assert_close(routing.gates[0], torch.tensor([0.5, 0.3]))
+    moe = random_moe(shared=0)
+    x = torch.randn(1, 5, 8)
+    with torch.no_grad():
+        renormalised = moe(x)
+        moe.norm_topk = False
+        kept = moe(x)
+    assert float((renormalised - kept).abs().max()) > 1e-3
+
+
 def test_aux_loss_hand_check():
     # top-1 of 2 experts: tokens pick 0, 0, 0, 1 -> f = [3/4, 1/4]; mean probs P = [0.6, 0.4]
     # loss = E * sum f_e P_e = 2 * (0.75 * 0.6 + 0.25 * 0.4) = 1.1
