@@ -1,5 +1,5 @@
-"""`fivefold import --hf DIR --out RUN_DIR`: start training from a Hugging Face Llama, Qwen2 or
-Qwen3 model."""
+"""`fivefold import --hf DIR --out RUN_DIR`: start training from a Hugging Face Llama, Qwen2,
+Qwen3, Mixtral or Qwen3-MoE model."""
 
 from __future__ import annotations
 
@@ -18,8 +18,9 @@ from fivefold.errors import CheckpointError, DataError
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "import",
-        help="start a run from a Hugging Face Llama, Qwen2 or Qwen3 model",
-        description="Turn a Hugging Face Llama, Qwen2 or Qwen3 directory (config.json + "
+        help="start a run from a Hugging Face Llama, Qwen2, Qwen3, Mixtral or Qwen3-MoE model",
+        description="Turn a Hugging Face Llama, Qwen2, Qwen3, Mixtral or Qwen3-MoE directory "
+        "(config.json + "
         "*.safetensors; no download, no pickled .bin files) into a weights-only fivefold "
         "checkpoint RUN_DIR/ckpt/step_0 and a recipe RUN_DIR/imported.toml whose [model] "
         "section is the imported architecture (with train.run_dir = RUN_DIR and train.resume = "
@@ -30,7 +31,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "train RUN_DIR/imported.toml [overrides]` (the run resumes from step_0 with the "
         "imported weights and a fresh optimizer, LR schedule and data order). What fivefold's "
         "model would not reproduce is refused by name (biases other than Qwen2's on Q, K and V, "
-        "sliding windows, RoPE scalings other than llama3).",
+        "sliding windows, RoPE scalings other than llama3, Qwen3-MoE sparse layers other than "
+        "all but a leading dense run, router jitter noise); tensors whose names or shapes "
+        "disagree with config.json are named.",
     )
     parser.add_argument(
         "--hf", required=True, type=Path, metavar="DIR", help="the Hugging Face model directory"

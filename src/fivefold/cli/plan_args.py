@@ -32,8 +32,8 @@ TOML recipe ([train] and [data] at their defaults, each marked so) that `fivefol
 
 The model comes from a preset (--model llama3-8b), a TOML file (--model my.toml, a [model]
 table or a recipe), a Hugging Face config (--hf-config config.json: Llama, Mistral, Qwen2/3,
-Mixtral, DeepSeek-V3) or flags (--layers --hidden --heads ...); flags override the preset. The
-cluster from a preset and a GPU count (--cluster dgx-h100 --gpus 64) or a description
+Mixtral, Qwen3-MoE, DeepSeek-V3) or flags (--layers --hidden --heads ...); flags override the
+preset. The cluster from a preset and a GPU count (--cluster dgx-h100 --gpus 64) or a description
 (--gpu h100 --gpus-per-node 8 --nvlink-gbps 900 --ib-gbps 50 --gpus 64). A positional recipe
 (e.g. configs/llama3-8b-dgx-h100.toml) gives model, cluster and, for `estimate`, the layout
 and its batch: grad_accum as the recipe sets it (its default, 1, when unset), the batch
@@ -96,7 +96,8 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     m.add_argument(
         "--hf-config",
         metavar="CONFIG.json",
-        help="a Hugging Face config.json (llama, mistral, qwen2, qwen3, mixtral, deepseek_v3): "
+        help="a Hugging Face config.json (llama, mistral, qwen2, qwen3, mixtral, qwen3_moe, "
+        "deepseek_v3): "
         "the model it describes, flags on top (as [model] hf_config = ...)",
     )
     for flag, help_text in (
