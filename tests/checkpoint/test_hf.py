@@ -140,6 +140,11 @@ def test_families_not_trained_yet_are_refused_for_what_they_are(name, says):
         ({"model_type": "mistral"}, "model_type = 'mistral'"),
         ({"sliding_window": 4096}, "unknown field.s. sliding_window"),  # would change attention
         ({"attention_dropout": 0.1}, "attention_dropout = 0.1"),
+        (  # experts belong to a MoE family's config
+            {"num_local_experts": 4},
+            "num_local_experts = 4 makes it a mixture-of-experts model, which model_type = "
+            "'llama' is not; fivefold imports experts as mixtral or qwen3_moe",
+        ),
     ],
 )
 def test_unsupported_llama_configs_are_named(change, message):
