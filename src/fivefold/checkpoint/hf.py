@@ -62,28 +62,24 @@ def llama_config(spec: ModelSpec, dtype: str = "fp32", eod_id: int | None = None
         if eod_id is None
         else {"bos_token_id": eod_id, "eos_token_id": eod_id, "pad_token_id": eod_id}
     )
-    return (
-        special
-        | {
-            "vocab_size": spec.vocab,
-            "hidden_size": spec.hidden,
-            "intermediate_size": spec.ffn,
-            "num_hidden_layers": spec.layers,
-            "num_attention_heads": spec.heads,
-            "num_key_value_heads": spec.kv_heads,
-            "head_dim": spec.head_dim,
-            "max_position_embeddings": spec.seq_len,
-            "rms_norm_eps": spec.norm_eps,
-            **_rope_config(spec),
-            "hidden_act": "silu",
-            "attention_dropout": 0.0,
-            "tie_word_embeddings": spec.tied_embeddings,
-            "torch_dtype": torch_dtype,
-            "dtype": torch_dtype,
-            "fivefold_model_name": spec.name,
-        }
-        | family_config_fields(spec)
-    )
+    return special | {
+        **family_config_fields(spec),
+        "vocab_size": spec.vocab,
+        "hidden_size": spec.hidden,
+        "num_hidden_layers": spec.layers,
+        "num_attention_heads": spec.heads,
+        "num_key_value_heads": spec.kv_heads,
+        "head_dim": spec.head_dim,
+        "max_position_embeddings": spec.seq_len,
+        "rms_norm_eps": spec.norm_eps,
+        **_rope_config(spec),
+        "hidden_act": "silu",
+        "attention_dropout": 0.0,
+        "tie_word_embeddings": spec.tied_embeddings,
+        "torch_dtype": torch_dtype,
+        "dtype": torch_dtype,
+        "fivefold_model_name": spec.name,
+    }
 
 
 # Llama `config.json` fields: those that define the model (each read or checked below) and those

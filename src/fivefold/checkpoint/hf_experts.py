@@ -77,8 +77,3 @@ def experts_from_hf(
     while (name := names.expert(layer, len(out), parameter)) in tensors:
         out.append(tensors[name])
     return torch.stack(out)
-
-
-def expert_hf_names(names: ExpertNames, layer: int, parameter: str, count: int) -> list[str]:
-    """The HF names `experts_to_hf` writes for `count` experts."""
-    return [names.expert(layer, expert, parameter) for expert in range(count)]

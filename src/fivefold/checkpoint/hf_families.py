@@ -123,10 +123,11 @@ def expert_names(spec: ModelSpec) -> ExpertNames | None:
 
 
 def family_config_fields(spec: ModelSpec) -> dict[str, Any]:
-    """`config.json` fields naming the family of `spec`, its experts and, for Qwen, no sliding
-    window (they replace the Llama fields of the same name)."""
+    """`config.json` fields naming the family of `spec`, its MLP widths (Mixtral's experts'
+    as `intermediate_size`), its experts and, for Qwen, no sliding window."""
     family = hf_family(spec)
     out: dict[str, Any] = {"architectures": [ARCHITECTURES[family]], "model_type": family}
+    out["intermediate_size"] = spec.expert_ffn if family == "mixtral" else spec.ffn
     if family == "llama":
         return out | {"attention_bias": False, "mlp_bias": False}
     if family == "mixtral":
@@ -141,7 +142,6 @@ def family_config_fields(spec: ModelSpec) -> dict[str, Any]:
 
 def _mixtral_fields(spec: ModelSpec) -> dict[str, Any]:
     return {
-        "intermediate_size": spec.expert_ffn,  # Mixtral's experts' width (no dense layers)
         "num_local_experts": spec.experts,
         "num_experts_per_tok": spec.top_k,
         "router_aux_loss_coef": spec.router_aux_loss_coef,
