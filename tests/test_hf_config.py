@@ -203,7 +203,7 @@ def test_train_refuses_what_the_runtime_cannot_build(tmp_path, capsys):
             load_run(recipe, [], world_size=1)
         assert main(["train", str(recipe), "--dry-run"]) == 2
         assert "fivefold's runtime does not implement it" in capsys.readouterr().err
-    for name in ("qwen2-7b", "qwen3-8b"):  # Q/K/V biases and QK-norm train
+    for name in ("qwen2-7b", "qwen3-8b", "mixtral-8x7b", "qwen3-30b-a3b"):  # biases, QK-norm, MoE
         assert _spec(name).runtime_problems() == []
     llama = tmp_path / "llama.toml"  # a Llama config trains
     llama.write_text(f'[model]\nhf_config = "{CONFIGS}/tiny-llama.json"\nseq_len = 64\n')

@@ -15,7 +15,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from fivefold.checkpoint import Checkpointer
-from fivefold.checkpoint.hf import export_hf, read_hf
+from fivefold.checkpoint.hf import export_hf, read_hf, spec_from_llama_config
 from fivefold.checkpoint.state import read_state
 from fivefold.cli.main import main
 from fivefold.errors import CheckpointError
@@ -205,3 +205,18 @@ def test_an_expert_parallel_checkpoint_exports_whole(tmp_path):
         expected = theirs(tokens).logits
     for rank in ranks:
         assert float((torch.tensor(rank["logits"]) - expected).abs().max()) <= LOGIT_ATOL
+
+
+@pytest.mark.parametrize(
+    "name, parameters",
+    [("mixtral-8x7b", 46_702_792_704), ("qwen3-30b-a3b", 30_532_122_624)],  # tests/test_hf_config
+)
+def test_published_moe_configs_are_importable_with_exact_counts(name, parameters):
+    """The published config.json files (every field they carry known) read by `import --hf`
+    as by `plan --hf-config`, with transformers' parameter count."""
+    config = json.loads(
+        (Path(__file__).parents[1] / "data" / "hf_configs" / f"{name}.json").read_text()
+    )
+    spec = spec_from_llama_config(config)
+    assert spec.is_moe and param_count(spec) == parameters
+    assert spec.router_norm_topk  # Mixtral always, Qwen3-30B-A3B's norm_topk_prob = true
