@@ -82,12 +82,11 @@ def to_hf_tensors(spec: ModelSpec, tensors: Mapping[str, torch.Tensor]) -> dict[
     return out
 
 
-def from_hf_tensors(
-    spec: ModelSpec, tensors: Mapping[str, torch.Tensor]
-) -> dict[str, torch.Tensor]:
+def from_hf_tensors(spec: ModelSpec, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """HF-named tensors (checked by `check_hf_tensors`) -> fivefold-named ones, each MoE layer's
-    experts stacked; a tied LM head is the embedding again."""
-    rest = dict(tensors)
+    experts stacked; a tied LM head is the embedding again. Empties `tensors` as it goes, so
+    each expert's matrix is freed once stacked (memory: the model once, plus one layer)."""
+    rest = tensors
     if spec.tied_embeddings:
         rest.pop(_TOP["output.weight"], None)
     out: dict[str, torch.Tensor] = {}
@@ -95,6 +94,7 @@ def from_hf_tensors(
     for layer in range(spec.dense_layers, spec.layers) if names is not None else ():
         out |= _moe_layer_from_hf(names, layer, rest)
     out |= {from_hf_name(name): value for name, value in rest.items()}
+    rest.clear()
     if spec.tied_embeddings and "tok_embeddings.weight" in out:
         out.setdefault("output.weight", out["tok_embeddings.weight"])
     return out
