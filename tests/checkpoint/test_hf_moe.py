@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from fivefold.checkpoint import Checkpointer
 from fivefold.checkpoint.hf import export_hf, read_hf, spec_from_llama_config
+from fivefold.checkpoint.hf_experts import ExpertNames, experts_from_hf, experts_to_hf
 from fivefold.checkpoint.state import read_state
 from fivefold.cli.main import main
 from fivefold.errors import CheckpointError
@@ -220,3 +221,28 @@ def test_published_moe_configs_are_importable_with_exact_counts(name, parameters
     spec = spec_from_llama_config(config)
     assert spec.is_moe and param_count(spec) == parameters
     assert spec.router_norm_topk  # Mixtral always, Qwen3-30B-A3B's norm_topk_prob = true
+
+
+def test_expert_mapping_splits_and_stacks_back():
+    """`hf_experts` as another family reuses it: routed experts split per expert and stacked
+    back bitwise; a DeepSeek-V3-like naming with shared experts and a router bias."""
+    names = ExpertNames(
+        block="mlp",
+        gate="gate_proj",
+        up="up_proj",
+        down="down_proj",
+        shared="shared_experts",
+        extra=(("router.score_bias", "gate.e_score_correction_bias"),),
+    )
+    w2 = torch.randn(3, 8, 5)  # [E, D, F]
+    split = experts_to_hf(names, 4, "w2", w2)
+    assert list(split) == [f"model.layers.4.mlp.experts.{e}.down_proj.weight" for e in range(3)]
+    assert torch.equal(split["model.layers.4.mlp.experts.1.down_proj.weight"], w2[1])
+    assert torch.equal(experts_from_hf(names, 4, "w2", split), w2)
+    assert names.other_tensors() == {
+        "router.weight": "mlp.gate.weight",
+        "router.score_bias": "mlp.gate.e_score_correction_bias",
+        "shared_expert.w1.weight": "mlp.shared_experts.gate_proj.weight",
+        "shared_expert.w3.weight": "mlp.shared_experts.up_proj.weight",
+        "shared_expert.w2.weight": "mlp.shared_experts.down_proj.weight",
+    }

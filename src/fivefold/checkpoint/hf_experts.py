@@ -25,7 +25,9 @@ _SHARED |= {"shared_expert.w2.weight": "down"}
 class ExpertNames:
     """How a family names a MoE layer's tensors under `model.layers.<i>.`: `block` the module,
     `gate` / `up` / `down` one expert's projections (fivefold's w1 / w3 / w2), `router` the
-    router's matrix under the block, `shared` the shared experts' module (None: none)."""
+    router's matrix under the block, `shared` the shared experts' module (None: none), `extra`
+    further (fivefold name under `layers.<i>.moe.`, HF name under the block) pairs, such as a
+    router's score-correction bias."""
 
     block: str
     gate: str
@@ -33,6 +35,7 @@ class ExpertNames:
     down: str
     router: str = "gate.weight"
     shared: str | None = None
+    extra: tuple[tuple[str, str], ...] = ()
 
     def expert(self, layer: int, expert: int, parameter: str) -> str:
         """The HF name of expert `expert`'s `parameter` (fivefold's w1, w2 or w3) in `layer`."""
@@ -41,8 +44,9 @@ class ExpertNames:
 
     def other_tensors(self) -> dict[str, str]:
         """fivefold name under `layers.<i>.moe.` -> HF name under `model.layers.<i>.`, for
-        what is not a routed expert (router, shared experts)."""
+        what is not a routed expert (router, shared experts, `extra`)."""
         out = {"router.weight": f"{self.block}.{self.router}"}
+        out |= {ff: f"{self.block}.{hf}" for ff, hf in self.extra}
         if self.shared is not None:
             out |= {
                 ff: f"{self.block}.{self.shared}.{getattr(self, field)}.weight"
