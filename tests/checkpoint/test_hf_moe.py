@@ -246,3 +246,24 @@ def test_expert_mapping_splits_and_stacks_back():
         "shared_expert.w3.weight": "mlp.shared_experts.up_proj.weight",
         "shared_expert.w2.weight": "mlp.shared_experts.down_proj.weight",
     }
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"shared_experts": 1}, r"model.shared_experts = 1 \(Mixtral and Qwen3-MoE have none\)"),
+        ({"dense_layers": 1}, "model.dense_layers = 1 without model.qk_norm"),
+        ({"router_norm_topk": False}, "model.router_norm_topk = false"),
+        ({"qkv_bias": True}, "model.qkv_bias with experts"),
+        ({"sliding_window": 16}, "model.sliding_window = 16"),
+    ],
+)
+def test_experts_without_a_hugging_face_form_are_named(change, message):
+    """What neither Mixtral nor Qwen3-MoE can hold is refused by name, never written wrong."""
+    from fivefold.checkpoint.hf_families import hf_family
+
+    mixtral = ModelSpec(layers=2, experts=4, top_k=2, expert_ffn=32)
+    assert hf_family(mixtral) == "mixtral"
+    assert hf_family(mixtral.with_(qk_norm=True, dense_layers=1)) == "qwen3_moe"
+    with pytest.raises(CheckpointError, match=message):
+        hf_family(mixtral.with_(**change))

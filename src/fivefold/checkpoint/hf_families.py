@@ -90,6 +90,11 @@ def _moe_problems(spec: ModelSpec, family: str) -> list[str]:
             f"model.dense_layers = {spec.dense_layers} without model.qk_norm (Mixtral has no "
             "dense layers; Qwen3-MoE's mlp_only_layers, with QK-norm, do)"
         )
+    if spec.sliding_window:  # written as "no window" below: refused rather than dropped
+        out.append(
+            f"model.sliding_window = {spec.sliding_window} (fivefold does not write Mixtral's "
+            "or Qwen3-MoE's window fields yet)"
+        )
     if family == "mixtral" and not spec.router_norm_topk:
         out.append("model.router_norm_topk = false (Mixtral renormalises the top-k gates)")
     return out
