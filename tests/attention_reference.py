@@ -11,22 +11,29 @@ import torch
 import torch.nn.functional as F
 
 
-def dense_mask(doc_ids: torch.Tensor | None, batch: int, seq: int) -> torch.Tensor:
-    """[B|1, 1, T, T] boolean: key j visible to query i when j <= i and doc_j == doc_i."""
+def dense_mask(doc_ids: torch.Tensor | None, batch: int, seq: int, window: int = 0) -> torch.Tensor:
+    """[B|1, 1, T, T] boolean: key j visible to query i when j <= i and doc_j == doc_i (and,
+    with a sliding `window`, i - j < window)."""
     index = torch.arange(seq)
     allowed = (index[None, :] <= index[:, None]).unsqueeze(0)  # [1, T, T]
+    if window:
+        allowed = allowed & (index[:, None] - index[None, :] < window)
     if doc_ids is not None:
         allowed = allowed & (doc_ids[:, :, None] == doc_ids[:, None, :])
     return allowed.unsqueeze(1)
 
 
 def dense_reference_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    doc_ids: torch.Tensor | None,
+    window: int = 0,
 ) -> torch.Tensor:
     """q [B, Hq, T, Dh], k, v [B, Hkv, T, Dh], doc_ids [B, T] or None -> [B, Hq, T, Dh]."""
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    mask = dense_mask(doc_ids, q.shape[0], q.shape[2])
+    mask = dense_mask(doc_ids, q.shape[0], q.shape[2], window)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 

@@ -14,7 +14,7 @@ import torch
 from harness import run_ranks
 
 from attention_reference import dense_reference_attention, packed_doc_ids, positions_from_docs
-from fivefold.model import DocumentLayout, build_model, cross_entropy_loss
+from fivefold.model import DocumentLayout, build_model, cross_entropy_loss, document_blocks
 from fivefold.parallel.context_parallel import (
     apply_context_parallel,
     load_balanced_indices,
@@ -31,8 +31,11 @@ B, HQ, HKV, T, DH = 2, 4, 2, 32, 8
 KINDS = ["ring", "allgather", "ulysses"]
 
 
-def _attention_case(group, cp_rank, cp_size, kind, with_docs, dtype=torch.float32) -> float:
-    """Max |deviation| of out, dq, dk, dv from the fp32 dense reference (inputs in dtype)."""
+def _attention_case(
+    group, cp_rank, cp_size, kind, with_docs, dtype=torch.float32, window: int = 0
+) -> float:
+    """Max |deviation| of out, dq, dk, dv from the fp32 dense reference (inputs in dtype),
+    within a sliding window of `window` keys when > 0."""
     g = torch.Generator().manual_seed(1234)
     q, k, v = (
         torch.randn(B, heads, T, DH, generator=g).to(dtype).float().requires_grad_()
@@ -40,7 +43,7 @@ def _attention_case(group, cp_rank, cp_size, kind, with_docs, dtype=torch.float3
     )
     dout = torch.randn(B, HQ, T, DH, generator=g)
     docs = packed_doc_ids(B, T, g) if with_docs else None
-    ref = dense_reference_attention(q, k, v, docs)
+    ref = dense_reference_attention(q, k, v, docs, window)
     ref.backward(dout)
 
     def shard(x):
@@ -50,7 +53,7 @@ def _attention_case(group, cp_rank, cp_size, kind, with_docs, dtype=torch.float3
     local_docs = None if docs is None else shard_sequence_for_cp(docs, cp_rank, cp_size, dim=1)
     from fivefold.parallel.context_parallel import ContextParallelAttentionCore
 
-    core = ContextParallelAttentionCore(group, kind)
+    core = ContextParallelAttentionCore(group, kind, window)
     layout = None if local_docs is None else DocumentLayout(local_docs, B, T // cp_size)
     out = core(lq, lk, lv, layout)
     out.backward(shard(dout).to(dtype))
@@ -61,25 +64,28 @@ def _attention_case(group, cp_rank, cp_size, kind, with_docs, dtype=torch.float3
 TINY = ModelSpec(
     name="tiny-cp", layers=2, hidden=32, heads=4, kv_heads=2, ffn=64, vocab=97, seq_len=T
 )
+WINDOW = 5  # keys per query: shorter than a CP chunk (T / 2cp = 4 or 8 tokens) and longer
+# TINY with the window in its first layer only: a full and a windowed layer in one model
+TINY_WINDOWED = TINY.with_(sliding_window=WINDOW, sliding_pattern="sf")
 
 
-def _model_case(group, cp_rank, cp_size, kind) -> tuple[float, int]:
+def _model_case(group, cp_rank, cp_size, kind, spec=TINY) -> tuple[float, int]:
     """(max deviation of local logits and of CP-summed parameter grads from the full model,
     doc-id all-gathers during the CP model's forward and backward)."""
     import torch.distributed as dist
 
     g = torch.Generator().manual_seed(7)
-    tokens = torch.randint(0, TINY.vocab, (B, T + 1), generator=g)
+    tokens = torch.randint(0, spec.vocab, (B, T + 1), generator=g)
     docs = packed_doc_ids(B, T, g)
     batch = Batch(tokens[:, :-1], tokens[:, 1:], positions_from_docs(docs), docs)
 
-    ref = build_model(TINY)
+    ref = build_model(spec)
     ref.to_empty(device="cpu")
     ref.init_weights(seed=0)
     ref_logits = ref(batch.tokens, batch.positions, batch.doc_ids)
     cross_entropy_loss(ref_logits, batch.labels).backward()
 
-    model = build_model(TINY)
+    model = build_model(spec)
     apply_context_parallel(model, group, kind)
     model.to_empty(device="cpu")
     model.init_weights(seed=0)
@@ -121,9 +127,14 @@ def _cp_worker() -> dict:
             for with_docs in (False, True):
                 key = f"attn-{kind}-cp{cp_size}-docs{int(with_docs)}"
                 results[key] = _attention_case(group, cp_rank, cp_size, kind, with_docs)
+            key = f"attn-{kind}-cp{cp_size}-window"
+            results[key] = _attention_case(group, cp_rank, cp_size, kind, True, window=WINDOW)
         results[f"attn-ring-bf16-cp{cp_size}"] = _attention_case(
             group, cp_rank, cp_size, "ring", True, torch.bfloat16
         )
+        results[f"model-ring-cp{cp_size}-window"] = _model_case(
+            group, cp_rank, cp_size, "ring", TINY_WINDOWED
+        )[0]
         for kind in ("ring", "allgather", "ulysses"):
             if kind == "ulysses" and TINY.heads % cp_size:
                 continue
@@ -145,6 +156,42 @@ def deviations() -> dict:
 def test_attention_forward_backward_matches_dense_reference(deviations, kind, cp, with_docs):
     deviation = deviations[f"attn-{kind}-cp{cp}-docs{int(with_docs)}"]
     assert deviation < TOL, f"{kind} cp={cp}: max |dev| {deviation:.3g}"
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("kind", KINDS)
+def test_windowed_attention_matches_dense_reference(deviations, kind, cp):
+    """A sliding window of 5 keys over packed documents, forward and backward, every CP kind."""
+    deviation = deviations[f"attn-{kind}-cp{cp}-window"]
+    assert deviation < TOL, f"{kind} cp={cp} window: max |dev| {deviation:.3g}"
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_windowed_model_with_ring_matches_single_process(deviations, cp):
+    deviation = deviations[f"model-ring-cp{cp}-window"]
+    assert deviation < TOL, f"windowed model ring cp={cp}: max |dev| {deviation:.3g}"
+
+
+def test_ring_steps_outside_the_window_have_no_blocks():
+    """cp = 4, chunks of 4 tokens, one document: rank 3 holds chunks 3 and 4 (tokens 12-15,
+    16-19). With a window of 5 keys its queries reach back 4 tokens, so they meet only the
+    chunk just before each of theirs (2 before 3; 3, its own, before 4): of rank 2's chunks
+    (2, 5) one block is left, and the ring steps bringing ranks 1 and 0's chunks (1, 6 and
+    0, 7) have none; without the window every earlier chunk is a block."""
+    from fivefold.parallel.context_parallel import local_chunks
+
+    layout = DocumentLayout(None, 1, 32)
+    mine = local_chunks(3, 4, 4)
+    per_step = {
+        window: [
+            len(document_blocks(mine, local_chunks((3 - step) % 4, 4, 4), layout, window))
+            for step in range(4)
+        ]
+        for window in (0, WINDOW)
+    }
+    # steps bring ranks 3, 2, 1, 0: (chunks 3, 4), (2, 5), (1, 6), (0, 7)
+    assert per_step[0] == [3, 2, 2, 2]
+    assert per_step[WINDOW] == [3, 1, 0, 0]
 
 
 @pytest.mark.parametrize("cp", [2, 4])

@@ -14,6 +14,7 @@ import math
 import torch
 
 from fivefold.model.document_layout import Block, Span
+from fivefold.model.sliding_window import additive_bias, span_mask
 
 
 # ---- block kernels -------------------------------------------------------------------------------
@@ -22,22 +23,35 @@ def expand_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
     return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
 
 
-def _span_forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out [B,Hq,Tq,Dh], lse fp32 [B,Hq,Tq]) of one span; q [B,Hq,Tq,Dh], k, v [B,Hkv,Tk,Dh]."""
+def _span_bias(span: Span, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    """The additive mask of a windowed span (q [.., Tq, Dh], k [.., Tk, Dh]), None without."""
+    if not span.window:
+        return None
+    mask = span_mask(span.shift, span.window, q.shape[2], k.shape[2], q.device)
+    if q.device.type != "cuda":
+        return additive_bias(mask, q)
+    return additive_bias(mask, q, pad=True).expand(q.shape[0], q.shape[1], -1, -1)
+
+
+def _span_forward(q, k, v, causal: bool, scale: float, bias=None):
+    """(out [B,Hq,Tq,Dh], lse fp32 [B,Hq,Tq]) of one span; q [B,Hq,Tq,Dh], k, v [B,Hkv,Tk,Dh];
+    `bias` an additive [1, 1, Tq, Tk] mask (a sliding window; the causal flag is then off)."""
+    causal = causal and bias is None
     if q.device.type == "cuda":
         k, v = expand_heads(k, q.shape[1]), expand_heads(v, q.shape[1])
         out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
-            q, k, v, None, True, is_causal=causal, scale=scale
+            q, k, v, bias, True, is_causal=causal, scale=scale
         )
         return out, lse[..., : q.shape[2]].float()
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, is_causal=causal, scale=scale
+        q, k, v, is_causal=causal, attn_mask=bias, scale=scale
     )
     return out, lse.float()
 
 
-def _span_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+def _span_backward(dout, q, k, v, out, lse, causal: bool, scale: float, bias=None):
     """(dq, dk, dv) of one span given the merged out and lse of its query rows."""
+    causal = causal and bias is None
     if q.device.type == "cuda":
         heads = q.shape[1]
         ke, ve = expand_heads(k, heads), expand_heads(v, heads)
@@ -46,7 +60,7 @@ def _span_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
         lse_padded[..., :tq] = lse
         seed = torch.zeros((), dtype=torch.int64, device=q.device)
         dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-            dout, q, ke, ve, None, out, lse_padded, seed, seed, 0.0,
+            dout, q, ke, ve, bias, out, lse_padded, seed, seed, 0.0,
             [True, True, True, False], is_causal=causal, scale=scale,
         )  # fmt: skip
         groups = heads // k.shape[1]
@@ -55,7 +69,7 @@ def _span_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
             dv = dv.unflatten(1, (k.shape[1], groups)).sum(2)
         return dq, dk, dv
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout, q, k, v, out, lse, 0.0, causal, scale=scale,
+        dout, q, k, v, out, lse, 0.0, causal, attn_mask=bias, scale=scale,
     )  # fmt: skip
 
 
@@ -108,6 +122,12 @@ def uses_flash_blocks(q: torch.Tensor) -> bool:
     """Whether blocks run as one flash varlen call each (CUDA in fp16/bf16; GQA native, each
     block's gradients returned in q's dtype) rather than one call per document span."""
     return q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16)
+
+
+def _flash_block(q: torch.Tensor, block: Block) -> bool:
+    """Whether `block` runs as one flash varlen call: `uses_flash_blocks`, and no span banded
+    by a sliding window (those run per span, with their mask)."""
+    return uses_flash_blocks(q) and not any(s.window for s in block.spans)
 
 
 def _varlen_args(block: Block, batch: int, q_len: int, k_len: int, device: torch.device):
@@ -172,14 +192,14 @@ def block_forward(q, k, v, block: Block, scale: float) -> tuple[torch.Tensor, to
 
     Query rows no span covers get out = 0 and lse = -inf, so merging them changes nothing.
     """
-    if uses_flash_blocks(q):
+    if _flash_block(q, block):
         return _flash_block_forward(q, k, v, block, scale)
     qb, kb, vb = q[:, :, block.q], k[:, :, block.k], v[:, :, block.k]
     out = heads_last_buffer(qb, qb.shape[1], qb.shape[2], q.dtype)
     lse = qb.new_full(qb.shape[:-1], -math.inf, dtype=torch.float32)
     for s in block.spans:
-        o, l_ = _span_forward(qb[s.rows, :, s.q], kb[s.rows, :, s.k], vb[s.rows, :, s.k],
-                              s.causal, scale)  # fmt: skip
+        qs, ks = qb[s.rows, :, s.q], kb[s.rows, :, s.k]
+        o, l_ = _span_forward(qs, ks, vb[s.rows, :, s.k], s.causal, scale, _span_bias(s, qs, ks))
         out[s.rows, :, s.q] = o
         lse[s.rows, :, s.q] = l_
     return out, lse
@@ -190,14 +210,15 @@ def block_backward(dout, q, k, v, out, lse, block: Block, scale: float, grads) -
 
     `out` and `lse` are the merged results of the block's query rows (all of `q`'s rows).
     """
-    if uses_flash_blocks(q):
+    if _flash_block(q, block):
         return _flash_block_backward(dout, q, k, v, out, lse, block, scale, grads)
     dq, dk, dv = grads
     for s in block.spans:
         qr, kr = _sub(block.q, s.q), _sub(block.k, s.k)
+        qs, ks = q[s.rows, :, qr], k[s.rows, :, kr]
         bdq, bdk, bdv = _span_backward(
-            dout[s.rows, :, qr], q[s.rows, :, qr], k[s.rows, :, kr], v[s.rows, :, kr],
-            out[s.rows, :, qr], lse[s.rows, :, qr], s.causal, scale,
+            dout[s.rows, :, qr], qs, ks, v[s.rows, :, kr],
+            out[s.rows, :, qr], lse[s.rows, :, qr], s.causal, scale, _span_bias(s, qs, ks),
         )  # fmt: skip
         dq[s.rows, :, qr] += bdq
         dk[s.rows, :, kr] += bdk

@@ -14,6 +14,8 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from fivefold.model.sliding_window import window_span
+
 
 class Chunk(NamedTuple):
     """`length` tokens held at local index `local` that are global tokens [start, start+length)."""
@@ -24,12 +26,16 @@ class Chunk(NamedTuple):
 
 
 class Span(NamedTuple):
-    """Batch rows `rows`: queries `q` attend keys `k` (slices local to a block), causal or full."""
+    """Batch rows `rows`: queries `q` attend keys `k` (slices local to a block), causal or full;
+    with `window` > 0 only the keys 0 <= shift + i - j < window (`sliding_window.span_mask`,
+    `shift` = global position of the first query less that of the first key)."""
 
     rows: slice
     q: slice
     k: slice
     causal: bool
+    window: int = 0
+    shift: int = 0
 
 
 class Block(NamedTuple):
@@ -111,25 +117,30 @@ class DocumentLayout:
             self.cache[key] = (cu, max(lengths))
         return self.cache[key]
 
-    def flex_block_mask(self, device: torch.device) -> Any:
-        """The document-causal FlexAttention `BlockMask` of this batch on `device` (cached):
-        tiles from the host's document starts (`flex_tiles`), the mask function a closure over
-        the device's doc ids. Built eagerly, before any compiled block runs."""
-        key = ("flex", str(device))
+    def flex_block_mask(self, device: torch.device, window: int = 0) -> Any:
+        """The document-causal FlexAttention `BlockMask` of this batch on `device` (cached),
+        within a sliding `window` of keys when > 0: tiles from the host's document starts
+        (`flex_tiles`), the mask function a closure over the device's doc ids. Built eagerly,
+        before any compiled block runs."""
+        key = ("flex", str(device), window)
         if key not in self.cache:
-            self.cache[key] = _document_block_mask(self, device)
+            self.cache[key] = _document_block_mask(self, device, window)
         return self.cache[key]
 
 
 FLEX_BLOCK = 128  # FlexAttention's default tile on CUDA
 
 
-def flex_tiles(starts: tuple[int, ...], seq_len: int, block: int = FLEX_BLOCK) -> tuple:
+def flex_tiles(
+    starts: tuple[int, ...], seq_len: int, block: int = FLEX_BLOCK, window: int = 0
+) -> tuple:
     """(partial [nb, nb], full [nb, nb]) bool tiles of one row of documents starting at `starts`.
 
     Query tile i meets key tile j (j <= i) when they share a document: the document of j's last
     token is at least that of i's first. A tile is full (no mask needed) when j < i and both
-    lie inside one document; the diagonal and every other meeting tile are partial.
+    lie inside one document; the diagonal and every other meeting tile are partial. With a
+    sliding `window`, tile j also needs its last key within the window of i's first query, and
+    is full only when i's last query still sees j's first key.
     """
     doc = np.zeros(seq_len, dtype=np.int64)
     doc[list(starts[1:])] = 1
@@ -141,6 +152,14 @@ def flex_tiles(starts: tuple[int, ...], seq_len: int, block: int = FLEX_BLOCK) -
     meet = (j <= i) & (last[None, :] >= first[:, None])
     inside = first == last
     full = (j < i) & inside[:, None] & inside[None, :] & (first[:, None] == first[None, :])
+    if window:
+        q_first, k_first = i * block, j * block
+        q_last, k_last = (
+            np.minimum(q_first + block, seq_len) - 1,
+            np.minimum(k_first + block, seq_len) - 1,
+        )
+        meet &= q_first - k_last < window
+        full &= q_last - k_first < window
     return meet & ~full, full
 
 
@@ -151,10 +170,10 @@ def _tile_lists(tiles: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.from_numpy(counts), torch.from_numpy(order)
 
 
-def _document_block_mask(docs: DocumentLayout, device: torch.device) -> Any:
+def _document_block_mask(docs: DocumentLayout, device: torch.device, window: int) -> Any:
     partial, full = [], []
     for rows, starts in docs.row_groups:
-        p, f = flex_tiles(starts, docs.seq_len)
+        p, f = flex_tiles(starts, docs.seq_len, window=window)
         count = len(range(*rows.indices(docs.batch)))
         partial += [p] * count
         full += [f] * count
@@ -163,7 +182,8 @@ def _document_block_mask(docs: DocumentLayout, device: torch.device) -> Any:
     ids = docs.doc_ids.to(device, non_blocking=True)
 
     def same_document_causal(b, h, q_idx, kv_idx):
-        return (ids[b, q_idx] == ids[b, kv_idx]) & (q_idx >= kv_idx)
+        seen = (ids[b, q_idx] == ids[b, kv_idx]) & (q_idx >= kv_idx)
+        return seen & (q_idx - kv_idx < window) if window else seen
 
     mask = BlockMask.from_kv_blocks(  # on the host, query-side tiles included
         kv_num_blocks=kv_num,
@@ -220,12 +240,14 @@ def _merge_rows(per_row: list[list[int]]) -> tuple[tuple[slice, tuple[int, ...]]
 
 
 def document_blocks(
-    q_chunks: list[Chunk], k_chunks: list[Chunk], layout: DocumentLayout
+    q_chunks: list[Chunk], k_chunks: list[Chunk], layout: DocumentLayout, window: int = 0
 ) -> list[Block]:
     """The blocks of queries `q_chunks` against keys `k_chunks`, documents from `layout`.
 
     Chunks are contiguous ranges of the global sequence that never partly overlap; a key chunk
     after a query chunk is skipped, an equal one gives causal spans, an earlier one full spans.
+    With a sliding `window` (keys per query, 0 = none) spans are trimmed to the pairs the
+    window joins (`sliding_window.window_span`): a chunk pair wholly outside it gives no block.
     """
     blocks = []
     for qc in q_chunks:
@@ -236,7 +258,9 @@ def document_blocks(
             spans = tuple(
                 span
                 for rows, starts in layout.row_groups
-                for span in _chunk_pair_spans(qc, kc, rows, starts, layout.seq_len, diagonal)
+                for span in _chunk_pair_spans(
+                    qc, kc, rows, starts, layout.seq_len, diagonal, window
+                )
             )
             if spans:
                 q = slice(qc.local, qc.local + qc.length)
@@ -244,14 +268,24 @@ def document_blocks(
     return blocks
 
 
-def _chunk_pair_spans(qc: Chunk, kc: Chunk, rows: slice, starts, seq_len: int, diagonal: bool):
+def _chunk_pair_spans(
+    qc: Chunk, kc: Chunk, rows: slice, starts, seq_len: int, diagonal: bool, window: int
+):
     ends = (*starts[1:], seq_len)
     for d0, d1 in zip(starts, ends, strict=True):
         q0, q1 = max(d0, qc.start), min(d1, qc.start + qc.length)
         k0, k1 = max(d0, kc.start), min(d1, kc.start + kc.length)
-        if q0 < q1 and k0 < k1:
-            q = slice(q0 - qc.start, q1 - qc.start)
-            yield Span(rows, q, slice(k0 - kc.start, k1 - kc.start), diagonal)
+        if not (q0 < q1 and k0 < k1):
+            continue
+        masked = False
+        if window:
+            trimmed = window_span(q0, q1, k0, k1, window)
+            if trimmed is None:
+                continue
+            q0, q1, k0, k1, masked = trimmed
+        q = slice(q0 - qc.start, q1 - qc.start)
+        band = (window, q0 - k0) if masked else (0, 0)
+        yield Span(rows, q, slice(k0 - kc.start, k1 - kc.start), diagonal, *band)
 
 
 _PER_DOC_IDS = WeakTensorKeyDictionary()

@@ -37,7 +37,11 @@ class TransformerBlock(nn.Module):
         self.layer_id = layer_id
         self.attention_norm = RMSNorm(spec.hidden, spec.norm_eps)
         self.attention = Attention(
-            spec.hidden, spec.heads, spec.kv_heads, spec.head_dim, **attention_variants(spec)
+            spec.hidden,
+            spec.heads,
+            spec.kv_heads,
+            spec.head_dim,
+            **attention_variants(spec, layer_id),
         )
         self.ffn_norm = RMSNorm(spec.hidden, spec.norm_eps)
         is_moe = spec.is_moe and layer_id >= spec.dense_layers

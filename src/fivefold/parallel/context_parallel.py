@@ -118,8 +118,12 @@ def _cached_blocks(docs: DocumentLayout | None, key: tuple, build) -> Any:
     return docs.cache[key]
 
 
-def _cp_blocks(kind: str, q, docs: DocumentLayout | None, group: dist.ProcessGroup):
-    """The blocks of `kind` for this rank ([per ring step] for the ring), built once per forward."""
+def _cp_blocks(
+    kind: str, q, docs: DocumentLayout | None, group: dist.ProcessGroup, window: int = 0
+):
+    """The blocks of `kind` for this rank ([per ring step] for the ring), built once per forward,
+    within a sliding `window` of keys when > 0: a ring step whose chunks lie wholly outside the
+    window has no block (its K/V still pass on, nothing is computed)."""
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     local_len = q.shape[2] if kind != "ulysses" else q.shape[2] // size
     chunk = local_len // 2
@@ -129,13 +133,16 @@ def _cp_blocks(kind: str, q, docs: DocumentLayout | None, group: dist.ProcessGro
         mine = local_chunks(rank, size, chunk)
         if kind == "ring":
             return [
-                document_blocks(mine, local_chunks((rank - step) % size, size, chunk), layout)
+                document_blocks(
+                    mine, local_chunks((rank - step) % size, size, chunk), layout, window
+                )
                 for step in range(size)
             ]
         everyone = rank_order_chunks(size, chunk)
-        return document_blocks(mine if kind == "allgather" else everyone, everyone, layout)
+        queries = mine if kind == "allgather" else everyone
+        return document_blocks(queries, everyone, layout, window)
 
-    return _cached_blocks(docs, (kind, id(group)), build)
+    return _cached_blocks(docs, (kind, id(group), window), build)
 
 
 # ---- ring ----------------------------------------------------------------------------------------
@@ -237,15 +244,17 @@ def ring_attention(
     group: dist.ProcessGroup,
     *,
     scale: float | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """Causal attention within documents of this rank's load-balanced share of a sequence.
 
     q [B, Hq, T/cp, Dh], k and v [B, Hkv, T/cp, Dh] (after RoPE; Hkv divides Hq), in the layout
     of `load_balanced_indices`; `docs` the model's layout of the local doc ids (None: one
-    document per row). Returns [B, Hq, T/cp, Dh].
+    document per row); `window` > 0 a sliding window of that many keys. Returns
+    [B, Hq, T/cp, Dh].
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    steps = _cp_blocks("ring", q, docs, group)
+    steps = _cp_blocks("ring", q, docs, group, window)
     return _RingAttention.apply(q, k, v, steps, group, scale)
 
 
@@ -266,11 +275,12 @@ def allgather_attention(
     group: dist.ProcessGroup,
     *,
     scale: float | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """Same contract as `ring_attention`; K/V all-gathered (backward: reduce-scatter)."""
     k_all = _all_gather_autograd(k.contiguous(), 2, group)
     v_all = _all_gather_autograd(v.contiguous(), 2, group)
-    blocks: list[Block] = _cp_blocks("allgather", q, docs, group)
+    blocks: list[Block] = _cp_blocks("allgather", q, docs, group, window)
     return block_attention(q, k_all, v_all, blocks, scale)
 
 
@@ -306,6 +316,7 @@ def ulysses_attention(
     group: dist.ProcessGroup,
     *,
     scale: float | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """Same contract as `ring_attention`; all-to-all to head shards (needs cp | Hq).
 
@@ -321,7 +332,7 @@ def ulysses_attention(
         groups = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     q_h, k_h, v_h = (_seq_to_heads(x, group) for x in (q, k, v))
-    blocks: list[Block] = _cp_blocks("ulysses", q_h, docs, group)
+    blocks: list[Block] = _cp_blocks("ulysses", q_h, docs, group, window)
     return _heads_to_seq(block_attention(q_h, k_h, v_h, blocks, scale), group)
 
 
@@ -338,20 +349,22 @@ class ContextParallelAttentionCore(nn.Module):
 
     forward(q [B,Hq,T/cp,Dh], k, v [B,Hkv,T/cp,Dh], docs: DocumentLayout | None) ->
     [B,Hq,T/cp,Dh]; `docs` is the model's layout of the local doc ids, where this core caches
-    the global documents and its blocks for the rest of the forward.
+    the global documents and its blocks for the rest of the forward. `window` > 0: the layer's
+    sliding window of keys (`fivefold.model.sliding_window`).
     """
 
-    def __init__(self, group: dist.ProcessGroup, kind: str = "ring"):
+    def __init__(self, group: dist.ProcessGroup, kind: str = "ring", window: int = 0):
         super().__init__()
         if kind not in CP_FUNCTIONS:
             raise ValueError(f"cp kind must be one of {tuple(CP_FUNCTIONS)}, got {kind!r}")
-        self.group, self.kind = group, kind
+        self.group, self.kind, self.window = group, kind, window
 
     def forward(self, q, k, v, docs: DocumentLayout | None = None):
-        return CP_FUNCTIONS[self.kind](q, k, v, docs, self.group)
+        return CP_FUNCTIONS[self.kind](q, k, v, docs, self.group, window=self.window)
 
     def extra_repr(self) -> str:
-        return f"kind={self.kind}, cp={dist.get_world_size(self.group)}"
+        window = f", window={self.window}" if self.window else ""
+        return f"kind={self.kind}, cp={dist.get_world_size(self.group)}{window}"
 
 
 def apply_context_parallel(model: nn.Module, cp_mesh: Any, kind: str = "ring") -> nn.Module:
@@ -359,5 +372,6 @@ def apply_context_parallel(model: nn.Module, cp_mesh: Any, kind: str = "ring") -
     ProcessGroup). Works on whole models and on pipeline chunks. Returns the model."""
     group = cp_mesh.get_group() if hasattr(cp_mesh, "get_group") else cp_mesh
     for block in model.layers.values():
-        block.attention.core = ContextParallelAttentionCore(group, kind)
+        window = block.attention.window
+        block.attention.core = ContextParallelAttentionCore(group, kind, window)
     return model

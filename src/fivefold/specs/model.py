@@ -11,8 +11,11 @@ from dataclasses import asdict, dataclass, field, replace
 MLP_KINDS = ("swiglu", "gelu")
 ATTENTION_KINDS = ("gqa", "mla")
 # RoPE scalings a config may name (how a factor > 1 stretches the frequencies); the runtime
-# implements "llama3" (fivefold.model.rope_scaling), the planner counts them all alike.
+# implements all but "longrope" (fivefold.model.rope_scaling), the planner counts them all alike.
 ROPE_SCALING_TYPES = ("llama3", "linear", "dynamic", "yarn", "longrope")
+RUNTIME_ROPE_SCALINGS = ("llama3", "linear", "dynamic", "yarn")
+# `sliding_pattern` letters: a layer attending in the sliding window, or over its whole context
+SLIDING_LETTER, FULL_LETTER = "s", "f"
 # Upper bounds of the sizes (counts): well beyond any published model, small enough that a typo
 # (hidden = 1e12) is refused at once instead of overflowing a tensor or a search.
 MODEL_LIMITS = {
@@ -40,6 +43,11 @@ _PLAIN_VARIANTS = {
     "qk_norm": False,
     "sliding_window": 0,
     "sliding_layers": 0,
+    "sliding_pattern": "",
+    "rope_beta_fast": 32.0,
+    "rope_beta_slow": 1.0,
+    "rope_attention_factor": 0.0,
+    "rope_truncate": True,
     "attention": "gqa",
     "q_lora_rank": 0,
     "kv_lora_rank": 0,
@@ -72,10 +80,18 @@ class ModelSpec:
     rope_high_freq_factor: float = 4.0
     rope_original_seq_len: int = 0  # the pre-training context the scaling extends
     rope_scaling_type: str = "llama3"  # how a factor > 1 scales (ROPE_SCALING_TYPES)
+    # yarn: the rotation counts bounding its ramp, the factor on cos and sin (0 = yarn's
+    # 0.1 ln(factor) + 1), whether the ramp's bounds are rounded to whole dimensions
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_attention_factor: float = 0.0
+    rope_truncate: bool = True
     qkv_bias: bool = False  # biases on the Q, K and V projections (Qwen2)
     qk_norm: bool = False  # RMSNorm over each query and key head (Qwen3)
     sliding_window: int = 0  # keys a query sees in a sliding-window layer; 0 = full attention
-    sliding_layers: int = 0  # layers with the window (0 with a window: all of them)
+    sliding_layers: int = 0  # the last layers have the window (0 with a window: all of them)
+    # or per layer, repeated over the layers: "s" sliding, "f" full (e.g. "sf" alternates)
+    sliding_pattern: str = ""
     attention: str = "gqa"  # "gqa" (Llama) or "mla" (DeepSeek multi-head latent attention)
     q_lora_rank: int = 0  # MLA: query bottleneck rank (0 = one hidden x heads*head_dim matrix)
     kv_lora_rank: int = 0  # MLA: rank of the shared key/value latent
@@ -124,12 +140,24 @@ class ModelSpec:
         """Width of one value head: v_head_dim under MLA when set, else head_dim."""
         return self.v_head_dim if self.is_mla and self.v_head_dim else self.head_dim
 
-    @property
-    def windowed_layers(self) -> int:
-        """Layers attending in the sliding window (sliding_layers, 0 meaning all of them)."""
+    def layer_window(self, layer: int) -> int:
+        """Keys a query of layer `layer` (0-based) sees in its window; 0 = full attention.
+        `sliding_pattern` when given (repeated over the layers), else the last
+        `sliding_layers` layers (all of them when 0)."""
         if not self.sliding_window:
             return 0
-        return self.sliding_layers or self.layers
+        if self.sliding_pattern:
+            letter = self.sliding_pattern[layer % len(self.sliding_pattern)]
+            return self.sliding_window if letter == SLIDING_LETTER else 0
+        first = self.layers - (self.sliding_layers or self.layers)
+        return self.sliding_window if layer >= first else 0
+
+    @property
+    def windowed_layers(self) -> int:
+        """Layers attending in the sliding window (`layer_window`)."""
+        if not self.sliding_window:
+            return 0
+        return sum(1 for layer in range(self.layers) if self.layer_window(layer))
 
     @property
     def kv_head_width(self) -> float:
@@ -165,8 +193,12 @@ class ModelSpec:
                 f"model.sliding_layers = {self.sliding_layers}: at most model.layers = "
                 f"{self.layers}."
             )
-        if self.sliding_layers and not self.sliding_window:
-            out.append("model.sliding_layers needs model.sliding_window > 0 (keys per query).")
+        if (self.sliding_layers or self.sliding_pattern) and not self.sliding_window:
+            out.append(
+                "model.sliding_layers / sliding_pattern need model.sliding_window > 0 (keys "
+                "per query)."
+            )
+        out += self._sliding_pattern_problems()
         if not self.is_mla:
             if self.q_lora_rank or self.kv_lora_rank or self.qk_rope_head_dim:
                 out.append(
@@ -194,24 +226,41 @@ class ModelSpec:
             out.append("model.qkv_bias / qk_norm are not defined for multi-head latent attention.")
         return out
 
+    def _sliding_pattern_problems(self) -> list[str]:
+        pattern = self.sliding_pattern
+        if not pattern:
+            return []
+        if set(pattern) - {SLIDING_LETTER, FULL_LETTER} or len(pattern) > self.layers:
+            return [
+                f"model.sliding_pattern = {pattern!r}: at most model.layers letters, "
+                f'"{SLIDING_LETTER}" (sliding window) or "{FULL_LETTER}" (full attention), '
+                'repeated over the layers (e.g. "sf" alternates).'
+            ]
+        if self.sliding_layers:
+            return [
+                "model.sliding_pattern and model.sliding_layers both say which layers slide: "
+                "keep one (sliding_layers = the last layers)."
+            ]
+        return []
+
     def runtime_problems(self) -> list[str]:
         """What fivefold's runtime does not build, though `fivefold plan` plans it (checked
         when a run is loaded, `fivefold.train.entry.load_run`, and by `build_model`)."""
         out = []
         for present, what in (
             (self.is_mla, 'model.attention = "mla" (multi-head latent attention)'),
-            (self.sliding_window > 0, f"model.sliding_window = {self.sliding_window}"),
             (
-                self.rope_scaling_factor != 1.0 and self.rope_scaling_type != "llama3",
+                self.rope_scaling_factor != 1.0
+                and self.rope_scaling_type not in RUNTIME_ROPE_SCALINGS,
                 f"model.rope_scaling_type = {self.rope_scaling_type!r}",
             ),
         ):
             if present:
                 out.append(
                     f"{what}: fivefold's runtime does not implement it (its decoder is "
-                    "Llama's full causal GQA attention with llama3 RoPE scaling, plus Qwen's "
-                    "Q/K/V biases and QK-norm); `fivefold plan` plans such a model, but train "
-                    "a model without it."
+                    "Llama's causal GQA attention with Qwen's Q/K/V biases and QK-norm, "
+                    "sliding windows and llama3, linear, dynamic or yarn RoPE scaling); "
+                    "`fivefold plan` plans such a model, but train a model without it."
                 )
         return out
 
@@ -236,10 +285,23 @@ class ModelSpec:
                 f"model.rope_low_freq_factor = {low}, rope_high_freq_factor = {high}: need "
                 "0 < low < high (Llama 3.1: 1 and 4)."
             )
-        if self.rope_scaling_type in ("llama3", "yarn") and self.rope_original_seq_len <= 0:
+        if (
+            self.rope_scaling_type in ("llama3", "yarn", "dynamic")
+            and self.rope_original_seq_len <= 0
+        ):
             out.append(
                 "model.rope_original_seq_len must be the pre-training context (e.g. 8192) when "
                 "model.rope_scaling_factor > 1."
+            )
+        if self.rope_scaling_type == "yarn" and not (
+            0 < self.rope_beta_slow < self.rope_beta_fast < float("inf")
+            and 0 <= self.rope_attention_factor < float("inf")
+        ):
+            out.append(
+                f"model.rope_beta_fast = {self.rope_beta_fast}, rope_beta_slow = "
+                f"{self.rope_beta_slow}, rope_attention_factor = {self.rope_attention_factor}: "
+                "yarn needs 0 < beta_slow < beta_fast (default 1 and 32) and an attention "
+                "factor >= 0 (0 = 0.1 ln(factor) + 1)."
             )
         return out
 
