@@ -37,7 +37,7 @@ from fivefold.model.document_layout import (
     document_blocks,
 )
 from fivefold.model.rope import apply_rope
-from fivefold.model.sliding_window import varlen_window, windowed_sdpa
+from fivefold.model.sliding_window import effective_window, varlen_window, windowed_sdpa
 from fivefold.model.torch_features import has, varlen_supports_gqa
 
 
@@ -183,7 +183,7 @@ class AttentionCore(nn.Module):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: DocumentLayout | None
     ) -> torch.Tensor:
-        window = self.window if self.window < q.shape[2] else 0  # wider than the rows: none
+        window = effective_window(self.window, q.shape[2])
         if docs is None or docs.single_document:
             if window:
                 return windowed_sdpa(q, k, v, window)

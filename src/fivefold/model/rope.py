@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from fivefold.model.rope_scaling import scale_inverse_frequencies
+from fivefold.model.rope_scaling import scaled_frequencies
 
 
 def rope_inverse_frequencies(head_dim: int, theta: float, device=None) -> torch.Tensor:
@@ -27,13 +27,17 @@ def rope_cos_sin(
     positions: torch.Tensor, head_dim: int, theta: float, scaling=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of the rotation angles, each fp32 [B, T, 1, head_dim] for positions [B, T];
-    `scaling`: a `fivefold.model.rope_scaling.RopeScaling` (Llama 3.1 style), None for plain."""
-    inv_freq = rope_inverse_frequencies(head_dim, theta, device=positions.device)
-    if scaling is not None:
-        inv_freq = scale_inverse_frequencies(inv_freq, scaling)
+    `scaling`: a `fivefold.model.rope_scaling.RopeScaling`, None for plain RoPE."""
+    attention = 1.0
+    if scaling is None:
+        inv_freq = rope_inverse_frequencies(head_dim, theta, device=positions.device)
+    else:
+        inv_freq, attention = scaled_frequencies(head_dim, theta, scaling, positions)
     angles = positions.to(torch.float32).unsqueeze(-1) * inv_freq  # [B, T, head_dim/2]
     angles = torch.cat((angles, angles), dim=-1).unsqueeze(2)  # [B, T, 1, head_dim]
-    return angles.cos(), angles.sin()
+    if attention == 1.0:
+        return angles.cos(), angles.sin()
+    return angles.cos() * attention, angles.sin() * attention
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

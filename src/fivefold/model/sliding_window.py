@@ -17,6 +17,11 @@ import torch
 import torch.nn.functional as F
 
 
+def effective_window(window: int, seq_len: int) -> int:
+    """The window a layer applies to rows of `seq_len` tokens: 0 (none) when it spans them."""
+    return window if window < seq_len else 0
+
+
 def varlen_window(window: int) -> tuple[int, int]:
     """flash attention's (keys back, keys ahead) for a causal window of `window` keys."""
     return (window - 1, 0) if window else (-1, 0)

@@ -18,6 +18,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack as _di
 from fivefold.errors import ConfigError
 from fivefold.model.attention import AttentionCore
 from fivefold.model.document_layout import DocumentLayout
+from fivefold.model.sliding_window import effective_window
 
 
 def has_cpu_compiler() -> bool:
@@ -78,12 +79,14 @@ def _read_documents(module: nn.Module, args: tuple) -> None:
     """Forward pre-hook: read the batch's document layout eagerly (once per forward, cached on
     the `DocumentLayout`), so the compiled block branches on a plain bool: one-document rows
     run SDPA inside the graph, packed rows the `document_attention` op (CPU) or FlexAttention
-    (CUDA), whose `BlockMask` is built here, on the host, before the graph runs."""
+    (CUDA), whose `BlockMask` is built here, on the host, before the graph runs (within the
+    layer's sliding window, if any)."""
     docs = args[2] if len(args) > 2 else None
     if not isinstance(docs, DocumentLayout) or docs.single_document:  # computed and cached
         return
     if args[0].device.type == "cuda":
-        docs.flex_block_mask(args[0].device)
+        window = effective_window(getattr(module.attention, "window", 0), docs.seq_len)
+        docs.flex_block_mask(args[0].device, window)
 
 
 def _single_process_core(block: nn.Module) -> bool:

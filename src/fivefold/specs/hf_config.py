@@ -32,6 +32,7 @@ published weights) are ignored. RoPE comes as transformers 5.x `rope_parameters`
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,15 @@ _SCALED_KEYS = {  # what the other scalings carry that a ModelSpec keeps
     "factor": "rope_scaling_factor",
     "original_max_position_embeddings": "rope_original_seq_len",
 }
+YARN_KEYS = {
+    "beta_fast": "rope_beta_fast",
+    "beta_slow": "rope_beta_slow",
+    "attention_factor": "rope_attention_factor",
+    "truncate": "rope_truncate",
+}
+# RoPE keys that change no frequency of the scalings fivefold reads
+_NEUTRAL_ROPE_KEYS = {"rope_type", "rope_theta"}
+_YARN_MSCALES = ("mscale", "mscale_all_dim")  # folded into yarn's attention factor
 _MISTRAL_DEFAULT_WINDOW = 4096  # MistralConfig's default when the key is absent
 _DEFAULT_THETA = {"mixtral": 1e6}  # MixtralConfig's RoPE base when a config names none
 
@@ -106,9 +116,31 @@ def rope_settings(
     missing = [key for key in required if key not in rope]
     if missing:
         return out, [f"{rope_type} RoPE scaling without {', '.join(missing)}"]
+    unknown = set(rope) - _NEUTRAL_ROPE_KEYS - set(keys)
+    unknown -= set(YARN_KEYS) | set(_YARN_MSCALES) if rope_type == "yarn" else set()
+    unknown = sorted(key for key in unknown if rope[key] is not None)
+    if unknown and rope_type != "longrope":  # longrope: planned only, counted alike
+        return out, [f"{rope_type} RoPE key(s) {', '.join(unknown)} (not understood)"]
     out["rope_scaling_type"] = rope_type
     out |= {field: rope[key] for key, field in keys.items() if key in rope}
+    if rope_type == "yarn":
+        out |= _yarn_settings(rope)
     return out, []
+
+
+def _yarn_settings(rope: dict[str, Any]) -> dict[str, Any]:
+    """yarn's ModelSpec fields beyond factor and context: betas, truncation and the attention
+    factor (as transformers derives it from mscale / mscale_all_dim when both are set)."""
+    out = {YARN_KEYS[key]: rope[key] for key in YARN_KEYS if rope.get(key) is not None}
+    mscale, mscale_all_dim = (rope.get(key) for key in _YARN_MSCALES)
+    factor = float(rope["factor"])
+    if "rope_attention_factor" not in out and mscale and mscale_all_dim and factor > 1:
+
+        def scaled(m: float) -> float:
+            return 0.1 * m * math.log(factor) + 1.0
+
+        out["rope_attention_factor"] = scaled(float(mscale)) / scaled(float(mscale_all_dim))
+    return out
 
 
 def _sliding(config: dict[str, Any], family: str, layers: int) -> tuple[int, int]:
@@ -246,6 +278,11 @@ def spec_from_hf_config(
     family = config.get("model_type")
     problems = _family_problems(config, family)
     rope, rope_problems = rope_settings(config, _DEFAULT_THETA.get(family, 10_000.0))
+    if rope.get("rope_scaling_type") in ("yarn", "dynamic", "longrope"):
+        # dynamic grows theta past max_position_embeddings; the others default to it
+        context = config.get("max_position_embeddings", 2048)
+        fixed = rope["rope_scaling_type"] == "dynamic" or "rope_original_seq_len" not in rope
+        rope["rope_original_seq_len"] = context if fixed else rope["rope_original_seq_len"]
     problems += rope_problems
     if problems:
         raise ConfigError(f"{where} cannot be read: " + "; ".join(problems) + ".")
