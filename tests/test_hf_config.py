@@ -192,19 +192,24 @@ def test_train_refuses_what_the_runtime_cannot_build(tmp_path, capsys):
     from fivefold.train.entry import load_run
 
     for name, words in (
-        ("tiny-mistral", "model.sliding_window = 16"),
-        ("tiny-qwen3", "model.rope_scaling_type = 'yarn'"),
         ("tiny-deepseek-v3", 'model.attention = "mla"'),
-        ("tiny-qwen2", "model.sliding_window = 16"),
+        ("tiny-qwen3", "model.rope_scaling_type = 'longrope'"),
     ):
         recipe = tmp_path / f"{name}.toml"
         recipe.write_text(f'[model]\nhf_config = "{CONFIGS / name}.json"\nseq_len = 64\n')
+        if "longrope" in words:  # planned (counted like the others), not built
+            recipe.write_text(recipe.read_text() + 'rope_scaling_type = "longrope"\n')
         with pytest.raises(ConfigError, match=words):
             load_run(recipe, [], world_size=1)
         assert main(["train", str(recipe), "--dry-run"]) == 2
         assert "fivefold's runtime does not implement it" in capsys.readouterr().err
     for name in ("qwen2-7b", "qwen3-8b", "mixtral-8x7b", "qwen3-30b-a3b"):  # biases, QK-norm, MoE
         assert _spec(name).runtime_problems() == []
+    # sliding windows (Mistral in every layer, Qwen2 in its last), yarn RoPE (tiny-qwen3) train
+    for name in ("tiny-mistral", "tiny-qwen2", "tiny-qwen3", "mistral-7b"):
+        recipe = tmp_path / f"{name}.toml"
+        recipe.write_text(f'[model]\nhf_config = "{CONFIGS / name}.json"\nseq_len = 64\n')
+        assert load_run(recipe, [], world_size=1).recipe.model.runtime_problems() == []
     llama = tmp_path / "llama.toml"  # a Llama config trains
     llama.write_text(f'[model]\nhf_config = "{CONFIGS}/tiny-llama.json"\nseq_len = 64\n')
     assert load_run(llama, [], world_size=1).recipe.model.rope_scaling_factor == 8.0

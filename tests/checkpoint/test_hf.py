@@ -112,7 +112,21 @@ def test_families_not_trained_yet_are_refused_for_what_they_are(name, says):
 @pytest.mark.parametrize(
     "change, message",
     [
-        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 5e5}}, "RoPE type 'yarn'"),
+        (
+            {"rope_parameters": {"rope_type": "longrope", "factor": 2.0, "rope_theta": 5e5}},
+            "RoPE type 'longrope'",
+        ),
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 5e5}}, "yarn .* without factor"),
+        (  # a key that changes the frequencies and is not read: named, never dropped
+            {
+                "rope_parameters": {
+                    "rope_type": "linear",
+                    "factor": 2.0,
+                    "partial_rotary_factor": 0.5,
+                }
+            },
+            "linear RoPE key.s. partial_rotary_factor",
+        ),
         (
             {"rope_parameters": {"rope_type": "llama3", "factor": 8.0}},
             "llama3 RoPE scaling without",
@@ -137,7 +151,7 @@ def test_families_not_trained_yet_are_refused_for_what_they_are(name, says):
         ({"num_attention_heads": 0}, "num_attention_heads = 0 must be at least 1"),
         ({"attention_bias": True}, "attention_bias = true"),
         ({"hidden_act": "gelu"}, "hidden_act = 'gelu'"),
-        ({"model_type": "mistral"}, "model_type = 'mistral'"),
+        ({"model_type": "gemma"}, "model_type = 'gemma'"),
         ({"sliding_window": 4096}, "unknown field.s. sliding_window"),  # would change attention
         ({"attention_dropout": 0.1}, "attention_dropout = 0.1"),
         (  # experts belong to a MoE family's config

@@ -129,15 +129,6 @@ def test_biases_with_qk_norm_have_no_hf_form(tmp_path):
     "family, change, message",
     [
         ("qwen3", {"attention_bias": True}, "attention_bias = true"),
-        (
-            "qwen2",
-            {
-                "use_sliding_window": True,
-                "sliding_window": 16,
-                "layer_types": ["full_attention", "sliding_attention"],
-            },
-            "model.sliding_window = 16",
-        ),
         ("qwen2", {"attention_bias": False}, "unknown field.s. attention_bias"),
     ],
 )

@@ -20,16 +20,18 @@ from fivefold.checkpoint.dcp_io import read_full_tensors
 from fivefold.checkpoint.hf_families import (
     IMPORTABLE_FAMILIES,
     MOE_FAMILIES,
+    context_length,
     family_config_fields,
     hf_family,
     model_fields,
+    rope_config_fields,
 )
 from fivefold.checkpoint.hf_tensors import check_hf_tensors, from_hf_tensors, to_hf_tensors
 from fivefold.checkpoint.state import read_state
 from fivefold.errors import CheckpointError, ConfigError
 from fivefold.model import build_model
-from fivefold.specs.hf_config import LLAMA3_KEYS, spec_from_hf_config
-from fivefold.specs.model import ModelSpec
+from fivefold.specs.hf_config import spec_from_hf_config
+from fivefold.specs.model import RUNTIME_ROPE_SCALINGS, ModelSpec
 
 CONFIG_FILE = "config.json"
 TOKENIZER_FILE = "tokenizer.json"
@@ -70,9 +72,9 @@ def llama_config(spec: ModelSpec, dtype: str = "fp32", eod_id: int | None = None
         "num_attention_heads": spec.heads,
         "num_key_value_heads": spec.kv_heads,
         "head_dim": spec.head_dim,
-        "max_position_embeddings": spec.seq_len,
+        "max_position_embeddings": context_length(spec),
         "rms_norm_eps": spec.norm_eps,
-        **_rope_config(spec),
+        **rope_config_fields(spec),
         "hidden_act": "silu",
         "attention_dropout": 0.0,
         "tie_word_embeddings": spec.tied_embeddings,
@@ -185,8 +187,11 @@ def spec_from_llama_config(config: dict[str, Any], where: str = CONFIG_FILE) -> 
                 "output projection or the MLP)"
             )
     rope_type = _rope_type(config)
-    if rope_type not in ("default", "llama3"):
-        problems.append(f"RoPE type {rope_type!r} (fivefold implements 'default' and 'llama3')")
+    if rope_type not in ("default", *RUNTIME_ROPE_SCALINGS):
+        problems.append(
+            f"RoPE type {rope_type!r} (fivefold implements 'default', "
+            f"{', '.join(repr(kind) for kind in RUNTIME_ROPE_SCALINGS)})"
+        )
     if problems:
         raise CheckpointError(f"{where} cannot be imported: " + "; ".join(problems) + ".")
     name = str(config.get("fivefold_model_name", f"hf-{family}"))
@@ -259,20 +264,6 @@ def _is_number(value: Any, kind: type) -> bool:
     if isinstance(value, bool) or not isinstance(value, int | float):
         return False
     return kind is float or float(value).is_integer()
-
-
-def _rope_config(spec: ModelSpec) -> dict[str, Any]:
-    """config.json's RoPE keys for both transformers 4.x and 5.x."""
-    scaling = {}
-    if spec.rope_scaling_factor != 1.0:
-        scaling = {"rope_type": "llama3"} | {
-            key: getattr(spec, field) for key, field in LLAMA3_KEYS.items()
-        }
-    return {
-        "rope_theta": spec.rope_theta,
-        "rope_scaling": scaling or None,
-        "rope_parameters": {"rope_type": "default", "rope_theta": spec.rope_theta} | scaling,
-    }
 
 
 def tokenizer_files(tokenizer, spec: ModelSpec) -> dict[str, str]:

@@ -1,8 +1,9 @@
-"""Which Hugging Face family a fivefold model is, and back: Llama, Qwen2 (biases on Q, K and V),
-Qwen3 (RMSNorm of each query and key head), and the mixtures of experts Mixtral (Llama's
-attention) and Qwen3-MoE (Qwen3's). They share Llama's tensor names; the variants add theirs
-(`VARIANT_TENSORS`), the MoE families their experts' (`expert_names`, `hf_experts`), and each a
-few `config.json` fields (`family_config_fields`).
+"""Which Hugging Face family a fivefold model is, and back: Llama, Mistral (a sliding window in
+every layer), Qwen2 (biases on Q, K and V), Qwen3 (RMSNorm of each query and key head), the two
+Qwen with a window in the layers `layer_types` names, and the mixtures of experts Mixtral
+(Llama's attention) and Qwen3-MoE (Qwen3's). They share Llama's tensor names; the variants add
+theirs (`VARIANT_TENSORS`), the MoE families their experts' (`expert_names`, `hf_experts`), and
+each a few `config.json` fields (`family_config_fields`).
 """
 
 from __future__ import annotations
@@ -11,12 +12,14 @@ from typing import Any
 
 from fivefold.checkpoint.hf_experts import MIXTRAL_EXPERTS, QWEN_MOE_EXPERTS, ExpertNames
 from fivefold.errors import CheckpointError
+from fivefold.specs.hf_config import LLAMA3_KEYS, YARN_KEYS
 from fivefold.specs.model import ModelSpec
 
-IMPORTABLE_FAMILIES = ("llama", "qwen2", "qwen3", "mixtral", "qwen3_moe")
+IMPORTABLE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
 MOE_FAMILIES = ("mixtral", "qwen3_moe")
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "mixtral": "MixtralForCausalLM",
@@ -31,8 +34,7 @@ VARIANT_TENSORS = {
     "attention.q_norm.weight": "self_attn.q_norm.weight",
     "attention.k_norm.weight": "self_attn.k_norm.weight",
 }
-# Qwen's sliding-window fields: read by `fivefold.specs.hf_config` (a window is then refused by
-# `ModelSpec.runtime_problems`), written as "no window" on export.
+# The sliding-window fields, read by `fivefold.specs.hf_config`
 _QWEN_WINDOW_FIELDS = frozenset(
     ["use_sliding_window", "sliding_window", "max_window_layers", "layer_types"]
 )
@@ -61,6 +63,7 @@ _MOE_FIELDS = {
         ]
     ),
 }
+_MISTRAL_WINDOW_FIELDS = frozenset(["sliding_window"])
 
 
 def model_fields(family: str, llama_fields: frozenset[str]) -> frozenset[str]:
@@ -73,6 +76,8 @@ def model_fields(family: str, llama_fields: frozenset[str]) -> frozenset[str]:
         return fields | _MOE_FIELDS.get(family, frozenset())
     if family == "mixtral":  # no attention_bias / mlp_bias keys in MixtralConfig
         return (llama_fields - {"attention_bias", "mlp_bias"}) | _MOE_FIELDS[family]
+    if family == "mistral":
+        return (llama_fields - {"attention_bias", "mlp_bias"}) | _MISTRAL_WINDOW_FIELDS
     return llama_fields
 
 
@@ -119,7 +124,25 @@ def hf_family(spec: ModelSpec) -> str:
                 + "."
             )
         return family
-    return "qwen2" if spec.qkv_bias else "qwen3" if spec.qk_norm else "llama"
+    if spec.qkv_bias or spec.qk_norm:
+        return "qwen2" if spec.qkv_bias else "qwen3"
+    if not spec.sliding_window:
+        return "llama"
+    if spec.windowed_layers != spec.layers:
+        raise CheckpointError(
+            f"cannot export to Hugging Face: a sliding window in {spec.windowed_layers} of "
+            f"{spec.layers} layers without Q/K/V biases or QK-norm has no Hugging Face form "
+            "(Mistral slides in every layer; Qwen2 and Qwen3, which name their windowed layers, "
+            "have biases or QK-norm)."
+        )
+    return "mistral"
+
+
+def _layer_types(spec: ModelSpec) -> list[str]:
+    return [
+        "sliding_attention" if spec.layer_window(layer) else "full_attention"
+        for layer in range(spec.layers)
+    ]
 
 
 def expert_names(spec: ModelSpec) -> ExpertNames | None:
@@ -129,20 +152,30 @@ def expert_names(spec: ModelSpec) -> ExpertNames | None:
 
 def family_config_fields(spec: ModelSpec) -> dict[str, Any]:
     """`config.json` fields naming the family of `spec`, its MLP widths (Mixtral's experts'
-    as `intermediate_size`), its experts and, for Qwen, no sliding window."""
+    as `intermediate_size`), its experts and its sliding window (or none)."""
     family = hf_family(spec)
     out: dict[str, Any] = {"architectures": [ARCHITECTURES[family]], "model_type": family}
     out["intermediate_size"] = spec.expert_ffn if family == "mixtral" else spec.ffn
     if family == "llama":
         return out | {"attention_bias": False, "mlp_bias": False}
+    if family == "mistral":
+        return out | {"sliding_window": spec.sliding_window}
     if family == "mixtral":
         return out | _mixtral_fields(spec)
-    out |= {"use_sliding_window": False, "sliding_window": None, "max_window_layers": spec.layers}
-    if family != "qwen3_moe":  # Qwen3MoeConfig has no layer_types
-        out["layer_types"] = ["full_attention"] * spec.layers
-    if family == "qwen3_moe":
-        out |= _qwen3_moe_fields(spec)
-    return out | ({"attention_bias": False} if family != "qwen2" else {})
+    if family == "qwen3_moe":  # a window is refused (`_moe_problems`); no layer_types key
+        out |= {"use_sliding_window": False, "sliding_window": None}
+        out |= {"max_window_layers": spec.layers, **_qwen3_moe_fields(spec)}
+        return out | {"attention_bias": False}
+    types = _layer_types(spec)
+    out |= {
+        "use_sliding_window": bool(spec.sliding_window),
+        "sliding_window": spec.sliding_window or None,
+        "max_window_layers": types.index("sliding_attention")
+        if spec.sliding_window
+        else spec.layers,
+        "layer_types": types,
+    }
+    return out | ({"attention_bias": False} if family == "qwen3" else {})
 
 
 def _mixtral_fields(spec: ModelSpec) -> dict[str, Any]:
@@ -164,4 +197,30 @@ def _qwen3_moe_fields(spec: ModelSpec) -> dict[str, Any]:
         "decoder_sparse_step": 1,
         "mlp_only_layers": list(range(spec.dense_layers)),
         "router_aux_loss_coef": spec.router_aux_loss_coef,
+    }
+
+
+def context_length(spec: ModelSpec) -> int:
+    """config.json's max_position_embeddings: the training length, or the length past which
+    dynamic RoPE grows its theta (transformers reads it there)."""
+    dynamic = spec.rope_scaling_type == "dynamic" and spec.rope_scaling_factor != 1.0
+    return spec.rope_original_seq_len if dynamic else spec.seq_len
+
+
+def rope_config_fields(spec: ModelSpec) -> dict[str, Any]:
+    """config.json's RoPE keys for both transformers 4.x and 5.x."""
+    scaling: dict[str, Any] = {}
+    kind = spec.rope_scaling_type
+    if spec.rope_scaling_factor != 1.0:
+        keys = {"factor": "rope_scaling_factor"}
+        if kind != "dynamic":  # dynamic grows past max_position_embeddings (= its context)
+            keys["original_max_position_embeddings"] = "rope_original_seq_len"
+        keys |= LLAMA3_KEYS if kind == "llama3" else YARN_KEYS if kind == "yarn" else {}
+        scaling = {"rope_type": kind} | {key: getattr(spec, f) for key, f in keys.items()}
+        if kind == "yarn" and not spec.rope_attention_factor:
+            scaling.pop("attention_factor")  # transformers derives it from the factor
+    return {
+        "rope_theta": spec.rope_theta,
+        "rope_scaling": scaling or None,
+        "rope_parameters": {"rope_type": "default", "rope_theta": spec.rope_theta} | scaling,
     }

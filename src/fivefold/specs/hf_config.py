@@ -7,7 +7,8 @@ What each family adds to the Llama decoder, read here the way `transformers` bui
 - mistral: a sliding window in every layer (`sliding_window`, 4096 when the key is absent, none
   when null).
 - qwen2: biases on Q, K and V; a window (when `use_sliding_window`) in the layers from
-  `max_window_layers` on, or as `layer_types` lists them.
+  `max_window_layers` on, or as `layer_types` lists them (`sliding_layers` when they are the
+  last layers, else the shortest repeating `sliding_pattern`).
 - qwen3: RMSNorm of each query and key head, `head_dim` of its own; the window as qwen2.
 - mixtral: `num_local_experts` routed SwiGLU experts of width `intermediate_size`, top
   `num_experts_per_tok`, a linear router (softmax, top-k, renormalised); a window when
@@ -37,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from fivefold.errors import ConfigError
-from fivefold.specs.model import ROPE_SCALING_TYPES, ModelSpec
+from fivefold.specs.model import FULL_LETTER, ROPE_SCALING_TYPES, SLIDING_LETTER, ModelSpec
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3")
 LLAMA3_KEYS = {  # HF rope key -> ModelSpec field
@@ -143,15 +144,16 @@ def _yarn_settings(rope: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _sliding(config: dict[str, Any], family: str, layers: int) -> tuple[int, int]:
-    """(window, layers that use it) as `transformers` sets them up for the family."""
+def _sliding(config: dict[str, Any], family: str, layers: int) -> dict[str, Any]:
+    """ModelSpec window fields (sliding_window, sliding_layers or sliding_pattern) as
+    `transformers` sets the family up; ConfigError naming a `layer_types` entry it cannot read."""
     types = config.get("layer_types")
     if family in ("qwen2", "qwen3"):
         window = config.get("sliding_window") if config.get("use_sliding_window") else None
-        if types is None:
+        if types is None and window:
             first = int(config.get("max_window_layers", 28))
-            count = max(0, layers - first) if window else 0
-            return (int(window), count) if count else (0, 0)
+            types = ["full_attention"] * min(first, layers)
+            types += ["sliding_attention"] * (layers - len(types))
     elif family == "mistral":
         window = config.get("sliding_window", _MISTRAL_DEFAULT_WINDOW)
     elif family == "mixtral":
@@ -159,13 +161,31 @@ def _sliding(config: dict[str, Any], family: str, layers: int) -> tuple[int, int
     elif family == "qwen3_moe":
         window = config.get("sliding_window") if config.get("use_sliding_window") else None
     else:
-        return 0, 0
+        return {}
     if not window:
-        return 0, 0
-    if types is not None:
-        count = sum(1 for kind in types if kind == "sliding_attention")
-        return (int(window), count) if count else (0, 0)
-    return int(window), 0  # 0: every layer
+        return {}
+    if types is None:
+        return {"sliding_window": int(window)}  # every layer
+    return {"sliding_window": int(window), **_window_layers(types, layers)}
+
+
+def _window_layers(types: Any, layers: int) -> dict[str, Any]:
+    """sliding_layers (the windowed layers are the last ones) or the shortest repeating
+    sliding_pattern of `layer_types`."""
+    letters = {"sliding_attention": SLIDING_LETTER, "full_attention": FULL_LETTER}
+    if not isinstance(types, list) or len(types) != layers or set(types) - set(letters):
+        raise ConfigError(
+            f"layer_types = {types!r}: fivefold reads one entry per layer ({layers}), each "
+            '"sliding_attention" or "full_attention".'
+        )
+    pattern = "".join(letters[kind] for kind in types)
+    count = pattern.count(SLIDING_LETTER)
+    if not count:
+        return {"sliding_window": 0}
+    if pattern.endswith(SLIDING_LETTER * count):
+        return {"sliding_layers": count}
+    period = next(n for n in range(1, layers + 1) if pattern == (pattern[:n] * layers)[:layers])
+    return {"sliding_pattern": pattern[:period]}
 
 
 def _family_problems(config: dict[str, Any], family: str) -> list[str]:
@@ -292,7 +312,6 @@ def spec_from_hf_config(
             raise ConfigError(f"{where}: num_attention_heads = {heads} must be at least 1.")
         hidden = int(config["hidden_size"])
         layers = int(config["num_hidden_layers"])
-        window, sliding = _sliding(config, family, layers)
         fields: dict[str, Any] = {
             "name": name or str(config.get("_name_or_path") or f"hf-{family}"),
             "layers": layers,
@@ -307,8 +326,7 @@ def spec_from_hf_config(
             "norm_eps": float(config.get("rms_norm_eps", 1e-6)),
             "qkv_bias": family == "qwen2",
             "qk_norm": family in ("qwen3", "qwen3_moe"),
-            "sliding_window": window,
-            "sliding_layers": sliding,
+            **_sliding(config, family, layers),
             **{k: int(v) if k == "rope_original_seq_len" else v for k, v in rope.items()},
             **_moe_fields(config, family, layers),
         }
