@@ -62,6 +62,26 @@ CASES = [
     ("inf-max-time", ["train.max_time_s=inf"], "train.max_time_s = inf: expected a finite"),
     ("nan-weight-decay", ["train.weight_decay=nan"], "train.weight_decay = nan: expected a fin"),
     ("nan-eps", ["train.eps=nan"], "train.eps = nan: expected a finite number"),
+    # sliding windows and RoPE scalings a run cannot honour
+    (
+        "dynamic-rope-with-cp",
+        [
+            "--nproc",
+            "2",
+            "plan.cp=2",
+            "model.rope_scaling_type='dynamic'",
+            "model.rope_scaling_factor=2.0",
+            "model.rope_original_seq_len=64",
+        ],
+        "plan.cp = 2 with model.rope_scaling_type = 'dynamic'",
+    ),
+    ("bad-sliding-pattern", ["model.sliding_window=8", "model.sliding_pattern='sx'"], "'sx'"),
+    ("pattern-without-window", ["model.sliding_pattern='sf'"], "need model.sliding_window > 0"),
+    (
+        "longrope-not-built",
+        ["model.rope_scaling_type='longrope'", "model.rope_scaling_factor=2.0"],
+        "model.rope_scaling_type = 'longrope': fivefold's runtime does not implement it",
+    ),
     # Muon with a setting it cannot honour
     ("bad-optimizer", ["train.optimizer='lion'"], "train.optimizer = 'lion': choose one of"),
     (

@@ -184,12 +184,14 @@ class AttentionCore(nn.Module):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: DocumentLayout | None
     ) -> torch.Tensor:
         window = effective_window(self.window, q.shape[2])
-        if docs is None or docs.single_document:
-            if window:
-                return windowed_sdpa(q, k, v, window)
-            gqa = k.shape[1] != q.shape[1]
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         kernel = packed_kernel(q.device, q.dtype, torch.compiler.is_compiling())
+        if docs is None or docs.single_document:
+            if not window:
+                gqa = k.shape[1] != q.shape[1]
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+            if kernel != "varlen":  # the band as a [T, T] mask
+                return windowed_sdpa(q, k, v, window)
+            docs = docs or DocumentLayout(None, q.shape[0], q.shape[2])  # flash's own window
         if kernel == "flex":
             return flex_document_attention(q, k, v, docs, window)
         if kernel == "varlen":

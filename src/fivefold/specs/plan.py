@@ -416,6 +416,12 @@ class ParallelPlan:
                 f"model.seq_len = {m.seq_len} must be divisible by 2 * plan.cp = {2 * self.cp}: "
                 "load-balanced context parallelism gives each rank a head and a tail chunk."
             )
+        if self.cp > 1 and m.rope_scaling_type == "dynamic" and m.rope_scaling_factor != 1.0:
+            out.append(
+                f"plan.cp = {self.cp} with model.rope_scaling_type = 'dynamic': dynamic RoPE "
+                "takes its frequencies from the longest position a forward sees, which each CP "
+                "rank's share sees differently; set plan.cp = 1 or another RoPE scaling."
+            )
         if self.cp > 1 and self.cp_kind == "ulysses" and (m.heads // self.tp) % self.cp:
             out.append(
                 f"plan.cp = {self.cp} with plan.cp_kind = 'ulysses' must divide the "
