@@ -18,9 +18,10 @@ from fivefold.errors import CheckpointError, DataError
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "import",
-        help="start a run from a Hugging Face Llama, Qwen2, Qwen3, Mixtral or Qwen3-MoE model",
-        description="Turn a Hugging Face Llama, Qwen2, Qwen3, Mixtral or Qwen3-MoE directory "
-        "(config.json + "
+        help="start a run from a Hugging Face Llama, Mistral, Qwen2, Qwen3, Mixtral or Qwen3-MoE "
+        "model",
+        description="Turn a Hugging Face Llama, Mistral, Qwen2, Qwen3, Mixtral or Qwen3-MoE "
+        "directory (config.json + "
         "*.safetensors; no download, no pickled .bin files) into a weights-only fivefold "
         "checkpoint RUN_DIR/ckpt/step_0 and a recipe RUN_DIR/imported.toml whose [model] "
         "section is the imported architecture (with train.run_dir = RUN_DIR and train.resume = "
@@ -31,8 +32,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "train RUN_DIR/imported.toml [overrides]` (the run resumes from step_0 with the "
         "imported weights and a fresh optimizer, LR schedule and data order). What fivefold's "
         "model would not reproduce is refused by name (biases other than Qwen2's on Q, K and V, "
-        "sliding windows, RoPE scalings other than llama3, Qwen3-MoE sparse layers other than "
-        "all but a leading dense run, router jitter noise); tensors whose names or shapes "
+        "layer types other than sliding and full attention, RoPE scalings other than llama3, "
+        "linear, dynamic and yarn, RoPE keys it does not read, Qwen3-MoE sparse layers other "
+        "than all but a leading dense run, router jitter noise); tensors whose names or shapes "
         "disagree with config.json are named.",
     )
     parser.add_argument(
