@@ -172,3 +172,30 @@ def test_measured_attention_rate_read_at_the_document_length():
     assert attention_span(model, plan) == 32768  # one document per sequence: the local chunk
     assert attention_span(model.with_(doc_len=3600), plan) == 3600
     assert attention_span(model.with_(doc_len=65536), plan) == 32768
+
+
+# ---- sliding windows: the planner's count is the kernel's ------------------------------------
+def test_windowed_flops_count_the_pairs_the_kernel_keeps():
+    """One document of s = 2048 tokens, a window of w = 256 keys in 3 of 4 layers: the pairs
+    the kernel's trimmed spans keep (counted from their masks) are s w - w^2/2 + w/2 per
+    windowed layer, and the planner's attention FLOPs (s w - w^2/2 pairs, half a pair per query
+    below the kernel's count, as s^2/2 is below s(s+1)/2) follow them: 3/4 of the layers cost
+    (w - w^2/2s) / (s/2) of a full one."""
+    from fivefold.model.sliding_window import span_mask
+    from fivefold.specs.flops import attention_flops_all_layers
+
+    s, w = 2048, 256
+    layout = DocumentLayout(None, 1, s)
+    whole = [Chunk(0, 0, s)]
+    spans = [span for b in document_blocks(whole, whole, layout, w) for span in b.spans]
+    kept = 0
+    for span in spans:
+        tq, tk = span.q.stop - span.q.start, span.k.stop - span.k.start
+        kept += int(span_mask(span.shift, span.window, tq, tk, "cpu").sum()) if span.window else 0
+    assert kept == s * w - w * w // 2 + w // 2
+    model = LLAMA_1B.with_(seq_len=s, layers=4, sliding_window=w, sliding_layers=3)
+    full = attention_flops_all_layers(model.with_(sliding_window=0, sliding_layers=0), s)
+    windowed = attention_flops_all_layers(model, s)
+    per_layer = full / 4
+    assert windowed == pytest.approx(per_layer + 3 * per_layer * (s * w - w * w / 2) / (s * s / 2))
+    assert windowed < 0.5 * full
