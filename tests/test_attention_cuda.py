@@ -73,6 +73,48 @@ def test_flex_tiles_hand_derived():
     assert (full == np.tri(3, k=-1, dtype=bool)).all()
 
 
+def test_windowed_flex_tiles_hand_derived():
+    # one document of 8 tokens in tiles of 2, a window of 3 keys (query i sees i-2..i): tile i
+    # meets tile j when j's last key (2j+1) > i's first query (2i) - 3, i.e. j >= i - 1; none
+    # is full, since i's last query (2i+1) sees back to 2i-1, short of tile i-1's first key
+    partial, full = flex_tiles((0,), 8, block=2, window=3)
+    assert partial.astype(int).tolist() == [
+        [1, 0, 0, 0],
+        [1, 1, 0, 0],
+        [0, 1, 1, 0],
+        [0, 0, 1, 1],
+    ]
+    assert not full.any()
+    # a window of 5: tile i's last query (2i+1) sees back to 2i-3 = tile i-1's first key, so
+    # tile i-1 is full; tile i-2 (keys 2i-4, 2i-3) still meets i's first query (sees 2i-4)
+    partial, full = flex_tiles((0,), 8, block=2, window=5)
+    assert (partial | full).astype(int).tolist() == [
+        [1, 0, 0, 0],
+        [1, 1, 0, 0],
+        [1, 1, 1, 0],
+        [0, 1, 1, 1],
+    ]
+    assert full.astype(int).tolist() == [
+        [0, 0, 0, 0],
+        [1, 0, 0, 0],
+        [0, 1, 0, 0],
+        [0, 0, 1, 0],
+    ]
+
+
+@pytest.mark.parametrize("window", [40, 200])
+def test_windowed_flex_matches_the_windowed_document_op_on_cpu(window):
+    """A window shorter and longer than a tile (128), documents across tile edges."""
+    torch.manual_seed(0)
+    ids = _ids([50, 300, 34], [384])
+    docs = DocumentLayout(ids, 2, T)
+    q, k, v = torch.randn(2, HQ, T, DH), torch.randn(2, HKV, T, DH), torch.randn(2, HKV, T, DH)
+    out = flex_document_attention(q, k, v, docs, window)
+    reference = document_attention(q, k, v, ids, window)[0]
+    torch.testing.assert_close(out, reference, atol=2e-6, rtol=1e-5)
+    assert not torch.allclose(out, document_attention(q, k, v, ids)[0], atol=1e-3)
+
+
 @pytest.mark.parametrize("gqa", [True, False])
 def test_flex_block_mask_matches_per_document_reference_on_cpu(gqa):
     torch.manual_seed(0)

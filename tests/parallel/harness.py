@@ -237,7 +237,7 @@ MODELS: dict[str, dict] = {
         "qk_norm": True,
     },
     # a sliding window of 12 keys in the first layer (the second attends fully) over packed
-    # documents, with yarn RoPE: the windowed spans, ring steps and tables of every layout
+    # documents: the windowed spans and ring steps of every layout
     "parity-window": {
         "preset": "tiny",
         "layers": 2,
@@ -245,9 +245,6 @@ MODELS: dict[str, dict] = {
         "vocab": 512,
         "sliding_window": 12,
         "sliding_pattern": "sf",
-        "rope_scaling_type": "yarn",
-        "rope_scaling_factor": 2.0,
-        "rope_original_seq_len": 32,
     },
     # 4 layers: a layer for each of the 4 virtual stages of PP2 x vpp 2
     "parity-tied4": {

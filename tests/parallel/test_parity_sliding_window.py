@@ -1,4 +1,4 @@
-"""Parity of sliding-window attention (and yarn RoPE) with one process: a model whose first
+"""Parity of sliding-window attention with one process: a model whose first
 layer attends within 12 keys and whose second attends fully (`parity-window`). Context
 parallelism trims its blocks to the window (a ring step wholly outside it computes nothing);
 TP, PP and ZeRO-3 carry the layer's window with the layer.
