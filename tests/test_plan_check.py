@@ -158,6 +158,45 @@ def test_tied_embeddings_pipelined_within_five_percent():
         assert abs(check.error) <= 0.05, (check.stage, check.predicted_gib, check.counted_bytes)
 
 
+QWEN2_7B_RECIPE = """
+[model]
+hf_config = "{config}"
+seq_len = 8192
+sliding_window = {window}
+sliding_layers = {windowed}
+
+[cluster]
+preset = "dgx-h100"
+gpus = 64
+
+[plan]
+dp_shard = 8
+zero = 2
+cp = 8
+micro_batch = 4
+grad_accum = 16
+precision = "bf16-mixed"
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("window, windowed", [(0, 0), (4096, 14)])
+def test_qwen2_7b_at_full_scale_within_five_percent(tmp_path, window, windowed):
+    """Qwen2-7B (Q/K/V biases) on 64 H100s in the layout `fivefold plan --hf-config` picks for
+    it at 8K tokens (DP8 ZeRO-2, CP8 ring, 4 x 16 micro-batches), as published and with a
+    4096-key window in its last 14 layers: the ring's windowed blocks keep what a full block
+    keeps, so the planned peak is the same and within 5 % of the counted one."""
+    config = Path(__file__).parent / "data" / "hf_configs" / "qwen2-7b.json"
+    recipe_path = tmp_path / "qwen2.toml"
+    text = QWEN2_7B_RECIPE.format(config=config, window=window, windowed=windowed)
+    recipe_path.write_text(text if window else text.replace("sliding_layers = 0\n", ""))
+    recipe = load_recipe(str(recipe_path))
+    assert recipe.model.qkv_bias and recipe.model.windowed_layers == windowed
+    (check,) = check_plan(recipe, timeout_s=1800)
+    assert not check.problem, check.problem
+    assert abs(check.error) <= 0.05, (check.predicted_gib, check.counted_bytes)
+
+
 def test_fp32_moe_checks_within_five_percent_saying_each_phase(capfd):
     # The shipped fp32 MoE recipe on 2 ranks: the experts' grouped GEMMs run under fake tensors
     # in fp32 (torch's own shape function of `_grouped_mm` takes bf16 only).
