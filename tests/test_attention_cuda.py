@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import warnings
 from itertools import pairwise
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -138,7 +139,10 @@ def test_flex_block_mask_built_on_fake_cuda_before_the_compiled_block():
         docs.doc_ids = torch.zeros(B, T, dtype=torch.long, device=CUDA)
         x = torch.randn(B, T, 32, device=CUDA, dtype=torch.bfloat16)
         _read_documents(None, (x, None, docs))  # the compiled block's pre-hook
-    mask = docs.cache[("flex", str(CUDA))]
+        windowed = SimpleNamespace(attention=SimpleNamespace(window=64))
+        _read_documents(windowed, (x, None, docs))  # a layer sliding over 64 keys
+    assert docs.cache[("flex", str(CUDA), 64)].kv_indices.shape == (B, 1, 3, 3)
+    mask = docs.cache[("flex", str(CUDA), 0)]  # no window
     assert mask.kv_num_blocks.device == CUDA and mask.q_indices.device == CUDA
     assert mask.kv_indices.shape == (B, 1, 3, 3) and mask.BLOCK_SIZE == (128, 128)
     assert not docs.single_document
@@ -187,11 +191,12 @@ def test_compiled_packed_attention_is_one_graph_without_document_op(monkeypatch)
 
 
 def test_compiled_block_dispatches_flex_on_cuda(monkeypatch):
-    """On CUDA under compile the core calls FlexAttention with native GQA (no copies)."""
+    """On CUDA under compile the core calls FlexAttention with native GQA (no copies) and the
+    layer's window."""
     seen = {}
 
-    def fake_flex(q, k, v, docs):
-        seen.update(q=q.shape, k=k.shape)
+    def fake_flex(q, k, v, docs, window=0):
+        seen.update(q=q.shape, k=k.shape, window=window)
         return q
 
     monkeypatch.setattr(attention, "flex_document_attention", fake_flex)
@@ -201,8 +206,8 @@ def test_compiled_block_dispatches_flex_on_cuda(monkeypatch):
     with FakeTensorMode(allow_non_fake_inputs=True):
         q = torch.randn(B, HQ, T, DH, device=CUDA, dtype=torch.bfloat16)
         kv = torch.randn(B, HKV, T, DH, device=CUDA, dtype=torch.bfloat16)
-        AttentionCore()(q, kv, kv, docs)
-    assert seen == {"q": (B, HQ, T, DH), "k": (B, HKV, T, DH)}
+        AttentionCore(64)(q, kv, kv, docs)  # a layer with a sliding window of 64 keys
+    assert seen == {"q": (B, HQ, T, DH), "k": (B, HKV, T, DH), "window": 64}
 
 
 @pytest.mark.parametrize("has_gqa", [True, False])

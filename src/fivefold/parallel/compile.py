@@ -85,7 +85,8 @@ def _read_documents(module: nn.Module, args: tuple) -> None:
     if not isinstance(docs, DocumentLayout) or docs.single_document:  # computed and cached
         return
     if args[0].device.type == "cuda":
-        window = effective_window(getattr(module.attention, "window", 0), docs.seq_len)
+        layer_window = getattr(getattr(module, "attention", None), "window", 0)
+        window = effective_window(layer_window, docs.seq_len)
         docs.flex_block_mask(args[0].device, window)
 
 
