@@ -237,6 +237,29 @@ def test_varlen_gqa_follows_the_installed_torch(monkeypatch, has_gqa):
         assert calls["k_heads"] == HQ and calls["gqa"] == {}
 
 
+@pytest.mark.parametrize("packed", [True, False])
+def test_varlen_takes_the_layers_window(monkeypatch, packed):
+    """Eager CUDA bf16 with a window of 64 keys: flash's own window, 63 keys back and none
+    ahead, for packed documents and for one document per row (one sequence per row)."""
+    import torch.nn.attention.varlen as varlen
+
+    calls = {}
+
+    def fake_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, window_size, **gqa):
+        calls.update(window=window_size, sequences=cu_q.numel() - 1)
+        return torch.empty_like(q)
+
+    monkeypatch.setattr(varlen, "varlen_attn", fake_varlen)
+    docs = DocumentLayout(_ids([100, 284], [384]), B, T) if packed else None
+    if packed:
+        docs.single_document  # noqa: B018
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        q = torch.randn(B, T, HQ, DH, device=CUDA, dtype=torch.bfloat16).transpose(1, 2)
+        kv = torch.randn(B, T, HKV, DH, device=CUDA, dtype=torch.bfloat16).transpose(1, 2)
+        AttentionCore(64)(q, kv, kv, docs)
+    assert calls == {"window": (63, 0), "sequences": 3 if packed else B}
+
+
 def test_varlen_gqa_detected_from_the_signature():
     from torch.nn.attention.varlen import varlen_attn
 
