@@ -115,6 +115,37 @@ def test_layer_overhead_measures_each_layer_kind():
     assert row.moe_forward_s > 0 and row.moe_backward_s > 0
 
 
+def test_a_dense_calibration_still_measures_a_moe_layer(monkeypatch):
+    """A profile calibrated on a dense model priced every MoE layer's fixed cost as a dense
+    layer's (router, dispatch and load-balancing loss unmeasured, EP extra 0): the MoE row is
+    now a MoE layer's (`moe_like`: tiny-moe's routing on the model's layer) and the EP extra
+    is measured on it. The measured specs are recorded, the timings replaced."""
+    from fivefold.calibration import overhead
+    from fivefold.calibration.timing import Budget
+
+    measured = []
+
+    def per_layer(build, spec, budget, batch=1):
+        measured.append(spec)
+        return (2e-3, 4e-3) if spec.is_moe else (1e-3, 2e-3)
+
+    def paired(base, variant, spec, budget, batch=1):
+        measured.append(spec)
+        return (5e-4, 5e-4)
+
+    monkeypatch.setattr(overhead, "per_layer_s", per_layer)
+    monkeypatch.setattr(overhead, "paired_extra_s", paired)
+    monkeypatch.setattr(overhead, "tp_extra_s", lambda *a: (0.0, 0.0))
+    small = model_preset("small")
+    assert overhead.moe_like(small).experts == 4 and overhead.moe_like(small).top_k == 2
+    assert overhead.moe_like(model_preset("tiny-moe")) == model_preset("tiny-moe")
+    row = overhead.measure_overhead(small, 1, Budget())
+    assert (row.layer_forward_s, row.moe_forward_s, row.moe_backward_s) == (1e-3, 2e-3, 4e-3)
+    assert (row.ep_forward_s, row.ep_backward_s) == (5e-4, 5e-4)
+    moe_specs = [m for m in measured if m.is_moe]
+    assert moe_specs and all(m.hidden == 16 and m.experts == 4 for m in moe_specs)
+
+
 def test_grouped_matmul_passes_compute_what_autograd_does():
     """The three timed `_grouped_mm` passes give, group by group, the forward of the experts
     and the two gradients autograd computes for it, and their rows count 2 rows n k FLOPs."""
