@@ -299,6 +299,24 @@ def test_calibrate_time_estimate_up_front():
     assert [duration(s) for s in (12.4, 202, 3900)] == ["12 s", "3 min 22 s", "1 h 05 min"]
 
 
+def test_quick_and_full_calibration_fit_their_time_targets(monkeypatch):
+    """On an idle 2-core CPU `calibrate --quick` must take under a minute and the full form
+    under five (issue targets): the defaults' measurement counts (small preset, micro-batch
+    1, 2 ranks; bf16 native or not) through the up-front estimate, even at the loaded
+    machine's factor for the quick one's minute."""
+    from fivefold.calibration import compute as calibration_compute
+    from fivefold.calibration.comm import gaps
+    from fivefold.cli.cmd_calibrate import LOADED, estimate_s
+
+    monkeypatch.setattr(calibration_compute, "available_cores", lambda: 2)
+    small, plan = model_preset("small"), ParallelPlan(micro_batch=1)
+    for bf16 in ("native", "emulated"):
+        for quick, limit in ((True, 60 / LOADED), (False, 300)):
+            kernels = len(calibration_compute.compute_steps(small, plan, 2, quick, bf16))
+            collectives = steps_count(2, quick, len(gaps([small], 1)))
+            assert estimate_s(kernels, collectives, 2, 2) < limit, (bf16, quick)
+
+
 def test_calibrate_writes_out_by_default_and_the_default_location_only_when_asked(
     tmp_path, monkeypatch, capsys
 ):
