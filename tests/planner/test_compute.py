@@ -205,3 +205,8 @@ def test_classic_attention_on_its_roofline_by_hand():
     plain = classic_attention(model, plan, a100, eff, ComputeOptions(dropout=False))
     assert plain[0] == pytest.approx(batch * 2 * one_gemm + scores * 4 / bw)
     assert plain[1] == pytest.approx(batch * 4 * one_gemm + scores * 6 / bw)
+    # context parallelism: a rank's s/2 queries meet all s keys (not (s/2)^2 scores)
+    cp2 = classic_attention(model, plan.with_(cp=2), a100, eff, ComputeOptions(dropout=False))
+    q = s / 2
+    half_gemm = max(2 * q * s * d / flops_rate, 2 * (q * d + s * d + q * s) / bw)
+    assert cp2[0] == pytest.approx(batch * 2 * half_gemm + batch * q * s * 4 / bw)

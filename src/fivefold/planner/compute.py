@@ -300,23 +300,24 @@ def classic_attention(
     opts: ComputeOptions,
 ) -> tuple[float, float]:
     """(forward, backward) seconds of unfused attention (Megatron 2021), on its roofline: QK^T
-    and AV as batched GEMMs over the full s x s scores, each the longer of its FLOPs at the
+    and AV as batched GEMMs over the full scores (s/cp queries by all s keys: under context
+    parallelism a rank's queries still meet every key), each the longer of its FLOPs at the
     large-GEMM fraction of peak and its bytes (the s^2 scores written or read) streamed; the
     fused scale-mask-softmax and dropout passes streamed, `classic_score_bytes` per score. The
     backward runs four such GEMMs for the forward's two. These long contiguous passes stream
     at `stream_fraction` of HBM bandwidth, not at the short element-wise kernels'
     `hbm_fraction` (a catalog GPU's figures: a measured device runs flash-type attention)."""
-    s = model.seq_len / plan.cp
+    q, s = model.seq_len / plan.cp, model.seq_len  # a rank's queries see every key (CP)
     batch = plan.micro_batch * model.heads / plan.tp
     d = model.head_dim
     e = recipe(plan.precision).activation_bytes
     flops_per_s = device.peak(recipe(plan.precision).compute_dtype) * eff.gemm_fraction(device.arch)
     bytes_per_s = device.hbm_bw_bytes_per_s * eff.stream_fraction
-    # QK^T (s x d) @ (d x s) and AV (s x s) @ (s x d): 2 s^2 d FLOPs, e (2 s d + s^2) bytes each
-    one = max(2 * s * s * d / flops_per_s, e * (2 * s * d + s * s) / bytes_per_s)
+    # QK^T (q x d) @ (d x s) and AV (q x s) @ (s x d): 2 q s d FLOPs, e (q d + s d + q s) bytes
+    one = max(2 * q * s * d / flops_per_s, e * (q * d + s * d + q * s) / bytes_per_s)
     gemm = batch * 2 * one
     fwd_bytes, bwd_bytes = classic_score_bytes(e, opts.dropout)
-    scores = batch * s * s
+    scores = batch * q * s
     return gemm + scores * fwd_bytes / bytes_per_s, 2 * gemm + scores * bwd_bytes / bytes_per_s
 
 
