@@ -98,3 +98,15 @@ def test_the_rate_read_matches_the_table_it_is_flagged_against():
     assert RATES.gemm_flops_per_s(256, 64, 1024, "fp32", "nt") == pytest.approx(4e10)
     half = replace(FP32, micro_batch=2)
     assert coverage(RATES, INSIDE, half).count("GEMM passes")[2] == 0  # m 512: inside
+
+
+def test_experts_without_grouped_rows_are_read_as_gemms():
+    """A profile without grouped rows times each expert as its own GEMM: 8 experts top-2 over
+    256 tokens give 64 rows per expert (the grid's lowest m), w1/w3 (64 x 128 x 256) and w2
+    (64 x 256 x 128), three passes each: six reads, inside the grid (128 between its 64 and 256)."""
+    moe = INSIDE.with_(experts=8, top_k=2, expert_ffn=128, shared_experts=0)
+    cov = coverage(RATES, moe, FP32)
+    assert cov.count("experts as GEMMs") == (0, 6, 0)
+    wide = moe.with_(experts=32)  # 16 rows per expert: m 16 < 64 forward
+    far = {r.shape: r.beyond for r in coverage(RATES, wide, FP32).reads_of("experts as GEMMs")}
+    assert far["16 x 128 x 256 nt"] == ("m 16 < 64",)

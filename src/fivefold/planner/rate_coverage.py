@@ -107,15 +107,20 @@ def _read(part: str, shape: tuple, tag: str, points: list, names: str) -> Read:
 
 def _grouped_reads(rates: MeasuredRates, model: ModelSpec, plan: ParallelPlan, dtype: str) -> list:
     """The routed experts' passes: the nearest measured grouped shape of each layout (no
-    interpolation), or separate GEMMs where the profile has no grouped rows."""
+    interpolation), or, where the profile has no grouped rows, the per-expert GEMMs the
+    rates time instead (`MeasuredRates.grouped_time_s`)."""
     rows = [r for r in rates.rank.profile.grouped_matmul if r.dtype == dtype]
     out = []
     for groups, tokens, n, k in dict.fromkeys(expert_projections(model, plan)):
-        for layout in PASS_SHAPES:
+        for layout, at in PASS_SHAPES.items():
             points = [((r.groups, r.tokens, r.n, r.k), 1.0) for r in rows if r.layout == layout]
             if points:
                 shape = (groups, tokens, n, k)
                 out.append(_read("grouped experts", shape, layout, points, "groups tokens n k"))
+            else:
+                gemm, _ = rates.gemm_points(dtype, layout)
+                shape = tuple(max(1.0, x) for x in at(tokens / groups, n, k))
+                out.append(_read("experts as GEMMs", shape, layout, gemm, "m n k"))
     return out
 
 
