@@ -51,7 +51,8 @@ from fivefold.planner.efficiency import (
     published_runs,
     skipped_runs,
 )
-from fivefold.planner.published import run_errors, what_if_error, what_if_label
+from fivefold.planner.frameworks import DEFAULT_PROFILE, profiles
+from fivefold.planner.published import profile_errors, run_errors, what_if_error, what_if_label
 
 START = EfficiencyModel()
 BOUNDS = {
@@ -358,11 +359,63 @@ def markdown(record: dict) -> str:
             f"{r['predicted_step_s']:.3f} | {pct(r['error'])} | {pct(held[r['row']])} | "
             f"{pct(r['memory_error'])} |"
         )
+    lines += ["", *profiles_table(record)]
     lines += ["", *unknowns_table(record)]
     lines += ["", "| skipped row | source | why the planner cannot express it |", "|---|---|---|"]
     for s in record["skipped"]:
         lines.append(f"| {s['id']} | {s['source_key']} | {s['reason']} |")
     return "\n".join(lines)
+
+
+def framework_rows() -> dict[str, set[str]]:
+    """Row ids per framework profile (`megatron-2022`, ...): the rows that name it."""
+    out: dict[str, set[str]] = defaultdict(set)
+    for row in published_runs():
+        if row.get("profile", DEFAULT_PROFILE) != DEFAULT_PROFILE:
+            out[row["profile"]].add(row["id"])
+    return out
+
+
+def profile_stats(record: dict) -> dict[tuple[str, str], dict]:
+    """{(framework, profile): step-time and memory error stats} of every profile on every
+    framework's rows, held out (`profile_errors` with each source's leave-one-source-out fit)."""
+    held = {k: with_values(START, v["parameters"]) for k, v in record["loso"].items()}
+    out = {}
+    for framework, rows in framework_rows().items():
+        for name in profiles():
+            errors = profile_errors(name, held, rows)
+            memory = [e.memory_error for e in errors if e.memory_error is not None]
+            out[framework, name] = {
+                "time": stats([e.error for e in errors]),
+                "memory": stats(memory) if memory else None,
+            }
+    return out
+
+
+def profiles_table(record: dict) -> list[str]:
+    """Markdown: each framework's rows under every profile (`profile_stats`), held out."""
+    names = list(profiles())
+    lines = [
+        "Efficiency profiles on their frameworks' rows (each row planned as `--profile NAME` "
+        "plans it, with the leave-one-source-out fit of its source; step time, mean "
+        "abs / max abs, and the same of memory where the rows publish it):",
+        "",
+        "| rows of | " + " | ".join(f"`{n}`" for n in names) + " |",
+        "|---|" + "---|" * len(names),
+    ]
+    table = profile_stats(record)
+    for framework, rows in framework_rows().items():
+        cells = []
+        for name in names:
+            t, m = table[framework, name]["time"], table[framework, name]["memory"]
+            cell = f"{t['mean_abs_error'] * 100:.1f} / {t['max_abs_error'] * 100:.1f} %"
+            if m:
+                cell += (
+                    f"; memory {m['mean_abs_error'] * 100:.1f} / {m['max_abs_error'] * 100:.1f} %"
+                )
+            cells.append(f"**{cell}**" if name == framework else cell)
+        lines.append(f"| `{framework}` ({len(rows)}) | " + " | ".join(cells) + " |")
+    return lines
 
 
 def publish(record: dict) -> None:

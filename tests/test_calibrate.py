@@ -115,6 +115,37 @@ def test_layer_overhead_measures_each_layer_kind():
     assert row.moe_forward_s > 0 and row.moe_backward_s > 0
 
 
+def test_a_dense_calibration_still_measures_a_moe_layer(monkeypatch):
+    """A profile calibrated on a dense model priced every MoE layer's fixed cost as a dense
+    layer's (router, dispatch and load-balancing loss unmeasured, EP extra 0): the MoE row is
+    now a MoE layer's (`moe_like`: tiny-moe's routing on the model's layer) and the EP extra
+    is measured on it. The measured specs are recorded, the timings replaced."""
+    from fivefold.calibration import overhead
+    from fivefold.calibration.timing import Budget
+
+    measured = []
+
+    def per_layer(build, spec, budget, batch=1):
+        measured.append(spec)
+        return (2e-3, 4e-3) if spec.is_moe else (1e-3, 2e-3)
+
+    def paired(base, variant, spec, budget, batch=1):
+        measured.append(spec)
+        return (5e-4, 5e-4)
+
+    monkeypatch.setattr(overhead, "per_layer_s", per_layer)
+    monkeypatch.setattr(overhead, "paired_extra_s", paired)
+    monkeypatch.setattr(overhead, "tp_extra_s", lambda *a: (0.0, 0.0))
+    small = model_preset("small")
+    assert overhead.moe_like(small).experts == 4 and overhead.moe_like(small).top_k == 2
+    assert overhead.moe_like(model_preset("tiny-moe")) == model_preset("tiny-moe")
+    row = overhead.measure_overhead(small, 1, Budget())
+    assert (row.layer_forward_s, row.moe_forward_s, row.moe_backward_s) == (1e-3, 2e-3, 4e-3)
+    assert (row.ep_forward_s, row.ep_backward_s) == (5e-4, 5e-4)
+    moe_specs = [m for m in measured if m.is_moe]
+    assert moe_specs and all(m.hidden == 16 and m.experts == 4 for m in moe_specs)
+
+
 def test_grouped_matmul_passes_compute_what_autograd_does():
     """The three timed `_grouped_mm` passes give, group by group, the forward of the experts
     and the two gradients autograd computes for it, and their rows count 2 rows n k FLOPs."""
@@ -266,6 +297,24 @@ def test_calibrate_time_estimate_up_front():
     assert small4 == pytest.approx(366 * KERNEL_S + 224 * COLLECTIVE_S * 2)
     assert small4 * LOADED == pytest.approx(202, rel=0.15)  # the 3 min 22 s seen under load
     assert [duration(s) for s in (12.4, 202, 3900)] == ["12 s", "3 min 22 s", "1 h 05 min"]
+
+
+def test_quick_and_full_calibration_fit_their_time_targets(monkeypatch):
+    """On an idle 2-core CPU `calibrate --quick` must take under a minute and the full form
+    under five (issue targets): the defaults' measurement counts (small preset, micro-batch
+    1, 2 ranks; bf16 native or not) through the up-front estimate, even at the loaded
+    machine's factor for the quick one's minute."""
+    from fivefold.calibration import compute as calibration_compute
+    from fivefold.calibration.comm import gaps
+    from fivefold.cli.cmd_calibrate import LOADED, estimate_s
+
+    monkeypatch.setattr(calibration_compute, "available_cores", lambda: 2)
+    small, plan = model_preset("small"), ParallelPlan(micro_batch=1)
+    for bf16 in ("native", "emulated"):
+        for quick, limit in ((True, 60 / LOADED), (False, 300)):
+            kernels = len(calibration_compute.compute_steps(small, plan, 2, quick, bf16))
+            collectives = steps_count(2, quick, len(gaps([small], 1)))
+            assert estimate_s(kernels, collectives, 2, 2) < limit, (bf16, quick)
 
 
 def test_calibrate_writes_out_by_default_and_the_default_location_only_when_asked(

@@ -7,6 +7,7 @@ from arithmetic import gemm_intensity
 
 from fivefold.planner.compute import (
     ComputeOptions,
+    classic_attention,
     flash_attention_forward_s,
     gemm_time_s,
     layer_elementwise_bytes,
@@ -180,3 +181,32 @@ def test_full_recompute_early_stop_skips_each_blocks_last_matmul():
     assert training_flops_per_token(m, recompute="selective", early_stop=True) == (
         training_flops_per_token(m, recompute="selective")
     )
+
+
+def test_classic_attention_on_its_roofline_by_hand():
+    """GPT 1.7B of SC21 on an A100 (s 2048, 24 heads of 96, b 16, bf16): the score GEMMs are
+    bound by streaming the s^2 scores at `stream_fraction` of HBM, the softmax and dropout
+    passes stream 9 bytes per score forward and 11 backward (not twice the forward's)."""
+    a100 = gpu("a100-80gb")
+    model = model_preset("tiny").with_(
+        hidden=2304, heads=24, kv_heads=24, head_dim=96, ffn=9216, seq_len=2048, mlp="gelu"
+    )
+    plan = ParallelPlan(micro_batch=16, precision="bf16-mixed")
+    eff = EFF.with_(stream_fraction=0.8)
+    s, d, batch = 2048, 96, 16 * 24
+    bw = 2.039e12 * 0.8
+    flops_rate = a100.peak("bf16") * 0.8
+    one_gemm = max(2 * s * s * d / flops_rate, 2 * (2 * s * d + s * s) / bw)
+    assert one_gemm == pytest.approx(2 * (2 * s * d + s * s) / bw)  # memory-bound
+    scores = batch * s * s
+    with_dropout = classic_attention(model, plan, a100, eff, ComputeOptions(dropout=True))
+    assert with_dropout[0] == pytest.approx(batch * 2 * one_gemm + scores * 9 / bw)
+    assert with_dropout[1] == pytest.approx(batch * 4 * one_gemm + scores * 11 / bw)
+    plain = classic_attention(model, plan, a100, eff, ComputeOptions(dropout=False))
+    assert plain[0] == pytest.approx(batch * 2 * one_gemm + scores * 4 / bw)
+    assert plain[1] == pytest.approx(batch * 4 * one_gemm + scores * 6 / bw)
+    # context parallelism: a rank's s/2 queries meet all s keys (not (s/2)^2 scores)
+    cp2 = classic_attention(model, plan.with_(cp=2), a100, eff, ComputeOptions(dropout=False))
+    q = s / 2
+    half_gemm = max(2 * q * s * d / flops_rate, 2 * (q * d + s * d + q * s) / bw)
+    assert cp2[0] == pytest.approx(batch * 2 * half_gemm + batch * q * s * 4 / bw)

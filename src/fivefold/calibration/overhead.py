@@ -42,6 +42,17 @@ def tiny_like(model: ModelSpec, layers: int) -> ModelSpec:
     )  # fmt: skip
 
 
+def moe_like(model: ModelSpec) -> ModelSpec:
+    """`model` when it is MoE, else its layer made a MoE one with the `tiny-moe` preset's
+    routing (4 experts, top-2, one shared expert): a profile calibrated on a dense model then
+    prices a MoE layer's fixed cost (router, token dispatch, grouped experts, load-balancing
+    loss) as measured, not as a dense layer's. The cost is per op, not per expert (the experts
+    run as one grouped matmul), so one MoE structure serves MoE models of any expert count."""
+    if model.is_moe:
+        return model
+    return replace(model, experts=4, top_k=2, expert_ffn=model.ffn, shared_experts=1)
+
+
 @contextlib.contextmanager
 def local_group() -> Iterator[DeviceMesh]:
     """A one-rank gloo process group (made here unless one exists) and its 1-D mesh: tensor
@@ -143,16 +154,14 @@ def measure_overhead(
     collectives are counted by bytes in the planner; and of a MoE layer under expert
     parallelism (the all-to-all dispatcher, DTensor expert shards, the global load-balancing
     loss). Each extra paired against the plain model (`paired_extra_s`), all on a one-rank
-    mesh, so no transfer is timed. The MoE layer is `moe`'s
-    (default `model`'s; a dense model's MoE figures are its dense ones)."""
+    mesh, so no transfer is timed. The MoE layer is `moe`'s (default `model`'s), as a MoE
+    layer (`moe_like`) when it is dense."""
     full = replace(model, experts=0, top_k=0, shared_experts=0, expert_ffn=0, dense_layers=0)
     dense = tiny_like(full, 1)
     torch.manual_seed(0)
     plain_f, plain_b = per_layer_s(Transformer, dense, budget)
-    moe = moe if moe is not None else model
-    moe_f, moe_b = per_layer_s(Transformer, tiny_like(moe, 1), budget) if moe.is_moe else (
-        plain_f, plain_b,
-    )  # fmt: skip
+    moe = moe_like(moe if moe is not None else model)
+    moe_f, moe_b = per_layer_s(Transformer, tiny_like(moe, 1), budget)
     with local_group() as mesh:
 
         def tp(spec: ModelSpec) -> nn.Module:
@@ -177,9 +186,7 @@ def measure_overhead(
 
         tp_f, tp_b = tp_extra_s(tp, full, budget, batch)
         units = [paired_extra_s(Transformer, wrapped(z), dense, budget) for z in (3, 0, 1)]
-        ep_extra = (
-            paired_extra_s(Transformer, ep, tiny_like(moe, 1), budget) if moe.is_moe else (0, 0)
-        )
+        ep_extra = paired_extra_s(Transformer, ep, tiny_like(moe, 1), budget)
     extra = [t for unit in units for t in unit]
     return Overhead(threads, plain_f, plain_b, moe_f, moe_b, tp_f, tp_b, *extra, *ep_extra)
 
@@ -203,5 +210,5 @@ def measure_launch_overhead(model: ModelSpec, moe: ModelSpec, budget: Budget) ->
     dense = tiny_like(replace(model, experts=0, top_k=0, shared_experts=0, dense_layers=0), 1)
     torch.manual_seed(0)
     plain = per_layer_s(Transformer, dense, budget)
-    moe_s = per_layer_s(Transformer, tiny_like(moe, 1), budget) if moe.is_moe else plain
+    moe_s = per_layer_s(Transformer, tiny_like(moe_like(moe), 1), budget)
     return Overhead(1, *plain, *moe_s, *([0.0] * 10))

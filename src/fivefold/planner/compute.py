@@ -19,12 +19,12 @@ The efficiency model (parameters in `fivefold.planner.efficiency`, fitted by
   of peak, the backward `attention_backward_ratio` (2.5) times the forward time. Classic
   kernels (Megatron 2021: QK^T and AV as batched GEMMs over the full s x s matrix, then a
   fused scale-mask-softmax and dropout in HBM) are two batched GEMMs of shape (s, s, head_dim)
-  plus the element-wise passes over the s^2 scores.
+  plus the passes over the s^2 scores, all on their roofline with the scores streamed at
+  `stream_fraction` of HBM bandwidth (`classic_attention`).
 - Element-wise kernels are bound by HBM bandwidth at `hbm_fraction`. Per token per layer, forward:
   two RMSNorms (read and write h each), two residual adds (read 2h, write h), RoPE on q and k
   (read and write), the MLP activation (SwiGLU: read 2f, write f; GeLU: read f, write f), with
-  dropout a one-byte mask per residual; the scores of classic attention cost 4 bytes per element
-  (softmax read and write) plus 5 with dropout. The backward moves twice the forward's bytes. The
+  dropout a one-byte mask per residual. The backward moves twice the forward's bytes. The
   norms and residuals run on T/tp tokens with sequence parallelism, on all T without (replicated
   over the TP group); the loss reads and writes 24 bytes per fp32 logit (forward and backward).
 - The roofline under every memory-side op (`roofline_s`): the element-wise kernels, the
@@ -92,6 +92,15 @@ CLIP_PASSES = 3  # gradient clipping reads every gradient for the norm, then rea
 # against 6).
 UNFUSED_TRAFFIC_FACTOR = 3.0
 SELECTIVE_POLICIES = ("attention", "alternate-matmul")
+
+
+def classic_score_bytes(e: int, dropout: bool) -> tuple[float, float]:
+    """(forward, backward) bytes per score of classic attention beyond its GEMMs, scores of `e`
+    bytes: the softmax reads and writes them (2e), its backward reads the probabilities and
+    their gradient and writes the scores' gradient (3e); dropout reads, writes and keeps a
+    one-byte mask forward, reads the gradient and the mask and writes backward (2e + 1 each)."""
+    extra = 2 * e + 1 if dropout else 0
+    return 2 * e + extra, 3 * e + extra
 
 
 @dataclass(frozen=True)
@@ -290,16 +299,26 @@ def classic_attention(
     eff: EfficiencyModel,
     opts: ComputeOptions,
 ) -> tuple[float, float]:
-    """(forward, backward) seconds of unfused attention: batched GEMMs over the full s x s
-    scores plus the softmax (and dropout) passes over them in HBM."""
-    s = model.seq_len / plan.cp
+    """(forward, backward) seconds of unfused attention (Megatron 2021), on its roofline: QK^T
+    and AV as batched GEMMs over the full scores (s/cp queries by all s keys: under context
+    parallelism a rank's queries still meet every key), each the longer of its FLOPs at the
+    large-GEMM fraction of peak and its bytes (the s^2 scores written or read) streamed; the
+    fused scale-mask-softmax and dropout passes streamed, `classic_score_bytes` per score. The
+    backward runs four such GEMMs for the forward's two. These long contiguous passes stream
+    at `stream_fraction` of HBM bandwidth, not at the short element-wise kernels'
+    `hbm_fraction` (a catalog GPU's figures: a measured device runs flash-type attention)."""
+    q, s = model.seq_len / plan.cp, model.seq_len  # a rank's queries see every key (CP)
     batch = plan.micro_batch * model.heads / plan.tp
     d = model.head_dim
-    gemm = batch * (gemm_time_s(s, s, d, device, eff) + gemm_time_s(s, d, s, device, eff))
-    scores = batch * s * s
-    bytes_per_score = 4.0 + (5.0 if opts.dropout else 0.0)
-    elementwise = memory_time_s(scores * bytes_per_score, device, eff)
-    return gemm + elementwise, 2 * gemm + 2 * elementwise
+    e = recipe(plan.precision).activation_bytes
+    flops_per_s = device.peak(recipe(plan.precision).compute_dtype) * eff.gemm_fraction(device.arch)
+    bytes_per_s = device.hbm_bw_bytes_per_s * eff.stream_fraction
+    # QK^T (q x d) @ (d x s) and AV (q x s) @ (s x d): 2 q s d FLOPs, e (q d + s d + q s) bytes
+    one = max(2 * q * s * d / flops_per_s, e * (q * d + s * d + q * s) / bytes_per_s)
+    gemm = batch * 2 * one
+    fwd_bytes, bwd_bytes = classic_score_bytes(e, opts.dropout)
+    scores = batch * q * s
+    return gemm + scores * fwd_bytes / bytes_per_s, 2 * gemm + scores * bwd_bytes / bytes_per_s
 
 
 def layer_work(

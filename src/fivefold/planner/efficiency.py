@@ -14,6 +14,11 @@ The planner turns FLOPs and bytes into seconds with a handful of physical consta
   (fitted).
 - `layer_overhead_s`: a fixed time per transformer layer per micro-batch forward (twice that in
   the backward): kernel launches and tails that do not shrink with the work (fitted).
+- `stream_fraction`: the fraction of HBM bandwidth a long contiguous pass over a large tensor
+  reaches (classic attention's s^2 scores: softmax, dropout, the score GEMMs' output), fixed at
+  0.8 from streaming benchmarks (copy/triad kernels reach about 80-90 % of the datasheet HBM
+  figure on A100 and H100); the small element-wise kernels' `hbm_fraction` is fitted well below
+  it, since launches and short rows are in it.
 - `nvlink_fraction`, `ib_fraction`: achieved bus bandwidth of ring collectives against the link
   rate, fixed from nccl-tests reference numbers (8x A100 NVLink3: 230-250 GB/s bus bandwidth of
   300 GB/s per direction; InfiniBand NDR/HDR: about 90 % of line rate).
@@ -56,6 +61,7 @@ class EfficiencyModel:
     attention_backward_ratio: float = 2.5
     hbm_fraction: float = 0.7
     layer_overhead_s: float = 20e-6
+    stream_fraction: float = 0.8
     nvlink_fraction: float = 0.8
     ib_fraction: float = 0.9
     source: str = field(default="defaults (uncalibrated)", compare=False)

@@ -19,6 +19,7 @@ from fivefold.planner.explain_levers import lever_words, levers_line
 from fivefold.planner.muon import muon_line
 from fivefold.planner.outcomes import TIE_FRACTION, SearchResult
 from fivefold.planner.quantities import gib, seconds
+from fivefold.planner.rate_coverage import device_model_line
 from fivefold.planner.rates import rates_for
 from fivefold.planner.search import collector_paused
 from fivefold.planner.staircase import rule_of_thumb_line
@@ -414,7 +415,7 @@ def confidence_line(est: Any, risk: str | None = None) -> str:
             "step-time model of fivefold's own runtime on such a machine is checked by "
             "`benchmarks/plan_vs_run.py` (docs/planner.md, 'Plan vs run on CPU': on an idle "
             "2-core machine within 16 % of the measured step on every one of its 24 layouts, "
-            "7.5 % on average); layouts are ranked by the prediction."
+            "7.5 % on average); layouts are ranked by the prediction. " + device_model_line(est)
         )
     r_lo, r_hi = uncertainty.residual_range()
     sources = uncertainty.held_out_residuals()

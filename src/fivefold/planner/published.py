@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 
 from fivefold.planner.efficiency import EfficiencyModel, published_runs
 from fivefold.planner.estimate import estimate
-from fivefold.planner.frameworks import row_options
+from fivefold.planner.frameworks import profile, row_options
 from fivefold.planner.options import PlannerOptions
 from fivefold.specs.cluster import ClusterSpec, cluster_preset
 from fivefold.specs.model import ModelSpec
@@ -234,6 +234,22 @@ def run_errors(
         for setup in _cached_setups()
         if rows is None or setup.row in rows
     ]
+
+
+def profile_errors(
+    name: str, efficiency_of: dict[str, EfficiencyModel], rows: set[str]
+) -> list[RunError]:
+    """The rows whose ids are in `rows` planned as `--profile name` plans them (the profile's
+    options, none of the row's own), each with the efficiency model of its source
+    (`efficiency_of[source]`: the leave-one-source-out fit that never saw the row)."""
+    texts = {row["id"]: row["measured"]["text"] for row in published_runs()}
+    out = []
+    for setup in _cached_setups():
+        if setup.row in rows:
+            options = profile(name).planner_options(setup.cluster.device)
+            patched = replace(setup, options=options)
+            out.append(_error(patched, texts[setup.row], efficiency_of[setup.source]))
+    return out
 
 
 def what_if_error(row: dict, what_if: dict, efficiency: EfficiencyModel) -> RunError:

@@ -29,6 +29,7 @@ from fivefold.errors import ConfigError
 from fivefold.planner.efficiency import EfficiencyModel, efficiency_model
 from fivefold.planner.layer_matmuls import eager_matmuls, expert_projections, layer_gemms
 from fivefold.planner.levers import node_host, offloads
+from fivefold.planner.shape_interp import log_shape_interp
 from fivefold.specs.cluster import ClusterSpec
 from fivefold.specs.hardware import GPUSpec
 from fivefold.specs.model import ModelSpec
@@ -37,7 +38,6 @@ from fivefold.specs.precision import recipe
 from fivefold.specs.profile import Attention, Collective, GroupedMatmul, RankProfile, bus_factor
 
 ATTENTION_DTYPE = "bf16"  # attention kernels run in bf16 even under fp8 recipes
-NEIGHBOURS = 4  # measured shapes a rate is interpolated from (`log_shape_interp`)
 Options = TypeVar("Options")
 Passes = tuple[float, float, float]  # (forward, input gradient, weight gradient) seconds
 
@@ -214,29 +214,6 @@ def _compute_dtype(plan: ParallelPlan) -> str:
 
 
 # ---- a measured device ---------------------------------------------------------------------------
-def log_shape_interp(
-    shape: tuple[float, ...], points: list[tuple[tuple[float, ...], float]]
-) -> float:
-    """A positive value at `shape` from measured (shape, value) points: each coordinate first
-    clamped into the points' range (beyond the measured shapes, the edge's values), then the
-    value of an equal shape, else exp of the mean log value of the `NEIGHBOURS` nearest points
-    by Euclidean distance in log coordinates, weighted by 1 / distance^2."""
-    lows = [min(p[0][i] for p in points) for i in range(len(shape))]
-    highs = [max(p[0][i] for p in points) for i in range(len(shape))]
-    where = [math.log(min(max(x, lo), hi)) for x, lo, hi in zip(shape, lows, highs, strict=True)]
-    near = []
-    for point, value in points:
-        d2 = sum((math.log(p) - w) ** 2 for p, w in zip(point, where, strict=True))
-        if d2 < 1e-18:
-            return value
-        near.append((d2, value))
-    near.sort()
-    near = near[:NEIGHBOURS]
-    weights = [1.0 / d2 for d2, _ in near]
-    logs = sum(w * math.log(v) for w, (_, v) in zip(weights, near, strict=True))
-    return math.exp(logs / sum(weights))
-
-
 @dataclass(frozen=True)
 class MeasuredRates(DeviceRates):
     """A device profile's tables as one of its ranks reads them (`RankProfile`: rates already
@@ -254,17 +231,18 @@ class MeasuredRates(DeviceRates):
         """The measured rate at this shape, else interpolated from the `NEIGHBOURS` nearest
         measured shapes of the dtype and layout (every layout when it has none) in log space
         (`log_shape_interp`). The model-independent grid (`DEVICE_GRID`) makes every model's
-        shapes fall among measured ones; a shape beyond it takes the rates at its edge."""
+        shapes fall among measured ones; a shape beyond it takes the rates at its edge
+        (`fivefold.planner.rate_coverage` names it)."""
+        points, scale = self.gemm_points(dtype, layout)
+        return log_shape_interp((max(1.0, m), max(1.0, n), max(1.0, k)), points) * scale
+
+    def gemm_points(self, dtype: str, layout: str) -> tuple[list, float]:
+        """((m, n, k), FLOP/s) of the measured GEMMs a pass of `layout` is read from, and the
+        factor scaling them to this rank."""
         dtype = self._dtype(dtype, self.rank.profile.matmul)
         rows, scale = self.rank.rows([r for r in self.rank.profile.matmul if r.dtype == dtype])
         same = [r for r in rows if r.layout == layout] or rows
-        return (
-            log_shape_interp(
-                (max(1.0, m), max(1.0, n), max(1.0, k)),
-                [((r.m, r.n, r.k), r.flops_per_s) for r in same],
-            )
-            * scale
-        )
+        return [((r.m, r.n, r.k), r.flops_per_s) for r in same], scale
 
     def gemm_passes_s(self, m: float, n: float, k: float, dtype: str) -> Passes:
         """Forward x W^T on (m, n, k), input gradient g W on (m, k, n), weight gradient g^T x
@@ -325,10 +303,7 @@ class MeasuredRates(DeviceRates):
         models), interpolated in log space over (seq, head_dim, batch x heads) as GEMM rates
         are (`log_shape_interp`); `rows` = batch x heads of the query (0: not used). Rows
         of one document per row ("sdpa"; packed kernels' rows are there to compare)."""
-        one_document = [a for a in self.rank.profile.attention if a.kernel == "sdpa"]
-        table = [a for a in one_document if a.dtype == dtype] or one_document
-        near = min({a.cp for a in table}, key=lambda c: (abs(c - cp), c))
-        table, scale = self.rank.rows([a for a in table if a.cp == near])
+        table, scale = self.attention_table(dtype, cp)
 
         def shape(a: Attention) -> tuple[float, ...]:
             return (a.seq, a.head_dim, a.batch * a.heads)[: 3 if rows > 0 else 2]
@@ -337,6 +312,14 @@ class MeasuredRates(DeviceRates):
         fwd = log_shape_interp(where, [(shape(a), a.forward_flops_per_s) for a in table])
         bwd = log_shape_interp(where, [(shape(a), a.backward_flops_per_s) for a in table])
         return fwd * scale, bwd * scale
+
+    def attention_table(self, dtype: str, cp: int) -> tuple[list[Attention], float]:
+        """The one-document attention rows of the nearest measured cp an attention of `dtype`
+        is read from, and the factor scaling them to this rank."""
+        one_document = [a for a in self.rank.profile.attention if a.kernel == "sdpa"]
+        table = [a for a in one_document if a.dtype == dtype] or one_document
+        near = min({a.cp for a in table}, key=lambda c: (abs(c - cp), c))
+        return self.rank.rows([a for a in table if a.cp == near])
 
     def attention_s(
         self, flops: float, span: float, head_dim: float, dtype: str, blocks: int, rows: float
