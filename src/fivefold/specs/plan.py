@@ -248,11 +248,12 @@ class ParallelPlan:
             out.append(f"plan.vpp = {self.vpp} needs plan.pp > 1: virtual stages split a pipeline.")
         if self.pp > 1:
             out += self._schedule_problems()
-        if self.ep > 1 and not ep_fits(self.ep, self.dp_shard, self.cp):
+        if self.ep > 1 and not ep_fits(self.ep, self.dp_shard, self.cp, self.tp):
+            span = self.dp_shard * self.cp * self.tp
             out.append(
-                f"plan.ep = {self.ep} must divide dp_shard * cp = {self.dp_shard * self.cp}: "
-                "expert parallelism borrows its ranks from the sharded data-parallel and context "
-                "axes. Raise dp_shard (with zero >= 1) or cp, or lower ep."
+                f"plan.ep = {self.ep} must divide dp_shard * cp * tp = {span}: expert "
+                "parallelism borrows its ranks from the sharded data-parallel, context and "
+                "tensor axes. Raise dp_shard (with zero >= 1), cp or tp, or lower ep."
             )
         return out
 
@@ -301,12 +302,6 @@ class ParallelPlan:
         if m is None:
             return out
         out += self._fp8_kv_problems(m)
-        if m.is_moe and self.tp > 1:
-            out.append(
-                f"plan.tp = {self.tp} with a MoE model (model.experts = {m.experts}): fivefold's "
-                "runtime does not tensor-parallelise MoE layers; set plan.tp = 1 and shard the "
-                "experts with plan.ep (and the rest with dp_shard / cp)."
-            )
         return out
 
     def _fp8_kv_problems(self, m: ModelSpec) -> list[str]:
@@ -404,8 +399,12 @@ class ParallelPlan:
             out.append(f"plan.tp = {self.tp} must divide model.kv_heads = {m.kv_heads}.")
         if m.ffn % self.tp:
             out.append(f"plan.tp = {self.tp} must divide model.ffn = {m.ffn} (the MLP width).")
-        if m.is_moe and m.expert_ffn % self.tp:
-            out.append(f"plan.tp = {self.tp} must divide model.expert_ffn = {m.expert_ffn}.")
+        shared_width = m.shared_experts * m.expert_ffn if m.is_moe else 0
+        if shared_width % self.tp:
+            out.append(
+                f"plan.tp = {self.tp} must divide the shared experts' width model.shared_experts "
+                f"x expert_ffn = {shared_width} (they are tensor-parallel like a dense MLP)."
+            )
         if self.virtual_stages > m.layers:
             out.append(
                 f"plan.pp * vpp = {self.virtual_stages} pipeline stages exceed model.layers = "
@@ -426,6 +425,12 @@ class ParallelPlan:
             out.append(
                 f"model.seq_len / cp = {m.seq_len // self.cp} must be divisible by plan.tp = "
                 f"{self.tp} for sequence parallelism; change seq_len or set plan.sp = false."
+            )
+        elif m.is_moe and self.tp > 1 and (m.seq_len // self.cp) % self.tp:
+            out.append(
+                f"model.seq_len / cp = {m.seq_len // self.cp} must be divisible by plan.tp = "
+                f"{self.tp}: a MoE layer splits its tokens over the TP ranks along the sequence "
+                "(geometry's expert rule); change seq_len or plan.tp."
             )
         if self.ep > 1:
             if not m.is_moe:
