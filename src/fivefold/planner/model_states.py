@@ -125,7 +125,7 @@ def layer_params_per_rank(model: ModelSpec, moe: bool, tp: int, ep: int) -> Laye
     if not moe:
         return LayerParams(attn + dense_mlp_params(model) / tp, norms, 0.0)
     shared = model.shared_experts * expert_params(model) / tp
-    routed = model.experts / ep * expert_params(model) / tp
+    routed = model.experts / ep * expert_params(model)  # whole experts (geometry's expert rule)
     return LayerParams(attn + shared, norms + h * model.experts, routed)
 
 

@@ -140,6 +140,12 @@ def expert_span(d: Degrees) -> int:
     return d.dp_shard * d.cp * d.tp
 
 
+def moe_token_split(d: Degrees) -> int:
+    """How many ranks share one micro-batch's tokens at a MoE layer, besides cp: the TP ranks
+    (each routes its own 1/tp of them; the routed experts are whole on every rank)."""
+    return d.tp
+
+
 def expert_shard_degree(d: Degrees) -> int:
     """Ranks ZeRO shards routed experts over: dp_shard x cp x tp / ep (the runtime's edp_shard)."""
     return max(1, expert_span(d) // d.ep)
