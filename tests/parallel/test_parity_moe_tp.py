@@ -8,7 +8,8 @@ including all five folds at once on 16 ranks, run with `make parity`.
 
 from __future__ import annotations
 
-from harness import ParityCase
+import pytest
+from harness import ParityCase, assert_parity
 from parity_suite import parity_tests
 
 CI_CASES = [
@@ -30,3 +31,30 @@ SLOW_CASES = [
 ]
 
 test_parity_ci, test_parity = parity_tests(CI_CASES, SLOW_CASES)
+
+# All five folds above 1 at once: TP2 (+SP) x PP2 x CP2 x DP2 (ZeRO-1), EP4 over dp_shard x cp x tp
+# (the TP pair and the CP pair of each DP rank), 16 gloo ranks; 4 steps keep it near a minute
+# on an idle 2-core machine (minutes on a loaded one, hence its own deadline).
+FIVE_FOLDS = ParityCase(
+    "All five folds: TP2 x PP2 x CP2 x DP2, EP4",
+    {
+        "tp": 2,
+        "sp": True,
+        "pp": 2,
+        "schedule": "1f1b",
+        "cp": 2,
+        "dp_shard": 2,
+        "zero": 1,
+        "ep": 4,
+        "micro_batch": 2,
+        "grad_accum": 2,
+    },
+    model="parity-moe",
+    steps=4,
+)
+
+
+@pytest.mark.slow
+def test_parity_all_five_folds():
+    assert FIVE_FOLDS.world == 16
+    assert_parity(FIVE_FOLDS, timeout_s=1500.0)
