@@ -173,3 +173,10 @@ def test_shard_degrees_and_the_expert_group():
     # with TP the TP ranks join (each routes its own tokens): ep divides dp_shard x cp x tp
     assert ep_fits(16, 4, 2, 2) and not ep_fits(32, 4, 2, 2)
     assert expert_shard_degree(plan.with_(tp=2)) == 4  # 4 x 2 x 2 / 4
+    # Megatron's expert tensor parallelism (etp = tp, published runs of other software): the TP
+    # ranks dispatch the same tokens, so EP lives in dp_shard x cp, tp apart
+    megatron = plan.with_(tp=2, etp=2)
+    assert expert_shard_degree(megatron) == 2
+    groups = axis_groups(megatron)
+    assert groups["ep"] == (4, 2) and groups["expert_shard"] == (2, 8)
+    assert groups["dp_cp_tp"] == groups["dp_cp"] == (8, 2)

@@ -185,7 +185,8 @@ def _eager_bytes(model, plan, moe, policy, e, sb, rdiv) -> float:
     k = model.top_k
     # Each token's k copies: dispatched (grouped by expert) and gathered back for the gate
     # multiply, with their (whole) expert SwiGLU intermediates.
-    total += k * (2 * e * own * model.hidden + EAGER.swiglu_saved * e * own * model.expert_ffn)
+    fe = model.expert_ffn / plan.etp
+    total += k * (2 * e * own * model.hidden + EAGER.swiglu_saved * e * own * fe)
     total += model.shared_experts * EAGER.swiglu_saved * e * sb * model.expert_ffn / t
     # The router: fp32 probabilities [N, E], top-k probabilities and renormalised gates [N, k]
     # with their sum [N], three int64 index vectors [N k] (top-k, gather, inverse), the
@@ -224,7 +225,7 @@ def _stored_bytes(model, plan, moe, opts, policy, e, sb, rdiv) -> float:
         f = model.ffn / t
         total += (3 if model.mlp == "swiglu" else 2) * e * sb * f
     else:
-        own, fe = sb / moe_token_split(plan), model.expert_ffn  # own tokens, whole experts
+        own, fe = sb / moe_token_split(plan), model.expert_ffn / plan.etp  # own tokens
         total += model.top_k * (e * own * h + 3 * e * own * fe)  # dispatched copies + experts
         total += model.shared_experts * 3 * e * sb * fe / t  # tensor-parallel
         total += 4 * own * model.experts  # fp32 router probabilities

@@ -68,7 +68,7 @@ def eager_block_backward_excess(
         freed += eager_rope_bytes(model, plan, opts, layers)
         freed -= eager_rope_bytes(model, plan, opts, layers - 1)
     # MoE: whole experts on the rank's own 1/tp of the tokens (geometry's expert rule)
-    width, copies = (model.expert_ffn, model.top_k) if moe else (model.ffn / t, 1)
+    width, copies = (model.expert_ffn / plan.etp, model.top_k) if moe else (model.ffn / t, 1)
     rows = sb / moe_token_split(plan) if moe else sb
     inputs = 2 if moe or model.mlp == "swiglu" else 1  # the activation's inputs (gate, up)
     block = layer_activation_bytes(model, plan, moe, opts, recompute="none")
@@ -79,7 +79,7 @@ def eager_block_backward_excess(
     block -= copies * e * rows * h if moe else 0.0
     block += e * sb * h / rdiv  # the gradient reaching the block's output
     block += h * width * (model.experts / plan.ep if moe else 1) * weight_bytes  # down proj.
-    lp = layer_params_per_rank(model, moe, t, plan.ep)
+    lp = layer_params_per_rank(model, moe, t, plan.ep, plan.etp)
     unit = lp.dense + lp.replicated  # the block's own FSDP unit (routed experts: their own)
     gathered = unit * weight_bytes - fp8_gather_saving(model, plan)
     units = gathered + lp.experts * weight_bytes

@@ -37,8 +37,7 @@ from fivefold.planner.model_states import (
 from fivefold.planner.options import PlannerOptions
 from fivefold.planner.rates import rates_for
 from fivefold.specs.cluster import ClusterSpec
-from fivefold.specs.float8 import fp8_tensor_parallel
-from fivefold.specs.geometry import moe_token_split
+from fivefold.specs.geometry import expert_tp, moe_token_split
 from fivefold.specs.hardware import GPUSpec
 from fivefold.specs.model import ModelSpec
 from fivefold.specs.plan import ParallelPlan
@@ -104,6 +103,7 @@ def layer_cost_key(plan: ParallelPlan) -> ParallelPlan:
         cp=plan.cp,
         cp_kind=plan.cp_kind,
         ep=plan.ep,
+        etp=plan.etp,
         dp_shard=plan.dp_shard,
         zero=3 if per_layer_gathers(plan) else 0,
         micro_batch=plan.micro_batch,
@@ -206,7 +206,7 @@ def tp_collectives(model: ModelSpec, key: ParallelPlan, moe: bool) -> tuple[int,
     routed part communicates over EP only, its tokens already split over the TP ranks (under
     SP) or sliced locally, its output then all-gathered back to the replicated stream (one lone
     all-gather without SP; its backward gathers the input's gradient)."""
-    if not moe:
+    if not moe or expert_tp(key) > 1:  # expert TP: the MoE block gathered and scattered whole
         return 2, 0
     pairs = 1 + (1 if model.shared_experts else 0)
     return pairs, 0 if key.sp else 1
@@ -251,7 +251,7 @@ def _zero3_costs(
     device = cluster.device
     gather = gather_bytes = reduce = reduce_bytes = gather_copy = reduce_copy = 0.0
     rec = recipe(key.precision)
-    lp = layer_params_per_rank(model, moe, key.tp, key.ep)
+    lp = layer_params_per_rank(model, moe, key.tp, key.ep, key.etp)
     for params, group in (
         (lp.dense + lp.replicated, "dp_shard_cp"),
         (lp.experts, "expert_shard"),

@@ -50,7 +50,7 @@ def layer_gemms(
         f = model.ffn / t
         up = 2 * f if model.mlp == "swiglu" else f
         return [*out, (tokens, up, h, 1.0), (tokens, h, f, 1.0)]
-    fe = model.expert_ffn  # routed experts whole, on the rank's 1/tp of the tokens
+    fe = model.expert_ffn / plan.etp  # whole routed experts on the rank's 1/tp of the tokens
     own = tokens / moe_token_split(plan)
     local_experts = model.experts / plan.ep
     per_expert = own * model.top_k * plan.ep / model.experts
@@ -94,7 +94,7 @@ def expert_projections(model: ModelSpec, plan: ParallelPlan) -> list[tuple[float
     rank's tokens routed to these experts, balanced), forward shape (rows x k) @ (k x n)."""
     groups = model.experts / plan.ep
     rows = plan.micro_batch * model.seq_len / plan.cp / moe_token_split(plan) * model.top_k
-    fe, h = model.expert_ffn, model.hidden
+    fe, h = model.expert_ffn / plan.etp, model.hidden
     return [(groups, rows, fe, h), (groups, rows, fe, h), (groups, rows, h, fe)]
 
 

@@ -23,7 +23,9 @@ from fivefold.specs.geometry import (
     V_SHAPED,
     ScheduleName,
     ep_fits,
+    expert_span,
     mesh_size,
+    moe_token_split,
 )
 from fivefold.specs.hardware import UNKNOWN_GPU
 from fivefold.specs.model import ModelSpec
@@ -58,6 +60,9 @@ class ParallelPlan:
     cp: int = 1
     cp_kind: str = "ring"
     ep: int = 1
+    # routed experts split over this many TP ranks: 1 (fivefold's rule, `specs.geometry`) or tp
+    # (Megatron's expert tensor parallelism, which other software's published runs use)
+    etp: int = 1
     micro_batch: int = 1  # sequences per micro-batch per data-parallel rank
     grad_accum: int = 1  # micro-batches per optimizer step (the pipeline's micro-batch count)
     recompute: str = "none"
@@ -102,7 +107,7 @@ class ParallelPlan:
         if self.cp > 1:
             parts.append(f"CP{self.cp} {self.cp_kind}")
         if self.ep > 1:
-            parts.append(f"EP{self.ep}")
+            parts.append(f"EP{self.ep}" + (f" ETP{self.etp}" if self.etp > 1 else ""))
         parts.append(f"mbs {self.micro_batch} x accum {self.grad_accum}")
         parts.append(f"recompute {self.recompute}, {self.precision}")
         if self.fp8 != "none":
@@ -172,6 +177,7 @@ class ParallelPlan:
             "dp_shard",
             "cp",
             "ep",
+            "etp",
             "micro_batch",
             "grad_accum",
         ):
@@ -248,12 +254,19 @@ class ParallelPlan:
             out.append(f"plan.vpp = {self.vpp} needs plan.pp > 1: virtual stages split a pipeline.")
         if self.pp > 1:
             out += self._schedule_problems()
-        if self.ep > 1 and not ep_fits(self.ep, self.dp_shard, self.cp, self.tp):
-            span = self.dp_shard * self.cp * self.tp
+        if self.etp not in (1, self.tp):
             out.append(
-                f"plan.ep = {self.ep} must divide dp_shard * cp * tp = {span}: expert "
-                "parallelism borrows its ranks from the sharded data-parallel, context and "
-                "tensor axes. Raise dp_shard (with zero >= 1), cp or tp, or lower ep."
+                f"plan.etp = {self.etp}: routed experts are whole (etp = 1) or split over the "
+                f"whole TP group (etp = plan.tp = {self.tp})."
+            )
+        elif self.ep > 1 and not ep_fits(self.ep, self.dp_shard, self.cp, moe_token_split(self)):
+            span = expert_span(self)
+            out.append(
+                f"plan.ep = {self.ep} must divide dp_shard * cp"
+                + (" * tp" if moe_token_split(self) > 1 else "")
+                + f" = {span}: expert parallelism borrows its ranks from the sharded "
+                "data-parallel, context (and, with etp = 1, tensor) axes. Raise dp_shard (with "
+                "zero >= 1), cp or tp, or lower ep."
             )
         return out
 
@@ -299,6 +312,12 @@ class ParallelPlan:
                 "'fp32' or a bf16 recipe such as 'bf16-mixed'."
             )
         out += self._lever_runtime_problems()
+        if self.etp > 1:
+            out.append(
+                f"plan.etp = {self.etp}: fivefold's runtime keeps routed experts whole and "
+                "splits a MoE layer's tokens over the TP ranks instead (docs/internals.md, "
+                '"MoE with tensor parallelism"); set plan.etp = 1.'
+            )
         if m is None:
             return out
         out += self._fp8_kv_problems(m)
@@ -400,6 +419,8 @@ class ParallelPlan:
         if m.ffn % self.tp:
             out.append(f"plan.tp = {self.tp} must divide model.ffn = {m.ffn} (the MLP width).")
         shared_width = m.shared_experts * m.expert_ffn if m.is_moe else 0
+        if m.is_moe and m.expert_ffn % self.etp:
+            out.append(f"plan.etp = {self.etp} must divide model.expert_ffn = {m.expert_ffn}.")
         if shared_width % self.tp:
             out.append(
                 f"plan.tp = {self.tp} must divide the shared experts' width model.shared_experts "
@@ -426,7 +447,7 @@ class ParallelPlan:
                 f"model.seq_len / cp = {m.seq_len // self.cp} must be divisible by plan.tp = "
                 f"{self.tp} for sequence parallelism; change seq_len or set plan.sp = false."
             )
-        elif m.is_moe and self.tp > 1 and (m.seq_len // self.cp) % self.tp:
+        elif m.is_moe and moe_token_split(self) > 1 and (m.seq_len // self.cp) % self.tp:
             out.append(
                 f"model.seq_len / cp = {m.seq_len // self.cp} must be divisible by plan.tp = "
                 f"{self.tp}: a MoE layer splits its tokens over the TP ranks along the sequence "
