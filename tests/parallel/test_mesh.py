@@ -21,7 +21,7 @@ def test_plan_that_does_not_fit_names_the_numbers() -> None:
 
 
 def test_ep_must_divide_dp_shard_times_cp() -> None:
-    with pytest.raises(ConfigError, match=r"plan\.ep = 4 must divide dp_shard \* cp = 2"):
+    with pytest.raises(ConfigError, match=r"plan\.ep = 4 must divide dp_shard \* cp \* tp = 2"):
         ParallelDims(dp_shard=2, ep=4).check(2)
 
 
