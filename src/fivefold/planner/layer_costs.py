@@ -37,6 +37,7 @@ from fivefold.planner.model_states import (
 from fivefold.planner.options import PlannerOptions
 from fivefold.planner.rates import rates_for
 from fivefold.specs.cluster import ClusterSpec
+from fivefold.specs.float8 import fp8_tensor_parallel
 from fivefold.specs.geometry import expert_tp, moe_token_split
 from fivefold.specs.hardware import GPUSpec
 from fivefold.specs.model import ModelSpec
