@@ -110,12 +110,13 @@ def test_group_sizes_and_strides():
     assert axis_groups(MESH) == {
         "tp": (2, 1),
         "cp": (2, 2),
-        "ep": (2, 2),
+        "ep": (2, 1),  # the inner ep ranks of dp_shard x cp x tp: here the TP group
         "dp": (2, 4),
         "dp_shard_cp": (4, 2),
         "dp_cp": (4, 2),
+        "dp_cp_tp": (8, 1),
         "dp_replicate": (1, 8),
-        "expert_shard": (2, 4),
+        "expert_shard": (4, 2),  # dp_shard x cp x tp / ep ranks, ep apart
         "pp": (2, 8),
     }
     # The cp groups, numbered by their first rank: {0,2} {1,3} {4,6} {5,7} ... {13,15} is 7.
@@ -131,13 +132,18 @@ FIXED = {
     "dp_shard_cp": ("pp", "dp_replicate", "tp"),
     "dp_cp": ("pp", "tp"),
     "dp_replicate": ("pp", "dp_shard", "cp", "tp"),
+    "dp_cp_tp": ("pp",),
     "pp": ("dp_replicate", "dp_shard", "cp", "tp"),
 }
 
 
 @pytest.mark.parametrize(
     "plan",
-    [MESH, ParallelPlan(pp=2, dp_replicate=2, dp_shard=2, cp=2, tp=1, ep=4, zero=3)],
+    [
+        MESH,
+        ParallelPlan(pp=2, dp_replicate=2, dp_shard=2, cp=2, tp=1, ep=4, zero=3),
+        ParallelPlan(dp_replicate=2, dp_shard=2, cp=2, tp=2, ep=4, zero=3),
+    ],
 )
 def test_groups_are_the_ranks_sharing_the_other_coordinates(plan: ParallelPlan):
     groups = axis_groups(plan)
@@ -146,10 +152,11 @@ def test_groups_are_the_ranks_sharing_the_other_coordinates(plan: ParallelPlan):
     def key(name: str, c: dict[str, int]) -> tuple[int, ...]:
         if name in FIXED:
             return tuple(c[axis] for axis in FIXED[name])
-        flat = c["dp_shard"] * plan.cp + c["cp"]  # ep: the inner ep ranks of dp_shard x cp
+        # ep: the inner ep ranks of dp_shard x cp x tp
+        flat = (c["dp_shard"] * plan.cp + c["cp"]) * plan.tp + c["tp"]
         if name == "ep":
-            return (c["pp"], c["dp_replicate"], c["tp"], flat // plan.ep)
-        return (c["pp"], c["dp_replicate"], c["tp"], flat % plan.ep)  # expert_shard
+            return (c["pp"], c["dp_replicate"], flat // plan.ep)
+        return (c["pp"], c["dp_replicate"], flat % plan.ep)  # expert_shard
 
     for name, (size, stride) in groups.items():
         for a, b in itertools.combinations(range(mesh_size(plan)), 2):
@@ -163,3 +170,13 @@ def test_shard_degrees_and_the_expert_group():
     assert expert_shard_degree(plan.with_(ep=8)) == 1
     assert ep_fits(4, 4, 2) and ep_fits(8, 4, 2) and not ep_fits(3, 4, 2)
     assert not ep_fits(16, 4, 2)
+    # with TP the TP ranks join (each routes its own tokens): ep divides dp_shard x cp x tp
+    assert ep_fits(16, 4, 2, 2) and not ep_fits(32, 4, 2, 2)
+    assert expert_shard_degree(plan.with_(tp=2)) == 4  # 4 x 2 x 2 / 4
+    # Megatron's expert tensor parallelism (etp = tp, published runs of other software): the TP
+    # ranks dispatch the same tokens, so EP lives in dp_shard x cp, tp apart
+    megatron = plan.with_(tp=2, etp=2)
+    assert expert_shard_degree(megatron) == 2
+    groups = axis_groups(megatron)
+    assert groups["ep"] == (4, 2) and groups["expert_shard"] == (2, 8)
+    assert groups["dp_cp_tp"] == groups["dp_cp"] == (8, 2)

@@ -90,6 +90,17 @@ def test_moe_full_recompute_peak_in_a_block_backward_within_five_percent():
     assert check.kernels == {"flash": 2 * recipe.model.layers * runs}
 
 
+@pytest.mark.slow
+def test_moe_with_tp_checks_within_five_percent():
+    # Mixtral 8x7B's widths at 4 layers, TP2+SP with EP4 over dp_shard x tp (geometry's expert
+    # rule: each TP rank routes its own tokens to two whole experts, ZeRO-3 shards them over 2)
+    overrides = ["cluster.gpus=8", "plan.tp=2", "plan.dp_shard=4", "plan.ep=4", "model.layers=4"]
+    recipe = load_recipe(str(CONFIGS / "mixtral-8x7b-dgx-h100.toml"), overrides)
+    (check,) = check_plan(recipe)
+    assert not check.problem, check.problem
+    assert abs(check.error) <= 0.05, (check.predicted_gib, check.counted_bytes)
+
+
 def test_plan_estimate_is_what_the_run_predicts(capsys):
     """One description: `plan estimate RECIPE` prices the layout as the run's own report does
     (`parallel.report.predictions_for`, what `train --dry-run`, the pre-launch check and every

@@ -69,6 +69,19 @@ TIED_MATRIX = {"Tied PP2-dualpipev-ZeRO3->PP4-1F1B": (PP2_DUALPIPEV_ZERO3, PP4_1
 # continuation on another layout matches to the parity tolerance (bf16: tests/parallel)
 MUON = {"optimizer": "muon", "muon_ns_dtype": "fp32"}
 ZERO3_DP2_TP2 = {"dp_shard": 2, "zero": 3, "tp": 2, "micro_batch": 4}
+# All five folds (16 ranks) -> TP2 x ZeRO-3 over 8 with EP4: every fold changes but TP
+FIVE_FOLDS = {
+    "tp": 2,
+    "pp": 2,
+    "schedule": "1f1b",
+    "cp": 2,
+    "dp_shard": 2,
+    "zero": 1,
+    "ep": 4,
+    "micro_batch": 2,
+    "grad_accum": 2,
+}
+TP2_ZERO3_DP8_EP4 = {"tp": 2, "dp_shard": 8, "zero": 3, "ep": 4, "micro_batch": 1}
 MUON_MATRIX = {
     "Muon ZeRO3-DP2xTP2->TP2xPP2": (ZERO3_DP2_TP2, TP2_PP2, False, MUON),
     "Muon TP2xPP2->ZeRO1-DP4": (TP2_PP2, {"dp_shard": 4, "zero": 1, "micro_batch": 2}, False, MUON),
@@ -110,6 +123,14 @@ def test_reshard_tp2_pp2_to_zero3_dp4(tmp_path):
 @pytest.mark.parametrize("name", [n for n in MATRIX if n != "TP2xPP2->ZeRO3-DP4"])
 def test_reshard_matrix(tmp_path, name):
     run_matrix([name], tmp_path)
+
+
+@pytest.mark.slow
+def test_reshard_all_five_folds_to_tp2_zero3_ep4(tmp_path):
+    cases = [(FIVE_FOLDS, TP2_ZERO3_DP8_EP4, True)]
+    args = (cases, str(tmp_path), STEPS_BEFORE, STEPS_AFTER)
+    ranks = run_ranks(16, reshard_chain, *args, timeout_s=1500, pg_timeout_s=600)
+    check_case("5-D->TP2xZeRO3-DP8xEP4", [out[0] for out in ranks])
 
 
 @pytest.mark.slow

@@ -348,11 +348,12 @@ def test_rank_grid_by_hand():
     assert grid["group_counts"] == {"tp": 4, "cp": 8, "dp": 4, "pp": 4, "ep": 8}
 
 
-def test_rank_grid_expert_groups_borrow_dp_shard_and_cp():
-    # dp_shard 2 x cp 2 = 4 ranks in the EP sub-mesh; ep 4 makes them one group per (pp, tp).
+def test_rank_grid_expert_groups_borrow_dp_shard_cp_and_tp():
+    # dp_shard 2 x cp 2 x tp 2 = 8 ranks route different tokens; ep 4 takes the inner 4 of
+    # them (a cp pair of TP pairs), so the EP groups are {0..3} and {4..7}.
     plan = ParallelPlan(tp=2, dp_shard=2, cp=2, ep=4, zero=1)
     grid = rank_grid(plan, ClusterSpec(nodes=1, gpus_per_node=8))
-    assert grid["groups"]["ep"] == [0, 1, 0, 1, 0, 1, 0, 1]
+    assert grid["groups"]["ep"] == [0, 0, 0, 0, 1, 1, 1, 1]
     assert grid["groups"]["cp"] == [0, 1, 0, 1, 2, 3, 2, 3]
 
 

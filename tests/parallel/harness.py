@@ -538,8 +538,8 @@ def run_parity(case: ParityCase, timeout_s: float = 240.0) -> ParityResult:
     return result
 
 
-def assert_parity(case: ParityCase) -> ParityResult:
-    result = run_parity(case)
+def assert_parity(case: ParityCase, timeout_s: float = 240.0) -> ParityResult:
+    result = run_parity(case, timeout_s)
     print(result.line())
     assert not result.missing, f"parameters not matched by name: {result.missing}"
     assert result.loss_rel_dev <= LOSS_RTOL, (

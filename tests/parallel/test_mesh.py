@@ -21,7 +21,7 @@ def test_plan_that_does_not_fit_names_the_numbers() -> None:
 
 
 def test_ep_must_divide_dp_shard_times_cp() -> None:
-    with pytest.raises(ConfigError, match=r"plan\.ep = 4 must divide dp_shard \* cp = 2"):
+    with pytest.raises(ConfigError, match=r"plan\.ep = 4 must divide dp_shard \* cp \* tp = 2"):
         ParallelDims(dp_shard=2, ep=4).check(2)
 
 
@@ -39,13 +39,15 @@ def test_hsdp_dp_rank_puts_replicate_outside_shard() -> None:
     assert [dims.dp_rank(r) for r in range(4)] == [0, 1, 2, 3]
 
 
-def test_refuses_tp_with_moe_and_pipelines_tied_embeddings() -> None:
+def test_runs_tp_with_moe_refuses_expert_tp_and_pipelines_tied_embeddings() -> None:
     """The runtime's refusals are the plan's validation (one set of rules); tied embeddings
-    are pipelined (the first and last stages keep the matrix equal)."""
+    are pipelined (the first and last stages keep the matrix equal); MoE runs under TP (its
+    tokens split over the TP ranks), Megatron's expert tensor parallelism does not."""
     tied = model_preset("tiny").with_(tied_embeddings=True, layers=4)
     ParallelPlan(pp=2).validate(tied)
-    with pytest.raises(ConfigError, match=r"shard the\s+experts with plan\.ep"):
-        ParallelPlan(tp=2).validate(model_preset("tiny-moe"))
+    ParallelPlan(tp=2, ep=2).validate(model_preset("tiny-moe"))
+    with pytest.raises(ConfigError, match=r"set plan\.etp = 1"):
+        ParallelPlan(tp=2, etp=2).validate(model_preset("tiny-moe"))
     ParallelPlan(tp=2).validate(tied)  # tied + TP is fine
 
 

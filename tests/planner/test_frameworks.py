@@ -253,22 +253,31 @@ def test_cluster_preset_device_is_a_catalog_gpu():
 # ---- which software is planned ---------------------------------------------------------------
 MOE_TP = ["plan", "estimate", "--model", "mixtral-8x7b", "--gpus", "64", "--tp", "2"]
 MOE_TP += ["--ep", "8", "--zero", "3", "--global-batch-tokens", "4M"]
+FP8_RECIPE = ["--precision", "fp8-mixed"]
 
 
 def test_framework_profiles_plan_what_fivefold_refuses(capsys):
     from fivefold.cli.main import main
 
-    # fivefold's runtime does not tensor-parallelise MoE layers: its profile refuses the layout
-    assert main(MOE_TP) == 2
-    assert "fivefold's runtime does not tensor-parallelise MoE" in capsys.readouterr().err
-    # Megatron does: its profile plans it and says which software that is
-    assert main([*MOE_TP, "--profile", "megatron-2022"]) == 0
+    # fivefold's runtime computes in fp32 or bf16: its profile refuses an fp8 recipe
+    assert main([*MOE_TP, *FP8_RECIPE]) == 2
+    assert "which fivefold's runtime does not implement" in capsys.readouterr().err
+    # Megatron's profile plans it and says which software that is
+    assert main([*MOE_TP, *FP8_RECIPE, "--profile", "megatron-2022"]) == 0
     out = capsys.readouterr().out
     assert "TP2+SP" in out and "EP8" in out
     assert "It plans other software (Megatron-LM 2021-2022" in out
-    # and so does its search, with TP pinned
+
+
+def test_moe_with_tp_is_planned_for_fivefold_and_searched(capsys):
+    from fivefold.cli.main import main
+
+    # MoE under TP runs in fivefold (geometry's expert rule): its profile plans the layout
+    assert main(MOE_TP) == 0
+    assert "TP2+SP" in capsys.readouterr().out
+    # and its search, with TP pinned, proposes such layouts
     search = ["plan", "--model", "mixtral-8x7b", "--gpus", "64", "--tp", "2"]
-    assert main([*search, "--global-batch-tokens", "4M", "--profile", "megatron-2022"]) == 0
+    assert main([*search, "--global-batch-tokens", "4M"]) == 0
     assert "best layout: TP2+SP" in capsys.readouterr().out
 
 

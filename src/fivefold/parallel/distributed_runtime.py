@@ -97,7 +97,7 @@ class DistributedRuntime(RuntimeCore):
         self.coordinates = self.dims.coordinates(self.rank)
         self.dp_rank = self.dims.dp_rank(self.rank)
         self.dp_size = self.dims.dp
-        self.meshes: Meshes = self.dims.build_meshes(self.device.type)
+        self.meshes: Meshes = self.dims.build_meshes(self.device.type, self.spec.is_moe)
         self.pp_rank = self.coordinates["pp"]
         self.cp_rank = self.coordinates["cp"]
         self.model_parts: list[nn.Module] = self._build_parts(train.seed, train.compile)
@@ -167,12 +167,13 @@ class DistributedRuntime(RuntimeCore):
         """Fold the aux loss's weight in the step objective into every MoE's coefficient.
 
         The objective is the mean over micro-batches of (global-batch CE + aux), and gradients
-        are summed over the dp_cp ranks, each of which backpropagates its own copy of a
-        micro-batch's aux loss (with EP the same global value on every rank, its gradient
-        through the local router probabilities): hence coef / (micro-batches * dp_cp). This also
-        covers pipeline stages, whose aux losses are seeded with gradient 1 inside the pipeline.
+        are summed over the ranks that route different tokens (`Meshes.routing`: dp_cp, x tp
+        for a MoE under TP), each of which backpropagates its own copy of a micro-batch's aux
+        loss (the same global value on every rank, its gradient through the local router
+        probabilities): hence coef / (micro-batches * those ranks). This also covers pipeline
+        stages, whose aux losses are seeded with gradient 1 inside the pipeline.
         """
-        weight = 1.0 / (self.plan.grad_accum * self.dims.dp_cp)
+        weight = 1.0 / (self.plan.grad_accum * self.meshes.routing.size())
         for part in self.model_parts:
             for block in part.layers.values():
                 moe = getattr(block, "moe", None)
@@ -253,6 +254,8 @@ class DistributedRuntime(RuntimeCore):
                 objective = loss
                 if self.spec.is_moe:
                     aux = model.aux_loss()  # already weighted, see _weight_aux_losses
+                    if isinstance(objective, DTensor):  # loss_parallel's replicated loss
+                        objective = objective.to_local()
                     objective = objective + aux
                     aux_sum += _scalar(aux).double()
                 objective.backward()
@@ -291,13 +294,13 @@ class DistributedRuntime(RuntimeCore):
     def _global_mean(
         self, loss_local: torch.Tensor, aux_local: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sum the per-rank contributions over the world; TP ranks hold identical copies. 0-d
-        tensors on the device: the host does not wait for them."""
+        """Sum the per-rank contributions over the world; TP ranks hold identical copies of the
+        loss, while the aux losses are already weighted by the ranks that hold them
+        (`_weight_aux_losses`). 0-d tensors on the device: the host does not wait for them."""
         both = torch.stack([loss_local, aux_local])
         with self.wait_clock.waiting():
             dist.all_reduce(both)
-        both /= self.plan.tp
-        return both[0], both[1]
+        return both[0] / self.plan.tp, both[1]
 
     @torch.no_grad()
     def eval_loss(self, batches: list) -> float:

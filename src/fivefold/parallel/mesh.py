@@ -11,10 +11,12 @@ innermost). From the 5-D mesh we derive the flattened groups the runtime needs:
                     same dense weights; DDP (ZeRO-0) all-reduces over it, the loss sums over it;
 - ``hsdp``        = dp_cp unflattened to (hsdp_replicate, hsdp_shard) = (dp_replicate,
                     dp_shard x cp): HSDP's 2-D mesh;
-- ``expert``      = dp_cp unflattened to (edp_replicate, edp_shard, ep): ``ep`` is the inner
-                    ``ep`` ranks of dp_shard x cp, ``edp_shard`` the outer rest of it and
-                    ``edp_replicate`` = dp_replicate. Expert weights are split over ``ep`` and
-                    data-parallel over edp_replicate x edp_shard.
+- ``expert``      = dp_replicate x dp_shard x cp x tp unflattened to (edp_replicate,
+                    edp_shard, ep): ``ep`` is the inner ``ep`` ranks of dp_shard x cp x tp,
+                    ``edp_shard`` the outer rest of it and ``edp_replicate`` = dp_replicate
+                    (`fivefold.specs.geometry`'s expert rule). Expert weights are split over
+                    ``ep`` and data-parallel over edp_replicate x edp_shard; built for a MoE
+                    model with ep > 1 or tp > 1 (its tokens are then split over the TP ranks).
 
 Only `build_meshes` touches torch.
 """
@@ -30,6 +32,7 @@ from fivefold.specs.geometry import (
     dense_shard_degree,
     ep_fits,
     expert_shard_degree,
+    expert_span,
     mesh_shape,
     mesh_size,
     rank_coordinates,
@@ -93,11 +96,11 @@ class ParallelDims:
                 f"(`fivefold train --nproc {self.world_size}`) or change the plan's degrees so "
                 f"they multiply to {world_size}."
             )
-        if not ep_fits(self.ep, self.dp_shard, self.cp):
+        if not ep_fits(self.ep, self.dp_shard, self.cp, self.tp):
             raise ConfigError(
-                f"plan.ep = {self.ep} must divide dp_shard * cp = {self.dp_shard * self.cp}: "
-                "expert parallelism borrows its ranks from the sharded data-parallel and context "
-                "axes."
+                f"plan.ep = {self.ep} must divide dp_shard * cp * tp = {expert_span(self)}: "
+                "expert parallelism borrows its ranks from the sharded data-parallel, context "
+                "and tensor axes."
             )
 
     def coordinates(self, rank: int) -> dict[str, int]:
@@ -115,8 +118,9 @@ class ParallelDims:
             parts.append(f"ep={self.ep}")
         return "mesh " + " x ".join(parts) + f" ({self.world_size} ranks)"
 
-    def build_meshes(self, device_type: str) -> Meshes:
-        """Create the 5-D mesh and its flattened views; collective: every rank must call it."""
+    def build_meshes(self, device_type: str, moe: bool = False) -> Meshes:
+        """Create the 5-D mesh and its flattened views (the expert views for a `moe` model);
+        collective: every rank must call it."""
         # lazily: ParallelDims checks degrees where torch is not loaded (fivefold.train.entry)
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -129,13 +133,14 @@ class ParallelDims:
             hsdp = dp_cp._unflatten(
                 0, (self.dp_replicate, dense_shard_degree(self)), ("hsdp_replicate", "hsdp_shard")
             )
-        expert = None
-        if self.ep > 1:
+        expert, routing = None, dp_cp
+        if self.ep > 1 or (moe and self.tp > 1):
+            routing = world["dp_replicate", "dp_shard", "cp", "tp"]._flatten("dp_cp_tp")
             outer = expert_shard_degree(self)
-            expert = dp_cp._unflatten(
+            expert = routing._unflatten(
                 0, (self.dp_replicate, outer, self.ep), ("edp_replicate", "edp_shard", "ep")
             )
-        return Meshes(self, world, dp, dp_shard_cp, dp_cp, hsdp, expert)
+        return Meshes(self, world, dp, dp_shard_cp, dp_cp, hsdp, expert, routing)
 
 
 @dataclass
@@ -148,7 +153,9 @@ class Meshes:
     dp_shard_cp: DeviceMesh
     dp_cp: DeviceMesh
     hsdp: DeviceMesh | None  # 2-D (hsdp_replicate, hsdp_shard) when dp_replicate > 1
-    expert: DeviceMesh | None  # 3-D (edp_replicate, edp_shard, ep) when ep > 1
+    expert: DeviceMesh | None  # 3-D (edp_replicate, edp_shard, ep): ep > 1, or MoE with tp > 1
+    # the ranks whose MoE layers route different tokens of a step: dp_cp, x tp with the experts
+    routing: DeviceMesh | None = None
 
     def __getitem__(self, axis: str) -> DeviceMesh:
         if axis in AXES:
@@ -157,6 +164,6 @@ class Meshes:
             return getattr(self, axis)
         if axis in ("ep", "edp_shard", "edp_replicate"):
             if self.expert is None:
-                raise KeyError(f"no {axis!r} mesh: plan.ep is 1")
+                raise KeyError(f"no {axis!r} mesh: plan.ep is 1 (and tp is 1 or the model dense)")
             return self.expert[axis]
         raise KeyError(axis)

@@ -83,15 +83,17 @@ def parallelize_chunk(
     apply_fp8(chunk, plan, device)
     if plan.tp > 1:
         apply_tensor_parallel(chunk, meshes["tp"], spec, plan.sp)
+    routing = meshes.routing if meshes.routing is not None else meshes.dp_cp
     if plan.ep > 1:
         # The runtime sums gradients over data-parallel ranks and scales each rank's loss by
         # 1 / (global tokens), so the experts' gradients must not be rescaled; the router's
-        # load-balancing loss counts the tokens of every rank that sees different data.
+        # load-balancing loss counts the tokens of every rank that routes different tokens
+        # (dp x cp, and the TP ranks: a MoE under TP splits its tokens over them).
         apply_expert_parallel(
-            chunk, meshes["ep"], aux_group=meshes.dp_cp.get_group(), expert_grad_scale=1.0
+            chunk, meshes["ep"], aux_group=routing.get_group(), expert_grad_scale=1.0
         )
-    elif spec.is_moe and meshes.dims.dp_cp > 1:
-        apply_global_aux_loss(chunk, meshes.dp_cp.get_group())
+    elif spec.is_moe and routing.size() > 1:
+        apply_global_aux_loss(chunk, routing.get_group())
     if plan.cp > 1:
         apply_context_parallel(chunk, meshes["cp"], plan.cp_kind)
     apply_recompute_and_compile(chunk, plan, device, compile)

@@ -15,11 +15,13 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
 )
 from torch.distributed.tensor.parallel.style import ParallelStyle
+from torch.nn.utils.stateless import _reparametrize_module
 
 from fivefold.parallel.float8 import float8_tp_styles, is_float8_linear
 from fivefold.specs.model import ModelSpec
@@ -70,6 +72,70 @@ class ReplicatedKVColwise(ParallelStyle):
         return module
 
 
+class ReplicatedOwnTokens(ParallelStyle):
+    """A module whose parameters are replicated over the TP group while each rank computes on
+    its own tokens (a MoE's router under tensor parallelism).
+
+    Every parameter becomes a Replicate() DTensor on the TP mesh; the forward runs the module's
+    own code on the local values, so inputs and outputs stay plain tensors. Backward: each
+    rank's parameter gradient covers its own tokens only, a partial sum over the TP group
+    (reduced with the other gradients by FSDP/DDP, which bring it to Replicate()).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.src_data_rank = None
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for owner in module.modules():
+            for name, param in list(owner.named_parameters(recurse=False)):
+                placed = distribute_tensor(param, device_mesh, [Replicate()], src_data_rank=None)
+                owner.register_parameter(name, nn.Parameter(placed, param.requires_grad))
+        forward = module.forward
+
+        def local_forward(*args, **kwargs):
+            local = {
+                name: p.to_local(grad_placements=[Partial()])
+                for name, p in module.named_parameters()
+            }
+            with _reparametrize_module(module, local):
+                return forward(*args, **kwargs)
+
+        module.forward = local_forward  # type: ignore[method-assign]
+        return module
+
+
+def _moe_plan(moe: nn.Module, sp: bool, styles: _Styles) -> dict[str, ParallelStyle]:
+    """A MoE layer under TP (docs/internals.md, "MoE with tensor parallelism"): its input
+    [B, T, D] is split over the TP ranks along the sequence (already so under SP; a local slice
+    otherwise, whose gradient is all-gathered), so each rank routes and dispatches its own
+    T/tp tokens and its output [B, T/tp, D] is the block's sequence shard (all-gathered back to
+    the replicated stream without SP). The router is replicated (`ReplicatedOwnTokens`), the
+    routed experts whole (expert parallelism places them), the shared experts tensor-parallel
+    like a dense MLP over the TP group's tokens: their input [N/tp, D] all-gathered, their
+    output reduce-scattered back to [N/tp, D]."""
+    seq = Shard(1) if sp else Replicate()
+    plan: dict[str, ParallelStyle] = {
+        "moe": PrepareModuleInputOutput(
+            input_layouts=(seq,),
+            desired_input_layouts=(Shard(1),),
+            use_local_input=True,
+            output_layouts=(Shard(1),),
+            desired_output_layouts=(seq,),
+            use_local_output=True,
+        ),
+        "moe.router": ReplicatedOwnTokens(),
+    }
+    shared = moe.shared_expert
+    if shared is not None:
+        up = ("moe.shared_expert.w1",) + (("moe.shared_expert.w3",) * (shared.w3 is not None))
+        plan["moe.shared_expert"] = styles.inputs(up, (Shard(0),), (Replicate(),))
+        for fqn in up:
+            plan[fqn] = styles.col(fqn)
+        plan["moe.shared_expert.w2"] = styles.row("moe.shared_expert.w2", Shard(0))
+    return plan
+
+
 def kv_mesh_for(tp_mesh: DeviceMesh, kv_heads: int) -> DeviceMesh | None:
     """The (kv, rep) view of the TP mesh when tp > kv_heads, else None."""
     tp = tp_mesh.size()
@@ -109,15 +175,18 @@ def _block_plan(block: nn.Module, sp: bool, kv_mesh: DeviceMesh | None) -> dict[
     seq = Shard(1) if sp else Replicate()
     styles = _Styles(block)
     qkv = ("attention.wq", "attention.wk", "attention.wv") if kv_mesh is None else ()
-    mlp = ("feed_forward.w1",) + (("feed_forward.w3",) if block.feed_forward.w3 is not None else ())
+    dense = block.feed_forward
+    mlp = (
+        ()
+        if dense is None
+        else ("feed_forward.w1",) + (("feed_forward.w3",) * (dense.w3 is not None))
+    )
     plan: dict[str, ParallelStyle] = {
         "attention": styles.inputs(qkv, (seq, None, None), (Replicate(), None, None)),
         "attention.wq": styles.col("attention.wq"),
         "attention.wk": ReplicatedKVColwise(kv_mesh) if kv_mesh else styles.col("attention.wk"),
         "attention.wv": ReplicatedKVColwise(kv_mesh) if kv_mesh else styles.col("attention.wv"),
         "attention.wo": styles.row("attention.wo", seq),
-        "feed_forward": styles.inputs(mlp, (seq,), (Replicate(),)),
-        "feed_forward.w2": styles.row("feed_forward.w2", seq),
     }
     for fqn in mlp:
         plan[fqn] = styles.col(fqn)
@@ -128,6 +197,11 @@ def _block_plan(block: nn.Module, sp: bool, kv_mesh: DeviceMesh | None) -> dict[
         # normalised alike: each rank's key gradient comes from its own query heads only.
         plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
         plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    if block.moe is not None:
+        plan.update(_moe_plan(block.moe, sp, styles))
+    else:
+        plan["feed_forward"] = styles.inputs(mlp, (seq,), (Replicate(),))
+        plan["feed_forward.w2"] = styles.row("feed_forward.w2", seq)
     if sp:
         plan["attention_norm"] = SequenceParallel()
         plan["ffn_norm"] = SequenceParallel()

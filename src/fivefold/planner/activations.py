@@ -10,6 +10,7 @@ from __future__ import annotations
 from fivefold.planner.memory_options import COMPILED, EAGER, MemoryOptions
 from fivefold.planner.model_states import chunk_layers, layer_params_per_rank, local_kv_width
 from fivefold.specs.float8 import fp8_linears, fp8_tensor_parallel
+from fivefold.specs.geometry import moe_token_split
 from fivefold.specs.model import ModelSpec
 from fivefold.specs.plan import ParallelPlan
 from fivefold.specs.precision import recipe
@@ -180,16 +181,17 @@ def _eager_bytes(model, plan, moe, policy, e, sb, rdiv) -> float:
     if not moe:
         ffn_saved = EAGER.swiglu_saved if model.mlp == "swiglu" else 2
         return total + ffn_saved * e * sb * model.ffn / t
-    fe = model.expert_ffn / t
+    own = sb / moe_token_split(plan)  # the tokens this rank routes (its 1/tp of them)
     k = model.top_k
     # Each token's k copies: dispatched (grouped by expert) and gathered back for the gate
-    # multiply, with their expert SwiGLU intermediates.
-    total += k * (2 * e * sb * model.hidden + EAGER.swiglu_saved * e * sb * fe)
-    total += model.shared_experts * EAGER.swiglu_saved * e * sb * fe
+    # multiply, with their (whole) expert SwiGLU intermediates.
+    fe = model.expert_ffn / plan.etp
+    total += k * (2 * e * own * model.hidden + EAGER.swiglu_saved * e * own * fe)
+    total += model.shared_experts * EAGER.swiglu_saved * e * sb * model.expert_ffn / t
     # The router: fp32 probabilities [N, E], top-k probabilities and renormalised gates [N, k]
     # with their sum [N], three int64 index vectors [N k] (top-k, gather, inverse), the
     # load-balancing loss's expert fractions [E] and the grouped matmul's int32 offsets [E].
-    total += 4 * sb * model.experts + 8 * sb * k + 4 * sb + 3 * 8 * sb * k
+    total += 4 * own * model.experts + 8 * own * k + 4 * own + 3 * 8 * own * k
     return total + 2 * 4 * model.experts
 
 
@@ -223,10 +225,10 @@ def _stored_bytes(model, plan, moe, opts, policy, e, sb, rdiv) -> float:
         f = model.ffn / t
         total += (3 if model.mlp == "swiglu" else 2) * e * sb * f
     else:
-        fe = model.expert_ffn / t
-        total += model.top_k * (e * sb * h + 3 * e * sb * fe)  # dispatched copies + experts
-        total += model.shared_experts * 3 * e * sb * fe
-        total += 4 * sb * model.experts  # fp32 router probabilities
+        own, fe = sb / moe_token_split(plan), model.expert_ffn / plan.etp  # own tokens
+        total += model.top_k * (e * own * h + 3 * e * own * fe)  # dispatched copies + experts
+        total += model.shared_experts * 3 * e * sb * fe / t  # tensor-parallel
+        total += 4 * own * model.experts  # fp32 router probabilities
     return total
 
 

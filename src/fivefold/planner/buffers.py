@@ -116,7 +116,9 @@ def _fsdp_terms(model, plan, counts, chunks, rec) -> dict[str, float]:
         for c in chunks:
             cp = chunk_params(model, plan, counts, c)
             n_dense, n_moe = chunk_layers(model, counts, c)
-            layers = params_of(model, plan.tp, plan.ep, n_dense, n_moe, False, False, False)
+            layers = params_of(
+                model, plan.tp, plan.ep, n_dense, n_moe, False, False, False, plan.etp
+            )
             root += cp.dense + cp.experts - layers.dense - layers.experts
         out["zero3_gathered_roots"] = root * compute_bytes(rec)
     elif rec.compute_dtype == "fp32":

@@ -43,7 +43,8 @@ def tp_choices(model: ModelSpec, cluster: ClusterSpec) -> list[int]:
         if cluster.world_size % tp or model.heads % tp or model.ffn % tp:
             continue
         kv_ok = model.kv_heads % tp == 0 if tp <= model.kv_heads else tp % model.kv_heads == 0
-        if kv_ok and (not model.is_moe or model.expert_ffn % tp == 0):
+        shared = model.shared_experts * model.expert_ffn if model.is_moe else 0
+        if kv_ok and shared % tp == 0:  # routed experts stay whole (geometry's expert rule)
             out.append(tp)
     return out
 
@@ -88,10 +89,10 @@ def hsdp_shards(dp: int, cp: int, tp: int, gpus_per_node: int) -> list[int]:
     return out
 
 
-def ep_choices(model: ModelSpec, dp_shard: int, cp: int) -> list[int]:
+def ep_choices(model: ModelSpec, dp_shard: int, cp: int, tp: int = 1) -> list[int]:
     if not model.is_moe:
         return [1]
-    return [ep for ep in divisors(model.experts) if ep_fits(ep, dp_shard, cp)]
+    return [ep for ep in divisors(model.experts) if ep_fits(ep, dp_shard, cp, tp)]
 
 
 def schedule_choices(model: ModelSpec, pp: int, pinned: str | None = None) -> list[tuple[str, int]]:

@@ -23,7 +23,7 @@ from fivefold.planner.model_states import (
     local_kv_width,
 )
 from fivefold.planner.schedule import build_schedule
-from fivefold.specs.geometry import chunk_rank
+from fivefold.specs.geometry import chunk_rank, moe_token_split
 from fivefold.specs.model import ModelSpec
 from fivefold.specs.plan import ParallelPlan
 from fivefold.specs.precision import recipe
@@ -67,17 +67,19 @@ def eager_block_backward_excess(
         freed += layer_activation_bytes(model, plan, moe, opts)
         freed += eager_rope_bytes(model, plan, opts, layers)
         freed -= eager_rope_bytes(model, plan, opts, layers - 1)
-    width, copies = (model.expert_ffn / t, model.top_k) if moe else (model.ffn / t, 1)
+    # MoE: whole experts on the rank's own 1/tp of the tokens (geometry's expert rule)
+    width, copies = (model.expert_ffn / plan.etp, model.top_k) if moe else (model.ffn / t, 1)
+    rows = sb / moe_token_split(plan) if moe else sb
     inputs = 2 if moe or model.mlp == "swiglu" else 1  # the activation's inputs (gate, up)
     block = layer_activation_bytes(model, plan, moe, opts, recompute="none")
     # The gradients of the down projection's input and of the activation's inputs are made
     # (1 + inputs), the down projection's input is freed (-1), and under MoE the combined
     # copies (their combine ran its backward).
-    block += inputs * e * sb * width * copies
-    block -= copies * e * sb * h if moe else 0.0
+    block += inputs * e * rows * width * copies
+    block -= copies * e * rows * h if moe else 0.0
     block += e * sb * h / rdiv  # the gradient reaching the block's output
     block += h * width * (model.experts / plan.ep if moe else 1) * weight_bytes  # down proj.
-    lp = layer_params_per_rank(model, moe, t, plan.ep)
+    lp = layer_params_per_rank(model, moe, t, plan.ep, plan.etp)
     unit = lp.dense + lp.replicated  # the block's own FSDP unit (routed experts: their own)
     gathered = unit * weight_bytes - fp8_gather_saving(model, plan)
     units = gathered + lp.experts * weight_bytes

@@ -319,7 +319,7 @@ class _Explainer:
         text = (
             f"Expert parallelism: EP = {p.ep} puts {m.experts // p.ep} of the {m.experts} "
             f"experts on each rank (top-{m.top_k} routing, all-to-all dispatch and combine). "
-        )
+        ) + (f"Each TP rank routes its 1/{p.tp} of the tokens to whole experts. " * (p.tp > p.etp))
         ep_comm = [x for x in self.best.comm if x.kind == "ep"]
         if ep_comm:
             text += f"Its all-to-alls cost {seconds(ep_comm[0].exposed_s)} per step. "

@@ -38,6 +38,7 @@ from fivefold.planner.options import PlannerOptions
 from fivefold.planner.rates import rates_for
 from fivefold.specs.cluster import ClusterSpec
 from fivefold.specs.float8 import fp8_tensor_parallel
+from fivefold.specs.geometry import expert_tp, moe_token_split
 from fivefold.specs.hardware import GPUSpec
 from fivefold.specs.model import ModelSpec
 from fivefold.specs.plan import ParallelPlan
@@ -103,6 +104,7 @@ def layer_cost_key(plan: ParallelPlan) -> ParallelPlan:
         cp=plan.cp,
         cp_kind=plan.cp_kind,
         ep=plan.ep,
+        etp=plan.etp,
         dp_shard=plan.dp_shard,
         zero=3 if per_layer_gathers(plan) else 0,
         micro_batch=plan.micro_batch,
@@ -160,13 +162,15 @@ def _tp_costs(
     moe: bool,
 ) -> tuple[float, float, float, float]:
     """(exposed fwd, exposed bwd, transfer time, bytes) of tensor parallelism for one layer:
-    2 collectives forward, 2 backward, 2 more with full recompute. With SP each is an
-    all-gather and a reduce-scatter; tensorwise FP8 all-gathers 1 byte per element where
-    torchao's float8 styles cast before the gather (`fp8_tensor_parallel`: the inputs forward,
-    the rowwise outputs' gradients backward), the reduce-scatters move the partial sums in `e`."""
+    2 collectives forward, 2 backward, 2 more with full recompute (a MoE layer's count:
+    `tp_collectives`). With SP each is an all-gather and a reduce-scatter; tensorwise FP8
+    all-gathers 1 byte per element where torchao's float8 styles cast before the gather
+    (`fp8_tensor_parallel`: the inputs forward, the rowwise outputs' gradients backward), the
+    reduce-scatters move the partial sums in `e`."""
     t = key.tp
     link = plan_link(cluster, key, "tp", eff, gap)
     size = tokens * model.hidden
+    pairs, gathers = tp_collectives(model, key, moe)
     if key.sp:
         fp8 = fp8_tensor_parallel(model, key.fp8, moe)
 
@@ -175,11 +179,13 @@ def _tp_costs(
             time = all_gather_time_s(gathered, t, link) + all_gather_time_s(size * e, t, link)
             return time, all_gather_bytes(gathered, t) + all_gather_bytes(size * e, t)
 
-        forward = [one(g) for g in fp8.gathered_inputs]
-        backward = [one(g) for g in fp8.gathered_grads]
+        forward = [one(g) for g in fp8.gathered_inputs][:pairs]
+        backward = [one(g) for g in fp8.gathered_grads][:pairs]
     else:
         both = (all_reduce_time_s(size * e, t, link), all_reduce_bytes(size * e, t))
-        forward = backward = [both, both]
+        forward = backward = [both] * pairs
+    lone = (all_gather_time_s(size * e, t, link), all_gather_bytes(size * e, t))
+    forward, backward = forward + [lone] * gathers, backward + [lone] * gathers
     if key.recompute == "full":
         backward = backward + forward
     fwd, bwd = sum(c[0] for c in forward), sum(c[0] for c in backward)
@@ -193,6 +199,20 @@ def _tp_costs(
     return tp_fwd, tp_bwd, tp_time, tp_bytes
 
 
+def tp_collectives(model: ModelSpec, key: ParallelPlan, moe: bool) -> tuple[int, int]:
+    """(paired collectives, lone all-gathers) of one layer's forward under TP; the backward
+    issues as many (the reverse of each), full recompute as many again. A pair is an all-gather
+    and a reduce-scatter under SP, else an all-reduce. Dense: attention and MLP, two pairs.
+    MoE (geometry's expert rule): attention's pair, the shared experts' pair (if any); the
+    routed part communicates over EP only, its tokens already split over the TP ranks (under
+    SP) or sliced locally, its output then all-gathered back to the replicated stream (one lone
+    all-gather without SP; its backward gathers the input's gradient)."""
+    if not moe or expert_tp(key) > 1:  # expert TP: the MoE block gathered and scattered whole
+        return 2, 0
+    pairs = 1 + (1 if model.shared_experts else 0)
+    return pairs, 0 if key.sp else 1
+
+
 def _ep_costs(
     model: ModelSpec,
     key: ParallelPlan,
@@ -204,9 +224,10 @@ def _ep_costs(
     gap: float | None,
 ) -> tuple[float, float, float]:
     """(exposed fwd, exposed bwd, bytes) of expert parallelism for one MoE layer: the dispatch
-    and combine all-to-alls, forward and backward."""
+    and combine all-to-alls, forward and backward, of the k copies of the rank's own tokens
+    (its 1/tp of the micro-batch's: geometry's expert rule)."""
     link = plan_link(cluster, key, "ep", eff, gap)
-    size = tokens * model.top_k * model.hidden * e
+    size = tokens / moe_token_split(key) * model.top_k * model.hidden * e
     if opts.ep_dispatch == "deepep":
         one = deduplicated_dispatch_time_s(size / model.top_k, model.top_k, key.ep, link)
     else:
@@ -231,7 +252,7 @@ def _zero3_costs(
     device = cluster.device
     gather = gather_bytes = reduce = reduce_bytes = gather_copy = reduce_copy = 0.0
     rec = recipe(key.precision)
-    lp = layer_params_per_rank(model, moe, key.tp, key.ep)
+    lp = layer_params_per_rank(model, moe, key.tp, key.ep, key.etp)
     for params, group in (
         (lp.dense + lp.replicated, "dp_shard_cp"),
         (lp.experts, "expert_shard"),
@@ -309,15 +330,16 @@ def routing_sync_s(
 ) -> float:
     """Seconds of the small collectives fivefold's runtime adds to a MoE layer's forward, per
     micro-batch: the load-balancing statistics (per-expert counts and probability sums, fp64)
-    all-reduced over the ranks that see different tokens, and with expert parallelism the
+    all-reduced over the ranks that route different tokens (dp x cp x tp), and with expert
+    parallelism the
     per-expert token counts exchanged (an all-to-all of int64) before the dispatch; both
     latency-bound, on the pipeline's critical path (`estimate` adds them to the stage costs)."""
-    n = axis_groups(plan)["dp_cp"][0]
+    n = axis_groups(plan)["dp_cp_tp"][0]
     gap = collective_gap_s(model, plan, cluster, eff)
     total = 0.0
     if n > 1:
         stats = (2 * model.experts + 2) * 8.0
-        total += all_reduce_time_s(stats, n, plan_link(cluster, plan, "dp_cp", eff, gap))
+        total += all_reduce_time_s(stats, n, plan_link(cluster, plan, "dp_cp_tp", eff, gap))
     if plan.ep > 1:
         counts = model.experts * 8.0
         total += all_to_all_time_s(counts, plan.ep, plan_link(cluster, plan, "ep", eff, gap))

@@ -8,6 +8,7 @@ Per micro-batch of b sequences a rank holds T = b * s / cp tokens and 1/tp of ea
 from __future__ import annotations
 
 from fivefold.planner.model_states import local_kv_width
+from fivefold.specs.geometry import moe_token_split
 from fivefold.specs.model import ModelSpec
 from fivefold.specs.plan import ParallelPlan
 
@@ -49,13 +50,14 @@ def layer_gemms(
         f = model.ffn / t
         up = 2 * f if model.mlp == "swiglu" else f
         return [*out, (tokens, up, h, 1.0), (tokens, h, f, 1.0)]
-    fe = model.expert_ffn / t
+    fe = model.expert_ffn / plan.etp  # whole routed experts on the rank's 1/tp of the tokens
+    own = tokens / moe_token_split(plan)
     local_experts = model.experts / plan.ep
-    per_expert = tokens * model.top_k * plan.ep / model.experts
-    out += [(tokens, model.experts, h, 1.0)]  # router (replicated over TP)
+    per_expert = own * model.top_k * plan.ep / model.experts
+    out += [(own, model.experts, h, 1.0)]  # router (replicated over TP, on the own tokens)
     out += [(per_expert, 2 * fe, h, local_experts), (per_expert, h, fe, local_experts)]
-    if model.shared_experts:
-        width = model.shared_experts * fe
+    if model.shared_experts:  # tensor-parallel over the TP group's tokens
+        width = model.shared_experts * fe / t
         out += [(tokens, 2 * width, h, 1.0), (tokens, h, width, 1.0)]
     return out
 
@@ -91,8 +93,8 @@ def expert_projections(model: ModelSpec, plan: ParallelPlan) -> list[tuple[float
     (groups, tokens, n, k): the rank's experts / ep groups share tokens x top_k rows (every
     rank's tokens routed to these experts, balanced), forward shape (rows x k) @ (k x n)."""
     groups = model.experts / plan.ep
-    rows = plan.micro_batch * model.seq_len / plan.cp * model.top_k
-    fe, h = model.expert_ffn / plan.tp, model.hidden
+    rows = plan.micro_batch * model.seq_len / plan.cp / moe_token_split(plan) * model.top_k
+    fe, h = model.expert_ffn / plan.etp, model.hidden
     return [(groups, rows, fe, h), (groups, rows, fe, h), (groups, rows, h, fe)]
 
 

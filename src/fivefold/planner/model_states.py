@@ -118,14 +118,18 @@ def attention_params_per_rank(model: ModelSpec, tp: int) -> tuple[float, float]:
     return attn / tp + 2 * h * kv + bias, float(norms)
 
 
-def layer_params_per_rank(model: ModelSpec, moe: bool, tp: int, ep: int) -> LayerParams:
+def layer_params_per_rank(
+    model: ModelSpec, moe: bool, tp: int, ep: int, etp: int = 1
+) -> LayerParams:
+    """One layer's parameters on one rank; routed experts whole (`etp` 1, geometry's expert
+    rule) or split over `etp` TP ranks (Megatron's expert tensor parallelism)."""
     h = model.hidden
     attn, replicated = attention_params_per_rank(model, tp)
     norms = 2 * h + replicated
     if not moe:
         return LayerParams(attn + dense_mlp_params(model) / tp, norms, 0.0)
     shared = model.shared_experts * expert_params(model) / tp
-    routed = model.experts / ep * expert_params(model) / tp
+    routed = model.experts / ep * expert_params(model) / etp
     return LayerParams(attn + shared, norms + h * model.experts, routed)
 
 
@@ -177,7 +181,8 @@ def chunk_params(
 ) -> ChunkParams:
     n_dense, n_moe = chunk_layers(model, counts, chunk)
     last = len(counts) - 1
-    return params_of(model, plan.tp, plan.ep, n_dense, n_moe, chunk == 0, chunk == last, last > 0)
+    first, is_last = chunk == 0, chunk == last
+    return params_of(model, plan.tp, plan.ep, n_dense, n_moe, first, is_last, last > 0, plan.etp)
 
 
 @lru_cache(maxsize=65536)
@@ -190,6 +195,7 @@ def params_of(
     first: bool,
     last: bool,
     pipelined: bool,
+    etp: int = 1,
 ) -> ChunkParams:
     """Parameters of a virtual stage with `n_dense` dense and `n_moe` MoE layers on one rank,
     holding the embedding when `first` and the head when `last`."""
@@ -198,7 +204,7 @@ def params_of(
     experts = 0.0
     largest = dl.total if n_dense else 0.0
     if n_moe:
-        ml = layer_params_per_rank(model, True, tp, ep)
+        ml = layer_params_per_rank(model, True, tp, ep, etp)
         dense += n_moe * (ml.dense + ml.replicated)
         experts = n_moe * ml.experts
         largest = max(largest, ml.total)

@@ -90,7 +90,10 @@ def rank_tails(
         sig = tuple(chunk_sigs[c] for c in chunks)
         base = shared.get(sig)
         if base is None:
-            params = [params_of(model, plan.tp, plan.ep, *chunk_sigs[c], pipelined) for c in chunks]
+            params = [
+                params_of(model, plan.tp, plan.ep, *chunk_sigs[c], pipelined, plan.etp)
+                for c in chunks
+            ]
             dense, experts = sum(p.dense for p in params), sum(p.experts for p in params)
             units = None
             if opts.runtime == "fivefold-eager":
@@ -221,7 +224,7 @@ def tail_costs(
     ):
         if params == 0:
             continue
-        lp = layer_params_per_rank(model, moe, plan.tp, plan.ep)
+        lp = layer_params_per_rank(model, moe, plan.tp, plan.ep, plan.etp)
         layers = params / ((lp.experts if moe else lp.dense + lp.replicated) or params)
         if units is not None:
             layers = units[1] if moe else units[0]

@@ -154,7 +154,7 @@ class SearchState:
                 continue
             if not self.allowed("dp_replicate", dp_replicate):
                 continue
-            for ep in ep_choices(self.model, dp_shard, cp):
+            for ep in ep_choices(self.model, dp_shard, cp, tp):
                 if not self.allowed("ep", ep):
                     continue
                 for schedule, vpp in schedule_choices(self.model, pp, self.fixed.get("schedule")):

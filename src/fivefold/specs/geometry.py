@@ -9,9 +9,18 @@ Mesh axes, outer to inner: pp, dp_replicate, dp_shard, cp, tp (TP innermost, so 
 run of consecutive ranks and stays inside a node); rank r has row-major coordinates in that
 order. A process group is `size` ranks `stride` apart (`axis_groups`): the five axes and the
 flattened views the runtime builds, dp = dp_replicate x dp_shard, dp_shard_cp = dp_shard x cp
-(what ZeRO shards dense weights over), dp_cp = dp x cp, ep = the inner ep ranks of
-dp_shard x cp (expert parallelism borrows its ranks there, so ep must divide dp_shard x cp) and
-expert_shard = the rest of dp_shard x cp (what ZeRO shards routed experts over).
+(what ZeRO shards dense weights over), dp_cp = dp x cp, dp_cp_tp = dp x cp x tp (every rank of
+a pipeline stage), ep and expert_shard (below).
+
+The expert rule (docs/internals.md, "MoE with tensor parallelism"): routed experts are never
+tensor-parallel. A MoE layer's tokens are split over the TP ranks (the sequence-parallel shards),
+so every rank of dp_shard x cp x tp routes different tokens; expert parallelism borrows its ep
+ranks there, innermost first (ep must divide dp_shard x cp x tp: with TP the EP group holds the
+TP group, consecutive ranks in one node), and ZeRO shards each routed expert over the rest,
+expert_shard = dp_shard x cp x tp / ep. With tp = 1 this is the rule of dp_shard x cp alone.
+A plan may instead describe Megatron's expert tensor parallelism (plan.etp = tp, which other
+software's published runs use; fivefold's runtime refuses it): experts split over the TP group,
+every TP rank dispatching the same tokens, EP over dp_shard x cp (tp apart).
 
 Chunk placement: a pipeline of pp ranks runs pp * vpp chunks (virtual stages, in model order).
 The loop schedules put chunk c on rank c % pp; the V-shaped ones (two chunks per rank) put rank
@@ -128,14 +137,31 @@ def dense_shard_degree(d: Degrees) -> int:
     return d.dp_shard * d.cp
 
 
+def expert_span(d: Degrees) -> int:
+    """Ranks of one replica that route different tokens, which expert parallelism borrows:
+    dp_shard x cp x tp (a MoE layer's tokens are split over the TP ranks; x 1 under etp)."""
+    return d.dp_shard * d.cp * moe_token_split(d)
+
+
+def expert_tp(d: Degrees) -> int:
+    """TP ranks each routed expert is split over: 1 (whole experts), or tp under `plan.etp`."""
+    return getattr(d, "etp", 1)
+
+
+def moe_token_split(d: Degrees) -> int:
+    """How many ranks share one micro-batch's tokens at a MoE layer, besides cp: the TP ranks
+    (each routes its own 1/tp of them, to whole experts); 1 under expert tensor parallelism."""
+    return d.tp // expert_tp(d)
+
+
 def expert_shard_degree(d: Degrees) -> int:
-    """Ranks ZeRO shards routed experts over: dp_shard x cp / ep (the runtime's edp_shard)."""
-    return max(1, d.dp_shard * d.cp // d.ep)
+    """Ranks ZeRO shards routed experts over: dp_shard x cp x tp / ep (the runtime's edp_shard)."""
+    return max(1, expert_span(d) // d.ep)
 
 
-def ep_fits(ep: int, dp_shard: int, cp: int) -> bool:
-    """Whether `ep` divides dp_shard x cp, the ranks expert parallelism borrows."""
-    return (dp_shard * cp) % ep == 0
+def ep_fits(ep: int, dp_shard: int, cp: int, tp: int = 1) -> bool:
+    """Whether `ep` divides dp_shard x cp x tp, the ranks expert parallelism borrows."""
+    return (dp_shard * cp * tp) % ep == 0
 
 
 def axis_groups(d: Degrees) -> dict[str, tuple[int, int]]:
@@ -144,12 +170,13 @@ def axis_groups(d: Degrees) -> dict[str, tuple[int, int]]:
     return {
         "tp": (tp, 1),
         "cp": (cp, tp),
-        "ep": (d.ep, tp),  # the inner ep ranks of dp_shard x cp
+        "ep": (d.ep, expert_tp(d)),  # the inner ep ranks of dp_shard x cp x tp
         "dp": (dp, tp * cp),
         "dp_shard_cp": (dense_shard_degree(d), tp),
         "dp_cp": (dp * cp, tp),
+        "dp_cp_tp": (dp * cp * moe_token_split(d), expert_tp(d)),  # ranks routing own tokens
         "dp_replicate": (d.dp_replicate, tp * cp * d.dp_shard),
-        "expert_shard": (expert_shard_degree(d), tp * d.ep),
+        "expert_shard": (expert_shard_degree(d), expert_tp(d) * d.ep),
         "pp": (d.pp, tp * cp * dp),
     }
 

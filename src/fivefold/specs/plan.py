@@ -23,7 +23,9 @@ from fivefold.specs.geometry import (
     V_SHAPED,
     ScheduleName,
     ep_fits,
+    expert_span,
     mesh_size,
+    moe_token_split,
 )
 from fivefold.specs.hardware import UNKNOWN_GPU
 from fivefold.specs.model import ModelSpec
@@ -58,6 +60,9 @@ class ParallelPlan:
     cp: int = 1
     cp_kind: str = "ring"
     ep: int = 1
+    # routed experts split over this many TP ranks: 1 (fivefold's rule, `specs.geometry`) or tp
+    # (Megatron's expert tensor parallelism, which other software's published runs use)
+    etp: int = 1
     micro_batch: int = 1  # sequences per micro-batch per data-parallel rank
     grad_accum: int = 1  # micro-batches per optimizer step (the pipeline's micro-batch count)
     recompute: str = "none"
@@ -102,7 +107,7 @@ class ParallelPlan:
         if self.cp > 1:
             parts.append(f"CP{self.cp} {self.cp_kind}")
         if self.ep > 1:
-            parts.append(f"EP{self.ep}")
+            parts.append(f"EP{self.ep}" + (f" ETP{self.etp}" if self.etp > 1 else ""))
         parts.append(f"mbs {self.micro_batch} x accum {self.grad_accum}")
         parts.append(f"recompute {self.recompute}, {self.precision}")
         if self.fp8 != "none":
@@ -172,6 +177,7 @@ class ParallelPlan:
             "dp_shard",
             "cp",
             "ep",
+            "etp",
             "micro_batch",
             "grad_accum",
         ):
@@ -248,11 +254,19 @@ class ParallelPlan:
             out.append(f"plan.vpp = {self.vpp} needs plan.pp > 1: virtual stages split a pipeline.")
         if self.pp > 1:
             out += self._schedule_problems()
-        if self.ep > 1 and not ep_fits(self.ep, self.dp_shard, self.cp):
+        if self.etp not in (1, self.tp):
             out.append(
-                f"plan.ep = {self.ep} must divide dp_shard * cp = {self.dp_shard * self.cp}: "
-                "expert parallelism borrows its ranks from the sharded data-parallel and context "
-                "axes. Raise dp_shard (with zero >= 1) or cp, or lower ep."
+                f"plan.etp = {self.etp}: routed experts are whole (etp = 1) or split over the "
+                f"whole TP group (etp = plan.tp = {self.tp})."
+            )
+        elif self.ep > 1 and not ep_fits(self.ep, self.dp_shard, self.cp, moe_token_split(self)):
+            span = expert_span(self)
+            out.append(
+                f"plan.ep = {self.ep} must divide dp_shard * cp"
+                + (" * tp" if moe_token_split(self) > 1 else "")
+                + f" = {span}: expert parallelism borrows its ranks from the sharded "
+                "data-parallel, context (and, with etp = 1, tensor) axes. Raise dp_shard (with "
+                "zero >= 1), cp or tp, or lower ep."
             )
         return out
 
@@ -298,15 +312,15 @@ class ParallelPlan:
                 "'fp32' or a bf16 recipe such as 'bf16-mixed'."
             )
         out += self._lever_runtime_problems()
+        if self.etp > 1:
+            out.append(
+                f"plan.etp = {self.etp}: fivefold's runtime keeps routed experts whole and "
+                "splits a MoE layer's tokens over the TP ranks instead (docs/internals.md, "
+                '"MoE with tensor parallelism"); set plan.etp = 1.'
+            )
         if m is None:
             return out
         out += self._fp8_kv_problems(m)
-        if m.is_moe and self.tp > 1:
-            out.append(
-                f"plan.tp = {self.tp} with a MoE model (model.experts = {m.experts}): fivefold's "
-                "runtime does not tensor-parallelise MoE layers; set plan.tp = 1 and shard the "
-                "experts with plan.ep (and the rest with dp_shard / cp)."
-            )
         return out
 
     def _fp8_kv_problems(self, m: ModelSpec) -> list[str]:
@@ -404,8 +418,14 @@ class ParallelPlan:
             out.append(f"plan.tp = {self.tp} must divide model.kv_heads = {m.kv_heads}.")
         if m.ffn % self.tp:
             out.append(f"plan.tp = {self.tp} must divide model.ffn = {m.ffn} (the MLP width).")
-        if m.is_moe and m.expert_ffn % self.tp:
-            out.append(f"plan.tp = {self.tp} must divide model.expert_ffn = {m.expert_ffn}.")
+        shared_width = m.shared_experts * m.expert_ffn if m.is_moe else 0
+        if m.is_moe and m.expert_ffn % self.etp:
+            out.append(f"plan.etp = {self.etp} must divide model.expert_ffn = {m.expert_ffn}.")
+        if shared_width % self.tp:
+            out.append(
+                f"plan.tp = {self.tp} must divide the shared experts' width model.shared_experts "
+                f"x expert_ffn = {shared_width} (they are tensor-parallel like a dense MLP)."
+            )
         if self.virtual_stages > m.layers:
             out.append(
                 f"plan.pp * vpp = {self.virtual_stages} pipeline stages exceed model.layers = "
@@ -432,6 +452,12 @@ class ParallelPlan:
             out.append(
                 f"model.seq_len / cp = {m.seq_len // self.cp} must be divisible by plan.tp = "
                 f"{self.tp} for sequence parallelism; change seq_len or set plan.sp = false."
+            )
+        elif m.is_moe and moe_token_split(self) > 1 and (m.seq_len // self.cp) % self.tp:
+            out.append(
+                f"model.seq_len / cp = {m.seq_len // self.cp} must be divisible by plan.tp = "
+                f"{self.tp}: a MoE layer splits its tokens over the TP ranks along the sequence "
+                "(geometry's expert rule); change seq_len or plan.tp."
             )
         if self.ep > 1:
             if not m.is_moe:
