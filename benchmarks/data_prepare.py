@@ -7,12 +7,16 @@ Corpora are generated JSONL (random words, documents of 50-2,000 words) of the s
   workers; printed: the parent's peak RSS and the largest worker's (ru_maxrss). Flat in the
   corpus size means equal within 10 %. By default with a word-level tokenizer (`--tokenizer`),
   so that large corpora take minutes on a small machine.
-- speed (`--speed-mb 64`, `--cores 1,2`): per core count N, in fresh processes, (a) the
-  baseline: every document already in memory, one `Tokenizer.encode_batch` call with
-  RAYON_NUM_THREADS=N (reading, writing and checksums not counted); (b) `prepare_shards` with N
-  workers, everything counted (reading JSONL, encoding, writing shards, checksums, manifest).
-  Printed: MB/s of each, CPU seconds (user + system, workers included), and the ratios (b)/(a)
-  of wall time and of CPU time (on a loaded machine only the latter compares per core).
+- speed (`--speed-mb 64`, `--cores 1,2`, `--rounds 3`): per core count N, in fresh
+  processes, (a) the baseline: every document already in memory, one
+  `Tokenizer.encode_batch` call with RAYON_NUM_THREADS=N (reading, writing and checksums not
+  counted); (b) `prepare_shards` with N workers, everything counted (reading JSONL, encoding,
+  writing shards, checksums, manifest).
+  Rounds interleave the settings (each round runs every N's pair in turn); printed per run,
+  then per N the medians: MB/s of each, CPU seconds (user + system, workers included), the
+  ratios (b)/(a) of wall time and of CPU time (on a loaded machine only the latter compares
+  per core), prepare's wall-clock speed-up over the first N (worker scaling: idle machine
+  only), and the load average at the start and the end.
 
     PYTHONPATH=src .venv/bin/python benchmarks/data_prepare.py --memory-gb 0.25,1 --speed-mb 32
 """
@@ -23,6 +27,7 @@ import argparse
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -128,25 +133,63 @@ def memory(root: Path, sizes: list[float], workers: int, tok: str, piece: int) -
         subprocess.run(["rm", "-rf", str(out)], check=True)
 
 
-def speed(root: Path, megabytes: float, cores: list[int], tok: str) -> None:
+def _speed_round(src: Path, root: Path, n: int, tok: str) -> tuple[dict, dict]:
+    """One (baseline, prepare) pair on `n` cores, each in a fresh process."""
+    base = _child(BASELINE.format(src=str(src), tok=tok), {"RAYON_NUM_THREADS": str(n)})
+    piece = max(1 << 20, int(src.stat().st_size / (4 * n)) + 1)
+    ours = _child(
+        PREPARE.format(src=str(src), out=str(root / "s-out"), workers=n, piece=piece, tok=tok),
+        {"RAYON_NUM_THREADS": "1"},
+    )
+    assert ours["tokens"] == base["tokens"], (ours, base)
+    return base, ours
+
+
+def speed(root: Path, megabytes: float, cores: list[int], tok: str, rounds: int) -> None:
+    """`rounds` rounds, each running every core count's pair in turn (interleaved, so a change
+    of load hits every setting alike); medians per core count."""
     src = make_corpus(root / "s.jsonl", megabytes)
     mb = src.stat().st_size / 1e6
+    runs: dict[int, list[tuple[dict, dict]]] = {n: [] for n in cores}
+    print(f"load average at start: {_load()}", flush=True)
+    for r in range(rounds):
+        for n in cores:
+            base, ours = _speed_round(src, root, n, tok)
+            runs[n].append((base, ours))
+            print(
+                f"round {r + 1}, {n} core(s): encode_batch {base['seconds']:.1f} s "
+                f"{base['cpu_s']:.1f} CPU-s, prepare {ours['seconds']:.1f} s "
+                f"{ours['cpu_s']:.1f} CPU-s",
+                flush=True,
+            )
+    print(f"load average at end: {_load()}", flush=True)
+    first, first_s = cores[0], _medians(runs[cores[0]])["ours_s"]
     for n in cores:
-        base = _child(BASELINE.format(src=str(src), tok=tok), {"RAYON_NUM_THREADS": str(n)})
-        piece = max(1 << 20, int(src.stat().st_size / (4 * n)) + 1)
-        ours = _child(
-            PREPARE.format(src=str(src), out=str(root / "s-out"), workers=n, piece=piece, tok=tok),
-            {"RAYON_NUM_THREADS": "1"},
-        )
-        assert ours["tokens"] == base["tokens"], (ours, base)
+        med = _medians(runs[n])
         print(
-            f"speed {mb:.0f} MB on {n} core(s): tokenizers encode_batch {mb / base['seconds']:.2f} "
-            f"MB/s ({base['cpu_s']:.1f} CPU-s), prepare {mb / ours['seconds']:.2f} MB/s "
-            f"({ours['tokens'] / ours['seconds']:,.0f} tokens/s, {ours['cpu_s']:.1f} CPU-s): "
-            f"{base['seconds'] / ours['seconds']:.2f}x wall, "
-            f"{base['cpu_s'] / ours['cpu_s']:.2f}x per CPU-second",
+            f"speed {mb:.0f} MB on {n} core(s), medians of {rounds}: tokenizers encode_batch "
+            f"{mb / med['base_s']:.2f} MB/s ({med['base_cpu_s']:.2f} CPU-s), prepare "
+            f"{mb / med['ours_s']:.2f} MB/s ({med['ours_cpu_s']:.2f} CPU-s): "
+            f"{med['base_s'] / med['ours_s']:.2f}x wall, "
+            f"{med['base_cpu_s'] / med['ours_cpu_s']:.2f}x per CPU-second (target >= 0.9); "
+            f"prepare {first_s / med['ours_s']:.2f}x as fast as on {first} core(s) (linear: "
+            f"{n / first:.2f}x; wall clock, so only meaningful on an idle machine)",
             flush=True,
         )
+
+
+def _medians(pairs: list[tuple[dict, dict]]) -> dict[str, float]:
+    """Medians of the baseline's and prepare's wall and CPU seconds over the rounds."""
+    return {
+        "base_s": statistics.median(b["seconds"] for b, _ in pairs),
+        "base_cpu_s": statistics.median(b["cpu_s"] for b, _ in pairs),
+        "ours_s": statistics.median(o["seconds"] for _, o in pairs),
+        "ours_cpu_s": statistics.median(o["cpu_s"] for _, o in pairs),
+    }
+
+
+def _load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def main() -> None:
@@ -156,6 +199,9 @@ def main() -> None:
     parser.add_argument("--piece-mb", type=int, default=64, help="piece size for the memory runs")
     parser.add_argument("--speed-mb", type=float, default=64, help="corpus for speed, 0: none")
     parser.add_argument("--cores", default="1,2", help="core counts for the speed runs")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="speed rounds (interleaved; medians printed)"
+    )
     parser.add_argument(
         "--tokenizer",
         default="bpe,words",
@@ -168,7 +214,8 @@ def main() -> None:
         toks = {"bpe": "", "words": word_tokenizer(root)}
         speed_tok, memory_tok = (toks[name] for name in args.tokenizer.split(","))
         if args.speed_mb:
-            speed(root, args.speed_mb, [int(c) for c in args.cores.split(",")], speed_tok)
+            cores = [int(c) for c in args.cores.split(",")]
+            speed(root, args.speed_mb, cores, speed_tok, args.rounds)
         if args.memory_gb:
             sizes = [float(g) for g in args.memory_gb.split(",")]
             memory(root, sizes, args.workers, memory_tok, args.piece_mb << 20)

@@ -12,8 +12,9 @@ them alike) and summarised by medians, against a baseline measured in the same r
    step (`train.log_every = 1`, the worst case; the default is one per log step).
 
 Beside them, the components timed alone (the median of many calls): one `SpikeDetector.check`
-on a full 100-step window, one `WaitClock.waiting` around nothing. Their sum per step over the
-baseline's step time is the overhead with the noise of a shared machine taken out.
+on a full 100-step window, one `WaitClock.waiting` around nothing (times the timed waits of a
+step: the runtime's own collectives, FSDP's all-gathers and reduce-scatters). Their sum per
+step over the baseline's step time is the overhead with the noise of a shared machine taken out.
 
     PYTHONPATH=src .venv/bin/python benchmarks/long_run_overhead.py            # ~2 min
     PYTHONPATH=src .venv/bin/python benchmarks/long_run_overhead.py --rounds 5 --steps 30
@@ -91,6 +92,7 @@ def two_ranks(rank: int, world: int, rounds: int, steps: int) -> dict[str, list[
     timed_waiting = wait_clock.WaitClock.waiting
     gathering = stragglers.StragglerWatch.at_log_step
     times: dict[str, list[float]] = {"off": [], "on": []}
+    waits: list[int] = []
     root = f"{tempfile.gettempdir()}/fivefold-bench-stragglers"
     for r in range(rounds):
         for setting in times:
@@ -102,6 +104,7 @@ def two_ranks(rank: int, world: int, rounds: int, steps: int) -> dict[str, list[
             name = f"{setting}-{r}"
             run = load_run(TINY, [*overrides(name, root, steps), *plan], world_size=world)
             runtime = distributed_runtime(run.recipe, run.train)
+            runtime.wait_clock.take = counting(runtime.wait_clock, waits)
             train(run, runtime=runtime, console=Console(quiet=True))
             if rank == 0:
                 times[setting] += step_times(root, name)
@@ -111,7 +114,19 @@ def two_ranks(rank: int, world: int, rounds: int, steps: int) -> dict[str, list[
         runtime.gather_timing([0.0, 0.0])
         samples.append(time.perf_counter() - start)
     times["gather_s"] = [statistics.median(samples)]
+    times["waits"] = [statistics.median(waits)]  # the runtime's own, FSDP's
     return times
+
+
+def counting(clock, waits: list[int]):
+    """`clock.take` that first notes how many waits it timed (log_every = 1: per step)."""
+    take = clock.take
+
+    def counted() -> float:
+        waits.append(clock.waits)
+        return take()
+
+    return counted
 
 
 def component_costs() -> dict[str, float]:
@@ -161,13 +176,14 @@ def main() -> None:
     base = report("one process, train.on_spike", one_process(args.rounds, args.steps), "off")
     ranks = run_ranks(2, two_ranks, args.rounds, args.steps, timeout_s=1800)
     gather = ranks[0].pop("gather_s")[0]
+    waits = int(ranks[0].pop("waits")[0])
     base2 = report("two ranks, straggler timing", ranks[0], "off")
     costs = component_costs()
     check, wait = costs["spike_check_s"], costs["wait_timing_s"]
     print(
         f"components (medians): one spike check {check * 1e6:.1f} us = {check / base:.4%} of "
-        f"the one-process step; four wait timings {4 * wait * 1e6:.2f} us = "
-        f"{4 * wait / base2:.4%} of the two-rank step; one timing all-gather (once per log "
+        f"the one-process step; {waits} wait timings a step {waits * wait * 1e6:.2f} us = "
+        f"{waits * wait / base2:.4%} of the two-rank step; one timing all-gather (once per log "
         f"step) {gather * 1e6:.0f} us = {gather / base2:.4%} of it",
         flush=True,
     )

@@ -25,9 +25,10 @@ from fivefold.train.data.mixture import (
     MixtureSampler,
 )
 from fivefold.train.entry import load_run
-from fivefold.train.inputs import load_train_data
+from fivefold.train.inputs import TrainData, load_train_data
 from fivefold.train.loop import train
 from fivefold.train.runtime import LocalRuntime
+from fivefold.train.spikes import SKIP_FILE, SkipList
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 TINY = CONFIGS / "tiny-cpu.toml"
@@ -161,10 +162,10 @@ def test_mixture_resumes_exactly_on_one_and_four_ranks(three_sources, tmp_path):
 
 def test_step_sources_name_each_batch_and_sum_to_the_tokens_drawn(three_sources, tmp_path):
     data = load_train_data(mixture_run(tmp_path, three_sources, "names"))
-    per_step = [data.step_sources(step) for step in range(1, 11)]
+    per_step = [data.batch_sources((step - 1) * 8, step * 8) for step in range(1, 11)]
     assert all(sum(s.values()) == 8 for s in per_step)
     totals = {n: sum(s[n] for s in per_step) for n in WEIGHTS}
-    assert {n: t * 128 for n, t in totals.items()} == data.tokens_drawn(10)
+    assert {n: t * 128 for n, t in totals.items()} == data.tokens_drawn(80)
     for name, weight in WEIGHTS.items():  # 80 samples: 48, 24, 8 within the bound
         assert abs(totals[name] - 80 * weight) <= MAX_DEVIATION
     # the batch the loop draws holds exactly those sources (told apart by their letters)
@@ -180,6 +181,35 @@ def test_step_sources_name_each_batch_and_sum_to_the_tokens_drawn(three_sources,
 def _train(run):
     runtime = LocalRuntime(run.recipe)
     return train(run, runtime=runtime, console=Console(quiet=True))
+
+
+def test_tokens_by_source_count_exactly_the_batches_drawn_past_a_skipped_one(
+    three_sources, tmp_path, monkeypatch
+):
+    # Step 3's batch (samples [16, 24)) is on the skip list, as after a rollback: the run draws
+    # [0, 8), [8, 16), [24, 32); its counts are those batches' sources, told by their letters.
+    (tmp_path / "skipping").mkdir()
+    SkipList(tmp_path / "skipping" / SKIP_FILE).add(16, 24, 3, write=True)
+    drawn: list[np.ndarray] = []
+    clean = TrainData.batches
+
+    def batches(self, micro_batch):
+        for micro_batches in clean(self, micro_batch):
+            ids = np.concatenate([b.sample_ids.numpy() for b in micro_batches])
+            drawn.append(self.train.source_of(ids))
+            yield micro_batches
+
+    monkeypatch.setattr(TrainData, "batches", batches)
+    summary = _train(
+        mixture_run(tmp_path, three_sources, "skipping", "train.steps=3", "train.warmup_steps=1")
+    )
+    found = np.concatenate(drawn)
+    exact = {n: int((found == i).sum()) * 128 for i, n in enumerate(WEIGHTS)}
+    assert sum(exact.values()) == 3 * 8 * 128
+    records = (tmp_path / "skipping" / "metrics.jsonl").read_text().splitlines()
+    assert summary.tokens_by_source == exact == json.loads(records[-1])["tokens_by_source"]
+    data = load_train_data(mixture_run(tmp_path, three_sources, "plain"))
+    assert exact != data.tokens_drawn(24)  # [16, 24) holds other sources than [24, 32)
 
 
 def test_mixture_trains_counts_tokens_and_resumes_bit_identically(three_sources, tmp_path):

@@ -189,3 +189,19 @@ def test_cli_prepare_reads_parquet_with_a_text_field_in_workers(tok, tmp_path, c
     assert f"prepared {len(texts)} documents" in capsys.readouterr().out
     assert cli_main([*args, "--tokenizer", str(tok.path), "--workers", "0"]) == 2
     assert "--workers 0 must be at least 1" in capsys.readouterr().err
+
+
+def test_cli_tokenizer_reads_a_text_field(tmp_path, capsys):
+    # The same documents under "body" and under "text": the same tokenizer, byte for byte.
+    texts = docs(60, seed=4)
+    body, text = write_jsonl(tmp_path / "b.jsonl", texts, "body"), tmp_path / "t.jsonl"
+    write_jsonl(text, texts)
+    args = ["data", "tokenizer", "--vocab", "280", "--out"]
+    assert cli_main([*args, str(tmp_path / "b.json"), str(body), "--text-field", "body"]) == 0
+    assert cli_main([*args, str(tmp_path / "t.json"), str(text)]) == 0
+    trained = (tmp_path / "b.json").read_bytes()
+    assert trained == (tmp_path / "t.json").read_bytes()
+    assert len(json.loads(trained)["model"]["vocab"]) == 280
+    capsys.readouterr()
+    assert cli_main([*args, str(tmp_path / "x.json"), str(body)]) == 2  # no "text" field
+    assert 'no string "text" field' in capsys.readouterr().err

@@ -38,8 +38,12 @@ def train_ranks(
     poison_ranks: tuple[int, ...] = (),
     slow_rank: int = -1,
     sleep_s: float = 0.0,
+    forward_sleep_s: float = 0.0,
 ) -> dict:
-    """Train every run of `runs` (name -> overrides) in turn; returns name -> (losses, events)."""
+    """Train every run of `runs` (name -> overrides) in turn; returns name -> (losses, events).
+    Rank `slow_rank` sleeps `sleep_s` before each batch and `forward_sleep_s` inside each
+    forward of its first block (after FSDP has gathered its weights, before its TP
+    collectives)."""
     from rich.console import Console
 
     from fivefold.train.entry import load_run
@@ -55,6 +59,9 @@ def train_ranks(
         base = [f"train.runs_dir={root!r}", f"train.name={name!r}"]
         run = load_run(TINY, [*base, *overrides], world_size=world)
         runtime = distributed_runtime(run.recipe, run.train)
+        if forward_sleep_s and rank == slow_rank:
+            block = next(iter(runtime.model_parts[0].layers.values()))
+            block.register_forward_pre_hook(lambda *_: time.sleep(forward_sleep_s))
         summary = train(run, runtime=runtime, console=Console(quiet=True))
         out[name] = {"losses": summary.losses, "events": summary.events}
     return out

@@ -1,6 +1,6 @@
 """`fivefold data`: train a tokenizer and turn text into token shards.
 
-fivefold data tokenizer INPUTS... --out PATH [--vocab N]
+fivefold data tokenizer INPUTS... --out PATH [--vocab N] [--text-field F]
 fivefold data prepare INPUTS... --out DIR [--tokenizer PATH] [--workers N] [--text-field F]
 fivefold data info DIR
 """
@@ -58,6 +58,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="vocabulary size, at most the model's vocab (default: 4096, the "
         "tiny/small presets' vocab; at least 257, at most 2^24)",
     )
+    tok.add_argument("--text-field", default="text", metavar="NAME", help=_TEXT_FIELD_HELP)
     tok.set_defaults(handler=_tokenizer)
 
     _add_prepare_parser(commands)
@@ -129,7 +130,7 @@ def _tokenizer(args: argparse.Namespace) -> int:
             "(e.g. tokenizer.json)."
         )
     started = time.perf_counter()
-    tok = train_tokenizer(args.inputs, args.vocab, out=args.out)
+    tok = train_tokenizer(args.inputs, args.vocab, out=args.out, text_field=args.text_field)
     print(
         f"tokenizer: {tok.vocab_size} tokens (end-of-document id {tok.eod_id}), hash "
         f"{tok.hash[:12]}, trained in {time.perf_counter() - started:.1f} s -> {args.out}"

@@ -51,6 +51,7 @@ def _varlen() -> Any:
 _SCHEDULES = "torch.distributed.pipelining.schedules"
 _C10D = "torch.distributed.distributed_c10d"
 _FUNCOL = "torch.distributed._functional_collectives"
+_FSDP_COMMS = "torch.distributed.fsdp._fully_shard._fsdp_collectives"
 # key -> (the API, what fivefold uses it for, how to find it); probed one by one, on demand:
 # importing some of these modules takes seconds, and most runs need few of them.
 FEATURES: dict[str, tuple[str, str, Callable[[], bool]]] = {
@@ -117,6 +118,22 @@ FEATURES: dict[str, tuple[str, str, Callable[[], bool]]] = {
         "torch.distributed._functional_collectives.all_gather_single_autograd",
         "plan.cp_kind = 'allgather' (else its torch 2.11 name, all_gather_tensor_autograd)",
         lambda: _attr(_FUNCOL, "all_gather_single_autograd") is not None,
+    ),
+    "fsdp_custom_comms": (
+        "FSDPModule.set_custom_all_gather/_reduce_scatter (DefaultAllGather, "
+        "DefaultReduceScatter in torch.distributed.fsdp._fully_shard._fsdp_collectives)",
+        "the straggler report's waits inside FSDP's all-gathers and reduce-scatters (else unseen)",
+        lambda: (
+            _attr("torch.distributed.fsdp", "FSDPModule") is not None
+            and hasattr(_attr("torch.distributed.fsdp", "FSDPModule"), "set_custom_all_gather")
+            and _attr(_FSDP_COMMS, "DefaultAllGather") is not None
+            and _attr(_FSDP_COMMS, "DefaultReduceScatter") is not None
+        ),
+    ),
+    "funcol_wait_tensor": (
+        f"{_FUNCOL}.wait_tensor (where AsyncCollectiveTensor waits)",
+        "the straggler report's waits inside DTensor's collectives: TP, SP (else unseen)",
+        lambda: _attr(_FUNCOL, "wait_tensor") is not None,
     ),
     "default_store": (
         f"{_C10D}._get_default_store",

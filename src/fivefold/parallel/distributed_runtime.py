@@ -104,6 +104,7 @@ class DistributedRuntime(RuntimeCore):
         self.tied = TiedEmbeddings(self.model_parts, plan, self.spec)
         self._loss_scale = 1.0
         self.wait_clock = WaitClock(self.device)  # waits in the collectives below (stragglers)
+        self.wait_clock.watch(self.dp_modules)  # and in FSDP's and DTensor's
         self.pipeline = self._build_pipeline()
         self._weight_aux_losses()
         self._steps = 0

@@ -11,7 +11,7 @@ source's samples is its held-out split for `train.eval_every`.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,24 +85,35 @@ class TrainData:
             self.train, self.sampler, self.global_batch, micro_batch, self.dp_rank, self.dp_size
         )
 
-    def step_sources(self, step: int) -> dict[str, int]:
-        """Samples of each source in the global batch of optimizer step `step` (1-based, as
-        `StepMetrics.step`), by source name; the same on every rank and layout."""
-        start = (step - 1) * self.global_batch
+    def batch_sources(self, start: int, end: int) -> dict[str, int]:
+        """Samples of each source among positions `[start, end)` of the global order (a step's
+        batch: `SpikePolicy.next_batch`'s range), by source name; the same on every rank."""
         if isinstance(self.sampler, MixtureSampler):
-            return self.sampler.sources(start, self.global_batch)
-        return {self.sources[0].name: self.global_batch}
+            return self.sampler.sources(start, end - start)
+        return {self.sources[0].name: end - start}
 
-    def tokens_drawn(self, step: int) -> dict[str, int]:
-        """Training tokens drawn from each source by the end of step `step`, by name."""
-        position, seq = step * self.global_batch, self.train.seq_len
+    def tokens_drawn(self, position: int, skipped: Iterable[Sequence[int]] = ()) -> dict[str, int]:
+        """Training tokens drawn from each source among positions `[0, position)` of the global
+        order, by name, less the `skipped` ranges (`[start, end, ...]`, a `SkipList`'s: the
+        loop jumps over each whole, so only those ending by `position` were passed)."""
+        seq = self.train.seq_len
         if isinstance(self.sampler, MixtureSampler):
-            return {n: c * seq for n, c in self.sampler.drawn(position).items()}
-        return {self.sources[0].name: position * seq}
+            counts = self.sampler.drawn(position)
+        else:
+            counts = {self.sources[0].name: position}
+        for start, end, *_ in skipped:
+            if end <= position:
+                for name, count in self.batch_sources(start, end).items():
+                    counts[name] -= count
+        return {name: count * seq for name, count in counts.items()}
+
+    def tokens_by_source(self, skipped: Iterable[Sequence[int]] = ()) -> dict[str, int]:
+        """A mixture's `tokens_drawn` up to the sampler's position ({} for one source)."""
+        return self.tokens_drawn(self.sampler.consumed, skipped) if self.is_mixture else {}
 
     def plan_draws(self, steps: int) -> list[SourceDraw]:
         """What `steps` steps draw of each source: tokens and epochs of its training samples."""
-        drawn = self.tokens_drawn(steps)
+        drawn = self.tokens_drawn(steps * self.global_batch)
         weights = [1.0]
         if isinstance(self.sampler, MixtureSampler):
             weights = self.sampler.weights

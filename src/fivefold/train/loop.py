@@ -363,7 +363,8 @@ class Trainer:
             )
             metrics.step, metrics.plan_vs_run = p.step, p.plan_vs_run
             if self.data.is_mixture:  # tokens drawn per source so far, held-out loss per source
-                metrics.tokens_by_source = self.data.tokens_drawn(p.step)
+                skips = self.spikes.skips.ranges
+                metrics.tokens_by_source = self.data.tokens_drawn(p.samples[1], skips)
                 metrics.eval_loss_by_source = self.eval_by_source if last else None
             if last and metrics.plan_vs_run is None:
                 metrics.plan_vs_run = self._plan_vs_run(index, log.meter, step_s)
@@ -393,7 +394,7 @@ class Trainer:
             stop_reason=stop_reason,
             last_checkpoint=str(self.last_checkpoint) if self.last_checkpoint else None,
             eval_losses=log.evals,
-            tokens_by_source=self.data.tokens_drawn(self.step) if self.data.is_mixture else {},
+            tokens_by_source=self.data.tokens_by_source(self.spikes.skips.ranges),
             exit_code=self.stop.exit_code() if stop_reason == "interrupted" else 0,
             events=log.events,
         )

@@ -19,7 +19,7 @@ from fivefold.errors import DataError
 from fivefold.specs.model import MODEL_LIMITS
 from fivefold.train.data.cache import atomic_write_text, cache_dir, cache_lock
 from fivefold.train.data.corpus import embedded_corpus_files, files_digest
-from fivefold.train.data.documents import check_inputs, iter_documents
+from fivefold.train.data.documents import TEXT_FIELD, check_inputs, iter_documents
 
 EOD_TOKEN = "<|endoftext|>"
 # The end-of-document tokens of published tokenizers, tried in order when a tokenizer has no
@@ -89,9 +89,13 @@ def tokenizer_from_text(text: str) -> TextTokenizer:
 
 
 def train_tokenizer(
-    inputs: list[Path], vocab_size: int = DEFAULT_VOCAB_SIZE, out: Path | None = None
+    inputs: list[Path],
+    vocab_size: int = DEFAULT_VOCAB_SIZE,
+    out: Path | None = None,
+    text_field: str = TEXT_FIELD,
 ) -> TextTokenizer:
-    """Train a byte-level BPE of at most `vocab_size` tokens on the documents of `inputs`.
+    """Train a byte-level BPE of at most `vocab_size` tokens on the documents of `inputs`
+    (JSONL field / Parquet or Arrow column `text_field`).
 
     A corpus too small to support `vocab_size` merges yields fewer tokens; `vocab_size` is an
     upper bound. Saved to `out` when given.
@@ -117,7 +121,7 @@ def train_tokenizer(
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    backend.train_from_iterator(iter_documents(inputs), trainer=trainer)
+    backend.train_from_iterator(iter_documents(inputs, text_field), trainer=trainer)
     tokenizer = TextTokenizer(backend)
     if out is not None:
         tokenizer.save(out)
