@@ -9,10 +9,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from fivefold.model.feed_forward import FeedForward
+from fivefold.model.feed_forward import FeedForward, silu_mul
 from fivefold.model.grouped_mm import grouped_mm
 
 
@@ -144,7 +143,7 @@ def grouped_swiglu(
     if not _grouped_mm_fits(x, w1):
         outputs = []
         for expert, group in enumerate(torch.split(x, tokens_per_expert.tolist(), dim=0)):
-            hidden = F.silu(group @ w1[expert].T) * (group @ w3[expert].T)
+            hidden = silu_mul(group @ w1[expert].T, group @ w3[expert].T)
             outputs.append(hidden @ w2[expert].T)
         return torch.cat(outputs, dim=0)
     offsets = torch.cumsum(tokens_per_expert, dim=0, dtype=torch.int32)
@@ -152,7 +151,7 @@ def grouped_swiglu(
     def gemm(inputs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return grouped_mm(inputs, weight.transpose(-2, -1), offsets)
 
-    return gemm(F.silu(gemm(x, w1)) * gemm(x, w3), w2)
+    return gemm(silu_mul(gemm(x, w1), gemm(x, w3)), w2)
 
 
 class GroupedExperts(nn.Module):

@@ -83,6 +83,9 @@ class Transformer(nn.Module):
     brings its host-side document offsets, `cu_seqlens`: NumPy int32 [N+1] in the [B*T]
     tokens, `fivefold.train.data.Batch.cu_seqlens`).
     With tied embeddings `output.weight` is `tok_embeddings.weight` (re-tied after `to_empty`).
+    With `head_in_loss` set (the training runtimes set it) the result is the final hidden states
+    [B, T, D] even with an `output`: the loss applies the head (`fivefold.model.loss.head_loss`),
+    so the [B, T, V] logits are never made.
     """
 
     def __init__(self, spec: ModelSpec) -> None:
@@ -92,6 +95,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(i, spec) for i in range(spec.layers)})
         self.norm: RMSNorm | None = RMSNorm(spec.hidden, spec.norm_eps)
         self.output: nn.Linear | None = nn.Linear(spec.hidden, spec.vocab, bias=False)
+        self.head_in_loss = False
         self._tie_embeddings()
 
     def _tie_embeddings(self) -> None:
@@ -137,7 +141,7 @@ class Transformer(nn.Module):
             moe.collects_aux_loss = False
         if self.norm is not None:
             h = self.norm(h)
-        if self.output is None:
+        if self.output is None or self.head_in_loss:
             return h
         return self.output(h).float()
 

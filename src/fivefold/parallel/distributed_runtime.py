@@ -38,7 +38,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from fivefold.model import build_model
 from fivefold.model import init as model_init
-from fivefold.model.loss import cross_entropy_loss
+from fivefold.model.loss import head_loss
 from fivefold.model.transformer import init_aliases
 from fivefold.parallel.context_parallel import shard_batch_for_cp
 from fivefold.parallel.data_parallel import set_gradient_sync
@@ -135,6 +135,7 @@ class DistributedRuntime(RuntimeCore):
                 chunk, self.spec, self.plan, self.meshes, self.device, compile
             )
         for chunk in chunks:
+            chunk.head_in_loss = True  # the loss applies the head: no [b, T, V] logits
             chunk.to_empty(device=self.device)
             # looked up at call time: `fivefold plan check` replaces it under fake tensors
             model_init.init_module_weights(
@@ -187,8 +188,12 @@ class DistributedRuntime(RuntimeCore):
             return loss_parallel()
         return contextlib.nullcontext()
 
+    def _head_part(self) -> nn.Module | None:
+        """This rank's chunk holding the LM head (None on pipeline ranks without the last)."""
+        return next((p for p in self.model_parts if p.output is not None), None)
+
     def _pipeline_loss(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return cross_entropy_loss(output, labels, reduction="sum") * self._loss_scale
+        return head_loss(self._head_part(), output, labels, "sum", self._loss_scale)
 
     def _prepare(self, batch: Any) -> Any:
         batch = batch_to(batch, self.device)
@@ -267,7 +272,7 @@ class DistributedRuntime(RuntimeCore):
         """The micro-batch's scaled loss; the logits die here, not held through the backward
         (the loss keeps what its backward needs)."""
         output = logits(model, batch)
-        return cross_entropy_loss(output, batch.labels, "sum") * self._loss_scale
+        return head_loss(model, output, batch.labels, "sum", self._loss_scale)
 
     def _pipeline_step(self, batches: list) -> tuple[torch.Tensor, torch.Tensor]:
         with self._loss_context():
@@ -324,7 +329,7 @@ class DistributedRuntime(RuntimeCore):
                 for batch in batches:
                     with self._loss_context():
                         output = logits(model, batch, documents=False)
-                        loss = cross_entropy_loss(output, batch.labels, "sum")
+                        loss = head_loss(model, output, batch.labels, "sum")
                         total += _scalar(loss).double() * scale
             loss, _ = self._global_mean(total, self._zero())
             return float(loss)

@@ -47,7 +47,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage, schedules
 from torch.distributed.tensor import DTensor
 
-from fivefold.model.loss import IGNORE_INDEX, cross_entropy_loss
+from fivefold.model.loss import IGNORE_INDEX, cross_entropy_loss, head_loss
 from fivefold.planner.partition import stage_layer_counts
 from fivefold.specs.geometry import ScheduleName, chunks_of_rank
 from fivefold.specs.plan import ParallelPlan
@@ -230,7 +230,8 @@ class PipelineRunner:
 
     chunks: this rank's chunks from `split_model_for_pipeline` (possibly wrapped by TP / FSDP /
     checkpointing, in the same order); pp_mesh: 1-D DeviceMesh (or ProcessGroup) of the pipeline
-    ranks; loss_fn(logits [b, T, V], labels [b, T]) -> scalar loss of one micro-batch. With
+    ranks; loss_fn(the last chunk's output: logits [b, T, V], or hidden states [b, T, D] where it
+    has `head_in_loss`; labels [b, T]) -> scalar loss of one micro-batch. With
     `scale_grads=True` torch divides the gradients by the micro-batch count, so loss_fn should be
     the micro-batch mean; with False the gradients are those of the sum of the returned losses
     (the caller normalises, e.g. token sums divided by the global token count).
@@ -314,7 +315,8 @@ class PipelineRunner:
         """The loss the schedule computes on the last stage: the caller's loss_fn in a training
         step, the token cross-entropy sum (fp32 scalar) in `eval`."""
         if self._evaluating:
-            return cross_entropy_loss(output, labels, reduction="sum")
+            head = next((c for c in self.chunks if getattr(c, "output", None) is not None), None)
+            return head_loss(head, output, labels, reduction="sum")
         return self.loss_fn(output, labels)
 
     def step(self, micro_batches: list[Any]) -> list[torch.Tensor]:

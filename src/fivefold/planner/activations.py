@@ -50,9 +50,10 @@ def layer_activation_bytes(
 
 
 def eager_norm_bytes(model: ModelSpec, e: float, sb: float, rdiv: int) -> float:
-    """One eager RMSNorm and the matmul after it: the fp32 input and the normalised tensor
-    (plus the fp32 reciprocal RMS per token) in the norm's region (/tp under SP), and the
-    output the next matmul keeps, gathered to the full sequence under TP+SP."""
+    """One eager RMSNorm and the matmul after it: its input in the activation dtype (and any
+    fp32 copies, `EagerProfile`) and the fp32 reciprocal RMS per token in the norm's region
+    (/tp under SP), and the output the next matmul keeps, gathered to the full sequence under
+    TP+SP."""
     h = model.hidden
     return (eager_norm_kept(e) * sb * h + 4 * sb) / rdiv + e * sb * h
 
@@ -60,7 +61,7 @@ def eager_norm_bytes(model: ModelSpec, e: float, sb: float, rdiv: int) -> float:
 def eager_norm_kept(e: float) -> float:
     """Bytes an eager RMSNorm keeps per element of its input (`EagerProfile`), besides its
     fp32 reciprocal RMS per row; `e` the activation dtype's bytes."""
-    return EAGER.norm_fp32_saved * 4
+    return EAGER.norm_fp32_saved * 4 + EAGER.norm_input_saved * e
 
 
 def qk_norm_bytes(model: ModelSpec, plan: ParallelPlan, sb: float, per_element: float) -> float:
@@ -72,6 +73,28 @@ def qk_norm_bytes(model: ModelSpec, plan: ParallelPlan, sb: float, per_element: 
         return 0.0
     width = model.q_width / plan.tp + local_kv_width(model, plan.tp)
     return (per_element * width + 4 * width / model.head_dim) * sb
+
+
+def eager_head_loss_bytes(model: ModelSpec, plan: ParallelPlan, waiting: int = 0) -> float:
+    """fivefold-eager: the LM head and loss of one micro-batch at their largest, N = b s/cp
+    tokens against the local vocabulary V/t (`EagerProfile.fused_head_loss`): in the forward,
+    the input gradient (e N h), under TP the gathered input (e N h), one chunk's logits and
+    temporaries and, over several chunks, the fp32 weight-gradient sum (4 V/t h); in the
+    backward, the input and weight gradients twice (kept, and scaled by the loss's gradient).
+    `waiting`: micro-batches whose loss waits for its backward (GPipe), each keeping its
+    gradients."""
+    e = recipe(plan.precision).activation_bytes
+    tokens = plan.micro_batch * model.seq_len / plan.cp
+    vocab = model.vocab / plan.tp
+    if not EAGER.fused_head_loss:
+        return tokens * vocab * (EAGER.loss_parallel_logit_bytes + 4 * waiting)
+    chunk = max(1.0, min(tokens, EAGER.loss_chunk_logits // max(1, int(vocab))))
+    rows = e * tokens * model.hidden
+    forward = rows * (2 if plan.tp > 1 else 1) + EAGER.chunk_logit_bytes * chunk * vocab
+    if tokens > chunk:
+        forward += 4 * vocab * model.hidden
+    kept = rows + e * vocab * model.hidden
+    return max(forward, 2 * kept) + waiting * kept
 
 
 def compiled_norm_bytes(model: ModelSpec, e: float, sb: float, rdiv: int) -> float:

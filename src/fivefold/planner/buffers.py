@@ -7,9 +7,9 @@ Derivations: docs/planner.md, section 3 ("Other terms").
 
 from __future__ import annotations
 
-from fivefold.planner.activations import pipeline_boundary_bytes
+from fivefold.planner.activations import eager_head_loss_bytes, pipeline_boundary_bytes
 from fivefold.planner.levers import resting_param_bytes
-from fivefold.planner.memory_options import EAGER, MemoryOptions
+from fivefold.planner.memory_options import MemoryOptions
 from fivefold.planner.model_states import (
     chunk_layers,
     chunk_params,
@@ -40,25 +40,27 @@ def other_terms(
     out = {"cuda_context": float(opts.cuda_context_bytes)}
     last = len(counts) - 1
     if last in chunks:
-        # Every micro-batch in flight on the last stage keeps its fp32 log-softmax (4 bytes per
-        # logit); the one in its backward also holds the two fp32 gradients (docs/planner.md).
-        # GPipe has all m in flight there; the other schedules run the last stage's backward
-        # right after its forward.
+        # Fused kernels: every micro-batch in flight on the last stage keeps its fp32
+        # log-softmax (4 bytes per logit); the one in its backward also holds the two fp32
+        # gradients (docs/planner.md). fivefold's runtime: `eager_head_loss_bytes`. GPipe has
+        # all m in flight there; the other schedules run the last stage's backward right after
+        # its forward.
         waiting = inflight - 1 if plan.schedule == "gpipe" and plan.pp > 1 else 0
-        per_logit = opts.logits_bytes_per_element
-        if opts.eager and plan.tp > 1:
-            per_logit = EAGER.loss_parallel_logit_bytes
-        per_logit += 4 * max(0, waiting)
-        out["logits"] = tokens * model.vocab / plan.tp * per_logit
+        if opts.eager:  # fivefold's runtime: the head inside the loss, its tensors
+            out["logits"] = eager_head_loss_bytes(model, plan, max(0, waiting))
+        else:
+            per_logit = opts.logits_bytes_per_element + 4 * max(0, waiting)
+            out["logits"] = tokens * model.vocab / plan.tp * per_logit
     if opts.eager and plan.pp > 1:
         # torch.distributed.pipelining keeps each in-flight micro-batch's stage output until its
-        # backward: the fp32 logits on the last stage (the hidden states elsewhere are walked,
-        # `_walk`), and per micro-batch a receive slot for the stage input of every chunk but
-        # the first and one for the output gradient of every chunk but the last (allocated at
-        # the first step, or holding the last step's hand-over from a chunk on the same rank).
+        # backward: the last stage's final hidden states (the head runs in the loss; the other
+        # stages' outputs are walked, `_walk`), and per micro-batch a receive slot for the
+        # stage input of every chunk but the first and one for the output gradient of every
+        # chunk but the last (allocated at the first step, or holding the last step's
+        # hand-over from a chunk on the same rank).
         if last in chunks:
-            out["pipeline_stage_outputs"] = (
-                tokens * 4 * model.vocab / plan.tp * inflight_of_output(plan, inflight)
+            out["pipeline_stage_outputs"] = pipeline_boundary_bytes(model, plan) * (
+                inflight_of_output(plan, inflight)
             )
         slots = sum((c > 0) + (c < last) for c in chunks) * plan.grad_accum
         out["pipeline_slots"] = slots * pipeline_boundary_bytes(model, plan)

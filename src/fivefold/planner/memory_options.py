@@ -22,15 +22,26 @@ class EagerProfile:
     saved tensors (`torch.autograd.graph.saved_tensors_hooks`) of this model's block; each field
     is one mechanism, so a runtime change flips one field."""
 
-    norm_fp32_saved: int = 2  # RMSNorm keeps its fp32 input and the normalised x before weight
-    swiglu_saved: int = 4  # w1 out, w3 out, silu(w1 out), their product (fused: 3)
+    # RMSNorm (`fivefold.model.norms`) keeps its input in the activation dtype and the fp32
+    # reciprocal RMS per token; before, autograd kept two fp32 copies (input, normalised x).
+    norm_fp32_saved: int = 0
+    norm_input_saved: int = 1
+    # SwiGLU keeps w1 out and w3 out (`silu_mul` recomputes silu in the backward) and their
+    # product (w2's input), as the fused kernels; before, also silu(w1 out): 4.
+    swiglu_saved: int = 3
     rope_tables_per_chunk: bool = True  # fp32 cos and sin [b, s, 1, head_dim], once a forward
     # FSDP2's `MixedPrecisionPolicy` would cast each block's floating-point inputs to the
     # compute dtype (`cast_forward_inputs`), a cos and sin copy per block; fivefold's blocks
     # take their inputs uncast (`fivefold.parallel.data_parallel`), so the fp32 pair is shared.
     rope_cast_per_block: bool = False
-    # With tp > 1 the loss runs under torch's `loss_parallel`, whose backward holds, per logit,
-    # the fp32 log-softmax, a `zeros_like` one-hot gradient, exp(log-softmax) and their sum.
+    # The LM head runs inside the loss (`fivefold.model.loss.linear_cross_entropy`): chunks of
+    # at most `loss_chunk_logits` logits (its `CHUNK_LOGITS`), each holding its fp32 logits and
+    # two fp32 temporaries at once; the input and weight gradients are made in the forward.
+    # Without it the logits were kept whole: under `loss_parallel` (tp > 1) 16 bytes per logit
+    # (fp32 log-softmax, a one-hot gradient, exp(log-softmax) and their sum).
+    fused_head_loss: bool = True
+    loss_chunk_logits: int = 1 << 25
+    chunk_logit_bytes: float = 12.0
     loss_parallel_logit_bytes: float = 16.0
     kv_expanded: bool = False  # K and V kept repeated to every query head (was `repeat_kv`)
     mask_bytes: float = 0.0  # a dense document mask kept per sequence, per (query, key) pair

@@ -21,7 +21,7 @@ from torch import nn
 
 from fivefold import model as models
 from fivefold.errors import ConfigError
-from fivefold.model.loss import cross_entropy_loss
+from fivefold.model.loss import head_loss
 from fivefold.parallel.protocol import Runtime, StepResult, TrainSettings, batch_to, label_count
 from fivefold.parallel.runtime_core import (
     RuntimeCore,
@@ -58,6 +58,7 @@ class LocalRuntime(RuntimeCore):
         apply_fp8(model, recipe.plan, self.device)
         model.to_empty(device=self.device)
         model.init_weights(seed=train.seed)
+        model.head_in_loss = True
         apply_recompute_and_compile(model, recipe.plan, self.device, self.compiled)
         self.model = model
         self.model_parts: list[nn.Module] = [model]
@@ -69,9 +70,8 @@ class LocalRuntime(RuntimeCore):
 
     def _forward_loss(self, batch) -> tuple[torch.Tensor, torch.Tensor | None]:
         batch = batch_to(batch, self.device)
-        with self._autocast():
-            output = logits(self.model, batch)
-        loss = cross_entropy_loss(output, batch.labels)  # in fp32
+        with self._autocast():  # the head's matmuls in the autocast dtype, the softmax in fp32
+            loss = head_loss(self.model, logits(self.model, batch), batch.labels)
         aux = self.model.aux_loss() if self.recipe.model.is_moe else None
         return loss, aux
 
