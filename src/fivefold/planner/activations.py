@@ -90,7 +90,8 @@ def eager_head_loss_bytes(model: ModelSpec, plan: ParallelPlan, waiting: int = 0
         return tokens * vocab * (EAGER.loss_parallel_logit_bytes + 4 * waiting)
     chunk = max(1.0, min(tokens, EAGER.loss_chunk_logits // max(1, int(vocab))))
     rows = e * tokens * model.hidden
-    forward = rows * (2 if plan.tp > 1 else 1) + EAGER.chunk_logit_bytes * chunk * vocab
+    per_logit = EAGER.chunk_logit_fp32_bytes + (e if e < 4 else 0.0)
+    forward = rows * (2 if plan.tp > 1 else 1) + per_logit * chunk * vocab
     if tokens > chunk:
         forward += 4 * vocab * model.hidden
     kept = rows + e * vocab * model.hidden

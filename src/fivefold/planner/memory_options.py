@@ -35,13 +35,14 @@ class EagerProfile:
     # take their inputs uncast (`fivefold.parallel.data_parallel`), so the fp32 pair is shared.
     rope_cast_per_block: bool = False
     # The LM head runs inside the loss (`fivefold.model.loss.linear_cross_entropy`): chunks of
-    # at most `loss_chunk_logits` logits (its `CHUNK_LOGITS`), each holding its fp32 logits and
-    # two fp32 temporaries at once; the input and weight gradients are made in the forward.
+    # at most `loss_chunk_logits` logits (its `CHUNK_LOGITS`), each holding at once its fp32
+    # logits and their softmax (the logits' gradient), 8 bytes per logit, and that gradient in
+    # a narrower compute dtype; the input and weight gradients are made in the forward.
     # Without it the logits were kept whole: under `loss_parallel` (tp > 1) 16 bytes per logit
     # (fp32 log-softmax, a one-hot gradient, exp(log-softmax) and their sum).
     fused_head_loss: bool = True
     loss_chunk_logits: int = 1 << 25
-    chunk_logit_bytes: float = 12.0
+    chunk_logit_fp32_bytes: float = 8.0
     loss_parallel_logit_bytes: float = 16.0
     kv_expanded: bool = False  # K and V kept repeated to every query head (was `repeat_kv`)
     mask_bytes: float = 0.0  # a dense document mask kept per sequence, per (query, key) pair
