@@ -15,7 +15,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from fivefold.model.norms import upcast
 
@@ -123,13 +122,14 @@ def _local_head(hidden: Any, weight: Any) -> tuple[torch.Tensor, torch.Tensor, i
     if mesh.ndim != 1 or not isinstance(placements[0], Shard) or placements[0].dim != 0:
         hidden = hidden.full_tensor() if isinstance(hidden, DTensor) else hidden
         return hidden, weight.full_tensor(), 0, None
-    _, offset = compute_local_shape_and_global_offset(weight.shape, mesh, placements)
+    rows_per_rank = -(-weight.shape[0] // mesh.size())  # torch's Shard: ceil-sized chunks
+    offset = min(mesh.get_local_rank() * rows_per_rank, weight.shape[0])
     if isinstance(hidden, DTensor):
         hidden = hidden.redistribute(mesh, [Replicate()])
     else:
         hidden = DTensor.from_local(hidden, mesh, [Replicate()], run_check=False)
     local_hidden = hidden.to_local(grad_placements=[Partial()])
-    return local_hidden, weight.to_local(), offset[0], mesh.get_group()
+    return local_hidden, weight.to_local(), offset, mesh.get_group()
 
 
 def linear_cross_entropy(
