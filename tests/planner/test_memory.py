@@ -232,17 +232,18 @@ SMALL_PARAMS = 6_450_432  # the small preset (hidden 256, 6 layers, ffn 688, voc
 def test_eager_small_layer_hand_count():
     # small, fp32 (e = 4), one sequence of s = 256 tokens, h = q = 256, kv = 128, f = 688,
     # 8 heads of 32: sbh = 65,536 elements = 262,144 B.
-    # Two RMSNorms each keep the fp32 input, the normalised x and the output the next matmul
-    # keeps (3 sbh) plus 1 KiB of reciprocal RMS; attention keeps q (sbh), k and v (kv wide,
-    # sbh/2 each), its output (sbh) and an fp32 log-sum-exp (8 KiB); SwiGLU keeps four f-wide
-    # tensors. (The RoPE tables, 2 x 4 s Dh = 64 KiB, are counted once per chunk.)
+    # Two RMSNorms each keep their input and the output the next matmul keeps (2 sbh) plus
+    # 1 KiB of reciprocal RMS; attention keeps q (sbh), k and v (kv wide, sbh/2 each), its
+    # output (sbh) and an fp32 log-sum-exp (8 KiB); SwiGLU keeps three f-wide tensors. (The
+    # RoPE tables, 2 x 4 s Dh = 64 KiB, are counted once per chunk.)
     m = model_preset("small")
     plan = ParallelPlan(precision="fp32", micro_batch=1)
     sbh = 262_144
-    expected = 6 * sbh + 2 * 1024 + 3 * sbh + 8192 + 4 * 4 * 256 * 688
-    assert expected == 5_187_584  # the saved tensors of one block (tests/test_saved_activations)
+    expected = 4 * sbh + 2 * 1024 + 3 * sbh + 8192 + 3 * 4 * 256 * 688
+    assert expected == 3_958_784  # the saved tensors of one block (tests/test_saved_activations)
     assert layer_activation_bytes(m, plan, options=EAGER) == expected
-    # The fused formula (3 f-wide tensors, norm input and output only) keeps 28 % less.
+    # The fused formula (3 f-wide tensors, norm input and output only): the same less the
+    # reciprocal RMS.
     assert layer_activation_bytes(m, plan) == 7 * sbh + 3 * 4 * 256 * 688 + 8192
 
 
@@ -250,22 +251,25 @@ def test_eager_single_process_stage_hand_count():
     # 1 rank, fp32, mbs 2, accumulation 1, FSDP2-wrapped (replicate): params P = 4 B/param,
     # the gathered copy of them another 4 B, AdamW m and v 8 B; no gradients yet at the peak
     # (FSDP2 allocates them in the backward that follows it); activations = 6 layers x 2
-    # sequences + the final norm (3 x 2 sbh + 2 KiB) + the embedding's int64 indices, and the
-    # loss's 12 B per logit (2 x 256 x 4096 logits), and the RoPE tables (2 x 4 x 512 x 32).
+    # sequences + the final norm (2 x 2 sbh + 2 KiB) + the embedding's int64 indices, and the
+    # RoPE tables (2 x 4 x 512 x 32); the head's loss at its largest, in its forward: the input
+    # gradient (4 x 512 x 256) and one chunk of all 512 tokens' fp32 logits and softmax (8 B
+    # per logit, 512 x 4096 logits).
     m = model_preset("small")
     plan = ParallelPlan(precision="fp32", micro_batch=2)
     mem = stage_memory(m, plan, 0, 1, EAGER)
     P = SMALL_PARAMS * 4
-    acts = 6 * 2 * 5_187_584 + 3 * 2 * 262_144 + 2 * 1024 + 8 * 512 + 2 * 4 * 512 * 32
+    acts = 6 * 2 * 3_958_784 + 2 * 2 * 262_144 + 2 * 1024 + 8 * 512 + 2 * 4 * 512 * 32
+    loss = 4 * 512 * 256 + 8 * 512 * 4096
     assert not mem.grads_at_peak
     assert mem.activations == acts
     assert mem.other_terms == {
         "cuda_context": 0,
-        "logits": 512 * 4096 * 12,
+        "logits": loss,
         "fsdp_param_shards": P,
         "fragmentation": 0,
     }
-    assert mem.total == P + P + 2 * P + acts + 512 * 4096 * 12
+    assert mem.total == P + P + 2 * P + acts + loss
     # One process without FSDP (LocalRuntime): no second copy of the weights.
     local = stage_memory(m, plan, 0, 1, MemoryOptions(**{**EAGER.__dict__, "fsdp_wrapped": False}))
     assert local.total == mem.total - P
@@ -331,15 +335,18 @@ def test_zbv_rank1_peak_walks_slots_sends_and_the_split_backward_by_hand():
     assert mem.grads_at_peak == 1.0  # both chunks ran a W before
 
 
-def test_dualpipev_rank0_has_only_the_last_chunks_gradients_at_its_peak():
-    # Rank 0 (chunks 0 and 3) peaks in its second full backward of chunk 3, before any backward
-    # of chunk 0: only chunk 3's gradients (its layer, the final norm and the head) exist.
+def test_dualpipev_rank0_has_both_chunks_gradients_at_its_peak():
+    # Rank 0 holds chunks 0 (2 layers and the embedding) and 3 (1 layer, the final norm and the
+    # head). With the head inside the loss (no fp32 logits) its activations peak last after a
+    # backward of each chunk: both chunks' gradients exist (fp32). Before, with the logits, the
+    # peak came in chunk 3's second backward, with only chunk 3's gradients.
     m = model_preset("small")
     plan = ParallelPlan(precision="fp32", pp=2, vpp=2, schedule="dualpipev", grad_accum=4)
     mem = stage_memory(m, plan, 0, 4, EAGER)
     layer = 2 * 256 + 2 * 256 * 256 + 2 * 256 * 128 + 3 * 256 * 688  # norms, attention, MLP
+    chunk0 = 2 * layer + 4096 * 256
     chunk3 = layer + 256 + 4096 * 256
-    assert mem.grads * mem.grads_at_peak == pytest.approx(4 * chunk3)
+    assert mem.grads * mem.grads_at_peak == pytest.approx(4 * (chunk0 + chunk3))
 
 
 def test_tp_embedding_gradient_is_full_vocabulary_under_eager():
@@ -386,22 +393,25 @@ def test_eager_pipelined_zero3_peak_holds_unsharded_fp32_gradients():
     assert "zero3_unsharded_grads" not in mem.other_terms
 
 
-def test_eager_rope_tables_once_per_chunk_and_loss_parallel_logits():
+def test_eager_rope_tables_once_per_chunk_and_the_head_loss():
     # bf16 compute under FSDP2 as in fp32: the 6 blocks share one fp32 cos and sin pair
     # [1, 256, 1, 32] (blocks wrapped with cast_forward_inputs=False, no bf16 copy per block).
-    # tp 2: loss_parallel holds 16 B per local logit.
+    # The head's loss (bf16, 256 tokens): its forward, the input gradient (e N h; under tp 2
+    # also the gathered input) and one chunk of all 256 tokens' logits: 8 B fp32 + 2 B bf16
+    # per local logit.
     m = model_preset("small")
     counts = stage_layer_counts(m, 1)
     bf16 = ParallelPlan()
     fp32 = ParallelPlan(precision="fp32")
     layers = 6 * layer_activation_bytes(m, bf16, options=EAGER)
     fixed = chunk_activation_bytes(m, bf16, counts, 0, EAGER) - layers
-    final_norm = (2 * 4 * 256 * 256 + 4 * 256) + 2 * 256 * 256
+    final_norm = (2 * 256 * 256 + 4 * 256) + 2 * 256 * 256
     assert fixed == final_norm + 2 * 4 * 256 * 32 + 8 * 256  # + int64 token indices
     fixed32 = chunk_activation_bytes(m, fp32, counts, 0, EAGER) - 6 * layer_activation_bytes(
         m, fp32, options=EAGER
     )
-    assert fixed32 == (2 * 4 * 256 * 256 + 4 * 256) + 4 * 256 * 256 + 2 * 4 * 256 * 32 + 8 * 256
+    assert fixed32 == (4 * 256 * 256 + 4 * 256) + 4 * 256 * 256 + 2 * 4 * 256 * 32 + 8 * 256
     tp2 = stage_memory(m, ParallelPlan(tp=2), 0, 1, EAGER)
-    assert tp2.other_terms["logits"] == 256 * 4096 / 2 * 16
-    assert stage_memory(m, ParallelPlan(), 0, 1, EAGER).other_terms["logits"] == 256 * 4096 * 12
+    assert tp2.other_terms["logits"] == 2 * (2 * 256 * 256) + 10 * 256 * 4096 / 2
+    one = stage_memory(m, ParallelPlan(), 0, 1, EAGER)
+    assert one.other_terms["logits"] == 2 * 256 * 256 + 10 * 256 * 4096
