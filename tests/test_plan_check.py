@@ -250,3 +250,29 @@ def test_a_dry_run_whose_check_could_not_run_a_stage_exits_2(monkeypatch, capfd)
     assert code == 2, err
     assert "could not run: Boom: x" in out, err
     assert "the plan check could not run every stage" in out
+
+
+SHIPPED_GPU = sorted(CONFIGS.glob("*-dgx-h100.toml"))  # the shipped recipes for GPUs
+
+
+def test_every_shipped_gpu_recipe_plans_within_its_gpus():
+    """The peak `plan` prints for each shipped GPU recipe fits the usable memory (HBM less the
+    headroom): the 70B recipe was TP8 x PP4 x ZeRO-1, whose stage 0 planned 84.5 GiB of 72."""
+    from fivefold.cli.plan_check_report import planned_for
+
+    assert {p.name for p in SHIPPED_GPU} >= {"llama3-70b-dgx-h100.toml", "llama3-8b-dgx-h100.toml"}
+    for path in SHIPPED_GPU:
+        planned = planned_for(load_recipe(str(path)))
+        assert planned.stage_bytes, (path.name, planned.why_not)
+        assert planned.usable_bytes == 80 * 2**30 * 0.9, path.name
+        assert max(planned.stage_bytes) <= planned.usable_bytes, (path.name, planned.stage_bytes)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", SHIPPED_GPU, ids=lambda p: p.name)
+def test_every_shipped_gpu_recipe_checks_within_its_gpus(path, capsys):
+    """`plan check` of each shipped GPU recipe exits 0: every stage's counted peak, with the
+    CUDA context and fragmentation, fits the usable memory."""
+    from fivefold.cli.main import main
+
+    assert main(["plan", "check", str(path)]) == 0, capsys.readouterr().out
