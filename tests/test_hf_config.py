@@ -191,10 +191,7 @@ def test_plan_with_hf_config_and_recipe_field(capsys, tmp_path):
 def test_train_refuses_what_the_runtime_cannot_build(tmp_path, capsys):
     from fivefold.train.entry import load_run
 
-    for name, words in (
-        ("tiny-deepseek-v3", 'model.attention = "mla"'),
-        ("tiny-qwen3", "model.rope_scaling_type = 'longrope'"),
-    ):
+    for name, words in (("tiny-qwen3", "model.rope_scaling_type = 'longrope'"),):
         recipe = tmp_path / f"{name}.toml"
         recipe.write_text(f'[model]\nhf_config = "{CONFIGS / name}.json"\nseq_len = 64\n')
         if "longrope" in words:  # planned (counted like the others), not built
@@ -205,11 +202,15 @@ def test_train_refuses_what_the_runtime_cannot_build(tmp_path, capsys):
         assert "fivefold's runtime does not implement it" in capsys.readouterr().err
     for name in ("qwen2-7b", "qwen3-8b", "mixtral-8x7b", "qwen3-30b-a3b"):  # biases, QK-norm, MoE
         assert _spec(name).runtime_problems() == []
-    # sliding windows (Mistral in every layer, Qwen2 in its last), yarn RoPE (tiny-qwen3) train
-    for name in ("tiny-mistral", "tiny-qwen2", "tiny-qwen3", "mistral-7b"):
+    # sliding windows (Mistral in every layer, Qwen2 in its last), yarn RoPE (tiny-qwen3) and
+    # DeepSeek's latent attention with yarn (tiny-deepseek-v3) train
+    for name in ("tiny-mistral", "tiny-qwen2", "tiny-qwen3", "mistral-7b", "tiny-deepseek-v3"):
         recipe = tmp_path / f"{name}.toml"
         recipe.write_text(f'[model]\nhf_config = "{CONFIGS / name}.json"\nseq_len = 64\n')
         assert load_run(recipe, [], world_size=1).recipe.model.runtime_problems() == []
+    assert (
+        _spec("tiny-deepseek-v3-no-q-lora").with_(rope_scaling_factor=1.0).runtime_problems() == []
+    )
     llama = tmp_path / "llama.toml"  # a Llama config trains
     llama.write_text(f'[model]\nhf_config = "{CONFIGS}/tiny-llama.json"\nseq_len = 64\n')
     assert load_run(llama, [], world_size=1).recipe.model.rope_scaling_factor == 8.0

@@ -165,6 +165,7 @@ def init_module_weights(
     e.g. "layers.3." for one block), `layers` the full model's number of layers. `aliases` maps
     an FQN to the one whose values it must share (a tied LM head on its own pipeline stage).
     Parameters may be DTensors: each rank fills its own shard (see the module docstring).
+    Buffers start at zero.
     """
     aliases = aliases or {}
     seen: set[int] = set()  # a tied weight is drawn once, under its first FQN
@@ -176,3 +177,5 @@ def init_module_weights(
             fqn = prefix + (f"{module_name}.{param_name}" if module_name else param_name)
             fqn = aliases.get(canonical_fqn(fqn), fqn)
             init_parameter(param, fqn, isinstance(sub, RMSNorm), seed, layers)
+    for buffer in module.buffers():  # the routers' score-correction biases and load counts
+        buffer.zero_()

@@ -1,4 +1,5 @@
-"""Mixture-of-experts feed-forward: top-k softmax router, grouped SwiGLU experts, dropless.
+"""Mixture-of-experts feed-forward: a top-k router (`fivefold.model.routers`), grouped SwiGLU
+experts, dropless.
 
 Details: docs/internals.md (`fivefold.model.moe`).
 """
@@ -13,32 +14,8 @@ from torch import nn
 
 from fivefold.model.feed_forward import FeedForward, silu_mul
 from fivefold.model.grouped_mm import grouped_mm
-
-
-@dataclass
-class Routing:
-    """The router's decision for N tokens.
-
-    expert_indices: LongTensor [N, K], the chosen experts of each token (global expert ids).
-    gates:          [N, K] weights of those experts (sum to 1 per token when renormalised),
-                    differentiable.
-    probs:          fp32 [N, E] softmax over all experts (for the load-balancing loss).
-    num_experts:    E, the global number of routed experts.
-    """
-
-    expert_indices: torch.Tensor
-    gates: torch.Tensor
-    probs: torch.Tensor
-    num_experts: int
-
-
-def route(router_logits: torch.Tensor, top_k: int, norm_topk: bool = True) -> Routing:
-    """Softmax over experts (fp32), keep the top-k, renormalise their gates to sum to 1 when
-    `norm_topk` (Mixtral; Qwen3-MoE's `norm_topk_prob`); logits [N, E]."""
-    probs = torch.softmax(router_logits.float(), dim=-1)
-    top_probs, expert_indices = torch.topk(probs, top_k, dim=-1)
-    gates = top_probs / top_probs.sum(dim=-1, keepdim=True) if norm_topk else top_probs
-    return Routing(expert_indices, gates, probs, router_logits.shape[-1])
+from fivefold.model.routers import RouterSettings, Routing, make_routing
+from fivefold.model.routers import route as route  # re-exported
 
 
 def expert_counts(expert_indices: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -189,13 +166,15 @@ class MoE(nn.Module):
         shared_experts: int = 0,
         aux_loss_coef: float = 0.01,
         norm_topk: bool = True,
+        router: RouterSettings | None = None,
     ) -> None:
         super().__init__()
         self.num_experts = num_experts
         self.top_k = top_k
-        self.norm_topk = norm_topk
         self.aux_loss_coef = aux_loss_coef
-        self.router = nn.Linear(dim, num_experts, bias=False)
+        self.router = nn.Linear(dim, num_experts, bias=False)  # logits; `routing` decides
+        self.routing = make_routing(num_experts, top_k, router or RouterSettings())
+        self.norm_topk = norm_topk
         self.experts = GroupedExperts(num_experts, dim, expert_hidden)
         # S shared SwiGLU experts of width F sum to one SwiGLU of width S * F.
         self.shared_expert = (
@@ -205,10 +184,20 @@ class MoE(nn.Module):
         self.aux_loss: torch.Tensor | None = None
         self.collects_aux_loss = True
 
+    @property
+    def norm_topk(self) -> bool:
+        """Whether the top-k gates are renormalised to sum to 1 (the routing's setting)."""
+        return self.routing.norm_topk
+
+    @norm_topk.setter
+    def norm_topk(self, value: bool) -> None:
+        self.routing.norm_topk = value
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, dim = x.shape
         tokens = x.reshape(batch * seq, dim)
-        routing = route(self.router(tokens), self.top_k, self.norm_topk)
+        self.routing.counts_load = self.collects_aux_loss  # DeepSeek's balancing counts
+        routing = self.routing(self.router(tokens))
         aux_loss = self.aux_loss_coef * load_balancing_loss(routing)  # a recompute saves the same
         if self.collects_aux_loss:
             self.aux_loss = aux_loss

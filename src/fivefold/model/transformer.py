@@ -18,11 +18,27 @@ from fivefold.model.attention import Attention
 from fivefold.model.attention_variants import attention_variants
 from fivefold.model.document_layout import DocumentLayout
 from fivefold.model.feed_forward import FeedForward
+from fivefold.model.latent_attention import LatentAttention
 from fivefold.model.moe import MoE
 from fivefold.model.norms import RMSNorm
 from fivefold.model.rope import rope_cos_sin
 from fivefold.model.rope_scaling import rope_scaling_of
+from fivefold.model.routers import router_settings
 from fivefold.specs.model import ModelSpec
+
+
+def build_attention(spec: ModelSpec, layer_id: int) -> nn.Module:
+    """One layer's attention: `LatentAttention` for model.attention = "mla", else `Attention`
+    with the variants the spec asks for (its window in that layer)."""
+    if spec.is_mla:
+        return LatentAttention(spec)
+    return Attention(
+        spec.hidden,
+        spec.heads,
+        spec.kv_heads,
+        spec.head_dim,
+        **attention_variants(spec, layer_id),
+    )
 
 
 class TransformerBlock(nn.Module):
@@ -36,13 +52,7 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.attention_norm = RMSNorm(spec.hidden, spec.norm_eps)
-        self.attention = Attention(
-            spec.hidden,
-            spec.heads,
-            spec.kv_heads,
-            spec.head_dim,
-            **attention_variants(spec, layer_id),
-        )
+        self.attention = build_attention(spec, layer_id)
         self.ffn_norm = RMSNorm(spec.hidden, spec.norm_eps)
         is_moe = spec.is_moe and layer_id >= spec.dense_layers
         self.feed_forward = None if is_moe else FeedForward(spec.hidden, spec.ffn, spec.mlp)
@@ -55,6 +65,7 @@ class TransformerBlock(nn.Module):
                 spec.shared_experts,
                 spec.router_aux_loss_coef,
                 spec.router_norm_topk,
+                router_settings(spec),
             )
             if is_moe
             else None
@@ -127,7 +138,7 @@ class Transformer(nn.Module):
         # hidden states holding only its 1/tp of the sequence.
         batch, seq = positions.shape
         rope = rope_cos_sin(
-            positions, self.spec.head_dim, self.spec.rope_theta, rope_scaling_of(self.spec)
+            positions, self.spec.rope_dim, self.spec.rope_theta, rope_scaling_of(self.spec)
         )
         docs = None
         if doc_ids is not None or cu_seqlens is not None:  # host offsets: no read-back

@@ -271,15 +271,34 @@ def _moe_fields(config: dict[str, Any], family: str, layers: int) -> dict[str, A
             "expert_ffn": int(config["moe_intermediate_size"]),
             "shared_experts": int(config.get("n_shared_experts") or 0),
             "dense_layers": dense,
+            **_deepseek_router(config),
         }
     return {}
+
+
+def _deepseek_router(config: dict[str, Any]) -> dict[str, Any]:
+    """DeepSeek-V3's sigmoid router (`fivefold.model.routers`), transformers' defaults; the
+    balancing speed and the auxiliary loss are DeepSeek-V3's training settings (gamma = 0.001,
+    alpha = 0.0001), not in the config."""
+    groups = int(config.get("n_group") or 1)
+    return {
+        "router_score": "sigmoid",
+        "router_groups": groups if groups > 1 else 0,
+        "router_top_groups": int(config.get("topk_group") or 1) if groups > 1 else 0,
+        "routed_scaling": float(config.get("routed_scaling_factor", 2.5)),
+        "router_bias_update_speed": 0.001,
+        "router_aux_loss_coef": 0.0001,
+    }
 
 
 def _mla_fields(config: dict[str, Any]) -> dict[str, Any]:
     """DeepSeek's attention: head_dim = qk_nope_head_dim + qk_rope_head_dim (transformers'
     `config.head_dim` there is the RoPE part alone, not read)."""
     rope = int(config.get("qk_rope_head_dim", 64))
+    scaling = {**(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
+    yarn = scaling.get("rope_type", scaling.get("type")) == "yarn"
     return {
+        "rope_mscale_all_dim": float(scaling.get("mscale_all_dim") or 0.0) if yarn else 0.0,
         "attention": "mla",
         "head_dim": int(config.get("qk_nope_head_dim", 128)) + rope,
         "qk_rope_head_dim": rope,

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 MLP_KINDS = ("swiglu", "gelu")
 ATTENTION_KINDS = ("gqa", "mla")
+ROUTER_SCORES = ("softmax", "sigmoid")  # how router logits become expert scores
 # RoPE scalings a config may name (how a factor > 1 stretches the frequencies); the runtime
 # implements all but "longrope" (fivefold.model.rope_scaling), the planner counts them all alike.
 ROPE_SCALING_TYPES = ("llama3", "linear", "dynamic", "yarn", "longrope")
@@ -39,6 +40,7 @@ MODEL_LIMITS = {
 # (`ModelSpec.to_dict`).
 _PLAIN_VARIANTS = {
     "rope_scaling_type": "llama3",
+    "rope_mscale_all_dim": 0.0,
     "qkv_bias": False,
     "qk_norm": False,
     "sliding_window": 0,
@@ -54,7 +56,23 @@ _PLAIN_VARIANTS = {
     "qk_rope_head_dim": 0,
     "v_head_dim": 0,
     "router_norm_topk": True,
+    # DeepSeek-V3's router (`fivefold.model.routers`) at the values meaning "softmax top-k"
+    "router_score": "softmax",
+    "router_groups": 0,
+    "router_top_groups": 0,
+    "routed_scaling": 1.0,
+    "router_bias_update_speed": 0.0,
 }
+
+
+# DeepSeek-V3's router settings (`_routes_otherwise`)
+_ROUTER_FIELDS = (
+    "router_score",
+    "router_groups",
+    "router_top_groups",
+    "routed_scaling",
+    "router_bias_update_speed",
+)
 
 
 @dataclass(frozen=True)
@@ -86,6 +104,7 @@ class ModelSpec:
     rope_beta_slow: float = 1.0
     rope_attention_factor: float = 0.0
     rope_truncate: bool = True
+    rope_mscale_all_dim: float = 0.0  # yarn: MLA's softmax scale factor (0 = none)
     qkv_bias: bool = False  # biases on the Q, K and V projections (Qwen2)
     qk_norm: bool = False  # RMSNorm over each query and key head (Qwen3)
     sliding_window: int = 0  # keys a query sees in a sliding-window layer; 0 = full attention
@@ -106,6 +125,11 @@ class ModelSpec:
     # the top-k gates renormalised to sum to 1 (Mixtral; Qwen3-MoE's norm_topk_prob), else the
     # experts' softmax probabilities as they are
     router_norm_topk: bool = True
+    router_score: str = "softmax"  # "sigmoid": DeepSeek-V3's scores, with a correction bias
+    router_groups: int = 0  # experts split in groups, top router_top_groups kept (0 = none)
+    router_top_groups: int = 0
+    routed_scaling: float = 1.0  # the routed experts' gates are multiplied by it
+    router_bias_update_speed: float = 0.0  # aux-loss-free balancing step (sigmoid router)
     # token-weighted mean document length of the training data (`causal_pairs_per_sequence`);
     # 0 = one document per sequence
     doc_len: int = 0
@@ -134,6 +158,12 @@ class ModelSpec:
     @property
     def is_mla(self) -> bool:
         return self.attention == "mla"
+
+    @property
+    def rope_dim(self) -> int:
+        """Width RoPE rotates in each query and key head: qk_rope_head_dim under MLA, else
+        head_dim."""
+        return self.qk_rope_head_dim if self.is_mla else self.head_dim
 
     @property
     def value_dim(self) -> int:
@@ -243,25 +273,51 @@ class ModelSpec:
             ]
         return []
 
+    def _routes_otherwise(self) -> bool:
+        """Whether a router setting differs from the softmax top-k router's."""
+        return any(getattr(self, k) != _PLAIN_VARIANTS[k] for k in _ROUTER_FIELDS)
+
     def runtime_problems(self) -> list[str]:
         """What fivefold's runtime does not build, though `fivefold plan` plans it (checked
         when a run is loaded, `fivefold.train.entry.load_run`, and by `build_model`)."""
         out = []
-        for present, what in (
-            (self.is_mla, 'model.attention = "mla" (multi-head latent attention)'),
-            (
-                self.rope_scaling_factor != 1.0
-                and self.rope_scaling_type not in RUNTIME_ROPE_SCALINGS,
-                f"model.rope_scaling_type = {self.rope_scaling_type!r}",
-            ),
-        ):
-            if present:
+        if self.rope_scaling_factor != 1.0 and self.rope_scaling_type not in RUNTIME_ROPE_SCALINGS:
+            out.append(
+                f"model.rope_scaling_type = {self.rope_scaling_type!r}: fivefold's runtime does "
+                "not implement it (its decoder is Llama's causal GQA attention with Qwen's Q/K/V "
+                "biases and QK-norm, DeepSeek's latent attention, sliding windows and llama3, "
+                "linear, dynamic or yarn RoPE scaling); `fivefold plan` plans such a model, but "
+                "train a model without it."
+            )
+        return out
+
+    def _router_problems(self) -> list[str]:
+        """DeepSeek-V3's router settings (`fivefold.model.routers`)."""
+        out = []
+        if self.router_score not in ROUTER_SCORES:
+            return [f"model.router_score = {self.router_score!r}: choose softmax or sigmoid."]
+        groups, top = self.router_groups, self.router_top_groups
+        if groups or top:
+            if groups < 1 or self.experts % groups or self.experts // groups < 2:
                 out.append(
-                    f"{what}: fivefold's runtime does not implement it (its decoder is "
-                    "Llama's causal GQA attention with Qwen's Q/K/V biases and QK-norm, "
-                    "sliding windows and llama3, linear, dynamic or yarn RoPE scaling); "
-                    "`fivefold plan` plans such a model, but train a model without it."
+                    f"model.router_groups = {groups}: must divide model.experts = "
+                    f"{self.experts} into groups of at least 2 (a group scores by its top 2)."
                 )
+            elif not 1 <= top <= groups or top * (self.experts // groups) < self.top_k:
+                out.append(
+                    f"model.router_top_groups = {top}: need 1 <= top_groups <= router_groups "
+                    f"and top_groups x experts per group >= top_k = {self.top_k}."
+                )
+        if not (0 < self.routed_scaling < float("inf")):
+            out.append(f"model.routed_scaling = {self.routed_scaling}: must be positive, e.g. 1.")
+        speed = self.router_bias_update_speed
+        if not (0 <= speed < float("inf")):
+            out.append(f"model.router_bias_update_speed = {speed}: must be >= 0, e.g. 0.001.")
+        elif speed and self.router_score != "sigmoid":
+            out.append(
+                "model.router_bias_update_speed balances the sigmoid router's score-correction "
+                'bias: set model.router_score = "sigmoid" or leave it at 0.'
+            )
         return out
 
     def _rope_scaling_problems(self) -> list[str]:
@@ -334,7 +390,14 @@ class ModelSpec:
                     f"trains (at most {high:,}); check the value (sizes are counts, e.g. "
                     "hidden = 4096)."
                 )
-        for f in ("norm_eps", "rope_theta", "router_aux_loss_coef"):
+        for f in (
+            "norm_eps",
+            "rope_theta",
+            "router_aux_loss_coef",
+            "rope_mscale_all_dim",
+            "routed_scaling",
+            "router_bias_update_speed",
+        ):
             if not math.isfinite(getattr(self, f)):
                 out.append(f"model.{f} = {getattr(self, f)}: must be a finite number.")
         if out:
@@ -365,15 +428,16 @@ class ModelSpec:
                 )
             if self.expert_ffn <= 0:
                 out.append("model.expert_ffn must be positive when model.experts > 0.")
+            out += self._router_problems()
             if not 0 <= self.dense_layers < self.layers:
                 out.append(
                     f"model.dense_layers = {self.dense_layers}: must be in [0, layers) so at "
                     "least one layer is MoE."
                 )
-        elif self.top_k or self.shared_experts or self.dense_layers:
+        elif self.top_k or self.shared_experts or self.dense_layers or self._routes_otherwise():
             out.append(
-                "model.top_k / shared_experts / dense_layers are MoE settings: set model.experts "
-                "> 0 or leave them at 0."
+                "model.top_k / shared_experts / dense_layers and the router_* settings are MoE "
+                "settings: set model.experts > 0 or leave them at their defaults."
             )
         if self.shared_experts < 0:
             out.append("model.shared_experts must be >= 0.")
