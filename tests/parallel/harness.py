@@ -255,6 +255,42 @@ MODELS: dict[str, dict] = {
         "tied_embeddings": True,
     },
     "parity-moe": {"preset": "tiny-moe", "layers": 4, "seq_len": 64, "vocab": 512},
+    # DeepSeek's latent attention (q and kv ranks, a RoPE part of 8 in heads of 24, values 12
+    # wide), dense: the TP cases (fivefold refuses MoE with tp > 1)
+    "parity-mla": {
+        "preset": "tiny",
+        "layers": 2,
+        "seq_len": 64,
+        "vocab": 512,
+        "kv_heads": 4,
+        "attention": "mla",
+        "head_dim": 24,
+        "q_lora_rank": 32,
+        "kv_lora_rank": 16,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 12,
+    },
+    # DeepSeek-V3's shape: MLA, a dense first layer, shared and routed experts, the sigmoid
+    # router with its groups, routed scaling and the balancing of its score bias
+    "parity-deepseek": {
+        "preset": "tiny-moe",
+        "layers": 3,
+        "seq_len": 64,
+        "vocab": 512,
+        "kv_heads": 4,
+        "attention": "mla",
+        "head_dim": 24,
+        "q_lora_rank": 32,
+        "kv_lora_rank": 16,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 12,
+        "dense_layers": 1,
+        "router_score": "sigmoid",
+        "router_groups": 2,
+        "router_top_groups": 1,
+        "routed_scaling": 2.5,
+        "router_bias_update_speed": 0.01,
+    },
     "parity-moe-2e": {
         "preset": "tiny-moe",
         "layers": 2,
@@ -300,7 +336,7 @@ def reference_key(case: ParityCase) -> tuple:
     matters only to MoE models, whose load-balancing loss is per global micro-batch),
     train.compile and the case's other [train] fields."""
     dp = case.plan.get("dp_replicate", 1) * case.plan.get("dp_shard", 1)
-    moe = "moe" in case.model
+    moe = MODELS[case.model]["preset"] == "tiny-moe"
     grouping = (case.plan.get("grad_accum", 1), dp if moe else None)
     return (case.model, case.steps, *grouping, case.compile, *sorted(case.train.items()))
 
@@ -388,6 +424,7 @@ def _train(runtime, recipe, steps: int, micro_batches_of) -> dict:
         result = runtime.train_step(micro_batches_of(batch))
         norms.append(runtime.clip_grad_norm(cfg.grad_clip))
         optimizer.step()
+        runtime.balance_routers()
         optimizer.zero_grad(set_to_none=True)
         losses.append(result.loss)
         aux.append(result.aux_loss)
@@ -413,9 +450,14 @@ def reference_run(rd: dict, steps: int, dp_size: int, grad_accum: int) -> dict:
     # named_parameters lists a tied weight once, under its first name, as the parallel run does
     from fivefold.model.init import canonical_fqn
 
-    params = runtime.model.named_parameters()
+    params = [*runtime.model.named_parameters(), *_score_biases(runtime.model)]
     out["params"] = {canonical_fqn(k): v.detach().clone() for k, v in params}
     return out
+
+
+def _score_biases(part) -> list:
+    """The sigmoid routers' score-correction biases (buffers the balancing updates)."""
+    return [(k, v) for k, v in part.named_buffers() if k.endswith("score_bias")]
 
 
 def full_parameters(runtime) -> dict:
@@ -426,7 +468,7 @@ def full_parameters(runtime) -> dict:
 
     out = {}
     for part in runtime.model_parts:
-        for name, param in part.named_parameters():
+        for name, param in [*part.named_parameters(), *_score_biases(part)]:
             full = param.full_tensor() if isinstance(param, DTensor) else param
             out[canonical_fqn(name)] = full.detach().clone()
     return out
@@ -467,7 +509,8 @@ class ParityResult:
     aux_abs_dev: float = 0.0  # max over steps of the MoE load-balancing loss deviation
 
     def line(self) -> str:
-        aux = f"max |daux| {self.aux_abs_dev:.1e}  " if "moe" in self.case.model else ""
+        moe = MODELS[self.case.model]["preset"] == "tiny-moe"
+        aux = f"max |daux| {self.aux_abs_dev:.1e}  " if moe else ""
         return (
             f"{self.case.name:<30} ranks {self.case.world}  max |dloss|/loss "
             f"{self.loss_rel_dev:.1e}  max |dparam| {self.param_abs_dev:.1e}  "

@@ -362,6 +362,10 @@ class DistributedRuntime(RuntimeCore):
             clip_grads(grads, max_norm, total)
         return total
 
+    def _balance_group(self) -> dist.ProcessGroup:
+        """data x context parallel: the ranks holding this stage's layers, each with its tokens."""
+        return self.meshes.dp_cp.get_group()
+
     # ---- measurements ------------------------------------------------------------------------
     def _measures_memory_now(self) -> bool:
         """CPU: track allocations during the step before the report (unless the loop does)."""

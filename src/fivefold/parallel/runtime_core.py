@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fivefold.model.routers import balance_router_biases
 from fivefold.parallel.activation_checkpoint import apply_recompute
 from fivefold.parallel.device import pick_device
 from fivefold.parallel.mixed_precision import RuntimePrecision, resolve_precision
@@ -51,6 +52,16 @@ class RuntimeCore:
 
     def clip_grads(self, max_norm: float) -> torch.Tensor:  # each runtime defines it
         raise NotImplementedError
+
+    def balance_routers(self) -> None:
+        """After an optimizer step: the auxiliary-loss-free update of the routers' score
+        biases (`fivefold.model.routers.balance_router_biases`), the expert loads summed over
+        the ranks that see other tokens of the same layers (`_balance_group`)."""
+        routings = [moe.routing for part in self.model_parts for moe in part.moe_layers()]
+        balance_router_biases(routings, self._balance_group())
+
+    def _balance_group(self) -> Any:
+        return None  # one process
 
     def clip_grad_norm(self, max_norm: float) -> float:
         """`clip_grads`, read back as a float."""

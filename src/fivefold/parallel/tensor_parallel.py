@@ -23,6 +23,7 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.parallel.style import ParallelStyle
 from torch.nn.utils.stateless import _reparametrize_module
 
+from fivefold.model.latent_attention import LatentAttention
 from fivefold.parallel.float8 import float8_tp_styles, is_float8_linear
 from fivefold.specs.model import ModelSpec
 
@@ -136,6 +137,69 @@ def _moe_plan(moe: nn.Module, sp: bool, styles: _Styles) -> dict[str, ParallelSt
     return plan
 
 
+class ReplicateParallel(ParallelStyle):
+    """A small module every TP rank computes whole on DTensors: its parameters replicated over
+    the TP group, its input and output replicated DTensors (MLA's down projections and their
+    norms). The column-parallel projections reading its output return partial input gradients
+    (each rank's heads); DTensor sums them where the gradient needs the whole (the norms'
+    backward), so the weights' gradients are sums over every head, as in one process."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.src_data_rank = None
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for name, param in list(module.named_parameters(recurse=False)):
+            placed = distribute_tensor(param, device_mesh, [Replicate()], src_data_rank=None)
+            module.register_parameter(name, nn.Parameter(placed, requires_grad=param.requires_grad))
+        return module
+
+
+def _latent_attention_plan(
+    attention: LatentAttention, styles: _Styles, seq
+) -> dict[str, ParallelStyle]:
+    """MLA: the per-head projections (wq or wq_b, wkv_b) column-parallel and wo row-parallel,
+    split by heads; the down projections wq_a and wkv_a and the latent norms replicated (their
+    outputs, a few hundred wide, feed every head; the norms need the whole latent), as
+    Megatron and torchtitan place them. The input is gathered in high precision (the replicated
+    down projections read it)."""
+    plan: dict[str, ParallelStyle] = {
+        "attention": styles.inputs((), (seq, None, None), (Replicate(), None, None)),
+        "attention.wkv_a": ReplicateParallel(),
+        "attention.kv_norm": ReplicateParallel(),
+        "attention.wkv_b": styles.col("attention.wkv_b"),
+        "attention.wo": styles.row("attention.wo", seq),
+    }
+    if attention.wq is not None:
+        return plan | {"attention.wq": styles.col("attention.wq")}
+    return plan | {
+        "attention.wq_a": ReplicateParallel(),
+        "attention.q_norm": ReplicateParallel(),
+        "attention.wq_b": styles.col("attention.wq_b"),
+    }
+
+
+def _gqa_plan(block: nn.Module, styles: _Styles, seq, kv_mesh: DeviceMesh | None):
+    """Q, K, V column-parallel by heads (K and V replicated when tp > kv_heads), O row-parallel,
+    QK-norm weights replicated."""
+    qkv = ("attention.wq", "attention.wk", "attention.wv") if kv_mesh is None else ()
+    plan: dict[str, ParallelStyle] = {
+        "attention": styles.inputs(qkv, (seq, None, None), (Replicate(), None, None)),
+        "attention.wq": styles.col("attention.wq"),
+        "attention.wk": ReplicatedKVColwise(kv_mesh) if kv_mesh else styles.col("attention.wk"),
+        "attention.wv": ReplicatedKVColwise(kv_mesh) if kv_mesh else styles.col("attention.wv"),
+        "attention.wo": styles.row("attention.wo", seq),
+    }
+    if block.attention.q_norm is not None:
+        # QK-norm: each rank normalises its own heads (dim 2 of [B, T, H, Dh]) with the
+        # replicated weight [Dh], whose gradient is then a partial sum over the TP group
+        # (reduced with the other gradients). Keys replicated over ranks (tp > kv_heads) are
+        # normalised alike: each rank's key gradient comes from its own query heads only.
+        plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    return plan
+
+
 def kv_mesh_for(tp_mesh: DeviceMesh, kv_heads: int) -> DeviceMesh | None:
     """The (kv, rep) view of the TP mesh when tp > kv_heads, else None."""
     tp = tp_mesh.size()
@@ -174,29 +238,18 @@ class _Styles:
 def _block_plan(block: nn.Module, sp: bool, kv_mesh: DeviceMesh | None) -> dict[str, ParallelStyle]:
     seq = Shard(1) if sp else Replicate()
     styles = _Styles(block)
-    qkv = ("attention.wq", "attention.wk", "attention.wv") if kv_mesh is None else ()
     dense = block.feed_forward
     mlp = (
         ()
         if dense is None
         else ("feed_forward.w1",) + (("feed_forward.w3",) * (dense.w3 is not None))
     )
-    plan: dict[str, ParallelStyle] = {
-        "attention": styles.inputs(qkv, (seq, None, None), (Replicate(), None, None)),
-        "attention.wq": styles.col("attention.wq"),
-        "attention.wk": ReplicatedKVColwise(kv_mesh) if kv_mesh else styles.col("attention.wk"),
-        "attention.wv": ReplicatedKVColwise(kv_mesh) if kv_mesh else styles.col("attention.wv"),
-        "attention.wo": styles.row("attention.wo", seq),
-    }
+    if isinstance(block.attention, LatentAttention):
+        plan = _latent_attention_plan(block.attention, styles, seq)
+    else:
+        plan = _gqa_plan(block, styles, seq, kv_mesh)
     for fqn in mlp:
         plan[fqn] = styles.col(fqn)
-    if block.attention.q_norm is not None:
-        # QK-norm: each rank normalises its own heads (dim 2 of [B, T, H, Dh]) with the
-        # replicated weight [Dh], whose gradient is then a partial sum over the TP group
-        # (reduced with the other gradients). Keys replicated over ranks (tp > kv_heads) are
-        # normalised alike: each rank's key gradient comes from its own query heads only.
-        plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
-        plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
     if block.moe is not None:
         plan.update(_moe_plan(block.moe, sp, styles))
     else:

@@ -184,6 +184,7 @@ class Trainer:
             self._read_back([*pending, done])
         if not (done.skipped or self.spikes.rollback_due):
             self.optimizer.step()
+            self.runtime.balance_routers()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.step += 1
