@@ -18,11 +18,15 @@ SLOW_CASES = [
     ParityCase("MLA TP2 without SP", {"tp": 2, "sp": False, "micro_batch": 8}, model="parity-mla"),
     ParityCase("MLA TP4+SP", {"tp": 4, "micro_batch": 8}, model="parity-mla"),
     ParityCase("MLA CP2 ring", {"cp": 2, "micro_batch": 8}, model="parity-mla"),
-    ParityCase("DeepSeek DP2", {"dp_shard": 2, "micro_batch": 4}, model="parity-deepseek"),
+    ParityCase("DeepSeek DP2", {"dp_replicate": 2, "micro_batch": 4}, model="parity-deepseek"),
     ParityCase(
         "DeepSeek ZeRO-3 x2", {"dp_shard": 2, "zero": 3, "micro_batch": 4}, model="parity-deepseek"
     ),
-    ParityCase("DeepSeek EP2", {"dp_shard": 2, "ep": 2, "micro_batch": 4}, model="parity-deepseek"),
+    ParityCase(
+        "DeepSeek EP2",
+        {"dp_shard": 2, "zero": 1, "ep": 2, "micro_batch": 4},
+        model="parity-deepseek",
+    ),
     ParityCase(
         "DeepSeek PP2 1f1b", {"pp": 2, "micro_batch": 2, "grad_accum": 4}, model="parity-deepseek"
     ),

@@ -122,8 +122,8 @@ class SigmoidRouting(nn.Module):
 
     Owns `score_bias` (fp32 [E], a persistent buffer: saved with the model) and `expert_load`
     (fp32 [E], the tokens routed to each expert since the last bias update, counted in training
-    only while `counts_load`, which the model clears after its forward: a recompute does not
-    count).
+    forwards with gradients only while `counts_load`, which the model clears after its
+    forward: a recompute does not count).
     """
 
     def __init__(self, num_experts: int, top_k: int, settings: RouterSettings) -> None:
@@ -137,10 +137,16 @@ class SigmoidRouting(nn.Module):
 
     def forward(self, logits: torch.Tensor) -> Routing:
         routing = route_sigmoid(logits, self.score_bias, self.top_k, self.settings, self.norm_topk)
-        if self.counts_load and self.training and self.settings.bias_update_speed:
+        if self.counts_load and self._counts_now():
             flat = routing.expert_indices.flatten()
             self.expert_load.index_add_(0, flat, torch.ones_like(flat, dtype=torch.float32))
         return routing
+
+    def _counts_now(self) -> bool:
+        """A training forward with gradients: not an evaluation, nor the pipeline's
+        shape-inference forward (under no_grad)."""
+        speed = self.settings.bias_update_speed
+        return bool(speed) and self.training and torch.is_grad_enabled()
 
 
 def make_routing(num_experts: int, top_k: int, settings: RouterSettings) -> nn.Module:
