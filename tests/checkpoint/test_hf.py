@@ -95,7 +95,7 @@ def test_moe_without_a_hugging_face_form_is_refused(tmp_path):
 @pytest.mark.parametrize(
     "name, says",
     [
-        ("tiny-deepseek-v3.json", "DeepSeek-V3's latent attention (MLA) and mixture of experts"),
+        ("tiny-deepseek-v3.json", "fivefold trains DeepSeek-V3's latent attention and router"),
     ],
 )
 def test_families_not_trained_yet_are_refused_for_what_they_are(name, says):

@@ -10,7 +10,9 @@ import pytest
 import torch
 import transformers
 
+from fivefold.checkpoint.hf import check_exportable
 from fivefold.checkpoint.hf_deepseek import config_fields, deinterleave_rope_rows, from_hf, to_hf
+from fivefold.errors import CheckpointError
 from fivefold.model import build_model
 from fivefold.model.generate import generate
 from fivefold.model.latent_attention import softmax_scale_factor
@@ -102,6 +104,14 @@ def test_deepseek_tensors_mapped_back_load_into_transformers():
     tokens = torch.randint(0, 512, (2, 40), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         torch.testing.assert_close(back(tokens).logits, ours(tokens), atol=LOGIT_ATOL, rtol=0)
+
+
+def test_export_of_latent_attention_is_refused_by_name():
+    spec = ModelSpec(
+        hidden=8, heads=2, head_dim=6, attention="mla", kv_lora_rank=2, qk_rope_head_dim=4
+    )
+    with pytest.raises(CheckpointError, match=r'model\.attention = "mla": DeepSeek-V3 export'):
+        check_exportable(spec)
 
 
 def test_rope_rows_deinterleave_by_hand():
