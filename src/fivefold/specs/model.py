@@ -291,6 +291,31 @@ class ModelSpec:
             )
         return out
 
+    def _moe_problems(self) -> list[str]:
+        """The experts, top-k, dense leading layers and router of a MoE model; none of them set
+        in a dense one."""
+        out: list[str] = []
+        if self.is_moe:
+            if not 1 <= self.top_k <= self.experts:
+                out.append(
+                    f"model.top_k = {self.top_k}: a MoE model needs 1 <= top_k <= experts "
+                    f"(= {self.experts})."
+                )
+            if self.expert_ffn <= 0:
+                out.append("model.expert_ffn must be positive when model.experts > 0.")
+            out += self._router_problems()
+            if not 0 <= self.dense_layers < self.layers:
+                out.append(
+                    f"model.dense_layers = {self.dense_layers}: must be in [0, layers) so at "
+                    "least one layer is MoE."
+                )
+        elif self.top_k or self.shared_experts or self.dense_layers or self._routes_otherwise():
+            out.append(
+                "model.top_k / shared_experts / dense_layers and the router_* settings are MoE "
+                "settings: set model.experts > 0 or leave them at their defaults."
+            )
+        return out
+
     def _router_problems(self) -> list[str]:
         """DeepSeek-V3's router settings (`fivefold.model.routers`)."""
         out = []
@@ -420,25 +445,7 @@ class ModelSpec:
             )
         out += self._rope_scaling_problems()
         out += self._attention_problems()
-        if self.is_moe:
-            if not 1 <= self.top_k <= self.experts:
-                out.append(
-                    f"model.top_k = {self.top_k}: a MoE model needs 1 <= top_k <= experts "
-                    f"(= {self.experts})."
-                )
-            if self.expert_ffn <= 0:
-                out.append("model.expert_ffn must be positive when model.experts > 0.")
-            out += self._router_problems()
-            if not 0 <= self.dense_layers < self.layers:
-                out.append(
-                    f"model.dense_layers = {self.dense_layers}: must be in [0, layers) so at "
-                    "least one layer is MoE."
-                )
-        elif self.top_k or self.shared_experts or self.dense_layers or self._routes_otherwise():
-            out.append(
-                "model.top_k / shared_experts / dense_layers and the router_* settings are MoE "
-                "settings: set model.experts > 0 or leave them at their defaults."
-            )
+        out += self._moe_problems()
         if self.shared_experts < 0:
             out.append("model.shared_experts must be >= 0.")
         return out
