@@ -137,3 +137,26 @@ def test_yarn_softmax_scale_factor_by_hand():
     mscale = 0.1 * 1.0 * 3.6888794541139363 + 1.0  # ln 40 = 3.68887945...
     assert softmax_scale_factor(spec) == pytest.approx(mscale**2, rel=1e-12)
     assert softmax_scale_factor(spec.with_(rope_mscale_all_dim=0.0)) == 1.0
+
+
+def test_runtime_flops_are_the_planners_plus_the_padded_values():
+    """torch's FLOP counter over fivefold's MLA forward (one document per row: SDPA's math
+    kernel, which scores every query-key pair) equals the planner's non-causal count plus what
+    the values' zero padding to the key width adds: 2 (d - d_v) FLOPs per head and pair."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from fivefold.specs.flops import forward_flops_per_token
+
+    spec = ModelSpec(
+        layers=2, hidden=64, heads=4, head_dim=24, ffn=96, vocab=512, seq_len=32,
+        attention="mla", q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, v_head_dim=12,
+    )  # fmt: skip
+    model = fivefold_model(spec)
+    batch, seq = 2, 32
+    math = sdpa_kernel(SDPBackend.MATH)  # matmuls the counter sees (CPU flash has no formula)
+    with torch.no_grad(), math, FlopCounterMode(display=False) as counter:
+        model(torch.zeros(batch, seq, dtype=torch.long))
+    planned = batch * seq * forward_flops_per_token(spec, seq, causal=False)
+    padding = spec.layers * 2 * batch * spec.heads * seq * seq * (24 - 12)
+    assert counter.get_total_flops() == planned + padding
