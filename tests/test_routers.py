@@ -103,3 +103,26 @@ def test_the_training_loop_balances_after_each_step(tmp_path):
         assert torch.allclose(steps, steps.round(), atol=1e-4)
         assert steps.abs().max() >= 1 and steps.abs().max() <= 2
         assert moe.routing.expert_load.sum() == 0  # reset after the last step
+
+
+def test_a_pipeline_stage_counts_loads_only_in_its_recorded_forwards():
+    """torch's shape-inference forward calls the stage's module outside the recorded
+    micro-batch forwards, on placeholder (uninitialised) inputs: it must not count."""
+    from fivefold.parallel.pipeline import _AuxLossCollector
+    from tiny_models import make
+
+    spec = ModelSpec(
+        layers=1, hidden=32, heads=2, ffn=64, vocab=64, seq_len=8, experts=4, top_k=2,
+        expert_ffn=16, router_score="sigmoid", router_bias_update_speed=0.01,
+    )  # fmt: skip
+    model = make(spec)
+    collector = _AuxLossCollector()
+    model.register_forward_pre_hook(collector.before_forward)
+    tokens = torch.zeros(2, 8, dtype=torch.long)
+    model(tokens)  # as shape inference calls it
+    (moe,) = model.moe_layers()
+    assert moe.routing.expert_load.sum() == 0
+    with collector.recording():
+        model(tokens)
+    assert moe.routing.expert_load.sum() == 2 * 8 * 2  # tokens x top_k
+    assert not moe.routing.counts_load  # cleared after the forward: a recompute counts nothing

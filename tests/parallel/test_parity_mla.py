@@ -18,6 +18,17 @@ SLOW_CASES = [
     ParityCase("MLA TP2 without SP", {"tp": 2, "sp": False, "micro_batch": 8}, model="parity-mla"),
     ParityCase("MLA TP4+SP", {"tp": 4, "micro_batch": 8}, model="parity-mla"),
     ParityCase("MLA CP2 ring", {"cp": 2, "micro_batch": 8}, model="parity-mla"),
+    ParityCase(
+        "MLA ZeRO-3 x2 x TP2",
+        {"dp_shard": 2, "zero": 3, "tp": 2, "micro_batch": 4},
+        model="parity-mla",
+    ),
+    ParityCase("MLA PP2 1f1b", {"pp": 2, "micro_batch": 2, "grad_accum": 4}, model="parity-mla"),
+    ParityCase(
+        "DeepSeek DP2 full recompute",
+        {"dp_replicate": 2, "micro_batch": 4, "recompute": "full"},
+        model="parity-deepseek",
+    ),
     ParityCase("DeepSeek DP2", {"dp_replicate": 2, "micro_batch": 4}, model="parity-deepseek"),
     ParityCase(
         "DeepSeek ZeRO-3 x2", {"dp_shard": 2, "zero": 3, "micro_batch": 4}, model="parity-deepseek"

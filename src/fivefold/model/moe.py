@@ -196,7 +196,6 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, dim = x.shape
         tokens = x.reshape(batch * seq, dim)
-        self.routing.counts_load = self.collects_aux_loss  # DeepSeek's balancing counts
         routing = self.routing(self.router(tokens))
         aux_loss = self.aux_loss_coef * load_balancing_loss(routing)  # a recompute saves the same
         if self.collects_aux_loss:

@@ -122,8 +122,8 @@ class SigmoidRouting(nn.Module):
 
     Owns `score_bias` (fp32 [E], a persistent buffer: saved with the model) and `expert_load`
     (fp32 [E], the tokens routed to each expert since the last bias update, counted in training
-    forwards with gradients only while `counts_load`, which the model clears after its
-    forward: a recompute does not count).
+    forwards with gradients while `counts_load`: the model sets it for its forward and clears
+    it after, so neither a recompute nor the pipeline's shape inference counts).
     """
 
     def __init__(self, num_experts: int, top_k: int, settings: RouterSettings) -> None:
@@ -143,8 +143,7 @@ class SigmoidRouting(nn.Module):
         return routing
 
     def _counts_now(self) -> bool:
-        """A training forward with gradients: not an evaluation, nor the pipeline's
-        shape-inference forward (under no_grad)."""
+        """A training forward with gradients (not an evaluation)."""
         speed = self.settings.bias_update_speed
         return bool(speed) and self.training and torch.is_grad_enabled()
 

@@ -107,6 +107,9 @@ class Transformer(nn.Module):
         self.norm: RMSNorm | None = RMSNorm(spec.hidden, spec.norm_eps)
         self.output: nn.Linear | None = nn.Linear(spec.hidden, spec.vocab, bias=False)
         self.head_in_loss = False
+        # whether this forward's routing counts toward DeepSeek's load balancing (a pipeline
+        # stage clears it for torch's shape-inference forward on placeholder inputs)
+        self.counts_router_loads = True
         self._tie_embeddings()
 
     def _tie_embeddings(self) -> None:
@@ -146,10 +149,11 @@ class Transformer(nn.Module):
         moes = self.moe_layers()
         for moe in moes:
             moe.collects_aux_loss = True
+            moe.routing.counts_load = self.counts_router_loads
         for layer in self.layers.values():
             h = layer(h, rope, docs)
         for moe in moes:  # a recompute in the backward keeps this forward's aux losses
-            moe.collects_aux_loss = False
+            moe.collects_aux_loss = moe.routing.counts_load = False
         if self.norm is not None:
             h = self.norm(h)
         if self.output is None or self.head_in_loss:

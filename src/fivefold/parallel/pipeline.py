@@ -22,9 +22,9 @@
   inside the ordinary pipeline backward. With `scale_grads=True` (the default) torch divides the
   gradients by the number of micro-batches: the loss function should return the micro-batch
   mean, and the gradients are then those of the mean over micro-batches of (loss + aux).
-  Only the micro-batch forwards of a training step attach and record aux losses: torch's
-  shape-inference forward (first step, and again after every switch between `eval` and
-  `step`) runs on placeholder inputs and is left alone.
+  Only the micro-batch forwards of a training step attach and record aux losses (and count the
+  routers' expert loads): torch's shape-inference forward (first step, and again after every
+  switch between `eval` and `step`) runs on placeholder inputs and is left alone.
 - ZeRO-3 chunks stay gathered across their micro-batches (as torchtitan runs FSDP under PP):
   their FSDP units do not re-shard after each forward, torch's stage keeps them gathered
   between micro-batch backwards, and they are re-sharded once, when the step's gradients are
@@ -130,6 +130,10 @@ class _AuxLossCollector:
             yield
         finally:
             self._recording = previous
+
+    def before_forward(self, chunk: nn.Module, args: Any) -> None:
+        """The routers count expert loads (DeepSeek's balancing) in recorded forwards only."""
+        chunk.counts_router_loads = self._recording
 
     def __call__(self, chunk: nn.Module, args: Any, kwargs: Any, output: torch.Tensor):
         if not self._recording or not torch.is_grad_enabled():
@@ -267,9 +271,13 @@ class PipelineRunner:
                 unit.set_reshard_after_forward(False, recurse=False)
         self.aux = _AuxLossCollector()
         self._hooks = [
-            c.register_forward_hook(self.aux, with_kwargs=True)
+            hook
             for c in self.chunks
             if _moe_layers(c)
+            for hook in (
+                c.register_forward_hook(self.aux, with_kwargs=True),
+                c.register_forward_pre_hook(self.aux.before_forward),
+            )
         ]
         self._host_offsets: list | None = None  # this step's micro-batches' `cu_seqlens`
         self._hooks += [
