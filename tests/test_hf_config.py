@@ -124,6 +124,8 @@ def test_family_features_read_by_hand():
     assert v3.attention == "mla" and v3.head_dim == 192 and v3.value_dim == 128
     assert (v3.q_lora_rank, v3.kv_lora_rank, v3.qk_rope_head_dim) == (1536, 512, 64)
     assert (v3.experts, v3.top_k, v3.shared_experts, v3.dense_layers) == (256, 8, 1, 3)
+    assert (v3.router_score, v3.router_groups, v3.router_top_groups) == ("sigmoid", 8, 4)
+    assert (v3.routed_scaling, v3.rope_mscale_all_dim) == (2.5, 1.0)
     assert (v3.rope_scaling_type, v3.rope_scaling_factor, v3.rope_original_seq_len) == (
         "yarn",
         40.0,
@@ -169,6 +171,8 @@ def test_bad_configs_name_the_field(tmp_path):
     ):
         with pytest.raises(ConfigError, match=words):
             spec_from_hf_config({**qwen3_moe, **change})
+    deepseek = json.loads((CONFIGS / "tiny-deepseek-v3.json").read_text())
+    assert not spec_from_hf_config({**deepseek, "norm_topk_prob": False}).router_norm_topk
     with pytest.raises(ConfigError, match="does not exist"):
         read_hf_config(tmp_path / "missing.json")
 

@@ -286,6 +286,7 @@ def _deepseek_router(config: dict[str, Any]) -> dict[str, Any]:
         "router_groups": groups if groups > 1 else 0,
         "router_top_groups": int(config.get("topk_group") or 1) if groups > 1 else 0,
         "routed_scaling": float(config.get("routed_scaling_factor", 2.5)),
+        "router_norm_topk": bool(config.get("norm_topk_prob", True)),
         "router_bias_update_speed": 0.001,
         "router_aux_loss_coef": 0.0001,
     }
