@@ -45,6 +45,10 @@ def test_group_limited_choice_and_gates_by_hand():
     gates = dict(zip(routing.expert_indices[0].tolist(), routing.gates[0].tolist(), strict=True))
     assert gates == pytest.approx({0: 2.5 * 0.9 / 1.0, 1: 2.5 * 0.1 / 1.0})
     assert routing.probs[0].tolist() == pytest.approx([0.9 / 2.1, 0.1 / 2.1, 0.6 / 2.1, 0.5 / 2.1])
+    # norm_topk_prob = false: the chosen scores as they are, times the routed scaling
+    routing = route_sigmoid(logits, torch.zeros(4), 2, GROUPED, norm_topk=False)
+    gates = dict(zip(routing.expert_indices[0].tolist(), routing.gates[0].tolist(), strict=True))
+    assert gates == pytest.approx({2: 2.5 * 0.6, 3: 2.5 * 0.5})
 
 
 def test_balancing_moves_the_bias_by_the_sign_of_the_load_error():
