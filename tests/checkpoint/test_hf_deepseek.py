@@ -160,3 +160,19 @@ def test_runtime_flops_are_the_planners_plus_the_padded_values():
     planned = batch * seq * forward_flops_per_token(spec, seq, causal=False)
     padding = spec.layers * 2 * batch * spec.heads * seq * seq * (24 - 12)
     assert counter.get_total_flops() == planned + padding
+
+
+def test_latent_attention_takes_the_layers_sliding_window():
+    """A window in an MLA model is applied, not dropped: its last token's output differs from
+    the full-attention model's with the same weights, the first window's tokens do not."""
+    spec = ModelSpec(
+        layers=1, hidden=64, heads=4, head_dim=24, ffn=96, vocab=128, seq_len=32,
+        attention="mla", q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, v_head_dim=12,
+    )  # fmt: skip
+    full, windowed = fivefold_model(spec), fivefold_model(spec.with_(sliding_window=8))
+    assert windowed.layers["0"].attention.core.window == 8
+    tokens = torch.randint(0, 128, (1, 32), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        a, b = full(tokens), windowed(tokens)
+    torch.testing.assert_close(a[:, :8], b[:, :8])
+    assert (a[:, -1] - b[:, -1]).abs().max() > 1e-4

@@ -53,7 +53,7 @@ class LatentAttention(nn.Module):
     output width at forward time, so tensor parallelism can split wq/wq_b, wkv_b and wo by heads.
     """
 
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, window: int = 0) -> None:
         super().__init__()
         dim, heads, eps = spec.hidden, spec.heads, spec.norm_eps
         self.rope = spec.qk_rope_head_dim
@@ -70,7 +70,7 @@ class LatentAttention(nn.Module):
         self.kv_norm = RMSNorm(self.latent, eps)
         self.wkv_b = nn.Linear(self.latent, heads * (self.nope + self.v_dim), bias=False)
         self.wo = nn.Linear(heads * self.v_dim, dim, bias=False)
-        self.core = AttentionCore()
+        self.core = AttentionCore(window)  # the layer's sliding window (0: none)
 
     def _queries(self, x: torch.Tensor) -> torch.Tensor:
         """[B, T, H, nope + rope]."""

@@ -31,7 +31,7 @@ def build_attention(spec: ModelSpec, layer_id: int) -> nn.Module:
     """One layer's attention: `LatentAttention` for model.attention = "mla", else `Attention`
     with the variants the spec asks for (its window in that layer)."""
     if spec.is_mla:
-        return LatentAttention(spec)
+        return LatentAttention(spec, spec.layer_window(layer_id))
     return Attention(
         spec.hidden,
         spec.heads,
