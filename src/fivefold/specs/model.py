@@ -8,9 +8,10 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field, replace
 
+from fivefold.specs.routing import PLAIN_ROUTER, router_problems, routes_otherwise
+
 MLP_KINDS = ("swiglu", "gelu")
 ATTENTION_KINDS = ("gqa", "mla")
-ROUTER_SCORES = ("softmax", "sigmoid")  # how router logits become expert scores
 # RoPE scalings a config may name (how a factor > 1 stretches the frequencies); the runtime
 # implements all but "longrope" (fivefold.model.rope_scaling), the planner counts them all alike.
 ROPE_SCALING_TYPES = ("llama3", "linear", "dynamic", "yarn", "longrope")
@@ -56,16 +57,10 @@ _PLAIN_VARIANTS = {
     "qk_rope_head_dim": 0,
     "v_head_dim": 0,
     "router_norm_topk": True,
-    # DeepSeek-V3's router (`fivefold.model.routers`) at the values meaning "softmax top-k"
-    "router_score": "softmax",
-    "router_groups": 0,
-    "router_top_groups": 0,
-    "routed_scaling": 1.0,
-    "router_bias_update_speed": 0.0,
+    **PLAIN_ROUTER,  # DeepSeek-V3's router settings at the softmax top-k router's values
 }
 
 
-# DeepSeek-V3's router settings (`_routes_otherwise`)
 _ROUTER_FIELDS = (
     "router_score",
     "router_groups",
@@ -273,10 +268,6 @@ class ModelSpec:
             ]
         return []
 
-    def _routes_otherwise(self) -> bool:
-        """Whether a router setting differs from the softmax top-k router's."""
-        return any(getattr(self, k) != _PLAIN_VARIANTS[k] for k in _ROUTER_FIELDS)
-
     def runtime_problems(self) -> list[str]:
         """What fivefold's runtime does not build, though `fivefold plan` plans it (checked
         when a run is loaded, `fivefold.train.entry.load_run`, and by `build_model`)."""
@@ -303,45 +294,16 @@ class ModelSpec:
                 )
             if self.expert_ffn <= 0:
                 out.append("model.expert_ffn must be positive when model.experts > 0.")
-            out += self._router_problems()
+            out += router_problems(self)
             if not 0 <= self.dense_layers < self.layers:
                 out.append(
                     f"model.dense_layers = {self.dense_layers}: must be in [0, layers) so at "
                     "least one layer is MoE."
                 )
-        elif self.top_k or self.shared_experts or self.dense_layers or self._routes_otherwise():
+        elif self.top_k or self.shared_experts or self.dense_layers or routes_otherwise(self):
             out.append(
                 "model.top_k / shared_experts / dense_layers and the router_* settings are MoE "
                 "settings: set model.experts > 0 or leave them at their defaults."
-            )
-        return out
-
-    def _router_problems(self) -> list[str]:
-        """DeepSeek-V3's router settings (`fivefold.model.routers`)."""
-        out = []
-        if self.router_score not in ROUTER_SCORES:
-            return [f"model.router_score = {self.router_score!r}: choose softmax or sigmoid."]
-        groups, top = self.router_groups, self.router_top_groups
-        if groups or top:
-            if groups < 1 or self.experts % groups or self.experts // groups < 2:
-                out.append(
-                    f"model.router_groups = {groups}: must divide model.experts = "
-                    f"{self.experts} into groups of at least 2 (a group scores by its top 2)."
-                )
-            elif not 1 <= top <= groups or top * (self.experts // groups) < self.top_k:
-                out.append(
-                    f"model.router_top_groups = {top}: need 1 <= top_groups <= router_groups "
-                    f"and top_groups x experts per group >= top_k = {self.top_k}."
-                )
-        if not (0 < self.routed_scaling < float("inf")):
-            out.append(f"model.routed_scaling = {self.routed_scaling}: must be positive, e.g. 1.")
-        speed = self.router_bias_update_speed
-        if not (0 <= speed < float("inf")):
-            out.append(f"model.router_bias_update_speed = {speed}: must be >= 0, e.g. 0.001.")
-        elif speed and self.router_score != "sigmoid":
-            out.append(
-                "model.router_bias_update_speed balances the sigmoid router's score-correction "
-                'bias: set model.router_score = "sigmoid" or leave it at 0.'
             )
         return out
 
