@@ -363,8 +363,9 @@ class DistributedRuntime(RuntimeCore):
         return total
 
     def _balance_group(self) -> dist.ProcessGroup:
-        """data x context parallel: the ranks holding this stage's layers, each with its tokens."""
-        return self.meshes.dp_cp.get_group()
+        """The ranks whose MoE layers route other tokens of the step (`Meshes.routing`: data x
+        context parallel, x tensor parallel when MoE splits the tokens over TP)."""
+        return (self.meshes.routing or self.meshes.dp_cp).get_group()
 
     # ---- measurements ------------------------------------------------------------------------
     def _measures_memory_now(self) -> bool:
