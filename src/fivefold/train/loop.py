@@ -176,10 +176,9 @@ class Trainer:
         `pending` is not None: then they are read back with the `pending` steps' (one host
         sync, `_read_back`) and guarded before the optimizer step, which a spike may skip."""
         lr = float(self.optimizer.param_groups[0]["lr"])  # torchao keeps a tensor
-        result = self.runtime.train_step(micro_batches)
+        res = self.runtime.train_step(micro_batches)
         norm = self.runtime.clip_grads(self.cfg.grad_clip)
-        done = _Pending(self.step + 1, lr, result.loss_tensor, result.aux_tensor, norm)
-        done.samples = samples
+        done = _Pending(self.step + 1, lr, res.loss_tensor, res.aux_tensor, norm, samples=samples)
         if pending is not None:
             self._read_back([*pending, done])
         if not (done.skipped or self.spikes.rollback_due):
