@@ -70,7 +70,8 @@ class LatentAttention(nn.Module):
         self.kv_norm = RMSNorm(self.latent, eps)
         self.wkv_b = nn.Linear(self.latent, heads * (self.nope + self.v_dim), bias=False)
         self.wo = nn.Linear(heads * self.v_dim, dim, bias=False)
-        self.core = AttentionCore(window)  # the layer's sliding window (0: none)
+        self.window = window  # the layer's sliding window (0: none)
+        self.core = AttentionCore(window)
 
     def _queries(self, x: torch.Tensor) -> torch.Tensor:
         """[B, T, H, nope + rope]."""
