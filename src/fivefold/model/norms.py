@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Partial
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
 
 def _token_dims(x: torch.Tensor) -> tuple[int, ...]:
@@ -45,15 +45,23 @@ class _RMSNorm(torch.autograd.Function):
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [..., D] normalised over D in fp32, times `weight` [D], in x's dtype.
 
-    A DTensor x (sequence parallelism: sharded over tokens, `weight` replicated) is normalised
-    on its local tokens; the weight's gradient is then a partial sum over the group, reduced
-    with the other gradients (FSDP2 reduces a partial gradient's non-data-parallel dims)."""
+    A DTensor x is normalised on its local tokens. Over a mesh dim where x is sharded over
+    tokens (sequence parallelism) the weight's gradient is a partial sum, reduced with the
+    other gradients (FSDP2 reduces a partial gradient's non-data-parallel dims); where x is
+    replicated (e.g. latent attention's replicated down projections) every rank's gradient is
+    already the whole one."""
     if not isinstance(x, DTensor):
         return _RMSNorm.apply(x, weight, eps)
     if isinstance(weight, DTensor):
-        weight = weight.to_local(grad_placements=[Partial()] * weight.device_mesh.ndim)
+        weight = weight.to_local(grad_placements=_weight_grad_placements(x, weight))
     local = _RMSNorm.apply(x.to_local(), weight, eps)
     return DTensor.from_local(local, x.device_mesh, x.placements, run_check=False)
+
+
+def _weight_grad_placements(x: DTensor, weight: DTensor) -> list:
+    if weight.device_mesh != x.device_mesh:
+        return [Partial()] * weight.device_mesh.ndim
+    return [Partial() if p.is_shard() else Replicate() for p in x.placements]
 
 
 class RMSNorm(nn.Module):
