@@ -202,6 +202,7 @@ def save_and_forward(rank, world, plan, root, moe, tokens: list) -> dict:
     path = trainee.save(trainee.checkpointer(root))
     (model,) = trainee.runtime.model_parts  # no pipeline: one part, the whole model
     model.eval()
+    model.head_in_loss = False  # logits out, not the hidden states the training loss reads
     with torch.no_grad():
         logits = model(torch.tensor(tokens)).tolist()
     trainee.close()
