@@ -101,7 +101,7 @@ def test_a_non_finite_loss_between_read_backs_is_named_at_the_next_one(tmp_path)
         calls["n"] += 1
         return output * float("nan") if calls["n"] > 8 else output  # 2 micro-batches a step
 
-    runtime.model.output.register_forward_hook(poison_from_step_5)
+    runtime.model.norm.register_forward_hook(poison_from_step_5)  # the head runs in the loss
     with pytest.raises(TrainingError) as err:
         train(run, runtime=runtime, console=Console(quiet=True))
     message = str(err.value)

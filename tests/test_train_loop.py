@@ -141,7 +141,7 @@ def test_nan_guard_names_step_and_last_checkpoint(tmp_path):
         calls["n"] += 1
         return output * float("nan") if calls["n"] > 4 else output  # 2 micro-batches a step
 
-    runtime.model.output.register_forward_hook(poison_from_step_3)
+    runtime.model.norm.register_forward_hook(poison_from_step_3)  # the head runs in the loss
     with pytest.raises(TrainingError) as err:
         train(run, runtime=runtime, console=Console(quiet=True))
     message = str(err.value)

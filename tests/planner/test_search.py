@@ -149,7 +149,8 @@ def test_moe_search_uses_expert_parallelism_validly():
     result = search(model, cluster, global_batch_tokens=2**21)
     for o in _fitting(result):
         assert model.experts % o.plan.ep == 0
-        assert (o.plan.dp_shard * o.plan.cp) % o.plan.ep == 0
+        # EP takes its ranks from dp_shard x cp x tp (specs/geometry.py)
+        assert (o.plan.dp_shard * o.plan.cp * o.plan.tp) % o.plan.ep == 0
     assert any(o.plan.ep > 1 for o in result.outcomes.values() if o.kind in ("fits", "memory"))
 
 
