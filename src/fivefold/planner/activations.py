@@ -79,7 +79,8 @@ def eager_head_loss_bytes(model: ModelSpec, plan: ParallelPlan, waiting: int = 0
     """fivefold-eager: the LM head and loss of one micro-batch at their largest, N = b s/cp
     tokens against the local vocabulary V/t (`EagerProfile.fused_head_loss`): in the forward,
     the input gradient (e N h), under TP the gathered input (e N h), one chunk's logits and
-    temporaries and, over several chunks, the fp32 weight-gradient sum (4 V/t h); in the
+    temporaries and, over several chunks, the fp32 weight-gradient sum (4 V/t h) beside one
+    chunk's product (or, at the end, the sum cast to the weight's dtype: e V/t h); in the
     backward, the input and weight gradients twice (kept, and scaled by the loss's gradient).
     `waiting`: micro-batches whose loss waits for its backward (GPipe), each keeping its
     gradients."""
@@ -93,7 +94,7 @@ def eager_head_loss_bytes(model: ModelSpec, plan: ParallelPlan, waiting: int = 0
     per_logit = EAGER.chunk_logit_fp32_bytes + (e if e < 4 else 0.0)
     forward = rows * (2 if plan.tp > 1 else 1) + per_logit * chunk * vocab
     if tokens > chunk:
-        forward += 4 * vocab * model.hidden
+        forward += (4 + e) * vocab * model.hidden
     kept = rows + e * vocab * model.hidden
     return max(forward, 2 * kept) + waiting * kept
 
