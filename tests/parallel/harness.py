@@ -214,6 +214,19 @@ PARAM_ATOL = 1e-4
 NORM_RTOL = 1e-4  # the gradient norms (not part of the contract; a sharper diagnosis)
 AUX_ATOL = 1e-6  # the reported MoE load-balancing loss (about 0.02 here)
 
+# The latent-attention fields the MLA and DeepSeek parity models share.
+_LATENT_ATTENTION = {
+    "seq_len": 64,
+    "vocab": 512,
+    "kv_heads": 4,
+    "attention": "mla",
+    "head_dim": 24,
+    "q_lora_rank": 32,
+    "kv_lora_rank": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 12,
+}
+
 # Small enough for 8 ranks on 2 cores; 8 layers so PP4 x vpp2 has a layer per stage, kv heads
 # (2) fewer than TP4 so kv-head replication is exercised, seq 64 divisible by 2*cp*tp.
 MODELS: dict[str, dict] = {
@@ -256,34 +269,14 @@ MODELS: dict[str, dict] = {
     },
     "parity-moe": {"preset": "tiny-moe", "layers": 4, "seq_len": 64, "vocab": 512},
     # DeepSeek's latent attention (q and kv ranks, a RoPE part of 8 in heads of 24, values 12
-    # wide), dense: the TP cases (fivefold refuses MoE with tp > 1)
-    "parity-mla": {
-        "preset": "tiny",
-        "layers": 2,
-        "seq_len": 64,
-        "vocab": 512,
-        "kv_heads": 4,
-        "attention": "mla",
-        "head_dim": 24,
-        "q_lora_rank": 32,
-        "kv_lora_rank": 16,
-        "qk_rope_head_dim": 8,
-        "v_head_dim": 12,
-    },
+    # wide), dense
+    "parity-mla": {"preset": "tiny", "layers": 2, **_LATENT_ATTENTION},
     # DeepSeek-V3's shape: MLA, a dense first layer, shared and routed experts, the sigmoid
     # router with its groups, routed scaling and the balancing of its score bias
     "parity-deepseek": {
         "preset": "tiny-moe",
         "layers": 3,
-        "seq_len": 64,
-        "vocab": 512,
-        "kv_heads": 4,
-        "attention": "mla",
-        "head_dim": 24,
-        "q_lora_rank": 32,
-        "kv_lora_rank": 16,
-        "qk_rope_head_dim": 8,
-        "v_head_dim": 12,
+        **_LATENT_ATTENTION,
         "dense_layers": 1,
         "router_score": "sigmoid",
         "router_groups": 2,
