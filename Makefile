@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
-## Train the small preset on the embedded corpus on CPU (about 5 minutes on 2 cores), always
+## Train the small preset on the embedded corpus on CPU (4-8 minutes on 2 cores), always
 ## from step 0 (--fresh replaces an earlier demo run and its checkpoints).
 demo: $(STAMP)
 	$(BIN)/fivefold train configs/small-cpu.toml --fresh
