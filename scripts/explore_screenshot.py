@@ -12,10 +12,14 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
-from fivefold.explore.chromium import OFFLINE_ARGS, chromium_path
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "explore"))
+
+from chromium import OFFLINE_ARGS, chromium_path
+
 from fivefold.explore.server import start_in_thread
 
 SHOWCASE = {

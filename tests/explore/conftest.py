@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from fivefold.explore.chromium import OFFLINE_ARGS, chromium_path
 from fivefold.explore.server import start_in_thread
 
+from .chromium import OFFLINE_ARGS, chromium_path
 from .http_client import Client
 
 REPO = Path(__file__).resolve().parents[2]

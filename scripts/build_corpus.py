@@ -8,7 +8,7 @@ paragraphs, drops the few editorial notes of the digital edition, and writes one
 file per novel with records `{"text", "title", "part"}`. The output is byte-for-byte reproducible.
 
     apt-get download r-cran-janeaustenr && dpkg-deb -x r-cran-janeaustenr_*.deb pkg
-    python build_corpus.py pkg/usr/lib/R/site-library/janeaustenr/data/Rdata.rdb OUT_DIR
+    python scripts/build_corpus.py pkg/usr/lib/R/site-library/janeaustenr/data/Rdata.rdb OUT_DIR
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Where the system Chromium is, and the flags that keep a headless run offline.
 
-Used by the browser tests and `scripts/explore_screenshot.py`: Playwright drives Debian's
+Used by the browser tests here and by `scripts/explore_screenshot.py`: Playwright drives Debian's
 `chromium` through `executable_path` (never a downloaded browser build), and the flags stop
 Chromium's own background connections, which this project's machines refuse.
 """
