@@ -24,7 +24,8 @@ from fivefold.parallel.pipeline import (
     split_model_for_pipeline,
     stage_layer_ranges,
 )
-from fivefold.specs.geometry import chunks_of_rank
+from fivefold.planner.schedule import build_schedule
+from fivefold.specs.geometry import chunks_of_rank, least_microbatches
 from fivefold.specs.model import ModelSpec
 from fivefold.specs.plan import ParallelPlan
 from fivefold.train.data import Batch
@@ -273,7 +274,36 @@ def test_tied_head_on_the_last_stage_keeps_its_own_copy_of_the_embedding():
 
 def test_runner_refuses_too_few_micro_batches_for_dualpipev_before_touching_the_group():
     plan = ParallelPlan(pp=2, vpp=2, schedule="dualpipev", grad_accum=3)
-    with pytest.raises(ConfigError, match="at least as many micro-batches as stages"):
+    with pytest.raises(ConfigError, match="needs at least 4"):
         plan.validate()
-    with pytest.raises(AssertionError, match="at least as many micro-batches as stages"):
+    with pytest.raises(AssertionError, match="needs at least 4"):
         PipelineRunner([], plan, None, cross_entropy_loss, "cpu")
+
+
+def _torch_zbv_order(pp: int, m: int, rank: int) -> list[tuple[str, int, int]]:
+    """torch's own ZBV order for one rank: (F | B | W, micro-batch, stage), B = its input pass."""
+    from torch.distributed.pipelining.schedules import ScheduleZBVZeroBubble
+
+    zbv = object.__new__(ScheduleZBVZeroBubble)  # the order only: no stages, no process group
+    zbv.pp_group_size, zbv._n_microbatches, zbv.num_stages = pp, m, 2 * pp
+    kinds = {"FORWARD": "F", "BACKWARD_INPUT": "B", "BACKWARD_WEIGHT": "W"}
+    order = zbv._calculate_single_rank_operations(rank)
+    return [(kinds[a.computation_type.name], a.microbatch_index, a.stage_index) for a in order if a]
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4, 5])
+def test_zbv_least_micro_batches_and_order_are_torchs(pp):
+    """From 2 pp - 1 micro-batches on, the planner's ZBV actions are torch's, rank by rank; one
+    fewer and torch fills its 2 pp - 1 order with idle slots, which the plan refuses."""
+    least = least_microbatches("zbv", pp)
+    assert least == 2 * pp - 1
+    for m in (least, least + 1, least + 4):
+        planned = build_schedule("zbv", pp, 2, m).actions
+        for rank in range(pp):
+            ours = [(a.kind, a.microbatch, a.chunk) for a in planned[rank]]
+            assert ours == _torch_zbv_order(pp, m, rank), (pp, m, rank)
+    assert ParallelPlan(pp=pp, vpp=2, schedule="zbv", grad_accum=least).problems() == []
+    (problem,) = ParallelPlan(pp=pp, vpp=2, schedule="zbv", grad_accum=least - 1).problems()
+    assert f"needs at least {least}" in problem
+    with pytest.raises(ConfigError, match=f"needs at least {least}"):
+        build_schedule("zbv", pp, 2, least - 1)

@@ -10,7 +10,7 @@ from fivefold.planner import schedule as sched_mod
 from fivefold.planner import simulation as sim_mod
 from fivefold.planner.schedule import build_schedule
 from fivefold.planner.simulation import StageCosts, closed_form_bubble, simulate
-from fivefold.specs.geometry import SCHEDULES
+from fivefold.specs.geometry import SCHEDULES, least_microbatches
 
 VPP = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2, "zbv": 2, "dualpipev": 2}
 
@@ -20,7 +20,7 @@ def _valid_cases():
         for vpp in (VPP[name], 3) if name == "interleaved-1f1b" else (VPP[name],):
             if name == "interleaved-1f1b" and m % pp:
                 continue
-            if name in ("zbv", "dualpipev") and m < 2 * pp:
+            if m < least_microbatches(name, pp):
                 continue
             yield name, pp, vpp, m
 
@@ -195,10 +195,10 @@ def test_long_schedules_extrapolate_to_the_full_run(name, monkeypatch):
         (("pipedream", 4, 1, 8), "choose one of gpipe"),
         (("1f1b", 0, 1, 8), "pp = 0"),
         (("1f1b", 4, 1, 0), "microbatches (grad_accum) = 0"),
-        (("1f1b", 4, 2, 8), "set vpp = 1"),
-        (("interleaved-1f1b", 4, 1, 8), "needs vpp >= 2"),
-        (("interleaved-1f1b", 4, 2, 6), "multiple of pp = 4"),
-        (("zbv", 4, 3, 8), "set vpp = 2"),
+        (("1f1b", 4, 2, 8), "set plan.vpp = 1"),
+        (("interleaved-1f1b", 4, 1, 8), "needs plan.vpp >= 2"),
+        (("interleaved-1f1b", 4, 2, 6), "multiple of plan.pp = 4"),
+        (("zbv", 4, 3, 8), "set plan.vpp = 2"),
         (("zbv", 4, 2, 6), "needs at least 7"),
         (("dualpipev", 4, 2, 7), "needs at least 8"),
     ],

@@ -49,7 +49,7 @@ from torch.distributed.tensor import DTensor
 
 from fivefold.model.loss import IGNORE_INDEX, cross_entropy_loss, head_loss
 from fivefold.planner.partition import stage_layer_counts
-from fivefold.specs.geometry import ScheduleName, chunks_of_rank
+from fivefold.specs.geometry import ONE_CHUNK_PER_RANK, ScheduleName, chunks_of_rank
 from fivefold.specs.plan import ParallelPlan
 
 SCHEDULE_CLASSES = {
@@ -293,7 +293,7 @@ class PipelineRunner:
         self.has_first = 0 in indices
         self.has_last = plan.pp * plan.vpp - 1 in indices
         schedule_cls = getattr(schedules, SCHEDULE_CLASSES[plan.schedule])
-        stages = self.stages[0] if plan.schedule in ("gpipe", "1f1b") else self.stages
+        stages = self.stages[0] if plan.schedule in ONE_CHUNK_PER_RANK else self.stages
         self.schedule = schedule_cls(
             stages,
             n_microbatches=plan.grad_accum,

@@ -12,7 +12,14 @@ from functools import cached_property, lru_cache
 from typing import NamedTuple
 
 from fivefold.errors import ConfigError
-from fivefold.specs.geometry import SCHEDULES, V_SHAPED, ScheduleName, chunk_rank, chunks_of_rank
+from fivefold.specs.geometry import (
+    SCHEDULES,
+    V_SHAPED,
+    ScheduleName,
+    chunk_rank,
+    chunks_of_rank,
+    schedule_problems,
+)
 
 KINDS = ("F", "B", "W")
 
@@ -81,25 +88,7 @@ def _check(name: str, pp: int, vpp: int, m: int) -> None:
             problems.append(f"{label} = {value!r}: must be a whole number >= 1.")
     if problems:
         raise ConfigError(problems)
-    if name in (ScheduleName.GPIPE, ScheduleName.ONE_F_ONE_B) and vpp != 1:
-        problems.append(f"schedule {name!r} has one chunk per rank: set vpp = 1 (got {vpp}).")
-    if name == ScheduleName.INTERLEAVED_1F1B:
-        if vpp < 2:
-            problems.append(f"schedule 'interleaved-1f1b' needs vpp >= 2 (got {vpp}).")
-        if m % pp:
-            problems.append(
-                f"microbatches (grad_accum) = {m} must be a multiple of pp = {pp} for "
-                "'interleaved-1f1b' (micro-batches go through the chunks in rounds of pp)."
-            )
-    if name in V_SHAPED:
-        if vpp != 2:
-            problems.append(f"schedule {name!r} is V-shaped: set vpp = 2 (got {vpp}).")
-        least = 2 * pp - 1 if name == ScheduleName.ZBV else 2 * pp
-        if m < least:
-            problems.append(
-                f"microbatches (grad_accum) = {m}: {name} with pp = {pp} needs at least {least}; "
-                f"raise grad_accum or lower pp."
-            )
+    problems = schedule_problems(name, pp, vpp, m)
     if problems:
         raise ConfigError(problems)
 

@@ -10,7 +10,7 @@ from functools import cached_property, lru_cache
 
 from fivefold.errors import ConfigError
 from fivefold.planner.schedule import KINDS, Schedule, build_schedule
-from fivefold.specs.geometry import chunk_rank
+from fivefold.specs.geometry import ONE_CHUNK_PER_RANK, chunk_rank
 from fivefold.specs.plan import ParallelPlan
 
 _F, _B, _W = 0, 1, 2
@@ -317,7 +317,7 @@ def analytic_pipeline(plan: ParallelPlan, costs: StageCosts) -> tuple[float, lis
         )
     busy = [m * w for w in work]
     d = costs.p2p_s
-    if plan.schedule in ("gpipe", "1f1b"):
+    if plan.schedule in ONE_CHUNK_PER_RANK:
         return (m - 1) * max(work) + sum(work) + 2 * (p - 1) * d, busy
     if plan.schedule == "interleaved-1f1b":
         mean = sum(work) / p

@@ -76,6 +76,7 @@ RECOMPUTE_POLICIES: tuple[str, ...] = tuple(r.value for r in Recompute)
 OFFLOAD_KINDS: tuple[str, ...] = tuple(o.value for o in Offload)
 
 V_SHAPED = (ScheduleName.ZBV, ScheduleName.DUALPIPEV)  # exactly two chunks per rank, in a V
+ONE_CHUNK_PER_RANK = (ScheduleName.GPIPE, ScheduleName.ONE_F_ONE_B)
 
 
 class Axis(StrEnum):
@@ -187,7 +188,53 @@ def group_index(size: int, stride: int, rank: int) -> int:
     return rank // (size * stride) * stride + rank % stride
 
 
-# ---- chunk placement ---------------------------------------------------------------------------
+# ---- schedules and chunk placement ---------------------------------------------------------------
+def least_microbatches(schedule: str, pp: int) -> int:
+    """The fewest micro-batches per step `schedule` runs on `pp` ranks: 2 pp - 1 for zbv (torch's
+    ZBV builds its order for that many and fills fewer with idle slots), 2 pp for dualpipev
+    (torch refuses fewer), pp for interleaved-1f1b (micro-batches go round the chunks in rounds
+    of pp), 1 otherwise."""
+    if schedule == ScheduleName.ZBV:
+        return 2 * pp - 1
+    if schedule == ScheduleName.DUALPIPEV:
+        return 2 * pp
+    return pp if schedule == ScheduleName.INTERLEAVED_1F1B else 1
+
+
+def schedule_problems(schedule: str, pp: int, vpp: int, microbatches: int) -> list[str]:
+    """Why `schedule` cannot run `vpp` chunks per rank on `pp` ranks with `microbatches`
+    micro-batches per step (plan.grad_accum); empty when it can. The one rule for the plan, the
+    planner's action lists and the runtime's torch schedule."""
+    out = []
+    m = microbatches
+    if schedule in ONE_CHUNK_PER_RANK and vpp != 1:
+        out.append(
+            f"plan.schedule = {schedule!r} runs one stage per rank: set plan.vpp = 1, or use "
+            "'interleaved-1f1b' for vpp > 1."
+        )
+    if schedule == ScheduleName.INTERLEAVED_1F1B:
+        if vpp < 2:
+            out.append("plan.schedule = 'interleaved-1f1b' needs plan.vpp >= 2.")
+        if m % pp:
+            out.append(
+                f"plan.grad_accum = {m} (micro-batches) must be a multiple of plan.pp = {pp} for "
+                "'interleaved-1f1b' (micro-batches go through the chunks in rounds of pp)."
+            )
+    if schedule in V_SHAPED:
+        if vpp != 2:
+            out.append(
+                f"plan.schedule = {schedule!r} is V-shaped with exactly two stages per rank: set "
+                f"plan.vpp = 2 (got {vpp})."
+            )
+        least = least_microbatches(schedule, pp)
+        if m < least:
+            out.append(
+                f"plan.grad_accum = {m} (micro-batches): {schedule} with plan.pp = {pp} needs at "
+                f"least {least}; raise plan.grad_accum or lower plan.pp."
+            )
+    return out
+
+
 def is_v_shaped(schedule: str, pp: int) -> bool:
     """Whether a pipeline of `pp` ranks places its chunks in a V (zbv, dualpipev)."""
     return schedule in V_SHAPED and pp > 1

@@ -20,12 +20,11 @@ from fivefold.specs.geometry import (
     OFFLOAD_KINDS,
     RECOMPUTE_POLICIES,
     SCHEDULES,
-    V_SHAPED,
-    ScheduleName,
     ep_fits,
     expert_span,
     mesh_size,
     moe_token_split,
+    schedule_problems,
 )
 from fivefold.specs.hardware import UNKNOWN_GPU
 from fivefold.specs.model import ModelSpec
@@ -271,33 +270,7 @@ class ParallelPlan:
         return out
 
     def _schedule_problems(self) -> list[str]:
-        out = []
-        m = self.grad_accum
-        if self.schedule in (ScheduleName.GPIPE, ScheduleName.ONE_F_ONE_B) and self.vpp != 1:
-            out.append(
-                f"plan.schedule = {self.schedule!r} runs one stage per rank: set plan.vpp = 1, or "
-                "use 'interleaved-1f1b' for vpp > 1."
-            )
-        if self.schedule == ScheduleName.INTERLEAVED_1F1B:
-            if self.vpp < 2:
-                out.append("plan.schedule = 'interleaved-1f1b' needs plan.vpp >= 2.")
-            if m % self.pp:
-                out.append(
-                    f"plan.grad_accum = {m} (micro-batches) must be a multiple of plan.pp = "
-                    f"{self.pp} for the interleaved 1F1B schedule."
-                )
-        if self.schedule in V_SHAPED:
-            if self.vpp != 2:
-                out.append(
-                    f"plan.schedule = {self.schedule!r} is V-shaped with exactly two stages per "
-                    f"rank: set plan.vpp = 2 (got {self.vpp})."
-                )
-            if m < 2 * self.pp:
-                out.append(
-                    f"plan.grad_accum = {m}: {self.schedule} needs at least as many micro-batches "
-                    f"as stages (2 * pp = {2 * self.pp})."
-                )
-        return out
+        return schedule_problems(self.schedule, self.pp, self.vpp, self.grad_accum)
 
     def runtime_problems(self, m: ModelSpec | None = None) -> list[str]:
         """What fivefold's runtime refuses although the layout itself is consistent (part of
