@@ -322,8 +322,8 @@ def test_batch_geometry_errors_are_config_errors(char_shards):
     seqs = PackedSequences(char_shards, seq_len=4, val_fraction=0.0)
     with pytest.raises(
         ConfigError,
-        match=r"global batch of 6 .* plan.micro_batch \(2\) x "
-        r"data-parallel size \(2\)",
+        match=r"the global batch = 6 sequences is not a whole number of micro-batches of "
+        r"micro_batch x dp = 2 x 2 = 4; choose a multiple such as 4 or 8",
     ):
         next(batch_iterator(seqs, GlobalSampler(len(seqs)), 6, 2, 0, 2))
     with pytest.raises(ConfigError, match="sampler covers 3 samples"):

@@ -118,8 +118,8 @@ def test_custom_model_and_cluster_fields(client):
         ),
         (
             {"global_batch": 62},
-            "global_batch = 62 sequences is not a multiple of micro_batch x dp = 1 x 4 = 4; "
-            "choose a multiple such as 60 or 64",
+            "global_batch = 62 sequences is not a whole number of micro-batches of "
+            "micro_batch x dp = 1 x 4 = 4; choose a multiple such as 60 or 64",
         ),
         (
             {"plan": {"tp": "two", "pp": 2, "dp_shard": 4, "zero": 1}},

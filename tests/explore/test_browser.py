@@ -258,8 +258,9 @@ def test_invalid_layout_shows_the_plans_own_message(page):
     set_controls(page, {"plan.tp": 2, "global_batch": 62})
     problems = page.locator("#problem-list li").all_text_contents()
     assert problems == [
-        "global_batch = 62 sequences is not a multiple of micro_batch x dp = 1 x 4 = 4; "
-        "choose a multiple such as 60 or 64, or change the micro-batch or DP degree."
+        "global_batch = 62 sequences is not a whole number of micro-batches of "
+        "micro_batch x dp = 1 x 4 = 4; choose a multiple such as 60 or 64, or set grad_accum, "
+        "the micro-batch or the DP degree."
     ]
     # Fixing it brings the figures back.
     set_controls(page, {"global_batch": 64})

@@ -4,6 +4,7 @@ its flags and recipe (flags win over the recipe); nothing here imports torch."""
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +27,8 @@ from fivefold.planner.outcomes import batch_target
 from fivefold.planner.request import (
     MAX_BATCH_SEQUENCES,
     PlanRequest,
-    grad_accum_for,
 )
+from fivefold.specs.batch import grad_accum_for, grad_accum_problem
 from fivefold.specs.cluster import (
     CLUSTER_PRESETS,
     ClusterSpec,
@@ -385,14 +386,11 @@ def layout_from_args(
         target = batch_target(model, tokens, seqs)
         mbs = values.get("micro_batch", 1)
         dp = values["dp_replicate"] * values["dp_shard"]
-        accum = grad_accum_for(target.sequences, mbs, dp)
-        if accum is None and (tokens is not None or seqs is not None):
-            raise ConfigError(
-                f"global batch {target.sequences:g} sequences is not a whole number of "
-                f"micro-batches: mbs {mbs} x dp {dp} = {mbs * dp} per micro-step; pick a "
-                f"batch that is a multiple of {mbs * dp} or set --grad-accum."
-            )
-        values["grad_accum"] = accum or max(1, round(target.sequences / (mbs * dp)))
+        stated = tokens is not None or seqs is not None  # met exactly; the default: the nearest
+        accum = grad_accum_for(target.sequences, mbs, dp, 0.0 if stated else math.inf)
+        if accum is None:
+            raise ConfigError(grad_accum_problem(target.sequences, mbs, dp, "the global batch"))
+        values["grad_accum"] = accum
     plan = build(ParallelPlan, values, "plan", problems)
     if problems or plan is None:
         raise ConfigError(problems or ["[plan]: cannot build the layout."])

@@ -43,11 +43,11 @@ from fivefold.planner.outcomes import TIE_FRACTION
 from fivefold.planner.request import (
     MAX_BATCH_SEQUENCES,
     PlanRequest,
-    grad_accum_for,
     resolve_request,
 )
 from fivefold.planner.search import search
 from fivefold.planner.uncertainty import risk_problems
+from fivefold.specs.batch import grad_accum_for, grad_accum_problem
 from fivefold.specs.cluster import CLUSTER_PRESETS, ClusterSpec
 from fivefold.specs.geometry import RECOMPUTE_POLICIES
 from fivefold.specs.hardware import GPU_ALIASES, GPUS, gpu
@@ -178,14 +178,10 @@ def _derive_grad_accum(plan_values: dict[str, Any], global_batch: Any, problems:
     degrees = [plan_values.get(k, 1) for k in ("micro_batch", "dp_replicate", "dp_shard")]
     if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in degrees):
         return  # the plan's own checks name the bad degree
-    per_micro_step = degrees[0] * degrees[1] * degrees[2]
     accum = grad_accum_for(batch, degrees[0], degrees[1] * degrees[2])
     if accum is None:
-        low = max(per_micro_step, batch // per_micro_step * per_micro_step)
         problems.append(
-            f"global_batch = {batch} sequences is not a multiple of micro_batch x dp = "
-            f"{degrees[0]} x {degrees[1] * degrees[2]} = {per_micro_step}; choose a multiple "
-            f"such as {low} or {low + per_micro_step}, or change the micro-batch or DP degree."
+            grad_accum_problem(batch, degrees[0], degrees[1] * degrees[2], "global_batch")
         )
         return
     plan_values["grad_accum"] = accum

@@ -13,6 +13,7 @@ from typing import Any
 from fivefold.errors import ConfigError
 from fivefold.planner.options import PlannerOptions
 from fivefold.planner.uncertainty import DEFAULT_RISK, rank_tokens_per_s
+from fivefold.specs.batch import grad_accum_for
 from fivefold.specs.cluster import ClusterSpec
 from fivefold.specs.model import ModelSpec
 from fivefold.specs.plan import ParallelPlan
@@ -53,9 +54,7 @@ class BatchTarget:
 
     def accumulation(self, micro_batch: int, dp: int) -> int | None:
         """Micro-batches per step reaching the target within tolerance, or None."""
-        per_step = micro_batch * dp
-        accum = max(1, round(self.sequences / per_step))
-        return accum if self.within(per_step * accum) else None
+        return grad_accum_for(self.sequences, micro_batch, dp, self.tolerance)
 
     def within(self, sequences: int) -> bool:
         return abs(sequences - self.sequences) <= self.tolerance * self.sequences + 1e-9

@@ -98,14 +98,5 @@ def resolve_headroom(given: float | None, settings: PlannerSettings) -> float:
     return DEFAULT_HEADROOM if settings.headroom is None else settings.headroom
 
 
-def grad_accum_for(sequences: float, micro_batch: int, dp: int) -> int | None:
-    """Micro-batches per step for a global batch of `sequences`: sequences / (micro_batch x dp),
-    or None when that is not a whole number of at least 1."""
-    accum = sequences / (micro_batch * dp)
-    if accum < 1 or abs(accum - round(accum)) > 1e-9:
-        return None
-    return round(accum)
-
-
 def _given(value: Any, default: Any) -> Any:
     return default if value is None else value

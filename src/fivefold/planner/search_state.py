@@ -35,6 +35,7 @@ from fivefold.planner.outcomes import (
 )
 from fivefold.planner.schedule import build_schedule
 from fivefold.planner.uncertainty import DEFAULT_RISK, rank_factor, rank_tokens_per_s
+from fivefold.specs.batch import nearest_grad_accum
 from fivefold.specs.cluster import ClusterSpec
 from fivefold.specs.geometry import RECOMPUTE_POLICIES
 from fivefold.specs.model import ModelSpec
@@ -194,7 +195,7 @@ class SearchState:
             accum = self.target.accumulation(mbs, base.dp)
             if accum is None:
                 plan = _derive(base, micro_batch=mbs)
-                got = mbs * base.dp * max(1, round(self.target.sequences / (mbs * base.dp)))
+                got = mbs * base.dp * nearest_grad_accum(self.target.sequences, mbs, base.dp)
                 self.reject(
                     plan,
                     "batch",

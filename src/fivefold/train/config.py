@@ -20,6 +20,7 @@ from typing import Any
 from fivefold.checkpoint.elastic import resume_mode
 from fivefold.errors import ConfigError
 from fivefold.parallel.device import DEVICE_SETTINGS as DEVICES
+from fivefold.specs.batch import grad_accum_for
 from fivefold.specs.optimizer import OPTIMIZERS, optimizer_plan_problems
 from fivefold.specs.recipe import Recipe, build, unknown_field
 from fivefold.train.sources import SourceConfig, parse_sources
@@ -351,11 +352,11 @@ def parse_train_config(recipe: Recipe) -> RunConfig:
     if train is not None:
         if train.global_batch and train.global_batch != recipe.plan.global_batch:
             plan = recipe.plan
-            per_step = plan.micro_batch * plan.dp
+            accum = grad_accum_for(train.global_batch, plan.micro_batch, plan.dp)
             fix = (
-                f"set plan.grad_accum = {train.global_batch // per_step}"
-                if train.global_batch % per_step == 0
-                else f"make it a multiple of micro_batch * dp = {per_step}"
+                f"set plan.grad_accum = {accum}"
+                if accum is not None
+                else f"make it a multiple of micro_batch * dp = {plan.micro_batch * plan.dp}"
             )
             problems.append(
                 f"train.global_batch = {train.global_batch} does not match the plan's "

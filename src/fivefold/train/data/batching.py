@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from fivefold.errors import ConfigError
+from fivefold.specs.batch import grad_accum_for, grad_accum_problem
 from fivefold.train.data.packing import PackedSequences
 from fivefold.train.data.sampler import GlobalSampler
 
@@ -92,15 +93,12 @@ def grad_accum_steps(global_batch: int, micro_batch: int, dp_size: int) -> int:
         problems.append(f"plan.micro_batch = {micro_batch} must be at least 1.")
     if dp_size < 1:
         problems.append(f"the data-parallel size {dp_size} must be at least 1.")
-    if not problems and (global_batch < 1 or global_batch % (micro_batch * dp_size)):
-        problems.append(
-            f"the global batch of {global_batch} samples is not a positive multiple of "
-            f"plan.micro_batch ({micro_batch}) x data-parallel size ({dp_size}); set "
-            "plan.grad_accum (or the global batch) so that global = micro_batch x grad_accum x dp."
-        )
+    accum = None if problems else grad_accum_for(global_batch, micro_batch, dp_size)
+    if not problems and accum is None:
+        problems.append(grad_accum_problem(global_batch, micro_batch, dp_size, "the global batch"))
     if problems:
         raise ConfigError(problems)
-    return global_batch // (micro_batch * dp_size)
+    return accum
 
 
 def rank_slice(step_samples: np.ndarray, dp_rank: int, dp_size: int) -> np.ndarray:
