@@ -106,12 +106,21 @@ def test_deepseek_tensors_mapped_back_load_into_transformers():
         torch.testing.assert_close(back(tokens).logits, ours(tokens), atol=LOGIT_ATOL, rtol=0)
 
 
-def test_export_of_latent_attention_is_refused_by_name():
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"sliding_window": 8}, r"model\.sliding_window = 8 \(DeepSeek-V3 has no window\)"),
+        ({"router_score": "softmax"}, r"model\.router_score = 'softmax' \(DeepSeek-V3's router"),
+    ],
+)
+def test_latent_attention_without_a_deepseek_form_is_refused_by_name(change, message):
     spec = ModelSpec(
-        hidden=8, heads=2, head_dim=6, attention="mla", kv_lora_rank=2, qk_rope_head_dim=4
-    )
-    with pytest.raises(CheckpointError, match=r'model\.attention = "mla": DeepSeek-V3 export'):
-        check_exportable(spec)
+        layers=2, hidden=8, heads=2, head_dim=6, attention="mla", kv_lora_rank=2,
+        qk_rope_head_dim=4, experts=4, top_k=2, expert_ffn=8, router_score="sigmoid",
+    )  # fmt: skip
+    check_exportable(spec)
+    with pytest.raises(CheckpointError, match=message):
+        check_exportable(spec.with_(**change))
 
 
 def test_rope_rows_deinterleave_by_hand():
