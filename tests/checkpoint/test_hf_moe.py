@@ -255,7 +255,7 @@ def test_expert_mapping_splits_and_stacks_back():
         ({"dense_layers": 1}, "model.dense_layers = 1 without model.qk_norm"),
         ({"router_norm_topk": False}, "model.router_norm_topk = false"),
         ({"qkv_bias": True}, "model.qkv_bias with experts"),
-        ({"sliding_window": 16}, "model.sliding_window = 16"),
+        ({"sliding_window": 16, "sliding_layers": 1}, "a sliding window in 1 of 2 layers"),
     ],
 )
 def test_experts_without_a_hugging_face_form_are_named(change, message):

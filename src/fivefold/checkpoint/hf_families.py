@@ -173,10 +173,10 @@ def _moe_problems(spec: ModelSpec, family: str) -> list[str]:
             f"model.dense_layers = {spec.dense_layers} without model.qk_norm (Mixtral has no "
             "dense layers; Qwen3-MoE's mlp_only_layers, with QK-norm, do)"
         )
-    if spec.sliding_window:  # written as "no window" below: refused rather than dropped
+    if spec.sliding_window and spec.windowed_layers != spec.layers:
         out.append(
-            f"model.sliding_window = {spec.sliding_window} (fivefold does not write Mixtral's "
-            "or Qwen3-MoE's window fields yet)"
+            f"a sliding window in {spec.windowed_layers} of {spec.layers} layers (Mixtral and "
+            "Qwen3-MoE slide in every layer or in none)"
         )
     if family == "mixtral" and not spec.router_norm_topk:
         out.append("model.router_norm_topk = false (Mixtral renormalises the top-k gates)")
@@ -251,8 +251,11 @@ def family_config_fields(spec: ModelSpec) -> dict[str, Any]:
         return out | {"sliding_window": spec.sliding_window}
     if family == "mixtral":
         return out | _mixtral_fields(spec)
-    if family == "qwen3_moe":  # a window is refused (`_moe_problems`); no layer_types key
-        out |= {"use_sliding_window": False, "sliding_window": None}
+    if family == "qwen3_moe":  # a window in every layer or none (`_moe_problems`)
+        out |= {
+            "use_sliding_window": bool(spec.sliding_window),
+            "sliding_window": spec.sliding_window or None,
+        }
         out |= {"max_window_layers": spec.layers, **_qwen3_moe_fields(spec)}
         return out | {"attention_bias": False}
     types = _layer_types(spec)
@@ -273,7 +276,7 @@ def _mixtral_fields(spec: ModelSpec) -> dict[str, Any]:
         "num_experts_per_tok": spec.top_k,
         "router_aux_loss_coef": spec.router_aux_loss_coef,
         "router_jitter_noise": 0.0,
-        "sliding_window": None,
+        "sliding_window": spec.sliding_window or None,  # every layer or none (`_moe_problems`)
     }
 
 
