@@ -70,7 +70,8 @@ def fivefold_model(spec: ModelSpec):
     return model.eval()
 
 
-@pytest.mark.parametrize("q_lora_rank", [32, pytest.param(None, marks=pytest.mark.slow)])
+@pytest.mark.slow  # CI: the mapping back below; the CLI round trip (slow) covers import
+@pytest.mark.parametrize("q_lora_rank", [32, None])
 def test_deepseek_logits_and_greedy_tokens_equal_transformers(q_lora_rank):
     theirs = tiny_deepseek(q_lora_rank)
     spec = spec_from_hf_config(theirs.config.to_dict(), name="tiny-deepseek")

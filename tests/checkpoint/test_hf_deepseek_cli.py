@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 import transformers
 from safetensors.torch import load_file, save_file
@@ -76,6 +77,7 @@ def tiny_hf_deepseek(directory):
     return model
 
 
+@pytest.mark.slow  # one MoE round trip in CI: Mixtral's (test_hf_moe.py)
 def test_deepseek_imports_samples_and_exports_like_transformers(tmp_path, capsys):
     theirs = tiny_hf_deepseek(tmp_path / "hf")
     run = tmp_path / "run"

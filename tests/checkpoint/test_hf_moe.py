@@ -96,7 +96,9 @@ def _greedy(theirs, tok, max_new: int) -> str:
     return PROMPT + tok.decode(out[0, prompt.shape[1] :].tolist(), skip_special_tokens=True)
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+# CI keeps the fastest MoE round trip (Mixtral, ~7 s under load); the others run with `make
+# parity` (Qwen3-MoE ~20 s, the EP2 export ~20 s, DeepSeek-V3's in test_hf_deepseek*.py)
+@pytest.mark.parametrize("family", ["mixtral", pytest.param("qwen3_moe", marks=pytest.mark.slow)])
 def test_moe_imports_samples_and_exports_like_transformers(tmp_path, capsys, family):
     theirs = tiny_hf_model(family, tmp_path / "hf")
     run = tmp_path / "run"
@@ -185,6 +187,7 @@ def test_what_fivefold_does_not_build_is_named(tmp_path, family, change, message
         read_hf(tmp_path)
 
 
+@pytest.mark.slow
 def test_an_expert_parallel_checkpoint_exports_whole(tmp_path):
     """EP2 over 2 ranks, each holding 2 of the 4 experts of each layer: the export gathers
     them (DCP -> per-expert safetensors), and transformers' logits on it equal the live
