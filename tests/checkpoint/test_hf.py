@@ -118,7 +118,7 @@ def test_what_deepseek_v3_import_does_not_read_is_named(change, says):
     [
         (
             {"rope_parameters": {"rope_type": "longrope", "factor": 2.0, "rope_theta": 5e5}},
-            "RoPE type 'longrope'",
+            "RoPE type 'longrope' .*longrope is a deliberate limit: .*short_factor, long_factor",
         ),
         ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 5e5}}, "yarn .* without factor"),
         (  # a key that changes the frequencies and is not read: named, never dropped
@@ -161,7 +161,7 @@ def test_what_deepseek_v3_import_does_not_read_is_named(change, says):
         (  # experts belong to a MoE family's config
             {"num_local_experts": 4},
             "num_local_experts = 4 makes it a mixture-of-experts model, which model_type = "
-            "'llama' is not; fivefold imports experts as mixtral or qwen3_moe",
+            "'llama' is not; fivefold imports experts as mixtral, qwen3_moe, deepseek_v3",
         ),
     ],
 )

@@ -36,6 +36,7 @@ from fivefold.checkpoint.hf_tensors import (
 from fivefold.checkpoint.state import read_state
 from fivefold.errors import CheckpointError, ConfigError
 from fivefold.model import build_model
+from fivefold.model.rope_scaling import LONGROPE_LIMIT
 from fivefold.specs.hf_config import spec_from_hf_config
 from fivefold.specs.model import RUNTIME_ROPE_SCALINGS, ModelSpec
 
@@ -197,7 +198,9 @@ def spec_from_llama_config(config: dict[str, Any], where: str = CONFIG_FILE) -> 
     if rope_type not in ("default", *RUNTIME_ROPE_SCALINGS):
         problems.append(
             f"RoPE type {rope_type!r} (fivefold implements 'default', "
-            f"{', '.join(repr(kind) for kind in RUNTIME_ROPE_SCALINGS)})"
+            f"{', '.join(repr(kind) for kind in RUNTIME_ROPE_SCALINGS)}"
+            + (f"; {LONGROPE_LIMIT}" if rope_type == "longrope" else "")
+            + ")"
         )
     if problems:
         raise CheckpointError(f"{where} cannot be imported: " + "; ".join(problems) + ".")
