@@ -19,7 +19,7 @@ from test_hf_moe import PROMPT, _greedy, imported_model, tiny_hf_model
 from fivefold.checkpoint.hf import read_hf
 from fivefold.cli.main import main
 from fivefold.model import build_model
-from fivefold.specs.model import param_count
+from fivefold.specs.model import ModelSpec, param_count
 from fivefold.train.data.tokenizer import default_tokenizer
 
 LOGIT_ATOL = 1e-5  # fp32, as tests/checkpoint/test_hf.py
@@ -144,3 +144,34 @@ def test_fused_experts_of_transformers_5_import_as_per_expert_ones(tmp_path):
     with torch.no_grad():
         diff = (model.eval()(tokens) - theirs(tokens).logits).abs().max()
     assert float(diff) <= LOGIT_ATOL
+
+
+def test_latent_attention_without_experts_exports_as_deepseek_v3(tmp_path):
+    """A dense MLA model (yarn, its mscale) as DeepSeek-V3 whose every layer is a leading dense
+    one: transformers loads it with fivefold's logits, and import reads it back unchanged."""
+    from fivefold.checkpoint import Checkpointer
+    from fivefold.checkpoint.hf import export_hf
+
+    spec = ModelSpec(
+        name="mla", layers=2, hidden=64, heads=4, head_dim=24, ffn=96, vocab=512, seq_len=64,
+        attention="mla", q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, v_head_dim=12,
+        rope_scaling_type="yarn", rope_scaling_factor=4.0, rope_original_seq_len=16,
+        rope_mscale_all_dim=0.7, norm_eps=1e-6,
+    )  # fmt: skip
+    model = build_model(spec)
+    model.to_empty(device="cpu")
+    model.init_weights(seed=3)
+    path = Checkpointer(tmp_path / "ckpt").save(
+        1, [model], None, model_spec=spec.to_dict(), plan={}
+    )
+    export_hf(path, tmp_path / "hf")
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path / "hf"), local_files_only=True, dtype=torch.float32
+    ).eval()
+    assert type(theirs) is transformers.DeepseekV3ForCausalLM
+    assert theirs.config.first_k_dense_replace == 2
+    tokens = torch.randint(0, 512, (2, 40), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        diff = (model.eval()(tokens) - theirs(tokens).logits).abs().max()
+    assert float(diff) <= LOGIT_ATOL
+    assert read_hf(tmp_path / "hf")[0] == spec

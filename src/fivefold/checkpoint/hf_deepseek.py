@@ -146,8 +146,8 @@ def config_fields(spec: ModelSpec) -> dict:
     without experts as one whose every layer is a leading dense one."""
     nope = spec.head_dim - spec.qk_rope_head_dim
     moe = {
-        "n_routed_experts": spec.experts or None,
-        "num_experts_per_tok": spec.top_k or None,
+        "n_routed_experts": spec.experts or 1,  # without experts: integers no layer uses
+        "num_experts_per_tok": spec.top_k or 1,
         "moe_intermediate_size": spec.expert_ffn or spec.ffn,
         "n_shared_experts": spec.shared_experts,
         "first_k_dense_replace": spec.dense_layers if spec.is_moe else spec.layers,
