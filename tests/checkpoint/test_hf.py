@@ -98,6 +98,7 @@ def test_moe_without_a_hugging_face_form_is_refused(tmp_path):
         ({}, "quantization_config (fp8 weights with block scales)"),
         ({"quantization_config": None, "scoring_func": "softmax"}, "scoring_func = 'softmax'"),
         ({"quantization_config": None, "qk_head_dim": 64}, "qk_head_dim = 64 is not"),
+        ({"quantization_config": None, "rms_norm_eps": 1e-5}, "rms_norm_eps = 1e-05 (transf"),
     ],
 )
 def test_what_deepseek_v3_import_does_not_read_is_named(change, says):

@@ -112,12 +112,14 @@ def test_deepseek_tensors_mapped_back_load_into_transformers():
     [
         ({"sliding_window": 8}, r"model\.sliding_window = 8 \(DeepSeek-V3 has no window\)"),
         ({"router_score": "softmax"}, r"model\.router_score = 'softmax' \(DeepSeek-V3's router"),
+        ({"norm_eps": 1e-5}, r"model\.norm_eps = 1e-05 \(transformers' DeepSeek-V3 normalises"),
     ],
 )
 def test_latent_attention_without_a_deepseek_form_is_refused_by_name(change, message):
     spec = ModelSpec(
         layers=2, hidden=8, heads=2, head_dim=6, attention="mla", kv_lora_rank=2,
         qk_rope_head_dim=4, experts=4, top_k=2, expert_ffn=8, router_score="sigmoid",
+        norm_eps=1e-6,
     )  # fmt: skip
     check_exportable(spec)
     with pytest.raises(CheckpointError, match=message):

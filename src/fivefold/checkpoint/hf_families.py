@@ -76,6 +76,13 @@ _MOE_FIELDS = {
     ),
 }
 _MISTRAL_WINDOW_FIELDS = frozenset(["sliding_window"])
+# transformers' DeepSeek-V3 normalises the query and key-value latents with this epsilon,
+# whatever its config's rms_norm_eps; fivefold's latent norms take model.norm_eps
+LATENT_NORM_EPS = 1e-6
+_LATENT_EPS_REASON = (
+    "transformers' DeepSeek-V3 normalises its query and key-value latents with eps 1e-6 "
+    "whatever rms_norm_eps says"
+)
 # DeepSeek-V3's fields: its attention and experts (read by `fivefold.specs.hf_config`), the
 # transformers config's derived `qk_head_dim` (checked by `family_problems`), and the published
 # config's training settings, which transformers' model does not read (`scoring_func`: checked)
@@ -140,6 +147,9 @@ def family_problems(config: dict[str, Any]) -> list[str]:
         )
     if config.get("scoring_func", "sigmoid") != "sigmoid":
         out.append(f"scoring_func = {config['scoring_func']!r} (DeepSeek-V3's router is sigmoid)")
+    eps = config.get("rms_norm_eps", LATENT_NORM_EPS)
+    if eps != LATENT_NORM_EPS:
+        out.append(f"rms_norm_eps = {eps!r} ({_LATENT_EPS_REASON}; fivefold's would use {eps!r})")
     head = config.get("qk_head_dim")
     parts = (config.get("qk_nope_head_dim"), config.get("qk_rope_head_dim"))
     if head is not None and None not in parts and head != sum(parts):
@@ -154,6 +164,8 @@ def _deepseek_problems(spec: ModelSpec) -> list[str]:
     out = []
     if spec.sliding_window:
         out.append(f"model.sliding_window = {spec.sliding_window} (DeepSeek-V3 has no window)")
+    if spec.norm_eps != LATENT_NORM_EPS:
+        out.append(f"model.norm_eps = {spec.norm_eps} ({_LATENT_EPS_REASON}; set 1e-6)")
     if spec.is_moe and spec.router_score != "sigmoid":
         out.append(f"model.router_score = {spec.router_score!r} (DeepSeek-V3's router is sigmoid)")
     return out
