@@ -16,9 +16,30 @@ MODEL = {"preset": "tiny", "layers": 4, "seq_len": 32, "vocab": 256}
 MOE_MODEL = {"preset": "tiny-moe", "layers": 4, "seq_len": 32, "vocab": 256}
 TIED_MODEL = {**MODEL, "tied_embeddings": True}
 MIXTRAL_MODEL = {**MOE_MODEL, "layers": 2, "shared_experts": 0}  # a Hugging Face Mixtral's shape
-# a case's `moe` field picks the model: False (dense), True (MoE), "tied" (tied embeddings) or
-# "mixtral" (MoE without shared experts)
+# a Hugging Face DeepSeek-V3's shape: latent attention, a dense first layer, the sigmoid router
+# with 2 groups (1 kept) and its score biases balanced
+DEEPSEEK_MODEL = {
+    **MOE_MODEL,
+    "layers": 2,
+    "kv_heads": 4,
+    "attention": "mla",
+    "head_dim": 24,
+    "q_lora_rank": 32,
+    "kv_lora_rank": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 12,
+    "dense_layers": 1,
+    "router_score": "sigmoid",
+    "router_groups": 2,
+    "router_top_groups": 1,
+    "routed_scaling": 2.5,
+    "router_bias_update_speed": 0.01,
+    "norm_eps": 1e-6,  # transformers' latent norms' (`hf_families.LATENT_NORM_EPS`)
+}
+# a case's `moe` field picks the model: False (dense), True (MoE), "tied" (tied embeddings),
+# "mixtral" (MoE without shared experts) or "deepseek"
 MODELS = {False: MODEL, True: MOE_MODEL, "tied": TIED_MODEL, "mixtral": MIXTRAL_MODEL}
+MODELS["deepseek"] = DEEPSEEK_MODEL
 TRAIN = {
     "lr": 3e-3,
     "warmup_steps": 1,
@@ -106,6 +127,7 @@ class Trainee:
             result = self.runtime.train_step(micro)
             self.runtime.clip_grad_norm(self.cfg.grad_clip)
             self.optimizer.step()
+            self.runtime.balance_routers()  # as the loop: score biases (none without them)
             self.optimizer.zero_grad(set_to_none=True)
             self.scheduler.step()
             self.step += 1

@@ -93,20 +93,25 @@ def test_moe_without_a_hugging_face_form_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "name, says",
+    "change, says",
     [
-        ("tiny-deepseek-v3.json", "fivefold trains DeepSeek-V3's latent attention and router"),
+        ({}, "quantization_config (fp8 weights with block scales)"),
+        ({"quantization_config": None, "scoring_func": "softmax"}, "scoring_func = 'softmax'"),
+        ({"quantization_config": None, "qk_head_dim": 64}, "qk_head_dim = 64 is not"),
+        ({"quantization_config": None, "rms_norm_eps": 1e-5}, "rms_norm_eps = 1e-05 (transf"),
     ],
 )
-def test_families_not_trained_yet_are_refused_for_what_they_are(name, says):
-    """What the model has that fivefold's does not, and that it is not supported yet; never
-    "remove the fields if they do not change the model" or "expected 'llama'"."""
-    config = json.loads((Path(__file__).parents[1] / "data" / "hf_configs" / name).read_text())
+def test_what_deepseek_v3_import_does_not_read_is_named(change, says):
+    """The published DeepSeek-V3 config (fp8 weights) and a config whose router scores or head
+    width transformers' model would not build: named, never "remove the fields"."""
+    path = Path(__file__).parents[1] / "data" / "hf_configs" / "deepseek-v3.json"
+    config = json.loads(path.read_text()) | change
     with pytest.raises(CheckpointError) as err:
         spec_from_llama_config(config)
-    text = str(err.value)
-    assert says in text and "not supported yet" in text
-    assert "remove them" not in text and "expected 'llama'" not in text
+    assert says in str(err.value) and "remove them" not in str(err.value)
+    if not change:  # without the quantization, the same config imports
+        config = {k: v for k, v in config.items() if k != "quantization_config"}
+        assert spec_from_llama_config(config).attention == "mla"
 
 
 @pytest.mark.parametrize(
@@ -114,7 +119,7 @@ def test_families_not_trained_yet_are_refused_for_what_they_are(name, says):
     [
         (
             {"rope_parameters": {"rope_type": "longrope", "factor": 2.0, "rope_theta": 5e5}},
-            "RoPE type 'longrope'",
+            "RoPE type 'longrope' .*longrope is a deliberate limit: .*short_factor, long_factor",
         ),
         ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 5e5}}, "yarn .* without factor"),
         (  # a key that changes the frequencies and is not read: named, never dropped
@@ -157,7 +162,7 @@ def test_families_not_trained_yet_are_refused_for_what_they_are(name, says):
         (  # experts belong to a MoE family's config
             {"num_local_experts": 4},
             "num_local_experts = 4 makes it a mixture-of-experts model, which model_type = "
-            "'llama' is not; fivefold imports experts as mixtral or qwen3_moe",
+            "'llama' is not; fivefold imports experts as mixtral, qwen3_moe, deepseek_v3",
         ),
     ],
 )

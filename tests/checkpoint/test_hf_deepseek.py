@@ -70,7 +70,8 @@ def fivefold_model(spec: ModelSpec):
     return model.eval()
 
 
-@pytest.mark.parametrize("q_lora_rank", [32, pytest.param(None, marks=pytest.mark.slow)])
+@pytest.mark.slow  # CI: the mapping back below; the CLI round trip (slow) covers import
+@pytest.mark.parametrize("q_lora_rank", [32, None])
 def test_deepseek_logits_and_greedy_tokens_equal_transformers(q_lora_rank):
     theirs = tiny_deepseek(q_lora_rank)
     spec = spec_from_hf_config(theirs.config.to_dict(), name="tiny-deepseek")
@@ -106,12 +107,23 @@ def test_deepseek_tensors_mapped_back_load_into_transformers():
         torch.testing.assert_close(back(tokens).logits, ours(tokens), atol=LOGIT_ATOL, rtol=0)
 
 
-def test_export_of_latent_attention_is_refused_by_name():
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"sliding_window": 8}, r"model\.sliding_window = 8 \(DeepSeek-V3 has no window\)"),
+        ({"router_score": "softmax"}, r"model\.router_score = 'softmax' \(DeepSeek-V3's router"),
+        ({"norm_eps": 1e-5}, r"model\.norm_eps = 1e-05 \(transformers' DeepSeek-V3 normalises"),
+    ],
+)
+def test_latent_attention_without_a_deepseek_form_is_refused_by_name(change, message):
     spec = ModelSpec(
-        hidden=8, heads=2, head_dim=6, attention="mla", kv_lora_rank=2, qk_rope_head_dim=4
-    )
-    with pytest.raises(CheckpointError, match=r'model\.attention = "mla": DeepSeek-V3 export'):
-        check_exportable(spec)
+        layers=2, hidden=8, heads=2, head_dim=6, attention="mla", kv_lora_rank=2,
+        qk_rope_head_dim=4, experts=4, top_k=2, expert_ffn=8, router_score="sigmoid",
+        norm_eps=1e-6,
+    )  # fmt: skip
+    check_exportable(spec)
+    with pytest.raises(CheckpointError, match=message):
+        check_exportable(spec.with_(**change))
 
 
 def test_rope_rows_deinterleave_by_hand():

@@ -136,3 +136,45 @@ def test_unknown_layer_type_is_named(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises((CheckpointError,), match=r"layer_types = .*chunked_attention"):
         read_hf(tmp_path)
+
+
+WINDOWED_MOE = {
+    "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM, {}),
+    "qwen3_moe": (
+        transformers.Qwen3MoeConfig,
+        transformers.Qwen3MoeForCausalLM,
+        {"use_sliding_window": True, "moe_intermediate_size": 32, "head_dim": 16},
+    ),
+}
+
+
+@pytest.mark.slow  # one MoE round trip in CI: Mixtral's (test_hf_moe.py)
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_windowed_moe_imports_and_exports_like_transformers(tmp_path, family):
+    """Mixtral and Qwen3-MoE with a window in every layer: imported with transformers'
+    logits, exported with the window written back (transformers' logits equal again; the same
+    weights without the window give other logits)."""
+    from fivefold.checkpoint.hf import export_hf, import_hf
+
+    config_cls, model_cls, extra = WINDOWED_MOE[family]
+    experts = {"num_local_experts": 4} if family == "mixtral" else {"num_experts": 4}
+    fields = _SIZES | {"intermediate_size": 64, "num_experts_per_tok": 2} | extra | experts
+    torch.manual_seed(6)
+    theirs = model_cls(config_cls(**fields, sliding_window=WINDOW)).eval()
+    theirs.save_pretrained(str(tmp_path / "hf"))
+    path = import_hf(tmp_path / "hf", tmp_path / "ckpt")
+    spec, ours = imported_model(tmp_path)
+    assert (spec.sliding_window, spec.windowed_layers) == (WINDOW, 2)
+    assert _logit_gap(ours, theirs, spec.vocab) <= LOGIT_ATOL
+    export_hf(path, tmp_path / "out")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["sliding_window"] == WINDOW
+    again = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path / "out"), local_files_only=True, dtype=torch.float32
+    ).eval()
+    assert again.config.sliding_window == WINDOW
+    assert _logit_gap(ours, again, spec.vocab) <= LOGIT_ATOL
+    fields.pop("use_sliding_window", None)
+    unwindowed = model_cls(config_cls(**fields)).eval()  # no window: other logits
+    unwindowed.load_state_dict(again.state_dict())
+    assert _logit_gap(ours, unwindowed, spec.vocab) > 1e-3

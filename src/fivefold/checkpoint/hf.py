@@ -1,4 +1,4 @@
-"""Hugging Face interop (Llama, Qwen2, Qwen3, Mixtral, Qwen3-MoE:
+"""Hugging Face interop (Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE, DeepSeek-V3:
 `fivefold.checkpoint.hf_families`; tensor names `fivefold.checkpoint.hf_tensors`): export a
 checkpoint to `config.json` + safetensors, import one back.
 
@@ -22,14 +22,21 @@ from fivefold.checkpoint.hf_families import (
     MOE_FAMILIES,
     context_length,
     family_config_fields,
+    family_problems,
     hf_family,
     model_fields,
     rope_config_fields,
 )
-from fivefold.checkpoint.hf_tensors import check_hf_tensors, from_hf_tensors, to_hf_tensors
+from fivefold.checkpoint.hf_tensors import (
+    check_hf_tensors,
+    from_hf_tensors,
+    normalised_hf,
+    to_hf_tensors,
+)
 from fivefold.checkpoint.state import read_state
 from fivefold.errors import CheckpointError, ConfigError
 from fivefold.model import build_model
+from fivefold.model.rope_scaling import LONGROPE_LIMIT
 from fivefold.specs.hf_config import spec_from_hf_config
 from fivefold.specs.model import RUNTIME_ROPE_SCALINGS, ModelSpec
 
@@ -46,13 +53,12 @@ _SHARD_BYTES = 5 * 2**30
 
 # ---- config ----------------------------------------------------------------------------------
 def check_exportable(spec: ModelSpec) -> None:
-    problems = []
+    """CheckpointError naming what `spec` has that no Hugging Face family it writes has."""
     if spec.mlp != "swiglu":
-        problems.append(f"model.mlp = {spec.mlp!r}: Llama's MLP is SwiGLU")
-    if spec.is_mla:  # the mapping exists (`fivefold.checkpoint.hf_deepseek`), not the command
-        problems.append('model.attention = "mla": DeepSeek-V3 export is not supported yet')
-    if problems:
-        raise CheckpointError("cannot export to Hugging Face Llama: " + "; ".join(problems) + ".")
+        raise CheckpointError(
+            f"cannot export to Hugging Face: model.mlp = {spec.mlp!r} (every family fivefold "
+            "writes has a SwiGLU MLP)."
+        )
     hf_family(spec)  # a family with its attention and experts
 
 
@@ -73,7 +79,7 @@ def llama_config(spec: ModelSpec, dtype: str = "fp32", eod_id: int | None = None
         "num_hidden_layers": spec.layers,
         "num_attention_heads": spec.heads,
         "num_key_value_heads": spec.kv_heads,
-        "head_dim": spec.head_dim,
+        "head_dim": spec.rope_dim,  # DeepSeek-V3's config: the RoPE part of a head
         "max_position_embeddings": context_length(spec),
         "rms_norm_eps": spec.norm_eps,
         **rope_config_fields(spec),
@@ -158,7 +164,7 @@ def spec_from_llama_config(config: dict[str, Any], where: str = CONFIG_FILE) -> 
         raise CheckpointError(
             f"{where} cannot be imported: {gap}. `fivefold plan --hf-config {where}` plans it."
         )
-    problems = []
+    problems = family_problems(config)
     family = config.get("model_type")
     defining = model_fields(str(family), LLAMA_MODEL_FIELDS)
     unknown = sorted(set(config) - defining - HARMLESS_CONFIG_FIELDS)
@@ -192,7 +198,9 @@ def spec_from_llama_config(config: dict[str, Any], where: str = CONFIG_FILE) -> 
     if rope_type not in ("default", *RUNTIME_ROPE_SCALINGS):
         problems.append(
             f"RoPE type {rope_type!r} (fivefold implements 'default', "
-            f"{', '.join(repr(kind) for kind in RUNTIME_ROPE_SCALINGS)})"
+            f"{', '.join(repr(kind) for kind in RUNTIME_ROPE_SCALINGS)}"
+            + (f"; {LONGROPE_LIMIT}" if rope_type == "longrope" else "")
+            + ")"
         )
     if problems:
         raise CheckpointError(f"{where} cannot be imported: " + "; ".join(problems) + ".")
@@ -207,25 +215,18 @@ def spec_from_llama_config(config: dict[str, Any], where: str = CONFIG_FILE) -> 
     return spec
 
 
-# What a family the planner reads has and fivefold's runtime does not build yet, in words.
-_FAMILY_GAPS = {
-    "deepseek_v3": "fivefold trains DeepSeek-V3's latent attention and router, but DeepSeek-V3 "
-    "import is not supported yet (its tensors are not read from a directory)",
-}
 _EXPERT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts")
 
 
 def _not_yet_imported(config: dict[str, Any]) -> str:
-    """Why a config of a family fivefold plans but cannot load yet is refused ("" otherwise)."""
+    """Why a dense family's config with experts is refused ("" otherwise)."""
     family = config.get("model_type")
-    if family in _FAMILY_GAPS:
-        return f"model_type = {family!r}: {_FAMILY_GAPS[family]}"
     experts = next((k for k in _EXPERT_FIELDS if config.get(k)), None)
     if experts is None or family in MOE_FAMILIES:
         return ""
     return (
         f"{experts} = {config[experts]!r} makes it a mixture-of-experts model, which "
-        f"model_type = {family!r} is not; fivefold imports experts as {' or '.join(MOE_FAMILIES)}"
+        f"model_type = {family!r} is not; fivefold imports experts as {', '.join(MOE_FAMILIES)}"
     )
 
 
@@ -251,6 +252,16 @@ _INT_FIELDS = (
     "num_experts_per_tok",
     "moe_intermediate_size",
     "decoder_sparse_step",
+    "n_routed_experts",
+    "n_shared_experts",
+    "first_k_dense_replace",
+    "n_group",
+    "topk_group",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
 )
 _FLOAT_FIELDS = (
     "rms_norm_eps",
@@ -258,6 +269,7 @@ _FLOAT_FIELDS = (
     "rope_theta",
     "router_aux_loss_coef",
     "router_jitter_noise",
+    "routed_scaling_factor",
 )
 
 
@@ -383,10 +395,17 @@ def read_hf(hf_dir: Path) -> tuple[ModelSpec, dict[str, Any]]:
         raise CheckpointError(
             f"{str(hf_dir)!r} has no *.safetensors files (pickled .bin weights are not read)."
         )
-    shapes = _read_safetensors(files, lambda handle, name: handle.get_slice(name).get_shape())
+    metas = _read_safetensors(files, lambda handle, name: _meta(handle.get_slice(name)))
+    shapes = {name: tuple(meta.shape) for name, meta in normalised_hf(spec, metas).items()}
     check_hf_tensors(spec, shapes, repr(str(hf_dir)))
     tensors = _read_safetensors(files, lambda handle, name: handle.get_tensor(name).float())
-    return spec, from_hf_tensors(spec, tensors)
+    interleave = bool(config.get("rope_interleave", True))
+    return spec, from_hf_tensors(spec, normalised_hf(spec, tensors), interleave)
+
+
+def _meta(tensor_slice) -> torch.Tensor:
+    """A meta tensor of a stored tensor's shape (its layout read without its data)."""
+    return torch.empty(tensor_slice.get_shape(), device="meta")
 
 
 def _read_safetensors(files: list[Path], read) -> dict[str, Any]:

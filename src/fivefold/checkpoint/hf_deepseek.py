@@ -142,18 +142,20 @@ def from_hf(
 
 
 def config_fields(spec: ModelSpec) -> dict:
-    """The DeepseekV3 `config.json` fields beyond Llama's (written by `export --hf`)."""
+    """The DeepseekV3 `config.json` fields beyond Llama's (written by `export --hf`); a model
+    without experts as one whose every layer is a leading dense one."""
     nope = spec.head_dim - spec.qk_rope_head_dim
     moe = {
-        "n_routed_experts": spec.experts,
-        "num_experts_per_tok": spec.top_k,
-        "moe_intermediate_size": spec.expert_ffn,
+        "n_routed_experts": spec.experts or 1,  # without experts: integers no layer uses
+        "num_experts_per_tok": spec.top_k or 1,
+        "moe_intermediate_size": spec.expert_ffn or spec.ffn,
         "n_shared_experts": spec.shared_experts,
-        "first_k_dense_replace": spec.dense_layers,
+        "first_k_dense_replace": spec.dense_layers if spec.is_moe else spec.layers,
         "n_group": spec.router_groups or 1,
         "topk_group": spec.router_top_groups or 1,
         "routed_scaling_factor": spec.routed_scaling,
-        "norm_topk_prob": True,
+        "norm_topk_prob": spec.router_norm_topk,
+        "num_nextn_predict_layers": 0,  # no multi-token-prediction layers written
     }
     return {
         "architectures": ["DeepseekV3ForCausalLM"],

@@ -9,6 +9,7 @@ SwiGLU of width S x F) are one MLP in the families that have them (DeepSeek-V3).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -19,6 +20,7 @@ _PROJECTIONS = {"w1": "gate", "w3": "up", "w2": "down"}
 # fivefold names under `layers.<i>.moe.` that are not routed experts -> ExpertNames field
 _SHARED = {"shared_expert.w1.weight": "gate", "shared_expert.w3.weight": "up"}
 _SHARED |= {"shared_expert.w2.weight": "down"}
+_FUSED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,14 @@ class ExpertNames:
 MIXTRAL_EXPERTS = ExpertNames(block="block_sparse_moe", gate="w1", up="w3", down="w2")
 # Qwen3-MoE's; DeepSeek-V3 names its routed experts the same way
 QWEN_MOE_EXPERTS = ExpertNames(block="mlp", gate="gate_proj", up="up_proj", down="down_proj")
+DEEPSEEK_EXPERTS = ExpertNames(
+    block="mlp",
+    gate="gate_proj",
+    up="up_proj",
+    down="down_proj",
+    shared="shared_experts",
+    extra=(("routing.score_bias", "gate.e_score_correction_bias"),),
+)
 
 
 def experts_to_hf(
@@ -81,3 +91,29 @@ def experts_from_hf(
     while (name := names.expert(layer, len(out), parameter)) in tensors:
         out.append(tensors[name])
     return torch.stack(out)
+
+
+def unfuse_experts(names: ExpertNames, tensors: Mapping[str, torch.Tensor]) -> dict:
+    """`tensors` with transformers 5's fused experts (`mlp.experts.gate_up_proj` [E, 2F, D],
+    `mlp.experts.down_proj` [E, D, F]) split into the per-expert names of `names`, and the router
+    of such a layer under `names.block`. Anything else (a fused tensor of another rank or an odd
+    2F) is kept as it is, for the shape check to name. Works on meta tensors (shapes only)."""
+    out: dict[str, torch.Tensor] = {}
+    fused = set()
+    for name, value in tensors.items():
+        match = _FUSED.match(name)
+        if match is None or value.ndim != 3 or value.shape[1] % 2:
+            out[name] = value
+            continue
+        layer = int(match.group(1))
+        fused.add(layer)
+        if match.group(2) == "down_proj":
+            out |= experts_to_hf(names, layer, "w2", value)
+        else:
+            w1, w3 = value.chunk(2, dim=1)
+            out |= experts_to_hf(names, layer, "w1", w1) | experts_to_hf(names, layer, "w3", w3)
+    for layer in sorted(fused):
+        router = f"model.layers.{layer}.mlp.{names.router}"
+        if router in out:
+            out[f"model.layers.{layer}.{names.block}.{names.router}"] = out.pop(router)
+    return out

@@ -1,7 +1,9 @@
 """fivefold tensors <-> Hugging Face tensors for every family `hf_families` maps: the names
 (Llama's, the attention variants', a MoE layer's router and per-expert matrices through
-`hf_experts`), and the check of a directory's tensors against the model its config describes,
-named as the file names them.
+`hf_experts`, DeepSeek-V3's through `hf_deepseek`), and the check of a directory's tensors
+against the model its config describes, named as the file names them. Experts are written one
+matrix per expert (as transformers 4.x and 5.x load them) and read in that layout or in
+transformers 5's fused one (`hf_experts.unfuse_experts`).
 """
 
 from __future__ import annotations
@@ -11,7 +13,13 @@ from collections.abc import Mapping
 
 import torch
 
-from fivefold.checkpoint.hf_experts import ExpertNames, experts_from_hf, experts_to_hf
+from fivefold.checkpoint import hf_deepseek
+from fivefold.checkpoint.hf_experts import (
+    ExpertNames,
+    experts_from_hf,
+    experts_to_hf,
+    unfuse_experts,
+)
 from fivefold.checkpoint.hf_families import VARIANT_TENSORS, expert_names
 from fivefold.errors import CheckpointError
 from fivefold.model import build_model
@@ -66,6 +74,8 @@ def to_hf_tensors(spec: ModelSpec, tensors: Mapping[str, torch.Tensor]) -> dict[
     """fivefold-named tensors of `spec` (full, any device) -> HF-named ones: each MoE layer's
     stacked experts split per expert; a tied LM head left out (HF ties it again)."""
     names = expert_names(spec)
+    if spec.is_mla:  # DeepSeek-V3: its experts stacked by hf_deepseek, split here
+        return unfuse_experts(names, hf_deepseek.to_hf(dict(tensors), spec))
     out: dict[str, torch.Tensor] = {}
     for fqn, value in tensors.items():
         if spec.tied_embeddings and fqn == "output.weight":
@@ -82,10 +92,18 @@ def to_hf_tensors(spec: ModelSpec, tensors: Mapping[str, torch.Tensor]) -> dict[
     return out
 
 
-def from_hf_tensors(spec: ModelSpec, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """HF-named tensors (checked by `check_hf_tensors`) -> fivefold-named ones, each MoE layer's
-    experts stacked; a tied LM head is the embedding again. Empties `tensors` as it goes, so
-    each expert's matrix is freed once stacked (memory: the model once, plus one layer)."""
+def from_hf_tensors(
+    spec: ModelSpec, tensors: dict[str, torch.Tensor], rope_interleave: bool = True
+) -> dict[str, torch.Tensor]:
+    """HF-named tensors (per-expert, as `normalised_hf` makes them, and checked by
+    `check_hf_tensors`) -> fivefold-named ones, each MoE layer's experts stacked; a tied LM head
+    is the embedding again. Empties `tensors` as it goes, so each expert's matrix is freed once
+    stacked (memory: the model once, plus one layer). `rope_interleave`: DeepSeek-V3's config
+    key (its RoPE rows in pairs, `hf_deepseek`)."""
+    if spec.is_mla:
+        out = hf_deepseek.from_hf(tensors, spec, rope_interleave)
+        tensors.clear()
+        return out
     rest = tensors
     if spec.tied_embeddings:
         rest.pop(_TOP["output.weight"], None)
@@ -111,6 +129,13 @@ def _moe_layer_from_hf(names: ExpertNames, layer: int, rest: dict) -> dict[str, 
     for ff, hf in names.other_tensors().items():
         out[f"layers.{layer}.moe.{ff}"] = rest.pop(f"model.layers.{layer}.{hf}")
     return out
+
+
+def normalised_hf(spec: ModelSpec, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A directory's HF tensors (or meta tensors of their shapes) with any fused experts
+    (transformers 5) split into the per-expert names the rest of this module reads."""
+    names = expert_names(spec)
+    return tensors if names is None else unfuse_experts(names, tensors)
 
 
 def _moe_part(fqn: str) -> tuple[int, str | None]:

@@ -1,5 +1,5 @@
-"""`fivefold export --hf OUT --from CKPT`: any checkpoint as a Hugging Face Llama, Qwen2, Qwen3,
-Mixtral or Qwen3-MoE model."""
+"""`fivefold export --hf OUT --from CKPT`: any checkpoint as a Hugging Face Llama, Mistral,
+Qwen2, Qwen3, Mixtral, Qwen3-MoE or DeepSeek-V3 model."""
 
 from __future__ import annotations
 
@@ -18,12 +18,13 @@ from fivefold.specs.recipe import read_toml
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "export",
-        help="export a checkpoint as a Hugging Face Llama, Qwen2, Qwen3, Mixtral or Qwen3-MoE "
-        "model",
-        description="Write a self-contained Hugging Face LlamaForCausalLM directory (Qwen2 "
-        "for a model with model.qkv_bias, Qwen3 for one with model.qk_norm; a mixture of "
-        "experts as Mixtral, or as Qwen3-MoE with model.qk_norm, one tensor per expert as "
-        "published checkpoints have them) "
+        help="export a checkpoint as a Hugging Face Llama, Mistral, Qwen2, Qwen3, Mixtral, "
+        "Qwen3-MoE or DeepSeek-V3 model",
+        description="Write a self-contained Hugging Face LlamaForCausalLM directory (Mistral "
+        "for a window in every layer, Qwen2 for a model with model.qkv_bias, Qwen3 for one "
+        "with model.qk_norm; a mixture of experts as Mixtral, or as Qwen3-MoE with "
+        "model.qk_norm; latent attention as DeepSeek-V3; one tensor per expert as published "
+        "checkpoints have them) "
         "(config.json, model.safetensors sharded above 5 GiB, tokenizer.json, "
         "tokenizer_config.json and generation_config.json with <|endoftext|> as bos/eos/pad, "
         "all mode 0644) from a fivefold checkpoint written under any layout and world size; "
@@ -31,8 +32,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "directory or checkpoint root (its newest valid checkpoint is used, and newer corrupt "
         "ones are named) or one step_<n> directory. The tokenizer is the run's (data.tokenizer "
         "of its recipe.toml, else the default one) unless --tokenizer names another. SwiGLU "
-        "models only; shared experts, or leading dense layers without QK-norm, have no form "
-        "in these families and are refused by name. Load the result with "
+        "models only; what no family holds (shared experts without latent attention, leading "
+        "dense layers without QK-norm or latent attention, a window in some MoE layers only) "
+        "is refused by name. Load the result with "
         "`AutoModelForCausalLM.from_pretrained(OUT)` and `AutoTokenizer.from_pretrained(OUT)`.",
     )
     parser.add_argument(

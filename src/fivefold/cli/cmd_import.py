@@ -1,5 +1,5 @@
-"""`fivefold import --hf DIR --out RUN_DIR`: start training from a Hugging Face Llama, Qwen2,
-Qwen3, Mixtral or Qwen3-MoE model."""
+"""`fivefold import --hf DIR --out RUN_DIR`: start training from a Hugging Face Llama, Mistral,
+Qwen2, Qwen3, Mixtral, Qwen3-MoE or DeepSeek-V3 model."""
 
 from __future__ import annotations
 
@@ -18,12 +18,12 @@ from fivefold.errors import CheckpointError, DataError
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "import",
-        help="start a run from a Hugging Face Llama, Mistral, Qwen2, Qwen3, Mixtral or Qwen3-MoE "
-        "model",
-        description="Turn a Hugging Face Llama, Mistral, Qwen2, Qwen3, Mixtral or Qwen3-MoE "
-        "directory (config.json + "
-        "*.safetensors; no download, no pickled .bin files) into a weights-only fivefold "
-        "checkpoint RUN_DIR/ckpt/step_0 and a recipe RUN_DIR/imported.toml whose [model] "
+        help="start a run from a Hugging Face Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE "
+        "or DeepSeek-V3 model",
+        description="Turn a Hugging Face Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE or "
+        "DeepSeek-V3 directory (config.json + *.safetensors, experts one per expert or fused as "
+        "transformers 5 holds them; no download, no pickled .bin files) into a weights-only "
+        "fivefold checkpoint RUN_DIR/ckpt/step_0 and a recipe RUN_DIR/imported.toml whose [model] "
         "section is the imported architecture (with train.run_dir = RUN_DIR and train.resume = "
         "true) and whose [data] section trains with the model's own tokenizer "
         "(DIR/tokenizer.json, or --tokenizer; copied to RUN_DIR/tokenizer.json) on --shards or "
@@ -33,9 +33,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "imported weights and a fresh optimizer, LR schedule and data order). What fivefold's "
         "model would not reproduce is refused by name (biases other than Qwen2's on Q, K and V, "
         "layer types other than sliding and full attention, RoPE scalings other than llama3, "
-        "linear, dynamic and yarn, RoPE keys it does not read, Qwen3-MoE sparse layers other "
-        "than all but a leading dense run, router jitter noise); tensors whose names or shapes "
-        "disagree with config.json are named.",
+        "linear, dynamic and yarn (longrope: a deliberate limit), RoPE keys it does not read, "
+        "Qwen3-MoE sparse layers other than all but a leading dense run, router jitter noise, "
+        "DeepSeek-V3's fp8 quantization or an rms_norm_eps other than 1e-6); tensors whose "
+        "names or shapes disagree with config.json are named.",
     )
     parser.add_argument(
         "--hf", required=True, type=Path, metavar="DIR", help="the Hugging Face model directory"

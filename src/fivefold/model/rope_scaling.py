@@ -8,6 +8,8 @@ them (its `ROPE_INIT_FUNCTIONS`, checked against it in tests/test_rope_scaling.p
 - "yarn": f_i / s below the rotation count beta_slow, f_i above beta_fast, a linear ramp between
   (over dimension indices), and cos and sin multiplied by the attention factor.
 
+Not "longrope" (Phi-3), a deliberate limit (`LONGROPE_LIMIT`); `fivefold plan` plans it.
+
 Details: docs/internals.md (`fivefold.model.rope_scaling`).
 """
 
@@ -17,6 +19,13 @@ import math
 from dataclasses import dataclass
 
 import torch
+
+LONGROPE_LIMIT = (
+    "longrope is a deliberate limit: it scales each frequency by its own entry of two lists "
+    "(short_factor, long_factor), which are not model fields, and transformers picks the long "
+    "list once a forward is longer than original_max_position_embeddings, so a packed training "
+    "batch's frequencies would depend on the batch's length, not on the positions"
+)
 
 
 @dataclass(frozen=True)
