@@ -99,3 +99,36 @@ def test_the_last_blocks_expert_reduction_is_in_the_peak_without_recompute():
     assert stage.activations == pytest.approx(12 * experts, abs=2**30)
     (without,) = all_stage_memory(deepseek, plan.with_(zero=1), [1], eager)  # no reduce-scatter
     assert without.activations < 2 * 2**30
+
+
+def test_the_router_gradient_all_reduce_over_tp_is_priced_and_explained():
+    """Each TP rank's router gradient covers its own tokens: one all-reduce of the [E, h]
+    bf16 gradient over TP per MoE layer backward, beside attention's SP pair (an all-gather
+    and a reduce-scatter of the [T, h] bf16 stream forward and again backward)."""
+    from fivefold.planner.explain import explain
+    from fivefold.planner.search import search
+
+    plan = TP2_EP8.with_(micro_batch=1)
+    cluster = cluster_preset("dgx-h100", 64)
+    key = layer_cost_key(plan)
+    costs = layer_costs(MIXTRAL, key, cluster, efficiency_model(), PlannerOptions(), True)
+    stream = 4096 * H * 2  # one micro-batch's [T, h] in bf16, gathered size
+    pair = 2 * stream * (2 - 1) / 2  # all-gather + reduce-scatter, (t - 1)/t each
+    router = 2 * (2 - 1) / 2 * (8 * H * 2)  # ring all-reduce of [E, h] bf16
+    assert costs.tp_bytes == pytest.approx(2 * pair + router)
+    dense = layer_costs(MIXTRAL, key, cluster, efficiency_model(), PlannerOptions(), False)
+    assert dense.tp_bytes == pytest.approx(4 * pair)  # attention and MLP pairs, no router
+    etp = layer_costs(
+        MIXTRAL,
+        layer_cost_key(plan.with_(etp=2)),
+        cluster,
+        efficiency_model(),
+        PlannerOptions(),
+        True,
+    )
+    assert etp.tp_bytes == pytest.approx(4 * pair)  # expert TP: router on all tokens, replicated
+    fixed = {"tp": 2, "sp": True, "ep": 8, "etp": 1, "dp_shard": 32, "pp": 1, "cp": 1}
+    result = search(MIXTRAL, cluster, global_batch_tokens=2**22, fixed=fixed)
+    line = next(x for x in explain(result) if x.startswith("Expert parallelism"))
+    assert "attention's all-gather / reduce-scatter pairs" in line
+    assert "all-reduces its 8 x 4096 gradient over the 2 TP ranks" in line
