@@ -16,6 +16,7 @@ from fivefold.planner.candidates import tp_choices
 from fivefold.planner.efficiency import published_runs
 from fivefold.planner.estimate import estimate
 from fivefold.planner.explain_levers import lever_words, levers_line
+from fivefold.planner.layer_costs import moe_tp_words
 from fivefold.planner.muon import muon_line
 from fivefold.planner.outcomes import TIE_FRACTION, SearchResult
 from fivefold.planner.quantities import gib, seconds
@@ -319,7 +320,7 @@ class _Explainer:
         text = (
             f"Expert parallelism: EP = {p.ep} puts {m.experts // p.ep} of the {m.experts} "
             f"experts on each rank (top-{m.top_k} routing, all-to-all dispatch and combine). "
-        ) + (self._moe_tensor_parallel() if p.tp > p.etp else "")
+        ) + (moe_tp_words(m, p) if p.tp > p.etp else "")
         ep_comm = [x for x in self.best.comm if x.kind == "ep"]
         if ep_comm:
             text += f"Its all-to-alls cost {seconds(ep_comm[0].exposed_s)} per step. "
@@ -330,20 +331,6 @@ class _Explainer:
             if wider is not None:
                 text += self.compare(f"EP = {wider}", ep=wider) + "."
         return text
-
-    def _moe_tensor_parallel(self) -> str:
-        """A MoE layer's TP collectives under geometry's expert rule (what `layer_costs`'s
-        `tp_collectives` and `router_grad_bytes` price)."""
-        p, m = self.plan, self.model
-        pairs = "attention's" + (" and the shared experts'" if m.shared_experts else "")
-        kind = "all-gather / reduce-scatter" if p.sp else "all-reduce"
-        return (
-            f"Each TP rank routes its 1/{p.tp} of the tokens to whole experts; a MoE layer's "
-            f"TP collectives are {pairs} {kind} pairs"
-            + ("" if p.sp else " and the routed output's all-gather")
-            + f", and the router (replicated over TP, on each rank's own tokens) all-reduces "
-            f"its {m.experts} x {m.hidden} gradient over the {p.tp} TP ranks in each backward. "
-        )
 
     def recompute(self) -> str:
         p, est = self.plan, self.best

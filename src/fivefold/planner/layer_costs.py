@@ -225,6 +225,21 @@ def router_grad_bytes(model: ModelSpec, e: float) -> float:
     return model.experts * model.hidden * e
 
 
+def moe_tp_words(model: ModelSpec, plan: ParallelPlan) -> str:
+    """The explanation's words for a MoE layer's TP collectives under geometry's expert rule
+    (what `tp_collectives` and `router_grad_bytes` price)."""
+    pairs = "attention's" + (" and the shared experts'" if model.shared_experts else "")
+    kind = "all-gather / reduce-scatter" if plan.sp else "all-reduce"
+    return (
+        f"Each TP rank routes its 1/{plan.tp} of the tokens to whole experts; a MoE layer's "
+        f"TP collectives are {pairs} {kind} pairs"
+        + ("" if plan.sp else " and the routed output's all-gather")
+        + f", and the router (replicated over TP, on each rank's own tokens) all-reduces "
+        f"its {model.experts} x {model.hidden} gradient over the {plan.tp} TP ranks in each "
+        "backward. "
+    )
+
+
 def _ep_costs(
     model: ModelSpec,
     key: ParallelPlan,
