@@ -23,7 +23,7 @@ from fivefold.planner.model_states import (
     local_kv_width,
 )
 from fivefold.planner.schedule import build_schedule
-from fivefold.specs.geometry import chunk_rank, moe_token_split
+from fivefold.specs.geometry import chunk_rank, expert_shard_degree, moe_token_split
 from fivefold.specs.model import ModelSpec
 from fivefold.specs.plan import ParallelPlan
 from fivefold.specs.precision import recipe
@@ -48,10 +48,11 @@ def eager_block_backward_excess(
     opts: MemoryOptions,
     other: dict[str, float],
 ) -> float:
-    """Bytes by which the peak inside the backward of the second-to-last block (at its
-    recomputed MLP activation's backward) exceeds the tensors `stage_memory` counts at the
-    loss: the block's saved tensors and gradients in flight, its gathered weights, the
-    prefetched block before it, the reduce-scatter input of the block after it and the head's
+    """Bytes by which the peak inside the backward of the second-to-last block exceeds the
+    tensors `stage_memory` counts at the loss: at its recomputed MLP activation's backward (the
+    block's saved tensors and gradients in flight, its gathered weights, the prefetched block
+    before it, the reduce-scatter input of the block after it) or, with routed experts wrapped
+    apart, at their gradient reduction (`_experts_reduce_bytes`); either with the head's
     gradient, less the forward's buffers, the final norm and the last block's input
     (`has_block_backward_peak`; derivation: docs/plan-check.md)."""
     rec = recipe(plan.precision)
@@ -71,22 +72,72 @@ def eager_block_backward_excess(
     width, copies = (model.expert_ffn / plan.etp, model.top_k) if moe else (model.ffn / t, 1)
     rows = sb / moe_token_split(plan) if moe else sb
     inputs = 2 if moe or model.mlp == "swiglu" else 1  # the activation's inputs (gate, up)
-    block = layer_activation_bytes(model, plan, moe, opts, recompute="none")
+    # The block's recomputed tensors, the gradient reaching its output, and under MoE less the
+    # k combined copies (their combine ran its backward).
+    saved = layer_activation_bytes(model, plan, moe, opts, recompute="none")
+    saved += e * sb * h / rdiv - (copies * e * rows * h if moe else 0.0)
     # The gradients of the down projection's input and of the activation's inputs are made
-    # (1 + inputs), the down projection's input is freed (-1), and under MoE the combined
-    # copies (their combine ran its backward).
-    block += inputs * e * rows * width * copies
-    block -= copies * e * rows * h if moe else 0.0
-    block += e * sb * h / rdiv  # the gradient reaching the block's output
+    # (1 + inputs), the down projection's input is freed (-1).
+    block = saved + inputs * e * rows * width * copies
     block += h * width * (model.experts / plan.ep if moe else 1) * weight_bytes  # down proj.
     lp = layer_params_per_rank(model, moe, t, plan.ep, plan.etp)
     unit = lp.dense + lp.replicated  # the block's own FSDP unit (routed experts: their own)
     gathered = unit * weight_bytes - fp8_gather_saving(model, plan)
-    units = gathered + lp.experts * weight_bytes
-    if behind:
-        units += gathered + unit * EAGER.fsdp_reduce_bytes
+    units = gathered * (2 if behind else 1)  # this block's, and the prefetched one before it
+    at_activation = block + units + lp.experts * weight_bytes
+    at_activation += unit * EAGER.fsdp_reduce_bytes if behind else 0.0
+    at_reduce = 0.0
+    if moe and (plan.ep > 1 or t > 1):  # routed experts are an FSDP unit of their own
+        expert_saved = copies * EAGER.swiglu_saved * e * rows * width  # freed by their backward
+        at_reduce = saved - expert_saved + units + _experts_reduce_bytes(plan, lp.experts, rec)
     head_grads = (embedding_params_per_rank(model, t) + h) * weight_bytes  # head, final norm
-    return block + units + head_grads - freed
+    return max(at_activation, at_reduce) + head_grads - freed
+
+
+def eager_experts_reduce_excess(
+    model: ModelSpec,
+    plan: ParallelPlan,
+    counts: list[int],
+    opts: MemoryOptions,
+    other: dict[str, float],
+) -> float:
+    """Bytes by which the peak while FSDP2 reduces the last block's routed experts (ZeRO-2/3
+    without a pipeline or full recompute, the experts an FSDP unit of their own: its first
+    gradient reduction of the backward, `_experts_reduce_bytes`) exceeds the tensors
+    `stage_memory` counts at the loss: with the head's and final norm's unsharded gradients and
+    the gradient reaching the block's output, less the forward's buffers, the final norm's
+    tensors and the experts' saved tensors (their backward ran). 0 where it does not apply."""
+    wrapped_apart = model.is_moe and (plan.ep > 1 or plan.tp > 1)
+    last_is_moe = wrapped_apart and model.layers - 1 >= model.dense_layers
+    if not last_is_moe or keeps_unsharded_grads(plan, opts) or plan.recompute == "full":
+        return 0.0
+    rec = recipe(plan.precision)
+    e, weight_bytes = rec.activation_bytes, compute_bytes(rec)
+    t, h = plan.tp, model.hidden
+    rdiv = t if plan.sp and t > 1 else 1
+    sb = plan.micro_batch * model.seq_len / plan.cp
+    rows, width = sb / moe_token_split(plan), model.expert_ffn / plan.etp
+    freed = sum(other.get(name, 0.0) for name in FORWARD_BUFFERS)
+    freed += eager_norm_bytes(model, e, sb, rdiv)
+    freed += model.top_k * e * rows * (EAGER.swiglu_saved * width + h)  # and combined copies
+    lp = layer_params_per_rank(model, True, t, plan.ep, plan.etp)
+    head_grads = (embedding_params_per_rank(model, t) + h) * weight_bytes  # head, final norm
+    made = _experts_reduce_bytes(plan, lp.experts, rec) + head_grads + e * sb * h / rdiv
+    return made - freed
+
+
+def _experts_reduce_bytes(plan: ParallelPlan, experts: float, rec) -> float:
+    """FSDP2's transient while it reduces a block's `experts` (parameters on the rank before
+    ZeRO): its reduce-dtype input (all of them), beside the unsharded gradients while they are
+    copied in, then beside its output (1/n of them over the n ranks of the expert ZeRO group),
+    and on one rank a third copy (`EagerProfile.fsdp_single_rank_divide_copy`). The gathered
+    experts are resharded and the block after's reduce-scatter input released before it."""
+    n = expert_shard_degree(plan)
+    reduce = EAGER.fsdp_reduce_bytes
+    after = reduce * (1 + 1 / n)
+    if n == 1 and EAGER.fsdp_single_rank_divide_copy:
+        after += reduce
+    return experts * max(compute_bytes(rec) + reduce, after)
 
 
 def eager_peak_activations(

@@ -16,6 +16,7 @@ from fivefold.planner.candidates import tp_choices
 from fivefold.planner.efficiency import published_runs
 from fivefold.planner.estimate import estimate
 from fivefold.planner.explain_levers import lever_words, levers_line
+from fivefold.planner.layer_costs import moe_tp_words
 from fivefold.planner.muon import muon_line
 from fivefold.planner.outcomes import TIE_FRACTION, SearchResult
 from fivefold.planner.quantities import gib, seconds
@@ -319,7 +320,7 @@ class _Explainer:
         text = (
             f"Expert parallelism: EP = {p.ep} puts {m.experts // p.ep} of the {m.experts} "
             f"experts on each rank (top-{m.top_k} routing, all-to-all dispatch and combine). "
-        ) + (f"Each TP rank routes its 1/{p.tp} of the tokens to whole experts. " * (p.tp > p.etp))
+        ) + (moe_tp_words(m, p) if p.tp > p.etp else "")
         ep_comm = [x for x in self.best.comm if x.kind == "ep"]
         if ep_comm:
             text += f"Its all-to-alls cost {seconds(ep_comm[0].exposed_s)} per step. "

@@ -163,7 +163,8 @@ def _tp_costs(
 ) -> tuple[float, float, float, float]:
     """(exposed fwd, exposed bwd, transfer time, bytes) of tensor parallelism for one layer:
     2 collectives forward, 2 backward, 2 more with full recompute (a MoE layer's count:
-    `tp_collectives`). With SP each is an all-gather and a reduce-scatter; tensorwise FP8
+    `tp_collectives`, and its router's gradient all-reduce backward, `router_grad_bytes`).
+    With SP each is an all-gather and a reduce-scatter; tensorwise FP8
     all-gathers 1 byte per element where torchao's float8 styles cast before the gather
     (`fp8_tensor_parallel`: the inputs forward, the rowwise outputs' gradients backward), the
     reduce-scatters move the partial sums in `e`."""
@@ -186,6 +187,9 @@ def _tp_costs(
         forward = backward = [both] * pairs
     lone = (all_gather_time_s(size * e, t, link), all_gather_bytes(size * e, t))
     forward, backward = forward + [lone] * gathers, backward + [lone] * gathers
+    if moe and expert_tp(key) == 1:  # the router's gradient: a partial sum of own tokens
+        grad = router_grad_bytes(model, e)
+        backward = [*backward, (all_reduce_time_s(grad, t, link), all_reduce_bytes(grad, t))]
     if key.recompute == "full":
         backward = backward + forward
     fwd, bwd = sum(c[0] for c in forward), sum(c[0] for c in backward)
@@ -211,6 +215,29 @@ def tp_collectives(model: ModelSpec, key: ParallelPlan, moe: bool) -> tuple[int,
         return 2, 0
     pairs = 1 + (1 if model.shared_experts else 0)
     return pairs, 0 if key.sp else 1
+
+
+def router_grad_bytes(model: ModelSpec, e: float) -> float:
+    """Bytes of a MoE layer's router gradient [E, h] in the compute dtype (`e` bytes), which
+    each TP rank makes from its own tokens under geometry's expert rule (the router replicated,
+    `ReplicatedOwnTokens`): a partial sum that FSDP's gradient reduction first all-reduces over
+    the TP group (DTensor's Partial to Replicate), once per backward of the layer."""
+    return model.experts * model.hidden * e
+
+
+def moe_tp_words(model: ModelSpec, plan: ParallelPlan) -> str:
+    """The explanation's words for a MoE layer's TP collectives under geometry's expert rule
+    (what `tp_collectives` and `router_grad_bytes` price)."""
+    pairs = "attention's" + (" and the shared experts'" if model.shared_experts else "")
+    kind = "all-gather / reduce-scatter" if plan.sp else "all-reduce"
+    return (
+        f"Each TP rank routes its 1/{plan.tp} of the tokens to whole experts; a MoE layer's "
+        f"TP collectives are {pairs} {kind} pairs"
+        + ("" if plan.sp else " and the routed output's all-gather")
+        + f", and the router (replicated over TP, on each rank's own tokens) all-reduces "
+        f"its {model.experts} x {model.hidden} gradient over the {plan.tp} TP ranks in each "
+        "backward. "
+    )
 
 
 def _ep_costs(

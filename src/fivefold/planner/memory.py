@@ -20,6 +20,7 @@ from fivefold.planner.buffers import other_terms
 from fivefold.planner.eager_memory import (
     eager_accumulated_grads,
     eager_block_backward_excess,
+    eager_experts_reduce_excess,
     eager_peak_activations,
     has_block_backward_peak,
     split_backward_bytes,
@@ -121,6 +122,8 @@ def stage_memory(
         if has_block_backward_peak(plan, opts):
             working = max(working, eager_block_backward_excess(model, plan, counts, opts, other))
         acts += working
+    if opts.eager and len(counts) - 1 in chunks:
+        acts += max(0.0, eager_experts_reduce_excess(model, plan, counts, opts, other))
     if not opts.eager:
         tensors = state.total + acts + sum(other.values())
         other["fragmentation"] = opts.fragmentation_fraction * tensors

@@ -53,6 +53,9 @@ class EagerProfile:
     # FSDP2's reduce dtype under bf16 compute (`MixedPrecisionPolicy(reduce_dtype=fp32)`): the
     # gradient shards, and the unsharded gradients it accumulates across micro-batches.
     fsdp_reduce_bytes: float = 4.0
+    # FSDP2 on a one-rank mesh (routed experts whose ZeRO group is 1) has no reduce-scatter: it
+    # copies `input / divide_factor` into its output, a third reduce-dtype copy beside both.
+    fsdp_single_rank_divide_copy: bool = True
 
 
 EAGER = EagerProfile()
