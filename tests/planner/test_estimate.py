@@ -228,8 +228,8 @@ def test_parameter_gather_hides_behind_first_forward_and_warm_up():
     from fivefold.planner.efficiency import efficiency_model
     from fivefold.planner.layer_costs import layer_cost_key
     from fivefold.planner.model_states import chunk_layers
-    from fivefold.planner.partition import stage_layer_counts
     from fivefold.planner.rank_tail import rank_tails
+    from fivefold.specs.partition import stage_layer_counts
 
     model = model_preset("llama3-70b").with_(seq_len=2048)
     cluster = cluster_preset("dgx-h100", 128)  # dp groups of tp = 8: one GPU per node
@@ -270,8 +270,8 @@ def _tails(model, plan, cluster):
     from fivefold.planner.efficiency import efficiency_model
     from fivefold.planner.layer_costs import layer_cost_key
     from fivefold.planner.model_states import chunk_layers
-    from fivefold.planner.partition import stage_layer_counts
     from fivefold.planner.rank_tail import rank_tails
+    from fivefold.specs.partition import stage_layer_counts
 
     opts, eff = PlannerOptions(), efficiency_model()
     n = plan.pp * plan.vpp

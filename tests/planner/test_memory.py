@@ -15,8 +15,8 @@ from fivefold.planner.model_states import (
     model_state_bytes,
     zero_divisors,
 )
-from fivefold.planner.partition import stage_layer_counts
 from fivefold.specs import ModelSpec, ParallelPlan, model_preset, param_count
+from fivefold.specs.partition import stage_layer_counts
 
 CLASSIC = MemoryOptions(attention_kernel="classic", dropout=True)
 

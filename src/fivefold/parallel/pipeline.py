@@ -1,7 +1,7 @@
 """Pipeline parallelism: the model cut into stages, run by `torch.distributed.pipelining`.
 
 - `split_model_for_pipeline(model, plan, pp_rank)`: the chunks (virtual stages) this rank owns.
-  The cut is the planner's (`fivefold.planner.partition.stage_layer_counts`: balanced by forward
+  The cut is the planner's (`fivefold.specs.partition.stage_layer_counts`: balanced by forward
   FLOPs with the LM head counted on the last stage), and so is the placement
   (`fivefold.specs.geometry.chunks_of_rank`: chunk c on rank c % pp, or the V of zbv/dualpipev).
   A chunk is a copy of the `Transformer` without the parts it does not own, so its parameter
@@ -48,8 +48,8 @@ from torch.distributed.pipelining import PipelineStage, schedules
 from torch.distributed.tensor import DTensor
 
 from fivefold.model.loss import IGNORE_INDEX, cross_entropy_loss, head_loss
-from fivefold.planner.partition import stage_layer_counts
 from fivefold.specs.geometry import ONE_CHUNK_PER_RANK, ScheduleName, chunks_of_rank
+from fivefold.specs.partition import stage_layer_counts
 from fivefold.specs.plan import ParallelPlan
 
 SCHEDULE_CLASSES = {

@@ -37,10 +37,10 @@ from fivefold.planner.memory import all_stage_memory
 from fivefold.planner.memory_options import MemoryOptions
 from fivefold.planner.model_states import chunk_state_bytes
 from fivefold.planner.options import PlannerOptions
-from fivefold.planner.partition import stage_layer_counts
 from fivefold.specs.cluster import ClusterSpec
 from fivefold.specs.geometry import chunks_of_rank, is_v_shaped
 from fivefold.specs.model import ModelSpec
+from fivefold.specs.partition import stage_layer_counts
 from fivefold.specs.plan import ParallelPlan
 
 

@@ -31,7 +31,6 @@ from fivefold.planner.model_states import (
     chunk_layers,
 )
 from fivefold.planner.options import PlannerOptions
-from fivefold.planner.partition import stage_layer_counts
 from fivefold.planner.rank_tail import Tail, rank_tails
 from fivefold.planner.rates import rates_for
 from fivefold.planner.schedule import build_schedule
@@ -44,6 +43,7 @@ from fivefold.specs.geometry import (
 from fivefold.specs.hardware import GPUSpec
 from fivefold.specs.model import ModelSpec
 from fivefold.specs.optimizer import optimizer_plan_problems
+from fivefold.specs.partition import stage_layer_counts
 from fivefold.specs.plan import ParallelPlan
 from fivefold.specs.precision import recipe
 from fivefold.units import GiB

@@ -27,9 +27,9 @@ from fivefold.planner.eager_memory import (
 )
 from fivefold.planner.memory_options import MemoryOptions
 from fivefold.planner.model_states import Tenants, chunk_state
-from fivefold.planner.partition import stage_layer_counts
 from fivefold.specs.geometry import chunks_of_rank
 from fivefold.specs.model import ModelSpec
+from fivefold.specs.partition import stage_layer_counts
 from fivefold.specs.plan import ParallelPlan
 from fivefold.specs.precision import recipe
 from fivefold.units import GiB

@@ -1,6 +1,6 @@
 """How a model's layers are split over pipeline stages (virtual stages with interleaving).
 
-Details: docs/internals.md (`fivefold.planner.partition`).
+Details: docs/internals.md (`fivefold.specs.partition`).
 """
 
 from __future__ import annotations
