@@ -121,3 +121,18 @@ def test_a_recipes_batch_is_the_same_to_plan_estimate_and_to_train(tmp_path, cap
     flags = ["--gpus", "1", "--global-batch", "16", "--json"]
     assert main(["plan", "estimate", str(path), *flags]) == 0
     assert json.loads(capsys.readouterr().out)["plan"]["grad_accum"] == 4
+
+
+def test_train_flags_and_auto_plan_write_toml_through_the_one_writer():
+    """`--name` with quotes and backslashes reaches [train] as typed (once written between bare
+    quotes, it broke the override); plan values from `--plan auto` are written the same way."""
+    import argparse
+
+    from fivefold.cli.cmd_train import _flag_overrides, add_arguments
+    from fivefold.specs.recipe import parse_overrides
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    name = 'run "A" \\ 2'
+    args = parser.parse_args(["recipe.toml", "--name", name])
+    assert parse_overrides(_flag_overrides(args))["train"]["name"] == name

@@ -19,6 +19,7 @@ from fivefold.planner.search import search
 from fivefold.specs.optimizer import OPTIMIZERS
 from fivefold.specs.profile import default_profile_path
 from fivefold.specs.recipe import cluster_from_dict, dump_recipe, model_from_dict, plan_from_dict
+from fivefold.specs.toml_text import toml_value
 from fivefold.train.entry import (
     FRESH_HELP,
     RESUME_HELP,
@@ -194,7 +195,7 @@ def _flag_overrides(args: argparse.Namespace) -> list[str]:
     if args.steps is not None:
         out.append(f"train.steps={args.steps}")
     if args.name is not None:
-        out.append(f'train.name="{args.name}"')
+        out.append(f"train.name={toml_value(args.name)}")
     if args.no_progress:
         out.append("train.progress=false")
     return out
@@ -244,7 +245,7 @@ def auto_plan_overrides(recipe_path: str | None, overrides: list[str], nproc: in
         f"--plan auto: {result.best_plan.describe()} (planned for {nproc} x "
         f"{cluster.device.name}, {cluster.name})"
     )
-    return [f"plan.{key}={_toml(value)}" for key, value in result.best_plan.to_dict().items()]
+    return [f"plan.{key}={toml_value(value)}" for key, value in result.best_plan.to_dict().items()]
 
 
 def planner_section_settings(data: dict, device):
@@ -262,14 +263,6 @@ def planner_section_settings(data: dict, device):
             f"predictions model fivefold's own runtime (profile {DEFAULT_PROFILE!r})."
         )
     return settings
-
-
-def _toml(value: object) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return f'"{value}"'
-    return repr(value)
 
 
 def handle(args: argparse.Namespace) -> int:
