@@ -523,3 +523,19 @@ def test_compiled_flex_is_measured_where_calibrate_has_time_for_its_compiles(mon
     assert len([s for s in shapes[True] if s[0] == "varlen"]) == len(grid) == 5
     flex_full = [s for s in shapes[False] if s[0] == "flex"]
     assert flex_full == [("flex", 4, s // 4) for s in (1024, 4096, 16384, 65536) for _ in "dd"]
+
+
+def test_calibrate_ranks_take_their_device_from_the_runtimes_rule(monkeypatch):
+    """One GPU per spawned rank or none: cuda:RANK made current, else cpu (`parallel/device.py`,
+    the rule training uses; checked on CPU with a monkeypatched torch.cuda)."""
+    import torch
+
+    from fivefold.parallel.device import device_setting_for, pick_device
+
+    current = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", current.append)
+    for gpus, world, expected in ((8, 4, "cuda:3"), (2, 4, "cpu"), (0, 1, "cpu")):
+        monkeypatch.setattr(torch.cuda, "device_count", lambda n=gpus: n)
+        assert str(pick_device(device_setting_for(world), rank=world - 1)) == expected
+    assert [str(d) for d in current] == ["cuda:3"]

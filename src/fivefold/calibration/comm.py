@@ -46,6 +46,7 @@ from fivefold.calibration.bandwidth import measure_bandwidth
 from fivefold.calibration.timing import QUICK, Budget
 from fivefold.errors import ConfigError
 from fivefold.launch.host_memory import keep_freed_memory
+from fivefold.parallel.device import device_setting_for, pick_device
 from fivefold.specs.profile import (
     COLLECTIVES,
     Collective,
@@ -221,11 +222,9 @@ def _worker(
 ) -> None:
     try:
         keep_freed_memory()
-        cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world
-        device = torch.device(f"cuda:{rank}" if cuda else "cpu")
-        if cuda:
-            torch.cuda.set_device(device)
-        else:
+        device = pick_device(device_setting_for(world), rank)
+        cuda = device.type == "cuda"
+        if not cuda:
             torch.set_num_threads(threads_per_rank(world, available_cores()))
         dist.init_process_group(
             "nccl" if cuda else "gloo",

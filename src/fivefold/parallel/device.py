@@ -38,16 +38,24 @@ def uses_cuda(setting: str) -> bool:
     return available if setting in DEVICE_SETTINGS else False
 
 
-def pick_device(setting: str) -> torch.device:
-    """`train.device = setting` as a torch device: cuda:LOCAL_RANK (made the current device)
-    when `uses_cuda`, else cpu."""
+def pick_device(setting: str, rank: int | None = None) -> torch.device:
+    """`train.device = setting` as a torch device: cuda:RANK (made the current device; RANK is
+    `rank`, else LOCAL_RANK) when `uses_cuda`, else cpu."""
     import torch
 
     if not uses_cuda(setting):
         return torch.device("cpu")
-    device = torch.device("cuda", local_rank())
+    device = torch.device("cuda", local_rank() if rank is None else rank)
     torch.cuda.set_device(device)
     return device
+
+
+def device_setting_for(processes: int) -> str:
+    """ "auto" when this machine has a GPU for each of `processes` local processes, else "cpu"
+    (spawned helpers such as `fivefold calibrate`'s ranks, which run wherever they fit)."""
+    import torch
+
+    return "auto" if torch.cuda.device_count() >= processes else "cpu"
 
 
 def local_rank() -> int:
