@@ -50,6 +50,7 @@ def test_presets_offer_every_spec_choice(client):
     assert data["clusters"]["dgx-h100"]["intra_node_bw"] == 900e9
     assert data["gpus"]["h100-sxm"]["hbm_gib"] == 80.0
     assert data["schedules"] == ["gpipe", "1f1b", "interleaved-1f1b", "zbv", "dualpipev"]
+    assert data["mesh_order"] == ["pp", "dp_replicate", "dp_shard", "cp", "tp"]  # the hint's order
 
 
 def test_estimate_equals_the_planner(client):

@@ -49,7 +49,7 @@ from fivefold.planner.search import search
 from fivefold.planner.uncertainty import risk_problems
 from fivefold.specs.batch import grad_accum_for, grad_accum_problem
 from fivefold.specs.cluster import CLUSTER_PRESETS, ClusterSpec
-from fivefold.specs.geometry import RECOMPUTE_POLICIES
+from fivefold.specs.geometry import MESH_ORDER, RECOMPUTE_POLICIES
 from fivefold.specs.hardware import GPU_ALIASES, GPUS, gpu
 from fivefold.specs.model import ModelSpec, param_count
 from fivefold.specs.plan import CP_KINDS, SCHEDULES, ParallelPlan
@@ -459,6 +459,7 @@ def presets_view() -> dict[str, Any]:
             },
             "gpu_aliases": dict(GPU_ALIASES),
             "schedules": list(SCHEDULES),
+            "mesh_order": [axis.value for axis in MESH_ORDER],
             "cp_kinds": list(CP_KINDS),
             "recompute": list(RECOMPUTE_POLICIES),
             "precisions": {name: r.description for name, r in RECIPES.items()},

@@ -397,7 +397,8 @@ function showProblems(problems) {
 function updateHints() {
   const num = (name) => Number(field(name).value);
   const gpus = num("cluster.nodes") * num("cluster.gpus_per_node");
-  const degrees = ["pp", "dp_replicate", "dp_shard", "cp", "tp"].map((a) => [a, num(`plan.${a}`)]);
+  const axes = state.presets ? state.presets.mesh_order : [];  // outer to inner, as the mesh
+  const degrees = axes.map((a) => [a, num(`plan.${a}`)]);
   const product = degrees.reduce((acc, [, v]) => acc * v, 1);
   const hint = $("#degree-product");
   hint.textContent = "";
