@@ -1,10 +1,13 @@
-"""Which kernels calibrate times from cold caches: GEMMs warm on a CPU, everything cold on a GPU."""
+"""Calibrate times kernels as a run runs them: a CPU's GEMMs with warm caches (a GPU's and the
+other kernels cold), and AdamW with the kernel training picks."""
 
 from __future__ import annotations
 
 import torch
 
-from fivefold.calibration import matmul, timing
+from fivefold.calibration import bandwidth, matmul, timing
+from fivefold.specs.presets import model_preset
+from fivefold.train.optim import kernel_choice
 
 
 def _count_flushes(monkeypatch) -> list[int]:
@@ -33,3 +36,22 @@ def test_gpu_gemms_stay_cold(monkeypatch):
     assert timing.gemm_caches_cold() is False
     monkeypatch.setattr(timing, "_device", torch.device("cuda"))
     assert timing.gemm_caches_cold() is True
+
+
+def test_the_optimizer_is_timed_with_the_kernel_training_uses(monkeypatch):
+    built = []
+    adamw = torch.optim.AdamW
+
+    def recording(params, **kwargs):
+        built.append((list(params), kwargs))
+        return adamw(built[-1][0], **kwargs)
+
+    monkeypatch.setattr(torch.optim, "AdamW", recording)
+    model = model_preset("tiny").with_(layers=1)
+    seconds, params = bandwidth.optimizer_time_s(model, timing.Budget(1, 1, 0.0))
+    ((tensors, kwargs),) = built
+    assert seconds > 0 and params == sum(t.numel() for t in tensors)
+    assert kwargs["fused"] is True  # on a CPU, as training builds it
+    assert {k: v for k, v in kwargs.items() if k in ("fused", "foreach")} == kernel_choice(
+        [{"params": tensors}]
+    )
