@@ -14,11 +14,14 @@ not run with experts) on gloo ranks with the real runtime and training loop
 (`plan_vs_run.measure`: one thread per rank, the runtime's own step timing, the median over the
 steps no memory counter runs on), `--steps` steps each.
 
-Prints per row the predicted and measured step (ms), the error, the load average (1 min)
-before and after the row, and what the device model read beyond its measured shapes for the
-shape (`fivefold.planner.rate_coverage`); then per layout kind the mean and worst |error|, and
-over all rows. Step times depend on the machine's load: compare rows measured at similar load,
-and quote the load with the figures. About 8 min for everything on an idle 2-core machine.
+Prints per row the predicted and measured step (ms), the error, the same against the busiest
+rank's CPU time of the timed step (`plan_vs_run`: on a loaded machine the wall clock counts the
+time other processes took, the CPU clock does not; a rank's waits for its peers are in the wall
+time only), the load average (1 min) before and after the row, and what the device model read
+beyond its measured shapes for the shape (`fivefold.planner.rate_coverage`); then per layout
+kind the mean and worst |error|, and over all rows, against the wall clock and the CPU clock.
+Step times depend on the machine's load: compare rows measured at similar load, and quote the
+load with the figures. About 8 min for everything on an idle 2-core machine.
 """
 
 from __future__ import annotations
@@ -140,14 +143,15 @@ def pct(x: float | None) -> str:
     return f"{x * 100:+7.1f}%" if x is not None else f"{'n/a':>8}"
 
 
-def by_kind(rows: list[dict]) -> list[str]:
-    """Mean and worst |error| per layout kind, then over every row."""
-    lines = [f"{'layout kind':<14} {'rows':>4} {'mean |err|':>10} {'worst':>8}"]
+def by_kind(rows: list[dict], key: str = "error") -> list[str]:
+    """Mean and worst |`key`| (the wall-clock "error" or the CPU-clock "cpu_error") per layout
+    kind, then over every row."""
+    lines = [f"{'layout kind':<14} {'rows':>4} {'mean |err|':>10} {'worst':>8}   ({key})"]
     kinds = dict.fromkeys(r["kind"] for r in rows)
     for kind in [*kinds, "all"]:
-        errors = [abs(r["error"]) for r in rows if r["error"] is not None]
+        errors = [abs(r[key]) for r in rows if r.get(key) is not None]
         if kind != "all":
-            errors = [abs(r["error"]) for r in rows if r["kind"] == kind and r["error"] is not None]
+            errors = [abs(r[key]) for r in rows if r["kind"] == kind and r.get(key) is not None]
         if errors:
             mean, worst = statistics.mean(errors) * 100, max(errors) * 100
             lines.append(f"{kind:<14} {len(errors):>4} {mean:9.1f}% {worst:7.1f}%")
@@ -170,6 +174,8 @@ def run_row(shape: Shape, kind: str, layout: Layout, steps: int) -> dict:
         "measured_step_s": worst["measured_step_s"],
         "error": worst["step_error"],
         "memory_error": worst["memory_error"],
+        "measured_cpu_s": worst["measured_cpu_s"],
+        "cpu_error": worst["cpu_error"],
         "load_before": before,
         "load_after": after,
         "wall_s": time.perf_counter() - started,
@@ -206,8 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     for shape in shapes:
         print(f"# {shape.describe()}\n#   {extrapolated(shape)}", flush=True)
     print(
-        f"{'row':<24} {'pred ms':>9} {'meas ms':>9} {'error':>8} {'mem err':>8} "
-        f"{'load before':>11} {'after':>6}",
+        f"{'row':<24} {'pred ms':>9} {'meas ms':>9} {'error':>8} {'cpu ms':>8} {'error':>8} "
+        f"{'mem err':>8} {'load before':>11} {'after':>6}",
         flush=True,
     )
     rows = []
@@ -217,10 +223,12 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{layout.name:<24} {row['predicted_step_s'] * 1e3:9.1f} "
             f"{row['measured_step_s'] * 1e3:9.1f} {pct(row['error'])} "
+            f"{(row['measured_cpu_s'] or 0.0) * 1e3:8.1f} {pct(row['cpu_error'])} "
             f"{pct(row['memory_error'])} {row['load_before']:11.2f} {row['load_after']:6.2f}",
             flush=True,
         )
     print("\n".join(by_kind(rows)))
+    print("\n".join(by_kind(rows, "cpu_error")))
     if args.json:
         with open(args.json, "w") as out:
             json.dump({"rows": rows}, out, indent=2)

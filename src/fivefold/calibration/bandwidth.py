@@ -21,6 +21,7 @@ from fivefold.calibration.timing import (
 from fivefold.model.loss import cross_entropy_loss
 from fivefold.model.norms import RMSNorm
 from fivefold.model.rope import apply_rope, rope_cos_sin
+from fivefold.model.torch_features import adamw_kernel
 from fivefold.model.transformer import TransformerBlock
 from fivefold.planner.compute import (
     ComputeOptions,
@@ -87,9 +88,11 @@ OPTIMIZER_MAX_PARAMS = 16_000_000  # cap on the parameters the optimizer benchma
 
 
 def optimizer_time_s(model: ModelSpec, budget: Budget) -> tuple[float, int]:
-    """(seconds, parameters) of AdamW (foreach, as training runs it) with gradient clipping and
-    zeroing over tensors shaped like the model's: the embedding, the head and as many blocks as
-    fit under `OPTIMIZER_MAX_PARAMS` (per-tensor costs matter for small models)."""
+    """(seconds, parameters) of AdamW with gradient clipping and zeroing, its kernel chosen as
+    training chooses it (`adamw_kernel`: fused on a CPU too; until 2026-11-28 foreach there,
+    3.5x the fused step's time), over tensors shaped like the model's: the embedding, the head
+    and as many blocks as fit under `OPTIMIZER_MAX_PARAMS` (per-tensor costs matter for small
+    models)."""
     block = [tuple(p.shape) for p in TransformerBlock(0, model).parameters()]
     per_block = sum(math.prod(s) for s in block)
     ends = [(model.vocab, model.hidden), (model.vocab, model.hidden), (model.hidden,)]
@@ -100,9 +103,7 @@ def optimizer_time_s(model: ModelSpec, budget: Budget) -> tuple[float, int]:
     for p in params:
         p.requires_grad_(True)
         p.grad = randn_on_device(gen, *p.shape)
-    cuda = measured_device().type == "cuda"
-    fused = {"fused": True} if cuda else {}  # as training runs it there
-    opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, **fused)
+    opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, **adamw_kernel(params))
 
     def step() -> None:
         torch.nn.utils.clip_grad_norm_(params, 1.0)

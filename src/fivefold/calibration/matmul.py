@@ -7,6 +7,7 @@ import torch
 from fivefold.calibration.timing import (
     TORCH_DTYPES,
     Budget,
+    gemm_caches_cold,
     measured_device,
     randn_on_device,
     typical_time_s,
@@ -128,7 +129,7 @@ def measure_matmul(shape: tuple, dtype: str, threads: int, budget: Budget) -> Ma
         if dtype == "fp8"
         else _operands(m, n, k, layout, TORCH_DTYPES[dtype])
     )
-    seconds = typical_time_s(fn, budget)
+    seconds = typical_time_s(fn, budget, gemm_caches_cold())
     return Matmul(dtype, threads, m, n, k, layout, 2.0 * m * n * k / seconds)
 
 
@@ -175,7 +176,7 @@ def measure_grouped(shape: tuple, dtype: str, threads: int, budget: Budget) -> l
     out = []
     for layout in LAYOUTS:
         fn = _grouped_operands(groups, tokens, n, k, layout, TORCH_DTYPES[dtype])
-        seconds = typical_time_s(fn, budget)
+        seconds = typical_time_s(fn, budget, gemm_caches_cold())
         flops = 2.0 * rows * n * k
         out.append(GroupedMatmul(dtype, threads, groups, rows, n, k, layout, flops / seconds))
     return out

@@ -148,6 +148,16 @@ FEATURES: dict[str, tuple[str, str, Callable[[], bool]]] = {
 }
 
 
+FUSED_ADAMW_DEVICE_TYPES = ("cpu", "cuda")  # where torch 2.11-2.13 have a fused AdamW kernel
+
+
+def adamw_kernel(params: list[torch.Tensor]) -> dict[str, bool]:
+    """AdamW's kernel for `params`, as training and calibration build it: {"fused": True} when
+    every parameter is a float tensor on a fused-capable device, else {"foreach": True}."""
+    fused = all(p.device.type in FUSED_ADAMW_DEVICE_TYPES and p.is_floating_point() for p in params)
+    return {"fused": True} if fused else {"foreach": True}
+
+
 @functools.cache
 def available(key: str) -> bool:
     """Whether this torch has feature `key` (cached: the installation does not change)."""

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from fivefold.errors import ConfigError
+from fivefold.model.torch_features import adamw_kernel
 from fivefold.parallel.float8 import float8_problems, needs_scale_precompute, precompute_scales
 from fivefold.parallel.lowbit import compiler_problems, lowbit_adamw_class, torchao_problems
 from fivefold.parallel.offload import HostOffloadOptimizer
@@ -54,15 +55,10 @@ def param_groups(
     return [g for g in groups if g["params"]]
 
 
-FUSED_DEVICE_TYPES = ("cpu", "cuda")  # where torch 2.13 has a fused AdamW kernel
-
-
 def kernel_choice(groups: list[dict]) -> dict[str, bool]:
     """{"fused": True} when every parameter is a float tensor on a fused-capable device, else
-    {"foreach": True}."""
-    params = [p for group in groups for p in group["params"]]
-    fused = all(p.device.type in FUSED_DEVICE_TYPES and p.is_floating_point() for p in params)
-    return {"fused": True} if fused else {"foreach": True}
+    {"foreach": True} (`torch_features.adamw_kernel`)."""
+    return adamw_kernel([p for group in groups for p in group["params"]])
 
 
 def lever_problems(plan: ParallelPlan, device: torch.device) -> list[str]:
