@@ -27,3 +27,19 @@ def test_every_caller_gives_the_rules_answer():
     assert grad_accum_steps(1024, 2, 8) == 64
     with pytest.raises(ConfigError, match="such as 992 or 1008"):
         grad_accum_steps(1000, 2, 8)
+
+
+def test_a_partial_layout_is_completed_by_the_planners_defaults():
+    from fivefold.planner.layout_defaults import complete_layout
+    from fivefold.specs.cluster import cluster_preset
+    from fivefold.specs.presets import model_preset
+
+    model, cluster = model_preset("llama3-8b"), cluster_preset("dgx-h100", 16)
+    values = complete_layout({"tp": 2}, model, cluster)
+    # 16 GPUs / tp 2 = dp 8, ZeRO-1 over all 8, SP with TP; 4M tokens / 8192 = 512 sequences
+    assert values == {"tp": 2, "zero": 1, "dp_shard": 8, "dp_replicate": 1, "sp": True,
+                      "grad_accum": 64}  # fmt: skip
+    pinned = complete_layout({"pp": 2, "schedule": "zbv"}, model, cluster, dp=8, dp_shard=2)
+    assert (pinned["dp_shard"], pinned["dp_replicate"], pinned["vpp"]) == (2, 4, 2)
+    with pytest.raises(ConfigError, match="such as 992 or 1008"):
+        complete_layout({}, model, cluster, batch=(None, 1001))

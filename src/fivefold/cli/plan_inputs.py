@@ -4,7 +4,6 @@ its flags and recipe (flags win over the recipe); nothing here imports torch."""
 from __future__ import annotations
 
 import argparse
-import math
 from pathlib import Path
 from typing import Any
 
@@ -22,13 +21,12 @@ from fivefold.cli.plan_mixture import plan_mixture
 from fivefold.errors import ConfigError
 from fivefold.planner.budget import budget_inputs
 from fivefold.planner.frameworks import planner_settings
+from fivefold.planner.layout_defaults import complete_layout
 from fivefold.planner.options import OPTION_HELP
-from fivefold.planner.outcomes import batch_target
 from fivefold.planner.request import (
     MAX_BATCH_SEQUENCES,
     PlanRequest,
 )
-from fivefold.specs.batch import grad_accum_for, grad_accum_problem
 from fivefold.specs.cluster import (
     CLUSTER_PRESETS,
     ClusterSpec,
@@ -36,7 +34,6 @@ from fivefold.specs.cluster import (
     profile_cluster,
     require_hbm,
 )
-from fivefold.specs.geometry import is_v_shaped
 from fivefold.specs.hardware import gpu as gpu_lookup
 from fivefold.specs.plan import ParallelPlan
 from fivefold.specs.precision import RECIPES
@@ -361,36 +358,15 @@ def layout_from_args(
         if len(precisions) > 1:
             raise ConfigError("plan estimate costs one layout: give one --precision recipe.")
         values["precision"] = precisions[0]
-    tp, pp, cp = (values.get(k, 1) for k in ("tp", "pp", "cp"))
-    if "dp" in pins or not ({"dp_replicate", "dp_shard"} & set(values)):
-        inner = tp * pp * cp
-        if cluster.world_size % inner:
-            raise ConfigError(
-                f"tp {tp} x pp {pp} x cp {cp} = {inner} does not divide the "
-                f"{cluster.world_size} GPUs; change a degree or --gpus."
-            )
-        dp = pins.get("dp", cluster.world_size // inner)
-        zero = values.setdefault("zero", 1 if dp * cp > 1 else 0)
-        shard = pins.get("dp_shard", dp if zero else 1)
-        if dp % shard:
-            raise ConfigError(f"--dp-shard = {shard} must divide the data-parallel degree {dp}.")
-        values["dp_shard"], values["dp_replicate"] = shard, dp // shard
-    values.setdefault("sp", values.get("tp", 1) > 1)
-    if is_v_shaped(values.get("schedule", ""), values.get("pp", 1)):
-        values.setdefault("vpp", 2)
-    tokens, seqs = batch_from_args(args)
-    if "grad_accum" not in values and tokens is None and seqs is None and has_recipe(args):
-        # A recipe's batch is the one `fivefold train` runs: grad_accum at its default.
-        values["grad_accum"] = ParallelPlan().grad_accum
-    if "grad_accum" not in values:
-        target = batch_target(model, tokens, seqs)
-        mbs = values.get("micro_batch", 1)
-        dp = values["dp_replicate"] * values["dp_shard"]
-        stated = tokens is not None or seqs is not None  # met exactly; the default: the nearest
-        accum = grad_accum_for(target.sequences, mbs, dp, 0.0 if stated else math.inf)
-        if accum is None:
-            raise ConfigError(grad_accum_problem(target.sequences, mbs, dp, "the global batch"))
-        values["grad_accum"] = accum
+    complete_layout(
+        values,
+        model,
+        cluster,
+        dp=pins.get("dp"),
+        dp_shard=pins.get("dp_shard"),
+        batch=batch_from_args(args),
+        recipe_batch=has_recipe(args),
+    )
     plan = build(ParallelPlan, values, "plan", problems)
     if problems or plan is None:
         raise ConfigError(problems or ["[plan]: cannot build the layout."])
