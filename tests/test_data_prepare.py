@@ -3,8 +3,12 @@ checksums, and uint32 shards for vocabularies past 65,536 tokens."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +21,7 @@ from fivefold.cli.main import main as cli_main
 from fivefold.errors import DataError
 from fivefold.train.data import TokenShards, prepare_shards, train_tokenizer
 from fivefold.train.data.prepare import pieces_of
+from fivefold.train.data.prepare_piece import Piece
 from fivefold.train.data.tokenizer import TextTokenizer
 
 WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota"]
@@ -111,6 +116,58 @@ def test_parallel_pieces_give_the_same_stream_and_shards_as_one_process(tok, ref
         TokenShards(two).manifest["document_lengths"]
         == TokenShards(ref).manifest["document_lengths"]
     )
+
+
+def test_shard_files_hold_each_documents_ids_then_the_end_token_little_endian(
+    tok, reference, tmp_path
+):
+    # The bytes of every shard file and its checksums, derived by hand from `encode`: pieces of
+    # 4 KiB (2 workers write the same: the test above), cut into files of at most 400 tokens.
+    texts, _ = reference
+    path = write_jsonl(tmp_path / "d.jsonl", texts)
+    out = prepare_shards([path], tmp_path / "o", tok, workers=1, piece_bytes=4096, shard_tokens=400)
+    shards = TokenShards(out).manifest["shards"]
+    assert len(shards) > len(pieces_of([path], piece_bytes=4096))  # pieces cut into files
+    left = [[*tok.encode(t), tok.eod_id] for t in texts]
+    for shard in shards:
+        doc_ids, left = left[: shard["num_documents"]], left[shard["num_documents"] :]
+        tokens = np.asarray([i for d in doc_ids for i in d], dtype="<u2").tobytes()
+        offsets = np.cumsum([0, *map(len, doc_ids)], dtype="<i8").tobytes()
+        assert (out / shard["tokens"]).read_bytes() == tokens
+        assert (out / shard["offsets"]).read_bytes() == offsets
+        assert shard["num_tokens"] == len(tokens) // 2 <= 400
+        blake = lambda data: hashlib.blake2b(data, digest_size=16).hexdigest()  # noqa: E731
+        assert shard["tokens_blake2b"] == blake(tokens)
+        assert shard["offsets_blake2b"] == blake(offsets)
+    assert left == []
+
+
+def test_a_worker_starts_without_numpy_or_the_rest_of_the_package(tok, reference, tmp_path):
+    # A spawned worker's imports cost CPU in every worker (numpy and fivefold.specs: ~0.4 CPU-s
+    # each); the worker's module needs neither, and writes the in-process piece byte for byte.
+    texts, ref = reference
+    path = write_jsonl(tmp_path / "d.jsonl", texts)
+    code = f"""
+import json, sys
+from pathlib import Path
+from fivefold.train.data.prepare_piece import Piece, init_worker, prepare_piece
+class Queue:
+    put = staticmethod(lambda item: None)
+init_worker(Path({str(tok.path)!r}).read_text(), Queue)
+prepare_piece(Piece(0, {str(path)!r}), Path({str(tmp_path)!r}), "<u2", 1 << 28, "text")
+print(json.dumps(sorted(sys.modules)))
+"""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert run.returncode == 0, run.stderr
+    modules = json.loads(run.stdout)
+    assert "tokenizers" in modules and "fivefold.train.data.prepare_piece" in modules
+    heavy = [m for m in modules if m.split(".")[0] in ("numpy", "torch", "pyarrow")]
+    heavy += [m for m in modules if m.startswith(("fivefold.specs", "fivefold.train.data.s"))]
+    assert heavy == []
+    tokens = TokenShards(ref).manifest["shards"][0]["tokens"]
+    assert (tmp_path / "shard-00000.tokens.bin").read_bytes() == (ref / tokens).read_bytes()
+    assert Piece(0, str(path)).size == path.stat().st_size
 
 
 def test_a_killed_prepare_leaves_nothing_trainable_and_resumes(tok, reference, tmp_path):

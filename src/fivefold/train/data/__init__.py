@@ -9,45 +9,43 @@
 For evaluation, iterate the val split in order:
 `batch_iterator(val, GlobalSampler(len(val), shuffle=False), gb, mb, r, d, steps=len(val) // gb)`.
 
-Everything but `Batch`/`batch_iterator` works without torch; those import it when called.
+Everything but `Batch`/`batch_iterator` works without torch; those import it when called. Names
+are imported lazily, so that a `data prepare` worker (`fivefold.train.data.prepare_piece`)
+starts without numpy or the rest of this package.
 """
 
-from fivefold.train.data.batching import Batch, batch_iterator, collate, grad_accum_steps
-from fivefold.train.data.cache import cache_dir
-from fivefold.train.data.corpus import embedded_corpus_files
-from fivefold.train.data.documents import iter_documents, read_documents
-from fivefold.train.data.packing import PackedSample, PackedSequences
-from fivefold.train.data.prepare import default_shards, prepare_shards
-from fivefold.train.data.sampler import GlobalSampler
-from fivefold.train.data.shards import TokenShards
-from fivefold.train.data.tokenizer import (
-    DEFAULT_VOCAB_SIZE,
-    EOD_TOKEN,
-    TextTokenizer,
-    default_tokenizer,
-    load_tokenizer,
-    train_tokenizer,
-)
+from __future__ import annotations
 
-__all__ = [
-    "DEFAULT_VOCAB_SIZE",
-    "EOD_TOKEN",
-    "Batch",
-    "GlobalSampler",
-    "PackedSample",
-    "PackedSequences",
-    "TextTokenizer",
-    "TokenShards",
-    "batch_iterator",
-    "cache_dir",
-    "collate",
-    "default_shards",
-    "default_tokenizer",
-    "embedded_corpus_files",
-    "grad_accum_steps",
-    "iter_documents",
-    "load_tokenizer",
-    "prepare_shards",
-    "read_documents",
-    "train_tokenizer",
-]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "Batch": "batching",
+    "batch_iterator": "batching",
+    "collate": "batching",
+    "grad_accum_steps": "batching",
+    "cache_dir": "cache",
+    "embedded_corpus_files": "corpus",
+    "iter_documents": "documents",
+    "read_documents": "documents",
+    "PackedSample": "packing",
+    "PackedSequences": "packing",
+    "default_shards": "prepare",
+    "prepare_shards": "prepare",
+    "GlobalSampler": "sampler",
+    "TokenShards": "shards",
+    "DEFAULT_VOCAB_SIZE": "tokenizer",
+    "EOD_TOKEN": "tokenizer",
+    "TextTokenizer": "tokenizer",
+    "default_tokenizer": "tokenizer",
+    "load_tokenizer": "tokenizer",
+    "train_tokenizer": "tokenizer",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'fivefold.train.data' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"fivefold.train.data.{_EXPORTS[name]}"), name)

@@ -2,9 +2,10 @@
 
 The inputs are cut into pieces (`Piece`): a file, or a byte range of `PIECE_BYTES` of an
 uncompressed JSONL file (a range owns the lines that begin in it). Each piece is tokenised by one
-worker process (a `spawn` pool; each worker encodes on one thread) into its own shard files,
-written under temporary names, renamed, and then committed by a small JSON record: the record is
-the only proof that a piece is done. Pieces go into the staging directory `.DIR.partial` beside
+worker process (a `spawn` pool of lean workers, each encoding on one thread:
+`fivefold.train.data.prepare_piece`) into its own shard files, written under temporary names,
+renamed, and then committed by a small JSON record: the record is the only proof that a piece is
+done. Pieces go into the staging directory `.DIR.partial` beside
 `DIR`, which names the inputs, tokenizer and settings it holds pieces of (`plan.json`); a rerun of
 the same preparation after a kill resumes there (done pieces are kept, the rest redone), any
 other preparation starts it afresh. When every piece is done the manifest is written and the
@@ -17,13 +18,12 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import json
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict
 from multiprocessing import get_context
 from pathlib import Path
 
@@ -32,42 +32,28 @@ import numpy as np
 from fivefold.errors import DataError
 from fivefold.train.data.cache import cache_dir, cache_lock
 from fivefold.train.data.corpus import embedded_corpus_files, file_sha256, files_digest
-from fivefold.train.data.documents import (
-    TEXT_FIELD,
-    check_inputs,
-    input_kind,
-    jsonl_range,
-    raw_documents,
+from fivefold.train.data.documents import TEXT_FIELD, check_inputs, input_kind
+from fivefold.train.data.prepare_piece import (
+    Piece,
+    atomic_json,
+    clear_worker,
+    init_worker,
+    prepare_piece,
+    set_worker,
 )
 from fivefold.train.data.shards import (
     FORMAT_NAME,
     FORMAT_VERSION,
     MANIFEST_NAME,
-    OFFSET_DTYPE,
     TokenShards,
     token_dtype,
 )
-from fivefold.train.data.tokenizer import TextTokenizer, tokenizer_from_text
+from fivefold.train.data.tokenizer import TextTokenizer
 
 DEFAULT_SHARD_TOKENS = 1 << 28  # 512 MiB of uint16 per shard file
 PIECE_BYTES = 64 << 20  # a worker's share of a large uncompressed JSONL file
-ENCODE_BATCH_CHARS = 1 << 22  # characters encoded at once by a worker
 PLAN_NAME = "plan.json"
 Progress = Callable[[int, int], None]  # (input bytes, tokens) done since the last call
-
-
-@dataclass(frozen=True)
-class Piece:
-    """Piece `index` of the work: `path`, or its lines beginning in bytes `[start, stop)`."""
-
-    index: int
-    path: str
-    start: int = 0
-    stop: int = -1
-
-    @property
-    def size(self) -> int:
-        return (self.stop if self.stop >= 0 else Path(self.path).stat().st_size) - self.start
 
 
 def pieces_of(inputs: list[Path], piece_bytes: int = PIECE_BYTES) -> list[Piece]:
@@ -86,131 +72,6 @@ def pieces_of(inputs: list[Path], piece_bytes: int = PIECE_BYTES) -> list[Piece]
 def default_workers() -> int:
     """The cores this process may run on."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-# ---- one piece, in a worker -----------------------------------------------------------------
-
-
-class _ShardWriter:
-    """Appends tokenised documents to one piece's shard files (a new file past `shard_tokens`),
-    each written under a temporary name and renamed when complete."""
-
-    def __init__(self, directory: Path, stem: str, dtype: np.dtype, shard_tokens: int):
-        self.directory, self.stem, self.dtype, self.shard_tokens = (
-            directory,
-            stem,
-            dtype,
-            shard_tokens,
-        )
-        self.shards: list[dict] = []
-        self.lengths = [0, 0.0, 0]  # documents' count, sum of squares, max (tokens)
-        self._file = None
-        self._offsets: list[int] = [0]
-
-    def add(self, ids: list[int], eod_id: int) -> int:
-        length = len(ids) + 1
-        if self._file is not None and self._offsets[-1] + length > self.shard_tokens:
-            self._close_shard()
-        if self._file is None:
-            part = len(self.shards)
-            self._name = self.stem + (f"-{part:03d}" if part else "")
-            self._file = (self.directory / f"{self._name}.tokens.bin.tmp").open("wb")
-            self._hasher = hashlib.blake2b(digest_size=16)
-            self._offsets = [0]
-        data = np.asarray([*ids, eod_id], dtype=self.dtype).tobytes()
-        self._file.write(data)
-        self._hasher.update(data)
-        self._offsets.append(self._offsets[-1] + length)
-        self.lengths = [
-            self.lengths[0] + 1,
-            self.lengths[1] + float(length) ** 2,
-            max(self.lengths[2], length),
-        ]
-        return length
-
-    def close(self) -> list[dict]:
-        if self._file is not None:
-            self._close_shard()
-        return self.shards
-
-    def _close_shard(self) -> None:
-        self._file.close()
-        offsets = np.asarray(self._offsets, dtype=OFFSET_DTYPE).tobytes()
-        names = {"tokens": f"{self._name}.tokens.bin", "offsets": f"{self._name}.offsets.bin"}
-        (self.directory / f"{names['offsets']}.tmp").write_bytes(offsets)
-        for name in names.values():
-            os.replace(self.directory / f"{name}.tmp", self.directory / name)
-        self.shards.append(
-            names
-            | {
-                "num_tokens": self._offsets[-1],
-                "num_documents": len(self._offsets) - 1,
-                "tokens_blake2b": self._hasher.hexdigest(),
-                "offsets_blake2b": hashlib.blake2b(offsets, digest_size=16).hexdigest(),
-            }
-        )
-        self._file = None
-
-
-_WORKER: dict = {}  # per worker process: the tokenizer and the progress queue
-
-
-def _init_worker(tokenizer_text: str, queue, one_thread: bool) -> None:
-    if one_thread:  # read by `tokenizers` when it first encodes in parallel
-        os.environ["RAYON_NUM_THREADS"] = "1"
-    _WORKER["tokenizer"] = tokenizer_from_text(tokenizer_text)
-    _WORKER["queue"] = queue
-
-
-def _documents(piece: Piece, text_field: str) -> Iterator[str]:
-    if piece.stop < 0:
-        return raw_documents(Path(piece.path), text_field)
-    docs = jsonl_range(Path(piece.path), piece.start, piece.stop, text_field)
-    return (doc for doc in docs if doc.strip())
-
-
-def prepare_piece(piece: Piece, staging: Path, dtype: str, shard_tokens: int, text_field: str):
-    """Tokenise one piece into `staging`; returns (and commits, as `piece-N.json`) its record.
-    Progress: tokens as encoded; bytes as characters encoded (at most the piece's size), the
-    rest once the piece is committed."""
-    tokenizer: TextTokenizer = _WORKER["tokenizer"]
-    queue = _WORKER.get("queue")
-    writer = _ShardWriter(staging, f"shard-{piece.index:05d}", np.dtype(dtype), shard_tokens)
-    batch: list[str] = []
-    size, chars, reported = piece.size, 0, 0
-    for doc in _documents(piece, text_field):
-        batch.append(doc)
-        chars += len(doc)
-        if chars >= ENCODE_BATCH_CHARS:
-            reported += _encode(writer, tokenizer, batch, queue, min(chars, size - reported))
-            batch, chars = [], 0
-    reported += _encode(writer, tokenizer, batch, queue, min(chars, size - reported))
-    record = {"piece": asdict(piece), "shards": writer.close(), "lengths": writer.lengths}
-    _atomic_json(staging / f"piece-{piece.index:05d}.json", record)  # the piece is done
-    _report(queue, size - reported, 0)
-    return record
-
-
-def _encode(
-    writer: _ShardWriter, tokenizer: TextTokenizer, texts: list[str], queue, size: int
-) -> int:
-    """Encode and write `texts`; reports their tokens and `size` bytes, returns `size`."""
-    ids = tokenizer.encode_batch(texts) if texts else []
-    _report(queue, size, sum(writer.add(doc, tokenizer.eod_id) for doc in ids))
-    return size
-
-
-def _report(queue, size: int, tokens: int) -> None:
-    if queue is not None:
-        queue.put((size, tokens))
-    elif "progress" in _WORKER:
-        _WORKER["progress"](size, tokens)
-
-
-def _atomic_json(path: Path, value: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(value))
-    os.replace(tmp, path)
 
 
 # ---- the whole preparation, in the parent ---------------------------------------------------
@@ -260,7 +121,7 @@ def prepare_shards(
         manifest["prepare_time_s"] = round(time.perf_counter() - started, 3)
         for leftover in [PLAN_NAME, *(f"piece-{p.index:05d}.json" for p in pieces)]:
             (staging / leftover).unlink(missing_ok=True)
-        _atomic_json(staging / MANIFEST_NAME, manifest)
+        atomic_json(staging / MANIFEST_NAME, manifest)
         if out_dir.exists():
             shutil.rmtree(out_dir)
         os.rename(staging, out_dir)
@@ -311,7 +172,7 @@ def _resumable(staging: Path, plan: dict, say: Callable[[str], None]) -> dict[in
             )
         shutil.rmtree(staging)
         staging.mkdir()
-        _atomic_json(previous, plan)
+        atomic_json(previous, plan)
         return {}
     done = {}
     for piece in plan["pieces"]:
@@ -355,16 +216,16 @@ def _run_pieces(
     """Each piece's record, from a pool of `workers` processes (in this process for one)."""
     workers = min(workers or default_workers(), max(len(pieces), 1))
     if workers <= 1:
-        _WORKER.update(tokenizer=tokenizer, queue=None, progress=progress or (lambda b, t: None))
+        set_worker(tokenizer, progress and (lambda item: progress(*item)))
         try:
             return {p.index: prepare_piece(p, *args) for p in pieces}
         finally:
-            _WORKER.clear()
+            clear_worker()
     ctx = get_context("spawn")
     queue = ctx.Queue()
-    text = tokenizer.backend.to_str()
+    start = (tokenizer.backend.to_str(), queue)
     out: dict[int, dict] = {}
-    with ctx.Pool(workers, initializer=_init_worker, initargs=(text, queue, True)) as pool:
+    with ctx.Pool(workers, initializer=init_worker, initargs=start) as pool:
         pending = [pool.apply_async(prepare_piece, (p, *args)) for p in pieces]
         while pending:
             _drain(queue, progress, timeout=0.2)
