@@ -10,13 +10,15 @@ Corpora are generated JSONL (random words, documents of 50-2,000 words) of the s
 - speed (`--speed-mb 64`, `--cores 1,2`, `--rounds 3`): per core count N, in fresh
   processes, (a) the baseline: every document already in memory, one
   `Tokenizer.encode_batch` call with RAYON_NUM_THREADS=N (reading, writing and checksums not
-  counted); (b) `prepare_shards` with N workers, everything counted (reading JSONL, encoding,
-  writing shards, checksums, manifest).
+  counted), then in the same process one `encode_batch_fast` call (the same ids without
+  character offsets; what prepare encodes with where `tokenizers` has it); (b)
+  `prepare_shards` with N workers, everything counted (reading JSONL, encoding, writing
+  shards, checksums, manifest).
   Rounds interleave the settings (each round runs every N's pair in turn); printed per run,
   then per N the medians: MB/s of each, CPU seconds (user + system, workers included), the
   ratios (b)/(a) of wall time and of CPU time (on a loaded machine only the latter compares
-  per core), prepare's wall-clock speed-up over the first N (worker scaling: idle machine
-  only), and the load average at the start and the end.
+  per core; also against `encode_batch_fast`), prepare's wall-clock speed-up over the first
+  N (worker scaling: idle machine only), and the load average at the start and the end.
 
     PYTHONPATH=src .venv/bin/python benchmarks/data_prepare.py --memory-gb 0.25,1 --speed-mb 32
 """
@@ -96,11 +98,16 @@ docs = list(read_documents({src!r}))
 def cpu():
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
-cpu0, started = cpu(), time.perf_counter()
-encoded = tok.backend.encode_batch(docs, add_special_tokens=False)
-seconds, cpu_s = time.perf_counter() - started, cpu() - cpu0
-print(json.dumps({{"seconds": seconds, "cpu_s": cpu_s,
-                   "tokens": sum(len(e.ids) + 1 for e in encoded)}}))
+def run(encode):
+    cpu0, started = cpu(), time.perf_counter()
+    encoded = encode(docs, add_special_tokens=False)
+    return time.perf_counter() - started, cpu() - cpu0, sum(len(e.ids) + 1 for e in encoded)
+seconds, cpu_s, tokens = run(tok.backend.encode_batch)
+fast = getattr(tok.backend, "encode_batch_fast", tok.backend.encode_batch)
+fast_s, fast_cpu_s, fast_tokens = run(fast)
+assert fast_tokens == tokens
+print(json.dumps({{"seconds": seconds, "cpu_s": cpu_s, "tokens": tokens,
+                   "fast_s": fast_s, "fast_cpu_s": fast_cpu_s}}))
 """
 
 
@@ -158,7 +165,8 @@ def speed(root: Path, megabytes: float, cores: list[int], tok: str, rounds: int)
             runs[n].append((base, ours))
             print(
                 f"round {r + 1}, {n} core(s): encode_batch {base['seconds']:.1f} s "
-                f"{base['cpu_s']:.1f} CPU-s, prepare {ours['seconds']:.1f} s "
+                f"{base['cpu_s']:.1f} CPU-s, encode_batch_fast {base['fast_s']:.1f} s "
+                f"{base['fast_cpu_s']:.1f} CPU-s, prepare {ours['seconds']:.1f} s "
                 f"{ours['cpu_s']:.1f} CPU-s",
                 flush=True,
             )
@@ -171,7 +179,9 @@ def speed(root: Path, megabytes: float, cores: list[int], tok: str, rounds: int)
             f"{mb / med['base_s']:.2f} MB/s ({med['base_cpu_s']:.2f} CPU-s), prepare "
             f"{mb / med['ours_s']:.2f} MB/s ({med['ours_cpu_s']:.2f} CPU-s): "
             f"{med['base_s'] / med['ours_s']:.2f}x wall, "
-            f"{med['base_cpu_s'] / med['ours_cpu_s']:.2f}x per CPU-second (target >= 0.9); "
+            f"{med['base_cpu_s'] / med['ours_cpu_s']:.2f}x per CPU-second (target >= 0.9; "
+            f"against encode_batch_fast ({med['fast_cpu_s']:.2f} CPU-s): "
+            f"{med['fast_cpu_s'] / med['ours_cpu_s']:.2f}x); "
             f"prepare {first_s / med['ours_s']:.2f}x as fast as on {first} core(s) (linear: "
             f"{n / first:.2f}x; wall clock, so only meaningful on an idle machine)",
             flush=True,
@@ -183,6 +193,7 @@ def _medians(pairs: list[tuple[dict, dict]]) -> dict[str, float]:
     return {
         "base_s": statistics.median(b["seconds"] for b, _ in pairs),
         "base_cpu_s": statistics.median(b["cpu_s"] for b, _ in pairs),
+        "fast_cpu_s": statistics.median(b["fast_cpu_s"] for b, _ in pairs),
         "ours_s": statistics.median(o["seconds"] for _, o in pairs),
         "ours_cpu_s": statistics.median(o["cpu_s"] for _, o in pairs),
     }
