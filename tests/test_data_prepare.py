@@ -4,9 +4,11 @@ checksums, and uint32 shards for vocabularies past 65,536 tokens."""
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,8 +17,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from rich.console import Console
 from tokenizers import Tokenizer, models, pre_tokenizers
 
+from fivefold.cli.data_progress import prepare_progress
 from fivefold.cli.main import main as cli_main
 from fivefold.errors import DataError
 from fivefold.train.data import TokenShards, prepare_shards, train_tokenizer
@@ -262,3 +266,19 @@ def test_cli_tokenizer_reads_a_text_field(tmp_path, capsys):
     capsys.readouterr()
     assert cli_main([*args, str(tmp_path / "x.json"), str(body)]) == 2  # no "text" field
     assert 'no string "text" field' in capsys.readouterr().err
+
+
+def test_progress_bar_shows_bytes_and_tokens_per_second_on_a_terminal_only():
+    terminal = io.StringIO()
+    console = Console(file=terminal, force_terminal=True, width=150, color_system=None)
+    with prepare_progress(2_000_000, console) as advance:
+        advance(500_000, 1_000)
+        advance(1_500_000, 3_000)
+    shown = terminal.getvalue()
+    assert "2.0/2.0 MB" in shown and re.search(r"[\d.]+ [kMGT]?B/s", shown)
+    rates = [float(r.replace(",", "")) for r in re.findall(r"([\d,]+) tokens/s", shown)]
+    assert rates and rates[-1] > 0
+    piped = io.StringIO()
+    with prepare_progress(10, Console(file=piped, force_terminal=False)) as advance:
+        advance(10, 5)
+    assert piped.getvalue() == ""

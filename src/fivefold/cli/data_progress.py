@@ -19,10 +19,12 @@ from rich.progress import (
 
 
 @contextlib.contextmanager
-def prepare_progress(total_bytes: int) -> Iterator[Callable[[int, int], None]]:
+def prepare_progress(
+    total_bytes: int, console: Console | None = None
+) -> Iterator[Callable[[int, int], None]]:
     """A callback `(bytes, tokens)` that advances a bar over `total_bytes` input bytes (on
-    stderr, shown only on a terminal), with bytes/s and tokens/s."""
-    console = Console(file=sys.stderr)
+    `console`, default stderr; shown only on a terminal), with bytes/s and tokens/s."""
+    console = console or Console(file=sys.stderr)
     columns = (
         TextColumn("tokenising"),
         BarColumn(),
