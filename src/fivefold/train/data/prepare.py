@@ -222,32 +222,30 @@ def _run_pieces(
         finally:
             clear_worker()
     ctx = get_context("spawn")
-    queue = ctx.Queue()
+    # A SimpleQueue writes each report before `put` returns, so a piece's reports are all in
+    # the pipe before its result is sent (a Queue's feeder thread could still hold them).
+    queue = ctx.SimpleQueue()
     start = (tokenizer.backend.to_str(), queue)
     out: dict[int, dict] = {}
     with ctx.Pool(workers, initializer=init_worker, initargs=start) as pool:
         pending = [pool.apply_async(prepare_piece, (p, *args)) for p in pieces]
         while pending:
-            _drain(queue, progress, timeout=0.2)
+            pending[0].wait(0.2)
+            _drain(queue, progress)
             for result in [r for r in pending if r.ready()]:
                 record = result.get()  # re-raises a worker's DataError here
                 out[record["piece"]["index"]] = record
                 pending.remove(result)
-        _drain(queue, progress, timeout=0)
+        _drain(queue, progress)
     return out
 
 
-def _drain(queue, progress: Progress | None, timeout: float) -> None:
-    import queue as queues
-
-    try:
-        item = queue.get(timeout=timeout) if timeout else queue.get_nowait()
-        while True:
-            if progress is not None:
-                progress(*item)
-            item = queue.get_nowait()
-    except queues.Empty:
-        return
+def _drain(queue, progress: Progress | None) -> None:
+    """Hand every report waiting in `queue` to `progress`."""
+    while not queue.empty():
+        item = queue.get()
+        if progress is not None:
+            progress(*item)
 
 
 def _manifest(
