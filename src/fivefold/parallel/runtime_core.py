@@ -20,6 +20,7 @@ from fivefold.parallel.activation_checkpoint import apply_recompute
 from fivefold.parallel.device import pick_device
 from fivefold.parallel.mixed_precision import RuntimePrecision, resolve_precision
 from fivefold.parallel.protocol import TrainSettings, label_count
+from fivefold.parallel.sp_regather import apply_sp_regather
 from fivefold.specs.plan import ParallelPlan
 from fivefold.specs.recipe import Recipe
 
@@ -98,8 +99,13 @@ def apply_fp8(chunk: nn.Module, plan: ParallelPlan, device: torch.device) -> Non
 def apply_recompute_and_compile(
     chunk: nn.Module, plan: ParallelPlan, device: torch.device, compile: bool
 ) -> None:
-    """`plan.recompute` on every block of `chunk`, then torch.compile per block (`compile`)."""
+    """`plan.recompute` on every block of `chunk`, then torch.compile per block (`compile`).
+    Eager blocks under TP+SP keep their gathered inputs as the sequence shard
+    (`fivefold.parallel.sp_regather`)."""
     apply_recompute(chunk, plan.recompute)
+    if plan.tp > 1 and plan.sp and not compile:
+        for block in chunk.layers.values():
+            apply_sp_regather(block)
     if compile:
         from fivefold.parallel.compile import apply_compile, check_compiler  # torch._dynamo
 

@@ -45,7 +45,8 @@ def layer_activation_bytes(
         if opts.compiled and policy != "full":
             return _compiled_bytes(model, plan, moe, policy, e, sb, replicated_div, opts)
         fp8_tp = 0.0 if moe else fp8_tensor_parallel_bytes(model, plan, e, sb)
-        return _eager_bytes(model, plan, moe, policy, e, sb, replicated_div) + fp8_tp
+        eager = _eager_bytes(model, plan, moe, policy, e, sb, replicated_div)
+        return eager - sp_regather_saving(model, plan, moe, e, sb) + fp8_tp
     return _stored_bytes(model, plan, moe, opts, policy, e, sb, replicated_div)
 
 
@@ -56,6 +57,28 @@ def eager_norm_bytes(model: ModelSpec, e: float, sb: float, rdiv: int) -> float:
     TP+SP."""
     h = model.hidden
     return (eager_norm_kept(e) * sb * h + 4 * sb) / rdiv + e * sb * h
+
+
+def sp_regathered_inputs(model: ModelSpec, plan: ParallelPlan, moe: bool) -> int:
+    """fivefold-eager under TP+SP (`fivefold.parallel.sp_regather`): how many of a layer's
+    gathered inputs [b, s, h] (the attention's, the dense MLP's) are kept as their sequence
+    shard [b, s/tp, h] and all-gathered again in the backward. None for an input torchao's
+    float8 styles gather in FP8 (`fp8_tensor_parallel`), inside a fully recomputed block, or
+    for a MoE layer's routed part (its input is the rank's own tokens, never gathered).
+    Compiled blocks keep theirs gathered (`_compiled_bytes` does not count this)."""
+    if not (plan.sp and plan.tp > 1) or plan.recompute == "full":
+        return 0
+    fp8 = fp8_tensor_parallel(model, plan.fp8, moe)
+    return (not fp8.gathered_inputs[0]) + (not moe and not fp8.gathered_inputs[1])
+
+
+def sp_regather_saving(
+    model: ModelSpec, plan: ParallelPlan, moe: bool, e: float, sb: float
+) -> float:
+    """Bytes per layer `sp_regathered_inputs` saves of what `eager_norm_bytes` counts:
+    (1 - 1/tp) e b s h per regathered input."""
+    regathered = sp_regathered_inputs(model, plan, moe)
+    return regathered * e * sb * model.hidden * (1 - 1 / plan.tp)
 
 
 def eager_norm_kept(e: float) -> float:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
+from fivefold.planner.activations import sp_regathered_inputs
 from fivefold.planner.comm import (
     TENSORS_PER_LAYER,
     Link,
@@ -164,7 +165,9 @@ def _tp_costs(
     """(exposed fwd, exposed bwd, transfer time, bytes) of tensor parallelism for one layer:
     2 collectives forward, 2 backward, 2 more with full recompute (a MoE layer's count:
     `tp_collectives`, and its router's gradient all-reduce backward, `router_grad_bytes`).
-    With SP each is an all-gather and a reduce-scatter; tensorwise FP8
+    With SP each is an all-gather and a reduce-scatter, and fivefold's eager blocks all-gather
+    their kept input shards again in the backward (`sp_regathered_inputs`; Megatron's does
+    too, behind its input-gradient GEMM, not priced for the fused profiles); tensorwise FP8
     all-gathers 1 byte per element where torchao's float8 styles cast before the gather
     (`fp8_tensor_parallel`: the inputs forward, the rowwise outputs' gradients backward), the
     reduce-scatters move the partial sums in `e`."""
@@ -190,6 +193,8 @@ def _tp_costs(
     if moe and expert_tp(key) == 1:  # the router's gradient: a partial sum of own tokens
         grad = router_grad_bytes(model, e)
         backward = [*backward, (all_reduce_time_s(grad, t, link), all_reduce_bytes(grad, t))]
+    if opts.fivefold_runtime and not opts.compile:  # the shards gathered again (sp_regather)
+        backward = backward + [lone] * sp_regathered_inputs(model, key, moe)
     if key.recompute == "full":
         backward = backward + forward
     fwd, bwd = sum(c[0] for c in forward), sum(c[0] for c in backward)

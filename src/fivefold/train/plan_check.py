@@ -64,7 +64,8 @@ from fivefold.parallel.mesh import ParallelDims
 from fivefold.parallel.mixed_precision import resolve_precision
 from fivefold.parallel.report import memory_only_prediction
 from fivefold.planner.schedule import build_schedule
-from fivefold.specs.recipe import Recipe
+from fivefold.errors import ConfigError
+from fivefold.specs.recipe import Recipe, build
 from fivefold.train.config import TrainConfig
 from fivefold.train.data.batching import Batch
 from fivefold.train.memory_counter import track_cpu_peak
@@ -154,9 +155,12 @@ def check_plan(
     cluster's GPUs), each in a fresh process, as many at once as this machine has cores."""
     run = micro_batches_to_run(recipe.plan)
     recipe = replace(recipe, plan=recipe.plan.with_(grad_accum=run))
+    optimizer = train_settings(recipe).optimizer
     # Predicted for the micro-batches run: a pipeline keeps per-micro-batch receive slots and
     # its sent outputs until the step ends, so its peak grows with their count.
-    predicted = memory_only_prediction(recipe.model, recipe.plan, fsdp_wrapped=True, cuda=False)
+    predicted = memory_only_prediction(
+        recipe.model, recipe.plan, fsdp_wrapped=True, cuda=False, optimizer=optimizer
+    )
     out = []
     context = multiprocessing.get_context("spawn")
     world = world or recipe.cluster.world_size
@@ -201,7 +205,7 @@ def _measure(recipe: Recipe, rank: int, world: int, progress: Any = None) -> dic
         runtime = _CheckedRuntime(recipe)
         optimizer = _optimizer(runtime, recipe)
         batches = _micro_batches(recipe)
-        say("making the optimizer state (an AdamW step on zero gradients)")
+        say("making the optimizer state (an optimizer step on zero gradients)")
         _make_optimizer_state(runtime, optimizer)
         say(f"one training step of {len(batches)} micro-batch(es), counting memory")
         with track_cpu_peak(runtime.model_parts, optimizer) as reading:
@@ -266,8 +270,21 @@ def _make_optimizer_state(runtime: Any, optimizer: Any) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
+def train_settings(recipe: Recipe) -> TrainConfig:
+    """The recipe's [train] table on its own (a check needs no data): `train.optimizer` and
+    its settings; `ConfigError` naming a bad field."""
+    problems: list[str] = []
+    table = recipe.sections.get("train") or {}
+    train = build(TrainConfig, table if isinstance(table, dict) else {}, "train", problems)
+    if problems or train is None:
+        raise ConfigError(problems)
+    return train
+
+
 def _optimizer(runtime: Any, recipe: Recipe) -> Any:
-    return build_optimizer(runtime.model_parts, TrainConfig(), recipe.plan)
+    """The recipe's optimizer (`train.optimizer`: AdamW, or Muon with AdamW) as the run builds
+    it."""
+    return build_optimizer(runtime.model_parts, train_settings(recipe), recipe.plan)
 
 
 def _micro_batches(recipe: Recipe) -> list:
