@@ -374,3 +374,19 @@ def test_deepseek_moe_at_full_width_within_five_percent(tmp_path, gpus, dp, zero
     (check,) = check_plan(recipe)
     assert not check.problem, check.problem
     assert abs(check.error) <= 0.05, (check.predicted_gib, check.counted_bytes)
+
+
+def test_the_check_steps_the_recipes_optimizer():
+    """A Muon recipe is checked with Muon (one fp32 momentum per block matrix, AdamW's two
+    fp32 moments for the rest), not AdamW: the tiny model's 2 x 46,080 matrix elements (q, o
+    64 x 64; k, v 64 x 32; w1, w3, w2 64 x 176) and 524,608 others (embedding and head
+    4,096 x 64, five norms of 64)."""
+    from fivefold.train.plan_check import _measure, train_settings
+
+    recipe = load_recipe(str(CONFIGS / "tiny-cpu.toml"), ['train.optimizer="muon"'])
+    assert train_settings(recipe).optimizer == "muon"
+    optimizer = _measure(recipe, 0, 1)["counted_tenants"]["optimizer"]
+    matrices, others = 2 * 46_080, 524_608
+    assert others == 2 * 4_096 * 64 + 5 * 64
+    moments = 4 * matrices + 2 * 4 * others  # AdamW would hold 8 * (matrices + others)
+    assert moments <= optimizer <= moments + 8 * 5  # AdamW's step counts of its 5 tensors
