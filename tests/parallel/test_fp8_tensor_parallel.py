@@ -162,10 +162,10 @@ def _planned_saving(sp: bool) -> float:
     plan = ParallelPlan(tp=2, sp=sp, micro_batch=2, precision="fp32", fp8="tensorwise")
     eager = MemoryOptions(runtime="fivefold-eager")
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(activations, "fp8_tensor_parallel", lambda *args: every)
         patch.setattr(activations, "sp_regathered_inputs", lambda *args: 0)
-        fp8 = layer_activation_bytes(SPEC, plan, False, eager)
-        saving = layer_activation_bytes(SPEC, plan.with_(fp8="none"), False, eager) - fp8
+        none = layer_activation_bytes(SPEC, plan.with_(fp8="none"), False, eager)
+        patch.setattr(activations, "fp8_tensor_parallel", lambda *args: every)
+        saving = none - layer_activation_bytes(SPEC, plan, False, eager)
     assert saving == 2 * 3 * 64 * 64 + 3 * 64 * 48 - 64 * 32 - 4 * 4
     return saving
 
