@@ -58,13 +58,13 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import fivefold.model.init as model_init
+from fivefold.errors import ConfigError
 from fivefold.parallel.distributed_runtime import DistributedRuntime
 from fivefold.parallel.expert_parallel import AllToAllDispatcher
 from fivefold.parallel.mesh import ParallelDims
 from fivefold.parallel.mixed_precision import resolve_precision
 from fivefold.parallel.report import memory_only_prediction
 from fivefold.planner.schedule import build_schedule
-from fivefold.errors import ConfigError
 from fivefold.specs.recipe import Recipe, build
 from fivefold.train.config import TrainConfig
 from fivefold.train.data.batching import Batch
