@@ -480,8 +480,10 @@ def test_moe_routing_collectives_by_hand(profile_path):
 
 def test_dtensor_small_collectives_by_hand(profile_path):
     """Under TP2 + SP fivefold's runtime all-reduces each norm weight's gradient in the
-    backward (2 per layer + the final norm) and three per-token fp32 vectors in the
-    vocabulary-parallel loss forward: the stage costs carry exactly these latencies."""
+    backward (2 per layer + the final norm), all-gathers again the attention's and the MLP's
+    kept input shards in the backward (2 per layer, `sp_regathered_inputs`) and three
+    per-token fp32 vectors in the vocabulary-parallel loss forward: the stage costs carry
+    exactly these."""
     from dataclasses import replace
 
     from fivefold.planner.options import PlannerOptions
@@ -494,9 +496,10 @@ def test_dtensor_small_collectives_by_hand(profile_path):
     tokens = 2 * 128
     loss = 3 * (1e-4 + tokens * 4 / 1e9)
     norms = (2 * 2 + 1) * (1e-4 + 64 * 4 / 1e9)
+    regathers = 2 * 2 * (1e-4 + tokens * 64 * 4 / 1e9)  # [2, 128, 64] fp32 gathered
     assert a.stage_costs.forward_s[0] - b.stage_costs.forward_s[0] == pytest.approx(loss)
     assert a.stage_costs.backward_input_s[0] - b.stage_costs.backward_input_s[0] == pytest.approx(
-        norms
+        norms + regathers
     )
 
 
