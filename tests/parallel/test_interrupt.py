@@ -8,6 +8,7 @@ environment, and /proc/*/environ is scanned for it after the run.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import json
 import os
@@ -355,3 +356,49 @@ def test_interrupt_during_start_up_under_load(tmp_path, early_s) -> None:
     take longer and the signal lands in them)."""
     with busy_cores():
         interrupt_once(tmp_path, 2, 0, signal.SIGINT, "launcher", early_s)
+
+
+LATE_IMPORTS = """
+import runpy, sys
+from fivefold.launch import shielded_import
+
+ended, late = [], []
+end = shielded_import._Hold.end
+
+
+def recording_end(self, deliver):
+    ended.append(True)
+    return end(self, deliver)
+
+
+class Late:
+    '''Records every module imported after the entry's hold has ended.'''
+
+    def find_spec(self, name, path=None, target=None):
+        if ended:
+            late.append(name)
+        return None
+
+
+shielded_import._Hold.end = recording_end
+sys.meta_path.insert(0, Late())
+sys.argv = ["fivefold", *{args!r}]
+try:
+    runpy.run_module("fivefold", run_name="__main__", alter_sys=True)
+finally:
+    print("LATE", sorted(late))
+"""
+
+
+def test_the_launcher_imports_torchs_c_extensions_inside_its_hold() -> None:
+    """DTensor's import runs C code: a Ctrl-C landing in it once ended `fivefold train` with
+    SIGINT (status -2) although the interrupt was handled (CI, under load). The launcher now
+    imports the model package, and torch with it, while Ctrl-C is held."""
+    code = LATE_IMPORTS.format(args=["train", TINY, "--dry-run"])
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    late = set(ast.literal_eval(done.stdout.rsplit("LATE", 1)[-1].strip()))
+    assert not late & {"torch.distributed.tensor", "fivefold.model", "fivefold.model.norms"}

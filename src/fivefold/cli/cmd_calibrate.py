@@ -128,7 +128,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--quick", action="store_true", help="fewer shapes and sizes (seconds)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    parser.set_defaults(handler=handle, imports_torch=True)
+    parser.set_defaults(handler=handle, imports=("torch",))
 
 
 def model_and_plan(items: list[str]) -> tuple[Any, Any]:

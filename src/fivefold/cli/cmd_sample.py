@@ -65,7 +65,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--tokenizer", type=Path, metavar="PATH", help="tokenizer.json (default: the run's)"
     )
-    parser.set_defaults(handler=handle, imports_torch=True)
+    parser.set_defaults(handler=handle, imports=("torch",))
 
 
 def check_args(args: argparse.Namespace) -> None:

@@ -122,7 +122,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     # Options may come before or after the recipe and overrides: everything from the first
     # positional on is re-parsed (intermixed) in `handle` by a parser with the same options.
     add_arguments(parser, items_nargs=argparse.REMAINDER)
-    parser.set_defaults(handler=handle, imports_torch=True)
+    parser.set_defaults(handler=handle, imports=("torch", "fivefold.model"))
 
 
 def add_arguments(parser: argparse.ArgumentParser, items_nargs: str = "*") -> None:

@@ -64,7 +64,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "overrides", nargs=argparse.REMAINDER, help="section.field=value, as for train"
     )
     _add_options(parser)
-    parser.set_defaults(handler=handle, imports_torch=True)
+    parser.set_defaults(handler=handle, imports=("torch",))
 
 
 def _add_options(parser: argparse.ArgumentParser) -> None:

@@ -4,13 +4,16 @@ Each command module defines `register(subparsers)`, which adds its parser and se
 (a function of the parsed arguments returning an exit code). Modules import torch only inside
 their handlers, and `main` imports only the module of the command asked for (all of them for
 `fivefold --help` or an unknown command), so `fivefold plan` stays fast. The parser is built,
-and torch imported first for a command that sets `imports_torch`, with Ctrl-C held until they
-have loaded (`fivefold.launch.shielded_import`). A `FivefoldError` is printed as one
-paragraph and exits with status 2; an interrupt exits with 130; neither is ever a traceback.
+and the modules a command names in `imports` (torch, the model package) imported first, with
+Ctrl-C held until they have loaded (`fivefold.launch.shielded_import`: a Ctrl-C inside a C
+extension's import, DTensor's for one, otherwise ends the process with SIGINT even after the
+interrupt was handled). A `FivefoldError` is printed as one paragraph and exits with status 2;
+an interrupt exits with 130; neither is ever a traceback.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 from typing import TYPE_CHECKING
@@ -28,7 +31,6 @@ if TYPE_CHECKING:
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The `fivefold` parser: every command, or only `command` when it names one."""
     import argparse
-    import importlib
     import pkgutil
 
     import fivefold.cli as cli_package
@@ -76,8 +78,8 @@ def _run(argv: list[str]) -> int:
     with signals_held():  # ends the hold main began
         parser = build_parser(argv[0] if argv else None)
         args = parser.parse_args(argv)
-        if getattr(args, "imports_torch", False):
-            import torch  # noqa: F401
+        for module in getattr(args, "imports", ()):
+            importlib.import_module(module)
     if not getattr(args, "handler", None):
         parser.print_help()
         return 0
