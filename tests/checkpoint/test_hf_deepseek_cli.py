@@ -14,6 +14,7 @@ import pytest
 import torch
 import transformers
 from safetensors.torch import load_file, save_file
+from test_hf_deepseek import SIZES as DEEPSEEK_SIZES
 from test_hf_moe import PROMPT, _greedy, imported_model, tiny_hf_model
 
 from fivefold.checkpoint.hf import read_hf
@@ -32,28 +33,11 @@ YARN = {
     "mscale": 1.0,
     "mscale_all_dim": 0.7,
 }
-SIZES = {
-    "vocab_size": 4096,  # the default tokenizer's
-    "hidden_size": 64,
-    "intermediate_size": 96,
-    "moe_intermediate_size": 32,
+SIZES = {  # the in-memory comparison's model, at the default tokenizer's vocabulary
+    **DEEPSEEK_SIZES,
+    "vocab_size": 4096,
     "num_hidden_layers": 2,
-    "first_k_dense_replace": 1,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 4,
-    "n_routed_experts": 8,
-    "n_shared_experts": 1,
-    "num_experts_per_tok": 2,
-    "n_group": 4,
-    "topk_group": 2,
-    "routed_scaling_factor": 2.5,
     "q_lora_rank": 32,
-    "kv_lora_rank": 16,
-    "qk_nope_head_dim": 16,
-    "qk_rope_head_dim": 8,
-    "v_head_dim": 12,
-    "max_position_embeddings": 64,
-    "tie_word_embeddings": False,
     "rope_scaling": YARN,
 }
 
