@@ -10,7 +10,7 @@ quantisation maps included) against `fivefold.parallel.lowbit.adam_state_bytes`,
 rule the runtime's memory report uses (8 bytes per element for fp32 m and v; 2 bytes plus two
 fp32 scales per 256-element block for 8-bit/FP8, and the 8-bit code's 256-entry map per
 state; tensors under 4096 elements stay fp32), and per parameter against the planner's
-`2 * fivefold.planner.levers.moment_bytes(states)` (which counts every parameter as quantised
+`2 * fivefold.planner.memory.levers.moment_bytes(states)` (which counts every parameter as quantised
 and leaves out the maps, so it is a little lower on a model as small as `tiny`).
 
     PYTHONPATH=src .venv/bin/python benchmarks/optimizer_states.py             # tiny, 300 steps
@@ -59,7 +59,7 @@ def train(preset: str, steps: int, states: str) -> dict:
     from rich.console import Console
 
     from fivefold.parallel.lowbit import adam_state_bytes, state_bytes
-    from fivefold.planner.levers import moment_bytes
+    from fivefold.planner.memory.levers import moment_bytes
     from fivefold.train.loop import Trainer
     from fivefold.train.runtime import LocalRuntime
 

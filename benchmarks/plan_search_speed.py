@@ -35,9 +35,9 @@ from pathlib import Path
 
 from fivefold.errors import ConfigError
 from fivefold.planner import estimate as estimate_module
-from fivefold.planner.explain import explain as explain_result
-from fivefold.planner.layer_costs import layer_costs
-from fivefold.planner.search import SearchResult, search
+from fivefold.planner.explain.result import explain as explain_result
+from fivefold.planner.search.layouts import SearchResult, search
+from fivefold.planner.step_time.layer_costs import layer_costs
 from fivefold.specs import cluster_preset, model_preset
 
 CASES = (

@@ -18,7 +18,7 @@ Prints per row the predicted and measured step (ms), the error, the same against
 rank's CPU time of the timed step (`plan_vs_run`: on a loaded machine the wall clock counts the
 time other processes took, the CPU clock does not; a rank's waits for its peers are in the wall
 time only), the load average (1 min) before and after the row, and what the device model read
-beyond its measured shapes for the shape (`fivefold.planner.rate_coverage`); then per layout
+beyond its measured shapes for the shape (`fivefold.planner.rates.coverage`); then per layout
 kind the mean and worst |error|, and over all rows, against the wall clock and the CPU clock.
 Step times depend on the machine's load: compare rows measured at similar load, and quote the
 load with the figures. About 8 min for everything on an idle 2-core machine.
@@ -122,9 +122,9 @@ def runs(shapes: list[Shape], kinds: list[str]) -> list[tuple[Shape, str, Layout
 
 def extrapolated(shape: Shape) -> str:
     """What the device model reads beyond its measured shapes for `shape` in one process
-    (`rate_coverage`), or why that is unknown."""
-    from fivefold.planner.rate_coverage import coverage
-    from fivefold.planner.rates import MeasuredRates, rates_for
+    (`planner.rates.coverage`), or why that is unknown."""
+    from fivefold.planner.rates.coverage import coverage
+    from fivefold.planner.rates.device import MeasuredRates, rates_for
     from fivefold.specs import ParallelPlan, model_preset
     from fivefold.specs.hardware import profile_device
     from fivefold.specs.profile import default_profile_path

@@ -43,7 +43,14 @@ from collections import defaultdict
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from fivefold.planner.efficiency import (
+from fivefold.planner.budget.published import (
+    profile_errors,
+    run_errors,
+    what_if_error,
+    what_if_label,
+)
+from fivefold.planner.frameworks import DEFAULT_PROFILE, profiles
+from fivefold.planner.rates.efficiency import (
     EFFICIENCY_FILE,
     FITTED,
     EfficiencyModel,
@@ -51,8 +58,6 @@ from fivefold.planner.efficiency import (
     published_runs,
     skipped_runs,
 )
-from fivefold.planner.frameworks import DEFAULT_PROFILE, profiles
-from fivefold.planner.published import profile_errors, run_errors, what_if_error, what_if_label
 
 START = EfficiencyModel()
 BOUNDS = {

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fivefold.model.document_layout import Chunk, DocumentLayout, document_blocks
-from fivefold.planner.compute import attention_flops
+from fivefold.planner.step_time.compute import attention_flops
 from fivefold.specs.flops import (
     attention_score_flops_per_token,
     causal_pairs_per_sequence,
@@ -166,7 +166,7 @@ def test_doc_len_does_not_change_what_a_checkpoint_holds():
 
 
 def test_measured_attention_rate_read_at_the_document_length():
-    from fivefold.planner.compute import attention_span
+    from fivefold.planner.step_time.compute import attention_span
 
     model, plan = LLAMA_1B.with_(seq_len=131072), ParallelPlan(cp=4)
     assert attention_span(model, plan) == 32768  # one document per sequence: the local chunk

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from fivefold.errors import ConfigError
-from fivefold.planner.outcomes import BatchTarget
+from fivefold.planner.search.outcomes import BatchTarget
 from fivefold.specs.batch import grad_accum_for, grad_accum_problem, nearest_grad_accum
 from fivefold.train.data import grad_accum_steps
 
@@ -30,7 +30,7 @@ def test_every_caller_gives_the_rules_answer():
 
 
 def test_a_partial_layout_is_completed_by_the_planners_defaults():
-    from fivefold.planner.layout_defaults import complete_layout
+    from fivefold.planner.search.layout_defaults import complete_layout
     from fivefold.specs.cluster import cluster_preset
     from fivefold.specs.presets import model_preset
 

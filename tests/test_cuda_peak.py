@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from fivefold.parallel.report import format_rows, memory_only_prediction, record
-from fivefold.planner.memory import all_stage_memory
-from fivefold.planner.memory_options import MemoryOptions
+from fivefold.planner.memory.options import MemoryOptions
+from fivefold.planner.memory.stage import all_stage_memory
 from fivefold.specs.plan import ParallelPlan
 from fivefold.specs.presets import MODEL_PRESETS
 from fivefold.train.loop import Trainer

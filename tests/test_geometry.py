@@ -27,6 +27,8 @@ from fivefold.specs.geometry import (
     mesh_shape,
     mesh_size,
     rank_coordinates,
+    rank_tokens,
+    sequence_shard_divisor,
 )
 from fivefold.specs.plan import ParallelPlan
 
@@ -180,3 +182,12 @@ def test_shard_degrees_and_the_expert_group():
     groups = axis_groups(megatron)
     assert groups["ep"] == (4, 2) and groups["expert_shard"] == (2, 8)
     assert groups["dp_cp_tp"] == groups["dp_cp"] == (8, 2)
+
+
+def test_a_ranks_token_rows_and_the_sequence_shard():
+    """b s/cp rows per micro-batch on a rank; SP splits the norm region tp ways, never tp = 1."""
+    plan = ParallelPlan(tp=4, cp=2, sp=True, micro_batch=3)
+    assert rank_tokens(3, 8192, plan) == 3 * 8192 / 2
+    assert sequence_shard_divisor(True, plan) == 4
+    assert sequence_shard_divisor(False, plan) == 1
+    assert sequence_shard_divisor(True, ParallelPlan(tp=1, sp=True)) == 1

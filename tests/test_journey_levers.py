@@ -18,8 +18,8 @@ import pytest
 
 from fivefold.cli.main import main
 from fivefold.errors import ConfigError
-from fivefold.planner.candidates import AUTO_LEVERS, lever_sets
-from fivefold.planner.search import search
+from fivefold.planner.search.candidates import AUTO_LEVERS, lever_sets
+from fivefold.planner.search.layouts import search
 from fivefold.specs.cluster import cluster_preset
 from fivefold.specs.presets import model_preset
 

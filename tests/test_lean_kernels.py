@@ -15,8 +15,8 @@ from fivefold.model import loss as loss_module
 from fivefold.model.feed_forward import silu_mul
 from fivefold.model.loss import IGNORE_INDEX, cross_entropy_loss, linear_cross_entropy
 from fivefold.model.norms import rms_norm
-from fivefold.planner.activations import eager_head_loss_bytes
-from fivefold.planner.memory_options import EAGER
+from fivefold.planner.memory.activations import eager_head_loss_bytes
+from fivefold.planner.memory.options import EAGER
 from fivefold.specs.plan import ParallelPlan
 from fivefold.specs.presets import MODEL_PRESETS
 

@@ -148,7 +148,7 @@ def test_levers_muon_cannot_honour_are_refused(tmp_path, plan, field):
 def test_state_bytes_are_the_planners(optimizer):
     """The runtime's optimizer state (without AdamW's step counters) is the planner's
     optimizer tenant: Muon's one buffer per block matrix, AdamW's two for the rest."""
-    from fivefold.planner.model_states import chunk_state
+    from fivefold.planner.memory.model_states import chunk_state
     from fivefold.specs import ParallelPlan
 
     model = _model()

@@ -79,7 +79,7 @@ def _the_check_checks_the_plan(recipe, checks, monkeypatch, capsys) -> None:
 def test_moe_full_recompute_peak_in_a_block_backward_within_five_percent():
     # Mixtral 8x7B's widths at 4 layers, EP4 and ZeRO-3 over 8 ranks (two experts per rank,
     # sharded over 2): the peak is in the recomputed backward of the third block, not at the
-    # loss (`fivefold.planner.eager_memory.eager_block_backward_excess`).
+    # loss (`fivefold.planner.memory.eager.eager_block_backward_excess`).
     overrides = ["cluster.gpus=8", "plan.dp_shard=8", "plan.ep=4", "model.layers=4"]
     recipe = load_recipe(str(CONFIGS / "mixtral-8x7b-dgx-h100.toml"), overrides)
     (check,) = check_plan(recipe)

@@ -8,7 +8,7 @@ import pytest
 
 from fivefold.cli.main import main
 from fivefold.errors import ConfigError
-from fivefold.planner.budget import BudgetInputs, budget
+from fivefold.planner.budget.token_budget import BudgetInputs, budget
 from fivefold.specs import ParallelPlan, cluster_preset, model_preset
 from fivefold.specs.mixture import parse_mixture
 

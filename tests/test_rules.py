@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 
 from fivefold.errors import ConfigError
-from fivefold.planner.search import search
+from fivefold.planner.search.layouts import search
 from fivefold.specs import cluster_preset, load_recipe, model_preset
 from fivefold.specs.plan import ParallelPlan
 from fivefold.specs.recipe import Recipe, model_from_dict, recipe_from_dict
@@ -147,8 +147,8 @@ def test_published_runs_of_other_software_are_not_held_to_the_runtime_rules():
     """A published run fivefold's runtime cannot run (fp8 compute) is costed with
     runtime=False and refused with runtime=True; Megatron's tied-embedding pipelines, which
     fivefold runs too, are costed either way."""
+    from fivefold.planner.budget.published import run_setups
     from fivefold.planner.estimate import estimate
-    from fivefold.planner.published import run_setups
 
     setups = run_setups()
     refused = [s for s in setups if s.plan.runtime_problems(s.model)]

@@ -21,8 +21,8 @@ from fivefold.model import build_model
 from fivefold.model.document_layout import DocumentLayout
 from fivefold.model.rope import rope_cos_sin
 from fivefold.parallel.activation_checkpoint import apply_recompute
-from fivefold.planner.activations import layer_activation_bytes
-from fivefold.planner.memory_options import MemoryOptions
+from fivefold.planner.memory.activations import layer_activation_bytes
+from fivefold.planner.memory.options import MemoryOptions
 from fivefold.specs.plan import ParallelPlan
 from fivefold.specs.presets import MODEL_PRESETS
 
@@ -169,7 +169,7 @@ def test_the_planners_compile_option_counts_compiled_blocks() -> None:
     tensors), so in fp32 the two are equal; in bf16 a compiled block keeps its input in fp32
     (`CompiledProfile.norm_inputs_fp32`), eager in bf16: 2 sbh bytes more per dense layer,
     hand-derived from the profiles."""
-    from fivefold.planner.memory import all_stage_memory
+    from fivefold.planner.memory.stage import all_stage_memory
     from fivefold.planner.options import PlannerOptions
 
     spec = MODEL_PRESETS["small"]

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 import fivefold.parallel.runtime_core as runtime_core
-from fivefold.planner.activations import layer_activation_bytes
-from fivefold.planner.memory_options import MemoryOptions
+from fivefold.planner.memory.activations import layer_activation_bytes
+from fivefold.planner.memory.options import MemoryOptions
 from fivefold.specs.recipe import load_recipe
 from fivefold.train.plan_check import _measure
 
@@ -48,7 +48,7 @@ def test_gathered_inputs_are_kept_as_their_shard(monkeypatch, recompute):
     # only the block input and does not re-gather).
     eager = MemoryOptions(runtime="fivefold-eager", fsdp_wrapped=True)
     per_layer = layer_activation_bytes(model, plan, False, eager)
-    monkeypatch.setattr("fivefold.planner.activations.sp_regathered_inputs", lambda *args: 0)
+    monkeypatch.setattr("fivefold.planner.memory.activations.sp_regathered_inputs", lambda *args: 0)
     assert layer_activation_bytes(model, plan, False, eager) - per_layer == saved / model.layers
 
 

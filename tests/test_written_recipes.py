@@ -81,7 +81,7 @@ def test_launch_slurm_takes_plans_recipe_and_times_it_by_the_prediction(planned,
 def test_plan_out_with_a_token_budget_writes_its_steps_and_checkpoints(tmp_path, capsys):
     """`--tokens` sets the recipe's steps (tokens over the plan's tokens per step), Young's
     checkpoint interval and the checkpoints kept, the figures `plan` printed."""
-    from fivefold.planner.budget import (
+    from fivefold.planner.budget.token_budget import (
         KEEP_CHECKPOINTS,
         budget_inputs,
         checkpoint_bytes,

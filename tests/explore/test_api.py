@@ -15,10 +15,10 @@ import pytest
 from fivefold.explore.api import json_safe
 from fivefold.explore.rank_grid import rank_grid
 from fivefold.planner.estimate import estimate
-from fivefold.planner.explain import explain
+from fivefold.planner.explain.result import explain
 from fivefold.planner.frameworks import planner_settings, profile, profiles
 from fivefold.planner.options import PlannerOptions
-from fivefold.planner.search import search
+from fivefold.planner.search.layouts import search
 from fivefold.specs import (
     GPUS,
     MODEL_PRESETS,
@@ -492,7 +492,7 @@ def test_bad_planner_options_name_the_field(client, planner, words):
 
 # ---- token budget ------------------------------------------------------------------------------
 def test_estimate_and_search_carry_the_token_budget(client):
-    from fivefold.planner.budget import BudgetInputs, budget
+    from fivefold.planner.budget.token_budget import BudgetInputs, budget
 
     table = {"tokens": 5e11, "gpu_hour_price": 2.5}
     status, data = client.post("/api/estimate", {**LLAMA_16, "planner": table})

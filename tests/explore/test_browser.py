@@ -14,10 +14,10 @@ import sys
 
 from fivefold.explore.api import json_safe
 from fivefold.planner.estimate import estimate
-from fivefold.planner.explain import explain
+from fivefold.planner.explain.result import explain
 from fivefold.planner.frameworks import planner_settings
-from fivefold.planner.outcomes import TIE_FRACTION
-from fivefold.planner.search import search
+from fivefold.planner.search.layouts import search
+from fivefold.planner.search.outcomes import TIE_FRACTION
 from fivefold.specs import (
     ClusterSpec,
     ModelSpec,

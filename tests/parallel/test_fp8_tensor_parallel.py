@@ -152,9 +152,9 @@ def _planned_saving(sp: bool) -> float:
     The blocks here are sharded by `apply_tensor_parallel` alone, without the runtime's
     re-gather of the high-precision gathered inputs (`fivefold.parallel.sp_regather`, measured
     by tests/test_sp_regather.py), so the planner's term for it is left out on both sides."""
-    from fivefold.planner import activations
-    from fivefold.planner.activations import layer_activation_bytes
-    from fivefold.planner.memory_options import MemoryOptions
+    from fivefold.planner.memory import activations
+    from fivefold.planner.memory.activations import layer_activation_bytes
+    from fivefold.planner.memory.options import MemoryOptions
     from fivefold.specs.float8 import Fp8TensorParallel
     from fivefold.specs.plan import ParallelPlan
 

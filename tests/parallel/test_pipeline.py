@@ -24,7 +24,7 @@ from fivefold.parallel.pipeline import (
     split_model_for_pipeline,
     stage_layer_ranges,
 )
-from fivefold.planner.schedule import build_schedule
+from fivefold.planner.schedule.actions import build_schedule
 from fivefold.specs.geometry import chunks_of_rank, least_microbatches
 from fivefold.specs.model import ModelSpec
 from fivefold.specs.plan import ParallelPlan

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 from harness import GLOBAL_BATCH, MODELS, ParityCase, assert_parity
 
-from fivefold.planner.search import search
+from fivefold.planner.search.layouts import search
 from fivefold.specs import cluster_preset
 from fivefold.specs.recipe import model_from_dict
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 
 from fivefold.errors import ConfigError
-from fivefold.planner.activations import SIMPLE_K
-from fivefold.planner.model_states import Tenants, local_kv_width, model_state_bytes
+from fivefold.planner.memory.activations import SIMPLE_K
+from fivefold.planner.memory.model_states import Tenants, local_kv_width, model_state_bytes
 from fivefold.specs.hardware import GPUSpec
 from fivefold.specs.model import ModelSpec
 from fivefold.specs.precision import PrecisionRecipe, recipe

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from fivefold.planner.activations import layer_activation_bytes
-from fivefold.planner.model_states import layer_params_per_rank
+from fivefold.planner.memory.activations import layer_activation_bytes
+from fivefold.planner.memory.model_states import layer_params_per_rank
 from fivefold.specs import ModelSpec, ParallelPlan
 
 # Qwen2-7B's attention widths: h 3584, 28 query heads and 4 kv heads of 128, ffn 18944.

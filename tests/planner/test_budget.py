@@ -1,4 +1,4 @@
-"""The token-budget answer (`fivefold.planner.budget`): arithmetic checked by hand."""
+"""The token-budget answer (`fivefold.planner.budget.token_budget`): arithmetic checked by hand."""
 
 import json
 import math
@@ -9,7 +9,7 @@ import pytest
 from fivefold.cli.main import main
 from fivefold.cli.plan_args import parse_tokens
 from fivefold.errors import ConfigError
-from fivefold.planner.budget import (
+from fivefold.planner.budget.token_budget import (
     DEFAULT_CKPT_BANDWIDTH,
     DEFAULT_FAILURE_RATE,
     BudgetInputs,

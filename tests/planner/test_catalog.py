@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from fivefold.errors import ConfigError
-from fivefold.planner.candidates import tp_choices
-from fivefold.planner.comm import group_link
-from fivefold.planner.efficiency import EfficiencyModel
+from fivefold.planner.rates.efficiency import EfficiencyModel
+from fivefold.planner.search.candidates import tp_choices
+from fivefold.planner.step_time.comm import group_link
 from fivefold.specs import ParallelPlan, cluster_preset, model_preset
 from fivefold.specs.cluster import ClusterSpec
 from fivefold.specs.hardware import GPUS, UNKNOWN_GPU, catalog_key_for_device, host

@@ -421,7 +421,7 @@ def test_profile_recipe_and_flag_precedence_is_stated(capsys, tmp_path):
 
 def test_search_with_a_profile_and_its_recipe_round_trip(capsys, tmp_path):
     from fivefold.planner.frameworks import profile
-    from fivefold.planner.search import search
+    from fivefold.planner.search.layouts import search
 
     out = tmp_path / "best.toml"
     argv = ["plan", "--model", "llama3-8b", "--gpus", "16", "--global-batch", "64"]

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from fivefold.planner.comm import (
+from fivefold.planner.rates.efficiency import EfficiencyModel
+from fivefold.planner.step_time.comm import (
     all_gather_bytes,
     all_gather_time_s,
     all_reduce_bytes,
@@ -21,7 +22,6 @@ from fivefold.planner.comm import (
     ring_latency_s,
     tree_latency_s,
 )
-from fivefold.planner.efficiency import EfficiencyModel
 from fivefold.specs import ParallelPlan, cluster_preset, model_preset
 
 EFF = EfficiencyModel(nvlink_fraction=0.8, ib_fraction=0.9)
@@ -182,8 +182,8 @@ def test_calibration_rows_at_scale_keep_dp_communication_small():
     # 42-48 % MFU) lost at most ~16 % per GPU against the best run of their series, so the DP
     # communication the model exposes there must stay below that share of the step (the step
     # error itself is the calibration's business: tests/planner/test_calibration.py).
+    from fivefold.planner.budget.published import run_setups
     from fivefold.planner.estimate import estimate
-    from fivefold.planner.published import run_setups
 
     big = [s for s in run_setups() if s.cluster.world_size >= 1000 and s.model.experts <= 1]
     assert len(big) >= 8
@@ -227,7 +227,7 @@ def test_zero1_gather_after_the_step_is_exposed_in_full():
 
 
 def test_deduplicated_dispatch_sends_one_network_copy_per_node():
-    from fivefold.planner.comm import deduplicated_dispatch_time_s
+    from fivefold.planner.step_time.comm import deduplicated_dispatch_time_s
 
     # EP 64 over 8 nodes, 1 GB of tokens per rank, top-8 routing. The all-to-all sends one
     # copy per expert, 56/64 of 8 GB over the NIC; DeepEP one per remote node reached:

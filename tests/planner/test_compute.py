@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from arithmetic import gemm_intensity
 
-from fivefold.planner.compute import (
+from fivefold.planner.rates.efficiency import EfficiencyModel
+from fivefold.planner.step_time.compute import (
     ComputeOptions,
     classic_attention,
     flash_attention_forward_s,
@@ -15,8 +16,7 @@ from fivefold.planner.compute import (
     memory_time_s,
     optimizer_step_s,
 )
-from fivefold.planner.efficiency import EfficiencyModel
-from fivefold.planner.layer_matmuls import layer_gemms
+from fivefold.planner.step_time.layer_matmuls import layer_gemms
 from fivefold.specs import ParallelPlan, gpu, model_preset
 from fivefold.specs.flops import forward_flops_per_token, training_flops_per_token
 
@@ -125,7 +125,7 @@ def test_roofline_takes_the_larger_side():
     """Each memory-side kernel runs at max(FLOPs / vector rate, bytes / bandwidth)."""
     from dataclasses import replace
 
-    from fivefold.planner.compute import roofline_s
+    from fivefold.planner.step_time.compute import roofline_s
 
     bw = H100.hbm_bw_bytes_per_s * 0.8
     assert roofline_s(1e9, 1e9, H100, EFF) == pytest.approx(1e9 / bw)  # ~0.5 FLOP/byte
@@ -136,7 +136,7 @@ def test_roofline_takes_the_larger_side():
 def test_short_attention_is_memory_bound():
     """Flash attention over 16 tokens moves more bytes than its FLOPs can hide: its time is
     q, k, v in and the output out at the bandwidth, not the FLOPs at the attention rate."""
-    from fivefold.planner.compute import attention_times_s
+    from fivefold.planner.step_time.compute import attention_times_s
 
     m = model_preset("llama3-8b").with_(seq_len=16)
     plan = ParallelPlan(micro_batch=1)
@@ -150,7 +150,7 @@ def test_short_attention_is_memory_bound():
 
 
 def test_embedding_backward_writes_the_table():
-    from fivefold.planner.compute import embedding_work
+    from fivefold.planner.step_time.compute import embedding_work
 
     m = model_preset("tiny")  # h 64, V 4096, s 128
     plan = ParallelPlan(micro_batch=2, precision="fp32")

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from fivefold.planner.efficiency import (
+from fivefold.planner.budget.published import run_errors, run_setups
+from fivefold.planner.rates.efficiency import (
     FITTED,
     EfficiencyModel,
     calibration_record,
@@ -18,7 +19,6 @@ from fivefold.planner.efficiency import (
     published_runs,
     skipped_runs,
 )
-from fivefold.planner.published import run_errors, run_setups
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs" / "planner.md"
@@ -281,8 +281,8 @@ def test_what_if_is_priced_by_the_estimator():
     memory unit of GB instead of GiB scales the measured figure by 10^9 / 2^30."""
     from dataclasses import replace
 
+    from fivefold.planner.budget.published import what_if_error
     from fivefold.planner.estimate import estimate
-    from fivefold.planner.published import what_if_error
 
     rows = {r["id"]: r for r in published_runs()}
     setup = {s.row: s for s in run_setups()}["39"]
@@ -317,7 +317,7 @@ def test_what_if_is_priced_by_the_estimator():
     ],
 )
 def test_unknowns_are_validated_by_the_loader(unknowns, message):
-    from fivefold.planner.published import run_setup
+    from fivefold.planner.budget.published import run_setup
 
     row = {**{r["id"]: r for r in published_runs()}["39"], "unknowns": unknowns}
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -326,7 +326,7 @@ def test_unknowns_are_validated_by_the_loader(unknowns, message):
 
 def test_a_what_if_that_breaks_the_layout_is_rejected_when_priced():
     from fivefold.errors import ConfigError
-    from fivefold.planner.published import what_if_error
+    from fivefold.planner.budget.published import what_if_error
 
     row = {r["id"]: r for r in published_runs()}["39"]
     with pytest.raises(ConfigError, match="plan degrees multiply"):

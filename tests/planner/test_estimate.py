@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from fivefold.errors import ConfigError
-from fivefold.planner.efficiency import EfficiencyModel
 from fivefold.planner.estimate import estimate
 from fivefold.planner.options import PlannerOptions
-from fivefold.planner.schedule import build_schedule
-from fivefold.planner.simulation import closed_form_bubble, simulate
+from fivefold.planner.rates.efficiency import EfficiencyModel
+from fivefold.planner.schedule.actions import build_schedule
+from fivefold.planner.schedule.simulation import closed_form_bubble, simulate
 from fivefold.specs import ClusterSpec, ModelSpec, ParallelPlan, cluster_preset, model_preset
 from fivefold.specs.flops import training_flops_per_token
 from fivefold.units import GiB
@@ -224,11 +224,11 @@ def test_analytic_estimate_does_no_more_work_for_more_micro_batches():
 def test_parameter_gather_hides_behind_first_forward_and_warm_up():
     """ZeRO-1 parameter all-gather (hand-derived from the stage costs): rank r of a 1F1B pipeline
     hides it behind its first forward and the r chunk forwards it waits for before that."""
-    from fivefold.planner.chunk_costs import chunk_costs_of
-    from fivefold.planner.efficiency import efficiency_model
-    from fivefold.planner.layer_costs import layer_cost_key
-    from fivefold.planner.model_states import chunk_layers
-    from fivefold.planner.rank_tail import rank_tails
+    from fivefold.planner.memory.model_states import chunk_layers
+    from fivefold.planner.rates.efficiency import efficiency_model
+    from fivefold.planner.step_time.chunk_costs import chunk_costs_of
+    from fivefold.planner.step_time.layer_costs import layer_cost_key
+    from fivefold.planner.step_time.rank_tail import rank_tails
     from fivefold.specs.partition import stage_layer_counts
 
     model = model_preset("llama3-70b").with_(seq_len=2048)
@@ -266,11 +266,11 @@ def test_no_negative_rounding_residue_in_the_breakdown():
 
 
 def _tails(model, plan, cluster):
-    from fivefold.planner.chunk_costs import chunk_costs_of
-    from fivefold.planner.efficiency import efficiency_model
-    from fivefold.planner.layer_costs import layer_cost_key
-    from fivefold.planner.model_states import chunk_layers
-    from fivefold.planner.rank_tail import rank_tails
+    from fivefold.planner.memory.model_states import chunk_layers
+    from fivefold.planner.rates.efficiency import efficiency_model
+    from fivefold.planner.step_time.chunk_costs import chunk_costs_of
+    from fivefold.planner.step_time.layer_costs import layer_cost_key
+    from fivefold.planner.step_time.rank_tail import rank_tails
     from fivefold.specs.partition import stage_layer_counts
 
     opts, eff = PlannerOptions(), efficiency_model()
@@ -285,8 +285,8 @@ def test_tied_embeddings_add_an_all_reduce_between_first_and_last_stage():
     """The two copies' gradients are summed over the first and last stage: V x h / dp_shard
     elements per rank (a 2-rank all-reduce moves its size), on those two ranks only; none
     under a V schedule, whose ends share a rank."""
-    from fivefold.planner.comm import ib_bandwidth
-    from fivefold.planner.efficiency import efficiency_model
+    from fivefold.planner.rates.efficiency import efficiency_model
+    from fivefold.planner.step_time.comm import ib_bandwidth
 
     untied = LLAMA8
     tied = LLAMA8.with_(tied_embeddings=True)

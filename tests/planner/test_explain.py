@@ -5,8 +5,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from fivefold.planner.explain import explain, gib, seconds, slower_because
-from fivefold.planner.search import search
+from fivefold.planner.explain.result import explain, gib, seconds, slower_because
+from fivefold.planner.search.layouts import search
 from fivefold.specs import ParallelPlan, cluster_preset, model_preset
 
 GiB = 2**30

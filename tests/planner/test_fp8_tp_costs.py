@@ -7,16 +7,16 @@ from __future__ import annotations
 
 import pytest
 
-from fivefold.planner.comm import all_gather_time_s, plan_link
-from fivefold.planner.efficiency import efficiency_model
 from fivefold.planner.estimate import estimate
-from fivefold.planner.layer_costs import (
+from fivefold.planner.options import PlannerOptions
+from fivefold.planner.rates.efficiency import efficiency_model
+from fivefold.planner.step_time.comm import all_gather_time_s, plan_link
+from fivefold.planner.step_time.layer_costs import (
     collective_gap_s,
     fp8_scale_all_reduces,
     layer_cost_key,
     layer_costs,
 )
-from fivefold.planner.options import PlannerOptions
 from fivefold.specs import ParallelPlan, cluster_preset, model_preset
 from fivefold.specs.float8 import Fp8TensorParallel, fp8_tensor_parallel
 

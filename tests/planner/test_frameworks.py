@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from fivefold.errors import ConfigError
-from fivefold.planner.efficiency import published_runs
+from fivefold.planner.budget.published import run_setup
 from fivefold.planner.estimate import estimate
 from fivefold.planner.frameworks import (
     DEFAULT_PROFILE,
@@ -23,7 +23,7 @@ from fivefold.planner.frameworks import (
     row_options,
 )
 from fivefold.planner.options import PlannerOptions
-from fivefold.planner.published import run_setup
+from fivefold.planner.rates.efficiency import published_runs
 from fivefold.specs import cluster_preset
 from fivefold.specs.cluster import profile_cluster
 from fivefold.specs.hardware import gpu

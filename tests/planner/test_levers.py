@@ -1,7 +1,7 @@
 """Memory levers in the planner (issue 11): 8-bit/FP8 Adam states, CPU offload, FP8 compute.
 
-Every figure is derived by hand from the rules in `fivefold.planner.levers` and
-`fivefold.planner.lever_costs` (torchao 0.18's block of 256, FSDP2's CPUOffloadPolicy, the DGX
+Every figure is derived by hand from the rules in `fivefold.planner.memory.levers` and
+`planner.step_time.lever_costs` (torchao 0.18's block of 256, FSDP2's CPUOffloadPolicy, the DGX
 H100 host) and compared with what `estimate` and `search` return. fivefold's runtime refuses
 the levers until it runs them (`ParallelPlan.runtime_problems`); `runtime_levers` stands in for
 that runtime where a test needs the search or the CLI to accept them.
@@ -15,26 +15,26 @@ import pytest
 
 from fivefold.cli.main import main
 from fivefold.errors import ConfigError
-from fivefold.planner.bounds import Bounds
-from fivefold.planner.compute import gemm_time_s
-from fivefold.planner.efficiency import efficiency_model
 from fivefold.planner.estimate import estimate
-from fivefold.planner.explain import explain
-from fivefold.planner.layer_costs import layer_cost_key, layer_costs
-from fivefold.planner.lever_costs import (
-    HOST_BW_FRACTION,
-    PCIE_FRACTION,
-    fp8_layer_delta,
-)
-from fivefold.planner.levers import (
+from fivefold.planner.explain.result import explain
+from fivefold.planner.memory.levers import (
     HOST_RESERVED_FRACTION,
     memory_plan,
     moment_bytes,
     state_recipe,
 )
-from fivefold.planner.memory import stage_memory
+from fivefold.planner.memory.stage import stage_memory
 from fivefold.planner.options import PlannerOptions
-from fivefold.planner.search import search
+from fivefold.planner.rates.efficiency import efficiency_model
+from fivefold.planner.search.bounds import Bounds
+from fivefold.planner.search.layouts import search
+from fivefold.planner.step_time.compute import gemm_time_s
+from fivefold.planner.step_time.layer_costs import layer_cost_key, layer_costs
+from fivefold.planner.step_time.lever_costs import (
+    HOST_BW_FRACTION,
+    PCIE_FRACTION,
+    fp8_layer_delta,
+)
 from fivefold.specs import ParallelPlan, cluster_preset, model_preset
 from fivefold.specs.cluster import ClusterSpec
 from fivefold.specs.flops import training_flops_per_token

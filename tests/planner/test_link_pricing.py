@@ -11,18 +11,18 @@ from __future__ import annotations
 
 import pytest
 
-from fivefold.planner.comm import (
+from fivefold.planner.estimate import estimate
+from fivefold.planner.explain.result import explain
+from fivefold.planner.options import PlannerOptions
+from fivefold.planner.rates.efficiency import EfficiencyModel
+from fivefold.planner.search.layouts import search
+from fivefold.planner.step_time.comm import (
     all_gather_time_s,
     link_model,
     p2p_time_s,
     pipeline_link,
     plan_link,
 )
-from fivefold.planner.efficiency import EfficiencyModel
-from fivefold.planner.estimate import estimate
-from fivefold.planner.explain import explain
-from fivefold.planner.options import PlannerOptions
-from fivefold.planner.search import search
 from fivefold.specs import ParallelPlan, cluster_preset, model_preset
 
 EFF = EfficiencyModel(nvlink_fraction=0.8, ib_fraction=0.9)

@@ -5,16 +5,16 @@ from __future__ import annotations
 import pytest
 
 from fivefold.errors import ConfigError
-from fivefold.planner.activations import chunk_activation_bytes, layer_activation_bytes
-from fivefold.planner.eager_memory import split_backward_bytes
-from fivefold.planner.memory import all_stage_memory, stage_memory
-from fivefold.planner.memory_options import MemoryOptions
-from fivefold.planner.model_states import (
+from fivefold.planner.memory.activations import chunk_activation_bytes, layer_activation_bytes
+from fivefold.planner.memory.eager import split_backward_bytes
+from fivefold.planner.memory.model_states import (
     chunk_state_bytes,
     layer_params_per_rank,
     model_state_bytes,
     zero_divisors,
 )
+from fivefold.planner.memory.options import MemoryOptions
+from fivefold.planner.memory.stage import all_stage_memory, stage_memory
 from fivefold.specs import ModelSpec, ParallelPlan, model_preset, param_count
 from fivefold.specs.partition import stage_layer_counts
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from fivefold.planner.efficiency import efficiency_model
-from fivefold.planner.layer_costs import layer_cost_key, layer_costs, tp_collectives
-from fivefold.planner.layer_matmuls import expert_projections, layer_gemms
-from fivefold.planner.model_states import layer_params_per_rank
+from fivefold.planner.memory.model_states import layer_params_per_rank
 from fivefold.planner.options import PlannerOptions
+from fivefold.planner.rates.efficiency import efficiency_model
+from fivefold.planner.step_time.layer_costs import layer_cost_key, layer_costs, tp_collectives
+from fivefold.planner.step_time.layer_matmuls import expert_projections, layer_gemms
 from fivefold.specs import ParallelPlan, cluster_preset, model_preset
 from fivefold.specs.geometry import axis_groups, expert_shard_degree
 
@@ -68,7 +68,7 @@ def test_the_experts_gradient_reduction_holds_reduce_dtype_copies():
     """FSDP2 reduces a block's routed experts as a unit of their own: an fp32 input of all
     their gradients beside the bf16 ones (6 B per parameter), then beside its output, 1/n of
     them over the expert ZeRO group of n; on one rank also `input / divide_factor` (12 B)."""
-    from fivefold.planner.eager_memory import _experts_reduce_bytes
+    from fivefold.planner.memory.eager import _experts_reduce_bytes
     from fivefold.specs.precision import recipe
 
     bf16 = recipe("bf16-mixed")
@@ -86,8 +86,8 @@ def test_the_last_blocks_expert_reduction_is_in_the_peak_without_recompute():
     are reduced first in the backward, three fp32 copies of their gradients at once, which the
     activation peak holds (1.2 GiB of activations were planned before; `plan check` counts 46.7
     GiB in all, tests/test_plan_check.py)."""
-    from fivefold.planner.memory import all_stage_memory
-    from fivefold.planner.memory_options import MemoryOptions
+    from fivefold.planner.memory.options import MemoryOptions
+    from fivefold.planner.memory.stage import all_stage_memory
 
     eager = MemoryOptions(runtime="fivefold-eager", fsdp_wrapped=True)
     deepseek = model_preset("deepseek-v3").with_(seq_len=4096, layers=4, dense_layers=3)
@@ -108,8 +108,8 @@ def test_the_router_gradient_all_reduce_over_tp_is_priced_and_explained():
     """Each TP rank's router gradient covers its own tokens: one all-reduce of the [E, h]
     bf16 gradient over TP per MoE layer backward, beside attention's SP pair (an all-gather
     and a reduce-scatter of the [T, h] bf16 stream forward and again backward)."""
-    from fivefold.planner.explain import explain
-    from fivefold.planner.search import search
+    from fivefold.planner.explain.result import explain
+    from fivefold.planner.search.layouts import search
 
     plan = TP2_EP8.with_(micro_batch=1)
     cluster = cluster_preset("dgx-h100", 64)

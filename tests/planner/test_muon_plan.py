@@ -1,4 +1,4 @@
-"""The planner prices `train.optimizer = "muon"` (`fivefold.planner.muon`): one fp32 moment for
+"""The planner prices `train.optimizer = "muon"` (`planner.step_time.muon`): one fp32 moment for
 the blocks' matrices instead of two, Newton-Schulz on whole matrices and their all-gathers.
 
 Llama 3 8B on 64 H100s, TP2 x ZeRO-3 over 32: every figure below is derived by hand from the
@@ -13,12 +13,12 @@ import pytest
 
 from fivefold.cli.main import main
 from fivefold.errors import ConfigError
-from fivefold.planner.candidates import lever_sets
-from fivefold.planner.comm import all_gather_bytes
-from fivefold.planner.efficiency import efficiency_model
 from fivefold.planner.estimate import estimate
-from fivefold.planner.muon import muon_summary, newton_schulz_s
 from fivefold.planner.options import PlannerOptions
+from fivefold.planner.rates.efficiency import efficiency_model
+from fivefold.planner.search.candidates import lever_sets
+from fivefold.planner.step_time.comm import all_gather_bytes
+from fivefold.planner.step_time.muon import muon_summary, newton_schulz_s
 from fivefold.specs import ParallelPlan, cluster_preset, model_preset
 from fivefold.units import GiB
 

@@ -9,11 +9,16 @@ import tomllib
 import pytest
 
 from fivefold.errors import ConfigError
-from fivefold.planner import comm as C
-from fivefold.planner.compute import ComputeOptions, head_work, layer_work, optimizer_step_s
-from fivefold.planner.efficiency import EfficiencyModel
 from fivefold.planner.estimate import estimate
-from fivefold.planner.rates import rates_for
+from fivefold.planner.rates.device import rates_for
+from fivefold.planner.rates.efficiency import EfficiencyModel
+from fivefold.planner.step_time import comm as C
+from fivefold.planner.step_time.compute import (
+    ComputeOptions,
+    head_work,
+    layer_work,
+    optimizer_step_s,
+)
 from fivefold.specs.cluster import profile_cluster
 from fivefold.specs.flops import (
     attention_score_flops_per_token,
@@ -401,8 +406,8 @@ def test_zero3_with_pipelining_communicates_once_per_step(profile_path):
 def test_zero3_pays_fsdp_copies_by_hand(profile_path):
     """Each ZeRO-3 gather is copied out into the parameters and each gradient reduce-scatter's
     input is copied in: 2 bytes moved per byte, at the element-wise bandwidth."""
-    from fivefold.planner.layer_costs import layer_cost_key, layer_costs
     from fivefold.planner.options import PlannerOptions
+    from fivefold.planner.step_time.layer_costs import layer_cost_key, layer_costs
 
     cluster = profile_cluster(profile_path, 2)
     plan = ParallelPlan(dp_shard=2, zero=3, micro_batch=4, precision="fp32")
@@ -461,8 +466,8 @@ def test_moe_routing_collectives_by_hand(profile_path):
     of the E per-expert counts (int64); both on the stage's critical path."""
     from dataclasses import replace
 
-    from fivefold.planner.layer_costs import routing_sync_s
     from fivefold.planner.options import PlannerOptions
+    from fivefold.planner.step_time.layer_costs import routing_sync_s
 
     moe = model_preset("tiny-moe")  # 4 experts
     cluster = profile_cluster(profile_path, 2)
@@ -622,8 +627,8 @@ def test_published_band_does_not_apply_to_a_measured_device(profile_path):
     """The published GPU runs' residuals say nothing about fivefold's own runtime on a
     calibrated CPU: no band, ranking by the prediction, and the confidence line says where
     this device's errors are checked instead."""
-    from fivefold.planner import uncertainty as U
-    from fivefold.planner.explain import confidence_line
+    from fivefold.planner.budget import uncertainty as U
+    from fivefold.planner.explain.result import confidence_line
 
     cluster = profile_cluster(profile_path, 2)
     plan = ParallelPlan(dp_shard=2, zero=3, micro_batch=4, precision="fp32")
@@ -639,7 +644,7 @@ def test_published_band_does_not_apply_to_a_measured_device(profile_path):
 def test_runtime_units_one_collective_per_wrapped_module():
     """fivefold's runtime wraps every block and each chunk's root (and, under EP, each MoE
     block's experts apart): a rank holding chunks of 3 and 2 blocks issues 3 + 2 + 2 roots."""
-    from fivefold.planner.rank_tail import runtime_units
+    from fivefold.planner.step_time.rank_tail import runtime_units
 
     dense = ParallelPlan(pp=2, vpp=2, schedule="interleaved-1f1b", micro_batch=1, grad_accum=4)
     assert runtime_units(dense, [(3, 0, True, False), (2, 0, False, False)]) == (7, 0)
@@ -653,7 +658,7 @@ def test_zero1_reduces_once_per_unit_on_a_measured_device(profile_path):
     reduce-scatters (2 blocks and the root), each paying its own latency, not one per
     `layer's worth` of parameters (the embedding and head are 13 layers' worth)."""
     from fivefold.planner.options import PlannerOptions
-    from fivefold.planner.rank_tail import tail_costs
+    from fivefold.planner.step_time.rank_tail import tail_costs
 
     moe = model_preset("tiny-moe")
     cluster = profile_cluster(profile_path, 2)
@@ -669,8 +674,8 @@ def test_zero1_reduces_once_per_unit_on_a_measured_device(profile_path):
 def test_fivefold_ring_exchanges_by_hand(profile_path):
     """fivefold's ring attention on CP 2 (`_RingAttention`): forward one K/V exchange; backward
     one K/V exchange and two fp32 dK/dV exchanges; on a CPU nothing hides behind attention."""
-    from fivefold.planner.compute import Work
-    from fivefold.planner.layer_costs import _ring_costs
+    from fivefold.planner.step_time.compute import Work
+    from fivefold.planner.step_time.layer_costs import _ring_costs
 
     cluster = profile_cluster(profile_path, 2)
     plan = ParallelPlan(cp=2, micro_batch=1, precision="bf16-mixed")
@@ -704,7 +709,7 @@ def test_shared_cores_give_a_waiting_rank_core_to_the_others(profile_path):
 def test_collective_gap_is_half_a_layer_forward(profile_path):
     """The compute that prices a plan's collectives on a measured device: half of one layer's
     forward at its micro-batch; none on a GPU cluster."""
-    from fivefold.planner.layer_costs import collective_gap_s
+    from fivefold.planner.step_time.layer_costs import collective_gap_s
     from fivefold.specs.cluster import cluster_preset
 
     cluster = profile_cluster(profile_path, 2)
@@ -717,7 +722,7 @@ def test_collective_gap_is_half_a_layer_forward(profile_path):
 def test_a_profile_without_bf16_names_the_precision_not_the_layouts(profile_path):
     """The search's default bf16-mixed cannot be priced on a profile that measured fp32 only:
     said so, with the precision that fixes it, not blamed on micro-batches or GPU count."""
-    from fivefold.planner.search import search
+    from fivefold.planner.search.layouts import search
 
     cluster = profile_cluster(profile_path, 2)
     with pytest.raises(ConfigError) as err:

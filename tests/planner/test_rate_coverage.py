@@ -1,5 +1,5 @@
 """Which rates a plan reads inside a measured device's shapes and which beyond
-(`fivefold.planner.rate_coverage`, `shape_interp`), on a synthetic profile."""
+(`fivefold.planner.rates.coverage`, `shape_interp`), on a synthetic profile."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from dataclasses import replace
 
 import pytest
 
-from fivefold.planner.rate_coverage import coverage
-from fivefold.planner.rates import rates_for
-from fivefold.planner.shape_interp import beyond_range, log_shape_interp
+from fivefold.planner.rates.coverage import coverage
+from fivefold.planner.rates.device import rates_for
+from fivefold.planner.rates.shape_interp import beyond_range, log_shape_interp
 from fivefold.specs import ParallelPlan, model_preset
 from fivefold.specs.hardware import measured_gpu
 from fivefold.specs.profile import (

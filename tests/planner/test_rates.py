@@ -1,4 +1,4 @@
-"""Device rates (`fivefold.planner.rates`): the catalog and the measured implementation of one
+"""Device rates (`planner.rates.device`): the catalog and the measured implementation of one
 interface, each against numbers derived by hand for a simple device."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import tomllib
 import pytest
 
 from fivefold.errors import ConfigError
-from fivefold.planner.comm import all_reduce_time_s, p2p_time_s
-from fivefold.planner.compute import ComputeOptions
-from fivefold.planner.efficiency import EfficiencyModel
-from fivefold.planner.rates import CatalogRates, MeasuredRates, rates_for
+from fivefold.planner.rates.device import CatalogRates, MeasuredRates, rates_for
+from fivefold.planner.rates.efficiency import EfficiencyModel
+from fivefold.planner.step_time.comm import all_reduce_time_s, p2p_time_s
+from fivefold.planner.step_time.compute import ComputeOptions
 from fivefold.specs.cluster import ClusterSpec
 from fivefold.specs.hardware import GPUSpec, measured_gpu
 from fivefold.specs.plan import ParallelPlan

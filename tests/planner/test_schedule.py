@@ -6,10 +6,10 @@ import random
 import pytest
 
 from fivefold.errors import ConfigError
-from fivefold.planner import schedule as sched_mod
-from fivefold.planner import simulation as sim_mod
-from fivefold.planner.schedule import build_schedule
-from fivefold.planner.simulation import StageCosts, closed_form_bubble, simulate
+from fivefold.planner.schedule import actions as sched_mod
+from fivefold.planner.schedule import simulation as sim_mod
+from fivefold.planner.schedule.actions import build_schedule
+from fivefold.planner.schedule.simulation import StageCosts, closed_form_bubble, simulate
 from fivefold.specs.geometry import SCHEDULES, least_microbatches
 
 VPP = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2, "zbv": 2, "dualpipev": 2}

@@ -6,12 +6,17 @@ import time
 import pytest
 
 from fivefold.errors import ConfigError
-from fivefold.planner.bounds import Bounds
-from fivefold.planner.candidates import dp_splits, hsdp_shards, micro_batch_choices, tp_choices
 from fivefold.planner.estimate import estimate
 from fivefold.planner.options import PlannerOptions
-from fivefold.planner.outcomes import TIE_FRACTION, batch_target
-from fivefold.planner.search import search
+from fivefold.planner.search.bounds import Bounds
+from fivefold.planner.search.candidates import (
+    dp_splits,
+    hsdp_shards,
+    micro_batch_choices,
+    tp_choices,
+)
+from fivefold.planner.search.layouts import search
+from fivefold.planner.search.outcomes import TIE_FRACTION, batch_target
 from fivefold.specs import ParallelPlan, cluster_preset, model_preset
 from fivefold.units import GiB
 
@@ -197,7 +202,7 @@ def test_plan_from_search_round_trips_through_estimate(llama8b_64):
 
 
 def test_memory_shortfall_is_never_zero_gib():
-    from fivefold.planner.outcomes import _amount
+    from fivefold.planner.search.outcomes import _amount
 
     assert _amount(0.04 * 2**30) == "41.0 MiB"  # was "0.0 GiB"
     assert _amount(1) == "0.1 MiB"

@@ -8,14 +8,14 @@ import gc
 
 import pytest
 
-from fivefold.planner.bounds import Bounds
+from fivefold.planner.budget.uncertainty import rank_tokens_per_s
 from fivefold.planner.estimate import estimate
 from fivefold.planner.frameworks import profile
 from fivefold.planner.options import PlannerOptions
-from fivefold.planner.outcomes import TIE_FRACTION, Outcome, rank_fitting
-from fivefold.planner.search import search
-from fivefold.planner.search_state import _derive
-from fivefold.planner.uncertainty import rank_tokens_per_s
+from fivefold.planner.search.bounds import Bounds
+from fivefold.planner.search.layouts import search
+from fivefold.planner.search.outcomes import TIE_FRACTION, Outcome, rank_fitting
+from fivefold.planner.search.state import _derive
 from fivefold.specs import ParallelPlan, cluster_preset, model_preset
 
 CASES = {

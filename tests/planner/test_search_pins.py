@@ -7,7 +7,7 @@ import pytest
 
 from fivefold.cli.main import main
 from fivefold.errors import ConfigError
-from fivefold.planner.search import search
+from fivefold.planner.search.layouts import search
 from fivefold.specs import ParallelPlan, cluster_preset, model_preset
 
 VIZZ = model_preset("vizz-7b").with_(seq_len=131072)  # 32 heads, 32 layers, ffn 11008

@@ -24,8 +24,8 @@ from arithmetic import (
     training_memory,
 )
 
-from fivefold.planner.comm import activation_bytes, all_reduce_bytes, transfer_time_s
-from fivefold.planner.model_states import model_state_bytes
+from fivefold.planner.memory.model_states import model_state_bytes
+from fivefold.planner.step_time.comm import activation_bytes, all_reduce_bytes, transfer_time_s
 from fivefold.specs import ModelSpec, ParallelPlan, gpu
 from fivefold.specs.precision import recipe
 

@@ -5,11 +5,11 @@ import re
 import pytest
 
 from fivefold.planner.estimate import estimate
-from fivefold.planner.explain import explain
-from fivefold.planner.outcomes import TIE_FRACTION
-from fivefold.planner.schedule import build_schedule
-from fivefold.planner.search import search
-from fivefold.planner.simulation import StageCosts, closed_form_bubble, simulate
+from fivefold.planner.explain.result import explain
+from fivefold.planner.schedule.actions import build_schedule
+from fivefold.planner.schedule.simulation import StageCosts, closed_form_bubble, simulate
+from fivefold.planner.search.layouts import search
+from fivefold.planner.search.outcomes import TIE_FRACTION
 from fivefold.specs import ParallelPlan, cluster_preset, model_preset
 from fivefold.units import GiB
 

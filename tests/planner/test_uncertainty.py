@@ -8,12 +8,12 @@ from types import SimpleNamespace
 import pytest
 
 from fivefold.errors import ConfigError
-from fivefold.planner import uncertainty as U
+from fivefold.planner.budget import uncertainty as U
 from fivefold.planner.estimate import estimate
-from fivefold.planner.explain import confidence_line, explain, published_line
+from fivefold.planner.explain.result import confidence_line, explain, published_line
 from fivefold.planner.options import PlannerOptions
-from fivefold.planner.outcomes import Outcome, rank_fitting
-from fivefold.planner.search import search
+from fivefold.planner.search.layouts import search
+from fivefold.planner.search.outcomes import Outcome, rank_fitting
 from fivefold.specs import ParallelPlan, cluster_preset, model_preset
 from fivefold.specs.flops import training_flops_per_token
 

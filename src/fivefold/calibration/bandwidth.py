@@ -23,7 +23,7 @@ from fivefold.model.norms import RMSNorm
 from fivefold.model.rope import apply_rope, rope_cos_sin
 from fivefold.model.torch_features import adamw_kernel
 from fivefold.model.transformer import TransformerBlock
-from fivefold.planner.compute import (
+from fivefold.planner.step_time.compute import (
     ComputeOptions,
     layer_elementwise_bytes,
     optimizer_bytes_per_param,
@@ -117,7 +117,7 @@ def optimizer_time_s(model: ModelSpec, budget: Budget) -> tuple[float, int]:
 def measure_bandwidth(
     model: ModelSpec, plan: ParallelPlan, threads: int, budget: Budget, processes: int = 1
 ) -> list[Bandwidth]:
-    """Bandwidths in the planner's byte accounting (`fivefold.planner.compute`); `processes`:
+    """Bandwidths in the planner's byte accounting (`planner.step_time.compute`); `processes`:
     how many local processes run this at once (`fivefold.calibration.comm` runs it on
     every rank of its worlds, so the rows see memory bandwidth shared as a run shares it)."""
     dense = replace(model, experts=0, top_k=0, shared_experts=0, dense_layers=0)

@@ -13,7 +13,7 @@ computes a GEMM, then the collective; iterations with and without the collective
 the time of one collective is the mean difference, on the slowest rank. The GEMMs (`gaps`):
 none (back to back), and each calibrated model's first MLP projection at the recipe's
 micro-batch; each row carries its GEMM's measured seconds (`gap_s`) and the planner
-interpolates between them by its own plan's GEMM (`fivefold.planner.layer_costs.
+interpolates between them by its own plan's GEMM (`fivefold.planner.step_time.layer_costs.
 collective_gap_s`). A step pays the mean, not the best case: on a CPU the ranks
 reach each collective at slightly different times and the transport's threads compete with the
 peers' compute for the cores, so an issued collective costs several times its back-to-back

@@ -22,7 +22,7 @@ model):
   their log-sum-exp merges);
 - bandwidth: the block's element-wise work (norms, RoPE, SwiGLU, residual adds), the
   cross-entropy loss and AdamW (with clipping and zeroing), each in the byte accounting of
-  `fivefold.planner.compute`, so the planner's bytes over these rates give time; alone here,
+  `planner.step_time.compute`, so the planner's bytes over these rates give time; alone here,
   and on every rank at once in the collective benchmark's worlds (`comm`), since
   the ranks of a run share the memory bandwidth;
 - overhead: what one more layer adds at a shape where its arithmetic is negligible (Python,

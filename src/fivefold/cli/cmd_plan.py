@@ -39,13 +39,13 @@ from fivefold.cli.plan_output import (
 )
 from fivefold.cli.recipe_text import data_section, train_section
 from fivefold.errors import ConfigError
-from fivefold.planner.budget import budget_lines
+from fivefold.planner.budget.token_budget import budget_lines
+from fivefold.planner.budget.uncertainty import band_json
 from fivefold.planner.estimate import estimate
-from fivefold.planner.explain import confidence_line, explain, slower_because
-from fivefold.planner.muon import muon_line, muon_summary
+from fivefold.planner.explain.result import confidence_line, explain, slower_because
 from fivefold.planner.request import resolve_headroom, resolve_request
-from fivefold.planner.search import search
-from fivefold.planner.uncertainty import band_json
+from fivefold.planner.search.layouts import search
+from fivefold.planner.step_time.muon import muon_line, muon_summary
 from fivefold.specs.recipe import Recipe, dump_recipe, load_recipe
 
 

@@ -15,7 +15,7 @@ from fivefold.parallel.device import pick_device
 from fivefold.parallel.mesh import ParallelDims
 from fivefold.planner.frameworks import DEFAULT_PROFILE, planner_settings
 from fivefold.planner.options import PlannerOptions
-from fivefold.planner.search import search
+from fivefold.planner.search.layouts import search
 from fivefold.specs.optimizer import OPTIMIZERS
 from fivefold.specs.profile import default_profile_path
 from fivefold.specs.recipe import cluster_from_dict, dump_recipe, model_from_dict, plan_from_dict

@@ -12,7 +12,7 @@ import re
 from typing import Any
 
 from fivefold.errors import ConfigError
-from fivefold.planner.budget import DEFAULT_RESTART_S
+from fivefold.planner.budget.token_budget import DEFAULT_RESTART_S
 from fivefold.planner.frameworks import DEFAULT_PROFILE, profiles
 from fivefold.planner.options import CHOICES, OPTION_HELP, PlannerOptions
 from fivefold.specs.geometry import OFFLOAD_KINDS, RECOMPUTE_POLICIES, SCHEDULES
@@ -236,7 +236,7 @@ def _add_batch_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_budget_options(parser: argparse.ArgumentParser) -> None:
-    """The token-budget flags (`fivefold.planner.budget`); each also a [planner] field."""
+    """The token-budget flags (`planner.budget.token_budget`); each also a [planner] field."""
     g = parser.add_argument_group(
         "token budget (days, GPU-hours, cost, failures and checkpoint interval for a number of "
         "tokens; each also a [planner] field: tokens, gpu_hour_price, failure_rate, "

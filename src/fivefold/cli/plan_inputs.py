@@ -19,14 +19,14 @@ from fivefold.cli.plan_args import (
 )
 from fivefold.cli.plan_mixture import plan_mixture
 from fivefold.errors import ConfigError
-from fivefold.planner.budget import budget_inputs
+from fivefold.planner.budget.token_budget import budget_inputs
 from fivefold.planner.frameworks import planner_settings
-from fivefold.planner.layout_defaults import complete_layout
 from fivefold.planner.options import OPTION_HELP
 from fivefold.planner.request import (
     MAX_BATCH_SEQUENCES,
     PlanRequest,
 )
+from fivefold.planner.search.layout_defaults import complete_layout
 from fivefold.specs.cluster import (
     CLUSTER_PRESETS,
     ClusterSpec,
@@ -85,7 +85,7 @@ _NUMERIC_OPTIONS = ("cuda_context_bytes", "fragmentation_fraction", "dp_bucket_b
 
 
 def budget_from_args(args: argparse.Namespace, recipe_data: dict[str, dict]) -> Any:
-    """The token-budget inputs (`fivefold.planner.budget.BudgetInputs`) from the flags and the
+    """The token-budget inputs (`planner.budget.token_budget.BudgetInputs`) from the flags and the
     recipe's [planner] table, or None when no token count is given."""
     flags: dict[str, Any] = {}
     if args.tokens is not None:

@@ -1,5 +1,5 @@
 """The data mixture `fivefold plan` prices beside its token budget: `--source` flags, else the
-recipe's `[planner] sources` (read by `fivefold.planner.budget.budget_inputs`), else its
+recipe's `[planner] sources` (read by `planner.budget.token_budget.budget_inputs`), else its
 `[data] sources` with each prepared source's size read from its shards' manifest."""
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fivefold.planner.budget import (
+from fivefold.planner.budget.token_budget import (
     BUDGET_KEYS,
     DAY_S,
     KEEP_CHECKPOINTS,
@@ -14,13 +14,13 @@ from fivefold.planner.budget import (
     budget,
     budget_lines,
 )
-from fivefold.planner.uncertainty import band_json
+from fivefold.planner.budget.uncertainty import band_json
 from fivefold.specs.plan import ParallelPlan
 from fivefold.specs.profile import load_profile
 
 
 def budget_of(est: Any, inputs: Any) -> Any:
-    """The token-budget answer (`fivefold.planner.budget.Budget`) of one estimate; None without
+    """The token-budget answer (`planner.budget.token_budget.Budget`) of one estimate; None without
     a token count."""
     if inputs is None:
         return None
@@ -156,12 +156,12 @@ def _brief(j: dict[str, Any]) -> dict[str, Any]:
 class SearchShown:
     """A search's answer as `fivefold plan` shows it."""
 
-    result: Any  # fivefold.planner.outcomes.SearchResult
+    result: Any  # fivefold.planner.search.outcomes.SearchResult
     best: dict[str, Any]  # result.best.to_json()
     explanation: list[str]  # the planner settings' line, then `planner.explain.explain`
     elapsed_s: float  # search and explanation
     headroom: float
-    inputs: Any  # fivefold.planner.budget.BudgetInputs, or None
+    inputs: Any  # fivefold.planner.budget.token_budget.BudgetInputs, or None
     recipe_path: Path | None
 
 
@@ -188,7 +188,7 @@ def search_json(shown: SearchShown, planner: dict[str, Any]) -> dict[str, Any]:
     ]
     out["rejected"] = [{"plan": p.to_dict(), "reason": r} for p, r in result.rejected]
     out["explanation"] = shown.explanation
-    out["band"] = band_json(result.best)  # fivefold.planner.uncertainty
+    out["band"] = band_json(result.best)  # fivefold.planner.budget.uncertainty
     out["search"] = {
         "evaluated": result.evaluated,
         "considered": result.considered,

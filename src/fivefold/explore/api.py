@@ -8,7 +8,7 @@ and override any field; `model.hf_config` may hold a Hugging Face config.json's 
 options on top (`{"profile": "torchtitan", "attention_kernel": "classic"}`), all echoed back.
 A search takes `risk` ("pessimistic", the default, or "expected") as `plan --risk` does. A
 `planner` table with `tokens` (and optionally `gpu_hour_price`, `failure_rate`, ...) adds the
-token-budget answer (`fivefold.planner.budget`): `budget` beside an estimate, and `budgets`
+token-budget answer (`planner.budget.token_budget`): `budget` beside an estimate, and `budgets`
 (best first, as `describe`) beside a search; null without `tokens`.
 Bandwidths are bytes/s, as in `ClusterSpec`. When `global_batch` is given, the number of
 micro-batches per step (`plan.grad_accum`) is derived from it, as `fivefold plan estimate
@@ -28,9 +28,10 @@ from typing import Any
 
 from fivefold.errors import ConfigError
 from fivefold.explore.rank_grid import rank_grid
-from fivefold.planner.budget import budget, budget_inputs
+from fivefold.planner.budget.token_budget import budget, budget_inputs
+from fivefold.planner.budget.uncertainty import risk_problems
 from fivefold.planner.estimate import estimate
-from fivefold.planner.explain import explain
+from fivefold.planner.explain.result import explain
 from fivefold.planner.frameworks import (
     DEFAULT_PROFILE,
     SECTION_KEYS,
@@ -39,14 +40,13 @@ from fivefold.planner.frameworks import (
     profiles,
 )
 from fivefold.planner.options import CHOICES, OPTION_HELP, PlannerOptions
-from fivefold.planner.outcomes import TIE_FRACTION
 from fivefold.planner.request import (
     MAX_BATCH_SEQUENCES,
     PlanRequest,
     resolve_request,
 )
-from fivefold.planner.search import search
-from fivefold.planner.uncertainty import risk_problems
+from fivefold.planner.search.layouts import search
+from fivefold.planner.search.outcomes import TIE_FRACTION
 from fivefold.specs.batch import grad_accum_for, grad_accum_problem
 from fivefold.specs.cluster import CLUSTER_PRESETS, ClusterSpec
 from fivefold.specs.geometry import MESH_ORDER, RECOMPUTE_POLICIES

@@ -37,7 +37,7 @@ from fivefold.errors import ConfigError
 from fivefold.parallel.compile import has_cpu_compiler
 from fivefold.parallel.dtensors import as_dtensor
 from fivefold.parallel.dtensors import local_tensor as _local
-from fivefold.planner.levers import TORCHAO_BLOCK as BLOCK_SIZE
+from fivefold.planner.memory.levers import TORCHAO_BLOCK as BLOCK_SIZE
 
 INSTALL_HINT = "pip install 'fivefold[lowbit]'"
 QUANTISED_STATES = ("exp_avg", "exp_avg_sq")  # Adam's m (signed) and v (unsigned)

@@ -14,10 +14,10 @@ import torch.distributed as dist
 
 from fivefold.parallel.device import unknown_gpu_reason
 from fivefold.planner.estimate import estimate
-from fivefold.planner.memory import all_stage_memory
-from fivefold.planner.memory_options import MemoryOptions
+from fivefold.planner.memory.options import MemoryOptions
+from fivefold.planner.memory.stage import all_stage_memory
 from fivefold.planner.options import PlannerOptions
-from fivefold.planner.schedule import build_schedule
+from fivefold.planner.schedule.actions import build_schedule
 from fivefold.units import GiB, MiB
 
 TENANTS = ("params", "grads", "optimizer", "activations")

@@ -11,8 +11,18 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from fivefold.errors import ConfigError
-from fivefold.planner.chunk_costs import ChunkCosts, chunk_costs_of
-from fivefold.planner.comm import (
+from fivefold.planner.memory.levers import HostMemory, host_memory, memory_plan, offloads
+from fivefold.planner.memory.model_states import (
+    chunk_layers,
+)
+from fivefold.planner.memory.stage import StageMemory, all_stage_memory
+from fivefold.planner.options import PlannerOptions
+from fivefold.planner.rates.device import rates_for
+from fivefold.planner.rates.efficiency import EfficiencyModel, efficiency_model
+from fivefold.planner.schedule.actions import build_schedule
+from fivefold.planner.schedule.simulation import Simulation, StageCosts, analytic_pipeline, simulate
+from fivefold.planner.step_time.chunk_costs import ChunkCosts, chunk_costs_of
+from fivefold.planner.step_time.comm import (
     Link,
     all_reduce_time_s,
     axis_groups,
@@ -22,23 +32,15 @@ from fivefold.planner.comm import (
     pipeline_link,
     plan_link,
 )
-from fivefold.planner.efficiency import EfficiencyModel, efficiency_model
-from fivefold.planner.layer_costs import collective_gap_s, layer_cost_key, routing_sync_s
-from fivefold.planner.lever_costs import mfu_peak
-from fivefold.planner.levers import HostMemory, host_memory, memory_plan, offloads
-from fivefold.planner.memory import StageMemory, all_stage_memory
-from fivefold.planner.model_states import (
-    chunk_layers,
-)
-from fivefold.planner.options import PlannerOptions
-from fivefold.planner.rank_tail import Tail, rank_tails
-from fivefold.planner.rates import rates_for
-from fivefold.planner.schedule import build_schedule
-from fivefold.planner.simulation import Simulation, StageCosts, analytic_pipeline, simulate
+from fivefold.planner.step_time.layer_costs import collective_gap_s, layer_cost_key, routing_sync_s
+from fivefold.planner.step_time.lever_costs import mfu_peak
+from fivefold.planner.step_time.rank_tail import Tail, rank_tails
 from fivefold.specs.cluster import ClusterSpec, require_hbm
 from fivefold.specs.flops import training_flops_per_token
 from fivefold.specs.geometry import (
     chunks_of_rank,
+    rank_tokens,
+    sequence_shard_divisor,
 )
 from fivefold.specs.hardware import GPUSpec
 from fivefold.specs.model import ModelSpec
@@ -301,9 +303,9 @@ def _stage_costs(
     """(the schedule's stage costs, bytes sent between stages per micro-batch, the pipeline's
     link): the chunks' F, B, W seconds with the MoE routing synchronisation of fivefold's
     runtime (re-run with full recompute), and the point-to-point time between stages."""
-    tokens = plan.micro_batch * model.seq_len / plan.cp
+    tokens = rank_tokens(plan.micro_batch, model.seq_len, plan)
     e = recipe(plan.precision).activation_bytes
-    boundary = tokens * model.hidden * e / (plan.tp if plan.sp and plan.tp > 1 else 1)
+    boundary = tokens * model.hidden * e / sequence_shard_divisor(plan.sp, plan)
     pp_link = pipeline_link(cluster, plan, eff, gap)
     p2p = p2p_time_s(boundary, pp_link) if plan.pp > 1 else 0.0
     routing = 0.0

@@ -16,7 +16,7 @@ replaces an earlier one field by field, and each replacement is stated in `notes
 (the flag `--profile`, else the recipe's `[planner] profile`, else the default), the recipe's
 `[planner]` fields, the command-line option flags. The `[planner]` section may also set
 `headroom` (the search's share of HBM left free) and the token-budget fields
-(`fivefold.planner.budget.BUDGET_KEYS`: tokens, gpu_hour_price, ...), read there.
+(`fivefold.planner.budget.token_budget.BUDGET_KEYS`: tokens, gpu_hour_price, ...), read there.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from fivefold.errors import ConfigError
-from fivefold.planner.budget import BUDGET_KEYS, MIXTURE_KEY
+from fivefold.planner.budget.token_budget import BUDGET_KEYS, MIXTURE_KEY
 from fivefold.planner.options import PlannerOptions
 from fivefold.specs.hardware import GPUSpec
 from fivefold.specs.recipe import build, unknown_field

@@ -18,14 +18,14 @@ transformer layer ("layer", the default: FSDP/FSDP2, and Megatron's distributed 
 buckets of max(40M, 1M x dp) parameters hold about a layer of the calibration rows' sharded
 models), in buckets of `dp_bucket_bytes` ("bucket": torch DDP, 25 MiB) or one per tensor
 ("parameter": per-parameter hooks); each collective pays its own latency, and ZeRO-3 gathers at
-least a layer at a time (`planner/comm.py`).
+least a layer at a time (`planner/step_time/comm.py`).
 `ep_dispatch="deepep"` prices the MoE dispatch and combine as DeepEP sends them: one network
-copy of a token per remote node reached, not one per expert (`planner/comm.py`).
+copy of a token per remote node reached, not one per expert (`planner/step_time/comm.py`).
 `param_gather_overlap=False` exposes the all-gather of ZeRO-1/2's updated parameters in full:
 nanotron's ZeRO-1 runs it synchronously at the end of the optimizer step; Megatron's
 `--overlap-param-gather` and FSDP2's prefetch hide it behind the next forward (the default).
 `runtime="fivefold-eager"` makes the memory model count what fivefold's own eager runtime keeps
-(`fivefold.planner.memory_options.EagerProfile`); "fused" counts what fused kernels keep (the
+(`fivefold.planner.memory.options.EagerProfile`); "fused" counts what fused kernels keep (the
 field defaults, which the framework profiles start from). `for_device` is fivefold's own runtime
 on a device, the default of every estimate, search and run report. `compile=True` says the
 blocks run under torch.compile (`train.compile`): with `runtime="fivefold-eager"` the memory
@@ -40,15 +40,15 @@ import math
 from dataclasses import dataclass, fields
 
 from fivefold.errors import ConfigError
-from fivefold.planner.comm import EP_DISPATCHES, GRANULARITIES
-from fivefold.planner.compute import SELECTIVE_POLICIES, ComputeOptions
-from fivefold.planner.memory_options import (
+from fivefold.planner.memory.options import (
     ACTIVATION_MODELS,
     ATTENTION_KERNELS,
     RUNTIMES,
     MemoryOptions,
 )
-from fivefold.planner.rates import rates_for
+from fivefold.planner.rates.device import rates_for
+from fivefold.planner.step_time.comm import EP_DISPATCHES, GRANULARITIES
+from fivefold.planner.step_time.compute import SELECTIVE_POLICIES, ComputeOptions
 from fivefold.specs.hardware import GPUSpec
 from fivefold.specs.optimizer import OPTIMIZERS
 from fivefold.units import GiB, MiB
@@ -67,12 +67,16 @@ class PlannerOptions:
     cuda_context_bytes: float = 0.75 * GiB
     fragmentation_fraction: float = 0.05
     dp_bucket_bytes: float = 25 * MiB
-    collective_granularity: str = "layer"  # or "bucket" (DDP) or "parameter" (planner/comm.py)
-    ep_dispatch: str = "alltoall"  # or "deepep": one network copy per node (planner/comm.py)
+    collective_granularity: str = (
+        "layer"  # or "bucket" (DDP) or "parameter" (planner/step_time/comm.py)
+    )
+    ep_dispatch: str = (
+        "alltoall"  # or "deepep": one network copy per node (planner/step_time/comm.py)
+    )
     runtime: str = "fused"  # memory: "fivefold-eager" is what fivefold's own runtime keeps
     checkpoint_early_stop: bool = False
     compile: bool = False  # memory: the blocks run under torch.compile (train.compile)
-    optimizer: str = "adamw"  # or "muon" (train.optimizer; `fivefold.planner.muon`)
+    optimizer: str = "adamw"  # or "muon" (train.optimizer; `fivefold.planner.step_time.muon`)
 
     @classmethod
     def for_device(cls, device: GPUSpec, compile: bool = False) -> PlannerOptions:

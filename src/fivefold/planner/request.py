@@ -11,10 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from fivefold.planner.budget.uncertainty import DEFAULT_RISK
 from fivefold.planner.frameworks import PlannerSettings
 from fivefold.planner.options import PlannerOptions
-from fivefold.planner.outcomes import BATCH_TOLERANCE
-from fivefold.planner.uncertainty import DEFAULT_RISK
+from fivefold.planner.search.outcomes import BATCH_TOLERANCE
 from fivefold.specs.cluster import ClusterSpec
 from fivefold.specs.model import ModelSpec
 
@@ -59,7 +59,7 @@ class ResolvedRequest:
     risk: str
 
     def search_kwargs(self) -> dict[str, Any]:
-        """The keyword arguments of `fivefold.planner.search.search` besides model and cluster."""
+        """The keyword arguments of `planner.search.layouts.search` besides model and cluster."""
         return {
             "global_batch_tokens": self.global_batch_tokens,
             "global_batch": self.global_batch,

@@ -5,7 +5,7 @@ node-major: ranks [k*gpus_per_node, (k+1)*gpus_per_node) share node k and its NV
 
 - `intra_node_bw` is the marketed NVLink figure per GPU, both directions added (A100 600 GB/s =
   12 NVLink3 links x 25 GB/s x 2 directions); a ring collective moves data one way, so the planner
-  uses half of it (`fivefold.planner.comm`).
+  uses half of it (`fivefold.planner.step_time.comm`).
 - `inter_node_bw` is the line rate of the GPU's own NIC in one direction (DGX A100: one HDR
   200 Gb/s NIC per GPU = 25 GB/s; DGX H100: one NDR 400 Gb/s NIC per GPU = 50 GB/s).
 - Latencies are the per-message start-up cost (alpha) of one hop: about 1 us over NVLink and
@@ -15,7 +15,7 @@ node-major: ranks [k*gpus_per_node, (k+1)*gpus_per_node) share node k and its NV
   and the planner times kernels and collectives from the measurements.
 - `nvlink_domain` is the number of GPUs one NVLink fabric joins when it spans nodes (GB200 NVL72:
   72 GPUs in trays of 4); 0 means one node. A group inside one domain uses NVLink
-  (`fivefold.planner.comm`), and tensor parallelism may span the domain (`nvlink_gpus`).
+  (`fivefold.planner.step_time.comm`), and tensor parallelism may span the domain (`nvlink_gpus`).
 Presets exist for any GPU count: up to one node it is a single partial node, beyond that the
 count must fill whole nodes (8 GPUs; 4 for GB200 NVL72).
 """

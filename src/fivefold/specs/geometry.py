@@ -35,7 +35,7 @@ from typing import Protocol
 
 
 class ScheduleName(StrEnum):
-    """Pipeline schedules (`fivefold.planner.schedule` builds their action lists)."""
+    """Pipeline schedules (`fivefold.planner.schedule.actions` builds their action lists)."""
 
     GPIPE = "gpipe"
     ONE_F_ONE_B = "1f1b"
@@ -147,6 +147,16 @@ def expert_span(d: Degrees) -> int:
 def expert_tp(d: Degrees) -> int:
     """TP ranks each routed expert is split over: 1 (whole experts), or tp under `plan.etp`."""
     return getattr(d, "etp", 1)
+
+
+def rank_tokens(micro_batch: int, seq_len: int, d: Degrees) -> float:
+    """Token rows of one micro-batch that one rank's layers process: b s/cp."""
+    return micro_batch * seq_len / d.cp
+
+
+def sequence_shard_divisor(sp: bool, d: Degrees) -> int:
+    """How many ways sequence parallelism splits the norm region's rows: tp under SP, else 1."""
+    return d.tp if sp and d.tp > 1 else 1
 
 
 def moe_token_split(d: Degrees) -> int:

@@ -6,11 +6,11 @@ Peaks are *dense* (no 2:4 sparsity) tensor-core figures from the vendor datashee
 planner). Link figures are the vendor's per-GPU
 NVLink bandwidth (both directions added, as marketed) and are only defaults for `ClusterSpec`.
 `arch` names the micro-architecture whose calibrated GEMM efficiency the planner uses
-(`fivefold.planner.efficiency`). `pcie_bw_bytes_per_s` is the GPU's host link in ONE direction
+(`fivefold.planner.rates.efficiency`). `pcie_bw_bytes_per_s` is the GPU's host link in ONE direction
 (a PCIe x16 link's line rate: Gen4 32 GB/s, Gen5 64 GB/s per direction; the datasheets quote
 both directions added, 64 / 128 GB/s). `HOSTS` describes the node around the GPU (the DGX
 system that carries it): host RAM and the CPUs' theoretical memory bandwidth, for CPU offload
-(`fivefold.planner.levers`); a GPU without a sourced host has none, and offloading on it is an
+(`planner.memory.levers`); a GPU without a sourced host has none, and offloading on it is an
 error that says so. An unknown device is an error that says so, never a guessed
 peak: `catalog_key_for_device` maps the name torch gives a GPU to its entry (most specific name
 first) and a GPU it does not know runs as `unknown-gpu`, which predicts no time. `nvlink_domain`

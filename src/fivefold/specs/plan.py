@@ -281,7 +281,7 @@ class ParallelPlan:
             out.append(
                 f"plan.precision = {self.precision!r} computes in {compute}, which fivefold's "
                 "runtime does not implement (the recipe describes fp8 training elsewhere, e.g. "
-                "DeepSeek-V3's, for the memory arithmetic of `fivefold.planner.memory`); use "
+                "DeepSeek-V3's, for the memory arithmetic of `fivefold.planner.memory.stage`); use "
                 "'fp32' or a bf16 recipe such as 'bf16-mixed'."
             )
         out += self._lever_runtime_problems()

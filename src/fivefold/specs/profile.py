@@ -4,7 +4,7 @@ The file format (every table and field, with units) is in docs/device-profile.md
 module holds the format, its reading and validation and the default paths; a profile's
 `GPUSpec` (`fivefold.specs.hardware.profile_device`), its `ClusterSpec`
 (`fivefold.specs.cluster.profile_cluster`) and the planner's rates
-(`fivefold.planner.rates.MeasuredRates`) are built on it. `RankProfile`: one rank's share of a
+(`planner.rates.device.MeasuredRates`) are built on it. `RankProfile`: one rank's share of a
 CPU's cores (`threads_per_rank`, the launcher's rule).
 """
 
@@ -420,7 +420,7 @@ def load_profile(path: str | Path) -> DeviceProfile:
 class RankProfile:
     """A profile as one of `ranks` local processes reads it (module doc): its `threads` and its
     `share` of the cores (a CUDA profile: one thread, the whole GPU); `rows` picks what it reads.
-    The planner's rates (`fivefold.planner.rates.MeasuredRates`) build on it."""
+    The planner's rates (`fivefold.planner.rates.device.MeasuredRates`) build on it."""
 
     profile: DeviceProfile
     ranks: int

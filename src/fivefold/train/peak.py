@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fivefold.planner.lever_costs import mfu_peak
+from fivefold.planner.step_time.lever_costs import mfu_peak
 from fivefold.specs.cluster import ClusterSpec
 from fivefold.specs.hardware import GPUS, catalog_key_for_device
 from fivefold.specs.model import ModelSpec
@@ -95,7 +95,7 @@ def profile_peak(cluster: ClusterSpec, dtype: str) -> DevicePeak:
 
 def cuda_fp8_peak(device_name: str, model: ModelSpec, plan: ParallelPlan) -> DevicePeak:
     """The peak a step with `plan.fp8` linears is measured against: the FP8 share of its
-    FLOPs at the FP8 peak, the rest at the recipe's (`fivefold.planner.lever_costs.mfu_peak`,
+    FLOPs at the FP8 peak, the rest at the recipe's (`planner.step_time.lever_costs.mfu_peak`,
     the planner's own count), so MFU = (F8 / P8 + F16 / P16) / step time per GPU."""
     dtype = recipe(plan.precision).compute_dtype
     key = catalog_key_for_cuda(device_name)

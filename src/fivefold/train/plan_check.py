@@ -64,7 +64,7 @@ from fivefold.parallel.expert_parallel import AllToAllDispatcher
 from fivefold.parallel.mesh import ParallelDims
 from fivefold.parallel.mixed_precision import resolve_precision
 from fivefold.parallel.report import memory_only_prediction
-from fivefold.planner.schedule import build_schedule
+from fivefold.planner.schedule.actions import build_schedule
 from fivefold.specs.recipe import Recipe, build
 from fivefold.train.config import TrainConfig
 from fivefold.train.data.batching import Batch
@@ -131,7 +131,7 @@ def micro_batches_to_run(plan: Any) -> int:
 
 def _inflight_with_grads(plan: Any) -> list[dict[frozenset, int]]:
     """Per pipeline rank, for each set of chunks whose gradients exist (a backward of theirs
-    has ended), the most micro-batches in flight at a forward (`fivefold.planner.schedule`)."""
+    has ended), the most micro-batches in flight at a forward (`planner.schedule.actions`)."""
     schedule = build_schedule(plan.schedule, plan.pp, plan.vpp, plan.grad_accum)
     release = "W" if schedule.split_backward else "B"
     out = []

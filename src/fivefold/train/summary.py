@@ -18,7 +18,7 @@ from fivefold.parallel.compile import compile_seconds
 from fivefold.parallel.device import unknown_gpu_reason
 from fivefold.parallel.float8 import fp8_eager_note
 from fivefold.parallel.protocol import Runtime
-from fivefold.planner.budget import checkpoint_suggestion
+from fivefold.planner.budget.token_budget import checkpoint_suggestion
 from fivefold.planner.estimate import estimate
 from fivefold.planner.options import PlannerOptions
 from fivefold.specs.flops import ATTENTION_CONVENTION
@@ -230,7 +230,7 @@ def print_header(
 def checkpoint_suggestion_line(
     recipe: Any, step_time_s: float | None, run_steps: int | None = None
 ) -> str:
-    """`fivefold.planner.budget.checkpoint_suggestion` for the run of `run_steps` steps, or why
+    """`planner.budget.token_budget.checkpoint_suggestion` for the run of `run_steps` steps, or why
     there is none."""
     if not step_time_s or step_time_s <= 0:
         return "checkpoint suggestion: none (no step-time prediction)"

@@ -220,7 +220,7 @@ function mixtureText(sources) {
       (s.epochs > s.max_epochs ? `, over ${s.max_epochs}: repeated too often` : "") + ")")).join("; ") + ".";
 }
 
-// The token-budget fields of the planner table (fivefold.planner.budget); empty = not sent.
+// The token-budget fields of the planner table (fivefold.planner.budget.token_budget); empty = not sent.
 const BUDGET_FIELDS = ["tokens", "gpu_hour_price"];
 
 /** The token-budget answer (days, GPU-hours, cost, failures, checkpoint interval, goodput). */

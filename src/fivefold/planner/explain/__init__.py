@@ -1,0 +1,1 @@
+"""The explanation of a search result in words with numbers."""

@@ -1,0 +1,1 @@
+"""Memory per GPU, per pipeline rank: parameters, gradients, optimizer state, activations."""

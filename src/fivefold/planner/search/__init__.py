@@ -1,0 +1,1 @@
+"""The layout search: candidates, bounds, the search state, outcomes, partial layouts completed."""
