@@ -23,7 +23,7 @@ demo: $(STAMP)
 ## The CI suite: lint, then every test not marked slow.
 test: $(STAMP)
 	$(BIN)/ruff check src tests scripts benchmarks
-	$(BIN)/pytest -q -m "not slow" --timeout 900
+	$(BIN)/pytest -q -m "not slow" --timeout 900 --durations=30
 
 ## Everything, including the full multi-rank parity matrix.
 test-all: $(STAMP)
