@@ -142,7 +142,7 @@ def write_document(path: Path) -> Path:
     about a million tokens: every training row is then one document, on both sides."""
     import gzip
 
-    from fivefold.train.data.corpus import embedded_corpus_files
+    from fivefold.train.data.embedded_corpus import embedded_corpus_files
 
     texts = []
     for corpus in embedded_corpus_files():

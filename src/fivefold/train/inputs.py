@@ -35,7 +35,7 @@ from fivefold.train.data import (
     prepare_shards,
 )
 from fivefold.train.data.cache import cache_lock
-from fivefold.train.data.corpus import files_digest
+from fivefold.train.data.embedded_corpus import files_digest
 from fivefold.train.data.mixture import MixedSequences, MixtureSampler
 from fivefold.train.data.shards import read_manifest
 

@@ -25,7 +25,7 @@ _EXPORTS = {
     "collate": "batching",
     "grad_accum_steps": "batching",
     "cache_dir": "cache",
-    "embedded_corpus_files": "corpus",
+    "embedded_corpus_files": "embedded_corpus",
     "iter_documents": "documents",
     "read_documents": "documents",
     "PackedSample": "packing",

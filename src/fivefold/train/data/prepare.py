@@ -31,8 +31,8 @@ import numpy as np
 
 from fivefold.errors import DataError
 from fivefold.train.data.cache import cache_dir, cache_lock
-from fivefold.train.data.corpus import embedded_corpus_files, file_sha256, files_digest
 from fivefold.train.data.documents import TEXT_FIELD, check_inputs, input_kind
+from fivefold.train.data.embedded_corpus import embedded_corpus_files, file_sha256, files_digest
 from fivefold.train.data.prepare_piece import (
     Piece,
     atomic_json,

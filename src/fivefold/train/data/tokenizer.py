@@ -17,8 +17,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from fivefold.errors import DataError
 from fivefold.train.data.cache import atomic_write_text, cache_dir, cache_lock
-from fivefold.train.data.corpus import embedded_corpus_files, files_digest
 from fivefold.train.data.documents import TEXT_FIELD, check_inputs, iter_documents
+from fivefold.train.data.embedded_corpus import embedded_corpus_files, files_digest
 
 EOD_TOKEN = "<|endoftext|>"
 # The end-of-document tokens of published tokenizers, tried in order when a tokenizer has no

@@ -1,7 +1,7 @@
 """The embedded default corpus: Jane Austen's six novels, public domain, one document a chapter.
 
-See `corpus/README.md` for the source and licence. The files are gzipped JSONL, so they go
-through the same reader as a user's data.
+The files live in the `corpus/` folder beside this module (its README.md gives the source and
+licence). They are gzipped JSONL, so they go through the same reader as a user's data.
 """
 
 from __future__ import annotations
