@@ -1,4 +1,5 @@
-"""The import direction of the design, read from the source (every import, lazy ones included).
+"""The import direction of the design, read from the source (every import: lazy, relative and
+`importlib.import_module` ones included; see tests/import_graph.py).
 
     errors, units -> specs -> planner    (pure Python: never torch)
                           -> launch      (process start-up and the host: torch only lazily)
@@ -10,10 +11,11 @@ A package may import only packages on a lower layer (specs and planner: no torch
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
 
 import pytest
+
+from import_graph import imports_of, package_modules
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "fivefold"
 
@@ -36,36 +38,27 @@ LAYERS = {
 NO_TORCH = ("errors", "units", "specs", "planner")
 
 
-def package_of(path: Path) -> str:
-    parts = path.relative_to(SRC).parts
+def package_of(path: Path, root: Path = SRC) -> str:
+    parts = path.relative_to(root).parts
     return parts[0] if len(parts) > 1 else parts[0].removesuffix(".py")
 
 
-def imports_of(path: Path) -> list[tuple[int, str]]:
-    """(line, module) of every absolute import in `path`."""
+def violations(root: Path = SRC, layers: dict[str, int] = LAYERS) -> list[str]:
+    """Every import in the package `root` of a package on the same or a higher layer."""
     out = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            out.append((node.lineno, node.module))
-        elif isinstance(node, ast.Import):
-            out += [(node.lineno, alias.name) for alias in node.names]
-    return out
-
-
-def violations() -> list[str]:
-    out = []
-    for path in sorted(SRC.rglob("*.py")):
-        package = package_of(path)
-        layer = LAYERS[package]
-        for line, module in imports_of(path):
+    known = set(package_modules(root))
+    for path in sorted(root.rglob("*.py")):
+        package = package_of(path, root)
+        layer = layers[package]
+        for line, module in imports_of(path, root, known):
             top = module.split(".")[0]
-            where = f"{path.relative_to(SRC.parent)}:{line} imports {module}"
+            where = f"{path.relative_to(root.parent)}:{line} imports {module}"
             if top == "torch" and package in NO_TORCH:
                 out.append(f"{where} ({package} never imports torch)")
-            if top != "fivefold" or module == "fivefold":
+            if top != root.name or module == root.name:
                 continue
             target = module.split(".")[1]
-            if target != package and LAYERS[target] >= layer:
+            if target != package and layers[target] >= layer:
                 out.append(f"{where} ({package} is below {target})")
     return out
 
@@ -93,3 +86,21 @@ def test_the_rule_itself(package, module, allowed):
     """The checker would catch an upward import (guards against a rule that accepts all)."""
     target = module.split(".")[1]
     assert (LAYERS[target] < LAYERS[package]) is allowed
+
+
+def test_relative_and_dynamic_upward_imports_are_caught(tmp_path):
+    """specs reaching up to the planner with `from ..planner import`, or by import_module."""
+    files = {
+        "__init__.py": "",
+        "specs/__init__.py": "from ..planner import search\n",
+        "specs/shape.py": "import importlib\nP = importlib.import_module('fivefold.planner')\n",
+        "planner/__init__.py": "from ..specs import shape\n",
+        "planner/search.py": "from . import other\n",
+    }
+    for name, text in files.items():
+        (tmp_path / "fivefold" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "fivefold" / name).write_text(text)
+    assert violations(tmp_path / "fivefold", {"specs": 1, "planner": 2, "__init__": 8}) == [
+        "fivefold/specs/__init__.py:1 imports fivefold.planner.search (specs is below planner)",
+        "fivefold/specs/shape.py:2 imports fivefold.planner (specs is below planner)",
+    ]
