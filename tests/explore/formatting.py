@@ -1,4 +1,4 @@
-"""The page's number formats (app.js `fmt`), written again in Python for the browser tests."""
+"""The page's number formats (format.js `fmt`), written again in Python for the browser tests."""
 
 from __future__ import annotations
 

@@ -505,7 +505,7 @@ def test_estimate_and_search_carry_the_token_budget(client):
     assert data["budget"]["cost_usd"] == pytest.approx(2.5 * data["budget"]["gpu_hours"])
     status, data = client.post("/api/estimate", LLAMA_16)
     assert data["budget"] is None
-    # the seed scenario: vizz-7b on 64 H100s, 128K tokens, 4M-token batch, 500B tokens
+    # the 7B long-context case: vizz-7b on 64 H100s, 128K tokens, 4M-token batch, 500B tokens
     body = {
         "model": {"preset": "vizz-7b", "seq_len": 131072},
         "cluster": {"preset": "dgx-h100", "gpus": 64},
@@ -565,6 +565,24 @@ def test_the_page_has_the_document_length_and_hf_config_inputs():
     static = Path(__file__).parents[2] / "src" / "fivefold" / "explore" / "static"
     page = (static / "index.html").read_text()
     assert 'name="model.doc_len"' in page and 'id="hf-config"' in page and 'id="hf-file"' in page
-    script = (static / "app.js").read_text()
+    script = "\n".join(p.read_text() for p in sorted(static.glob("*.js")))
     assert 'body.model.doc_len = readField(field("model.doc_len"))' in script
     assert "body.model.hf_config = hf.config" in script
+
+
+def test_every_module_the_page_imports_is_served_as_javascript(client):
+    """The page is ES modules (a browser refuses a module served with a non-JavaScript type)."""
+    import re
+    from pathlib import Path
+
+    static = Path(__file__).parents[2] / "src" / "fivefold" / "explore" / "static"
+    page = (static / "index.html").read_text()
+    assert '<script type="module" src="/static/app.js">' in page
+    imported = {"app.js"}
+    line = re.compile(r'^import .* from "\./([\w.]+\.js)";$', re.M)
+    for script in static.glob("*.js"):
+        imported |= set(line.findall(script.read_text()))
+    assert imported == {p.name for p in static.glob("*.js")}  # each file imported, none missing
+    for name in sorted(imported):
+        status, headers, _ = client.request("GET", f"/static/{name}")
+        assert status == 200 and headers["Content-Type"].startswith("text/javascript"), name

@@ -1,4 +1,4 @@
-"""The explorer cannot be exhausted from inside its own limits (#13): a body nested thousands
+"""The explorer cannot be exhausted from inside its own limits: a body nested thousands
 deep is a 400, a body shorter than its Content-Length a 408 (not a hung thread), a search runs in
 a child process bounded in time and memory, and a search whose client leaves is cancelled."""
 

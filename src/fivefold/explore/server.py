@@ -6,7 +6,7 @@ machine, so other machines and other web sites cannot reach it.
 
 Routes:
     GET  /                  the page (static/index.html)
-    GET  /static/<file>     its JavaScript and CSS (a fixed list read at start-up)
+    GET  /static/<file>     its JavaScript (ES modules) and CSS (a fixed list read at start-up)
     GET  /api/presets       every choice the controls offer
     POST /api/estimate      one layout -> the planner's estimate + rank grid
     POST /api/search        model + cluster + batch target -> best layouts and the explanation
