@@ -1,5 +1,5 @@
-"""How long the layout search takes: Llama 3 405B on 16,384 H100s (issue 10: under 1 s of wall
-time for the whole `fivefold plan` process on an idle 2-core machine).
+"""How long the layout search takes: Llama 3 405B on 16,384 H100s (the target: under 1 s of
+wall time for the whole `fivefold plan` process on an idle 2-core machine).
 
     python benchmarks/plan_search_speed.py [--repeat N] [--no-explain] [--cli-runs N]
 
@@ -8,7 +8,8 @@ imports, search, explanation, printing), `--cli-runs` times (default 5): each ru
 CPU seconds, then the fastest and the median, against the 1 s target. Then, in this process,
 wall and CPU seconds per run (the first run includes filling the caches, later runs in
 the same process reuse the per-model ones), the number of layouts considered and costed in
-full, and the chosen layout. Also times the Vizz scenario of seed 000.
+full, and the chosen layout. Also times the 7B long-context case
+(vizz-7b on 64 H100s, 128K-token documents, a 4M-token batch).
 
 Baseline, measured in the same run: `search()` has no switch to turn its bound-based pruning
 off, so after the first run of each case the benchmark costs every candidate that run

@@ -1,4 +1,4 @@
-"""One process against two on the same cores: tokens/s of `fivefold train` (issue #13).
+"""One process against two on the same cores: tokens/s of `fivefold train`.
 
 Runs the small CPU recipe for a few steps three ways, each a fresh `fivefold train` process
 tree, and reads the steady-state tokens/s from the run's metrics.jsonl (mean over the steps

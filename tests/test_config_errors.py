@@ -54,7 +54,7 @@ CASES = [
     ("shards-not-a-directory", ["data.shards='/nonexistent/shards'"], "is not a directory"),
     ("missing-tokenizer", ["data.tokenizer='/nonexistent/tok.json'"], "does not exist"),
     ("vocab-below-tokenizer", ["model.vocab=1000"], "vocab"),
-    # issue 13: silently accepted, unclear or a traceback before; now refused up front
+    # silently accepted, unclear or a traceback before; now refused up front
     ("unknown-section", ["foo.bar=1"], "[foo] is not a recipe section"),
     ("nan-grad-clip", ["train.grad_clip=nan"], "train.grad_clip = nan: expected a finite number"),
     ("nan-min-lr", ["train.min_lr=nan"], "train.min_lr = nan: expected a finite number"),
@@ -123,7 +123,7 @@ CASES = [
         "lower plan.micro_batch (raise plan.grad_accum to keep the batch)",
     ),
     ("degrees-not-the-processes", ["--nproc", "3", "plan.dp_replicate=2"], "multiply to"),
-    # memory levers (issue 11)
+    # memory levers
     ("offload-all-without-zero3", ["plan.offload='all'"], "set plan.zero = 3"),
     ("offload-all-one-process", ["plan.zero=3", "plan.offload='all'"], "in a single process"),
     (
@@ -206,7 +206,7 @@ PLAN_CASES = [
     ("fp8-compute", ["--precision", "fp8-mixed"], "computes in fp8"),
     ("unknown-section", ["foo.bar=1"], "[foo] is not a recipe section"),
     ("estimate-layout-not-dividing", ["estimate", "--gpus", "24", "--tp", "8", "--pp", "2"], "16"),
-    # memory levers and planner options (issues 10, 11)
+    # memory levers and planner options
     ("fp8-on-a100", ["--cluster", "dgx-a100", "--fp8", "rowwise"], "has no FP8 matrix units"),
     (
         "fp8-on-a100-estimate",

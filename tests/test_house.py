@@ -8,6 +8,8 @@ anywhere in the repository). See docs/architecture.md."""
 from __future__ import annotations
 
 import ast
+import re
+import subprocess
 from pathlib import Path
 
 from import_graph import imports_of, package_modules
@@ -170,3 +172,72 @@ def test_the_javascript_reader_finds_every_function_and_its_extent():
         ("last", 20, 20),
         ("(arrow)", 20, 20),
     ]
+
+
+# Text that names where something came from instead of what it is: the source texts by number
+# ("seed 000", test_seed003_...), the source's scenario and company, ticket numbers.
+JARGON = re.compile(
+    r"(?<![a-z])seeds?[ _-]?0\d\d(?!\d)|(?<![a-z])seed[ _-](?:case|scenario)"
+    r"|\bthe seeds\b|\bseeds'|\bthe seed's\b|\bthe seed (?:says|prints|pairs|gives)\b"
+    r"|\bissue ?#?\d+|\bissues \d+[-,]|\(#\d+\b|(?<![a-z])vizz(?![a-z])",
+    re.I,
+)
+# Names users type are API, not jargon: kept out of the check until renamed on purpose.
+USER_FACING_NAMES = (
+    "vizz-7b",  # the 7B long-context model preset: `fivefold plan --model vizz-7b`
+)
+
+
+SELF = Path(__file__).resolve()  # holds the check's own examples of jargon
+
+
+def tracked_text_files() -> list[Path]:
+    """Every file git tracks in the repository but this one (without git: all but dot-folders)."""
+    try:
+        listed = subprocess.run(
+            ["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True, text=True
+        ).stdout
+        paths = [REPO / p for p in listed.split("\0") if p]
+    except (OSError, subprocess.CalledProcessError):
+        paths = [p for p in REPO.rglob("*") if not any(s.startswith(".") for s in p.parts)]
+    return [p for p in paths if p.is_file() and p.resolve() != SELF]
+
+
+def jargon_in(name: str, text: str) -> list[str]:
+    """`name:line: text` of each line of `text` (line 0: the name itself) that holds jargon."""
+    found = []
+    for n, line in enumerate([name, *text.splitlines()]):
+        plain = line
+        for allowed in USER_FACING_NAMES:
+            plain = re.sub(re.escape(allowed), "", plain, flags=re.I)
+        if JARGON.search(plain):
+            found.append(f"{name}:{n}: {line.strip()[:120]}")
+    return found
+
+
+def test_the_jargon_check_catches_each_kind():
+    text = "Seed 000's table\ntest_seed003_x\nthe Vizz scenario\n(#13 item 7)\nissue 11\nvizz-7b\n"
+    assert [hit.split(":")[1] for hit in jargon_in("tests/test_seed_cases_x.py", text)] == [
+        "0",
+        "1",
+        "2",
+        "3",
+        "4",
+        "5",
+    ]
+    fine = "seed = 0\nthe seed and the position\n--seed 3\npytorch/pytorch#135712\n#888\nvizz-7b\n"
+    fine += "a rank issues 3 + 2 roots\n"
+    assert jargon_in("docs/x.md", fine) == []
+
+
+def test_the_repository_names_what_it_does_not_where_it_came_from():
+    found = []
+    for path in tracked_text_files():
+        raw = path.read_bytes()
+        if b"\0" in raw:
+            continue  # not text
+        try:
+            found += jargon_in(path.relative_to(REPO).as_posix(), raw.decode("utf-8"))
+        except UnicodeDecodeError:
+            continue
+    assert found == []

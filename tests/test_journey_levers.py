@@ -1,4 +1,4 @@
-"""A new user's pass over the memory levers, planner options and `fivefold tune` (issues 10-12).
+"""A new user's pass over the memory levers, planner options and `fivefold tune`.
 
 Each test is a bug found by following README.md and docs/ literally, fixed, and pinned here:
 the search never tried `offload = "all"` and refused `--offload all` pins; a torchao that is

@@ -1,4 +1,4 @@
-"""`fivefold train --plan auto` on the machine at hand (#13 item 7): it plans for the local
+"""`fivefold train --plan auto` on the machine at hand: it plans for the local
 world size against the calibrated device profile, names that device, and without a profile says
 how to make one (exit 2). The profile is the synthetic one of `tests/planner/test_profile.py`."""
 

@@ -1,5 +1,5 @@
 """A damaged `state.json` (wrong types, impossible values, garbage RNG states) is one
-CheckpointError naming the field, never a traceback deep inside the resume (#13)."""
+CheckpointError naming the field, never a traceback deep inside the resume."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Parity of the memory levers' layouts with the single-process run (issue 11).
+"""Parity of the memory levers' layouts with the single-process run.
 
 CPU offload changes where the optimizer's tensors live, not the arithmetic: offload = "all"
 (FSDP2's CPUOffloadPolicy, ZeRO-3) and offload = "optimizer" (the host-copy step of

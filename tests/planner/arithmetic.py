@@ -42,7 +42,7 @@ def ridge_point(device: GPUSpec, dtype: str = "bf16") -> float:
 def simple_activation_bytes(
     layers: int, hidden: int, micro_batch: int, seq_len: int, element_bytes: float = 2
 ) -> float:
-    """Seed 001's activation estimate: 12 * L * B * S * d * bytes."""
+    """The DeepSeek-V3 book's activation estimate: 12 * L * B * S * d * bytes."""
     for name, value in (
         ("layers", layers),
         ("hidden", hidden),
@@ -65,7 +65,7 @@ def training_memory(
     zero: int = 0,
     shard: int = 1,
 ) -> Tenants:
-    """The four tenants of seed 001's budget (simple k = 12 activations) for raw counts."""
+    """The DeepSeek-V3 book's four tenants (simple k = 12 activations) for raw counts."""
     rec = recipe(precision) if isinstance(precision, str) else precision
     state = model_state_bytes(n_params, rec, zero, shard)
     acts = simple_activation_bytes(layers, hidden, micro_batch, seq_len, rec.activation_bytes)

@@ -119,7 +119,7 @@ def _plan_json(capsys, argv):
     return json.loads(capsys.readouterr().out)
 
 
-SEED = [
+LONG_7B_PLAN = [
     "plan",
     "--model",
     "vizz-7b",
@@ -134,9 +134,11 @@ SEED = [
 ]
 
 
-def test_seed_scenario_budget(capsys):
+def test_long_context_7b_budget(capsys):
     """vizz-7b, 64 H100s, 128K tokens, a 4M-token batch, 500B tokens at $2.50 per GPU-hour."""
-    data = _plan_json(capsys, [*SEED, "--tokens", "500B", "--gpu-hour-price", "2.5", "--json"])
+    data = _plan_json(
+        capsys, [*LONG_7B_PLAN, "--tokens", "500B", "--gpu-hour-price", "2.5", "--json"]
+    )
     b = data["budget"]
     step = data["step_time_s"]
     # 500e9 / 4,194,304 tokens per step = 119,209.3 -> 119,210 steps
@@ -161,7 +163,7 @@ def test_seed_scenario_budget(capsys):
         per_step = ParallelPlan(**alt["plan"]).global_batch * 131_072
         assert alt["budget"]["steps"] == math.ceil(5e11 / per_step)
         assert alt["budget"]["step_time_s"] == alt["step_time_s"]
-    text_argv = [*SEED, "--tokens", "500B"]
+    text_argv = [*LONG_7B_PLAN, "--tokens", "500B"]
     assert main(text_argv) == 0
     text = capsys.readouterr().out
     assert "budget: 500B tokens = 119,210 steps" in text

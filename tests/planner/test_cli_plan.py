@@ -38,8 +38,8 @@ def test_sizes_and_fractions():
         parse_size("1.5", "--gpus")
 
 
-def test_vizz_search_json_and_recipe(capsys, tmp_path):
-    out = tmp_path / "vizz.toml"
+def test_long_context_7b_search_json_and_recipe(capsys, tmp_path):
+    out = tmp_path / "long-context-7b.toml"
     argv = [
         "plan",
         "--model",

@@ -1,4 +1,4 @@
-"""Memory levers in the planner (issue 11): 8-bit/FP8 Adam states, CPU offload, FP8 compute.
+"""Memory levers in the planner: 8-bit/FP8 Adam states, CPU offload, FP8 compute.
 
 Every figure is derived by hand from the rules in `fivefold.planner.memory.levers` and
 `planner.step_time.lever_costs` (torchao 0.18's block of 256, FSDP2's CPUOffloadPolicy, the DGX
@@ -54,7 +54,7 @@ PCIE5 = 63.0e9
 
 @pytest.fixture
 def runtime_levers(monkeypatch):
-    """fivefold's runtime as it will be once it runs the levers (issue 11's runtime half)."""
+    """fivefold's runtime as it will be once it runs the levers (the levers' runtime half)."""
     original = ParallelPlan.runtime_problems
 
     def accepting(self, m=None):

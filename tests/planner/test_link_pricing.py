@@ -30,7 +30,7 @@ TWO_NODES = cluster_preset("dgx-h100", 16)
 NV, IB = 360e9, 45e9
 A_NV, A_IB = 1e-6, 5e-6
 OPTS = PlannerOptions()  # a framework's fused runtime: one K/V exchange per ring step
-VIZZ = model_preset("vizz-7b").with_(seq_len=32768)  # 32 layers, hidden 4096, 32 kv heads
+LONG_7B = model_preset("vizz-7b").with_(seq_len=32768)  # 32 layers, hidden 4096, 32 kv heads
 
 
 def comm(est, kind: str):
@@ -46,7 +46,7 @@ def test_cp_ring_across_two_nodes_waits_for_one_nic():
     assert (link.kind, link.per_node) == ("ib", 8)
     block = 2048 * 2 * 4096 * 2  # tokens per rank x (K, V) x kv width x bf16 = 32 MiB
     assert p2p_time_s(block, link) == pytest.approx(A_IB + block / IB)
-    est = estimate(VIZZ, TWO_NODES, plan, OPTS, efficiency=EFF)
+    est = estimate(LONG_7B, TWO_NODES, plan, OPTS, efficiency=EFF)
     cp = comm(est, "cp")
     per_layer = 15 * (A_IB + block / IB) + 15 * (A_IB + 2 * block / IB)
     assert cp.time_s == pytest.approx(32 * 2 * per_layer, rel=1e-12)
@@ -78,7 +78,7 @@ def test_pipeline_send_across_nodes_uses_the_senders_nic(tp, pp):
     boundary = 32768 * 4096 * 2 / tp
     one = A_IB + boundary / IB
     assert p2p_time_s(boundary, link) == pytest.approx(one)
-    est = estimate(VIZZ, TWO_NODES, plan, OPTS, efficiency=EFF)
+    est = estimate(LONG_7B, TWO_NODES, plan, OPTS, efficiency=EFF)
     pp_cost = comm(est, "pp")
     assert pp_cost.bytes_per_step == 2 * 8 * boundary
     assert pp_cost.time_s == pytest.approx(2 * 8 * one, rel=1e-12)
@@ -88,7 +88,7 @@ def test_pipeline_send_across_nodes_uses_the_senders_nic(tp, pp):
 def test_ep_all_to_all_across_nodes_sends_the_off_node_part_through_each_nic():
     """EP 16 over two nodes: of a rank's S bytes 8/16 leave the node through its NIC while 7/16
     go over NVLink; the network part bounds it. Dispatch and combine forward and backward: 4."""
-    moe = VIZZ.with_(experts=16, top_k=2, expert_ffn=1408)
+    moe = LONG_7B.with_(experts=16, top_k=2, expert_ffn=1408)
     plan = ParallelPlan(ep=16, dp_shard=16, zero=1, micro_batch=1, grad_accum=1)
     link = plan_link(TWO_NODES, plan, "ep", EFF)
     assert (link.kind, link.per_node) == ("ib", 8)
@@ -114,7 +114,7 @@ def test_collectives_keep_the_multi_nic_ring():
     assert all_gather_time_s(s, 16, link) == pytest.approx(ring)
     words = "collective, NCCL rings over ib on 8 NIC(s) per node, 360 GB/s per GPU"
     assert link_model(link, "collective", 16) == words
-    est = estimate(VIZZ, TWO_NODES, plan, OPTS, efficiency=EFF)
+    est = estimate(LONG_7B, TWO_NODES, plan, OPTS, efficiency=EFF)
     assert comm(est, "zero-gather").link_model == words
     assert est.to_json()["comm"][0]["link_model"] == est.comm[0].link_model
 

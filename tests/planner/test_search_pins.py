@@ -10,17 +10,17 @@ from fivefold.errors import ConfigError
 from fivefold.planner.search.layouts import search
 from fivefold.specs import ParallelPlan, cluster_preset, model_preset
 
-VIZZ = model_preset("vizz-7b").with_(seq_len=131072)  # 32 heads, 32 layers, ffn 11008
+LONG_7B = model_preset("vizz-7b").with_(seq_len=131072)  # 32 heads, 32 layers, ffn 11008
 H100x64 = cluster_preset("dgx-h100", 64)
 
 
 def rules(plan: ParallelPlan) -> list[str]:
-    return plan.problems(VIZZ, H100x64)
+    return plan.problems(LONG_7B, H100x64)
 
 
 def searched(**fixed) -> ConfigError:
     with pytest.raises(ConfigError) as err:
-        search(VIZZ, H100x64, global_batch=32, fixed=fixed)
+        search(LONG_7B, H100x64, global_batch=32, fixed=fixed)
     return err.value
 
 
@@ -50,7 +50,7 @@ def test_degrees_whose_product_misses_the_gpus_name_the_product_rule():
 
 
 def test_a_valid_pin_still_plans():
-    result = search(VIZZ, H100x64, global_batch=32, fixed={"tp": 4})
+    result = search(LONG_7B, H100x64, global_batch=32, fixed={"tp": 4})
     assert result.best_plan.tp == 4
 
 
@@ -73,11 +73,11 @@ def test_a_pinned_dp_no_shape_reaches_names_the_product_rule():
 def test_a_pinned_dualpipev_is_searched_for_a_dense_model():
     """The search skips DualPipeV for dense models (ZBV's bubble, one more chunk in flight), but
     a pinned one is searched, not refused with another layout's rules."""
-    result = search(VIZZ, H100x64, global_batch=32, fixed={"pp": 4, "schedule": "dualpipev"})
+    result = search(LONG_7B, H100x64, global_batch=32, fixed={"pp": 4, "schedule": "dualpipev"})
     assert (result.best_plan.pp, result.best_plan.schedule, result.best_plan.vpp) == (
         4,
         "dualpipev",
         2,
     )
-    unpinned = search(VIZZ, H100x64, global_batch=32, fixed={"pp": 4})
+    unpinned = search(LONG_7B, H100x64, global_batch=32, fixed={"pp": 4})
     assert all(o.plan.schedule != "dualpipev" for o in unpinned.search_state.outcomes.values())

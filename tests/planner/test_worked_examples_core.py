@@ -1,7 +1,9 @@
-"""Every worked number of ../shared/calibration/seed_cases.md (except the pipeline-bubble table
-and the Vizz scenario, tested with the schedule and search), through the planner's public API.
+"""Every worked number of the distributed-training guides (except the pipeline-bubble table and
+the 7B long-context case, tested with the schedule and search), through the planner's public API:
+the DeepSeek-V3 book's memory budget, the CS 231n lecture, the 70B deep dive and the MIT 6.5940
+lecture.
 
-GB = 1e9 bytes, GiB = 2**30 bytes. Where the seed's arithmetic is off, the test asserts the
+GB = 1e9 bytes, GiB = 2**30 bytes. Where a guide's arithmetic is off, the test asserts the
 corrected value and says why.
 """
 
@@ -31,15 +33,15 @@ from fivefold.specs.precision import recipe
 
 GiB = 2**30
 GB = 1e9
-H100_80 = 80 * GiB  # seed 001's script: H100 = 80 * GB with GB = 2**30
+H100_80 = 80 * GiB  # the DeepSeek-V3 book's script: H100 = 80 * GB with GB = 2**30
 
 
-# ---- memory: the four tenants (seed 001, simple activation model k = 12) ------------------------
+# ---- memory: the four tenants (the DeepSeek-V3 book, simple activation model k = 12) -----------
 FOUR_TENANTS = [
     # name, N, L, d, B, S, params, grads, optim, acts, total (GiB), min GPUs
     ("GPT-2 124M", 124e6, 12, 768, 1, 1024, 0.23, 0.23, 1.39, 0.21, 2.06, 1),
     ("Llama-7B", 7e9, 32, 4096, 1, 4096, 13.04, 13.04, 78.23, 12.00, 116.31, 2),
-    # The seed prints 1249.55 / 7497.32 / 39.13 for DeepSeek-V3; its own formula (the one below,
+    # The book prints 1249.55 / 7497.32 / 39.13 for DeepSeek-V3; its own formula (the one below,
     # with N = 671e9) gives 1249.83 / 7499.01 / 40.03, which is what we assert.
     ("DeepSeek-V3 671B", 671e9, 61, 7168, 1, 4096, 1249.83, 1249.83, 7499.01, 40.03, 10038.71, 126),
 ]
@@ -81,11 +83,11 @@ def test_deepseek_fp8_recipe():
 def test_sixteen_bytes_per_param_rule():
     assert model_state_bytes(7e9, "bf16-mixed").total == pytest.approx(112e9)
     assert model_state_bytes(70e9, "bf16-mixed").total == pytest.approx(1120e9)
-    # Largest model whose state fits one 80 GB GPU without sharding (seed 004): 5B.
+    # Largest model whose state fits one 80 GB GPU without sharding (the MIT 6.5940 lecture): 5B.
     assert max_params_unsharded(80 * GB, "bf16-mixed") == pytest.approx(5e9)
 
 
-# ---- ZeRO (seed 004, 16 B/param) ----------------------------------------------------------------
+# ---- ZeRO (the MIT 6.5940 lecture, 16 B/param) --------------------------------------------------
 @pytest.mark.parametrize(
     "stage,bytes_per_param,gb", [(1, 4.1875, 29.31), (2, 2.21875, 15.53), (3, 0.25, 1.75)]
 )
@@ -110,7 +112,7 @@ def test_zero3_13b_pp4_dp16():
 
 
 def test_405b_twelve_bytes_per_param():
-    twelve = recipe("bf16-no-master")  # 2 + 2 + 8 = 12 B/param (seed 002's table)
+    twelve = recipe("bf16-no-master")  # 2 + 2 + 8 = 12 B/param (the CS 231n lecture's table)
     assert twelve.bytes_per_param == 12
     assert model_state_bytes(405e9, twelve).total / 1e12 == pytest.approx(4.86)
     per_gpu = model_state_bytes(405e9, twelve, zero=3, shard=1024).total
@@ -118,26 +120,27 @@ def test_405b_twelve_bytes_per_param():
 
 
 @pytest.mark.parametrize("stage,gb", [(0, 84.0), (1, 42.0), (2, 31.5), (3, 21.0)])
-def test_seed003_7b_on_4_gpus(stage, gb):
-    # Seed 003's own tenant sizes: 14 + 14 + 56 GB, i.e. 2 + 2 + 8 B/param.
+def test_deep_dive_7b_on_4_gpus(stage, gb):
+    # The 70B deep dive's own tenant sizes: 14 + 14 + 56 GB, i.e. 2 + 2 + 8 B/param.
     per_gpu = model_state_bytes(7e9, "bf16-no-master", zero=stage, shard=4).total
     assert per_gpu / GB == pytest.approx(gb)
 
 
-# ---- communication (seeds 002, 004) -------------------------------------------------------------
+# ---- communication (the CS 231n and MIT 6.5940 lectures) -----------------------------------------
 def test_ring_all_reduce_volume():
     assert all_reduce_bytes(4 * GB, 8) == pytest.approx(7 * GB)
-    # 7B fp16 gradients (14 GB) over 8 ranks: 2 * 7/8 * 14 = 24.5 GB. Seed 004's code comment
-    # says ~27.6 GB, an arithmetic slip.
+    # 7B fp16 gradients (14 GB) over 8 ranks: 2 * 7/8 * 14 = 24.5 GB. The MIT lecture's code
+    # comment says ~27.6 GB, an arithmetic slip.
     assert all_reduce_bytes(14 * GB, 8) == pytest.approx(24.5 * GB)
 
 
 def test_tp_all_reduce_405b():
     # One TP all-reduce of the 4M-token activations at hidden 16,384 in bf16: 131 GB (decimal).
-    # The seed says 128 GB: the same count read in binary units (2**22 tokens would be 128 GiB).
+    # The CS 231n lecture says 128 GB: the same count read in binary units (2**22 tokens would
+    # be 128 GiB).
     per_block = activation_bytes(4e6, 16384, 2)
     assert per_block / GB == pytest.approx(131.07, abs=0.01)
-    # 126 blocks x 4 all-reduces per step. The seed's ~64.5 TB and ~72 s multiply its 128 by
+    # 126 blocks x 4 all-reduces per step. Its ~64.5 TB and ~72 s multiply its 128 by
     # 504; with the corrected 131.07 GB the step moves 66.06 TB, 73.4 s at 900 GB/s.
     per_step = 126 * 4 * per_block
     assert per_step / 1e12 == pytest.approx(66.06, abs=0.01)
@@ -150,7 +153,7 @@ def test_tp_mlp_all_reduce_small():
     assert transfer_time_s(size, 600 * GB) * 1e3 == pytest.approx(0.056, abs=0.001)  # ~0.05 ms
 
 
-# ---- compute (seed 002) -------------------------------------------------------------------------
+# ---- compute (the CS 231n lecture) --------------------------------------------------------------
 def test_six_n_d_for_405b():
     flops = training_flops(405e9, 15e12)
     assert flops == pytest.approx(3.645e25)
@@ -159,7 +162,7 @@ def test_six_n_d_for_405b():
     assert years == pytest.approx(1168, abs=1)
     days = time_to_train_s(flops, 24576, h100) / 86400
     assert days == pytest.approx(17.4, abs=0.05)
-    # The seed pairs "17 days" with 40% MFU; at 40% it is 43.4 days (17.4 days is 100%).
+    # The CS 231n lecture pairs "17 days" with 40% MFU; at 40% it is 43.4 days (17.4 days is 100%).
     assert time_to_train_s(flops, 24576, h100, mfu=0.4) / 86400 == pytest.approx(43.4, abs=0.05)
 
 
@@ -169,7 +172,7 @@ def test_arithmetic_intensity_and_ridge():
     assert ridge_point(gpu("h100-sxm")) == pytest.approx(295, abs=0.5)
 
 
-# ---- tensor-parallel layout (seeds 000, 004) ----------------------------------------------------
+# ---- tensor-parallel layout (the 7B long-context case, the MIT 6.5940 lecture) ------------------
 def test_qkv_column_parallel_params():
     m = ModelSpec(layers=32, hidden=4096, heads=32, ffn=11008)
     assert qkv_params_per_rank(m, 4) == 12_582_912  # 3 * 4096 * 4096 / 4
