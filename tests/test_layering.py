@@ -92,15 +92,15 @@ def test_relative_and_dynamic_upward_imports_are_caught(tmp_path):
     """specs reaching up to the planner with `from ..planner import`, or by import_module."""
     files = {
         "__init__.py": "",
-        "specs/__init__.py": "from ..planner import search\n",
+        "specs/__init__.py": "from ..planner import pricing\n",
         "specs/shape.py": "import importlib\nP = importlib.import_module('fivefold.planner')\n",
         "planner/__init__.py": "from ..specs import shape\n",
-        "planner/search.py": "from . import other\n",
+        "planner/pricing.py": "from . import other\n",
     }
     for name, text in files.items():
         (tmp_path / "fivefold" / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / "fivefold" / name).write_text(text)
     assert violations(tmp_path / "fivefold", {"specs": 1, "planner": 2, "__init__": 8}) == [
-        "fivefold/specs/__init__.py:1 imports fivefold.planner.search (specs is below planner)",
+        "fivefold/specs/__init__.py:1 imports fivefold.planner.pricing (specs is below planner)",
         "fivefold/specs/shape.py:2 imports fivefold.planner (specs is below planner)",
     ]
