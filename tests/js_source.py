@@ -4,6 +4,7 @@
 line numbers stay), leaving only code, with each plain "..." / '...' string listed beside it.
 `functions` finds every function body in that code (declarations, methods, `function`
 expressions, arrow functions with a block body) and its extent by counting braces.
+`imported_files` lists the sibling modules an ES module imports.
 """
 
 from __future__ import annotations
@@ -164,3 +165,11 @@ def functions(source: str) -> list[tuple[str, int, int]]:
 def placeholders_in_plain_strings(source: str) -> list[int]:
     """Lines (1-based) of plain-quoted strings holding `${`: text only a template literal fills."""
     return [line for line, text in scan(source).strings if "${" in text]
+
+
+IMPORT_LINE = re.compile(r'^import .* from "\./([\w.]+\.js)";$', re.M)
+
+
+def imported_files(source: str) -> list[str]:
+    """The sibling files an ES module imports (`import {...} from "./name.js";` lines)."""
+    return IMPORT_LINE.findall(source)

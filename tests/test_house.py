@@ -13,7 +13,7 @@ import subprocess
 from pathlib import Path
 
 from import_graph import imports_of, package_modules
-from js_source import functions
+from js_source import functions, imported_files
 
 REPO = Path(__file__).resolve().parents[1]
 SRC = REPO / "src" / "fivefold"
@@ -67,12 +67,9 @@ def test_no_import_circles():
     assert circles() == []
 
 
-JS_IMPORT = re.compile(r'^import .* from "\./([\w.]+\.js)";$', re.M)
-
-
 def test_no_import_circles_between_the_explorer_scripts():
     graph = {
-        p.name: set(JS_IMPORT.findall(p.read_text(encoding="utf-8"))) for p in STATIC.glob("*.js")
+        p.name: set(imported_files(p.read_text(encoding="utf-8"))) for p in STATIC.glob("*.js")
     }
     assert sum(map(len, graph.values())) > 10, "the scripts import nothing: is the pattern stale?"
     assert strongly_connected(graph) == []
