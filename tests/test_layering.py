@@ -1,12 +1,13 @@
 """The import direction of the design, read from the source (every import: lazy, relative and
 `importlib.import_module` ones included; see tests/import_graph.py).
 
-    errors, units -> specs -> planner    (pure Python: never torch)
+    errors, units -> specs -> planner -> explore   (pure Python: never torch)
                           -> launch      (process start-up and the host: torch only lazily)
-                          -> model -> parallel -> calibration, checkpoint -> train -> explore -> cli
+                          -> model -> parallel -> calibration, checkpoint -> train -> cli
 
-A package may import only packages on a lower layer (specs and planner: no torch at all), so
-`parallel/` never reaches into `train/` or `checkpoint/`, and the planner stays fast.
+A package may import only packages on a lower layer (specs, planner and the explorer: no torch
+at all), so `parallel/` never reaches into `train/` or `checkpoint/`, and the planner and the
+explorer stay fast.
 """
 
 from __future__ import annotations
@@ -30,12 +31,12 @@ LAYERS = {
     "calibration": 4,
     "checkpoint": 4,
     "train": 5,
-    "explore": 6,
+    "explore": 3,
     "cli": 7,
     "__main__": 8,
     "__init__": 8,
 }
-NO_TORCH = ("errors", "units", "specs", "planner")
+NO_TORCH = ("errors", "units", "specs", "planner", "explore")
 
 
 def package_of(path: Path, root: Path = SRC) -> str:
@@ -78,6 +79,8 @@ def test_imports_point_down_the_layers():
         ("parallel", "fivefold.train.runtime", False),
         ("parallel", "fivefold.checkpoint.elastic", False),
         ("planner", "fivefold.model", False),
+        ("explore", "fivefold.train.config", False),
+        ("explore", "fivefold.planner.search.layouts", True),
         ("train", "fivefold.parallel.protocol", True),
         ("checkpoint", "fivefold.parallel.process_group", True),
     ],
