@@ -177,11 +177,11 @@ def test_train_help_names_every_train_and_data_field(capsys):
 
 
 def test_tune_measures_the_recipe_with_its_memory_levers():
-    from fivefold.cli.cmd_tune import TuneSession, _load, tune_policy
+    from fivefold.train.tune import TuneSession, load_trial_run, tune_policy
 
     def peak(*overrides: str) -> int:
         session = TuneSession(
-            str(TINY), list(overrides), _load(str(TINY), list(overrides), 1, "none")
+            str(TINY), list(overrides), load_trial_run(str(TINY), list(overrides), 1, "none")
         )
         return tune_policy(session, "none", 2**30, 1)[0].peak_bytes
 

@@ -11,19 +11,19 @@ from pathlib import Path
 
 import pytest
 
-from fivefold.cli import cmd_tune
-from fivefold.cli.cmd_tune import (
+from fivefold.cli.main import main
+from fivefold.train import tune
+from fivefold.train.entry import load_run
+from fivefold.train.tune import (
     GIB,
     POLICIES,
     Trial,
     TuneSession,
-    _load,
     choose,
+    load_trial_run,
     nothing_fits,
     tune_policy,
 )
-from fivefold.cli.main import main
-from fivefold.train.entry import load_run
 
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny-cpu.toml"
 LIMIT_GIB = 0.062  # between the tiny preset's micro-batch 4 and 8 without recompute
@@ -31,7 +31,7 @@ LIMIT_GIB = 0.062  # between the tiny preset's micro-batch 4 and 8 without recom
 
 def test_choice_is_the_largest_measured_fit():
     limit = int(LIMIT_GIB * GIB)
-    session = TuneSession(str(TINY), [], _load(str(TINY), [], 1, "none"))
+    session = TuneSession(str(TINY), [], load_trial_run(str(TINY), [], 1, "none"))
     trials = [t for p in ("none", "full") for t in tune_policy(session, p, limit, 16)]
     for policy in ("none", "full"):
         mine = [t for t in trials if t.policy == policy]
@@ -145,13 +145,13 @@ def test_each_trial_is_printed_as_it_ends_and_the_model_and_data_are_built_once(
     monkeypatch.setattr(model_pkg, "build_model", counted_model)
     monkeypatch.setattr(inputs, "load_train_data", counted_data)
     printed: list[str] = []  # what stdout held when each trial started
-    second_step_peak = cmd_tune._second_step_peak
+    second_step_peak = tune.second_step_peak
 
     def spy(session, run):
         printed.append(capsys.readouterr().out)
         return second_step_peak(session, run)
 
-    monkeypatch.setattr(cmd_tune, "_second_step_peak", spy)
+    monkeypatch.setattr(tune, "second_step_peak", spy)
     args = ["tune", str(TINY), "--memory-limit", "1", "--policies", "none,full"]
     assert main([*args, "--max-micro-batch", "2"]) == 0
     printed.append(capsys.readouterr().out)
@@ -170,7 +170,7 @@ def test_remove_recompute_restores_the_plain_forward():
     from fivefold.model import build_model
     from fivefold.parallel.activation_checkpoint import apply_recompute, remove_recompute
 
-    run = _load(str(TINY), [], 1, "none")
+    run = load_trial_run(str(TINY), [], 1, "none")
     model = build_model(run.recipe.model)
     blocks = len(model.layers)
     assert apply_recompute(model, "selective") == blocks
