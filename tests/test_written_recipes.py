@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from fivefold.cli.cmd_launch import TIME_EXTRA_S, TIME_MARGIN
 from fivefold.cli.main import main
 from fivefold.cli.recipe_text import TRAIN_FIELDS
 from fivefold.planner.estimate import estimate
 from fivefold.specs import load_recipe
 from fivefold.train.config import TrainConfig
 from fivefold.train.entry import check_layout, load_run
+from fivefold.train.job_time import TIME_EXTRA_S, TIME_MARGIN
 
 PLAN = ["plan", "--model", "vizz-7b", "--cluster", "dgx-h100", "--gpus", "16", "--seq", "8K"]
 
