@@ -33,6 +33,8 @@ from pathlib import Path
 
 from _ranks import run_ranks
 
+from fivefold.train.config import parse_train_config
+
 LAYOUTS = {
     1: {},
     4: {"dp_shard": 4, "zero": 3},
@@ -72,12 +74,11 @@ def measure_baseline(world: int, root: str, repeats: int) -> dict:
     """Plain `torch.save` / `torch.load(weights_only=True)` of the single-process full state."""
     import torch
 
-    from fivefold.train.config import parse_train_config
     from fivefold.train.optim import build_optimizer
     from fivefold.train.runtime import LocalRuntime
 
     recipe = _recipe(1)
-    runtime = LocalRuntime(recipe)
+    runtime = LocalRuntime(recipe, parse_train_config(recipe).train)
     optimizer = build_optimizer(runtime.model_parts, parse_train_config(recipe).train)
     runtime.train_step(_batch(recipe, 0, 1))
     optimizer.step()
@@ -130,17 +131,16 @@ def _timed(fn) -> tuple[float, object]:
 def measure(world: int, root: str, repeats: int) -> dict:
     """One rank's part of the benchmark; rank 0's dict is the result."""
     from fivefold.checkpoint import Checkpointer
-    from fivefold.train.config import parse_train_config
     from fivefold.train.optim import build_optimizer
     from fivefold.train.runtime import LocalRuntime
 
     recipe = _recipe(world)
     if world == 1:
-        runtime = LocalRuntime(recipe)
+        runtime = LocalRuntime(recipe, parse_train_config(recipe).train)
     else:
         from fivefold.train.runtime import distributed_runtime
 
-        runtime = distributed_runtime(recipe)
+        runtime = distributed_runtime(recipe, parse_train_config(recipe).train)
     optimizer = build_optimizer(runtime.model_parts, parse_train_config(recipe).train)
     runtime.train_step(_batch(recipe, runtime.dp_rank, runtime.dp_size))
     optimizer.step()

@@ -49,7 +49,7 @@ def measure(profile: str, model: str, plan: dict, steps: int, run_dir: str) -> t
     items += [f"train.steps={steps}", "train.warmup_steps=1", "train.eval_every=0"]
     items += ["train.save_final=false", "train.resume=false", "train.progress=false"]
     run = load_run(None, items, world_size=1)
-    runtime = make_runtime(run.recipe)
+    runtime = make_runtime(run.recipe, run.train)
     try:
         trainer = Trainer(run, runtime, Console(file=io.StringIO()))
         batches = trainer.data.batches(run.recipe.plan.micro_batch)

@@ -28,6 +28,8 @@ import json
 import time
 from pathlib import Path
 
+from fivefold.train.config import parse_train_config
+
 GiB = 2**30
 DOC_KINDS = ("packed", "one")
 
@@ -95,7 +97,7 @@ def measure_single(seq_len: int, docs: str, doc_len: int = 3000, with_time: bool
     from fivefold.train.runtime import LocalRuntime
 
     recipe = recipe_for(seq_len)
-    runtime = LocalRuntime(recipe)
+    runtime = LocalRuntime(recipe, parse_train_config(recipe).train)
     peak, seconds = measured_step(
         runtime, batch_for(seq_len, recipe.model.vocab, docs, doc_len), with_time
     )
@@ -123,7 +125,7 @@ def _measure_cp(
     from fivefold.train.runtime import distributed_runtime
 
     recipe = recipe_for(seq_len, cp=world)
-    runtime = distributed_runtime(recipe)
+    runtime = distributed_runtime(recipe, parse_train_config(recipe).train)
     batch = batch_for(seq_len, recipe.model.vocab, docs, doc_len)
     peak, seconds = measured_step(runtime, batch, with_time)
     row = _row(runtime, world, docs, peak, seconds)

@@ -63,7 +63,7 @@ def one_process(rounds: int, steps: int) -> dict[str, list[float]]:
     from rich.console import Console
 
     from fivefold.train.entry import load_run
-    from fivefold.train.loop import train
+    from fivefold.train.start import train
 
     torch.set_num_threads(1)
     times: dict[str, list[float]] = {"off": [], "warn": [], "skip": []}
@@ -85,8 +85,8 @@ def two_ranks(rank: int, world: int, rounds: int, steps: int) -> dict[str, list[
     from fivefold.parallel import wait_clock
     from fivefold.train import stragglers
     from fivefold.train.entry import load_run
-    from fivefold.train.loop import train
     from fivefold.train.runtime import distributed_runtime
+    from fivefold.train.start import train
 
     plan = ["plan.dp_shard=2", "plan.zero=3", "plan.micro_batch=4", "plan.grad_accum=1"]
     timed_waiting = wait_clock.WaitClock.waiting

@@ -19,6 +19,8 @@ import json
 import statistics
 import time
 
+from fivefold.train.config import parse_train_config
+
 
 def batch(step: int, rows: int, seq_len: int, vocab: int):
     import torch
@@ -37,7 +39,6 @@ def batch(step: int, rows: int, seq_len: int, vocab: int):
 
 def trainee(preset: str, optimizer: str, ns_dtype: str, micro_batch: int):
     from fivefold.specs.recipe import recipe_from_dict
-    from fivefold.train.config import parse_train_config
     from fivefold.train.optim import build_optimizer
     from fivefold.train.runtime import LocalRuntime
 
@@ -50,7 +51,7 @@ def trainee(preset: str, optimizer: str, ns_dtype: str, micro_batch: int):
         default_world=1,
     )
     cfg = parse_train_config(recipe).train
-    runtime = LocalRuntime(recipe)
+    runtime = LocalRuntime(recipe, parse_train_config(recipe).train)
     return runtime, build_optimizer(runtime.model_parts, cfg, recipe.plan), cfg
 
 

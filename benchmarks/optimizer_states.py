@@ -65,7 +65,7 @@ def train(preset: str, steps: int, states: str) -> dict:
 
     with tempfile.TemporaryDirectory(prefix="fivefold-optim-") as run_dir:
         run = recipe_for(preset, steps, states, run_dir)
-        runtime = LocalRuntime(run.recipe)
+        runtime = LocalRuntime(run.recipe, run.train)
         trainer = Trainer(run, runtime, Console(quiet=True))
         trainer.prepare_run_dir()
         summary = trainer.fit()

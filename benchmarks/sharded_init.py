@@ -27,6 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _ranks import run_ranks
 
+from fivefold.train.config import parse_train_config
+
 TARGET = 1.3
 
 
@@ -52,7 +54,7 @@ def measure(rank: int, world: int, preset: str, zero: int) -> dict:
     counter = StorageCounter()
     start = time.perf_counter()
     with counter:
-        runtime = distributed_runtime(recipe)
+        runtime = distributed_runtime(recipe, parse_train_config(recipe).train)
     seconds = time.perf_counter() - start
     rss_after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     shard = sum(p.to_local().numel() * 4 for part in runtime.model_parts for p in part.parameters())

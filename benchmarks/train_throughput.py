@@ -238,7 +238,8 @@ def fivefold_loop(
         raw = {"model": {"preset": preset}, "plan": plan, "train": train}
         return parse_train_config(recipe_from_dict(raw, default_world=world))
 
-    runtime = make_runtime(run_config(2).recipe)
+    warm = run_config(2)
+    runtime = make_runtime(warm.recipe, warm.train)
 
     def run(steps: int) -> float:
         trainer = Trainer(run_config(steps), runtime, Console(quiet=True))

@@ -26,9 +26,9 @@ from fivefold.train.data.mixture import (
 )
 from fivefold.train.entry import load_run
 from fivefold.train.inputs import TrainData, load_train_data
-from fivefold.train.loop import train
 from fivefold.train.runtime import LocalRuntime
 from fivefold.train.spikes import SKIP_FILE, SkipList
+from fivefold.train.start import train
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 TINY = CONFIGS / "tiny-cpu.toml"
@@ -179,7 +179,7 @@ def test_step_sources_name_each_batch_and_sum_to_the_tokens_drawn(three_sources,
 
 
 def _train(run):
-    runtime = LocalRuntime(run.recipe)
+    runtime = LocalRuntime(run.recipe, run.train)
     return train(run, runtime=runtime, console=Console(quiet=True))
 
 

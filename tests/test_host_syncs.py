@@ -23,8 +23,9 @@ from fivefold.errors import TrainingError
 from fivefold.model.document_layout import DocumentLayout
 from fivefold.train.data.batching import document_offsets
 from fivefold.train.entry import load_run
-from fivefold.train.loop import Trainer, train
+from fivefold.train.loop import Trainer
 from fivefold.train.runtime import LocalRuntime
+from fivefold.train.start import train
 from host_reads import HostReads
 
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny-cpu.toml"
@@ -77,7 +78,7 @@ def test_a_step_between_read_backs_makes_no_host_sync(tmp_path, monkeypatch) -> 
         return device_step(trainer, micro_batches, pending, samples)
 
     monkeypatch.setattr(Trainer, "_device_step", step_and_count)
-    runtime = LocalRuntime(run.recipe)
+    runtime = LocalRuntime(run.recipe, run.train)
     with counter:
         summary = train(run, runtime=runtime, console=Console(quiet=True))
     per_step[9] = len(counter.reads) - sum(per_step.values())
@@ -94,7 +95,7 @@ def test_a_non_finite_loss_between_read_backs_is_named_at_the_next_one(tmp_path)
     nothing back; step 8 reads steps 5-8 back and names step 5, before step 8's optimizer
     step and before its checkpoint, so the last checkpoint (step 4) is a good one."""
     run = tiny_run(tmp_path, "train.steps=9", "train.log_every=4", "train.ckpt_every=4")
-    runtime = LocalRuntime(run.recipe)
+    runtime = LocalRuntime(run.recipe, run.train)
     calls = {"n": 0}
 
     def poison_from_step_5(module, inputs, output):

@@ -129,8 +129,9 @@ def test_a_run_resumes_with_other_optimizer_states(bench, tmp_path):
     from rich.console import Console
 
     from fivefold.checkpoint.dcp_io import read_full_tensors
-    from fivefold.train.loop import Trainer, train
+    from fivefold.train.loop import Trainer
     from fivefold.train.runtime import LocalRuntime
+    from fivefold.train.start import train
 
     def run(states: str, steps: int, where):
         r = bench.recipe_for("tiny", 12, states, str(where))
@@ -140,7 +141,7 @@ def test_a_run_resumes_with_other_optimizer_states(bench, tmp_path):
     train(run("8bit", 4, tmp_path / "a"), console=Console(quiet=True))
     saved = read_full_tensors(tmp_path / "a" / "ckpt" / "step_4", prefix="optim.state.")
     resumed = run("fp32", 6, tmp_path / "a")
-    trainer = Trainer(resumed, LocalRuntime(resumed.recipe), Console(quiet=True))
+    trainer = Trainer(resumed, LocalRuntime(resumed.recipe, resumed.train), Console(quiet=True))
     trainer.prepare_run_dir()
     assert trainer.step == 4
     names = {id(p): n for n, p in trainer.runtime.model.named_parameters()}

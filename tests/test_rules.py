@@ -129,6 +129,7 @@ def test_the_runtime_refuses_exactly_what_validation_refuses(monkeypatch):
 def test_runtime_refusals_are_recipe_refusals(changes, needle):
     """What fivefold's runtime does not implement is refused at recipe load (before any
     process), and by the single-process runtime with the same words."""
+    from fivefold.train.config import TrainConfig
     from fivefold.train.runtime import LocalRuntime
 
     data = {"model": {"preset": "tiny"}, "plan": {}, **changes}
@@ -140,7 +141,7 @@ def test_runtime_refusals_are_recipe_refusals(changes, needle):
         plan = ParallelPlan(**data["plan"])
         cluster = cluster_preset("dgx-h100", 1)
         with pytest.raises(ConfigError, match=needle):
-            LocalRuntime(Recipe(model, cluster, plan, {"train": {"device": "cpu"}}))
+            LocalRuntime(Recipe(model, cluster, plan), TrainConfig(device="cpu"))
 
 
 def test_published_runs_of_other_software_are_not_held_to_the_runtime_rules():

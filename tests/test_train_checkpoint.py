@@ -19,8 +19,8 @@ from fivefold.cli.main import main
 from fivefold.train import checkpoint as ckpt
 from fivefold.train.entry import load_run
 from fivefold.train.entry import main as entry_main
-from fivefold.train.loop import train
 from fivefold.train.runtime import LocalRuntime
+from fivefold.train.start import train
 
 TINY = str(Path(__file__).resolve().parents[1] / "configs" / "tiny-cpu.toml")
 QUIET = ["train.progress=false", "train.tensorboard=false", "train.warmup_steps=1"]
@@ -33,7 +33,7 @@ def overrides(run_dir: Path, *extra: str) -> list[str]:
 def run_quietly(run_dir: Path, *extra: str):
     """Train in a LocalRuntime we keep; returns (summary, final parameters)."""
     run = load_run(TINY, overrides(run_dir, *extra), world_size=1)
-    runtime = LocalRuntime(run.recipe)
+    runtime = LocalRuntime(run.recipe, run.train)
     summary = train(run, runtime=runtime, console=Console(quiet=True))
     return summary, {n: p.detach().clone() for n, p in runtime.model.named_parameters()}
 

@@ -22,9 +22,9 @@ from fivefold.train import summary as run_summary
 from fivefold.train.data import Batch
 from fivefold.train.entry import load_run
 from fivefold.train.inputs import load_train_data
-from fivefold.train.loop import train
 from fivefold.train.lr_schedule import lr_at
 from fivefold.train.runtime import LocalRuntime
+from fivefold.train.start import train
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 TINY = CONFIGS / "tiny-cpu.toml"
@@ -38,7 +38,7 @@ def tiny_run(tmp_path: Path, name: str, *overrides: str):
 
 def run_and_keep(run):
     """Train `run` in a LocalRuntime we keep, so its final parameters can be compared."""
-    runtime = LocalRuntime(run.recipe)
+    runtime = LocalRuntime(run.recipe, run.train)
     summary = train(run, runtime=runtime, console=Console(quiet=True))
     params = {name: p.detach().clone() for name, p in runtime.model.named_parameters()}
     return summary, params
@@ -96,7 +96,10 @@ def test_gradient_accumulation_matches_one_big_batch(tmp_path):
         Batch(*(getattr(batch, f)[i : i + 2] for f in ("tokens", "labels", "positions", "doc_ids")))
         for i in range(0, 8, 2)
     ]
-    big, accum = LocalRuntime(big_run.recipe), LocalRuntime(accum_run.recipe)
+    big, accum = (
+        LocalRuntime(big_run.recipe, big_run.train),
+        LocalRuntime(accum_run.recipe, accum_run.train),
+    )
     big_loss = big.train_step([batch]).loss
     accum_loss = accum.train_step(pieces).loss
     assert accum_loss == pytest.approx(big_loss, abs=1e-6)
@@ -134,7 +137,7 @@ def test_moe_model_trains_with_aux_loss(tmp_path):
 
 def test_nan_guard_names_step_and_last_checkpoint(tmp_path):
     run = tiny_run(tmp_path, "nan", "train.steps=4", "train.warmup_steps=1", "train.ckpt_every=2")
-    runtime = LocalRuntime(run.recipe)
+    runtime = LocalRuntime(run.recipe, run.train)
     calls = {"n": 0}
 
     def poison_from_step_3(module, inputs, output):

@@ -107,11 +107,11 @@ class Trainee:
         if world == 1:
             from fivefold.train.runtime import LocalRuntime
 
-            self.runtime = LocalRuntime(self.recipe)
+            self.runtime = LocalRuntime(self.recipe, self.cfg)
         else:
             from fivefold.train.runtime import distributed_runtime
 
-            self.runtime = distributed_runtime(self.recipe)
+            self.runtime = distributed_runtime(self.recipe, self.cfg)
         self.optimizer = build_optimizer(self.runtime.model_parts, self.cfg, self.recipe.plan)
         self.scheduler = build_scheduler(self.optimizer, self.cfg)
         self.step = 0

@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+from fivefold.train.config import parse_train_config
+
 # One forkserver serves the whole session (multiprocessing keeps a single one per process), so
 # it preloads what the parallel and the checkpoint tests import.
 PRELOAD = [
@@ -438,7 +440,7 @@ def reference_run(rd: dict, steps: int, dp_size: int, grad_accum: int) -> dict:
         },
     }
     recipe = recipe_from_dict(single, default_world=1)
-    runtime = LocalRuntime(recipe)
+    runtime = LocalRuntime(recipe, parse_train_config(recipe).train)
     out = _train(runtime, recipe, steps, lambda b: global_micro_batches(b, dp_size, grad_accum))
     # named_parameters lists a tied weight once, under its first name, as the parallel run does
     from fivefold.model.init import canonical_fqn
@@ -473,7 +475,7 @@ def parallel_run(rd: dict, steps: int, world: int) -> dict:
     from fivefold.train.runtime import distributed_runtime
 
     recipe = recipe_from_dict(rd, default_world=world)
-    runtime = distributed_runtime(recipe)
+    runtime = distributed_runtime(recipe, parse_train_config(recipe).train)
     plan = recipe.plan
     out = _train(
         runtime,
@@ -600,7 +602,7 @@ def mixed_precision_run(rd: dict, steps: int, world: int) -> dict:
     from fivefold.train.runtime import distributed_runtime
 
     recipe = recipe_from_dict(rd, default_world=world)
-    runtime = distributed_runtime(recipe)
+    runtime = distributed_runtime(recipe, parse_train_config(recipe).train)
     seen = []
     block = runtime.model_parts[0].layers["0"]
     block.attention.wq.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
@@ -624,7 +626,7 @@ def eval_and_report_run(rd: dict, world: int) -> dict:
     from fivefold.train.runtime import distributed_runtime
 
     recipe = recipe_from_dict(rd, default_world=world)
-    runtime = distributed_runtime(recipe)
+    runtime = distributed_runtime(recipe, parse_train_config(recipe).train)
     plan = recipe.plan
     batch = synthetic_global_batch(0, recipe.model.vocab, recipe.model.seq_len)
     mine = rank_micro_batches(batch, runtime.dp_rank, runtime.dp_size, plan.grad_accum)

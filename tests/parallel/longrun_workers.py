@@ -48,8 +48,8 @@ def train_ranks(
 
     from fivefold.train.entry import load_run
     from fivefold.train.inputs import TrainData
-    from fivefold.train.loop import train
     from fivefold.train.runtime import distributed_runtime
+    from fivefold.train.start import train
 
     TrainData.batches = poisoned(
         TrainData.batches, poison_start, poison_ranks, sleep_s if rank == slow_rank else 0.0

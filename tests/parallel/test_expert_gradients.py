@@ -16,6 +16,8 @@ from harness import (
     synthetic_global_batch,
 )
 
+from fivefold.train.config import parse_train_config
+
 MODEL = MODELS["parity-moe-2e"]  # 2 layers, 2 experts, top-1
 GRAD_ATOL = 1e-6  # fp32; the gradients are about 1e-3
 
@@ -48,7 +50,7 @@ def reference_grads(grad_accum: int, dp: int) -> dict:
 
     micro = GLOBAL_BATCH // grad_accum
     recipe = _recipe({"grad_accum": grad_accum, "micro_batch": micro}, 1)
-    runtime = LocalRuntime(recipe)
+    runtime = LocalRuntime(recipe, parse_train_config(recipe).train)
     batch = synthetic_global_batch(0, recipe.model.vocab, recipe.model.seq_len)
     runtime.train_step(global_micro_batches(batch, dp, grad_accum))
     return _expert_grads(runtime.model_parts)
@@ -63,7 +65,7 @@ def zero3_grads(plan: dict, world: int) -> tuple[dict, list[str]]:
     recipe = _recipe(plan, world)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        runtime = distributed_runtime(recipe)
+        runtime = distributed_runtime(recipe, parse_train_config(recipe).train)
         batch = synthetic_global_batch(0, recipe.model.vocab, recipe.model.seq_len)
         mine = rank_micro_batches(batch, runtime.dp_rank, runtime.dp_size, plan["grad_accum"])
         runtime.train_step(mine)

@@ -21,6 +21,8 @@ from harness import (
     synthetic_global_batch,
 )
 
+from fivefold.train.config import parse_train_config
+
 STEPS = 2
 MODEL = {"preset": "tiny", "layers": 2, "seq_len": 64, "vocab": 512}
 CASES = {
@@ -93,7 +95,7 @@ def _rank(rd: dict, world: int) -> dict:
     from fivefold.train.runtime import distributed_runtime
 
     recipe = recipe_from_dict(rd, default_world=world)
-    runtime = distributed_runtime(recipe)
+    runtime = distributed_runtime(recipe, parse_train_config(recipe).train)
     plan = recipe.plan
     batch = synthetic_global_batch(99, recipe.model.vocab, recipe.model.seq_len)
     mine = rank_micro_batches(batch, runtime.dp_rank, runtime.dp_size, plan.grad_accum)
@@ -122,7 +124,9 @@ def runs() -> dict:
 
     out = {key: run_ranks(2, _rank, _recipe(case), 2) for key, case in CASES.items()}
     recipe = recipe_from_dict(_recipe(None), default_world=1)
-    out["single"] = _train(LocalRuntime(recipe), recipe, STEPS, lambda b: [b])["losses"]
+    out["single"] = _train(
+        LocalRuntime(recipe, parse_train_config(recipe).train), recipe, STEPS, lambda b: [b]
+    )["losses"]
     return out
 
 

@@ -13,6 +13,8 @@ import dataclasses
 import pytest
 from harness import ParityCase, rank_micro_batches, recipe_dict, run_ranks, synthetic_global_batch
 
+from fivefold.train.config import parse_train_config
+
 CASES = {
     "pp2": ParityCase("PP2", {"pp": 2, "micro_batch": 2, "grad_accum": 4}),
     "cp2": ParityCase("CP2", {"cp": 2, "micro_batch": 4, "grad_accum": 2}),
@@ -28,7 +30,7 @@ def _rank(rd: dict, world: int) -> dict:
     from host_reads import HostReads
 
     recipe = recipe_from_dict(rd, default_world=world)
-    runtime = distributed_runtime(recipe)
+    runtime = distributed_runtime(recipe, parse_train_config(recipe).train)
     batch = synthetic_global_batch(0, recipe.model.vocab, recipe.model.seq_len)
     plain = rank_micro_batches(batch, runtime.dp_rank, runtime.dp_size, recipe.plan.grad_accum)
     hosted = [  # as the data loader makes them: offsets and label counts from the host

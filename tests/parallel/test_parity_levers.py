@@ -13,6 +13,8 @@ import pytest
 from harness import ParityCase, recipe_dict, run_ranks
 from parity_suite import parity_tests
 
+from fivefold.train.config import parse_train_config
+
 CI_CASES = [
     ParityCase(
         "ZeRO-1 x2 offload optimizer accum 2",
@@ -51,12 +53,11 @@ def offload_layout(rd: dict, world: int) -> dict:
 
     from fivefold.parallel.offload import HostOffloadOptimizer
     from fivefold.specs.recipe import recipe_from_dict
-    from fivefold.train.config import parse_train_config
     from fivefold.train.optim import build_optimizer
     from fivefold.train.runtime import distributed_runtime
 
     recipe = recipe_from_dict(rd, default_world=world)
-    runtime = distributed_runtime(recipe)
+    runtime = distributed_runtime(recipe, parse_train_config(recipe).train)
     optimizer = build_optimizer(runtime.model_parts, parse_train_config(recipe).train, recipe.plan)
     batch = synthetic_global_batch(0, recipe.model.vocab, recipe.model.seq_len)
     runtime.train_step(rank_micro_batches(batch, runtime.dp_rank, runtime.dp_size, 1))
@@ -111,7 +112,7 @@ def test_layout_report_predicts_the_levers_memory_on_cpu(tmp_path, levers, toler
     import json
 
     from fivefold.train.entry import load_run
-    from fivefold.train.loop import train
+    from fivefold.train.start import train
 
     overrides = [
         "model.preset=tiny",

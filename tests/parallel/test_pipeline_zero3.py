@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from harness import ParityCase, recipe_dict, reference_for, run_ranks, synthetic_global_batch
 
+from fivefold.train.config import parse_train_config
+
 CASE = ParityCase(
     "PP2 1f1b x ZeRO-3 x2 accum 4",
     {"pp": 2, "dp_shard": 2, "zero": 3, "micro_batch": 1, "grad_accum": 4},
@@ -29,7 +31,7 @@ def _count_all_gathers(rd: dict, world: int) -> dict:
     from fivefold.train.runtime import distributed_runtime
 
     recipe = recipe_from_dict(rd, default_world=world)
-    runtime = distributed_runtime(recipe)
+    runtime = distributed_runtime(recipe, parse_train_config(recipe).train)
     calls = {"n": 0}
     original = dist.all_gather_single
 

@@ -31,27 +31,15 @@ from fivefold.parallel.runtime_core import (
     token_count,
 )
 from fivefold.specs.recipe import Recipe
-from fivefold.train.config import parse_train_config
 from fivefold.train.memory_counter import track_cpu_peak
 
 __all__ = ["LocalRuntime", "Runtime", "StepResult", "distributed_runtime", "make_runtime"]
 
 
-def _settings(recipe: Recipe, train: TrainSettings | None) -> TrainSettings:
-    """The run's [train] settings: `train` as passed (the loop passes the ones `load_run`
-    parsed), else parsed from `recipe` (a caller holding only a recipe), after the plan's own
-    rules so that a bad plan is refused first, as the runtime's start-up refuses it."""
-    if train is not None:
-        return train
-    recipe.plan.validate(recipe.model, recipe.cluster)
-    return parse_train_config(recipe).train
-
-
 class LocalRuntime(RuntimeCore):
     """The whole model in one process: gradient accumulation, autocast, recompute, clipping."""
 
-    def __init__(self, recipe: Recipe, train: TrainSettings | None = None):
-        train = _settings(recipe, train)
+    def __init__(self, recipe: Recipe, train: TrainSettings):
         super().__init__(recipe, train)
         self.dp_rank, self.dp_size, self.world_size, self.is_main = 0, 1, 1, True
         model = models.build_model(recipe.model)
@@ -120,19 +108,19 @@ class LocalRuntime(RuntimeCore):
         """Nothing to release in one process (`failed`: the run ended by an exception)."""
 
 
-def distributed_runtime(recipe: Recipe, train: TrainSettings | None = None) -> Runtime:
+def distributed_runtime(recipe: Recipe, train: TrainSettings) -> Runtime:
     """This rank's `DistributedRuntime` (under torchrun) with the run's [train] settings and the
     loop's CPU memory tracker."""
     from fivefold.parallel.distributed_runtime import (
         DistributedRuntime,  # FSDP and meshes: torchrun only
     )
 
-    return DistributedRuntime(recipe, _settings(recipe, train), track_cpu_peak)
+    return DistributedRuntime(recipe, train, track_cpu_peak)
 
 
-def make_runtime(recipe: Recipe, train: TrainSettings | None = None) -> Runtime:
+def make_runtime(recipe: Recipe, train: TrainSettings) -> Runtime:
     """LocalRuntime in a single process; the distributed runtime under torchrun (WORLD_SIZE > 1).
-    `train`: the run's parsed [train] settings (parsed from `recipe` when None)."""
+    `train`: the run's [train] settings, parsed once by `load_run` (`RunConfig.train`)."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         return distributed_runtime(recipe, train)
     if recipe.plan.world_size != 1:
@@ -141,4 +129,4 @@ def make_runtime(recipe: Recipe, train: TrainSettings | None = None) -> Runtime:
             "this is a single process; start it with `fivefold train --nproc "
             f"{recipe.plan.world_size} ...` or set every plan degree to 1."
         )
-    return LocalRuntime(recipe, _settings(recipe, train))
+    return LocalRuntime(recipe, train)
