@@ -65,3 +65,32 @@ def test_a_stale_default_profile_is_left_out_with_a_note(tmp_path, monkeypatch, 
     assert "not using the device profile" in captured.err and "format = 3" in captured.err
     assert "fivefold calibrate" in captured.err
     assert "device profile:" not in captured.out
+
+
+@pytest.mark.parametrize(
+    ("override", "words"),
+    [
+        ('train.global_batch="many"', "train.global_batch = 'many': expected a whole number"),
+        ("train.global_batch=-8", "train.global_batch = -8: must be >= 1"),
+    ],
+)
+def test_plan_auto_reads_the_parsed_train_section(profile, override, words, capsys, tmp_path):
+    """`--plan auto` takes the batch from the parsed [train] table, not the raw one: a value
+    the raw read took for a number (int("many") raised a traceback, -8 went to the search) is
+    refused by name, exit 2, before the search."""
+    args = ["train", str(CONFIGS / "tiny-cpu.toml"), "--plan", "auto", "--nproc", "1"]
+    args += ["--dry-run", f'train.run_dir="{tmp_path}"', override]
+    assert main(args) == 2
+    captured = capsys.readouterr()
+    assert words in captured.err and "Traceback" not in captured.err
+    assert "--plan auto:" not in captured.out  # refused before the search chose a layout
+
+
+def test_plan_auto_plans_the_parsed_global_batch(profile, capsys, tmp_path):
+    """The recipe's train.global_batch (an override here) is the search's target: 16
+    sequences, twice the plan's own 8."""
+    args = ["train", str(CONFIGS / "tiny-cpu.toml"), "--plan", "auto", "--nproc", "2"]
+    args += ["--dry-run", f'train.run_dir="{tmp_path}"', "train.global_batch=16"]
+    assert main(args) == 0
+    layout = next(line for line in capsys.readouterr().out.splitlines() if "layout:" in line)
+    assert "16 sequences x 128 tokens per step" in layout

@@ -47,6 +47,7 @@ from fivefold.specs.recipe import (
     parse_overrides,
     read_toml,
 )
+from fivefold.train.config import recipe_compile
 
 MAX_BATCH_TOKENS = 1 << 30  # tokens per step: 64x Llama 3's 16M; bounds the search
 
@@ -70,15 +71,6 @@ def planner_from_args(args: argparse.Namespace, cluster: Any, recipe_data: dict[
         raise ConfigError(f"planner = {section!r}: expected a [planner] table of settings.")
     compiled = recipe_compile(recipe_data)
     return planner_settings(cluster.device, section, flags, args.profile, spelled, compiled)
-
-
-def recipe_compile(recipe_data: dict[str, Any]) -> bool:
-    """A recipe's `train.compile` (fivefold's runtime then compiles its blocks), checked."""
-    train = recipe_data.get("train", {})
-    value = train.get("compile", False) if isinstance(train, dict) else False
-    if not isinstance(value, bool):
-        raise ConfigError(f"train.compile = {value!r}: expected true or false.")
-    return value
 
 
 _NUMERIC_OPTIONS = ("cuda_context_bytes", "fragmentation_fraction", "dp_bucket_bytes")

@@ -375,6 +375,39 @@ def parse_train_config(recipe: Recipe) -> RunConfig:
     return RunConfig(recipe, train, data)
 
 
+def parse_train_section(sections: dict[str, Any]) -> TrainConfig:
+    """The `[train]` table alone, typed and checked (one ConfigError naming each field): what a
+    caller reads before the plan exists (`--plan auto`'s batch, optimizer and compile)."""
+    problems: list[str] = []
+    table = sections.get("train") or {}
+    if not isinstance(table, dict):
+        raise ConfigError(f"train = {table!r}: expected a [train] table of settings.")
+    train = build(TrainConfig, table, "train", problems)
+    problems += train.problems() if train is not None else []
+    if problems or train is None:
+        raise ConfigError(problems)
+    return train
+
+
+def train_device(sections: dict[str, Any]) -> str:
+    """`train.device` as the `[train]` table types it, before the recipe is built (the device
+    decides the precision default and the cluster of a run without one): "auto" when unset or
+    mistyped, which `load_run` then reports beside the recipe's other problems."""
+    table = sections.get("train") or {}
+    train = build(TrainConfig, table if isinstance(table, dict) else {}, "train", [])
+    return train.device if train is not None else TrainConfig.device
+
+
+def recipe_compile(sections: dict[str, Any]) -> bool:
+    """A recipe's `train.compile` (fivefold's runtime then compiles its blocks), checked: what
+    `fivefold plan` reads of [train] (a run reads its parsed `TrainConfig.compile`)."""
+    train = sections.get("train", {})
+    value = train.get("compile", False) if isinstance(train, dict) else False
+    if not isinstance(value, bool):
+        raise ConfigError(f"train.compile = {value!r}: expected true or false.")
+    return value
+
+
 def section_problems(sections: dict[str, Any]) -> list[str]:
     """The problems of the `[train]` and `[data]` tables on their own (unknown fields with the
     closest name, types, ranges): reported beside a recipe's other problems when the recipe
