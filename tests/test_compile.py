@@ -20,7 +20,7 @@ from attention_reference import dense_reference_attention
 from fivefold.model.attention import AttentionCore, document_attention
 from fivefold.model.document_layout import DocumentLayout
 from fivefold.train.entry import load_run
-from fivefold.train.loop import train
+from fivefold.train.start import train
 
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny-cpu.toml"
 

@@ -90,6 +90,7 @@ def test_one_measured_peak_per_run_even_past_30_s(tmp_path, monkeypatch) -> None
     import time
 
     import fivefold.train.loop as loop
+    import fivefold.train.start as start
     from fivefold.train.entry import load_run
     from fivefold.train.peak import DevicePeak
 
@@ -109,7 +110,7 @@ def test_one_measured_peak_per_run_even_past_30_s(tmp_path, monkeypatch) -> None
         ["train.steps=4", "train.warmup_steps=1", f'train.run_dir="{tmp_path}"',
          "train.progress=false", "train.tensorboard=false", "train.save_final=false"],
     )  # fmt: skip
-    summary = loop.train(run, console=Console(file=out, width=300))
+    summary = start.train(run, console=Console(file=out, width=300))
     assert len(calls) == 1 and summary.peak_label == "fake peak #1"
     text = out.getvalue()
     assert "MFU against: fake peak #1" in text and "(vs fake peak #1)" in text
@@ -142,7 +143,7 @@ def test_the_progress_bar_runs_a_clock_inside_each_step() -> None:
 def test_the_header_says_which_device_profile_and_where_it_came_from(tmp_path, monkeypatch, capsys):
     """A profile at the default location changed every later CPU run's predictions and MFU
     basis without a word. The header names it and its origin, or says there is none."""
-    import fivefold.train.loop as loop
+    import fivefold.train.start as start
     from fivefold.specs.profile import parse_profile
     from fivefold.train.entry import load_run
     from fivefold.train.summary import profile_origin
@@ -168,7 +169,7 @@ def test_the_header_says_which_device_profile_and_where_it_came_from(tmp_path, m
              "train.progress=false", "train.tensorboard=false", "train.save_final=false",
              "train.resume=false", *overrides],
         )  # fmt: skip
-        loop.train(run, console=Console(file=out, width=400))
+        start.train(run, console=Console(file=out, width=400))
         return out.getvalue()
 
     # `plan` on a measured machine says which profile its figures come from, too.

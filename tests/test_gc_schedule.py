@@ -12,7 +12,7 @@ from fivefold.errors import ConfigError
 from fivefold.train import collect
 from fivefold.train.collect import ScheduledCollection
 from fivefold.train.entry import load_run
-from fivefold.train.loop import train
+from fivefold.train.start import train
 
 
 @pytest.fixture

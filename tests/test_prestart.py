@@ -27,7 +27,7 @@ def refuse_starts(monkeypatch) -> None:
         raise AssertionError("the run was started")
 
     monkeypatch.setattr("fivefold.launch.launcher.launch_local", started)
-    monkeypatch.setattr("fivefold.train.loop.train", started)
+    monkeypatch.setattr("fivefold.train.start.train", started)
 
 
 @pytest.fixture(name="no_launch")
@@ -82,7 +82,7 @@ def test_one_rank_is_refused_just_below_its_peak_and_started_just_above(
     monkeypatch.setattr(machine_memory, "available_bytes", lambda: int(need * headroom))
     started = []
     summary = types.SimpleNamespace(exit_code=0)
-    monkeypatch.setattr("fivefold.train.loop.train", lambda *a, **k: started.append(1) or summary)
+    monkeypatch.setattr("fivefold.train.start.train", lambda *a, **k: started.append(1) or summary)
     code, err = _train(capsys, "plan.micro_batch=64", f'train.run_dir="{tmp_path}"')
     if headroom < 1:
         assert code == 2 and not started

@@ -10,7 +10,7 @@ from rich.console import Console
 
 from fivefold.errors import ConfigError
 from fivefold.train.entry import load_run
-from fivefold.train.loop import train
+from fivefold.train.start import train
 
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny-cpu.toml"
 QUIET = ["train.progress=false", "train.tensorboard=false", "train.save_final=false"]

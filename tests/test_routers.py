@@ -21,8 +21,8 @@ from fivefold.model.routers import (
 )
 from fivefold.specs.model import ModelSpec
 from fivefold.train.entry import load_run
-from fivefold.train.loop import train
 from fivefold.train.runtime import LocalRuntime
+from fivefold.train.start import train
 
 GROUPED = RouterSettings("sigmoid", groups=2, top_groups=1, scaling=2.5)
 

@@ -18,11 +18,11 @@ from rich.console import Console
 from fivefold.errors import ConfigError
 from fivefold.train.entry import load_run
 from fivefold.train.inputs import TrainData
-from fivefold.train.loop import train
 from fivefold.train.resume import _start_over
 from fivefold.train.runtime import LocalRuntime
 from fivefold.train.spike_policy import SpikePolicy
 from fivefold.train.spikes import SKIP_FILE, SkipList, SpikeDetector
+from fivefold.train.start import train
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 TINY = CONFIGS / "tiny-cpu.toml"

@@ -4,37 +4,29 @@ from __future__ import annotations
 
 import argparse
 import time
-from dataclasses import replace
 
 from fivefold.cli.intermixed import merge_intermixed
 from fivefold.cli.plan_check_report import format_checks
-from fivefold.cli.plan_inputs import recipe_compile
 from fivefold.errors import ConfigError
 from fivefold.launch import launcher
 from fivefold.parallel.device import pick_device
 from fivefold.parallel.mesh import ParallelDims
-from fivefold.planner.frameworks import DEFAULT_PROFILE, planner_settings
-from fivefold.planner.options import PlannerOptions
-from fivefold.planner.search.layouts import search
-from fivefold.specs.optimizer import OPTIMIZERS
-from fivefold.specs.profile import default_profile_path
-from fivefold.specs.recipe import cluster_from_dict, dump_recipe, model_from_dict, plan_from_dict
+from fivefold.specs.recipe import dump_recipe
 from fivefold.specs.toml_text import toml_value
+from fivefold.train.auto_plan import auto_plan, foreign_profile_note, run_planner_settings
 from fivefold.train.entry import (
     FRESH_HELP,
     RESUME_HELP,
     check_layout,
     local_device,
     local_problems,
-    recipe_data,
     resume_overrides,
     split_recipe_and_overrides,
-    with_default_profile,
 )
 from fivefold.train.prestart import memory_fit
 
 # torch loads lazily: `fivefold --help` imports this module at start-up (cli/main.py), so
-# train.loop, train.summary, parallel.report and train.plan_check (all torch) are imported
+# train.start, train.summary, parallel.report and train.plan_check (all torch) are imported
 # inside the functions that use them.
 
 _DESCRIPTION = """\
@@ -201,70 +193,6 @@ def _flag_overrides(args: argparse.Namespace) -> list[str]:
     return out
 
 
-def auto_plan_overrides(recipe_path: str | None, overrides: list[str], nproc: int) -> list[str]:
-    """Ask the planner for the best layout on the `nproc` local processes; plan.* overrides.
-
-    The recipe's own degrees are ignored (the search chooses them); its model, cluster, global
-    batch (`train.global_batch`, else its plan's micro_batch x dp x grad_accum) and precision
-    are kept. A GPU run without [cluster] plans for the GPU it finds; a CPU run against the
-    calibrated device profile (`fivefold calibrate`).
-    """
-    data = with_default_profile(recipe_data(recipe_path, overrides), nproc)  # or this GPU's
-    model = model_from_dict(data.get("model", {}))
-    local = {"name": "local-cpu", "gpu": "cpu", "gpus": nproc}
-    cluster = cluster_from_dict(data.get("cluster") or local, default_world=nproc)
-    if not cluster.device.hbm_bytes:
-        raise ConfigError(
-            f"--plan auto on {cluster.gpu!r} needs a measured device: run `fivefold calibrate "
-            f"RECIPE --nproc {nproc} --install` first (it writes {default_profile_path()}, "
-            'which CPU runs then use), or name a profile as [cluster] profile = "PATH".'
-        )
-    if cluster.world_size != nproc:
-        raise ConfigError(
-            f"--plan auto plans for the {nproc} process(es) of --nproc, but the recipe's "
-            f"[cluster] has {cluster.world_size} GPUs; set --nproc {cluster.world_size} or "
-            "change cluster.gpus."
-        )
-    plan = plan_from_dict(data.get("plan", {}))
-    global_batch = int(data.get("train", {}).get("global_batch") or 0) or plan.global_batch
-    headroom = planner_section_settings(data, cluster.device).headroom
-    optimizer = (data.get("train") or {}).get("optimizer", "adamw")
-    if optimizer not in OPTIMIZERS:
-        optimizer = "adamw"  # the [train] check names it
-    compiled = recipe_compile(data)  # fivefold's runtime as this run will compile its blocks
-    options = replace(PlannerOptions.for_device(cluster.device, compiled), optimizer=optimizer)
-    result = search(  # ConfigError when nothing fits, naming what came closest
-        model,
-        cluster,
-        global_batch=global_batch,
-        precisions=(plan.precision,),
-        options=options,
-        **({} if headroom is None else {"headroom": headroom}),
-    )
-    print(
-        f"--plan auto: {result.best_plan.describe()} (planned for {nproc} x "
-        f"{cluster.device.name}, {cluster.name})"
-    )
-    return [f"plan.{key}={toml_value(value)}" for key, value in result.best_plan.to_dict().items()]
-
-
-def planner_section_settings(data: dict, device):
-    """The recipe's `[planner]` table, validated (ConfigError naming `planner.x` otherwise).
-
-    A run is predicted as what it is, fivefold's own runtime (the `fivefold` efficiency
-    profile), so a table describing other software is said to play no part in the
-    prediction beside the run; `--plan auto` uses its `headroom`.
-    """
-    section = data.get("planner") or {}
-    settings = planner_settings(device, section, compile=recipe_compile(data))
-    if settings.profile != DEFAULT_PROFILE or settings.overrides:
-        print(
-            f"note: [planner] ({settings.describe()}) is for `fivefold plan`; this run's "
-            f"predictions model fivefold's own runtime (profile {DEFAULT_PROFILE!r})."
-        )
-    return settings
-
-
 def handle(args: argparse.Namespace) -> int:
     args = reparse_items(args)
     recipe_path, overrides = split_recipe_and_overrides(args.items)
@@ -274,11 +202,12 @@ def handle(args: argparse.Namespace) -> int:
     if args.max_restarts < 0:
         raise ConfigError(launcher.max_restarts_problems(args.max_restarts))
     if args.plan == "auto":
-        overrides += auto_plan_overrides(recipe_path, overrides, args.nproc)
+        chosen = auto_plan(recipe_path, overrides, args.nproc)
+        print(f"--plan auto: {chosen.describe(args.nproc)}")
+        overrides += chosen.overrides()
     # validate before launching (a dry run shows its predictions first, then what is wrong)
     run = check_layout(recipe_path, overrides, args.nproc, local=not args.dry_run)
-    if args.plan != "auto":  # auto has checked (and used) the table already
-        _check_planner_table(recipe_path, overrides, run)
+    _print_planner_note(run)
     if args.dry_run:
         text, checked = dry_run_report(run, args.nproc)
         print(text)
@@ -287,16 +216,22 @@ def handle(args: argparse.Namespace) -> int:
         return 0 if checked else 2
     if args.nproc > 1 or args.max_restarts > 0:
         note = _memory_note(run, args.nproc)
-        return _launch(args.nproc, recipe_path, overrides, args.max_restarts, note)
-    from fivefold.train.loop import train
+        launched = launcher.launch_local(
+            args.nproc, recipe_path, overrides, args.max_restarts, memory_note=note
+        )
+        return int(launched)
+    from fivefold.train.start import train
 
     return train(run).exit_code  # 128 + signal number after Ctrl-C / SIGTERM, else 0
 
 
-def _check_planner_table(recipe_path: str | None, overrides: list[str], run) -> None:
-    data = recipe_data(recipe_path, overrides)
-    if data.get("planner"):
-        planner_section_settings(data, run.recipe.cluster.device)
+def _print_planner_note(run) -> None:
+    """The recipe's [planner] table, checked; a note when it describes other software."""
+    section = run.recipe.sections.get("planner")
+    if section:
+        settings = run_planner_settings(section, run.recipe.cluster.device, run.train.compile)
+        if note := foreign_profile_note(settings):
+            print(note)
 
 
 def dry_run_report(run, nproc: int) -> tuple[str, bool]:
@@ -361,9 +296,3 @@ def _plan_check_lines(recipe, nproc: int) -> tuple[str, bool]:
     checks = check_plan(recipe, nproc)
     table = format_checks(recipe, nproc, checks, time.perf_counter() - started)
     return table, all(not c.problem for c in checks)
-
-
-def _launch(
-    nproc: int, recipe_path: str | None, overrides: list[str], max_restarts: int, note: str = ""
-) -> int:
-    return int(launcher.launch_local(nproc, recipe_path, overrides, max_restarts, memory_note=note))

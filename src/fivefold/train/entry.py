@@ -24,12 +24,17 @@ from fivefold.parallel.device import local_cluster_table, local_gpu, uses_cuda
 from fivefold.parallel.mesh import ParallelDims
 from fivefold.specs.profile import default_profile_path, load_profile
 from fivefold.specs.recipe import merge, parse_overrides, read_toml, recipe_from_dict
-from fivefold.train.config import RunConfig, parse_train_config, section_problems
+from fivefold.train.config import (
+    RunConfig,
+    parse_train_config,
+    section_problems,
+    train_device,
+)
 from fivefold.train.prestart import prestart_problems
 
 # torch loads lazily: `fivefold --help` imports this module (cli/cmd_train.py), and under
 # `python -m fivefold.train` signals are held until `main` imports the loop; so torch,
-# model.torch_features, train.optim and train.loop are imported inside their functions.
+# model.torch_features, train.optim and train.start are imported inside their functions.
 
 RECIPE_SUFFIXES = (".toml",)
 RESUME_HELP = (
@@ -59,7 +64,7 @@ def world_size_from_env() -> int:
 
 
 def _trains_on_cpu(data: dict[str, dict[str, Any]]) -> bool:
-    return not uses_cuda(data.get("train", {}).get("device", "auto"))
+    return not uses_cuda(train_device(data))
 
 
 def _native_bf16(data: dict[str, dict[str, Any]]) -> bool:
@@ -236,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         mark_attempt()
         with signals_held():  # a signal since the process started is acted on here
-            from fivefold.train.loop import train
+            from fivefold.train.start import train
 
         recipe_path, overrides = split_recipe_and_overrides(args.items)
         overrides += resume_overrides(args.resume, args.fresh)

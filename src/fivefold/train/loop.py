@@ -1,7 +1,8 @@
 """The training loop: data -> runtime step -> NaN guard -> clip -> AdamW -> LR schedule -> metrics.
 
-`train(run)` is the same for every layout: the Runtime (`make_runtime`) owns the model and the
-parallelism; this loop owns the optimizer, schedule, data order, checkpoints and metrics. Rank 0
+`Trainer` is the same for every layout: the Runtime (`make_runtime`) owns the model and the
+parallelism; the trainer owns the optimizer, schedule, data order, checkpoints and metrics
+(`fivefold.train.start.train` starts a run with it). Rank 0
 prints and writes files; every rank checkpoints its own state. Beside it: `resume` (the step a
 run starts from), `guard` (the NaN guard), `step_log` (each step's records) and `summary` (the
 console header and footer, `TrainSummary`).
@@ -9,8 +10,6 @@ console header and footer, `TrainSummary`).
 
 from __future__ import annotations
 
-import contextlib
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,8 +18,6 @@ from typing import Any
 import torch
 from rich.console import Console
 
-from fivefold.launch.host_memory import keep_freed_memory
-from fivefold.launch.threads import configure_threads
 from fivefold.parallel.report import layout_report_record
 from fivefold.specs.flops import training_flops_per_token
 from fivefold.specs.precision import recipe
@@ -31,27 +28,24 @@ from fivefold.train.config import RunConfig
 from fivefold.train.evaluation import held_out_losses
 from fivefold.train.guard import check_finite
 from fivefold.train.inputs import TrainData, load_train_data
-from fivefold.train.interrupt import StopRequest, die_on_signals, stop_on_signals
+from fivefold.train.interrupt import StopRequest
 from fivefold.train.lr_schedule import build_scheduler
 from fivefold.train.memory_counter import PeakReading, measure_step
 from fivefold.train.metrics import StepMetrics, ThroughputMeter, attention_keys, utilization
 from fivefold.train.optim import build_optimizer
 from fivefold.train.peak import DevicePeak, cuda_fp8_peak, device_peak
 from fivefold.train.profiling import StepProfiler
-from fivefold.train.resume import choose_start, completion_note
-from fivefold.train.runtime import Runtime, make_runtime
+from fivefold.train.resume import choose_start
+from fivefold.train.runtime import Runtime
 from fivefold.train.spike_policy import SpikePolicy
 from fivefold.train.step_log import StepLog
 from fivefold.train.stragglers import StragglerWatch
 from fivefold.train.summary import (
     TrainSummary,
     compile_note,
-    planner_prediction,
-    print_footer,
-    print_header,
 )
 
-__all__ = ["TrainSummary", "Trainer", "train"]
+__all__ = ["Trainer"]
 
 
 @dataclass
@@ -449,52 +443,3 @@ class Trainer:
             elapsed_s=time.perf_counter() - started,
             eval_loss=eval_loss,
         )
-
-
-def train(
-    run: RunConfig, runtime: Runtime | None = None, console: Console | None = None
-) -> TrainSummary:
-    """Train `run` to `train.steps` (resuming per `train.resume`); returns the summary. Rank 0
-    prints. A run whose newest checkpoint is already at its last step prints one line saying so
-    and returns a summary with no losses (stop_reason "already_complete")."""
-    configure_threads()
-    keep_freed_memory()
-    stop = StopRequest()
-    # Set-up on N ranks: a signal ends the process at once (nothing to save yet; a rank may be
-    # blocked in C++ where no handler runs). `fit` installs the graceful handlers.
-    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    with die_on_signals() if distributed else contextlib.nullcontext():
-        runtime = runtime or make_runtime(run.recipe, run.train)
-        try:
-            summary = _train(run, runtime, console, stop)
-        except BaseException:
-            runtime.close(failed=True)  # no collective after an error: abort the group
-            raise
-        runtime.close()
-        return summary
-
-
-def _train(
-    run: RunConfig, runtime: Runtime, console: Console | None, stop: StopRequest
-) -> TrainSummary:
-    trainer = Trainer(run, runtime, console)
-    trainer.stop = stop
-    trainer.prepare_run_dir()
-    if trainer.is_complete:
-        trainer.console.print(completion_note(trainer.cfg, trainer.step))
-        return TrainSummary.already_complete(
-            trainer.run_dir, trainer.step, trainer.peak.label, trainer.last_checkpoint
-        )
-    prediction, why_not = planner_prediction(run) if runtime.is_main else (None, "")
-    if runtime.is_main:
-        print_header(trainer.console, run, runtime, trainer.data, trainer.peak, prediction, why_not)
-        trainer.stop.running = trainer.step
-        trainer.stop.speak(many_ranks=getattr(runtime, "any_rank", None) is not None)
-    with stop_on_signals(trainer.stop):  # Ctrl-C: stop after a step, with a checkpoint
-        summary = trainer.fit()
-    summary.prediction = prediction
-    if runtime.is_main:
-        reserved = getattr(runtime, "peak_reserved_bytes", 0)
-        print_footer(trainer.console, summary, trainer.tokens_per_step, reserved)
-        summary.write_json(trainer.run_dir / "summary.json")
-    return summary

@@ -1,5 +1,5 @@
 """What a run says around its steps: the console header (model, layout, batch, the planner's
-prediction) and footer, and the `TrainSummary` that `fivefold.train.loop.train` returns."""
+prediction) and footer, and the `TrainSummary` that `fivefold.train.start.train` returns."""
 
 from __future__ import annotations
 
