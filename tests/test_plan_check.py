@@ -49,9 +49,9 @@ def _the_check_checks_the_plan(recipe, checks, monkeypatch, capsys) -> None:
     counted peak with context and fragmentation exceeds the usable memory."""
     import fivefold.train.plan_check as plan_check
     from fivefold.cli.main import main
-    from fivefold.cli.plan_check_report import planned_for
     from fivefold.planner.estimate import estimate
     from fivefold.planner.options import PlannerOptions
+    from fivefold.train.plan_check_planned import planned_for
 
     planned = planned_for(recipe)
     est = estimate(
@@ -283,7 +283,7 @@ SHIPPED_GPU = sorted(CONFIGS.glob("*-dgx-h100.toml"))  # the shipped recipes for
 def test_every_shipped_gpu_recipe_plans_within_its_gpus():
     """The peak `plan` prints for each shipped GPU recipe fits the usable memory (HBM less the
     headroom): the 70B recipe was TP8 x PP4 x ZeRO-1, whose stage 0 planned 84.5 GiB of 72."""
-    from fivefold.cli.plan_check_report import planned_for
+    from fivefold.train.plan_check_planned import planned_for
 
     assert {p.name for p in SHIPPED_GPU} >= {"llama3-70b-dgx-h100.toml", "llama3-8b-dgx-h100.toml"}
     for path in SHIPPED_GPU:
@@ -291,6 +291,28 @@ def test_every_shipped_gpu_recipe_plans_within_its_gpus():
         assert planned.stage_bytes, (path.name, planned.why_not)
         assert planned.usable_bytes == 80 * 2**30 * 0.9, path.name
         assert max(planned.stage_bytes) <= planned.usable_bytes, (path.name, planned.stage_bytes)
+
+
+def test_the_planned_peak_reads_train_compile_checked(capsys):
+    """`plan check` compares against the layout as the recipe runs it: train.compile = true
+    plans compiled blocks (fused element-wise work: a shorter step than eager), and a mistyped
+    value is refused by name (the raw read planned "yes" as eager, silently)."""
+    from fivefold.cli.main import main
+    from fivefold.errors import ConfigError
+    from fivefold.planner.estimate import estimate
+    from fivefold.planner.options import PlannerOptions
+    from fivefold.train.plan_check_planned import planned_for
+
+    compiled = planned_for(load_recipe(str(CONFIG), [*OVERRIDES, "train.compile=true"]))
+    recipe = load_recipe(str(CONFIG), OVERRIDES)
+    options = PlannerOptions.for_device(recipe.cluster.device, compile=True)
+    est = estimate(recipe.model, recipe.cluster, recipe.plan, options)
+    assert compiled.stage_bytes == [m.total for m in est.memory]
+    assert compiled.step_s < planned_for(recipe).step_s
+    with pytest.raises(ConfigError, match=r"train.compile = 'yes': expected true or false"):
+        planned_for(load_recipe(str(CONFIG), [*OVERRIDES, 'train.compile="yes"']))
+    assert main(["plan", "check", str(CONFIG), *OVERRIDES, 'train.compile="yes"']) == 2
+    assert "train.compile = 'yes'" in capsys.readouterr().err
 
 
 @pytest.mark.slow
