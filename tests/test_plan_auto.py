@@ -89,8 +89,21 @@ def test_plan_auto_reads_the_parsed_train_section(profile, override, words, caps
 def test_plan_auto_plans_the_parsed_global_batch(profile, capsys, tmp_path):
     """The recipe's train.global_batch (an override here) is the search's target: 16
     sequences, twice the plan's own 8."""
-    args = ["train", str(CONFIGS / "tiny-cpu.toml"), "--plan", "auto", "--nproc", "2"]
+    args = ["train", str(CONFIGS / "tiny-cpu.toml"), "--plan", "auto", "--nproc", "1"]
     args += ["--dry-run", f'train.run_dir="{tmp_path}"', "train.global_batch=16"]
     assert main(args) == 0
     layout = next(line for line in capsys.readouterr().out.splitlines() if "layout:" in line)
     assert "16 sequences x 128 tokens per step" in layout
+
+
+def test_a_planner_table_for_other_software_is_noted_once_and_checked(profile, capsys, tmp_path):
+    """A run's [planner] table naming another framework's profile plays no part in the run's
+    own prediction: one note says so (also under --plan auto, which reads the table's headroom);
+    a misspelt field in it is refused by name, exit 2."""
+    base = ["train", str(CONFIGS / "tiny-cpu.toml"), "--dry-run", f'train.run_dir="{tmp_path}"']
+    assert main([*base, "--plan", "auto", 'planner.profile="torchtitan"']) == 0
+    out = capsys.readouterr().out
+    assert out.count("note: [planner]") == 1
+    assert "this run's predictions model fivefold's own runtime (profile 'fivefold')" in out
+    assert main([*base, "planner.headrom=0.2"]) == 2
+    assert "planner.headrom" in capsys.readouterr().err
