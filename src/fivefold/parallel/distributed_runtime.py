@@ -84,29 +84,36 @@ class DistributedRuntime(RuntimeCore):
     """
 
     def __init__(self, recipe: Recipe, train: TrainSettings, track_peak: PeakTracker | None = None):
-        # Before any process group or collective: a refusal is the same error on every rank.
+        # 1. Before any process group or collective: the plan's rules (a refusal is the same
+        # error on every rank), the device, the precision on it, the seed.
         super().__init__(recipe, train)
-        self.plan = plan = recipe.plan
-        self.spec = recipe.model
+        self.plan, self.spec = recipe.plan, recipe.model
         self._track_peak = track_peak
+        # 2. the process group (gloo on CPU, NCCL on CUDA) and 3. the 5-D mesh
         self._owns_group = init_distributed(self.device, trace_dir=_comm_trace_dir(train))
-        self.rank = dist.get_rank()
-        self.world_size = dist.get_world_size()
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.is_main = self.rank == 0
-        self.dims = ParallelDims.from_plan(plan, self.world_size)
+        self.dims = ParallelDims.from_plan(self.plan, self.world_size)
         self.coordinates = self.dims.coordinates(self.rank)
-        self.dp_rank = self.dims.dp_rank(self.rank)
-        self.dp_size = self.dims.dp
+        self.dp_rank, self.dp_size = self.dims.dp_rank(self.rank), self.dims.dp
         self.meshes: Meshes = self.dims.build_meshes(self.device.type, self.spec.is_moe)
-        self.pp_rank = self.coordinates["pp"]
-        self.cp_rank = self.coordinates["cp"]
+        self.pp_rank, self.cp_rank = self.coordinates["pp"], self.coordinates["cp"]
+        # 4. the model on meta, this rank's chunks, parallelised, materialised, initialised
         self.model_parts: list[nn.Module] = self._build_parts(train.seed, train.compile)
-        self.tied = TiedEmbeddings(self.model_parts, plan, self.spec)
-        self._loss_scale = 1.0
+        # 5. what spans the chunks: tied embeddings, the wait clock, the pipeline, aux losses
+        self.tied = TiedEmbeddings(self.model_parts, self.plan, self.spec)
         self.wait_clock = WaitClock(self.device)  # waits in the collectives below (stragglers)
         self.wait_clock.watch(self.dp_modules)  # and in FSDP's and DTensor's
         self.pipeline = self._build_pipeline()
         self._weight_aux_losses()
+        self._start_step_records(train)
+        self._start_peak_statistics()
+        if self.is_main:
+            print(self.describe_layout(), flush=True)
+
+    def _start_step_records(self, train: TrainSettings) -> None:
+        """The step counter, the loss scale and the layout report's step and records."""
+        self._loss_scale = 1.0
         self._steps = 0
         self.last_report: str | None = None  # rank 0: the layout report, once it was printed
         self.plan_vs_run: dict | None = None  # rank 0: the same as a metrics.jsonl record
@@ -118,9 +125,6 @@ class DistributedRuntime(RuntimeCore):
         # waits for it the same way.
         self._loop_memory_step = train.memory_step
         self._report_at = min(4 if self._loop_memory_step == 2 else 3, train.steps)
-        self._start_peak_statistics()
-        if self.is_main:
-            print(self.describe_layout(), flush=True)
 
     def _build_parts(self, seed: int, compile: bool = False) -> list[nn.Module]:
         """This rank's chunks: meta model -> pipeline split -> parallelised -> materialised and
