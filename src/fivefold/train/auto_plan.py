@@ -14,7 +14,7 @@ from typing import Any
 from fivefold.errors import ConfigError
 from fivefold.planner.frameworks import DEFAULT_PROFILE, PlannerSettings, planner_settings
 from fivefold.planner.options import PlannerOptions
-from fivefold.planner.search import search
+from fivefold.planner.search.layouts import search
 from fivefold.specs.cluster import ClusterSpec
 from fivefold.specs.hardware import GPUSpec
 from fivefold.specs.plan import ParallelPlan
