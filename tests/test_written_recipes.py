@@ -136,3 +136,23 @@ def test_train_flags_and_auto_plan_write_toml_through_the_one_writer():
     name = 'run "A" \\ 2'
     args = parser.parse_args(["recipe.toml", "--name", name])
     assert parse_overrides(_flag_overrides(args))["train"]["name"] == name
+
+
+def test_launch_slurm_reads_the_gpus_per_node_the_recipe_rules_give(capsys):
+    """A [cluster] of 4 GPUs without gpus_per_node is one node of 4 (the recipe rules: whole
+    nodes of up to 8): the job asks for 1 node x 4 GPUs, as the plan's 4 ranks need (the raw
+    read took 8 per node and refused the recipe's own layout); a mistyped value is named."""
+    recipe = str(Path(__file__).resolve().parents[1] / "configs" / "tiny-cpu.toml")
+    four = [
+        recipe,
+        'cluster.gpu="h100"',
+        "cluster.gpus=4",
+        "plan.dp_replicate=4",
+        "plan.grad_accum=1",
+        "plan.micro_batch=2",
+    ]
+    assert main(["launch", "--slurm", *four]) == 0
+    script = capsys.readouterr().out
+    assert "#SBATCH --nodes=1\n" in script and "#SBATCH --gpus-per-node=4\n" in script
+    assert main(["launch", "--slurm", *four, 'cluster.gpus_per_node="four"']) == 2
+    assert "cluster.gpus_per_node = 'four'" in capsys.readouterr().err

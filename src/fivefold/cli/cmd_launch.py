@@ -14,9 +14,8 @@ from fivefold.launch.launcher import (
     slurm_job_name,
     slurm_script,
 )
-from fivefold.specs.cluster import cluster_preset
 from fivefold.specs.plan import ParallelPlan
-from fivefold.specs.recipe import build, merge, parse_overrides, read_toml
+from fivefold.specs.recipe import build, cluster_from_dict, merge, parse_overrides, read_toml
 from fivefold.train.job_time import DEFAULT_TIME, TIME_EXTRA_S, TIME_MARGIN, time_limit
 
 _DESCRIPTION = """\
@@ -141,15 +140,12 @@ def _default_nodes(data: dict, per_node: int) -> int:
 
 
 def _gpus_per_node(recipe_path: str, overrides: list[str], explicit: int) -> int:
+    """--gpus-per-node, else the recipe's [cluster] as the recipe rules read it (a preset's, a
+    whole node of up to 8 of cluster.gpus, or cluster.gpus_per_node), else 8."""
     if explicit:
         return explicit
-    data = _recipe_data(recipe_path, overrides)
-    cluster = data.get("cluster", {})
-    if "gpus_per_node" in cluster:
-        return int(cluster["gpus_per_node"])
-    if "preset" in cluster:
-        return cluster_preset(cluster["preset"], int(cluster.get("gpus", 8))).gpus_per_node
-    return 8
+    cluster = _recipe_data(recipe_path, overrides).get("cluster")
+    return cluster_from_dict(cluster).gpus_per_node if isinstance(cluster, dict) and cluster else 8
 
 
 def _check_allocation(recipe_path: str, overrides: list[str], nodes: int, per_node: int) -> None:
