@@ -139,3 +139,40 @@ def test_plan_reports_cross_field_and_layout_problems_together():
         plan.validate(broken, cluster_preset("dgx-h100", 8))
     assert "plan.fp8 = 'tensorwise' with plan.precision = 'fp32'" in str(err.value)
     assert "model.heads" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("gpus", "per_node", "expected"),
+    [(4, 8, (1, 4)), (8, 8, (1, 8)), (16, 8, (2, 8)), (8, 4, (2, 4)), (12, 8, None)],
+)
+def test_one_node_rule_for_recipes_flags_and_presets(gpus, per_node, expected):
+    """A recipe's [cluster], `plan`'s --gpus/--gpus-per-node and a preset split GPUs into nodes
+    by one rule (`node_split`): fewer GPUs than a node holds are one node of them; more must
+    fill whole nodes, refused naming the field."""
+    import argparse
+
+    from fivefold.cli.plan_inputs import cluster_from_args
+    from fivefold.specs.cluster import node_split
+    from fivefold.specs.recipe import cluster_from_dict
+
+    section = {"gpu": "h100-sxm", "gpus": gpus, "gpus_per_node": per_node}
+    flags = argparse.Namespace(
+        cluster=None, gpu="h100-sxm", gpus=gpus, gpus_per_node=per_node, nvlink_gbps=None,
+        ib_gbps=None, nvlink_domain=None,
+    )  # fmt: skip
+    if expected is None:
+        for build, field in (
+            (lambda: cluster_from_dict(section), "cluster.gpus = 12"),
+            (lambda: cluster_from_args(flags, {}), "--gpus = 12"),
+            (lambda: node_split(gpus, per_node), "--gpus = 12"),
+        ):  # fmt: skip
+            with pytest.raises(ConfigError, match=field + " does not fill whole nodes of 8"):
+                build()
+        return
+    recipe = cluster_from_dict(section)
+    from_flags = cluster_from_args(flags, {})
+    assert (recipe.nodes, recipe.gpus_per_node) == expected
+    assert (from_flags.nodes, from_flags.gpus_per_node) == expected
+    if per_node == 8:
+        preset = cluster_preset("dgx-h100", gpus)
+        assert (preset.nodes, preset.gpus_per_node) == expected

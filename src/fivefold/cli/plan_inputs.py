@@ -31,6 +31,7 @@ from fivefold.specs.cluster import (
     CLUSTER_PRESETS,
     ClusterSpec,
     cluster_preset,
+    node_split,
     profile_cluster,
     require_hbm,
 )
@@ -192,11 +193,6 @@ def cluster_from_args(args: argparse.Namespace, recipe_data: dict[str, dict]) ->
             )
         total = gpus or DEFAULT_GPUS
         cluster = cluster_preset(name, total)
-        if total > cluster.gpus_per_node and total % cluster.gpus_per_node:
-            raise ConfigError(
-                f"--gpus = {total} is not a whole number of {name} nodes of "
-                f"{cluster.gpus_per_node} GPUs; use a multiple of {cluster.gpus_per_node}."
-            )
         if args.gpu is not None:
             cluster = cluster.with_(gpu=args.gpu)
         if per_node is not None:
@@ -228,14 +224,8 @@ def _profile_path(name: str | None) -> str | None:
 
 
 def _regroup(cluster: Any, total: int, per_node: int) -> Any:
-    if total < per_node:
-        per_node = total
-    if total % per_node:
-        raise ConfigError(
-            f"--gpus = {total} is not a multiple of --gpus-per-node = {per_node}; every node "
-            "must be full."
-        )
-    return cluster.with_(nodes=total // per_node, gpus_per_node=per_node)
+    nodes, local = node_split(total, per_node, per_node_field="--gpus-per-node")
+    return cluster.with_(nodes=nodes, gpus_per_node=local)
 
 
 # ---- layout ----------------------------------------------------------------------------------

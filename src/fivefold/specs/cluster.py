@@ -103,19 +103,32 @@ class ClusterSpec:
         return out
 
 
+def node_split(
+    gpus: int, per_node: int, field: str = "--gpus", nodes: str = "nodes", per_node_field: str = ""
+) -> tuple[int, int]:
+    """(nodes, GPUs per node) of `gpus` GPUs in nodes of `per_node`: one node of `gpus` when they
+    fit in one, else whole nodes; a ConfigError naming `field` (and `per_node_field`, where the
+    user set the node size) when they do not fill whole nodes (`nodes`: what the message calls
+    them, e.g. "dgx-h100 nodes")."""
+    if gpus <= per_node:
+        return 1, gpus
+    if gpus % per_node:
+        lower = gpus // per_node * per_node
+        size = f" ({per_node_field})" if per_node_field else ""
+        raise ConfigError(
+            f"{field} = {gpus} does not fill whole {nodes} of {per_node} GPUs{size}; use a "
+            f"multiple of {per_node} (e.g. {lower} or {lower + per_node}) or at most {per_node}."
+        )
+    return gpus // per_node, per_node
+
+
 def _dgx(name: str, gpu_name: str, nvlink: float, ib: float, per_node: int = 8, domain: int = 0):
     def make(gpus: int = per_node, **overrides) -> ClusterSpec:
         if not isinstance(gpus, int) or gpus < 1:
             raise ConfigError(f"--gpus = {gpus!r}: must be a whole number >= 1.")
-        if gpus > per_node and gpus % per_node:
-            raise ConfigError(
-                f"--gpus = {gpus} does not fill whole {name} nodes of {per_node} GPUs; use a "
-                f"multiple of {per_node} (e.g. {gpus // per_node * per_node} or "
-                f"{(gpus // per_node + 1) * per_node}) or at most {per_node}."
-            )
-        nodes = max(1, gpus // per_node)
+        nodes, local = node_split(gpus, per_node, nodes=f"{name} nodes")
         overrides.setdefault("nvlink_domain", domain)
-        return ClusterSpec(name, gpu_name, nodes, min(gpus, per_node), nvlink, ib, **overrides)
+        return ClusterSpec(name, gpu_name, nodes, local, nvlink, ib, **overrides)
 
     return make
 

@@ -22,7 +22,13 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from fivefold.errors import ConfigError
-from fivefold.specs.cluster import CLUSTER_PRESETS, ClusterSpec, cluster_preset, profile_cluster
+from fivefold.specs.cluster import (
+    CLUSTER_PRESETS,
+    ClusterSpec,
+    cluster_preset,
+    node_split,
+    profile_cluster,
+)
 from fivefold.specs.geometry import RECOMPUTE_POLICIES
 from fivefold.specs.hf_config import read_hf_config, spec_from_hf_config
 from fivefold.specs.model import MLP_KINDS, ModelSpec, default_ffn
@@ -289,14 +295,16 @@ def _cluster_from(
         if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 1:
             problems.append(f"cluster.gpus = {gpus!r}: must be a whole number >= 1.")
             return None
-        per_node = values.setdefault("gpus_per_node", min(8, gpus))
+        per_node = values.get("gpus_per_node", 8)
         if isinstance(per_node, int) and per_node > 0:
-            if gpus % per_node:
-                problems.append(
-                    f"cluster.gpus = {gpus} is not a whole number of nodes of "
-                    f"cluster.gpus_per_node = {per_node}; every node must be full."
+            try:
+                nodes, values["gpus_per_node"] = node_split(
+                    gpus, per_node, "cluster.gpus", per_node_field="cluster.gpus_per_node"
                 )
-            values.setdefault("nodes", max(1, gpus // per_node))
+            except ConfigError as err:
+                problems.extend(err.problems)
+                return None
+            values.setdefault("nodes", nodes)
     return build(ClusterSpec, values, "cluster", problems)
 
 
