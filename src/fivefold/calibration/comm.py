@@ -34,6 +34,7 @@ import math
 import multiprocessing as mp
 import os
 import queue
+import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -211,6 +212,47 @@ def issued_time_s(
     return max(MIN_ISSUED_S, _slowest((with_op - alone) / pairs, device))
 
 
+HOST_SHARD = (1, 64, 256)  # one rank's sequence shard [batch, tokens, hidden] (64 KiB fp32)
+HOST_OPS = ("all_gather", "reduce_scatter")  # tensor parallelism's sequence collectives
+
+
+def dtensor_host_s(op: str, group: Any, repeats: int) -> float:
+    """Main-thread CPU seconds one DTensor redistribution adds to the raw `op` it issues, on
+    the slowest rank: tensor parallelism's sequence all-gather (Shard(1) to Replicate) or
+    reduce-scatter (Partial to Shard(1)) of a `HOST_SHARD` activation per rank, less the raw
+    c10d call on the same bytes; the median over `repeats` alternating pairs of thread CPU
+    time (waits for the peers and gloo's threads are not in it: the collective's alpha-beta
+    prices those). A one-rank mesh, where `overhead.tp_extra_s` is measured, short-cuts every
+    redistribution, so this cost is nowhere else in the profile."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    n = dist.get_world_size(group)
+    mesh = DeviceMesh.from_group(group, "cpu")
+    b, s, h = HOST_SHARD
+    shard, full = torch.ones(b, s, h), torch.ones(b, s * n, h)
+    raw = _op(op, full.numel() * 4, group, shard.device)  # nccl-tests: the whole buffer
+    if op == "all_gather":
+        source = DTensor.from_local(shard, mesh, [Shard(1)], run_check=False)
+        target = [Replicate()]
+    else:
+        source = DTensor.from_local(full, mesh, [Partial()], run_check=False)
+        target = [Shard(1)]
+
+    def dtensor() -> None:
+        source.redistribute(mesh, target).to_local()
+
+    def thread_s(fn: Callable[[], None]) -> float:
+        tick = time.thread_time()
+        fn()
+        return time.thread_time() - tick
+
+    raw(), dtensor()
+    dist.barrier(group=group)
+    extra = sorted(thread_s(dtensor) - thread_s(raw) for _ in range(repeats))
+    return _slowest(max(0.0, extra[len(extra) // 2]), shard.device)
+
+
 def _worker(
     rank: int,
     world: int,
@@ -237,6 +279,11 @@ def _worker(
             g: dist.new_subgroups(g)[0] if g < world else dist.group.WORLD
             for g in group_sizes(world)
         }
+        host = {  # a GPU's host runs ahead of its kernels: not measured there
+            (op, g): dtensor_host_s(op, group, 10 if quick else 30)
+            for g, group in groups.items()
+            for op in (() if cuda else HOST_OPS)
+        }
         for shape in gemms:
             gemm = _gemm(shape, device)
             gap = gap_time_s(gemm, device) if shape is not None else 0.0
@@ -246,7 +293,7 @@ def _worker(
                         fn = _op(op, size, group, device)
                         seconds = issued_time_s(fn, gemm, iterations(size, quick), device)
                         if rank == 0:
-                            out.put(("row", op, g, gap, size, seconds))
+                            out.put(("row", op, g, gap, size, seconds, host.get((op, g), 0.0)))
         if memory is not None and not cuda:
             _shared_bandwidth(rank, world, quick, memory, out)
         dist.barrier()
@@ -345,10 +392,10 @@ def _measure_world(
                 if msg[0] == "bandwidth":
                     bandwidth = msg[1]
                     continue
-                _, op, g, gap, size, seconds = msg
+                _, op, g, gap, size, seconds, host = msg
                 algbw = size / seconds
                 sample = CollectiveSample(
-                    op, g, ranks, gap, size, seconds, algbw, algbw * bus_factor(op, g)
+                    op, g, ranks, gap, size, seconds, algbw, algbw * bus_factor(op, g), host
                 )
                 samples.append(sample)
                 if on_row is not None:
@@ -386,7 +433,8 @@ def fit_alpha_beta(sizes: list[float], times: list[float]) -> tuple[float, float
 
 
 def fit_collectives(samples: list[CollectiveSample]) -> list[Collective]:
-    """One alpha-beta fit per (op, group size, processes running, compute gap)."""
+    """One alpha-beta fit per (op, group size, processes running, compute gap), with the
+    median of its samples' DTensor host seconds (`dtensor_host_s`)."""
     keys = sorted(
         {(s.op, s.ranks, s.world, s.gap_s) for s in samples},
         key=lambda k: (COLLECTIVES.index(k[0]), k[1], k[2], k[3]),
@@ -395,5 +443,6 @@ def fit_collectives(samples: list[CollectiveSample]) -> list[Collective]:
     for op, n, world, gap in keys:
         rows = [s for s in samples if (s.op, s.ranks, s.world, s.gap_s) == (op, n, world, gap)]
         alpha, beta = fit_alpha_beta([r.size_bytes for r in rows], [r.time_s for r in rows])
-        out.append(Collective(op, n, world, gap, alpha, beta))
+        host = statistics.median(r.host_s for r in rows)
+        out.append(Collective(op, n, world, gap, alpha, beta, host))
     return out
