@@ -216,41 +216,53 @@ HOST_SHARD = (1, 64, 256)  # one rank's sequence shard [batch, tokens, hidden] (
 HOST_OPS = ("all_gather", "reduce_scatter")  # tensor parallelism's sequence collectives
 
 
-def dtensor_host_s(op: str, group: Any, repeats: int) -> float:
-    """Main-thread CPU seconds one DTensor redistribution adds to the raw `op` it issues, on
-    the slowest rank: tensor parallelism's sequence all-gather (Shard(1) to Replicate) or
-    reduce-scatter (Partial to Shard(1)) of a `HOST_SHARD` activation per rank, less the raw
-    c10d call on the same bytes; the median over `repeats` alternating pairs of thread CPU
-    time (waits for the peers and gloo's threads are not in it: the collective's alpha-beta
-    prices those). A one-rank mesh, where `overhead.tp_extra_s` is measured, short-cuts every
-    redistribution, so this cost is nowhere else in the profile."""
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-
-    n = dist.get_world_size(group)
-    mesh = DeviceMesh.from_group(group, "cpu")
+def dtensor_host_s(op: str, group: Any, solo: Any, repeats: int) -> float:
+    """Main-thread CPU seconds one DTensor redistribution over `group` adds beyond the raw `op`
+    it issues and beyond the same redistribution on a one-rank mesh (`solo`, this rank alone:
+    where `overhead.tp_extra_s` is measured, DTensor short-cuts every redistribution, so the
+    rest is nowhere else in the profile), on the slowest rank: tensor parallelism's sequence
+    all-gather (Shard(1) to Replicate) or reduce-scatter (Partial to Shard(1)) of a
+    `HOST_SHARD` activation per rank; the median over `repeats` alternating rounds of thread
+    CPU time (waits for the peers and gloo's threads are not in it: the collective's
+    alpha-beta prices those)."""
     b, s, h = HOST_SHARD
-    shard, full = torch.ones(b, s, h), torch.ones(b, s * n, h)
-    raw = _op(op, full.numel() * 4, group, shard.device)  # nccl-tests: the whole buffer
-    if op == "all_gather":
-        source = DTensor.from_local(shard, mesh, [Shard(1)], run_check=False)
-        target = [Replicate()]
-    else:
-        source = DTensor.from_local(full, mesh, [Partial()], run_check=False)
-        target = [Shard(1)]
-
-    def dtensor() -> None:
-        source.redistribute(mesh, target).to_local()
+    n = dist.get_world_size(group)
+    full = torch.ones(b, s * n, h)
+    raw = _op(op, full.numel() * 4, group, full.device)  # nccl-tests: the whole buffer
+    real, alone = (_redistribution(op, g, b, s, h) for g in (group, solo))
 
     def thread_s(fn: Callable[[], None]) -> float:
         tick = time.thread_time()
         fn()
         return time.thread_time() - tick
 
-    raw(), dtensor()
+    raw(), real(), alone()
     dist.barrier(group=group)
-    extra = sorted(thread_s(dtensor) - thread_s(raw) for _ in range(repeats))
-    return _slowest(max(0.0, extra[len(extra) // 2]), shard.device)
+    extra = sorted(thread_s(real) - thread_s(raw) - thread_s(alone) for _ in range(repeats))
+    return _slowest(max(0.0, extra[len(extra) // 2]), full.device)
+
+
+def _redistribution(op: str, group: Any, b: int, s: int, h: int) -> Callable[[], None]:
+    """Tensor parallelism's sequence `op` as DTensor runs it over `group`: a [b, s, h] shard
+    per rank gathered (all_gather), or [b, s x ranks, h] partial sums scattered."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    mesh = DeviceMesh.from_group(group, "cpu")
+    if op == "all_gather":
+        source = DTensor.from_local(torch.ones(b, s, h), mesh, [Shard(1)], run_check=False)
+        target: list = [Replicate()]
+    else:
+        n = dist.get_world_size(group)
+        source = DTensor.from_local(torch.ones(b, s * n, h), mesh, [Partial()], run_check=False)
+        target = [Shard(1)]
+
+    def run() -> None:
+        out = source.redistribute(mesh, target).to_local()
+        if hasattr(out, "trigger_wait"):  # a functional collective's result: wait as a step does
+            out.trigger_wait()
+
+    return run
 
 
 def _worker(
@@ -279,8 +291,9 @@ def _worker(
             g: dist.new_subgroups(g)[0] if g < world else dist.group.WORLD
             for g in group_sizes(world)
         }
+        solo = None if cuda else dist.new_subgroups(1)[0]  # each rank alone
         host = {  # a GPU's host runs ahead of its kernels: not measured there
-            (op, g): dtensor_host_s(op, group, 10 if quick else 30)
+            (op, g): dtensor_host_s(op, group, solo, 20 if quick else 40)
             for g, group in groups.items()
             for op in (() if cuda else HOST_OPS)
         }
