@@ -513,8 +513,8 @@ def test_tp_sequence_collectives_by_hand(tmp_path):
     64 KiB per sequence collective): forward 2 all-gathers and 2 reduce-scatters, backward the
     same and fivefold's 2 re-gathers; the reduce-scatters priced by their own fit, and each
     collective's DTensor host seconds (`Collective.host_s`) on top."""
-    from fivefold.planner.layer_costs import layer_costs
     from fivefold.planner.options import PlannerOptions
+    from fivefold.planner.step_time.layer_costs import layer_costs
 
     data = synthetic()
     fits = {"all_gather": (1e-4, 1e9, 3e-4), "reduce_scatter": (2e-4, 5e8, 5e-4)}
