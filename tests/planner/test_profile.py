@@ -535,6 +535,20 @@ def test_tp_sequence_collectives_by_hand(tmp_path):
     assert C.group_link(profile_cluster(path, 2), 2, 1, EFF).host_s("all_gather", 2) == 3e-4
     gpu = C.Link("nvlink", 1e11, 1e-6, 8, 1e11, 2.5e10)
     assert gpu.host_s("all_gather", 2) == 0.0
+    # the whole step: per layer (2 of tiny's) 2 pairs forward, 2 pairs and 2 re-gathers
+    # backward, and the sequence-parallel region's ends (an all-gather each way) host-priced
+    for row in data["collective"]:
+        row["host_s"] = 0.0
+    free = tmp_path / "free.toml"
+    free.write_text(parse_profile(data).to_toml())
+    paid, unpaid = (
+        estimate(TINY, profile_cluster(f, 2), plan, efficiency=EFF).stage_costs
+        for f in (path, free)
+    )
+    assert paid.forward_s[0] - unpaid.forward_s[0] == pytest.approx(2 * 2 * 8e-4 + 3e-4)
+    assert paid.backward_input_s[0] - unpaid.backward_input_s[0] == pytest.approx(
+        2 * (2 * 8e-4 + 2 * 3e-4) + 3e-4
+    )
 
 
 def _grouped_rows(rate_by_groups: dict[int, float]) -> list[dict]:
