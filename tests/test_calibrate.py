@@ -53,6 +53,21 @@ def test_alpha_beta_fit_recovers_a_line():
     assert alpha == 0.0 and beta == pytest.approx(1e9, rel=1e-3)
 
 
+def test_collective_fits_carry_the_median_dtensor_host_seconds():
+    """`fit_collectives`: one row per (op, group, processes, gap), its host seconds the median
+    of its samples' (each sample carries its group's one measurement)."""
+    from fivefold.calibration.comm import fit_collectives
+    from fivefold.specs.profile import CollectiveSample
+
+    def sample(size: int, host: float) -> CollectiveSample:
+        t = 1e-4 + size / 1e9
+        return CollectiveSample("all_gather", 2, 2, 0.0, size, t, size / t, size / t / 2, host)
+
+    fits = fit_collectives([sample(1024, 2e-3), sample(65536, 1e-3), sample(2**20, 4e-3)])
+    assert len(fits) == 1 and fits[0].host_s == 2e-3
+    assert fits[0].alpha_s == pytest.approx(1e-4) and fits[0].beta_bytes_per_s == pytest.approx(1e9)
+
+
 def _matmul_flops(name: str, policy: str, early_stop: bool, **changes) -> tuple[float, object]:
     spec = model_preset(name).with_(**changes)
     model = build_model(spec)
@@ -245,6 +260,9 @@ def test_calibrate_quick_two_ranks_writes_a_profile_plan_uses(tmp_path):
     gaps = sorted({c.gap_s for c in profile.collective})
     assert len(gaps) == 2 and gaps[0] == 0.0 and gaps[1] > 0.0
     assert len(profile.collective_sample) == steps_count(2, quick=True, gemms=2)
+    # TP's DTensor all-gather and reduce-scatter cost the rank CPU beyond the raw call
+    host = {c.op: c.host_s for c in profile.collective}
+    assert host["all_gather"] > 0 and host["reduce_scatter"] > 0 and host["all_reduce"] == 0
     for s in profile.collective_sample:
         assert s.algbw_bytes_per_s == pytest.approx(s.size_bytes / s.time_s)
         assert s.busbw_bytes_per_s == pytest.approx(s.algbw_bytes_per_s * bus_factor(s.op, 2))

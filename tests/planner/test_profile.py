@@ -508,6 +508,49 @@ def test_dtensor_small_collectives_by_hand(profile_path):
     )
 
 
+def test_tp_sequence_collectives_by_hand(tmp_path):
+    """TP2 + SP on a measured CPU, one layer of tiny at micro-batch 2 (256 tokens x 64 fp32 =
+    64 KiB per sequence collective): forward 2 all-gathers and 2 reduce-scatters, backward the
+    same and fivefold's 2 re-gathers; the reduce-scatters priced by their own fit, and each
+    collective's DTensor host seconds (`Collective.host_s`) on top."""
+    from fivefold.planner.options import PlannerOptions
+    from fivefold.planner.step_time.layer_costs import layer_costs
+
+    data = synthetic()
+    fits = {"all_gather": (1e-4, 1e9, 3e-4), "reduce_scatter": (2e-4, 5e8, 5e-4)}
+    for row in data["collective"]:
+        if row["op"] in fits:
+            row.update(zip(("alpha_s", "beta_bytes_per_s", "host_s"), fits[row["op"]], strict=True))
+    path = tmp_path / "p.toml"
+    path.write_text(parse_profile(data).to_toml())
+    assert read_profile(path).collective[1].host_s == 3e-4  # written and read back
+    cluster = profile_cluster(path, 2)
+    plan = ParallelPlan(tp=2, micro_batch=2, precision="fp32")
+    costs = layer_costs(TINY, plan, cluster, EFF, PlannerOptions.for_device(cluster.device), False)
+    size = 2 * 128 * 64 * 4
+    gather, scatter = 1e-4 + size / 1e9 + 3e-4, 2e-4 + size / 5e8 + 5e-4
+    assert costs.tp_fwd_s == pytest.approx(2 * (gather + scatter))
+    assert costs.tp_bwd_s == pytest.approx(2 * (gather + scatter) + 2 * gather)
+    # a GPU (catalog link) counts no host seconds: the host runs ahead of the kernels
+    assert C.group_link(profile_cluster(path, 2), 2, 1, EFF).host_s("all_gather", 2) == 3e-4
+    gpu = C.Link("nvlink", 1e11, 1e-6, 8, 1e11, 2.5e10)
+    assert gpu.host_s("all_gather", 2) == 0.0
+    # the whole step: per layer (2 of tiny's) 2 pairs forward, 2 pairs and 2 re-gathers
+    # backward, and the sequence-parallel region's ends (an all-gather each way) host-priced
+    for row in data["collective"]:
+        row["host_s"] = 0.0
+    free = tmp_path / "free.toml"
+    free.write_text(parse_profile(data).to_toml())
+    paid, unpaid = (
+        estimate(TINY, profile_cluster(f, 2), plan, efficiency=EFF).stage_costs
+        for f in (path, free)
+    )
+    assert paid.forward_s[0] - unpaid.forward_s[0] == pytest.approx(2 * 2 * 8e-4 + 3e-4)
+    assert paid.backward_input_s[0] - unpaid.backward_input_s[0] == pytest.approx(
+        2 * (2 * 8e-4 + 2 * 3e-4) + 3e-4
+    )
+
+
 def _grouped_rows(rate_by_groups: dict[int, float]) -> list[dict]:
     """tiny-moe's expert projections (1024 routed rows at micro-batch 4, 64 x 64) measured at
     the given rates, every pass, one thread (the synthetic profile's rows repeat at 2)."""

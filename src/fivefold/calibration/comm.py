@@ -34,6 +34,7 @@ import math
 import multiprocessing as mp
 import os
 import queue
+import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -211,6 +212,59 @@ def issued_time_s(
     return max(MIN_ISSUED_S, _slowest((with_op - alone) / pairs, device))
 
 
+HOST_SHARD = (1, 64, 256)  # one rank's sequence shard [batch, tokens, hidden] (64 KiB fp32)
+HOST_OPS = ("all_gather", "reduce_scatter")  # tensor parallelism's sequence collectives
+
+
+def dtensor_host_s(op: str, group: Any, solo: Any, repeats: int) -> float:
+    """Main-thread CPU seconds one DTensor redistribution over `group` adds beyond the raw `op`
+    it issues and beyond the same redistribution on a one-rank mesh (`solo`, this rank alone:
+    where `overhead.tp_extra_s` is measured, DTensor short-cuts every redistribution, so the
+    rest is nowhere else in the profile), on the slowest rank: tensor parallelism's sequence
+    all-gather (Shard(1) to Replicate) or reduce-scatter (Partial to Shard(1)) of a
+    `HOST_SHARD` activation per rank; the median over `repeats` alternating rounds of thread
+    CPU time (waits for the peers and gloo's threads are not in it: the collective's
+    alpha-beta prices those)."""
+    b, s, h = HOST_SHARD
+    n = dist.get_world_size(group)
+    full = torch.ones(b, s * n, h)
+    raw = _op(op, full.numel() * 4, group, full.device)  # nccl-tests: the whole buffer
+    real, alone = (_redistribution(op, g, b, s, h) for g in (group, solo))
+
+    def thread_s(fn: Callable[[], None]) -> float:
+        tick = time.thread_time()
+        fn()
+        return time.thread_time() - tick
+
+    raw(), real(), alone()
+    dist.barrier(group=group)
+    extra = sorted(thread_s(real) - thread_s(raw) - thread_s(alone) for _ in range(repeats))
+    return _slowest(max(0.0, extra[len(extra) // 2]), full.device)
+
+
+def _redistribution(op: str, group: Any, b: int, s: int, h: int) -> Callable[[], None]:
+    """Tensor parallelism's sequence `op` as DTensor runs it over `group`: a [b, s, h] shard
+    per rank gathered (all_gather), or [b, s x ranks, h] partial sums scattered."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    mesh = DeviceMesh.from_group(group, "cpu")
+    if op == "all_gather":
+        source = DTensor.from_local(torch.ones(b, s, h), mesh, [Shard(1)], run_check=False)
+        target: list = [Replicate()]
+    else:
+        n = dist.get_world_size(group)
+        source = DTensor.from_local(torch.ones(b, s * n, h), mesh, [Partial()], run_check=False)
+        target = [Shard(1)]
+
+    def run() -> None:
+        out = source.redistribute(mesh, target).to_local()
+        if hasattr(out, "trigger_wait"):  # a functional collective's result: wait as a step does
+            out.trigger_wait()
+
+    return run
+
+
 def _worker(
     rank: int,
     world: int,
@@ -237,6 +291,12 @@ def _worker(
             g: dist.new_subgroups(g)[0] if g < world else dist.group.WORLD
             for g in group_sizes(world)
         }
+        solo = None if cuda else dist.new_subgroups(1)[0]  # each rank alone
+        host = {  # a GPU's host runs ahead of its kernels: not measured there
+            (op, g): dtensor_host_s(op, group, solo, 20 if quick else 40)
+            for g, group in groups.items()
+            for op in (() if cuda else HOST_OPS)
+        }
         for shape in gemms:
             gemm = _gemm(shape, device)
             gap = gap_time_s(gemm, device) if shape is not None else 0.0
@@ -246,7 +306,7 @@ def _worker(
                         fn = _op(op, size, group, device)
                         seconds = issued_time_s(fn, gemm, iterations(size, quick), device)
                         if rank == 0:
-                            out.put(("row", op, g, gap, size, seconds))
+                            out.put(("row", op, g, gap, size, seconds, host.get((op, g), 0.0)))
         if memory is not None and not cuda:
             _shared_bandwidth(rank, world, quick, memory, out)
         dist.barrier()
@@ -345,10 +405,10 @@ def _measure_world(
                 if msg[0] == "bandwidth":
                     bandwidth = msg[1]
                     continue
-                _, op, g, gap, size, seconds = msg
+                _, op, g, gap, size, seconds, host = msg
                 algbw = size / seconds
                 sample = CollectiveSample(
-                    op, g, ranks, gap, size, seconds, algbw, algbw * bus_factor(op, g)
+                    op, g, ranks, gap, size, seconds, algbw, algbw * bus_factor(op, g), host
                 )
                 samples.append(sample)
                 if on_row is not None:
@@ -386,7 +446,8 @@ def fit_alpha_beta(sizes: list[float], times: list[float]) -> tuple[float, float
 
 
 def fit_collectives(samples: list[CollectiveSample]) -> list[Collective]:
-    """One alpha-beta fit per (op, group size, processes running, compute gap)."""
+    """One alpha-beta fit per (op, group size, processes running, compute gap), with the
+    median of its samples' DTensor host seconds (`dtensor_host_s`)."""
     keys = sorted(
         {(s.op, s.ranks, s.world, s.gap_s) for s in samples},
         key=lambda k: (COLLECTIVES.index(k[0]), k[1], k[2], k[3]),
@@ -395,5 +456,6 @@ def fit_collectives(samples: list[CollectiveSample]) -> list[Collective]:
     for op, n, world, gap in keys:
         rows = [s for s in samples if (s.op, s.ranks, s.world, s.gap_s) == (op, n, world, gap)]
         alpha, beta = fit_alpha_beta([r.size_bytes for r in rows], [r.time_s for r in rows])
-        out.append(Collective(op, n, world, gap, alpha, beta))
+        host = statistics.median(r.host_s for r in rows)
+        out.append(Collective(op, n, world, gap, alpha, beta, host))
     return out

@@ -184,6 +184,7 @@ class Collective:
     gap_s: float
     alpha_s: float
     beta_bytes_per_s: float
+    host_s: float = 0.0  # the runtime's DTensor path's own CPU per call (`CollectiveSample`)
 
 
 @dataclass(frozen=True)
@@ -196,6 +197,10 @@ class CollectiveSample:
     time_s: float
     algbw_bytes_per_s: float
     busbw_bytes_per_s: float
+    host_s: float = 0.0
+    """Main-thread CPU seconds a DTensor redistribution (tensor parallelism's sequence
+    all-gather and reduce-scatter) adds to this raw collective on a CPU: its planning, the
+    functional collective's wrapper and wait, the shard's reassembly; 0 when not measured."""
 
 
 _ROWS: dict[str, type] = {

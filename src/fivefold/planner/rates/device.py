@@ -389,6 +389,16 @@ class MeasuredRates(DeviceRates):
         beta *= bus_factor(op, near.ranks) / bus_factor(op, n)
         return alpha * (1 if op == "send_recv" else steps), beta
 
+    def collective_host_s(self, op: str, n: int) -> float:
+        """Main-thread seconds the runtime's DTensor redistribution adds to one `op` over `n`
+        ranks (`Collective.host_s`, measured on a CPU; 0 when the profile has none): the rows
+        of the nearest measured group among as many processes as this run has."""
+        rows = [c for c in self.rank.profile.collective if c.op == op]
+        if not rows:
+            return 0.0
+        ranks = self.rank.ranks
+        return min(rows, key=lambda c: (abs(c.ranks - n), abs(c.world - ranks), -c.ranks)).host_s
+
     def collective_gap_s(self, layer_forward_s: Callable[[], float]) -> float | None:
         """Half of one layer's forward (tensor parallelism issues two collectives per layer
         forward, data parallelism one per layer backward, twice as long)."""
@@ -465,6 +475,10 @@ class FittedLink:
         """Seconds of one `op` of `size_bytes` (nccl-tests' convention) over `n` ranks."""
         alpha, beta = self.rates.collective(op, n, self.gap_s)
         return alpha + size_bytes / beta
+
+    def host_s(self, op: str, n: int) -> float:
+        """The runtime's own CPU per DTensor `op` over `n` ranks (`collective_host_s`)."""
+        return self.rates.collective_host_s(op, n)
 
     def describe(self, pattern: str, n: int) -> str:
         return f"{pattern}, fitted to {self.kind} on this machine (fivefold calibrate)"

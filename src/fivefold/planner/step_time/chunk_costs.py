@@ -166,7 +166,8 @@ def _add_tp_region_ends(
     eff: EfficiencyModel,
     last: bool,
 ) -> None:
-    """The embedding's (and the head's) entry into / exit from the sequence-parallel region."""
+    """The embedding's (and the head's) entry into / exit from the sequence-parallel region,
+    each a DTensor redistribution with its host seconds (`Link.host_s`)."""
     link = plan_link(cluster, plan, "tp", eff, collective_gap_s(model, plan, cluster, eff))
     size = (
         plan.micro_batch
@@ -176,7 +177,7 @@ def _add_tp_region_ends(
         * recipe(plan.precision).activation_bytes
     )
     one = (
-        all_gather_time_s(size, plan.tp, link)
+        all_gather_time_s(size, plan.tp, link) + link.host_s("all_gather", plan.tp)
         if plan.sp
         else all_reduce_time_s(size, plan.tp, link)
     )

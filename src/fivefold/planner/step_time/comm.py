@@ -100,6 +100,11 @@ class Link:
         ranks by the analytic models below (the module doc)."""
         return _ANALYTIC[op](size_bytes, n, self)
 
+    def host_s(self, op: str, n: int) -> float:
+        """The runtime's own CPU per DTensor collective: none counted on a GPU, whose host runs
+        ahead of its kernels (a measured CPU's is `FittedLink.host_s`)."""
+        return 0.0
+
     def describe(self, pattern: str, n: int) -> str:
         """`link_model` of this link."""
         return _placed_model(self, pattern, n)

@@ -170,7 +170,8 @@ def _tp_costs(
     too, behind its input-gradient GEMM, not priced for the fused profiles); tensorwise FP8
     all-gathers 1 byte per element where torchao's float8 styles cast before the gather
     (`fp8_tensor_parallel`: the inputs forward, the rowwise outputs' gradients backward), the
-    reduce-scatters move the partial sums in `e`."""
+    reduce-scatters move the partial sums in `e`. Each collective also costs the runtime's
+    DTensor redistribution its own CPU (`Link.host_s`: measured on a CPU, 0 on a GPU)."""
     t = key.tp
     link = plan_link(cluster, key, "tp", eff, gap)
     size = tokens * model.hidden
@@ -180,7 +181,8 @@ def _tp_costs(
 
         def one(fp8_gather: bool) -> tuple[float, float]:
             gathered = size * (1 if fp8_gather else e)
-            time = all_gather_time_s(gathered, t, link) + all_gather_time_s(size * e, t, link)
+            time = all_gather_time_s(gathered, t, link) + reduce_scatter_time_s(size * e, t, link)
+            time += link.host_s("all_gather", t) + link.host_s("reduce_scatter", t)
             return time, all_gather_bytes(gathered, t) + all_gather_bytes(size * e, t)
 
         forward = [one(g) for g in fp8.gathered_inputs][:pairs]
@@ -188,7 +190,8 @@ def _tp_costs(
     else:
         both = (all_reduce_time_s(size * e, t, link), all_reduce_bytes(size * e, t))
         forward = backward = [both] * pairs
-    lone = (all_gather_time_s(size * e, t, link), all_gather_bytes(size * e, t))
+    gather_s = all_gather_time_s(size * e, t, link) + link.host_s("all_gather", t)
+    lone = (gather_s, all_gather_bytes(size * e, t))
     forward, backward = forward + [lone] * gathers, backward + [lone] * gathers
     if moe and expert_tp(key) == 1:  # the router's gradient: a partial sum of own tokens
         grad = router_grad_bytes(model, e)
