@@ -308,7 +308,8 @@ def test_calibrate_time_estimate_up_front():
     """The help said about 25 s; a small recipe on 4 ranks took 3 min 22 s on a loaded 2-core
     machine. The estimate counts the measurements: the defaults (246 kernels, 80 collective
     rows on 2 ranks) about 25 s idle; small on 4 ranks (366, 224; 4 ranks share 2 cores)."""
-    from fivefold.cli.cmd_calibrate import COLLECTIVE_S, KERNEL_S, LOADED, duration, estimate_s
+    from fivefold.calibration.session import COLLECTIVE_S, KERNEL_S, LOADED, estimate_s
+    from fivefold.cli.cmd_calibrate import duration
 
     assert estimate_s(246, 80, 2, 2) == pytest.approx(246 * KERNEL_S + 80 * COLLECTIVE_S)
     assert 20 <= estimate_s(246, 80, 2, 2) <= 30
@@ -325,7 +326,7 @@ def test_quick_and_full_calibration_fit_their_time_targets(monkeypatch):
     machine's factor for the quick one's minute."""
     from fivefold.calibration import compute as calibration_compute
     from fivefold.calibration.comm import gaps
-    from fivefold.cli.cmd_calibrate import LOADED, estimate_s
+    from fivefold.calibration.session import LOADED, estimate_s
 
     monkeypatch.setattr(calibration_compute, "available_cores", lambda: 2)
     small, plan = model_preset("small"), ParallelPlan(micro_batch=1)
@@ -428,14 +429,14 @@ def test_a_gpu_profile_names_the_gpu_its_memory_and_nccl(on_fake_gpu):
 
 
 def test_calibrate_measures_the_gpu_when_torch_sees_one(monkeypatch):
-    from fivefold.cli import cmd_calibrate
+    from fivefold.calibration import session
 
     chosen = []
     monkeypatch.setattr(timing, "use_device", chosen.append)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert cmd_calibrate.measuring_device(timing) is True
+    assert session.measuring_device(timing) is True
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert cmd_calibrate.measuring_device(timing) is False
+    assert session.measuring_device(timing) is False
     assert chosen == ["cuda", "cpu"]
 
 

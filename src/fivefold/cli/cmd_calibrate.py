@@ -28,11 +28,6 @@ from fivefold.specs.recipe import merge, model_from_dict, parse_overrides, read_
 # torch-free.
 
 DEFAULT_OUT = "device-profile.toml"
-# Seconds per measurement on two idle cores (measured 2026-11-26 on the defaults, 67 s with the
-# machine loaded 2x); a collective's row takes longer by ranks / cores when ranks share cores.
-KERNEL_S = 0.07
-COLLECTIVE_S = 0.12
-LOADED = 2.5  # how much longer on a machine as loaded as the one those figures came from
 
 _DESCRIPTION = """\
 Measure the machine at hand and write a device profile (TOML) that `fivefold plan --cluster
@@ -177,12 +172,6 @@ def handle(args: argparse.Namespace) -> int:
     return 0
 
 
-def estimate_s(kernels: int, collectives: int, ranks: int, cores: int) -> float:
-    """Seconds `fivefold calibrate` takes on idle cores for this many measurements."""
-    shared = max(1.0, ranks / max(cores, 1))
-    return kernels * KERNEL_S + collectives * COLLECTIVE_S * shared
-
-
 def duration(seconds: float) -> str:
     """12 s, 3 min 20 s, 1 h 05 min."""
     seconds = round(seconds)
@@ -196,36 +185,27 @@ def duration(seconds: float) -> str:
 def run_calibration(
     model, plan, ranks: int, quick: bool, console, progress: bool, also: tuple = ()
 ):
-    """Measure kernels, then collectives over up to `ranks` processes, into a profile."""
-    from fivefold.calibration import comm, timing
-    from fivefold.calibration.compute import compute_steps
-    from fivefold.calibration.machine import bf16_support, cuda_bf16_support
-    from fivefold.calibration.tables import build_profile, sort_rows
+    """`fivefold.calibration.session`'s measurements, printed as they come, into a profile."""
+    from fivefold.calibration.session import LOADED, plan_calibration
+    from fivefold.calibration.session import run_calibration as measure
 
-    cuda = measuring_device(timing)
-    bf16 = cuda_bf16_support() if cuda else bf16_support()
-    ranks = announce_device(console, cuda, bf16, quick, ranks)
-    steps = compute_steps(model, plan, ranks, quick, bf16, also)
-    gemms = tuple(comm.gaps([model, *also], plan.micro_batch))
-    collectives = comm.steps_count(ranks, quick, len(gemms), cuda) if ranks >= 2 else 0
-    total = len(steps) + collectives
-    idle = estimate_s(len(steps), collectives, ranks, available_cores())
+    cal = plan_calibration(model, plan, ranks, quick, also)
+    announce_device(console, cal)
     console.print(
-        f"calibrate: {len(steps)} kernel measurements and {collectives} collective ones over "
-        f"up to {ranks} rank(s) on {available_cores()} core(s): about {duration(idle)} on idle "
-        f"cores, up to {duration(idle * LOADED)} on a loaded machine"
+        f"calibrate: {len(cal.kernels)} kernel measurements and {cal.collectives} collective "
+        f"ones over up to {cal.ranks} rank(s) on {available_cores()} core(s): about "
+        f"{duration(cal.idle_s)} on idle cores, up to {duration(cal.idle_s * LOADED)} on a "
+        "loaded machine"
     )
     bar = progress_bar(console, progress)
-    rows: list = []
     with bar:
-        task = bar.add_task("calibrate", total=total, what="")
-        for label, thunk in steps:
-            bar.update(task, what=label)
-            rows += thunk()
-            bar.advance(task)
-        print_collective_header(console, ranks)
+        task = bar.add_task("calibrate", total=len(cal.kernels) + cal.collectives, what="")
+        rows_seen = []
 
         def on_row(s) -> None:
+            if not rows_seen:
+                print_collective_header(console, cal.ranks)
+            rows_seen.append(s)
             console.print(
                 f"{s.op:>15} {s.ranks:>5} {s.world:>5} {s.gap_s * 1e3:>7.2f} {s.size_bytes:>10} "
                 f"{s.time_s * 1e6:>10.1f} "
@@ -234,37 +214,32 @@ def run_calibration(
             bar.update(task, what=f"{s.op} {s.ranks} ranks {s.size_bytes} B")
             bar.advance(task)
 
-        backend, samples, shared = comm.measure_collectives(
-            ranks, quick, on_row, (model, plan), gemms
+        profile = measure(
+            cal, lambda label: bar.update(task, what=label), lambda: bar.advance(task), on_row
         )
-        rows += shared
-    if ranks < 2:
-        why = "one GPU here" if cuda else "--nproc 1"
+    if cal.ranks < 2:
+        why = "one GPU here" if cal.cuda else "--nproc 1"
         console.print(f"collectives: not measured with {why} (plans then need one rank).")
-    fits = comm.fit_collectives(samples)
-    return build_profile(model, ranks, bf16, sort_rows(rows), backend, samples, fits)
+    return profile
 
 
-def announce_device(console, cuda: bool, bf16: str, quick: bool, ranks: int) -> int:
-    """Say what is measured (GPU, or the CPU's bf16); the ranks of the collectives: on a GPU
-    every local GPU is a rank (NCCL), so one GPU measures none."""
+def announce_device(console, cal) -> None:
+    """Say what is measured: the GPU, or the CPU's bf16."""
     from fivefold.calibration.machine import measured_device_name
     from fivefold.calibration.matmul import fp8_supported
 
-    if cuda:
-        ranks = min(ranks, torch_cuda_count())
+    if cal.cuda:
         fp8 = "bf16 and fp8" if fp8_supported() else "bf16 (no native fp8 here)"
         console.print(
             f"measuring the GPU {measured_device_name()}: {fp8} matmuls, timed by CUDA events"
         )
-    elif bf16 != "native":
+    elif cal.bf16 != "native":
         console.print(
             "bf16: this CPU has neither amx_bf16 nor avx512_bf16, so torch emulates bf16 "
             "matmuls (often many times slower than fp32): bf16 is not measured; plan fp32."
         )
-    elif quick:
+    elif cal.quick:
         console.print("bf16: native on this CPU, but --quick measures fp32 only.")
-    return ranks
 
 
 def progress_bar(console, progress: bool):
@@ -303,24 +278,6 @@ def print_collective_header(console, ranks: int) -> None:
         f"{'op':>15} {'ranks':>5} {'procs':>5} {'gap(ms)':>7} {'size':>10} {'time(us)':>10} "
         f"{'algbw(GB/s)':>12} {'busbw(GB/s)':>12}"
     )
-
-
-def measuring_device(timing) -> bool:
-    """Measure the GPU when torch sees one (True), else the CPU: the device resolution every
-    run uses (`fivefold.parallel.device.uses_cuda`)."""
-    from fivefold.parallel.device import uses_cuda
-
-    if uses_cuda("auto"):
-        timing.use_device("cuda")
-        return True
-    timing.use_device("cpu")
-    return False
-
-
-def torch_cuda_count() -> int:
-    import torch
-
-    return torch.cuda.device_count()
 
 
 def print_summary(console, profile) -> None:

@@ -70,6 +70,29 @@ class LayerCosts:
     reduce_copy_s: float = 0.0  # ZeRO-3: copying the gradients into one reduce-scatter
 
 
+@dataclass(frozen=True)
+class LayerSetting:
+    """One layer on one rank for one micro-batch, as its communication costs read it: `key` the
+    plan fields a layer depends on (`layer_cost_key`), `work` its compute, `e` bytes per
+    activation element, `tokens` = b s/cp rows, `gap` the compute before each collective
+    (`collective_gap_s`)."""
+
+    model: ModelSpec
+    key: ParallelPlan
+    cluster: ClusterSpec
+    eff: EfficiencyModel
+    opts: PlannerOptions
+    moe: bool
+    work: Work
+    e: int
+    tokens: float
+    gap: float | None
+
+    def link(self, axis: str) -> Link:
+        """The link the layer's `axis` collectives use."""
+        return plan_link(self.cluster, self.key, axis, self.eff, self.gap)
+
+
 @lru_cache(maxsize=4096)
 def collective_gap_s(
     model: ModelSpec, plan: ParallelPlan, cluster: ClusterSpec, eff: EfficiencyModel
@@ -130,38 +153,26 @@ def layer_costs(
     work = layer_work(model, key, device, eff, moe, opts.compute())
     if key.fp8 != "none":
         work = work + fp8_layer_delta(model, key, device, eff, moe, opts.selective_policy)
-    e = recipe(key.precision).activation_bytes
-    tokens = rank_tokens(key.micro_batch, model.seq_len, key)
-    gap = collective_gap_s(model, key, cluster, eff)
-    tp = (0.0, 0.0, 0.0, 0.0)
-    if key.tp > 1:
-        tp = _tp_costs(model, key, cluster, eff, opts, work, e, tokens, gap, moe)
-    cp = (0.0, 0.0, 0.0, 0.0)
-    if key.cp > 1:
-        cp = _cp_costs(
-            model, key, cluster, eff, work, e, tokens, gap, opts.runtime == "fivefold-eager"
-        )
-    ep = (0.0, 0.0, 0.0)
-    if moe and key.ep > 1:
-        ep = _ep_costs(model, key, cluster, eff, opts, e, tokens, gap)
-    zero = (0.0,) * 6
-    if key.zero == 3:
-        zero = _zero3_costs(model, key, cluster, eff, opts, moe, gap)
+    setting = LayerSetting(
+        model=model,
+        key=key,
+        cluster=cluster,
+        eff=eff,
+        opts=opts,
+        moe=moe,
+        work=work,
+        e=recipe(key.precision).activation_bytes,
+        tokens=rank_tokens(key.micro_batch, model.seq_len, key),
+        gap=collective_gap_s(model, key, cluster, eff),
+    )
+    tp = _tp_costs(setting) if key.tp > 1 else (0.0,) * 4
+    cp = _cp_costs(setting) if key.cp > 1 else (0.0,) * 4
+    ep = _ep_costs(setting) if moe and key.ep > 1 else (0.0,) * 3
+    zero = _zero3_costs(setting) if key.zero == 3 else (0.0,) * 6
     return LayerCosts(work, *tp, *cp, *ep, *zero)
 
 
-def _tp_costs(
-    model: ModelSpec,
-    key: ParallelPlan,
-    cluster: ClusterSpec,
-    eff: EfficiencyModel,
-    opts: PlannerOptions,
-    work: Work,
-    e: int,
-    tokens: float,
-    gap: float | None,
-    moe: bool,
-) -> tuple[float, float, float, float]:
+def _tp_costs(s: LayerSetting) -> tuple[float, float, float, float]:
     """(exposed fwd, exposed bwd, transfer time, bytes) of tensor parallelism for one layer:
     2 collectives forward, 2 backward, 2 more with full recompute (a MoE layer's count:
     `tp_collectives`, and its router's gradient all-reduce backward, `router_grad_bytes`).
@@ -172,9 +183,9 @@ def _tp_costs(
     (`fp8_tensor_parallel`: the inputs forward, the rowwise outputs' gradients backward), the
     reduce-scatters move the partial sums in `e`. Each collective also costs the runtime's
     DTensor redistribution its own CPU (`Link.host_s`: measured on a CPU, 0 on a GPU)."""
-    t = key.tp
-    link = plan_link(cluster, key, "tp", eff, gap)
-    size = tokens * model.hidden
+    model, key, opts, moe, e = s.model, s.key, s.opts, s.moe, s.e
+    t, link = key.tp, s.link("tp")
+    size = s.tokens * model.hidden
     pairs, gathers = tp_collectives(model, key, moe)
     if key.sp:
         fp8 = fp8_tensor_parallel(model, key.fp8, moe)
@@ -203,7 +214,7 @@ def _tp_costs(
     fwd, bwd = sum(c[0] for c in forward), sum(c[0] for c in backward)
     tp_time, tp_bytes = fwd + bwd, sum(c[1] for c in forward + backward)
     if opts.tp_comm_overlap:
-        gemm = work.gemm_forward_s
+        gemm = s.work.gemm_forward_s
         tp_fwd = fwd / t + max(0.0, fwd - gemm)
         tp_bwd = bwd / t + max(0.0, bwd - 2 * gemm)
     else:
@@ -248,22 +259,13 @@ def moe_tp_words(model: ModelSpec, plan: ParallelPlan) -> str:
     )
 
 
-def _ep_costs(
-    model: ModelSpec,
-    key: ParallelPlan,
-    cluster: ClusterSpec,
-    eff: EfficiencyModel,
-    opts: PlannerOptions,
-    e: int,
-    tokens: float,
-    gap: float | None,
-) -> tuple[float, float, float]:
+def _ep_costs(s: LayerSetting) -> tuple[float, float, float]:
     """(exposed fwd, exposed bwd, bytes) of expert parallelism for one MoE layer: the dispatch
     and combine all-to-alls, forward and backward, of the k copies of the rank's own tokens
     (its 1/tp of the micro-batch's: geometry's expert rule)."""
-    link = plan_link(cluster, key, "ep", eff, gap)
-    size = tokens / moe_token_split(key) * model.top_k * model.hidden * e
-    if opts.ep_dispatch == "deepep":
+    model, key, link = s.model, s.key, s.link("ep")
+    size = s.tokens / moe_token_split(key) * model.top_k * model.hidden * s.e
+    if s.opts.ep_dispatch == "deepep":
         one = deduplicated_dispatch_time_s(size / model.top_k, model.top_k, key.ep, link)
     else:
         one = all_to_all_time_s(size, key.ep, link)
@@ -273,21 +275,14 @@ def _ep_costs(
     return ep_fwd, ep_bwd, ep_bytes
 
 
-def _zero3_costs(
-    model: ModelSpec,
-    key: ParallelPlan,
-    cluster: ClusterSpec,
-    eff: EfficiencyModel,
-    opts: PlannerOptions,
-    moe: bool,
-    gap: float | None,
-) -> tuple[float, float, float, float, float, float]:
+def _zero3_costs(s: LayerSetting) -> tuple[float, float, float, float, float, float]:
     """(gather s, gather bytes, reduce-scatter s, its bytes, gather copy s, reduce copy s) of
     ZeRO-3's per-layer gather and gradient reduce-scatter for one layer."""
+    model, key, cluster, eff, opts = s.model, s.key, s.cluster, s.eff, s.opts
     device = cluster.device
     gather = gather_bytes = reduce = reduce_bytes = gather_copy = reduce_copy = 0.0
     rec = recipe(key.precision)
-    lp = layer_params_per_rank(model, moe, key.tp, key.ep, key.etp)
+    lp = layer_params_per_rank(model, s.moe, key.tp, key.ep, key.etp)
     for params, group in (
         (lp.dense + lp.replicated, "dp_shard_cp"),
         (lp.experts, "expert_shard"),
@@ -295,12 +290,12 @@ def _zero3_costs(
         n = axis_groups(key)[group][0]
         if n <= 1 or params == 0:
             continue
-        link = plan_link(cluster, key, group, eff, gap)
+        link = s.link(group)
         # FSDP gathers a wrapped layer at once; per-parameter hooks issue one per tensor.
         count = TENSORS_PER_LAYER if opts.collective_granularity == "parameter" else 1
         size = params * compute_bytes(rec)
         if group == "dp_shard_cp":  # FP8 all-gather of the converted linears
-            size -= fp8_gather_saving(model, key, moe)
+            size -= fp8_gather_saving(model, key, s.moe)
         gather += issued_time_s(all_gather_time_s, size, n, link, count)
         gather_bytes += all_gather_bytes(size, n)
         size = params * rec.grad_bytes
@@ -390,24 +385,13 @@ def fsdp_copy_s(size_bytes: float, device: GPUSpec, eff: EfficiencyModel) -> flo
     return memory_time_s(2 * size_bytes, device, eff)
 
 
-def _cp_costs(
-    model: ModelSpec,
-    key: ParallelPlan,
-    cluster: ClusterSpec,
-    eff: EfficiencyModel,
-    work: Work,
-    e: int,
-    tokens: float,
-    gap: float | None,
-    eager: bool = False,
-) -> tuple[float, float, float, float]:
+def _cp_costs(s: LayerSetting) -> tuple[float, float, float, float]:
     """(exposed fwd, exposed bwd, transfer time, bytes) of context parallelism for one layer
-    (`gap`: compute before each collective, `collective_gap_s`; `eager`: fivefold's own ring,
-    `_ring_costs`)."""
-    cp = key.cp
-    link = plan_link(cluster, key, "cp", eff, gap)
+    (fivefold's own ring for its runtime: `_ring_costs`)."""
+    model, key, work, e, tokens = s.model, s.key, s.work, s.e, s.tokens
+    cp, link = key.cp, s.link("cp")
     kv_block = tokens * 2 * local_kv_width(model, key.tp) * e
-    if key.cp_kind == "ring" and eager:
+    if key.cp_kind == "ring" and s.opts.runtime == "fivefold-eager":
         return _ring_costs(key, work, kv_block, e, link)
     if key.cp_kind == "ring":
         step_f = p2p_time_s(kv_block, link)
