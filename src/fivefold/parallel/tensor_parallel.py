@@ -73,6 +73,50 @@ class ReplicatedKVColwise(ParallelStyle):
         return module
 
 
+class VocabParallelEmbedding(ParallelStyle):
+    """The token embedding sharded over the vocabulary and looked up on the local rows, as
+    Megatron's VocabParallelEmbedding does.
+
+    The weight [V, D] is a Shard(0) DTensor (as `RowwiseParallel` places it): TP rank r holds
+    rows [r c, r c + c), c = ceil(V / tp). Forward: token ids [B, T] (plain, the same on every
+    TP rank) -> each rank's rows for the ids it holds, zeros for the others, a Partial()
+    [B, T, D] summed into `output_layout` (reduce-scattered along the sequence under SP,
+    all-reduced without). Backward: the output gradient all-gathered to [B, T, D], the weight
+    gradient made on the local rows, a Shard(0) [V/tp, D]. DTensor's rule for
+    `embedding_dense_backward` (which `RowwiseParallel` takes) has no vocabulary-sharded
+    output: its weight gradient is a Partial() [V, D] on every rank, which stays that size
+    while gradients accumulate across micro-batches (fp32 under FSDP2's reduce dtype) and is
+    reduce-scattered over TP only when the data-parallel reduction reads it.
+    """
+
+    def __init__(self, output_layout: Shard | Replicate) -> None:
+        super().__init__()
+        self.output_layout = output_layout
+        self.src_data_rank = None
+
+    @staticmethod
+    def _forward(
+        module: nn.Embedding, mesh: DeviceMesh, layout, start: int, ids: torch.Tensor
+    ) -> torch.Tensor:
+        weight = module.weight.to_local()  # [<= c, D]: its gradient is the Shard(0) one
+        outside = (ids < start) | (ids >= start + weight.shape[0])  # [B, T]
+        rows = F.embedding((ids - start).masked_fill(outside, 0), weight)
+        rows = rows.masked_fill(outside.unsqueeze(-1), 0.0)  # [B, T, D], this rank's share
+        summed = DTensor.from_local(rows, mesh, [Partial()], run_check=False)
+        return summed.redistribute(mesh, [layout]).to_local()
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not isinstance(module, nn.Embedding) or module.padding_idx is not None:
+            raise NotImplementedError("VocabParallelEmbedding shards a plain nn.Embedding")
+        placed = distribute_tensor(module.weight, device_mesh, [Shard(0)], src_data_rank=None)
+        module.register_parameter("weight", nn.Parameter(placed, module.weight.requires_grad))
+        chunk = -(-module.num_embeddings // device_mesh.size())  # torch.chunk's rows per rank
+        start = device_mesh.get_local_rank() * chunk
+        forward = partial(self._forward, module, device_mesh, self.output_layout, start)
+        module.forward = forward  # type: ignore[method-assign]
+        return module
+
+
 class ReplicatedOwnTokens(ParallelStyle):
     """A module whose parameters are replicated over the TP group while each rank computes on
     its own tokens (a MoE's router under tensor parallelism).
@@ -274,7 +318,7 @@ def apply_tensor_parallel(
     seq = Shard(1) if sp else Replicate()
     top: dict[str, ParallelStyle] = {}
     if model.tok_embeddings is not None:
-        top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+        top["tok_embeddings"] = VocabParallelEmbedding(seq)
     if model.norm is not None and sp:
         top["norm"] = SequenceParallel()
     if model.output is not None:

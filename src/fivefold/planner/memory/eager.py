@@ -235,25 +235,14 @@ def eager_accumulated_grads(
 ) -> float:
     """fivefold-eager: the gradient bytes virtual stage `chunk` holds once its first backward
     has run: the sharded gradients, or, where they accumulate unsharded
-    (`keeps_unsharded_grads`), the chunk's local parameters in the gradient dtype, and the
-    first stage's full-vocabulary embedding gradient (`eager_embedding_grad_extra`)."""
+    (`keeps_unsharded_grads`), the chunk's local parameters in the gradient dtype (the
+    vocab-parallel embedding's V/t x h: `fivefold.parallel.tensor_parallel`)."""
     state = chunk_state_bytes(model, plan, counts, chunk, eager=True)
     if not keeps_unsharded_grads(plan, opts):
         return state.grads
     grad_bytes = eager_state_recipe(state_recipe(plan), plan).grad_bytes
     cp = chunk_params(model, plan, counts, chunk)
-    held = (cp.dense + cp.experts) * grad_bytes
-    return held + (eager_embedding_grad_extra(model, plan) if chunk == 0 else 0.0)
-
-
-def eager_embedding_grad_extra(model: ModelSpec, plan: ParallelPlan) -> float:
-    """fivefold-eager, tp > 1: the bytes by which the first stage's embedding gradient buffer
-    exceeds its V/t x h shard while gradients accumulate unsharded (`EagerProfile`), in the
-    dtype they accumulate in (`eager_state_recipe`)."""
-    if plan.tp == 1 or not EAGER.embedding_grad_full_vocab:
-        return 0.0
-    rec = eager_state_recipe(state_recipe(plan), plan)
-    return rec.grad_bytes * model.vocab * model.hidden * (1 - 1 / plan.tp)
+    return (cp.dense + cp.experts) * grad_bytes
 
 
 def split_backward_bytes(

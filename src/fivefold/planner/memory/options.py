@@ -47,9 +47,6 @@ class EagerProfile:
     kv_expanded: bool = False  # K and V kept repeated to every query head (was `repeat_kv`)
     mask_bytes: float = 0.0  # a dense document mask kept per sequence, per (query, key) pair
     index_bytes: int = 8  # the embedding keeps its int64 token indices
-    # Under TP the vocab-parallel embedding's weight gradient is a view into a full-vocabulary
-    # `embedding_dense_backward` output (V x h), which stays allocated while it accumulates.
-    embedding_grad_full_vocab: bool = True
     # FSDP2's reduce dtype under bf16 compute (`MixedPrecisionPolicy(reduce_dtype=fp32)`): the
     # gradient shards, and the unsharded gradients it accumulates across micro-batches.
     fsdp_reduce_bytes: float = 4.0

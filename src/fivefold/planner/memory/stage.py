@@ -47,7 +47,7 @@ class StageMemory:
     other_terms: dict[str, float] = field(default_factory=dict)
     # fivefold-eager: the share of the gradient bytes live at the activation peak, those of
     # the chunks that ran a backward of the step before it (FSDP2 allocates them then; above 1
-    # where the buffers are larger than the gradients, `eager_embedding_grad_extra`); the
+    # where they accumulate unsharded while the state shards them, `eager_accumulated_grads`); the
     # optimizer step is a second candidate peak (parameters, gradients and state, activations
     # freed).
     grads_at_peak: float = 1.0
