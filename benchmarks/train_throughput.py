@@ -1,7 +1,7 @@
 """Training throughput of `fivefold train` against minimal plain-PyTorch loops (CPU).
 
     PYTHONPATH=src .venv/bin/python benchmarks/train_throughput.py [--preset small]
-        [--repeats 5] [--steps 8] [--only single,compile,bf16,dp2,zero3]
+        [--repeats 5] [--steps 8] [--only single,compile,bf16,dp2,zero3,tp2]
         [--documents whole|packed] [--json FILE]
 
 Each configuration runs fivefold and its baseline in the same processes, interleaved: R repeats
@@ -26,7 +26,11 @@ Configurations (the same batch and dtype on both sides):
   (amx_bf16 or avx512_bf16 in /proc/cpuinfo); on AVX2-only CPUs bf16 is emulated (~15x slower
   than fp32), so it says so and skips;
 - dp2: 2 processes, plan dp_replicate = 2 against torch DDP;
-- zero3: 2 processes, plan dp_shard = 2, zero = 3 against `fully_shard` on each block and root.
+- zero3: 2 processes, plan dp_shard = 2, zero = 3 against `fully_shard` on each block and root;
+- tp2: 2 processes, plan tp = 2 with sequence parallelism against torch's TP styles on the
+  baseline (torchtitan's plan: a row-parallel embedding, sequence-parallel norms, each
+  attention and MLP input all-gathered once, column/row-parallel projections, the loss under
+  `loss_parallel`).
 Single-process runs use all cores; 2-process runs one thread per process per core. Timings need
 an idle machine: anything else running skews both sides, which interleaving only evens out.
 """
@@ -59,6 +63,7 @@ CONFIGS = {
         "compile": False,
         "precision": "fp32",
     },
+    "tp2": {"world": 2, "plan": {"tp": 2, "sp": True}, "compile": False, "precision": "fp32"},
 }
 TARGET = 0.95
 
@@ -88,32 +93,46 @@ def plain_model(spec):
         a, b = x.chunk(2, dim=-1)
         return torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1)
 
-    class Block(nn.Module):
+    class Attention(nn.Module):
         def __init__(self) -> None:
             super().__init__()
             d = spec.hidden
-            self.attention_norm = nn.RMSNorm(d, eps=spec.norm_eps)
             self.wq = nn.Linear(d, heads * head_dim, bias=False)
             self.wk = nn.Linear(d, kv_heads * head_dim, bias=False)
             self.wv = nn.Linear(d, kv_heads * head_dim, bias=False)
             self.wo = nn.Linear(heads * head_dim, d, bias=False)
-            self.ffn_norm = nn.RMSNorm(d, eps=spec.norm_eps)
-            self.w1 = nn.Linear(d, spec.ffn, bias=False)
-            self.w2 = nn.Linear(spec.ffn, d, bias=False)
-            self.w3 = nn.Linear(d, spec.ffn, bias=False)
 
-        def forward(self, x, cos, sin):
-            batch, seq, _ = x.shape
-            h = self.attention_norm(x)
-            q = self.wq(h).view(batch, seq, heads, head_dim).transpose(1, 2)
-            k = self.wk(h).view(batch, seq, kv_heads, head_dim).transpose(1, 2)
-            v = self.wv(h).view(batch, seq, kv_heads, head_dim).transpose(1, 2)
+        def forward(self, h, cos, sin):  # heads: the local ones under TP (-1)
+            batch, seq = h.shape[0], h.shape[1]
+            q = self.wq(h).view(batch, seq, -1, head_dim).transpose(1, 2)
+            k = self.wk(h).view(batch, seq, -1, head_dim).transpose(1, 2)
+            v = self.wv(h).view(batch, seq, -1, head_dim).transpose(1, 2)
             attn = F.scaled_dot_product_attention(
                 rope(q, cos, sin), rope(k, cos, sin), v, is_causal=True, enable_gqa=True
             )
-            x = x + self.wo(attn.transpose(1, 2).reshape(batch, seq, -1))
-            h = self.ffn_norm(x)
-            return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
+            return self.wo(attn.transpose(1, 2).reshape(batch, seq, -1))
+
+    class FeedForward(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w1 = nn.Linear(spec.hidden, spec.ffn, bias=False)
+            self.w2 = nn.Linear(spec.ffn, spec.hidden, bias=False)
+            self.w3 = nn.Linear(spec.hidden, spec.ffn, bias=False)
+
+        def forward(self, h):
+            return self.w2(F.silu(self.w1(h)) * self.w3(h))
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attention_norm = nn.RMSNorm(spec.hidden, eps=spec.norm_eps)
+            self.attention = Attention()
+            self.ffn_norm = nn.RMSNorm(spec.hidden, eps=spec.norm_eps)
+            self.feed_forward = FeedForward()
+
+        def forward(self, x, cos, sin):
+            x = x + self.attention(self.attention_norm(x), cos, sin)
+            return x + self.feed_forward(self.ffn_norm(x))
 
     class Llama(nn.Module):
         def __init__(self) -> None:
@@ -143,6 +162,49 @@ def plain_model(spec):
     return model
 
 
+def plain_tensor_parallel(model, world: int) -> None:
+    """torch's TP styles with sequence parallelism on the baseline, as torchtitan applies them."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh("cpu", (world,))
+    top = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(
+            input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False
+        ),
+    }
+    parallelize_module(model, mesh, top)
+    for block in model.layers:
+        plan = {
+            "attention_norm": SequenceParallel(),
+            "attention": PrepareModuleInput(
+                input_layouts=(Shard(1), None, None),
+                desired_input_layouts=(Replicate(), None, None),
+            ),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+            ),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        }
+        parallelize_module(block, mesh, plan)
+
+
 def plain_loop(spec, cfg: dict, micro_batch: int, world: int):
     """A `run(steps) -> tokens/s` closure for the configuration's baseline."""
     import torch
@@ -153,6 +215,8 @@ def plain_loop(spec, cfg: dict, micro_batch: int, world: int):
         from torch.nn.parallel import DistributedDataParallel
 
         model = DistributedDataParallel(model)
+    elif "tp" in cfg["plan"]:
+        plain_tensor_parallel(model, world)
     elif cfg["world"] > 1:
         from torch.distributed.fsdp import fully_shard
 
@@ -165,23 +229,32 @@ def plain_loop(spec, cfg: dict, micro_batch: int, world: int):
     stream = torch.randint(0, spec.vocab, (micro_batch, spec.seq_len + 1), generator=g)
     tokens, labels = stream[:, :-1].contiguous(), stream[:, 1:].contiguous()
     bf16 = cfg["precision"] == "bf16-mixed"
+    if "tp" in cfg["plan"]:
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        vocab_parallel = loss_parallel
+    else:
+        vocab_parallel = contextlib.nullcontext
 
     def step() -> None:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             logits = forward(tokens)
-        loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
-        loss.backward()
+        with vocab_parallel():
+            loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+            loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         loss.item()  # the loss is read back, as any loop logs it
+
+    replicas = world // cfg["plan"].get("tp", 1)  # TP ranks share their batch
 
     def run(steps: int) -> float:
         step()  # not counted, like fivefold's first step
         start = time.perf_counter()
         for _ in range(steps - 1):
             step()
-        return (steps - 1) * micro_batch * spec.seq_len * world / (time.perf_counter() - start)
+        return (steps - 1) * micro_batch * spec.seq_len * replicas / (time.perf_counter() - start)
 
     return run
 
