@@ -48,7 +48,7 @@ from torch.distributed.pipelining import PipelineStage, schedules
 from torch.distributed.tensor import DTensor
 
 from fivefold.model.loss import IGNORE_INDEX, cross_entropy_loss, head_loss
-from fivefold.specs.geometry import ONE_CHUNK_PER_RANK, ScheduleName, chunks_of_rank
+from fivefold.specs.geometry import ONE_CHUNK_PER_RANK, V_SHAPED, ScheduleName, chunks_of_rank
 from fivefold.specs.partition import stage_layer_counts
 from fivefold.specs.plan import ParallelPlan
 
@@ -146,7 +146,9 @@ class _AuxLossCollector:
         return _AttachAuxLoss.apply(output, aux)
 
 
-def _recording_stage(collector: _AuxLossCollector, *args: Any, **kwargs: Any):
+def _recording_stage(
+    collector: _AuxLossCollector, release_grad_buffers: bool, *args: Any, **kwargs: Any
+):
     """A `PipelineStage` whose micro-batch forwards (and only those: torch's shape inference
     calls the module directly) run inside `collector.recording()`.
 
@@ -157,10 +159,18 @@ def _recording_stage(collector: _AuxLossCollector, *args: Any, **kwargs: Any):
     neighbour stage (which fails). Without a backward there is nothing to reduce or hand over.
 
     And it makes the split backward of zbv/dualpipev (input gradients first, weight gradients
-    later) correct under ZeRO-3: see `_unshard_for_split_backward`."""
+    later) correct under ZeRO-3: see `_unshard_for_split_backward`.
+
+    With `release_grad_buffers` (schedules whose neighbours are on other ranks and whose
+    backwards are whole: gpipe, 1f1b, interleaved-1f1b) each micro-batch's receive buffer of
+    the output gradient holds memory only from its receive to the end of its backward
+    (`_grad_buffers`), not through the step: torch makes one per micro-batch and keeps them."""
 
     class RecordingStage(PipelineStage):
         def forward_one_chunk(self, *chunk_args: Any, **chunk_kwargs: Any):
+            if release_grad_buffers:  # torch makes them all at the first step; its receive
+                mb = chunk_args[0] if chunk_args else chunk_kwargs.get("fwd_chunk_id")
+                _grad_buffers(self.grad_recv_info.get(mb, ()), held=False)  # comes later
             with collector.recording():
                 return super().forward_one_chunk(*chunk_args, **chunk_kwargs)
 
@@ -170,6 +180,11 @@ def _recording_stage(collector: _AuxLossCollector, *args: Any, **kwargs: Any):
         def set_local_bwd_input(self, next_stage_bwd_outputs: Any, mb_index: int) -> None:
             if self.has_backward:
                 super().set_local_bwd_input(next_stage_bwd_outputs, mb_index)
+
+        def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list:
+            if release_grad_buffers:
+                _grad_buffers(self.grad_recv_info.get(bwd_chunk_id, ()), held=True)
+            return super().get_bwd_recv_ops(bwd_chunk_id)
 
         def backward_one_chunk(
             self,
@@ -183,6 +198,8 @@ def _recording_stage(collector: _AuxLossCollector, *args: Any, **kwargs: Any):
             super().backward_one_chunk(
                 bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward
             )
+            if release_grad_buffers and full_backward:
+                _grad_buffers(self.grad_recv_info.get(bwd_chunk_id, ()), held=False)
 
         def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False) -> None:
             if self.has_backward:
@@ -194,6 +211,21 @@ def _recording_stage(collector: _AuxLossCollector, *args: Any, **kwargs: Any):
                 super().perform_reduce_grad(grad_scale_factor)
 
     return RecordingStage(*args, **kwargs)
+
+
+def _grad_buffers(infos: Any, held: bool) -> None:
+    """Give the output-gradient receive buffers of one micro-batch (torch's `_RecvInfo`s)
+    their memory back before the receive (`held`), or free it once the backward has read them,
+    in place (`UntypedStorage.resize_`, as FSDP2 frees its gathered parameters): the tensors,
+    which the schedule's receive ops name, stay the same objects."""
+    for info in infos:
+        buffer = getattr(info, "buffer", None)
+        if not isinstance(buffer, torch.Tensor):
+            continue
+        storage = buffer.untyped_storage()
+        size = buffer.numel() * buffer.element_size() if held else 0
+        if storage.nbytes() != size:
+            storage.resize_(size)
 
 
 def _unshard_for_split_backward(chunk: nn.Module) -> None:
@@ -284,9 +316,10 @@ class PipelineRunner:
             c.register_forward_pre_hook(self._with_host_offsets, with_kwargs=True)
             for c in self.chunks
         ]
+        release = plan.schedule not in V_SHAPED  # no same-rank hand-over, whole backwards
         self.stages = [
             _recording_stage(
-                self.aux, chunk, index, plan.pp * plan.vpp, self.device, group=self.group
+                self.aux, release, chunk, index, plan.pp * plan.vpp, self.device, group=self.group
             )
             for chunk, index in zip(self.chunks, indices, strict=True)
         ]
@@ -305,7 +338,9 @@ class PipelineRunner:
 
     def held_tensors(self) -> list[torch.Tensor]:
         """Tensors torch's stages keep between steps: the per-micro-batch receive buffers of
-        activations and of gradients ([b, T, h] each, allocated at the first step; a buffer fed
+        activations and of gradients ([b, T, h] each, allocated at the first step; those of
+        gradients hold memory only around their backward unless the schedule is V-shaped,
+        `_grad_buffers`; a buffer fed
         by a chunk on this rank holds that chunk's last output or input gradient instead) and
         the gradients left on the activation buffers."""
         out: list[torch.Tensor] = []

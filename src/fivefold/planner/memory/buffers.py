@@ -18,7 +18,7 @@ from fivefold.planner.memory.model_states import (
     params_of,
 )
 from fivefold.planner.memory.options import MemoryOptions
-from fivefold.specs.geometry import dense_shard_degree, rank_tokens
+from fivefold.specs.geometry import V_SHAPED, dense_shard_degree, rank_tokens
 from fivefold.specs.model import ModelSpec
 from fivefold.specs.plan import ParallelPlan
 from fivefold.specs.precision import recipe
@@ -55,14 +55,17 @@ def other_terms(
         # torch.distributed.pipelining keeps each in-flight micro-batch's stage output until its
         # backward: the last stage's final hidden states (the head runs in the loss; the other
         # stages' outputs are walked, `_walk`), and per micro-batch a receive slot for the
-        # stage input of every chunk but the first and one for the output gradient of every
-        # chunk but the last (allocated at the first step, or holding the last step's
-        # hand-over from a chunk on the same rank).
+        # stage input of every chunk but the first (allocated at the first step, or holding
+        # the last step's hand-over from a chunk on the same rank); the output gradient's
+        # receive slot of every chunk but the last holds memory only from its receive to the
+        # end of its backward, one per chunk (`fivefold.parallel.pipeline._grad_buffers`),
+        # except in the V-shaped schedules, which keep one per micro-batch.
         if last in chunks:
             out["pipeline_stage_outputs"] = pipeline_boundary_bytes(model, plan) * (
                 inflight_of_output(plan, inflight)
             )
-        slots = sum((c > 0) + (c < last) for c in chunks) * plan.grad_accum
+        grad_slots = plan.grad_accum if plan.schedule in V_SHAPED else 1
+        slots = sum((c > 0) * plan.grad_accum + (c < last) * grad_slots for c in chunks)
         out["pipeline_slots"] = slots * pipeline_boundary_bytes(model, plan)
     if opts.eager:
         if opts.fsdp_wrapped:
