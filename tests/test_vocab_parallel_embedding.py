@@ -73,6 +73,7 @@ def test_the_output_is_this_ranks_rows(tp_mesh):
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny-cpu.toml"
 
 
+@pytest.mark.slow
 def test_pipelined_zero1_holds_the_embedding_gradient_once(monkeypatch):
     """TP2 x PP2 x ZeRO-1 over 2, 4 micro-batches (gradients accumulate unsharded, fp32) on the
     first stage of a fake world of 8: the runtime's peak falls by at least the half of the
