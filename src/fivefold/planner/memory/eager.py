@@ -28,7 +28,12 @@ from fivefold.planner.memory.model_states import (
 )
 from fivefold.planner.memory.options import EAGER, MemoryOptions
 from fivefold.planner.schedule.actions import build_schedule
-from fivefold.specs.geometry import chunk_rank, expert_shard_degree, moe_token_split
+from fivefold.specs.geometry import (
+    chunk_rank,
+    dense_shard_degree,
+    expert_shard_degree,
+    moe_token_split,
+)
 from fivefold.specs.model import ModelSpec
 from fivefold.specs.plan import ParallelPlan
 from fivefold.specs.precision import recipe
@@ -37,13 +42,15 @@ from fivefold.specs.precision import recipe
 FORWARD_BUFFERS = ("logits", "ep_dispatch_buffers", "cp_kv_buffers")
 
 
-def has_block_backward_peak(plan: ParallelPlan, opts: MemoryOptions) -> bool:
-    """fivefold-eager, FSDP2 ZeRO-3 without a pipeline, full recompute in eager blocks: the
-    peak may sit in a block's backward (`eager_block_backward_excess`) rather than at the
-    loss."""
+def has_block_backward_peak(model: ModelSpec, plan: ParallelPlan, opts: MemoryOptions) -> bool:
+    """fivefold-eager, FSDP2 without a pipeline, full recompute in eager blocks, ZeRO-3 or
+    (dense blocks, one micro-batch: each block reshards and reduces its gradients right after
+    its backward) ZeRO-0/1/2: the peak may sit in a block's backward
+    (`eager_block_backward_excess`) rather than at the loss."""
     eager = opts.eager and opts.fsdp_wrapped and not opts.compiled
     full = plan.recompute == "full" and opts.activation_model == "korthikanti"
-    return eager and full and plan.zero == 3 and plan.pp * plan.vpp == 1
+    resharded = plan.zero == 3 or (plan.grad_accum == 1 and not model.is_moe)
+    return eager and full and resharded and plan.pp * plan.vpp == 1
 
 
 def eager_block_backward_excess(
@@ -88,6 +95,9 @@ def eager_block_backward_excess(
     unit = lp.dense + lp.replicated  # the block's own FSDP unit (routed experts: their own)
     gathered = unit * weight_bytes - fp8_gather_saving(model, plan)
     units = gathered * (2 if behind else 1)  # this block's, and the prefetched one before it
+    if plan.zero < 3:  # gathered for the step (the stage's parameters), less the block after
+        units = -gathered if behind else 0.0
+        units += _resharded_grads(plan, unit) if behind else 0.0
     at_activation = block + units + lp.experts * weight_bytes
     at_activation += unit * EAGER.fsdp_reduce_bytes if behind else 0.0
     at_reduce = 0.0
@@ -96,6 +106,62 @@ def eager_block_backward_excess(
         at_reduce = saved - expert_saved + units + _experts_reduce_bytes(plan, lp.experts, rec)
     head_grads = (embedding_params_per_rank(model, t) + h) * weight_bytes  # head, final norm
     return max(at_activation, at_reduce) + head_grads - freed
+
+
+def _resharded_grads(plan: ParallelPlan, unit: float) -> float:
+    """The gradient shard FSDP2 makes for a block of `unit` parameters per rank when it reduces
+    it after the block's backward (reduce dtype, 1/S of them)."""
+    grad_bytes = eager_state_recipe(state_recipe(plan), plan).grad_bytes
+    return unit * grad_bytes / dense_shard_degree(plan)
+
+
+def eager_block_prebackward_excess(
+    model: ModelSpec,
+    plan: ParallelPlan,
+    counts: list[int],
+    opts: MemoryOptions,
+    other: dict[str, float],
+) -> float:
+    """Bytes by which the peak in the second-to-last block's backward (fivefold-eager, ZeRO-3
+    without a pipeline, no full recompute, dense blocks) exceeds the tensors `stage_memory`
+    counts at the loss: as FSDP2 gathers the block, its all-gather output and the
+    per-parameter tensors it is copied out to (two gathered units), or in its MLP backward the
+    block's gathered weights, the one before it prefetched and the MLP's gradients in flight;
+    with either, the last block's reduce-scatter input (reduce dtype) and, with
+    no accumulation, its new gradient shard, the head's and final norm's unsharded gradients
+    and the gradient reaching the block's output, less the forward's buffers, the final norm
+    and the last block's activations (its backward ran). 0 where it does not apply; a shallow
+    model with a large vocabulary peaks here (docs/planner.md, section 3)."""
+    eager = opts.eager and opts.fsdp_wrapped and not opts.compiled
+    if not eager or plan.zero != 3 or plan.pp * plan.vpp != 1 or plan.recompute == "full":
+        return 0.0
+    if counts[-1] < 2 or model.is_moe:
+        return 0.0
+    rec = recipe(plan.precision)
+    layer = layer_tokens(model, plan)
+    e, sb, rdiv, weight_bytes = layer.e, layer.sb, layer.rdiv, compute_bytes(rec)
+    lp = layer_params_per_rank(model, False, plan.tp, plan.ep, plan.etp)
+    unit = lp.dense + lp.replicated
+    gathered = unit * weight_bytes - fp8_gather_saving(model, plan)
+    # In the block's MLP backward (SwiGLU's `silu_mul`): the down projection's input gradient,
+    # silu recomputed, its gradient and one product, less the down projection's input (the
+    # activation's inputs + 1 of the rank's ffn width), and the down projection's weight
+    # gradient; beside the block, the one before it prefetched (none before the first block).
+    width = model.ffn / plan.tp
+    inputs = 2 if model.mlp == "swiglu" else 1
+    mlp = (inputs + 1) * e * sb * width + model.hidden * width * weight_bytes
+    made = max(2 * gathered, gathered * min(2, counts[-1] - 1) + mlp)
+    made += unit * EAGER.fsdp_reduce_bytes
+    if plan.grad_accum == 1:  # with accumulation the shards are live already (grads_at_peak)
+        made += _resharded_grads(plan, unit)
+    made += (embedding_params_per_rank(model, plan.tp) + model.hidden) * weight_bytes
+    made += e * sb * model.hidden / rdiv
+    freed = sum(other.get(name, 0.0) for name in FORWARD_BUFFERS) + eager_norm_bytes(layer)
+    freed += layer_activation_bytes(model, plan, False, opts)
+    layers = counts[-1]
+    freed += eager_rope_bytes(model, plan, opts, layers)
+    freed -= eager_rope_bytes(model, plan, opts, layers - 1)
+    return made - freed
 
 
 def eager_experts_reduce_excess(

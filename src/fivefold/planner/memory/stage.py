@@ -20,6 +20,7 @@ from fivefold.planner.memory.buffers import other_terms
 from fivefold.planner.memory.eager import (
     eager_accumulated_grads,
     eager_block_backward_excess,
+    eager_block_prebackward_excess,
     eager_experts_reduce_excess,
     eager_peak_activations,
     has_block_backward_peak,
@@ -119,11 +120,12 @@ def stage_memory(
         if opts.eager and len(counts) - 1 in chunks:
             # The last layer is recomputed after the loss's backward has freed the logits.
             working = max(0.0, working - other.get("logits", 0.0))
-        if has_block_backward_peak(plan, opts):
+        if has_block_backward_peak(model, plan, opts):
             working = max(working, eager_block_backward_excess(model, plan, counts, opts, other))
         acts += working
     if opts.eager and len(counts) - 1 in chunks:
         acts += max(0.0, eager_experts_reduce_excess(model, plan, counts, opts, other))
+        acts += max(0.0, eager_block_prebackward_excess(model, plan, counts, opts, other))
     if not opts.eager:
         tensors = state.total + acts + sum(other.values())
         other["fragmentation"] = opts.fragmentation_fraction * tensors
