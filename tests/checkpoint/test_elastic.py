@@ -110,6 +110,7 @@ def read_log(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+@pytest.mark.slow  # CI runs the same restart through `fivefold train` (the next test)
 def test_sigkill_one_rank_restarts_and_resumes(tmp_path):
     rng = random.Random(int(time.time()))
     kill_step, kill_rank = rng.randrange(1, STEPS - 1), rng.randrange(1, 4)
