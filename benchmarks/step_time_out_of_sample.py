@@ -3,7 +3,7 @@
     fivefold calibrate --nproc 2 --out /tmp/p.toml      # the defaults: small preset, mbs 1
     FIVEFOLD_PROFILE=/tmp/p.toml PYTHONPATH=src .venv/bin/python \
         benchmarks/step_time_out_of_sample.py [--shapes A,B] [--layouts 1r,tp2-sp] [--steps 5]
-        [--json FILE] [--list]
+        [--repeats 3] [--json FILE] [--list]
 
 Held-out shapes (`SHAPES`): widths 192-448, depths 2-6, GQA ratios 1 (MHA) to 7, sequences
 192-640, and one MoE; none is a preset, none the calibration's model (the `small` preset
@@ -20,8 +20,11 @@ time other processes took, the CPU clock does not; a rank's waits for its peers 
 time only), the load average (1 min) before and after the row, and what the device model read
 beyond its measured shapes for the shape (`fivefold.planner.rates.coverage`); then per layout
 kind the mean and worst |error|, and over all rows, against the wall clock and the CPU clock.
-Step times depend on the machine's load: compare rows measured at similar load, and quote the
-load with the figures. About 8 min for everything on an idle 2-core machine.
+`--repeats` passes run over all rows in turn (interleaved, so that a change in the machine's
+load reaches every row alike); each row then reports its median measured step and the spread
+of its passes ((max - min) / median). Step times depend on the machine's load: compare rows
+measured at similar load, and quote the load with the figures. About 2 min per pass on an
+idle 2-core machine.
 """
 
 from __future__ import annotations
@@ -192,16 +195,58 @@ def pick(names: str | None, known: list[str], flag: str) -> list[str]:
     return chosen
 
 
+def median_row(samples: list[dict]) -> dict:
+    """One row from its repeats: the median measured step (wall and CPU), the error against it,
+    the spread (max - min over the median) and the highest load seen."""
+    first = samples[0]
+    wall = statistics.median(s["measured_step_s"] for s in samples)
+    cpus = [s["measured_cpu_s"] for s in samples if s["measured_cpu_s"]]
+    cpu = statistics.median(cpus) if cpus else None
+    predicted = first["predicted_step_s"]
+    walls = [s["measured_step_s"] for s in samples]
+    return {
+        **first,
+        "measured_step_s": wall,
+        "error": predicted / wall - 1.0,
+        "measured_cpu_s": cpu,
+        "cpu_error": predicted / cpu - 1.0 if cpu else None,
+        "spread": (max(walls) - min(walls)) / wall,
+        "repeats": len(samples),
+        "load_before": max(s["load_before"] for s in samples),
+        "load_after": max(s["load_after"] for s in samples),
+        "measured_all_s": walls,
+    }
+
+
+def print_row(name: str, row: dict) -> None:
+    print(
+        f"{name:<24} {row['predicted_step_s'] * 1e3:9.1f} "
+        f"{row['measured_step_s'] * 1e3:9.1f} {pct(row['error'])} "
+        f"{(row['measured_cpu_s'] or 0.0) * 1e3:8.1f} {pct(row['cpu_error'])} "
+        f"{pct(row['memory_error'])} {row.get('spread', 0.0) * 100:6.1f}% "
+        f"{row['load_before']:11.2f} {row['load_after']:6.2f}",
+        flush=True,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", help=f"comma-separated, of {', '.join(s.name for s in SHAPES)}")
     parser.add_argument("--layouts", help=f"comma-separated kinds, of {', '.join(LAYOUTS)}")
     parser.add_argument("--steps", type=int, default=5, help="steps per row (>= 4; default 5)")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="passes over all rows, interleaved; each row reports its median (default 3)",
+    )
     parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
     parser.add_argument("--list", action="store_true", help="list the rows and exit")
     args = parser.parse_args(argv)
     if args.steps < 4:
         parser.error("--steps must be >= 4 (plan_vs_run.measure: steps 1, 2 and 4 are not timed)")
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
     names = pick(args.shapes, [s.name for s in SHAPES], "--shapes")
     shapes = [s for s in SHAPES if s.name in names]
     todo = runs(shapes, pick(args.layouts, list(LAYOUTS), "--layouts"))
@@ -211,22 +256,21 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     for shape in shapes:
         print(f"# {shape.describe()}\n#   {extrapolated(shape)}", flush=True)
-    print(
+    header = (
         f"{'row':<24} {'pred ms':>9} {'meas ms':>9} {'error':>8} {'cpu ms':>8} {'error':>8} "
-        f"{'mem err':>8} {'load before':>11} {'after':>6}",
-        flush=True,
+        f"{'mem err':>8} {'spread':>7} {'load before':>11} {'after':>6}"
     )
-    rows = []
-    for shape, kind, layout in todo:
-        row = run_row(shape, kind, layout, args.steps)
-        rows.append(row)
-        print(
-            f"{layout.name:<24} {row['predicted_step_s'] * 1e3:9.1f} "
-            f"{row['measured_step_s'] * 1e3:9.1f} {pct(row['error'])} "
-            f"{(row['measured_cpu_s'] or 0.0) * 1e3:8.1f} {pct(row['cpu_error'])} "
-            f"{pct(row['memory_error'])} {row['load_before']:11.2f} {row['load_after']:6.2f}",
-            flush=True,
-        )
+    samples: dict[str, list[dict]] = {layout.name: [] for _s, _k, layout in todo}
+    for repeat in range(args.repeats):
+        print(f"## pass {repeat + 1} of {args.repeats}\n{header}", flush=True)
+        for shape, kind, layout in todo:
+            row = run_row(shape, kind, layout, args.steps)
+            samples[layout.name].append(row)
+            print_row(layout.name, row)
+    rows = [median_row(samples[layout.name]) for _s, _k, layout in todo]
+    print(f"## medians over {args.repeats} interleaved pass(es)\n{header}")
+    for (_s, _k, layout), row in zip(todo, rows, strict=True):
+        print_row(layout.name, row)
     print("\n".join(by_kind(rows)))
     print("\n".join(by_kind(rows, "cpu_error")))
     if args.json:
