@@ -7,9 +7,11 @@ Derivations: docs/planner.md, section 3, and docs/plan-check.md (the block backw
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
 
 from fivefold.planner.memory.activations import (
+    LayerTokens,
     eager_norm_bytes,
     eager_rope_bytes,
     layer_activation_bytes,
@@ -42,6 +44,23 @@ from fivefold.specs.precision import recipe
 FORWARD_BUFFERS = ("logits", "ep_dispatch_buffers", "cp_kv_buffers")
 
 
+@dataclass(frozen=True)
+class AtTheLoss:
+    """What `stage_memory` counts at the loss, which the backward's peak candidates compare
+    against: the stage's layers per chunk (`counts`) and its other tenants in bytes (`other`,
+    the forward's buffers among them)."""
+
+    model: ModelSpec
+    plan: ParallelPlan
+    counts: list[int]
+    opts: MemoryOptions
+    other: dict[str, float]
+
+    def forward_buffers_freed(self, layer: LayerTokens) -> float:
+        """Bytes free by a block's backward: the forward's buffers and the final norm's."""
+        return sum(self.other.get(n, 0.0) for n in FORWARD_BUFFERS) + eager_norm_bytes(layer)
+
+
 def has_block_backward_peak(model: ModelSpec, plan: ParallelPlan, opts: MemoryOptions) -> bool:
     """fivefold-eager, FSDP2 without a pipeline, full recompute in eager blocks, ZeRO-3 or
     (dense blocks, one micro-batch: each block reshards and reduces its gradients right after
@@ -53,13 +72,7 @@ def has_block_backward_peak(model: ModelSpec, plan: ParallelPlan, opts: MemoryOp
     return eager and full and resharded and plan.pp * plan.vpp == 1
 
 
-def eager_block_backward_excess(
-    model: ModelSpec,
-    plan: ParallelPlan,
-    counts: list[int],
-    opts: MemoryOptions,
-    other: dict[str, float],
-) -> float:
+def eager_block_backward_excess(at: AtTheLoss) -> float:
     """Bytes by which the peak inside the backward of the second-to-last block exceeds the
     tensors `stage_memory` counts at the loss: at its recomputed MLP activation's backward (the
     block's saved tensors and gradients in flight, its gathered weights, the prefetched block
@@ -67,13 +80,13 @@ def eager_block_backward_excess(
     apart, at their gradient reduction (`_experts_reduce_bytes`); either with the head's
     gradient, less the forward's buffers, the final norm and the last block's input
     (`has_block_backward_peak`; derivation: docs/plan-check.md)."""
+    model, plan, counts, opts = at.model, at.plan, at.counts, at.opts
     rec = recipe(plan.precision)
     layer = layer_tokens(model, plan)
     e, sb, rdiv, weight_bytes = layer.e, layer.sb, layer.rdiv, compute_bytes(rec)
     t, h, moe = plan.tp, model.hidden, model.is_moe
     behind = counts[-1] > 1  # a block ran its backward before this one, one waits before it
-    freed = sum(other.get(name, 0.0) for name in FORWARD_BUFFERS)
-    freed += eager_norm_bytes(layer)
+    freed = at.forward_buffers_freed(layer)
     if behind:
         layers = counts[-1]
         freed += layer_activation_bytes(model, plan, moe, opts)
@@ -115,13 +128,7 @@ def _resharded_grads(plan: ParallelPlan, unit: float) -> float:
     return unit * grad_bytes / dense_shard_degree(plan)
 
 
-def eager_block_prebackward_excess(
-    model: ModelSpec,
-    plan: ParallelPlan,
-    counts: list[int],
-    opts: MemoryOptions,
-    other: dict[str, float],
-) -> float:
+def eager_block_prebackward_excess(at: AtTheLoss) -> float:
     """Bytes by which the peak in the second-to-last block's backward (fivefold-eager, ZeRO-3
     without a pipeline, no full recompute, dense blocks) exceeds the tensors `stage_memory`
     counts at the loss: as FSDP2 gathers the block, its all-gather output and the
@@ -132,6 +139,7 @@ def eager_block_prebackward_excess(
     and the gradient reaching the block's output, less the forward's buffers, the final norm
     and the last block's activations (its backward ran). 0 where it does not apply; a shallow
     model with a large vocabulary peaks here (docs/planner.md, section 3)."""
+    model, plan, counts, opts = at.model, at.plan, at.counts, at.opts
     eager = opts.eager and opts.fsdp_wrapped and not opts.compiled
     if not eager or plan.zero != 3 or plan.pp * plan.vpp != 1 or plan.recompute == "full":
         return 0.0
@@ -156,7 +164,7 @@ def eager_block_prebackward_excess(
         made += _resharded_grads(plan, unit)
     made += (embedding_params_per_rank(model, plan.tp) + model.hidden) * weight_bytes
     made += e * sb * model.hidden / rdiv
-    freed = sum(other.get(name, 0.0) for name in FORWARD_BUFFERS) + eager_norm_bytes(layer)
+    freed = at.forward_buffers_freed(layer)
     freed += layer_activation_bytes(model, plan, False, opts)
     layers = counts[-1]
     freed += eager_rope_bytes(model, plan, opts, layers)
@@ -164,19 +172,14 @@ def eager_block_prebackward_excess(
     return made - freed
 
 
-def eager_experts_reduce_excess(
-    model: ModelSpec,
-    plan: ParallelPlan,
-    counts: list[int],
-    opts: MemoryOptions,
-    other: dict[str, float],
-) -> float:
+def eager_experts_reduce_excess(at: AtTheLoss) -> float:
     """Bytes by which the peak while FSDP2 reduces the last block's routed experts (ZeRO-2/3
     without a pipeline or full recompute, the experts an FSDP unit of their own: its first
     gradient reduction of the backward, `_experts_reduce_bytes`) exceeds the tensors
     `stage_memory` counts at the loss: with the head's and final norm's unsharded gradients and
     the gradient reaching the block's output, less the forward's buffers, the final norm's
     tensors and the experts' saved tensors (their backward ran). 0 where it does not apply."""
+    model, plan, opts = at.model, at.plan, at.opts
     wrapped_apart = model.is_moe and (plan.ep > 1 or plan.tp > 1)
     last_is_moe = wrapped_apart and model.layers - 1 >= model.dense_layers
     if not last_is_moe or keeps_unsharded_grads(plan, opts) or plan.recompute == "full":
@@ -186,8 +189,7 @@ def eager_experts_reduce_excess(
     e, sb, rdiv, weight_bytes = layer.e, layer.sb, layer.rdiv, compute_bytes(rec)
     t, h = plan.tp, model.hidden
     rows, width = sb / moe_token_split(plan), model.expert_ffn / plan.etp
-    freed = sum(other.get(name, 0.0) for name in FORWARD_BUFFERS)
-    freed += eager_norm_bytes(layer)
+    freed = at.forward_buffers_freed(layer)
     freed += model.top_k * e * rows * (EAGER.swiglu_saved * width + h)  # and combined copies
     lp = layer_params_per_rank(model, True, t, plan.ep, plan.etp)
     head_grads = (embedding_params_per_rank(model, t) + h) * weight_bytes  # head, final norm

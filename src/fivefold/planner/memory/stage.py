@@ -18,6 +18,7 @@ from fivefold.planner.memory.activations import (
 )
 from fivefold.planner.memory.buffers import other_terms
 from fivefold.planner.memory.eager import (
+    AtTheLoss,
     eager_accumulated_grads,
     eager_block_backward_excess,
     eager_block_prebackward_excess,
@@ -115,17 +116,18 @@ def stage_memory(
         live = sum(g for c, g in zip(chunks, grads, strict=True) if c in with_grads)
         grads_at_peak = live / state.grads if state.grads else 0.0
     other = other_terms(model, plan, counts, chunks, opts, inflight)
+    at_loss = AtTheLoss(model, plan, counts, opts, other)
     if plan.recompute == "full" and opts.activation_model == "korthikanti":
         working = layer_activation_bytes(model, plan, model.is_moe, opts, recompute="none")
         if opts.eager and len(counts) - 1 in chunks:
             # The last layer is recomputed after the loss's backward has freed the logits.
             working = max(0.0, working - other.get("logits", 0.0))
         if has_block_backward_peak(model, plan, opts):
-            working = max(working, eager_block_backward_excess(model, plan, counts, opts, other))
+            working = max(working, eager_block_backward_excess(at_loss))
         acts += working
     if opts.eager and len(counts) - 1 in chunks:
-        acts += max(0.0, eager_experts_reduce_excess(model, plan, counts, opts, other))
-        acts += max(0.0, eager_block_prebackward_excess(model, plan, counts, opts, other))
+        acts += max(0.0, eager_experts_reduce_excess(at_loss))
+        acts += max(0.0, eager_block_prebackward_excess(at_loss))
     if not opts.eager:
         tensors = state.total + acts + sum(other.values())
         other["fragmentation"] = opts.fragmentation_fraction * tensors
