@@ -60,13 +60,26 @@ class AtTheLoss:
         """Bytes free by a block's backward: the forward's buffers and the final norm's."""
         return sum(self.other.get(n, 0.0) for n in FORWARD_BUFFERS) + eager_norm_bytes(layer)
 
+    def head_grads(self) -> float:
+        """Bytes of the head's and the final norm's unsharded gradients (compute dtype), made
+        before any block's backward."""
+        weight_bytes = compute_bytes(recipe(self.plan.precision))
+        return (
+            embedding_params_per_rank(self.model, self.plan.tp) + self.model.hidden
+        ) * weight_bytes
+
+
+def eager_blocks(opts: MemoryOptions) -> bool:
+    """The blocks run eager and FSDP2-wrapped (fivefold's multi-process runtime, uncompiled)."""
+    return opts.eager and opts.fsdp_wrapped and not opts.compiled
+
 
 def has_block_backward_peak(model: ModelSpec, plan: ParallelPlan, opts: MemoryOptions) -> bool:
     """fivefold-eager, FSDP2 without a pipeline, full recompute in eager blocks, ZeRO-3 or
     (dense blocks, one micro-batch: each block reshards and reduces its gradients right after
     its backward) ZeRO-0/1/2: the peak may sit in a block's backward
     (`eager_block_backward_excess`) rather than at the loss."""
-    eager = opts.eager and opts.fsdp_wrapped and not opts.compiled
+    eager = eager_blocks(opts)
     full = plan.recompute == "full" and opts.activation_model == "korthikanti"
     resharded = plan.zero == 3 or (plan.grad_accum == 1 and not model.is_moe)
     return eager and full and resharded and plan.pp * plan.vpp == 1
@@ -117,8 +130,7 @@ def eager_block_backward_excess(at: AtTheLoss) -> float:
     if moe and (plan.ep > 1 or t > 1):  # routed experts are an FSDP unit of their own
         expert_saved = copies * EAGER.swiglu_saved * e * rows * width  # freed by their backward
         at_reduce = saved - expert_saved + units + _experts_reduce_bytes(plan, lp.experts, rec)
-    head_grads = (embedding_params_per_rank(model, t) + h) * weight_bytes  # head, final norm
-    return max(at_activation, at_reduce) + head_grads - freed
+    return max(at_activation, at_reduce) + at.head_grads() - freed
 
 
 def _resharded_grads(plan: ParallelPlan, unit: float) -> float:
@@ -140,7 +152,7 @@ def eager_block_prebackward_excess(at: AtTheLoss) -> float:
     and the last block's activations (its backward ran). 0 where it does not apply; a shallow
     model with a large vocabulary peaks here (docs/planner.md, section 3)."""
     model, plan, counts, opts = at.model, at.plan, at.counts, at.opts
-    eager = opts.eager and opts.fsdp_wrapped and not opts.compiled
+    eager = eager_blocks(opts)
     if not eager or plan.zero != 3 or plan.pp * plan.vpp != 1 or plan.recompute == "full":
         return 0.0
     if counts[-1] < 2 or model.is_moe:
@@ -162,7 +174,7 @@ def eager_block_prebackward_excess(at: AtTheLoss) -> float:
     made += unit * EAGER.fsdp_reduce_bytes
     if plan.grad_accum == 1:  # with accumulation the shards are live already (grads_at_peak)
         made += _resharded_grads(plan, unit)
-    made += (embedding_params_per_rank(model, plan.tp) + model.hidden) * weight_bytes
+    made += at.head_grads()
     made += e * sb * model.hidden / rdiv
     freed = at.forward_buffers_freed(layer)
     freed += layer_activation_bytes(model, plan, False, opts)
@@ -186,14 +198,13 @@ def eager_experts_reduce_excess(at: AtTheLoss) -> float:
         return 0.0
     rec = recipe(plan.precision)
     layer = layer_tokens(model, plan, moe=True)
-    e, sb, rdiv, weight_bytes = layer.e, layer.sb, layer.rdiv, compute_bytes(rec)
+    e, sb, rdiv = layer.e, layer.sb, layer.rdiv
     t, h = plan.tp, model.hidden
     rows, width = sb / moe_token_split(plan), model.expert_ffn / plan.etp
     freed = at.forward_buffers_freed(layer)
     freed += model.top_k * e * rows * (EAGER.swiglu_saved * width + h)  # and combined copies
     lp = layer_params_per_rank(model, True, t, plan.ep, plan.etp)
-    head_grads = (embedding_params_per_rank(model, t) + h) * weight_bytes  # head, final norm
-    made = _experts_reduce_bytes(plan, lp.experts, rec) + head_grads + e * sb * h / rdiv
+    made = _experts_reduce_bytes(plan, lp.experts, rec) + at.head_grads() + e * sb * h / rdiv
     return made - freed
 
 
