@@ -297,6 +297,18 @@ def test_eager_fsdp_terms_replace_ddp_buckets():
     assert accum.total - zero3.total == pytest.approx(SMALL_PARAMS * 4 / 2 - block_shard)
 
 
+def test_eager_expert_shards_at_rest_divided_by_the_expert_group():
+    # tiny-moe over 2 ranks, fp32 ZeRO-1, EP2: the routed experts (2 layers x 4 experts x
+    # 3 x 64 x 64) split over the EP ranks, each rank's 2 experts sharded over the expert
+    # data-parallel group (1 rank: FSDP2 keeps them whole at rest, beside their gathered
+    # copy), the other parameters over both ranks.
+    m = model_preset("tiny-moe")
+    ep2 = stage_memory(m, ParallelPlan(precision="fp32", dp_shard=2, zero=1, ep=2), 0, 1, EAGER)
+    experts = 2 * 4 * 3 * 64 * 64
+    rest = param_count(m) - experts
+    assert ep2.other_terms["fsdp_param_shards"] == (rest / 2 + experts / 2) * 4
+
+
 def test_gpipe_last_stage_keeps_every_micro_batch_log_softmax():
     # GPipe runs all m forwards before any backward: the last stage keeps m fp32 log-softmax
     # outputs (4 B per logit each) and, in the first backward, two fp32 gradients (8 B).

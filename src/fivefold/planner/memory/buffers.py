@@ -18,7 +18,12 @@ from fivefold.planner.memory.model_states import (
     params_of,
 )
 from fivefold.planner.memory.options import MemoryOptions
-from fivefold.specs.geometry import V_SHAPED, dense_shard_degree, rank_tokens
+from fivefold.specs.geometry import (
+    V_SHAPED,
+    dense_shard_degree,
+    expert_shard_degree,
+    rank_tokens,
+)
 from fivefold.specs.model import ModelSpec
 from fivefold.specs.plan import ParallelPlan
 from fivefold.specs.precision import recipe
@@ -101,8 +106,9 @@ def _fsdp_terms(model, plan, counts, chunks, rec) -> dict[str, float]:
     (embedding, final norm, head: not re-sharded after forward) gathered through the step; the
     blocks' are gathered one at a time and freed before the loss's backward. ZeRO-0/1/2 gather
     every parameter once per step; with an fp32 compute dtype that gathered copy is the
-    recipe's parameter tenant and the sharded fp32 weights at rest come on top
-    (bf16 recipes: the shards are the fp32 master copy, already an optimizer tenant). ZeRO-3
+    recipe's parameter tenant and the sharded fp32 weights at rest come on top, the routed
+    experts' sharded over their own data-parallel group (`expert_shard_degree`; bf16 recipes:
+    the shards are the fp32 master copy, already an optimizer tenant). ZeRO-3
     under pipelining keeps whole chunks gathered for the step (their unsharded gradients are
     the gradients at the peak, `eager_accumulated_grads`)."""
     out: dict[str, float] = {}
@@ -127,11 +133,13 @@ def _fsdp_terms(model, plan, counts, chunks, rec) -> dict[str, float]:
             root += cp.dense + cp.experts - layers.dense - layers.experts
         out["zero3_gathered_roots"] = root * compute_bytes(rec)
     elif rec.compute_dtype == "fp32":
-        local = sum(
-            chunk_params(model, plan, counts, c).dense
-            + chunk_params(model, plan, counts, c).experts
+        zero = plan.zero >= 1
+        dense_shard = dense_shard_degree(plan) if zero else 1
+        expert_shard = expert_shard_degree(plan) if zero else 1
+        shards = sum(
+            chunk_params(model, plan, counts, c).dense / dense_shard
+            + chunk_params(model, plan, counts, c).experts / expert_shard
             for c in chunks
         )
-        shard = dense_shard_degree(plan) if plan.zero >= 1 else 1
-        out["fsdp_param_shards"] = local * rec.param_bytes / shard
+        out["fsdp_param_shards"] = shards * rec.param_bytes
     return out
