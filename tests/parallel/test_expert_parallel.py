@@ -148,3 +148,39 @@ def test_apply_replaces_dispatcher_and_experts_on_meta():
         "w1_shape": (MOE.experts, MOE.expert_ffn, MOE.hidden),
         "w1_meta": True,
     }
+
+
+def _combine_saved_worker() -> dict:
+    """Bytes autograd saves in the EP dispatcher's combine over 2 ranks: N = 24 tokens of
+    width D = 8, top-2 of 4 experts, floating-point tensors only."""
+    import torch.distributed as dist
+
+    from fivefold.model.routers import route
+
+    torch.manual_seed(dist.get_rank())
+    n, d, k = 24, 8, 2
+    dispatcher = AllToAllDispatcher(dist.group.WORLD)
+    tokens = torch.randn(n, d, requires_grad=True)
+    routing = route(torch.randn(n, 4, requires_grad=True), k)
+    grouped, _, handle = dispatcher.dispatch(tokens, routing)
+    expert_out = grouped * 2.0  # a product by a number saves nothing
+    saved = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.is_floating_point():
+            saved.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = dispatcher.combine(expert_out, handle)
+    out.sum().backward()
+    return {"saved": sum(saved), "slots_and_gates": n * k * d * 4 + n * k * 4}
+
+
+def test_combine_saves_only_the_gate_product_inputs():
+    # The gate-weighted sum keeps the K copies of each token and the gates; reordering the
+    # returned copies (a gather by the inverse permutation) keeps only indices. An out-of-place
+    # `index_copy` kept its whole source: the experts' output and the returned copies, two
+    # more N x K x D per MoE layer under EP.
+    for result in run_ranks(2, _combine_saved_worker, timeout_s=60):
+        assert result["saved"] == result["slots_and_gates"]

@@ -54,6 +54,15 @@ class TokenDispatcher(Protocol):
         ...
 
 
+def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
+    """[M] int64 `inverse` with `inverse[order[j]] = j`: `x[inverse]` puts the rows of `x` back
+    where `order` took them from. Autograd saves only the index of such a gather, where an
+    out-of-place `index_copy` would save its whole source."""
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    return inverse
+
+
 @dataclass
 class _LocalHandle:
     inverse: torch.Tensor  # [N*K] grouped row holding slot (token * K + k)
@@ -71,9 +80,7 @@ class LocalDispatcher:
         order = torch.argsort(flat_experts, stable=True)
         grouped = tokens[order // top_k]  # [N*K, D]
         tokens_per_expert = expert_counts(flat_experts, routing.num_experts)
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(order.numel(), device=order.device)
-        return grouped, tokens_per_expert, _LocalHandle(inverse, routing.gates)
+        return grouped, tokens_per_expert, _LocalHandle(inverse_permutation(order), routing.gates)
 
     def combine(self, expert_out: torch.Tensor, handle: _LocalHandle) -> torch.Tensor:
         num_tokens, top_k = handle.gates.shape

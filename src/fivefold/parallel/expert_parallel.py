@@ -15,7 +15,14 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from fivefold.model.moe import GroupedExperts, MoE, Routing, expert_counts, grouped_swiglu
+from fivefold.model.moe import (
+    GroupedExperts,
+    MoE,
+    Routing,
+    expert_counts,
+    grouped_swiglu,
+    inverse_permutation,
+)
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -58,8 +65,8 @@ class ShardedExperts(nn.Module):
 
 @dataclass
 class _AllToAllHandle:
-    slot_order: torch.Tensor  # [N*K] slot (token * K + k) of each sorted copy
-    local_order: torch.Tensor  # [M] received row of each expert-grouped row
+    slot_inverse: torch.Tensor  # [N*K] sorted copy holding each slot (token * K + k)
+    local_inverse: torch.Tensor  # [M] expert-grouped row holding each received row
     send_splits: list[int]  # copies sent to each EP rank
     recv_splits: list[int]  # copies received from each EP rank
     gates: torch.Tensor  # [N, K]
@@ -102,7 +109,13 @@ class AllToAllDispatcher:
             recv_counts.flatten(), output_size=sum(recv_splits)
         )
         local_order = torch.argsort(expert_of_row, stable=True)
-        handle = _AllToAllHandle(slot_order, local_order, send_splits, recv_splits, routing.gates)
+        handle = _AllToAllHandle(
+            inverse_permutation(slot_order),
+            inverse_permutation(local_order),
+            send_splits,
+            recv_splits,
+            routing.gates,
+        )
         return received[local_order], recv_counts.sum(0), handle
 
     def splits(
@@ -116,14 +129,11 @@ class AllToAllDispatcher:
 
     def combine(self, expert_out: torch.Tensor, handle: _AllToAllHandle) -> torch.Tensor:
         """expert_out [M, D] (grouped by local expert) -> [N, D], gate-weighted over K copies."""
-        received_order = torch.empty_like(expert_out)
-        received_order = received_order.index_copy(0, handle.local_order, expert_out)
         returned = funcol.all_to_all_single_autograd(
-            received_order, handle.send_splits, handle.recv_splits, self.group
+            expert_out[handle.local_inverse], handle.send_splits, handle.recv_splits, self.group
         )  # [N*K, D] in sorted-by-expert order
         num_tokens, top_k = handle.gates.shape
-        slots = torch.empty_like(returned).index_copy(0, handle.slot_order, returned)
-        slots = slots.view(num_tokens, top_k, -1)
+        slots = returned[handle.slot_inverse].view(num_tokens, top_k, -1)
         return (slots * handle.gates.unsqueeze(-1).to(slots.dtype)).sum(dim=1)
 
 
