@@ -460,6 +460,45 @@ def test_collectives_interpolate_in_the_compute_gap(tmp_path):
     assert measured.collective("all_gather", 2, 0.0) == (1e-4, 1e9)
 
 
+def test_collectives_between_their_measured_sizes(tmp_path):
+    """all_gather over 2 ranks measured at 1 and 16 MiB, back to back (2 and 20 ms) and after
+    a 2 ms GEMM (4 and 24 ms): piecewise linear in log size / log time between the sizes,
+    beyond the largest its time and the rest at the fitted bandwidth, the smallest's time
+    below it, linear in the gap;
+    a group size without samples reads the fitted line."""
+    data = synthetic()
+    data["collective"] = [
+        dict(op="all_gather", ranks=2, world=2, gap_s=0.0, alpha_s=1e-4, beta_bytes_per_s=1e9),
+        dict(op="all_gather", ranks=2, world=2, gap_s=2e-3, alpha_s=9e-4, beta_bytes_per_s=5e8),
+    ]
+    data["collective_sample"] = [
+        dict(
+            op="all_gather", ranks=2, world=2, gap_s=gap, size_bytes=size, time_s=t,
+            algbw_bytes_per_s=size / t, busbw_bytes_per_s=size / t / 2,
+        )
+        for gap, size, t in [
+            (0.0, 2**20, 2e-3), (0.0, 16 * 2**20, 20e-3),
+            (2e-3, 2**20, 4e-3), (2e-3, 16 * 2**20, 24e-3),
+        ]
+    ]  # fmt: skip
+    path = tmp_path / "p.toml"
+    path.write_text(parse_profile(data).to_toml())
+    rates = rates_for(profile_device(path, 2))
+    back_to_back = rates.local_link(2, 0.0)
+    mib = 2**20
+    assert back_to_back.collective_s("all_gather", 4 * mib, 2) == pytest.approx(2e-3 * 10**0.5)
+    beyond = 20e-3 + 16 * mib / 1e9  # the rest at the fitted bandwidth
+    assert back_to_back.collective_s("all_gather", 32 * mib, 2) == pytest.approx(beyond)
+    assert back_to_back.collective_s("all_gather", 64 * 1024, 2) == pytest.approx(2e-3)
+    after = 4e-3 * 6**0.5
+    quarter = rates.local_link(2, 0.5e-3).collective_s("all_gather", 4 * mib, 2)
+    assert quarter == pytest.approx(2e-3 * 10**0.5 + 0.25 * (after - 2e-3 * 10**0.5))
+    assert rates.local_link(2, None).collective_s("all_gather", 4 * mib, 2) == pytest.approx(after)
+    # Four ranks, measured on two: alpha x 3 steps, bus bandwidth kept (factor 1/2 -> 3/4).
+    four = rates.local_link(4, 0.0).collective_s("all_gather", 4 * mib, 4)
+    assert four == pytest.approx(3e-4 + 4 * mib / (1e9 * 0.5 / 0.75))
+
+
 def test_moe_routing_collectives_by_hand(profile_path):
     """fivefold's runtime adds to each MoE layer's forward an all-reduce of the load-balancing
     statistics (2E + 2 fp64) over the ranks with different tokens and, under EP, an all-to-all

@@ -59,13 +59,14 @@ from fivefold.specs.profile import (
 
 KiB = 1024
 FULL_SIZES = tuple(KiB * 4**i for i in range(8))  # 1 KiB .. 16 MiB
-QUICK_SIZES = (4 * KiB, 64 * KiB, 1024 * KiB)
+QUICK_SIZES = (4 * KiB, 64 * KiB, 1024 * KiB, 16 * 2**20)  # a step's gradient buckets reach MiBs
 CUDA_SIZES = {False: tuple(KiB * 4**i for i in range(11)), True: (64 * KiB, 16 * 2**20, 2**30)}
 # NCCL among GPUs: up to 1 GiB, where the bus bandwidth saturates (quick: three sizes)
 
 
 def sizes_for(quick: bool, cuda: bool = False) -> tuple[int, ...]:
-    """The message sizes measured: 1 KiB .. 16 MiB over gloo, 1 KiB .. 1 GiB over NCCL."""
+    """The message sizes measured: 1 KiB .. 16 MiB over gloo (quick: 4 KiB .. 16 MiB in four),
+    1 KiB .. 1 GiB over NCCL."""
     if cuda:
         return CUDA_SIZES[quick]
     return QUICK_SIZES if quick else FULL_SIZES
@@ -88,8 +89,12 @@ def group_sizes(ranks: int) -> list[int]:
 
 
 def iterations(size_bytes: int, quick: bool) -> int:
-    """Pairs (with and without the collective) timed per size: enough to average the stalls."""
-    return 3 if quick else (24 if size_bytes <= 1024 * KiB else 8)
+    """Pairs (with and without the collective) timed per size: enough to average the stalls
+    (quick: 9 up to 1 MiB, where one stall outweighs the transfer, 3 beyond)."""
+    small = size_bytes <= 1024 * KiB
+    if quick:
+        return 9 if small else 3
+    return 24 if small else 8
 
 
 def worlds(ranks: int) -> list[int]:

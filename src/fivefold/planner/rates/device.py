@@ -11,7 +11,8 @@ one of its two implementations:
 - `MeasuredRates`: a device profile measured by `fivefold calibrate` (`fivefold.specs.profile`)
   as one rank reads it: each matmul pass on its own shape and operand layout, interpolated in
   log space (`log_shape_interp`); attention, bandwidths and per-layer overheads as measured;
-  collectives from their fitted alpha and beta (`FittedLink`).
+  collectives between their measured sizes, else from their fitted alpha and beta
+  (`FittedLink`).
 
 Times in seconds, rates in FLOP/s and bytes/s; shapes (m, n, k) are (m x k) @ (k x n).
 """
@@ -27,6 +28,7 @@ from typing import Any, TypeVar
 
 from fivefold.errors import ConfigError
 from fivefold.planner.memory.levers import node_host, offloads
+from fivefold.planner.rates.collective_samples import sampled_time_s
 from fivefold.planner.rates.efficiency import EfficiencyModel, efficiency_model
 from fivefold.planner.rates.shape_interp import log_shape_interp
 from fivefold.planner.step_time.layer_matmuls import eager_matmuls, expert_projections, layer_gemms
@@ -472,9 +474,13 @@ class FittedLink:
         return self.rates.rank.profile.kind != "cpu"
 
     def collective_s(self, op: str, size_bytes: float, n: int) -> float:
-        """Seconds of one `op` of `size_bytes` (nccl-tests' convention) over `n` ranks."""
+        """Seconds of one `op` of `size_bytes` (nccl-tests' convention) over `n` ranks: between
+        the measured sizes (`sampled_time_s`), else on the fitted line."""
         alpha, beta = self.rates.collective(op, n, self.gap_s)
-        return alpha + size_bytes / beta
+        rank = self.rates.rank
+        samples = rank.profile.collective_sample
+        sampled = sampled_time_s(samples, op, n, rank.ranks, size_bytes, self.gap_s, beta)
+        return alpha + size_bytes / beta if sampled is None else sampled
 
     def host_s(self, op: str, n: int) -> float:
         """The runtime's own CPU per DTensor `op` over `n` ranks (`collective_host_s`)."""
