@@ -41,10 +41,10 @@ def sampled_time_s(
     for s in mine:
         if (s.ranks, s.world) == (near.ranks, near.world):
             by_gap.setdefault(s.gap_s, []).append(s)
-    rows = [(gap, _curve(rows)) for gap, rows in sorted(by_gap.items())]
-    if not rows or any(len(curve) < 2 for _, curve in rows):
+    curves = [(gap, _curve(at_gap)) for gap, at_gap in sorted(by_gap.items())]
+    if any(len(curve) < 2 for _, curve in curves):
         return None
-    times = [(gap, _at(curve, size_bytes, beta)) for gap, curve in rows]
+    times = [(gap, _at(curve, size_bytes, beta)) for gap, curve in curves]
     gap_s = times[-1][0] if gap_s is None else gap_s
     if gap_s <= times[0][0]:
         return times[0][1]
