@@ -753,6 +753,31 @@ def test_zero1_reduces_once_per_unit_on_a_measured_device(profile_path):
     assert grad == pytest.approx(3 * (1e-4 + size / 3 / 1e9) + copy)
 
 
+def test_fsdp_copies_priced_on_a_one_rank_group(profile_path):
+    """fivefold's runtime wraps every block in FSDP2 whatever the data-parallel degree, and
+    FSDP2 copies the gradients into and out of its reduction even on a one-rank group: TP2
+    (ZeRO-0, DP1) pays that copy and no transfer; ZeRO-1 x EP2's experts (a one-rank expert
+    data-parallel group) pay the gradient and the parameter copies; one process (no FSDP2)
+    pays nothing."""
+    from fivefold.planner.options import PlannerOptions
+    from fivefold.planner.step_time.rank_tail import tail_costs
+
+    cluster = profile_cluster(profile_path, 2)
+    opts = PlannerOptions.for_device(cluster.device)
+    copy = 2 * 4e6 / BW["elementwise_forward"]  # 1e6 fp32 values read and written
+    tp = ParallelPlan(tp=2, micro_batch=1, precision="fp32")
+    grad, grad_bytes, _, gather, *_ = tail_costs(TINY, tp, cluster, EFF, opts, 1e6, 0.0, (3, 0))
+    assert (grad, grad_bytes, gather) == (pytest.approx(copy), 0.0, 0.0)
+    moe = model_preset("tiny-moe")
+    ep = ParallelPlan(dp_shard=2, zero=1, ep=2, micro_batch=1, precision="fp32")
+    grad, _, _, gather, *_ = tail_costs(moe, ep, cluster, EFF, opts, 0.0, 1e6, (0, 2))
+    assert (grad, gather) == (pytest.approx(copy), pytest.approx(copy))
+    alone = ParallelPlan(micro_batch=1, precision="fp32")
+    one = profile_cluster(profile_path, 1)
+    one_opts = PlannerOptions.for_device(one.device)
+    assert tail_costs(TINY, alone, one, EFF, one_opts, 1e6, 0.0)[:4] == (0.0, 0.0, 0.0, 0.0)
+
+
 def test_fivefold_ring_exchanges_by_hand(profile_path):
     """fivefold's ring attention on CP 2 (`_RingAttention`): forward one K/V exchange; backward
     one K/V exchange and two fp32 dK/dV exchanges; on a CPU nothing hides behind attention."""

@@ -231,11 +231,14 @@ def tail_costs(
 
         size = params * rec.grad_bytes
         n_shard = groups[shard_group][0]
+        wrapped = opts.runtime == "fivefold-eager" and plan.world_size > 1
         if plan.zero == 0:  # plain all-reduce over every replica
             if shard_group == "dp_shard_cp":
                 n, stride = groups["dp_cp"]
             else:
                 n, stride = plan.dp_replicate * n_shard, groups["expert_shard"][1]
+            if wrapped:  # FSDP2's replicate copies the gradients in and out, even alone
+                grad_time += fsdp_copy_s(size, cluster.device, eff)
             if n > 1:
                 link = group_link(cluster, n, stride, eff, gap)
                 total, last = _issued(all_reduce_time_s, size, n, link, opts, layers)
@@ -244,6 +247,10 @@ def tail_costs(
                 bucket_time = max(bucket_time, last)
             continue
         once_per_step = plan.zero in (1, 2) or (plan.zero == 3 and not per_layer_gathers(plan))
+        if once_per_step and n_shard == 1 and wrapped:  # a one-rank group: the copies alone
+            gsize = params * rec.param_bytes - (0.0 if moe else fp8_saving)
+            grad_time += fsdp_copy_s(size, cluster.device, eff)
+            gather_time += fsdp_copy_s(gsize, cluster.device, eff)
         if once_per_step and n_shard > 1:
             link = plan_link(cluster, plan, shard_group, eff, gap)
             total, last = _issued(reduce_scatter_time_s, size, n_shard, link, opts, layers)
