@@ -136,10 +136,7 @@ def _fsdp_terms(model, plan, counts, chunks, rec) -> dict[str, float]:
         zero = plan.zero >= 1
         dense_shard = dense_shard_degree(plan) if zero else 1
         expert_shard = expert_shard_degree(plan) if zero else 1
-        shards = sum(
-            chunk_params(model, plan, counts, c).dense / dense_shard
-            + chunk_params(model, plan, counts, c).experts / expert_shard
-            for c in chunks
-        )
+        held = [chunk_params(model, plan, counts, c) for c in chunks]
+        shards = sum(cp.dense / dense_shard + cp.experts / expert_shard for cp in held)
         out["fsdp_param_shards"] = shards * rec.param_bytes
     return out

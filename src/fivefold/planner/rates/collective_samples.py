@@ -13,8 +13,11 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
+from typing import TypeVar
 
-from fivefold.specs.profile import CollectiveSample
+from fivefold.specs.profile import Collective, CollectiveSample
+
+Row = TypeVar("Row", Collective, CollectiveSample)
 
 
 def sampled_time_s(
@@ -34,7 +37,7 @@ def sampled_time_s(
     mine = [s for s in samples if s.op == op]
     if not mine:
         return None
-    near = min(mine, key=lambda s: (abs(s.ranks - n), abs(s.world - world), -s.ranks))
+    near = nearest_group(mine, n, world)
     if near.ranks != n:
         return None
     by_gap: dict[float, list[CollectiveSample]] = {}
@@ -53,6 +56,13 @@ def sampled_time_s(
             w = (gap_s - lo_gap) / (hi_gap - lo_gap)
             return lo + w * (hi - lo)
     return times[-1][1]
+
+
+def nearest_group(rows: list[Row], n: int, world: int) -> Row:
+    """The measured row (a `Collective` or `CollectiveSample`) nearest a group of `n` ranks
+    among `world` local processes: the nearest group size, then the nearest process count,
+    then the larger group."""
+    return min(rows, key=lambda r: (abs(r.ranks - n), abs(r.world - world), -r.ranks))
 
 
 def _curve(rows: list[CollectiveSample]) -> list[tuple[float, float]]:

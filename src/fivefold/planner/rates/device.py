@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 
 from fivefold.errors import ConfigError
 from fivefold.planner.memory.levers import node_host, offloads
-from fivefold.planner.rates.collective_samples import sampled_time_s
+from fivefold.planner.rates.collective_samples import nearest_group, sampled_time_s
 from fivefold.planner.rates.efficiency import EfficiencyModel, efficiency_model
 from fivefold.planner.rates.shape_interp import log_shape_interp
 from fivefold.planner.step_time.layer_matmuls import eager_matmuls, expert_projections, layer_gemms
@@ -378,7 +378,7 @@ class MeasuredRates(DeviceRates):
                 "`fivefold calibrate` with --nproc 2 or more."
             )
         ranks = self.rank.ranks
-        near = min(rows, key=lambda c: (abs(c.ranks - n), abs(c.world - ranks), -c.ranks))
+        near = nearest_group(rows, n, ranks)
         rows = sorted(
             (c for c in rows if (c.ranks, c.world) == (near.ranks, near.world)),
             key=lambda c: c.gap_s,
@@ -399,7 +399,7 @@ class MeasuredRates(DeviceRates):
         if not rows:
             return 0.0
         ranks = self.rank.ranks
-        return min(rows, key=lambda c: (abs(c.ranks - n), abs(c.world - ranks), -c.ranks)).host_s
+        return nearest_group(rows, n, ranks).host_s
 
     def collective_gap_s(self, layer_forward_s: Callable[[], float]) -> float | None:
         """Half of one layer's forward (tensor parallelism issues two collectives per layer

@@ -247,23 +247,18 @@ def tail_costs(
                 bucket_time = max(bucket_time, last)
             continue
         once_per_step = plan.zero in (1, 2) or (plan.zero == 3 and not per_layer_gathers(plan))
-        if once_per_step and n_shard == 1 and wrapped:  # a one-rank group: the copies alone
-            gsize = params * rec.param_bytes - (0.0 if moe else fp8_saving)
-            grad_time += fsdp_copy_s(size, cluster.device, eff)
-            gather_time += fsdp_copy_s(gsize, cluster.device, eff)
+        gsize = params * rec.param_bytes - (0.0 if moe else fp8_saving)
         if once_per_step and n_shard > 1:
             link = plan_link(cluster, plan, shard_group, eff, gap)
             total, last = _issued(reduce_scatter_time_s, size, n_shard, link, opts, layers)
             grad_time += total
-            if opts.runtime == "fivefold-eager":
-                grad_time += fsdp_copy_s(size, cluster.device, eff)
             grad_bytes += all_gather_bytes(size, n_shard)
             bucket_time = max(bucket_time, last)
-            gsize = params * rec.param_bytes - (0.0 if moe else fp8_saving)
             gather_time += _issued(all_gather_time_s, gsize, n_shard, link, opts, layers)[0]
-            if opts.runtime == "fivefold-eager":
-                gather_time += fsdp_copy_s(gsize, cluster.device, eff)
             gather_bytes += all_gather_bytes(gsize, n_shard)
+        if once_per_step and wrapped:  # FSDP2's copies in and out, on a one-rank group too
+            grad_time += fsdp_copy_s(size, cluster.device, eff)
+            gather_time += fsdp_copy_s(gsize, cluster.device, eff)
         if plan.dp_replicate > 1:  # HSDP (zero 3) or replicas of ZeRO-1/2 shards
             link = plan_link(cluster, plan, "dp_replicate", eff, gap)
             shard_size = size / max(1, shard if plan.zero >= 2 else 1)
