@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import pytest
 
+from fivefold.calibration.matmul import device_grid_shapes
 from fivefold.planner.rates.coverage import coverage
 from fivefold.planner.rates.device import rates_for
 from fivefold.planner.rates.shape_interp import beyond_range, log_shape_interp
@@ -110,3 +111,29 @@ def test_experts_without_grouped_rows_are_read_as_gemms():
     wide = moe.with_(experts=32)  # 16 rows per expert: m 16 < 64 forward
     far = {r.shape: r.beyond for r in coverage(RATES, wide, FP32).reads_of("experts as GEMMs")}
     assert far["16 x 128 x 256 nt"] == ("m 16 < 64",)
+
+
+def test_the_quick_cpu_grid_brackets_a_small_moe_s_experts():
+    """A profile holding only `calibrate --quick`'s CPU device grid reads a small MoE's experts
+    (h 128, 8 experts top-2 over 512 tokens: 128 rows per expert, expert FFN 352) between its
+    measured shapes, not at the edge's rate (the grid once started at m = 256, and those
+    experts were predicted up to a quarter fast)."""
+    grid = tuple(
+        Matmul("fp32", 1, m, n, k, layout, 1e10)
+        for m, n, k, layout in device_grid_shapes("cpu", True)
+    )
+    rates = rates_for(measured_gpu(RankProfile.of(replace(PROFILE, matmul=grid), 1, threads=1)))
+    moe = INSIDE.with_(
+        hidden=128,
+        heads=4,
+        kv_heads=2,
+        head_dim=32,
+        experts=8,
+        top_k=2,
+        expert_ffn=352,
+        shared_experts=0,
+        seq_len=256,
+    )
+    cov = coverage(rates, moe, replace(FP32, micro_batch=2))
+    assert cov.count("experts as GEMMs") == (0, 6, 0)
+    assert cov.count("GEMM passes")[2] == 3  # only the router's 8 outputs lie below 64

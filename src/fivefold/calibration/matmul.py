@@ -63,10 +63,11 @@ def gemm_shapes(model: ModelSpec, plan: ParallelPlan, ranks: int, quick: bool) -
 
 # Model-independent GEMM shapes per device kind (m, and n = k sides): with them every model's
 # shapes fall among measured ones, so one profile serves every model (`Measured.gemm_flops_per_s`
-# interpolates in log space). A CPU's sides stop where one GEMM takes about a second.
+# interpolates in log space). A CPU's sides stop where one GEMM takes about a second; the quick
+# grid starts at 64, below a small MoE's rows per expert (128 at 512 tokens, 8 experts, top-2).
 DEVICE_GRID = {
     ("cpu", False): ((128, 512, 2048), (128, 512, 2048)),
-    ("cpu", True): ((256, 2048), (256, 2048)),
+    ("cpu", True): ((64, 256, 2048), (64, 256, 2048)),
     ("cuda", False): ((256, 1024, 4096, 16384), (256, 1024, 4096, 16384)),
     ("cuda", True): ((512, 4096, 16384), (512, 2048, 8192)),
 }
