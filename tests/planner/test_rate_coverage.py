@@ -16,6 +16,7 @@ from fivefold.specs.hardware import measured_gpu
 from fivefold.specs.profile import (
     Attention,
     Bandwidth,
+    CollectiveSample,
     DeviceProfile,
     Matmul,
     Overhead,
@@ -137,3 +138,33 @@ def test_the_quick_cpu_grid_brackets_a_small_moe_s_experts():
     cov = coverage(rates, moe, replace(FP32, micro_batch=2))
     assert cov.count("experts as GEMMs") == (0, 6, 0)
     assert cov.count("GEMM passes")[2] == 3  # only the router's 8 outputs lie below 64
+
+
+def test_collectives_beyond_the_largest_measured_size_are_flagged():
+    """Samples at 4 KiB, 1 MiB and 16 MiB over 2 of 4 processes. Hidden 1024 (16 heads of 64),
+    SwiGLU 4096, fp32, TP2+SP, ZeRO-3 over 2: TP's activations are 256 tokens x 1024 x 4 B =
+    1 MiB (a measured size); a block's gradients on a TP rank are (4 x 1024^2 + 3 x 1024 x
+    4096) / 2 weights + 2 x 1024 norm weights = 8,390,656 x 4 B = 32.0 MiB, beyond 16 MiB, in
+    the reduce-scatter and the all-gather."""
+    samples = tuple(
+        CollectiveSample(op, 2, 4, 0.0, size, 1e-3 + size / 1e9, 1.0, 1.0)
+        for op in ("all_gather", "reduce_scatter", "all_reduce")
+        for size in (4 * 1024, 2**20, 16 * 2**20)
+    )
+    profile = replace(PROFILE, collective_sample=samples)
+    rates = rates_for(measured_gpu(RankProfile.of(profile, 4, threads=1)))
+    wide = INSIDE.with_(hidden=1024, heads=16, kv_heads=16, head_dim=64, ffn=4096)
+    plan = replace(FP32, tp=2, sp=True, dp_shard=2, zero=3)
+    cov = coverage(rates, wide, plan)
+    far = {r.shape: (r.measured, r.beyond) for r in cov.reads_of("collectives")}
+    assert far == {
+        "all_gather of 1 MiB over 2": (True, ()),
+        "reduce_scatter of 1 MiB over 2": (True, ()),
+        "reduce_scatter of 32 MiB over 2": (False, ("size 32 > 16 MiB",)),
+        "all_gather of 32 MiB over 2": (False, ("size 32 > 16 MiB",)),
+    }
+    assert "collectives 2 measured, 2 EXTRAPOLATED (the largest measured size's time" in (
+        cov.describe()
+    )
+    # a profile without size samples prices every size on its fitted line: nothing to flag
+    assert coverage(RATES, wide, plan).reads_of("collectives") == []

@@ -7,6 +7,12 @@ measured range in any coordinate is an extrapolation: `coverage` lists every rea
 layer kind's matmuls (three passes each), the LM head, the routed experts and the attention
 core for a plan, and `Coverage.describe` says how many were measured, interpolated and
 extrapolated, naming each extrapolated coordinate, for the printed prediction.
+
+Collectives are priced between the sizes `calibrate` measured (`collective_samples`): below the
+smallest at its time, beyond the largest at the fitted bandwidth. `coverage` lists the message
+each kind of collective a plan issues sends (one layer's activations for tensor, pipeline and
+expert parallelism; one block's gradients for data parallelism) and flags those beyond the
+largest measured size.
 """
 
 from __future__ import annotations
@@ -14,16 +20,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from fivefold.planner.memory.model_states import layer_params_per_rank
+from fivefold.planner.rates.collective_samples import nearest_group
 from fivefold.planner.rates.device import MeasuredRates, rates_for
 from fivefold.planner.rates.shape_interp import beyond_range
 from fivefold.planner.step_time.compute import attention_span
 from fivefold.planner.step_time.layer_matmuls import eager_matmuls, expert_projections
-from fivefold.specs.geometry import rank_tokens
+from fivefold.specs.geometry import axis_groups, rank_tokens
 from fivefold.specs.model import ModelSpec
 from fivefold.specs.plan import ParallelPlan
 from fivefold.specs.precision import recipe
 
 INSIDE_WORDS = {"grouped experts": "at the nearest measured shape"}  # no interpolation there
+BEYOND_WORDS = {"collectives": "the largest measured size's time, the rest at the fitted bandwidth"}
+MiB = 2**20
 PASS_SHAPES = {  # the (m, n, k) each pass of a forward (m, n, k) matmul runs at
     "nt": lambda m, n, k: (m, n, k),
     "nn": lambda m, n, k: (m, k, n),
@@ -65,7 +75,8 @@ class Coverage:
             if beyond:
                 far = [f"{r.shape}: {', '.join(r.beyond)}" for r in self.reads_of(part) if r.beyond]
                 shown = "; ".join(far[:3]) + ("; ..." if len(far) > 3 else "")
-                words.append(f"{beyond} EXTRAPOLATED (the measured edge's rate: {shown})")
+                how = BEYOND_WORDS.get(part, "the measured edge's rate")
+                words.append(f"{beyond} EXTRAPOLATED ({how}: {shown})")
             parts.append(f"{part} {', '.join(words)}")
         return "Device model: " + "; ".join(parts) + "."
 
@@ -95,7 +106,55 @@ def coverage(rates: MeasuredRates, model: ModelSpec, plan: ParallelPlan) -> Cove
     where = (attention_span(model, plan), model.head_dim, plan.micro_batch * model.heads / plan.tp)
     points = [((a.seq, a.head_dim, a.batch * a.heads), 1.0) for a in table]
     reads.append(_read("attention", where, "", points, "seq head_dim rows"))
-    return Coverage(tuple(reads))
+    return Coverage(tuple(reads + _collective_reads(rates, model, plan)))
+
+
+def plan_messages(model: ModelSpec, plan: ParallelPlan) -> list[tuple[str, int, float]]:
+    """(op, group ranks, bytes of one call) of each kind of collective `plan` issues: tensor
+    parallelism's activations (all-gather and reduce-scatter with SP, else all-reduce), the
+    pipeline's stage boundary, expert parallelism's routed tokens (top_k per token), and one
+    block's gradients over data parallelism (reduce-scatter and all-gather under ZeRO, else
+    all-reduce; HSDP's replicas all-reduce the shard)."""
+    rec = recipe(plan.precision)
+    activations = rank_tokens(plan.micro_batch, model.seq_len, plan) * model.hidden
+    activations *= rec.activation_bytes
+    out: list[tuple[str, int, float]] = []
+    if plan.tp > 1:
+        ops = ("all_gather", "reduce_scatter") if plan.sp else ("all_reduce",)
+        out += [(op, plan.tp, activations) for op in ops]
+    if plan.pp > 1:
+        out.append(("send_recv", 2, activations))
+    if plan.ep > 1 and model.is_moe:
+        out.append(("all_to_all", plan.ep, activations * model.top_k))
+    lp = layer_params_per_rank(model, model.is_moe, plan.tp, plan.ep, plan.etp)
+    block = (lp.dense + lp.replicated + lp.experts) * rec.grad_bytes
+    groups = axis_groups(plan)
+    shard = groups["dp_shard_cp"][0]
+    if plan.zero == 0 and groups["dp_cp"][0] > 1:
+        out.append(("all_reduce", groups["dp_cp"][0], block))
+    if plan.zero > 0 and shard > 1:
+        out += [("reduce_scatter", shard, block), ("all_gather", shard, block)]
+    if plan.zero > 0 and plan.dp_replicate > 1:
+        out.append(("all_reduce", plan.dp_replicate, block / (shard if plan.zero >= 2 else 1)))
+    return out
+
+
+def _collective_reads(rates: MeasuredRates, model: ModelSpec, plan: ParallelPlan) -> list[Read]:
+    """Each of `plan_messages` against the sizes measured for the nearest group (none when the
+    profile has no size samples: the fitted line prices every size)."""
+    samples = rates.rank.profile.collective_sample
+    reads = []
+    for op, n, size in dict.fromkeys(plan_messages(model, plan)):
+        mine = [s for s in samples if s.op == op]
+        if not mine:
+            continue
+        near = nearest_group(mine, n, rates.rank.ranks)
+        sizes = {s.size_bytes for s in mine if (s.ranks, s.world) == (near.ranks, near.world)}
+        shape = f"{op} of {size / MiB:.3g} MiB over {n}"
+        largest = max(sizes)
+        beyond = (f"size {size / MiB:.3g} > {largest / MiB:.3g} MiB",) if size > largest else ()
+        reads.append(Read("collectives", shape, any(size == s for s in sizes), beyond))
+    return reads
 
 
 def _read(part: str, shape: tuple, tag: str, points: list, names: str) -> Read:
