@@ -525,9 +525,9 @@ def test_moe_routing_collectives_by_hand(profile_path):
 def test_dtensor_small_collectives_by_hand(profile_path):
     """Under TP2 + SP fivefold's runtime all-reduces each norm weight's gradient in the
     backward (2 per layer + the final norm), all-gathers again the attention's and the MLP's
-    kept input shards in the backward (2 per layer, `sp_regathered_inputs`) and three
-    per-token fp32 vectors in the vocabulary-parallel loss forward: the stage costs carry
-    exactly these."""
+    kept input shards in the backward (2 per layer, `sp_regathered_inputs`) and, in the
+    vocabulary-parallel loss forward (one chunk here), the per-token fp32 maximum, then the
+    sum of exponentials and the target logit stacked: the stage costs carry exactly these."""
     from dataclasses import replace
 
     from fivefold.planner.options import PlannerOptions
@@ -538,13 +538,19 @@ def test_dtensor_small_collectives_by_hand(profile_path):
     a = estimate(TINY, cluster, plan, options=eager, efficiency=EFF)
     b = estimate(TINY, cluster, plan, options=replace(eager, runtime="fused"), efficiency=EFF)
     tokens = 2 * 128
-    loss = 3 * (1e-4 + tokens * 4 / 1e9)
+    loss = (1e-4 + tokens * 4 / 1e9) + (1e-4 + tokens * 8 / 1e9)
     norms = (2 * 2 + 1) * (1e-4 + 64 * 4 / 1e9)
     regathers = 2 * 2 * (1e-4 + tokens * 64 * 4 / 1e9)  # [2, 128, 64] fp32 gathered
     assert a.stage_costs.forward_s[0] - b.stage_costs.forward_s[0] == pytest.approx(loss)
     assert a.stage_costs.backward_input_s[0] - b.stage_costs.backward_input_s[0] == pytest.approx(
         norms + regathers
     )
+    # a 2^19 vocabulary: 2^18 rows per rank, 2^25 logits a chunk, so two chunks of 128 tokens
+    wide = TINY.with_(vocab=2**19)
+    a = estimate(wide, cluster, plan, options=eager, efficiency=EFF)
+    b = estimate(wide, cluster, plan, options=replace(eager, runtime="fused"), efficiency=EFF)
+    loss = 2 * ((1e-4 + 128 * 4 / 1e9) + (1e-4 + 128 * 8 / 1e9))
+    assert a.stage_costs.forward_s[0] - b.stage_costs.forward_s[0] == pytest.approx(loss)
 
 
 def test_tp_sequence_collectives_by_hand(tmp_path):

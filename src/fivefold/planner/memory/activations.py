@@ -122,6 +122,12 @@ def qk_norm_bytes(layer: LayerTokens, per_element: float) -> float:
     return (per_element * width + 4 * width / model.head_dim) * layer.sb
 
 
+def loss_chunk_tokens(tokens: float, local_vocab: float) -> float:
+    """Tokens per chunk of fivefold's fused head loss: at most `loss_chunk_logits` logits of
+    the local vocabulary, at least one token."""
+    return max(1.0, min(tokens, EAGER.loss_chunk_logits // max(1, int(local_vocab))))
+
+
 def eager_head_loss_bytes(model: ModelSpec, plan: ParallelPlan, waiting: int = 0) -> float:
     """fivefold-eager: the LM head and loss of one micro-batch at their largest, N = b s/cp
     tokens against the local vocabulary V/t (`EagerProfile.fused_head_loss`): in the forward,
@@ -136,7 +142,7 @@ def eager_head_loss_bytes(model: ModelSpec, plan: ParallelPlan, waiting: int = 0
     vocab = model.vocab / plan.tp
     if not EAGER.fused_head_loss:
         return tokens * vocab * (EAGER.loss_parallel_logit_bytes + 4 * waiting)
-    chunk = max(1.0, min(tokens, EAGER.loss_chunk_logits // max(1, int(vocab))))
+    chunk = loss_chunk_tokens(tokens, vocab)
     rows = e * tokens * model.hidden
     per_logit = EAGER.chunk_logit_fp32_bytes + (e if e < 4 else 0.0)
     forward = rows * (2 if plan.tp > 1 else 1) + per_logit * chunk * vocab

@@ -6,10 +6,11 @@ as the compute beside it cannot hide it; cached on the plan fields a layer depen
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
-from fivefold.planner.memory.activations import sp_regathered_inputs
+from fivefold.planner.memory.activations import loss_chunk_tokens, sp_regathered_inputs
 from fivefold.planner.memory.levers import gathers_fp8, offloads
 from fivefold.planner.memory.model_states import (
     compute_bytes,
@@ -322,7 +323,8 @@ def dtensor_small_collectives_s(
     adds per micro-batch in fivefold's runtime: with sequence parallelism each norm weight's
     gradient is a partial sum all-reduced over the TP group in the backward (two per layer, the
     final norm on the last stage), the vocabulary-parallel loss all-reduces the row
-    maximum, the sum of exponentials and the target logit (fp32, one per token) forward, and
+    maximum (fp32, one per token), then the sum of exponentials and the target logit stacked
+    (two per token), in each chunk of tokens (`loss_chunk_tokens`) forward, and
     tensorwise FP8 linears all-reduce the amax of each cast of a TP-sharded tensor
     (`fp8_scale_all_reduces`)."""
     link = plan_link(cluster, plan, "tp", eff, collective_gap_s(model, plan, cluster, eff))
@@ -333,7 +335,9 @@ def dtensor_small_collectives_s(
     forward = 0.0
     if last:
         tokens = rank_tokens(plan.micro_batch, model.seq_len, plan)
-        forward = 3 * all_reduce_time_s(tokens * 4.0, plan.tp, link)
+        chunks = math.ceil(tokens / loss_chunk_tokens(tokens, model.vocab / plan.tp))
+        per_chunk = tokens / chunks
+        forward = chunks * sum(all_reduce_time_s(per_chunk * b, plan.tp, link) for b in (4.0, 8.0))
     scales_fwd, scales_bwd = fp8_scale_all_reduces(model, plan)
     scale = all_reduce_time_s(4.0, plan.tp, link)
     return forward + layers * scales_fwd * scale, backward + layers * scales_bwd * scale
