@@ -256,10 +256,10 @@ def test_calibrate_quick_two_ranks_writes_a_profile_plan_uses(tmp_path):
     # the memory-bound work measured alone and on both processes at once, every kind
     shared = {(b.kind, b.processes) for b in profile.bandwidth}
     assert {(k, n) for k, _ in shared for n in (1, 2)} == shared and len(shared) == 10
-    # issued back to back and after tiny's MLP GEMM (tiny-moe's has the same shape: one gap)
+    # issued back to back, after tiny's MLP GEMM (tiny-moe's has the same shape) and a longer one
     gaps = sorted({c.gap_s for c in profile.collective})
-    assert len(gaps) == 2 and gaps[0] == 0.0 and gaps[1] > 0.0
-    assert len(profile.collective_sample) == steps_count(2, quick=True, gemms=2)
+    assert len(gaps) == 3 and gaps[0] == 0.0 and 0.0 < gaps[1] < gaps[2]
+    assert len(profile.collective_sample) == steps_count(2, quick=True, gemms=3)
     # TP's DTensor all-gather and reduce-scatter cost the rank CPU beyond the raw call
     host = {c.op: c.host_s for c in profile.collective}
     assert host["all_gather"] > 0 and host["reduce_scatter"] > 0 and host["all_reduce"] == 0
@@ -296,12 +296,15 @@ def test_calibrate_quick_two_ranks_writes_a_profile_plan_uses(tmp_path):
 def test_collectives_are_issued_after_each_models_mlp_gemm():
     """Back to back, then after each calibrated model's first MLP projection at the micro-batch:
     small at micro-batch 2 is (512 tokens, ffn 688, hidden 256); tiny-moe (2 x 128 tokens, ffn
-    176, hidden 64); a repeated shape is measured once."""
-    from fivefold.calibration.comm import DEFAULT_GEMM, gaps
+    176, hidden 64); a repeated shape is measured once; then a layer-scale GEMM (512 x 1024 x
+    1024), unless a model's is as large (llama3-8b's: 8192 tokens x 14336 x 4096)."""
+    from fivefold.calibration.comm import DEFAULT_GEMM, LAYER_GAP_GEMM, gaps
 
     small, moe = model_preset("small"), model_preset("tiny-moe")
-    assert gaps([small, moe, small], 2) == [None, (512, 688, 256), (256, 176, 64)]
-    assert gaps([], 2) == [None, DEFAULT_GEMM]
+    assert LAYER_GAP_GEMM == (512, 1024, 1024)
+    assert gaps([small, moe, small], 2) == [None, (512, 688, 256), (256, 176, 64), LAYER_GAP_GEMM]
+    assert gaps([], 2) == [None, DEFAULT_GEMM, LAYER_GAP_GEMM]
+    assert gaps([model_preset("llama3-8b")], 1) == [None, (8192, 14336, 4096)]
 
 
 def test_calibrate_time_estimate_up_front():

@@ -75,6 +75,11 @@ def sizes_for(quick: bool, cuda: bool = False) -> tuple[int, ...]:
 TIMEOUT_S = 300.0
 MIN_ISSUED_S = 1e-6  # floor of a measured difference (noise can make a tiny one negative)
 DEFAULT_GEMM = (512, 512, 512)  # (m, n, k) between collectives when no model is given
+# A layer-scale gap: about 1 GFLOP, 10-20 ms on one CPU core, as much compute as a mid-sized
+# model's layer does between two of its collectives. An issued collective costs more the longer
+# the compute before it (the ranks drift further apart): on 2 cores a 64 KiB all-gather took
+# about 1.7 ms after 0.8 ms of GEMM and 4-5 ms after 6-23 ms.
+LAYER_GAP_GEMM = (512, 1024, 1024)
 
 
 def group_sizes(ranks: int) -> list[int]:
@@ -108,14 +113,18 @@ def worlds(ranks: int) -> list[int]:
 def gaps(models: list, micro_batch: int) -> list[tuple[int, int, int] | None]:
     """The GEMM (m, n, k) each rank computes before a collective, in turn: none (back to back),
     then each model's first MLP projection at `micro_batch` sequences, (tokens, ffn, hidden)
-    (the compute between two of a layer's collectives grows with it); `DEFAULT_GEMM` when no
-    model is given."""
+    (the compute between two of a layer's collectives grows with it), `DEFAULT_GEMM` when no
+    model is given; then `LAYER_GAP_GEMM` unless one of them is as large."""
     out: list[tuple[int, int, int] | None] = [None]
     for model in models:
         shape = (micro_batch * model.seq_len, max(1, model.ffn or model.expert_ffn), model.hidden)
         if shape not in out:
             out.append(shape)
-    return out if len(out) > 1 else [None, DEFAULT_GEMM]
+    if len(out) == 1:
+        out.append(DEFAULT_GEMM)
+    if all(math.prod(s) < math.prod(LAYER_GAP_GEMM) for s in out[1:]):
+        out.append(LAYER_GAP_GEMM)
+    return out
 
 
 def steps_count(ranks: int, quick: bool, gemms: int = 2, cuda: bool = False) -> int:
