@@ -846,3 +846,22 @@ def test_a_profile_without_bf16_names_the_precision_not_the_layouts(profile_path
     assert "--precision fp32" in text and "Add GPUs" not in text
     best = search(model_preset("tiny"), cluster, global_batch=16, precisions=["fp32"])
     assert best.best_plan.precision == "fp32" and best.best_plan.world_size == 2
+
+
+def test_pipeline_sends_priced_after_a_chunk_s_forward(tmp_path):
+    """On a measured CPU a stage sends its activations after its whole forward of a
+    micro-batch, not after a layer's share: with send/recv's alpha measured as 1e-4 s back to
+    back and 1e-4 + 1 s after a 1 s GEMM (so alpha = 1e-4 + gap between), PP2 on tiny prices
+    each send at the stages' mean forward seconds: p2p = 1e-4 + mean F + 256 x 64 x 4 B / 1e9."""
+    data = synthetic()
+    data["collective"].append(
+        dict(op="send_recv", ranks=2, world=2, gap_s=1.0, alpha_s=1.0001, beta_bytes_per_s=1e9)
+    )
+    path = tmp_path / "gaps.toml"
+    path.write_text(parse_profile(data).to_toml())
+    plan = ParallelPlan(pp=2, micro_batch=2, grad_accum=4, precision="fp32")
+    est = estimate(TINY, profile_cluster(path, 2), plan, efficiency=EFF)
+    forward = est.stage_costs.forward_s
+    assert est.stage_costs.p2p_s == pytest.approx(
+        1e-4 + sum(forward) / len(forward) + 2 * 128 * 64 * 4 / 1e9
+    )

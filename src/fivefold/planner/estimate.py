@@ -302,10 +302,14 @@ def _stage_costs(
 ) -> tuple[StageCosts, float, Link]:
     """(the schedule's stage costs, bytes sent between stages per micro-batch, the pipeline's
     link): the chunks' F, B, W seconds with the MoE routing synchronisation of fivefold's
-    runtime (re-run with full recompute), and the point-to-point time between stages."""
+    runtime (re-run with full recompute), and the point-to-point time between stages. On a
+    measured device (`gap` not None) a send follows a chunk's whole forward of a micro-batch,
+    not a layer's share: the link is read at the chunks' mean forward seconds."""
     tokens = rank_tokens(plan.micro_batch, model.seq_len, plan)
     e = recipe(plan.precision).activation_bytes
     boundary = tokens * model.hidden * e / sequence_shard_divisor(plan.sp, plan)
+    if gap is not None:
+        gap = sum(c.forward_s for c in chunk_costs) / len(chunk_costs)
     pp_link = pipeline_link(cluster, plan, eff, gap)
     p2p = p2p_time_s(boundary, pp_link) if plan.pp > 1 else 0.0
     routing = 0.0
