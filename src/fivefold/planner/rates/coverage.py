@@ -26,14 +26,14 @@ from fivefold.planner.rates.device import MeasuredRates, rates_for
 from fivefold.planner.rates.shape_interp import beyond_range
 from fivefold.planner.step_time.compute import attention_span
 from fivefold.planner.step_time.layer_matmuls import eager_matmuls, expert_projections
-from fivefold.specs.geometry import axis_groups, rank_tokens
+from fivefold.specs.geometry import axis_groups, rank_tokens, sequence_shard_divisor
 from fivefold.specs.model import ModelSpec
 from fivefold.specs.plan import ParallelPlan
 from fivefold.specs.precision import recipe
+from fivefold.units import MiB
 
 INSIDE_WORDS = {"grouped experts": "at the nearest measured shape"}  # no interpolation there
 BEYOND_WORDS = {"collectives": "the largest measured size's time, the rest at the fitted bandwidth"}
-MiB = 2**20
 PASS_SHAPES = {  # the (m, n, k) each pass of a forward (m, n, k) matmul runs at
     "nt": lambda m, n, k: (m, n, k),
     "nn": lambda m, n, k: (m, k, n),
@@ -112,7 +112,8 @@ def coverage(rates: MeasuredRates, model: ModelSpec, plan: ParallelPlan) -> Cove
 def plan_messages(model: ModelSpec, plan: ParallelPlan) -> list[tuple[str, int, float]]:
     """(op, group ranks, bytes of one call) of each kind of collective `plan` issues: tensor
     parallelism's activations (all-gather and reduce-scatter with SP, else all-reduce), the
-    pipeline's stage boundary, expert parallelism's routed tokens (top_k per token), and one
+    pipeline's stage boundary (sequence-sharded under SP), expert parallelism's routed tokens
+    (top_k per token), and one
     block's gradients over data parallelism (reduce-scatter and all-gather under ZeRO, else
     all-reduce; HSDP's replicas all-reduce the shard)."""
     rec = recipe(plan.precision)
@@ -123,7 +124,7 @@ def plan_messages(model: ModelSpec, plan: ParallelPlan) -> list[tuple[str, int, 
         ops = ("all_gather", "reduce_scatter") if plan.sp else ("all_reduce",)
         out += [(op, plan.tp, activations) for op in ops]
     if plan.pp > 1:
-        out.append(("send_recv", 2, activations))
+        out.append(("send_recv", 2, activations / sequence_shard_divisor(plan.sp, plan)))
     if plan.ep > 1 and model.is_moe:
         out.append(("all_to_all", plan.ep, activations * model.top_k))
     lp = layer_params_per_rank(model, model.is_moe, plan.tp, plan.ep, plan.etp)
