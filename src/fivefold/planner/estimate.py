@@ -31,6 +31,7 @@ from fivefold.planner.step_time.comm import (
     p2p_time_s,
     pipeline_link,
     plan_link,
+    stage_boundary_bytes,
 )
 from fivefold.planner.step_time.layer_costs import collective_gap_s, layer_cost_key, routing_sync_s
 from fivefold.planner.step_time.lever_costs import mfu_peak
@@ -39,8 +40,6 @@ from fivefold.specs.cluster import ClusterSpec, require_hbm
 from fivefold.specs.flops import training_flops_per_token
 from fivefold.specs.geometry import (
     chunks_of_rank,
-    rank_tokens,
-    sequence_shard_divisor,
 )
 from fivefold.specs.hardware import GPUSpec
 from fivefold.specs.model import ModelSpec
@@ -305,12 +304,9 @@ def _stage_costs(
     runtime (re-run with full recompute), and the point-to-point time between stages. On a
     measured device (`gap` not None) a send follows a chunk's whole forward of a micro-batch,
     not a layer's share: the link is read at the chunks' mean forward seconds."""
-    tokens = rank_tokens(plan.micro_batch, model.seq_len, plan)
-    e = recipe(plan.precision).activation_bytes
-    boundary = tokens * model.hidden * e / sequence_shard_divisor(plan.sp, plan)
-    if gap is not None:
-        gap = sum(c.forward_s for c in chunk_costs) / len(chunk_costs)
-    pp_link = pipeline_link(cluster, plan, eff, gap)
+    boundary = stage_boundary_bytes(model, plan)
+    send_gap = None if gap is None else sum(c.forward_s for c in chunk_costs) / len(chunk_costs)
+    pp_link = pipeline_link(cluster, plan, eff, send_gap)
     p2p = p2p_time_s(boundary, pp_link) if plan.pp > 1 else 0.0
     routing = 0.0
     if model.is_moe and opts.runtime == "fivefold-eager":

@@ -34,16 +34,12 @@ def sampled_time_s(
     of the nearest measured (ranks, world) as `MeasuredRates.collective` picks them; None where
     that group size was not measured or fewer than two sizes were at a gap (then the fitted
     line prices it). `beta`: the fitted bandwidth (bytes/s) beyond the largest size."""
-    mine = [s for s in samples if s.op == op]
-    if not mine:
-        return None
-    near = nearest_group(mine, n, world)
-    if near.ranks != n:
+    group = nearest_samples(samples, op, n, world)
+    if not group or group[0].ranks != n:
         return None
     by_gap: dict[float, list[CollectiveSample]] = {}
-    for s in mine:
-        if (s.ranks, s.world) == (near.ranks, near.world):
-            by_gap.setdefault(s.gap_s, []).append(s)
+    for s in group:
+        by_gap.setdefault(s.gap_s, []).append(s)
     curves = [(gap, _curve(at_gap)) for gap, at_gap in sorted(by_gap.items())]
     if any(len(curve) < 2 for _, curve in curves):
         return None
@@ -63,6 +59,18 @@ def nearest_group(rows: list[Row], n: int, world: int) -> Row:
     among `world` local processes: the nearest group size, then the nearest process count,
     then the larger group."""
     return min(rows, key=lambda r: (abs(r.ranks - n), abs(r.world - world), -r.ranks))
+
+
+def nearest_samples(
+    samples: tuple[CollectiveSample, ...], op: str, n: int, world: int
+) -> list[CollectiveSample]:
+    """The samples of `op` measured on the group `nearest_group` picks for `n` ranks among
+    `world` local processes (empty when `op` was not measured)."""
+    mine = [s for s in samples if s.op == op]
+    if not mine:
+        return []
+    near = nearest_group(mine, n, world)
+    return [s for s in mine if (s.ranks, s.world) == (near.ranks, near.world)]
 
 
 def _curve(rows: list[CollectiveSample]) -> list[tuple[float, float]]:

@@ -21,12 +21,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from fivefold.planner.memory.model_states import layer_params_per_rank
-from fivefold.planner.rates.collective_samples import nearest_group
+from fivefold.planner.rates.collective_samples import nearest_samples
 from fivefold.planner.rates.device import MeasuredRates, rates_for
 from fivefold.planner.rates.shape_interp import beyond_range
+from fivefold.planner.step_time.comm import activation_bytes, stage_boundary_bytes
 from fivefold.planner.step_time.compute import attention_span
 from fivefold.planner.step_time.layer_matmuls import eager_matmuls, expert_projections
-from fivefold.specs.geometry import axis_groups, rank_tokens, sequence_shard_divisor
+from fivefold.specs.geometry import axis_groups, rank_tokens
 from fivefold.specs.model import ModelSpec
 from fivefold.specs.plan import ParallelPlan
 from fivefold.specs.precision import recipe
@@ -117,14 +118,14 @@ def plan_messages(model: ModelSpec, plan: ParallelPlan) -> list[tuple[str, int, 
     block's gradients over data parallelism (reduce-scatter and all-gather under ZeRO, else
     all-reduce; HSDP's replicas all-reduce the shard)."""
     rec = recipe(plan.precision)
-    activations = rank_tokens(plan.micro_batch, model.seq_len, plan) * model.hidden
-    activations *= rec.activation_bytes
+    tokens = rank_tokens(plan.micro_batch, model.seq_len, plan)
+    activations = activation_bytes(tokens, model.hidden, rec.activation_bytes)
     out: list[tuple[str, int, float]] = []
     if plan.tp > 1:
         ops = ("all_gather", "reduce_scatter") if plan.sp else ("all_reduce",)
         out += [(op, plan.tp, activations) for op in ops]
     if plan.pp > 1:
-        out.append(("send_recv", 2, activations / sequence_shard_divisor(plan.sp, plan)))
+        out.append(("send_recv", 2, stage_boundary_bytes(model, plan)))
     if plan.ep > 1 and model.is_moe:
         out.append(("all_to_all", plan.ep, activations * model.top_k))
     lp = layer_params_per_rank(model, model.is_moe, plan.tp, plan.ep, plan.etp)
@@ -146,11 +147,9 @@ def _collective_reads(rates: MeasuredRates, model: ModelSpec, plan: ParallelPlan
     samples = rates.rank.profile.collective_sample
     reads = []
     for op, n, size in dict.fromkeys(plan_messages(model, plan)):
-        mine = [s for s in samples if s.op == op]
-        if not mine:
+        sizes = {s.size_bytes for s in nearest_samples(samples, op, n, rates.rank.ranks)}
+        if not sizes:
             continue
-        near = nearest_group(mine, n, rates.rank.ranks)
-        sizes = {s.size_bytes for s in mine if (s.ranks, s.world) == (near.ranks, near.world)}
         shape = f"{op} of {size / MiB:.3g} MiB over {n}"
         largest = max(sizes)
         beyond = (f"size {size / MiB:.3g} > {largest / MiB:.3g} MiB",) if size > largest else ()

@@ -62,8 +62,10 @@ from dataclasses import dataclass
 from fivefold.planner.rates.device import FittedLink, rates_for
 from fivefold.planner.rates.efficiency import EfficiencyModel
 from fivefold.specs.cluster import ClusterSpec
-from fivefold.specs.geometry import axis_groups
+from fivefold.specs.geometry import axis_groups, rank_tokens, sequence_shard_divisor
+from fivefold.specs.model import ModelSpec
 from fivefold.specs.plan import ParallelPlan
+from fivefold.specs.precision import recipe
 
 
 @dataclass(frozen=True)
@@ -182,6 +184,14 @@ def pipeline_link(
 def activation_bytes(tokens: float, hidden: int, element_bytes: float = 2) -> float:
     """Size of one activation tensor of `tokens` x `hidden` (what a TP collective moves)."""
     return tokens * hidden * element_bytes
+
+
+def stage_boundary_bytes(model: ModelSpec, plan: ParallelPlan) -> float:
+    """Bytes a pipeline stage sends the next per micro-batch: its output activations,
+    sequence-sharded under SP."""
+    tokens = rank_tokens(plan.micro_batch, model.seq_len, plan)
+    e = recipe(plan.precision).activation_bytes
+    return activation_bytes(tokens, model.hidden, e) / sequence_shard_divisor(plan.sp, plan)
 
 
 def all_reduce_bytes(size_bytes: float, n: int) -> float:
